@@ -1,0 +1,143 @@
+"""Typed configs for the parallel layout and the transformer.
+
+``megatron/arguments.py`` turns Megatron's flags into these; core code takes only these (never the
+argparse namespace). Each config checks its own consistency in ``__post_init__`` and names the
+flags involved, so a wrong combination fails before any process group is created.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+
+class ConfigError(ValueError):
+    """An impossible combination of settings; the message names the flags and values."""
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "data_parallel_size"):
+            if getattr(self, name) < 1:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+
+    @property
+    def world_size(self) -> int:
+        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+                * self.data_parallel_size)
+
+
+@dataclass
+class TransformerConfig:
+    """Shape and numerics of a GPT-style transformer (Megatron flag names in comments)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    padded_vocab_size: int
+    max_position_embeddings: int
+    seq_length: int
+    ffn_hidden_size: Optional[int] = None          # --ffn-hidden-size (default 4h)
+    kv_channels: Optional[int] = None              # --kv-channels (default h / heads)
+    num_query_groups: Optional[int] = None         # --num-query-groups with --group-query-attention
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    layernorm_epsilon: float = 1e-5                # --norm-epsilon
+    normalization: str = "LayerNorm"               # LayerNorm | RMSNorm
+    apply_residual_connection_post_layernorm: bool = False
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    swiglu: bool = False
+    openai_gelu: bool = False
+    add_bias_linear: bool = True                   # --disable-bias-linear sets False
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    params_dtype: torch.dtype = torch.float32      # --fp16 / --bf16
+    fp16: bool = False
+    bf16: bool = False
+    fp32_residual_connection: bool = False
+    apply_query_key_layer_scaling: bool = False
+    attention_softmax_in_fp32: bool = False
+    masked_softmax_fusion: bool = True
+    bias_gelu_fusion: bool = True
+    bias_dropout_fusion: bool = True
+    use_flash_attn: bool = False
+    recompute_granularity: Optional[str] = None    # full | selective
+    recompute_method: Optional[str] = None         # uniform | block
+    recompute_num_layers: Optional[int] = None
+    fp16_lm_cross_entropy: bool = False
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None:
+            if self.swiglu:
+                # Keeps the parameter count of a 4h GeLU MLP, rounded down to a multiple of 64.
+                self.ffn_hidden_size = int((4 * self.hidden_size * 2 / 3) / 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.kv_channels is None:
+            if self.hidden_size % self.num_attention_heads != 0:
+                raise ConfigError(
+                    f"--hidden-size ({self.hidden_size}) must be divisible by "
+                    f"--num-attention-heads ({self.num_attention_heads}) unless --kv-channels "
+                    "is given")
+            self.kv_channels = self.hidden_size // self.num_attention_heads
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ConfigError(
+                f"--num-attention-heads ({self.num_attention_heads}) must be divisible by "
+                f"--num-query-groups ({self.num_query_groups})")
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, "
+                              f"got {self.normalization!r}")
+        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
+            raise ConfigError("--position-embedding-type must be learned_absolute, rope or none, "
+                              f"got {self.position_embedding_type!r}")
+        if (self.position_embedding_type == "learned_absolute"
+                and self.seq_length > self.max_position_embeddings):
+            raise ConfigError(
+                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
+                f"({self.max_position_embeddings})")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError("--recompute-granularity must be full or selective, "
+                              f"got {self.recompute_granularity!r}")
+        if self.recompute_granularity == "full":
+            if self.recompute_method not in ("uniform", "block"):
+                raise ConfigError("--recompute-granularity full needs --recompute-method "
+                                  f"uniform or block, got {self.recompute_method!r}")
+            if self.recompute_num_layers is None or self.recompute_num_layers < 1:
+                raise ConfigError("--recompute-granularity full needs --recompute-num-layers "
+                                  f">= 1, got {self.recompute_num_layers}")
+        elif self.recompute_granularity == "selective" and self.recompute_method is not None:
+            raise ConfigError("--recompute-method applies only to --recompute-granularity full")
+        if self.fp16 and self.bf16:
+            raise ConfigError("--fp16 and --bf16 cannot both be given")
+
+    def check_splittable(self, tp_size: int, pp_size: int = 1) -> None:
+        """Reject shapes that cannot be split over ``tp_size`` x ``pp_size`` ranks."""
+        checks = [
+            ("--num-attention-heads", self.num_attention_heads, "--tensor-model-parallel-size",
+             tp_size),
+            ("--ffn-hidden-size", self.ffn_hidden_size, "--tensor-model-parallel-size", tp_size),
+            ("padded vocab size", self.padded_vocab_size, "--tensor-model-parallel-size", tp_size),
+            ("--num-layers", self.num_layers, "--pipeline-model-parallel-size", pp_size),
+        ]
+        if self.num_query_groups != self.num_attention_heads:
+            checks.append(("--num-query-groups", self.num_query_groups,
+                           "--tensor-model-parallel-size", tp_size))
+        for name, value, by_name, by in checks:
+            if value % by != 0:
+                raise ConfigError(f"{name} ({value}) must be divisible by {by_name} ({by})")

@@ -1,0 +1,87 @@
+"""The one place that knows whether we run on CUDA with NCCL or on CPU with gloo.
+
+Everything else asks this module for the device and the backend; no other module calls
+``.cuda()``. The choice is made once per process by :func:`configure` (``--device``), or lazily
+on first use (CUDA when available, else CPU).
+"""
+
+import os
+from typing import Optional
+
+import torch
+
+_DEVICE: Optional[torch.device] = None
+
+VALID_CHOICES = ("auto", "cpu", "cuda")
+
+
+def configure(choice: str = "auto", local_rank: Optional[int] = None) -> torch.device:
+    """Fix this process's device.
+
+    Args:
+        choice: ``auto`` (CUDA when available, else CPU), ``cpu`` or ``cuda``.
+        local_rank: index of this process on its node; defaults to ``$LOCAL_RANK`` or 0.
+    """
+    global _DEVICE
+    if choice not in VALID_CHOICES:
+        raise ValueError(f"--device must be one of {VALID_CHOICES}, got {choice!r}")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if choice == "auto":
+        choice = "cuda" if torch.cuda.is_available() else "cpu"
+    if choice == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was given but torch sees no CUDA device")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            raise RuntimeError(
+                f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible on this node"
+            )
+        torch.cuda.set_device(local_rank)
+        _DEVICE = torch.device("cuda", local_rank)
+    else:
+        _DEVICE = torch.device("cpu")
+    return _DEVICE
+
+
+def current_device() -> torch.device:
+    """The device model tensors and communication buffers live on."""
+    if _DEVICE is None:
+        configure("auto")
+    return _DEVICE
+
+
+def is_cuda() -> bool:
+    return current_device().type == "cuda"
+
+
+def backend() -> str:
+    """Collective backend for this device: ``nccl`` on CUDA, ``gloo`` on CPU."""
+    return "nccl" if is_cuda() else "gloo"
+
+
+def reset() -> None:
+    """Forget the choice (tests)."""
+    global _DEVICE
+    _DEVICE = None
+
+
+def synchronize() -> None:
+    if is_cuda():
+        torch.cuda.synchronize()
+
+
+def rng_state() -> Optional[torch.Tensor]:
+    """The accelerator's RNG state, or None on CPU."""
+    return torch.cuda.get_rng_state() if is_cuda() else None
+
+
+def set_rng_state(state: Optional[torch.Tensor]) -> None:
+    if state is not None and is_cuda():
+        torch.cuda.set_rng_state(state)
+
+
+def manual_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    if is_cuda():
+        torch.cuda.manual_seed(seed)

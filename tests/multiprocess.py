@@ -1,0 +1,105 @@
+"""Run a test body on N gloo ranks on CPU and report each rank's failure with its rank.
+
+Usage::
+
+    def body(x):                          # module-level, so spawn can import it
+        rank = torch.distributed.get_rank()
+        ...
+        return something_picklable
+
+    results = run_on_ranks(body, 4, x)    # list indexed by rank
+
+Each rank is a fresh ``spawn``-ed process with ``torch.distributed`` initialised over a file store
+in a private temporary folder (no ports to collide), ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``
+set as torchrun would, one intra-op thread (the machine may have fewer cores than ranks), and the
+device forced to CPU. If any rank raises, the others are stopped and an ``AssertionError`` lists
+each failing rank's traceback.
+"""
+
+import datetime
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from typing import Callable, List
+
+import torch
+
+DEFAULT_TIMEOUT_S = 300
+
+
+def _worker(fn, rank, world_size, tmpdir, args, kwargs):
+    import torch.distributed as dist
+
+    from megatron.core import device, parallel_state
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    device.configure("cpu")
+    err_path = os.path.join(tmpdir, f"error_rank{rank}.txt")
+    try:
+        dist.init_process_group(
+            "gloo", init_method=f"file://{os.path.join(tmpdir, 'store')}", rank=rank,
+            world_size=world_size, timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT_S))
+        result = fn(*args, **kwargs)
+        torch.save(result, os.path.join(tmpdir, f"result_rank{rank}.pt"))
+    except BaseException:  # noqa: BLE001 - reported to the parent with the rank
+        with open(err_path + ".tmp", "w") as f:
+            f.write(traceback.format_exc())
+        os.replace(err_path + ".tmp", err_path)
+        raise SystemExit(1)
+    finally:
+        parallel_state.destroy_model_parallel()
+    # Tear down only after every rank has finished, so no rank exits mid-collective.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S,
+                 **kwargs) -> List:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    tmpdir = tempfile.mkdtemp(prefix="mp_test_")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmpdir, args, kwargs),
+                         daemon=True) for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        while any(p.is_alive() for p in procs):
+            if any(f.startswith("error_rank") and f.endswith(".txt") for f in os.listdir(tmpdir)):
+                # Give the failing rank's peers a moment to report their own errors, then stop.
+                time.sleep(1.0)
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        timed_out = time.monotonic() > deadline
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+            p.join(10)
+        errors = []
+        for r in range(world_size):
+            path = os.path.join(tmpdir, f"error_rank{r}.txt")
+            if os.path.exists(path):
+                with open(path) as f:
+                    errors.append(f"--- rank {r} of {world_size} failed:\n{f.read()}")
+        if errors:
+            raise AssertionError("\n".join(errors))
+        if timed_out:
+            raise AssertionError(f"ranks did not finish within {timeout} s")
+        bad = [r for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"ranks {bad} exited with codes "
+                                 f"{[procs[r].exitcode for r in bad]} and no traceback")
+        return [torch.load(os.path.join(tmpdir, f"result_rank{r}.pt"), weights_only=False)
+                for r in range(world_size)]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        shutil.rmtree(tmpdir, ignore_errors=True)
