@@ -1,0 +1,598 @@
+"""Megatron's command-line surface for GPT pretraining.
+
+The flag names, defaults and groups follow Megatron-LM, so launch scripts written for it parse
+unchanged. :func:`validate_args` derives every size (data-parallel size, micro-batches, ffn size,
+kv channels, ...) and rejects impossible combinations before any process group exists;
+:func:`build_configs` then turns the namespace into the typed configs each component takes.
+"""
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from typing import Callable, List, Optional
+
+import torch
+
+from megatron.core.config import ConfigError, ParallelConfig, TransformerConfig
+
+TOKENIZER_TYPES = [
+    "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
+    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer",
+]
+
+
+class ArgumentsError(ValueError):
+    """Flags that cannot work together; the message names the flags and values."""
+
+
+def _add_network_size_args(parser):
+    g = parser.add_argument_group(title="network size")
+    g.add_argument("--num-layers", type=int, default=None)
+    g.add_argument("--encoder-num-layers", type=int, default=None)
+    g.add_argument("--decoder-num-layers", type=int, default=None)
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                   choices=["learned_absolute", "rope", "none"])
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="older spelling of --position-embedding-type rope")
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-interleaved", action="store_true")
+    g.add_argument("--no-position-embedding", action="store_false",
+                   dest="add_position_embedding")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--layernorm-epsilon", type=float, default=None,
+                   help="older spelling of --norm-epsilon")
+    g.add_argument("--apply-layernorm-1p", action="store_true")
+    g.add_argument("--apply-residual-connection-post-layernorm", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true")
+    g.add_argument("--squared-relu", action="store_true")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--onnx-safe", type=bool, required=False)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-qkv-bias", action="store_true")
+
+
+def _add_regularization_args(parser):
+    g = parser.add_argument_group(title="regularization")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None)
+    g.add_argument("--end-weight-decay", type=float, default=None)
+    g.add_argument("--weight-decay-incr-style", type=str, default="constant",
+                   choices=["constant", "linear", "cosine"])
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-08)
+    g.add_argument("--sgd-momentum", type=float, default=0.9)
+
+
+def _add_training_args(parser):
+    g = parser.add_argument_group(title="training")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="old alias of --micro-batch-size")
+    g.add_argument("--global-batch-size", type=int, default=None)
+    g.add_argument("--rampup-batch-size", nargs="*", default=None,
+                   help="start increment samples, e.g. 16 16 5000000")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="shorthand for --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", type=str, default=None,
+                   choices=["full", "selective"])
+    g.add_argument("--distribute-saved-activations", action="store_true")
+    g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--checkpoint-activations", action="store_true",
+                   help="old spelling of --recompute-granularity full --recompute-method uniform")
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=int, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--no-masked-softmax-fusion", action="store_false",
+                   dest="masked_softmax_fusion")
+    g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion")
+    g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
+    g.add_argument("--no-persist-layer-norm", action="store_true")
+    g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"])
+    g.add_argument("--dataloader-type", type=str, default=None,
+                   choices=["single", "cyclic", "external"])
+    g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
+                   dest="async_tensor_model_parallel_allreduce")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion")
+    g.add_argument("--use-mcore-models", action="store_true")
+    g.add_argument("--use-legacy-models", action="store_true")
+    g.add_argument("--manual-gc", action="store_true")
+    g.add_argument("--manual-gc-interval", type=int, default=0)
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true")
+    g.add_argument("--skip-train", action="store_true")
+
+
+def _add_initialization_args(parser):
+    g = parser.add_argument_group(title="initialization")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--data-parallel-random-init", action="store_true")
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--init-method-xavier-uniform", action="store_true")
+
+
+def _add_learning_rate_args(parser):
+    g = parser.add_argument_group(title="learning rate")
+    g.add_argument("--lr", type=float, default=None)
+    g.add_argument("--lr-decay-style", type=str, default="linear",
+                   choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"])
+    g.add_argument("--lr-wsd-decay-style", type=str, default="exponential",
+                   choices=["exponential", "linear", "cosine", "minus_sqrt"])
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--lr-decay-samples", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None)
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None)
+    g.add_argument("--lr-warmup-fraction", type=float, default=None)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0)
+    g.add_argument("--warmup", type=int, default=None, help="old alias of --lr-warmup-iters")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   action="store_true", dest="override_opt_param_scheduler")
+    g.add_argument("--use-checkpoint-opt_param-scheduler",
+                   "--use-checkpoint-opt-param-scheduler", action="store_true",
+                   dest="use_checkpoint_opt_param_scheduler")
+    g.add_argument("--decoupled-lr", type=float, default=None)
+    g.add_argument("--decoupled-min-lr", type=float, default=None)
+
+
+def _add_checkpointing_args(parser):
+    g = parser.add_argument_group(title="checkpointing")
+    g.add_argument("--save", type=str, default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--no-save-optim", action="store_true", default=None)
+    g.add_argument("--no-save-rng", action="store_true", default=None)
+    g.add_argument("--load", type=str, default=None)
+    g.add_argument("--no-load-optim", action="store_true", default=None)
+    g.add_argument("--no-load-rng", action="store_true", default=None)
+    g.add_argument("--finetune", action="store_true")
+    g.add_argument("--pretrained-checkpoint", type=str, default=None)
+    g.add_argument("--ckpt-step", type=int, default=None)
+    g.add_argument("--use-checkpoint-args", action="store_true")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch"])
+    g.add_argument("--async-save", action="store_true")
+
+
+def _add_mixed_precision_args(parser):
+    g = parser.add_argument_group(title="mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2 ** 32)
+    g.add_argument("--min-loss-scale", type=float, default=1.0)
+    g.add_argument("--loss-scale-window", type=float, default=1000)
+    g.add_argument("--hysteresis", type=int, default=2)
+    g.add_argument("--fp32-residual-connection", action="store_true")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--fp16-lm-cross-entropy", action="store_true")
+
+
+def _add_distributed_args(parser):
+    g = parser.add_argument_group(title="distributed")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None)
+    g.add_argument("--model-parallel-size", type=int, default=None,
+                   help="old alias of --tensor-model-parallel-size")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--overlap-p2p-communication", action="store_true")
+    g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"])
+    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--no-delay-grad-reduce", action="store_false", dest="delay_grad_reduce")
+    g.add_argument("--ddp-bucket-size", type=int, default=None)
+    g.add_argument("--overlap-param-gather", action="store_true")
+    g.add_argument("--delay-param-gather", action="store_true")
+    g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",
+                   dest="scatter_gather_tensors_in_pipeline")
+    g.add_argument("--use-ring-exchange-p2p", action="store_true")
+    g.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank")
+    g.add_argument("--lazy-mpu-init", type=bool, required=False)
+    g.add_argument("--use-cpu-initialization", action="store_true", default=None)
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2])
+    g.add_argument("--standalone-embedding-stage", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
+                   help="accepted for old scripts; the local (Megatron) implementation is used")
+    g.add_argument("--no-contiguous-buffers-in-local-ddp", action="store_false",
+                   dest="use_contiguous_buffers_in_local_ddp")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="where to run: CUDA + NCCL when GPUs are present (auto), else CPU + gloo")
+
+
+def _add_validation_args(parser):
+    g = parser.add_argument_group(title="validation")
+    g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=1000)
+
+
+def _add_data_args(parser):
+    g = parser.add_argument_group(title="data and dataloader")
+    g.add_argument("--data-path", nargs="*", default=None)
+    g.add_argument("--split", type=str, default="969, 30, 1")
+    g.add_argument("--train-data-path", nargs="*", default=None)
+    g.add_argument("--valid-data-path", nargs="*", default=None)
+    g.add_argument("--test-data-path", nargs="*", default=None)
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--vocab-file", type=str, default=None)
+    g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--vocab-extra-ids", type=int, default=0)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--encoder-seq-length", type=int, default=None)
+    g.add_argument("--decoder-seq-length", type=int, default=None)
+    g.add_argument("--sample-rate", type=float, default=1.0)
+    g.add_argument("--mask-prob", type=float, default=0.15)
+    g.add_argument("--short-seq-prob", type=float, default=0.1)
+    g.add_argument("--num-workers", type=int, default=2)
+    g.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES)
+    g.add_argument("--tokenizer-model", type=str, default=None)
+    g.add_argument("--reset-position-ids", action="store_true")
+    g.add_argument("--reset-attention-mask", action="store_true")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
+                   dest="create_attention_mask_in_dataloader")
+    g.add_argument("--num-dataset-builder-threads", type=int, default=1)
+    g.add_argument("--data-impl", type=str, default=None,
+                   choices=["mmap", "lazy", "cached", "infer"],
+                   help="accepted for old scripts and ignored: only the mmap format exists")
+    g.add_argument("--dataset-impl", type=str, default=None,
+                   choices=["mmap", "lazy", "cached", "infer"],
+                   help="accepted for old scripts and ignored: only the mmap format exists")
+    g.add_argument("--mmap-warmup", action="store_true",
+                   help="accepted for old scripts and ignored")
+
+
+def _add_logging_args(parser):
+    g = parser.add_argument_group(title="logging")
+    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
+    g.add_argument("--timing-log-option", type=str, default="minmax",
+                   choices=["max", "minmax", "all"])
+    g.add_argument("--tensorboard-log-interval", type=int, default=1)
+    g.add_argument("--tensorboard-queue-size", type=int, default=1000)
+    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
+    g.add_argument("--no-log-learnig-rate-to-tensorboard", action="store_false",
+                   dest="log_learning_rate_to_tensorboard")
+    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+                   dest="log_loss_scale_to_tensorboard")
+    g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-world-size-to-tensorboard", action="store_true")
+    g.add_argument("--wandb-project", type=str, default="")
+    g.add_argument("--wandb-exp-name", type=str, default="")
+    g.add_argument("--wandb-save-dir", type=str, default="")
+
+
+ARG_GROUP_BUILDERS = [
+    _add_network_size_args, _add_regularization_args, _add_training_args,
+    _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
+    _add_mixed_precision_args, _add_distributed_args, _add_validation_args, _add_data_args,
+    _add_logging_args,
+]
+
+
+def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Megatron-style arguments", allow_abbrev=False)
+    for add in ARG_GROUP_BUILDERS:
+        add(parser)
+    if extra_args_provider is not None:
+        parser = extra_args_provider(parser)
+    return parser
+
+
+def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None,
+               ignore_unknown_args: bool = False) -> argparse.Namespace:
+    """Parse Megatron's flags (no validation); unknown flags are argparse errors (exit 2)."""
+    parser = build_parser(extra_args_provider)
+    if ignore_unknown_args:
+        args, _ = parser.parse_known_args(argv)
+    else:
+        args = parser.parse_args(argv)
+    args.rank = int(os.environ.get("RANK", "0"))
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    return args
+
+
+def _note(args, message: str) -> None:
+    if args.rank == 0:
+        print(f"NOTE: {message}", flush=True)
+
+
+def _fail(message: str):
+    raise ArgumentsError(message)
+
+
+def _require(args, *names: str) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    if missing:
+        _fail(f"missing required flag(s): {', '.join(missing)}")
+
+
+def _apply_old_spellings(args) -> None:
+    """Map flags that older Megatron scripts pass onto their current meaning."""
+    if args.batch_size is not None:
+        if args.micro_batch_size is None:
+            args.micro_batch_size = args.batch_size
+        _note(args, "--batch-size is the old name of --micro-batch-size")
+    if args.warmup is not None:
+        args.lr_warmup_iters = args.warmup
+        _note(args, "--warmup is the old name of --lr-warmup-iters")
+    if args.model_parallel_size is not None:
+        args.tensor_model_parallel_size = args.model_parallel_size
+        _note(args, "--model-parallel-size is the old name of --tensor-model-parallel-size")
+    if args.layernorm_epsilon is not None:
+        args.norm_epsilon = args.layernorm_epsilon
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    for flag in ("data_impl", "dataset_impl"):
+        if getattr(args, flag) is not None:
+            _note(args, f"--{flag.replace('_', '-')} {getattr(args, flag)} is ignored: "
+                        "datasets are always read in the mmap .bin/.idx format")
+    if args.checkpoint_activations:
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+        _note(args, "--checkpoint-activations means --recompute-granularity full "
+                    "--recompute-method uniform")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.encoder_seq_length is not None:
+        if args.seq_length is not None and args.seq_length != args.encoder_seq_length:
+            _fail(f"--seq-length ({args.seq_length}) and --encoder-seq-length "
+                  f"({args.encoder_seq_length}) disagree")
+        args.seq_length = args.encoder_seq_length
+    if args.encoder_num_layers is not None and args.num_layers is None:
+        args.num_layers = args.encoder_num_layers
+
+
+def _validate_parallel(args) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for name, value in (("--tensor-model-parallel-size", tp),
+                        ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", args.context_parallel_size)):
+        if value < 1:
+            _fail(f"{name} must be >= 1, got {value}")
+    if args.context_parallel_size != 1:
+        _fail(f"--context-parallel-size {args.context_parallel_size} is not supported "
+              "(only 1)")
+    if args.world_size % (tp * pp) != 0:
+        _fail(f"world size ({args.world_size}) is not divisible by "
+              f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp})")
+    args.data_parallel_size = args.world_size // (tp * pp)
+    if args.sequence_parallel and tp == 1:
+        _note(args, "--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
+                    "disabling it")
+        args.sequence_parallel = False
+    if args.num_layers % pp != 0:
+        _fail(f"--num-layers ({args.num_layers}) must be divisible by "
+              f"--pipeline-model-parallel-size ({pp})")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_vstage = args.num_layers_per_virtual_pipeline_stage
+        if pp < 2:
+            _fail("--num-layers-per-virtual-pipeline-stage needs "
+                  f"--pipeline-model-parallel-size >= 2, got {pp}")
+        if per_vstage < 1 or (args.num_layers // pp) % per_vstage != 0:
+            _fail(f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) "
+                  f"= {args.num_layers // pp} layers per stage, not divisible by "
+                  f"--num-layers-per-virtual-pipeline-stage ({per_vstage})")
+        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // per_vstage
+    if args.num_attention_heads % tp != 0:
+        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.group_query_attention and args.num_query_groups % tp != 0:
+        _fail(f"--num-query-groups ({args.num_query_groups}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.ffn_hidden_size % tp != 0:
+        _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        args.distributed_backend = "gloo"
+
+
+def _validate_model(args) -> None:
+    _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_position_embeddings is None:
+        if args.position_embedding_type == "learned_absolute":
+            _fail("--max-position-embeddings is required with learned absolute position "
+                  "embeddings")
+        args.max_position_embeddings = args.seq_length
+    if (args.position_embedding_type == "learned_absolute"
+            and args.seq_length > args.max_position_embeddings):
+        _fail(f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+              f"({args.max_position_embeddings})")
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads != 0:
+            _fail(f"--hidden-size ({args.hidden_size}) must be divisible by "
+                  f"--num-attention-heads ({args.num_attention_heads}) unless --kv-channels "
+                  "is given")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_attention_heads % args.num_query_groups != 0:
+        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+              f"--num-query-groups ({args.num_query_groups})")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.fp16 and args.bf16:
+        _fail("--fp16 and --bf16 cannot both be given")
+    args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
+    if args.bf16 and not args.accumulate_allreduce_grads_in_fp32:
+        # As in Megatron: bf16 gradients are reduced and accumulated in fp32.
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.recompute_granularity == "full":
+        if args.recompute_method is None:
+            _fail("--recompute-granularity full needs --recompute-method uniform or block")
+        if args.recompute_num_layers is None:
+            _fail("--recompute-granularity full needs --recompute-num-layers")
+    elif args.recompute_granularity == "selective" and args.recompute_method is not None:
+        _fail(f"--recompute-method {args.recompute_method} applies only to "
+              "--recompute-granularity full")
+    elif args.recompute_granularity is None and args.recompute_method is not None:
+        _fail("--recompute-method needs --recompute-granularity full")
+
+
+def _validate_batch_and_schedule(args) -> None:
+    _require(args, "micro_batch_size")
+    dp = args.data_parallel_size
+    if args.micro_batch_size < 1:
+        _fail(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+        _note(args, f"--global-batch-size not given; using micro batch x data-parallel size "
+                    f"= {args.global_batch_size}")
+    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+        _fail(f"--global-batch-size ({args.global_batch_size}) must be divisible by "
+              f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp})")
+    args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.rampup_batch_size is not None:
+        if len(args.rampup_batch_size) != 3:
+            _fail("--rampup-batch-size takes 3 values: start increment ramp-samples, got "
+                  f"{args.rampup_batch_size}")
+        args.rampup_batch_size = [int(v) for v in args.rampup_batch_size]
+    if args.train_iters is not None and args.train_samples is not None:
+        _fail("give only one of --train-iters and --train-samples")
+    if args.train_samples is not None:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            _fail("with --train-samples, give the schedule in samples "
+                  "(--lr-decay-samples, --lr-warmup-samples), not iterations")
+    elif args.lr_decay_samples is not None or args.lr_warmup_samples:
+        _fail("with --train-iters, give the schedule in iterations "
+              "(--lr-decay-iters, --lr-warmup-iters), not samples")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
+    if args.lr is not None and args.min_lr > args.lr:
+        _fail(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+    if args.save_interval is not None and args.save_interval < 1:
+        _fail(f"--save-interval must be >= 1, got {args.save_interval}")
+    for name in ("log_interval", "eval_interval"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_iters < 0:
+        _fail(f"--eval-iters must be >= 0, got {args.eval_iters}")
+
+
+def validate_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Derive sizes and reject impossible combinations, before any process group exists.
+
+    Raises:
+        ArgumentsError: naming the flags and values involved.
+    """
+    _apply_old_spellings(args)
+    _validate_model(args)
+    _validate_parallel(args)
+    _validate_batch_and_schedule(args)
+    if args.vocab_size is not None and args.tokenizer_type in (None, "NullTokenizer"):
+        args.padded_vocab_size = pad_vocab_size(args.vocab_size, args)
+    return args
+
+
+def pad_vocab_size(orig_vocab_size: int, args) -> int:
+    """Vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP size."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return ((orig_vocab_size + multiple - 1) // multiple) * multiple
+
+
+def parse_and_validate(argv: Optional[List[str]] = None,
+                       extra_args_provider: Optional[Callable] = None,
+                       prog: Optional[str] = None) -> argparse.Namespace:
+    """What an entry point calls: bad sizes print one line naming the flags and exit with 2."""
+    args = parse_args(argv, extra_args_provider)
+    try:
+        return validate_args(args)
+    except (ArgumentsError, ConfigError) as err:
+        name = prog or os.path.basename(sys.argv[0]) or "megatron"
+        print(f"{name}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+@dataclass
+class Configs:
+    """The typed configs built from validated flags; each component takes only its own."""
+
+    parallel: ParallelConfig
+    model: TransformerConfig
+
+
+def build_configs(args: argparse.Namespace) -> Configs:
+    """Typed configs from validated args (``args.padded_vocab_size`` must be set)."""
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        data_parallel_size=args.data_parallel_size,
+    )
+    model = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        padded_vocab_size=args.padded_vocab_size,
+        max_position_embeddings=args.max_position_embeddings, seq_length=args.seq_length,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        layernorm_epsilon=args.norm_epsilon, normalization=args.normalization,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, swiglu=args.swiglu,
+        openai_gelu=args.openai_gelu, add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        params_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16,
+        fp32_residual_connection=args.fp32_residual_connection,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        use_flash_attn=args.use_flash_attn, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+    )
+    model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    return Configs(parallel=parallel, model=model)

@@ -1,0 +1,73 @@
+"""Process start-up: device, process group from torchrun's environment, parallel groups, seeds."""
+
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megatron.core import device, parallel_state
+
+
+def _init_process_group(args) -> None:
+    """Join the job torchrun started, or form a one-rank group when run without torchrun."""
+    if dist.is_initialized():
+        return
+    backend = device.backend()
+    if args.distributed_backend != backend and args.rank == 0:
+        print(f"NOTE: using the {backend} backend on {device.current_device().type} "
+              f"(--distributed-backend {args.distributed_backend} was given)", flush=True)
+    args.distributed_backend = backend
+    timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
+    if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, rank=args.rank, world_size=args.world_size,
+                                timeout=timeout)
+    else:
+        if args.world_size != 1:
+            raise RuntimeError(f"WORLD_SIZE={args.world_size} but MASTER_ADDR is not set; "
+                               "launch with torchrun")
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+
+
+def set_random_seeds(seed: int, pstate: parallel_state.ParallelState,
+                     data_parallel_random_init: bool = False) -> int:
+    """Seed python, numpy and torch, and the tensor-parallel RNG streams.
+
+    As in Megatron, each pipeline stage gets its own seed (``seed + 100 * pp_rank``) so dropout
+    differs between stages; model weights do not depend on it (they are initialised from
+    ``--seed`` per layer, whatever the split).
+    """
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    if seed <= 0:
+        raise ValueError(f"--seed must be a positive integer, got {seed}")
+    seed = seed + 100 * pstate.pp_rank
+    if data_parallel_random_init:
+        seed += 10 * pstate.dp_rank
+    random.seed(seed)
+    np.random.seed(seed)
+    device.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, pstate.tp_rank)
+    return seed
+
+
+def initialize_megatron(args) -> parallel_state.ParallelState:
+    """Device, process group, parallel groups and seeds for validated ``args``."""
+    device.configure(args.device, args.local_rank)
+    _init_process_group(args)
+    if dist.get_world_size() != args.world_size:
+        raise RuntimeError(f"process group has {dist.get_world_size()} ranks but WORLD_SIZE "
+                           f"was {args.world_size}")
+    pstate = parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size)
+    set_random_seeds(args.seed, pstate, args.data_parallel_random_init)
+    if args.rank == 0:
+        print(f"> initialized on {device.current_device()} with {args.distributed_backend}: "
+              f"world size {args.world_size} = tensor-model-parallel "
+              f"{pstate.tp_size} x pipeline-model-parallel {pstate.pp_size} x "
+              f"data-parallel {pstate.dp_size}", flush=True)
+    return pstate

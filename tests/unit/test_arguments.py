@@ -1,0 +1,177 @@
+"""Megatron's flag surface: the classic GPT-2 recipe parses unchanged; sizes derive; bad ones fail."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron.arguments import (ArgumentsError, build_configs, pad_vocab_size, parse_args,
+                                validate_args)
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The classic GPT-2 recipe as users' launch scripts pass it (sizes as in the CodeParrot example).
+CLASSIC_GPT2 = """
+--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --sequence-parallel
+--num-layers-per-virtual-pipeline-stage 3 --use-distributed-optimizer
+--num-layers 12 --hidden-size 768 --num-attention-heads 12 --seq-length 1024
+--max-position-embeddings 1024 --micro-batch-size 12 --global-batch-size 192 --lr 0.0005
+--train-iters 150000 --lr-decay-iters 150000 --lr-decay-style cosine --lr-warmup-iters 2000
+--min-lr 1e-5 --weight-decay 0.1 --clip-grad 1.0 --adam-beta1 0.9 --adam-beta2 0.999
+--adam-eps 1e-8 --fp16 --log-interval 10 --save-interval 2000 --eval-interval 200
+--eval-iters 10 --vocab-file vocab.json --merge-file merges.txt --tokenizer-type GPT2BPETokenizer
+--data-path codeparrot_content_document --split 969,30,1 --save ckpts --load ckpts
+--tensorboard-dir tb --seed 1234 --init-method-std 0.02 --attention-dropout 0.1
+--hidden-dropout 0.1 --recompute-granularity full --recompute-method uniform
+--recompute-num-layers 1 --distributed-backend nccl --data-impl mmap --dataset-impl mmap
+""".split()
+
+# Without --lr-warmup-iters (it cannot be combined with --lr-warmup-fraction).
+CLASSIC_WITH_FRACTION = [a for a in CLASSIC_GPT2] + ["--lr-warmup-fraction", "0.01"]
+
+
+def _args(argv, world_size=1, monkeypatch=None):
+    args = parse_args(argv)
+    args.world_size = world_size
+    return args
+
+
+def test_classic_recipe_parses_and_derives():
+    args = validate_args(_args(CLASSIC_GPT2, world_size=8))
+    assert args.data_parallel_size == 2
+    assert args.num_micro_batches == 192 // (12 * 2)
+    assert args.ffn_hidden_size == 4 * 768
+    assert args.kv_channels == 64
+    assert args.virtual_pipeline_model_parallel_size == 12 // 2 // 3
+    assert args.params_dtype == torch.half
+    assert args.lr_decay_style == "cosine" and args.lr == 5e-4 and args.adam_beta2 == 0.999
+    assert args.sequence_parallel and args.use_distributed_optimizer
+    assert args.data_path == ["codeparrot_content_document"]
+    assert args.distributed_backend in ("gloo", "nccl")
+
+
+def test_classic_recipe_rejects_two_warmups():
+    with pytest.raises(ArgumentsError, match="--lr-warmup-fraction"):
+        validate_args(_args(CLASSIC_WITH_FRACTION, world_size=8))
+
+
+def test_defaults_match_megatron():
+    args = parse_args(["--num-layers", "2"])
+    expected = dict(seed=1234, split="969, 30, 1", init_method_std=0.02, clip_grad=1.0,
+                    weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
+                    attention_dropout=0.1, hidden_dropout=0.1, initial_loss_scale=2 ** 32,
+                    min_loss_scale=1.0, loss_scale_window=1000, hysteresis=2,
+                    make_vocab_size_divisible_by=128, log_interval=100, eval_interval=1000,
+                    eval_iters=100, lr_decay_style="linear", optimizer="adam",
+                    distributed_timeout_minutes=10, num_workers=2)
+    for name, value in expected.items():
+        assert getattr(args, name) == value, name
+
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --train-iters 10").split()
+
+
+def test_derived_single_rank():
+    args = validate_args(_args(BASE + ["--vocab-size", "1000"]))
+    assert args.data_parallel_size == 1 and args.global_batch_size == 2
+    assert args.num_micro_batches == 1 and args.ffn_hidden_size == 256
+    assert args.kv_channels == 8 and args.num_query_groups == 8
+    assert args.padded_vocab_size == 1024
+
+
+def test_swiglu_ffn_and_gqa():
+    args = validate_args(_args(BASE + ["--swiglu", "--group-query-attention",
+                                       "--num-query-groups", "2"]))
+    assert args.ffn_hidden_size == int((4 * 64 * 2 / 3) / 64) * 64
+    assert args.num_query_groups == 2
+
+
+def test_pad_vocab_size():
+    args = _args(BASE + ["--tensor-model-parallel-size", "2"], world_size=2)
+    assert pad_vocab_size(50257, args) == 50432  # GPT-2's padded size at TP=2
+    args.tensor_model_parallel_size = 1
+    assert pad_vocab_size(50257, args) == 50304
+
+
+@pytest.mark.parametrize("extra,world,pattern", [
+    (["--tensor-model-parallel-size", "3"], 3,
+     r"--num-attention-heads \(8\) must be divisible by --tensor-model-parallel-size \(3\)"),
+    (["--pipeline-model-parallel-size", "3"], 3,
+     r"--num-layers \(4\) must be divisible by --pipeline-model-parallel-size \(3\)"),
+    (["--tensor-model-parallel-size", "2"], 3,
+     r"world size \(3\) is not divisible by --tensor-model-parallel-size \(2\)"),
+    (["--global-batch-size", "5"], 2,
+     r"--global-batch-size \(5\) must be divisible by --micro-batch-size \(2\) x "
+     r"data-parallel size \(2\)"),
+    (["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+     r"not divisible by --num-layers-per-virtual-pipeline-stage \(3\)"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
+     r"--pipeline-model-parallel-size >= 2"),
+    (["--seq-length", "64"], 1, r"--seq-length \(64\) exceeds --max-position-embeddings \(32\)"),
+    (["--hidden-size", "60"], 1, r"--hidden-size \(60\) must be divisible by"),
+    (["--group-query-attention", "--num-query-groups", "3"], 1,
+     r"--num-attention-heads \(8\) must be divisible by --num-query-groups \(3\)"),
+    (["--group-query-attention", "--num-query-groups", "2", "--tensor-model-parallel-size",
+      "4"], 4, r"--num-query-groups \(2\) must be divisible by --tensor-model-parallel-size"),
+    (["--ffn-hidden-size", "100", "--tensor-model-parallel-size", "8"], 8,
+     r"--ffn-hidden-size \(100\) must be divisible"),
+    (["--recompute-granularity", "full"], 1, "--recompute-method"),
+    (["--recompute-granularity", "selective", "--recompute-method", "block"], 1,
+     "applies only to --recompute-granularity full"),
+    (["--train-samples", "100"], 1, "only one of --train-iters and --train-samples"),
+    (["--min-lr", "1", "--lr", "0.1"], 1, r"--min-lr \(1.0\) is larger than --lr \(0.1\)"),
+])
+def test_validation_errors(extra, world, pattern):
+    with pytest.raises(ArgumentsError, match=pattern):
+        validate_args(_args(BASE + extra, world_size=world))
+
+
+def test_missing_required():
+    with pytest.raises(ArgumentsError, match="--hidden-size"):
+        validate_args(_args(["--num-layers", "2", "--num-attention-heads", "2",
+                             "--seq-length", "8", "--micro-batch-size", "1"]))
+
+
+def test_sequence_parallel_without_tp_is_dropped_with_note(capsys):
+    args = validate_args(_args(BASE + ["--sequence-parallel"]))
+    assert not args.sequence_parallel
+    assert "--sequence-parallel has no effect" in capsys.readouterr().out
+
+
+def test_old_flags_accepted_with_note(capsys):
+    args = validate_args(_args(BASE + ["--data-impl", "mmap", "--dataset-impl", "lazy",
+                                       "--checkpoint-activations"]))
+    out = capsys.readouterr().out
+    assert "--data-impl mmap is ignored" in out and "--dataset-impl lazy is ignored" in out
+    assert args.recompute_granularity == "full" and args.recompute_method == "uniform"
+
+
+def test_build_configs():
+    args = validate_args(_args(BASE + ["--vocab-size", "500", "--tensor-model-parallel-size",
+                                       "2", "--sequence-parallel", "--bf16"], world_size=4))
+    configs = build_configs(args)
+    assert configs.parallel.data_parallel_size == 2 and configs.parallel.sequence_parallel
+    assert configs.model.padded_vocab_size == 512 and configs.model.ffn_hidden_size == 256
+    assert configs.model.params_dtype == torch.bfloat16
+    assert args.accumulate_allreduce_grads_in_fp32
+
+
+def _run_entry(argv, env_world="1"):
+    code = ("import sys; from megatron.arguments import parse_and_validate; "
+            "parse_and_validate(sys.argv[1:], prog='pretrain_gpt.py')")
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                          env={"WORLD_SIZE": env_world, "PATH": "/usr/bin:/bin"}, timeout=120,
+                          cwd=REPO_ROOT)
+
+
+def test_entry_exit_codes():
+    bad = _run_entry(BASE + ["--tensor-model-parallel-size", "3"], env_world="3")
+    assert bad.returncode == 2
+    lines = [line for line in bad.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--tensor-model-parallel-size (3)" in lines[0], bad.stderr
+    unknown = _run_entry(BASE + ["--no-such-flag"])
+    assert unknown.returncode == 2 and "unrecognized arguments: --no-such-flag" in unknown.stderr
