@@ -1,0 +1,176 @@
+"""Data-parallel wrapper: gradients accumulate into contiguous buffers and are averaged in buckets.
+
+What the optimizer sees: every trainable parameter ``p`` has ``p.main_grad``, a view into one
+contiguous buffer per gradient dtype (fp32 with ``accumulate_allreduce_grads_in_fp32``, else the
+parameter's dtype). Backward adds each micro-batch's gradient into ``main_grad`` and sets
+``p.grad`` to None (a post-accumulate-grad hook, so ``p.grad`` never outlives one backward).
+After :meth:`DistributedDataParallel.finish_grad_sync`, ``main_grad`` holds the gradient summed over
+micro-batches and averaged over the data-parallel group.
+
+One training step::
+
+    model.zero_grad_buffer()
+    for i, batch in enumerate(micro_batches):
+        ctx = model.no_sync() if i < len(micro_batches) - 1 else contextlib.nullcontext()
+        with ctx:
+            (loss_fn(model(batch)) / len(micro_batches)).backward()
+    model.finish_grad_sync()          # or finalize_model_grads([model], ...)
+    optimizer.step()                  # reads p.main_grad
+
+With ``overlap_grad_reduce`` the all-reduce of a bucket starts from the backward hooks of the
+last micro-batch as soon as all of that bucket's gradients are in, so communication overlaps the
+rest of backward; ``finish_grad_sync`` then only waits.
+"""
+
+from contextlib import contextmanager
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.core.distributed.grad_buffer import GradBuffer
+
+# Megatron's default when overlapping: large enough that collectives are bandwidth-bound.
+DEFAULT_BUCKET_SIZE = 40_000_000
+DEFAULT_BUCKET_SIZE_PER_DP_RANK = 1_000_000
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Wrap ``module`` so its gradients are accumulated and averaged over ``dp_group`` in buckets.
+
+    Args:
+        module: the model (chunk) to wrap; its parameters must be on one device per dtype.
+        dp_group: data-parallel process group (``ParallelState.dp_group``).
+        accumulate_allreduce_grads_in_fp32: keep ``main_grad`` and reduce in fp32
+            (``--accumulate-allreduce-grads-in-fp32``), whatever the parameters' dtype.
+        overlap_grad_reduce: start bucket all-reduces during the last micro-batch's backward
+            (``--overlap-grad-reduce``).
+        bucket_size: elements per bucket (``--ddp-bucket-size``). None: one bucket per buffer
+            without overlap; ``max(40M, 1M x dp size)`` with overlap. An explicit size is honoured
+            in both modes.
+        use_distributed_optimizer: lay buckets out padded to a multiple of the dp size so a
+            distributed optimizer can shard them (``--use-distributed-optimizer``). Gradients are
+            still fully all-reduced, so each rank's shard of them is correct.
+    """
+
+    def __init__(self, module: torch.nn.Module, *, dp_group,
+                 accumulate_allreduce_grads_in_fp32: bool = False,
+                 overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
+                 use_distributed_optimizer: bool = False):
+        super().__init__()
+        if dp_group is None:
+            raise ValueError("DistributedDataParallel needs dp_group=<the data-parallel process "
+                             "group> (ParallelState.dp_group), got None")
+        self.module = module
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        if bucket_size is None and overlap_grad_reduce:
+            bucket_size = max(DEFAULT_BUCKET_SIZE, DEFAULT_BUCKET_SIZE_PER_DP_RANK * self.dp_size)
+        self.bucket_size = bucket_size
+
+        self._param_names = {p: name for name, p in module.named_parameters()}
+        # Reverse order: backward produces the last layers' gradients first.
+        by_dtype: Dict[torch.dtype, list] = {}
+        for param in reversed(list(module.parameters())):
+            if not param.requires_grad:
+                continue
+            dtype = torch.float32 if accumulate_allreduce_grads_in_fp32 else param.dtype
+            by_dtype.setdefault(dtype, []).append(param)
+
+        self.grad_buffers: Dict[torch.dtype, GradBuffer] = {}
+        self.param_to_grad_buffer: Dict[torch.nn.Parameter, GradBuffer] = {}
+        for dtype, params in by_dtype.items():
+            buffer = GradBuffer(params, dtype, dp_group, bucket_size, overlap_grad_reduce,
+                                use_distributed_optimizer)
+            self.grad_buffers[dtype] = buffer
+            for param in params:
+                self.param_to_grad_buffer[param] = buffer
+
+        self._grad_hook_handles = [param.register_post_accumulate_grad_hook(self._make_param_hook())
+                                   for param in self.param_to_grad_buffer]
+
+    def _make_param_hook(self):
+        """The hook run after backward has accumulated a parameter's ``.grad``.
+
+        It adds ``.grad`` into ``main_grad`` and frees ``.grad``. A layer that already wrote its
+        gradient straight into ``main_grad`` (fused weight-gradient accumulation) sets
+        ``param.grad_added_to_main_grad = True`` and the add is skipped. In the last micro-batch
+        with ``overlap_grad_reduce``, it also reports the parameter ready, which launches its
+        bucket's all-reduce once the whole bucket is in.
+        """
+
+        def hook(param: torch.nn.Parameter) -> None:
+            buffer = self.param_to_grad_buffer[param]
+            if buffer.param_to_bucket[param].communication_issued:
+                raise RuntimeError(
+                    f"a gradient of parameter {self._param_names.get(param, '?')!r} arrived after "
+                    f"its bucket's all-reduce was issued; call zero_grad_buffer() before the next "
+                    f"step's backward, and run backward only once per micro-batch")
+            if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(param.grad)
+            param.grad = None
+            if self.overlap_grad_reduce and buffer.is_last_microbatch:
+                buffer.register_grad_ready(param)
+
+        return hook
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Micro-batches run inside this context only accumulate; none of them starts a reduction.
+
+        Use it for all but the last micro-batch of a step.
+        """
+        for buffer in self.grad_buffers.values():
+            buffer.is_last_microbatch = False
+        try:
+            yield
+        finally:
+            for buffer in self.grad_buffers.values():
+                buffer.is_last_microbatch = True
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket not launched yet (async with overlap)."""
+        for buffer in self.grad_buffers.values():
+            buffer.start_grad_sync()
+
+    def finish_grad_sync(self) -> None:
+        """Complete the reduction: afterwards every ``main_grad`` is averaged over the dp group.
+
+        Call once per step, after the last micro-batch's backward.
+        """
+        for buffer in self.grad_buffers.values():
+            buffer.finish_grad_sync()
+
+    def zero_grad_buffer(self) -> None:
+        """Zero every ``main_grad`` and forget the previous step's reduction; call before a step."""
+        for param in self.param_to_grad_buffer:
+            param.grad_added_to_main_grad = False
+        for buffer in self.grad_buffers.values():
+            buffer.reset()
+
+    def broadcast_params(self) -> None:
+        """Copy every parameter from data-parallel rank 0 to the other ranks of the dp group."""
+        src = dist.get_global_rank(self.dp_group, 0)
+        for param in self.module.parameters():
+            dist.broadcast(param.data, src=src, group=self.dp_group)
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The wrapped module's state dict, with its own keys (no ``module.`` prefix)."""
+        return self.module.state_dict(*args, destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """The wrapped module's checkpoint state (its own method when it has one)."""
+        save = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        if save is not None:
+            return save(prefix=prefix, keep_vars=keep_vars)
+        return self.module.state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        return self.module.load_state_dict(state_dict, strict=strict)

@@ -1,0 +1,120 @@
+"""Everything that must happen to gradients between the last backward and the optimizer step.
+
+1. Data parallel: each chunk's ``finish_grad_sync()`` averages ``main_grad`` over its dp group.
+2. Sequence parallel: parameters replicated across tensor-parallel ranks but fed with only this
+   rank's part of the sequence (LayerNorm weights and biases, marked ``param.sequence_parallel =
+   True`` by the model) hold a partial gradient on each TP rank; they are summed over the TP group.
+3. Pipeline parallel with tied embeddings: the word embedding (first stage) and the output layer
+   (last stage) are one logical weight held twice; both copies' gradients are summed over the
+   embedding group so the two copies take the same optimizer step and stay equal.
+"""
+
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def _grad_of(param: torch.nn.Parameter, what: str) -> torch.Tensor:
+    grad = getattr(param, "main_grad", None)
+    if grad is None:
+        grad = param.grad
+    if grad is None:
+        raise RuntimeError(f"{what} has neither main_grad nor grad; wrap the model chunk in "
+                           f"DistributedDataParallel and run backward before finalize_model_grads")
+    return grad
+
+
+def _allreduce_layernorm_grads(model_chunks: Sequence[torch.nn.Module], tp_group) -> None:
+    """Sum the gradients of parameters marked ``sequence_parallel`` over the tensor-parallel group.
+
+    The gradients are packed into one flat tensor per dtype, so there is one collective per dtype
+    rather than one per parameter.
+    """
+    if dist.get_world_size(tp_group) == 1:
+        return
+    grads_by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if param.requires_grad and getattr(param, "sequence_parallel", False):
+                grad = _grad_of(param, f"sequence-parallel parameter {name!r}")
+                grads_by_dtype.setdefault(grad.dtype, []).append(grad)
+    for grads in grads_by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numels]
+        dist.all_reduce(flat, group=tp_group)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def _find_shared_embedding_weight(chunk: torch.nn.Module) -> Optional[torch.nn.Parameter]:
+    """The tied word-embedding / output weight of a chunk, or None when it has none.
+
+    Looks on the chunk and then down its chain of ``.module`` wrappers (DistributedDataParallel,
+    a half-precision wrapper, ...) for a ``shared_embedding_or_output_weight()`` method.
+    """
+    module = chunk
+    while module is not None:
+        method = getattr(module, "shared_embedding_or_output_weight", None)
+        if method is not None:
+            if not getattr(module, "share_embeddings_and_output_weights", True):
+                return None
+            return method()
+        module = getattr(module, "module", None)
+    return None
+
+
+def _allreduce_word_embedding_grads(model_chunks: Sequence[torch.nn.Module], embedding_group,
+                                    is_first_stage: bool, is_last_stage: bool,
+                                    pp_size: int) -> None:
+    """Sum the tied embedding weight's gradient over the first and last pipeline stages."""
+    if pp_size <= 1 or not (is_first_stage or is_last_stage):
+        return
+    chunk = model_chunks[0] if is_first_stage else model_chunks[-1]
+    weight = _find_shared_embedding_weight(chunk)
+    if weight is None:
+        return
+    if embedding_group is None:
+        raise ValueError("finalize_model_grads: pipeline-model-parallel size is "
+                         f"{pp_size} and this stage holds a tied embedding weight, so "
+                         "embedding_group=<ParallelState.embedding_group> is required, got None")
+    dist.all_reduce(_grad_of(weight, "the shared embedding/output weight"), group=embedding_group)
+
+
+def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
+                         embedding_group=None, is_first_stage: bool = True,
+                         is_last_stage: bool = True, pp_size: int = 1,
+                         sequence_parallel: bool = False) -> None:
+    """Finish every gradient reduction of a step; afterwards ``main_grad`` is ready to step on.
+
+    Args:
+        model_chunks: this rank's model chunks (one, or several with virtual pipeline stages),
+            each wrapped in :class:`DistributedDataParallel`.
+        tp_group: tensor-parallel process group.
+        embedding_group: group of the first and last pipeline stage of this pipeline
+            (``ParallelState.embedding_group``); needed when ``pp_size > 1``.
+        is_first_stage / is_last_stage: whether this rank is the first / last physical pipeline
+            stage (virtual stages ignored).
+        pp_size: pipeline-model-parallel size.
+        sequence_parallel: whether ``--sequence-parallel`` is on; then parameters with
+            ``param.sequence_parallel = True`` have their gradients summed over ``tp_group``.
+
+    Tied embeddings: with ``pp_size > 1`` the first stage's first chunk and the last stage's last
+    chunk are asked for ``shared_embedding_or_output_weight()``, found on the chunk or on any
+    module reached through its ``.module`` attributes. It must return the word-embedding weight
+    (first stage) or the output-layer weight (last stage) when they are tied, and None when they
+    are not (a module attribute ``share_embeddings_and_output_weights = False`` also means untied).
+    Both stages must agree, since the sum is a collective over the embedding group. A chunk
+    without the method is treated as untied.
+    """
+    for chunk in model_chunks:
+        finish = getattr(chunk, "finish_grad_sync", None)
+        if finish is None:
+            raise TypeError(f"finalize_model_grads expects model chunks wrapped in "
+                            f"DistributedDataParallel, got {type(chunk).__name__}")
+        finish()
+    if sequence_parallel:
+        _allreduce_layernorm_grads(model_chunks, tp_group)
+    _allreduce_word_embedding_grads(model_chunks, embedding_group, is_first_stage,
+                                    is_last_stage, pp_size)

@@ -1,0 +1,236 @@
+"""One contiguous gradient buffer per gradient dtype, cut into buckets that are reduced as units.
+
+Every trainable parameter ``p`` gets ``p.main_grad``: a view of a slice of :attr:`GradBuffer.data`.
+Parameters are laid out in the order they are given (the DDP wrapper passes them in reverse
+``module.parameters()`` order, roughly the order backward produces their gradients), back to back,
+and the buffer is cut into buckets without ever splitting a parameter::
+
+    params (given order):  p3 (6)     p2 (4)     p1 (8)      p0 (3)
+    buffer:               [0 ......6 ......10 ...........18 ....21 pad 22]   dp_size = 2
+    bucket_size = 10:     |---- bucket 0 -----|---- bucket 1 --------------|
+
+A bucket closes as soon as it holds at least ``bucket_size`` elements. The buffer's length is
+rounded up to a multiple of the data-parallel size (the padding belongs to the last bucket), and
+with ``use_distributed_optimizer`` every bucket's length is, so that a distributed optimizer can
+give each data-parallel rank an equal contiguous shard of each bucket.
+
+A bucket's reduction is one all-reduce over the data-parallel group of its whole slice. Buckets
+are always launched in index order, on every rank, whatever order their gradients complete in:
+collectives on one group must be issued in the same order on all ranks, and this makes that hold
+even if backward visited parameters in a different order on different ranks.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    """Where each parameter and each bucket lives in a buffer (element offsets, end exclusive)."""
+
+    param_ranges: List[Tuple[int, int]]
+    bucket_ranges: List[Tuple[int, int]]
+    bucket_params: List[List[int]]  # for each bucket, indices into the given parameter order
+    numel: int  # padded length of the buffer
+    numel_unpadded: int  # elements that belong to parameters
+
+
+def compute_buffer_layout(numels: Sequence[int], bucket_size: Optional[int], dp_size: int,
+                          pad_buckets: bool = False) -> BufferLayout:
+    """Lay parameters of the given sizes back to back and cut the result into buckets.
+
+    Args:
+        numels: number of elements of each parameter, in buffer order.
+        bucket_size: a bucket closes once it holds at least this many elements; None means one
+            bucket for everything.
+        dp_size: data-parallel size; the buffer length is rounded up to a multiple of it.
+        pad_buckets: also round every bucket's length up to a multiple of ``dp_size`` (needed by a
+            distributed optimizer, which shards each bucket evenly over data-parallel ranks).
+    """
+    if bucket_size is not None and bucket_size < 1:
+        raise ValueError(f"bucket_size (--ddp-bucket-size) must be >= 1 element, got {bucket_size}")
+    if dp_size < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {dp_size}")
+    param_ranges: List[Tuple[int, int]] = []
+    bucket_ranges: List[Tuple[int, int]] = []
+    bucket_params: List[List[int]] = []
+    offset = bucket_start = 0
+    current: List[int] = []
+    for index, numel in enumerate(numels):
+        param_ranges.append((offset, offset + numel))
+        offset += numel
+        current.append(index)
+        if bucket_size is not None and offset - bucket_start >= bucket_size:
+            end = _round_up(offset, dp_size) if pad_buckets else offset
+            bucket_ranges.append((bucket_start, end))
+            bucket_params.append(current)
+            offset = bucket_start = end
+            current = []
+    total = _round_up(offset, dp_size)
+    if current:
+        bucket_ranges.append((bucket_start, total))
+        bucket_params.append(current)
+    elif bucket_ranges and bucket_ranges[-1][1] != total:
+        bucket_ranges[-1] = (bucket_ranges[-1][0], total)
+    return BufferLayout(param_ranges, bucket_ranges, bucket_params, total, sum(numels))
+
+
+class Bucket:
+    """Parameters whose gradients are reduced together, and the slice of the buffer they share.
+
+    Args:
+        index: position of this bucket in its buffer (launch order).
+        params: the parameters whose ``main_grad`` lies in ``data``.
+        data: 1-D view of the buffer, ``[bucket numel]``.
+        offset: start of ``data`` within the buffer, in elements.
+        dp_group: data-parallel process group the reduction runs over.
+        overlap_grad_reduce: launch the all-reduce asynchronously (``async_op=True``).
+    """
+
+    def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor,
+                 offset: int, dp_group, overlap_grad_reduce: bool):
+        self.index = index
+        self.params = list(params)
+        self.data = data
+        self.offset = offset
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.params_with_grad = set()
+        self.communication_handle = None
+        self.communication_issued = False
+
+    def reset(self) -> None:
+        """Forget which gradients arrived and the last reduction, ready for the next step."""
+        self.params_with_grad = set()
+        self.communication_handle = None
+        self.communication_issued = False
+
+    def register_grad_ready(self, param: torch.nn.Parameter) -> None:
+        self.params_with_grad.add(param)
+
+    def is_ready(self) -> bool:
+        """Whether every parameter's last-micro-batch gradient is in the buffer."""
+        return len(self.params_with_grad) == len(self.params)
+
+    def start_grad_sync(self) -> None:
+        """Average this bucket over the data-parallel group: divide by dp size, then all-reduce.
+
+        Dividing before the sum (pre-divide) keeps every partial sum within the range of a single
+        rank's gradient, so a reduction in fp16 or bf16 cannot overflow however many ranks take
+        part; gloo has no ``ReduceOp.AVG`` to do it for us. For a power-of-two dp size the division
+        is exact, so pre- and post-dividing give the same bits there.
+        """
+        if self.communication_issued:
+            return
+        self.communication_issued = True
+        if self.dp_size == 1:
+            return
+        self.data.div_(self.dp_size)
+        self.communication_handle = dist.all_reduce(
+            self.data, group=self.dp_group, async_op=self.overlap_grad_reduce)
+
+    def finish_grad_sync(self) -> None:
+        """Make sure the reduction was issued and has completed."""
+        self.start_grad_sync()
+        if self.communication_handle is not None:
+            self.communication_handle.wait()
+            self.communication_handle = None
+
+
+class GradBuffer:
+    """A contiguous gradient buffer for parameters of one gradient dtype, and its buckets.
+
+    Args:
+        params: trainable parameters, in the order to lay them out (reverse model order).
+        dtype: dtype of the buffer (``main_grad``).
+        dp_group: data-parallel process group.
+        bucket_size: elements per bucket (a bucket closes once it holds at least this many);
+            None for one bucket.
+        overlap_grad_reduce: start each bucket's all-reduce asynchronously as soon as all its
+            gradients of the last micro-batch are in; otherwise reduce in ``finish_grad_sync``.
+        use_distributed_optimizer: pad every bucket to a multiple of the dp size so a distributed
+            optimizer can shard it. Reduction is still a full all-reduce, of which each rank's
+            shard is a correct subset.
+    """
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype, dp_group,
+                 bucket_size: Optional[int], overlap_grad_reduce: bool,
+                 use_distributed_optimizer: bool = False):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("a GradBuffer needs at least one parameter")
+        devices = {p.device for p in self.params}
+        if len(devices) != 1:
+            raise ValueError(f"all parameters of one gradient buffer must be on one device, "
+                             f"found {sorted(str(d) for d in devices)}")
+        self.dtype = dtype
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.is_last_microbatch = True
+
+        layout = compute_buffer_layout([p.numel() for p in self.params], bucket_size,
+                                       self.dp_size, pad_buckets=use_distributed_optimizer)
+        self.numel = layout.numel
+        self.numel_unpadded = layout.numel_unpadded
+        self.data = torch.zeros(layout.numel, dtype=dtype, device=devices.pop())  # [numel]
+
+        self.buckets: List[Bucket] = []
+        self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
+        # param -> (start, end, bucket index): what a distributed optimizer needs to shard.
+        self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
+        for index, ((start, end), members) in enumerate(zip(layout.bucket_ranges,
+                                                            layout.bucket_params)):
+            bucket_params = [self.params[i] for i in members]
+            bucket = Bucket(index, bucket_params, self.data[start:end], start, dp_group,
+                            overlap_grad_reduce)
+            self.buckets.append(bucket)
+            for i in members:
+                param = self.params[i]
+                p_start, p_end = layout.param_ranges[i]
+                param.main_grad = self.data[p_start:p_end].view(param.shape)
+                self.param_to_bucket[param] = bucket
+                self.param_index_map[param] = (p_start, p_end, index)
+        self._next_bucket = 0  # every bucket before this one has been launched
+
+    def reset(self) -> None:
+        """Zero the buffer (every ``main_grad``) and forget the last reduction."""
+        self.data.zero_()
+        self._reset_communication()
+
+    def _reset_communication(self) -> None:
+        for bucket in self.buckets:
+            bucket.reset()
+        self._next_bucket = 0
+
+    def register_grad_ready(self, param: torch.nn.Parameter) -> None:
+        """Note that ``param``'s last-micro-batch gradient is in the buffer (overlap mode).
+
+        Launches, in index order, every bucket whose gradients are all in and whose predecessors
+        have been launched.
+        """
+        self.param_to_bucket[param].register_grad_ready(param)
+        while self._next_bucket < len(self.buckets) and self.buckets[self._next_bucket].is_ready():
+            self.buckets[self._next_bucket].start_grad_sync()
+            self._next_bucket += 1
+
+    def start_grad_sync(self) -> None:
+        """Launch the reduction of every bucket not launched yet, in index order."""
+        for bucket in self.buckets[self._next_bucket:]:
+            bucket.start_grad_sync()
+        self._next_bucket = len(self.buckets)
+
+    def finish_grad_sync(self) -> None:
+        """Launch what is left, wait for every bucket, and get ready for the next step."""
+        self.start_grad_sync()
+        for bucket in self.buckets:
+            bucket.finish_grad_sync()
+        self._reset_communication()
