@@ -1,0 +1,181 @@
+"""Self-attention split over tensor-parallel ranks by heads (or query groups).
+
+``query_key_value`` is a column-parallel projection whose output rows are ordered per query
+group as ``[groups, heads_per_group + 2, head_dim]`` (queries of the group's heads, then its key,
+then its value). Without grouped-query attention a group is one head and this is Megatron's
+``[heads, 3, head_dim]`` layout. Because the rows of one group are contiguous, the column split
+hands each tensor-parallel rank whole groups, and no communication is needed until ``dense``, a
+row-parallel projection that sums the ranks' partial outputs.
+"""
+
+import contextlib
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.config import TransformerConfig
+from megatron.core.tensor_parallel.utils import divide
+from megatron.fused_kernels.softmax import FusedScaleMaskSoftmax, attention_mask_func
+from megatron.model.enums import AttnMaskType
+from megatron.model.module import MegatronModule
+from megatron.model.rotary_pos_embedding import apply_rotary_pos_emb
+
+
+def dropout_rng_context(active: bool):
+    """The tensor-parallel RNG fork when a dropout will draw random numbers, else nothing.
+
+    Dropout that is off (evaluation, or probability 0) draws nothing, so skipping the fork then
+    changes no result and lets models run without a seeded tracker.
+    """
+    if not active:
+        return contextlib.nullcontext()
+    return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+class CoreAttention(MegatronModule):
+    """``softmax(q k^T / sqrt(d) + mask) v`` for this rank's heads.
+
+    Two bodies computing the same function: the explicit one (``baddbmm``, scaled masked softmax,
+    dropout, ``bmm``) and, with ``--use-flash-attn``,
+    ``torch.nn.functional.scaled_dot_product_attention`` (flash or memory-efficient kernels where
+    the device has them). Attention dropout draws from the tensor-parallel RNG stream, since each
+    rank holds different heads.
+
+    Args:
+        config: the transformer config.
+        layer_number: 1-based global layer number (query-key layer scaling divides by it).
+        num_heads: attention heads on this rank.
+        attn_mask_type: causal for GPT (a missing mask then means causal).
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, num_heads: int,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal):
+        super().__init__(config)
+        self.attn_mask_type = attn_mask_type
+        self.num_heads = num_heads
+        self.hidden_size_per_head = config.kv_channels
+        self.use_flash_attn = config.use_flash_attn
+        self.attention_dropout_p = config.attention_dropout
+        coeff = None
+        self.norm_factor = math.sqrt(self.hidden_size_per_head)
+        softmax_in_fp32 = config.attention_softmax_in_fp32
+        if config.apply_query_key_layer_scaling:
+            # Scores are divided by the layer number before the half-precision matmul output
+            # (avoiding overflow) and multiplied back inside the fp32 softmax.
+            coeff = max(1, layer_number)
+            self.norm_factor *= coeff
+            softmax_in_fp32 = True
+        self.scale_mask_softmax = FusedScaleMaskSoftmax(
+            config.fp16, config.bf16, attn_mask_type, config.masked_softmax_fusion,
+            attention_mask_func, softmax_in_fp32, coeff)
+        self.attention_dropout = torch.nn.Dropout(config.attention_dropout)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[sq, b, np, hn]`` query, ``[sk, b, np, hn]`` key and value -> ``[sq, b, np * hn]``.
+
+        ``attention_mask``: bool broadcastable to ``[b, np, sq, sk]``, True = masked; None means
+        causal.
+        """
+        if self.use_flash_attn:
+            return self._sdpa_forward(query, key, value, attention_mask)
+        sq, b, np_, hn = query.shape
+        sk = key.size(0)
+        q = query.reshape(sq, b * np_, hn).transpose(0, 1)               # [b*np, sq, hn]
+        k = key.reshape(sk, b * np_, hn).permute(1, 2, 0)                # [b*np, hn, sk]
+        scores = torch.baddbmm(
+            torch.empty(b * np_, sq, sk, dtype=query.dtype, device=query.device), q, k,
+            beta=0.0, alpha=1.0 / self.norm_factor)                      # [b*np, sq, sk]
+        probs = self.scale_mask_softmax(scores.view(b, np_, sq, sk), attention_mask)
+        with dropout_rng_context(self.training and self.attention_dropout_p > 0):
+            probs = self.attention_dropout(probs)                        # [b, np, sq, sk]
+        v = value.reshape(sk, b * np_, hn).transpose(0, 1)               # [b*np, sk, hn]
+        context = torch.bmm(probs.view(b * np_, sq, sk), v)              # [b*np, sq, hn]
+        context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3)       # [sq, b, np, hn]
+        return context.reshape(sq, b, np_ * hn)                          # [sq, b, np*hn]
+
+    def _sdpa_forward(self, query, key, value, attention_mask):
+        sq, b, np_, hn = query.shape
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [b, np, s, hn]
+        is_causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal
+        keep = None if attention_mask is None else ~attention_mask
+        dropout_p = self.attention_dropout_p if self.training else 0.0
+        with dropout_rng_context(dropout_p > 0):
+            context = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
+                scale=1.0 / math.sqrt(hn))                               # [b, np, sq, hn]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)      # [sq, b, np*hn]
+
+
+class ParallelAttention(MegatronModule):
+    """Self-attention: fused QKV projection, optional rotary embedding, core attention, ``dense``.
+
+    Args:
+        config: the transformer config.
+        layer_number: 1-based global layer number.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        tp_size: its size.
+        sequence_parallel: input and output are ``[s/tp, b, h]``.
+        init_method: initialiser of ``query_key_value``.
+        output_layer_init_method: initialiser of ``dense``.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
+                 sequence_parallel: bool, init_method, output_layer_init_method):
+        super().__init__(config)
+        hn = config.kv_channels
+        self.num_heads = divide(config.num_attention_heads, tp_size,
+                                "--num-attention-heads over --tensor-model-parallel-size")
+        self.num_groups = divide(config.num_query_groups, tp_size,
+                                 "--num-query-groups over --tensor-model-parallel-size")
+        self.heads_per_group = config.num_attention_heads // config.num_query_groups
+        self.hidden_size_per_head = hn
+        self.checkpoint_core_attention = config.recompute_granularity == "selective"
+        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * hn
+        self.query_key_value = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, qkv_size, init_method=init_method, tp_group=tp_group,
+            bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
+            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
+        self.core_attention = CoreAttention(config, layer_number, self.num_heads)
+        self.dense = tensor_parallel.RowParallelLinear(
+            config.num_attention_heads * hn, config.hidden_size,
+            init_method=output_layer_init_method, tp_group=tp_group,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
+
+    def split_qkv(self, mixed: torch.Tensor):
+        """``[s, b, groups * (heads_per_group + 2) * hn]`` -> query ``[s, b, np, hn]``, key and
+        value ``[s, b, groups, hn]``."""
+        s, b = mixed.shape[:2]
+        hn, per_group = self.hidden_size_per_head, self.heads_per_group
+        mixed = mixed.view(s, b, self.num_groups, (per_group + 2) * hn)
+        query, key, value = torch.split(mixed, [per_group * hn, hn, hn], dim=3)
+        return query.reshape(s, b, self.num_heads, hn), key, value
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor] = None):
+        """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> (output, bias) of the
+        same shape; the bias is returned unadded for the bias-dropout-add that follows."""
+        mixed, _ = self.query_key_value(hidden_states)       # [s, b, ng*(np/ng+2)*hn] local
+        query, key, value = self.split_qkv(mixed)
+        if rotary_pos_emb is not None:
+            query = apply_rotary_pos_emb(query, rotary_pos_emb)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+        if self.heads_per_group > 1:
+            key = key.repeat_interleave(self.heads_per_group, dim=2)       # [s, b, np, hn]
+            value = value.repeat_interleave(self.heads_per_group, dim=2)
+        if self.checkpoint_core_attention and torch.is_grad_enabled():
+            context = self._checkpointed_attention_forward(query, key, value, attention_mask)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
+        return self.dense(context)
+
+    def _checkpointed_attention_forward(self, query, key, value, attention_mask):
+        """Core attention without keeping its ``[b, np, s, s]`` intermediates (selective
+        recomputation): they are recomputed, with the same dropout mask, in backward."""
+        def custom_forward(q, k, v):
+            return self.core_attention(q, k, v, attention_mask)
+        return tensor_parallel.checkpoint(custom_forward, False, query, key, value)

@@ -1,0 +1,130 @@
+"""GPT: the language model of one pipeline stage, with the LM head and loss on the last stage."""
+
+from typing import Optional
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.config import TransformerConfig
+from megatron.model.language_model import (
+    TransformerLanguageModel,
+    build_word_embeddings,
+    parallel_lm_logits,
+)
+from megatron.model.module import MegatronModule
+from megatron.model.transformer import get_num_layers_and_offset
+from megatron.model.utils import init_rng
+
+
+class GPTModel(MegatronModule):
+    """Megatron's GPT on tensor-, sequence- and pipeline-parallel layers.
+
+    Args:
+        config: the transformer config.
+        pstate: this rank's :class:`~megatron.core.parallel_state.ParallelState` (or any object
+            with ``tp_group``, ``tp_size``, ``pp_size``, ``pp_rank``, ``virtual_pp_size``,
+            ``virtual_pp_rank``); the virtual rank is read once, here.
+        pre_process: this is the first (virtual) stage: it owns the embedding.
+        post_process: this is the last (virtual) stage: final norm, LM head, loss.
+        parallel_output: return logits split over the vocabulary (``[b, s, V/tp]``); otherwise
+            gather them to ``[b, s, V]``. The loss is always computed on the split logits.
+        init_seed: the seed every piece's initialisation derives from; the same seed gives the
+            same model under any TP / PP split.
+        sequence_parallel: ``--sequence-parallel``.
+
+    With tied embeddings (the default) and more than one pipeline stage, a last stage that has no
+    embedding keeps ``word_embeddings_for_head``, a ``[V/tp, h]`` copy initialised exactly like
+    the first stage's word embeddings; the pipeline code keeps the two in step (their gradients
+    are summed over the embedding group).
+    """
+
+    def __init__(self, config: TransformerConfig, pstate, pre_process: bool = True,
+                 post_process: bool = True, parallel_output: bool = True,
+                 init_seed: int = 1234, sequence_parallel: bool = False):
+        super().__init__(config)
+        config.check_splittable(pstate.tp_size, pstate.pp_size)
+        self.tp_group = pstate.tp_group
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.parallel_output = parallel_output
+        self.sequence_parallel = sequence_parallel
+        self.fp16_lm_cross_entropy = config.fp16_lm_cross_entropy
+        self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
+        vp_size = getattr(pstate, "virtual_pp_size", None)
+        vp_rank = getattr(pstate, "virtual_pp_rank", None) if vp_size is not None else None
+        num_layers, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank,
+                                                       vp_size, vp_rank)
+        self.language_model = TransformerLanguageModel(
+            config, pstate.tp_group, pstate.tp_size, num_layers, offset, pre_process,
+            post_process, sequence_parallel, init_seed)
+        if self.share_embeddings_and_output_weights:
+            self._init_shared_head(init_seed)
+
+    def _init_shared_head(self, init_seed: int) -> None:
+        if self.post_process and not self.pre_process:
+            with init_rng(init_seed, "embedding"):
+                self.word_embeddings_for_head = build_word_embeddings(self.config,
+                                                                      self.tp_group)
+            self.word_embeddings_for_head.weight.shared = True
+            self.word_embeddings_for_head.weight.shared_embedding = True
+        elif self.pre_process and not self.post_process:
+            self.language_model.embedding.word_embeddings.weight.shared_embedding = True
+
+    def shared_embedding_or_output_weight(self) -> torch.Tensor:
+        """The word-embedding table this stage uses (embedding, LM head, or both)."""
+        if self.pre_process:
+            return self.language_model.embedding.word_embeddings.weight
+        if not self.share_embeddings_and_output_weights:
+            raise RuntimeError("shared_embedding_or_output_weight() called on a stage without "
+                               "an embedding while --untie-embeddings-and-output-weights is set")
+        return self.word_embeddings_for_head.weight
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Activations from the previous stage: ``[s, b, h]`` (``[s/tp, b, h]`` with SP)."""
+        self.language_model.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                attention_mask: Optional[torch.Tensor],
+                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Run this stage.
+
+        Args:
+            input_ids: ``[b, s]`` token ids (first stage; None elsewhere).
+            position_ids: ``[b, s]`` (learned absolute positions; rotary uses ``0 .. s-1``).
+            attention_mask: bool ``[b or 1, 1, s, s]``, True = masked out; None = causal.
+            labels: ``[b, s]`` target ids, or None.
+
+        Returns:
+            On a stage that is not last, hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with SP).
+            On the last stage, logits ``[b, s, V/tp]`` (``[b, s, V]`` without
+            ``parallel_output``) when ``labels`` is None, else the per-token loss ``[b, s]``.
+        """
+        hidden = self.language_model(input_ids, position_ids, attention_mask)
+        if not self.post_process:
+            return hidden
+        if self.share_embeddings_and_output_weights:
+            logits = parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
+                                        self.tp_group, self.sequence_parallel)  # [s, b, V/tp]
+        else:
+            logits, _ = self.language_model.output_layer(hidden)               # [s, b, V/tp]
+        if labels is None:
+            logits = logits.transpose(0, 1).contiguous()                         # [b, s, V/tp]
+            if not self.parallel_output:
+                logits = tensor_parallel.gather_from_tensor_model_parallel_region(
+                    logits, self.tp_group)                                       # [b, s, V]
+            return logits
+        if not self.fp16_lm_cross_entropy and logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(
+            logits, labels.transpose(0, 1).contiguous(), self.tp_group)        # [s, b]
+        return loss.transpose(0, 1).contiguous()                                 # [b, s]
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """``{"language_model": {...}, "word_embeddings_for_head": {"weight": ...}}`` as
+        Megatron saves it (the second key only on a last stage without an embedding)."""
+        state = {"language_model": self.language_model.state_dict_for_save_checkpoint(
+            prefix, keep_vars)}
+        if hasattr(self, "word_embeddings_for_head"):
+            state["word_embeddings_for_head"] = self.word_embeddings_for_head.state_dict(
+                prefix=prefix, keep_vars=keep_vars)
+        return state

@@ -1,0 +1,173 @@
+"""Embedding + transformer stack of one pipeline stage, and the tensor-parallel LM head.
+
+Saved in Megatron's nesting::
+
+    language_model
+      embedding       word_embeddings.weight, position_embeddings.weight    (first stage)
+      encoder         layers.N...., final_layernorm.*                        (final norm: last)
+      output_layer    weight                                                 (last, untied only)
+"""
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import device, tensor_parallel
+from megatron.core.config import TransformerConfig
+from megatron.core.utils import init_method_normal
+from megatron.model.attention import dropout_rng_context
+from megatron.model.module import MegatronModule
+from megatron.model.rotary_pos_embedding import RotaryEmbedding
+from megatron.model.transformer import ParallelTransformer
+from megatron.model.utils import init_rng
+
+
+def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tensor, tp_group,
+                       sequence_parallel: bool,
+                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Logits of this rank's vocabulary slice: ``[s, b, h] -> [s, b, V/tp]``.
+
+    ``word_embeddings_weight`` is this rank's ``[V/tp, h]`` rows. The input is replicated over
+    the tensor-parallel group (its gradient is all-reduced), or, with sequence parallelism,
+    ``[s/tp, b, h]`` and all-gathered (its gradient reduce-scattered).
+    """
+    if sequence_parallel:
+        input_ = tensor_parallel.gather_from_sequence_parallel_region(
+            input_, tp_group, tensor_parallel_output_grad=True)             # [s, b, h]
+    else:
+        input_ = tensor_parallel.copy_to_tensor_model_parallel_region(input_, tp_group)
+    return F.linear(input_, word_embeddings_weight, bias)                   # [s, b, V/tp]
+
+
+def build_word_embeddings(config: TransformerConfig, tp_group):
+    """The vocab-parallel word embedding table (built first inside the ``embedding`` seed, so a
+    second call under the same seed reproduces it exactly)."""
+    return tensor_parallel.VocabParallelEmbedding(
+        config.padded_vocab_size, config.hidden_size,
+        init_method=init_method_normal(config.init_method_std), tp_group=tp_group,
+        params_dtype=config.params_dtype)
+
+
+class Embedding(MegatronModule):
+    """Word embeddings (vocab-parallel) + learned absolute position embeddings + dropout.
+
+    Args:
+        config: the transformer config.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        add_position_embedding: learned absolute positions (``--position-embedding-type
+            learned_absolute``).
+        sequence_parallel: scatter the output along the sequence to ``[s/tp, b, h]``.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group, add_position_embedding: bool,
+                 sequence_parallel: bool = False):
+        super().__init__(config)
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.add_position_embedding = add_position_embedding
+        self.word_embeddings = build_word_embeddings(config, tp_group)
+        if add_position_embedding:
+            self.position_embeddings = torch.nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype,
+                device=device.current_device())
+            init_method_normal(config.init_method_std)(self.position_embeddings.weight)
+        self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
+
+    def forward(self, input_ids: torch.Tensor,
+                position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[b, s]`` ids and positions -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence
+        parallelism)."""
+        embeddings = self.word_embeddings(input_ids)                         # [b, s, h]
+        if self.add_position_embedding:
+            embeddings = embeddings + self.position_embeddings(position_ids)
+        embeddings = embeddings.transpose(0, 1).contiguous()                 # [s, b, h]
+        if self.config.fp32_residual_connection:
+            embeddings = embeddings.float()
+        if not self.sequence_parallel:
+            return self.embedding_dropout(embeddings)
+        embeddings = tensor_parallel.scatter_to_sequence_parallel_region(
+            embeddings, self.tp_group)                                       # [s/tp, b, h]
+        with dropout_rng_context(self.training and self.embedding_dropout.p > 0):
+            return self.embedding_dropout(embeddings)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        state = {"word_embeddings": self.word_embeddings.state_dict(prefix=prefix,
+                                                                    keep_vars=keep_vars)}
+        if self.add_position_embedding:
+            state["position_embeddings"] = self.position_embeddings.state_dict(
+                prefix=prefix, keep_vars=keep_vars)
+        return state
+
+
+class TransformerLanguageModel(MegatronModule):
+    """Embedding (first stage), this stage's layers, untied output layer (last stage).
+
+    Every parameter-owning piece is built under its own seed (``embedding``, ``layer.N``,
+    ``final_norm``, ``output_layer``), so the model does not depend on the parallel split.
+
+    Args:
+        config: the transformer config.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        tp_size: its size.
+        num_layers: layers on this stage.
+        layer_offset: global index of this stage's first layer.
+        pre_process: first stage.
+        post_process: last stage.
+        sequence_parallel: activations between tensor-parallel regions are ``[s/tp, b, h]``.
+        init_seed: seed every piece's initialisation seed derives from.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
+                 layer_offset: int, pre_process: bool = True, post_process: bool = True,
+                 sequence_parallel: bool = False, init_seed: int = 1234):
+        super().__init__(config)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.tp_size = tp_size
+        self.sequence_parallel = sequence_parallel
+        self.untie_embeddings_and_output_weights = config.untie_embeddings_and_output_weights
+        if pre_process:
+            with init_rng(init_seed, "embedding"):
+                self.embedding = Embedding(
+                    config, tp_group,
+                    config.position_embedding_type == "learned_absolute", sequence_parallel)
+        self.rotary_pos_emb = None
+        if config.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(
+                int(config.kv_channels * config.rotary_percent), config.rotary_base)
+        self.encoder = ParallelTransformer(config, tp_group, tp_size, num_layers, layer_offset,
+                                           pre_process, post_process, sequence_parallel,
+                                           init_seed)
+        if post_process and self.untie_embeddings_and_output_weights:
+            with init_rng(init_seed, "output_layer"):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    config.hidden_size, config.padded_vocab_size,
+                    init_method=init_method_normal(config.init_method_std), tp_group=tp_group,
+                    bias=False, gather_output=False, sequence_parallel=sequence_parallel,
+                    params_dtype=config.params_dtype)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.encoder.set_input_tensor(input_tensor)
+
+    def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
+                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """Hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) after this
+        stage's layers (and the final norm on the last stage)."""
+        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
+        rotary = None
+        if self.rotary_pos_emb is not None:
+            local = hidden if self.pre_process else self.encoder.input_tensor
+            seq_len = local.size(0) * (self.tp_size if self.sequence_parallel else 1)
+            rotary = self.rotary_pos_emb(seq_len)                            # [s, 1, 1, d]
+        return self.encoder(hidden, attention_mask, rotary)
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        state = {}
+        if self.pre_process:
+            state["embedding"] = self.embedding.state_dict_for_save_checkpoint(prefix, keep_vars)
+        state["encoder"] = self.encoder.state_dict_for_save_checkpoint(prefix, keep_vars)
+        if self.post_process and self.untie_embeddings_and_output_weights:
+            state["output_layer"] = self.output_layer.state_dict(prefix=prefix,
+                                                                 keep_vars=keep_vars)
+        return state

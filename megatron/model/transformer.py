@@ -1,0 +1,236 @@
+"""Pre-norm transformer layers on tensor- and sequence-parallel linear layers.
+
+Activations are ``[s, b, h]``. With sequence parallelism they are ``[s/tp, b, h]`` between the
+tensor-parallel regions: norms and dropouts work on this rank's slice of the sequence, the
+column-parallel projections all-gather it on the way in and the row-parallel ones reduce-scatter
+on the way out, in place of tensor parallelism's two all-reduces per layer.
+
+Each layer is built inside an RNG fork seeded from its global layer number
+(:func:`megatron.model.utils.init_rng`), so a layer has the same weights whichever pipeline
+stage builds it.
+"""
+
+from typing import Callable, Optional, Tuple
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.utils import init_method_normal, scaled_init_method_normal
+from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
+from megatron.fused_kernels.bias_gelu import bias_gelu_impl, bias_gelu_unfused
+from megatron.fused_kernels.swiglu import bias_swiglu_impl, bias_swiglu_unfused
+from megatron.model.attention import ParallelAttention, dropout_rng_context
+from megatron.model.module import MegatronModule
+from megatron.model.norms import get_norm
+from megatron.model.utils import init_rng, openai_gelu
+
+
+def _bias_activation(config: TransformerConfig) -> Callable:
+    """``(input, bias or None) -> activation(input + bias)`` as the flags select it."""
+    if config.swiglu:
+        # TransformerConfig may carry --no-bias-swiglu-fusion; fused by default.
+        fused = getattr(config, "bias_swiglu_fusion", True)
+        return bias_swiglu_impl if fused else bias_swiglu_unfused
+    if config.openai_gelu:
+        return lambda x, bias: openai_gelu(x if bias is None else x + bias)
+    return bias_gelu_impl if config.bias_gelu_fusion else bias_gelu_unfused
+
+
+class ParallelMLP(MegatronModule):
+    """``dense_h_to_4h`` (column-parallel), GeLU or SwiGLU, ``dense_4h_to_h`` (row-parallel).
+
+    With SwiGLU ``dense_h_to_4h`` has ``2 * ffn`` outputs: the full weight is ``[gate; value]``
+    and is split with stride 2, so each rank holds ``[gate_r; value_r]`` and the model is the same
+    under any tensor-parallel size.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group, sequence_parallel: bool,
+                 init_method, output_layer_init_method):
+        super().__init__(config)
+        ffn = config.ffn_hidden_size
+        self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, 2 * ffn if config.swiglu else ffn, init_method=init_method,
+            tp_group=tp_group, bias=config.add_bias_linear, gather_output=False,
+            skip_bias_add=True, sequence_parallel=sequence_parallel,
+            params_dtype=config.params_dtype, stride=2 if config.swiglu else 1)
+        self.activation_func = _bias_activation(config)
+        self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
+            ffn, config.hidden_size, init_method=output_layer_init_method, tp_group=tp_group,
+            bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
+            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor):
+        """``[s, b, h]`` -> (output ``[s, b, h]``, unadded bias); ``s/tp`` with sequence
+        parallelism."""
+        intermediate, bias = self.dense_h_to_4h(hidden_states)   # [s, b, (2*)ffn/tp]
+        intermediate = self.activation_func(intermediate, bias)  # [s, b, ffn/tp]
+        return self.dense_4h_to_h(intermediate)
+
+
+class ParallelTransformerLayer(MegatronModule):
+    """norm -> self-attention -> bias-dropout-add -> norm -> MLP -> bias-dropout-add.
+
+    Args:
+        config: the transformer config.
+        layer_number: 1-based global layer number.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        tp_size: its size.
+        sequence_parallel: activations are ``[s/tp, b, h]``.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
+                 sequence_parallel: bool = False):
+        super().__init__(config)
+        self.layer_number = layer_number
+        self.sequence_parallel = sequence_parallel
+        self.hidden_dropout = config.hidden_dropout
+        self.apply_residual_connection_post_layernorm = (
+            config.apply_residual_connection_post_layernorm)
+        init_method = init_method_normal(config.init_method_std)
+        output_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        self.input_layernorm = get_norm(config, sequence_parallel)
+        self.self_attention = ParallelAttention(config, layer_number, tp_group, tp_size,
+                                                sequence_parallel, init_method, output_init)
+        self.post_attention_layernorm = get_norm(config, sequence_parallel)
+        self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
+
+    def _bias_dropout_add(self, x, bias, residual):
+        fn = get_bias_dropout_add_func(self.config.bias_dropout_fusion, self.training)
+        # Under sequence parallelism each rank drops out its own slice of the sequence, so the
+        # masks must differ across ranks: draw them from the tensor-parallel stream.
+        active = self.sequence_parallel and self.training and self.hidden_dropout > 0
+        with dropout_rng_context(active):
+            return fn(x, bias, residual, self.hidden_dropout)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)."""
+        ln_output = self.input_layernorm(hidden_states)
+        attn_output, attn_bias = self.self_attention(ln_output, attention_mask, rotary_pos_emb)
+        residual = ln_output if self.apply_residual_connection_post_layernorm else hidden_states
+        ln_input = self._bias_dropout_add(attn_output, attn_bias, residual)
+        ln_output = self.post_attention_layernorm(ln_input)
+        mlp_output, mlp_bias = self.mlp(ln_output)
+        residual = ln_output if self.apply_residual_connection_post_layernorm else ln_input
+        return self._bias_dropout_add(mlp_output, mlp_bias, residual)
+
+
+def get_num_layers_and_offset(config: TransformerConfig, pp_size: int, pp_rank: int,
+                              vp_size: Optional[int] = None,
+                              vp_rank: Optional[int] = None) -> Tuple[int, int]:
+    """Number of layers of this (virtual) pipeline stage and the global index of its first.
+
+    Without virtual stages, stage ``p`` holds layers ``[p L/pp, (p+1) L/pp)``. With ``vp``
+    virtual stages (interleaving), the layers are cut into ``pp * vp`` chunks of
+    ``L / (pp * vp)``, dealt round-robin: chunk ``v`` of stage ``p`` starts at layer
+    ``v * L / vp + p * L / (pp * vp)``. E.g. 8 layers, pp 2, vp 2: stage 0 holds layers 0-1
+    and 4-5, stage 1 holds 2-3 and 6-7.
+    """
+    layers = config.num_layers
+    if layers % pp_size != 0:
+        raise ConfigError(f"--num-layers ({layers}) must be divisible by "
+                          f"--pipeline-model-parallel-size ({pp_size})")
+    per_stage = layers // pp_size
+    if vp_size is None:
+        return per_stage, pp_rank * per_stage
+    if per_stage % vp_size != 0:
+        raise ConfigError(
+            f"--num-layers per pipeline stage ({per_stage}) must be divisible by the number of "
+            f"virtual stages ({vp_size}, from --num-layers-per-virtual-pipeline-stage)")
+    per_chunk = per_stage // vp_size
+    return per_chunk, vp_rank * (layers // vp_size) + pp_rank * per_chunk
+
+
+class ParallelTransformer(MegatronModule):
+    """The layers of one (virtual) pipeline stage, plus the final norm on the last stage.
+
+    Args:
+        config: the transformer config.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        tp_size: its size.
+        num_layers: layers on this stage.
+        layer_offset: global index of this stage's first layer.
+        pre_process: this is the first stage (input comes from the embedding, not
+            :meth:`set_input_tensor`).
+        post_process: this is the last stage (apply ``final_layernorm``).
+        sequence_parallel: activations are ``[s/tp, b, h]``.
+        init_seed: seed the per-layer initialisation seeds derive from.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
+                 layer_offset: int, pre_process: bool = True, post_process: bool = True,
+                 sequence_parallel: bool = False, init_seed: int = 1234):
+        super().__init__(config)
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.num_layers = num_layers
+        self.layer_offset = layer_offset
+        self.input_tensor = None
+        self.recompute_granularity = config.recompute_granularity
+        self.recompute_method = config.recompute_method
+        self.recompute_num_layers = config.recompute_num_layers
+        layers = []
+        for i in range(num_layers):
+            with init_rng(init_seed, f"layer.{layer_offset + i}"):
+                layers.append(ParallelTransformerLayer(
+                    config, layer_offset + i + 1, tp_group, tp_size, sequence_parallel))
+        self.layers = torch.nn.ModuleList(layers)
+        if post_process:
+            with init_rng(init_seed, "final_norm"):
+                self.final_layernorm = get_norm(config, sequence_parallel)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Input of a stage that is not the first: the previous stage's output."""
+        if isinstance(input_tensor, (list, tuple)):
+            if len(input_tensor) != 1:
+                raise ValueError(f"expected one input tensor, got {len(input_tensor)}")
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
+    def _run_layers(self, start: int, end: int, hidden_states, attention_mask, rotary_pos_emb):
+        for layer in self.layers[start:end]:
+            hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+        return hidden_states
+
+    def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb):
+        """Full recomputation: keep only the inputs of checkpointed chunks of layers.
+
+        ``uniform``: every chunk of ``--recompute-num-layers`` consecutive layers is one
+        checkpoint. ``block``: the first ``--recompute-num-layers`` layers of the stage are
+        checkpointed one by one, the rest run normally.
+        """
+        def chunk(start, end):
+            def custom_forward(x):
+                return self._run_layers(start, end, x, attention_mask, rotary_pos_emb)
+            return custom_forward
+
+        n = self.recompute_num_layers
+        if self.recompute_method == "uniform":
+            for start in range(0, self.num_layers, n):
+                hidden_states = tensor_parallel.checkpoint(chunk(start, start + n), False,
+                                                           hidden_states)
+            return hidden_states
+        for i in range(self.num_layers):
+            if i < n:
+                hidden_states = tensor_parallel.checkpoint(chunk(i, i + 1), False, hidden_states)
+            else:
+                hidden_states = self._run_layers(i, i + 1, hidden_states, attention_mask,
+                                                 rotary_pos_emb)
+        return hidden_states
+
+    def forward(self, hidden_states: Optional[torch.Tensor],
+                attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> same shape."""
+        if not self.pre_process:
+            hidden_states = self.input_tensor
+        if self.recompute_granularity == "full" and torch.is_grad_enabled():
+            hidden_states = self._checkpointed_forward(hidden_states, attention_mask,
+                                                       rotary_pos_emb)
+        else:
+            hidden_states = self._run_layers(0, self.num_layers, hidden_states, attention_mask,
+                                             rotary_pos_emb)
+        if self.post_process:
+            hidden_states = self.final_layernorm(hidden_states)
+        return hidden_states

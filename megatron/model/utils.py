@@ -1,0 +1,43 @@
+"""Small helpers shared by the model files: activations and split-independent initialisation."""
+
+import contextlib
+import math
+import zlib
+
+import torch
+
+from megatron.core import device
+
+
+def openai_gelu(x: torch.Tensor) -> torch.Tensor:
+    """GeLU, tanh approximation with the exact sqrt(2/pi) (``--openai-gelu``)."""
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * x * (1.0 + 0.044715 * x * x)))
+
+
+def erf_gelu(x: torch.Tensor) -> torch.Tensor:
+    """Exact GeLU through erf."""
+    return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def piece_seed(init_seed: int, piece: str) -> int:
+    """Seed for initialising one parameter-owning piece of the model.
+
+    ``piece`` names the piece globally (``"embedding"``, ``"layer.7"`` for global layer 7,
+    ``"final_norm"``, ``"output_layer"``), so the same piece gets the same weights whichever
+    pipeline stage or tensor-parallel rank builds it.
+    """
+    return (init_seed * 1_000_003 + zlib.crc32(piece.encode())) % (2 ** 63)
+
+
+@contextlib.contextmanager
+def init_rng(init_seed: int, piece: str):
+    """Run the body with the RNGs seeded for ``piece``; restore every RNG afterwards.
+
+    Layers create their full-shape weights from the default generator, so building each piece
+    inside its own seeded fork makes the model independent of the parallel split and leaves the
+    caller's random streams (data order, dropout) untouched.
+    """
+    devices = [torch.cuda.current_device()] if device.is_cuda() else []
+    with torch.random.fork_rng(devices=devices):
+        device.manual_seed(piece_seed(init_seed, piece))
+        yield
