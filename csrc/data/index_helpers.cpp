@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <limits>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace py = pybind11;
@@ -62,6 +63,15 @@ py::array build_sample_idx(py::array_t<int32_t, py::array::c_style | py::array::
   for (py::ssize_t i = 0; i < sizes.size(); ++i) {
     max_doc_len = std::max<int64_t>(max_doc_len, sizes.data()[i]);
   }
+  // An id outside sizes would read past its end; reject it before the walk.
+  for (py::ssize_t i = 0; i < doc_idx.size(); ++i) {
+    const int32_t id = doc_idx.data()[i];
+    if (id < 0 || id >= sizes.size()) {
+      throw std::invalid_argument("build_sample_idx: doc_idx[" + std::to_string(i) + "] = " +
+                                  std::to_string(id) + " is not a sequence id in [0, " +
+                                  std::to_string(sizes.size()) + ")");
+    }
+  }
   const int64_t limit = std::numeric_limits<int32_t>::max();
   const bool wide = doc_idx.size() > limit || max_doc_len > limit;
   if (wide) {
@@ -110,7 +120,9 @@ PYBIND11_MODULE(_index_helpers, m) {
   m.doc() = "Compiled index builders for the GPT and blended datasets";
   m.def("build_sample_idx", &build_sample_idx, py::arg("sizes"), py::arg("doc_idx"),
         py::arg("seq_length"), py::arg("num_epochs"), py::arg("tokens_per_epoch"));
-  m.def("build_blending_indices", &build_blending_indices, py::arg("dataset_index"),
-        py::arg("dataset_sample_index"), py::arg("weights"), py::arg("num_datasets"),
-        py::arg("size"));
+  // The two outputs are written in place: noconvert() makes a wrong dtype or a non-contiguous
+  // array a TypeError instead of a silently filled (and discarded) converted copy.
+  m.def("build_blending_indices", &build_blending_indices, py::arg("dataset_index").noconvert(),
+        py::arg("dataset_sample_index").noconvert(), py::arg("weights"),
+        py::arg("num_datasets"), py::arg("size"));
 }

@@ -1,0 +1,292 @@
+"""The GPT pretraining dataset: fixed-length samples cut from shuffled documents.
+
+A :class:`GPTDataset` views one split of an indexed dataset (``.bin``/``.idx``). Like Megatron's
+GPT dataset it counts and splits *sequences*, the entries of the indexed dataset: for data
+preprocessed without ``--split-sentences`` a sequence is a whole document (an empty document has
+none), so "document" below means such a sequence. Sample i of a split is the S + 1 tokens
+(``--seq-length`` S) starting where sample i - 1 ended, in the order given by the shuffled
+document index; the samples themselves are then read in shuffled order (FORMATS.md section 3).
+The three index arrays are built once by global rank 0 and cached as ``.npy`` files
+(see :func:`megatron.data.dataset_utils.load_or_build_cached`).
+
+:func:`build_train_valid_test_datasets` turns ``--data-path`` (one prefix, or weighted prefixes,
+blended by :class:`~megatron.data.blendable_dataset.BlendableDataset`), ``--split`` and the sample
+counts into the train, valid and test datasets.
+"""
+
+import logging
+import math
+import os
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from megatron.data import dataset_utils, index_builders
+from megatron.data.blendable_dataset import BlendableDataset
+from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.mock_dataset import MockGPTDataset
+
+logger = logging.getLogger(__name__)
+
+# Bump when the way the indices are computed changes, so old caches are not reused.
+_INDEX_FORMAT_VERSION = 1
+_INDEX_NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
+
+
+@dataclass
+class GPTDatasetConfig:
+    """What the GPT datasets need from the command line.
+
+    Attributes:
+        seed: ``--seed``; draws the document and sample shuffles.
+        seq_length: ``--seq-length``; a sample holds ``seq_length + 1`` tokens.
+        split: ``--split`` weights of train, valid and test, e.g. ``"969, 30, 1"``.
+        data_cache_path: ``--data-cache-path``; None caches in ``cache/`` beside the data.
+        reset_position_ids / reset_attention_mask / eod_mask_loss: the batch-mask flags of the
+            same names, used by
+            :func:`~megatron.data.dataset_utils.get_ltor_masks_and_position_ids`.
+        mock: ``--mock-data``; synthetic tokens instead of files.
+        vocab_size: vocabulary of the synthetic tokens (needed only with ``mock``).
+    """
+
+    seed: int = 1234
+    seq_length: int = 1024
+    split: str = "969, 30, 1"
+    data_cache_path: Optional[str] = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    mock: bool = False
+    vocab_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.seq_length <= 0:
+            raise ValueError(f"--seq-length must be > 0, got {self.seq_length}")
+        dataset_utils.parse_split(self.split)  # reject a bad --split before any file is read
+        if self.mock and (self.vocab_size is None or self.vocab_size <= 0):
+            raise ValueError(f"--mock-data needs a vocabulary size > 0, got {self.vocab_size}")
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """One split of an indexed dataset as ``{"text": int64 [seq_length + 1]}`` samples.
+
+    Args:
+        name: split name (``train``, ``valid``, ``test``), part of the cache description.
+        path_prefix: the data prefix; its ``.bin``/``.idx`` sizes and mtimes key the cache, and
+            the default cache folder is ``cache/`` beside it.
+        indexed_dataset: the reader (``sequence_lengths`` and ``get(idx, offset, length)``).
+        documents: the split's sequence ids.
+        num_samples: samples wanted; the dataset holds at least this many (whole epochs).
+        config: seed, sequence length and cache folder.
+    """
+
+    def __init__(self, name: str, path_prefix: str, indexed_dataset, documents: np.ndarray,
+                 num_samples: int, config: GPTDatasetConfig):
+        self.name = name
+        self.path_prefix = path_prefix
+        self.indexed_dataset = indexed_dataset
+        self.documents = np.asarray(documents, dtype=np.int32)
+        self.num_samples = int(num_samples)
+        self.seq_length = int(config.seq_length)
+        if self.documents.size == 0:
+            raise ValueError(f"{name} split of {path_prefix} has no documents")
+        sizes = indexed_dataset.sequence_lengths
+        if int(np.sum(sizes[self.documents], dtype=np.int64)) == 0:
+            raise ValueError(f"{name} split of {path_prefix} ({self.documents.size} documents) "
+                             f"holds no tokens")
+        self.cache_dir = config.data_cache_path or os.path.join(
+            os.path.dirname(os.path.abspath(path_prefix)), "cache")
+        self.description = self._description(config.seed)
+        self._load_indices()
+
+    def _description(self, seed: int) -> dict:
+        prefix = os.path.abspath(self.path_prefix)
+        docs = self.documents
+        contiguous = bool(docs.size and np.array_equal(
+            docs, np.arange(docs[0], docs[0] + docs.size, dtype=np.int32)))
+        return {
+            "class": "GPTDataset",
+            "index_format": _INDEX_FORMAT_VERSION,
+            "path_prefix": prefix,
+            "split": self.name,
+            "documents": ([int(docs[0]), int(docs[-1]) + 1] if contiguous else
+                          dataset_utils.description_hash({"ids": docs.tolist()})[1]),
+            "num_sequences": int(len(self.indexed_dataset.sequence_lengths)),
+            "num_samples": self.num_samples,
+            "seq_length": self.seq_length,
+            "seed": int(seed),
+            "bin": dataset_utils.file_signature(prefix + ".bin"),
+            "idx": dataset_utils.file_signature(prefix + ".idx"),
+        }
+
+    def _build_indices(self) -> Dict[str, np.ndarray]:
+        doc_idx, sample_idx, shuffle_idx = index_builders.build_gpt_indices(
+            self.indexed_dataset.sequence_lengths, self.documents, self.num_samples,
+            self.seq_length, self.description["seed"])
+        return {"doc_idx": doc_idx, "sample_idx": sample_idx, "shuffle_idx": shuffle_idx}
+
+    def _load_indices(self) -> None:
+        arrays = dataset_utils.load_or_build_cached(
+            self.cache_dir, f"GPTDataset-{self.name}", self.description, _INDEX_NAMES,
+            self._build_indices)
+        self.doc_idx = arrays["doc_idx"]
+        self.sample_idx = arrays["sample_idx"]
+        self.shuffle_idx = arrays["shuffle_idx"]
+
+    def __getstate__(self):
+        # Workers reopen the cached files instead of receiving copies of the arrays.
+        state = dict(self.__dict__)
+        for name in _INDEX_NAMES:
+            state.pop(name, None)
+        return state
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        paths = dataset_utils.cached_paths(self.cache_dir, f"GPTDataset-{self.name}",
+                                           self.description, _INDEX_NAMES)
+        self.doc_idx, self.sample_idx, self.shuffle_idx = (
+            np.load(paths[n], mmap_mode="r") for n in _INDEX_NAMES)
+
+    def __len__(self) -> int:
+        return self.sample_idx.shape[0] - 1
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        n = len(self)
+        if not -n <= idx < n:
+            raise IndexError(f"sample {idx} out of range for the {n} samples of {self.name}")
+        built = int(self.shuffle_idx[idx])
+        first_pos, first_offset = (int(x) for x in self.sample_idx[built])
+        last_pos, last_offset = (int(x) for x in self.sample_idx[built + 1])
+        read = self.indexed_dataset.get
+        if first_pos == last_pos:
+            text = read(int(self.doc_idx[first_pos]), offset=first_offset,
+                        length=last_offset - first_offset + 1)
+        else:
+            parts = [read(int(self.doc_idx[first_pos]), offset=first_offset)]
+            parts += [read(int(self.doc_idx[p])) for p in range(first_pos + 1, last_pos)]
+            parts.append(read(int(self.doc_idx[last_pos]), length=last_offset + 1))
+            text = np.concatenate(parts)
+        return {"text": np.array(text, dtype=np.int64)}
+
+
+# ------------------------------------------------------------------------ building the splits
+
+
+def _open_indexed_dataset(prefix: str, flag: str) -> IndexedDataset:
+    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+    if missing:
+        raise FileNotFoundError(f"{flag}: data prefix {prefix!r} does not exist (missing "
+                                f"{', '.join(missing)}); expected PREFIX.bin and PREFIX.idx as "
+                                f"written by tools/preprocess_data.py")
+    return IndexedDataset(prefix)
+
+
+def _split_documents(indexed, split: str, whole: bool) -> List[Optional[np.ndarray]]:
+    """The sequence ids of train, valid and test (all of them for each when ``whole``)."""
+    n = len(indexed)
+    if whole:
+        return [np.arange(n, dtype=np.int32)] * 3
+    out = []
+    for bounds in dataset_utils.split_bounds(split, n):
+        if bounds is None or bounds[1] <= bounds[0]:
+            out.append(None)
+        else:
+            out.append(np.arange(bounds[0], bounds[1], dtype=np.int32))
+    return out
+
+
+def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]],
+                 documents: Dict[str, List[Optional[np.ndarray]]],
+                 opened: Dict[str, IndexedDataset],
+                 num_samples: int, config: GPTDatasetConfig):
+    """One split: a GPTDataset for one unweighted prefix, else a blend of the prefixes' splits."""
+    name = dataset_utils.SPLIT_NAMES[index]
+    if weights is None:
+        prefix = prefixes[0]
+        docs = documents[prefix][index]
+        if docs is None:
+            return None
+        return GPTDataset(name, prefix, opened[prefix], docs, num_samples, config)
+    # A dataset too small to have this split leaves it, and the others share its weight. A
+    # dataset of weight 0 is left out too: the greedy blend breaks ties towards the lowest index
+    # and could otherwise draw from it.
+    present = [(p, w) for p, w in zip(prefixes, weights)
+               if documents[p][index] is not None and w > 0]
+    if not present or num_samples <= 0:
+        return None
+    normalized = dataset_utils.normalize_weights([w for _, w in present])
+    per_dataset = dataset_utils.blend_num_samples(normalized, num_samples)
+    parts = [GPTDataset(name, p, opened[p], documents[p][index], n, config)
+             for (p, _), n in zip(present, per_dataset)]
+    # The blend's length: each dataset's share rounded up (at least the samples wanted).
+    size = sum(math.ceil(num_samples * w) for w in normalized)
+    return BlendableDataset(parts, normalized, size)
+
+
+def _check_train_not_empty(prefixes, documents, opened, split) -> None:
+    for p in prefixes:
+        if documents[p][0] is None:
+            raise ValueError(f"--split {split!r} leaves the train split of {p!r} empty "
+                             f"({len(opened[p])} documents); give train a larger share")
+
+
+def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetConfig,
+                      flag: str, only: Optional[int] = None) -> List:
+    prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
+    opened = {p: _open_indexed_dataset(p, flag) for p in prefixes}
+    whole = only is not None
+    documents = {p: _split_documents(opened[p], config.split, whole) for p in prefixes}
+    if not whole and num_samples[0] > 0:
+        _check_train_not_empty(prefixes, documents, opened, config.split)
+    for p in prefixes:
+        logger.info("%s: %d documents; train/valid/test document ranges %s", p, len(opened[p]),
+                    [None if d is None else (int(d[0]), int(d[-1]) + 1) for d in documents[p]])
+    splits = range(3) if only is None else [only]
+    out: List = [None, None, None]
+    for i in splits:
+        out[i] = _build_split(i, prefixes, weights, documents, opened, int(num_samples[i]),
+                              config)
+    return out
+
+
+def build_train_valid_test_datasets(config: GPTDatasetConfig,
+                                    data_path: Union[str, Sequence[str], None],
+                                    train_valid_test_num_samples: Sequence[int],
+                                    train_data_path: Union[str, Sequence[str], None] = None,
+                                    valid_data_path: Union[str, Sequence[str], None] = None,
+                                    test_data_path: Union[str, Sequence[str], None] = None):
+    """The (train, valid, test) datasets, each possibly None.
+
+    Args:
+        config: seed, sequence length, ``--split``, cache folder, mock flag.
+        data_path: ``--data-path``: one prefix, or ``W1 PREFIX1 W2 PREFIX2 ...``; each prefix is
+            split by ``--split``. With weights, each split blends the prefixes' splits and each
+            dataset is asked for ``ceil(ceil(total * w) * 1.005)`` samples (FORMATS.md 4).
+        train_valid_test_num_samples: samples wanted per split
+            (:func:`~megatron.data.dataset_utils.get_train_valid_test_num_samples`).
+        train_data_path / valid_data_path / test_data_path: ``--train-data-path`` etc.: used
+            whole for that split instead of ``--data-path`` and ``--split``.
+    """
+    num_samples = [int(n) for n in train_valid_test_num_samples]
+    if len(num_samples) != 3:
+        raise ValueError(f"need train, valid and test sample counts, got {num_samples}")
+    if config.mock:
+        return tuple(
+            MockGPTDataset(n, config.seq_length, config.vocab_size, config.seed + i) if n > 0
+            else None for i, n in enumerate(num_samples))
+    per_split = (train_data_path, valid_data_path, test_data_path)
+    if any(p for p in per_split):
+        if data_path:
+            raise ValueError("--data-path cannot be combined with --train-data-path, "
+                             "--valid-data-path or --test-data-path")
+        out: List = [None, None, None]
+        flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+        for i, path in enumerate(per_split):
+            if path:
+                out[i] = _build_from_blend(path, num_samples, config, flags[i], only=i)[i]
+        return tuple(out)
+    if not data_path:
+        raise ValueError("no data: pass --data-path (or --train-data-path ...), or --mock-data")
+    return tuple(_build_from_blend(data_path, num_samples, config, "--data-path"))
