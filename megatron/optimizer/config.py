@@ -1,0 +1,101 @@
+"""The optimizer's typed config: what ``megatron/arguments.py`` hands to the optimizer.
+
+Field names follow Megatron's flags (``--adam-beta1`` -> ``adam_beta1``); :meth:`__post_init__`
+rejects impossible values with a message naming the flag, the value seen and what was expected,
+so a wrong command line fails before any model is built.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core.config import ConfigError
+
+_DTYPE_FOR_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer, mixed precision and loss-scaling settings (Megatron flag names in comments)."""
+
+    optimizer: str = "adam"                # --optimizer adam | sgd
+    lr: Optional[float] = None             # --lr (the scheduler's max_lr; required)
+    min_lr: float = 0.0                    # --min-lr
+    weight_decay: float = 0.01             # --weight-decay
+    adam_beta1: float = 0.9                # --adam-beta1
+    adam_beta2: float = 0.999              # --adam-beta2
+    adam_eps: float = 1e-8                 # --adam-eps
+    sgd_momentum: float = 0.9              # --sgd-momentum
+    clip_grad: float = 1.0                 # --clip-grad (0 disables clipping)
+    fp16: bool = False                     # --fp16
+    bf16: bool = False                     # --bf16
+    params_dtype: Optional[torch.dtype] = None  # derived from --fp16 / --bf16 when None
+    loss_scale: Optional[float] = None     # --loss-scale (None: dynamic scaling with --fp16)
+    initial_loss_scale: float = 2.0 ** 32  # --initial-loss-scale
+    min_loss_scale: float = 1.0            # --min-loss-scale
+    loss_scale_window: int = 1000          # --loss-scale-window
+    hysteresis: int = 2                    # --hysteresis
+    use_distributed_optimizer: bool = False  # --use-distributed-optimizer
+    log_num_zeros_in_grad: bool = False    # --log-num-zeros-in-grad
+    check_for_nan_in_loss_and_grad: bool = False  # --check-for-nan-in-loss-and-grad
+
+    def __post_init__(self):
+        if self.optimizer not in ("adam", "sgd"):
+            raise ConfigError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.lr is None:
+            raise ConfigError("--lr must be given (the peak learning rate), got None")
+        self._check_learning_rates()
+        self._check_precision()
+        self._check_loss_scaling()
+
+    def _check_learning_rates(self) -> None:
+        if self.lr < 0.0:
+            raise ConfigError(f"--lr must be >= 0, got {self.lr}")
+        if not 0.0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"--min-lr must be in [0, --lr={self.lr}], got {self.min_lr}")
+        if self.weight_decay < 0.0:
+            raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
+        for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0.0 <= value < 1.0:
+                raise ConfigError(f"{flag} must be in [0, 1), got {value}")
+        if self.adam_eps <= 0.0:
+            raise ConfigError(f"--adam-eps must be > 0, got {self.adam_eps}")
+        if self.sgd_momentum < 0.0:
+            raise ConfigError(f"--sgd-momentum must be >= 0, got {self.sgd_momentum}")
+        if self.clip_grad < 0.0:
+            raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), "
+                              f"got {self.clip_grad}")
+
+    def _check_precision(self) -> None:
+        if self.fp16 and self.bf16:
+            raise ConfigError("--fp16 and --bf16 cannot both be given")
+        expected = torch.float32
+        if self.fp16:
+            expected = _DTYPE_FOR_PRECISION["fp16"]
+        elif self.bf16:
+            expected = _DTYPE_FOR_PRECISION["bf16"]
+        if self.params_dtype is None:
+            self.params_dtype = expected
+        elif self.params_dtype != expected:
+            precision = ("--fp16" if self.fp16 else "--bf16" if self.bf16
+                         else "neither --fp16 nor --bf16")
+            raise ConfigError(f"params_dtype {self.params_dtype} does not match {precision}: "
+                              f"expected {expected}")
+
+    def _check_loss_scaling(self) -> None:
+        if self.loss_scale is not None and self.loss_scale <= 0.0:
+            raise ConfigError(f"--loss-scale must be > 0 (or omitted for dynamic scaling), "
+                              f"got {self.loss_scale}")
+        if self.initial_loss_scale <= 0.0:
+            raise ConfigError(f"--initial-loss-scale must be > 0, got {self.initial_loss_scale}")
+        if not 0.0 < self.min_loss_scale <= self.initial_loss_scale:
+            raise ConfigError(f"--min-loss-scale must be in (0, --initial-loss-scale="
+                              f"{self.initial_loss_scale}], got {self.min_loss_scale}")
+        # Megatron parses --loss-scale-window as a float; accept any whole number.
+        if self.loss_scale_window < 1 or self.loss_scale_window != int(self.loss_scale_window):
+            raise ConfigError(f"--loss-scale-window must be a whole number >= 1, "
+                              f"got {self.loss_scale_window}")
+        self.loss_scale_window = int(self.loss_scale_window)
+        if self.hysteresis < 1:
+            raise ConfigError(f"--hysteresis must be >= 1, got {self.hysteresis}")

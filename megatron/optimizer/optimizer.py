@@ -1,0 +1,500 @@
+"""Optimizer wrappers: fp32 training, and fp16/bf16 training on fp32 main parameters.
+
+The training loop talks to one of two classes with Megatron's method names:
+
+* :class:`FP32Optimizer` for an fp32 model: gradients are clipped and the torch optimizer steps
+  on the model parameters directly.
+* :class:`Float16OptimizerWithFloat16Params` for a model held in fp16 or bf16: every half-precision
+  parameter gets an fp32 "main" copy that the torch optimizer updates. Each step copies the model
+  gradients into fp32 main gradients, unscales them and checks them for inf/nan (fp16), clips
+  them, steps, and rounds the main parameters back into the model. Keeping the master weights in
+  fp32 means updates smaller than half-precision resolution still accumulate.
+
+Where gradients come from: with the data-parallel wrapper (``megatron/core/distributed``) every
+parameter carries ``param.main_grad``, already averaged over data-parallel ranks, and
+``param.grad`` is None; without it the gradient is ``param.grad``. ``use_main_grad`` picks one
+(None: use ``main_grad`` on parameters that have it, else ``grad``).
+
+Parameter attributes read here: ``tensor_model_parallel`` (a TP shard, set by the
+tensor-parallel layers), ``shared`` (duplicate of a tied embedding; counted once in the norm),
+``sequence_parallel``. They are copied onto the fp32 main parameters so the norm treats both alike.
+"""
+
+import logging
+from abc import ABC, abstractmethod
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import device
+from megatron.core.config import ConfigError
+
+from .clip_grads import clip_grad_norm_fp32, count_zeros_fp32, get_grads_for_norm
+from .config import OptimizerConfig
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+
+logger = logging.getLogger(__name__)
+
+# Attributes that say how a parameter is split or shared; main params inherit them.
+_PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                        "sequence_parallel", "shared")
+
+StepResult = Tuple[bool, Optional[float], Optional[int]]
+
+
+def _zero_grad_group_helper(group: Sequence[torch.Tensor], set_to_none: bool) -> None:
+    for param in group:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
+            else:
+                param.grad.requires_grad_(False)
+            param.grad.zero_()
+
+
+def _copy_parallel_attributes(source: torch.Tensor, destination: torch.Tensor) -> None:
+    for name in _PARALLEL_ATTRIBUTES:
+        if hasattr(source, name):
+            setattr(destination, name, getattr(source, name))
+
+
+class MegatronOptimizer(ABC):
+    """What the training loop sees: step, zero_grad, loss scale, state dicts, param groups.
+
+    Args:
+        optimizer: the torch optimizer doing the update (AdamW or SGD).
+        config: the run's :class:`OptimizerConfig`.
+        model_parallel_group: TP x PP group over which the gradient norm, zero count and
+            inf/nan flag are combined; None when this rank alone holds the model.
+        tp_rank: this rank's index in its tensor-parallel group (replicated parameters are
+            counted in the norm on TP rank 0 only).
+        use_main_grad: True: read ``param.main_grad``; False: read ``param.grad``; None: the
+            former where a parameter has it.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
+                 model_parallel_group=None, tp_rank: int = 0,
+                 use_main_grad: Optional[bool] = None):
+        self.optimizer = optimizer
+        self.config = config
+        self.model_parallel_group = model_parallel_group
+        self.tp_rank = tp_rank
+        self.use_main_grad = use_main_grad
+
+    # -- gradients -------------------------------------------------------------------------
+
+    def _model_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The gradient the backward pass left for ``param`` (``main_grad`` or ``grad``)."""
+        if self.use_main_grad is False:
+            return param.grad
+        if hasattr(param, "main_grad"):
+            return param.main_grad
+        if self.use_main_grad:
+            raise RuntimeError(
+                f"parameter of shape {tuple(param.shape)} has no main_grad but the optimizer was "
+                "built with use_main_grad=True; wrap the model in the data-parallel wrapper "
+                "or pass use_main_grad=False")
+        return param.grad
+
+    def get_parameters(self) -> List[torch.Tensor]:
+        """Every parameter the torch optimizer updates (fp32 main params in mixed precision)."""
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank)
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        """Clip the main gradients to ``clip_grad``; return the norm before clipping."""
+        return clip_grad_norm_fp32(self.get_parameters(), self.get_main_grads_for_grad_norm(),
+                                   clip_grad, model_parallel_group=self.model_parallel_group)
+
+    def count_zeros(self) -> int:
+        return count_zeros_fp32(self.get_parameters(), self.model_parallel_group,
+                                tp_rank=self.tp_rank)
+
+    def _unscale_and_check_for_nan(self, grads: List[torch.Tensor],
+                                   inv_scale: torch.Tensor) -> bool:
+        """Multiply ``grads`` by ``inv_scale`` in place; True if any rank saw an inf or nan.
+
+        The flag is reduced (MAX) over the model-parallel group so every stage and TP rank skips
+        the same step. Data-parallel replicas already hold identical, averaged gradients.
+        """
+        where = grads[0].device if grads else device.current_device()
+        found_inf = torch.zeros(1, dtype=torch.float32, device=where)
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
+                                                             inv_scale.to(where))
+        group = self.model_parallel_group
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        return found_inf.item() > 0
+
+    def _raise_if_not_finite(self, grads: List[torch.Tensor]) -> None:
+        """``--check-for-nan-in-loss-and-grad`` without a loss scaler: stop on inf/nan."""
+        one = torch.ones(1, dtype=torch.float32)
+        if self._unscale_and_check_for_nan(grads, one):
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            raise RuntimeError(
+                f"rank {rank}: found inf or nan in the gradients before the optimizer step "
+                "(--check-for-nan-in-loss-and-grad is set)")
+
+    def _step_with_ready_grads(self) -> Tuple[Optional[float], Optional[int]]:
+        """Clip, count zeros, update. Main gradients must be unscaled and finite."""
+        grad_norm = None
+        if self.config.clip_grad > 0.0:
+            grad_norm = self.clip_grad_norm(self.config.clip_grad)
+        num_zeros_in_grad = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+        self.optimizer.step()
+        return grad_norm, num_zeros_in_grad
+
+    # -- loss scale ------------------------------------------------------------------------
+
+    @abstractmethod
+    def get_loss_scale(self) -> torch.Tensor:
+        """The current loss scale as a one-element fp32 tensor."""
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale, computed in at least fp32 so the product cannot
+        overflow a half-precision loss."""
+        dtype = torch.promote_types(loss.dtype, torch.float32)
+        return loss.to(dtype) * self.get_loss_scale().to(loss.device, dtype).squeeze()
+
+    # -- the rest of Megatron's interface ---------------------------------------------------
+
+    @abstractmethod
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        ...
+
+    @abstractmethod
+    def step(self) -> StepResult:
+        """Update the parameters from the current gradients.
+
+        Returns:
+            ``(update_successful, grad_norm, num_zeros_in_grad)``: False when an fp16 step was
+            skipped for inf/nan gradients; the norm before clipping (None without clipping or on
+            a skipped step); the zero count with ``--log-num-zeros-in-grad``, else None.
+        """
+
+    @abstractmethod
+    def reload_model_params(self) -> None:
+        """Refresh main params from the model's params (after loading model weights alone)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict:
+        ...
+
+    @abstractmethod
+    def load_state_dict(self, state_dict: dict) -> None:
+        ...
+
+    @property
+    def param_groups(self) -> List[dict]:
+        """The torch optimizer's groups; the LR scheduler writes ``lr``/``weight_decay`` here."""
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: List[dict]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.optimizer.state = value
+
+
+class FP32Optimizer(MegatronOptimizer):
+    """An fp32 model: clip and step on the model parameters themselves.
+
+    Its state dict is the torch optimizer's own, as in Megatron.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, **kwargs):
+        super().__init__(optimizer, config, **kwargs)
+        self._scale = torch.ones(1, dtype=torch.float32, device=device.current_device())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.optimizer.param_groups:
+            _zero_grad_group_helper(group["params"], set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale
+
+    def step(self) -> StepResult:
+        if self.use_main_grad is not False:
+            for param in self.get_parameters():
+                if hasattr(param, "main_grad") or self.use_main_grad:
+                    param.grad = self._model_grad(param)
+        if self.config.check_for_nan_in_loss_and_grad:
+            self._raise_if_not_finite([p.grad for p in self.get_parameters()
+                                       if p.grad is not None])
+        grad_norm, num_zeros_in_grad = self._step_with_ready_grads()
+        return True, grad_norm, num_zeros_in_grad
+
+    def reload_model_params(self) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if "state" not in state_dict and "optimizer" in state_dict:
+            # Written by the mixed-precision wrapper: its torch optimizer state is compatible.
+            logger.warning("loading an fp32 optimizer from a mixed-precision optimizer "
+                           "checkpoint: using its 'optimizer' entry only")
+            state_dict = state_dict["optimizer"]
+        self.optimizer.load_state_dict(state_dict)
+
+
+class Float16OptimizerWithFloat16Params(MegatronOptimizer):
+    """A model in fp16 or bf16, updated through fp32 main parameters.
+
+    The torch optimizer's groups are rewritten to hold the fp32 main params in place of the model's
+    half-precision params (fp32 model params, if any, are updated directly).
+
+    Args:
+        optimizer: torch optimizer built on the model's parameters; must not have stepped yet.
+        config: the run's :class:`OptimizerConfig`.
+        grad_scaler: the loss scaler (required with ``--fp16``; None for bf16 unless
+            ``--loss-scale`` is given).
+        **kwargs: see :class:`MegatronOptimizer`.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig,
+                 grad_scaler: Optional[MegatronGradScaler], **kwargs):
+        super().__init__(optimizer, config, **kwargs)
+        if config.fp16 and grad_scaler is None:
+            raise ValueError("--fp16 needs a loss scaler (dynamic, or --loss-scale)")
+        self.grad_scaler = grad_scaler
+        self._scale_one = torch.ones(1, dtype=torch.float32, device=device.current_device())
+        self.float16_groups: List[List[torch.Tensor]] = []
+        self.fp32_from_float16_groups: List[List[torch.Tensor]] = []
+        self.fp32_from_fp32_groups: List[List[torch.Tensor]] = []
+        for group in self.optimizer.param_groups:
+            self._make_main_params(group)
+
+    def _make_main_params(self, group: dict) -> None:
+        float16_params, main_params, fp32_params = [], [], []
+        for i, param in enumerate(group["params"]):
+            if param.dtype in (torch.float16, torch.bfloat16):
+                main_param = param.detach().to(torch.float32, copy=True)
+                _copy_parallel_attributes(param, main_param)
+                group["params"][i] = main_param
+                if param in self.optimizer.state:
+                    self.optimizer.state[main_param] = self.optimizer.state.pop(param)
+                float16_params.append(param)
+                main_params.append(main_param)
+            elif param.dtype == torch.float32:
+                fp32_params.append(param)
+            else:
+                raise TypeError(f"parameters must be fp16, bf16 or fp32, got {param.dtype} "
+                                f"for a parameter of shape {tuple(param.shape)}")
+        self.float16_groups.append(float16_params)
+        self.fp32_from_float16_groups.append(main_params)
+        self.fp32_from_fp32_groups.append(fp32_params)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for groups in (self.float16_groups, self.fp32_from_float16_groups,
+                       self.fp32_from_fp32_groups):
+            for group in groups:
+                _zero_grad_group_helper(group, set_to_none)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                grad = self._model_grad(model_param)
+                main_param.grad = None if grad is None else grad.float()
+                # The fp32 copy now holds it; free the half-precision one.
+                model_param.grad = None
+        if self.use_main_grad is False:
+            return
+        for group in self.fp32_from_fp32_groups:
+            for param in group:
+                if hasattr(param, "main_grad") or self.use_main_grad:
+                    param.grad = self._model_grad(param)
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        return [p.grad for groups in (self.fp32_from_float16_groups, self.fp32_from_fp32_groups)
+                for group in groups for p in group if p.grad is not None]
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                model_param.data.copy_(main_param.data)
+
+    def reload_model_params(self) -> None:
+        for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
+            for model_param, main_param in zip(model_group, main_group):
+                main_param.data.copy_(model_param.data)
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        self._copy_model_grads_to_main_grads()
+        main_grads = self._main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_nan(main_grads, self.grad_scaler.inv_scale)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        elif self.config.check_for_nan_in_loss_and_grad:
+            self._raise_if_not_finite(main_grads)
+        grad_norm, num_zeros_in_grad = self._step_with_ready_grads()
+        self._copy_main_params_to_model_params()
+        return True, grad_norm, num_zeros_in_grad
+
+    def state_dict(self) -> dict:
+        """Megatron's layout: ``optimizer``, ``grad_scaler`` (when there is one) and
+        ``fp32_from_fp16_params`` (the fp32 main params, per group), so a resumed run continues
+        from the exact master weights rather than from their half-precision rounding."""
+        state_dict = {"optimizer": self.optimizer.state_dict()}
+        if self.grad_scaler is not None:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        state_dict["fp32_from_fp16_params"] = self.fp32_from_float16_groups
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
+        if key not in state_dict:
+            raise KeyError(f"optimizer checkpoint has neither 'optimizer' nor "
+                           f"'optimizer_state_dict'; found keys {sorted(state_dict)}")
+        self.optimizer.load_state_dict(state_dict[key])
+        self._load_grad_scaler(state_dict)
+        key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
+        if key not in state_dict:
+            raise KeyError("optimizer checkpoint has no 'fp32_from_fp16_params'; "
+                           f"found keys {sorted(state_dict)}")
+        self._load_main_params(state_dict[key])
+
+    def _load_grad_scaler(self, state_dict: dict) -> None:
+        if "grad_scaler" not in state_dict:
+            if self.config.fp16:
+                logger.warning("optimizer checkpoint has no grad scaler state; "
+                               "keeping the current loss scale")
+        elif self.grad_scaler is None:
+            logger.warning("optimizer checkpoint has grad scaler state but this run has no "
+                           "loss scaler (bf16 without --loss-scale); ignoring it")
+        else:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def _load_main_params(self, saved_groups: Sequence[Sequence[torch.Tensor]]) -> None:
+        if len(saved_groups) != len(self.fp32_from_float16_groups):
+            raise ValueError(f"optimizer checkpoint has {len(saved_groups)} groups of fp32 main "
+                             f"params, this model has {len(self.fp32_from_float16_groups)}")
+        for g, (current, saved) in enumerate(zip(self.fp32_from_float16_groups, saved_groups)):
+            if len(current) != len(saved):
+                raise ValueError(f"optimizer checkpoint group {g} has {len(saved)} fp32 main "
+                                 f"params, this model has {len(current)}")
+            for i, (param, saved_param) in enumerate(zip(current, saved)):
+                if param.shape != saved_param.shape:
+                    raise ValueError(f"optimizer checkpoint group {g} param {i} has shape "
+                                     f"{tuple(saved_param.shape)}, this model's is "
+                                     f"{tuple(param.shape)}")
+                param.data.copy_(saved_param.data)
+
+
+# -- construction ------------------------------------------------------------------------------
+
+ParamCond = Callable[[str, torch.nn.Parameter], bool]
+
+
+def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerConfig,
+                     no_weight_decay_cond: Optional[ParamCond] = None,
+                     scale_lr_cond: Optional[ParamCond] = None,
+                     lr_mult: float = 1.0) -> List[dict]:
+    """Group trainable parameters by (``wd_mult``, ``lr_mult``), in order of first appearance.
+
+    By default biases (names ending in ``.bias``) and every 1-D parameter (norm weights) get no
+    weight decay (``wd_mult`` 0); parameters selected by ``scale_lr_cond`` get ``lr_mult``.
+    Each group's initial ``lr`` and ``weight_decay`` already include its multipliers, so the
+    optimizer is right before the scheduler first touches it.
+    """
+    by_key: Dict[Tuple[float, float], List[torch.nn.Parameter]] = {}
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            if not param.requires_grad:
+                continue
+            if no_weight_decay_cond is not None:
+                no_wd = no_weight_decay_cond(name, param)
+            else:
+                no_wd = name.endswith(".bias") or param.dim() == 1
+            scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
+            key = (0.0 if no_wd else 1.0, float(lr_mult) if scale_lr else 1.0)
+            by_key.setdefault(key, []).append(param)
+    return [{"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
+             "lr": config.lr * group_lr_mult, "weight_decay": config.weight_decay * wd_mult}
+            for (wd_mult, group_lr_mult), params in by_key.items()]
+
+
+def _build_torch_optimizer(config: OptimizerConfig,
+                           param_groups: List[dict]) -> torch.optim.Optimizer:
+    if config.optimizer == "adam":
+        # Megatron's Adam decouples weight decay from the gradient (AdamW).
+        return torch.optim.AdamW(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                                 betas=(config.adam_beta1, config.adam_beta2),
+                                 eps=config.adam_eps)
+    return torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                           momentum=config.sgd_momentum)
+
+
+def build_grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
+    """``--loss-scale`` gives a constant scaler; otherwise fp16 gets the dynamic one."""
+    if config.loss_scale is not None:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(initial_scale=config.initial_loss_scale,
+                                 min_scale=config.min_loss_scale, growth_factor=2.0,
+                                 backoff_factor=0.5, growth_interval=config.loss_scale_window,
+                                 hysteresis=config.hysteresis)
+    return None
+
+
+def get_megatron_optimizer(config: OptimizerConfig,
+                           model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]], *,
+                           mp_group, tp_group, dp_group=None,
+                           no_weight_decay_cond: Optional[ParamCond] = None,
+                           scale_lr_cond: Optional[ParamCond] = None, lr_mult: float = 1.0,
+                           use_main_grad: Optional[bool] = None) -> MegatronOptimizer:
+    """Build the optimizer for this rank's model chunks.
+
+    Args:
+        config: the run's optimizer settings.
+        model_chunks: this rank's model (a list with virtual pipeline stages).
+        mp_group: model-parallel group (TP x PP) for the grad norm and the inf/nan flag; None when
+            this rank holds the whole model.
+        tp_group: tensor-parallel group, used only to know this rank's TP rank (replicated
+            parameters count in the norm on TP rank 0 only); None means no tensor parallelism.
+            Both are required arguments so that forgetting one cannot silently double-count.
+        dp_group: data-parallel group; reserved for ``--use-distributed-optimizer``.
+        no_weight_decay_cond: ``(name, param) -> bool``; default: biases and 1-D params.
+        scale_lr_cond: ``(name, param) -> bool`` selecting params whose lr is scaled by
+            ``lr_mult``.
+        lr_mult: learning-rate multiplier for ``scale_lr_cond`` params.
+        use_main_grad: where gradients are read from; see :class:`MegatronOptimizer`.
+    """
+    del dp_group  # gradients arrive already averaged over data-parallel ranks
+    if config.use_distributed_optimizer:
+        raise ConfigError("--use-distributed-optimizer is not supported yet; "
+                          "drop the flag to keep optimizer state replicated on each DP rank")
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond,
+                                    lr_mult)
+    if not param_groups:
+        raise ValueError("the model has no trainable parameters to optimize")
+    inner = _build_torch_optimizer(config, param_groups)
+    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad)
+    if config.fp16 or config.bf16:
+        return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),
+                                                 **kwargs)
+    return FP32Optimizer(inner, config, **kwargs)

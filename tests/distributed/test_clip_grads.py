@@ -1,0 +1,259 @@
+"""Gradient norm and clipping: against float64 hand computation on one process, and under
+tensor / pipeline parallelism on 2 gloo ranks against the norm of the whole, unsplit model.
+
+Tolerances: norms are accumulated in fp32 (per-tensor norms, then their squares summed), so they
+agree with the float64 reference to a few fp32 ulps; rel=1e-6 leaves margin for that.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core import parallel_state as ps
+from megatron.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.optimizer.clip_grads import (clip_grad_norm_fp32, count_zeros_fp32,
+                                           get_grad_norm_fp32, get_grads_for_norm)
+from tests.multiprocess import run_on_ranks
+
+
+def _params_with_grads(shapes, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        p = torch.nn.Parameter(torch.zeros(shape))
+        p.grad = torch.randn(shape, generator=gen)
+        params.append(p)
+    return params
+
+
+def _norm64(grads, p):
+    flat = torch.cat([g.double().reshape(-1) for g in grads])
+    if p == math.inf:
+        return float(flat.abs().max())
+    return float((flat.abs() ** p).sum() ** (1.0 / p))
+
+
+# -- one process ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 3.0, 1.0, math.inf])
+def test_norm_matches_float64_hand_computation(norm_type):
+    params = _params_with_grads([(5, 3), (7,), (2, 2, 2)])
+    grads = [p.grad.clone() for p in params]
+    norm = get_grad_norm_fp32(get_grads_for_norm(params, tp_rank=0), norm_type)
+    assert norm == pytest.approx(_norm64(grads, norm_type), rel=1e-6)
+
+
+def test_clip_scales_every_grad_by_max_norm_over_norm():
+    params = _params_with_grads([(5, 3), (7,)])
+    grads = [p.grad.clone() for p in params]
+    expected = _norm64(grads, 2)
+    total = clip_grad_norm_fp32(params, get_grads_for_norm(params, tp_rank=0), max_norm=0.5)
+    assert total == pytest.approx(expected, rel=1e-6)
+    coeff = 0.5 / (expected + 1e-6)
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad.double(), g.double() * coeff, rtol=1e-6, atol=0)
+    # The clipped gradients now have norm max_norm.
+    assert _norm64([p.grad for p in params], 2) == pytest.approx(0.5, rel=1e-5)
+    # Below the limit nothing changes.
+    before = [p.grad.clone() for p in params]
+    clip_grad_norm_fp32(params, get_grads_for_norm(params, tp_rank=0), max_norm=10.0)
+    assert all(torch.equal(p.grad, b) for p, b in zip(params, before))
+
+
+def test_duplicates_and_shared_params_are_not_counted():
+    shard, replicated, shared, no_grad = _params_with_grads([(4, 2), (3,), (6, 2), (2,)])
+    shard.tensor_model_parallel = True
+    shared.shared = True
+    no_grad.grad = None
+    on_rank0 = get_grads_for_norm([shard, replicated, shared, no_grad], tp_rank=0)
+    on_rank1 = get_grads_for_norm([shard, replicated, shared, no_grad], tp_rank=1)
+    assert [g.shape for g in on_rank0] == [(4, 2), (3,)]
+    assert [g.shape for g in on_rank1] == [(4, 2)]
+    shard.grad[0] = 0.0
+    replicated.grad[1] = 0.0
+    shared.grad.zero_()
+    assert count_zeros_fp32([shard, replicated, shared], tp_rank=0) == 3
+    assert count_zeros_fp32([shard, replicated, shared], tp_rank=1) == 2
+
+
+def test_empty_grads_give_zero_norm():
+    assert get_grad_norm_fp32([], 2.0) == 0.0
+    assert get_grad_norm_fp32([], math.inf) == 0.0
+
+
+# -- tensor parallel: 2 ranks ----------------------------------------------------------------
+
+# Full (unsplit) shapes and how each is held under TP: split along a dim, or replicated.
+TP_LAYOUT = {
+    "col_weight": ((8, 4), 0),    # column-parallel: rows split
+    "col_bias": ((8,), 0),
+    "row_weight": ((4, 8), 1),    # row-parallel: columns split
+    "row_bias": ((4,), None),     # replicated
+    "norm_weight": ((4,), None),  # replicated
+    "norm_bias": ((4,), None),    # replicated
+}
+
+
+def _full_tp_grads(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    grads = {name: torch.randn(shape, generator=gen) for name, (shape, _) in TP_LAYOUT.items()}
+    grads["col_weight"][0, :] = 0.0  # zeros inside a shard
+    grads["norm_bias"][1] = 0.0      # a zero in a replicated param counts once
+    return grads
+
+
+def _shard(full, name, tp_rank):
+    dim = TP_LAYOUT[name][1]
+    return full.clone() if dim is None else full.chunk(2, dim=dim)[tp_rank].clone()
+
+
+class ShardedToy(torch.nn.Module):
+    """This TP rank's slice of a layer: sharded and replicated parameters."""
+
+    def __init__(self, tp_rank, full_values, dtype):
+        super().__init__()
+        for name, value in full_values.items():
+            param = torch.nn.Parameter(_shard(value, name, tp_rank).to(dtype))
+            dim = TP_LAYOUT[name][1]
+            param.tensor_model_parallel = dim is not None
+            if dim is not None:
+                param.partition_dim = dim
+            self.register_parameter(name, param)
+
+
+def _tp2_norm_and_clip(state, full_grads):
+    mp_group, tp_rank = state.model_parallel_group, state.tp_rank
+    params = []
+    for name, grad in full_grads.items():
+        p = torch.nn.Parameter(torch.zeros(_shard(grad, name, tp_rank).shape))
+        p.grad = _shard(grad, name, tp_rank)
+        p.tensor_model_parallel = TP_LAYOUT[name][1] is not None
+        params.append(p)
+    grads_for_norm = get_grads_for_norm(params, tp_rank=tp_rank)
+    out = {
+        "inf": get_grad_norm_fp32(grads_for_norm, math.inf, mp_group),
+        "three": get_grad_norm_fp32(grads_for_norm, 3.0, mp_group),
+        "zeros": count_zeros_fp32(params, mp_group, tp_rank=tp_rank),
+        "two": clip_grad_norm_fp32(params, grads_for_norm, 1.0, model_parallel_group=mp_group),
+    }
+    out["clipped"] = {name: p.grad.clone() for name, p in zip(full_grads, params)}
+    return out
+
+
+def _tp_inputs():
+    gen = torch.Generator().manual_seed(3)
+    full_values = {n: torch.randn(shape, generator=gen) * 0.1
+                   for n, (shape, _) in TP_LAYOUT.items()}
+    return full_values, [_full_tp_grads(seed) for seed in (1, 2, 3)]
+
+
+def _pp_inputs():
+    gen = torch.Generator().manual_seed(5)
+    embedding_grad = torch.randn(6, 4, generator=gen)
+    return embedding_grad, [torch.randn(4, 4, generator=gen), torch.randn(4, 4, generator=gen)]
+
+
+def _two_rank_checks():
+    """Every 2-rank check in one spawn (starting ranks costs more than the checks)."""
+    out = {}
+    state = ps.initialize_model_parallel(2, 1)
+    out["tp_norm"] = _tp2_norm_and_clip(state, _full_tp_grads())
+    out["tp_fp16"] = _tp2_fp16_optimizer(state, *_tp_inputs())
+    ps.destroy_model_parallel()
+    state = ps.initialize_model_parallel(1, 2)
+    out["pp_shared"] = _pp2_shared_embedding(state, *_pp_inputs())
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    # A broken reduction makes ranks wait on each other; fail in 2 minutes, not 5.
+    return run_on_ranks(_two_rank_checks, 2, timeout=120)
+
+
+def test_tp2_norm_counts_each_parameter_once(two_rank_results):
+    full = _full_tp_grads()
+    results = [r["tp_norm"] for r in two_rank_results]
+    grads = list(full.values())
+    expected_two = _norm64(grads, 2)
+    coeff = 1.0 / (expected_two + 1e-6)
+    assert expected_two > 1.0
+    for tp_rank, res in enumerate(results):
+        assert res["two"] == pytest.approx(expected_two, rel=1e-6)
+        assert res["three"] == pytest.approx(_norm64(grads, 3), rel=1e-6)
+        assert res["inf"] == pytest.approx(_norm64(grads, math.inf), rel=1e-6)
+        assert res["zeros"] == sum(int((g == 0).sum()) for g in grads) == 5
+        for name, clipped in res["clipped"].items():
+            expected = _shard(full[name], name, tp_rank).double() * coeff
+            torch.testing.assert_close(clipped.double(), expected, rtol=1e-6, atol=0)
+
+
+def _tp2_fp16_optimizer(state, full_values, grad_sets):
+    """fp16 optimizer under TP=2: rank 1 alone sees an inf first; then two finite steps."""
+    model = ShardedToy(state.tp_rank, full_values, torch.float16)
+    config = OptimizerConfig(lr=1e-2, fp16=True, initial_loss_scale=1024.0, hysteresis=1,
+                             clip_grad=1.0)
+    opt = get_megatron_optimizer(config, [model], mp_group=state.model_parallel_group,
+                                 tp_group=state.tp_group, dp_group=state.dp_group)
+    results = []
+    for step, full_grads in enumerate(grad_sets):
+        scale = opt.get_loss_scale().item()
+        for name, p in model.named_parameters():
+            p.grad = (_shard(full_grads[name], name, state.tp_rank) * scale).half()
+        if step == 0 and dist.get_rank() == 1:
+            model.row_weight.grad[0, 0] = float("inf")
+        ok, norm, _ = opt.step()
+        results.append((ok, norm, scale))
+        opt.zero_grad()
+    replicated = {n: p.detach().clone() for n, p in model.named_parameters()
+                  if TP_LAYOUT[n][1] is None}
+    return results, replicated
+
+
+def test_tp2_fp16_optimizer_skips_together_and_norms_the_full_model(two_rank_results):
+    _, grad_sets = _tp_inputs()
+    results = [r["tp_fp16"] for r in two_rank_results]
+    for steps, _ in results:
+        ok0, norm0, scale0 = steps[0]
+        assert (ok0, norm0, scale0) == (False, None, 1024.0)  # both ranks skipped
+        for (ok, norm, scale), full_grads in zip(steps[1:], grad_sets[1:]):
+            assert ok and scale == 512.0  # both backed off, then stepped
+            # The half-precision rounding of the scaled gradients, unscaled, in float64.
+            unscaled = [(g * scale).half().double() / scale for g in full_grads.values()]
+            assert norm == pytest.approx(_norm64(unscaled, 2), rel=1e-6)
+    replicated0, replicated1 = results[0][1], results[1][1]
+    for name in replicated0:
+        assert torch.equal(replicated0[name], replicated1[name]), name
+
+
+# -- pipeline parallel with a tied embedding: 2 ranks --------------------------------------------
+
+
+def _pp2_shared_embedding(state, embedding_grad, layer_grads):
+    stage = state.pp_rank
+    embedding = torch.nn.Parameter(torch.zeros(embedding_grad.shape))
+    embedding.grad = embedding_grad.clone()  # both stages hold the summed tied-embedding grad
+    if stage == 1:
+        embedding.shared = True              # the output layer's copy of word embeddings
+    layer = torch.nn.Parameter(torch.zeros(layer_grads[stage].shape))
+    layer.grad = layer_grads[stage].clone()
+    params = [embedding, layer]
+    norm = clip_grad_norm_fp32(params, get_grads_for_norm(params, tp_rank=state.tp_rank),
+                               max_norm=0.1, model_parallel_group=state.model_parallel_group)
+    return norm, embedding.grad.clone()
+
+
+def test_pp2_tied_embedding_is_counted_once(two_rank_results):
+    embedding_grad, layer_grads = _pp_inputs()
+    results = [r["pp_shared"] for r in two_rank_results]
+    expected = _norm64([embedding_grad] + layer_grads, 2)
+    twice = _norm64([embedding_grad, embedding_grad] + layer_grads, 2)
+    assert abs(expected - twice) > 1e-2  # the test tells the two apart
+    (norm0, emb0), (norm1, emb1) = results
+    assert norm0 == pytest.approx(expected, rel=1e-6) and norm1 == pytest.approx(expected, rel=1e-6)
+    assert torch.equal(emb0, emb1)  # both copies clipped alike, so they stay tied
+    torch.testing.assert_close(emb0.double(), embedding_grad.double() * 0.1 / (expected + 1e-6),
+                               rtol=1e-6, atol=0)
