@@ -1,0 +1,387 @@
+"""Tensor-parallel layers: column- and row-split linear layers and a vocab-split embedding.
+
+Shapes follow Megatron: activations are ``[s, b, h]``; with sequence parallelism the activations
+between tensor-parallel regions are ``[s/tp, b, h]``.
+
+Every weight is initialised on its FULL (unsplit) shape, on the CPU, from the default torch
+generator, and only then cut to this rank's shard. Building the same model from the same seed
+therefore gives the same full weights under any tensor-parallel size.
+
+Parameters carry Megatron's attributes, which the optimizer, gradient clipping and checkpoint
+code read:
+
+- ``tensor_model_parallel`` (bool): the parameter is a shard, different on every tp rank;
+- ``partition_dim``: the dim it was cut along (0 for column-parallel, 1 for row-parallel);
+- ``partition_stride``: how many interleaved blocks each rank holds (see ``stride``);
+- ``sequence_parallel`` (bool, on replicated parameters only): its gradient is partial on each tp
+  rank under sequence parallelism and must be all-reduced over the tp group before use.
+"""
+
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parameter import Parameter
+
+from megatron.core import device
+from megatron.core.collectives import get_group_rank, get_group_size
+from megatron.core.tensor_parallel.mappings import (
+    _gather_along_first_dim,
+    _reduce_scatter_along_first_dim,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from megatron.core.tensor_parallel.utils import VocabUtility, divide
+
+_MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
+    "tensor_model_parallel": False,
+    "partition_dim": -1,
+    "partition_stride": 1,
+}
+
+
+def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
+    """True when ``param`` should count once per tp group from this rank.
+
+    Shards count on every rank; replicated parameters count only on tp rank 0 (used so that a
+    gradient norm or parameter count does not add up the same copy ``tp`` times).
+    """
+    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
+
+
+def set_tensor_model_parallel_attributes(tensor: torch.Tensor, is_parallel: bool, dim: int,
+                                         stride: int) -> None:
+    """Mark ``tensor`` with Megatron's tensor-parallel attributes (it must not have them yet)."""
+    for attribute in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS:
+        if hasattr(tensor, attribute):
+            raise AttributeError(f"parameter already has attribute {attribute!r}")
+    tensor.tensor_model_parallel = is_parallel
+    tensor.partition_dim = dim
+    tensor.partition_stride = stride
+
+
+def set_defaults_if_not_set_tensor_model_parallel_attributes(tensor: torch.Tensor) -> None:
+    """Give ``tensor`` the "replicated" attributes unless it already has them."""
+    for attribute, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        if not hasattr(tensor, attribute):
+            setattr(tensor, attribute, value)
+
+
+def copy_tensor_model_parallel_attributes(destination: torch.Tensor,
+                                          source: torch.Tensor) -> None:
+    """Copy the attributes of ``source`` (defaults where it has none) onto ``destination``."""
+    for attribute, value in _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS.items():
+        setattr(destination, attribute, getattr(source, attribute, value))
+
+
+def _initialize_affine_weight_cpu(weight: Parameter, full_shape: Tuple[int, int],
+                                  partition_dim: int, init_method: Callable, tp_group,
+                                  stride: int = 1) -> None:
+    """Fill ``weight`` with this rank's shard of a weight initialised on its full shape.
+
+    The full weight is drawn on the CPU from the default generator (in float32, or float64 when
+    the parameters are float64), cast to the parameter dtype, cut along ``partition_dim`` into
+    ``stride * tp`` equal blocks, and rank ``r`` keeps blocks ``r, r + tp, r + 2 tp, ...``
+    concatenated in that order.
+    """
+    tp_size = get_group_size(tp_group)
+    tp_rank = get_group_rank(tp_group)
+    set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    master_dtype = torch.promote_types(weight.dtype, torch.float32)
+    master = torch.empty(full_shape, dtype=master_dtype, device="cpu", requires_grad=False)
+    init_method(master)
+    master = master.to(dtype=weight.dtype)
+    block = divide(full_shape[partition_dim], stride * tp_size,
+                   f"weight dim {partition_dim} of size {full_shape[partition_dim]} split into "
+                   f"stride ({stride}) x --tensor-model-parallel-size ({tp_size}) blocks")
+    blocks = torch.split(master, block, dim=partition_dim)
+    mine = torch.cat(blocks[tp_rank::tp_size], dim=partition_dim)
+    with torch.no_grad():
+        weight.copy_(mine)
+
+
+def _new_parameter(shape, dtype: torch.dtype, zero: bool = False) -> Parameter:
+    factory = torch.zeros if zero else torch.empty
+    return Parameter(factory(shape, dtype=dtype, device=device.current_device()))
+
+
+class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
+    """``input @ weight.T + bias`` with the tensor-parallel communication of a column-split layer.
+
+    Forward: with sequence parallelism, all-gather the ``[s/tp, b, h]`` input along dim 0 first.
+    Backward: the input gradient needs summing over the tp group (each rank holds a partial
+    one). Without sequence parallelism it is all-reduced asynchronously while the weight gradient
+    is computed; with it, it is reduce-scattered back to ``[s/tp, b, h]``. Under sequence
+    parallelism only the local ``[s/tp, b, h]`` input is kept for backward and gathered again
+    there, which saves ``(tp - 1) / tp`` of that activation's memory.
+
+    Gradients are returned as ordinary ``.grad``; accumulating them into a separate main-grad
+    buffer is the data-parallel wrapper's job.
+    """
+
+    @staticmethod
+    def forward(ctx, input_, weight, bias, group, async_grad_allreduce, sequence_parallel):
+        ctx.save_for_backward(input_, weight)
+        ctx.use_bias = bias is not None
+        ctx.group = group
+        ctx.async_grad_allreduce = async_grad_allreduce
+        ctx.sequence_parallel = sequence_parallel
+        total_input = _gather_along_first_dim(input_, group) if sequence_parallel else input_
+        output = torch.matmul(total_input, weight.t())               # [s, b, out/tp]
+        if bias is not None:
+            output = output + bias
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input_, weight = ctx.saved_tensors
+        group = ctx.group
+        total_input = (_gather_along_first_dim(input_, group) if ctx.sequence_parallel
+                       else input_)
+        grad_input = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_input = grad_output.matmul(weight)                  # [s, b, in]
+            if ctx.async_grad_allreduce and get_group_size(group) > 1:
+                handle = torch.distributed.all_reduce(grad_input, group=group, async_op=True)
+        grad_weight = grad_bias = None
+        grad_2d = grad_output.reshape(-1, grad_output.size(-1))       # [s*b, out/tp]
+        if ctx.needs_input_grad[1]:
+            input_2d = total_input.reshape(-1, total_input.size(-1))  # [s*b, in]
+            grad_weight = grad_2d.t().matmul(input_2d)
+        if ctx.use_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(dim=0)
+        if handle is not None:
+            handle.wait()
+        if grad_input is not None and ctx.sequence_parallel:
+            grad_input = _reduce_scatter_along_first_dim(grad_input, group)  # [s/tp, b, in]
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def linear_with_grad_accumulation_and_async_allreduce(
+        input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
+        async_grad_allreduce: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`.
+
+    Args:
+        input: ``[s, b, h]``, or ``[s/tp, b, h]`` with ``sequence_parallel``.
+        weight: ``[out/tp, h]``.
+        bias: ``[out/tp]`` or None.
+        group: the tensor-parallel group.
+        async_grad_allreduce: all-reduce the input gradient over ``group`` (overlapped with the
+            weight-gradient matmul); must be False with ``sequence_parallel``.
+        sequence_parallel: gather the input along dim 0 first, reduce-scatter its gradient.
+    """
+    if async_grad_allreduce and sequence_parallel:
+        raise ValueError("async_grad_allreduce and sequence_parallel are exclusive: under "
+                         "sequence parallelism the input gradient is reduce-scattered")
+    return LinearWithGradAccumulationAndAsyncCommunication.apply(
+        input, weight, bias, group, async_grad_allreduce, sequence_parallel)
+
+
+class ColumnParallelLinear(torch.nn.Module):
+    """``Y = X A + b`` with ``A`` split by columns: rank ``r`` computes ``Y_r = X A_r + b_r``.
+
+    The weight is stored as ``[output_size / tp, input_size]`` (like ``torch.nn.Linear``).
+
+    Args:
+        input_size: first dim of ``A``.
+        output_size: second dim of ``A``; must be divisible by ``stride * tp``.
+        init_method: in-place initialiser applied to the full ``[output_size, input_size]``
+            weight.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        bias: add a bias (initialised to zero).
+        gather_output: all-gather the output so every rank returns the full ``Y``; otherwise
+            rank ``r`` returns ``Y_r``.
+        skip_bias_add: do not add the bias; return it as the second output so the caller can
+            fuse it into a later op.
+        sequence_parallel: the input is ``[s/tp, b, h]``, this rank's piece of the sequence; it is
+            all-gathered along dim 0 inside, and its gradient reduce-scattered back.
+        params_dtype: dtype of the parameters.
+        stride: number of interleaved blocks per rank, for fused weights such as a stacked
+            ``[q; k; v]`` projection (``stride = 3``), so each rank holds its share of each block.
+        skip_weight_param_allocation: create no weight; ``forward`` must then be given one (the
+            output layer sharing the word embedding's weight).
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, init_method: Callable, tp_group,
+                 bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 stride: int = 1, skip_weight_param_allocation: bool = False):
+        super().__init__()
+        if sequence_parallel and gather_output:
+            raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
+                             "sequence_parallel=True (the output would be the full sequence)")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_group = tp_group
+        self.gather_output = gather_output
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        tp_size = get_group_size(tp_group)
+        self.output_size_per_partition = divide(
+            output_size, tp_size,
+            f"ColumnParallelLinear output size ({output_size}) over "
+            f"--tensor-model-parallel-size ({tp_size})")
+        if skip_weight_param_allocation:
+            self.register_parameter("weight", None)
+        else:
+            self.weight = _new_parameter((self.output_size_per_partition, input_size),
+                                         params_dtype)
+            _initialize_affine_weight_cpu(self.weight, (output_size, input_size), 0,
+                                          init_method, tp_group, stride)
+        if bias:
+            self.bias = _new_parameter((self.output_size_per_partition,), params_dtype, True)
+            set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input: torch.Tensor, weight: Optional[torch.Tensor] = None
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns ``(output, output_bias)``; ``output_bias`` is None unless ``skip_bias_add``.
+
+        Args:
+            input: ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism).
+            weight: the weight to use when the layer was built with
+                ``skip_weight_param_allocation``; shape ``[output_size / tp, input_size]``.
+        """
+        if weight is None:
+            if self.weight is None:
+                raise ValueError("ColumnParallelLinear was built with "
+                                 "skip_weight_param_allocation=True; pass weight= to forward")
+            weight = self.weight
+        else:
+            expected = (self.output_size_per_partition, self.input_size)
+            if tuple(weight.shape) != expected:
+                raise ValueError(f"ColumnParallelLinear: weight= has shape {tuple(weight.shape)}, "
+                                 f"expected {expected}")
+        bias = None if self.skip_bias_add else self.bias
+        async_allreduce = not self.sequence_parallel and get_group_size(self.tp_group) > 1
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input, weight, bias, self.tp_group, async_allreduce,
+            self.sequence_parallel)                                   # [s, b, out/tp]
+        if self.gather_output:
+            output = gather_from_tensor_model_parallel_region(
+                output_parallel, self.tp_group)                       # [s, b, out]
+        else:
+            output = output_parallel
+        output_bias = self.bias if self.skip_bias_add else None
+        return output, output_bias
+
+
+class RowParallelLinear(torch.nn.Module):
+    """``Y = X A + b`` with ``A`` split by rows and ``X`` by columns: ``Y = sum_r X_r A_r + b``.
+
+    The weight is stored as ``[output_size, input_size / tp]``. The bias is replicated and
+    added once, after the partial products are summed.
+
+    Args:
+        input_size: first dim of ``A``; must be divisible by tp.
+        output_size: second dim of ``A``.
+        init_method: in-place initialiser applied to the full ``[output_size, input_size]``
+            weight.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        bias: add a bias (initialised to zero).
+        input_is_parallel: the input is already split along its last dim (the output of a
+            ColumnParallelLinear); otherwise the full input is split here.
+        skip_bias_add: do not add the bias; return it as the second output.
+        sequence_parallel: reduce-scatter the output along dim 0 to ``[s/tp, b, h]`` instead of
+            all-reducing it. The bias is then marked ``sequence_parallel`` (its gradient is
+            partial on each rank).
+        params_dtype: dtype of the parameters.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, init_method: Callable, tp_group,
+                 bias: bool = True, input_is_parallel: bool = False, skip_bias_add: bool = False,
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True needs "
+                             "input_is_parallel=True")
+        self.input_size = input_size
+        self.output_size = output_size
+        self.tp_group = tp_group
+        self.input_is_parallel = input_is_parallel
+        self.skip_bias_add = skip_bias_add
+        self.sequence_parallel = sequence_parallel
+        tp_size = get_group_size(tp_group)
+        self.input_size_per_partition = divide(
+            input_size, tp_size,
+            f"RowParallelLinear input size ({input_size}) over "
+            f"--tensor-model-parallel-size ({tp_size})")
+        self.weight = _new_parameter((output_size, self.input_size_per_partition), params_dtype)
+        _initialize_affine_weight_cpu(self.weight, (output_size, input_size), 1, init_method,
+                                      tp_group, 1)
+        if bias:
+            self.bias = _new_parameter((output_size,), params_dtype, True)
+            set_defaults_if_not_set_tensor_model_parallel_attributes(self.bias)
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, input: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Returns ``(output, output_bias)``; ``output_bias`` is None unless ``skip_bias_add``.
+
+        Args:
+            input: ``[s, b, h / tp]`` when ``input_is_parallel``, else ``[s, b, h]``.
+
+        Output is ``[s, b, out]``, or ``[s/tp, b, out]`` with sequence parallelism.
+        """
+        if self.input_is_parallel:
+            input_parallel = input
+        else:
+            input_parallel = scatter_to_tensor_model_parallel_region(
+                input, self.tp_group)                                 # [s, b, h/tp]
+        output_parallel = F.linear(input_parallel, self.weight)       # [s, b, out], partial
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(
+                output_parallel, self.tp_group)                       # [s/tp, b, out]
+        else:
+            output = reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+        if self.skip_bias_add:
+            return output, self.bias
+        if self.bias is not None:
+            output = output + self.bias
+        return output, None
+
+
+class VocabParallelEmbedding(torch.nn.Module):
+    """Embedding table split by vocabulary rows over the tensor-parallel group.
+
+    Rank ``r`` holds rows ``[r V / tp, (r + 1) V / tp)``. Each rank looks up the ids it owns,
+    writes zeros for the others, and the partial results are summed over the group.
+
+    Args:
+        num_embeddings: vocabulary size (padded; must be divisible by tp).
+        embedding_dim: hidden size.
+        init_method: in-place initialiser applied to the full ``[V, h]`` table.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        params_dtype: dtype of the table.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_method: Callable,
+                 tp_group, params_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.tp_group = tp_group
+        tp_size = get_group_size(tp_group)
+        self.vocab_start_index, self.vocab_end_index = (
+            VocabUtility.vocab_range_from_global_vocab_size(
+                num_embeddings, get_group_rank(tp_group), tp_size))
+        self.num_embeddings_per_partition = self.vocab_end_index - self.vocab_start_index
+        self.weight = _new_parameter((self.num_embeddings_per_partition, embedding_dim),
+                                     params_dtype)
+        _initialize_affine_weight_cpu(self.weight, (num_embeddings, embedding_dim), 0,
+                                      init_method, tp_group, 1)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``input_ids`` of any shape -> embeddings of shape ``input_ids.shape + (h,)``."""
+        if get_group_size(self.tp_group) == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        output_parallel = F.embedding(local_ids, self.weight)         # [..., h], partial
+        output_parallel = output_parallel.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
