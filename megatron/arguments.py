@@ -500,6 +500,11 @@ def _validate_batch_and_schedule(args) -> None:
               "(--lr-decay-iters, --lr-warmup-iters), not samples")
     if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
         _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
+    if args.train_iters is not None and args.lr_warmup_fraction is None:
+        decay_iters = args.lr_decay_iters or args.train_iters
+        if args.lr_warmup_iters >= decay_iters:
+            _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
+                  f"--lr-decay-iters or --train-iters ({decay_iters})")
     if args.lr is not None and args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
     if args.start_weight_decay is None:
@@ -527,15 +532,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_model(args)
     _validate_parallel(args)
     _validate_batch_and_schedule(args)
-    if args.vocab_size is not None and args.tokenizer_type in (None, "NullTokenizer"):
-        args.padded_vocab_size = pad_vocab_size(args.vocab_size, args)
     return args
-
-
-def pad_vocab_size(orig_vocab_size: int, args) -> int:
-    """Vocabulary padded to a multiple of --make-vocab-size-divisible-by x TP size."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return ((orig_vocab_size + multiple - 1) // multiple) * multiple
 
 
 def parse_and_validate(argv: Optional[List[str]] = None,
@@ -589,6 +586,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
         masked_softmax_fusion=args.masked_softmax_fusion,
         bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        bias_swiglu_fusion=args.bias_swiglu_fusion,
         use_flash_attn=args.use_flash_attn, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,

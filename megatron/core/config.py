@@ -74,6 +74,7 @@ class TransformerConfig:
     masked_softmax_fusion: bool = True
     bias_gelu_fusion: bool = True
     bias_dropout_fusion: bool = True
+    bias_swiglu_fusion: bool = True
     use_flash_attn: bool = False
     recompute_granularity: Optional[str] = None    # full | selective
     recompute_method: Optional[str] = None         # uniform | block

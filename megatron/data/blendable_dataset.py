@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from megatron.data import index_builders
+from megatron.data.dataset_utils import DataError
 
 
 class BlendableDataset(torch.utils.data.Dataset):
@@ -26,10 +27,10 @@ class BlendableDataset(torch.utils.data.Dataset):
     def __init__(self, datasets: Sequence, weights: Sequence[float], size: int):
         self.datasets = list(datasets)
         if len(self.datasets) != len(weights):
-            raise ValueError(f"{len(self.datasets)} datasets but {len(weights)} weights")
+            raise DataError(f"{len(self.datasets)} datasets but {len(weights)} weights")
         w = np.array(weights, dtype=np.float64)
         if w.size == 0 or (w < 0).any() or not np.isfinite(w).all() or w.sum() <= 0:
-            raise ValueError(f"blend weights must be >= 0 with a positive sum, got {list(weights)}")
+            raise DataError(f"blend weights must be >= 0 with a positive sum, got {list(weights)}")
         self.weights = w / w.sum()
         self.size = int(size)
         self.dataset_index, self.dataset_sample_index = index_builders.build_blending_indices(
@@ -41,7 +42,7 @@ class BlendableDataset(torch.utils.data.Dataset):
             taken = self.dataset_sample_index[self.dataset_index == d]
             needed = int(taken.max()) + 1 if taken.size else 0
             if needed > len(dataset):
-                raise ValueError(f"blend of {self.size} samples takes {needed} samples from "
+                raise DataError(f"blend of {self.size} samples takes {needed} samples from "
                                  f"dataset {d} (weight {self.weights[d]:.6g}), which has only "
                                  f"{len(dataset)}")
 

@@ -26,22 +26,26 @@ BLEND_SURPLUS = 0.005
 # ------------------------------------------------------------------------------- --split
 
 
+
+class DataError(ValueError):
+    """Data or data flags that cannot work; the message names the flag or file and the problem."""
+
 def parse_split(split: str) -> List[float]:
     """``--split`` as three fractions summing to 1: "969, 30, 1", "80,20" (test gets 0), "1"."""
     text = str(split)
     if not re.fullmatch(r"[\s.,/0-9]*", text):
-        raise ValueError(f"--split must be up to three non-negative numbers separated by commas "
+        raise DataError(f"--split must be up to three non-negative numbers separated by commas "
                          f"(e.g. 969,30,1); got {split!r}")
     try:
         parts = [float(p) for p in re.findall(r"[.0-9]+", text)]
     except ValueError:
-        raise ValueError(f"--split: cannot read the numbers in {split!r}") from None
+        raise DataError(f"--split: cannot read the numbers in {split!r}") from None
     if not 1 <= len(parts) <= 3:
-        raise ValueError(f"--split takes 1 to 3 numbers (train, valid, test); got {split!r}")
+        raise DataError(f"--split takes 1 to 3 numbers (train, valid, test); got {split!r}")
     parts += [0.0] * (3 - len(parts))
     total = float(np.sum(np.array(parts, dtype=np.float64)))
     if total <= 0:
-        raise ValueError(f"--split must have a positive sum; got {split!r}")
+        raise DataError(f"--split must have a positive sum; got {split!r}")
     return (np.array(parts, dtype=np.float64) / total).tolist()
 
 
@@ -76,29 +80,29 @@ def parse_data_path(data_path: Union[str, Sequence[str], None],
     Weights are returned as given (not normalised). ``flag`` names the option in errors.
     """
     if data_path is None:
-        raise ValueError(f"{flag} is empty")
+        raise DataError(f"{flag} is empty")
     items = [data_path] if isinstance(data_path, str) else [str(x) for x in data_path]
     items = [x.strip() for x in items]
     if len(items) == 0:
-        raise ValueError(f"{flag} is empty")
+        raise DataError(f"{flag} is empty")
     if len(items) == 1:
         return items, None
     if len(items) % 2 == 1:
-        raise ValueError(f"{flag} takes one prefix or weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 "
+        raise DataError(f"{flag} takes one prefix or weight/prefix pairs (W1 PREFIX1 W2 PREFIX2 "
                          f"...); got {len(items)} entries: {items}")
     prefixes, weights = [], []
     for i in range(0, len(items), 2):
         try:
             weight = float(items[i])
         except ValueError:
-            raise ValueError(f"{flag}: entry {i + 1} should be the weight of {items[i + 1]!r}, "
+            raise DataError(f"{flag}: entry {i + 1} should be the weight of {items[i + 1]!r}, "
                              f"got {items[i]!r} (expected W1 PREFIX1 W2 PREFIX2 ...)") from None
         if not weight >= 0 or math.isinf(weight):
-            raise ValueError(f"{flag}: weight of {items[i + 1]!r} must be >= 0, got {weight}")
+            raise DataError(f"{flag}: weight of {items[i + 1]!r} must be >= 0, got {weight}")
         weights.append(weight)
         prefixes.append(items[i + 1])
     if sum(weights) <= 0:
-        raise ValueError(f"{flag}: the weights {weights} sum to 0")
+        raise DataError(f"{flag}: the weights {weights} sum to 0")
     return prefixes, weights
 
 

@@ -27,6 +27,7 @@ from megatron.data import dataset_utils, index_builders
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.mock_dataset import MockGPTDataset
+from megatron.data.dataset_utils import DataError
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +64,10 @@ class GPTDatasetConfig:
 
     def __post_init__(self) -> None:
         if self.seq_length <= 0:
-            raise ValueError(f"--seq-length must be > 0, got {self.seq_length}")
+            raise DataError(f"--seq-length must be > 0, got {self.seq_length}")
         dataset_utils.parse_split(self.split)  # reject a bad --split before any file is read
         if self.mock and (self.vocab_size is None or self.vocab_size <= 0):
-            raise ValueError(f"--mock-data needs a vocabulary size > 0, got {self.vocab_size}")
+            raise DataError(f"--mock-data needs a vocabulary size > 0, got {self.vocab_size}")
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -91,10 +92,10 @@ class GPTDataset(torch.utils.data.Dataset):
         self.num_samples = int(num_samples)
         self.seq_length = int(config.seq_length)
         if self.documents.size == 0:
-            raise ValueError(f"{name} split of {path_prefix} has no documents")
+            raise DataError(f"{name} split of {path_prefix} has no documents")
         sizes = indexed_dataset.sequence_lengths
         if int(np.sum(sizes[self.documents], dtype=np.int64)) == 0:
-            raise ValueError(f"{name} split of {path_prefix} ({self.documents.size} documents) "
+            raise DataError(f"{name} split of {path_prefix} ({self.documents.size} documents) "
                              f"holds no tokens")
         self.cache_dir = config.data_cache_path or os.path.join(
             os.path.dirname(os.path.abspath(path_prefix)), "cache")
@@ -228,7 +229,7 @@ def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]]
 def _check_train_not_empty(prefixes, documents, opened, split) -> None:
     for p in prefixes:
         if documents[p][0] is None:
-            raise ValueError(f"--split {split!r} leaves the train split of {p!r} empty "
+            raise DataError(f"--split {split!r} leaves the train split of {p!r} empty "
                              f"({len(opened[p])} documents); give train a larger share")
 
 
@@ -271,7 +272,7 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig,
     """
     num_samples = [int(n) for n in train_valid_test_num_samples]
     if len(num_samples) != 3:
-        raise ValueError(f"need train, valid and test sample counts, got {num_samples}")
+        raise DataError(f"need train, valid and test sample counts, got {num_samples}")
     if config.mock:
         return tuple(
             MockGPTDataset(n, config.seq_length, config.vocab_size, config.seed + i) if n > 0
@@ -279,7 +280,7 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig,
     per_split = (train_data_path, valid_data_path, test_data_path)
     if any(p for p in per_split):
         if data_path:
-            raise ValueError("--data-path cannot be combined with --train-data-path, "
+            raise DataError("--data-path cannot be combined with --train-data-path, "
                              "--valid-data-path or --test-data-path")
         out: List = [None, None, None]
         flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
@@ -288,5 +289,5 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig,
                 out[i] = _build_from_blend(path, num_samples, config, flags[i], only=i)[i]
         return tuple(out)
     if not data_path:
-        raise ValueError("no data: pass --data-path (or --train-data-path ...), or --mock-data")
+        raise DataError("no data: pass --data-path (or --train-data-path ...), or --mock-data")
     return tuple(_build_from_blend(data_path, num_samples, config, "--data-path"))

@@ -13,6 +13,7 @@ from typing import Iterable, Iterator, List, Optional
 import torch
 
 from megatron.core import device
+from megatron.data.dataset_utils import DataError
 
 DATALOADER_TYPES = ("single", "cyclic", "external")
 
@@ -20,14 +21,14 @@ DATALOADER_TYPES = ("single", "cyclic", "external")
 def _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
                   data_parallel_size) -> None:
     if total_samples <= 0:
-        raise ValueError(f"the dataset has no samples (total_samples={total_samples})")
+        raise DataError(f"the dataset has no samples (total_samples={total_samples})")
     if micro_batch_size <= 0:
-        raise ValueError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
+        raise DataError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
     if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
-        raise ValueError(f"data-parallel rank {data_parallel_rank} is not in "
+        raise DataError(f"data-parallel rank {data_parallel_rank} is not in "
                          f"[0, {data_parallel_size})")
     if consumed_samples < 0:
-        raise ValueError(f"consumed samples must be >= 0, got {consumed_samples}")
+        raise DataError(f"consumed samples must be >= 0, got {consumed_samples}")
 
 
 class MegatronPretrainingSampler:
@@ -43,7 +44,7 @@ class MegatronPretrainingSampler:
         _check_common(total_samples, consumed_samples, micro_batch_size, data_parallel_rank,
                       data_parallel_size)
         if consumed_samples >= total_samples:
-            raise ValueError(f"consumed samples ({consumed_samples}) must be fewer than the "
+            raise DataError(f"consumed samples ({consumed_samples}) must be fewer than the "
                              f"dataset's {total_samples} samples; the run has used all its data")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
@@ -104,10 +105,10 @@ class MegatronPretrainingRandomSampler:
         self.micro_batch_times_data_parallel_size = micro_batch_size * data_parallel_size
         self.last_batch_size = total_samples % self.micro_batch_times_data_parallel_size
         if total_samples < self.micro_batch_times_data_parallel_size:
-            raise ValueError(f"the dataset's {total_samples} samples cannot fill one global "
+            raise DataError(f"the dataset's {total_samples} samples cannot fill one global "
                              f"micro batch of {micro_batch_size} x {data_parallel_size} ranks")
         if consumed_samples % self.micro_batch_times_data_parallel_size:
-            raise ValueError(f"consumed samples ({consumed_samples}) must be a multiple of "
+            raise DataError(f"consumed samples ({consumed_samples}) must be a multiple of "
                              f"micro batch x data-parallel size "
                              f"({self.micro_batch_times_data_parallel_size})")
         self.epoch = 0
@@ -176,10 +177,10 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     elif dataloader_type == "external":
         return dataset
     else:
-        raise ValueError(f"--dataloader-type must be one of {DATALOADER_TYPES}, "
+        raise DataError(f"--dataloader-type must be one of {DATALOADER_TYPES}, "
                          f"got {dataloader_type!r}")
     if num_workers < 0:
-        raise ValueError(f"--num-workers must be >= 0, got {num_workers}")
+        raise DataError(f"--num-workers must be >= 0, got {num_workers}")
     generator = torch.Generator()
     generator.manual_seed(seed)
     return torch.utils.data.DataLoader(

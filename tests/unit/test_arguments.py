@@ -7,8 +7,9 @@ import sys
 import pytest
 import torch
 
-from megatron.arguments import (ArgumentsError, build_configs, pad_vocab_size, parse_args,
-                                validate_args)
+from megatron.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.tokenizer import build_tokenizer
+from megatron.tokenizer.tokenizer import vocab_size_with_padding
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -75,11 +76,13 @@ BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32
 
 
 def test_derived_single_rank():
-    args = validate_args(_args(BASE + ["--vocab-size", "1000"]))
+    args = validate_args(_args(BASE + ["--vocab-size", "1000", "--tokenizer-type",
+                                       "NullTokenizer"]))
     assert args.data_parallel_size == 1 and args.global_batch_size == 2
     assert args.num_micro_batches == 1 and args.ffn_hidden_size == 256
     assert args.kv_channels == 8 and args.num_query_groups == 8
-    assert args.padded_vocab_size == 1024
+    build_tokenizer(args)
+    assert args.padded_vocab_size == 1024  # 1000 ids + end-of-document, padded to 128
 
 
 def test_swiglu_ffn_and_gqa():
@@ -91,9 +94,9 @@ def test_swiglu_ffn_and_gqa():
 
 def test_pad_vocab_size():
     args = _args(BASE + ["--tensor-model-parallel-size", "2"], world_size=2)
-    assert pad_vocab_size(50257, args) == 50432  # GPT-2's padded size at TP=2
+    assert vocab_size_with_padding(50257, args) == 50432  # GPT-2's padded size at TP=2
     args.tensor_model_parallel_size = 1
-    assert pad_vocab_size(50257, args) == 50304
+    assert vocab_size_with_padding(50257, args) == 50304
 
 
 @pytest.mark.parametrize("extra,world,pattern", [
@@ -123,6 +126,8 @@ def test_pad_vocab_size():
     (["--recompute-granularity", "selective", "--recompute-method", "block"], 1,
      "applies only to --recompute-granularity full"),
     (["--train-samples", "100"], 1, "only one of --train-iters and --train-samples"),
+    (["--lr-warmup-iters", "10"], 1,
+     r"--lr-warmup-iters \(10\) must be smaller than --lr-decay-iters or --train-iters \(10\)"),
     (["--min-lr", "1", "--lr", "0.1"], 1, r"--min-lr \(1.0\) is larger than --lr \(0.1\)"),
 ])
 def test_validation_errors(extra, world, pattern):
@@ -152,7 +157,9 @@ def test_old_flags_accepted_with_note(capsys):
 
 def test_build_configs():
     args = validate_args(_args(BASE + ["--vocab-size", "500", "--tensor-model-parallel-size",
-                                       "2", "--sequence-parallel", "--bf16"], world_size=4))
+                                       "2", "--sequence-parallel", "--bf16", "--tokenizer-type",
+                                       "NullTokenizer"], world_size=4))
+    build_tokenizer(args)
     configs = build_configs(args)
     assert configs.parallel.data_parallel_size == 2 and configs.parallel.sequence_parallel
     assert configs.model.padded_vocab_size == 512 and configs.model.ffn_hidden_size == 256

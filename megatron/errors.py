@@ -1,0 +1,33 @@
+"""Turn mistakes in users' input into one clear line and an exit code, not a traceback.
+
+Every reader of user input raises an error type that carries a message naming the flag, file or
+line: those are listed here. Anything else is a bug and keeps its traceback.
+"""
+
+import contextlib
+import os
+import sys
+
+
+def user_error_types() -> tuple:
+    from megatron.arguments import ArgumentsError
+    from megatron.checkpointing import CheckpointError
+    from megatron.core.config import ConfigError
+    from megatron.data.dataset_utils import DataError
+    from megatron.data.indexed_dataset import IndexedDatasetError
+
+    return (ArgumentsError, ConfigError, CheckpointError, DataError, IndexedDatasetError,
+            FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+@contextlib.contextmanager
+def exit_on_user_error(prog: str = None, exit_code: int = 1):
+    """Print ``prog: error: message`` for a user's mistake and exit with ``exit_code``."""
+    try:
+        yield
+    except user_error_types() as err:
+        name = prog or os.path.basename(sys.argv[0]) or "megatron"
+        rank = os.environ.get("RANK")
+        where = f" [rank {rank}]" if rank not in (None, "0") else ""
+        print(f"{name}{where}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(exit_code) from None

@@ -1,0 +1,86 @@
+"""Named wall-clock timers, logged at ``--timing-log-level`` (0: none, 1: coarse, 2: fine)."""
+
+import time
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import device
+
+
+class _Timer:
+    def __init__(self):
+        self.elapsed_s = 0.0
+        self._start = None
+
+    def start(self, barrier_group=None):
+        if self._start is not None:
+            raise RuntimeError("timer already started")
+        if barrier_group is not None:
+            dist.barrier(group=barrier_group)
+        device.synchronize()
+        self._start = time.perf_counter()
+
+    def stop(self):
+        if self._start is None:
+            raise RuntimeError("timer was not started")
+        device.synchronize()
+        self.elapsed_s += time.perf_counter() - self._start
+        self._start = None
+
+    def elapsed(self, reset: bool = True) -> float:
+        running = self._start is not None
+        if running:
+            self.stop()
+        value = self.elapsed_s
+        if reset:
+            self.elapsed_s = 0.0
+        if running:
+            self.start()
+        return value
+
+
+class _NullTimer:
+    def start(self, barrier_group=None):
+        pass
+
+    def stop(self):
+        pass
+
+    def elapsed(self, reset: bool = True) -> float:
+        return 0.0
+
+
+class Timers:
+    """``timers('name', log_level=1).start()``; timers above the configured level cost nothing."""
+
+    def __init__(self, log_level: int = 0, log_option: str = "minmax"):
+        self.log_level = log_level
+        self.log_option = log_option
+        self._timers: Dict[str, _Timer] = {}
+        self._null = _NullTimer()
+
+    def __call__(self, name: str, log_level: int = 0):
+        if log_level > self.log_level:
+            return self._null
+        return self._timers.setdefault(name, _Timer())
+
+    def log_string(self, names: List[str], normalizer: float = 1.0) -> str:
+        """Milliseconds per timer; max (and min) over ranks as ``--timing-log-option`` says."""
+        names = [n for n in names if n in self._timers]
+        if not names:
+            return ""
+        local = torch.tensor([self._timers[n].elapsed() * 1000.0 / normalizer for n in names],
+                             dtype=torch.float64)
+        high, low = local.clone(), local.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        parts = []
+        for i, name in enumerate(names):
+            if self.log_option == "max":
+                parts.append(f"{name}: {high[i]:.2f}")
+            else:
+                parts.append(f"{name}: ({low[i]:.2f}, {high[i]:.2f})")
+        return "(min, max) time across ranks (ms): " + " | ".join(parts)

@@ -1,0 +1,131 @@
+"""Megatron's console log line, throughput and FLOP counts, and TensorBoard scalars."""
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+
+
+def num_floating_point_operations(args, batch_size: int) -> float:
+    """Model FLOPs of one forward + backward pass over ``batch_size`` sequences (Megatron's count).
+
+    Counts the matrix multiplications only: QKV and output projections, attention scores and
+    values, the MLP (x 3/2 when gated) and the logits, times 3 for forward + backward.
+    """
+    s, h, layers = args.seq_length, args.hidden_size, args.num_layers
+    kv_ratio = args.num_query_groups / args.num_attention_heads
+    q_proj_ratio = args.kv_channels * args.num_attention_heads / h
+    gated = 1.5 if args.swiglu else 1.0
+    per_layer = ((1 + kv_ratio + s / h) * q_proj_ratio
+                 + (args.ffn_hidden_size / h) * gated
+                 + args.padded_vocab_size / (2 * layers * h))
+    return 12.0 * batch_size * s * layers * h * h * per_layer
+
+
+@dataclass
+class IntervalStats:
+    """What the log line averages over one --log-interval."""
+
+    losses: Dict[str, float] = field(default_factory=dict)
+    advanced: int = 0
+    skipped: int = 0
+    nan: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, loss_dict: Dict[str, float], skipped: bool) -> None:
+        if skipped:
+            self.skipped += 1
+        else:
+            self.advanced += 1
+        finite = all(math.isfinite(v) for v in loss_dict.values())
+        if not finite:
+            self.nan += 1
+        if not skipped and finite:
+            for key, value in loss_dict.items():
+                self.losses[key] = self.losses.get(key, 0.0) + value
+
+
+def format_log_line(args, iteration: int, stats: IntervalStats, learning_rate: float,
+                    batch_size: int, loss_scale: float, grad_norm: Optional[float]) -> str:
+    elapsed = time.perf_counter() - stats.start
+    iters = max(1, stats.advanced + stats.skipped)
+    per_iter_s = elapsed / iters
+    tokens_per_s = batch_size * args.seq_length / per_iter_s / args.world_size
+    tflops = num_floating_point_operations(args, batch_size) / per_iter_s / args.world_size / 1e12
+    parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
+             f"consumed samples: {args.consumed_train_samples:12d}",
+             f"elapsed time per iteration (ms): {per_iter_s * 1000.0:.1f}",
+             f"tokens per second per device: {tokens_per_s:.1f}",
+             f"throughput per device (TFLOP/s): {tflops:.3f}",
+             f"learning rate: {learning_rate:.6E}",
+             f"global batch size: {batch_size:5d}"]
+    for key, total in stats.losses.items():
+        parts.append(f"{key}: {total / max(1, stats.advanced):.6E}")
+    parts.append(f"loss scale: {loss_scale:.1f}")
+    if grad_norm is not None:
+        parts.append(f"grad norm: {grad_norm:.3f}")
+    parts.append(f"number of skipped iterations: {stats.skipped:3d}")
+    parts.append(f"number of nan iterations: {stats.nan:3d}")
+    return " | ".join(parts) + " |"
+
+
+def write_train_scalars(writer, args, iteration: int, loss_dict: Dict[str, float],
+                        learning_rate: float, batch_size: int, loss_scale: float,
+                        grad_norm: Optional[float]) -> None:
+    if writer is None or iteration % args.tensorboard_log_interval != 0:
+        return
+    samples = args.consumed_train_samples
+    if args.log_learning_rate_to_tensorboard:
+        writer.add_scalar("learning-rate", learning_rate, iteration)
+        writer.add_scalar("learning-rate vs samples", learning_rate, samples)
+    writer.add_scalar("batch-size", batch_size, iteration)
+    writer.add_scalar("batch-size vs samples", batch_size, samples)
+    for key, value in loss_dict.items():
+        writer.add_scalar(key, value, iteration)
+        writer.add_scalar(key + " vs samples", value, samples)
+    if args.log_loss_scale_to_tensorboard:
+        writer.add_scalar("loss-scale", loss_scale, iteration)
+        writer.add_scalar("loss-scale vs samples", loss_scale, samples)
+    if grad_norm is not None:
+        writer.add_scalar("grad-norm", grad_norm, iteration)
+        writer.add_scalar("grad-norm vs samples", grad_norm, samples)
+    if args.log_world_size_to_tensorboard:
+        writer.add_scalar("world-size", args.world_size, iteration)
+
+
+def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
+    parts = [f" validation loss at {prefix}"]
+    for key, value in losses.items():
+        parts.append(f"{key} value: {value:.6E}")
+        parts.append(f"{key} PPL: {math.exp(min(20.0, value)):.6E}")
+    line = " | ".join(parts) + " |"
+    bar = "-" * len(line)
+    return f"{bar}\n{line}\n{bar}"
+
+
+def write_eval_scalars(writer, args, iteration: int, losses: Dict[str, float]) -> None:
+    if writer is None:
+        return
+    for key, value in losses.items():
+        writer.add_scalar(f"{key} validation", value, iteration)
+        writer.add_scalar(f"{key} validation vs samples", value, args.consumed_train_samples)
+        if args.log_validation_ppl_to_tensorboard:
+            ppl = math.exp(min(20.0, value))
+            writer.add_scalar(f"{key} validation ppl", ppl, iteration)
+            writer.add_scalar(f"{key} validation ppl vs samples", ppl,
+                              args.consumed_train_samples)
+
+
+def make_tensorboard_writer(args):
+    """A SummaryWriter on the last rank when --tensorboard-dir is given (as Megatron does)."""
+    if not args.tensorboard_dir or args.rank != args.world_size - 1:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+
+
+def to_float(value) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
