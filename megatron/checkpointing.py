@@ -166,13 +166,20 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         rng_states = [None] * pstate.dp_size
         dist.all_gather_object(rng_states, _rng_state(), group=pstate.dp_group)
 
+    # Every DP rank asks: the distributed optimizer gathers its shards to DP rank 0 (a
+    # collective), and finishes any parameter all-gather still overlapping, so the model is whole.
+    finish_param_sync = getattr(optimizer, "finish_param_sync", None)
+    if finish_param_sync is not None:
+        finish_param_sync()
+    optimizer_state = None if args.no_save_optim else optimizer.state_dict()
+
     ok, error = True, ""
     if pstate.dp_rank == 0:
         state = {"args": _plain_args(args), "checkpoint_version": CHECKPOINT_VERSION,
                  "iteration": iteration}
         state.update(_model_state(model_chunks))
         if not args.no_save_optim:
-            state["optimizer"] = optimizer.state_dict()
+            state["optimizer"] = optimizer_state
             state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         if rng_states is not None:
             state["rng_state"] = rng_states
@@ -356,6 +363,7 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) 
     for chunk, tree in zip(model_chunks, trees):
         chunk.load_state_dict(tree, strict=True)
     if restore_training and not args.no_load_optim:
+        # Every DP rank read the same, unsharded file: a distributed optimizer takes its shard.
         optimizer.load_state_dict(state["optimizer"])
         opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     else:

@@ -3,6 +3,7 @@
 from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
                          get_grads_for_norm)
 from .config import OptimizerConfig
+from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer import (FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer,
                         build_grad_scaler, get_megatron_optimizer, get_param_groups)
@@ -11,6 +12,7 @@ from .optimizer_param_scheduler import OptimizerParamScheduler
 __all__ = [
     "OptimizerConfig", "get_megatron_optimizer", "get_param_groups", "build_grad_scaler",
     "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
+    "DistributedOptimizer",
     "MegatronGradScaler", "ConstantGradScaler", "DynamicGradScaler",
     "clip_grad_norm_fp32", "get_grad_norm_fp32", "get_grads_for_norm", "count_zeros_fp32",
     "OptimizerParamScheduler",

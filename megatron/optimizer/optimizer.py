@@ -57,6 +57,13 @@ def _zero_grad_group_helper(group: Sequence[torch.Tensor], set_to_none: bool) ->
             param.grad.zero_()
 
 
+def _reject_distributed_state(state_dict: dict) -> None:
+    """A replicated optimizer cannot take the unsharded state of the distributed optimizer."""
+    if "param_state" in state_dict:
+        raise ValueError("optimizer checkpoint was saved with --use-distributed-optimizer "
+                         "(it has 'param_state'); pass the flag to load it, or --no-load-optim")
+
+
 def _copy_parallel_attributes(source: torch.Tensor, destination: torch.Tensor) -> None:
     for name in _PARALLEL_ATTRIBUTES:
         if hasattr(source, name):
@@ -245,6 +252,7 @@ class FP32Optimizer(MegatronOptimizer):
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
+        _reject_distributed_state(state_dict)
         if "state" not in state_dict and "optimizer" in state_dict:
             # Written by the mixed-precision wrapper: its torch optimizer state is compatible.
             logger.warning("loading an fp32 optimizer from a mixed-precision optimizer "
@@ -363,6 +371,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
+        _reject_distributed_state(state_dict)
         key = "optimizer" if "optimizer" in state_dict else "optimizer_state_dict"
         if key not in state_dict:
             raise KeyError(f"optimizer checkpoint has neither 'optimizer' nor "
@@ -463,7 +472,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
                            mp_group, tp_group, dp_group=None,
                            no_weight_decay_cond: Optional[ParamCond] = None,
                            scale_lr_cond: Optional[ParamCond] = None, lr_mult: float = 1.0,
-                           use_main_grad: Optional[bool] = None) -> MegatronOptimizer:
+                           use_main_grad: Optional[bool] = None,
+                           overlap_param_gather: bool = False) -> MegatronOptimizer:
     """Build the optimizer for this rank's model chunks.
 
     Args:
@@ -474,25 +484,41 @@ def get_megatron_optimizer(config: OptimizerConfig,
         tp_group: tensor-parallel group, used only to know this rank's TP rank (replicated
             parameters count in the norm on TP rank 0 only); None means no tensor parallelism.
             Both are required arguments so that forgetting one cannot silently double-count.
-        dp_group: data-parallel group; reserved for ``--use-distributed-optimizer``.
+        dp_group: data-parallel group, over which ``--use-distributed-optimizer`` shards the
+            optimizer state (None: the model chunks' own); unused otherwise, since gradients
+            then arrive already averaged over data-parallel ranks.
         no_weight_decay_cond: ``(name, param) -> bool``; default: biases and 1-D params.
         scale_lr_cond: ``(name, param) -> bool`` selecting params whose lr is scaled by
             ``lr_mult``.
         lr_mult: learning-rate multiplier for ``scale_lr_cond`` params.
-        use_main_grad: where gradients are read from; see :class:`MegatronOptimizer`.
+        use_main_grad: where gradients are read from; see :class:`MegatronOptimizer`
+            (the distributed optimizer always reads the data-parallel gradient buffer).
+        overlap_param_gather: with ``--use-distributed-optimizer``, overlap the all-gather of
+            updated parameters with the next forward (``--overlap-param-gather``).
+
+    With ``config.use_distributed_optimizer`` the model chunks must be
+    ``DistributedDataParallel`` wrappers (built with ``use_distributed_optimizer=True`` so that
+    gradients are reduce-scattered); a :class:`DistributedOptimizer` is returned.
     """
-    del dp_group  # gradients arrive already averaged over data-parallel ranks
-    if config.use_distributed_optimizer:
-        raise ConfigError("--use-distributed-optimizer is not supported yet; "
-                          "drop the flag to keep optimizer state replicated on each DP rank")
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond,
                                     lr_mult)
     if not param_groups:
         raise ValueError("the model has no trainable parameters to optimize")
-    inner = _build_torch_optimizer(config, param_groups)
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    if config.use_distributed_optimizer:
+        from .distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 - import cycle
+
+        scaler = build_grad_scaler(config) if config.fp16 or config.bf16 else None
+        return DistributedOptimizer(
+            config, model_chunks, param_groups,
+            lambda groups: _build_torch_optimizer(config, groups), scaler, dp_group=dp_group,
+            model_parallel_group=mp_group, tp_rank=tp_rank,
+            overlap_param_gather=overlap_param_gather)
+    if overlap_param_gather:
+        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+    inner = _build_torch_optimizer(config, param_groups)
     kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad)
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),

@@ -5,7 +5,8 @@ contiguous buffer per gradient dtype (fp32 with ``accumulate_allreduce_grads_in_
 parameter's dtype). Backward adds each micro-batch's gradient into ``main_grad`` and sets
 ``p.grad`` to None (a post-accumulate-grad hook, so ``p.grad`` never outlives one backward).
 After :meth:`DistributedDataParallel.finish_grad_sync`, ``main_grad`` holds the gradient summed over
-micro-batches and averaged over the data-parallel group.
+micro-batches and averaged over the data-parallel group (with ``use_distributed_optimizer``, only
+in this rank's shard of each bucket: the reduction is a reduce-scatter).
 
 One training step::
 
@@ -48,9 +49,11 @@ class DistributedDataParallel(torch.nn.Module):
         bucket_size: elements per bucket (``--ddp-bucket-size``). None: one bucket per buffer
             without overlap; ``max(40M, 1M x dp size)`` with overlap. An explicit size is honoured
             in both modes.
-        use_distributed_optimizer: lay buckets out padded to a multiple of the dp size so a
-            distributed optimizer can shard them (``--use-distributed-optimizer``). Gradients are
-            still fully all-reduced, so each rank's shard of them is correct.
+        use_distributed_optimizer: lay buckets out padded to a multiple of the dp size and
+            reduce-scatter them instead of all-reducing (``--use-distributed-optimizer``): after
+            :meth:`finish_grad_sync` only this rank's shard of each bucket (see
+            :meth:`Bucket.shard_range`) holds the dp-averaged gradient, which is all the
+            distributed optimizer reads; the rest of ``main_grad`` keeps local values.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,

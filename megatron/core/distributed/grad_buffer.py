@@ -14,10 +14,17 @@ rounded up to a multiple of the data-parallel size (the padding belongs to the l
 with ``use_distributed_optimizer`` every bucket's length is, so that a distributed optimizer can
 give each data-parallel rank an equal contiguous shard of each bucket.
 
-A bucket's reduction is one all-reduce over the data-parallel group of its whole slice. Buckets
-are always launched in index order, on every rank, whatever order their gradients complete in:
-collectives on one group must be issued in the same order on all ranks, and this makes that hold
-even if backward visited parameters in a different order on different ranks.
+A bucket's reduction is one all-reduce over the data-parallel group of its whole slice. With
+``use_distributed_optimizer`` it is a reduce-scatter instead: data-parallel rank ``r`` of ``D``
+receives the average of slice ``[r*n/D, (r+1)*n/D)`` of the bucket (its shard, the only part its
+optimizer reads) while the rest of its copy keeps its own, unreduced values. That mode also gives
+each parameter marked ``shared_embedding`` (a word embedding tied across pipeline stages) a bucket
+of its own, so the first and last stage shard it identically and the embedding all-reduce that
+follows the data-parallel reduction adds matching, reduced slices.
+
+Buckets are always launched in index order, on every rank, whatever order their gradients complete
+in: collectives on one group must be issued in the same order on all ranks, and this makes that
+hold even if backward visited parameters in a different order on different ranks.
 """
 
 from dataclasses import dataclass
@@ -25,6 +32,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+
+from megatron.core import collectives
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -43,7 +52,8 @@ class BufferLayout:
 
 
 def compute_buffer_layout(numels: Sequence[int], bucket_size: Optional[int], dp_size: int,
-                          pad_buckets: bool = False) -> BufferLayout:
+                          pad_buckets: bool = False,
+                          own_bucket: Sequence[int] = ()) -> BufferLayout:
     """Lay parameters of the given sizes back to back and cut the result into buckets.
 
     Args:
@@ -53,6 +63,8 @@ def compute_buffer_layout(numels: Sequence[int], bucket_size: Optional[int], dp_
         dp_size: data-parallel size; the buffer length is rounded up to a multiple of it.
         pad_buckets: also round every bucket's length up to a multiple of ``dp_size`` (needed by a
             distributed optimizer, which shards each bucket evenly over data-parallel ranks).
+        own_bucket: indices of parameters that get a bucket to themselves (the bucket open
+            before one is closed first).
     """
     if bucket_size is not None and bucket_size < 1:
         raise ValueError(f"bucket_size (--ddp-bucket-size) must be >= 1 element, got {bucket_size}")
@@ -63,16 +75,24 @@ def compute_buffer_layout(numels: Sequence[int], bucket_size: Optional[int], dp_
     bucket_params: List[List[int]] = []
     offset = bucket_start = 0
     current: List[int] = []
+    alone = set(own_bucket)
+
+    def close_bucket() -> None:
+        nonlocal offset, bucket_start, current
+        end = _round_up(offset, dp_size) if pad_buckets else offset
+        bucket_ranges.append((bucket_start, end))
+        bucket_params.append(current)
+        offset = bucket_start = end
+        current = []
+
     for index, numel in enumerate(numels):
+        if index in alone and current:
+            close_bucket()
         param_ranges.append((offset, offset + numel))
         offset += numel
         current.append(index)
-        if bucket_size is not None and offset - bucket_start >= bucket_size:
-            end = _round_up(offset, dp_size) if pad_buckets else offset
-            bucket_ranges.append((bucket_start, end))
-            bucket_params.append(current)
-            offset = bucket_start = end
-            current = []
+        if index in alone or (bucket_size is not None and offset - bucket_start >= bucket_size):
+            close_bucket()
     total = _round_up(offset, dp_size)
     if current:
         bucket_ranges.append((bucket_start, total))
@@ -80,6 +100,24 @@ def compute_buffer_layout(numels: Sequence[int], bucket_size: Optional[int], dp_
     elif bucket_ranges and bucket_ranges[-1][1] != total:
         bucket_ranges[-1] = (bucket_ranges[-1][0], total)
     return BufferLayout(param_ranges, bucket_ranges, bucket_params, total, sum(numels))
+
+
+def _reduce_scatter(shard: torch.Tensor, data: torch.Tensor, group, async_op: bool):
+    """Reduce-scatter ``data`` over ``group`` into ``shard`` (this rank's slice of ``data``
+    itself: every backend we run on reduces in place); returns a handle when asynchronous.
+
+    The asynchronous form calls the backend's op directly; a backend without it falls back to the
+    synchronous wrapper of :mod:`megatron.core.collectives`.
+    """
+    if async_op:
+        native = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        try:
+            return native(shard, data, group=group, async_op=True)
+        except (RuntimeError, NotImplementedError) as err:
+            if "support" not in str(err).lower() and not isinstance(err, NotImplementedError):
+                raise
+    collectives.reduce_scatter_tensor(shard, data, group)
+    return None
 
 
 class Bucket:
@@ -91,18 +129,27 @@ class Bucket:
         data: 1-D view of the buffer, ``[bucket numel]``.
         offset: start of ``data`` within the buffer, in elements.
         dp_group: data-parallel process group the reduction runs over.
-        overlap_grad_reduce: launch the all-reduce asynchronously (``async_op=True``).
+        overlap_grad_reduce: launch the reduction asynchronously (``async_op=True``).
+        use_distributed_optimizer: reduce-scatter (each rank gets only its shard averaged)
+            instead of all-reduce; ``data`` must then hold a multiple of the dp size.
     """
 
     def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor,
-                 offset: int, dp_group, overlap_grad_reduce: bool):
+                 offset: int, dp_group, overlap_grad_reduce: bool,
+                 use_distributed_optimizer: bool = False):
         self.index = index
         self.params = list(params)
         self.data = data
         self.offset = offset
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
+        self.dp_rank = dist.get_rank(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
+        if use_distributed_optimizer and data.numel() % self.dp_size != 0:
+            raise ValueError(f"bucket {index} holds {data.numel()} elements, not a multiple of the "
+                             f"data-parallel size {self.dp_size}; a distributed optimizer cannot "
+                             "shard it")
         self.params_with_grad = set()
         self.communication_handle = None
         self.communication_issued = False
@@ -120,8 +167,16 @@ class Bucket:
         """Whether every parameter's last-micro-batch gradient is in the buffer."""
         return len(self.params_with_grad) == len(self.params)
 
+    def shard_range(self, dp_rank: Optional[int] = None) -> Tuple[int, int]:
+        """``(start, end)`` within this bucket of data-parallel rank ``dp_rank``'s shard
+        (default: this rank's); the bucket is cut into dp-size equal, contiguous shards."""
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        size = self.data.numel() // self.dp_size
+        return rank * size, (rank + 1) * size
+
     def start_grad_sync(self) -> None:
-        """Average this bucket over the data-parallel group: divide by dp size, then all-reduce.
+        """Average this bucket over the data-parallel group: divide by dp size, then all-reduce
+        (or reduce-scatter into this rank's shard, with ``use_distributed_optimizer``).
 
         Dividing before the sum (pre-divide) keeps every partial sum within the range of a single
         rank's gradient, so a reduction in fp16 or bf16 cannot overflow however many ranks take
@@ -134,8 +189,13 @@ class Bucket:
         if self.dp_size == 1:
             return
         self.data.div_(self.dp_size)
-        self.communication_handle = dist.all_reduce(
-            self.data, group=self.dp_group, async_op=self.overlap_grad_reduce)
+        if self.use_distributed_optimizer:
+            start, end = self.shard_range()
+            self.communication_handle = _reduce_scatter(
+                self.data[start:end], self.data, self.dp_group, self.overlap_grad_reduce)
+        else:
+            self.communication_handle = dist.all_reduce(
+                self.data, group=self.dp_group, async_op=self.overlap_grad_reduce)
 
     def finish_grad_sync(self) -> None:
         """Make sure the reduction was issued and has completed."""
@@ -156,9 +216,10 @@ class GradBuffer:
             None for one bucket.
         overlap_grad_reduce: start each bucket's all-reduce asynchronously as soon as all its
             gradients of the last micro-batch are in; otherwise reduce in ``finish_grad_sync``.
-        use_distributed_optimizer: pad every bucket to a multiple of the dp size so a distributed
-            optimizer can shard it. Reduction is still a full all-reduce, of which each rank's
-            shard is a correct subset.
+        use_distributed_optimizer: pad every bucket to a multiple of the dp size and
+            reduce-scatter it, so a distributed optimizer finds its shard of each bucket averaged
+            (the rest of this rank's buffer is left unreduced); parameters marked
+            ``shared_embedding`` get a bucket each.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype, dp_group,
@@ -175,10 +236,16 @@ class GradBuffer:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.use_distributed_optimizer = use_distributed_optimizer
         self.is_last_microbatch = True
 
+        own_bucket = []
+        if use_distributed_optimizer:
+            own_bucket = [i for i, p in enumerate(self.params)
+                          if getattr(p, "shared_embedding", False)]
         layout = compute_buffer_layout([p.numel() for p in self.params], bucket_size,
-                                       self.dp_size, pad_buckets=use_distributed_optimizer)
+                                       self.dp_size, pad_buckets=use_distributed_optimizer,
+                                       own_bucket=own_bucket)
         self.numel = layout.numel
         self.numel_unpadded = layout.numel_unpadded
         self.data = torch.zeros(layout.numel, dtype=dtype, device=devices.pop())  # [numel]
@@ -191,7 +258,7 @@ class GradBuffer:
                                                             layout.bucket_params)):
             bucket_params = [self.params[i] for i in members]
             bucket = Bucket(index, bucket_params, self.data[start:end], start, dp_group,
-                            overlap_grad_reduce)
+                            overlap_grad_reduce, use_distributed_optimizer)
             self.buckets.append(bucket)
             for i in members:
                 param = self.params[i]

@@ -1,0 +1,541 @@
+"""Distributed optimizer (``--use-distributed-optimizer``): optimizer state sharded over DP.
+
+Every data-parallel (DP) rank holds the whole model, but only ``1 / dp`` of the fp32 main
+parameters and optimizer state (ZeRO stage 1). The shards come from the layout of the gradient
+buffers of :class:`~megatron.core.distributed.DistributedDataParallel`: each bucket of a buffer is
+cut into ``dp`` equal contiguous ranges and DP rank ``r`` owns range ``r`` of every bucket (with
+one bucket, the default without ``--overlap-grad-reduce``, that is buffer range
+``[r*n/dp, (r+1)*n/dp)``). A parameter that straddles a boundary is split into pieces, each
+optimised by the rank owning it. Example, one bucket of 12 elements on 2 ranks::
+
+    buffer:   [ p2 (5)        | p1 (4)   | p0 (3)   ]
+    rank 0:   [ p2[0:5] p1[0:1] ]                       pieces of p2 and p1
+    rank 1:                     [ p1[1:4] p0[0:3] ]     pieces of p1 and p0
+
+One step:
+
+1. The DP wrapper reduce-scatters each bucket, so this rank's shard of the gradient buffer holds
+   the gradient averaged over DP (the rest of the buffer is never read).
+2. The shard's gradients become the ``.grad`` of the fp32 main pieces: views of the buffer when it
+   is fp32, fp32 copies otherwise.
+3. fp16: unscale and look for inf/nan; the flag is reduced over the DP group and the model-parallel
+   group, since each rank sees only its shard. A step skipped anywhere is skipped everywhere.
+4. Gradient norm: each rank sums the squares of its pieces, counting each parameter once across
+   the model (tensor-parallel duplicates on TP rank 0 only, ``shared`` copies of a tied embedding
+   never), then the sums are added over the DP group and the model-parallel group.
+5. The torch optimizer steps on the pieces.
+6. Updated pieces are rounded into the model's parameters and every bucket's parameters are
+   all-gathered over DP, so each rank again holds the whole updated model. The model's parameters
+   live in one contiguous buffer per gradient buffer, laid out like it, so the gather of a bucket
+   is one collective. With ``--overlap-param-gather`` the gathers are launched asynchronously
+   and each module's forward pre-hook waits only for the buckets holding its own parameters.
+
+fp32 models keep no copy of their parameters: a main piece is a view of the model parameter's
+storage. fp16/bf16 models keep fp32 main pieces.
+
+Checkpoints (:meth:`DistributedOptimizer.state_dict`, a collective over the DP group): the
+shards are gathered to DP rank 0 and saved unsharded, per parameter in model order, so a run with
+any DP size can load them; each rank then cuts out its own pieces::
+
+    {"optimizer": {"param_groups": [{hyper-parameters..., "step": n, "params": [0, 1, ...]}]},
+     "param_state": [[{"param": fp32 main, "exp_avg": ..., "exp_avg_sq": ...}, ...], ...],
+     "grad_scaler": {...}}                                  (fp16 / --loss-scale only)
+
+``param_state[g][i]`` belongs to the i-th parameter of param group ``g`` (the order of
+:func:`~megatron.optimizer.optimizer.get_param_groups`); its tensors have the parameter's shape.
+"""
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron.core import collectives, device
+from megatron.core.config import ConfigError
+
+from .clip_grads import (clip_grads_with_norm_fp32, get_grads_for_norm, param_is_not_shared,
+                         param_is_not_tensor_parallel_duplicate)
+from .config import OptimizerConfig
+from .grad_scaler import MegatronGradScaler
+from .optimizer import MegatronOptimizer, StepResult, _copy_parallel_attributes
+
+logger = logging.getLogger(__name__)
+
+# Parameter attributes that say "used outside its own module's forward": their buckets are
+# gathered before the chunk's forward starts when parameter gathers overlap the forward.
+_USED_OUTSIDE_OWN_MODULE = ("shared", "shared_embedding")
+
+
+@dataclass
+class ShardPiece:
+    """The part of one model parameter that this DP rank optimises.
+
+    Offsets are in elements: ``param_start:param_end`` within the flattened parameter, and
+    ``buffer_start:buffer_end`` within its gradient buffer (and the parameter buffer laid out
+    like it).
+    """
+
+    model_param: torch.nn.Parameter
+    buffer_key: Tuple[int, torch.dtype]  # (model chunk index, gradient dtype)
+    bucket_index: int
+    param_start: int
+    param_end: int
+    buffer_start: int
+    buffer_end: int
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
+
+
+def _shard_pieces(buffer_key, grad_buffer, dp_rank: int) -> Dict[torch.nn.Parameter, ShardPiece]:
+    """This rank's piece of every parameter of ``grad_buffer`` that intersects its shards."""
+    pieces = {}
+    for param, (p_start, p_end, bucket_index) in grad_buffer.param_index_map.items():
+        bucket = grad_buffer.buckets[bucket_index]
+        s_start, s_end = bucket.shard_range(dp_rank)
+        start = max(p_start, bucket.offset + s_start)
+        end = min(p_end, bucket.offset + s_end)
+        if start < end:
+            pieces[param] = ShardPiece(param, buffer_key, bucket_index, start - p_start,
+                                       end - p_start, start, end)
+    return pieces
+
+
+def _check_chunk(index: int, chunk, dp_size: int) -> None:
+    """The chunk must be a DP wrapper whose every bucket can be cut into ``dp_size`` shards."""
+    if not hasattr(chunk, "grad_buffers"):
+        raise ConfigError(
+            f"--use-distributed-optimizer needs every model chunk wrapped in "
+            f"DistributedDataParallel (its gradient buffer defines the shards); model chunk "
+            f"{index} is a {type(chunk).__name__}")
+    if chunk.dp_size != dp_size:
+        raise ConfigError(f"model chunk {index} is data-parallel over {chunk.dp_size} ranks, the "
+                          f"optimizer's dp_group over {dp_size}")
+    uneven = [b.data.numel() for buf in chunk.grad_buffers.values() for b in buf.buckets
+              if b.data.numel() % dp_size]
+    if uneven:
+        raise ConfigError(
+            f"--use-distributed-optimizer: model chunk {index} has gradient buckets of "
+            f"{uneven[:3]} elements, not multiples of the data-parallel size {dp_size}; build "
+            "DistributedDataParallel with use_distributed_optimizer=True")
+    if not chunk.use_distributed_optimizer and dp_size > 1:
+        logger.warning("--use-distributed-optimizer: model chunk %d was wrapped without "
+                       "use_distributed_optimizer=True, so its gradients are all-reduced in full "
+                       "rather than reduce-scattered (correct, but more communication)", index)
+
+
+class DistributedOptimizer(MegatronOptimizer):
+    """Megatron's optimizer interface over main params and state sharded across DP ranks.
+
+    Args:
+        config: the run's :class:`OptimizerConfig`.
+        model_chunks: this rank's model chunks, each a ``DistributedDataParallel``.
+        param_groups: groups of model parameters with their hyper-parameters
+            (:func:`~megatron.optimizer.optimizer.get_param_groups`).
+        build_optimizer: ``groups -> torch optimizer``; called once with the same groups, their
+            ``params`` replaced by this rank's fp32 main pieces (possibly none).
+        grad_scaler: loss scaler (required with ``--fp16``), or None.
+        dp_group: data-parallel group; None: the model chunks' own ``dp_group``.
+        model_parallel_group: TP x PP group (see :class:`MegatronOptimizer`).
+        tp_rank: this rank's tensor-parallel rank.
+        overlap_param_gather: gather updated parameters asynchronously, waiting in each module's
+            forward pre-hook (``--overlap-param-gather``); otherwise gather at the end of step().
+    """
+
+    def __init__(self, config: OptimizerConfig, model_chunks: Sequence[torch.nn.Module],
+                 param_groups: List[dict],
+                 build_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
+                 grad_scaler: Optional[MegatronGradScaler] = None, *, dp_group=None,
+                 model_parallel_group=None, tp_rank: int = 0,
+                 overlap_param_gather: bool = False):
+        if config.fp16 and grad_scaler is None:
+            raise ValueError("--fp16 needs a loss scaler (dynamic, or --loss-scale)")
+        self.model_chunks = list(model_chunks)
+        if dp_group is None:
+            dp_group = getattr(self.model_chunks[0], "dp_group", None)
+        self.dp_group = dp_group
+        self.dp_size = collectives.get_group_size(dp_group)
+        self.dp_rank = collectives.get_group_rank(dp_group)
+        for index, chunk in enumerate(self.model_chunks):
+            _check_chunk(index, chunk, self.dp_size)
+        self.grad_scaler = grad_scaler
+        self._scale_one = torch.ones(1, dtype=torch.float32, device=device.current_device())
+        self.overlap_param_gather = overlap_param_gather
+        self.num_successful_steps = 0
+
+        self.grad_buffers = {(i, dtype): buf for i, chunk in enumerate(self.model_chunks)
+                             for dtype, buf in chunk.grad_buffers.items()}
+        self.param_buffers = {key: self._build_param_buffers(buf)
+                              for key, buf in self.grad_buffers.items()}
+        pieces: Dict[torch.nn.Parameter, ShardPiece] = {}
+        for key, buf in self.grad_buffers.items():
+            pieces.update(_shard_pieces(key, buf, self.dp_rank))
+
+        # Model-order groups; per group, this rank's (piece, main param) pairs.
+        self.model_param_groups: List[List[torch.nn.Parameter]] = []
+        self.shard_groups: List[List[Tuple[ShardPiece, torch.Tensor]]] = []
+        shard_param_groups = []
+        for group in param_groups:
+            self._check_group(group)
+            shards = [(pieces[p], self._make_main_param(pieces[p]))
+                      for p in group["params"] if p in pieces]
+            self.model_param_groups.append(list(group["params"]))
+            self.shard_groups.append(shards)
+            shard_param_groups.append({**group, "params": [main for _, main in shards]})
+        optimizer = build_optimizer(shard_param_groups)
+        super().__init__(optimizer, config, model_parallel_group=model_parallel_group,
+                         tp_rank=tp_rank, use_main_grad=True)
+
+        self._pending_gathers: Dict[Tuple[Tuple[int, torch.dtype], int], list] = {}
+        self._hook_handles = []
+        if overlap_param_gather:
+            self._register_forward_pre_hooks()
+
+    # -- construction ------------------------------------------------------------------------
+
+    def _check_group(self, group: dict) -> None:
+        for param in group["params"]:
+            if not any(param in buf.param_index_map for buf in self.grad_buffers.values()):
+                raise ValueError(f"a parameter of shape {tuple(param.shape)} is in the "
+                                 "optimizer's param groups but in no gradient buffer of the "
+                                 "model chunks")
+
+    @staticmethod
+    @torch.no_grad()
+    def _build_param_buffers(grad_buffer) -> Dict[torch.dtype, torch.Tensor]:
+        """Move the buffer's parameters into contiguous storage laid out like ``grad_buffer``.
+
+        One buffer per parameter dtype (normally exactly one). Each parameter's ``.data`` becomes
+        a view of it, so a bucket's parameters can be all-gathered in one collective.
+        """
+        dtypes = sorted({p.dtype for p in grad_buffer.param_index_map}, key=str)
+        where = grad_buffer.data.device
+        buffers = {dtype: torch.zeros(grad_buffer.numel, dtype=dtype, device=where)  # [numel]
+                   for dtype in dtypes}
+        for param, (start, end, _) in grad_buffer.param_index_map.items():
+            view = buffers[param.dtype][start:end].view(param.shape)
+            view.copy_(param.data)
+            param.data = view
+        return buffers
+
+    @torch.no_grad()
+    def _make_main_param(self, piece: ShardPiece) -> torch.Tensor:
+        """The fp32 tensor the torch optimizer updates for ``piece``: ``[piece numel]``."""
+        model_flat = piece.model_param.detach().view(-1)
+        if piece.model_param.dtype == torch.float32:
+            main = model_flat[piece.param_start:piece.param_end]  # shares the model's storage
+        elif piece.model_param.dtype in (torch.float16, torch.bfloat16):
+            main = model_flat[piece.param_start:piece.param_end].to(torch.float32, copy=True)
+        else:
+            raise TypeError(f"parameters must be fp16, bf16 or fp32, got "
+                            f"{piece.model_param.dtype} for a parameter of shape "
+                            f"{tuple(piece.model_param.shape)}")
+        _copy_parallel_attributes(piece.model_param, main)
+        return main
+
+    def _shards(self):
+        return [pair for group in self.shard_groups for pair in group]
+
+    # -- gradients ---------------------------------------------------------------------------
+
+    def _copy_model_grads_to_main_grads(self) -> None:
+        for piece, main in self._shards():
+            grad = self.grad_buffers[piece.buffer_key].data[piece.buffer_start:piece.buffer_end]
+            main.grad = grad if grad.dtype == torch.float32 else grad.float()
+            piece.model_param.grad = None
+
+    def _main_grads(self) -> List[torch.Tensor]:
+        return [main.grad for _, main in self._shards() if main.grad is not None]
+
+    def _all_reduce_dp_then_mp(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        """Reduce over the DP group, then the model-parallel group: over every rank that holds
+        a part of the model's optimizer state. Every rank gets the same bits."""
+        collectives.all_reduce(tensor, self.dp_group, op=op)
+        collectives.all_reduce(tensor, self.model_parallel_group, op=op)
+        return tensor
+
+    def _unscale_and_check_for_nan(self, grads: List[torch.Tensor],
+                                   inv_scale: torch.Tensor) -> bool:
+        """Unscale this rank's shard of the gradients; True if any shard anywhere overflowed."""
+        found_inf = torch.zeros(1, dtype=torch.float32, device=device.current_device())
+        if grads:
+            local = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, local,
+                                                             inv_scale.to(grads[0].device))
+            found_inf.copy_(local)
+        self._all_reduce_dp_then_mp(found_inf, dist.ReduceOp.MAX)
+        return found_inf.item() > 0
+
+    def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
+        return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank)
+
+    def get_grad_norm(self) -> float:
+        """The 2-norm of the whole model's gradient, from every rank's shard."""
+        grads = self.get_main_grads_for_grad_norm()
+        total = torch.zeros(1, dtype=torch.float32, device=device.current_device())
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            total += torch.stack(norms).pow(2.0).sum().to(total.device)
+        self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM)
+        return float(total.item()) ** 0.5
+
+    def clip_grad_norm(self, clip_grad: float) -> float:
+        grad_norm = self.get_grad_norm()
+        clip_grads_with_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        return grad_norm
+
+    def count_zeros(self) -> int:
+        total = torch.zeros(1, dtype=torch.float64, device=device.current_device())
+        for _, main in self._shards():
+            if (main.grad is not None and param_is_not_shared(main)
+                    and param_is_not_tensor_parallel_duplicate(main, self.tp_rank)):
+                total += main.grad.numel() - torch.count_nonzero(main.grad).to(total.device)
+        self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM)
+        return int(total.item())
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the main pieces' gradients (views of the DP buffer, zeroed by the DP wrapper)."""
+        for piece, main in self._shards():
+            main.grad = None
+            piece.model_param.grad = None
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        self.finish_param_sync()
+        self._copy_model_grads_to_main_grads()
+        main_grads = self._main_grads()
+        if self.grad_scaler is not None:
+            found_inf = self._unscale_and_check_for_nan(main_grads, self.grad_scaler.inv_scale)
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, None, None
+        elif self.config.check_for_nan_in_loss_and_grad:
+            self._raise_if_not_finite(main_grads)
+        grad_norm, num_zeros_in_grad = self._step_with_ready_grads()
+        self.num_successful_steps += 1
+        self._copy_main_params_to_model_params()
+        self.start_param_sync()
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+        return True, grad_norm, num_zeros_in_grad
+
+    def _copy_main_params_to_model_params(self) -> None:
+        for piece, main in self._shards():
+            if piece.model_param.dtype != torch.float32:  # fp32 mains are the model's storage
+                flat = piece.model_param.detach().view(-1)
+                flat[piece.param_start:piece.param_end].copy_(main)
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        self.finish_param_sync()
+        for piece, main in self._shards():
+            if piece.model_param.dtype != torch.float32:
+                main.copy_(piece.model_param.detach().view(-1)[piece.param_start:piece.param_end])
+
+    # -- parameter all-gather ----------------------------------------------------------------
+
+    def start_param_sync(self) -> None:
+        """Launch the all-gather of every bucket's updated parameters, in forward order (last
+        bucket first: buckets follow the backward order). Asynchronous where the backend allows."""
+        if self.dp_size == 1:
+            return
+        for key, grad_buffer in self.grad_buffers.items():
+            for bucket in reversed(grad_buffer.buckets):
+                handles = []
+                for param_buffer in self.param_buffers[key].values():
+                    handles.append(self._gather_bucket(param_buffer, bucket))
+                self._pending_gathers[(key, bucket.index)] = handles
+
+    def _gather_bucket(self, param_buffer: torch.Tensor, bucket):
+        """All-gather one bucket's parameters; returns ``(handle or None, input)``."""
+        out = param_buffer[bucket.offset:bucket.offset + bucket.data.numel()]  # [bucket numel]
+        start, end = bucket.shard_range()
+        shard = out[start:end].clone()  # [bucket numel / dp]; the gather overwrites ``out``
+        if self.overlap_param_gather:
+            native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+            try:
+                return native(out, shard, group=self.dp_group, async_op=True), shard
+            except (RuntimeError, NotImplementedError) as err:
+                if "support" not in str(err).lower() and not isinstance(err, NotImplementedError):
+                    raise
+        collectives.all_gather_into_tensor(out, shard, self.dp_group)
+        return None, shard
+
+    def _finish_bucket(self, key) -> None:
+        for handle, _ in self._pending_gathers.pop(key, ()):
+            if handle is not None:
+                handle.wait()
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter all-gather still in flight; afterwards the model is whole."""
+        for key in list(self._pending_gathers):
+            self._finish_bucket(key)
+
+    def _register_forward_pre_hooks(self) -> None:
+        """Each module waits for the buckets of its own parameters before its forward; the chunk
+        waits first for parameters that are used outside their module (tied embeddings)."""
+        where = {}
+        for key, grad_buffer in self.grad_buffers.items():
+            for param, (_, _, bucket_index) in grad_buffer.param_index_map.items():
+                where[param] = (key, bucket_index)
+
+        def wait_for(params):
+            for param in params:
+                key = where.get(param)
+                if key is not None and key in self._pending_gathers:
+                    self._finish_bucket(key)
+
+        for chunk in self.model_chunks:
+            outside = [p for p in chunk.parameters()
+                       if any(getattr(p, a, False) for a in _USED_OUTSIDE_OWN_MODULE)]
+            self._hook_handles.append(chunk.register_forward_pre_hook(
+                lambda module, args, params=outside: wait_for(params)))
+            for module in chunk.modules():
+                own = list(module.parameters(recurse=False))
+                if own:
+                    self._hook_handles.append(module.register_forward_pre_hook(
+                        lambda module, args, params=own: wait_for(params)))
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def _state_keys(self) -> Tuple[str, ...]:
+        if self.config.optimizer == "adam":
+            return ("exp_avg", "exp_avg_sq")
+        return ("momentum_buffer",) if self.config.sgd_momentum > 0 else ()
+
+    def state_dict(self) -> dict:
+        """The unsharded optimizer state; a collective over the DP group.
+
+        Every DP rank must call it; the full ``param_state`` is returned on DP rank 0 only
+        (None elsewhere), which is the rank that writes the checkpoint.
+        """
+        self.finish_param_sync()
+        groups = []
+        for group in self.optimizer.param_groups:
+            meta = {k: v for k, v in group.items() if k != "params"}
+            meta["step"] = self.num_successful_steps
+            groups.append(meta)
+        for meta, model_params in zip(groups, self.model_param_groups):
+            meta["params"] = list(range(len(model_params)))
+        state_dict = {"optimizer": {"param_groups": groups},
+                      "param_state": self._gather_param_state()}
+        if self.grad_scaler is not None:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        return state_dict
+
+    def _local_bucket_state(self, key, bucket, names) -> torch.Tensor:
+        """This rank's shard of ``bucket`` for each of ``names``: ``[len(names), shard numel]``,
+        fp32, zero where no parameter lies (padding)."""
+        start, end = bucket.shard_range()
+        base = bucket.offset + start
+        local = torch.zeros(len(names), end - start, dtype=torch.float32,
+                            device=self.grad_buffers[key].data.device)
+        for piece, main in self._shards():
+            if piece.buffer_key != key or piece.bucket_index != bucket.index:
+                continue
+            state = self.optimizer.state.get(main, {})
+            for row, name in enumerate(names):
+                value = main if name == "param" else state.get(name)
+                if value is not None:
+                    local[row, piece.buffer_start - base:piece.buffer_end - base] = value
+        return local
+
+    def _gather_param_state(self) -> Optional[List[List[dict]]]:
+        """Gather every bucket's shards to DP rank 0 and cut them into per-parameter tensors."""
+        names = ("param",) + self._state_keys()
+        root = 0 if self.dp_group is None else dist.get_global_rank(self.dp_group, 0)
+        per_param: Dict[torch.nn.Parameter, dict] = {}
+        for key, grad_buffer in self.grad_buffers.items():
+            for bucket in grad_buffer.buckets:
+                local = self._local_bucket_state(key, bucket, names)  # [names, shard]
+                if self.dp_size == 1:
+                    full = local
+                else:
+                    parts = ([torch.empty_like(local) for _ in range(self.dp_size)]
+                             if self.dp_rank == 0 else None)
+                    dist.gather(local, parts, dst=root, group=self.dp_group)
+                    full = torch.cat(parts, dim=1) if parts is not None else None  # [names, b]
+                if full is None:
+                    continue
+                for param in bucket.params:
+                    start, end, _ = grad_buffer.param_index_map[param]
+                    rel = slice(start - bucket.offset, end - bucket.offset)
+                    per_param[param] = {name: full[row, rel].reshape(param.shape).cpu().clone()
+                                        for row, name in enumerate(names)}
+        if self.dp_rank != 0:
+            return None
+        return [[per_param[p] for p in group] for group in self.model_param_groups]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load an unsharded state (any DP size saved it); this rank keeps its own pieces."""
+        if "param_state" not in state_dict:
+            raise KeyError("optimizer checkpoint has no 'param_state': it was not saved with "
+                           "--use-distributed-optimizer; drop the flag to load it, or pass "
+                           f"--no-load-optim (found keys {sorted(state_dict)})")
+        if state_dict["param_state"] is None:
+            raise ValueError("optimizer checkpoint has param_state None: it is the state_dict() "
+                             "of a data-parallel rank other than 0, which holds no state")
+        saved_groups = state_dict["optimizer"]["param_groups"]
+        param_state = state_dict["param_state"]
+        self._check_saved_layout(saved_groups, param_state)
+        self.finish_param_sync()
+        step = max((int(g.get("step", 0)) for g in saved_groups), default=0)
+        with torch.no_grad():
+            for g, (group, meta) in enumerate(zip(self.optimizer.param_groups, saved_groups)):
+                group.update({k: v for k, v in meta.items() if k not in ("params", "step")})
+                index = {p: i for i, p in enumerate(self.model_param_groups[g])}
+                for piece, main in self.shard_groups[g]:
+                    saved = param_state[g][index[piece.model_param]]
+                    self._load_piece(piece, main, saved, step)
+        self.num_successful_steps = step
+        self._load_grad_scaler(state_dict)
+
+    def _check_saved_layout(self, saved_groups, param_state) -> None:
+        if len(saved_groups) != len(self.model_param_groups) or \
+                len(param_state) != len(self.model_param_groups):
+            raise ValueError(f"optimizer checkpoint has {len(param_state)} param groups, this "
+                             f"model has {len(self.model_param_groups)}")
+        for g, (saved, params) in enumerate(zip(param_state, self.model_param_groups)):
+            if len(saved) != len(params):
+                raise ValueError(f"optimizer checkpoint group {g} has {len(saved)} params, this "
+                                 f"model has {len(params)}")
+            for i, (entry, param) in enumerate(zip(saved, params)):
+                missing = {"param", *self._state_keys()} - set(entry)
+                if missing:
+                    raise KeyError(f"optimizer checkpoint group {g} param {i} lacks "
+                                   f"{sorted(missing)}")
+                if tuple(entry["param"].shape) != tuple(param.shape):
+                    raise ValueError(f"optimizer checkpoint group {g} param {i} has shape "
+                                     f"{tuple(entry['param'].shape)}, this model's is "
+                                     f"{tuple(param.shape)}")
+
+    def _load_piece(self, piece: ShardPiece, main: torch.Tensor, saved: dict, step: int) -> None:
+        cut = slice(piece.param_start, piece.param_end)
+        main.copy_(saved["param"].reshape(-1)[cut])
+        state = self.optimizer.state[main]
+        state.clear()
+        if step == 0:
+            return
+        for name in self._state_keys():
+            state[name] = saved[name].reshape(-1)[cut].to(main.device, torch.float32).clone()
+        if self.config.optimizer == "adam":
+            state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+    def _load_grad_scaler(self, state_dict: dict) -> None:
+        if "grad_scaler" not in state_dict:
+            if self.config.fp16:
+                logger.warning("optimizer checkpoint has no grad scaler state; "
+                               "keeping the current loss scale")
+        elif self.grad_scaler is None:
+            logger.warning("optimizer checkpoint has grad scaler state but this run has no "
+                           "loss scaler (bf16 without --loss-scale); ignoring it")
+        else:
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
