@@ -1,0 +1,19 @@
+"""Tokenizers with Megatron's names; ``build_tokenizer(args)`` picks one by ``--tokenizer-type``."""
+
+from megatron.tokenizer.base import MegatronTokenizer
+from megatron.tokenizer.tokenizer import (
+    TOKENIZER_TYPES,
+    NullTokenizer,
+    build_tokenizer,
+    gpt2_vocab_files,
+    vocab_size_with_padding,
+)
+
+__all__ = [
+    "MegatronTokenizer",
+    "NullTokenizer",
+    "TOKENIZER_TYPES",
+    "build_tokenizer",
+    "gpt2_vocab_files",
+    "vocab_size_with_padding",
+]

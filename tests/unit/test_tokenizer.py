@@ -1,0 +1,354 @@
+"""Tokenizers: ids against independent implementations, round trips, Megatron's vocab padding.
+
+References: the ``tokenizers`` library's byte-level BPE and WordPiece built from the same files,
+tiktoken's own data-gym loader, sentencepiece's processor, the ``punkt`` package's own splitter,
+hand-computed WordPiece ids, and GPT-2's published ids for "Hello world".
+"""
+
+import argparse
+import json
+import os
+
+import pytest
+
+from megatron.tokenizer import build_tokenizer, gpt2_vocab_files, vocab_size_with_padding
+
+TRICKY_TEXTS = [
+    "Hello world",
+    "",
+    "  leading and trailing spaces  ",
+    "it's they're we've I'm you'll he'd",
+    "tabs\tand\nnewlines\r\n\n\n   indented",
+    "unicode: café naïve 日本語 emoji 🙂 Ω≈ç√",
+    "<|endoftext|> appears as text",
+    "numbers 1234567890 3.14159 -42",
+]
+
+
+def namespace(**kwargs):
+    defaults = dict(tokenizer_type=None, vocab_file=None, merge_file=None, tokenizer_model=None,
+                    vocab_size=None, vocab_extra_ids=0, make_vocab_size_divisible_by=128,
+                    tensor_model_parallel_size=1, rank=1)
+    defaults.update(kwargs)
+    return argparse.Namespace(**defaults)
+
+
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"content": t}) + "\n" for t in texts), encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def stdlib_texts(tmp_path_factory):
+    """A few standard-library source files, via tools/build_stdlib_corpus.py."""
+    from tools import build_stdlib_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "stdlib.jsonl"
+    assert build_stdlib_corpus.main(["--output", str(path), "--max-files", "6"]) == 0
+    with open(path, encoding="utf-8") as f:
+        texts = [json.loads(line)["content"] for line in f]
+    assert len(texts) == 6
+    return texts
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    vocab, merges = gpt2_vocab_files()
+    return build_tokenizer(namespace(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab,
+                                     merge_file=merges))
+
+
+def byte_level_reference(vocab_file, merges_file):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    reference = Tokenizer(models.BPE.from_file(vocab_file, merges_file))
+    reference.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    reference.decoder = decoders.ByteLevel()
+    return reference
+
+
+def test_gpt2_matches_tokenizers_byte_level_bpe(gpt2, stdlib_texts):
+    reference = byte_level_reference(*gpt2_vocab_files())
+    for text in stdlib_texts + TRICKY_TEXTS:
+        ids = gpt2.tokenize(text)
+        assert ids == reference.encode(text).ids
+        assert gpt2.detokenize(ids) == text
+        flat, lengths = gpt2.tokenize_batch_flat([text, text])
+        assert lengths.tolist() == [len(ids), len(ids)] and flat.tolist() == ids + ids
+
+
+def test_gpt2_known_ids_and_vocab(gpt2):
+    assert gpt2.tokenize("Hello world") == [15496, 995]
+    assert gpt2.vocab_size == 50257
+    assert gpt2.eod == 50256 == gpt2.vocab["<|endoftext|>"]
+    assert gpt2.inv_vocab[995] == "\u0120world"
+    assert gpt2.detokenize([gpt2.eod]) == "<|endoftext|>"
+    # A lone surrogate (legal as a JSON escape) is encoded the same way on both paths.
+    assert gpt2.tokenize_batch_flat(["a\ud800b"])[0].tolist() == gpt2.tokenize("a\ud800b")
+    with pytest.raises(NotImplementedError, match="CLS"):
+        gpt2.cls
+
+
+def test_gpt2_ranks_equal_tiktoken_loader(monkeypatch):
+    """Our reading of vocab.json/merges.txt equals tiktoken's own data-gym loader."""
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    from megatron.tokenizer.gpt2_bpe import mergeable_ranks, read_merges
+
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")  # no cache files written
+    vocab_file, merges_file = gpt2_vocab_files()
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    ranks, rank_to_id = mergeable_ranks(vocab, read_merges(merges_file))
+    assert rank_to_id is None
+    assert ranks == data_gym_to_mergeable_bpe_ranks(merges_file, vocab_file)
+
+
+@pytest.fixture(scope="module")
+def trained_bpe(tmp_path_factory, stdlib_texts):
+    from tools import train_tokenizer
+
+    folder = tmp_path_factory.mktemp("bpe")
+    corpus = folder / "corpus.jsonl"
+    write_jsonl(corpus, stdlib_texts)
+    out = folder / "tok"
+    assert train_tokenizer.main(["--input", str(corpus), "--json-keys", "content",
+                                 "--tokenizer-type", "GPT2BPETokenizer", "--vocab-size", "600",
+                                 "--output", str(out)]) == 0
+    return str(out / "vocab.json"), str(out / "merges.txt")
+
+
+def test_trained_bpe_loads_and_matches(trained_bpe, stdlib_texts):
+    vocab_file, merges_file = trained_bpe
+    args = namespace(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab_file,
+                     merge_file=merges_file)
+    tokenizer = build_tokenizer(args)
+    assert tokenizer.vocab_size == 600 and tokenizer.eod == 0
+    assert args.padded_vocab_size == 640
+    reference = byte_level_reference(vocab_file, merges_file)
+    for text in stdlib_texts[:3] + TRICKY_TEXTS:
+        ids = tokenizer.tokenize(text)
+        assert ids == reference.encode(text).ids
+        assert tokenizer.detokenize(ids) == text
+
+
+def test_bpe_with_ids_out_of_merge_order(trained_bpe, stdlib_texts, tmp_path):
+    """Ids that do not follow merge priority take the rank -> id translation path."""
+    from megatron.tokenizer.gpt2_bpe import GPT2BPETokenizer
+
+    vocab_file, merges_file = trained_bpe
+    with open(vocab_file, encoding="utf-8") as f:
+        vocab = json.load(f)
+    order = sorted(vocab, key=vocab.get)
+    permuted = {token: len(order) - 1 - i for i, token in enumerate(order)}  # reversed ids
+    shuffled = tmp_path / "vocab.json"
+    shuffled.write_text(json.dumps(permuted), encoding="utf-8")
+    tokenizer = GPT2BPETokenizer(str(shuffled), merges_file)
+    assert tokenizer._rank_to_id is not None
+    reference = byte_level_reference(str(shuffled), merges_file)
+    for text in stdlib_texts[:2] + TRICKY_TEXTS:
+        ids = tokenizer.tokenize(text)
+        assert ids == reference.encode(text).ids
+        assert tokenizer.tokenize_batch_flat([text])[0].tolist() == ids
+        assert tokenizer.detokenize(ids) == text
+
+
+@pytest.mark.parametrize("tp, expected", [(1, 50304), (2, 50432), (8, 51200)])
+def test_padded_vocab_size(tp, expected, capsys):
+    args = namespace(make_vocab_size_divisible_by=128, tensor_model_parallel_size=tp, rank=0)
+    assert vocab_size_with_padding(50257, args) == expected
+    assert capsys.readouterr().out.strip() == (
+        f"> padded vocab (size: 50257) with {expected - 50257} dummy tokens (new size: {expected})")
+    args.rank = 3
+    assert vocab_size_with_padding(50257, args) == expected
+    assert capsys.readouterr().out == ""
+
+
+def test_build_sets_padding_once(capsys):
+    vocab, merges = gpt2_vocab_files()
+    args = namespace(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=merges, rank=0,
+                     make_vocab_size_divisible_by=64, tensor_model_parallel_size=1)
+    build_tokenizer(args)
+    assert args.padded_vocab_size == 50304
+    out = capsys.readouterr().out
+    assert "> building GPT2BPETokenizer tokenizer ..." in out and "with 47 dummy tokens" in out
+    args.padded_vocab_size = 60000  # e.g. restored from a checkpoint: kept
+    build_tokenizer(args)
+    assert args.padded_vocab_size == 60000
+
+
+def test_null_tokenizer():
+    args = namespace(tokenizer_type="NullTokenizer", vocab_size=1000)
+    tokenizer = build_tokenizer(args)
+    assert tokenizer.vocab_size == 1001 and tokenizer.eod == 1000 == tokenizer.vocab_size - 1
+    assert args.padded_vocab_size == 1024
+    assert tokenizer.tokenize("3 1 4 1 5") == [3, 1, 4, 1, 5]
+    assert tokenizer.tokenize("") == []
+    assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
+    flat, lengths = tokenizer.tokenize_batch_flat(["1 2", "", "7"])
+    assert flat.tolist() == [1, 2, 7] and lengths.tolist() == [2, 0, 1]
+    with pytest.raises(ValueError, match="space-separated integers"):
+        tokenizer.tokenize("one two")
+
+
+WORDPIECE_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", ",", "world", "##s", "un",
+                   "##aff", "##able", ".", "Hello"]
+
+
+@pytest.fixture
+def wordpiece_vocab(tmp_path):
+    path = tmp_path / "vocab.txt"
+    path.write_text("\n".join(WORDPIECE_VOCAB) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def test_bert_wordpiece_lower_case(wordpiece_vocab):
+    args = namespace(tokenizer_type="BertWordPieceLowerCase", vocab_file=wordpiece_vocab,
+                     vocab_extra_ids=2)
+    tokenizer = build_tokenizer(args)
+    # Worked by hand from the vocabulary above: "Hello" lower-cased, "worlds" = world ##s,
+    # "Unaffable" = un ##aff ##able, unknown "zzz" -> [UNK].
+    assert tokenizer.tokenize("Hello, Worlds UNAFFABLE zzz.") == [5, 6, 7, 8, 9, 10, 11, 1, 12]
+    assert tokenizer.detokenize([5, 6, 7, 8, 9, 10, 11]) == "hello , worlds unaffable"
+    assert (tokenizer.cls, tokenizer.sep, tokenizer.pad, tokenizer.mask) == (2, 3, 0, 4)
+    assert (tokenizer.bos, tokenizer.eos) == (14, 15)  # [BOS], [EOS] appended as Megatron does
+    assert tokenizer.additional_special_tokens_ids == [16, 17]
+    assert tokenizer.vocab_size == len(WORDPIECE_VOCAB) + 4
+    assert args.padded_vocab_size == 128
+    with pytest.raises(NotImplementedError, match="end-of-document"):
+        tokenizer.eod
+
+
+def test_bert_wordpiece_case(wordpiece_vocab):
+    tokenizer = build_tokenizer(namespace(tokenizer_type="BertWordPieceCase",
+                                          vocab_file=wordpiece_vocab))
+    assert tokenizer.tokenize("Hello hello World") == [13, 5, 1]
+
+
+def test_trained_wordpiece_loads(tmp_path, stdlib_texts):
+    from tokenizers import BertWordPieceTokenizer
+
+    from tools import train_tokenizer
+
+    corpus = tmp_path / "corpus.jsonl"
+    write_jsonl(corpus, stdlib_texts)
+    vocab_file = str(tmp_path / "wp" / "vocab.txt")
+    assert train_tokenizer.main(["--input", str(corpus), "--json-keys", "content",
+                                 "--tokenizer-type", "BertWordPieceLowerCase",
+                                 "--vocab-size", "500",
+                                 "--output", vocab_file]) == 0
+    tokenizer = build_tokenizer(namespace(tokenizer_type="BertWordPieceLowerCase",
+                                          vocab_file=vocab_file))
+    reference = BertWordPieceTokenizer(vocab_file, lowercase=True)
+    for text in stdlib_texts[:3]:
+        assert tokenizer.tokenize(text) == reference.encode(text, add_special_tokens=False).ids
+
+
+def test_sentencepiece(tmp_path, stdlib_texts):
+    import sentencepiece
+
+    prefix = str(tmp_path / "sp")
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for t in stdlib_texts for line in t.splitlines()
+                                if line.strip()]),
+        model_prefix=prefix, vocab_size=300, model_type="bpe", character_coverage=1.0,
+        minloglevel=2)
+    args = namespace(tokenizer_type="SentencePieceTokenizer", tokenizer_model=prefix + ".model",
+                     vocab_extra_ids=1)
+    tokenizer = build_tokenizer(args)
+    processor = sentencepiece.SentencePieceProcessor(model_file=prefix + ".model")
+    # <CLS> <SEP> <EOD> <MASK>, <PAD> (the model has no pad piece) and <extra_id_0> are appended.
+    assert tokenizer.vocab_size == processor.get_piece_size() + 6
+    assert tokenizer.eod == tokenizer.vocab["<EOD>"] == processor.get_piece_size() + 2
+    assert tokenizer.bos == processor.bos_id() and tokenizer.eos == processor.eos_id()
+    text = "def main(): return None"
+    assert tokenizer.tokenize(text) == processor.encode_as_ids(text)
+    assert tokenizer.detokenize(tokenizer.tokenize(text)) == \
+        processor.decode_ids(processor.encode_as_ids(text))
+    mixed = "import os<EOD>print(1)</s>"
+    assert tokenizer.tokenize(mixed) == (processor.encode_as_ids("import os") + [tokenizer.eod]
+                                         + processor.encode_as_ids("print(1)") + [tokenizer.eos])
+    # The GPT and Llama 2 variants add nothing to the vocabulary and use the model's eos as eod.
+    gpt = build_tokenizer(namespace(tokenizer_type="GPTSentencePieceTokenizer",
+                                    tokenizer_model=prefix + ".model"))
+    llama = build_tokenizer(namespace(tokenizer_type="Llama2Tokenizer",
+                                      tokenizer_model=prefix + ".model"))
+    for variant in (gpt, llama):
+        assert variant.vocab_size == processor.get_piece_size()
+        assert variant.eod == processor.eos_id() and variant.cls == -1
+    assert gpt.tokenize(mixed) == processor.encode_as_ids(mixed)
+    assert llama.tokenize(text) == [processor.bos_id()] + processor.encode_as_ids(text)
+    assert gpt.detokenize(gpt.tokenize(text)) == processor.decode_ids(processor.encode_as_ids(text))
+
+
+def test_huggingface_tokenizer_json(tmp_path, gpt2, stdlib_texts):
+    reference = byte_level_reference(*gpt2_vocab_files())
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    reference.save(str(folder / "tokenizer.json"))
+    args = namespace(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(folder))
+    tokenizer = build_tokenizer(args)
+    assert tokenizer.vocab_size == 50257 and args.padded_vocab_size == 50304
+    assert tokenizer.eod == 50256
+    for text in stdlib_texts[:2] + TRICKY_TEXTS:
+        ids = tokenizer.tokenize(text)
+        assert ids == gpt2.tokenize(text)
+        assert tokenizer.detokenize(ids) == text
+    # The file itself works too, and a named eos token takes precedence.
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "Hello"}}))
+    direct = build_tokenizer(namespace(tokenizer_type="HuggingFaceTokenizer",
+                                       tokenizer_model=str(folder / "tokenizer.json")))
+    assert direct.eod == 15496
+
+
+def test_huggingface_without_eos(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    tokenizer = build_tokenizer(namespace(tokenizer_type="HuggingFaceTokenizer",
+                                          tokenizer_model=str(path)))
+    assert tokenizer.tokenize("a b c") == [0, 1, 2]
+    with pytest.raises(NotImplementedError, match="no end-of-document id"):
+        tokenizer.eod
+
+
+def test_build_errors(tmp_path):
+    with pytest.raises(ValueError,
+                       match="--vocab-file is required for --tokenizer-type GPT2BPETokenizer"):
+        build_tokenizer(namespace(tokenizer_type="GPT2BPETokenizer"))
+    missing = str(tmp_path / "nope.json")
+    with pytest.raises(FileNotFoundError, match="--vocab-file .*nope.json"):
+        build_tokenizer(namespace(tokenizer_type="GPT2BPETokenizer", vocab_file=missing,
+                                  merge_file=missing))
+    with pytest.raises(NotImplementedError, match="'Foo' is not implemented"):
+        build_tokenizer(namespace(tokenizer_type="Foo"))
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
+        build_tokenizer(namespace(tokenizer_type="HuggingFaceTokenizer",
+                                  tokenizer_model=str(tmp_path)))
+
+
+def test_gpt2_vocab_files_are_gpt2():
+    vocab, merges = gpt2_vocab_files()
+    assert os.path.basename(vocab) == "encoder.json" and os.path.basename(merges) == "vocab.bpe"
+    with open(merges, encoding="utf-8") as f:
+        assert f.readline().startswith("#version") and f.readline().split() == ["\u0120", "t"]
+
+
+def test_sentence_splitter_matches_punkt_package():
+    """NLTK's Punkt with the bundled parameters splits as the punkt package's own splitter."""
+    import punkt
+
+    from megatron.tokenizer.sentence_splitter import SentenceSplitter
+
+    text = ("Dr. Smith arrived at 5 p.m. on Jan. 3rd. He met Mr. Jones, who works for the U.S. "
+            "government. They talked.\nThen they left!  Did they return? No. The end.")
+    sentences = SentenceSplitter("english").split(text)
+    assert sentences == punkt.sent_tokenize(text, "english")
+    assert len(sentences) == 7 and sentences[0] == "Dr. Smith arrived at 5 p.m. on Jan. 3rd."
+    kept = SentenceSplitter("english", keep_newlines=True).split(text)
+    assert "".join(kept) == text.rstrip()  # nothing lost: whitespace stays with the sentence before
+    assert kept[2] == "They talked.\n"
+    with pytest.raises(ValueError, match="--lang 'klingon'"):
+        SentenceSplitter("klingon")
