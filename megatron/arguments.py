@@ -419,6 +419,8 @@ def _validate_parallel(args) -> None:
     if args.ffn_hidden_size % tp != 0:
         _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
               f"--tensor-model-parallel-size ({tp})")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        _fail("--overlap-param-gather needs --use-distributed-optimizer")
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         args.distributed_backend = "gloo"
 

@@ -187,7 +187,8 @@ def initialize_model_parallel(
         position_embedding_group=pos_group,
         tp_ranks=_find(layout.tp_groups, rank), pp_ranks=_find(layout.pp_groups, rank),
         dp_ranks=_find(layout.dp_groups, rank),
-        embedding_ranks=_find(layout.embedding_groups, rank),
+        # Middle pipeline stages hold no embedding and belong to no embedding group.
+        embedding_ranks=next((g for g in layout.embedding_groups if rank in g), []),
         virtual_pp_size=virtual_pipeline_model_parallel_size,
         virtual_pp_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
     )

@@ -1,0 +1,615 @@
+"""Forward/backward schedules over the micro-batches of one iteration.
+
+A forward step function has Megatron's contract::
+
+    output_tensor, loss_func = forward_step_func(data_iterator, model)
+    loss, logged = loss_func(output_tensor)      # loss: scalar mean over the micro-batch
+
+The schedule divides each micro-batch loss by the number of micro-batches (so gradients are those
+of the mean over the global batch), scales it for fp16 through ``grad_scale_func`` and runs
+backward; gradient reduction across data-parallel ranks is deferred through ``no_sync_func``
+until the last micro-batch of each model chunk. Only the last pipeline stage computes losses, so
+only there is the returned list of logged values non-empty.
+
+Three schedules, chosen by :func:`get_forward_backward_func`:
+
+* :func:`forward_backward_no_pipelining`: one stage; forward and backward of each micro-batch.
+* :func:`forward_backward_pipelining_without_interleaving` (1F1B): stage ``r`` of ``p`` runs
+  ``w = min(p - r - 1, m)`` warm-up forwards, then alternates one forward and one backward, then
+  runs the ``w`` remaining backwards. At most ``w + 1 <= p`` micro-batches hold activations at
+  once, and the sent outputs themselves are freed at once (only their autograd graph is kept).
+  Order of operations for ``p = 4``, ``m = 8`` (``Fi`` / ``Bi``: forward / backward of
+  micro-batch ``i``; ``recvF`` / ``sendF``: activation from the previous / to the next stage;
+  ``sendB`` / ``recvB``: gradient to the previous / from the next stage; ``+`` joins what one
+  exchange does; ``|`` separates warm-up, steady state and cool-down)::
+
+    stage 0: F0 sendF F1 sendF F2 sendF | F3 sendF+recvB B0 F4 sendF+recvB B1 ...
+             F7 sendF+recvB B4 | recvB B5 recvB B6 recvB B7
+    stage 1: recvF F0 sendF recvF F1 sendF | recvF F2 sendF+recvB B0 recvF+sendB
+             F3 sendF+recvB B1 recvF+sendB ... F7 sendF+recvB B5 sendB |
+             recvB B6 sendB recvB B7 sendB
+    stage 2: recvF F0 sendF | recvF F1 sendF+recvB B0 recvF+sendB ...
+             F7 sendF+recvB B6 sendB | recvB B7 sendB
+    stage 3: | recvF F0 B0 recvF+sendB F1 B1 recvF+sendB ... F7 B7 sendB |
+
+  In time, with a forward taking one unit and a backward two (free communication), the step
+  takes ``(m + p - 1) x 3`` units, of which ``(p - 1) x 3`` idle on every stage: a bubble of
+  ``(p - 1) / m`` of the useful work::
+
+    st 0: F0F1F2F3            B0B0F4B1B1F5B2B2F6B3B3F7B4B4  B5B5  B6B6  B7B7
+    st 1:   F0F1F2        B0B0F3B1B1F4B2B2F5B3B3F6B4B4F7B5B5  B6B6  B7B7
+    st 2:     F0F1    B0B0F2B1B1F3B2B2F4B3B3F5B4B4F6B5B5F7B6B6  B7B7
+    st 3:       F0B0B0F1B1B1F2B2B2F3B3B3F4B4B4F5B5B5F6B6B6F7B7B7
+
+* :func:`forward_backward_pipelining_with_interleaving`: each rank holds ``v`` model chunks
+  (virtual stages); the layers are dealt round-robin, so chunk ``c`` of stage ``r`` is virtual
+  stage ``c * p + r``. Forwards go through the chunks in groups of ``p`` micro-batches (``m``
+  must be a multiple of ``p``), which cuts the bubble to ``(p - 1) / (m v)`` for ``v`` times
+  more messages. Stage ``r`` runs ``min(2 (p - r - 1) + (v - 1) p, m v)`` warm-up forwards (all
+  of them when ``m == p``), then alternates, then drains. For ``p = 2``, ``v = 2``, ``m = 4``
+  (``Fc.i``: chunk ``c``, micro-batch ``i``)::
+
+    stage 0: F0.0 F0.1 F1.0 F1.1 | F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 | B1.2 B1.3 B0.2 B0.3
+    stage 1: F0.0 F0.1 | F1.0 B1.0 F1.1 B1.1 F0.2 B0.0 F0.3 B0.1 F1.2 B1.2 F1.3 B1.3 | B0.2 B0.3
+
+  Chunk 0 of stage 0 takes the data; chunk 1 of stage 0 takes its input from chunk 0 of the last
+  stage, over the wrap-around of the pipeline ring.
+
+:func:`pipeline_order` lists, for any stage, the forwards and backwards in the order these
+schedules run them.
+"""
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+from torch.autograd.variable import Variable
+
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
+NoSyncArg = Union[None, Callable, Sequence[Callable]]
+
+
+# ---------------------------------------------------------------------- no pipelining
+
+def _forward_backward_step(forward_step_func, data_iterator, model, num_microbatches: int,
+                           forward_only: bool, grad_scale_func: Optional[Callable]):
+    output_tensor, loss_func = forward_step_func(data_iterator, model)
+    loss, logged = loss_func(output_tensor)
+    if not forward_only:
+        loss = loss / num_microbatches
+        if grad_scale_func is not None:
+            loss = grad_scale_func(loss)
+        loss.backward()
+    return logged
+
+
+def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator,
+                                   model: ModelArg, num_microbatches: int,
+                                   forward_only: bool = False,
+                                   grad_scale_func: Optional[Callable] = None,
+                                   no_sync_func: Optional[Callable] = None,
+                                   **_pipeline_kwargs) -> List[dict]:
+    """All micro-batches on one stage; returns each micro-batch's logged values.
+
+    Pipeline-only keywords (``communicator``, ``tensor_shape``, ...) are accepted and ignored, so
+    a caller can pass the same keywords to whichever schedule it got.
+    """
+    if isinstance(model, (list, tuple)):
+        if len(model) != 1:
+            raise ValueError("forward_backward_no_pipelining takes exactly one model chunk")
+        model = model[0]
+    if isinstance(data_iterator, (list, tuple)):
+        data_iterator = data_iterator[0]
+    if isinstance(no_sync_func, (list, tuple)):
+        no_sync_func = no_sync_func[0]
+    no_sync = no_sync_func if no_sync_func is not None else contextlib.nullcontext
+    logged = []
+    with no_sync():
+        for _ in range(num_microbatches - 1):
+            logged.append(_forward_backward_step(forward_step_func, data_iterator, model,
+                                                 num_microbatches, forward_only,
+                                                 grad_scale_func))
+    # The last micro-batch's backward runs with reduction enabled.
+    logged.append(_forward_backward_step(forward_step_func, data_iterator, model,
+                                         num_microbatches, forward_only, grad_scale_func))
+    return logged
+
+
+# ---------------------------------------------------------------------- shared pieces
+
+def get_attr_wrapped_model(model: torch.nn.Module, attr: str):
+    """``attr`` of ``model`` or of the first module down its ``.module`` chain that has it.
+
+    The data-parallel wrapper does not forward ``set_input_tensor``; the model inside does.
+    """
+    module = model
+    while module is not None:
+        if hasattr(module, attr):
+            return getattr(module, attr)
+        module = getattr(module, "module", None)
+    raise AttributeError(f"{type(model).__name__} (and the modules it wraps) has no {attr!r}")
+
+
+def deallocate_output_tensor(output: Optional[torch.Tensor]) -> None:
+    """Free the data of an output already sent to the next stage, keeping its autograd graph.
+
+    Backward of this stage needs only ``output.grad_fn`` and the gradient the next stage sends
+    back, not the ``[s, b, h]`` values, which the next stage now holds. Views are left alone:
+    their storage belongs to another tensor.
+    """
+    if output is None or output._base is not None or output.numel() <= 1:
+        return
+    output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+
+
+def custom_backward(output: torch.Tensor, grad_output: torch.Tensor) -> None:
+    """Backward from ``output`` with ``grad_output``, also when ``output``'s data was freed.
+
+    ``torch.autograd.backward`` compares the gradient's shape with the tensor's current shape,
+    which :func:`deallocate_output_tensor` changed; the engine itself checks the shape recorded in
+    the graph, which is still right.
+    """
+    if output.grad_fn is None:
+        raise RuntimeError("pipeline stage output has no grad_fn; it must depend on parameters "
+                           "or on the received input")
+    Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad_output,), keep_graph=False, create_graph=False,
+        inputs=tuple(), allow_unreachable=True, accumulate_grad=True)
+
+
+class _GradSync:
+    """Keeps each chunk's ``no_sync`` context open, and closes a chunk's context just before its
+    last backward so that backward may start the chunk's gradient reduction.
+
+    A single callable (or None) covers all chunks and is closed before the last backward of the
+    step; a list gives one per chunk.
+    """
+
+    def __init__(self, no_sync_func: NoSyncArg, num_chunks: int):
+        if no_sync_func is None or callable(no_sync_func):
+            self.funcs = [no_sync_func]
+            self.shared = True
+        else:
+            self.funcs = list(no_sync_func)
+            self.shared = False
+            if len(self.funcs) != num_chunks:
+                raise ValueError(f"no_sync_func has {len(self.funcs)} entries for "
+                                 f"{num_chunks} model chunks")
+        self.stacks = [contextlib.ExitStack() for _ in self.funcs]
+
+    def __enter__(self):
+        for func, stack in zip(self.funcs, self.stacks):
+            if func is not None:
+                stack.enter_context(func())
+        return self
+
+    def enable(self, chunk: int, last_of_step: bool) -> None:
+        """Called before a chunk's last backward of the step."""
+        if self.shared:
+            if last_of_step:
+                self.stacks[0].close()
+        else:
+            self.stacks[chunk].close()
+
+    def __exit__(self, *exc):
+        for stack in self.stacks:
+            stack.close()
+        return False
+
+
+@dataclass
+class _Run:
+    """What one schedule run on one stage needs, and the micro-batch bookkeeping it keeps."""
+
+    forward_step_func: Callable
+    data_iterators: List
+    chunks: List[torch.nn.Module]
+    num_microbatches: int
+    forward_only: bool
+    grad_scale_func: Optional[Callable]
+    comm: P2PCommunicator
+    tensor_shape: Tuple[int, ...]
+    grad_sync: _GradSync
+    set_virtual_pp_rank: Optional[Callable[[int], None]] = None
+    losses: List[dict] = field(default_factory=list)
+    backwards_done: List[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.backwards_done = [0] * len(self.chunks)
+
+    def is_first_virtual(self, chunk: int) -> bool:
+        return self.comm.is_first_stage and chunk == 0
+
+    def is_last_virtual(self, chunk: int) -> bool:
+        return self.comm.is_last_stage and chunk == len(self.chunks) - 1
+
+    def _select(self, chunk: int) -> None:
+        if self.set_virtual_pp_rank is not None:
+            self.set_virtual_pp_rank(chunk)
+
+    def forward(self, chunk: int, input_tensor: Optional[torch.Tensor]) -> torch.Tensor:
+        """Forward of one micro-batch through ``chunk``; the scaled-down loss on the last
+        virtual stage, the activation to send elsewhere."""
+        self._select(chunk)
+        model = self.chunks[chunk]
+        get_attr_wrapped_model(model, "set_input_tensor")(input_tensor)
+        output_tensor, loss_func = self.forward_step_func(self.data_iterators[chunk], model)
+        if not self.is_last_virtual(chunk):
+            return output_tensor
+        loss, logged = loss_func(output_tensor)
+        self.losses.append(logged)
+        return loss if self.forward_only else loss / self.num_microbatches
+
+    def backward(self, chunk: int, input_tensor: Optional[torch.Tensor],
+                 output_tensor: torch.Tensor,
+                 output_tensor_grad: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Backward of one micro-batch through ``chunk``; returns the gradient of its input."""
+        self._select(chunk)
+        self.backwards_done[chunk] += 1
+        if self.backwards_done[chunk] == self.num_microbatches:
+            last_of_step = sum(self.backwards_done) == self.num_microbatches * len(self.chunks)
+            self.grad_sync.enable(chunk, last_of_step)
+        if output_tensor_grad is None:
+            if self.grad_scale_func is not None:
+                output_tensor = self.grad_scale_func(output_tensor)
+            torch.autograd.backward(output_tensor)
+        else:
+            custom_backward(output_tensor, output_tensor_grad)
+        return None if input_tensor is None else input_tensor.grad
+
+
+def _as_list(value, n: int, what: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{what} has {len(value)} entries for {n} model chunks")
+        return list(value)
+    return [value] * n
+
+
+def _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
+              grad_scale_func, no_sync_func, communicator, tensor_shape,
+              set_virtual_pp_rank) -> _Run:
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    if communicator is None or tensor_shape is None:
+        raise ValueError("pipeline schedules need communicator=<P2PCommunicator> and "
+                         "tensor_shape=(seq, micro batch, hidden) of the stage activations")
+    if num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    return _Run(forward_step_func=forward_step_func,
+                data_iterators=_as_list(data_iterator, len(chunks), "data_iterator"),
+                chunks=chunks, num_microbatches=num_microbatches, forward_only=forward_only,
+                grad_scale_func=grad_scale_func, comm=communicator,
+                tensor_shape=tuple(tensor_shape),
+                grad_sync=_GradSync(no_sync_func, len(chunks)),
+                set_virtual_pp_rank=set_virtual_pp_rank)
+
+
+# ---------------------------------------------------------------------- 1F1B
+
+def _one_f_one_b_warmup(run: _Run, num_warmup: int, inputs: list, outputs: list) -> None:
+    """Forwards only: receive, compute, send; keep what backward will need."""
+    for _ in range(num_warmup):
+        input_tensor = run.comm.recv_forward(run.tensor_shape)
+        output_tensor = run.forward(0, input_tensor)
+        run.comm.send_forward(output_tensor, run.tensor_shape)
+        if not run.forward_only:
+            inputs.append(input_tensor)
+            outputs.append(output_tensor)
+            deallocate_output_tensor(output_tensor if not run.comm.is_last_stage else None)
+
+
+def _one_f_one_b_steady(run: _Run, num_steady: int, inputs: list, outputs: list) -> None:
+    """One forward, then the backward of the oldest micro-batch in flight, ``num_steady`` times."""
+    comm, shape = run.comm, run.tensor_shape
+    input_tensor = comm.recv_forward(shape) if num_steady > 0 else None
+    for i in range(num_steady):
+        last = i == num_steady - 1
+        output_tensor = run.forward(0, input_tensor)
+        if run.forward_only:
+            comm.send_forward(output_tensor, shape)
+            if not last:
+                input_tensor = comm.recv_forward(shape)
+            continue
+        output_tensor_grad = comm.send_forward_recv_backward(output_tensor, shape)
+        inputs.append(input_tensor)
+        outputs.append(output_tensor)
+        deallocate_output_tensor(output_tensor if not comm.is_last_stage else None)
+        input_tensor, output_tensor = inputs.pop(0), outputs.pop(0)
+        input_tensor_grad = run.backward(0, input_tensor, output_tensor, output_tensor_grad)
+        if last:
+            comm.send_backward(input_tensor_grad, shape)
+            input_tensor = None
+        else:
+            input_tensor = comm.send_backward_recv_forward(input_tensor_grad, shape)
+
+
+def _one_f_one_b_cooldown(run: _Run, num_warmup: int, inputs: list, outputs: list) -> None:
+    """The backwards of the micro-batches still in flight."""
+    if run.forward_only:
+        return
+    for _ in range(num_warmup):
+        input_tensor, output_tensor = inputs.pop(0), outputs.pop(0)
+        output_tensor_grad = run.comm.recv_backward(run.tensor_shape)
+        input_tensor_grad = run.backward(0, input_tensor, output_tensor, output_tensor_grad)
+        run.comm.send_backward(input_tensor_grad, run.tensor_shape)
+
+
+def forward_backward_pipelining_without_interleaving(
+        *, forward_step_func: Callable, data_iterator, model: ModelArg, num_microbatches: int,
+        forward_only: bool = False, grad_scale_func: Optional[Callable] = None,
+        no_sync_func: NoSyncArg = None, communicator: Optional[P2PCommunicator] = None,
+        tensor_shape: Optional[Sequence[int]] = None,
+        set_virtual_pp_rank: Optional[Callable[[int], None]] = None) -> List[dict]:
+    """1F1B over the stages of ``communicator``'s pipeline (one model chunk per rank).
+
+    Args:
+        forward_step_func: ``(data_iterator, model) -> (output, loss_func)``.
+        data_iterator: this stage's micro-batches (may be None where the stage reads nothing).
+        model: this stage's model (or a one-element list), wrapped for data parallelism or not.
+        num_microbatches: micro-batches in the step.
+        forward_only: evaluation: no backward, nothing kept.
+        grad_scale_func: the loss scaler (fp16), applied to the loss before backward.
+        no_sync_func: the model's ``no_sync`` context; left just before the last backward.
+        communicator: this rank's :class:`P2PCommunicator`.
+        tensor_shape: ``(s, b, h)`` of the activations between stages (``s/tp`` with sequence
+            parallelism).
+        set_virtual_pp_rank: accepted for a uniform signature; called with 0.
+
+    Returns:
+        The logged values of each micro-batch on the last stage; an empty list elsewhere.
+    """
+    run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
+                    grad_scale_func, no_sync_func, communicator, tensor_shape,
+                    set_virtual_pp_rank)
+    if len(run.chunks) != 1:
+        raise ValueError("1F1B takes one model chunk per rank; use the interleaved schedule "
+                         f"for {len(run.chunks)} chunks")
+    num_warmup = min(communicator.pp_size - communicator.pp_rank - 1, num_microbatches)
+    inputs: list = []
+    outputs: list = []
+    with run.grad_sync:
+        _one_f_one_b_warmup(run, num_warmup, inputs, outputs)
+        _one_f_one_b_steady(run, num_microbatches - num_warmup, inputs, outputs)
+        _one_f_one_b_cooldown(run, num_warmup, inputs, outputs)
+    return run.losses
+
+
+# ---------------------------------------------------------------------- interleaved
+
+def get_model_chunk_id(k: int, forward: bool, pp_size: int, vp_size: int) -> int:
+    """The chunk that runs the ``k``-th forward (or backward) of a stage.
+
+    Forwards go through groups of ``pp_size`` micro-batches per chunk: chunk 0 for ``k`` in
+    ``[0, p)``, chunk 1 for ``[p, 2p)``, ... then back to chunk 0; backwards visit the chunks in
+    reverse.
+    """
+    chunk = (k % (pp_size * vp_size)) // pp_size
+    return chunk if forward else vp_size - 1 - chunk
+
+
+def get_microbatch_id(k: int, pp_size: int, vp_size: int) -> int:
+    """The micro-batch (within its chunk) of a stage's ``k``-th forward or backward."""
+    return (k // (pp_size * vp_size)) * pp_size + k % pp_size
+
+
+def interleaved_num_warmup(pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int,
+                           forward_only: bool = False) -> int:
+    """Forwards a stage runs before its first backward under the interleaved schedule."""
+    total = num_microbatches * vp_size
+    if forward_only or num_microbatches == pp_size:
+        return total
+    return min((pp_size - pp_rank - 1) * 2 + (vp_size - 1) * pp_size, total)
+
+
+@dataclass
+class _InterleavedState:
+    """Per-chunk queues: received inputs, outputs kept for backward, received gradients."""
+
+    input_tensors: List[list]
+    output_tensors: List[list]
+    output_tensor_grads: List[list]
+
+
+def _interleaved_forward(run: _Run, st: _InterleavedState, k: int) -> torch.Tensor:
+    p, v = run.comm.pp_size, len(run.chunks)
+    chunk = get_model_chunk_id(k, True, p, v)
+    if run.is_first_virtual(chunk) and len(st.input_tensors[chunk]) == len(
+            st.output_tensors[chunk]):
+        st.input_tensors[chunk].append(None)
+    output_tensor = run.forward(chunk, st.input_tensors[chunk][-1])
+    st.output_tensors[chunk].append(output_tensor)
+    if run.forward_only:
+        st.input_tensors[chunk].pop()
+        st.output_tensors[chunk].pop()
+    return output_tensor
+
+
+def _interleaved_backward(run: _Run, st: _InterleavedState, k: int) -> Optional[torch.Tensor]:
+    p, v = run.comm.pp_size, len(run.chunks)
+    chunk = get_model_chunk_id(k, False, p, v)
+    if run.is_last_virtual(chunk) and not st.output_tensor_grads[chunk]:
+        st.output_tensor_grads[chunk].append(None)
+    input_tensor = st.input_tensors[chunk].pop(0)
+    output_tensor = st.output_tensors[chunk].pop(0)
+    output_tensor_grad = st.output_tensor_grads[chunk].pop(0)
+    return run.backward(chunk, input_tensor, output_tensor, output_tensor_grad)
+
+
+def _interleaved_warmup(run: _Run, st: _InterleavedState, num_warmup: int,
+                        all_warmup: bool) -> None:
+    """Forwards through the chunks; the last one also receives the first gradient."""
+    comm, shape = run.comm, run.tensor_shape
+    p, v = comm.pp_size, len(run.chunks)
+    total = run.num_microbatches * v
+    st.input_tensors[0].append(comm.recv_forward(shape))
+    for k in range(num_warmup):
+        chunk = get_model_chunk_id(k, True, p, v)
+        output_tensor = _interleaved_forward(run, st, k)
+        next_chunk = get_model_chunk_id(k + 1, True, p, v)
+        recv_prev = not (comm.is_first_stage and next_chunk == 0) and k != total - 1
+        to_send = None if run.is_last_virtual(chunk) else output_tensor
+        if k == num_warmup - 1 and not run.forward_only and not all_warmup:
+            input_tensor, output_tensor_grad = comm.send_forward_backward_recv_forward_backward(
+                to_send, None, recv_prev, not comm.is_last_stage, shape)
+            st.output_tensor_grads[v - 1].append(output_tensor_grad)
+        else:
+            input_tensor = comm.send_forward_recv_forward(to_send, recv_prev, shape)
+        st.input_tensors[next_chunk].append(input_tensor)
+        if not run.forward_only:
+            deallocate_output_tensor(to_send)
+
+
+def _interleaved_next_chunks(run: _Run, forward_k: int, backward_k: int
+                             ) -> Tuple[int, bool, int, bool]:
+    """Which chunk the next received activation / gradient belongs to, and whether one comes.
+
+    On the first stage the next input of chunk ``c > 0`` is the output of the last stage's chunk
+    ``c - 1`` for the forward ``p - 1`` steps back; on the last stage the next gradient of chunk
+    ``c < v - 1`` is the first stage's input gradient of chunk ``c + 1``, likewise.
+    """
+    p, v = run.comm.pp_size, len(run.chunks)
+    recv_prev, recv_next = True, True
+    if run.comm.is_first_stage:
+        next_forward = get_model_chunk_id(forward_k - (p - 1), True, p, v)
+        if next_forward == v - 1:
+            recv_prev = False
+        next_forward += 1
+    else:
+        next_forward = get_model_chunk_id(forward_k + 1, True, p, v)
+    if run.comm.is_last_stage:
+        next_backward = get_model_chunk_id(backward_k - (p - 1), False, p, v)
+        if next_backward == 0:
+            recv_next = False
+        next_backward -= 1
+    else:
+        next_backward = get_model_chunk_id(backward_k + 1, False, p, v)
+    return next_forward, recv_prev, next_backward, recv_next
+
+
+def _interleaved_steady(run: _Run, st: _InterleavedState, num_warmup: int,
+                        num_steady: int) -> None:
+    """One forward and one backward per step, then one exchange in all four directions."""
+    p, v = run.comm.pp_size, len(run.chunks)
+    for i in range(num_steady):
+        forward_k, backward_k = i + num_warmup, i
+        output_tensor = _interleaved_forward(run, st, forward_k)
+        input_tensor_grad = _interleaved_backward(run, st, backward_k)
+        if run.is_last_virtual(get_model_chunk_id(forward_k, True, p, v)):
+            output_tensor = None
+        if run.is_first_virtual(get_model_chunk_id(backward_k, False, p, v)):
+            input_tensor_grad = None
+        next_forward, recv_prev, next_backward, recv_next = _interleaved_next_chunks(
+            run, forward_k, backward_k)
+        if i == num_steady - 1:
+            recv_prev = False
+        input_tensor, output_tensor_grad = run.comm.send_forward_backward_recv_forward_backward(
+            output_tensor, input_tensor_grad, recv_prev, recv_next, run.tensor_shape)
+        deallocate_output_tensor(output_tensor)
+        if recv_prev:
+            st.input_tensors[next_forward].append(input_tensor)
+        if recv_next:
+            st.output_tensor_grads[next_backward].append(output_tensor_grad)
+
+
+def _interleaved_cooldown(run: _Run, st: _InterleavedState, num_steady: int,
+                          all_warmup: bool) -> None:
+    """The remaining backwards, passing gradients back through the chunks."""
+    if run.forward_only:
+        return
+    comm, shape = run.comm, run.tensor_shape
+    p, v = comm.pp_size, len(run.chunks)
+    total = run.num_microbatches * v
+    if all_warmup:
+        st.output_tensor_grads[v - 1].append(comm.recv_backward(shape))
+    for k in range(num_steady, total):
+        input_tensor_grad = _interleaved_backward(run, st, k)
+        next_chunk = get_model_chunk_id(k + 1, False, p, v)
+        recv_next = not (comm.is_last_stage and next_chunk == v - 1) and k != total - 1
+        st.output_tensor_grads[next_chunk].append(
+            comm.send_backward_recv_backward(input_tensor_grad, recv_next, shape))
+
+
+def forward_backward_pipelining_with_interleaving(
+        *, forward_step_func: Callable, data_iterator, model: Sequence[torch.nn.Module],
+        num_microbatches: int, forward_only: bool = False,
+        grad_scale_func: Optional[Callable] = None, no_sync_func: NoSyncArg = None,
+        communicator: Optional[P2PCommunicator] = None,
+        tensor_shape: Optional[Sequence[int]] = None,
+        set_virtual_pp_rank: Optional[Callable[[int], None]] = None) -> List[dict]:
+    """The interleaved 1F1B schedule over ``len(model)`` chunks per rank.
+
+    Args are those of :func:`forward_backward_pipelining_without_interleaving`, except:
+        data_iterator: one iterator per chunk (or one shared by all).
+        model: the chunks of this rank, chunk ``c`` being virtual stage ``c * p + pp_rank``.
+        no_sync_func: one ``no_sync`` per chunk (each left before its chunk's last backward), or
+            one callable for all.
+        set_virtual_pp_rank: called with the chunk index before each forward and backward, so
+            the forward step function can ask the parallel state which virtual stage it is on.
+    """
+    run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
+                    grad_scale_func, no_sync_func, communicator, tensor_shape,
+                    set_virtual_pp_rank)
+    p, v, m = communicator.pp_size, len(run.chunks), num_microbatches
+    if m % p != 0:
+        raise ValueError(
+            f"the interleaved pipeline schedule needs the number of micro-batches "
+            f"(--global-batch-size / (--micro-batch-size x data-parallel size) = {m}) to be a "
+            f"multiple of --pipeline-model-parallel-size ({p})")
+    num_warmup = interleaved_num_warmup(p, communicator.pp_rank, m, v, forward_only)
+    all_warmup = m == p and not forward_only
+    st = _InterleavedState([[] for _ in range(v)], [[] for _ in range(v)],
+                           [[] for _ in range(v)])
+    try:
+        with run.grad_sync:
+            _interleaved_warmup(run, st, num_warmup, all_warmup)
+            _interleaved_steady(run, st, num_warmup, m * v - num_warmup)
+            _interleaved_cooldown(run, st, m * v - num_warmup, all_warmup)
+    finally:
+        if set_virtual_pp_rank is not None:
+            set_virtual_pp_rank(0)
+    return run.losses
+
+
+# ---------------------------------------------------------------------- order and choice
+
+def _order_entry(kind: str, k: int, pp_size: int,
+                 vp_size: Optional[int]) -> Tuple[str, int, int]:
+    if vp_size is None:
+        return kind, 0, k
+    return (kind, get_model_chunk_id(k, kind == "F", pp_size, vp_size),
+            get_microbatch_id(k, pp_size, vp_size))
+
+
+def pipeline_order(pp_size: int, pp_rank: int, num_microbatches: int,
+                   vp_size: Optional[int] = None,
+                   forward_only: bool = False) -> List[Tuple[str, int, int]]:
+    """``("F" | "B", chunk, micro-batch)`` in the order the schedule runs them on ``pp_rank``."""
+    m = num_microbatches
+    if pp_size == 1:
+        kinds = "F" if forward_only else "FB"
+        return [(kind, 0, i) for i in range(m) for kind in kinds]
+    total = m * (vp_size or 1)
+    if forward_only:
+        num_warmup = total
+    elif vp_size is None:
+        num_warmup = min(pp_size - pp_rank - 1, m)
+    else:
+        num_warmup = interleaved_num_warmup(pp_size, pp_rank, m, vp_size)
+    steps = [("F", k) for k in range(num_warmup)]
+    for i in range(total - num_warmup):
+        steps += [("F", num_warmup + i), ("B", i)]
+    steps += [("B", k) for k in range(total - num_warmup, total)]
+    return [_order_entry(kind, k, pp_size, vp_size) for kind, k in steps]
+
+
+def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
+                              virtual_pipeline_model_parallel_size: Optional[int] = None):
+    """The schedule for this layout."""
+    if pipeline_model_parallel_size == 1:
+        return forward_backward_no_pipelining
+    if virtual_pipeline_model_parallel_size is not None:
+        return forward_backward_pipelining_with_interleaving
+    return forward_backward_pipelining_without_interleaving

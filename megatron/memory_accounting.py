@@ -1,0 +1,240 @@
+"""Theoretical memory of one rank, for comparison with what a run actually uses.
+
+Two parts, as in Megatron's ``theoretical_memory_usage``:
+
+**Weights, gradients and optimizer state**: parameters on this rank times bytes per parameter.
+With mixed precision (fp16/bf16 weights, fp32 gradients, an fp32 master copy and Adam's two fp32
+moments) that is Megatron's 2 + 4 + 4 + 8 = 18 bytes, or 2 + 4 + (4 + 8) / DP = 6 + 12 / DP with
+the distributed optimizer, which shards the master copy and the moments over the data-parallel
+group. The same count gives 4 + 4 + 8 = 16 bytes for fp32 training (no master copy), and fewer
+with fp16 gradients or SGD. Parameters are counted exactly for this rank's layers, biases and
+position embeddings included.
+
+**Activations**: the per-layer bytes of Korthikanti et al., "Reducing Activation Recomputation
+in Large Transformer Models" (Table 2), on which Megatron's formula rests. For one micro-batch
+with ``e``-byte activations (2 for fp16/bf16) and 1-byte dropout masks, a layer keeps::
+
+    sbh (4e + 2)          replicated over TP: inputs of QKV and of the MLP, two dropout
+                          masks, two norm inputs      (split by t with sequence parallelism)
+    sbh 4e + sbf 2e       split by TP: Q, K, V, the input of ``dense``, the MLP's inner
+                          activations (3e with SwiGLU)
+    a s^2 b (2e + 1)      split by TP: softmax output, its dropout mask and output; gone with
+                          selective recomputation (or flash attention)
+
+which is Megatron's ``sbh (34 + 5as/h)`` for e = 2, f = 4h, and ``sbh (10 + 24/t + 5as/(ht))``,
+``sbh (34/t + 5as/(ht))`` and ``sbh 34/t`` with TP, SP and SP + selective recomputation. With full
+recomputation a checkpointed group of layers keeps only its input (``sbh e``, ``/t`` with SP),
+plus, once per rank, the activations of the group being recomputed. The first virtual stage adds
+Megatron's embedding terms (8sb for the input ids, a 1-byte dropout mask sbh), the last the
+output layer's (2e sbh for its inputs, 4sbV/t for the fp32 logits of the loss).
+
+How many micro-batches are alive at once comes from walking this rank's order of forwards and
+backwards (:func:`~megatron.core.pipeline_parallel.schedules.pipeline_order`): ``min(p - r, m)``
+on stage ``r`` under 1F1B, so the first stage holds ``p x L/p = L`` layers' worth, Megatron's
+figure; under interleaving the first stage holds ``L (1 + (p - 1) / (p v))`` layers' worth, again
+Megatron's.
+"""
+
+import math
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core import device
+from megatron.core.config import TransformerConfig
+from megatron.core.pipeline_parallel.schedules import pipeline_order
+from megatron.model.transformer import get_num_layers_and_offset
+
+MB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Theoretical bytes of one rank."""
+
+    num_parameters: int
+    bytes_per_parameter: float
+    activation_bytes: float
+
+    @property
+    def weight_and_optimizer_bytes(self) -> float:
+        return self.num_parameters * self.bytes_per_parameter
+
+    @property
+    def total_bytes(self) -> float:
+        return self.weight_and_optimizer_bytes + self.activation_bytes
+
+
+# ------------------------------------------------------------------------- parameters
+
+def _norm_params(config: TransformerConfig) -> int:
+    return 2 * config.hidden_size if config.normalization == "LayerNorm" else config.hidden_size
+
+
+def layer_parameters(config: TransformerConfig, tp_size: int) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank."""
+    h, t = config.hidden_size, tp_size
+    q = config.num_attention_heads * config.kv_channels
+    qkv = q + 2 * config.num_query_groups * config.kv_channels
+    inner = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+    bias = config.add_bias_linear
+    count = 2 * _norm_params(config)
+    count += qkv * h // t + (qkv // t if bias or config.add_qkv_bias else 0)   # query_key_value
+    count += h * q // t + (h if bias else 0)                                  # dense (row)
+    count += inner * h // t + (inner // t if bias else 0)                     # dense_h_to_4h
+    count += h * config.ffn_hidden_size // t + (h if bias else 0)             # dense_4h_to_h
+    return count
+
+
+def num_parameters_on_rank(config: TransformerConfig, tp_size: int = 1, pp_size: int = 1,
+                           pp_rank: int = 0, vp_size: Optional[int] = None) -> int:
+    """Parameters this rank holds over all its model chunks.
+
+    The first stage holds the word (``V/t x h``) and position embeddings; the last the final
+    norm and, when untied, the output layer, or, when tied and ``pp > 1``, the copy
+    ``word_embeddings_for_head``.
+    """
+    vocab = config.padded_vocab_size // tp_size * config.hidden_size
+    total = 0
+    for chunk in range(vp_size or 1):
+        layers, _ = get_num_layers_and_offset(config, pp_size, pp_rank, vp_size,
+                                              chunk if vp_size else None)
+        total += layers * layer_parameters(config, tp_size)
+        pre = pp_rank == 0 and chunk == 0
+        post = pp_rank == pp_size - 1 and chunk == (vp_size or 1) - 1
+        if pre:
+            total += vocab
+            if config.position_embedding_type == "learned_absolute":
+                total += config.max_position_embeddings * config.hidden_size
+        if post:
+            total += _norm_params(config)
+            if config.untie_embeddings_and_output_weights or not pre:
+                total += vocab
+    return total
+
+
+def bytes_per_parameter(params_dtype: torch.dtype, grad_dtype: torch.dtype,
+                        optimizer: str = "adam", sgd_momentum: float = 0.9,
+                        use_distributed_optimizer: bool = False, dp_size: int = 1) -> float:
+    """Weight + gradient + optimizer bytes of one parameter (Megatron's 18 for bf16 + Adam)."""
+    weight = torch.tensor([], dtype=params_dtype).element_size()
+    grad = torch.tensor([], dtype=grad_dtype).element_size()
+    master = 4 if params_dtype != torch.float32 else 0
+    if optimizer == "adam":
+        states = 8
+    elif optimizer == "sgd":
+        states = 4 if sgd_momentum else 0
+    else:
+        raise ValueError(f"--optimizer must be adam or sgd, got {optimizer!r}")
+    sharded = master + states
+    if use_distributed_optimizer:
+        sharded /= dp_size
+    return weight + grad + sharded
+
+
+# ------------------------------------------------------------------------- activations
+
+def layer_activation_bytes(config: TransformerConfig, micro_batch_size: int, tp_size: int = 1,
+                           sequence_parallel: bool = False, element_bytes: int = 2) -> float:
+    """Bytes one layer keeps for backward for one micro-batch (no full recomputation)."""
+    s, b, h, t, e = config.seq_length, micro_batch_size, config.hidden_size, tp_size, element_bytes
+    sbh = s * b * h
+    inner = (3 if config.swiglu else 2) * e * s * b * config.ffn_hidden_size
+    replicated = sbh * (4 * e + 2)
+    split = sbh * 4 * e + inner
+    scores = 0.0
+    if config.recompute_granularity != "selective" and not config.use_flash_attn:
+        scores = config.num_attention_heads * s * s * b * (2 * e + 1)
+    return (replicated / t if sequence_parallel else replicated) + (split + scores) / t
+
+
+def _chunk_activation_bytes(config, layers: int, per_layer: float, layer_input: float
+                            ) -> Tuple[float, float]:
+    """(bytes kept per micro-batch, transient recomputation bytes) of ``layers`` layers."""
+    if config.recompute_granularity != "full" or layers == 0:
+        return layers * per_layer, 0.0
+    n = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        return math.ceil(layers / n) * layer_input, min(n, layers) * per_layer
+    checkpointed = min(n, layers)
+    kept = checkpointed * layer_input + (layers - checkpointed) * per_layer
+    return kept, per_layer if checkpointed else 0.0
+
+
+def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int,
+                             num_microbatches: int, tp_size: int = 1, pp_size: int = 1,
+                             pp_rank: int = 0, vp_size: Optional[int] = None,
+                             sequence_parallel: bool = False, element_bytes: int = 2) -> float:
+    """Peak activation bytes of this rank over one step of its pipeline schedule."""
+    s, b, h, t = config.seq_length, micro_batch_size, config.hidden_size, tp_size
+    per_layer = layer_activation_bytes(config, b, t, sequence_parallel, element_bytes)
+    sbh_local = s * b * h / (t if sequence_parallel else 1)
+    v = vp_size or 1
+    unit, workspace = [], 0.0
+    for chunk in range(v):
+        layers, _ = get_num_layers_and_offset(config, pp_size, pp_rank, vp_size,
+                                              chunk if vp_size else None)
+        kept, recompute = _chunk_activation_bytes(config, layers, per_layer,
+                                                  sbh_local * element_bytes)
+        workspace = max(workspace, recompute)
+        if pp_rank == 0 and chunk == 0:
+            kept += 8 * s * b + sbh_local                        # input ids, dropout mask
+        if pp_rank == pp_size - 1 and chunk == v - 1:
+            kept += 2 * element_bytes * sbh_local + 4 * s * b * config.padded_vocab_size / t
+        unit.append(kept)
+    alive = peak = 0.0
+    for kind, chunk, _ in pipeline_order(pp_size, pp_rank, num_microbatches, vp_size):
+        alive += unit[chunk] if kind == "F" else -unit[chunk]
+        peak = max(peak, alive)
+    return peak + workspace
+
+
+# ------------------------------------------------------------------------- from the flags
+
+def estimate_memory(args, pp_rank: int, num_microbatches: int,
+                    config: Optional[TransformerConfig] = None) -> MemoryEstimate:
+    """The estimate of pipeline stage ``pp_rank`` for validated ``args``."""
+    if config is None:
+        from megatron.arguments import build_configs
+
+        config = build_configs(args).model
+    grad_dtype = torch.float32 if args.accumulate_allreduce_grads_in_fp32 else args.params_dtype
+    act_dtype = torch.float32 if args.fp32_residual_connection else args.params_dtype
+    tp, pp, vp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+                  args.virtual_pipeline_model_parallel_size)
+    return MemoryEstimate(
+        num_parameters=num_parameters_on_rank(config, tp, pp, pp_rank, vp),
+        bytes_per_parameter=bytes_per_parameter(
+            args.params_dtype, grad_dtype, args.optimizer, args.sgd_momentum,
+            args.use_distributed_optimizer, args.data_parallel_size),
+        activation_bytes=activation_bytes_on_rank(
+            config, micro_batch_size=args.micro_batch_size, num_microbatches=num_microbatches,
+            tp_size=tp, pp_size=pp, pp_rank=pp_rank, vp_size=vp,
+            sequence_parallel=args.sequence_parallel,
+            element_bytes=torch.tensor([], dtype=act_dtype).element_size()))
+
+
+def measured_peak_bytes() -> Tuple[float, str]:
+    """(peak bytes, what was measured): the allocator's peak on CUDA, else the process's peak
+    resident set (which also counts the Python interpreter and libraries)."""
+    if device.is_cuda():
+        return float(torch.cuda.max_memory_allocated(device.current_device())), \
+            "torch.cuda.max_memory_allocated"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    # Linux reports kilobytes, macOS bytes.
+    return float(rss if sys.platform == "darwin" else rss * 1024), "max resident set size"
+
+
+def memory_report(args, pstate, num_microbatches: int) -> str:
+    """One line: theoretical memory of this rank next to its measured peak."""
+    est = estimate_memory(args, pstate.pp_rank, num_microbatches)
+    peak, source = measured_peak_bytes()
+    return (f"[Rank {pstate.rank}] (tensor, pipeline) rank ({pstate.tp_rank}, {pstate.pp_rank}) "
+            f"theoretical memory (MB): weights+grads+optimizer "
+            f"{est.weight_and_optimizer_bytes / MB:.2f} ({est.num_parameters} parameters x "
+            f"{est.bytes_per_parameter:.2f} bytes) | activations {est.activation_bytes / MB:.2f} "
+            f"| total {est.total_bytes / MB:.2f} | measured peak (MB): {peak / MB:.2f} "
+            f"({source})")

@@ -1,0 +1,444 @@
+"""``pretrain()``: set up, train with periodic evaluation and checkpoints, evaluate at the end.
+
+The loop mirrors Megatron's: each iteration runs the forward/backward schedule over the global
+batch's micro-batches, finalises gradients (data-parallel reduction, sequence-parallel norm
+grads), steps the optimizer (skipped on fp16 overflow) and the LR schedule, then logs, evaluates
+and saves at their intervals.
+"""
+
+import functools
+import math
+import os
+import signal
+import sys
+import time
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron import checkpointing, global_vars, memory_accounting, training_log
+from megatron.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.core import device
+from megatron.core.config import ConfigError
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter
+from megatron.initialize import initialize_megatron
+from megatron.microbatches import NumMicroBatchesCalculator
+from megatron.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.timers import Timers
+
+
+def print_rank_0(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def _parse(argv, extra_args_provider, args_defaults):
+    args = parse_args(argv, extra_args_provider)
+    for key, value in (args_defaults or {}).items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    try:
+        if args.use_checkpoint_args:
+            checkpointing.load_args_from_checkpoint(args)
+        return validate_args(args)
+    except (ArgumentsError, ConfigError, checkpointing.CheckpointError) as err:
+        if args.rank == 0:  # every rank sees the same flags; one line is enough
+            print(f"{os.path.basename(sys.argv[0]) or 'pretrain'}: error: {err}",
+                  file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
+def _optimizer_config(args) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+        fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
+        hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
+
+
+def get_optimizer_param_scheduler(optimizer, args) -> OptimizerParamScheduler:
+    """The LR / weight-decay schedule, with steps counted in samples as Megatron does."""
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
+        wd_incr_steps = args.train_iters * gbs
+        wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
+        warmup_steps = (args.lr_warmup_fraction * decay_steps
+                        if args.lr_warmup_fraction is not None else args.lr_warmup_iters * gbs)
+    else:
+        decay_steps = args.lr_decay_samples or args.train_samples
+        wd_incr_steps = args.train_samples
+        wsd_steps = args.lr_wsd_decay_samples
+        warmup_steps = (args.lr_warmup_fraction * decay_steps
+                        if args.lr_warmup_fraction is not None else args.lr_warmup_samples)
+    return OptimizerParamScheduler(
+        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=wd_incr_steps,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=wsd_steps, lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def build_model_chunks(model_provider: Callable, pstate) -> List[torch.nn.Module]:
+    """This rank's model: one chunk, or one per virtual pipeline stage with interleaving.
+
+    A model reads ``pstate.virtual_pp_rank`` while it is built (its layer offset and whether it
+    is the first or last virtual stage), so chunk ``i`` is built with the virtual rank set to
+    ``i``; the rank is left at 0 afterwards.
+    """
+    if pstate.virtual_pp_size is None:
+        return [model_provider(pre_process=pstate.is_first_stage(),
+                               post_process=pstate.is_last_stage())]
+    chunks = []
+    try:
+        for i in range(pstate.virtual_pp_size):
+            pstate.virtual_pp_rank = i
+            chunks.append(model_provider(pre_process=pstate.is_first_stage(),
+                                         post_process=pstate.is_last_stage()))
+    finally:
+        pstate.virtual_pp_rank = 0
+    return chunks
+
+
+def setup_model_and_optimizer(model_provider: Callable, args, pstate):
+    """Model chunks wrapped for data parallelism, the optimizer and the LR schedule."""
+    modules = [m.to(device.current_device()) for m in build_model_chunks(model_provider, pstate)]
+    n_params = sum(p.numel() for m in modules for p in m.parameters())
+    print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
+                 f"({pstate.tp_rank}, {pstate.pp_rank}): {n_params}")
+    chunks = []
+    for module in modules:
+        ddp = DistributedDataParallel(
+            module, dp_group=pstate.dp_group,
+            accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
+            use_distributed_optimizer=args.use_distributed_optimizer)
+        if args.data_parallel_random_init:
+            ddp.broadcast_params()
+        chunks.append(ddp)
+    optimizer = get_megatron_optimizer(_optimizer_config(args), chunks,
+                                       mp_group=pstate.model_parallel_group,
+                                       tp_group=pstate.tp_group, dp_group=pstate.dp_group,
+                                       overlap_param_gather=args.overlap_param_gather)
+    scheduler = get_optimizer_param_scheduler(optimizer, args)
+    return chunks, optimizer, scheduler
+
+
+def pipeline_tensor_shape(args) -> tuple:
+    """``(s, b, h)`` of the activations between pipeline stages (``s / tp`` with
+    ``--sequence-parallel``); fixed, so stages never exchange shapes."""
+    seq = args.seq_length
+    if args.sequence_parallel:
+        seq //= args.tensor_model_parallel_size
+    return (seq, args.micro_batch_size, args.hidden_size)
+
+
+def schedule_kwargs(model, args, pstate) -> dict:
+    """Keywords of the forward/backward schedule beyond the common ones, for this layout."""
+    if pstate.pp_size == 1:
+        return {"no_sync_func": model[0].no_sync}
+    dtype = torch.float32 if args.fp32_residual_connection else args.params_dtype
+    return {
+        # Each chunk defers its own reduction to its own last micro-batch.
+        "no_sync_func": [chunk.no_sync for chunk in model],
+        "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
+                                                            device.current_device()),
+        "tensor_shape": pipeline_tensor_shape(args),
+        # The forward step asks pstate which virtual stage it runs (pretrain_gpt.get_batch).
+        "set_virtual_pp_rank": (functools.partial(setattr, pstate, "virtual_pp_rank")
+                                if pstate.virtual_pp_size else None),
+    }
+
+
+def _num_samples(args) -> List[int]:
+    train_samples = args.train_samples or args.train_iters * args.global_batch_size
+    eval_runs = args.train_iters // args.eval_interval + 1
+    return [train_samples, eval_runs * args.eval_iters * args.global_batch_size,
+            args.eval_iters * args.global_batch_size]
+
+
+def build_data_iterators(provider: Callable, args, pstate):
+    """Train/valid/test iterators on TP rank 0 (other TP ranks receive batches by broadcast)."""
+    loaders = [None, None, None]
+    flags = torch.zeros(3, dtype=torch.int64, device=device.current_device())
+    if pstate.tp_rank == 0:
+        datasets = provider(_num_samples(args))
+        consumed = [args.consumed_train_samples, args.consumed_valid_samples, 0]
+        for i, (ds, start) in enumerate(zip(datasets, consumed)):
+            loaders[i] = build_pretraining_data_loader(
+                ds, start, args.micro_batch_size, pstate.dp_rank, pstate.dp_size,
+                args.dataloader_type, args.num_workers, args.seed)
+        flags = torch.tensor([int(ld is not None) for ld in loaders], dtype=torch.int64,
+                             device=device.current_device())
+    if pstate.tp_size > 1:
+        dist.broadcast(flags, pstate.tp_ranks[0], group=pstate.tp_group)
+    args.do_train, args.do_valid, args.do_test = (bool(x) for x in flags.tolist())
+
+    def make(loader, cyclic):
+        if loader is None:
+            return None
+        return iter(cyclic_iter(loader)) if cyclic else iter(loader)
+
+    cyclic_train = args.dataloader_type == "cyclic"
+    return (make(loaders[0], cyclic_train), make(loaders[1], True), make(loaders[2], True))
+
+
+def build_chunk_data_iterators(provider: Callable, args, pstate):
+    """Train/valid/test iterators; with virtual pipeline stages, a list of one per chunk.
+
+    Every chunk walks the same samples in the same order; the forward step of a chunk that
+    needs no data (neither the first nor the last virtual stage) never advances its iterator.
+    """
+    if pstate.virtual_pp_size is None:
+        return build_data_iterators(provider, args, pstate)
+    per_chunk = [build_data_iterators(provider, args, pstate)
+                 for _ in range(pstate.virtual_pp_size)]
+    return tuple(list(split) for split in zip(*per_chunk))
+
+
+class _StopSignal:
+    """SIGTERM handler for --exit-signal-handler: note the signal, stop at the iteration's end."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def any_rank_received(self) -> bool:
+        flag = torch.tensor([int(self.received)], device=device.current_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def release(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, pstate,
+               calculator: NumMicroBatchesCalculator):
+    """One iteration; returns (loss dict, skipped, grad norm, loss scale)."""
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
+    logged = schedule(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                      model=model, num_microbatches=calculator.num_micro_batches,
+                      forward_only=False, grad_scale_func=optimizer.scale_loss,
+                      **schedule_kwargs(model, args, pstate))
+    finalize_model_grads(model, tp_group=pstate.tp_group, embedding_group=pstate.embedding_group,
+                         is_first_stage=pstate.is_first_stage(ignore_virtual=True),
+                         is_last_stage=pstate.is_last_stage(ignore_virtual=True),
+                         pp_size=pstate.pp_size, sequence_parallel=args.sequence_parallel)
+    loss_scale = training_log.to_float(optimizer.get_loss_scale())
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=calculator.current_global_batch_size)
+    losses = {}
+    if pstate.is_last_stage(ignore_virtual=True):
+        for key in logged[0]:
+            losses[key] = sum(training_log.to_float(d[key]) for d in logged) / len(logged)
+    return losses, not ok, grad_norm, loss_scale
+
+
+def evaluate(forward_step_func, data_iterator, model, args, pstate,
+             calculator: NumMicroBatchesCalculator, eval_iters: int):
+    """Average of each logged loss over ``eval_iters`` global batches, dropout off."""
+    for chunk in model:
+        chunk.eval()
+    totals, count = {}, 0
+    schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
+    with torch.no_grad():
+        for _ in range(eval_iters):
+            logged = schedule(forward_step_func=forward_step_func, data_iterator=data_iterator,
+                              model=model, num_microbatches=calculator.num_micro_batches,
+                              forward_only=True, **schedule_kwargs(model, args, pstate))
+            for d in logged:
+                for key, value in d.items():
+                    totals[key] = totals.get(key, 0.0) + training_log.to_float(value)
+                count += 1
+            args.consumed_valid_samples += calculator.current_global_batch_size
+    for chunk in model:
+        chunk.train()
+    return {key: value / max(1, count) for key, value in totals.items()}
+
+
+def evaluate_and_print(prefix, forward_step_func, data_iterator, model, iteration, args, pstate,
+                       calculator, writer, eval_iters: int):
+    losses = evaluate(forward_step_func, data_iterator, model, args, pstate, calculator,
+                      eval_iters)
+    if pstate.is_last_stage(ignore_virtual=True) and pstate.tp_rank == 0 and pstate.dp_rank == 0:
+        print(training_log.format_eval_line(prefix, losses), flush=True)
+    training_log.write_eval_scalars(writer, args, iteration, losses)
+    return losses
+
+
+def _save(iteration, model, optimizer, scheduler, args, pstate, timers):
+    timers("save-checkpoint", log_level=0).start()
+    checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args, pstate)
+    timers("save-checkpoint", log_level=0).stop()
+
+
+def _should_exit(iteration, args, start_time, stop_signal) -> Optional[str]:
+    if stop_signal is not None and stop_signal.any_rank_received():
+        return "received SIGTERM"
+    if args.exit_interval and iteration % args.exit_interval == 0:
+        return f"reached --exit-interval {args.exit_interval}"
+    if args.exit_duration_in_mins:
+        minutes = torch.tensor([(time.time() - start_time) / 60.0], dtype=torch.float64,
+                               device=device.current_device())
+        dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
+        if minutes.item() > args.exit_duration_in_mins:
+            return f"exceeded --exit-duration-in-mins {args.exit_duration_in_mins}"
+    return None
+
+
+def report_memory(args, pstate, calculator: NumMicroBatchesCalculator) -> None:
+    """After the first iteration, each pipeline stage's theoretical memory next to its measured
+    peak (one line per stage: data-parallel and tensor-parallel rank 0)."""
+    if pstate.dp_rank == 0 and pstate.tp_rank == 0:
+        print(memory_accounting.memory_report(args, pstate, calculator.num_micro_batches),
+              flush=True)
+
+
+def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator, args,
+          pstate, calculator, timers, writer, start_iteration: int) -> int:
+    """The training loop; returns the last iteration run."""
+    for chunk in model:
+        chunk.train()
+    stop_signal = _StopSignal() if args.exit_signal_handler else None
+    start_time = time.time()
+    stats = training_log.IntervalStats()
+    iteration = start_iteration
+    is_logger = args.rank == args.world_size - 1
+    try:
+        while iteration < args.train_iters:
+            calculator.update(args.consumed_train_samples)
+            losses, skipped, grad_norm, loss_scale = train_step(
+                forward_step_func, train_iterator, model, optimizer, scheduler, args, pstate,
+                calculator)
+            iteration += 1
+            if iteration == start_iteration + 1:
+                report_memory(args, pstate, calculator)
+            batch = calculator.current_global_batch_size
+            args.consumed_train_samples += batch
+            if args.check_for_nan_in_loss_and_grad and any(
+                    not math.isfinite(v) for v in losses.values()):
+                raise RuntimeError(f"rank {args.rank}: loss is not finite at iteration "
+                                   f"{iteration}: {losses} (--check-for-nan-in-loss-and-grad)")
+            stats.add(losses, skipped)
+            args.train_loss_history.append((iteration, losses.get("lm loss")))
+            lr = optimizer.param_groups[0]["lr"]
+            grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
+            training_log.write_train_scalars(writer, args, iteration, losses, lr, batch,
+                                             loss_scale, grad_norm)
+            if iteration % args.log_interval == 0:
+                if is_logger:
+                    print(training_log.format_log_line(args, iteration, stats, lr, batch,
+                                                       loss_scale, grad_norm), flush=True)
+                    if args.timing_log_level > 0:
+                        print(timers.log_string(["save-checkpoint"]), flush=True)
+                stats = training_log.IntervalStats()
+            if (args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid
+                    and args.eval_iters > 0):
+                evaluate_and_print(f"iteration {iteration}", forward_step_func, valid_iterator,
+                                   model, iteration, args, pstate, calculator, writer,
+                                   args.eval_iters)
+            saved = False
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                _save(iteration, model, optimizer, scheduler, args, pstate, timers)
+                saved = True
+            reason = _should_exit(iteration, args, start_time, stop_signal)
+            if reason is not None:
+                if args.save and not saved:
+                    _save(iteration, model, optimizer, scheduler, args, pstate, timers)
+                print_rank_0(f"exiting at iteration {iteration}: {reason}")
+                args.exit_requested = True
+                break
+    finally:
+        if stop_signal is not None:
+            stop_signal.release()
+    return iteration
+
+
+def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable,
+             model_type, forward_step_func: Callable, process_non_loss_data_func=None,
+             extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
+             argv: Optional[List[str]] = None):
+    """Megatron's entry point: parse flags, build everything, train, evaluate, save.
+
+    Args:
+        train_valid_test_dataset_provider: ``provider([train, valid, test] sample counts)`` ->
+            three datasets (any may be None).
+        model_provider: ``model_provider(pre_process, post_process)`` -> this stage's model.
+        model_type: accepted for Megatron compatibility (encoder-or-decoder models only).
+        forward_step_func: ``forward_step(data_iterator, model)`` -> (output, loss_func).
+        argv: flags to parse instead of ``sys.argv[1:]`` (tests).
+    Returns:
+        The args namespace after training (iteration, consumed samples, last losses).
+    """
+    del model_type, process_non_loss_data_func
+    args = _parse(argv, extra_args_provider, args_defaults)
+    pstate = initialize_megatron(args)
+    from megatron.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(args)
+    build_configs(args)  # validates the model shape against the split once more
+    timers = Timers(args.timing_log_level, args.timing_log_option)
+    writer = training_log.make_tensorboard_writer(args)
+    global_vars.set_global_variables(args=args, tokenizer=tokenizer, timers=timers,
+                                     tensorboard_writer=writer, parallel_state=pstate)
+    if args.save:
+        if args.rank == 0:
+            checkpointing.check_save_dir(args.save)
+        dist.barrier()
+    if args.train_samples is not None:
+        args.train_iters = NumMicroBatchesCalculator(
+            args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+            args.rampup_batch_size).iterations_for_samples(args.train_samples)
+    if args.train_iters is None:
+        raise SystemExit("pretrain: give --train-iters or --train-samples")
+    calculator = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
+                                           args.data_parallel_size, args.rampup_batch_size)
+
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate)
+    iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)
+    args.iteration = iteration
+    train_it, valid_it, test_it = build_chunk_data_iterators(train_valid_test_dataset_provider,
+                                                             args, pstate)
+    args.exit_requested = False
+    args.train_loss_history = []
+    if not args.skip_train and args.do_train and iteration < args.train_iters:
+        print_rank_0(f"training from iteration {iteration} to {args.train_iters} ...")
+        iteration = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it,
+                          args, pstate, calculator, timers, writer, iteration)
+        args.iteration = iteration
+        if args.save and iteration % (args.save_interval or sys.maxsize) != 0 \
+                and not args.exit_requested:
+            _save(iteration, model, optimizer, scheduler, args, pstate, timers)
+    if not args.exit_requested:
+        if args.do_valid and args.eval_iters > 0:
+            args.final_valid_losses = evaluate_and_print(
+                "the end of training for val data", forward_step_func, valid_it, model,
+                iteration, args, pstate, calculator, writer, args.eval_iters)
+        if args.do_test and args.eval_iters > 0:
+            args.final_test_losses = evaluate_and_print(
+                "the end of training for test data", forward_step_func, test_it, model,
+                iteration, args, pstate, calculator, writer, args.eval_iters)
+    if writer is not None:
+        writer.flush()
+        writer.close()
+    return args

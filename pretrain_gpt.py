@@ -1,0 +1,109 @@
+"""Pretrain a GPT model: ``torchrun --nproc_per_node N pretrain_gpt.py <Megatron flags>``."""
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron import global_vars
+from megatron.core import device, tensor_parallel
+from megatron.core.config import TransformerConfig
+from megatron.data.dataset_utils import get_ltor_masks_and_position_ids
+from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
+from megatron.model import GPTModel
+from megatron.training import pretrain, print_rank_0
+
+
+def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
+    """This pipeline stage's GPT model, from the run's flags."""
+    from megatron.arguments import build_configs
+
+    args = global_vars.get_args()
+    config: TransformerConfig = build_configs(args).model
+    print_rank_0("building GPT model ...")
+    return GPTModel(config, global_vars.get_parallel_state(), pre_process=pre_process,
+                    post_process=post_process, parallel_output=True, init_seed=args.seed,
+                    sequence_parallel=args.sequence_parallel)
+
+
+def get_batch(data_iterator):
+    """Tokens, labels, loss mask, attention mask and position ids of one micro-batch.
+
+    TP rank 0 reads the batch and broadcasts it to the other tensor-parallel ranks. With pipeline
+    parallelism a stage gets only what it uses, as in Megatron: the first (virtual) stage tokens,
+    position ids and the attention mask, the last labels, the loss mask and the attention mask;
+    the others are None. A middle stage reads nothing and its layers apply the causal mask
+    (attention_mask None), unless ``--reset-attention-mask`` makes the mask depend on the data,
+    when it reads the batch for the mask alone.
+    """
+    args = global_vars.get_args()
+    tokenizer = global_vars.get_tokenizer()
+    pstate = global_vars.get_parallel_state()
+    first, last = pstate.is_first_stage(), pstate.is_last_stage()
+    if not (first or last or args.reset_attention_mask):
+        return None, None, None, None, None
+    data = next(data_iterator) if data_iterator is not None else None
+    text = tensor_parallel.broadcast_data(["text"], data, torch.int64, pstate.tp_group,
+                                          pstate.tp_ranks[0])["text"].long()
+    tokens = text[:, :-1].contiguous()    # [b, s]
+    labels = text[:, 1:].contiguous()     # [b, s]
+    attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
+        tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask,
+        args.eod_mask_loss)
+    if not first:
+        tokens = position_ids = None
+    if not last:
+        labels = loss_mask = None
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Masked mean of the per-token losses; the logged value is averaged over DP ranks."""
+    pstate = global_vars.get_parallel_state()
+    losses = output_tensor.float().view(-1)          # [b * s]
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+    averaged = loss.detach().clone()
+    if pstate.dp_size > 1:
+        dist.all_reduce(averaged, group=pstate.dp_group)
+        averaged /= pstate.dp_size
+    return loss, {"lm loss": averaged}
+
+
+def forward_step(data_iterator, model):
+    """One micro-batch forward; returns the per-token losses and how to reduce them."""
+    timers = global_vars.get_timers()
+    timers("batch-generator", log_level=2).start()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    timers("batch-generator", log_level=2).stop()
+    dev = device.current_device()
+
+    def to_device(tensor):
+        return None if tensor is None else tensor.to(dev)
+
+    output_tensor = model(to_device(tokens), to_device(position_ids), to_device(attention_mask),
+                          labels=to_device(labels))
+    return output_tensor, partial(loss_func, to_device(loss_mask))
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples):
+    """GPT datasets from --data-path (or the explicit per-split paths, or --mock-data)."""
+    args = global_vars.get_args()
+    tokenizer = global_vars.get_tokenizer()
+    config = GPTDatasetConfig(
+        seed=args.seed, seq_length=args.seq_length, split=args.split,
+        data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        mock=args.mock_data, vocab_size=tokenizer.vocab_size)
+    print_rank_0("> building train, validation, and test datasets for GPT ...")
+    return build_train_valid_test_datasets(
+        config, args.data_path, train_val_test_num_samples,
+        train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path)
+
+
+if __name__ == "__main__":
+    from megatron.errors import exit_on_user_error
+
+    with exit_on_user_error():
+        pretrain(train_valid_test_datasets_provider, model_provider, None, forward_step)

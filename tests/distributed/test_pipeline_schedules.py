@@ -1,0 +1,423 @@
+"""The pipeline schedules: exact order of operations, gradients, memory, deferred reduction.
+
+Most tests run every stage of a pipeline as a thread of this process, joined by a fake
+communicator with the blocking semantics of NCCL and gloo: a send completes only once the
+receiver has posted the matching receive, so a schedule that could deadlock on real hardware
+times out here. Each stage records its forwards (``F{mb}``, or ``F{chunk}.{mb}`` with
+interleaving), backwards and exchanges (``sendF`` / ``recvF``: activation to next / from prev,
+``sendB`` / ``recvB``: gradient to prev / from next, ``+`` joining one exchange). The orders are
+compared with tables written out by hand, gradients with the same model run sequentially in one
+thread (float64; the sums are the same sums in the same order, so they agree to 1e-12).
+One test runs both schedules over real gloo ranks with the real communicator.
+"""
+
+import contextlib
+import queue
+import threading
+
+import pytest
+import torch
+
+from megatron.core.pipeline_parallel import p2p_communication as p2p
+from megatron.core.pipeline_parallel import schedules
+from megatron.core.pipeline_parallel.schedules import (
+    forward_backward_no_pipelining,
+    forward_backward_pipelining_with_interleaving,
+    forward_backward_pipelining_without_interleaving,
+    get_forward_backward_func,
+    pipeline_order,
+)
+from tests.multiprocess import run_on_ranks
+
+H, SEQ, MB = 4, 3, 2
+SHAPE = (SEQ, MB, H)
+TIMEOUT_S = 20
+
+
+# ------------------------------------------------------------------------- fake pipeline
+
+class _Wire:
+    """FIFO channels between stages, one per (source, destination, tag)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.channels = {}
+
+    def channel(self, key) -> queue.Queue:
+        with self.lock:
+            return self.channels.setdefault(key, queue.Queue())
+
+
+class ThreadComm(p2p.P2PCommunicator):
+    """The real communicator's logic with ``_exchange`` done over a :class:`_Wire`."""
+
+    def __init__(self, wire, pp_rank, pp_size, log):
+        super().__init__(pp_group=None, pp_ranks=list(range(pp_size)), pp_rank=pp_rank,
+                         dtype=torch.float64, device="cpu")
+        self.wire, self.log, self.sent_outputs = wire, log, []
+
+    def _exchange(self, send_next, send_prev, recv_prev, recv_next):
+        r = self.pp_rank
+        sends = [(t, self.next_rank, p2p.ACTIVATION_TAG, "sendF") for t in [send_next] if
+                 t is not None]
+        recvs = [(t, self.prev_rank, p2p.ACTIVATION_TAG, "recvF") for t in [recv_prev] if
+                 t is not None]
+        sends += [(t, self.prev_rank, p2p.GRADIENT_TAG, "sendB") for t in [send_prev] if
+                  t is not None]
+        recvs += [(t, self.next_rank, p2p.GRADIENT_TAG, "recvB") for t in [recv_next] if
+                  t is not None]
+        names = {"sendF": 0, "recvF": 1, "sendB": 2, "recvB": 3}
+        self.log.append("+".join(sorted([s[3] for s in sends] + [x[3] for x in recvs],
+                                        key=names.get)))
+        if send_next is not None:
+            self.sent_outputs.append(send_next)
+        done = []
+        for tensor, peer, tag, _ in sends:
+            event = threading.Event()
+            self.wire.channel((r, peer, tag)).put((tensor.detach().clone(), event))
+            done.append(event)
+        for buffer, peer, tag, _ in recvs:
+            try:
+                data, event = self.wire.channel((peer, r, tag)).get(timeout=TIMEOUT_S)
+            except queue.Empty:
+                raise TimeoutError(f"stage {r}: nothing from stage {peer} (tag {tag})") from None
+            with torch.no_grad():
+                buffer.copy_(data)
+            event.set()
+        for event in done:
+            if not event.wait(TIMEOUT_S):
+                raise TimeoutError(f"stage {r}: a send was never received (deadlock)")
+
+
+class _Tag(torch.autograd.Function):
+    """Identity that logs the backward of one micro-batch of one chunk and counts live graphs."""
+
+    @staticmethod
+    def forward(ctx, x, stage, label):
+        ctx.stage, ctx.label = stage, label
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        stage = ctx.stage
+        stage.alive -= 1
+        stage.log.append("B" + ctx.label)
+        stage.sync_log.append((ctx.label, stage.wrapper_sync_on()))
+        return grad, None, None
+
+
+class ToyChunk(torch.nn.Module):
+    """Virtual stage ``index``: ``tanh(x W + c)``; the first one reads x from the batch."""
+
+    def __init__(self, index, pre_process):
+        super().__init__()
+        gen = torch.Generator().manual_seed(100 + index)
+        self.weight = torch.nn.Parameter(torch.randn(H, H, generator=gen, dtype=torch.float64)
+                                         / H ** 0.5)
+        self.bias = torch.nn.Parameter(torch.randn(H, generator=gen, dtype=torch.float64))
+        self.pre_process = pre_process
+        self.input_tensor = None
+
+    def set_input_tensor(self, tensor):
+        self.input_tensor = tensor
+
+    def forward(self, x):
+        inp = x if self.pre_process else self.input_tensor
+        return torch.tanh(inp @ self.weight + self.bias)        # [s, b, h]
+
+
+class FakeDDP(torch.nn.Module):
+    """Just what the schedules touch on the data-parallel wrapper: ``module`` and ``no_sync``."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+        self.sync_on = True
+
+    def forward(self, *args):
+        return self.module(*args)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.sync_on = False
+        try:
+            yield
+        finally:
+            self.sync_on = True
+
+
+def _batches(m, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [(i, torch.randn(SHAPE, generator=gen, dtype=torch.float64),
+             torch.randn(SHAPE, generator=gen, dtype=torch.float64)) for i in range(m)]
+
+
+class Stage:
+    """One rank: its chunks, log and counters."""
+
+    def __init__(self, wire, p, r, v, m, seed=0):
+        self.log, self.sync_log = [], []
+        self.alive = self.max_alive = 0
+        self.comm = ThreadComm(wire, r, p, self.log)
+        self.v, self.p, self.r = v, p, r
+        self.chunks = [FakeDDP(ToyChunk(c * p + r, pre_process=(c == 0 and r == 0)))
+                       for c in range(v)]
+        self.iterators = [iter(_batches(m, seed)) for _ in range(v)]
+        self.current_chunk = 0
+        self.shared_no_sync = False
+        self.error = None
+        self.losses = None
+
+    def wrapper_sync_on(self):
+        return self.chunks[0 if self.shared_no_sync else self.current_chunk].sync_on
+
+    def set_chunk(self, c):
+        self.current_chunk = c
+
+    def forward_step(self, data_iterator, model):
+        c = self.chunks.index(model)
+        assert c == self.current_chunk, "set_virtual_pp_rank not called before the forward"
+        mb, x, target = next(data_iterator)
+        label = f"{mb}" if self.v == 1 else f"{c}.{mb}"
+        self.log.append("F" + label)
+        if torch.is_grad_enabled():  # (autograd turns it off inside Function.forward)
+            self.alive += 1
+            self.max_alive = max(self.max_alive, self.alive)
+        out = _Tag.apply(model(x), self, label)
+
+        def loss_func(output):
+            loss = ((output - target) ** 2).mean()
+            return loss, {"loss": loss.detach()}
+        return out, loss_func
+
+
+def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0):
+    """All stages as threads; returns the Stage objects after the schedule finished."""
+    wire = _Wire()
+    stages = [Stage(wire, p, r, v or 1, m, seed) for r in range(p)]
+    schedule = get_forward_backward_func(p, v)
+
+    def body(st):
+        st.shared_no_sync = shared_no_sync
+        no_sync = st.chunks[0].no_sync if shared_no_sync else [c.no_sync for c in st.chunks]
+        try:
+            torch.set_grad_enabled(not forward_only)  # grad mode is per thread
+            st.losses = schedule(
+                forward_step_func=st.forward_step, data_iterator=st.iterators,
+                model=st.chunks, num_microbatches=m, forward_only=forward_only,
+                no_sync_func=no_sync, communicator=st.comm, tensor_shape=SHAPE,
+                set_virtual_pp_rank=st.set_chunk)
+        except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
+            st.error = err
+
+    threads = [threading.Thread(target=body, args=(st,)) for st in stages]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(4 * TIMEOUT_S)
+    for st in stages:
+        if st.error is not None:
+            raise st.error
+    assert not any(t.is_alive() for t in threads)
+    return stages
+
+
+def reference(p, m, v=1, seed=0):
+    """Losses and gradients of the same model run sequentially (virtual stage order)."""
+    chunks = [ToyChunk(i, pre_process=(i == 0)) for i in range(p * v)]
+    losses = []
+    for _, x, target in _batches(m, seed):
+        h = x
+        for i, chunk in enumerate(chunks):
+            chunk.set_input_tensor(h)
+            h = chunk(x)
+        loss = ((h - target) ** 2).mean()
+        losses.append(loss.item())
+        (loss / m).backward()
+    return losses, {i: (c.weight.grad, c.bias.grad) for i, c in enumerate(chunks)}
+
+
+def _check_against_reference(stages, p, m, v=1):
+    ref_losses, ref_grads = reference(p, m, v)
+    got = [float(d["loss"]) for d in stages[-1].losses]
+    assert got == pytest.approx(ref_losses, abs=1e-12)
+    for st in stages[:-1]:
+        assert st.losses == []
+    for st in stages:
+        for c, chunk in enumerate(st.chunks):
+            wg, bg = ref_grads[c * p + st.r]
+            torch.testing.assert_close(chunk.module.weight.grad, wg, rtol=0, atol=1e-12)
+            torch.testing.assert_close(chunk.module.bias.grad, bg, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------- hand tables
+
+def _split(text):
+    return text.split()
+
+
+def test_1f1b_order_p2_m3():
+    stages = run_pipeline(2, 3)
+    assert stages[0].log == _split("F0 sendF F1 sendF+recvB B0 F2 sendF+recvB B1 recvB B2")
+    assert stages[1].log == _split(
+        "recvF F0 B0 recvF+sendB F1 B1 recvF+sendB F2 B2 sendB")
+
+
+def test_1f1b_order_p4_m8_matches_docstring():
+    stages = run_pipeline(4, 8)
+    steady1 = " ".join(f"F{i} sendF+recvB B{i - 2} recvF+sendB" for i in range(3, 7))
+    steady2 = " ".join(f"F{i} sendF+recvB B{i - 1} recvF+sendB" for i in range(2, 7))
+    steady3 = " ".join(f"F{i} B{i} recvF+sendB" for i in range(1, 7))
+    expected = [
+        "F0 sendF F1 sendF F2 sendF F3 sendF+recvB B0 F4 sendF+recvB B1 F5 sendF+recvB B2 "
+        "F6 sendF+recvB B3 F7 sendF+recvB B4 recvB B5 recvB B6 recvB B7",
+        "recvF F0 sendF recvF F1 sendF recvF F2 sendF+recvB B0 recvF+sendB " + steady1
+        + " F7 sendF+recvB B5 sendB recvB B6 sendB recvB B7 sendB",
+        "recvF F0 sendF recvF F1 sendF+recvB B0 recvF+sendB " + steady2
+        + " F7 sendF+recvB B6 sendB recvB B7 sendB",
+        "recvF F0 B0 recvF+sendB " + steady3 + " F7 B7 sendB",
+    ]
+    for st, text in zip(stages, expected):
+        assert st.log == _split(text), st.r
+    _check_against_reference(stages, 4, 8)
+
+
+def test_interleaved_order_p2_v2_m4():
+    stages = run_pipeline(2, 4, v=2)
+    assert stages[0].log == _split(
+        "F0.0 sendF F0.1 sendF+recvF F1.0 sendF+recvF F1.1 sendF+recvB "
+        "F0.2 B1.0 sendF+sendB+recvB F0.3 B1.1 sendF+recvF+sendB+recvB "
+        "F1.2 B0.0 sendF+recvF+recvB F1.3 B0.1 sendF+recvB "
+        "B1.2 sendB+recvB B1.3 sendB+recvB B0.2 recvB B0.3")
+    assert stages[1].log == _split(
+        "recvF F0.0 sendF+recvF F0.1 sendF+recvF F1.0 B1.0 recvF+sendB "
+        "F1.1 B1.1 recvF+sendB+recvB F0.2 B0.0 sendF+recvF+sendB+recvB "
+        "F0.3 B0.1 sendF+recvF+sendB F1.2 B1.2 recvF+sendB F1.3 B1.3 sendB+recvB "
+        "B0.2 sendB+recvB B0.3 sendB")
+    _check_against_reference(stages, 2, 4, 2)
+
+
+# ------------------------------------------------------------------------- general checks
+
+def _computations(log):
+    return [x for x in log if x[0] in "FB"]
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 1, None), (2, 5, None), (3, 2, None), (3, 7, None),
+                                   (4, 4, None), (2, 2, 2), (2, 6, 3), (3, 3, 2), (3, 6, 2),
+                                   (4, 8, 2), (4, 4, 3)])
+def test_schedules_match_sequential_model_and_pipeline_order(p, m, v):
+    stages = run_pipeline(p, m, v)
+    _check_against_reference(stages, p, m, v or 1)
+    for st in stages:
+        want = [f"{kind}{mb}" if v is None else f"{kind}{c}.{mb}"
+                for kind, c, mb in pipeline_order(p, st.r, m, v)]
+        assert _computations(st.log) == want
+
+
+@pytest.mark.parametrize("p,m,v", [(3, 5, None), (2, 4, 2)])
+def test_forward_only_returns_losses_and_keeps_nothing(p, m, v):
+    stages = run_pipeline(p, m, v, forward_only=True)
+    ref_losses, _ = reference(p, m, v or 1)
+    assert [float(d["loss"]) for d in stages[-1].losses] == pytest.approx(ref_losses, abs=1e-12)
+    for st in stages:
+        assert not any(x.startswith("B") or "sendB" in x or "recvB" in x for x in st.log)
+        assert all(c.module.weight.grad is None for c in st.chunks)
+        assert st.max_alive == 0
+
+
+@pytest.mark.parametrize("p,m", [(2, 6), (4, 8), (4, 2), (3, 9)])
+def test_1f1b_bounds_live_activations_and_frees_sent_outputs(p, m):
+    stages = run_pipeline(p, m)
+    for st in stages:
+        # Stage r holds at most min(p - r, m) micro-batches: the first stage at most p.
+        assert st.max_alive == min(p - st.r, m), (st.r, st.max_alive)
+        assert st.alive == 0
+        for out in st.comm.sent_outputs:
+            assert out.numel() == 1 and out.grad_fn is not None  # data freed, graph kept
+    assert stages[0].max_alive <= p
+
+
+def test_interleaved_live_activations_match_warmup_count():
+    p, v, m = 2, 2, 8
+    stages = run_pipeline(p, m, v)
+    for st in stages:
+        warmup = schedules.interleaved_num_warmup(p, st.r, m, v)
+        assert st.max_alive == warmup + 1
+
+
+@pytest.mark.parametrize("v", [None, 2])
+def test_gradient_reduction_waits_for_each_chunks_last_microbatch(v):
+    p, m = 2, 4
+    for st in run_pipeline(p, m, v):
+        assert len(st.sync_log) == m * (v or 1)
+        for label, sync_on in st.sync_log:
+            assert sync_on == label.endswith(str(m - 1)), (st.r, label, sync_on)
+    # One context (chunk 0's) for all chunks: only the very last backward of the step reduces.
+    for st in run_pipeline(p, m, 2, shared_no_sync=True):
+        assert [on for _, on in st.sync_log] == [False] * (2 * m - 1) + [True]
+
+
+def test_interleaved_rejects_microbatches_not_multiple_of_pp():
+    with pytest.raises(ValueError, match=r"= 3\) to be a multiple of "
+                                         r"--pipeline-model-parallel-size \(2\)"):
+        run_pipeline(2, 3, v=2)
+
+
+def test_get_forward_backward_func_and_no_pipelining_keywords():
+    assert get_forward_backward_func(1) is forward_backward_no_pipelining
+    assert get_forward_backward_func(2) is forward_backward_pipelining_without_interleaving
+    assert get_forward_backward_func(2, 2) is forward_backward_pipelining_with_interleaving
+    # The no-pipelining schedule takes the pipeline keywords and ignores them.
+    model = ToyChunk(0, pre_process=True)
+    data = iter(_batches(3))
+
+    def step(it, mdl):
+        _, x, target = next(it)
+        out = mdl(x)
+        return out, lambda o: (((o - target) ** 2).mean(), {"loss": 0})
+    logged = forward_backward_no_pipelining(
+        forward_step_func=step, data_iterator=[data], model=[model], num_microbatches=3,
+        communicator=None, tensor_shape=SHAPE, set_virtual_pp_rank=None)
+    assert len(logged) == 3
+    _, ref = reference(1, 3)
+    torch.testing.assert_close(model.weight.grad, ref[0][0], rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------- real gloo ranks
+
+def _real_pipeline_body(m):
+    import torch.distributed as dist
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(p)))
+    results = {}
+    for name, v in (("1f1b", None), ("interleaved", 2)):
+        chunks = [FakeDDP(ToyChunk(c * p + rank, pre_process=(c == 0 and rank == 0)))
+                  for c in range(v or 1)]
+        comm = p2p.P2PCommunicator(pp_group=group, pp_ranks=list(range(p)), pp_rank=rank,
+                                   dtype=torch.float64, device="cpu")
+
+        def step(it, model):
+            _, x, target = next(it)
+            return model(x), lambda o: (((o - target) ** 2).mean(), {"loss": 0})
+        losses = get_forward_backward_func(p, v)(
+            forward_step_func=step, data_iterator=[iter(_batches(m)) for _ in chunks],
+            model=chunks, num_microbatches=m, no_sync_func=[c.no_sync for c in chunks],
+            communicator=comm, tensor_shape=SHAPE)
+        results[name] = (len(losses), [(c.module.weight.grad, c.module.bias.grad)
+                                       for c in chunks])
+    return results
+
+
+def test_schedules_over_gloo_match_sequential_model():
+    p, m = 2, 4
+    out = run_on_ranks(_real_pipeline_body, p, m)
+    for name, v in (("1f1b", 1), ("interleaved", 2)):
+        _, ref = reference(p, m, v)
+        for r in range(p):
+            count, grads = out[r][name]
+            assert count == (m if r == p - 1 else 0)
+            for c, (wg, bg) in enumerate(grads):
+                torch.testing.assert_close(wg, ref[c * p + r][0], rtol=0, atol=1e-12)
+                torch.testing.assert_close(bg, ref[c * p + r][1], rtol=0, atol=1e-12)
