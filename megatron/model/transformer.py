@@ -30,7 +30,7 @@ def _bias_activation(config: TransformerConfig) -> Callable:
     """``(input, bias or None) -> activation(input + bias)`` as the flags select it."""
     if config.swiglu:
         # TransformerConfig may carry --no-bias-swiglu-fusion; fused by default.
-        fused = getattr(config, "bias_swiglu_fusion", True)
+        fused = config.bias_swiglu_fusion
         return bias_swiglu_impl if fused else bias_swiglu_unfused
     if config.openai_gelu:
         return lambda x, bias: openai_gelu(x if bias is None else x + bias)
