@@ -14,7 +14,8 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megatron.core.config import ConfigError, ParallelConfig, TransformerConfig
+from megatron.core.config import (ConfigError, ParallelConfig, TransformerConfig,
+                                  pipeline_layer_counts)
 
 TOKENIZER_TYPES = [
     "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -201,6 +202,8 @@ def _add_distributed_args(parser):
     g.add_argument("--model-parallel-size", type=int, default=None,
                    help="old alias of --tensor-model-parallel-size")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--overlap-p2p-communication", action="store_true")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
@@ -396,9 +399,19 @@ def _validate_parallel(args) -> None:
         _note(args, "--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
                     "disabling it")
         args.sequence_parallel = False
-    if args.num_layers % pp != 0:
-        _fail(f"--num-layers ({args.num_layers}) must be divisible by "
-              f"--pipeline-model-parallel-size ({pp})")
+    uneven = (args.decoder_first_pipeline_num_layers is not None
+              or args.decoder_last_pipeline_num_layers is not None)
+    try:
+        pipeline_layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers,
+                              args.decoder_last_pipeline_num_layers)
+    except ConfigError as err:
+        _fail(str(err))
+    if uneven and pp < 2:
+        _fail("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size "
+              f">= 2, got {pp}")
+    if uneven and args.num_layers_per_virtual_pipeline_stage is not None:
+        _fail("--decoder-first/last-pipeline-num-layers cannot be combined with "
+              "--num-layers-per-virtual-pipeline-stage")
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_vstage = args.num_layers_per_virtual_pipeline_stage
@@ -592,6 +605,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
         use_flash_attn=args.use_flash_attn, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)

@@ -79,6 +79,8 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None    # full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: Optional[int] = None
+    first_pipeline_num_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
+    last_pipeline_num_layers: Optional[int] = None   # --decoder-last-pipeline-num-layers
     fp16_lm_cross_entropy: bool = False
 
     def __post_init__(self):
@@ -134,11 +136,54 @@ class TransformerConfig:
              tp_size),
             ("--ffn-hidden-size", self.ffn_hidden_size, "--tensor-model-parallel-size", tp_size),
             ("padded vocab size", self.padded_vocab_size, "--tensor-model-parallel-size", tp_size),
-            ("--num-layers", self.num_layers, "--pipeline-model-parallel-size", pp_size),
         ]
+        if self.first_pipeline_num_layers is None and self.last_pipeline_num_layers is None:
+            checks.append(("--num-layers", self.num_layers, "--pipeline-model-parallel-size",
+                           pp_size))
+        else:
+            pipeline_layer_counts(self.num_layers, pp_size, self.first_pipeline_num_layers,
+                                  self.last_pipeline_num_layers)
         if self.num_query_groups != self.num_attention_heads:
             checks.append(("--num-query-groups", self.num_query_groups,
                            "--tensor-model-parallel-size", tp_size))
         for name, value, by_name, by in checks:
             if value % by != 0:
                 raise ConfigError(f"{name} ({value}) must be divisible by {by_name} ({by})")
+
+
+def pipeline_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = None,
+                          last: Optional[int] = None) -> list:
+    """Layers held by each pipeline stage.
+
+    Even split by default; ``first`` / ``last`` (``--decoder-first-pipeline-num-layers`` /
+    ``--decoder-last-pipeline-num-layers``) fix the first or last stage's count and the remaining
+    layers are split evenly over the other stages, e.g. 10 layers, pp 4, first 1, last 3 ->
+    [1, 3, 3, 3].
+    """
+    if first is None and last is None:
+        if num_layers % pp_size != 0:
+            raise ConfigError(f"--num-layers ({num_layers}) must be divisible by "
+                              f"--pipeline-model-parallel-size ({pp_size})")
+        return [num_layers // pp_size] * pp_size
+    if pp_size == 1:
+        return [num_layers]  # one stage holds everything, whatever the per-stage settings
+    for flag, value in (("--decoder-first-pipeline-num-layers", first),
+                        ("--decoder-last-pipeline-num-layers", last)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    fixed = [n for n in (first, last) if n is not None]
+    middle = pp_size - len(fixed)
+    remaining = num_layers - sum(fixed)
+    if remaining < 0 or (middle == 0 and remaining != 0) or (middle > 0 and (
+            remaining == 0 or remaining % middle != 0)):
+        raise ConfigError(
+            f"--num-layers ({num_layers}) minus --decoder-first-pipeline-num-layers ({first}) "
+            f"and --decoder-last-pipeline-num-layers ({last}) leaves {remaining} layers, which "
+            f"cannot be split evenly over the other {middle} pipeline stage(s)")
+    per = remaining // middle if middle else 0
+    counts = [per] * pp_size
+    if first is not None:
+        counts[0] = first
+    if last is not None:
+        counts[-1] = last
+    return counts

@@ -15,7 +15,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.config import ConfigError, TransformerConfig, pipeline_layer_counts
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
 from megatron.fused_kernels.bias_gelu import bias_gelu_impl, bias_gelu_unfused
@@ -29,7 +29,6 @@ from megatron.model.utils import init_rng, openai_gelu
 def _bias_activation(config: TransformerConfig) -> Callable:
     """``(input, bias or None) -> activation(input + bias)`` as the flags select it."""
     if config.swiglu:
-        # TransformerConfig may carry --no-bias-swiglu-fusion; fused by default.
         fused = config.bias_swiglu_fusion
         return bias_swiglu_impl if fused else bias_swiglu_unfused
     if config.openai_gelu:
@@ -128,12 +127,14 @@ def get_num_layers_and_offset(config: TransformerConfig, pp_size: int, pp_rank: 
     and 4-5, stage 1 holds 2-3 and 6-7.
     """
     layers = config.num_layers
-    if layers % pp_size != 0:
-        raise ConfigError(f"--num-layers ({layers}) must be divisible by "
-                          f"--pipeline-model-parallel-size ({pp_size})")
-    per_stage = layers // pp_size
+    first, last = config.first_pipeline_num_layers, config.last_pipeline_num_layers
+    counts = pipeline_layer_counts(layers, pp_size, first, last)
     if vp_size is None:
-        return per_stage, pp_rank * per_stage
+        return counts[pp_rank], sum(counts[:pp_rank])
+    if first is not None or last is not None:
+        raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with "
+                          "--num-layers-per-virtual-pipeline-stage")
+    per_stage = counts[pp_rank]
     if per_stage % vp_size != 0:
         raise ConfigError(
             f"--num-layers per pipeline stage ({per_stage}) must be divisible by the number of "

@@ -37,6 +37,11 @@ def corpus(tmp_path_factory):
 
 def _flags(corpus, tp=1, pp=1, vp_layers=None, iters=ITERS, dropout=0.0, extra=()):
     extra = list(MODEL) + ["--pipeline-model-parallel-size", str(pp)] + list(extra)
+    if isinstance(vp_layers, str):  # "first:last" layer counts of an uneven split
+        first, last = vp_layers.split(":")
+        extra += ["--decoder-first-pipeline-num-layers", first,
+                  "--decoder-last-pipeline-num-layers", last]
+        vp_layers = None
     if tp > 1:
         extra.append("--sequence-parallel")
     if vp_layers is not None:
@@ -72,6 +77,7 @@ LAYOUTS = [
     pytest.param(1, 4, 1, None, id="tp1-pp4-dp1", marks=pytest.mark.slow),
     pytest.param(1, 2, 2, 1, id="tp1-pp2x2virtual-dp2", marks=pytest.mark.slow),
     pytest.param(2, 2, 1, 1, id="tp2-pp2x2virtual-dp1-sp", marks=pytest.mark.slow),
+    pytest.param(1, 3, 1, "1:2", id="tp1-pp3-uneven-1-1-2", marks=pytest.mark.slow),
 ]
 
 

@@ -110,6 +110,10 @@ def test_pad_vocab_size():
      r"--global-batch-size \(5\) must be divisible by --micro-batch-size \(2\) x "
      r"data-parallel size \(2\)"),
     (["--fp16", "--bf16"], 1, "--fp16 and --bf16"),
+    (["--pipeline-model-parallel-size", "3", "--decoder-first-pipeline-num-layers", "1"], 3,
+     r"leaves 3 layers, which cannot be split evenly over the other 2 pipeline stage"),
+    (["--decoder-last-pipeline-num-layers", "2"], 1,
+     r"need --pipeline-model-parallel-size >= 2"),
     (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
      r"not divisible by --num-layers-per-virtual-pipeline-stage \(3\)"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
@@ -182,3 +186,15 @@ def test_entry_exit_codes():
     assert len(lines) == 1 and "--tensor-model-parallel-size (3)" in lines[0], bad.stderr
     unknown = _run_entry(BASE + ["--no-such-flag"])
     assert unknown.returncode == 2 and "unrecognized arguments: --no-such-flag" in unknown.stderr
+
+
+def test_uneven_pipeline_split():
+    from megatron.core.config import pipeline_layer_counts
+
+    args = validate_args(_args(BASE + ["--pipeline-model-parallel-size", "3",
+                                       "--decoder-first-pipeline-num-layers", "2"], world_size=3))
+    assert args.decoder_first_pipeline_num_layers == 2
+    assert pipeline_layer_counts(4, 3, first=2) == [2, 1, 1]
+    assert pipeline_layer_counts(10, 4, first=1, last=3) == [1, 3, 3, 3]
+    assert pipeline_layer_counts(5, 2, last=4) == [1, 4]
+    assert pipeline_layer_counts(8, 4) == [2, 2, 2, 2]

@@ -369,3 +369,26 @@ def test_unsplittable_configs_are_rejected():
         GPTModel(make_config(), single_process_state(tp_size=3))
     with pytest.raises(ConfigError, match=r"per pipeline stage \(3\).*\(2"):
         GPTModel(make_config(num_layers=6), single_process_state(2, 0, 2, 0))
+
+
+@pytest.mark.parametrize("first,last", [(1, None), (None, 1), (1, 2)])
+def test_uneven_pipeline_split_computes_the_whole_model(first, last):
+    """--decoder-first/last-pipeline-num-layers: stages of unequal depth, same function."""
+    cfg = make_config(num_layers=4, first_pipeline_num_layers=first,
+                      last_pipeline_num_layers=last)
+    batch = make_batch()
+    loss, grads = loss_and_grads(GPTModel(cfg, single_process_state()), batch)
+    pp = 3 if first is not None and last is not None else 2
+    stages = [GPTModel(cfg, single_process_state(pp, p), pre_process=p == 0,
+                       post_process=p == pp - 1) for p in range(pp)]
+    depths = [len(s.language_model.encoder.layers) for s in stages]
+    assert depths == {(1, None): [1, 3], (None, 1): [3, 1], (1, 2): [1, 1, 2]}[(first, last)]
+    torch.testing.assert_close(run_pipeline(cfg, stages, batch), loss, rtol=0, atol=1e-12)
+    offset = 0
+    for stage, depth in zip(stages, depths):
+        for name, p in stage.named_parameters():
+            if name.startswith("language_model.encoder.layers."):
+                local = int(name.split(".")[3])
+                name = name.replace(f"layers.{local}.", f"layers.{local + offset}.", 1)
+                torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=1e-12, msg=name)
+        offset += depth
