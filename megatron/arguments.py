@@ -504,6 +504,9 @@ def _validate_batch_and_schedule(args) -> None:
             _fail("--rampup-batch-size takes 3 values: start increment ramp-samples, got "
                   f"{args.rampup_batch_size}")
         args.rampup_batch_size = [int(v) for v in args.rampup_batch_size]
+        if args.train_samples is None:
+            _fail("--rampup-batch-size needs --train-samples (the schedule counts samples), "
+                  "not --train-iters")
     if args.train_iters is not None and args.train_samples is not None:
         _fail("give only one of --train-iters and --train-samples")
     if args.train_samples is not None:

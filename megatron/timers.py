@@ -71,16 +71,15 @@ class Timers:
         names = [n for n in names if n in self._timers]
         if not names:
             return ""
+        # On the run's device: NCCL reduces only device tensors.
         local = torch.tensor([self._timers[n].elapsed() * 1000.0 / normalizer for n in names],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=device.current_device())
         high, low = local.clone(), local.clone()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(high, op=dist.ReduceOp.MAX)
             dist.all_reduce(low, op=dist.ReduceOp.MIN)
-        parts = []
-        for i, name in enumerate(names):
-            if self.log_option == "max":
-                parts.append(f"{name}: {high[i]:.2f}")
-            else:
-                parts.append(f"{name}: ({low[i]:.2f}, {high[i]:.2f})")
+        if self.log_option == "max":
+            parts = [f"{name}: {high[i]:.2f}" for i, name in enumerate(names)]
+            return "max time across ranks (ms): " + " | ".join(parts)
+        parts = [f"{name}: ({low[i]:.2f}, {high[i]:.2f})" for i, name in enumerate(names)]
         return "(min, max) time across ranks (ms): " + " | ".join(parts)

@@ -37,19 +37,51 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
+def _prog() -> str:
+    return os.path.basename(sys.argv[0]) or "pretrain"
+
+
+def _print_error_once(message: str) -> None:
+    """Every rank sees the same flags; rank 0 alone prints ``prog: error: message``."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{_prog()}: error: {message}", file=sys.stderr, flush=True)
+
+
+def _one_line_errors(extra_args_provider: Optional[Callable]) -> Callable:
+    """An args provider that makes argparse report a bad flag in one line.
+
+    argparse's own report starts with the usage of every flag (over a hundred lines here)
+    before the one line that matters.
+    """
+    def provider(parser):
+        if extra_args_provider is not None:
+            parser = extra_args_provider(parser)
+
+        def error(message):
+            _print_error_once(f"{message} (see --help)")
+            raise SystemExit(2)
+
+        parser.error = error
+        return parser
+
+    return provider
+
+
 def _parse(argv, extra_args_provider, args_defaults):
-    args = parse_args(argv, extra_args_provider)
+    args = parse_args(argv, _one_line_errors(extra_args_provider))
     for key, value in (args_defaults or {}).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
     try:
         if args.use_checkpoint_args:
             checkpointing.load_args_from_checkpoint(args)
-        return validate_args(args)
+        validate_args(args)
+        # Check the ramp-up now, not after the process groups and the model are built.
+        NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
+                                  args.data_parallel_size, args.rampup_batch_size)
+        return args
     except (ArgumentsError, ConfigError, checkpointing.CheckpointError) as err:
-        if args.rank == 0:  # every rank sees the same flags; one line is enough
-            print(f"{os.path.basename(sys.argv[0]) or 'pretrain'}: error: {err}",
-                  file=sys.stderr, flush=True)
+        _print_error_once(str(err))
         raise SystemExit(2)
 
 
@@ -243,8 +275,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
                          is_first_stage=pstate.is_first_stage(ignore_virtual=True),
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
                          pp_size=pstate.pp_size, sequence_parallel=args.sequence_parallel)
-    loss_scale = training_log.to_float(optimizer.get_loss_scale())
     ok, grad_norm, _ = optimizer.step()
+    # As Megatron logs it: the scale after this step's update (backed off on an overflow).
+    loss_scale = training_log.to_float(optimizer.get_loss_scale())
     if ok:
         scheduler.step(increment=calculator.current_global_batch_size)
     losses = {}
@@ -346,11 +379,14 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             training_log.write_train_scalars(writer, args, iteration, losses, lr, batch,
                                              loss_scale, grad_norm)
             if iteration % args.log_interval == 0:
+                # Every rank takes part: the timers are reduced over all of them.
+                timing = (timers.log_string(["save-checkpoint"])
+                          if args.timing_log_level > 0 else "")
                 if is_logger:
                     print(training_log.format_log_line(args, iteration, stats, lr, batch,
                                                        loss_scale, grad_norm), flush=True)
-                    if args.timing_log_level > 0:
-                        print(timers.log_string(["save-checkpoint"]), flush=True)
+                    if timing:
+                        print(timing, flush=True)
                 stats = training_log.IntervalStats()
             if (args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid
                     and args.eval_iters > 0):
@@ -398,9 +434,10 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     tokenizer = build_tokenizer(args)
     build_configs(args)  # validates the model shape against the split once more
     timers = Timers(args.timing_log_level, args.timing_log_option)
-    writer = training_log.make_tensorboard_writer(args)
+    writer = training_log.make_scalar_writer(args)
     global_vars.set_global_variables(args=args, tokenizer=tokenizer, timers=timers,
-                                     tensorboard_writer=writer, parallel_state=pstate)
+                                     tensorboard_writer=writer.tensorboard if writer else None,
+                                     parallel_state=pstate)
     if args.save:
         if args.rank == 0:
             checkpointing.check_save_dir(args.save)
@@ -439,6 +476,5 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                 "the end of training for test data", forward_step_func, test_it, model,
                 iteration, args, pstate, calculator, writer, args.eval_iters)
     if writer is not None:
-        writer.flush()
         writer.close()
     return args

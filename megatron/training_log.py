@@ -1,6 +1,7 @@
-"""Megatron's console log line, throughput and FLOP counts, and TensorBoard scalars."""
+"""Megatron's console log line, throughput and FLOP counts, and TensorBoard / wandb scalars."""
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -80,8 +81,9 @@ def write_train_scalars(writer, args, iteration: int, loss_dict: Dict[str, float
     if args.log_learning_rate_to_tensorboard:
         writer.add_scalar("learning-rate", learning_rate, iteration)
         writer.add_scalar("learning-rate vs samples", learning_rate, samples)
-    writer.add_scalar("batch-size", batch_size, iteration)
-    writer.add_scalar("batch-size vs samples", batch_size, samples)
+    if args.log_batch_size_to_tensorboard:
+        writer.add_scalar("batch-size", batch_size, iteration)
+        writer.add_scalar("batch-size vs samples", batch_size, samples)
     for key, value in loss_dict.items():
         writer.add_scalar(key, value, iteration)
         writer.add_scalar(key + " vs samples", value, samples)
@@ -125,6 +127,68 @@ def make_tensorboard_writer(args):
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+
+
+def make_wandb_run(args):
+    """The ``wandb`` module, initialised on the last rank when --wandb-project is given.
+
+    The run is named by --wandb-exp-name and writes under --wandb-save-dir (else
+    ``SAVE/wandb`` with --save, else wandb's default); its config is the run's arguments. wandb
+    is optional: without it, one note says so and training goes on.
+    """
+    if not args.wandb_project or args.rank != args.world_size - 1:
+        return None
+    try:
+        import wandb
+    except ImportError:
+        print(f"NOTE: --wandb-project {args.wandb_project} was given but the wandb package is "
+              "not installed (pip install wandb); continuing without wandb logging",
+              flush=True)
+        return None
+    save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+    wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=save_dir,
+               config=dict(vars(args)))
+    return wandb
+
+
+class ScalarWriter:
+    """Sends each scalar to TensorBoard and to wandb, whichever of them this rank has.
+
+    TensorBoard gets every series; wandb gets the per-iteration ones (not the ``... vs samples``
+    copies), as Megatron logs them.
+    """
+
+    def __init__(self, tensorboard=None, wandb_run=None):
+        self.tensorboard = tensorboard
+        self.wandb = wandb_run
+
+    def add_scalar(self, name: str, value: float, step: int) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.add_scalar(name, value, step)
+        if self.wandb is not None and not name.endswith(" vs samples"):
+            self.wandb.log({name: value}, step)
+
+    def flush(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.flush()
+            self.tensorboard.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def make_scalar_writer(args) -> Optional[ScalarWriter]:
+    """TensorBoard (--tensorboard-dir) and wandb (--wandb-project) on the last rank, or None."""
+    tensorboard = make_tensorboard_writer(args)
+    wandb_run = make_wandb_run(args)
+    if tensorboard is None and wandb_run is None:
+        return None
+    return ScalarWriter(tensorboard, wandb_run)
 
 
 def to_float(value) -> float:

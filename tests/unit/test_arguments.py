@@ -130,6 +130,7 @@ def test_pad_vocab_size():
     (["--recompute-granularity", "selective", "--recompute-method", "block"], 1,
      "applies only to --recompute-granularity full"),
     (["--train-samples", "100"], 1, "only one of --train-iters and --train-samples"),
+    (["--rampup-batch-size", "2", "2", "100"], 1, "--rampup-batch-size needs --train-samples"),
     (["--lr-warmup-iters", "10"], 1,
      r"--lr-warmup-iters \(10\) must be smaller than --lr-decay-iters or --train-iters \(10\)"),
     (["--min-lr", "1", "--lr", "0.1"], 1, r"--min-lr \(1.0\) is larger than --lr \(0.1\)"),
