@@ -5,9 +5,41 @@ when the installed torch is a CUDA build and ``nvcc`` is available; a CPU-only m
 CPU bodies alone.
 """
 
+import importlib.util
 import os
 
 from setuptools import find_packages, setup
+
+
+def _fused_loader(here):
+    """megatron/fused_kernels/loader.py, loaded by path: the one list of sources and flags."""
+    path = os.path.join(here, "megatron", "fused_kernels", "loader.py")
+    spec = importlib.util.spec_from_file_location("_megatron_fused_loader", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _fused_extension(here):
+    """megatron.fused_kernels._C: the CPU bodies, plus the CUDA bodies under a CUDA torch.
+
+    Set MEGATRON_SKIP_FUSED_BUILD=1 to leave it out (the kernels then JIT-build on first use,
+    or the pure-torch references run).
+    """
+    from torch.utils.cpp_extension import CppExtension, CUDAExtension
+
+    if os.environ.get("MEGATRON_SKIP_FUSED_BUILD") == "1":
+        return []
+    loader = _fused_loader(here)
+    sources = loader.cpu_sources(relative=True)
+    args = dict(name="megatron.fused_kernels._C", include_dirs=[os.path.join(here, "csrc")],
+                extra_link_args=list(loader.CPU_LDFLAGS))
+    if loader.cuda_build_available():
+        return [CUDAExtension(sources=sources + loader.cuda_sources(relative=True),
+                              extra_compile_args={"cxx": list(loader.CPU_CFLAGS),
+                                                  "nvcc": list(loader.CUDA_CFLAGS)}, **args)]
+    return [CppExtension(sources=sources, extra_compile_args={"cxx": list(loader.CPU_CFLAGS)},
+                         **args)]
 
 
 def _extensions():
@@ -24,6 +56,7 @@ def _extensions():
             extra_compile_args={"cxx": cxx_flags},
         ),
     ]
+    exts += _fused_extension(here)
     return exts
 
 
