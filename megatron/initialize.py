@@ -54,6 +54,19 @@ def set_random_seeds(seed: int, pstate: parallel_state.ParallelState,
     return seed
 
 
+def _install_fused_kernels(args) -> None:
+    """Route the model's fusable ops to the compiled kernels (references when unavailable).
+
+    The --no-*-fusion flags still select the plain torch compositions inside the model.
+    """
+    from megatron.fused_kernels import ops
+
+    loaded = ops.install()
+    if args.rank == 0:
+        print(f"> fused kernels: {'compiled' if loaded else 'pure-torch references'}",
+              flush=True)
+
+
 def initialize_megatron(args) -> parallel_state.ParallelState:
     """Device, process group, parallel groups and seeds for validated ``args``."""
     device.configure(args.device, args.local_rank)
@@ -65,6 +78,7 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size)
     set_random_seeds(args.seed, pstate, args.data_parallel_random_init)
+    _install_fused_kernels(args)
     if args.rank == 0:
         print(f"> initialized on {device.current_device()} with {args.distributed_backend}: "
               f"world size {args.world_size} = tensor-model-parallel "

@@ -447,10 +447,18 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
 def _build_torch_optimizer(config: OptimizerConfig,
                            param_groups: List[dict]) -> torch.optim.Optimizer:
     if config.optimizer == "adam":
-        # Megatron's Adam decouples weight decay from the gradient (AdamW).
-        return torch.optim.AdamW(param_groups, lr=config.lr, weight_decay=config.weight_decay,
-                                 betas=(config.adam_beta1, config.adam_beta2),
-                                 eps=config.adam_eps)
+        # Megatron's Adam decouples weight decay from the gradient (AdamW). The fused
+        # multi-tensor step is used when the compiled kernels load; its state_dict is
+        # torch.optim.AdamW's, so checkpoints move freely between the two.
+        from megatron.fused_kernels import loader
+
+        adam_cls = torch.optim.AdamW
+        if loader.load() is not None:
+            from megatron.optimizer.fused_adam import FusedAdamW
+
+            adam_cls = FusedAdamW
+        return adam_cls(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
     return torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                            momentum=config.sgd_momentum)
 
