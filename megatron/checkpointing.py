@@ -275,7 +275,9 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
         raise CheckpointError(
             f"{iter_dir} was saved with tensor-model-parallel size {saved_tp} x "
             f"pipeline-model-parallel size {saved_pp}, but this run uses {pstate.tp_size} x "
-            f"{pstate.pp_size}; convert it with {CONVERSION_TOOL} or match the layout")
+            f"{pstate.pp_size}; run with --tensor-model-parallel-size {saved_tp} "
+            f"--pipeline-model-parallel-size {saved_pp} (the resharding tool {CONVERSION_TOOL} "
+            "is not in this version yet)")
     path = checkpoint_file(load_dir, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size,
                            release)
     return path, iteration, release
