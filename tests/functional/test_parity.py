@@ -79,11 +79,17 @@ LAYOUTS = [
     pytest.param(2, 2, 1, 1, id="tp2-pp2x2virtual-dp1-sp", marks=pytest.mark.slow),
     pytest.param(1, 3, 1, "1:2", id="tp1-pp3-uneven-1-1-2", marks=pytest.mark.slow),
 ]
+# Every layout with DP > 1 again with the distributed optimizer (sharded fp32 main params and
+# Adam state): the same sums in another order, so the same tolerance applies.
+DISTRIBUTED_OPTIMIZER_LAYOUTS = [
+    pytest.param(tp, pp, dp, vp, id=f"tp{tp}-pp{pp}-dp{dp}-distopt" + ("-vp" if vp else ""),
+                 marks=pytest.mark.slow)
+    for tp, pp, dp, vp in [(1, 1, 2, None), (2, 1, 2, None), (1, 2, 2, None), (2, 2, 2, None),
+                           (1, 2, 2, 1)]
+]
 
 
-@pytest.mark.parametrize("tp,pp,dp,vp_layers", LAYOUTS)
-def test_layout_matches_single_process(corpus, baseline, tp, pp, dp, vp_layers):
-    out = _train(corpus, tp, pp, dp, vp_layers)
+def _check_parity(baseline, out):
     base, got = _losses(baseline), _losses(out)
     assert len(base) == ITERS and [i for i, _ in out["losses"]] == list(range(1, ITERS + 1))
     assert base[-1] < base[0] - 0.2, base   # the run learns, so the comparison means something
@@ -91,6 +97,18 @@ def test_layout_matches_single_process(corpus, baseline, tp, pp, dp, vp_layers):
         assert abs(a - b) <= RTOL * abs(a), (step, base, got)
     want, have = baseline["valid"]["lm loss"], out["valid"]["lm loss"]
     assert abs(want - have) <= RTOL * abs(want), (want, have)
+
+
+@pytest.mark.parametrize("tp,pp,dp,vp_layers", LAYOUTS)
+def test_layout_matches_single_process(corpus, baseline, tp, pp, dp, vp_layers):
+    _check_parity(baseline, _train(corpus, tp, pp, dp, vp_layers))
+
+
+@pytest.mark.parametrize("tp,pp,dp,vp_layers", DISTRIBUTED_OPTIMIZER_LAYOUTS)
+def test_distributed_optimizer_layout_matches_single_process(corpus, baseline, tp, pp, dp,
+                                                             vp_layers):
+    _check_parity(baseline, _train(corpus, tp, pp, dp, vp_layers,
+                                   extra=["--use-distributed-optimizer"]))
 
 
 def _resume(corpus, tmp_path, vp_layers):
