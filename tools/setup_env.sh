@@ -20,7 +20,17 @@ stamp_now="$(cat requirements.txt requirements-dev.txt setup.py $(find csrc -typ
 stamp_old="$(cat .venv/.megatron_stamp 2>/dev/null || true)"
 if [ "$stamp_now" != "$stamp_old" ]; then
   echo "[setup] installing requirements into .venv (torch CPU wheel unless a CUDA torch is present)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+  # pip warns once per package about index folders this machine's config names but lacks;
+  # those lines are noise, anything else (and the exit status) is kept.
+  set +e
+  .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt 2>&1 \
+    | grep -v "^WARNING: Location '.*' is ignored"
+  status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -ne 0 ]; then
+    echo "[setup] pip install -r requirements-dev.txt failed (exit $status)" >&2
+    exit "$status"
+  fi
   echo "[setup] building C++ extensions (ninja)"
   .venv/bin/python setup.py -q build_ext --inplace >/dev/null
   echo "$stamp_now" > .venv/.megatron_stamp
