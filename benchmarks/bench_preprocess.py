@@ -40,6 +40,8 @@ _TOKENIZER = None
 def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-bytes", type=float, default=8e6, help="corpus size in bytes")
+    parser.add_argument("--include-tests", action="store_true",
+                        help="also take the standard library's test folders (about 31 MB)")
     parser.add_argument("--workers", type=int, default=2, help="processes for the tool and encoder")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of each timing; the fastest counts")
@@ -89,7 +91,8 @@ def bench_preprocess(args, scratch: str) -> None:
     corpus = os.path.join(scratch, "stdlib.jsonl")
     builder = os.path.join(ROOT, "tools", "build_stdlib_corpus.py")
     subprocess.run([sys.executable, builder, "--output", corpus, "--max-bytes",
-                    str(int(args.max_bytes))], check=True, stderr=subprocess.DEVNULL)
+                    str(int(args.max_bytes))] + (["--include-tests"] if args.include_tests else []),
+                   check=True, stderr=subprocess.DEVNULL)
     with open(corpus, encoding="utf-8") as f:
         texts = [json.loads(line)["content"] for line in f]
     megabytes = os.path.getsize(corpus) / 1e6
