@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device
+from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
 Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 
@@ -32,15 +33,6 @@ Params = Union[torch.Tensor, Iterable[torch.Tensor]]
 def param_is_not_shared(param: torch.Tensor) -> bool:
     """False for the duplicate copy of a tied embedding (``param.shared``), True otherwise."""
     return not getattr(param, "shared", False)
-
-
-def param_is_not_tensor_parallel_duplicate(param: torch.Tensor, tp_rank: int) -> bool:
-    """True when this rank's copy of ``param`` is the one to count.
-
-    Tensor-parallel shards are distinct on every rank; a replicated parameter is counted only
-    on TP rank 0.
-    """
-    return bool(getattr(param, "tensor_model_parallel", False)) or tp_rank == 0
 
 
 def get_grads_for_norm(parameters: Params, *, tp_rank: int) -> List[torch.Tensor]:
