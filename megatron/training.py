@@ -157,7 +157,8 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate):
             module, dp_group=pstate.dp_group,
             accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
-            use_distributed_optimizer=args.use_distributed_optimizer)
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            gradient_accumulation_fusion=args.gradient_accumulation_fusion)
         if args.data_parallel_random_init:
             ddp.broadcast_params()
         chunks.append(ddp)

@@ -54,12 +54,17 @@ class DistributedDataParallel(torch.nn.Module):
             :meth:`finish_grad_sync` only this rank's shard of each bucket (see
             :meth:`Bucket.shard_range`) holds the dp-averaged gradient, which is all the
             distributed optimizer reads; the rest of ``main_grad`` keeps local values.
+        gradient_accumulation_fusion: let the tensor-parallel linear layers add their weight
+            gradients straight into ``main_grad`` (``--gradient-accumulation-fusion``, the
+            default; off with ``--no-gradient-accumulation-fusion``): each weight gets
+            ``fuse_wgrad_accumulation = True``, which those layers look for.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
                  accumulate_allreduce_grads_in_fp32: bool = False,
                  overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
-                 use_distributed_optimizer: bool = False):
+                 use_distributed_optimizer: bool = False,
+                 gradient_accumulation_fusion: bool = False):
         super().__init__()
         if dp_group is None:
             raise ValueError("DistributedDataParallel needs dp_group=<the data-parallel process "
@@ -92,6 +97,8 @@ class DistributedDataParallel(torch.nn.Module):
             for param in params:
                 self.param_to_grad_buffer[param] = buffer
 
+        for param in self.param_to_grad_buffer:
+            param.fuse_wgrad_accumulation = gradient_accumulation_fusion
         self._grad_hook_handles = [param.register_post_accumulate_grad_hook(self._make_param_hook())
                                    for param in self.param_to_grad_buffer]
 
@@ -115,6 +122,7 @@ class DistributedDataParallel(torch.nn.Module):
             if param.grad is not None and not getattr(param, "grad_added_to_main_grad", False):
                 param.main_grad.add_(param.grad)
             param.grad = None
+            param.grad_added_to_main_grad = False
             if self.overlap_grad_reduce and buffer.is_last_microbatch:
                 buffer.register_grad_ready(param)
 

@@ -117,8 +117,11 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     parallelism only the local ``[s/tp, b, h]`` input is kept for backward and gathered again
     there, which saves ``(tp - 1) / tp`` of that activation's memory.
 
-    Gradients are returned as ordinary ``.grad``; accumulating them into a separate main-grad
-    buffer is the data-parallel wrapper's job.
+    Weight gradients: returned as ordinary ``.grad``, which the data-parallel wrapper adds into
+    its ``main_grad`` buffer; or, when the weight carries ``fuse_wgrad_accumulation = True`` and a
+    ``main_grad`` (set by the wrapper under ``--gradient-accumulation-fusion``), added here
+    straight into ``main_grad`` (one ``addmm_`` in fp32, no separate gradient tensor), and marked
+    ``grad_added_to_main_grad`` so the wrapper does not add it again.
     """
 
     @staticmethod
@@ -149,7 +152,10 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         grad_2d = grad_output.reshape(-1, grad_output.size(-1))       # [s*b, out/tp]
         if ctx.needs_input_grad[1]:
             input_2d = total_input.reshape(-1, total_input.size(-1))  # [s*b, in]
-            grad_weight = grad_2d.t().matmul(input_2d)
+            if getattr(weight, "fuse_wgrad_accumulation", False) and hasattr(weight, "main_grad"):
+                grad_weight = _accumulate_into_main_grad(weight, grad_2d, input_2d)
+            else:
+                grad_weight = grad_2d.t().matmul(input_2d)            # [out/tp, in]
         if ctx.use_bias and ctx.needs_input_grad[2]:
             grad_bias = grad_2d.sum(dim=0)
         if handle is not None:
@@ -157,6 +163,24 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if grad_input is not None and ctx.sequence_parallel:
             grad_input = _reduce_scatter_along_first_dim(grad_input, group)  # [s/tp, b, in]
         return grad_input, grad_weight, grad_bias, None, None, None
+
+
+def _accumulate_into_main_grad(weight: torch.Tensor, grad_2d: torch.Tensor,
+                               input_2d: torch.Tensor) -> torch.Tensor:
+    """``weight.main_grad += grad_2d^T input_2d`` in place; returns the placeholder gradient.
+
+    In fp32 this is a single ``addmm_`` into the buffer. With half-precision activations the
+    product is formed in their dtype and added in fp32 (torch has no mixed-dtype ``addmm``).
+    The returned tensor is uninitialised and never read: autograd needs a gradient for the
+    data-parallel wrapper's hook to run, and the hook skips it because of the mark set here.
+    """
+    main_grad = weight.main_grad                                      # [out/tp, in]
+    if grad_2d.dtype == main_grad.dtype and input_2d.dtype == main_grad.dtype:
+        main_grad.addmm_(grad_2d.t(), input_2d)
+    else:
+        main_grad.add_(grad_2d.t().matmul(input_2d))
+    weight.grad_added_to_main_grad = True
+    return torch.empty_like(weight)
 
 
 def linear_with_grad_accumulation_and_async_allreduce(
@@ -333,7 +357,9 @@ class RowParallelLinear(torch.nn.Module):
         else:
             input_parallel = scatter_to_tensor_model_parallel_region(
                 input, self.tp_group)                                 # [s, b, h/tp]
-        output_parallel = F.linear(input_parallel, self.weight)       # [s, b, out], partial
+        # No communication inside: the input is already split, and its gradient stays split.
+        output_parallel = linear_with_grad_accumulation_and_async_allreduce(
+            input_parallel, self.weight, None, self.tp_group, False, False)  # [s, b, out] partial
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(
                 output_parallel, self.tp_group)                       # [s/tp, b, out]
