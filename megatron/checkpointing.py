@@ -29,7 +29,7 @@ from megatron.core import device
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
-CONVERSION_TOOL = "tools/checkpoint/reshard.py"
+CONVERSION_TOOL = "tools/checkpoint/convert.py"
 
 # Flags that fix the shape of the saved tensors: a checkpoint cannot be loaded if they differ.
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -276,8 +276,10 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
             f"{iter_dir} was saved with tensor-model-parallel size {saved_tp} x "
             f"pipeline-model-parallel size {saved_pp}, but this run uses {pstate.tp_size} x "
             f"{pstate.pp_size}; run with --tensor-model-parallel-size {saved_tp} "
-            f"--pipeline-model-parallel-size {saved_pp} (the resharding tool {CONVERSION_TOOL} "
-            "is not in this version yet)")
+            f"--pipeline-model-parallel-size {saved_pp}, or convert it first: python "
+            f"{CONVERSION_TOOL} --model-type GPT --loader megatron --saver megatron --load-dir "
+            f"{load_dir} --save-dir NEW_DIR --target-tensor-parallel-size {pstate.tp_size} "
+            f"--target-pipeline-parallel-size {pstate.pp_size}")
     path = checkpoint_file(load_dir, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size,
                            release)
     return path, iteration, release
@@ -334,6 +336,32 @@ def _check_model_state(model_chunks, state: dict, path: str) -> List[dict]:
     return saved
 
 
+def _converted_parts(state: dict, path: str, restore_training: bool, args) -> Tuple[bool, bool]:
+    """Whether to load the optimizer and the RNG states.
+
+    A checkpoint written by the conversion tool (a ``conversion`` entry) has no optimizer or RNG
+    state when its layout changed: training resumes from it with fresh Adam moments and freshly
+    seeded RNGs, and says so, instead of asking for --no-load-optim / --no-load-rng.
+    """
+    load_optim = restore_training and not args.no_load_optim
+    load_rng = restore_training and not args.no_load_rng
+    conversion = state.get("conversion")
+    if conversion is None:
+        return load_optim, load_rng
+    dropped = []
+    if load_optim and "optimizer" not in state:
+        load_optim = False
+        dropped.append("optimizer state (Adam moments start from zero)")
+    if load_rng and "rng_state" not in state:
+        load_rng = False
+        dropped.append("RNG states (seeded from --seed)")
+    if dropped and dist.get_rank() == 0:
+        print(f"NOTE: {path} was converted from tensor x pipeline layout "
+              f"{conversion.get('from_layout')}; it has no " + " and no ".join(dropped),
+              flush=True)
+    return load_optim, load_rng
+
+
 def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) -> int:
     """Load ``args.load`` into model, optimizer, scheduler and RNGs; returns the iteration.
 
@@ -353,25 +381,30 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) 
     _check_args(saved_args, args, path)
     trees = _check_model_state(model_chunks, state, path)
     restore_training = not (args.finetune or release)
-    if restore_training and not args.no_load_optim:
+    load_optim, load_rng = _converted_parts(state, path, restore_training, args)
+    if load_optim:
         for key in ("optimizer", "opt_param_scheduler"):
             if key not in state:
                 raise CheckpointError(f"{path}: has no {key} state (saved with --no-save-optim?); "
                                       "pass --no-load-optim or --finetune")
-    if restore_training and not args.no_load_rng and "rng_state" not in state:
+    if load_rng and "rng_state" not in state:
         raise CheckpointError(f"{path}: has no RNG state (saved with --no-save-rng?); "
                               "pass --no-load-rng")
 
     for chunk, tree in zip(model_chunks, trees):
         chunk.load_state_dict(tree, strict=True)
-    if restore_training and not args.no_load_optim:
+    if load_optim:
         # Every DP rank read the same, unsharded file: a distributed optimizer takes its shard.
         optimizer.load_state_dict(state["optimizer"])
         opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         # Fresh optimizer over the loaded weights (fp32 main copies must follow the model).
         optimizer.reload_model_params()
-    if restore_training and not args.no_load_rng:
+        if (restore_training and not args.no_load_optim and "conversion" in state
+                and "opt_param_scheduler" in state):
+            # A converted checkpoint keeps the learning-rate schedule's position.
+            opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
+    if load_rng:
         rng = state["rng_state"]
         _set_rng_state(rng[pstate.dp_rank] if len(rng) == pstate.dp_size else rng[0])
     if restore_training:
@@ -403,3 +436,26 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
         if hasattr(saved, name):
             setattr(args, name, getattr(saved, name))
     return args
+
+
+def load_model_weights(model_chunks, args, pstate) -> int:
+    """Load only the model weights from ``args.load`` (inference, evaluation, generation).
+
+    The optimizer, scheduler and RNG states in the checkpoint are ignored. Keys, shapes and the
+    model-shape flags are checked as :func:`load_checkpoint` checks them. Returns the iteration.
+    """
+    if not args.load:
+        raise CheckpointError("--load is required: the checkpoint to run")
+    located = _locate(args.load, args, pstate)
+    if located is None:
+        raise CheckpointError(f"--load {args.load}: no {TRACKER_FILENAME}; not a checkpoint "
+                              "folder")
+    path, iteration, _ = located
+    state = load_state_file(path)
+    _check_args(state.get("args"), args, path)
+    trees = _check_model_state(model_chunks, state, path)
+    for chunk, tree in zip(model_chunks, trees):
+        chunk.load_state_dict(tree, strict=True)
+    if dist.get_rank() == 0:
+        print(f"  loaded model weights from {args.load} at iteration {iteration}", flush=True)
+    return iteration

@@ -12,12 +12,13 @@ import sys
 def user_error_types() -> tuple:
     from megatron.arguments import ArgumentsError
     from megatron.checkpointing import CheckpointError
+    from megatron.convert.schema import ConversionError
     from megatron.core.config import ConfigError
     from megatron.data.dataset_utils import DataError
     from megatron.data.indexed_dataset import IndexedDatasetError
 
-    return (ArgumentsError, ConfigError, CheckpointError, DataError, IndexedDatasetError,
-            FileNotFoundError, NotADirectoryError, PermissionError)
+    return (ArgumentsError, ConfigError, CheckpointError, ConversionError, DataError,
+            IndexedDatasetError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 @contextlib.contextmanager

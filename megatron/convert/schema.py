@@ -1,0 +1,124 @@
+"""The canonical, layout-free form a checkpoint passes through on its way between formats.
+
+A *loader* turns a checkpoint (Megatron at any TP / PP, or a Hugging Face folder) into a stream
+of :class:`Piece` objects; a *saver* consumes the stream and writes another format. Only one
+layer is in flight at a time, so converting needs memory for about one layer plus the embeddings.
+
+The stream is, in order::
+
+    Piece("meta", meta=ModelMeta)
+    Piece("embeddings", {"word_embeddings": [V_rows, h], "position_embeddings": [P, h]?})
+    Piece("layer", {...}, index=0) ... Piece("layer", {...}, index=L-1)
+    Piece("final_norm", {"weight": [h], "bias": [h]?})
+    Piece("output_layer", {"weight": [V_rows, h]})          (untied embeddings only)
+
+Tensors are whole (tensor-parallel shards already joined) and named as in Megatron's layer
+state dict, in Megatron's unsharded layout:
+
+====================================  ============================================================
+key                                   shape and layout
+====================================  ============================================================
+input_layernorm.weight / .bias        [h] (no bias with RMSNorm)
+self_attention.query_key_value.weight [(np + 2 ng) hn, h]; rows per query group g as
+                                      [q heads of g (np/ng x hn); k (hn); v (hn)]; ng = np
+                                      without GQA, i.e. Megatron's [np, 3, hn] order
+self_attention.query_key_value.bias   [(np + 2 ng) hn] same order (with --add-bias-linear or
+                                      --add-qkv-bias)
+self_attention.dense.weight / .bias   [h, np hn], [h]
+post_attention_layernorm.weight/.bias [h]
+mlp.dense_h_to_4h.weight / .bias      [ffn, h] (GeLU) or [2 ffn, h] = [gate; value] (SwiGLU)
+mlp.dense_4h_to_h.weight / .bias      [h, ffn], [h]
+====================================  ============================================================
+
+Word embeddings (and an untied output layer) keep the rows the source has: ``V_rows`` is the
+source's padded vocabulary size for a Megatron checkpoint (``meta.padded_vocab_size``), the
+tokenizer's size for a Hugging Face folder. ``meta.vocab_size`` is always the tokenizer's true
+size; savers trim to it or pad from it as their format requires (see :func:`fit_vocab_rows`).
+"""
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+
+
+class ConversionError(RuntimeError):
+    """A checkpoint that cannot be converted; the message names the file, flag or feature."""
+
+
+@dataclasses.dataclass
+class ModelMeta:
+    """Everything about the model a saver needs besides the tensors.
+
+    Field names and values follow the training flags (``--position-embedding-type``,
+    ``--normalization`` ...), so a Megatron saver can write them straight into ``args``.
+    """
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    max_position_embeddings: int
+    vocab_size: int                      # the tokenizer's size (no padding)
+    padded_vocab_size: int               # rows the source's embedding table has
+    position_embedding_type: str = "learned_absolute"   # or "rope"
+    rotary_percent: float = 1.0
+    rotary_base: int = 10000
+    normalization: str = "LayerNorm"     # or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    openai_gelu: bool = False
+    add_bias_linear: bool = True
+    add_qkv_bias: bool = False
+    untie_embeddings_and_output_weights: bool = False
+    apply_residual_connection_post_layernorm: bool = False
+    params_dtype: torch.dtype = torch.float32
+    seq_length: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    # Tokenizer: the training flag values and the files they name (absolute paths or None).
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    # Training position of the source (0 for a Hugging Face folder).
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    # The source's full argument namespace as a dict (Megatron sources only): a Megatron saver
+    # starts from it so that flags unrelated to the shape (optimizer, data ...) survive.
+    source_args: Optional[dict] = None
+
+    @property
+    def group_query_attention(self) -> bool:
+        return self.num_query_groups != self.num_attention_heads
+
+
+@dataclasses.dataclass
+class Piece:
+    """One item of the stream: ``kind`` is meta, embeddings, layer, final_norm or output_layer."""
+
+    kind: str
+    tensors: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+    index: Optional[int] = None           # layer number (0-based, global) for kind == "layer"
+    meta: Optional[ModelMeta] = None      # for kind == "meta"
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp_size: int) -> int:
+    """Megatron's padding: the smallest multiple of ``divisible_by * tp_size`` >= vocab_size."""
+    multiple = divisible_by * tp_size
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def fit_vocab_rows(table: torch.Tensor, vocab_size: int, rows: int) -> torch.Tensor:
+    """``table`` with exactly ``rows`` rows: rows past the source's are zeros, and rows past
+    ``rows`` are dropped, which is only allowed for padding (index >= ``vocab_size``)."""
+    if rows < vocab_size:
+        raise ConversionError(f"cannot fit a vocabulary of {vocab_size} tokens into {rows} rows")
+    have = table.size(0)
+    if have >= rows:
+        return table[:rows].clone()
+    out = table.new_zeros((rows,) + tuple(table.shape[1:]))
+    out[:have] = table
+    return out

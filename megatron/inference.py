@@ -1,0 +1,53 @@
+"""Start-up shared by the tools that run a trained model (generation server, evaluation).
+
+They take the training flags (so a run's script can be reused with ``--load`` added), build the
+same model, and load only its weights.
+"""
+
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from megatron import checkpointing, global_vars
+from megatron.arguments import build_configs
+from megatron.core import device
+from megatron.initialize import initialize_megatron
+from megatron.timers import Timers
+from megatron.training import _parse, build_model_chunks, print_rank_0
+
+# Flags a tool does not need from the user: one sequence at a time, no training schedule.
+INFERENCE_DEFAULTS = {"micro_batch_size": 1, "no_load_optim": True, "no_load_rng": True}
+
+
+def initialize_for_inference(extra_args_provider: Optional[Callable] = None,
+                             argv: Optional[List[str]] = None,
+                             args_defaults: Optional[dict] = None):
+    """Parse and validate the flags, start the process group; returns ``(args, pstate,
+    tokenizer)`` and sets the global args, tokenizer and parallel state."""
+    defaults = dict(INFERENCE_DEFAULTS)
+    defaults.update(args_defaults or {})
+    args = _parse(argv, extra_args_provider, defaults)
+    pstate = initialize_megatron(args)
+    from megatron.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer(args)
+    build_configs(args)
+    global_vars.set_global_variables(args=args, tokenizer=tokenizer,
+                                     timers=Timers(args.timing_log_level,
+                                                   args.timing_log_option),
+                                     tensorboard_writer=None, parallel_state=pstate)
+    return args, pstate, tokenizer
+
+
+def load_model_for_inference(model_provider: Callable, args,
+                             pstate) -> Tuple[List[torch.nn.Module], int]:
+    """This rank's model chunks in eval mode with the weights of ``--load``, and the iteration."""
+    chunks = [m.to(device.current_device()) for m in build_model_chunks(model_provider, pstate)]
+    if args.fp16 or args.bf16:
+        dtype = torch.float16 if args.fp16 else torch.bfloat16
+        chunks = [m.to(dtype) for m in chunks]
+    iteration = checkpointing.load_model_weights(chunks, args, pstate)
+    for chunk in chunks:
+        chunk.eval()
+    print_rank_0(f"> model ready for inference (iteration {iteration})")
+    return chunks, iteration
