@@ -1,0 +1,354 @@
+"""Hugging Face folders to and from the canonical stream (:mod:`megatron.convert.schema`).
+
+``save_hf`` writes what ``transformers`` loads offline with ``from_pretrained(folder)``:
+``config.json``, the weights as safetensors (``model.safetensors``, or
+``model-0000k-of-0000n.safetensors`` shards with ``model.safetensors.index.json``) and the
+tokenizer files (:mod:`megatron.convert.hf_tokenizer`). ``load_hf`` reads such a folder back a
+layer at a time. Two architectures are written and read:
+
+- ``GPT2LMHeadModel`` (:mod:`megatron.convert.hf_gpt2`) for ``--position-embedding-type
+  learned_absolute`` models;
+- ``LlamaForCausalLM`` (:mod:`megatron.convert.hf_llama`) for ``--position-embedding-type rope``.
+
+Anything the chosen architecture cannot compute exactly is refused with a ConversionError naming
+the flag. The vocabulary: HF tables have exactly the tokenizer's ``vocab_size`` rows, so the
+padding rows of a Megatron table are dropped on saving; loading gives ``padded_vocab_size ==
+vocab_size`` and the Megatron saver pads again (with zero rows).
+
+``transformers`` itself is not needed by either direction (only ``safetensors``).
+"""
+
+import contextlib
+import dataclasses
+import glob
+import json
+import os
+from typing import Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+
+from megatron.convert import hf_gpt2, hf_llama
+from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
+from megatron.convert.hf_tokenizer import detect_tokenizer, plan_tokenizer, write_tokenizer
+from megatron.convert.schema import ConversionError, ModelMeta, Piece
+
+_FAMILIES = {hf_gpt2.MODEL_TYPE: hf_gpt2, hf_llama.MODEL_TYPE: hf_llama}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
+
+
+# ---- choosing the architecture -----------------------------------------------------------------
+
+
+def family_for_meta(meta: ModelMeta):
+    """The architecture module that writes ``meta``'s model, or a ConversionError listing every
+    feature (with its flag) that stands in the way."""
+    kind = meta.position_embedding_type
+    if kind == "learned_absolute":
+        family = hf_gpt2
+    elif kind == "rope":
+        family = hf_llama
+    else:
+        raise ConversionError(f"--position-embedding-type {kind}: only learned_absolute "
+                              "(-> GPT2LMHeadModel) and rope (-> LlamaForCausalLM) models can be "
+                              "written as Hugging Face folders")
+    problems = family.unsupported_features(meta)
+    if problems:
+        raise ConversionError(
+            f"{family.ARCHITECTURE} (the Hugging Face architecture for --position-embedding-type "
+            f"{kind}) cannot express: " + "; ".join(problems))
+    return family
+
+
+# ---- writing -----------------------------------------------------------------------------------
+
+
+class _ShardWriter:
+    """Collects named tensors into safetensors files of at most ``max_shard_size`` bytes each
+    (one bigger tensor gets a file of its own), so at most one shard is held in memory.
+
+    Shards are written under temporary names; :meth:`finish` renames them to
+    ``model.safetensors`` (one shard) or ``model-0000k-of-0000n.safetensors`` plus the index.
+    """
+
+    def __init__(self, folder: str, max_shard_size: int):
+        self.folder = folder
+        self.max_shard_size = max_shard_size
+        self.pending: Dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.total_bytes = 0
+        self.shards = []                 # (temporary path, tensor names)
+
+    def add(self, tensors: Dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+        for name, tensor in tensors.items():
+            # A private contiguous copy: safetensors refuses views that share storage.
+            tensor = tensor.detach().to(device="cpu", dtype=dtype).clone(
+                memory_format=torch.contiguous_format)
+            size = tensor.numel() * tensor.element_size()
+            if self.pending and self.pending_bytes + size > self.max_shard_size:
+                self._flush()
+            self.pending[name] = tensor
+            self.pending_bytes += size
+            self.total_bytes += size
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = os.path.join(self.folder, f".tmp-shard-{len(self.shards):05d}.safetensors")
+        save_file(self.pending, path, metadata={"format": "pt"})
+        self.shards.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> None:
+        if self.pending or not self.shards:
+            self._flush()
+        for stale in [os.path.join(self.folder, SINGLE_FILE), os.path.join(self.folder, INDEX_FILE),
+                      *glob.glob(os.path.join(self.folder, "model-*-of-*.safetensors"))]:
+            if os.path.isfile(stale):
+                os.remove(stale)
+        if len(self.shards) == 1:
+            os.replace(self.shards[0][0], os.path.join(self.folder, SINGLE_FILE))
+            return
+        count, weight_map = len(self.shards), {}
+        for k, (path, names) in enumerate(self.shards):
+            name = f"model-{k + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(path, os.path.join(self.folder, name))
+            weight_map.update({tensor_name: name for tensor_name in names})
+        _write_json(os.path.join(self.folder, INDEX_FILE),
+                    {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
+
+    def abort(self) -> None:
+        for path, _ in self.shards:
+            if os.path.isfile(path):
+                os.remove(path)
+
+
+def _write_json(path: str, content: dict) -> None:
+    """Write ``content`` to ``path`` through a temporary file and a rename."""
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _check_tensors(piece: Piece, shapes: Dict[str, Tuple[int, ...]], what: str,
+                   min_rows: Optional[Dict[str, int]] = None) -> None:
+    """The piece holds exactly ``shapes``' tensors with those shapes; a name in ``min_rows`` may
+    have any number of rows from the given minimum (vocabulary tables)."""
+    have, want = set(piece.tensors), set(shapes)
+    if have != want:
+        raise ConversionError(f"stream: {what} has tensors {sorted(have)}; expected "
+                              f"{sorted(want)} for this model's settings")
+    for name, shape in shapes.items():
+        got = tuple(piece.tensors[name].shape)
+        rows = (min_rows or {}).get(name)
+        ok = got == shape if rows is None else (
+            len(got) == len(shape) and got[1:] == shape[1:] and got[0] >= rows)
+        if not ok:
+            expected = shape if rows is None else f"(>= {rows},) + {shape[1:]}"
+            raise ConversionError(f"stream: {what} tensor {name!r} has shape {list(got)}; "
+                                  f"expected {expected}")
+
+
+def _expected_pieces(meta: ModelMeta):
+    """(kind, index, tensor shapes, minimum rows) of every piece after meta, in stream order."""
+    h, vocab = meta.hidden_size, meta.vocab_size
+    embeddings = {"word_embeddings": (vocab, h)}
+    if meta.position_embedding_type == "learned_absolute":
+        embeddings["position_embeddings"] = (meta.max_position_embeddings, h)
+    yield "embeddings", None, embeddings, {"word_embeddings": vocab}
+    layer = canonical_layer_shapes(meta)
+    for index in range(meta.num_layers):
+        yield "layer", index, layer, None
+    norm = {"weight": (h,)}
+    if meta.normalization == "LayerNorm":
+        norm["bias"] = (h,)
+    yield "final_norm", None, norm, None
+    if meta.untie_embeddings_and_output_weights:
+        yield "output_layer", None, {"weight": (vocab, h)}, {"weight": vocab}
+
+
+def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
+                    writer: _ShardWriter) -> None:
+    """Check each piece against ``meta`` and hand its HF tensors to ``writer``."""
+    to_hf = {"embeddings": family.embeddings_to_hf, "final_norm": family.final_norm_to_hf,
+             "output_layer": family.output_layer_to_hf}
+    for kind, index, shapes, min_rows in _expected_pieces(meta):
+        what = kind if index is None else f"layer {index}"
+        piece = next(pieces, None)
+        if piece is None:
+            raise ConversionError(f"stream: ended before {what}")
+        if piece.kind != kind or piece.index != index:
+            got = piece.kind if piece.index is None else f"{piece.kind} {piece.index}"
+            raise ConversionError(f"stream: expected {what}, got {got}")
+        _check_tensors(piece, shapes, what, min_rows)
+        if kind == "layer":
+            writer.add(family.layer_to_hf(index, piece.tensors, meta), meta.params_dtype)
+        else:
+            writer.add(to_hf[kind](piece.tensors, meta), meta.params_dtype)
+    extra = next(pieces, None)
+    if extra is not None:
+        raise ConversionError(f"stream: unexpected {extra.kind} piece after the last one")
+
+
+def save_hf(pieces: Iterable[Piece], save_dir: str, *, allow_no_tokenizer: bool = False,
+            max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Write the canonical stream ``pieces`` as a Hugging Face folder ``save_dir``.
+
+    The model, the architecture it maps to and the tokenizer files are checked on the meta
+    piece, before anything is written. Weights go to safetensors files of at most
+    ``max_shard_size`` bytes, so memory holds one shard (plus the piece in flight), not the
+    whole model; a model that fits in one shard is one ``model.safetensors``. Weight files of an
+    earlier export in ``save_dir`` are replaced; ``config.json`` is written last.
+
+    Args:
+        pieces: the canonical stream, meta first.
+        save_dir: the folder to write (created if needed).
+        allow_no_tokenizer: write a model whose ``--tokenizer-type`` is NullTokenizer (or
+            unrecorded, or not exportable) without tokenizer files instead of refusing it.
+        max_shard_size: bytes per safetensors file (default 2 GiB).
+
+    Raises:
+        ConversionError: the model cannot be expressed (the message names the flag), a
+            tokenizer file is missing or unreadable, or the stream is malformed.
+    """
+    pieces = iter(pieces)
+    first = next(pieces, None)
+    if first is None or first.kind != "meta" or first.meta is None:
+        raise ConversionError("stream: the first piece must be the meta piece")
+    meta = first.meta
+    family = family_for_meta(meta)
+    tokenizer = plan_tokenizer(meta, allow_no_tokenizer)
+    config = family.hf_config(meta, tokenizer.bos_id, tokenizer.eos_id)
+    os.makedirs(save_dir, exist_ok=True)
+    writer = _ShardWriter(save_dir, max_shard_size)
+    try:
+        _convert_pieces(pieces, meta, family, writer)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    write_tokenizer(tokenizer, save_dir)
+    special_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id")
+                   if config[key] is not None}
+    if special_ids:
+        _write_json(os.path.join(save_dir, "generation_config.json"), special_ids)
+    _write_json(os.path.join(save_dir, "config.json"), config)
+
+
+# ---- reading -----------------------------------------------------------------------------------
+
+
+class _Weights:
+    """The tensors of a folder's ``model.safetensors`` or sharded index, read one at a time.
+
+    Args:
+        folder: the Hugging Face folder.
+        stack: keeps the opened files; closing it closes them.
+    """
+
+    def __init__(self, folder: str, stack: contextlib.ExitStack):
+        self.folder = folder
+        self.stack = stack
+        self.handles = {}
+        self.file_of = _weight_map(folder)
+
+    def has(self, name: str) -> bool:
+        return name in self.file_of
+
+    def get(self, name: str, shape: Tuple[int, ...]) -> torch.Tensor:
+        """Tensor ``name``, checked to have ``shape`` (what config.json implies)."""
+        from safetensors import safe_open
+
+        if name not in self.file_of:
+            raise ConversionError(f"{self.folder}: tensor {name!r} is missing from the weights "
+                                  f"({SINGLE_FILE} / {INDEX_FILE})")
+        path = self.file_of[name]
+        if path not in self.handles:
+            self.handles[path] = self.stack.enter_context(safe_open(path, framework="pt"))
+        tensor = self.handles[path].get_tensor(name)
+        if tuple(tensor.shape) != tuple(shape):
+            raise ConversionError(f"{path}: tensor {name!r} has shape {list(tensor.shape)}; "
+                                  f"config.json implies {list(shape)}")
+        return tensor
+
+
+def _weight_map(folder: str) -> Dict[str, str]:
+    """Tensor name -> the safetensors file holding it."""
+    index = os.path.join(folder, INDEX_FILE)
+    single = os.path.join(folder, SINGLE_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                names = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ConversionError(f"{index}: not a safetensors index with a 'weight_map' "
+                                  f"({err})") from None
+        files = {name: os.path.join(folder, file) for name, file in names.items()}
+        for path in sorted(set(files.values())):
+            if not os.path.isfile(path):
+                raise ConversionError(f"{path}: listed in {index} but missing")
+        return files
+    if os.path.isfile(single):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(single, framework="pt") as f:
+                return {name: single for name in f.keys()}
+        except Exception as err:  # safetensors raises its own error type for corrupt files
+            raise ConversionError(f"{single}: not a readable safetensors file ({err})") from None
+    raise ConversionError(f"{folder}: neither {SINGLE_FILE} nor {INDEX_FILE} is there (only "
+                          "safetensors weights are read; convert pytorch_model.bin first)")
+
+
+def _read_config(folder: str) -> ConfigView:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path}: missing; a Hugging Face model folder needs config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConversionError(f"{path}: not readable JSON ({err})") from None
+    if not isinstance(values, dict):
+        raise ConversionError(f"{path}: expected a JSON object")
+    return ConfigView(values, path)
+
+
+def load_hf(load_dir: str) -> Iterator[Piece]:
+    """The canonical stream of the Hugging Face folder ``load_dir`` (GPT-2 or Llama).
+
+    config.json, the architecture and the weight files are checked when this is called; the
+    tensors are then read lazily, one piece at a time, as the stream is consumed. The meta's
+    ``padded_vocab_size`` equals ``vocab_size`` (the Megatron saver pads), ``seq_length`` is
+    ``max_position_embeddings`` (HF configs do not record the training length), and the tokenizer
+    fields point at the folder's files (see :func:`detect_tokenizer`).
+
+    Raises:
+        ConversionError: config.json or the weights are missing, the ``model_type`` is not
+            gpt2 or llama, or a setting / tensor does not fit our model.
+    """
+    config = _read_config(load_dir)
+    model_type = config.get("model_type")
+    if model_type not in _FAMILIES:
+        raise config.unsupported("model_type", model_type, " or ".join(map(repr, _FAMILIES)))
+    family = _FAMILIES[model_type]
+    meta = family.meta_from_config(config)
+    meta = dataclasses.replace(meta, **detect_tokenizer(load_dir))
+    _weight_map(load_dir)          # fail now, not at the first tensor
+    return _stream(load_dir, family, meta)
+
+
+def _stream(folder: str, family, meta: ModelMeta) -> Iterator[Piece]:
+    with contextlib.ExitStack() as stack:
+        weights = _Weights(folder, stack)
+        yield Piece("meta", meta=meta)
+        yield Piece("embeddings", family.embeddings_from_hf(weights, meta))
+        for index in range(meta.num_layers):
+            yield Piece("layer", family.layer_from_hf(weights, index, meta), index=index)
+        yield Piece("final_norm", family.final_norm_from_hf(weights, meta))
+        output = family.output_layer_from_hf(weights, meta)
+        if output is not None:
+            yield Piece("output_layer", output)

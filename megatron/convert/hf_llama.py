@@ -1,0 +1,253 @@
+"""Llama (``LlamaForCausalLM``, model_type ``llama``) to and from the canonical stream.
+
+The models this architecture expresses exactly: rotary positions over the whole head
+(``--rotary-percent 1``), pre-RMSNorm, SwiGLU, grouped-query attention, tied or untied embeddings,
+and either no biases (``--disable-bias-linear``) or biases in every linear layer.
+
+Layout differences:
+
+- HF keeps separate ``q_proj`` ``[np hn, h]``, ``k_proj`` and ``v_proj`` ``[ng hn, h]``;
+  Megatron's fused ``query_key_value`` rows are ordered per query group as
+  ``[group heads' q; k; v]``. Query head ``j`` uses key/value head ``j // (np / ng)`` on both
+  sides, so splitting each group's rows keeps the heads in order.
+- ``gate_proj`` / ``up_proj`` are the two halves ``[gate; value]`` of ``dense_h_to_4h``.
+- Both sides rotate channel pairs ``(i, i + hn/2)`` (rotate-half) by ``p * theta^(-2i/hn)``,
+  so q/k rows need no permutation.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.convert.hf_common import ConfigView, dtype_name
+from megatron.convert.schema import ModelMeta, fit_vocab_rows
+
+MODEL_TYPE = "llama"
+ARCHITECTURE = "LlamaForCausalLM"
+
+
+def unsupported_features(meta: ModelMeta) -> List[str]:
+    """What of ``meta``'s model Llama cannot express, each naming its flag (empty: all fine)."""
+    problems = []
+    if meta.normalization != "RMSNorm":
+        problems.append(f"--normalization {meta.normalization} with --position-embedding-type "
+                        "rope (Llama uses RMSNorm; no other rotary architecture is written)")
+    if not meta.swiglu:
+        problems.append("GeLU MLP without --swiglu (Llama's MLP is SwiGLU)")
+    if meta.rotary_percent != 1.0:
+        problems.append(f"--rotary-percent {meta.rotary_percent} (Llama rotates the whole head)")
+    if float(meta.rotary_base) != float(int(meta.rotary_base)):
+        problems.append(f"--rotary-base {meta.rotary_base} (not an integer)")
+    if meta.add_qkv_bias and not meta.add_bias_linear:
+        problems.append("--add-qkv-bias without the other linear biases (Llama's "
+                        "attention_bias covers q, k, v and o together)")
+    if meta.apply_residual_connection_post_layernorm:
+        problems.append("--apply-residual-connection-post-layernorm (Llama's residual "
+                        "bypasses the norm)")
+    if meta.hidden_size % meta.num_attention_heads != 0:
+        problems.append(f"--hidden-size {meta.hidden_size} not divisible by "
+                        f"--num-attention-heads {meta.num_attention_heads} (transformers "
+                        "refuses such a Llama config)")
+    return problems
+
+
+def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> dict:
+    """config.json of the Llama folder for ``meta``.
+
+    The rotary base is written both as ``rope_theta`` (read by older transformers) and inside
+    ``rope_parameters`` (newer ones).
+    """
+    source = meta.source_args or {}
+    theta = float(meta.rotary_base)
+    return {
+        "architectures": [ARCHITECTURE],
+        "model_type": MODEL_TYPE,
+        "vocab_size": meta.vocab_size,
+        "hidden_size": meta.hidden_size,
+        "intermediate_size": meta.ffn_hidden_size,
+        "num_hidden_layers": meta.num_layers,
+        "num_attention_heads": meta.num_attention_heads,
+        "num_key_value_heads": meta.num_query_groups,
+        "head_dim": meta.kv_channels,
+        "hidden_act": "silu",
+        "max_position_embeddings": meta.max_position_embeddings,
+        "rms_norm_eps": meta.norm_epsilon,
+        "rope_theta": theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "attention_bias": bool(meta.add_bias_linear),
+        "mlp_bias": bool(meta.add_bias_linear),
+        "attention_dropout": source.get("attention_dropout", 0.0),
+        "initializer_range": source.get("init_method_std", 0.02),
+        "tie_word_embeddings": not meta.untie_embeddings_and_output_weights,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "torch_dtype": dtype_name(meta.params_dtype),
+    }
+
+
+# ---- canonical -> HF ---------------------------------------------------------------------------
+
+
+def embeddings_to_hf(tensors: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    """Word embeddings trimmed to the tokenizer's ``vocab_size`` rows (padding dropped)."""
+    return {"model.embed_tokens.weight": fit_vocab_rows(tensors["word_embeddings"],
+                                                        meta.vocab_size, meta.vocab_size)}
+
+
+def _split_qkv(qkv: torch.Tensor, meta: ModelMeta):
+    """Fused rows ``[ng, np/ng + 2, hn, ...]`` -> q ``[np hn, ...]``, k and v ``[ng hn, ...]``."""
+    groups, hn = meta.num_query_groups, meta.kv_channels
+    per_group = meta.num_attention_heads // groups
+    rest = tuple(qkv.shape[1:])
+    grouped = qkv.view(groups, per_group + 2, hn, *rest)
+    q = grouped[:, :per_group].reshape(groups * per_group * hn, *rest)
+    k = grouped[:, per_group].reshape(groups * hn, *rest)
+    v = grouped[:, per_group + 1].reshape(groups * hn, *rest)
+    return q, k, v
+
+
+def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ModelMeta) -> torch.Tensor:
+    """Inverse of :func:`_split_qkv`."""
+    groups, hn = meta.num_query_groups, meta.kv_channels
+    per_group = meta.num_attention_heads // groups
+    rest = tuple(q.shape[1:])
+    grouped = torch.cat([q.reshape(groups, per_group, hn, *rest),
+                         k.reshape(groups, 1, hn, *rest),
+                         v.reshape(groups, 1, hn, *rest)], dim=1)   # [ng, np/ng + 2, hn, ...]
+    return grouped.reshape(-1, *rest)
+
+
+def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    """One canonical layer as ``model.layers.{index}.*``."""
+    p = f"model.layers.{index}."
+    ffn = meta.ffn_hidden_size
+    q, k, v = _split_qkv(t["self_attention.query_key_value.weight"], meta)
+    fc = t["mlp.dense_h_to_4h.weight"]                                   # [2 ffn, h]
+    out = {
+        p + "input_layernorm.weight": t["input_layernorm.weight"],
+        p + "self_attn.q_proj.weight": q,
+        p + "self_attn.k_proj.weight": k,
+        p + "self_attn.v_proj.weight": v,
+        p + "self_attn.o_proj.weight": t["self_attention.dense.weight"],
+        p + "post_attention_layernorm.weight": t["post_attention_layernorm.weight"],
+        p + "mlp.gate_proj.weight": fc[:ffn],
+        p + "mlp.up_proj.weight": fc[ffn:],
+        p + "mlp.down_proj.weight": t["mlp.dense_4h_to_h.weight"],
+    }
+    if meta.add_bias_linear:
+        qb, kb, vb = _split_qkv(t["self_attention.query_key_value.bias"], meta)
+        fc_bias = t["mlp.dense_h_to_4h.bias"]
+        out.update({
+            p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
+            p + "self_attn.v_proj.bias": vb,
+            p + "self_attn.o_proj.bias": t["self_attention.dense.bias"],
+            p + "mlp.gate_proj.bias": fc_bias[:ffn], p + "mlp.up_proj.bias": fc_bias[ffn:],
+            p + "mlp.down_proj.bias": t["mlp.dense_4h_to_h.bias"],
+        })
+    return out
+
+
+def final_norm_to_hf(t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    return {"model.norm.weight": t["weight"]}
+
+
+def output_layer_to_hf(t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    return {"lm_head.weight": fit_vocab_rows(t["weight"], meta.vocab_size, meta.vocab_size)}
+
+
+# ---- HF -> canonical ---------------------------------------------------------------------------
+
+
+def _rope_theta(config: ConfigView) -> int:
+    """The rotary base from ``rope_parameters`` / ``rope_scaling`` / ``rope_theta``; only plain
+    (unscaled) rotary embeddings over the whole head are accepted."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise config.unsupported("rope_parameters", params, "a dict")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise config.unsupported("rope_parameters.rope_type", rope_type, "'default' (no scaling)")
+    for key in ("partial_rotary_factor",):
+        factor = params.get(key, config.get(key, 1.0))
+        if factor != 1.0:
+            raise config.unsupported(key, factor, "1.0")
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    if float(theta) != int(theta):
+        raise config.unsupported("rope_theta", theta, "an integer (--rotary-base)")
+    return int(theta)
+
+
+def meta_from_config(config: ConfigView) -> ModelMeta:
+    """The model a Llama config.json describes; refuses settings our model cannot compute."""
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise config.unsupported("hidden_act", act, "'silu' (SwiGLU)")
+    attention_bias = bool(config.get("attention_bias", False))
+    mlp_bias = bool(config.get("mlp_bias", False))
+    if attention_bias != mlp_bias:
+        raise config.unsupported("attention_bias / mlp_bias", (attention_bias, mlp_bias),
+                                 "equal values (--disable-bias-linear covers both)")
+    hidden = config.need("hidden_size")
+    heads = config.need("num_attention_heads")
+    positions = config.need("max_position_embeddings")
+    vocab = config.need("vocab_size")
+    return ModelMeta(
+        num_layers=config.need("num_hidden_layers"), hidden_size=hidden,
+        ffn_hidden_size=config.need("intermediate_size"), num_attention_heads=heads,
+        num_query_groups=config.need("num_key_value_heads", default=heads),
+        kv_channels=config.need("head_dim", default=hidden // heads),
+        max_position_embeddings=positions, vocab_size=vocab, padded_vocab_size=vocab,
+        position_embedding_type="rope", rotary_percent=1.0, rotary_base=_rope_theta(config),
+        normalization="RMSNorm", norm_epsilon=config.need("rms_norm_eps", float, default=1e-6),
+        swiglu=True, add_bias_linear=attention_bias,
+        untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),
+        params_dtype=config.params_dtype(), seq_length=positions)
+
+
+def embeddings_from_hf(weights, meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    return {"word_embeddings": weights.get("model.embed_tokens.weight",
+                                           (meta.vocab_size, meta.hidden_size))}
+
+
+def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    """``model.layers.{index}.*`` as one canonical layer."""
+    h, hn, ffn = meta.hidden_size, meta.kv_channels, meta.ffn_hidden_size
+    q_rows, kv_rows = meta.num_attention_heads * hn, meta.num_query_groups * hn
+    p = f"model.layers.{index}."
+
+    def get(name, shape):
+        return weights.get(p + name, shape)
+
+    out = {
+        "input_layernorm.weight": get("input_layernorm.weight", (h,)),
+        "self_attention.query_key_value.weight": _join_qkv(
+            get("self_attn.q_proj.weight", (q_rows, h)),
+            get("self_attn.k_proj.weight", (kv_rows, h)),
+            get("self_attn.v_proj.weight", (kv_rows, h)), meta),
+        "self_attention.dense.weight": get("self_attn.o_proj.weight", (h, q_rows)),
+        "post_attention_layernorm.weight": get("post_attention_layernorm.weight", (h,)),
+        "mlp.dense_h_to_4h.weight": torch.cat([get("mlp.gate_proj.weight", (ffn, h)),
+                                               get("mlp.up_proj.weight", (ffn, h))]),
+        "mlp.dense_4h_to_h.weight": get("mlp.down_proj.weight", (h, ffn)),
+    }
+    if meta.add_bias_linear:
+        out["self_attention.query_key_value.bias"] = _join_qkv(
+            get("self_attn.q_proj.bias", (q_rows,)), get("self_attn.k_proj.bias", (kv_rows,)),
+            get("self_attn.v_proj.bias", (kv_rows,)), meta)
+        out["self_attention.dense.bias"] = get("self_attn.o_proj.bias", (h,))
+        out["mlp.dense_h_to_4h.bias"] = torch.cat([get("mlp.gate_proj.bias", (ffn,)),
+                                                   get("mlp.up_proj.bias", (ffn,))])
+        out["mlp.dense_4h_to_h.bias"] = get("mlp.down_proj.bias", (h,))
+    return out
+
+
+def final_norm_from_hf(weights, meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    return {"weight": weights.get("model.norm.weight", (meta.hidden_size,))}
+
+
+def output_layer_from_hf(weights, meta: ModelMeta) -> Optional[Dict[str, torch.Tensor]]:
+    if not meta.untie_embeddings_and_output_weights:
+        return None
+    return {"weight": weights.get("lm_head.weight", (meta.vocab_size, meta.hidden_size))}
