@@ -446,11 +446,10 @@ def load_model_weights(model_chunks, args, pstate) -> int:
     """
     if not args.load:
         raise CheckpointError("--load is required: the checkpoint to run")
-    located = _locate(args.load, args, pstate)
-    if located is None:
+    if read_tracker(args.load) is None:
         raise CheckpointError(f"--load {args.load}: no {TRACKER_FILENAME}; not a checkpoint "
                               "folder")
-    path, iteration, _ = located
+    path, iteration, _ = _locate(args.load, args, pstate)
     state = load_state_file(path)
     _check_args(state.get("args"), args, path)
     trees = _check_model_state(model_chunks, state, path)

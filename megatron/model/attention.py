@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.config import TransformerConfig
 from megatron.core.tensor_parallel.utils import divide
-from megatron.fused_kernels.softmax import FusedScaleMaskSoftmax, attention_mask_func
+from megatron.fused_kernels.softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.rotary_pos_embedding import apply_rotary_pos_emb
@@ -133,6 +133,7 @@ class ParallelAttention(MegatronModule):
                                  "--num-query-groups over --tensor-model-parallel-size")
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.hidden_size_per_head = hn
+        self.layer_number = layer_number
         self.checkpoint_core_attention = config.recompute_granularity == "selective"
         qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * hn
         self.query_key_value = tensor_parallel.ColumnParallelLinear(
@@ -156,14 +157,27 @@ class ParallelAttention(MegatronModule):
         return query.reshape(s, b, self.num_heads, hn), key, value
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                rotary_pos_emb: Optional[torch.Tensor] = None):
+                rotary_pos_emb: Optional[torch.Tensor] = None, inference_params=None):
         """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> (output, bias) of the
-        same shape; the bias is returned unadded for the bias-dropout-add that follows."""
+        same shape; the bias is returned unadded for the bias-dropout-add that follows.
+
+        With ``inference_params`` (a
+        :class:`~megatron.text_generation.inference_params.InferenceParams`) the ``s`` tokens
+        are the ones at positions ``sequence_len_offset ..``: their keys and values join the
+        cache and the queries attend over all cached positions (causally, when
+        ``attention_mask`` is None). ``rotary_pos_emb`` must then hold those positions' angles.
+        """
         mixed, _ = self.query_key_value(hidden_states)       # [s, b, ng*(np/ng+2)*hn] local
         query, key, value = self.split_qkv(mixed)
         if rotary_pos_emb is not None:
             query = apply_rotary_pos_emb(query, rotary_pos_emb)
             key = apply_rotary_pos_emb(key, rotary_pos_emb)
+        if inference_params is not None:
+            key, value = self._update_kv_cache(key, value, inference_params)  # [sk, b, ng, hn]
+            if attention_mask is None:
+                # Query i sits at position offset + i: the causal mask is aligned bottom-right.
+                attention_mask = causal_mask(query.size(0), key.size(0),
+                                             device=query.device)[None, None]  # [1, 1, sq, sk]
         if self.heads_per_group > 1:
             key = key.repeat_interleave(self.heads_per_group, dim=2)       # [s, b, np, hn]
             value = value.repeat_interleave(self.heads_per_group, dim=2)
@@ -172,6 +186,32 @@ class ParallelAttention(MegatronModule):
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
         return self.dense(context)
+
+    def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
+        """Write this step's ``[s, b, ng, hn]`` keys and values into the layer's cache at
+        ``sequence_len_offset`` and return every cached position up to them,
+        ``[offset + s, b, ng, hn]``."""
+        cache = inference_params.key_value_memory_dict
+        if self.layer_number not in cache:
+            shape = (inference_params.max_sequence_length, inference_params.max_batch_size,
+                     self.num_groups, self.hidden_size_per_head)
+            cache[self.layer_number] = (
+                torch.empty(shape, dtype=key.dtype, device=key.device),
+                torch.empty(shape, dtype=value.dtype, device=value.device))
+        key_memory, value_memory = cache[self.layer_number]
+        seq_start = inference_params.sequence_len_offset
+        seq_end = seq_start + key.size(0)
+        batch_start = inference_params.batch_size_offset
+        batch_end = batch_start + key.size(1)
+        if seq_end > key_memory.size(0) or batch_end > key_memory.size(1):
+            raise ValueError(
+                f"key/value cache of layer {self.layer_number} holds "
+                f"{key_memory.size(0)} positions x {key_memory.size(1)} sequences; this step "
+                f"needs positions up to {seq_end} and sequences up to {batch_end}")
+        key_memory[seq_start:seq_end, batch_start:batch_end] = key
+        value_memory[seq_start:seq_end, batch_start:batch_end] = value
+        return (key_memory[:seq_end, batch_start:batch_end],
+                value_memory[:seq_end, batch_start:batch_end])
 
     def _checkpointed_attention_forward(self, query, key, value, attention_mask):
         """Core attention without keeping its ``[b, np, s, s]`` intermediates (selective

@@ -85,7 +85,8 @@ class GPTModel(MegatronModule):
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                 attention_mask: Optional[torch.Tensor],
-                labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+                labels: Optional[torch.Tensor] = None,
+                inference_params=None) -> torch.Tensor:
         """Run this stage.
 
         Args:
@@ -93,13 +94,18 @@ class GPTModel(MegatronModule):
             position_ids: ``[b, s]`` (learned absolute positions; rotary uses ``0 .. s-1``).
             attention_mask: bool ``[b or 1, 1, s, s]``, True = masked out; None = causal.
             labels: ``[b, s]`` target ids, or None.
+            inference_params: the key/value cache of a generation
+                (:class:`~megatron.text_generation.inference_params.InferenceParams`), or None;
+                with it the ``s`` tokens are the ones at positions ``sequence_len_offset ..``
+                and attend over every cached position before them.
 
         Returns:
             On a stage that is not last, hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with SP).
             On the last stage, logits ``[b, s, V/tp]`` (``[b, s, V]`` without
             ``parallel_output``) when ``labels`` is None, else the per-token loss ``[b, s]``.
         """
-        hidden = self.language_model(input_ids, position_ids, attention_mask)
+        hidden = self.language_model(input_ids, position_ids, attention_mask,
+                                     inference_params=inference_params)
         if not self.post_process:
             return hidden
         if self.share_embeddings_and_output_weights:

@@ -151,16 +151,25 @@ class TransformerLanguageModel(MegatronModule):
         self.encoder.set_input_tensor(input_tensor)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
-                attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor],
+                inference_params=None) -> torch.Tensor:
         """Hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) after this
-        stage's layers (and the final norm on the last stage)."""
+        stage's layers (and the final norm on the last stage).
+
+        ``inference_params``: the key/value cache of a generation, or None; with it the ``s``
+        tokens sit at positions ``sequence_len_offset ..`` (learned positions come from
+        ``position_ids``, rotary angles from the offset).
+        """
         hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
         rotary = None
         if self.rotary_pos_emb is not None:
             local = hidden if self.pre_process else self.encoder.input_tensor
             seq_len = local.size(0) * (self.tp_size if self.sequence_parallel else 1)
-            rotary = self.rotary_pos_emb(seq_len)                            # [s, 1, 1, d]
-        return self.encoder(hidden, attention_mask, rotary)
+            if inference_params is None:
+                rotary = self.rotary_pos_emb(seq_len)                        # [s, 1, 1, d]
+            else:
+                rotary = self.rotary_pos_emb(seq_len, inference_params.sequence_len_offset)
+        return self.encoder(hidden, attention_mask, rotary, inference_params=inference_params)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         state = {}

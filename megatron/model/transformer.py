@@ -103,10 +103,16 @@ class ParallelTransformerLayer(MegatronModule):
             return fn(x, bias, residual, self.hidden_dropout)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[s, b, h]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)."""
+                rotary_pos_emb: Optional[torch.Tensor] = None,
+                inference_params=None) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism).
+
+        ``inference_params``: the key/value cache of a generation (see
+        :meth:`ParallelAttention.forward`), or None.
+        """
         ln_output = self.input_layernorm(hidden_states)
-        attn_output, attn_bias = self.self_attention(ln_output, attention_mask, rotary_pos_emb)
+        attn_output, attn_bias = self.self_attention(ln_output, attention_mask, rotary_pos_emb,
+                                                     inference_params=inference_params)
         residual = ln_output if self.apply_residual_connection_post_layernorm else hidden_states
         ln_input = self._bias_dropout_add(attn_output, attn_bias, residual)
         ln_output = self.post_attention_layernorm(ln_input)
@@ -189,9 +195,11 @@ class ParallelTransformer(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def _run_layers(self, start: int, end: int, hidden_states, attention_mask, rotary_pos_emb):
+    def _run_layers(self, start: int, end: int, hidden_states, attention_mask, rotary_pos_emb,
+                    inference_params=None):
         for layer in self.layers[start:end]:
-            hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb)
+            hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb,
+                                  inference_params=inference_params)
         return hidden_states
 
     def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb):
@@ -222,16 +230,22 @@ class ParallelTransformer(MegatronModule):
 
     def forward(self, hidden_states: Optional[torch.Tensor],
                 attention_mask: Optional[torch.Tensor],
-                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> same shape."""
+                rotary_pos_emb: Optional[torch.Tensor] = None,
+                inference_params=None) -> torch.Tensor:
+        """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> same shape.
+
+        ``inference_params``: the key/value cache of a generation, or None. Generation keeps
+        no activations for backward, so it never recomputes.
+        """
         if not self.pre_process:
             hidden_states = self.input_tensor
-        if self.recompute_granularity == "full" and torch.is_grad_enabled():
+        if (self.recompute_granularity == "full" and torch.is_grad_enabled()
+                and inference_params is None):
             hidden_states = self._checkpointed_forward(hidden_states, attention_mask,
                                                        rotary_pos_emb)
         else:
             hidden_states = self._run_layers(0, self.num_layers, hidden_states, attention_mask,
-                                             rotary_pos_emb)
+                                             rotary_pos_emb, inference_params)
         if self.post_process:
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

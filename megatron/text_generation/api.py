@@ -1,0 +1,244 @@
+"""Megatron's generation request (``PUT /api`` JSON) and response, and running one on all ranks.
+
+A request::
+
+    {"prompts": ["Hello", ...], "tokens_to_generate": 64, "logprobs": false,
+     "temperature": 1.0, "top_k": 0, "top_p": 0.0, "add_BOS": false,
+     "stop_token": <id, default the tokenizer's end-of-document>, "random_seed": <int >= 0>}
+
+Only ``prompts`` is required. ``top_k = 1`` is greedy; ``top_k = 0`` with ``top_p = 0`` samples
+from the whole distribution (Megatron's defaults). The response::
+
+    {"text": [prompt + generation, ...], "segments": [[one string per token], ...],
+     "logprobs": [[log p of each token after the first], ...] or null, "tokens": [[ids], ...]}
+
+Each sequence ends after its stop token when it emitted one. A bad request raises
+:class:`RequestError` (a ``ValueError``) before any rank is involved; the server answers it with
+HTTP 400.
+
+Running a request on every rank: rank 0 validates and tokenizes it into a *payload* (plain JSON:
+token ids and settings), :func:`broadcast_payload` gives it to every rank, and
+:func:`generate_from_payload` runs the generation there; rank 0 turns the result into the
+response with :func:`post_process`.
+"""
+
+import json
+import random
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron.text_generation.generation import (
+    GenerationOutput,
+    generate_tokens,
+    score_tokens,
+)
+
+MAX_PROMPTS = 128
+MAX_TOP_K = 1000
+MAX_TEMPERATURE = 100.0
+DEFAULT_TOKENS_TO_GENERATE = 64
+DEFAULT_MAX_TOKENS_TO_OOM = 12000
+
+# Megatron request keys whose features this server does not offer: refused rather than ignored,
+# so a client never silently gets something else than it asked for.
+UNSUPPORTED = ("beam_width", "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon",
+               "top_p_decay", "top_p_bound")
+
+
+class RequestError(ValueError):
+    """A generation request that cannot be served; the message is the HTTP 400 answer."""
+
+
+@dataclass
+class GenerationRequest:
+    """A validated ``PUT /api`` request (see the module docstring)."""
+
+    prompts: List[str]
+    tokens_to_generate: int = DEFAULT_TOKENS_TO_GENERATE
+    logprobs: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 0.0
+    add_BOS: bool = False
+    stop_token: Optional[int] = None
+    random_seed: Optional[int] = None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _get(body: dict, key: str, default, valid, message: str):
+    if key not in body:
+        return default
+    value = body[key]
+    if not valid(value):
+        raise RequestError(f"{message}, got {json.dumps(value)[:80]}")
+    return value
+
+
+def _check_prompts(body: dict) -> List[str]:
+    if "prompts" not in body:
+        if "sentences" in body:
+            raise RequestError("sentences is no longer used. Replace with prompts")
+        raise RequestError("prompts argument required")
+    prompts = body["prompts"]
+    if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
+        raise RequestError("prompts is not a list of strings")
+    if not prompts:
+        raise RequestError("prompts is empty")
+    if len(prompts) > MAX_PROMPTS:
+        raise RequestError(f"Maximum number of prompts is {MAX_PROMPTS}, got {len(prompts)}")
+    return prompts
+
+
+def parse_request(body) -> GenerationRequest:
+    """Check a decoded ``PUT /api`` body's keys, types and ranges; raise :class:`RequestError`
+    naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if "max_len" in body:
+        raise RequestError("max_len is no longer used. Replace with tokens_to_generate")
+    for key in UNSUPPORTED:
+        if body.get(key) not in (None, False):
+            raise RequestError(f"{key} is not supported by this server")
+    prompts = _check_prompts(body)
+    tokens_to_generate = _get(body, "tokens_to_generate", DEFAULT_TOKENS_TO_GENERATE,
+                              lambda v: _is_int(v) and v >= 0,
+                              "tokens_to_generate must be an integer greater than or equal to 0")
+    logprobs = _get(body, "logprobs", False, lambda v: isinstance(v, bool),
+                    "logprobs must be a boolean value")
+    if tokens_to_generate == 0 and not logprobs:
+        raise RequestError("tokens_to_generate=0 implies logprobs should be True")
+    temperature = _get(body, "temperature", 1.0,
+                       lambda v: _is_number(v) and 0.0 < v <= MAX_TEMPERATURE,
+                       f"temperature must be a positive number less than or equal to "
+                       f"{MAX_TEMPERATURE}")
+    top_k = _get(body, "top_k", 0, lambda v: _is_int(v) and 0 <= v <= MAX_TOP_K,
+                 f"top_k must be an integer equal to or greater than 0 and less than or equal "
+                 f"to {MAX_TOP_K}")
+    top_p = _get(body, "top_p", 0.0, lambda v: _is_number(v) and 0.0 <= v <= 1.0,
+                 "top_p must be a number between 0 and 1.0")
+    if top_k > 0 and top_p > 0.0:
+        raise RequestError("cannot set both top-k and top-p samplings.")
+    add_bos = _get(body, "add_BOS", False, lambda v: isinstance(v, bool),
+                   "add_BOS must be a boolean value")
+    if not add_bos and any(len(p) == 0 for p in prompts):
+        raise RequestError("Empty prompts require add_BOS=true")
+    stop_token = _get(body, "stop_token", None, lambda v: v is None or (_is_int(v) and v >= 0),
+                      "stop_token must be an integer token id")
+    random_seed = _get(body, "random_seed", None,
+                       lambda v: v is None or (_is_int(v) and 0 <= v < 2 ** 63),
+                       "random_seed must be a non-negative integer")
+    return GenerationRequest(prompts, tokens_to_generate, logprobs, float(temperature), top_k,
+                             float(top_p), add_bos, stop_token, random_seed)
+
+
+def _tokenize(request: GenerationRequest, tokenizer) -> List[List[int]]:
+    rows = []
+    for i, prompt in enumerate(request.prompts):
+        try:
+            ids = list(tokenizer.tokenize(prompt))
+        except ValueError as err:
+            raise RequestError(f"prompts[{i}] cannot be tokenized: {err}") from None
+        if request.add_BOS:
+            ids = [tokenizer.eod] + ids
+        if not ids:
+            raise RequestError(f"prompts[{i}] has no tokens; set add_BOS=true to start from "
+                               f"the end-of-document token")
+        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise RequestError(f"prompts[{i}] has token ids outside the vocabulary "
+                               f"[0, {tokenizer.vocab_size}): {bad[:5]}")
+        rows.append(ids)
+    return rows
+
+
+def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddings: int,
+                    max_tokens_to_oom: int = DEFAULT_MAX_TOKENS_TO_OOM) -> dict:
+    """Tokenize a request and check it fits the model; returns what every rank needs.
+
+    Raises :class:`RequestError` when a prompt plus ``tokens_to_generate`` is longer than
+    ``max_position_embeddings`` or the batch holds more than ``max_tokens_to_oom`` tokens.
+    """
+    rows = _tokenize(request, tokenizer)
+    longest = max(len(r) for r in rows)
+    total = longest + request.tokens_to_generate
+    if total > max_position_embeddings:
+        raise RequestError(
+            f"the longest prompt ({longest} tokens) + tokens_to_generate "
+            f"({request.tokens_to_generate}) = {total} is longer than the model's "
+            f"--max-position-embeddings ({max_position_embeddings})")
+    if total * len(rows) > max_tokens_to_oom:
+        raise RequestError(
+            f"Too many tokens: {len(rows)} prompts x {total} tokens = {total * len(rows)} "
+            f"exceeds --max-tokens-to-oom ({max_tokens_to_oom}); send fewer prompts or "
+            f"tokens_to_generate")
+    stop_token = tokenizer.eod if request.stop_token is None else request.stop_token
+    if not 0 <= stop_token < tokenizer.vocab_size:
+        raise RequestError(f"stop_token must be a token id in [0, {tokenizer.vocab_size}), "
+                           f"got {stop_token}")
+    seed = request.random_seed
+    if seed is None:
+        seed = random.SystemRandom().randrange(2 ** 63)
+    return {"tokens": rows, "tokens_to_generate": request.tokens_to_generate,
+            "logprobs": request.logprobs, "temperature": request.temperature,
+            "top_k": request.top_k, "top_p": request.top_p, "stop_token": stop_token,
+            "random_seed": seed, "vocab_size": tokenizer.vocab_size, "pad_token": tokenizer.eod}
+
+
+def broadcast_payload(payload: Optional[dict], device, src: int = 0, group=None) -> dict:
+    """Rank ``src``'s payload on every rank of ``group`` (JSON bytes, no pickle)."""
+    if dist.get_world_size(group) == 1:
+        return payload
+    is_src = dist.get_rank() == src
+    data = json.dumps(payload).encode() if is_src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buffer = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if is_src:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(buffer, src=src, group=group)
+    return payload if is_src else json.loads(buffer.cpu().numpy().tobytes().decode())
+
+
+def generate_from_payload(model, pstate, payload: dict, device,
+                          use_kv_cache: bool = True) -> GenerationOutput:
+    """Run a payload on this rank (every rank of the model calls this with the same payload)."""
+    rows = payload["tokens"]
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.int64, device=device)
+    total = max(len(r) for r in rows) + payload["tokens_to_generate"]
+    tokens = torch.full((len(rows), total), payload["pad_token"], dtype=torch.int64,
+                        device=device)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    if payload["tokens_to_generate"] == 0:
+        return score_tokens(model, pstate, tokens, lengths, payload["vocab_size"])
+    generator = torch.Generator(device=device)
+    generator.manual_seed(payload["random_seed"])
+    return generate_tokens(
+        model, pstate, tokens, lengths, vocab_size=payload["vocab_size"],
+        stop_token=payload["stop_token"], top_k=payload["top_k"], top_p=payload["top_p"],
+        temperature=payload["temperature"], return_log_probs=payload["logprobs"],
+        use_kv_cache=use_kv_cache, generator=generator)
+
+
+def post_process(output: GenerationOutput, tokenizer, return_logprobs: bool) -> dict:
+    """The response JSON of a finished generation (see the module docstring)."""
+    texts, segments, logprobs, tokens = [], [], [], []
+    for i in range(output.tokens.size(0)):
+        ids = output.tokens[i, :int(output.lengths[i])].tolist()
+        tokens.append(ids)
+        texts.append(tokenizer.detokenize(ids))
+        segments.append([tokenizer.detokenize([t]) for t in ids])
+        if return_logprobs:
+            logprobs.append(output.log_probs[i, :len(ids) - 1].tolist())
+    return {"text": texts, "segments": segments,
+            "logprobs": logprobs if return_logprobs else None, "tokens": tokens}

@@ -1,0 +1,236 @@
+"""Autoregressive generation with a key/value cache, across tensor and pipeline ranks.
+
+Every rank of the model runs the same loop on the same ``[b, L]`` token buffer (the prompts
+left-aligned, ``L`` = longest prompt + tokens to generate). Step by step, as in Megatron:
+
+1. A forward pass over the new positions, stage by stage: the first stage embeds the tokens,
+   each stage sends its hidden states ``[s, b, h]`` to the next with the pipeline communicator,
+   and the last stage gathers its vocabulary-parallel logits to ``[b, s, V]`` over the
+   tensor-parallel group. With the cache (``use_kv_cache``) the first step feeds the shortest
+   prompt and each later step one position; without it every step recomputes the whole prefix.
+2. The last stage samples the next token of every sequence (all its tensor-parallel ranks draw
+   from generators seeded alike, and its first tensor-parallel rank's choice is broadcast to the
+   others), then broadcasts the tokens over the pipeline group, so every rank holds the same
+   buffer.
+3. A sequence whose prompt is longer than the current position keeps its own prompt token there
+   instead; a sequence that emits the stop token is finished (its length ends after that token).
+   The loop stops early once all are finished.
+
+Log-probabilities of every token after the first (prompt tokens included, as Megatron returns
+them) come from the unscaled logits, normalised over the tokenizer's vocabulary (padded ids
+masked, as in sampling).
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron.core import tensor_parallel
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.text_generation.inference_params import InferenceParams
+from megatron.text_generation.sampling import check_sampling_args, mask_padded_vocab, sample
+
+
+class GenerationError(ValueError):
+    """A request the model cannot serve (too long, empty prompt, bad sampling settings)."""
+
+
+@dataclass
+class GenerationOutput:
+    """What every rank holds after :func:`generate_tokens`.
+
+    Attributes:
+        tokens: ``[b, l]`` prompts and generated tokens (``l`` = the last position generated + 1).
+        lengths: ``[b]`` tokens of each sequence to keep (up to and including its stop token).
+        log_probs: ``[b, l - 1]`` log-probability of ``tokens[:, 1:]``, or None.
+    """
+
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+    log_probs: Optional[torch.Tensor]
+
+
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPT model inside data-parallel / half-precision wrappers."""
+    while hasattr(model, "module") and not hasattr(model, "language_model"):
+        model = model.module
+    return model
+
+
+class ForwardStep:
+    """One forward pass of the whole pipeline for this rank.
+
+    Args:
+        model: this rank's single model chunk (in eval mode).
+        pstate: the rank's parallel state (``tp_group``, ``tp_ranks``, ``pp_group``,
+            ``pp_ranks``, ``pp_rank``, ``pp_size``).
+        inference_params: the key/value cache, or None to run without one.
+    """
+
+    def __init__(self, model: torch.nn.Module, pstate,
+                 inference_params: Optional[InferenceParams] = None):
+        gpt = _unwrap(model)
+        if getattr(gpt, "sequence_parallel", False):
+            raise GenerationError("text generation runs without --sequence-parallel (a step of "
+                                  "one token cannot be split over the sequence); build the "
+                                  "model with sequence_parallel=False")
+        self.model = model
+        self.gpt = gpt
+        self.pstate = pstate
+        self.inference_params = inference_params
+        self.is_first = pstate.pp_rank == 0
+        self.is_last = pstate.pp_rank == pstate.pp_size - 1
+        param = next(model.parameters())
+        dtype = torch.float32 if gpt.config.fp32_residual_connection else param.dtype
+        self.hidden_size = gpt.config.hidden_size
+        self.communicator = None
+        if pstate.pp_size > 1:
+            self.communicator = P2PCommunicator.from_parallel_state(pstate, dtype, param.device)
+
+    @torch.no_grad()
+    def __call__(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """``[b, s]`` tokens at ``[b, s]`` positions -> logits ``[b, s, V_padded]`` on the last
+        stage (None elsewhere); advances the cache offset by ``s``."""
+        b, s = tokens.shape
+        shape = (s, b, self.hidden_size)
+        if not self.is_first:
+            self.gpt.set_input_tensor(self.communicator.recv_forward(shape))
+        output = self.model(tokens if self.is_first else None,
+                            position_ids if self.is_first else None, None,
+                            inference_params=self.inference_params)
+        if self.inference_params is not None:
+            self.inference_params.sequence_len_offset += s
+        if not self.is_last:
+            self.communicator.send_forward(output, shape)
+            return None
+        if not self.gpt.parallel_output:
+            return output
+        return tensor_parallel.gather_from_tensor_model_parallel_region(
+            output, self.pstate.tp_group)                                    # [b, s, V]
+
+
+def broadcast_from_last_stage(tensor: torch.Tensor, pstate) -> torch.Tensor:
+    """Give every stage the last stage's ``tensor`` (in place); same shape on all ranks."""
+    if pstate.pp_size > 1:
+        dist.broadcast(tensor, src=pstate.pp_ranks[-1], group=pstate.pp_group)
+    return tensor
+
+
+def _agree_over_tensor_parallel(tensor: torch.Tensor, pstate) -> torch.Tensor:
+    """The first tensor-parallel rank's ``tensor`` on all of them (in place)."""
+    if pstate.tp_size > 1:
+        dist.broadcast(tensor, src=pstate.tp_ranks[0], group=pstate.tp_group)
+    return tensor
+
+
+def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor,
+                     vocab_size: int) -> torch.Tensor:
+    """``log p(targets)`` from ``[b, s, V]`` logits and ``[b, s]`` ids -> ``[b, s]`` float32."""
+    log_probs = F.log_softmax(mask_padded_vocab(logits.float(), vocab_size), dim=-1)
+    return torch.gather(log_probs, 2, targets.unsqueeze(2)).squeeze(2)
+
+
+def _check_inputs(tokens: torch.Tensor, lengths: torch.Tensor, max_sequence_length: int,
+                  vocab_size: int) -> None:
+    if tokens.dim() != 2 or lengths.shape != tokens.shape[:1]:
+        raise GenerationError(f"tokens must be [batch, length] and lengths [batch], got "
+                              f"{tuple(tokens.shape)} and {tuple(lengths.shape)}")
+    total = tokens.size(1)
+    if total > max_sequence_length:
+        raise GenerationError(
+            f"prompt + tokens_to_generate is {total} tokens, longer than the model's "
+            f"--max-position-embeddings ({max_sequence_length})")
+    if int(lengths.min()) < 1 or int(lengths.max()) > total:
+        raise GenerationError(f"prompt lengths must be between 1 and {total}, got "
+                              f"{lengths.tolist()} (an empty prompt needs add_BOS)")
+    if int(tokens.min()) < 0 or int(tokens.max()) >= vocab_size:
+        raise GenerationError(f"token ids must be in [0, {vocab_size}), got "
+                              f"{int(tokens.min())}..{int(tokens.max())}")
+
+
+def score_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, lengths: torch.Tensor,
+                 vocab_size: int, max_sequence_length: Optional[int] = None) -> GenerationOutput:
+    """Log-probabilities of given sequences, no generation (``tokens_to_generate == 0``)."""
+    limit = max_sequence_length or _unwrap(model).config.max_position_embeddings
+    _check_inputs(tokens, lengths, limit, vocab_size)
+    step = ForwardStep(model, pstate)
+    positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
+    logits = step(tokens, positions)
+    log_probs = torch.empty(tokens.size(0), tokens.size(1) - 1, dtype=torch.float32,
+                            device=tokens.device)
+    if step.is_last:
+        log_probs.copy_(_token_log_probs(logits[:, :-1], tokens[:, 1:], vocab_size))
+    return GenerationOutput(tokens, lengths.clone(), broadcast_from_last_stage(log_probs, pstate))
+
+
+def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, lengths: torch.Tensor,
+                    *, vocab_size: int, stop_token: int, top_k: int = 0, top_p: float = 0.0,
+                    temperature: float = 1.0, return_log_probs: bool = False,
+                    use_kv_cache: bool = True, generator: Optional[torch.Generator] = None,
+                    max_sequence_length: Optional[int] = None) -> GenerationOutput:
+    """Generate into ``tokens`` on every rank of the model; see the module docstring.
+
+    Args:
+        model: this rank's model chunk (a GPT in eval mode; no virtual pipeline stages).
+        pstate: this rank's parallel state.
+        tokens: int64 ``[b, L]`` on the model's device, the same on every rank: prompts
+            left-aligned, anything after them; ``L - max(lengths)`` tokens are generated.
+        lengths: int64 ``[b]`` prompt lengths.
+        vocab_size: the tokenizer's vocabulary (ids at or past it are never sampled).
+        stop_token: a sequence that emits it is finished.
+        top_k, top_p, temperature: see :func:`megatron.text_generation.sampling.sample`.
+        return_log_probs: also return the log-probabilities of ``tokens[:, 1:]``.
+        use_kv_cache: keep keys and values between steps (False recomputes the prefix).
+        generator: the sampling stream of the last stage (seed it alike on all its ranks).
+        max_sequence_length: the longest sequence the model takes (default: its
+            ``max_position_embeddings``).
+    """
+    gpt = _unwrap(model)
+    limit = max_sequence_length or gpt.config.max_position_embeddings
+    _check_inputs(tokens, lengths, limit, vocab_size)
+    try:
+        check_sampling_args(top_k, top_p, temperature, vocab_size)
+    except ValueError as err:
+        raise GenerationError(str(err)) from None
+    batch, total = tokens.shape
+    min_length = int(lengths.min())
+    if min_length == total:  # nothing to generate
+        if return_log_probs:
+            return score_tokens(model, pstate, tokens, lengths, vocab_size, limit)
+        return GenerationOutput(tokens.clone(), lengths.clone(), None)
+    tokens = tokens.clone()
+    step = ForwardStep(model, pstate, InferenceParams(batch, total) if use_kv_cache else None)
+    positions = torch.arange(total, device=tokens.device).expand(batch, total)
+    log_probs = (torch.empty(batch, total - 1, dtype=torch.float32, device=tokens.device)
+                 if return_log_probs else None)
+    out_lengths = torch.full_like(lengths, total)
+    finished = torch.zeros(batch, dtype=torch.bool, device=tokens.device)
+    new_tokens = torch.empty(batch, dtype=torch.int64, device=tokens.device)
+    prev = 0
+    context = min_length
+    for context in range(min_length, total):
+        start = prev if use_kv_cache else 0
+        logits = step(tokens[:, start:context], positions[:, start:context])  # [b, s, V] last
+        if step.is_last:
+            new_tokens.copy_(sample(logits[:, -1, :], top_k, top_p, temperature, vocab_size,
+                                    generator))
+            _agree_over_tensor_parallel(new_tokens, pstate)
+        broadcast_from_last_stage(new_tokens, pstate)
+        started = lengths <= context
+        tokens[started, context] = new_tokens[started]
+        if log_probs is not None and step.is_last:
+            log_probs[:, prev:context] = _token_log_probs(
+                logits[:, prev - start:], tokens[:, prev + 1:context + 1], vocab_size)
+        prev = context
+        just_finished = (new_tokens == stop_token) & started & ~finished
+        out_lengths[just_finished] = context + 1
+        finished |= just_finished
+        if bool(finished.all()):
+            break
+    tokens = tokens[:, :context + 1]
+    if log_probs is not None:
+        log_probs = broadcast_from_last_stage(log_probs[:, :context].contiguous(), pstate)
+    return GenerationOutput(tokens, out_lengths, log_probs)

@@ -1,0 +1,218 @@
+"""Megatron's REST generation server on the standard library: ``PUT /api`` on rank 0.
+
+Rank 0 answers HTTP; every other rank of the job waits in :meth:`GenerationService.worker_loop`.
+For each valid request rank 0 broadcasts a *generate* signal and the request's payload to all
+ranks (Megatron's scheme), and all of them run the generation together: tensor-parallel ranks
+split each layer, pipeline stages pass activations forward. A lock lets one generation run at a
+time; requests arriving meanwhile wait for it. A request that fails validation is answered
+``400 {"error": message}`` by rank 0 alone, before any other rank is involved, and the server
+keeps serving.
+
+Waiting ranks sit in a broadcast; a collective waits at most the process group's timeout
+(``--distributed-timeout-minutes``), so while idle rank 0 broadcasts a *heartbeat* signal well
+within it.
+"""
+
+import json
+import sys
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Optional
+from urllib.parse import urlparse
+
+import torch
+import torch.distributed as dist
+
+from megatron.text_generation import api
+from megatron.text_generation.generation import GenerationError
+
+GENERATE_NUM = 0
+SHUTDOWN_NUM = 2
+HEARTBEAT_NUM = 3
+API_PATH = "/api"
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
+class GenerationService:
+    """Runs requests on every rank of the job.
+
+    Args:
+        model: this rank's model chunk (eval mode).
+        pstate: this rank's parallel state.
+        tokenizer: the run's tokenizer (rank 0 tokenizes and detokenizes).
+        device: where the model and communication buffers live.
+        max_position_embeddings: the longest prompt + generation the model takes.
+        max_tokens_to_oom: ``--max-tokens-to-oom``: the most tokens (prompts x length) in a
+            request.
+        use_kv_cache: keep keys and values between steps.
+    """
+
+    def __init__(self, model, pstate, tokenizer, device, max_position_embeddings: int,
+                 max_tokens_to_oom: int = api.DEFAULT_MAX_TOKENS_TO_OOM,
+                 use_kv_cache: bool = True):
+        self.model = model
+        self.pstate = pstate
+        self.tokenizer = tokenizer
+        self.device = device
+        self.max_position_embeddings = max_position_embeddings
+        self.max_tokens_to_oom = max_tokens_to_oom
+        self.use_kv_cache = use_kv_cache
+        self.lock = threading.Lock()
+        self.multi_rank = dist.is_initialized() and dist.get_world_size() > 1
+
+    def _send(self, signal: int) -> None:
+        if self.multi_rank:
+            dist.broadcast(torch.tensor([signal], dtype=torch.int64, device=self.device), src=0)
+
+    def generate(self, body) -> dict:
+        """Rank 0: answer a decoded request body; raises ``ValueError`` for a bad request."""
+        request = api.parse_request(body)
+        payload = api.prepare_payload(request, self.tokenizer, self.max_position_embeddings,
+                                      self.max_tokens_to_oom)
+        with self.lock:
+            self._send(GENERATE_NUM)
+            api.broadcast_payload(payload, self.device)
+            output = api.generate_from_payload(self.model, self.pstate, payload, self.device,
+                                               self.use_kv_cache)
+        return api.post_process(output, self.tokenizer, request.logprobs)
+
+    def heartbeat(self) -> None:
+        """Rank 0: wake the waiting ranks (between requests) before their broadcast times out."""
+        with self.lock:
+            self._send(HEARTBEAT_NUM)
+
+    def shutdown_workers(self) -> None:
+        """Rank 0: let the other ranks leave :meth:`worker_loop` (nothing to do when they are
+        gone already, e.g. stopped by the same signal from torchrun)."""
+        with self.lock:
+            try:
+                self._send(SHUTDOWN_NUM)
+            except RuntimeError as err:
+                print(f"NOTE: could not tell the other ranks to stop: {err}", flush=True)
+
+    def worker_loop(self) -> None:
+        """Ranks other than 0: run each generation rank 0 announces, until it shuts down."""
+        signal = torch.empty(1, dtype=torch.int64, device=self.device)
+        while True:
+            dist.broadcast(signal, src=0)
+            choice = int(signal.item())
+            if choice == SHUTDOWN_NUM:
+                return
+            if choice != GENERATE_NUM:
+                continue
+            payload = api.broadcast_payload(None, self.device)
+            try:
+                api.generate_from_payload(self.model, self.pstate, payload, self.device,
+                                          self.use_kv_cache)
+            except GenerationError:
+                pass  # rank 0 met the same error at the same point and answers the client
+
+
+def _make_handler(service: GenerationService):
+    class MegatronGenerateHandler(BaseHTTPRequestHandler):
+        """``PUT /api``; any other method on it is 405, any other path 404."""
+
+        protocol_version = "HTTP/1.1"
+        server_version = "MegatronGenerate"
+
+        def _reply(self, status: int, body: dict, headers: Optional[dict] = None) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            for key, value in (headers or {}).items():
+                self.send_header(key, value)
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _error(self, status: int, message: str, headers: Optional[dict] = None) -> None:
+            # The body may be unread: never reuse this connection.
+            self.close_connection = True
+            # "message" too, as Megatron's command-line client reads it.
+            self._reply(status, {"error": message, "message": message}, headers)
+
+        def _read_body(self):
+            length = self.headers.get("Content-Length")
+            if length is None or not length.isdigit():
+                raise api.RequestError("the request needs a Content-Length header")
+            if int(length) > MAX_BODY_BYTES:
+                raise api.RequestError(f"the request body is larger than {MAX_BODY_BYTES} "
+                                       f"bytes")
+            raw = self.rfile.read(int(length))
+            try:
+                return json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise api.RequestError(f"the request body is not valid JSON: {err}") from None
+
+        def do_PUT(self):  # noqa: N802 - http.server's naming
+            if urlparse(self.path).path != API_PATH:
+                return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH}")
+            start = time.monotonic()
+            try:
+                response = service.generate(self._read_body())
+            except ValueError as err:  # RequestError, GenerationError, tokenizer errors
+                return self._error(400, str(err))
+            except Exception as err:  # noqa: BLE001 - answered, logged, and serving goes on
+                traceback.print_exc()
+                return self._error(500, f"internal error: {type(err).__name__}: {err}")
+            self._reply(200, response)
+            print(f"generated for {len(response['text'])} prompt(s) in "
+                  f"{time.monotonic() - start:.2f} s", flush=True)
+
+        def _not_allowed(self):
+            if urlparse(self.path).path != API_PATH:
+                return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH}")
+            return self._error(405, f"method {self.command} is not allowed; use PUT {API_PATH}",
+                               {"Allow": "PUT"})
+
+        do_GET = do_POST = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+
+        def log_message(self, format, *args):  # noqa: A002 - http.server's signature
+            sys.stderr.write(f"{self.address_string()} - {format % args}\n")
+
+    return MegatronGenerateHandler
+
+
+class MegatronServer:
+    """The HTTP front of a :class:`GenerationService` (rank 0 only)."""
+
+    def __init__(self, service: GenerationService, heartbeat_s: float = 60.0):
+        self.service = service
+        self.heartbeat_s = heartbeat_s
+        self.httpd: Optional[ThreadingHTTPServer] = None
+        self._stop = threading.Event()
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            self.service.heartbeat()
+
+    def run(self, host: str, port: int) -> None:
+        """Serve until interrupted; then release the other ranks (also when the address cannot
+        be bound, which raises ``OSError`` naming it)."""
+        beat = None
+        try:
+            try:
+                self.httpd = ThreadingHTTPServer((host, port), _make_handler(self.service))
+            except OSError as err:
+                raise OSError(err.errno, f"cannot listen on {host}:{port} (--host, --port): "
+                                         f"{err.strerror}") from None
+            self.httpd.daemon_threads = True
+            if self.service.multi_rank:
+                beat = threading.Thread(target=self._heartbeat_loop, daemon=True)
+                beat.start()
+            print(f" * serving PUT http://{host}:{port}{API_PATH}", flush=True)
+            self.httpd.serve_forever()
+        finally:
+            self._stop.set()
+            if self.httpd is not None:
+                self.httpd.server_close()
+            if beat is not None:
+                beat.join()
+            self.service.shutdown_workers()
+
+    def shutdown(self) -> None:
+        """Stop :meth:`run` from another thread."""
+        if self.httpd is not None:
+            self.httpd.shutdown()

@@ -1,0 +1,268 @@
+"""``tools/run_text_generation_server.py`` as users run it, answering real HTTP requests.
+
+A tiny GPT is saved through the real checkpoint code, the server is started on it as a
+subprocess on a free port (alone, and under torchrun with TP = 2), and requests are sent with
+urllib: good ones get text, bad ones get 400 with a message naming the field while the server
+keeps serving, other paths and methods get 404 / 405, concurrent requests all get the same full
+answer, and ``tools/text_generation_cli.py`` prints the same text. Greedy
+answers of the TP = 2 server equal the single-process server's. The request checks are also run
+directly on :func:`megatron.text_generation.api.parse_request`.
+"""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from megatron.text_generation.api import RequestError, parse_request
+from tests.multiprocess import run_on_ranks
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+FLAGS = """--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
+--max-position-embeddings 32 --tokenizer-type NullTokenizer --vocab-size 128 --device cpu
+--seed 1234 --hidden-dropout 0 --attention-dropout 0 --init-method-std 0.2""".split()
+START_DEADLINE_S = 120
+GREEDY = {"prompts": ["1 2 3", "7 8 9 10 11"], "tokens_to_generate": 8, "top_k": 1,
+          "logprobs": True}
+
+
+def _save_random_init(layouts, root):
+    """Rank body: per ``{name: flags}``, build the model from its seed and save it as iteration
+    1 under ``root/name`` (on two ranks, TP = 1 runs as DP = 2 and saves a TP = 1 layout)."""
+    from megatron import checkpointing, global_vars
+    from megatron.core import parallel_state
+    from megatron.inference import initialize_for_inference
+    from megatron.training import build_model_chunks
+    import pretrain_gpt
+
+    for name, flags in layouts.items():
+        args, pstate, _ = initialize_for_inference(None, flags + ["--save", f"{root}/{name}"])
+        args.no_save_optim = args.no_save_rng = True
+        checkpointing.save_checkpoint(1, build_model_chunks(pretrain_gpt.model_provider, pstate),
+                                      None, None, args, pstate)
+        global_vars.unset_global_variables()
+        parallel_state.destroy_model_parallel()
+
+
+def _env():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RUN_ID")}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(proc, port, log_path):
+    deadline = time.monotonic() + START_DEADLINE_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            with open(log_path) as f:
+                pytest.fail(f"server exited with {proc.returncode}:\n{f.read()[-4000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.1)   # polling interval; the deadline bounds the wait
+    pytest.fail(f"server did not listen on port {port} within {START_DEADLINE_S} s")
+
+
+class Server:
+    """The server as a subprocess in its own session (so all its ranks are stopped together)."""
+
+    def __init__(self, load, tmp_path, launcher=(), extra=()):
+        self.port = _free_port()
+        self.log_path = str(tmp_path / f"server_{self.port}.log")
+        cmd = [sys.executable, *launcher, "tools/run_text_generation_server.py", *FLAGS,
+               *extra, "--load", load, "--port", str(self.port), "--host", "127.0.0.1"]
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=_env(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.url = f"http://127.0.0.1:{self.port}/api"
+
+    def __enter__(self):
+        try:
+            _wait_listening(self.proc, self.port, self.log_path)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+    def request(self, body, method="PUT", path="/api"):
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                     method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as response:
+                return response.status, json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read())
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("server_ckpt")
+    layouts = {"tp1": FLAGS, "tp2": FLAGS + ["--tensor-model-parallel-size", "2"]}
+    run_on_ranks(_save_random_init, 2, layouts, str(root))
+    return root
+
+
+@pytest.fixture(scope="module")
+def single_server(checkpoints, tmp_path_factory):
+    """The single-process server, shared by the tests of this module."""
+    with Server(str(checkpoints / "tp1"), tmp_path_factory.mktemp("server_log")) as server:
+        yield server
+    assert server.proc.returncode is not None
+
+
+def _check_greedy(answer):
+    assert set(answer) == {"text", "segments", "logprobs", "tokens"}
+    for prompt, text, segments, logprobs, ids in zip(GREEDY["prompts"], answer["text"],
+                                                      answer["segments"], answer["logprobs"],
+                                                      answer["tokens"]):
+        prompt_ids = [int(t) for t in prompt.split()]
+        assert ids[:len(prompt_ids)] == prompt_ids
+        # As in Megatron, every sequence may grow to the longest prompt + tokens_to_generate.
+        assert len(prompt_ids) < len(ids) <= 5 + GREEDY["tokens_to_generate"]
+        assert all(0 <= t <= 128 for t in ids)             # never a padded-vocabulary id
+        assert text == " ".join(map(str, ids)) and segments == [str(t) for t in ids]
+        assert len(logprobs) == len(ids) - 1 and all(lp <= 0.0 for lp in logprobs)
+
+
+BAD_REQUESTS = [
+    ({"prompts": "1 2 3"}, "prompts is not a list of strings"),
+    ({"prompts": [1, 2]}, "prompts is not a list of strings"),
+    ({"prompts": []}, "prompts is empty"),
+    ({"prompts": [""]}, "Empty prompts require add_BOS"),
+    ({"tokens_to_generate": 4}, "prompts argument required"),
+    ({"prompts": ["1"], "tokens_to_generate": -1}, "tokens_to_generate"),
+    ({"prompts": ["1"], "tokens_to_generate": "4"}, "tokens_to_generate"),
+    ({"prompts": ["1"], "tokens_to_generate": 2.5}, "tokens_to_generate"),
+    ({"prompts": ["1"], "tokens_to_generate": True}, "tokens_to_generate"),
+    ({"prompts": ["1"], "tokens_to_generate": 0}, "implies logprobs"),
+    ({"prompts": ["1"], "temperature": 0}, "temperature"),
+    ({"prompts": ["1"], "temperature": 101}, "temperature"),
+    ({"prompts": ["1"], "top_k": -2}, "top_k"),
+    ({"prompts": ["1"], "top_p": 1.5}, "top_p"),
+    ({"prompts": ["1"], "top_k": 4, "top_p": 0.5}, "both top-k and top-p"),
+    ({"prompts": ["1"], "logprobs": "yes"}, "logprobs"),
+    ({"prompts": ["1"], "add_BOS": 1}, "add_BOS"),
+    ({"prompts": ["1"], "random_seed": -3}, "random_seed"),
+    ({"prompts": ["1"], "stop_token": "x"}, "stop_token"),
+    ({"prompts": ["1"], "max_len": 5}, "max_len is no longer used"),
+    ({"prompts": ["1"], "beam_width": 2}, "beam_width is not supported"),
+    (["1 2"], "JSON object"),
+]
+
+
+@pytest.mark.parametrize("body, message", BAD_REQUESTS)
+def test_parse_request_refuses(body, message):
+    with pytest.raises(RequestError, match=message):
+        parse_request(body)
+
+
+def test_parse_request_defaults_and_values():
+    req = parse_request({"prompts": ["a"]})
+    assert (req.tokens_to_generate, req.logprobs, req.temperature, req.top_k, req.top_p,
+            req.add_BOS, req.stop_token, req.random_seed) == (64, False, 1.0, 0, 0.0, False,
+                                                              None, None)
+    req = parse_request({"prompts": ["", "b"], "add_BOS": True, "tokens_to_generate": 0,
+                         "logprobs": True, "temperature": 2, "top_p": 0.5, "stop_token": 3,
+                         "random_seed": 11, "no_log": True})
+    assert (req.prompts, req.temperature, req.top_p, req.stop_token, req.random_seed) == (
+        ["", "b"], 2.0, 0.5, 3, 11)
+
+
+def _cli(url, *args, stdin=None):
+    return subprocess.run([sys.executable, "tools/text_generation_cli.py", url, *args],
+                          cwd=REPO_ROOT, env=_env(), input=stdin, capture_output=True,
+                          text=True, timeout=60)
+
+
+def test_server_answers_good_and_bad_requests(single_server):
+    server = single_server
+    status, first = server.request(GREEDY)
+    assert status == 200, first
+    _check_greedy(first)
+    server_http_errors = [
+        (b"{not json", "not valid JSON"),
+        ({"prompts": ["1 2 3"], "tokens_to_generate": 30}, "--max-position-embeddings"),
+        ({"prompts": ["1 2 300"]}, "outside the vocabulary"),
+        ({"prompts": ["one two"]}, "cannot be tokenized"),
+        ({"prompts": ["1"], "tokens_to_generate": 4, "stop_token": 500}, "stop_token"),
+    ]
+    for body, message in BAD_REQUESTS[:12] + server_http_errors:
+        status, answer = server.request(body)
+        assert status == 400 and message in answer["error"], (body, status, answer)
+    assert server.request(GREEDY) == (200, first)     # still serving, same answer
+    assert server.request({}, method="POST")[0] == 405
+    assert server.request(GREEDY, path="/other")[0] == 404
+    # Sampling: a seed fixes the answer; a scoring request gives the greedy prompt scores.
+    sampled = {"prompts": ["4 5"], "tokens_to_generate": 6, "top_p": 0.9, "random_seed": 3}
+    assert server.request(sampled) == server.request(sampled)
+    status, score = server.request({"prompts": ["1 2 3"], "tokens_to_generate": 0,
+                                    "logprobs": True})
+    assert status == 200 and score["tokens"] == [[1, 2, 3]]
+    assert score["logprobs"][0] == pytest.approx(first["logprobs"][0][:2], abs=2e-5)
+    # Concurrent requests (the server's threads queue on its lock) each get the full answer.
+    answers = [None] * 3
+
+    def ask(i):
+        answers[i] = server.request(GREEDY)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert answers == [(200, first)] * 3
+    # The command-line client prints the same text.
+    cli = _cli(f"127.0.0.1:{server.port}", "--tokens-to-generate", "8", "--top-k", "1",
+               stdin="1 2 3\n7 8 9 10 11\n")
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout.splitlines() == first["text"]
+    cli = _cli(server.url, "--prompt", "1", "--tokens-to-generate", "40")
+    assert cli.returncode == 1 and "error 400" in cli.stderr
+
+
+def test_torchrun_tensor_parallel_server_matches_single_process(checkpoints, single_server,
+                                                               tmp_path):
+    tp2 = str(checkpoints / "tp2")
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    with Server(tp2, tmp_path, launcher, ["--tensor-model-parallel-size", "2"]) as server:
+        status, answer = server.request(GREEDY)
+        assert status == 200, answer
+        _check_greedy(answer)
+        assert server.request({"prompts": []})[0] == 400
+        status, again = server.request(GREEDY)
+    assert server.proc.returncode is not None
+    _, want = single_server.request(GREEDY)
+    assert answer["tokens"] == again["tokens"] == want["tokens"]
+    for a, b in zip(answer["logprobs"], want["logprobs"]):
+        assert a == pytest.approx(b, abs=2e-5)
