@@ -109,6 +109,10 @@ def _add_training_args(parser):
     g.add_argument("--no-bias-gelu-fusion", action="store_false", dest="bias_gelu_fusion")
     g.add_argument("--no-bias-swiglu-fusion", action="store_false", dest="bias_swiglu_fusion")
     g.add_argument("--no-bias-dropout-fusion", action="store_false", dest="bias_dropout_fusion")
+    # Megatron spells the opt-in; here the fusion is on by default, so both spellings exist.
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true", default=True)
+    g.add_argument("--no-cross-entropy-loss-fusion", action="store_false",
+                   dest="cross_entropy_loss_fusion")
     g.add_argument("--no-persist-layer-norm", action="store_true")
     g.add_argument("--use-flash-attn", action="store_true")
     g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"])
@@ -611,6 +615,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(parallel=parallel, model=model)

@@ -82,6 +82,8 @@ class TransformerConfig:
     first_pipeline_num_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
     last_pipeline_num_layers: Optional[int] = None   # --decoder-last-pipeline-num-layers
     fp16_lm_cross_entropy: bool = False
+    # The chunked cross entropy kernel, its backward written into the logits' storage.
+    cross_entropy_loss_fusion: bool = True
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:

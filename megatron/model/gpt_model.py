@@ -6,6 +6,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.config import TransformerConfig
+from megatron.fused_kernels import ops as fused_ops
 from megatron.model.language_model import (
     TransformerLanguageModel,
     build_word_embeddings,
@@ -121,8 +122,15 @@ class GPTModel(MegatronModule):
             return logits
         if not self.fp16_lm_cross_entropy and logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
-        loss = tensor_parallel.vocab_parallel_cross_entropy(
-            logits, labels.transpose(0, 1).contiguous(), self.tp_group)        # [s, b]
+        target = labels.transpose(0, 1).contiguous()                             # [s, b]
+        if self.config.cross_entropy_loss_fusion:
+            # The logits feed nothing but the loss, so the backward may overwrite them with
+            # their gradient: no second [s, b, V/tp] tensor (pure torch if no kernels load).
+            loss = fused_ops.vocab_parallel_cross_entropy(logits, target, self.tp_group,
+                                                          inplace_backward=True)   # [s, b]
+        else:
+            loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target,
+                                                                self.tp_group)  # [s, b]
         return loss.transpose(0, 1).contiguous()                                 # [b, s]
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):

@@ -284,6 +284,34 @@ def test_equal_alternatives(overrides):
     assert_same(reference, other, atol=atol)
 
 
+def test_cross_entropy_loss_fusion_equals_reference_in_fp32(monkeypatch):
+    """The fused chunked cross entropy (default) against the reference one, in float32 where the
+    kernel runs (float64 falls back to the reference): same loss and gradients, and the kernel's
+    in-place backward really ran."""
+    from megatron.fused_kernels import ops
+
+    if not ops.kernels_available("cpu"):
+        pytest.skip("compiled kernels not built")
+    calls = []
+    original = ops.ChunkedCrossEntropy.backward
+
+    def counting(ctx, grad_output):
+        calls.append(ctx.meta[3])                       # inplace_backward
+        return original(ctx, grad_output)
+
+    monkeypatch.setattr(ops.ChunkedCrossEntropy, "backward", staticmethod(counting))
+    batch = make_batch()
+    fp32 = dict(params_dtype=torch.float32)
+    reference = loss_and_grads(GPTModel(make_config(cross_entropy_loss_fusion=False, **fp32),
+                                        single_process_state()), batch)
+    assert calls == []
+    fused = loss_and_grads(GPTModel(make_config(**fp32), single_process_state()), batch)
+    assert calls == [True]
+    torch.testing.assert_close(fused[0], reference[0], rtol=1e-6, atol=1e-6)
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(fused[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("flash", [False, True])
 def test_explicit_causal_mask_equals_none(flash):
     model = GPTModel(make_config(use_flash_attn=flash), single_process_state())
