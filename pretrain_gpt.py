@@ -107,3 +107,6 @@ if __name__ == "__main__":
 
     with exit_on_user_error():
         pretrain(train_valid_test_datasets_provider, model_provider, None, forward_step)
+    # Leave the process group cleanly: gloo ranks that exit with it open can abort at exit.
+    if dist.is_initialized():
+        dist.destroy_process_group()

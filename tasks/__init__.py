@@ -1,0 +1,1 @@
+"""Downstream tasks run on a trained checkpoint: ``python tasks/main.py --task ...``."""
