@@ -1,0 +1,172 @@
+"""Convert a GPT checkpoint: reshard a Megatron checkpoint to another TP / PP, or move it to and
+from a Hugging Face folder. The command line is Megatron-LM's ``tools/checkpoint/convert.py``::
+
+    python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver megatron \
+        --load-dir ckpt_tp2_pp2 --save-dir ckpt_tp1_pp1 \
+        --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
+
+The loader turns the source into the canonical stream of :mod:`megatron.convert.schema` one layer
+at a time and the saver writes it, so memory holds about one layer, not the model. A Megatron
+target keeps the iteration, consumed samples and LR schedule of the source; the optimizer and RNG
+states are dropped (they cannot be resharded exactly), so training resumes with a fresh optimizer.
+"""
+
+import argparse
+import itertools
+import os
+import sys
+from typing import Iterable, Iterator, Optional
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pardir,
+                                                os.pardir)))
+
+import torch  # noqa: E402
+
+from megatron.convert.schema import ConversionError, ModelMeta, Piece  # noqa: E402
+from megatron.errors import exit_on_user_error  # noqa: E402
+
+PROG = "convert.py"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as a ConversionError: one line, exit status 1."""
+
+    def error(self, message):
+        raise ConversionError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, allow_abbrev=False, description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model-type", required=True,
+                        help="GPT (the only model type this tool converts)")
+    parser.add_argument("--loader", default="megatron", choices=["megatron", "hf"])
+    parser.add_argument("--saver", default="megatron", choices=["megatron", "hf"])
+    parser.add_argument("--load-dir", required=True, help="the checkpoint (or HF folder) to read")
+    parser.add_argument("--save-dir", required=True, help="a new or empty folder to write")
+    g = parser.add_argument_group("megatron loader")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="iteration to read instead of latest_checkpointed_iteration.txt's")
+    g.add_argument("--true-vocab-size", type=int, default=None,
+                   help="the tokenizer's size, when the tokenizer the checkpoint names is gone")
+    g = parser.add_argument_group("megatron saver")
+    g.add_argument("--target-tensor-parallel-size", type=int, default=None,
+                   help="default: the source's")
+    g.add_argument("--target-pipeline-parallel-size", type=int, default=None,
+                   help="default: the source's number of pipeline stages")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
+                   help="vocabulary padding of the target; default: the source's")
+    parser.add_argument("--target-params-dtype", choices=sorted(DTYPES), default=None,
+                        help="cast floating-point weights to this type on save")
+    g = parser.add_argument_group("accepted for Megatron-LM's scripts, no effect")
+    g.add_argument("--max-queue-size", type=int, default=None)
+    g.add_argument("--megatron-path", default=None)
+    g.add_argument("--no-checking", action="store_true")
+    return parser
+
+
+def _check(args) -> None:
+    if args.model_type != "GPT":
+        raise ConversionError(f"--model-type {args.model_type} is not supported: only GPT "
+                              "checkpoints can be converted")
+    if args.saver != "megatron":
+        for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
+                     "make_vocab_size_divisible_by"):
+            if getattr(args, flag) is not None:
+                raise ConversionError(f"--{flag.replace('_', '-')} applies only to "
+                                      f"--saver megatron, not --saver {args.saver}")
+    if args.loader != "megatron":
+        for flag in ("ckpt_step", "true_vocab_size"):
+            if getattr(args, flag) is not None:
+                raise ConversionError(f"--{flag.replace('_', '-')} applies only to "
+                                      f"--loader megatron, not --loader {args.loader}")
+
+
+def _load(args) -> Iterator[Piece]:
+    if args.loader == "hf":
+        from megatron.convert.hf import load_hf
+
+        return load_hf(args.load_dir)
+    from megatron.convert.megatron_io import load_megatron
+
+    return load_megatron(args.load_dir, args.ckpt_step, true_vocab_size=args.true_vocab_size)
+
+
+def _cast(pieces: Iterable[Piece], dtype: torch.dtype) -> Iterator[Piece]:
+    """The stream with every floating-point tensor (and the meta's params dtype) in ``dtype``."""
+    for piece in pieces:
+        if piece.meta is not None:
+            piece.meta.params_dtype = dtype
+        piece.tensors = {k: t.to(dtype) if t.is_floating_point() else t
+                         for k, t in piece.tensors.items()}
+        yield piece
+
+
+class _Counter:
+    """Passes the stream through, counting its layers."""
+
+    def __init__(self, pieces: Iterable[Piece]):
+        self.pieces, self.layers = pieces, 0
+
+    def __iter__(self):
+        for piece in self.pieces:
+            self.layers += piece.kind == "layer"
+            yield piece
+
+
+def _source_layout(meta: ModelMeta) -> Optional[tuple]:
+    if meta.source_args is None:
+        return None
+    return (meta.source_args.get("tensor_model_parallel_size", 1),
+            meta.source_args.get("pipeline_model_parallel_size", 1))
+
+
+def _describe(kind: str, layout: Optional[tuple]) -> str:
+    return kind if layout is None else f"{kind} TP={layout[0]} PP={layout[1]}"
+
+
+def convert(args) -> str:
+    """Run the conversion ``args`` describes; returns the summary printed at the end."""
+    _check(args)
+    pieces = _load(args)
+    meta_piece = next(pieces, None)
+    if meta_piece is None or meta_piece.meta is None:
+        raise ConversionError(f"--load-dir {args.load_dir}: the loader yielded no model")
+    meta = meta_piece.meta
+    source = _source_layout(meta)
+    stream = itertools.chain([meta_piece], pieces)
+    if args.target_params_dtype is not None:
+        stream = _cast(stream, DTYPES[args.target_params_dtype])
+    counter = _Counter(stream)
+    if args.saver == "megatron":
+        from megatron.convert.megatron_io import save_megatron
+
+        tp = args.target_tensor_parallel_size or (source or (1, 1))[0]
+        pp = args.target_pipeline_parallel_size or (source or (1, 1))[1]
+        save_megatron(counter, args.save_dir, tp, pp,
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        target, dropped = (tp, pp), "optimizer state, RNG state (the LR schedule is kept)"
+    else:
+        from megatron.convert.hf import save_hf
+
+        save_hf(counter, args.save_dir)
+        target = None
+        dropped = "optimizer state, RNG state, LR schedule, iteration and consumed samples"
+    if source is None and args.loader == "megatron":
+        source = (1, 1)
+    return (f"converted GPT: {counter.layers} layers, hidden {meta.hidden_size}, vocabulary "
+            f"{meta.vocab_size}, iteration {meta.iteration}\n"
+            f"  {_describe(args.loader, source)} {args.load_dir}\n"
+            f"  -> {_describe(args.saver, target)} {args.save_dir}\n"
+            f"  dropped: {dropped if args.loader == 'megatron' else 'nothing'}")
+
+
+def main(argv=None) -> int:
+    with exit_on_user_error(prog=PROG):
+        args = build_parser().parse_args(argv)
+        print(convert(args), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
