@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The main job, end to end on CPU: environment, corpus, GPT-2 vocabulary, preprocessing, training.
+# The main job, end to end on CPU: environment, corpus, GPT-2 vocabulary, preprocessing, training,
+# then a sample from the generation server and the same model as a Hugging Face folder.
 #
 #   bash examples/quickstart_cpu.sh            # outputs under runs/quickstart/
 #
@@ -13,15 +14,15 @@ OUT="${OUT:-$ROOT/runs/quickstart}"
 mkdir -p "$OUT"
 PY="$ROOT/.venv/bin/python"
 
-echo "== 1/4 environment (.venv)"
+echo "== 1/5 environment (.venv)"
 bash tools/setup_env.sh
 
-echo "== 2/4 corpus: Python standard library -> $OUT/stdlib.jsonl"
+echo "== 2/5 corpus: Python standard library -> $OUT/stdlib.jsonl"
 if [ ! -s "$OUT/stdlib.jsonl" ]; then
   "$PY" tools/build_stdlib_corpus.py --output "$OUT/stdlib.jsonl"
 fi
 
-echo "== 3/4 GPT-2 vocabulary and preprocessing -> $OUT/data/"
+echo "== 3/5 GPT-2 vocabulary and preprocessing -> $OUT/data/"
 mkdir -p "$OUT/data"
 "$PY" - "$OUT/data" <<'PYEOF'
 import shutil, sys
@@ -37,10 +38,9 @@ if [ ! -s "$OUT/data/stdlib_content_document.idx" ]; then
     --merge-file "$OUT/data/merges.txt" --append-eod --workers 2
 fi
 
-echo "== 4/4 training"
-if [ -f pretrain_gpt.py ]; then
-  bash examples/pretrain_gpt_cpu.sh "$OUT"
-else
-  echo "pretrain_gpt.py is not in this checkout yet; stopping after preprocessing."
-fi
+echo "== 4/5 training"
+bash examples/pretrain_gpt_cpu.sh "$OUT"
+
+echo "== 5/5 generation (PUT /api) and Hugging Face export -> $OUT/hf"
+bash examples/generate_cpu.sh "$OUT"
 echo "Outputs are under $OUT"
