@@ -294,6 +294,7 @@ class Encoder:
 
     def encode(self, batch: Batch) -> BatchResult:
         texts: Dict[str, List[str]] = {key: [] for key in self.keys}
+        line_numbers: List[int] = []  # the input line of each kept document
         result = BatchResult(consumed=batch.consumed)
         for offset, raw in enumerate(batch.lines):
             try:
@@ -305,13 +306,17 @@ class Encoder:
                 result.bad_lines += 1
                 continue
             result.text_bytes += len(raw)
+            line_numbers.append(batch.first_line + offset)
             for key in self.keys:
                 texts[key].append(document[key])
         result.documents = len(texts[self.keys[0]])
         for key in self.keys:
             try:
                 result.datasets[key] = self._encode_documents(texts[key])
-            except ValueError as e:  # e.g. NullTokenizer given text that is not integers
+            except _DocumentError as e:
+                result.error = f"{batch.path}:{line_numbers[e.document]}: key {key!r}: {e}"
+                return result
+            except ValueError as e:  # the batch failed though no single document does
                 last = batch.first_line + len(batch.lines) - 1
                 result.error = f"{batch.path}:{batch.first_line}-{last}: key {key!r}: {e}"
                 return result
@@ -327,6 +332,10 @@ class Encoder:
             document = json.loads(line)
         except json.JSONDecodeError as e:
             raise BadLine(f"malformed JSON: {e.msg} at column {e.colno}") from None
+        except RecursionError:
+            raise BadLine("malformed JSON: nested too deeply to parse") from None
+        except ValueError as e:  # e.g. an integer literal longer than Python converts
+            raise BadLine(f"malformed JSON: {str(e)[:120]}") from None
         if not isinstance(document, dict):
             raise BadLine(f"expected a JSON object, got {type(document).__name__}")
         for key in self.keys:
@@ -339,15 +348,25 @@ class Encoder:
         return document
 
     def _encode_documents(self, texts: List[str]) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(tokens, sequence lengths, sequences per document) for one key's documents."""
+        """(tokens, sequence lengths, sequences per document) for one key's documents.
+
+        Raises:
+            _DocumentError: naming the first document the tokenizer rejects or that yields an id
+                outside the vocabulary (which would fail only later, inside training).
+        """
         if self.splitter is not None:
             pieces = [self.splitter.split(text) for text in texts]
             flat_texts = [sentence for sentences in pieces for sentence in sentences]
             counts = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
         else:
             flat_texts, counts = texts, np.ones(len(texts), dtype=np.int64)
-        tokens, lengths = self.tokenizer.tokenize_batch_flat(flat_texts)
         owner = np.repeat(np.arange(len(texts)), counts)  # the document of each text piece
+        try:
+            tokens, lengths = self.tokenizer.tokenize_batch_flat(flat_texts)
+        except ValueError:  # e.g. NullTokenizer given text that is not integers
+            self._raise_for_first_failing(flat_texts, owner)
+            raise
+        self._check_vocabulary(tokens, lengths, owner)
         kept = lengths > 0  # empty documents and sentences add no sequence
         lengths, owner = lengths[kept], owner[kept]
         per_document = np.bincount(owner, minlength=len(texts))
@@ -358,13 +377,46 @@ class Encoder:
             lengths[last] += 1
         return self._narrow(tokens), lengths.astype(np.int32), per_document
 
+    def _raise_for_first_failing(self, flat_texts: List[str], owner: np.ndarray) -> None:
+        """Tokenize piece by piece to name the first document that fails, for either reason."""
+        for piece, text in enumerate(flat_texts):
+            try:
+                ids = np.asarray(self.tokenizer.tokenize(text), dtype=np.int64)
+            except ValueError as e:
+                raise _DocumentError(int(owner[piece]), str(e)) from None
+            self._check_vocabulary(ids, np.array([ids.size]), owner[piece:piece + 1])
+
+    def _check_vocabulary(self, tokens: np.ndarray, lengths: np.ndarray,
+                          owner: np.ndarray) -> None:
+        vocab_size = self.tokenizer.vocab_size
+        if not tokens.size or (int(tokens.min()) >= 0 and int(tokens.max()) < vocab_size):
+            return
+        at = int(np.argmax((tokens < 0) | (tokens >= vocab_size)))
+        piece = int(np.searchsorted(np.cumsum(lengths), at, side="right"))
+        raise _DocumentError(int(owner[piece]),
+                             f"token id {int(tokens[at])} is outside the vocabulary "
+                             f"[0, {vocab_size}) of the tokenizer")
+
     def _narrow(self, tokens: np.ndarray) -> np.ndarray:
         if tokens.size and tokens.dtype != self.dtype:
             info = np.iinfo(self.dtype)
-            if int(tokens.max()) > info.max or int(tokens.min()) < info.min:
-                raise InputError(f"token id {int(tokens.max())} does not fit {self.dtype.name}, "
-                                 f"chosen for a vocabulary of {self.tokenizer.vocab_size}")
+            low, high = int(tokens.min()), int(tokens.max())
+            if high > info.max or low < info.min:
+                bad = high if high > info.max else low
+                raise InputError(f"token id {bad} does not fit {self.dtype.name}, chosen for a "
+                                 f"vocabulary of {self.tokenizer.vocab_size}")
         return tokens.astype(self.dtype, copy=False)
+
+
+class _DocumentError(ValueError):
+    """The tokenizer cannot encode document ``document`` of a batch (its index there)."""
+
+    def __init__(self, document: int, message: str):
+        super().__init__(message)
+        self.document = document
+
+    def __reduce__(self):
+        return type(self), (self.document, str(self))
 
 
 def _quiet_build_tokenizer(args: argparse.Namespace):

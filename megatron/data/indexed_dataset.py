@@ -15,7 +15,7 @@ import os
 import shutil
 import secrets
 import struct
-from typing import List, Optional, Sequence, Union
+from typing import Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
@@ -131,6 +131,13 @@ class _IntColumn:
             if len(chunk):
                 return int(chunk[-1])
         raise IndexError("empty column")
+
+    def blocks(self, size: int = 1 << 20) -> Iterator[np.ndarray]:
+        """The column in order, as non-empty views of at most ``size`` entries."""
+        self._flush()
+        for chunk in self._chunks:
+            for start in range(0, chunk.size, size):
+                yield chunk[start:start + size]
 
     def to_array(self) -> np.ndarray:
         self._flush()
@@ -252,19 +259,12 @@ class IndexedDatasetBuilder:
         os.fsync(self._data_file.fileno())
         self._data_file.close()
         self._closed = True
-        lengths = self._lengths.to_array()
-        document_indices = self._document_indices.to_array()
-        pointers = np.zeros(lengths.size, dtype=np.int64)
-        if lengths.size > 1:
-            np.cumsum(lengths[:-1].astype(np.int64) * self._dtype.itemsize, out=pointers[1:])
         idx_tmp = _temporary_name(idx_path)
         try:
             with open(idx_tmp, "xb") as index:
                 index.write(_HEADER.pack(_MAGIC, _VERSION, DType.code_from_dtype(self._dtype),
-                                         lengths.size, document_indices.size))
-                index.write(lengths.astype("<i4").tobytes(order="C"))
-                index.write(pointers.astype("<i8").tobytes(order="C"))
-                index.write(document_indices.astype("<i8").tobytes(order="C"))
+                                         len(self._lengths), len(self._document_indices)))
+                self._write_columns(index)
                 index.flush()
                 os.fsync(index.fileno())
             # An old index must never sit beside the new data, even for a moment.
@@ -276,6 +276,22 @@ class IndexedDatasetBuilder:
             _remove_quietly(idx_tmp)
             _remove_quietly(self._bin_tmp)
             raise
+
+    def _write_columns(self, index) -> None:
+        """Lengths, pointers and document indices, a block of entries at a time.
+
+        The columns are never joined or widened whole: finalizing needs no memory beyond the
+        columns themselves (12 bytes per sequence) and one block.
+        """
+        for block in self._lengths.blocks():
+            index.write(block.astype("<i4", copy=False).tobytes(order="C"))
+        offset = 0
+        for block in self._lengths.blocks():
+            ends = offset + np.cumsum(block.astype(np.int64) * self._dtype.itemsize)
+            index.write(np.concatenate(([offset], ends[:-1])).astype("<i8").tobytes(order="C"))
+            offset = int(ends[-1])
+        for block in self._document_indices.blocks():
+            index.write(block.astype("<i8", copy=False).tobytes(order="C"))
 
     def abort(self) -> None:
         """Drop everything written so far (the temporary file is deleted)."""
@@ -398,6 +414,8 @@ class IndexedDataset:
         if not os.path.exists(bin_path):
             raise IndexedDatasetError(
                 f"{bin_path}: data file is missing (its index {idx_path} exists)")
+        if not os.path.isfile(bin_path):
+            raise IndexedDatasetError(f"{bin_path}: not a regular file; expected the data file")
         expected = int(self._sequence_pointers[-1]) + int(self._sequence_lengths[-1]) * itemsize \
             if n else 0
         actual = os.path.getsize(bin_path)
@@ -522,6 +540,8 @@ def _read_header(idx_path: str) -> dict:
     """Parse and check the 34-byte header of ``idx_path``."""
     if not os.path.exists(idx_path):
         raise IndexedDatasetError(f"{idx_path}: index file is missing")
+    if not os.path.isfile(idx_path):
+        raise IndexedDatasetError(f"{idx_path}: not a regular file; expected the index file")
     with open(idx_path, "rb") as f:
         raw = f.read(HEADER_SIZE)
     if raw.startswith(_LEGACY_MAGIC):

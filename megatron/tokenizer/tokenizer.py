@@ -7,11 +7,16 @@
 
 import importlib.util
 import os
+import re
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
 
 from megatron.tokenizer.base import MegatronTokenizer
+
+# An id as NullTokenizer reads it: ASCII digits with an optional sign, at most 18 of them so that
+# it fits int64 ("1_000" or non-ASCII digits, which int() also accepts, are refused).
+_NULL_TOKEN_ID = re.compile(r"[+-]?[0-9]{1,18}")
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
@@ -43,11 +48,12 @@ class NullTokenizer(MegatronTokenizer):
         return {i: str(i) for i in range(self._vocab_size)}
 
     def tokenize(self, text: str) -> List[int]:
-        try:
-            return [int(x) for x in text.split()]
-        except ValueError:
-            raise ValueError(f"NullTokenizer expects space-separated integers, got {text[:80]!r}") \
-                from None
+        pieces = text.split()
+        for piece in pieces:
+            if not _NULL_TOKEN_ID.fullmatch(piece):
+                raise ValueError(f"NullTokenizer expects space-separated integers (ASCII digits, "
+                                 f"at most 18), got {piece[:40]!r} in {text[:80]!r}")
+        return [int(x) for x in pieces]
 
     def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
         arrays = [np.array(self.tokenize(t), dtype=np.int64) for t in texts]
