@@ -23,6 +23,7 @@ belongs to. Core code receives the group it needs as an argument; the module-lev
 exist for the training harness and for users' scripts.
 """
 
+import datetime
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -148,11 +149,14 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
+    timeout: Optional[datetime.timedelta] = None,
 ) -> ParallelState:
     """Create every process group and remember this rank's ones.
 
     ``torch.distributed`` must already be initialised. Every rank must call this, since
     ``new_group`` is collective over the whole world even for groups a rank is not in.
+    ``timeout`` (``--distributed-timeout-minutes``) bounds every collective of the new groups;
+    without it they get torch's default (30 minutes on gloo), not the world group's.
     """
     global _STATE
     if not dist.is_initialized():
@@ -170,7 +174,7 @@ def initialize_model_parallel(
     def build(groups: List[List[int]]):
         mine = None
         for ranks in groups:
-            handle = dist.new_group(ranks)
+            handle = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 mine = handle
         return mine
