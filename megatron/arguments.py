@@ -102,7 +102,9 @@ def _add_training_args(parser):
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=int, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM or SIGINT, save a checkpoint at the end of the iteration "
+                   "on every rank and exit with status 0")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--no-masked-softmax-fusion", action="store_false",
                    dest="masked_softmax_fusion")
@@ -126,7 +128,15 @@ def _add_training_args(parser):
     g.add_argument("--use-legacy-models", action="store_true")
     g.add_argument("--manual-gc", action="store_true")
     g.add_argument("--manual-gc-interval", type=int, default=0)
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="stop every rank before the optimizer step when a loss or (without "
+                   "--fp16) a gradient holds an inf or nan, naming the iteration, rank and tensor")
+    g.add_argument("--skip-iterations-with-loss-spike", action="store_true",
+                   help="skip the optimizer step of an iteration whose loss is not finite or "
+                   "exceeds --loss-spike-factor x the mean loss of the last --loss-spike-window "
+                   "steps taken; counted as a skipped iteration in the log line")
+    g.add_argument("--loss-spike-factor", type=float, default=2.0)
+    g.add_argument("--loss-spike-window", type=int, default=20)
     g.add_argument("--skip-train", action="store_true")
 
 
@@ -179,7 +189,9 @@ def _add_checkpointing_args(parser):
     g.add_argument("--use-checkpoint-args", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch"])
-    g.add_argument("--async-save", action="store_true")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints on a background thread while training goes on; the "
+                   "tracker is updated once every rank's file is complete")
 
 
 def _add_mixed_precision_args(parser):
@@ -542,6 +554,10 @@ def _validate_batch_and_schedule(args) -> None:
             _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.eval_iters < 0:
         _fail(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.loss_spike_factor <= 1.0:
+        _fail(f"--loss-spike-factor must be > 1, got {args.loss_spike_factor}")
+    if args.loss_spike_window < 1:
+        _fail(f"--loss-spike-window must be >= 1, got {args.loss_spike_window}")
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -12,13 +12,31 @@ tracker file (also through a rename). A crash at any point leaves the previous c
 tracker intact. Reading: ``torch.load(weights_only=True)`` with a short allow-list of plain types,
 so a checkpoint from a stranger cannot run code; every key and shape is checked before anything is
 copied into the model, so a failed load never leaves a half-loaded model.
+
+What survives what: a process killed at any point of a save (the test hook
+``MEGATRON_TEST_CRASH_AT``, below, kills it at each named point) leaves the tracker naming a
+complete checkpoint. The next start with the same ``--save`` removes the unfinished staging folder
+and tracker temporary file, and puts back an iteration folder that was being replaced (see
+:func:`clean_interrupted_saves`); ``--load`` ignores such leftovers.
+
+``--async-save`` (:class:`AsyncCheckpointSaver`): at the iteration boundary every rank copies its
+state to CPU memory (collectives run here, on the main thread), then a background thread writes
+the copy into the staging folder with the same protocol while training goes on. The ranks agree
+that every file is complete at a later iteration boundary, with one all-reduce per iteration while
+a save is in flight (a background thread never runs a collective); only then does rank 0 rename
+the folder and replace the tracker. At most one save is in flight: the next save, the end of
+training and every exit wait for it. An error of a writer is raised on every rank at that
+boundary, naming the file.
 """
 
 import argparse
+import copy
 import os
 import random
 import re
 import shutil
+import signal
+import threading
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -29,6 +47,12 @@ from megatron.core import device
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+STAGING_PREFIX = ".tmp_"     # SAVE/.tmp_iter_0000100/iter_0000100/...: a save being written
+REPLACED_SUFFIX = ".old"     # SAVE/iter_0000100.old: the folder a new save of 100 replaces
+CRASH_ENV = "MEGATRON_TEST_CRASH_AT"
+# The points of a save at which MEGATRON_TEST_CRASH_AT can kill the process, in order.
+CRASH_POINTS = ("before_files", "during_file", "after_file", "before_rename", "replacing_old",
+                "after_rename", "before_tracker", "after_tracker")
 CONVERSION_TOOL = "tools/checkpoint/convert.py"
 
 # Flags that fix the shape of the saved tensors: a checkpoint cannot be loaded if they differ.
@@ -64,11 +88,24 @@ def checkpoint_dir_name(iteration: int, release: bool = False) -> str:
     return "release" if release else f"iter_{iteration:07d}"
 
 
+def _rank_file_in(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
+    rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return os.path.join(iter_dir, rank_dir, "model_optim_rng.pt")
+
+
 def checkpoint_file(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
                     release: bool = False) -> str:
-    rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return os.path.join(root, checkpoint_dir_name(iteration, release), rank_dir,
-                        "model_optim_rng.pt")
+    return _rank_file_in(os.path.join(root, checkpoint_dir_name(iteration, release)), tp_rank,
+                         pp_rank, pp_size)
+
+
+def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
+    """The folder of ``iteration``; its ``.old`` copy when a save replacing it was interrupted
+    (the next start with this folder as --save puts it back; see clean_interrupted_saves)."""
+    iter_dir = os.path.join(load_dir, checkpoint_dir_name(iteration, release))
+    if not os.path.isdir(iter_dir) and os.path.isdir(iter_dir + REPLACED_SUFFIX):
+        return iter_dir + REPLACED_SUFFIX
+    return iter_dir
 
 
 def read_tracker(load_dir: str) -> Optional[Tuple[int, bool]]:
@@ -94,9 +131,14 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+# Records of the running process, not settings of the run: kept out of the checkpoint.
+_RUNTIME_ONLY_ARGS = ("train_loss_history",)
+
+
 def _plain_args(args) -> argparse.Namespace:
     plain = (type(None), bool, int, float, str, list, tuple, dict, torch.dtype)
-    return argparse.Namespace(**{k: v for k, v in vars(args).items() if isinstance(v, plain)})
+    return argparse.Namespace(**{k: v for k, v in vars(args).items()
+                                 if isinstance(v, plain) and k not in _RUNTIME_ONLY_ARGS})
 
 
 def _rng_state() -> dict:
@@ -125,6 +167,66 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+_crash_counts: Dict[str, int] = {}
+_crash_lock = threading.Lock()
+
+
+def _crash_spec(name: str) -> Optional[int]:
+    """The COUNT of ``MEGATRON_TEST_CRASH_AT`` when it names point ``name`` on this rank."""
+    spec = os.environ.get(CRASH_ENV)
+    if not spec:
+        return None
+    m = re.fullmatch(r"([a-z_]+)(?::(\d+))?(?:@(\d+))?", spec.strip())
+    if m is None or m.group(1) not in CRASH_POINTS:
+        raise CheckpointError(f"{CRASH_ENV}={spec!r}: expected POINT[:COUNT][@RANK] with POINT "
+                              f"one of {', '.join(CRASH_POINTS)}")
+    if m.group(1) != name or (m.group(3) is not None and int(m.group(3)) != _global_rank()):
+        return None
+    return int(m.group(2) or 1)
+
+
+def crash_point(name: str) -> None:
+    """Test hook: SIGKILL this process the COUNT-th time it reaches save point ``name``.
+
+    ``MEGATRON_TEST_CRASH_AT=POINT[:COUNT][@RANK]`` names one of :data:`CRASH_POINTS`; COUNT
+    (default 1) counts the times this process reached the point; with ``@RANK`` only that global
+    rank dies. The tests use it to prove that a process killed anywhere inside a save loses
+    nothing. Unset, it costs one environment lookup per point.
+    """
+    count = _crash_spec(name)
+    if count is None:
+        return
+    with _crash_lock:
+        _crash_counts[name] = _crash_counts.get(name, 0) + 1
+        hit = _crash_counts[name] == count
+    if hit:
+        print(f"{CRASH_ENV}: killing rank {_global_rank()} at {name}:{count}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _KillMidFile:
+    """A file that reaches the ``during_file`` crash point after its first write: the process
+    then dies with part of the checkpoint file on disk."""
+
+    def __init__(self, f):
+        self._f = f
+        self._writes = 0
+
+    def write(self, data):
+        self._writes += 1
+        if self._writes == 2:
+            self._f.flush()
+            crash_point("during_file")
+        return self._f.write(data)
+
+    def flush(self):
+        self._f.flush()
+
+
 def _all_ok(ok: bool) -> bool:
     flag = torch.tensor([0 if ok else 1], dtype=torch.int32, device=device.current_device())
     dist.all_reduce(flag)
@@ -143,84 +245,281 @@ def check_save_dir(save_dir: str) -> None:
         raise CheckpointError(f"--save {save_dir} is not writable: {err.strerror}") from None
 
 
+def clean_interrupted_saves(save_dir: str) -> List[str]:
+    """Tidy what a save killed midway left in ``save_dir``; returns one line per change.
+
+    Rank 0 calls it at start-up, before anything is loaded or saved. Staging folders
+    (``.tmp_iter_*``), the tracker's temporary file and write probes are deleted. An
+    ``iter_*.old`` folder (the previous copy of an iteration being saved again) is deleted when
+    its replacement is in place, else renamed back, since the tracker may name it.
+    """
+    if not os.path.isdir(save_dir):
+        return []
+    done = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        base = name[:-len(REPLACED_SUFFIX)] if name.endswith(REPLACED_SUFFIX) else None
+        if name.startswith(STAGING_PREFIX + "iter_") or name.startswith(".write_test_") \
+                or name == TRACKER_FILENAME + ".tmp":
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+            done.append(f"removed {name}, left by an interrupted save")
+        elif base is not None and re.fullmatch(r"iter_\d{7}", base):
+            if os.path.isdir(os.path.join(save_dir, base)):
+                shutil.rmtree(path, ignore_errors=True)
+                done.append(f"removed {name}, already replaced by {base}")
+            else:
+                os.replace(path, os.path.join(save_dir, base))
+                done.append(f"restored {base} from {name} (the save replacing it was "
+                            "interrupted)")
+    if done:
+        _fsync_dir(save_dir)
+    return done
+
+
 def _model_state(model_chunks) -> dict:
     if len(model_chunks) == 1:
         return {"model": model_chunks[0].state_dict_for_save_checkpoint()}
     return {f"model{i}": m.state_dict_for_save_checkpoint() for i, m in enumerate(model_chunks)}
 
 
-def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
-                    pstate) -> str:
-    """Write the checkpoint of ``iteration`` under ``args.save``; returns its folder."""
-    save_dir = args.save
-    final_dir = os.path.join(save_dir, checkpoint_dir_name(iteration))
-    tmp_root = os.path.join(save_dir, ".tmp_" + checkpoint_dir_name(iteration))
-    rank = dist.get_rank()
-    if rank == 0:
+def _staging_root(save_dir: str, iteration: int) -> str:
+    return os.path.join(save_dir, STAGING_PREFIX + checkpoint_dir_name(iteration))
+
+
+def _begin_save(save_dir: str, iteration: int) -> str:
+    """Rank 0 empties the staging folder of ``iteration``; every rank waits for it."""
+    tmp_root = _staging_root(save_dir, iteration)
+    if dist.get_rank() == 0:
         shutil.rmtree(tmp_root, ignore_errors=True)
         os.makedirs(tmp_root, exist_ok=True)
     dist.barrier()
+    return tmp_root
 
+
+def _collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
+                   pstate) -> Optional[dict]:
+    """This rank's checkpoint (None on data-parallel ranks > 0: they write no file).
+
+    Every rank takes part: the data-parallel ranks' RNG states are gathered, and a distributed
+    optimizer gathers its shards to DP rank 0 and finishes any parameter all-gather still
+    overlapping, so the model is whole. The tensors returned are the live ones, not copies.
+    """
     rng_states = None
     if not args.no_save_rng:
         rng_states = [None] * pstate.dp_size
         dist.all_gather_object(rng_states, _rng_state(), group=pstate.dp_group)
-
-    # Every DP rank asks: the distributed optimizer gathers its shards to DP rank 0 (a
-    # collective), and finishes any parameter all-gather still overlapping, so the model is whole.
     finish_param_sync = getattr(optimizer, "finish_param_sync", None)
     if finish_param_sync is not None:
         finish_param_sync()
     optimizer_state = None if args.no_save_optim else optimizer.state_dict()
+    if pstate.dp_rank != 0:
+        return None
+    state = {"args": _plain_args(args), "checkpoint_version": CHECKPOINT_VERSION,
+             "iteration": iteration}
+    state.update(_model_state(model_chunks))
+    if not args.no_save_optim:
+        state["optimizer"] = optimizer_state
+        state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+    if rng_states is not None:
+        state["rng_state"] = rng_states
+    return state
 
-    ok, error = True, ""
-    if pstate.dp_rank == 0:
-        state = {"args": _plain_args(args), "checkpoint_version": CHECKPOINT_VERSION,
-                 "iteration": iteration}
-        state.update(_model_state(model_chunks))
-        if not args.no_save_optim:
-            state["optimizer"] = optimizer_state
-            state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        if rng_states is not None:
-            state["rng_state"] = rng_states
-        # tmp_root plays the role of SAVE: the iteration folder inside it is renamed at the end.
-        path = checkpoint_file(tmp_root, iteration, pstate.tp_rank, pstate.pp_rank,
-                               pstate.pp_size)
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with open(path, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as err:
-            ok, error = False, f"{path}: {err.strerror}"
-    if not _all_ok(ok):
-        if rank == 0:
-            shutil.rmtree(tmp_root, ignore_errors=True)
-        raise CheckpointError(f"saving iteration {iteration} to {save_dir} failed"
-                              + (f": {error}" if error else " on another rank"))
 
-    if rank == 0:
-        staged = os.path.join(tmp_root, checkpoint_dir_name(iteration))
-        old = final_dir + ".old"
-        if os.path.exists(final_dir):
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(final_dir, old)
-        os.replace(staged, final_dir)
-        shutil.rmtree(old, ignore_errors=True)
-        shutil.rmtree(tmp_root, ignore_errors=True)
-        _fsync_dir(save_dir)
-        tracker = os.path.join(save_dir, TRACKER_FILENAME)
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(iteration))
+def _write_state(state: dict, path: str) -> str:
+    """Write one rank's file and fsync it; returns "" or what went wrong, naming the file."""
+    crash_point("before_files")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            torch.save(state, _KillMidFile(f) if _crash_spec("during_file") else f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tracker + ".tmp", tracker)
-        _fsync_dir(save_dir)
-        print(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}",
-              flush=True)
-    dist.barrier()
-    return final_dir
+    except OSError as err:
+        return f"{path}: {err.strerror}"
+    except Exception as err:  # noqa: BLE001 - reported on every rank, not only this one
+        return f"{path}: {type(err).__name__}: {err}"
+    crash_point("after_file")
+    return ""
+
+
+def _publish(save_dir: str, iteration: int) -> None:
+    """Rank 0: move the staged folder into place, then point the tracker at it (renames)."""
+    name = checkpoint_dir_name(iteration)
+    tmp_root = _staging_root(save_dir, iteration)
+    final_dir = os.path.join(save_dir, name)
+    old = final_dir + REPLACED_SUFFIX
+    crash_point("before_rename")
+    if os.path.exists(final_dir):
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final_dir, old)
+        crash_point("replacing_old")
+    os.replace(os.path.join(tmp_root, name), final_dir)
+    crash_point("after_rename")
+    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp_root, ignore_errors=True)
+    _fsync_dir(save_dir)
+    tracker = os.path.join(save_dir, TRACKER_FILENAME)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    crash_point("before_tracker")
+    os.replace(tracker + ".tmp", tracker)
+    _fsync_dir(save_dir)
+    crash_point("after_tracker")
+    print(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}",
+          flush=True)
+
+
+def _raise_if_failed(error: str, what: str) -> None:
+    """Collective: every rank raises, naming each failing rank's file, if any rank failed."""
+    if _all_ok(not error):
+        return
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    detail = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+    raise CheckpointError(f"{what} failed: {detail}")
+
+
+def _finish_save(save_dir: str, iteration: int, error: str) -> None:
+    """Collective: publish the staged save if every rank's file was written, else raise."""
+    try:
+        _raise_if_failed(error, f"saving iteration {iteration} to {save_dir}")
+    except CheckpointError:
+        if dist.get_rank() == 0:
+            shutil.rmtree(_staging_root(save_dir, iteration), ignore_errors=True)
+        raise
+    publish_error = ""
+    if dist.get_rank() == 0:
+        try:
+            _publish(save_dir, iteration)
+        except OSError as err:
+            publish_error = f"{err.filename}: {err.strerror}"
+    _raise_if_failed(publish_error, f"publishing iteration {iteration} in {save_dir}")
+
+
+def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
+                    pstate) -> str:
+    """Write the checkpoint of ``iteration`` under ``args.save``; returns its folder.
+
+    Collective. The files go to the staging folder; once every rank's file is written and
+    fsynced, rank 0 renames the folder into place and then replaces the tracker.
+    """
+    tmp_root = _begin_save(args.save, iteration)
+    state = _collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
+    error = ""
+    if state is not None:
+        error = _write_state(state, checkpoint_file(tmp_root, iteration, pstate.tp_rank,
+                                                    pstate.pp_rank, pstate.pp_size))
+    _finish_save(args.save, iteration, error)
+    return os.path.join(args.save, checkpoint_dir_name(iteration))
+
+
+def _copy_to_cpu(obj, memo: Optional[dict] = None):
+    """A deep copy of a checkpoint state with every tensor copied to CPU memory (a tensor that
+    appears twice is copied once), so training may change the originals while it is written."""
+    memo = {} if memo is None else memo
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            copied = obj.detach().to("cpu", copy=True)
+            if isinstance(obj, torch.nn.Parameter):
+                copied = torch.nn.Parameter(copied, requires_grad=obj.requires_grad)
+            memo[id(obj)] = copied
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        out = copy.copy(obj)  # same type and attributes (a state dict's ``_metadata``)
+        for key, value in obj.items():
+            out[key] = _copy_to_cpu(value, memo)
+        return out
+    if isinstance(obj, list):
+        return [_copy_to_cpu(v, memo) for v in obj]
+    if type(obj) is tuple:  # noqa: E721 - named tuples are deep-copied below
+        return tuple(_copy_to_cpu(v, memo) for v in obj)
+    if isinstance(obj, argparse.Namespace):
+        return argparse.Namespace(**{k: _copy_to_cpu(v, memo) for k, v in vars(obj).items()})
+    return copy.deepcopy(obj)
+
+
+class _InFlight:
+    """One background save: its iteration, where it goes, its writer thread and its error."""
+
+    def __init__(self, iteration: int, save_dir: str):
+        self.iteration = iteration
+        self.save_dir = save_dir
+        self.thread: Optional[threading.Thread] = None
+        self.error = ""
+
+    def write(self, state: dict, path: str) -> None:
+        try:
+            self.error = _write_state(state, path)
+        except BaseException as err:  # noqa: BLE001 - raised on the main thread at a boundary
+            self.error = f"{path}: {type(err).__name__}: {err}"
+
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+
+class AsyncCheckpointSaver:
+    """``--async-save``: checkpoints written by a background thread while training goes on.
+
+    :meth:`save` copies this rank's state to CPU at the iteration boundary and starts the
+    writer; :meth:`poll`, at every later boundary, publishes the save once every rank's file is
+    complete; :meth:`wait` blocks until it is (the next save, the end of training and every exit
+    call it). All three are collective: every rank calls them at the same iterations, so the
+    ranks agree by an all-reduce on the main thread; writer threads run no collective.
+    """
+
+    def __init__(self):
+        self._in_flight: Optional[_InFlight] = None
+
+    @property
+    def in_flight(self) -> Optional[int]:
+        """The iteration whose save is being written, or None."""
+        return None if self._in_flight is None else self._in_flight.iteration
+
+    def save(self, iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
+             pstate) -> None:
+        self.wait()
+        tmp_root = _begin_save(args.save, iteration)
+        state = _collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args,
+                               pstate)
+        job = _InFlight(iteration, args.save)
+        if state is not None:
+            path = checkpoint_file(tmp_root, iteration, pstate.tp_rank, pstate.pp_rank,
+                                   pstate.pp_size)
+            # Daemon: a process that dies leaves a staging folder, which the next start removes.
+            job.thread = threading.Thread(target=job.write, args=(_copy_to_cpu(state), path),
+                                          name=f"checkpoint-writer-{iteration}", daemon=True)
+            job.thread.start()
+        self._in_flight = job
+        if dist.get_rank() == 0:
+            print(f"  saving checkpoint at iteration {iteration:7d} to {args.save} in the "
+                  "background", flush=True)
+
+    def poll(self) -> None:
+        """At an iteration boundary: publish the save in flight if every rank has written."""
+        if self._in_flight is None:
+            return
+        busy = torch.tensor([int(self._in_flight.busy())], dtype=torch.int32,
+                            device=device.current_device())
+        dist.all_reduce(busy, op=dist.ReduceOp.MAX)
+        if not busy.item():
+            self._finish()
+
+    def wait(self) -> None:
+        """Block until the save in flight is written on every rank, then publish it."""
+        if self._in_flight is None:
+            return
+        if self._in_flight.thread is not None:
+            self._in_flight.thread.join()
+        self._finish()
+
+    def _finish(self) -> None:
+        job, self._in_flight = self._in_flight, None
+        _finish_save(job.save_dir, job.iteration, job.error)
 
 
 def saved_layout(iter_dir: str) -> Tuple[int, int]:
@@ -267,7 +566,7 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
     iteration, release = tracked
     if args.ckpt_step is not None:
         iteration, release = args.ckpt_step, False
-    iter_dir = os.path.join(load_dir, checkpoint_dir_name(iteration, release))
+    iter_dir = _iteration_dir(load_dir, iteration, release)
     if not os.path.isdir(iter_dir):
         raise CheckpointError(f"{iter_dir}: missing (named by {TRACKER_FILENAME} or --ckpt-step)")
     saved_tp, saved_pp = saved_layout(iter_dir)
@@ -280,8 +579,7 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
             f"{CONVERSION_TOOL} --model-type GPT --loader megatron --saver megatron --load-dir "
             f"{load_dir} --save-dir NEW_DIR --target-tensor-parallel-size {pstate.tp_size} "
             f"--target-pipeline-parallel-size {pstate.pp_size}")
-    path = checkpoint_file(load_dir, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size,
-                           release)
+    path = _rank_file_in(iter_dir, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
     return path, iteration, release
 
 
@@ -410,6 +708,8 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) 
     if restore_training:
         args.consumed_train_samples = getattr(saved_args, "consumed_train_samples", 0)
         args.consumed_valid_samples = getattr(saved_args, "consumed_valid_samples", 0)
+        # The recent losses --skip-iterations-with-loss-spike compares with.
+        args.loss_spike_history = list(getattr(saved_args, "loss_spike_history", None) or [])
     else:
         iteration = 0
     if dist.get_rank() == 0:
@@ -426,10 +726,9 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
     if tracked is None:
         raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} in {args.load}")
     iteration, release = tracked
-    iter_dir = os.path.join(args.load, checkpoint_dir_name(iteration, release))
+    iter_dir = _iteration_dir(args.load, iteration, release)
     _, saved_pp = saved_layout(iter_dir)
-    saved = load_state_file(checkpoint_file(args.load, iteration, 0, 0, saved_pp,
-                                            release)).get("args")
+    saved = load_state_file(_rank_file_in(iter_dir, 0, 0, saved_pp)).get("args")
     if saved is None:
         raise CheckpointError(f"{iter_dir}: the checkpoint holds no args")
     for name in CHECKPOINT_ARGS:

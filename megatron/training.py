@@ -243,40 +243,176 @@ def build_chunk_data_iterators(provider: Callable, args, pstate):
 
 
 class _StopSignal:
-    """SIGTERM handler for --exit-signal-handler: note the signal, stop at the iteration's end."""
+    """--exit-signal-handler: SIGTERM or SIGINT is noted, and the run saves and stops at the end
+    of the iteration (every rank, agreeing by an all-reduce, whichever ranks got the signal).
+
+    Further signals are noted the same way: a launcher may relay the one it got (torchrun passes
+    an interrupt on to its workers), so a second signal must not kill the save in progress.
+    """
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
-        self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.received = 0  # the first signal's number
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum, frame):
-        self.received = True
+        self.received = self.received or signum
 
-    def any_rank_received(self) -> bool:
+    def any_rank_received(self) -> Optional[str]:
+        """The name of a signal some rank received (the highest number), or None."""
         flag = torch.tensor([int(self.received)], device=device.current_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return signal.Signals(int(flag.item())).name if flag.item() else None
 
     def release(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class NumericalFaultError(RuntimeError):
+    """--check-for-nan-in-loss-and-grad found an inf or a nan; the message names the iteration,
+    the rank and the tensor, and every rank raises it before the optimizer step."""
+
+
+class _LossWatch:
+    """The forward step, keeping this rank's loss of every micro-batch of the iteration."""
+
+    def __init__(self, forward_step_func: Callable):
+        self.forward_step_func = forward_step_func
+        self.losses: List[torch.Tensor] = []
+
+    def __call__(self, data_iterator, model):
+        output_tensor, loss_func = self.forward_step_func(data_iterator, model)
+
+        def watched(output):
+            result = loss_func(output)
+            self.losses.append(result[0].detach())
+            return result
+
+        return output_tensor, watched
+
+
+def _describe_nonfinite(tensor: torch.Tensor) -> str:
+    n_nan = int(torch.isnan(tensor).sum())
+    n_inf = int(torch.isinf(tensor).sum())
+    return f"{n_nan} nan and {n_inf} inf of {tensor.numel()} values"
+
+
+def _loss_findings(watch: _LossWatch) -> List[str]:
+    if not watch.losses or bool(torch.isfinite(torch.stack(watch.losses)).all()):
+        return []
+    first = next(i for i, loss in enumerate(watch.losses) if not torch.isfinite(loss).all())
+    return [f"loss of micro-batch {first} is {watch.losses[first].item()}"]
+
+
+def _grad_findings(model) -> List[str]:
+    """This rank's parameters whose gradient (``main_grad``) holds an inf or a nan."""
+    named = []
+    for c, chunk in enumerate(model):
+        for name, param in getattr(chunk, "module", chunk).named_parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                named.append((name if len(model) == 1 else f"{name} (model chunk {c})", grad))
+    if not named or bool(torch.stack([torch.isfinite(g).all() for _, g in named]).all()):
+        return []
+    bad = [f"gradient of {name} has {_describe_nonfinite(g)}" for name, g in named
+           if not torch.isfinite(g).all()]
+    return bad[:3] + ([f"and {len(bad) - 3} more gradients"] if len(bad) > 3 else [])
+
+
+def _stop_if_not_finite(findings: List[str], iteration: Optional[int], args, pstate,
+                        reduced: bool) -> None:
+    """Collective: if any rank found an inf or nan, every rank raises one message naming them."""
+    flag = torch.tensor([int(bool(findings))], device=device.current_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if not flag.item():
+        return
+    where = (f"rank {args.rank} (tensor-parallel rank {pstate.tp_rank}, pipeline-parallel rank "
+             f"{pstate.pp_rank}, data-parallel rank {pstate.dp_rank})")
+    mine = f"{where}: " + "; ".join(findings) if findings else ""
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    when = f"iteration {iteration}" if iteration is not None else "this iteration"
+    note = (" (gradients checked after the data-parallel reduction, --overlap-grad-reduce)"
+            if reduced else "")
+    raise NumericalFaultError(
+        f"{when}: inf or nan found (--check-for-nan-in-loss-and-grad){note}: "
+        + " | ".join(m for m in everyone if m)
+        + f". Every rank stops before the optimizer step of {when}; the checkpoints saved so "
+        "far are untouched.")
+
+
+def _skip_for_loss_spike(logged: List[dict], iteration: Optional[int], args, pstate) -> bool:
+    """--skip-iterations-with-loss-spike: whether this iteration's optimizer step is skipped.
+
+    The iteration's loss (the logged ``lm loss``, else the first logged value) is sent from the
+    last pipeline stage to every rank; it is a spike when it is not finite or is more than
+    ``--loss-spike-factor`` times the mean of the last ``--loss-spike-window`` losses of steps
+    taken. Those losses travel in the checkpoint's args, so a resumed run decides alike.
+    """
+    value, bad = -math.inf, 0.0
+    if pstate.is_last_stage(ignore_virtual=True) and logged:
+        key = "lm loss" if "lm loss" in logged[0] else next(iter(logged[0]))
+        mean = sum(training_log.to_float(d[key]) for d in logged) / len(logged)
+        value, bad = (mean, 0.0) if math.isfinite(mean) else (-math.inf, 1.0)
+    both = torch.tensor([bad, value], dtype=torch.float64, device=device.current_device())
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    bad, value = bool(both[0].item()), float(both[1].item())
+    history, window = args.loss_spike_history, args.loss_spike_window
+    baseline = sum(history[-window:]) / window if len(history) >= window else None
+    if not bad and (baseline is None or value <= args.loss_spike_factor * baseline):
+        history.append(value)
+        del history[:-window]
+        return False
+    if args.rank == args.world_size - 1:
+        why = ("is not finite" if bad else f"{value:.6E} is above {args.loss_spike_factor} x "
+               f"{baseline:.6E}, the mean of the last {window} iterations")
+        print(f"skipping the optimizer step of iteration {iteration}: the loss {why} "
+              "(--skip-iterations-with-loss-spike)", flush=True)
+    return True
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, pstate,
-               calculator: NumMicroBatchesCalculator):
-    """One iteration; returns (loss dict, skipped, grad norm, loss scale)."""
+               calculator: NumMicroBatchesCalculator, iteration: Optional[int] = None):
+    """One iteration (number ``iteration``, for messages); returns (loss dict, skipped, grad
+    norm, loss scale).
+
+    With --check-for-nan-in-loss-and-grad every rank's micro-batch losses and gradients are
+    checked before the optimizer step; gradients before the data-parallel reduction, so the rank
+    that produced an inf or nan is named (after it with --overlap-grad-reduce, which starts the
+    reduction during backward). Gradients are not checked with --fp16: there an inf gradient is
+    an overflow, and the optimizer skips the step and the log line counts it.
+    """
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
+    check = args.check_for_nan_in_loss_and_grad
+    check_grads = check and not args.fp16
+    watch = _LossWatch(forward_step_func) if check else None
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
-    logged = schedule(forward_step_func=forward_step_func, data_iterator=data_iterator,
+    logged = schedule(forward_step_func=watch or forward_step_func, data_iterator=data_iterator,
                       model=model, num_microbatches=calculator.num_micro_batches,
                       forward_only=False, grad_scale_func=optimizer.scale_loss,
                       **schedule_kwargs(model, args, pstate))
+    findings = _loss_findings(watch) if check else []
+    if check_grads and not args.overlap_grad_reduce:
+        findings += _grad_findings(model)
     finalize_model_grads(model, tp_group=pstate.tp_group, embedding_group=pstate.embedding_group,
                          is_first_stage=pstate.is_first_stage(ignore_virtual=True),
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
                          pp_size=pstate.pp_size, sequence_parallel=args.sequence_parallel)
-    ok, grad_norm, _ = optimizer.step()
+    if check:
+        if check_grads and args.overlap_grad_reduce:
+            findings += _grad_findings(model)
+        _stop_if_not_finite(findings, iteration, args, pstate,
+                            reduced=check_grads and args.overlap_grad_reduce)
+    if args.skip_iterations_with_loss_spike and _skip_for_loss_spike(logged, iteration, args,
+                                                                     pstate):
+        ok, grad_norm = False, None
+    else:
+        ok, grad_norm, _ = optimizer.step()
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).
     loss_scale = training_log.to_float(optimizer.get_loss_scale())
     if ok:
@@ -320,15 +456,20 @@ def evaluate_and_print(prefix, forward_step_func, data_iterator, model, iteratio
     return losses
 
 
-def _save(iteration, model, optimizer, scheduler, args, pstate, timers):
+def _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver=None):
+    """Save now, or start a background save with ``saver`` (--async-save)."""
     timers("save-checkpoint", log_level=0).start()
-    checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args, pstate)
+    if saver is not None:
+        saver.save(iteration, model, optimizer, scheduler, args, pstate)
+    else:
+        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args, pstate)
     timers("save-checkpoint", log_level=0).stop()
 
 
 def _should_exit(iteration, args, start_time, stop_signal) -> Optional[str]:
-    if stop_signal is not None and stop_signal.any_rank_received():
-        return "received SIGTERM"
+    received = stop_signal.any_rank_received() if stop_signal is not None else None
+    if received is not None:
+        return f"received {received}"
     if args.exit_interval and iteration % args.exit_interval == 0:
         return f"reached --exit-interval {args.exit_interval}"
     if args.exit_duration_in_mins:
@@ -349,8 +490,12 @@ def report_memory(args, pstate, calculator: NumMicroBatchesCalculator) -> None:
 
 
 def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator, args,
-          pstate, calculator, timers, writer, start_iteration: int) -> int:
-    """The training loop; returns the last iteration run."""
+          pstate, calculator, timers, writer, start_iteration: int, saver=None) -> int:
+    """The training loop; returns the last iteration run.
+
+    ``saver`` (--async-save) writes checkpoints in the background; each iteration boundary
+    publishes a finished one, and an exit waits for it.
+    """
     for chunk in model:
         chunk.train()
     stop_signal = _StopSignal() if args.exit_signal_handler else None
@@ -363,16 +508,12 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             calculator.update(args.consumed_train_samples)
             losses, skipped, grad_norm, loss_scale = train_step(
                 forward_step_func, train_iterator, model, optimizer, scheduler, args, pstate,
-                calculator)
+                calculator, iteration=iteration + 1)
             iteration += 1
             if iteration == start_iteration + 1:
                 report_memory(args, pstate, calculator)
             batch = calculator.current_global_batch_size
             args.consumed_train_samples += batch
-            if args.check_for_nan_in_loss_and_grad and any(
-                    not math.isfinite(v) for v in losses.values()):
-                raise RuntimeError(f"rank {args.rank}: loss is not finite at iteration "
-                                   f"{iteration}: {losses} (--check-for-nan-in-loss-and-grad)")
             stats.add(losses, skipped)
             args.train_loss_history.append((iteration, losses.get("lm loss")))
             lr = optimizer.param_groups[0]["lr"]
@@ -394,14 +535,18 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 evaluate_and_print(f"iteration {iteration}", forward_step_func, valid_iterator,
                                    model, iteration, args, pstate, calculator, writer,
                                    args.eval_iters)
+            if saver is not None:
+                saver.poll()
             saved = False
             if args.save and args.save_interval and iteration % args.save_interval == 0:
-                _save(iteration, model, optimizer, scheduler, args, pstate, timers)
+                _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver)
                 saved = True
             reason = _should_exit(iteration, args, start_time, stop_signal)
             if reason is not None:
                 if args.save and not saved:
-                    _save(iteration, model, optimizer, scheduler, args, pstate, timers)
+                    _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver)
+                if saver is not None:
+                    saver.wait()
                 print_rank_0(f"exiting at iteration {iteration}: {reason}")
                 args.exit_requested = True
                 break
@@ -442,6 +587,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     if args.save:
         if args.rank == 0:
             checkpointing.check_save_dir(args.save)
+            for change in checkpointing.clean_interrupted_saves(args.save):
+                print(f"NOTE: --save {args.save}: {change}", flush=True)
         dist.barrier()
     if args.train_samples is not None:
         args.train_iters = NumMicroBatchesCalculator(
@@ -453,20 +600,24 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                                            args.data_parallel_size, args.rampup_batch_size)
 
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate)
+    args.loss_spike_history = []
     iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)
     args.iteration = iteration
     train_it, valid_it, test_it = build_chunk_data_iterators(train_valid_test_dataset_provider,
                                                              args, pstate)
     args.exit_requested = False
     args.train_loss_history = []
+    saver = checkpointing.AsyncCheckpointSaver() if args.async_save and args.save else None
     if not args.skip_train and args.do_train and iteration < args.train_iters:
         print_rank_0(f"training from iteration {iteration} to {args.train_iters} ...")
         iteration = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it,
-                          args, pstate, calculator, timers, writer, iteration)
+                          args, pstate, calculator, timers, writer, iteration, saver=saver)
         args.iteration = iteration
         if args.save and iteration % (args.save_interval or sys.maxsize) != 0 \
                 and not args.exit_requested:
-            _save(iteration, model, optimizer, scheduler, args, pstate, timers)
+            _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver)
+        if saver is not None:
+            saver.wait()
     if not args.exit_requested:
         if args.do_valid and args.eval_iters > 0:
             args.final_valid_losses = evaluate_and_print(
