@@ -35,6 +35,7 @@ import os
 import random
 import re
 import shutil
+import zipfile
 import signal
 import threading
 from typing import Dict, List, Optional, Tuple
@@ -47,6 +48,8 @@ from megatron.core import device
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+# A tracker holds an iteration number; anything longer is not one (and int() refuses > 4300 digits).
+_MAX_TRACKER_BYTES = 1024
 STAGING_PREFIX = ".tmp_"     # SAVE/.tmp_iter_0000100/iter_0000100/...: a save being written
 REPLACED_SUFFIX = ".old"     # SAVE/iter_0000100.old: the folder a new save of 100 replaces
 CRASH_ENV = "MEGATRON_TEST_CRASH_AT"
@@ -111,13 +114,19 @@ def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
 def read_tracker(load_dir: str) -> Optional[Tuple[int, bool]]:
     """``(iteration, release)`` from the tracker file, or None if there is none."""
     path = os.path.join(load_dir, TRACKER_FILENAME)
-    if not os.path.isfile(path):
+    if not os.path.lexists(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: exists but is not a regular file")
+    with open(path, "rb") as f:
+        raw = f.read(_MAX_TRACKER_BYTES + 1)
+    try:
+        text = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not UTF-8 text (starts {raw[:20]!r})") from None
     if text == "release":
         return 0, True
-    if not re.fullmatch(r"\d+", text):
+    if len(raw) > _MAX_TRACKER_BYTES or not re.fullmatch(r"\d+", text):
         raise CheckpointError(f"{path}: expected an iteration number or 'release', "
                               f"found {text[:40]!r}")
     return int(text), False
@@ -535,10 +544,30 @@ def saved_layout(iter_dir: str) -> Tuple[int, int]:
     return max(tps) + 1, max(pps) + 1
 
 
+def _verify_zip_checksums(path: str) -> None:
+    """Check the CRC-32 of every member of a zip-format checkpoint.
+
+    torch writes them but its reader does not check them, so a flipped bit on disk would load as
+    a silently different weight. Costs one extra read of the file; legacy (non-zip) files have
+    no checksums to check.
+    """
+    if not zipfile.is_zipfile(path):
+        return
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+        raise CheckpointError(f"{path}: corrupt zip archive ({err})") from None
+    if bad is not None:
+        raise CheckpointError(f"{path}: corrupt: member {bad!r} fails its CRC-32 check "
+                              "(the file changed after it was written)")
+
+
 def load_state_file(path: str) -> dict:
     """``torch.load`` one rank's file safely; errors name the file."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing")
+    _verify_zip_checksums(path)
     try:
         with torch.serialization.safe_globals(_allow_list()):
             state = torch.load(path, map_location="cpu", weights_only=True)
@@ -615,6 +644,9 @@ def _check_model_state(model_chunks, state: dict, path: str) -> List[dict]:
     for i, (chunk, tree) in enumerate(zip(model_chunks, saved)):
         if tree is None:
             raise CheckpointError(f"{path}: no model state for model chunk {i}")
+        if not isinstance(tree, dict):
+            raise CheckpointError(f"{path}: the model state of chunk {i} is a "
+                                  f"{type(tree).__name__}, not a dict of tensors")
         want = _shapes(chunk.state_dict_for_save_checkpoint())
         have = _shapes(tree)
         missing = sorted(set(want) - set(have))
