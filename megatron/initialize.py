@@ -3,12 +3,34 @@
 import datetime
 import os
 import random
+import socket
+import sys
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.core import device, parallel_state
+from megatron.core import device, node_layout, parallel_state
+
+# Every rank's place (node, host, addresses), read by the report on a lost peer.
+_PLACES = None
+
+
+def _check_socket_ifname(backend: str) -> None:
+    """Fail early, naming the variable, when ``GLOO_SOCKET_IFNAME`` names a missing interface.
+
+    gloo binds to exactly the interfaces listed there. ``NCCL_SOCKET_IFNAME`` also takes
+    prefixes and exclusions (``eth``, ``^docker``), so NCCL itself judges that one.
+    """
+    if backend != "gloo":
+        return
+    missing = node_layout.missing_interfaces("GLOO_SOCKET_IFNAME")
+    if missing:
+        present = ", ".join(name for _, name in socket.if_nameindex())
+        raise RuntimeError(
+            f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} names interface(s) "
+            f"{', '.join(missing)} that this host ({socket.gethostname()}) does not have; "
+            f"expected one of: {present}")
 
 
 def _init_process_group(args) -> None:
@@ -16,6 +38,7 @@ def _init_process_group(args) -> None:
     if dist.is_initialized():
         return
     backend = device.backend()
+    _check_socket_ifname(backend)
     if args.distributed_backend != backend and args.rank == 0:
         print(f"NOTE: using the {backend} backend on {device.current_device().type} "
               f"(--distributed-backend {args.distributed_backend} was given)", flush=True)
@@ -67,6 +90,67 @@ def _install_fused_kernels(args) -> None:
               flush=True)
 
 
+def _error_text(exc: BaseException) -> str:
+    """The exception's message and those of its causes, first to last."""
+    texts, seen = [], set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        texts.append(f"{exc}")
+        exc = exc.__cause__ or exc.__context__
+    return "\n".join(texts)
+
+
+def _report_lost_peer(exc_type, exc, tb, previous) -> None:
+    """``sys.excepthook``: the usual traceback, then which node a failed collective lost."""
+    previous(exc_type, exc, tb)
+    if _PLACES is None or not dist.is_initialized():
+        return
+    try:
+        message = node_layout.lost_peer_message(
+            _error_text(exc), _PLACES, dist.get_rank(),
+            communication_error=isinstance(exc, getattr(dist, "DistError", ())))
+    except Exception:  # noqa: BLE001 - the report must never hide the original error
+        message = None
+    if message:
+        print(message, file=sys.stderr, flush=True)
+
+
+def _install_lost_peer_report() -> None:
+    if getattr(sys.excepthook, "_names_lost_peer", False):
+        return
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        _report_lost_peer(exc_type, exc, tb, previous)
+
+    hook._names_lost_peer = True
+    sys.excepthook = hook
+
+
+def check_node_layout(pstate: parallel_state.ParallelState) -> list:
+    """Learn every rank's node; on rank 0 list the nodes and warn once if a TP group spans two.
+
+    Also arms the report that names the lost node when a collective fails later on.
+
+    Returns:
+        Every rank's :class:`node_layout.RankPlace`, indexed by global rank.
+    """
+    global _PLACES
+    places = node_layout.gather_places()
+    _PLACES = places
+    _install_lost_peer_report()
+    if pstate.rank == 0:
+        node_of = node_layout.node_of_ranks(places)
+        if len(set(node_of)) > 1:
+            print(f"> {len(set(node_of))} nodes: {node_layout.describe_nodes(places)}",
+                  flush=True)
+        warning = node_layout.tp_locality_warning(pstate.layout.tp_groups, pstate.tp_size,
+                                                  node_of)
+        if warning:
+            print(warning, flush=True)
+    return places
+
+
 def initialize_megatron(args) -> parallel_state.ParallelState:
     """Device, process group, parallel groups and seeds for validated ``args``."""
     device.configure(args.device, args.local_rank)
@@ -76,7 +160,9 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
                            f"was {args.world_size}")
     pstate = parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        args.virtual_pipeline_model_parallel_size)
+        args.virtual_pipeline_model_parallel_size,
+        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+    check_node_layout(pstate)
     set_random_seeds(args.seed, pstate, args.data_parallel_random_init)
     _install_fused_kernels(args)
     if args.rank == 0:
