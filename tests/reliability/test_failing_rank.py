@@ -7,8 +7,8 @@ blocked on it once it stops, then breaks rank 2 in the middle of training:
 * SIGKILL (a crashed or OOM-killed process): torchrun's monitor sees the exit and stops the rest.
 * a Python exception (a bug, a bad batch): the rank exits, torchrun stops the rest; torch prefixes
   the rank's traceback with ``[rank2]:``.
-* a hang (slow, currently xfail): the rank stays alive but stops taking part. Only the collective
-  timeout, ``--distributed-timeout-minutes``, can end the job; see the xfail reason.
+* a hang (slow): the rank stays alive but stops taking part. Only the collective timeout,
+  ``--distributed-timeout-minutes``, which every process group is created with, ends the job.
 
 The checks: every process of the job is gone within the bound, torchrun exits non-zero, and its
 summary lists rank 2 with the exit code of what happened to it.
@@ -253,11 +253,6 @@ class StillRunning(AssertionError):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=StillRunning, reason=(
-    "megatron/core/parallel_state.py creates the tensor/pipeline/data-parallel groups with "
-    "dist.new_group(ranks) and no timeout, so they wait torch's default (30 min on gloo, 10 on "
-    "NCCL) instead of --distributed-timeout-minutes, which reaches only the world group "
-    "(megatron/initialize.py); peers of a hung rank block in subgroup collectives and p2p"))
 def test_hung_rank_ends_the_job_within_the_distributed_timeout(corpus, tmp_path):
     script = tmp_path / "hanging_pretrain_gpt.py"
     script.write_text(FAULT_SCRIPT.format(root=REPO_ROOT, rank=FAILING_RANK, mode="hang"))
