@@ -525,8 +525,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 timing = (timers.log_string(["save-checkpoint"])
                           if args.timing_log_level > 0 else "")
                 if is_logger:
-                    print(training_log.format_log_line(args, iteration, stats, lr, batch,
-                                                       loss_scale, grad_norm), flush=True)
+                    training_log.emit_line(training_log.format_log_line(
+                        args, iteration, stats, lr, batch, loss_scale, grad_norm))
                     if timing:
                         print(timing, flush=True)
                 stats = training_log.IntervalStats()

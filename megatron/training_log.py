@@ -2,6 +2,7 @@
 
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -46,6 +47,19 @@ class IntervalStats:
         if not skipped and finite:
             for key, value in loss_dict.items():
                 self.losses[key] = self.losses.get(key, 0.0) + value
+
+
+def emit_line(text: str) -> None:
+    """Print one whole line with a single write to stdout.
+
+    Under torchrun every rank shares one stdout pipe. ``print`` hands the text and the newline to
+    the buffer separately, and a full buffer can be flushed between them, so another rank's
+    output could land inside a log line. Flushing first and writing line and newline together
+    makes it one ``write`` (atomic on a pipe up to 4 KiB).
+    """
+    sys.stdout.flush()
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def format_log_line(args, iteration: int, stats: IntervalStats, learning_rate: float,
