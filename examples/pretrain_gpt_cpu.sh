@@ -4,8 +4,9 @@
 #   bash examples/pretrain_gpt_cpu.sh OUT_DIR
 #
 # Expects OUT_DIR/data/stdlib_content_document.{bin,idx} and OUT_DIR/data/{vocab.json,merges.txt}
-# (examples/quickstart_cpu.sh makes them). Writes OUT_DIR/train.log, OUT_DIR/checkpoints/,
-# OUT_DIR/tensorboard/ and OUT_DIR/loss.png. Rerunning resumes from the last checkpoint.
+# (examples/quickstart_cpu.sh makes them). Writes OUT_DIR/train.log (every run appends to it),
+# OUT_DIR/checkpoints/, OUT_DIR/tensorboard/ and OUT_DIR/loss.png. Rerunning resumes from the last
+# checkpoint.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${1:?usage: pretrain_gpt_cpu.sh OUT_DIR}"
@@ -36,5 +37,5 @@ OUTPUT_ARGS=(
 cd "$ROOT"
 OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
   pretrain_gpt.py "${GPT_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${OUTPUT_ARGS[@]}" \
-  2>&1 | tee "$OUT/train.log"
+  2>&1 | tee -a "$OUT/train.log"
 "$PY" tools/plot_loss.py --log "$OUT/train.log" --output "$OUT/loss.png"

@@ -9,16 +9,21 @@ VALID_RE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([0
 
 
 def read_losses(path):
-    train, valid = [], []
+    """(iteration, loss) pairs of training and validation, in iteration order.
+
+    A log that several runs appended to (a run resumed from a checkpoint) may repeat
+    iterations; the latest line of an iteration wins.
+    """
+    train, valid = {}, {}
     with open(path, errors="replace") as f:
         for line in f:
             m = TRAIN_RE.search(line)
             if m:
-                train.append((int(m.group(1)), float(m.group(2))))
+                train[int(m.group(1))] = float(m.group(2))
             m = VALID_RE.search(line)
             if m:
-                valid.append((int(m.group(1)), float(m.group(2))))
-    return train, valid
+                valid[int(m.group(1))] = float(m.group(2))
+    return sorted(train.items()), sorted(valid.items())
 
 
 def main(argv=None):
