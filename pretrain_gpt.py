@@ -32,9 +32,9 @@ def get_batch(data_iterator):
     TP rank 0 reads the batch and broadcasts it to the other tensor-parallel ranks. With pipeline
     parallelism a stage gets only what it uses, as in Megatron: the first (virtual) stage tokens,
     position ids and the attention mask, the last labels, the loss mask and the attention mask;
-    the others are None. A middle stage reads nothing and its layers apply the causal mask
-    (attention_mask None), unless ``--reset-attention-mask`` makes the mask depend on the data,
-    when it reads the batch for the mask alone.
+    the others are None. The attention mask is None (causal) unless ``--reset-attention-mask``
+    makes it depend on the data; a middle stage then reads the batch for the mask alone, and
+    otherwise reads nothing.
     """
     args = global_vars.get_args()
     tokenizer = global_vars.get_tokenizer()
@@ -50,6 +50,10 @@ def get_batch(data_iterator):
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask,
         args.eod_mask_loss)
+    if not args.reset_attention_mask:
+        # The mask is exactly causal: None says so, and attention then uses its causal kernels
+        # (upper-triangular softmax, SDPA's is_causal), which skip the masked half.
+        attention_mask = None
     if not first:
         tokens = position_ids = None
     if not last:

@@ -60,6 +60,9 @@ class GPTModel(MegatronModule):
             post_process, sequence_parallel, init_seed)
         if self.share_embeddings_and_output_weights:
             self._init_shared_head(init_seed)
+        # The training logits, written into the same storage every micro-batch (CPU only:
+        # CUDA's caching allocator already reuses the block).
+        self._logits_buffer = tensor_parallel.ReusableOutputBuffer() if post_process else None
 
     def _init_shared_head(self, init_seed: int) -> None:
         if self.post_process and not self.pre_process:
@@ -109,11 +112,16 @@ class GPTModel(MegatronModule):
                                      inference_params=inference_params)
         if not self.post_process:
             return hidden
+        # Logits that only feed the loss are dead after the output layer's backward.
+        buffer = (self._logits_buffer if labels is not None and torch.is_grad_enabled()
+                  and hidden.device.type == "cpu" else None)
         if self.share_embeddings_and_output_weights:
             logits = parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
-                                        self.tp_group, self.sequence_parallel)  # [s, b, V/tp]
+                                        self.tp_group, self.sequence_parallel,
+                                        output_buffer=buffer)                  # [s, b, V/tp]
         else:
-            logits, _ = self.language_model.output_layer(hidden)               # [s, b, V/tp]
+            logits, _ = self.language_model.output_layer(hidden,
+                                                         output_buffer=buffer)  # [s, b, V/tp]
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()                         # [b, s, V/tp]
             if not self.parallel_output:

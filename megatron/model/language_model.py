@@ -11,9 +11,9 @@ Saved in Megatron's nesting::
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from megatron.core import device, tensor_parallel
+from megatron.core.collectives import get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import init_method_normal
 from megatron.model.attention import dropout_rng_context
@@ -24,20 +24,26 @@ from megatron.model.utils import init_rng
 
 
 def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tensor, tp_group,
-                       sequence_parallel: bool,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                       sequence_parallel: bool, bias: Optional[torch.Tensor] = None,
+                       output_buffer: Optional[tensor_parallel.ReusableOutputBuffer] = None
+                       ) -> torch.Tensor:
     """Logits of this rank's vocabulary slice: ``[s, b, h] -> [s, b, V/tp]``.
 
     ``word_embeddings_weight`` is this rank's ``[V/tp, h]`` rows. The input is replicated over
     the tensor-parallel group (its gradient is all-reduced), or, with sequence parallelism,
     ``[s/tp, b, h]`` and all-gathered (its gradient reduce-scattered).
+
+    The product runs through the tensor-parallel linear function, as a column-parallel layer's
+    does: under ``--gradient-accumulation-fusion`` the ``[V/tp, h]`` weight gradient is added
+    straight into ``main_grad``, with no separate vocabulary-sized gradient tensor and no
+    second pass to add it there. ``output_buffer``: kept storage for the logits (see
+    :class:`~megatron.core.tensor_parallel.ReusableOutputBuffer`), for logits that only feed
+    the loss.
     """
-    if sequence_parallel:
-        input_ = tensor_parallel.gather_from_sequence_parallel_region(
-            input_, tp_group, tensor_parallel_output_grad=True)             # [s, b, h]
-    else:
-        input_ = tensor_parallel.copy_to_tensor_model_parallel_region(input_, tp_group)
-    return F.linear(input_, word_embeddings_weight, bias)                   # [s, b, V/tp]
+    async_grad_allreduce = not sequence_parallel and get_group_size(tp_group) > 1
+    return tensor_parallel.linear_with_grad_accumulation_and_async_allreduce(
+        input_, word_embeddings_weight, bias, tp_group, async_grad_allreduce,
+        sequence_parallel, output_buffer)                                   # [s, b, V/tp]
 
 
 def build_word_embeddings(config: TransformerConfig, tp_group):

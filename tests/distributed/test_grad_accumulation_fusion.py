@@ -6,6 +6,8 @@ float64 gradient, and the fused path must really have been taken (no ``.grad`` l
 accumulation function called once per weight and micro-batch).
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -117,3 +119,96 @@ def test_training_losses_same_with_and_without_fusion(tmp_path):
     assert len(fused) == 4
     torch.testing.assert_close(torch.tensor(fused), torch.tensor(plain["losses"]), rtol=1e-5,
                                atol=1e-6)
+
+
+# -- word embedding tied to the output layer ---------------------------------------------------
+
+V = 8
+
+
+def _embedding_weight():
+    return torch.randn(V, H, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+
+
+def _ids(micro: int):
+    # Repeated ids: rows that receive several gradients in one backward.
+    return torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(200 + micro))
+
+
+def _reference_tied_grad():
+    """float64 gradient of the tied table: lookup -> tanh -> logits against the same table."""
+    w = _embedding_weight().requires_grad_(True)
+    for micro in range(MICRO):
+        x = torch.tanh(torch.nn.functional.embedding(_ids(micro), w)).transpose(0, 1)
+        ((x @ w.t()) ** 2).sum().backward()
+    return w.grad
+
+
+class _TiedLM(torch.nn.Module):
+    def __init__(self, tp_group, tied: bool):
+        super().__init__()
+        self.tp_group, self.tied = tp_group, tied
+        self.embedding = tensor_parallel.VocabParallelEmbedding(
+            V, H, init_method=lambda w: None, tp_group=tp_group, params_dtype=torch.float32)
+
+    def forward(self, ids):                                          # [b, s]
+        from megatron.model.language_model import parallel_lm_logits
+
+        x = torch.tanh(self.embedding(ids)).transpose(0, 1)          # [s, b, h]
+        if not self.tied:
+            return x
+        return parallel_lm_logits(x, self.embedding.weight, self.tp_group, False)  # [s, b, V/tp]
+
+
+def _tied_grads_on_rank(fused: bool, tied: bool):
+    state = ps.initialize_model_parallel(dist.get_world_size(), 1)
+    tp, rank = state.tp_size, state.tp_rank
+    model = _TiedLM(state.tp_group, tied)
+    with torch.no_grad():
+        model.embedding.weight.copy_(_embedding_weight().chunk(tp, 0)[rank])
+    ddp = DistributedDataParallel(model, dp_group=state.dp_group, overlap_grad_reduce=True,
+                                  gradient_accumulation_fusion=fused)
+    weight_grads = []
+    original = layers.EmbeddingWithGradAccumulation.backward
+
+    def recording(ctx, grad_output):
+        grads = original(ctx, grad_output)
+        weight_grads.append(grads[1] is not None)
+        return grads
+
+    layers.EmbeddingWithGradAccumulation.backward = staticmethod(recording)
+    try:
+        for micro in range(MICRO):
+            with ddp.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
+                (ddp(_ids(micro)).float() ** 2).sum().backward()
+    finally:
+        layers.EmbeddingWithGradAccumulation.backward = staticmethod(original)
+    buffer = ddp.param_to_grad_buffer[model.embedding.weight]
+    return {"grad": model.embedding.weight.main_grad.double(), "tp": tp, "rank": rank,
+            "grad_left": model.embedding.weight.grad is not None,
+            "hook_ran": buffer.param_to_bucket[model.embedding.weight].communication_issued,
+            "weight_grads": weight_grads}
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_tied_embedding_and_output_layer_accumulate_into_main_grad(fused):
+    """Lookup and output layer share one table: its ``main_grad`` must hold both parts, the
+    fused lookup must hand autograd no second placeholder (the output layer's is enough for the
+    hook, which must still run: with overlapped reduction it launches the bucket)."""
+    ref = _reference_tied_grad()
+    for out in run_on_ranks(_tied_grads_on_rank, 2, fused, True):
+        tp, rank = out["tp"], out["rank"]
+        torch.testing.assert_close(out["grad"], ref.chunk(tp, 0)[rank], rtol=1e-5, atol=1e-5)
+        assert not out["grad_left"] and out["hook_ran"]
+        assert out["weight_grads"] == ([False] * MICRO if fused else [])
+
+
+def test_fused_embedding_alone_matches_float64_autograd():
+    w = _embedding_weight().requires_grad_(True)
+    for micro in range(MICRO):
+        (torch.tanh(torch.nn.functional.embedding(_ids(micro), w)) ** 2).sum().backward()
+    out = run_on_ranks(_tied_grads_on_rank, 1, True, False)[0]
+    torch.testing.assert_close(out["grad"], w.grad, rtol=1e-5, atol=1e-5)
+    # Alone, the lookup hands autograd the placeholder that makes the hook run.
+    assert out["weight_grads"] == [True] * MICRO
+    assert not out["grad_left"] and out["hook_ran"]

@@ -159,3 +159,41 @@ def test_bf16_trains(corpus):
                                                   extra=["--bf16"]))[0]
     losses = [loss for _, loss in out["losses"]]
     assert losses[-1] < losses[0] - 1.0
+
+
+def _run_recording_masks(argv, explicit_causal_mask):
+    """run_pretrain, recording the attention mask get_batch hands the model; optionally put
+    the explicit causal mask back where get_batch now passes None (the reference)."""
+    import pretrain_gpt
+
+    original = pretrain_gpt.get_batch
+    masks = []
+
+    def get_batch(data_iterator):
+        tokens, labels, loss_mask, attention_mask, position_ids = original(data_iterator)
+        masks.append(None if attention_mask is None else tuple(attention_mask.shape))
+        if explicit_causal_mask and attention_mask is None:
+            s = tokens.size(1)
+            attention_mask = torch.ones(s, s, dtype=torch.bool).triu(1).view(1, 1, s, s)
+        return tokens, labels, loss_mask, attention_mask, position_ids
+
+    pretrain_gpt.get_batch = get_batch
+    try:
+        out = run_pretrain(argv)
+    finally:
+        pretrain_gpt.get_batch = original
+    return {"losses": _losses(out), "masks": masks}
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_causal_batches_pass_no_mask_and_train_as_with_it(corpus, flash):
+    """Without --reset-attention-mask the mask is exactly causal, so get_batch passes None
+    (attention then runs its causal kernels); the losses equal those of the explicit mask."""
+    flags = gpt_flags(corpus, 3, dropout=0.0, extra=["--use-flash-attn"] if flash else [])
+    none = run_on_ranks(_run_recording_masks, 1, flags, False)[0]
+    explicit = run_on_ranks(_run_recording_masks, 1, flags, True)[0]
+    assert set(none["masks"]) == {None}
+    torch.testing.assert_close(torch.tensor(none["losses"]), torch.tensor(explicit["losses"]),
+                               rtol=1e-5, atol=0)
+    reset = run_on_ranks(_run_recording_masks, 1, flags + ["--reset-attention-mask"], False)[0]
+    assert set(reset["masks"]) == {(2, 1, 16, 16)}

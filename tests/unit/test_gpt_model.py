@@ -420,3 +420,44 @@ def test_uneven_pipeline_split_computes_the_whole_model(first, last):
                 name = name.replace(f"layers.{local}.", f"layers.{local + offset}.", 1)
                 torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=1e-12, msg=name)
         offset += depth
+
+
+def test_training_logits_reuse_one_storage_bit_identically():
+    """In training the output layer writes the logits into storage the model keeps (one page-
+    faulting allocation per run instead of per micro-batch). Losses and gradients must be
+    bit-identical to fresh logits, each micro-batch must get the same storage back, and a
+    second forward before the first one's backward (pipeline schedules) must get its own."""
+    cfg = make_config(params_dtype=torch.float32)
+    model = GPTModel(cfg, single_process_state())
+    plain = GPTModel(cfg, single_process_state())
+    plain._logits_buffer = None
+    handed_out = []
+    acquire = model._logits_buffer.acquire
+
+    def spy(*args):
+        out = acquire(*args)
+        handed_out.append(None if out is None else out.data_ptr())
+        return out
+
+    model._logits_buffer.acquire = spy
+    for seed in range(2):
+        for m in (model, plain):
+            m.zero_grad(set_to_none=True)
+        assert_same(loss_and_grads(model, make_batch(seed)),
+                    loss_and_grads(plain, make_batch(seed)), atol=0)
+    assert len(handed_out) == 2 and handed_out[0] is not None
+    assert handed_out[1] == handed_out[0]
+
+    def two_in_flight(m):
+        m.zero_grad(set_to_none=True)
+        losses = [m(ids, pos, None, labels=labels).mean()
+                  for ids, pos, labels in (make_batch(2), make_batch(3))]
+        for loss in losses:
+            loss.backward()
+        return losses[0].detach(), {n: p.grad.clone() for n, p in m.named_parameters()}
+
+    assert_same(two_in_flight(model), two_in_flight(plain), atol=0)
+    assert handed_out[2:] == [handed_out[0], None]
+    with torch.no_grad():                               # evaluation: nothing kept or handed out
+        model(*make_batch(4)[:2], None, labels=make_batch(4)[2])
+    assert len(handed_out) == 4

@@ -5,6 +5,7 @@ from megatron.core.tensor_parallel.data import broadcast_data
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     LinearWithGradAccumulationAndAsyncCommunication,
+    ReusableOutputBuffer,
     RowParallelLinear,
     VocabParallelEmbedding,
     copy_tensor_model_parallel_attributes,
@@ -42,7 +43,8 @@ from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 __all__ = [
     "CheckpointFunction", "ColumnParallelLinear", "CudaRNGStatesTracker",
-    "LinearWithGradAccumulationAndAsyncCommunication", "RNGStatesTracker", "RowParallelLinear",
+    "LinearWithGradAccumulationAndAsyncCommunication", "RNGStatesTracker",
+    "ReusableOutputBuffer", "RowParallelLinear",
     "VocabParallelEmbedding", "VocabUtility", "broadcast_data", "checkpoint",
     "copy_tensor_model_parallel_attributes", "copy_to_tensor_model_parallel_region", "divide",
     "ensure_divisibility", "gather_from_sequence_parallel_region",

@@ -125,14 +125,20 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input_, weight, bias, group, async_grad_allreduce, sequence_parallel):
+    def forward(ctx, input_, weight, bias, group, async_grad_allreduce, sequence_parallel,
+                output_buffer=None):
         ctx.save_for_backward(input_, weight)
         ctx.use_bias = bias is not None
         ctx.group = group
         ctx.async_grad_allreduce = async_grad_allreduce
         ctx.sequence_parallel = sequence_parallel
         total_input = _gather_along_first_dim(input_, group) if sequence_parallel else input_
-        output = torch.matmul(total_input, weight.t())               # [s, b, out/tp]
+        out = None
+        if output_buffer is not None and bias is None and total_input.dtype == weight.dtype:
+            out = output_buffer.acquire(tuple(total_input.shape[:-1]) + (weight.size(0),),
+                                        total_input.dtype, total_input.device)
+        ctx.output_buffer = output_buffer if out is not None else None
+        output = torch.matmul(total_input, weight.t(), out=out)      # [s, b, out/tp]
         if bias is not None:
             output = output + bias
         return output
@@ -162,7 +168,9 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
             handle.wait()
         if grad_input is not None and ctx.sequence_parallel:
             grad_input = _reduce_scatter_along_first_dim(grad_input, group)  # [s/tp, b, in]
-        return grad_input, grad_weight, grad_bias, None, None, None
+        if ctx.output_buffer is not None:
+            ctx.output_buffer.release()
+        return grad_input, grad_weight, grad_bias, None, None, None, None
 
 
 def _accumulate_into_main_grad(weight: torch.Tensor, grad_2d: torch.Tensor,
@@ -185,7 +193,8 @@ def _accumulate_into_main_grad(weight: torch.Tensor, grad_2d: torch.Tensor,
 
 def linear_with_grad_accumulation_and_async_allreduce(
         input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group,
-        async_grad_allreduce: bool, sequence_parallel: bool) -> torch.Tensor:
+        async_grad_allreduce: bool, sequence_parallel: bool,
+        output_buffer: Optional["ReusableOutputBuffer"] = None) -> torch.Tensor:
     """Functional form of :class:`LinearWithGradAccumulationAndAsyncCommunication`.
 
     Args:
@@ -196,12 +205,52 @@ def linear_with_grad_accumulation_and_async_allreduce(
         async_grad_allreduce: all-reduce the input gradient over ``group`` (overlapped with the
             weight-gradient matmul); must be False with ``sequence_parallel``.
         sequence_parallel: gather the input along dim 0 first, reduce-scatter its gradient.
+        output_buffer: write the output (bias-free layers only) into this kept storage, which
+            the layer's backward frees again; only for outputs nothing reads after that
+            backward (see :class:`ReusableOutputBuffer`).
     """
     if async_grad_allreduce and sequence_parallel:
         raise ValueError("async_grad_allreduce and sequence_parallel are exclusive: under "
                          "sequence parallelism the input gradient is reduce-scattered")
     return LinearWithGradAccumulationAndAsyncCommunication.apply(
-        input, weight, bias, group, async_grad_allreduce, sequence_parallel)
+        input, weight, bias, group, async_grad_allreduce, sequence_parallel, output_buffer)
+
+
+class ReusableOutputBuffer:
+    """Storage kept for one large layer output that lives from the forward to the backward.
+
+    On CPU each allocation above glibc's mmap threshold (32 MiB at most) is new memory from the
+    kernel, zeroed one page fault per 4 KiB as it is first written. The output layer's
+    ``[s, b, V/tp]`` logits (412 MiB for s 512, b 4, V 50304 in fp32) would pay that every
+    micro-batch; written into kept storage, they pay it once.
+
+    :meth:`acquire` hands out the storage (as a new, non-view tensor) unless an earlier forward
+    still holds it, i.e. its backward has not run yet (then it returns None and the layer
+    allocates as usual, so pipeline schedules with several forwards in flight stay correct);
+    the layer's backward calls :meth:`release`. Give one only to a layer whose output nothing
+    reads after that layer's backward: the output layer feeding the loss during training.
+    """
+
+    def __init__(self):
+        self._storage: Optional[torch.Tensor] = None
+        self._in_use = False
+
+    def acquire(self, shape: Tuple[int, ...], dtype: torch.dtype,
+                device: torch.device) -> Optional[torch.Tensor]:
+        if self._in_use:
+            return None
+        numel = 1
+        for size in shape:
+            numel *= size
+        kept = self._storage
+        if kept is None or kept.numel() != numel or kept.dtype != dtype or kept.device != device:
+            self._storage = None  # free the old storage before taking the new one
+            self._storage = kept = torch.empty(numel, dtype=dtype, device=device)
+        self._in_use = True
+        return torch.empty(0, dtype=dtype, device=device).set_(kept.untyped_storage(), 0, shape)
+
+    def release(self) -> None:
+        self._in_use = False
 
 
 class ColumnParallelLinear(torch.nn.Module):
@@ -261,7 +310,8 @@ class ColumnParallelLinear(torch.nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, input: torch.Tensor, weight: Optional[torch.Tensor] = None
+    def forward(self, input: torch.Tensor, weight: Optional[torch.Tensor] = None,
+                output_buffer: Optional[ReusableOutputBuffer] = None
                 ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Returns ``(output, output_bias)``; ``output_bias`` is None unless ``skip_bias_add``.
 
@@ -269,6 +319,7 @@ class ColumnParallelLinear(torch.nn.Module):
             input: ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism).
             weight: the weight to use when the layer was built with
                 ``skip_weight_param_allocation``; shape ``[output_size / tp, input_size]``.
+            output_buffer: see :func:`linear_with_grad_accumulation_and_async_allreduce`.
         """
         if weight is None:
             if self.weight is None:
@@ -284,7 +335,7 @@ class ColumnParallelLinear(torch.nn.Module):
         async_allreduce = not self.sequence_parallel and get_group_size(self.tp_group) > 1
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
             input, weight, bias, self.tp_group, async_allreduce,
-            self.sequence_parallel)                                   # [s, b, out/tp]
+            self.sequence_parallel, output_buffer)                    # [s, b, out/tp]
         if self.gather_output:
             output = gather_from_tensor_model_parallel_region(
                 output_parallel, self.tp_group)                       # [s, b, out]
@@ -404,10 +455,53 @@ class VocabParallelEmbedding(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """``input_ids`` of any shape -> embeddings of shape ``input_ids.shape + (h,)``."""
+        lookup = _embedding_lookup(self.weight)
         if get_group_size(self.tp_group) == 1:
-            return F.embedding(input_ids, self.weight)
+            return lookup(input_ids, self.weight)
         outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
         local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
-        output_parallel = F.embedding(local_ids, self.weight)         # [..., h], partial
+        output_parallel = lookup(local_ids, self.weight)              # [..., h], partial
         output_parallel = output_parallel.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tensor_model_parallel_region(output_parallel, self.tp_group)
+
+
+class EmbeddingWithGradAccumulation(torch.autograd.Function):
+    """``F.embedding(ids, weight)`` whose weight gradient goes straight into ``main_grad``.
+
+    Backward adds each looked-up row's gradient into ``weight.main_grad`` with one
+    ``index_add_``, in place of autograd's dense ``[V, h]`` gradient (allocated, zero-filled,
+    filled, then added into ``main_grad`` by the data-parallel wrapper). Used under
+    ``--gradient-accumulation-fusion`` (the wrapper marks the weight
+    ``fuse_wgrad_accumulation`` and gives it ``main_grad``).
+
+    The weight's gradient placeholder follows :func:`_accumulate_into_main_grad`: an
+    uninitialised tensor that the wrapper's hook skips because ``grad_added_to_main_grad`` is
+    set. When that mark is already set, the output layer of the same stage (tied embeddings)
+    has accumulated its part into ``main_grad`` earlier in this backward and handed autograd a
+    placeholder; this lookup then returns no gradient, so autograd has no two placeholders to
+    add up (which would cost a vocabulary-sized sum) and still calls the hook once.
+    """
+
+    @staticmethod
+    def forward(ctx, ids, weight):
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)                               # [..., h]
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ids, weight = ctx.saved_tensors
+        main_grad = weight.main_grad                                  # [V/tp, h]
+        rows = grad_output.reshape(-1, grad_output.size(-1))          # [n, h]
+        main_grad.index_add_(0, ids.reshape(-1), rows.to(main_grad.dtype))
+        if getattr(weight, "grad_added_to_main_grad", False):
+            return None, None
+        weight.grad_added_to_main_grad = True
+        return None, torch.empty_like(weight)
+
+
+def _embedding_lookup(weight: torch.Tensor) -> Callable:
+    """``F.embedding``, or its fused-accumulation form when the weight asks for it."""
+    if (getattr(weight, "fuse_wgrad_accumulation", False) and hasattr(weight, "main_grad")
+            and weight.requires_grad and torch.is_grad_enabled()):
+        return EmbeddingWithGradAccumulation.apply
+    return F.embedding
