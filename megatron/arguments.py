@@ -223,6 +223,9 @@ def _add_distributed_args(parser):
     g.add_argument("--overlap-p2p-communication", action="store_true")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bit-reproducible runs on GPUs: deterministic kernels only (an op "
+                        "without one raises), pinned cuBLAS workspace and NCCL algorithm")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--no-delay-grad-reduce", action="store_false", dest="delay_grad_reduce")
     g.add_argument("--ddp-bucket-size", type=int, default=None)

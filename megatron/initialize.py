@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, node_layout, parallel_state
+from megatron.determinism import configure_deterministic_mode
 
 # Every rank's place (node, host, addresses), read by the report on a lost peer.
 _PLACES = None
@@ -153,6 +154,8 @@ def check_node_layout(pstate: parallel_state.ParallelState) -> list:
 
 def initialize_megatron(args) -> parallel_state.ParallelState:
     """Device, process group, parallel groups and seeds for validated ``args``."""
+    # Before the device and the process group: cuBLAS and NCCL read their settings at start.
+    determinism_notes = configure_deterministic_mode(args.deterministic_mode)
     device.configure(args.device, args.local_rank)
     _init_process_group(args)
     if dist.get_world_size() != args.world_size:
@@ -170,4 +173,6 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
               f"world size {args.world_size} = tensor-model-parallel "
               f"{pstate.tp_size} x pipeline-model-parallel {pstate.pp_size} x "
               f"data-parallel {pstate.dp_size}", flush=True)
+        for note in determinism_notes:
+            print(f"> --deterministic-mode: {note}", flush=True)
     return pstate

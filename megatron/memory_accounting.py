@@ -39,7 +39,7 @@ import math
 import resource
 import sys
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -226,6 +226,70 @@ def measured_peak_bytes() -> Tuple[float, str]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     # Linux reports kilobytes, macOS bytes.
     return float(rss if sys.platform == "darwin" else rss * 1024), "max resident set size"
+
+
+# ------------------------------------------------------------------------- limits
+
+def meminfo_total_bytes(path: str = "/proc/meminfo") -> Optional[int]:
+    """MemTotal of this machine, or None where /proc/meminfo does not exist."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    value, unit = line.split()[1:3]
+                    return int(value) * (1024 if unit.lower() == "kb" else 1)
+    except OSError:
+        return None
+    return None
+
+
+def rank_memory_limits(on_cuda: bool, ranks_per_node: int, budget_gb: Optional[float] = None,
+                       meminfo_path: str = "/proc/meminfo") -> List[Tuple[float, str]]:
+    """``(bytes, description)`` of each limit one rank's memory must stay under: the GPU's
+    memory on CUDA, the machine's MemTotal shared by its ranks on CPU, and ``budget_gb``."""
+    gb = 1024 ** 3
+    limits = []
+    if on_cuda:
+        if torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(0).total_memory
+            limits.append((total, f"the memory of {torch.cuda.get_device_name(0)} "
+                                  f"({total / gb:.1f} GB)"))
+    else:
+        total = meminfo_total_bytes(meminfo_path)
+        if total is not None:
+            limits.append((total / ranks_per_node,
+                           f"MemTotal {total / gb:.1f} GB / {ranks_per_node} ranks per "
+                           f"node = {total / ranks_per_node / gb:.2f} GB"))
+    if budget_gb is not None:
+        limits.append((budget_gb * gb, f"--memory-budget-gb {budget_gb:g}"))
+    return limits
+
+
+def startup_memory_check(args, pstate, num_microbatches: int, ranks_per_node: int,
+                         meminfo_path: str = "/proc/meminfo") -> List[str]:
+    """Before anything is built: this rank's predicted memory, and a warning when it exceeds
+    what the rank will have (lines for the log; the run goes on, the user decides).
+
+    Args:
+        num_microbatches: at the full global batch (the most a ramp-up reaches).
+        ranks_per_node: processes sharing this machine's memory (CPU).
+    """
+    est = estimate_memory(args, pstate.pp_rank, num_microbatches)
+    gb = 1024 ** 3
+    lines = [f"[Rank {pstate.rank}] (tensor, pipeline) rank ({pstate.tp_rank}, {pstate.pp_rank}) "
+             f"predicted memory before start-up: {est.total_bytes / gb:.2f} GB "
+             f"(weights+grads+optimizer {est.weight_and_optimizer_bytes / gb:.2f} GB, "
+             f"activations {est.activation_bytes / gb:.2f} GB)"]
+    for limit, description in rank_memory_limits(device.is_cuda(), ranks_per_node,
+                                                 meminfo_path=meminfo_path):
+        if est.total_bytes > limit:
+            lines.append(f"WARNING: pipeline stage {pstate.pp_rank} is predicted to need "
+                         f"{est.total_bytes / gb:.2f} GB per rank, more than {description}; "
+                         f"the run may fail to allocate or swap (see tools/estimate_memory.py "
+                         f"for every stage; more tensor/pipeline parallelism, "
+                         f"--use-distributed-optimizer, --recompute-activations or a smaller "
+                         f"--micro-batch-size lower it)")
+    return lines
 
 
 def memory_report(args, pstate, num_microbatches: int) -> str:

@@ -481,6 +481,20 @@ def _should_exit(iteration, args, start_time, stop_signal) -> Optional[str]:
     return None
 
 
+def check_memory_at_startup(args, pstate, calculator: NumMicroBatchesCalculator) -> None:
+    """Before the model is built: each pipeline stage's predicted memory (one line per stage,
+    from its data-parallel and tensor-parallel rank 0), and a warning when it exceeds what a
+    rank has (the GPU's memory, or on CPU the machine's memory shared by its local ranks)."""
+    if pstate.dp_rank != 0 or pstate.tp_rank != 0:
+        return
+    ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    full_batch = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
+                                           args.data_parallel_size, None)
+    for line in memory_accounting.startup_memory_check(
+            args, pstate, full_batch.num_micro_batches, max(1, ranks_per_node)):
+        print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout, flush=True)
+
+
 def report_memory(args, pstate, calculator: NumMicroBatchesCalculator) -> None:
     """After the first iteration, each pipeline stage's theoretical memory next to its measured
     peak (one line per stage: data-parallel and tensor-parallel rank 0)."""
@@ -599,6 +613,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     calculator = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
                                            args.data_parallel_size, args.rampup_batch_size)
 
+    check_memory_at_startup(args, pstate, calculator)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate)
     args.loss_spike_history = []
     iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)

@@ -109,39 +109,14 @@ def estimate_stages(args) -> list:
             for stage in range(args.pipeline_model_parallel_size)]
 
 
-def meminfo_total_bytes(path: str = "/proc/meminfo") -> Optional[int]:
-    """MemTotal of this machine, or None where /proc/meminfo does not exist."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    value, unit = line.split()[1:3]
-                    return int(value) * (1024 if unit.lower() == "kb" else 1)
-    except OSError:
-        return None
-    return None
-
-
 def rank_limits(args, meminfo_path: str = "/proc/meminfo") -> list:
     """``(bytes, description)`` of each limit a rank's memory must stay under."""
     import torch
 
-    limits = []
+    from megatron.memory_accounting import rank_memory_limits
+
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    if cuda and torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        limits.append((total, f"the memory of {torch.cuda.get_device_name(0)} "
-                              f"({total / GB:.1f} GB)"))
-    elif not cuda:
-        total = meminfo_total_bytes(meminfo_path)
-        if total is not None:
-            limits.append((total / args.nproc_per_node,
-                           f"MemTotal {total / GB:.1f} GB / {args.nproc_per_node} ranks per "
-                           f"node = {total / args.nproc_per_node / GB:.2f} GB"))
-    if args.memory_budget_gb is not None:
-        limits.append((args.memory_budget_gb * GB,
-                       f"--memory-budget-gb {args.memory_budget_gb:g}"))
-    return limits
+    return rank_memory_limits(cuda, args.nproc_per_node, args.memory_budget_gb, meminfo_path)
 
 
 def report(args, estimates, limits) -> List[str]:
