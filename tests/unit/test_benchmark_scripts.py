@@ -1,0 +1,95 @@
+"""The benchmark scripts keep working: ``--record``'s markdown, and tiny runs of each script.
+
+Speed is never asserted here (benchmarks/RESULTS.md holds the measured numbers); these tests
+check that each script runs its contenders, parses their logs and prints its tables.
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import record  # noqa: E402
+
+
+def test_record_fences_log_lines_and_appends_a_dated_section(tmp_path):
+    text = "# run 1: 12 ms\n# run 2: 13 ms\n\n| a | b |\n|---|---|\n| 1 | 2 |\n# end\n"
+    assert record.to_markdown(text) == [
+        "```text", "# run 1: 12 ms", "# run 2: 13 ms", "```", "", "| a | b |", "|---|---|",
+        "| 1 | 2 |", "```text", "# end", "```"]
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# Benchmark results\n")
+    record.append_section("Peers", "python benchmarks/x.py --fast", text, str(results))
+    written = results.read_text()
+    assert written.startswith("# Benchmark results\n\n### Peers: 20")
+    assert "Command: `python benchmarks/x.py --fast`" in written
+    assert f"{os.cpu_count()} cores" in written
+    assert written.rstrip().endswith("# end\n```")
+
+
+def test_recording_appends_only_after_a_clean_run(tmp_path, capsys):
+    results = tmp_path / "RESULTS.md"
+    with record.recording(True, "Clean", str(results)):
+        print("| x |")
+    assert "| x |" in capsys.readouterr().out  # still printed
+    assert "### Clean: " in results.read_text() and "| x |" in results.read_text()
+    with pytest.raises(RuntimeError):
+        with record.recording(True, "Broken", str(results)):
+            print("| partial |")
+            raise RuntimeError("contender failed")
+    assert "Broken" not in results.read_text()
+    with record.recording(False, "Off", str(results)):
+        print("| off |")
+    assert "Off" not in results.read_text()
+
+
+def _run(args, timeout):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=timeout, env=env)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_bench_peers_tiny_run_prints_every_contender():
+    pytest.importorskip("transformers")
+    out = _run(["benchmarks/bench_peers.py", "--layers", "1", "--hidden", "64", "--heads", "2",
+                "--seq", "32", "--vocab", "256", "--micro-batch", "2", "--iters", "2",
+                "--warmup", "1", "--repeats", "1", "--threads", "1"], timeout=300)
+    for name in ("ours", "ours-sdpa", "hf", "nanogpt"):
+        row = re.search(rf"^\| {re.escape(name)} \| (\d+) \| (\d+) \| ([\d.]+) \|", out, re.M)
+        assert row, out
+        assert int(row.group(2)) > 0
+    assert re.search(r"^\| ours / hf \| [\d.]+x \| [\d.]+x \| >= 1.5x: (met|not met) \|$",
+                     out, re.M), out
+    assert "this model's GEMM mix" in out
+
+
+@pytest.mark.slow
+def test_gpu_bench_dry_run_on_cpu(tmp_path):
+    out = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "--dry-run", "--no-compile"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env=dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1",
+                                  HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for name in ("megatron-124m", "megatron-1.3b", "hf-gpt2-124m"):
+        assert re.search(rf"^\| {re.escape(name)} \|", out.stdout, re.M), out.stdout
+    assert (tmp_path / "results.md").exists() and (tmp_path / "results.json").exists()
+
+
+@pytest.mark.slow
+def test_bench_scaling_tiny_run_reports_every_layout():
+    out = _run(["benchmarks/bench_scaling.py", "--layers", "2", "--hidden", "64", "--heads", "2",
+                "--seq", "32", "--vocab", "256", "--micro-batch", "1", "--global-batch", "4",
+                "--iters", "4", "--warmup", "2", "--repeats", "1", "--quiet-wait", "0",
+                "--profile-ops"], timeout=900)
+    for layout in ("(1,1,1)", "(2,1,1)", "(1,2,1)", "(1,1,2)"):
+        # Throughput and a measured communication share for every layout.
+        row = re.search(rf"^\| {re.escape(layout)} \| \d x \d \| \d+ \| \d+ \| [\d.]+x \|"
+                        rf" ([\d.]+%)", out, re.M)
+        assert row, out
