@@ -1,4 +1,4 @@
-"""Megatron's GPT model on tensor-, sequence- and pipeline-parallel layers.
+"""Megatron's GPT and BERT models on tensor-, sequence- and pipeline-parallel layers.
 
 The classes are loaded on first use, so importing a light submodule (``megatron.model.enums``,
 which the fused-kernel references use) does not pull in the whole model.
@@ -7,6 +7,7 @@ which the fused-kernel references use) does not pull in the whole model.
 import importlib
 
 _EXPORTS = {
+    "BertModel": "megatron.model.bert_model",
     "GPTModel": "megatron.model.gpt_model",
     "MegatronModule": "megatron.model.module",
     "Float16Module": "megatron.model.module",

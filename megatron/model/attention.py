@@ -121,10 +121,13 @@ class ParallelAttention(MegatronModule):
         sequence_parallel: input and output are ``[s/tp, b, h]``.
         init_method: initialiser of ``query_key_value``.
         output_layer_init_method: initialiser of ``dense``.
+        attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT: bidirectional; the mask passed
+            to :meth:`forward` hides padding, and a missing mask hides nothing).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
-                 sequence_parallel: bool, init_method, output_layer_init_method):
+                 sequence_parallel: bool, init_method, output_layer_init_method,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal):
         super().__init__(config)
         hn = config.kv_channels
         self.num_heads = divide(config.num_attention_heads, tp_size,
@@ -140,7 +143,9 @@ class ParallelAttention(MegatronModule):
             config.hidden_size, qkv_size, init_method=init_method, tp_group=tp_group,
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
             sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
-        self.core_attention = CoreAttention(config, layer_number, self.num_heads)
+        self.attn_mask_type = attn_mask_type
+        self.core_attention = CoreAttention(config, layer_number, self.num_heads,
+                                            attn_mask_type)
         self.dense = tensor_parallel.RowParallelLinear(
             config.num_attention_heads * hn, config.hidden_size,
             init_method=output_layer_init_method, tp_group=tp_group,
@@ -174,7 +179,7 @@ class ParallelAttention(MegatronModule):
             key = apply_rotary_pos_emb(key, rotary_pos_emb)
         if inference_params is not None:
             key, value = self._update_kv_cache(key, value, inference_params)  # [sk, b, ng, hn]
-            if attention_mask is None:
+            if attention_mask is None and self.attn_mask_type == AttnMaskType.causal:
                 # Query i sits at position offset + i: the causal mask is aligned bottom-right.
                 attention_mask = causal_mask(query.size(0), key.size(0),
                                              device=query.device)[None, None]  # [1, 1, sq, sk]

@@ -3,8 +3,10 @@
 Saved in Megatron's nesting::
 
     language_model
-      embedding       word_embeddings.weight, position_embeddings.weight    (first stage)
+      embedding       word_embeddings.weight, position_embeddings.weight,   (first stage)
+                      tokentype_embeddings.weight                           (BERT's segments)
       encoder         layers.N...., final_layernorm.*                        (final norm: last)
+      pooler          dense.{weight,bias}                                    (last, BERT only)
       output_layer    weight                                                 (last, untied only)
 """
 
@@ -17,6 +19,7 @@ from megatron.core.collectives import get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import init_method_normal
 from megatron.model.attention import dropout_rng_context
+from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.rotary_pos_embedding import RotaryEmbedding
 from megatron.model.transformer import ParallelTransformer
@@ -55,8 +58,28 @@ def build_word_embeddings(config: TransformerConfig, tp_group):
         params_dtype=config.params_dtype)
 
 
+def get_linear_layer(rows: int, columns: int, init_method, params_dtype: torch.dtype
+                     ) -> torch.nn.Linear:
+    """A plain ``torch.nn.Linear(rows, columns)``, replicated on every tensor-parallel rank:
+    weight from ``init_method``, bias zero.
+
+    The weight is drawn on the CPU (in float32 at least, as the tensor-parallel layers draw
+    theirs) and then cast and moved, so the values do not depend on the device or on
+    ``params_dtype`` beyond its rounding.
+    """
+    layer = torch.nn.utils.skip_init(torch.nn.Linear, rows, columns, dtype=params_dtype,
+                                     device=device.current_device())
+    master = torch.empty(columns, rows, dtype=torch.promote_types(params_dtype, torch.float32))
+    init_method(master)
+    with torch.no_grad():
+        layer.weight.copy_(master)
+        layer.bias.zero_()
+    return layer
+
+
 class Embedding(MegatronModule):
-    """Word embeddings (vocab-parallel) + learned absolute position embeddings + dropout.
+    """Word embeddings (vocab-parallel) + learned absolute position embeddings + token-type
+    embeddings (BERT's segment A / B) + dropout.
 
     Args:
         config: the transformer config.
@@ -64,29 +87,47 @@ class Embedding(MegatronModule):
         add_position_embedding: learned absolute positions (``--position-embedding-type
             learned_absolute``).
         sequence_parallel: scatter the output along the sequence to ``[s/tp, b, h]``.
+        num_tokentypes: rows of the token-type table (0: no table, as in GPT). The table is
+            drawn after the word and position tables, so adding it leaves them unchanged.
     """
 
     def __init__(self, config: TransformerConfig, tp_group, add_position_embedding: bool,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, num_tokentypes: int = 0):
         super().__init__(config)
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.add_position_embedding = add_position_embedding
+        self.num_tokentypes = num_tokentypes
         self.word_embeddings = build_word_embeddings(config, tp_group)
         if add_position_embedding:
             self.position_embeddings = torch.nn.Embedding(
                 config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype,
                 device=device.current_device())
             init_method_normal(config.init_method_std)(self.position_embeddings.weight)
+        if num_tokentypes > 0:
+            self.tokentype_embeddings = torch.nn.Embedding(
+                num_tokentypes, config.hidden_size, dtype=config.params_dtype,
+                device=device.current_device())
+            init_method_normal(config.init_method_std)(self.tokentype_embeddings.weight)
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """``[b, s]`` ids and positions -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence
-        parallelism)."""
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                tokentype_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[b, s]`` ids, positions and token types -> ``[s, b, h]`` (``[s/tp, b, h]`` with
+        sequence parallelism).
+
+        With a token-type table, ``tokentype_ids`` None means type 0 everywhere.
+        """
         embeddings = self.word_embeddings(input_ids)                         # [b, s, h]
         if self.add_position_embedding:
             embeddings = embeddings + self.position_embeddings(position_ids)
+        if self.num_tokentypes > 0:
+            if tokentype_ids is None:
+                tokentype_ids = torch.zeros_like(input_ids)
+            embeddings = embeddings + self.tokentype_embeddings(tokentype_ids)
+        elif tokentype_ids is not None:
+            raise ValueError("token-type ids were given but the embedding has no token-type "
+                             "table (num_tokentypes is 0)")
         embeddings = embeddings.transpose(0, 1).contiguous()                 # [s, b, h]
         if self.config.fp32_residual_connection:
             embeddings = embeddings.float()
@@ -103,14 +144,48 @@ class Embedding(MegatronModule):
         if self.add_position_embedding:
             state["position_embeddings"] = self.position_embeddings.state_dict(
                 prefix=prefix, keep_vars=keep_vars)
+        if self.num_tokentypes > 0:
+            state["tokentype_embeddings"] = self.tokentype_embeddings.state_dict(
+                prefix=prefix, keep_vars=keep_vars)
         return state
 
 
+class Pooler(MegatronModule):
+    """BERT's pooler: ``tanh(dense(h))`` of one token (``[CLS]``, position 0).
+
+    ``dense`` is a plain linear layer replicated on the tensor-parallel ranks. Under sequence
+    parallelism the hidden states are first gathered to the whole sequence; the gradient is then
+    only split back (not summed), since every rank computes the same pooled output.
+
+    Args:
+        config: the transformer config.
+        tp_group: the tensor-parallel group (None: no tensor parallelism).
+        sequence_parallel: the input is ``[s/tp, b, h]``.
+    """
+
+    def __init__(self, config: TransformerConfig, tp_group, sequence_parallel: bool = False):
+        super().__init__(config)
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel
+        self.dense = get_linear_layer(config.hidden_size, config.hidden_size,
+                                      init_method_normal(config.init_method_std),
+                                      config.params_dtype)
+
+    def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
+        """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> ``[b, h]``."""
+        if self.sequence_parallel:
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, self.tp_group, tensor_parallel_output_grad=False)  # [s, b, h]
+        pooled = hidden_states[sequence_index, :, :]                          # [b, h]
+        return torch.tanh(self.dense(pooled))
+
+
 class TransformerLanguageModel(MegatronModule):
-    """Embedding (first stage), this stage's layers, untied output layer (last stage).
+    """Embedding (first stage), this stage's layers, pooler and untied output layer (last stage).
 
     Every parameter-owning piece is built under its own seed (``embedding``, ``layer.N``,
-    ``final_norm``, ``output_layer``), so the model does not depend on the parallel split.
+    ``final_norm``, ``pooler``, ``output_layer``), so the model does not depend on the parallel
+    split.
 
     Args:
         config: the transformer config.
@@ -122,29 +197,41 @@ class TransformerLanguageModel(MegatronModule):
         post_process: last stage.
         sequence_parallel: activations between tensor-parallel regions are ``[s/tp, b, h]``.
         init_seed: seed every piece's initialisation seed derives from.
+        num_tokentypes: rows of the embedding's token-type table (BERT: 2; GPT: 0).
+        add_pooler: the last stage also returns the pooled first token (BERT).
+        encoder_attn_mask_type: :class:`AttnMaskType` of the self-attention: ``causal`` (GPT;
+            a missing mask means causal) or ``padding`` (BERT; bidirectional, the mask hides
+            padding, a missing mask hides nothing).
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
-                 sequence_parallel: bool = False, init_seed: int = 1234):
+                 sequence_parallel: bool = False, init_seed: int = 1234,
+                 num_tokentypes: int = 0, add_pooler: bool = False,
+                 encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
         self.tp_size = tp_size
         self.sequence_parallel = sequence_parallel
+        self.add_pooler = add_pooler
         self.untie_embeddings_and_output_weights = config.untie_embeddings_and_output_weights
         if pre_process:
             with init_rng(init_seed, "embedding"):
                 self.embedding = Embedding(
                     config, tp_group,
-                    config.position_embedding_type == "learned_absolute", sequence_parallel)
+                    config.position_embedding_type == "learned_absolute", sequence_parallel,
+                    num_tokentypes)
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
                 int(config.kv_channels * config.rotary_percent), config.rotary_base)
         self.encoder = ParallelTransformer(config, tp_group, tp_size, num_layers, layer_offset,
                                            pre_process, post_process, sequence_parallel,
-                                           init_seed)
+                                           init_seed, self_attn_mask_type=encoder_attn_mask_type)
+        if post_process and add_pooler:
+            with init_rng(init_seed, "pooler"):
+                self.pooler = Pooler(config, tp_group, sequence_parallel)
         if post_process and self.untie_embeddings_and_output_weights:
             with init_rng(init_seed, "output_layer"):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
@@ -157,16 +244,20 @@ class TransformerLanguageModel(MegatronModule):
         self.encoder.set_input_tensor(input_tensor)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
-                attention_mask: Optional[torch.Tensor],
-                inference_params=None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor], tokentype_ids=None,
+                inference_params=None, pooling_sequence_index: int = 0):
         """Hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) after this
-        stage's layers (and the final norm on the last stage).
+        stage's layers (and the final norm on the last stage); with the pooler, on the last
+        stage, the pair ``(hidden states, pooled [b, h])``.
 
+        ``tokentype_ids``: ``[b, s]`` segment ids (first stage, with a token-type table).
         ``inference_params``: the key/value cache of a generation, or None; with it the ``s``
         tokens sit at positions ``sequence_len_offset ..`` (learned positions come from
         ``position_ids``, rotary angles from the offset).
+        ``pooling_sequence_index``: the position the pooler reads.
         """
-        hidden = self.embedding(input_ids, position_ids) if self.pre_process else None
+        hidden = (self.embedding(input_ids, position_ids, tokentype_ids) if self.pre_process
+                  else None)
         rotary = None
         if self.rotary_pos_emb is not None:
             local = hidden if self.pre_process else self.encoder.input_tensor
@@ -175,13 +266,18 @@ class TransformerLanguageModel(MegatronModule):
                 rotary = self.rotary_pos_emb(seq_len)                        # [s, 1, 1, d]
             else:
                 rotary = self.rotary_pos_emb(seq_len, inference_params.sequence_len_offset)
-        return self.encoder(hidden, attention_mask, rotary, inference_params=inference_params)
+        hidden = self.encoder(hidden, attention_mask, rotary, inference_params=inference_params)
+        if self.post_process and self.add_pooler:
+            return hidden, self.pooler(hidden, pooling_sequence_index)
+        return hidden
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         state = {}
         if self.pre_process:
             state["embedding"] = self.embedding.state_dict_for_save_checkpoint(prefix, keep_vars)
         state["encoder"] = self.encoder.state_dict_for_save_checkpoint(prefix, keep_vars)
+        if self.post_process and self.add_pooler:
+            state["pooler"] = self.pooler.state_dict(prefix=prefix, keep_vars=keep_vars)
         if self.post_process and self.untie_embeddings_and_output_weights:
             state["output_layer"] = self.output_layer.state_dict(prefix=prefix,
                                                                  keep_vars=keep_vars)

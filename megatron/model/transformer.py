@@ -21,6 +21,7 @@ from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
 from megatron.fused_kernels.bias_gelu import bias_gelu_impl, bias_gelu_unfused
 from megatron.fused_kernels.swiglu import bias_swiglu_impl, bias_swiglu_unfused
 from megatron.model.attention import ParallelAttention, dropout_rng_context
+from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
 from megatron.model.utils import init_rng, openai_gelu
@@ -76,10 +77,12 @@ class ParallelTransformerLayer(MegatronModule):
         tp_group: the tensor-parallel group (None: no tensor parallelism).
         tp_size: its size.
         sequence_parallel: activations are ``[s/tp, b, h]``.
+        self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False,
+                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal):
         super().__init__(config)
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
@@ -90,7 +93,8 @@ class ParallelTransformerLayer(MegatronModule):
         output_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
         self.input_layernorm = get_norm(config, sequence_parallel)
         self.self_attention = ParallelAttention(config, layer_number, tp_group, tp_size,
-                                                sequence_parallel, init_method, output_init)
+                                                sequence_parallel, init_method, output_init,
+                                                self_attn_mask_type)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
 
@@ -163,11 +167,13 @@ class ParallelTransformer(MegatronModule):
         post_process: this is the last stage (apply ``final_layernorm``).
         sequence_parallel: activations are ``[s/tp, b, h]``.
         init_seed: seed the per-layer initialisation seeds derive from.
+        self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
-                 sequence_parallel: bool = False, init_seed: int = 1234):
+                 sequence_parallel: bool = False, init_seed: int = 1234,
+                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -181,7 +187,8 @@ class ParallelTransformer(MegatronModule):
         for i in range(num_layers):
             with init_rng(init_seed, f"layer.{layer_offset + i}"):
                 layers.append(ParallelTransformerLayer(
-                    config, layer_offset + i + 1, tp_group, tp_size, sequence_parallel))
+                    config, layer_offset + i + 1, tp_group, tp_size, sequence_parallel,
+                    self_attn_mask_type))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:
             with init_rng(init_seed, "final_norm"):
