@@ -4,11 +4,13 @@
 ``config.json``, the weights as safetensors (``model.safetensors``, or
 ``model-0000k-of-0000n.safetensors`` shards with ``model.safetensors.index.json``) and the
 tokenizer files (:mod:`megatron.convert.hf_tokenizer`). ``load_hf`` reads such a folder back a
-layer at a time. Two architectures are written and read:
+layer at a time. These architectures are written and read:
 
 - ``GPT2LMHeadModel`` (:mod:`megatron.convert.hf_gpt2`) for ``--position-embedding-type
   learned_absolute`` models;
-- ``LlamaForCausalLM`` (:mod:`megatron.convert.hf_llama`) for ``--position-embedding-type rope``.
+- ``LlamaForCausalLM`` (:mod:`megatron.convert.hf_llama`) for ``--position-embedding-type rope``;
+- for BERT, ``BertForPreTraining`` / ``MegatronBertForPreTraining`` (or ``*ForMaskedLM`` without
+  the binary head) (:mod:`megatron.convert.hf_bert`).
 
 Anything the chosen architecture cannot compute exactly is refused with a ConversionError naming
 the flag. The vocabulary: HF tables have exactly the tokenizer's ``vocab_size`` rows, so the
@@ -27,12 +29,14 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.convert import hf_gpt2, hf_llama
+from megatron.convert import hf_bert, hf_gpt2, hf_llama
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
-from megatron.convert.hf_tokenizer import detect_tokenizer, plan_tokenizer, write_tokenizer
-from megatron.convert.schema import ConversionError, ModelMeta, Piece
+from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
+                                           write_tokenizer)
+from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
 
-_FAMILIES = {hf_gpt2.MODEL_TYPE: hf_gpt2, hf_llama.MODEL_TYPE: hf_llama}
+_FAMILIES = {hf_gpt2.MODEL_TYPE: hf_gpt2, hf_llama.MODEL_TYPE: hf_llama,
+             **{model_type: hf_bert for model_type in hf_bert.POST_LN_BY_MODEL_TYPE}}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
@@ -44,6 +48,15 @@ DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
 def family_for_meta(meta: ModelMeta):
     """The architecture module that writes ``meta``'s model, or a ConversionError listing every
     feature (with its flag) that stands in the way."""
+    if meta.model_type == "BERT":
+        problems = hf_bert.unsupported_features(meta)
+        if problems:
+            raise ConversionError(f"{hf_bert.architecture(meta)} (the Hugging Face architecture "
+                                  "for this BERT) cannot express: " + "; ".join(problems))
+        return hf_bert
+    if meta.model_type != "GPT":
+        raise ConversionError(f"model type {meta.model_type!r}: only GPT and BERT models can be "
+                              "written as Hugging Face folders")
     kind = meta.position_embedding_type
     if kind == "learned_absolute":
         family = hf_gpt2
@@ -158,6 +171,8 @@ def _expected_pieces(meta: ModelMeta):
     embeddings = {"word_embeddings": (vocab, h)}
     if meta.position_embedding_type == "learned_absolute":
         embeddings["position_embeddings"] = (meta.max_position_embeddings, h)
+    if meta.model_type == "BERT" and meta.num_tokentypes:
+        embeddings["tokentype_embeddings"] = (meta.num_tokentypes, h)
     yield "embeddings", None, embeddings, {"word_embeddings": vocab}
     layer = canonical_layer_shapes(meta)
     for index in range(meta.num_layers):
@@ -168,6 +183,9 @@ def _expected_pieces(meta: ModelMeta):
     yield "final_norm", None, norm, None
     if meta.untie_embeddings_and_output_weights:
         yield "output_layer", None, {"weight": (vocab, h)}, {"weight": vocab}
+    if meta.model_type == "BERT":
+        for kind, shapes in bert_head_shapes(meta, vocab):
+            yield kind, None, shapes, ({"bias": vocab} if kind == "lm_head" else None)
 
 
 def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
@@ -186,8 +204,10 @@ def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
         _check_tensors(piece, shapes, what, min_rows)
         if kind == "layer":
             writer.add(family.layer_to_hf(index, piece.tensors, meta), meta.params_dtype)
-        else:
+        elif kind in to_hf:
             writer.add(to_hf[kind](piece.tensors, meta), meta.params_dtype)
+        else:
+            writer.add(family.head_to_hf(kind, piece.tensors, meta), meta.params_dtype)
     extra = next(pieces, None)
     if extra is not None:
         raise ConversionError(f"stream: unexpected {extra.kind} piece after the last one")
@@ -222,6 +242,8 @@ def save_hf(pieces: Iterable[Piece], save_dir: str, *, allow_no_tokenizer: bool 
     family = family_for_meta(meta)
     tokenizer = plan_tokenizer(meta, allow_no_tokenizer)
     config = family.hf_config(meta, tokenizer.bos_id, tokenizer.eos_id)
+    if "pad_token_id" in config:
+        config["pad_token_id"] = tokenizer.pad_id
     os.makedirs(save_dir, exist_ok=True)
     writer = _ShardWriter(save_dir, max_shard_size)
     try:
@@ -318,7 +340,7 @@ def _read_config(folder: str) -> ConfigView:
 
 
 def load_hf(load_dir: str) -> Iterator[Piece]:
-    """The canonical stream of the Hugging Face folder ``load_dir`` (GPT-2 or Llama).
+    """The canonical stream of the Hugging Face folder ``load_dir`` (GPT-2, Llama or BERT).
 
     config.json, the architecture and the weight files are checked when this is called; the
     tensors are then read lazily, one piece at a time, as the stream is consumed. The meta's
@@ -328,15 +350,20 @@ def load_hf(load_dir: str) -> Iterator[Piece]:
 
     Raises:
         ConversionError: config.json or the weights are missing, the ``model_type`` is not
-            gpt2 or llama, or a setting / tensor does not fit our model.
+            gpt2, llama, bert or megatron-bert, or a setting / tensor does not fit our model.
     """
     config = _read_config(load_dir)
     model_type = config.get("model_type")
     if model_type not in _FAMILIES:
         raise config.unsupported("model_type", model_type, " or ".join(map(repr, _FAMILIES)))
     family = _FAMILIES[model_type]
-    meta = family.meta_from_config(config)
-    meta = dataclasses.replace(meta, **detect_tokenizer(load_dir))
+    if family is hf_bert:
+        with contextlib.ExitStack() as stack:      # a BERT's meta depends on its tensors
+            meta = family.meta_from_config(config, _Weights(load_dir, stack))
+        meta = dataclasses.replace(meta, **detect_wordpiece(load_dir))
+    else:
+        meta = family.meta_from_config(config)
+        meta = dataclasses.replace(meta, **detect_tokenizer(load_dir))
     _weight_map(load_dir)          # fail now, not at the first tensor
     return _stream(load_dir, family, meta)
 
@@ -349,6 +376,10 @@ def _stream(folder: str, family, meta: ModelMeta) -> Iterator[Piece]:
         for index in range(meta.num_layers):
             yield Piece("layer", family.layer_from_hf(weights, index, meta), index=index)
         yield Piece("final_norm", family.final_norm_from_hf(weights, meta))
+        if family is hf_bert:
+            for kind, tensors in family.heads_from_hf(weights, meta):
+                yield Piece(kind, tensors)
+            return
         output = family.output_layer_from_hf(weights, meta)
         if output is not None:
             yield Piece("output_layer", output)

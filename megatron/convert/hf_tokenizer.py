@@ -13,6 +13,13 @@ Written per type (``AutoTokenizer.from_pretrained(folder)`` then loads them offl
   ``--tokenizer-model`` file copied as ``tokenizer.model``, and a ``tokenizer_config.json``
   (``PreTrainedTokenizerFast``, bos added for Llama2Tokenizer only). ``SentencePieceTokenizer``'s
   added special tokens (``<EOD>`` ...) exist only in this project and are not written.
+- ``BertWordPieceLowerCase`` / ``BertWordPieceCase``: ``vocab.txt`` copied from
+  ``--vocab-file``, plus ``tokenizer_config.json`` (class ``BertTokenizer``, ``do_lower_case``
+  as the type says) and ``special_tokens_map.json``. The ``[BOS]`` / ``[EOS]`` (and
+  ``--vocab-extra-ids``) tokens this project appends when the file lacks them are not written:
+  they keep their rows in the model (its ``vocab_size`` counts them) but ``BertTokenizer`` never
+  produces them. ``BertTokenizer`` gives up on words longer than 100 characters, ours on words
+  longer than 200 (both emit ``[UNK]``).
 - ``NullTokenizer`` (or no tokenizer recorded): nothing, and only when the caller opts in.
 """
 
@@ -27,17 +34,21 @@ from megatron.convert.schema import ConversionError, ModelMeta
 GPT2_EOD = "<|endoftext|>"
 _SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 _HF_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+_WORDPIECE_TYPES = {"BertWordPieceLowerCase": True, "BertWordPieceCase": False}  # -> lower case
+_WORDPIECE_SPECIALS = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]",
+                       "cls_token": "[CLS]", "mask_token": "[MASK]"}
 
 
 @dataclasses.dataclass
 class TokenizerPlan:
     """What to write: files to copy (source, name in the folder), JSON files to write, and the
-    bos / eos ids for config.json."""
+    bos / eos (and, for BERT, pad) ids for config.json."""
 
     copies: List[Tuple[str, str]] = dataclasses.field(default_factory=list)
     json_files: Dict[str, dict] = dataclasses.field(default_factory=dict)
     bos_id: Optional[int] = None
     eos_id: Optional[int] = None
+    pad_id: Optional[int] = None
 
 
 def _readable(path: Optional[str], flag: str, kind: str) -> str:
@@ -138,6 +149,31 @@ def _sentencepiece_plan(meta: ModelMeta) -> TokenizerPlan:
     return plan
 
 
+def _wordpiece_plan(meta: ModelMeta) -> TokenizerPlan:
+    kind = meta.tokenizer_type
+    vocab_file = _readable(meta.vocab_file, "--vocab-file", kind)
+    from megatron.tokenizer.bert_wordpiece import read_wordpiece_vocab
+
+    try:
+        vocab = read_wordpiece_vocab(vocab_file)
+    except UnicodeDecodeError as err:
+        raise ConversionError(f"--vocab-file {vocab_file!r} is not a UTF-8 vocab.txt: "
+                              f"{err}") from None
+    missing = [token for token in _WORDPIECE_SPECIALS.values() if token not in vocab]
+    if missing:
+        raise ConversionError(f"--vocab-file {vocab_file!r} has no {', '.join(missing)} token; "
+                              f"--tokenizer-type {kind} needs [CLS] [SEP] [PAD] [MASK] [UNK]")
+    lower = _WORDPIECE_TYPES[kind]
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lower,
+              "tokenize_chinese_chars": True, "strip_accents": None,
+              "model_max_length": meta.max_position_embeddings,
+              "clean_up_tokenization_spaces": False, **_WORDPIECE_SPECIALS}
+    return TokenizerPlan(copies=[(vocab_file, "vocab.txt")],
+                         json_files={"tokenizer_config.json": config,
+                                     "special_tokens_map.json": dict(_WORDPIECE_SPECIALS)},
+                         pad_id=vocab["[PAD]"])
+
+
 def plan_tokenizer(meta: ModelMeta, allow_no_tokenizer: bool) -> TokenizerPlan:
     """Check the tokenizer files ``meta`` names and decide what to write, before anything is.
 
@@ -152,12 +188,15 @@ def plan_tokenizer(meta: ModelMeta, allow_no_tokenizer: bool) -> TokenizerPlan:
         return _huggingface_plan(meta)
     if kind in _SENTENCEPIECE_TYPES:
         return _sentencepiece_plan(meta)
+    if kind in _WORDPIECE_TYPES:
+        return _wordpiece_plan(meta)
     if not allow_no_tokenizer:
         shown = kind or "(none recorded)"
         raise ConversionError(
             f"--tokenizer-type {shown}: a Hugging Face folder needs tokenizer files, and only "
-            f"GPT2BPETokenizer, HuggingFaceTokenizer and {', '.join(_SENTENCEPIECE_TYPES)} can "
-            "be exported; pass allow_no_tokenizer=True to write the model without a tokenizer")
+            f"GPT2BPETokenizer, HuggingFaceTokenizer, {', '.join(_SENTENCEPIECE_TYPES)} and "
+            f"{', '.join(_WORDPIECE_TYPES)} can be exported; pass allow_no_tokenizer=True to "
+            "write the model without a tokenizer")
     # NullTokenizer: ids 0..V-1 are data and V (= vocab_size - 1) is the end of document.
     eod = meta.vocab_size - 1 if kind == "NullTokenizer" else None
     return TokenizerPlan(bos_id=eod, eos_id=eod)
@@ -198,6 +237,17 @@ def detect_tokenizer(folder: str) -> Dict[str, Optional[str]]:
                 else "GPTSentencePieceTokenizer")
         fields.update(tokenizer_type=kind, tokenizer_model=path("tokenizer.model"))
     return fields
+
+
+def detect_wordpiece(folder: str) -> Dict[str, Optional[str]]:
+    """For a BERT folder: ``vocab.txt`` -> BertWordPieceLowerCase, or BertWordPieceCase when
+    tokenizer_config.json says ``do_lower_case: false``; otherwise :func:`detect_tokenizer`."""
+    vocab = os.path.abspath(os.path.join(folder, "vocab.txt"))
+    if not os.path.isfile(vocab):
+        return detect_tokenizer(folder)
+    lower = _tokenizer_config(folder).get("do_lower_case", True) is not False
+    kind = next(k for k, v in _WORDPIECE_TYPES.items() if v == lower)
+    return dict(tokenizer_type=kind, vocab_file=vocab, merge_file=None, tokenizer_model=None)
 
 
 def _tokenizer_config(folder: str) -> dict:

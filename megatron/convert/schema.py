@@ -12,6 +12,16 @@ The stream is, in order::
     Piece("final_norm", {"weight": [h], "bias": [h]?})
     Piece("output_layer", {"weight": [V_rows, h]})          (untied embeddings only)
 
+A BERT (``meta.model_type == "BERT"``) has no output layer (its LM head is tied to the word
+embeddings); its embeddings piece carries ``"tokentype_embeddings": [T, h]`` when
+``meta.num_tokentypes`` > 0, and the heads follow the final norm, as :func:`bert_head_shapes`
+lists them::
+
+    Piece("pooler", {"dense.weight": [h, h], "dense.bias": [h]})          (with the binary head)
+    Piece("lm_head", {"dense.weight": [h, h], "dense.bias": [h], "layernorm.weight": [h],
+                      "layernorm.bias": [h], "bias": [V_rows]})
+    Piece("binary_head", {"weight": [2, h], "bias": [2]})                 (with the binary head)
+
 Tensors are whole (tensor-parallel shards already joined) and named as in Megatron's layer
 state dict, in Megatron's unsharded layout:
 
@@ -30,14 +40,15 @@ mlp.dense_h_to_4h.weight / .bias      [ffn, h] (GeLU) or [2 ffn, h] = [gate; val
 mlp.dense_4h_to_h.weight / .bias      [h, ffn], [h]
 ====================================  ============================================================
 
-Word embeddings (and an untied output layer) keep the rows the source has: ``V_rows`` is the
-source's padded vocabulary size for a Megatron checkpoint (``meta.padded_vocab_size``), the
-tokenizer's size for a Hugging Face folder. ``meta.vocab_size`` is always the tokenizer's true
-size; savers trim to it or pad from it as their format requires (see :func:`fit_vocab_rows`).
+Word embeddings (and an untied output layer, and BERT's ``lm_head`` bias) keep the rows the
+source has: ``V_rows`` is the source's padded vocabulary size for a Megatron checkpoint
+(``meta.padded_vocab_size``), the tokenizer's size for a Hugging Face folder.
+``meta.vocab_size`` is always the tokenizer's true size; savers trim to it or pad from it as
+their format requires (see :func:`fit_vocab_rows`).
 """
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -86,6 +97,12 @@ class ModelMeta:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    # "GPT" or "BERT" (``--model-type`` of tools/checkpoint/convert.py). BERT only: rows of the
+    # token-type table (0: none) and whether the pooler and binary head exist (Megatron's
+    # ``args.bert_binary_head``; ``--bert-no-binary-head`` clears it).
+    model_type: str = "GPT"
+    num_tokentypes: int = 0
+    bert_binary_head: bool = False
     # The source's full argument namespace as a dict (Megatron sources only): a Megatron saver
     # starts from it so that flags unrelated to the shape (optimizer, data ...) survive.
     source_args: Optional[dict] = None
@@ -97,7 +114,8 @@ class ModelMeta:
 
 @dataclasses.dataclass
 class Piece:
-    """One item of the stream: ``kind`` is meta, embeddings, layer, final_norm or output_layer."""
+    """One item of the stream: ``kind`` is meta, embeddings, layer, final_norm, output_layer or
+    (BERT) pooler, lm_head, binary_head."""
 
     kind: str
     tensors: Dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
@@ -122,3 +140,25 @@ def fit_vocab_rows(table: torch.Tensor, vocab_size: int, rows: int) -> torch.Ten
     out = table.new_zeros((rows,) + tuple(table.shape[1:]))
     out[:have] = table
     return out
+
+
+# The one BERT head tensor with a row per vocabulary entry (split over TP like the embeddings).
+BERT_VOCAB_TENSOR = ("lm_head", "bias")
+Shapes = Dict[str, Tuple[int, ...]]
+
+
+def bert_head_shapes(meta: ModelMeta, vocab_rows: int) -> List[Tuple[str, Shapes]]:
+    """``(kind, {tensor name: shape})`` of every BERT head piece, in stream order, with
+    ``vocab_rows`` rows for the ``lm_head`` bias. The pooler and binary head exist only with
+    ``meta.bert_binary_head``. The LM head's norm is a LayerNorm (with bias) and its linear
+    layers have biases whatever ``--normalization`` / ``--disable-bias-linear`` say."""
+    h = meta.hidden_size
+    lm_head = {"dense.weight": (h, h), "dense.bias": (h,), "layernorm.weight": (h,),
+               "layernorm.bias": (h,), "bias": (vocab_rows,)}
+    pieces = []
+    if meta.bert_binary_head:
+        pieces.append(("pooler", {"dense.weight": (h, h), "dense.bias": (h,)}))
+    pieces.append(("lm_head", lm_head))
+    if meta.bert_binary_head:
+        pieces.append(("binary_head", {"weight": (2, h), "bias": (2,)}))
+    return pieces

@@ -360,10 +360,10 @@ def test_cli_errors_are_one_line_exit_1(tmp_path, capsys):
     from tools.checkpoint.convert import main
 
     common = ["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "out")]
-    proc = _cli("--model-type", "BERT", *common)
+    proc = _cli("--model-type", "T5", *common)
     assert proc.returncode == 1, proc.stderr
-    assert proc.stderr.strip() == ("convert.py: error: --model-type BERT is not supported: only "
-                                   "GPT checkpoints can be converted")
+    assert proc.stderr.strip() == ("convert.py: error: --model-type T5 is not supported: only "
+                                   "GPT and BERT checkpoints can be converted")
     for flags, message in (
             (["--model-type", "GPT"], re.escape(
                 f"--load-dir {tmp_path}: no latest_checkpointed_iteration.txt; not a Megatron "

@@ -348,8 +348,8 @@ def test_load_errors(tmp_path):
         with open(config_path, "w") as f:
             json.dump({**config, **changes}, f)
 
-    write(model_type="bert")
-    with pytest.raises(ConversionError, match=r"config\.json: 'model_type' is 'bert'"):
+    write(model_type="t5")
+    with pytest.raises(ConversionError, match=r"config\.json: 'model_type' is 't5'"):
         load_hf(folder)
     write(activation_function="gelu")
     with pytest.raises(ConversionError, match=r"'activation_function' is 'gelu'"):

@@ -1,12 +1,16 @@
-"""Convert a GPT checkpoint: reshard a Megatron checkpoint to another TP / PP, or move it to and
-from a Hugging Face folder. The command line is Megatron-LM's ``tools/checkpoint/convert.py``::
+"""Convert a GPT or BERT checkpoint: reshard a Megatron checkpoint to another TP / PP, or move
+it to and from a Hugging Face folder. The command line is Megatron-LM's
+``tools/checkpoint/convert.py``::
 
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver megatron \
         --load-dir ckpt_tp2_pp2 --save-dir ckpt_tp1_pp1 \
         --target-tensor-parallel-size 1 --target-pipeline-parallel-size 1
 
 The loader turns the source into the canonical stream of :mod:`megatron.convert.schema` one layer
-at a time and the saver writes it, so memory holds about one layer, not the model. A Megatron
+at a time and the saver writes it, so memory holds about one layer, not the model. A BERT
+(``--model-type BERT``) goes to and from ``BertForPreTraining`` (post-LN,
+``--apply-residual-connection-post-layernorm``) or ``MegatronBertForPreTraining`` (pre-LN), or
+their ``*ForMaskedLM`` without the binary head (``--bert-no-binary-head``). A Megatron
 target keeps the iteration, consumed samples and LR schedule of the source; the optimizer and RNG
 states are dropped (they cannot be resharded exactly), so training resumes with a fresh optimizer.
 """
@@ -26,6 +30,7 @@ from megatron.convert.schema import ConversionError, ModelMeta, Piece  # noqa: E
 from megatron.errors import exit_on_user_error  # noqa: E402
 
 PROG = "convert.py"
+MODEL_TYPES = ("GPT", "BERT")
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -39,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, allow_abbrev=False, description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-type", required=True,
-                        help="GPT (the only model type this tool converts)")
+                        help="GPT or BERT: the kind of model the source holds")
     parser.add_argument("--loader", default="megatron", choices=["megatron", "hf"])
     parser.add_argument("--saver", default="megatron", choices=["megatron", "hf"])
     parser.add_argument("--load-dir", required=True, help="the checkpoint (or HF folder) to read")
@@ -66,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
-    if args.model_type != "GPT":
+    if args.model_type not in MODEL_TYPES:
         raise ConversionError(f"--model-type {args.model_type} is not supported: only GPT "
-                              "checkpoints can be converted")
+                              "and BERT checkpoints can be converted")
     if args.saver != "megatron":
         for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
                      "make_vocab_size_divisible_by"):
@@ -133,6 +138,10 @@ def convert(args) -> str:
     if meta_piece is None or meta_piece.meta is None:
         raise ConversionError(f"--load-dir {args.load_dir}: the loader yielded no model")
     meta = meta_piece.meta
+    if meta.model_type != args.model_type:
+        raise ConversionError(f"--model-type {args.model_type}, but --load-dir {args.load_dir} "
+                              f"holds a {meta.model_type} model; pass --model-type "
+                              f"{meta.model_type}")
     source = _source_layout(meta)
     stream = itertools.chain([meta_piece], pieces)
     if args.target_params_dtype is not None:
@@ -154,8 +163,8 @@ def convert(args) -> str:
         dropped = "optimizer state, RNG state, LR schedule, iteration and consumed samples"
     if source is None and args.loader == "megatron":
         source = (1, 1)
-    return (f"converted GPT: {counter.layers} layers, hidden {meta.hidden_size}, vocabulary "
-            f"{meta.vocab_size}, iteration {meta.iteration}\n"
+    return (f"converted {meta.model_type}: {counter.layers} layers, hidden {meta.hidden_size}, "
+            f"vocabulary {meta.vocab_size}, iteration {meta.iteration}\n"
             f"  {_describe(args.loader, source)} {args.load_dir}\n"
             f"  -> {_describe(args.saver, target)} {args.save_dir}\n"
             f"  dropped: {dropped if args.loader == 'megatron' else 'nothing'}")

@@ -1,0 +1,163 @@
+"""Where tensors sit in Megatron-layout checkpoint files and how they are split over
+tensor-parallel ranks: the rules :mod:`megatron.convert.megatron_io` (loading) and
+:mod:`megatron.convert.megatron_save` (saving) share, and the safe memory-mapped reader of one
+rank's file. The split table is in :mod:`megatron.convert.megatron_io`'s docstring.
+"""
+
+import mmap
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron import checkpointing
+from megatron.convert.schema import ConversionError, ModelMeta
+
+# Key of ``meta.source_args`` carrying the source's ``opt_param_scheduler`` state (not a flag).
+SCHEDULER_KEY = "_opt_param_scheduler"
+
+_QKV = "self_attention.query_key_value"
+_DENSE = "self_attention.dense"
+_H_TO_4H = "mlp.dense_h_to_4h"
+_4H_TO_H = "mlp.dense_4h_to_h"
+
+# Where BERT's own tensors sit in a rank's ``model`` tree (the nesting Megatron saves): the
+# token-type table on the first stage; the heads, by stream piece kind, on the last stage.
+TOKENTYPE_KEYS = ("language_model", "embedding", "tokentype_embeddings", "weight")
+BERT_HEAD_KEYS = {"pooler": ("language_model", "pooler"), "lm_head": ("lm_head",),
+                  "binary_head": ("binary_head",)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor-parallel split rules
+# ---------------------------------------------------------------------------------------------
+
+def layer_tensor_names(meta: ModelMeta) -> List[str]:
+    """The tensors of one transformer layer, in the order the model's state dict has them."""
+    layer_norm = meta.normalization == "LayerNorm"
+    qkv_bias = meta.add_bias_linear or meta.add_qkv_bias
+    names = [("input_layernorm.weight", True), ("input_layernorm.bias", layer_norm),
+             (f"{_QKV}.weight", True), (f"{_QKV}.bias", qkv_bias),
+             (f"{_DENSE}.weight", True), (f"{_DENSE}.bias", meta.add_bias_linear),
+             ("post_attention_layernorm.weight", True),
+             ("post_attention_layernorm.bias", layer_norm),
+             (f"{_H_TO_4H}.weight", True), (f"{_H_TO_4H}.bias", meta.add_bias_linear),
+             (f"{_4H_TO_H}.weight", True), (f"{_4H_TO_H}.bias", meta.add_bias_linear)]
+    return [name for name, present in names if present]
+
+
+def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
+    """Whole (unsplit) shape of every tensor of one layer."""
+    h, ffn = meta.hidden_size, meta.ffn_hidden_size
+    qkv = (meta.num_attention_heads + 2 * meta.num_query_groups) * meta.kv_channels
+    h_to_4h = 2 * ffn if meta.swiglu else ffn
+    shapes = {f"{_QKV}.weight": (qkv, h), f"{_QKV}.bias": (qkv,),
+              f"{_DENSE}.weight": (h, meta.num_attention_heads * meta.kv_channels),
+              f"{_H_TO_4H}.weight": (h_to_4h, h), f"{_H_TO_4H}.bias": (h_to_4h,),
+              f"{_4H_TO_H}.weight": (h, ffn)}
+    return {name: shapes.get(name, (h,)) for name in layer_tensor_names(meta)}
+
+
+def tp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
+    """``(dim, stride)`` a layer tensor is split along over TP ranks, None when replicated."""
+    if name.startswith(_QKV + "."):
+        return 0, 1
+    if name.startswith(_H_TO_4H + "."):
+        return 0, 2 if swiglu else 1
+    if name in (f"{_DENSE}.weight", f"{_4H_TO_H}.weight"):
+        return 1, 1
+    return None
+
+
+def join_shards(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The whole tensor from its TP shards: each shard is ``stride`` blocks along ``dim`` and the
+    whole is block 0 of every rank, then block 1 of every rank, ... (always a new tensor)."""
+    if stride == 1:
+        return torch.cat(list(shards), dim=dim)
+    blocks = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([blocks[r][k] for k in range(stride) for r in range(len(shards))], dim=dim)
+
+
+def split_tensor(full: torch.Tensor, dim: int, stride: int, tp_size: int) -> List[torch.Tensor]:
+    """The inverse of :func:`join_shards`: ``stride * tp_size`` equal blocks along ``dim``, rank
+    ``r`` taking blocks ``r, r + tp_size, ...``. Views of ``full`` when ``stride`` is 1 (no
+    copy), new tensors otherwise."""
+    size = full.size(dim)
+    if size % (stride * tp_size) != 0:
+        raise ConversionError(f"a tensor of shape {tuple(full.shape)} cannot be split into "
+                              f"{stride} x {tp_size} blocks along dim {dim}")
+    blocks = torch.split(full, size // (stride * tp_size), dim=dim)
+    if stride == 1:
+        return list(blocks)
+    return [torch.cat(blocks[r::tp_size], dim=dim) for r in range(tp_size)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+def read_rank_file(path: str, shared: bool = False) -> dict:
+    """One rank's file, memory-mapped (MAP_SHARED when ``shared``: writes go to the file) and
+    loaded with ``weights_only`` through the checkpoint allow-list."""
+    if not os.path.isfile(path):
+        raise ConversionError(f"{path}: missing")
+    flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+    try:
+        with torch.serialization.safe_globals(checkpointing._allow_list()), \
+                torch.serialization.set_default_mmap_options(flags):
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except RuntimeError as err:
+                if shared or "mmap" not in str(err):
+                    raise
+                # A file in torch's legacy (non-zip) format cannot be mapped: read it whole.
+                state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - any failure to read is reported with the path
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        if "weights_only" in str(err) or "Unsupported global" in str(err):
+            raise ConversionError(f"{path}: refusing to load; the file holds objects other than "
+                                  f"tensors and plain data ({first})") from None
+        raise ConversionError(f"{path}: cannot be read ({first})") from None
+    if not isinstance(state, dict) or "iteration" not in state:
+        raise ConversionError(f"{path}: not a model_optim_rng checkpoint (no 'iteration' key)")
+    return state
+
+
+def get_path(tree: dict, keys: Sequence[str], path: str):
+    node = tree
+    for key in keys:
+        if not isinstance(node, dict) or key not in node:
+            raise ConversionError(f"{path}: no {'.'.join(keys)} in the saved model state")
+        node = node[key]
+    return node
+
+
+def lookup_dotted(tree, dotted: str):
+    """The value at dotted key ``dotted`` of a nested ``tree`` whatever its nesting
+    (``{"lm_head": {"dense.weight": t}}`` and ``{"lm_head": {"dense": {"weight": t}}}`` alike),
+    or None."""
+    if not isinstance(tree, dict):
+        return None
+    if dotted in tree:
+        return tree[dotted]
+    for key, child in tree.items():
+        if isinstance(child, dict) and dotted.startswith(f"{key}."):
+            found = lookup_dotted(child, dotted[len(key) + 1:])
+            if found is not None:
+                return found
+    return None
+
+
+def has_prefix(tree, prefix: str) -> bool:
+    """Whether a nested ``tree`` holds any key under dotted ``prefix``."""
+    return any(name == prefix or name.startswith(prefix + ".") for name in dotted_names(tree))
+
+
+def dotted_names(tree, prefix: str = "") -> List[str]:
+    names = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            names += dotted_names(value, f"{prefix}{key}.")
+        else:
+            names.append(f"{prefix}{key}")
+    return names

@@ -1,0 +1,428 @@
+"""Writing the canonical stream as a Megatron checkpoint at a target TP x PP: the saving half of
+:mod:`megatron.convert.megatron_io` (which re-exports :func:`save_megatron`; its docstring gives
+the split rules, what is kept and dropped, and the memory bound).
+"""
+
+import argparse
+import os
+import shutil
+import tempfile
+from typing import Dict, Iterable, Iterator, List, Optional, Tuple
+
+import torch
+
+from megatron import checkpointing
+from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS,
+                                              get_path, layer_tensor_names,
+                                              layer_tensor_shapes, read_rank_file,
+                                              split_tensor, tp_split_rule)
+from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
+                                     bert_head_shapes, fit_vocab_rows, padded_vocab_size)
+from megatron.convert.zip_checksums import refresh_zip_checksums
+
+
+# Saving
+# ---------------------------------------------------------------------------------------------
+
+class _Target:
+    """The target layout: checked sizes, vocabulary rows, stage of every layer, file skeletons."""
+
+    def __init__(self, meta: ModelMeta, tp: int, pp: int, divisible_by: Optional[int]):
+        self.meta, self.tp, self.pp = meta, tp, pp
+        self._check_sizes()
+        self.divisible_by = divisible_by or meta.make_vocab_size_divisible_by or 1
+        self.vocab_rows = padded_vocab_size(meta.vocab_size, self.divisible_by, tp)
+        self.per_stage = meta.num_layers // pp
+        self.release = meta.iteration == 0
+        self.names = layer_tensor_names(meta)
+        self.shapes = layer_tensor_shapes(meta)
+        self.tied = not meta.untie_embeddings_and_output_weights
+        self.heads = (dict(bert_head_shapes(meta, self.vocab_rows))
+                      if meta.model_type == "BERT" else {})
+
+    def _check_sizes(self) -> None:
+        meta, tp, pp = self.meta, self.tp, self.pp
+        if meta.model_type not in ("GPT", "BERT"):
+            raise ConversionError(f"model type {meta.model_type!r}: only GPT and BERT "
+                                  "checkpoints can be written")
+        if meta.model_type == "BERT" and meta.untie_embeddings_and_output_weights:
+            raise ConversionError("--untie-embeddings-and-output-weights: a BERT's LM head is "
+                                  "tied to the word embeddings")
+        if tp < 1 or pp < 1:
+            raise ConversionError(f"--target-tensor-parallel-size ({tp}) and "
+                                  f"--target-pipeline-parallel-size ({pp}) must be >= 1")
+        for flag, value in (("--num-attention-heads", meta.num_attention_heads),
+                            ("--num-query-groups", meta.num_query_groups),
+                            ("--ffn-hidden-size", meta.ffn_hidden_size)):
+            if value % tp != 0:
+                raise ConversionError(f"--target-tensor-parallel-size {tp} does not divide "
+                                      f"{flag} ({value}); choose a divisor of {value}")
+        if pp > meta.num_layers or meta.num_layers % pp != 0:
+            raise ConversionError(f"--target-pipeline-parallel-size {pp} does not divide "
+                                  f"--num-layers ({meta.num_layers}) into equal stages")
+
+    def stage_of(self, layer: int) -> Tuple[int, int]:
+        return layer // self.per_stage, layer % self.per_stage
+
+    def shard_shape(self, shape: Tuple[int, ...], rule: Optional[Tuple[int, int]]):
+        if rule is None:
+            return shape
+        shape = list(shape)
+        shape[rule[0]] //= self.tp
+        return tuple(shape)
+
+    def model_skeleton(self, pp_rank: int) -> dict:
+        """One TP rank's ``model`` tree of ``pp_rank``, as empty (unallocated) tensors."""
+        meta, dtype = self.meta, self.meta.params_dtype
+        first, last = pp_rank == 0, pp_rank == self.pp - 1
+        vocab_shard = (self.vocab_rows // self.tp, meta.hidden_size)
+        language_model = {}
+        if first:
+            embedding = {"word_embeddings": {"weight": torch.empty(vocab_shard, dtype=dtype)}}
+            if meta.position_embedding_type == "learned_absolute":
+                embedding["position_embeddings"] = {"weight": torch.empty(
+                    (meta.max_position_embeddings, meta.hidden_size), dtype=dtype)}
+            if self.heads and meta.num_tokentypes:
+                embedding["tokentype_embeddings"] = {"weight": torch.empty(
+                    (meta.num_tokentypes, meta.hidden_size), dtype=dtype)}
+            language_model["embedding"] = embedding
+        encoder = {}
+        for local in range(self.per_stage):
+            for name in self.names:
+                shape = self.shard_shape(self.shapes[name], tp_split_rule(name, meta.swiglu))
+                encoder[f"layers.{local}.{name}"] = torch.empty(shape, dtype=dtype)
+        if last:
+            norm = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
+            for name in norm:
+                encoder[f"final_layernorm.{name}"] = torch.empty(meta.hidden_size, dtype=dtype)
+        language_model["encoder"] = encoder
+        if last and not self.tied:
+            language_model["output_layer"] = {"weight": torch.empty(vocab_shard, dtype=dtype)}
+        model = {"language_model": language_model}
+        if last and not first and self.tied:
+            model["word_embeddings_for_head"] = {"weight": torch.empty(vocab_shard, dtype=dtype)}
+        if last:
+            self._add_bert_heads(model)
+        return model
+
+    def _add_bert_heads(self, model: dict) -> None:
+        """A BERT's pooler, LM head and binary head into a last stage's ``model`` tree (the
+        ``lm_head`` bias as this rank's vocabulary rows)."""
+        for kind, shapes in self.heads.items():
+            node = model
+            for key in BERT_HEAD_KEYS[kind]:
+                node = node.setdefault(key, {})
+            for name, shape in shapes.items():
+                if (kind, name) == BERT_VOCAB_TENSOR:
+                    shape = (self.vocab_rows // self.tp,)
+                node[name] = torch.empty(shape, dtype=self.meta.params_dtype)
+
+    def args(self) -> argparse.Namespace:
+        """The source's args with the layout, vocabulary and shape fields of the target."""
+        meta = self.meta
+        values = {k: v for k, v in (meta.source_args or {}).items() if k != SCHEDULER_KEY}
+        values.update(
+            num_layers=meta.num_layers, hidden_size=meta.hidden_size,
+            ffn_hidden_size=meta.ffn_hidden_size, num_attention_heads=meta.num_attention_heads,
+            num_query_groups=meta.num_query_groups,
+            group_query_attention=meta.group_query_attention, kv_channels=meta.kv_channels,
+            max_position_embeddings=meta.max_position_embeddings,
+            position_embedding_type=meta.position_embedding_type,
+            use_rotary_position_embeddings=meta.position_embedding_type == "rope",
+            rotary_percent=meta.rotary_percent, rotary_base=meta.rotary_base,
+            normalization=meta.normalization, norm_epsilon=meta.norm_epsilon,
+            swiglu=meta.swiglu, openai_gelu=meta.openai_gelu,
+            add_bias_linear=meta.add_bias_linear, add_qkv_bias=meta.add_qkv_bias,
+            untie_embeddings_and_output_weights=meta.untie_embeddings_and_output_weights,
+            apply_residual_connection_post_layernorm=meta.apply_residual_connection_post_layernorm,
+            params_dtype=meta.params_dtype, fp16=meta.params_dtype == torch.float16,
+            bf16=meta.params_dtype == torch.bfloat16,
+            tokenizer_type=meta.tokenizer_type, vocab_file=meta.vocab_file,
+            merge_file=meta.merge_file, tokenizer_model=meta.tokenizer_model,
+            tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+            padded_vocab_size=self.vocab_rows, make_vocab_size_divisible_by=self.divisible_by,
+            num_layers_per_virtual_pipeline_stage=None,
+            virtual_pipeline_model_parallel_size=None,
+            decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+            iteration=meta.iteration, consumed_train_samples=meta.consumed_train_samples,
+            consumed_valid_samples=meta.consumed_valid_samples)
+        if meta.seq_length is not None:
+            values["seq_length"] = meta.seq_length
+        if meta.model_type == "BERT":
+            values["bert_binary_head"] = meta.bert_binary_head
+        if meta.source_args is None and meta.tokenizer_type == "NullTokenizer":
+            values["vocab_size"] = meta.vocab_size - 1  # NullTokenizer adds its end-of-document
+        return argparse.Namespace(**values)
+
+    def conversion_record(self) -> dict:
+        source = self.meta.source_args
+        layout = None
+        if source is not None:
+            layout = [source.get("tensor_model_parallel_size", 1),
+                      source.get("pipeline_model_parallel_size", 1)]
+        return {"from_layout": layout, "optimizer": "dropped", "rng": "dropped"}
+
+
+def _prepare_save_dir(save_dir: str) -> bool:
+    """Refuse a save dir that is a file or holds anything; returns whether it was created."""
+    if os.path.exists(save_dir):
+        if not os.path.isdir(save_dir):
+            raise ConversionError(f"--save-dir {save_dir}: exists and is not a folder")
+        present = sorted(os.listdir(save_dir))
+        if present:
+            raise ConversionError(f"--save-dir {save_dir}: not empty (holds "
+                                  f"{', '.join(present[:3])}{' ...' if len(present) > 3 else ''})"
+                                  "; choose a new or empty folder")
+        return False
+    try:
+        os.makedirs(save_dir)
+    except OSError as err:
+        raise ConversionError(f"--save-dir {save_dir}: cannot be created "
+                              f"({err.strerror})") from None
+    return True
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _create_files(target: _Target, root: str) -> Dict[Tuple[int, int], str]:
+    """Every target rank's file, complete but for the tensor bytes (written later in place)."""
+    args = target.args()
+    meta = target.meta
+    scheduler = (meta.source_args or {}).get(SCHEDULER_KEY)
+    files = {}
+    for pp_rank in range(target.pp):
+        for tp_rank in range(target.tp):
+            state = {"args": args, "checkpoint_version": checkpointing.CHECKPOINT_VERSION,
+                     "iteration": meta.iteration, "model": target.model_skeleton(pp_rank)}
+            if scheduler is not None:
+                state["opt_param_scheduler"] = scheduler
+            state["conversion"] = target.conversion_record()
+            path = checkpointing.checkpoint_file(root, meta.iteration, tp_rank, pp_rank,
+                                                 target.pp, target.release)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with torch.serialization.skip_data():
+                torch.save(state, path)
+            files[(tp_rank, pp_rank)] = path
+    return files
+
+
+def _copy_into(path: str, items: list, what: str) -> None:
+    """Copy ``(key path under model, tensor)`` items into the file at ``path``, mapped (shared)
+    for this call only: the mapping goes when the loaded tensors do, at return."""
+    model = read_rank_file(path, shared=True)["model"]
+    for keys, tensor in items:
+        dst = get_path(model, keys, path)
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ConversionError(f"{what}: {'.'.join(keys)} has shape {tuple(tensor.shape)}, "
+                                  f"expected {tuple(dst.shape)} for the target layout")
+        dst.copy_(tensor)
+
+
+def _write(files: Dict[Tuple[int, int], str], writes: List[Tuple[int, int, tuple, torch.Tensor]],
+           what: str) -> None:
+    """Copy ``(tp_rank, pp_rank, key path under model, tensor)`` into the target files, one
+    file mapped at a time."""
+    by_file: Dict[Tuple[int, int], list] = {}
+    for tp_rank, pp_rank, keys, tensor in writes:
+        by_file.setdefault((tp_rank, pp_rank), []).append((keys, tensor))
+    for rank, items in by_file.items():
+        _copy_into(files[rank], items, what)
+
+
+def _check_tensors(what: str, tensors: Dict[str, torch.Tensor],
+                   expected: Dict[str, Tuple[int, ...]]) -> None:
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    wrong = sorted(k for k in set(expected) & set(tensors)
+                   if tuple(tensors[k].shape) != tuple(expected[k]))
+    if missing or extra or wrong:
+        detail = ([f"missing {missing}"] if missing else []) + (
+            [f"unexpected {extra}"] if extra else []) + [
+            f"{k} has shape {tuple(tensors[k].shape)}, expected {expected[k]}" for k in wrong]
+        raise ConversionError(f"{what} does not match the model the meta describes: "
+                              + "; ".join(detail))
+
+
+def _vocab_shards(target: _Target, table: torch.Tensor, what: str) -> List[torch.Tensor]:
+    """Each TP rank's rows of ``table`` fitted to the target's padded size, with
+    :func:`fit_vocab_rows`'s rule (rows past the table's are zeros; only padding rows are
+    dropped), built shard by shard: views where the rows exist, so no whole copy is made."""
+    if table.size(0) < target.meta.vocab_size:
+        raise ConversionError(f"{what} has {table.size(0)} rows, fewer than the vocabulary size "
+                              f"{target.meta.vocab_size} in the meta")
+    per_rank = target.vocab_rows // target.tp
+    shards = []
+    for tp_rank in range(target.tp):
+        start = tp_rank * per_rank
+        if start + per_rank <= table.size(0):
+            shards.append(table[start:start + per_rank])                     # [V/tp, h]
+        else:
+            shards.append(fit_vocab_rows(table[start:], 0, per_rank))         # zeros appended
+    return shards
+
+
+def _embedding_writes(target: _Target, piece: Piece) -> list:
+    meta = target.meta
+    word = piece.tensors.get("word_embeddings")
+    expected = {"word_embeddings": (0 if word is None else word.size(0), meta.hidden_size)}
+    if meta.position_embedding_type == "learned_absolute":
+        expected["position_embeddings"] = (meta.max_position_embeddings, meta.hidden_size)
+    if target.heads and meta.num_tokentypes:
+        expected["tokentype_embeddings"] = (meta.num_tokentypes, meta.hidden_size)
+    _check_tensors("the embeddings", piece.tensors, expected)
+    writes = []
+    for tp_rank, shard in enumerate(_vocab_shards(target, word, "the word embeddings")):
+        writes.append((tp_rank, 0, ("language_model", "embedding", "word_embeddings", "weight"),
+                       shard))
+        if target.tied and target.pp > 1:
+            writes.append((tp_rank, target.pp - 1, ("word_embeddings_for_head", "weight"), shard))
+    if "position_embeddings" in piece.tensors:
+        for tp_rank in range(target.tp):
+            writes.append((tp_rank, 0, ("language_model", "embedding", "position_embeddings",
+                                        "weight"), piece.tensors["position_embeddings"]))
+    if "tokentype_embeddings" in piece.tensors:
+        writes += [(tp_rank, 0, TOKENTYPE_KEYS, piece.tensors["tokentype_embeddings"])
+                   for tp_rank in range(target.tp)]
+    return writes
+
+
+def _bert_head_writes(target: _Target, piece: Piece) -> list:
+    """A BERT head piece: the ``lm_head`` bias split over TP like the word embeddings (fitted to
+    the target's padded vocabulary), every other tensor replicated, all on the last stage."""
+    expected = dict(target.heads[piece.kind])
+    bias = piece.tensors.get("bias")
+    if piece.kind == BERT_VOCAB_TENSOR[0]:
+        expected["bias"] = (0 if bias is None else bias.size(0),)
+    _check_tensors(f"the {piece.kind}", piece.tensors, expected)
+    writes, last = [], target.pp - 1
+    for name, tensor in piece.tensors.items():
+        keys = BERT_HEAD_KEYS[piece.kind] + (name,)
+        if (piece.kind, name) == BERT_VOCAB_TENSOR:
+            shards = _vocab_shards(target, tensor, "the lm_head bias")
+        else:
+            shards = [tensor] * target.tp
+        writes += [(tp_rank, last, keys, shard) for tp_rank, shard in enumerate(shards)]
+    return writes
+
+
+def _layer_writes(target: _Target, piece: Piece) -> list:
+    _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes)
+    pp_rank, local = target.stage_of(piece.index)
+    writes = []
+    for name, tensor in piece.tensors.items():
+        rule = tp_split_rule(name, target.meta.swiglu)
+        shards = ([tensor] * target.tp if rule is None
+                  else split_tensor(tensor, rule[0], rule[1], target.tp))
+        for tp_rank, shard in enumerate(shards):
+            writes.append((tp_rank, pp_rank, ("language_model", "encoder",
+                                              f"layers.{local}.{name}"), shard))
+    return writes
+
+
+def _final_writes(target: _Target, piece: Piece) -> list:
+    meta, last = target.meta, target.pp - 1
+    if piece.kind == "final_norm":
+        names = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
+        _check_tensors("the final norm", piece.tensors, {n: (meta.hidden_size,) for n in names})
+        return [(tp_rank, last, ("language_model", "encoder", f"final_layernorm.{name}"), tensor)
+                for name, tensor in piece.tensors.items() for tp_rank in range(target.tp)]
+    if target.tied:
+        raise ConversionError("the stream has an output layer but the meta says the embeddings "
+                              "are tied (untie_embeddings_and_output_weights is False)")
+    weight = piece.tensors.get("weight")
+    _check_tensors("the output layer", piece.tensors,
+                   {"weight": (weight.size(0) if weight is not None else 0, meta.hidden_size)})
+    return [(tp_rank, last, ("language_model", "output_layer", "weight"), shard)
+            for tp_rank, shard in enumerate(_vocab_shards(target, weight, "the output layer"))]
+
+
+def _consume(pieces: Iterator[Piece], target: _Target, files: dict) -> None:
+    """Write every piece into the target files; check that the stream is complete."""
+    wanted = {"embeddings", "final_norm"} | ({"output_layer"} if not target.tied else set())
+    wanted |= {("layer", i) for i in range(target.meta.num_layers)} | set(target.heads)
+    seen = set()
+    for piece in pieces:
+        key = ("layer", piece.index) if piece.kind == "layer" else piece.kind
+        if key not in wanted and piece.kind != "output_layer":
+            raise ConversionError(f"unexpected piece in the stream: {piece.kind}"
+                                  + (f" {piece.index}" if piece.index is not None else ""))
+        if key in seen:
+            raise ConversionError(f"the stream holds {key} twice")
+        seen.add(key)
+        if piece.kind == "embeddings":
+            writes = _embedding_writes(target, piece)
+        elif piece.kind == "layer":
+            writes = _layer_writes(target, piece)
+        elif piece.kind in target.heads:
+            writes = _bert_head_writes(target, piece)
+        else:
+            writes = _final_writes(target, piece)
+        _write(files, writes, piece.kind if piece.index is None else f"layer {piece.index}")
+        del writes, piece
+    missing = wanted - seen
+    if missing:
+        names = sorted(str(k if isinstance(k, str) else f"layer {k[1]}") for k in missing)
+        raise ConversionError(f"the stream ended without {', '.join(names[:5])}"
+                              + (" ..." if len(names) > 5 else ""))
+
+
+def _commit(staging: str, save_dir: str, target: _Target, files: dict) -> str:
+    """fsync every file, move the iteration folder into place, then the tracker (renames)."""
+    for path in files.values():
+        refresh_zip_checksums(path)
+        _fsync(path)
+        _fsync(os.path.dirname(path))
+    name = checkpointing.checkpoint_dir_name(target.meta.iteration, target.release)
+    _fsync(os.path.join(staging, name))
+    final = os.path.join(save_dir, name)
+    os.replace(os.path.join(staging, name), final)
+    shutil.rmtree(staging)
+    _fsync(save_dir)
+    tracker = os.path.join(save_dir, checkpointing.TRACKER_FILENAME)
+    with open(tracker + ".tmp", "w") as f:
+        f.write("release" if target.release else str(target.meta.iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker + ".tmp", tracker)
+    _fsync(save_dir)
+    return final
+
+
+def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
+                  make_vocab_size_divisible_by: Optional[int] = None) -> str:
+    """Write the stream as a Megatron checkpoint at ``target_tp`` x ``target_pp`` in
+    ``save_dir`` (which must be new or empty); returns the iteration folder.
+
+    The vocabulary is padded to ``padded_vocab_size(meta.vocab_size, divisible_by, target_tp)``
+    rows (``divisible_by`` defaults to the source's), as a training run at the target layout
+    computes it; rows past the source's are zeros. A checkpoint with a training position is
+    written as ``iter_XXXXXXX`` with that iteration and consumed samples; one without (iteration
+    0, e.g. from Hugging Face) as ``release``. Nothing appears in ``save_dir`` until every file is
+    complete and fsynced; on any failure the staging folder is removed.
+
+    Raises:
+        ConversionError: a non-empty save dir, a target size that does not divide the model, or
+            a stream that does not match its meta.
+    """
+    pieces = iter(pieces)
+    first = next(pieces, None)
+    if first is None or first.kind != "meta" or first.meta is None:
+        raise ConversionError("the stream must start with its meta piece")
+    target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by)
+    created = _prepare_save_dir(save_dir)
+    staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
+    try:
+        files = _create_files(target, staging)
+        _consume(pieces, target, files)
+        return _commit(staging, save_dir, target, files)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not os.listdir(save_dir):
+            os.rmdir(save_dir)
+        raise
