@@ -1,4 +1,4 @@
-"""Megatron's command-line surface for GPT pretraining.
+"""Megatron's command-line surface for GPT and BERT pretraining.
 
 The flag names, defaults and groups follow Megatron-LM, so launch scripts written for it parse
 unchanged. :func:`validate_args` derives every size (data-parallel size, micro-batches, ffn size,
@@ -62,6 +62,8 @@ def _add_network_size_args(parser):
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
+                   help="BERT without the sentence-order (binary) head and its loss")
 
 
 def _add_regularization_args(parser):
@@ -273,8 +275,10 @@ def _add_data_args(parser):
     g.add_argument("--encoder-seq-length", type=int, default=None)
     g.add_argument("--decoder-seq-length", type=int, default=None)
     g.add_argument("--sample-rate", type=float, default=1.0)
-    g.add_argument("--mask-prob", type=float, default=0.15)
-    g.add_argument("--short-seq-prob", type=float, default=0.1)
+    g.add_argument("--mask-prob", type=float, default=0.15,
+                   help="BERT: fraction of the tokens of a sample chosen for masked-LM")
+    g.add_argument("--short-seq-prob", type=float, default=0.1,
+                   help="BERT: probability of a sample shorter than --seq-length")
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", type=str, default=None)
@@ -563,6 +567,43 @@ def _validate_batch_and_schedule(args) -> None:
         _fail(f"--loss-spike-window must be >= 1, got {args.loss_spike_window}")
 
 
+def _validate_masking(args) -> None:
+    """The BERT data flags; their defaults pass, so GPT runs never trip on them."""
+    if not 0.0 < args.mask_prob < 1.0:
+        _fail(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
+    if not 0.0 <= args.short_seq_prob <= 1.0:
+        _fail(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
+
+
+BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
+
+
+def validate_bert_args(args: argparse.Namespace) -> None:
+    """What pretrain_bert.py needs beyond :func:`validate_args`.
+
+    BERT samples are built from the WordPiece ``[CLS]``, ``[SEP]``, ``[MASK]`` and ``[PAD]``
+    tokens, its position embeddings are learned, and its data are real sentence pairs.
+
+    Raises:
+        ArgumentsError: naming the flag, the value seen and what BERT takes.
+    """
+    if args.tokenizer_type not in BERT_TOKENIZER_TYPES:
+        _fail(f"--tokenizer-type {args.tokenizer_type} cannot make BERT samples (they need the "
+              "WordPiece [CLS], [SEP], [MASK] and [PAD] tokens); use --tokenizer-type "
+              f"{' or '.join(BERT_TOKENIZER_TYPES)} with --vocab-file vocab.txt")
+    if args.position_embedding_type != "learned_absolute" or args.use_rotary_position_embeddings:
+        _fail(f"--position-embedding-type {args.position_embedding_type}: BERT has learned "
+              "absolute position embeddings (learned_absolute) only")
+    if not args.add_position_embedding:
+        _fail("--no-position-embedding: BERT needs its learned position embeddings")
+    if args.untie_embeddings_and_output_weights:
+        _fail("--untie-embeddings-and-output-weights: BERT's masked-LM head always uses the "
+              "word embeddings")
+    if args.mock_data:
+        _fail("--mock-data makes GPT samples only; give BERT sentence data with --data-path "
+              "(tools/preprocess_data.py --split-sentences)")
+
+
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     """Derive sizes and reject impossible combinations, before any process group exists.
 
@@ -573,6 +614,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_model(args)
     _validate_parallel(args)
     _validate_batch_and_schedule(args)
+    _validate_masking(args)
     return args
 
 

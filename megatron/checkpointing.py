@@ -62,7 +62,10 @@ CONVERSION_TOOL = "tools/checkpoint/convert.py"
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
               "num_query_groups", "kv_channels", "max_position_embeddings",
               "position_embedding_type", "padded_vocab_size", "swiglu", "normalization",
-              "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights")
+              "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+              "bert_binary_head")
+# How a SHAPE_ARGS entry is named in an error when its dest is not its flag's name.
+_ARG_LABELS = {"bert_binary_head": "the BERT binary head (--bert-no-binary-head removes it)"}
 # Also taken from the checkpoint with --use-checkpoint-args.
 CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_percent",
                                 "rotary_base", "apply_residual_connection_post_layernorm",
@@ -605,7 +608,8 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
             f"pipeline-model-parallel size {saved_pp}, but this run uses {pstate.tp_size} x "
             f"{pstate.pp_size}; run with --tensor-model-parallel-size {saved_tp} "
             f"--pipeline-model-parallel-size {saved_pp}, or convert it first: python "
-            f"{CONVERSION_TOOL} --model-type GPT --loader megatron --saver megatron --load-dir "
+            f"{CONVERSION_TOOL} --model-type {getattr(args, 'checkpoint_model_type', 'GPT')} "
+            f"--loader megatron --saver megatron --load-dir "
             f"{load_dir} --save-dir NEW_DIR --target-tensor-parallel-size {pstate.tp_size} "
             f"--target-pipeline-parallel-size {pstate.pp_size}")
     path = _rank_file_in(iter_dir, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
@@ -615,8 +619,8 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
 def _check_args(saved, args, path: str) -> None:
     if saved is None:
         return
-    diffs = [f"--{n.replace('_', '-')} (checkpoint {getattr(saved, n)!r}, "
-             f"flags {getattr(args, n)!r})"
+    diffs = [f"{_ARG_LABELS.get(n, '--' + n.replace('_', '-'))} "
+             f"(checkpoint {getattr(saved, n)!r}, flags {getattr(args, n)!r})"
              for n in SHAPE_ARGS
              if hasattr(saved, n) and hasattr(args, n) and getattr(saved, n) != getattr(args, n)]
     if diffs:

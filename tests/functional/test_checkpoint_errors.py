@@ -33,7 +33,8 @@ def test_layout_mismatch_names_both_layouts_and_tool(corpus, saved):
     with pytest.raises(AssertionError, match=r"saved with tensor-model-parallel size 1 x "
                        r"pipeline-model-parallel size 1, but this run uses 2 x 1; run with "
                        r"--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1, or "
-                       r"convert it first: python tools/checkpoint/convert.py .* "
+                       r"convert it first: python tools/checkpoint/convert.py --model-type "
+                       r"GPT .* "
                        r"--target-tensor-parallel-size 2 --target-pipeline-parallel-size 1"):
         run_on_ranks(run_pretrain, 2, gpt_flags(corpus, 4, tp=2, extra=["--load", saved]))
 
