@@ -458,7 +458,9 @@ def print_table(a, results: dict, gemm: list) -> None:
             value = med[y] / med[x]
             verdict = "" if target is None else (
                 f">= {target}x: {'met' if value >= target else 'not met'}")
-            print(f"| {x} / {y} | {value:.2f}x | {cpu[y] / cpu[x]:.2f}x | {verdict} |")
+            # CPU time is counted in clock ticks: a tiny run may show none.
+            cpu_ratio = f"{cpu[y] / cpu[x]:.2f}x" if cpu[x] > 0 else "n/a"
+            print(f"| {x} / {y} | {value:.2f}x | {cpu_ratio} | {verdict} |")
 
 
 def print_profiles(profiles: dict) -> None:

@@ -65,8 +65,9 @@ def test_bench_peers_tiny_run_prints_every_contender():
         row = re.search(rf"^\| {re.escape(name)} \| (\d+) \| (\d+) \| ([\d.]+) \|", out, re.M)
         assert row, out
         assert int(row.group(2)) > 0
-    assert re.search(r"^\| ours / hf \| [\d.]+x \| [\d.]+x \| >= 1.5x: (met|not met) \|$",
-                     out, re.M), out
+    # CPU time is counted in clock ticks: this tiny run may show none (n/a).
+    assert re.search(r"^\| ours / hf \| [\d.]+x \| ([\d.]+x|n/a) \| "
+                     r">= 1.5x: (met|not met) \|$", out, re.M), out
     assert "this model's GEMM mix" in out
 
 
