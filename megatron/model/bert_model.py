@@ -27,9 +27,9 @@ from megatron.fused_kernels.layer_norm import FusedLayerNorm
 from megatron.model.enums import AttnMaskType
 from megatron.model.language_model import (
     TransformerLanguageModel,
-    build_word_embeddings,
     get_linear_layer,
     parallel_lm_logits,
+    tie_word_embeddings_over_stages,
 )
 from megatron.model.module import MegatronModule
 from megatron.model.transformer import get_num_layers_and_offset
@@ -162,17 +162,7 @@ class BertModel(MegatronModule):
                     self.binary_head = get_linear_layer(
                         config.hidden_size, 2, init_method_normal(config.init_method_std),
                         config.params_dtype)
-        self._init_shared_head(init_seed)
-
-    def _init_shared_head(self, init_seed: int) -> None:
-        if self.post_process and not self.pre_process:
-            with init_rng(init_seed, "embedding"):
-                self.word_embeddings_for_head = build_word_embeddings(self.config,
-                                                                      self.tp_group)
-            self.word_embeddings_for_head.weight.shared = True
-            self.word_embeddings_for_head.weight.shared_embedding = True
-        elif self.pre_process and not self.post_process:
-            self.language_model.embedding.word_embeddings.weight.shared_embedding = True
+        tie_word_embeddings_over_stages(self, init_seed)
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The word-embedding table this stage uses (embedding, LM head, or both)."""

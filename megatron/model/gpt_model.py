@@ -9,12 +9,11 @@ from megatron.core.config import TransformerConfig
 from megatron.fused_kernels import ops as fused_ops
 from megatron.model.language_model import (
     TransformerLanguageModel,
-    build_word_embeddings,
     parallel_lm_logits,
+    tie_word_embeddings_over_stages,
 )
 from megatron.model.module import MegatronModule
 from megatron.model.transformer import get_num_layers_and_offset
-from megatron.model.utils import init_rng
 
 
 class GPTModel(MegatronModule):
@@ -59,20 +58,10 @@ class GPTModel(MegatronModule):
             config, pstate.tp_group, pstate.tp_size, num_layers, offset, pre_process,
             post_process, sequence_parallel, init_seed)
         if self.share_embeddings_and_output_weights:
-            self._init_shared_head(init_seed)
+            tie_word_embeddings_over_stages(self, init_seed)
         # The training logits, written into the same storage every micro-batch (CPU only:
         # CUDA's caching allocator already reuses the block).
         self._logits_buffer = tensor_parallel.ReusableOutputBuffer() if post_process else None
-
-    def _init_shared_head(self, init_seed: int) -> None:
-        if self.post_process and not self.pre_process:
-            with init_rng(init_seed, "embedding"):
-                self.word_embeddings_for_head = build_word_embeddings(self.config,
-                                                                      self.tp_group)
-            self.word_embeddings_for_head.weight.shared = True
-            self.word_embeddings_for_head.weight.shared_embedding = True
-        elif self.pre_process and not self.post_process:
-            self.language_model.embedding.word_embeddings.weight.shared_embedding = True
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The word-embedding table this stage uses (embedding, LM head, or both)."""

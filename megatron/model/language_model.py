@@ -58,6 +58,24 @@ def build_word_embeddings(config: TransformerConfig, tp_group):
         params_dtype=config.params_dtype)
 
 
+def tie_word_embeddings_over_stages(model, init_seed: int) -> None:
+    """Set up the word-embedding table a model shares between its first and last stage.
+
+    With pipeline parallelism a last stage without the embedding gets its own copy,
+    ``word_embeddings_for_head``, drawn under the ``embedding`` seed so it starts equal to the
+    first stage's table; both are marked ``shared_embedding`` so their gradients are summed
+    over the embedding group. ``model`` has ``pre_process``, ``post_process``, ``config``,
+    ``tp_group`` and ``language_model``.
+    """
+    if model.post_process and not model.pre_process:
+        with init_rng(init_seed, "embedding"):
+            model.word_embeddings_for_head = build_word_embeddings(model.config, model.tp_group)
+        model.word_embeddings_for_head.weight.shared = True
+        model.word_embeddings_for_head.weight.shared_embedding = True
+    elif model.pre_process and not model.post_process:
+        model.language_model.embedding.word_embeddings.weight.shared_embedding = True
+
+
 def get_linear_layer(rows: int, columns: int, init_method, params_dtype: torch.dtype
                      ) -> torch.nn.Linear:
     """A plain ``torch.nn.Linear(rows, columns)``, replicated on every tensor-parallel rank:
