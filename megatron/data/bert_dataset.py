@@ -627,18 +627,7 @@ def build_train_valid_test_datasets(config: BertDatasetConfig,
     num_samples = [int(n) for n in train_valid_test_num_samples]
     if len(num_samples) != 3:
         raise DataError(f"need train, valid and test sample counts, got {num_samples}")
-    per_split = (train_data_path, valid_data_path, test_data_path)
-    if any(p for p in per_split):
-        if data_path:
-            raise DataError("--data-path cannot be combined with --train-data-path, "
-                            "--valid-data-path or --test-data-path")
-        out: List = [None, None, None]
-        flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
-        for i, path in enumerate(per_split):
-            if path:
-                out[i] = _build_from_blend(path, num_samples, config, tokenizer, flags[i],
-                                           only=i)[i]
-        return tuple(out)
-    if not data_path:
-        raise DataError("no data: pass --data-path (or --train-data-path ...)")
-    return tuple(_build_from_blend(data_path, num_samples, config, tokenizer, "--data-path"))
+    return dataset_utils.build_splits(
+        num_samples, data_path, (train_data_path, valid_data_path, test_data_path),
+        lambda path, flag, only: _build_from_blend(path, num_samples, config, tokenizer, flag,
+                                                   only=only))

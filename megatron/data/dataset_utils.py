@@ -117,6 +117,34 @@ def blend_num_samples(normalized_weights: Sequence[float], total: int) -> List[i
     return [int(math.ceil(math.ceil(total * w) * (1 + BLEND_SURPLUS))) for w in normalized_weights]
 
 
+def build_splits(num_samples: Sequence[int], data_path, per_split_paths: Sequence,
+                 build_blend: Callable, missing_hint: str = "") -> tuple:
+    """The (train, valid, test) datasets from ``--data-path``, or from the per-split paths.
+
+    Args:
+        num_samples: samples wanted per split.
+        data_path: ``--data-path`` (split by ``--split``), or None.
+        per_split_paths: ``--train-data-path``, ``--valid-data-path``, ``--test-data-path``
+            values (each used whole for its split); exclusive with ``data_path``.
+        build_blend: ``build_blend(path, flag, only)`` -> the three splits of ``path``
+            (``only``: the one split index to build, None for all).
+        missing_hint: appended to the error when no path is given (e.g. ``", or --mock-data"``).
+    """
+    if any(p for p in per_split_paths):
+        if data_path:
+            raise DataError("--data-path cannot be combined with --train-data-path, "
+                            "--valid-data-path or --test-data-path")
+        out: List = [None, None, None]
+        flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
+        for i, path in enumerate(per_split_paths):
+            if path:
+                out[i] = build_blend(path, flags[i], i)[i]
+        return tuple(out)
+    if not data_path:
+        raise DataError(f"no data: pass --data-path (or --train-data-path ...){missing_hint}")
+    return tuple(build_blend(data_path, "--data-path", None))
+
+
 def get_train_valid_test_num_samples(train_iters: int, global_batch_size: int,
                                      eval_interval: int, eval_iters: int,
                                      train_samples: Optional[int] = None) -> List[int]:
