@@ -9,9 +9,11 @@ Layout (FORMATS.md section 6)::
 Writing: every file of an iteration goes into ``iter_XXXXXXX.tmp/`` and is fsynced; once every
 rank has reported success, rank 0 renames the folder into place and only then replaces the
 tracker file (also through a rename). A crash at any point leaves the previous checkpoint and
-tracker intact. Reading: ``torch.load(weights_only=True)`` with a short allow-list of plain types,
-so a checkpoint from a stranger cannot run code; every key and shape is checked before anything is
-copied into the model, so a failed load never leaves a half-loaded model.
+tracker intact. Reading: ``torch.load(weights_only=True)`` with a short allow-list of plain types
+and Megatron-LM's own classes read as inert stand-ins (:mod:`megatron.safe_unpickle`), so a
+checkpoint from a stranger cannot run code and one written by Megatron-LM opens; every key and
+shape is checked before anything is copied into the model, so a failed load never leaves a
+half-loaded model.
 
 What survives what: a process killed at any point of a save (the test hook
 ``MEGATRON_TEST_CRASH_AT``, below, kills it at each named point) leaves the tracker naming a
@@ -44,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron import safe_unpickle
 from megatron.core import device
 
 CHECKPOINT_VERSION = 3.0
@@ -76,18 +79,6 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be written or read; the message names the path and the problem."""
-
-
-def _allow_list():
-    """Types a checkpoint may hold besides tensors and builtin containers."""
-    allowed = [argparse.Namespace]
-    # Checkpoints written by Megatron-LM hold numpy RNG states as arrays.
-    try:
-        from numpy.core.multiarray import _reconstruct  # noqa: PLC0415
-    except ImportError:  # numpy >= 2 moved it
-        from numpy._core.multiarray import _reconstruct  # noqa: PLC0415
-    allowed += [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-    return allowed
 
 
 def checkpoint_dir_name(iteration: int, release: bool = False) -> str:
@@ -572,13 +563,10 @@ def load_state_file(path: str) -> dict:
         raise CheckpointError(f"{path}: missing")
     _verify_zip_checksums(path)
     try:
-        with torch.serialization.safe_globals(_allow_list()):
-            state = torch.load(path, map_location="cpu", weights_only=True)
+        state = safe_unpickle.torch_load(path)
+    except safe_unpickle.UnsafeCheckpointError as err:
+        raise CheckpointError(str(err)) from None
     except Exception as err:  # noqa: BLE001 - any failure to read is reported with the path
-        if "weights_only" in str(err) or "Unsupported global" in str(err):
-            raise CheckpointError(
-                f"{path}: refusing to load; the file holds objects other than tensors and plain "
-                f"data, which could run code ({str(err).splitlines()[0][:200]})") from None
         raise CheckpointError(f"{path}: cannot be read ({type(err).__name__}: "
                               f"{str(err).splitlines()[0][:200] if str(err) else ''})") from None
     if not isinstance(state, dict) or "iteration" not in state:
@@ -616,13 +604,52 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
     return path, iteration, release
 
 
+def megatron_args(saved: Optional[argparse.Namespace]) -> Optional[argparse.Namespace]:
+    """A checkpoint's saved ``args`` in this project's conventions (a copy; None stays None).
+
+    Megatron-LM writes some fields differently from the flags this project derives: without
+    ``--group-query-attention`` it stores ``num_query_groups`` = 1 (here: the number of heads);
+    older files spell rotary embeddings ``use_rotary_position_embeddings`` and the norm epsilon
+    ``layernorm_epsilon``, and may lack ``kv_channels`` / ``ffn_hidden_size`` (derived from the
+    hidden size). Megatron's own classes (``model_type`` and other enums, read as
+    :class:`~megatron.safe_unpickle.StandIn`) are dropped: they are not flags here.
+    """
+    if saved is None:
+        return None
+    fields = {k: v for k, v in vars(saved).items()
+              if not safe_unpickle.stand_ins_in(v)}
+    heads = fields.get("num_attention_heads")
+    if heads and not fields.get("group_query_attention", False) and "num_query_groups" in fields:
+        fields["num_query_groups"] = heads
+    if fields.get("use_rotary_position_embeddings"):
+        fields["position_embedding_type"] = "rope"
+    if fields.get("norm_epsilon") is None and fields.get("layernorm_epsilon") is not None:
+        fields["norm_epsilon"] = fields["layernorm_epsilon"]
+    hidden = fields.get("hidden_size")
+    if hidden and heads and fields.get("kv_channels") is None:
+        fields["kv_channels"] = hidden // heads
+    if hidden and fields.get("ffn_hidden_size") is None and not fields.get("swiglu"):
+        fields["ffn_hidden_size"] = 4 * hidden
+    return argparse.Namespace(**fields)
+
+
+def _shape_value(ns, name: str):
+    """The value of SHAPE_ARGS entry ``name`` that decides tensor shapes: a QKV bias is there
+    with ``--add-qkv-bias`` or with the linear biases Megatron adds by default."""
+    if name == "add_qkv_bias":
+        return bool(getattr(ns, "add_qkv_bias", False) or getattr(ns, "add_bias_linear", True))
+    return getattr(ns, name)
+
+
 def _check_args(saved, args, path: str) -> None:
     if saved is None:
         return
+    saved = megatron_args(saved)
     diffs = [f"{_ARG_LABELS.get(n, '--' + n.replace('_', '-'))} "
-             f"(checkpoint {getattr(saved, n)!r}, flags {getattr(args, n)!r})"
+             f"(checkpoint {_shape_value(saved, n)!r}, flags {_shape_value(args, n)!r})"
              for n in SHAPE_ARGS
-             if hasattr(saved, n) and hasattr(args, n) and getattr(saved, n) != getattr(args, n)]
+             if hasattr(saved, n) and hasattr(args, n)
+             and _shape_value(saved, n) != _shape_value(args, n)]
     if diffs:
         raise CheckpointError(f"{path}: the model shape differs from the flags: "
                               + "; ".join(diffs))
@@ -764,7 +791,7 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
     iteration, release = tracked
     iter_dir = _iteration_dir(args.load, iteration, release)
     _, saved_pp = saved_layout(iter_dir)
-    saved = load_state_file(_rank_file_in(iter_dir, 0, 0, saved_pp)).get("args")
+    saved = megatron_args(load_state_file(_rank_file_in(iter_dir, 0, 0, saved_pp)).get("args"))
     if saved is None:
         raise CheckpointError(f"{iter_dir}: the checkpoint holds no args")
     for name in CHECKPOINT_ARGS:

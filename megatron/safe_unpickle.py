@@ -19,6 +19,7 @@ whatever the file names.
 import argparse
 import io
 import pickle
+import re
 import signal
 from typing import Any, BinaryIO, Dict, List, Tuple, Union
 
@@ -92,6 +93,8 @@ class StandIn:
 
 
 _stand_in_classes: Dict[str, type] = {}
+# How many globals built on the pickle's stack :func:`torch_load` resolves one by one.
+_MAX_RETRIES = 64
 
 
 def stand_in_class(qualname: str) -> type:
@@ -134,9 +137,8 @@ def _dtype_classes() -> List[Any]:
     return found
 
 
-def _unsafe_names(data: Union[str, bytes]) -> List[str]:
-    """The globals of a ``torch.save`` file (a path or its bytes) outside torch's own list."""
-    source = io.BytesIO(data) if isinstance(data, bytes) else data
+def _unsafe_names(source: Union[str, BinaryIO]) -> List[str]:
+    """The globals of a ``torch.save`` file (a path or a file object) outside torch's list."""
     with torch.serialization.safe_globals(plain_globals() + _dtype_classes()):
         return torch.serialization.get_unsafe_globals_in_checkpoint(source)
 
@@ -154,35 +156,49 @@ def torch_load(source: Union[str, bytes, BinaryIO], what: str = "", **kwargs) ->
             Megatron's classes; the message names it.
     """
     what = what or (source if isinstance(source, str) else "checkpoint data")
-    if isinstance(source, (str, bytes)):
-        probe = source
-    else:
-        start = source.tell()
-        probe = source.read()
-        source.seek(start)
+    if isinstance(source, bytes):
+        source = io.BytesIO(source)
+    start = 0 if isinstance(source, str) else source.tell()
     names = []
     try:
-        names = _unsafe_names(probe)
+        names = _unsafe_names(source)
     except (RuntimeError, pickle.UnpicklingError, ValueError, EOFError):
         pass  # not a zip file, or unreadable: torch.load below reports it
     refused = [n for n in names if not is_stand_in_name(n)]
     if refused:
         raise UnsafeCheckpointError(
-            f"{what}: refusing to load; it names {', '.join(sorted(set(refused)))}, which is "
-            "neither plain data nor one of Megatron's own classes, and unpickling it could run "
-            "code")
-    allowed = plain_globals() + _dtype_classes()
-    allowed += [(stand_in_class(n), n) for n in names]
-    if isinstance(source, bytes):
-        source = io.BytesIO(source)
-    with torch.serialization.safe_globals(allowed):
+            f"{what}: refusing to load; the file holds objects other than tensors and plain "
+            f"data: it names {', '.join(sorted(set(refused)))}, which is neither plain data nor "
+            "one of Megatron's own classes, and unpickling it could run code")
+    # The scan above misses globals a pickle builds on the stack (protocol 4+); torch's own
+    # refusal names each, and a name of Megatron's gets its stand-in before the next try.
+    names = set(names)
+    for _ in range(_MAX_RETRIES):
+        allowed = plain_globals() + _dtype_classes()
+        allowed += [(stand_in_class(n), n) for n in sorted(names)]
+        if not isinstance(source, str):
+            source.seek(start)
         try:
-            return torch.load(source, weights_only=True, **{"map_location": "cpu", **kwargs})
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(source, weights_only=True, **{"map_location": "cpu", **kwargs})
         except pickle.UnpicklingError as err:
-            if "Unsupported global" in str(err) or "weights_only" in str(err).lower():
+            found = re.search(r"GLOBAL ([\w.]+)", str(err))
+            if found and is_stand_in_name(found.group(1)) and found.group(1) not in names:
+                names.add(found.group(1))
+                continue
+            if found:
+                raise UnsafeCheckpointError(
+                    f"{what}: refusing to load; the file holds objects other than tensors and "
+                    f"plain data: it names {found.group(1)}, which is neither plain data nor one "
+                    "of Megatron's own classes, and unpickling it could run code") from None
+            if "weights_only" in str(err).lower():
                 first = str(err).splitlines()[0][:200]
-                raise UnsafeCheckpointError(f"{what}: refusing to load ({first})") from None
+                raise UnsafeCheckpointError(
+                    f"{what}: refusing to load; the file holds objects other than tensors and "
+                    f"plain data ({first})") from None
             raise
+    raise UnsafeCheckpointError(f"{what}: refusing to load; it names more than {_MAX_RETRIES} "
+                                "different classes")
 
 
 # Plain record classes of torch.distributed.checkpoint's metadata file, and what they reference.

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron import checkpointing
+from megatron import checkpointing, safe_unpickle
 from megatron.convert.schema import ConversionError, ModelMeta
 
 # Key of ``meta.source_args`` carrying the source's ``opt_param_scheduler`` state (not a flag).
@@ -98,25 +98,24 @@ def split_tensor(full: torch.Tensor, dim: int, stride: int, tp_size: int) -> Lis
 
 def read_rank_file(path: str, shared: bool = False) -> dict:
     """One rank's file, memory-mapped (MAP_SHARED when ``shared``: writes go to the file) and
-    loaded with ``weights_only`` through the checkpoint allow-list."""
+    loaded with ``weights_only``, Megatron's own classes as inert stand-ins
+    (:mod:`megatron.safe_unpickle`)."""
     if not os.path.isfile(path):
         raise ConversionError(f"{path}: missing")
     flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
     try:
-        with torch.serialization.safe_globals(checkpointing._allow_list()), \
-                torch.serialization.set_default_mmap_options(flags):
+        with torch.serialization.set_default_mmap_options(flags):
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                state = safe_unpickle.torch_load(path, mmap=True)
             except RuntimeError as err:
                 if shared or "mmap" not in str(err):
                     raise
                 # A file in torch's legacy (non-zip) format cannot be mapped: read it whole.
-                state = torch.load(path, map_location="cpu", weights_only=True)
+                state = safe_unpickle.torch_load(path)
+    except safe_unpickle.UnsafeCheckpointError as err:
+        raise ConversionError(str(err)) from None
     except Exception as err:  # noqa: BLE001 - any failure to read is reported with the path
         first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-        if "weights_only" in str(err) or "Unsupported global" in str(err):
-            raise ConversionError(f"{path}: refusing to load; the file holds objects other than "
-                                  f"tensors and plain data ({first})") from None
         raise ConversionError(f"{path}: cannot be read ({first})") from None
     if not isinstance(state, dict) or "iteration" not in state:
         raise ConversionError(f"{path}: not a model_optim_rng checkpoint (no 'iteration' key)")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from megatron.core import device
 from megatron.core.config import ConfigError
 
+from . import apex_state
 from .clip_grads import clip_grad_norm_fp32, count_zeros_fp32, get_grads_for_norm
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
@@ -62,6 +63,16 @@ def _reject_distributed_state(state_dict: dict) -> None:
     if "param_state" in state_dict:
         raise ValueError("optimizer checkpoint was saved with --use-distributed-optimizer "
                          "(it has 'param_state'); pass the flag to load it, or --no-load-optim")
+
+
+def _in_torch_layout(state_dict: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """A torch optimizer's state as this optimizer loads it: apex FusedAdam's layout (Megatron-LM
+    runs with apex) is converted, anything else is returned as it is."""
+    if optimizer.__class__.__name__ != "SGD" and apex_state.is_apex_adam_state(state_dict):
+        logger.info("converting optimizer state saved by apex FusedAdam to torch's AdamW layout")
+        return apex_state.to_torch_adam(state_dict, optimizer.param_groups,
+                                        "optimizer checkpoint")
+    return state_dict
 
 
 def _copy_parallel_attributes(source: torch.Tensor, destination: torch.Tensor) -> None:
@@ -258,7 +269,7 @@ class FP32Optimizer(MegatronOptimizer):
             logger.warning("loading an fp32 optimizer from a mixed-precision optimizer "
                            "checkpoint: using its 'optimizer' entry only")
             state_dict = state_dict["optimizer"]
-        self.optimizer.load_state_dict(state_dict)
+        self.optimizer.load_state_dict(_in_torch_layout(state_dict, self.optimizer))
 
 
 class Float16OptimizerWithFloat16Params(MegatronOptimizer):
@@ -376,7 +387,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         if key not in state_dict:
             raise KeyError(f"optimizer checkpoint has neither 'optimizer' nor "
                            f"'optimizer_state_dict'; found keys {sorted(state_dict)}")
-        self.optimizer.load_state_dict(state_dict[key])
+        self.optimizer.load_state_dict(_in_torch_layout(state_dict[key], self.optimizer))
         self._load_grad_scaler(state_dict)
         key = "fp32_from_fp16_params" if "fp32_from_fp16_params" in state_dict else "fp32_from_fp16"
         if key not in state_dict:
