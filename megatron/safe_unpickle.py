@@ -87,10 +87,6 @@ class StandIn:
         shown = self.name if self.name is not None else ", ".join(map(repr, self.args))
         return f"<stand-in {self.qualname}({shown})>"
 
-    def __reduce__(self):
-        # Written back (e.g. inside a namespace that is saved again) as the plain string.
-        return (str, (repr(self),))
-
 
 _stand_in_classes: Dict[str, type] = {}
 # How many globals built on the pickle's stack :func:`torch_load` resolves one by one.

@@ -195,8 +195,8 @@ def plan_tokenizer(meta: ModelMeta, allow_no_tokenizer: bool) -> TokenizerPlan:
         raise ConversionError(
             f"--tokenizer-type {shown}: a Hugging Face folder needs tokenizer files, and only "
             f"GPT2BPETokenizer, HuggingFaceTokenizer, {', '.join(_SENTENCEPIECE_TYPES)} and "
-            f"{', '.join(_WORDPIECE_TYPES)} can be exported; pass allow_no_tokenizer=True to "
-            "write the model without a tokenizer")
+            f"{', '.join(_WORDPIECE_TYPES)} can be exported; pass --allow-no-tokenizer "
+            "(save_hf(..., allow_no_tokenizer=True)) to write the model without tokenizer files")
     # NullTokenizer: ids 0..V-1 are data and V (= vocab_size - 1) is the end of document.
     eod = meta.vocab_size - 1 if kind == "NullTokenizer" else None
     return TokenizerPlan(bos_id=eod, eos_id=eod)

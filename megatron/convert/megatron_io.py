@@ -56,6 +56,7 @@ from megatron.convert.megatron_layout import (  # noqa: F401  (re-exported: the 
     BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS, get_path, has_prefix, join_shards,
     layer_tensor_names, layer_tensor_shapes, lookup_dotted, read_rank_file, split_tensor,
     tp_split_rule)
+from megatron.convert import optimizer_state
 from megatron.convert.megatron_save import save_megatron  # noqa: F401  (re-exported)
 from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
                                      bert_head_shapes)
@@ -72,7 +73,10 @@ def _encoder(language_model: dict, path: str) -> dict:
 class _Source:
     """Where every tensor of a Megatron checkpoint lives: files, chunks, local layer numbers."""
 
-    def __init__(self, load_dir: str, ckpt_step: Optional[int]):
+    def __init__(self, load_dir: str, ckpt_step: Optional[int], view: Optional[str] = None):
+        self.view = view
+        self._view_cache: Tuple[Optional[tuple], Optional[optimizer_state.SourceOptimizer]] = \
+            (None, None)
         tracked = checkpointing.read_tracker(load_dir) if os.path.isdir(load_dir) else None
         if tracked is None:
             raise ConversionError(f"--load-dir {load_dir}: no {checkpointing.TRACKER_FILENAME}; "
@@ -109,6 +113,45 @@ class _Source:
         self.layer_map = self._layer_map()
         self._find_bert(first[self.chunk_key(0)])
         del first
+        self.optimizer, self.optimizer_note = self._read_optimizers()
+
+    def _chunks_of(self, state: dict) -> List[dict]:
+        return [state[self.chunk_key(c)] for c in range(self.vp or 1)]
+
+    def _read_optimizers(self) -> Tuple[Optional[dict], str]:
+        """What every target needs of the source's optimizer state (``ModelMeta.optimizer``),
+        or None and why it cannot be carried (then it is dropped, as before)."""
+        steps, hparams, has_main, scaler = set(), {}, set(), None
+        for pp_rank in range(self.pp):
+            for tp_rank in range(self.tp):
+                state = read_rank_file(self.file(tp_rank, pp_rank))
+                found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state))
+                if found is None:
+                    return None, f"{self.file(tp_rank, pp_rank)}: {why}"
+                steps.add(found.step)
+                has_main.add(found.has_main)
+                for key, values in found.hparams.items():
+                    hparams.setdefault(key, values)
+                scaler = scaler or found.grad_scaler
+        if len(steps) != 1:
+            return None, f"its ranks have taken different numbers of steps ({sorted(steps)})"
+        return {"step": steps.pop(), "hparams": hparams, "has_main": has_main == {True},
+                "grad_scaler": scaler}, ""
+
+    def _chunk_tree(self, tp_rank: int, pp_rank: int, chunk: int) -> Tuple[dict, str]:
+        """One chunk's model tree of a rank file, or its view (:mod:`optimizer_state`)."""
+        path = self.file(tp_rank, pp_rank)
+        state = read_rank_file(path)
+        tree = state.get(self.chunk_key(chunk))
+        if self.view is None or tree is None:
+            return tree, path
+        if self._view_cache[0] != (tp_rank, pp_rank):
+            found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state))
+            if found is None:
+                raise ConversionError(f"{path}: {why}")
+            self._view_cache = ((tp_rank, pp_rank), found)
+        return optimizer_state.view_tree(tree, chunk, self._view_cache[1].entries,
+                                         self.view), path
 
     def _find_bert(self, first_model: dict) -> None:
         """BERT or GPT (a BERT's last stage has ``lm_head``), and the BERT parts present."""
@@ -161,8 +204,8 @@ class _Source:
         return [where[i] for i in range(self.args.num_layers)]
 
     def _language_model(self, tp_rank: int, pp_rank: int, chunk: int) -> Tuple[dict, str]:
-        path = self.file(tp_rank, pp_rank)
-        return get_path(read_rank_file(path), [self.chunk_key(chunk), "language_model"], path), path
+        tree, path = self._chunk_tree(tp_rank, pp_rank, chunk)
+        return get_path({"model": tree}, ["model", "language_model"], path), path
 
     def read_tp(self, pp_rank: int, chunk: int, keys: Sequence[str], join_dim: Optional[int],
                 stride: int = 1) -> torch.Tensor:
@@ -185,8 +228,8 @@ class _Source:
         joined along ``join_dim``, or rank 0's copy when None."""
         shards = []
         for tp_rank in range(self.tp) if join_dim is not None else [0]:
-            path = self.file(tp_rank, pp_rank)
-            tensor = lookup_dotted(read_rank_file(path).get(self.chunk_key(chunk)), dotted)
+            tree, path = self._chunk_tree(tp_rank, pp_rank, chunk)
+            tensor = lookup_dotted(tree, dotted)
             if not isinstance(tensor, torch.Tensor):
                 raise ConversionError(f"{path}: no {dotted} in the saved model state")
             shards.append(tensor)
@@ -256,7 +299,8 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         position = "rope"
     epsilon = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None)
     padded = args.padded_vocab_size
-    source_args = dict(vars(args))
+    # In this project's conventions, without Megatron's own classes (the target writes them).
+    source_args = dict(vars(checkpointing.megatron_args(args)))
     if src.scheduler is not None:
         source_args[SCHEDULER_KEY] = src.scheduler
     return ModelMeta(
@@ -290,11 +334,13 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         consumed_train_samples=getattr(args, "consumed_train_samples", 0) or 0,
         consumed_valid_samples=getattr(args, "consumed_valid_samples", 0) or 0,
         model_type="BERT" if src.bert else "GPT", num_tokentypes=src.num_tokentypes,
-        bert_binary_head=src.binary_head, source_args=source_args)
+        bert_binary_head=src.binary_head, source_args=source_args, optimizer=src.optimizer,
+        optimizer_note=src.optimizer_note)
 
 
 def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
-                  true_vocab_size: Optional[int] = None) -> Iterator[Piece]:
+                  true_vocab_size: Optional[int] = None,
+                  view: Optional[str] = None) -> Iterator[Piece]:
     """Yield the canonical stream of the Megatron checkpoint in ``load_dir``.
 
     Args:
@@ -302,11 +348,13 @@ def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
         ckpt_step: read this iteration instead of the tracker's.
         true_vocab_size: the tokenizer's size (``--true-vocab-size``); by default it is learned
             by building the tokenizer the saved args name.
+        view: None for the weights; ``exp_avg``, ``exp_avg_sq`` or ``main`` for that field of
+            the optimizer state, streamed in the weights' shapes (:mod:`optimizer_state`).
 
     Raises:
         ConversionError: a missing tracker, folder, rank file or tensor, naming it.
     """
-    src = _Source(load_dir, ckpt_step)
+    src = _Source(load_dir, ckpt_step, view)
     meta = _meta_from_args(src, true_vocab_size)
     if src.bert and meta.untie_embeddings_and_output_weights:
         raise ConversionError(f"{src.file(0, 0)}: a BERT checkpoint (it has lm_head) whose args "

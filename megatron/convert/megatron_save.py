@@ -12,6 +12,7 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 import torch
 
 from megatron import checkpointing
+from megatron.convert import optimizer_state
 from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS,
                                               get_path, layer_tensor_names,
                                               layer_tensor_shapes, read_rank_file,
@@ -27,8 +28,10 @@ from megatron.convert.zip_checksums import refresh_zip_checksums
 class _Target:
     """The target layout: checked sizes, vocabulary rows, stage of every layer, file skeletons."""
 
-    def __init__(self, meta: ModelMeta, tp: int, pp: int, divisible_by: Optional[int]):
+    def __init__(self, meta: ModelMeta, tp: int, pp: int, divisible_by: Optional[int],
+                 optimizer: bool = False):
         self.meta, self.tp, self.pp = meta, tp, pp
+        self.optimizer = optimizer and meta.optimizer is not None
         self._check_sizes()
         self.divisible_by = divisible_by or meta.make_vocab_size_divisible_by or 1
         self.vocab_rows = padded_vocab_size(meta.vocab_size, self.divisible_by, tp)
@@ -160,7 +163,17 @@ class _Target:
         if source is not None:
             layout = [source.get("tensor_model_parallel_size", 1),
                       source.get("pipeline_model_parallel_size", 1)]
-        return {"from_layout": layout, "optimizer": "dropped", "rng": "dropped"}
+        return {"from_layout": layout,
+                "optimizer": "resharded" if self.optimizer else "dropped", "rng": "dropped"}
+
+    @property
+    def half(self) -> bool:
+        return self.meta.params_dtype in (torch.float16, torch.bfloat16)
+
+    def shape_tree(self, pp_rank: int) -> dict:
+        """One TP rank's model tree of ``pp_rank`` as shapes only (meta tensors)."""
+        with torch.device("meta"):
+            return self.model_skeleton(pp_rank)
 
 
 def _prepare_save_dir(save_dir: str) -> bool:
@@ -202,6 +215,9 @@ def _create_files(target: _Target, root: str) -> Dict[Tuple[int, int], str]:
                      "iteration": meta.iteration, "model": target.model_skeleton(pp_rank)}
             if scheduler is not None:
                 state["opt_param_scheduler"] = scheduler
+            if target.optimizer:
+                state["optimizer"] = optimizer_state.target_skeleton(
+                    state["model"], meta.optimizer, target.half)
             state["conversion"] = target.conversion_record()
             path = checkpointing.checkpoint_file(root, meta.iteration, tp_rank, pp_rank,
                                                  target.pp, target.release)
@@ -222,6 +238,41 @@ def _copy_into(path: str, items: list, what: str) -> None:
             raise ConversionError(f"{what}: {'.'.join(keys)} has shape {tuple(tensor.shape)}, "
                                   f"expected {tuple(dst.shape)} for the target layout")
         dst.copy_(tensor)
+
+
+def _copy_optimizer_into(path: str, items: list, what: str) -> None:
+    """Like :func:`_copy_into` for ``(keys from the top of the file, tensor)`` items."""
+    state = read_rank_file(path, shared=True)
+    for keys, tensor in items:
+        dst = state
+        for key in keys:
+            dst = dst[key]
+        if tuple(dst.shape) != tuple(tensor.shape):
+            raise ConversionError(f"{what}: optimizer state {keys} has shape "
+                                  f"{tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+
+def _write_optimizer(target: _Target, files: dict, writes: list, field: str, what: str) -> None:
+    """Model-tree writes of one optimizer ``field`` view, redirected into the target's
+    optimizer state."""
+    trees = {pp_rank: target.shape_tree(pp_rank) for pp_rank in {w[1] for w in writes}}
+    by_file: Dict[Tuple[int, int], list] = {}
+    for tp_rank, pp_rank, keys, tensor in writes:
+        where = optimizer_state.target_keys(trees[pp_rank], field, target.half, ".".join(keys))
+        by_file.setdefault((tp_rank, pp_rank), []).append((where, tensor))
+    for rank, items in by_file.items():
+        _copy_optimizer_into(files[rank], items, what)
+
+
+def _write_steps(target: _Target, files: dict) -> None:
+    """Every parameter's Adam step count (a skeleton's scalars hold no data until written)."""
+    step = torch.tensor(float(target.meta.optimizer["step"]), dtype=torch.float32)
+    inner = ("optimizer", "optimizer") if target.half else ("optimizer",)
+    for (tp_rank, pp_rank), path in files.items():
+        index, _ = optimizer_state.target_index(target.shape_tree(pp_rank))
+        _copy_optimizer_into(path, [(inner + ("state", i, "step"), step)
+                                    for i in index.values()], "the Adam step counts")
 
 
 def _write(files: Dict[Tuple[int, int], str], writes: List[Tuple[int, int, tuple, torch.Tensor]],
@@ -342,8 +393,10 @@ def _final_writes(target: _Target, piece: Piece) -> list:
             for tp_rank, shard in enumerate(_vocab_shards(target, weight, "the output layer"))]
 
 
-def _consume(pieces: Iterator[Piece], target: _Target, files: dict) -> None:
-    """Write every piece into the target files; check that the stream is complete."""
+def _consume(pieces: Iterator[Piece], target: _Target, files: dict,
+             field: Optional[str] = None) -> None:
+    """Write every piece into the target files (the optimizer's ``field`` when given, see
+    :mod:`megatron.convert.optimizer_state`); check that the stream is complete."""
     wanted = {"embeddings", "final_norm"} | ({"output_layer"} if not target.tied else set())
     wanted |= {("layer", i) for i in range(target.meta.num_layers)} | set(target.heads)
     seen = set()
@@ -363,7 +416,11 @@ def _consume(pieces: Iterator[Piece], target: _Target, files: dict) -> None:
             writes = _bert_head_writes(target, piece)
         else:
             writes = _final_writes(target, piece)
-        _write(files, writes, piece.kind if piece.index is None else f"layer {piece.index}")
+        what = piece.kind if piece.index is None else f"layer {piece.index}"
+        if field is None:
+            _write(files, writes, what)
+        else:
+            _write_optimizer(target, files, writes, field, f"{field} of the {what}")
         del writes, piece
     missing = wanted - seen
     if missing:
@@ -395,7 +452,8 @@ def _commit(staging: str, save_dir: str, target: _Target, files: dict) -> str:
 
 
 def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
-                  make_vocab_size_divisible_by: Optional[int] = None) -> str:
+                  make_vocab_size_divisible_by: Optional[int] = None,
+                  optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None) -> str:
     """Write the stream as a Megatron checkpoint at ``target_tp`` x ``target_pp`` in
     ``save_dir`` (which must be new or empty); returns the iteration folder.
 
@@ -406,6 +464,10 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
     0, e.g. from Hugging Face) as ``release``. Nothing appears in ``save_dir`` until every file is
     complete and fsynced; on any failure the staging folder is removed.
 
+    ``optimizer_streams`` (``{field: stream}`` for ``exp_avg``, ``exp_avg_sq`` and, for a
+    half-precision target, ``main``; each stream from the same source, in the weights' shapes)
+    adds the Adam state, resharded like the weights, when ``meta.optimizer`` describes it.
+
     Raises:
         ConversionError: a non-empty save dir, a target size that does not divide the model, or
             a stream that does not match its meta.
@@ -414,12 +476,20 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
     first = next(pieces, None)
     if first is None or first.kind != "meta" or first.meta is None:
         raise ConversionError("the stream must start with its meta piece")
-    target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by)
+    target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
+                     optimizer=bool(optimizer_streams))
     created = _prepare_save_dir(save_dir)
     staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
     try:
         files = _create_files(target, staging)
         _consume(pieces, target, files)
+        if target.optimizer:
+            fields = optimizer_state.MOMENTS + ((optimizer_state.MAIN,) if target.half else ())
+            for field in fields:
+                stream = iter(optimizer_streams[field])
+                next(stream)  # its meta piece: the same model
+                _consume(stream, target, files, field)
+            _write_steps(target, files)
         return _commit(staging, save_dir, target, files)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

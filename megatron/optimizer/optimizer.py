@@ -65,9 +65,32 @@ def _reject_distributed_state(state_dict: dict) -> None:
                          "(it has 'param_state'); pass the flag to load it, or --no-load-optim")
 
 
+def _group_key(group: dict) -> Optional[Tuple[float, float]]:
+    if "wd_mult" not in group:
+        return None
+    return (float(group["wd_mult"]), float(group.get("lr_mult", 1.0)))
+
+
+def _in_group_order(state_dict: dict, optimizer: torch.optim.Optimizer) -> dict:
+    """``state_dict`` with its param groups in this optimizer's order, matched by
+    (``wd_mult``, ``lr_mult``) where both sides record them: Megatron-LM always puts the
+    weight-decayed group first, this project the group of the stage's first parameter."""
+    saved = state_dict.get("param_groups")
+    if not saved:
+        return state_dict
+    want = [_group_key(g) for g in optimizer.param_groups]
+    have = [_group_key(g) for g in saved]
+    if (None in want or None in have or want == have or sorted(want) != sorted(have)
+            or len(set(want)) != len(want)):
+        return state_dict
+    by_key = dict(zip(have, saved))
+    return {**state_dict, "param_groups": [by_key[k] for k in want]}
+
+
 def _in_torch_layout(state_dict: dict, optimizer: torch.optim.Optimizer) -> dict:
-    """A torch optimizer's state as this optimizer loads it: apex FusedAdam's layout (Megatron-LM
-    runs with apex) is converted, anything else is returned as it is."""
+    """A torch optimizer's state as this optimizer loads it: groups in this optimizer's order,
+    and apex FusedAdam's layout (Megatron-LM runs with apex) converted."""
+    state_dict = _in_group_order(state_dict, optimizer)
     if optimizer.__class__.__name__ != "SGD" and apex_state.is_apex_adam_state(state_dict):
         logger.info("converting optimizer state saved by apex FusedAdam to torch's AdamW layout")
         return apex_state.to_torch_adam(state_dict, optimizer.param_groups,

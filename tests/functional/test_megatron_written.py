@@ -287,3 +287,98 @@ def test_finetune_takes_weights_only(tmp_path):
     out = run_on_ranks(_resume_state, 1, argv)[0]
     assert out["iteration"] == 0 and out["consumed"] == 0 and out["num_steps"] == 0
     assert all(not state for state in out["moments"].values())
+
+
+# --------------------------------------------------------------------------------------------
+# The converter: Megatron's files resharded (Adam state included) and exported
+# --------------------------------------------------------------------------------------------
+
+def convert(*argv):
+    """tools/checkpoint/convert.py in this process (a user's mistake raises ConversionError)."""
+    from tools.checkpoint import convert as tool
+
+    tool.convert(tool.build_parser().parse_args(["--model-type", "GPT", *argv]))
+
+
+def test_converted_to_tp2_gives_megatrons_logits(tmp_path):
+    out = str(tmp_path / "tp2")
+    convert("--load-dir", fixture_dir("legacy_tp1"), "--save-dir", out,
+            "--target-tensor-parallel-size", "2")
+    shutil.copy(os.path.join(fixture_dir("legacy_tp1"), "reference.pt"), out)
+    argv = megatron_argv("legacy_tp1") + ["--load", out, "--device", "cpu"]
+    argv[argv.index("--tensor-model-parallel-size") + 1] = "2"
+    results = run_on_ranks(_logits_after_load, 2, argv)
+    for logits, iteration, _ in results:
+        assert iteration == 10
+        torch.testing.assert_close(logits.float(), reference("legacy_tp1")["logits"],
+                                   atol=LOGITS_ATOL, rtol=0)
+
+
+def _tp_shard(name: str, full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    """Rank ``tp_rank``'s part of the whole tensor (or moment) of parameter ``name``."""
+    from megatron.convert.megatron_layout import split_tensor, tp_split_rule
+
+    if name.endswith("word_embeddings.weight"):
+        return full.chunk(tp, dim=0)[tp_rank]
+    if ".layers." in name:
+        rule = tp_split_rule(name.split(".layers.", 1)[1].split(".", 1)[1], False)
+        if rule is not None:
+            return split_tensor(full, rule[0], rule[1], tp)[tp_rank]
+    return full
+
+
+def _global_name(local: str, pp_rank: int, pp: int, num_layers: int = 4) -> str:
+    """The single-stage parameter name of a stage's local one."""
+    if local == "word_embeddings_for_head.weight":
+        return "language_model.embedding.word_embeddings.weight"  # the tied copy
+    if ".layers." in local:
+        head, rest = local.split(".layers.", 1)
+        index, tail = rest.split(".", 1)
+        return f"{head}.layers.{int(index) + pp_rank * num_layers // pp}.{tail}"
+    return local
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_converted_trained_file_resumes_with_its_moments(tmp_path, tp, pp):
+    """Resharded by the converter, the file resumes at the new layout with Megatron's
+    learning rate and every rank holding its part of the file's Adam moments."""
+    out = str(tmp_path / f"tp{tp}pp{pp}")
+    convert("--load-dir", fixture_dir("legacy_tp1_trained"), "--save-dir", out,
+            "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp))
+    argv = megatron_argv("legacy_tp1_trained") + ["--load", out, "--device", "cpu",
+                                                  "--mock-data"]
+    argv[argv.index("--tensor-model-parallel-size") + 1] = str(tp)
+    argv[argv.index("--pipeline-model-parallel-size") + 1] = str(pp)
+    results = run_on_ranks(_resume_state, tp * pp, argv)
+    saved = _saved_moments(fixture_dir("legacy_tp1_trained"))
+    seen = set()
+    for rank, out_rank in enumerate(results):
+        tp_rank, pp_rank = rank % tp, rank // tp
+        assert out_rank["iteration"] == 3 and out_rank["num_steps"] == 6
+        assert out_rank["next_lrs"] == pytest.approx(
+            [megatron_cosine_lr(8)] * len(out_rank["next_lrs"]), rel=1e-12)
+        for local, have in out_rank["moments"].items():
+            name = _global_name(local, pp_rank, pp)
+            seen.add(name)
+            for field in ("exp_avg", "exp_avg_sq"):
+                want = _tp_shard(name, saved[name][field], tp_rank, tp)
+                assert torch.equal(have[field], want), (local, field, rank)
+            assert float(have["step"]) == 3
+    assert seen == set(saved)
+
+
+def test_hf_export_of_a_null_tokenizer_model_gives_megatrons_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = str(tmp_path / "hf")
+    from megatron.convert.schema import ConversionError
+
+    with pytest.raises(ConversionError, match="--allow-no-tokenizer"):
+        convert("--saver", "hf", "--load-dir", fixture_dir("legacy_tp1"), "--save-dir", out)
+    convert("--saver", "hf", "--load-dir", fixture_dir("legacy_tp1"), "--save-dir", out,
+            "--allow-no-tokenizer")
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    ref = reference("legacy_tp1")
+    with torch.no_grad():
+        logits = model(ref["tokens"]).logits
+    assert logits.shape[-1] == 200  # the tokenizer's size; Megatron pads to 256
+    torch.testing.assert_close(logits, ref["logits"][..., :200], atol=LOGITS_ATOL, rtol=0)

@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the source's number of pipeline stages")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                    help="vocabulary padding of the target; default: the source's")
+    g = parser.add_argument_group("hf saver")
+    g.add_argument("--allow-no-tokenizer", action="store_true",
+                   help="write the model without tokenizer files when its tokenizer cannot be "
+                        "exported (NullTokenizer, or none recorded); the end-of-document id "
+                        "of a NullTokenizer becomes the config's bos/eos token id")
     parser.add_argument("--target-params-dtype", choices=sorted(DTYPES), default=None,
                         help="cast floating-point weights to this type on save")
     g = parser.add_argument_group("accepted for Megatron-LM's scripts, no effect")
@@ -80,6 +85,8 @@ def _check(args) -> None:
             if getattr(args, flag) is not None:
                 raise ConversionError(f"--{flag.replace('_', '-')} applies only to "
                                       f"--saver megatron, not --saver {args.saver}")
+    if args.saver != "hf" and args.allow_no_tokenizer:
+        raise ConversionError("--allow-no-tokenizer applies only to --saver hf")
     if args.loader != "megatron":
         for flag in ("ckpt_step", "true_vocab_size"):
             if getattr(args, flag) is not None:
@@ -152,13 +159,27 @@ def convert(args) -> str:
 
         tp = args.target_tensor_parallel_size or (source or (1, 1))[0]
         pp = args.target_pipeline_parallel_size or (source or (1, 1))[1]
+        streams = None
+        if meta.optimizer is not None:
+            from megatron.convert.megatron_io import load_megatron
+
+            fields = ("exp_avg", "exp_avg_sq", "main")
+            streams = {field: load_megatron(args.load_dir, args.ckpt_step,
+                                            true_vocab_size=meta.vocab_size, view=field)
+                       for field in fields}
         save_megatron(counter, args.save_dir, tp, pp,
-                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-        target, dropped = (tp, pp), "optimizer state, RNG state (the LR schedule is kept)"
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                      optimizer_streams=streams)
+        target = (tp, pp)
+        if streams is not None:
+            dropped = "RNG state (the Adam state is resharded, the LR schedule is kept)"
+        else:
+            note = f" ({meta.optimizer_note})" if meta.optimizer_note else ""
+            dropped = f"optimizer state{note}, RNG state (the LR schedule is kept)"
     else:
         from megatron.convert.hf import save_hf
 
-        save_hf(counter, args.save_dir)
+        save_hf(counter, args.save_dir, allow_no_tokenizer=args.allow_no_tokenizer)
         target = None
         dropped = "optimizer state, RNG state, LR schedule, iteration and consumed samples"
     if source is None and args.loader == "megatron":

@@ -1,0 +1,208 @@
+"""Adam state through a conversion: the moments are resharded exactly like the parameters.
+
+Adam's ``exp_avg`` and ``exp_avg_sq`` (and the fp32 main copy of a half-precision parameter)
+are per element, so a tensor-parallel or pipeline split that moves a parameter's elements moves
+its moments the same way. The loader reads them as *views* of the source: a model tree of the
+same keys and shapes whose tensors are one optimizer field (:func:`view_tree`), and streams each
+view with the same code that streams the weights; the saver writes each view's stream into the
+target's optimizer state instead of its model (:func:`target_skeleton`, :func:`target_index`).
+
+Where a parameter's state sits: a torch optimizer numbers parameters group by group, in the order
+of its param groups; Megatron's groups are weight-decayed parameters, then biases and 1-D
+parameters (``wd_mult`` 0), each in the model's parameter order, which is the order of the saved
+model tree's keys. Saved groups carry ``wd_mult`` / ``lr_mult``, so either group order is read.
+Source layouts read: torch's AdamW (this project), apex FusedAdam (Megatron-LM), either inside
+the fp16/bf16 wrapper (``optimizer`` + ``fp32_from_fp16_params``), and this project's
+distributed optimizer (``param_state``). The target is written in the non-distributed layout,
+which every optimizer here (distributed or not) and Megatron-LM's load.
+"""
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron.convert.megatron_layout import dotted_names, lookup_dotted
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+MAIN = "main"          # view: the fp32 main copy of each parameter
+GroupKey = Tuple[float, float]
+# Megatron's order of its param groups, by (wd_mult, lr_mult): decayed first.
+GROUP_ORDER: Tuple[GroupKey, ...] = ((1.0, 1.0), (0.0, 1.0))
+# Keys of a torch AdamW group besides the hyper-parameters a source carries.
+_TORCH_GROUP_DEFAULTS = {"amsgrad": False, "maximize": False}
+
+
+def group_key(name: str, shape) -> GroupKey:
+    """The (wd_mult, lr_mult) group of parameter ``name``: no weight decay for biases and 1-D
+    parameters (norm weights), Megatron's rule."""
+    no_wd = name.endswith(".bias") or len(shape) == 1
+    return (0.0 if no_wd else 1.0, 1.0)
+
+
+def param_order(chunk_trees: List[dict]) -> List[Tuple[int, str, Tuple[int, ...]]]:
+    """``(chunk, dotted name, shape)`` of every parameter of one rank, in the model's order."""
+    out = []
+    for chunk, tree in enumerate(chunk_trees):
+        for name in dotted_names(tree):
+            tensor = lookup_dotted(tree, name)
+            if isinstance(tensor, torch.Tensor):
+                out.append((chunk, name, tuple(tensor.shape)))
+    return out
+
+
+def _grouped(order, keys: List[GroupKey]) -> List[list]:
+    return [[entry for entry in order if group_key(entry[1], entry[2]) == key] for key in keys]
+
+
+class SourceOptimizer:
+    """One source rank file's optimizer state, per parameter: ``entries[(chunk, name)]`` =
+    ``{"exp_avg": t, "exp_avg_sq": t, "main": t?}``; ``step``; ``hparams[group key]``."""
+
+    def __init__(self, entries: Dict, step: int, hparams: Dict[GroupKey, dict],
+                 grad_scaler: Optional[dict]):
+        self.entries, self.step, self.hparams, self.grad_scaler = entries, step, hparams, \
+            grad_scaler
+
+    @property
+    def has_main(self) -> bool:
+        return any(MAIN in e for e in self.entries.values())
+
+    @classmethod
+    def read(cls, state: dict, chunk_trees: List[dict]) -> Tuple[Optional["SourceOptimizer"],
+                                                                  str]:
+        """The state of ``state["optimizer"]``, or ``(None, why it cannot be carried)``."""
+        opt = state.get("optimizer")
+        if not isinstance(opt, dict):
+            return None, "the source has no optimizer state"
+        grad_scaler = opt.get("grad_scaler")
+        if "param_state" in opt:
+            groups = opt.get("optimizer", {}).get("param_groups")
+            per_group = opt["param_state"]
+            if groups is None or per_group is None:
+                return None, "the distributed optimizer state is incomplete"
+            values = [[dict(e) for e in group] for group in per_group]
+            for group in values:
+                for e in group:
+                    e[MAIN] = e.pop("param")
+            steps = [int(g.get("step", 0)) for g in groups]
+        else:
+            inner = opt.get("optimizer", opt) if "state" not in opt else opt
+            mains = opt.get("fp32_from_fp16_params")
+            groups = inner.get("param_groups") if isinstance(inner, dict) else None
+            if groups is None:
+                return None, "the optimizer state has no param groups"
+            values, steps = [], []
+            for g, group in enumerate(groups):
+                row = []
+                for j, index in enumerate(group["params"]):
+                    entry = dict(inner.get("state", {}).get(index, {}))
+                    if "step" in entry:
+                        steps.append(int(float(entry.pop("step"))))
+                    if mains is not None:
+                        entry[MAIN] = mains[g][j]
+                    row.append(entry)
+                values.append(row)
+                if "step" in group:
+                    steps.append(int(group["step"]))
+        keys = []
+        for g, group in enumerate(groups):
+            if "wd_mult" not in group:
+                return None, "its param groups do not record wd_mult"
+            key = (float(group["wd_mult"]), float(group.get("lr_mult", 1.0)))
+            if key[1] != 1.0:
+                return None, f"param group {g} scales its learning rate (lr_mult {key[1]})"
+            keys.append(key)
+        order = _grouped(param_order(chunk_trees), keys)
+        entries = {}
+        for g, (params, row) in enumerate(zip(order, values)):
+            if len(params) != len(row):
+                return None, (f"param group {g} holds {len(row)} parameters where the model "
+                              f"has {len(params)} of its kind")
+            for (chunk, name, shape), entry in zip(params, row):
+                for field, tensor in entry.items():
+                    if field in MOMENTS + (MAIN,) and tuple(tensor.shape) != shape:
+                        return None, (f"the state of {name} has {field} of shape "
+                                      f"{tuple(tensor.shape)}, the parameter {shape}")
+                entries[(chunk, name)] = {k: v for k, v in entry.items()
+                                          if k in MOMENTS + (MAIN,)}
+        hparams = {key: {k: v for k, v in group.items()
+                         if k not in ("params", "step", "bias_correction")}
+                   for key, group in zip(keys, groups)}
+        return cls(entries, max(steps, default=0), hparams, grad_scaler), ""
+
+
+def view_tree(tree, chunk: int, entries: Dict, field: str, fallback=None, prefix: str = ""):
+    """``tree`` (one chunk's model tree) with every tensor replaced by its ``field`` of the
+    optimizer state: zeros where a parameter has none, or the parameter itself for ``main``
+    when the source has no main copies (an fp32 model is its own main copy)."""
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out[key] = view_tree(value, chunk, entries, field, fallback, name + ".")
+        elif isinstance(value, torch.Tensor):
+            found = entries.get((chunk, name), {}).get(field)
+            if found is None:
+                found = value.float() if field == MAIN else torch.zeros(value.shape)
+            out[key] = found
+        else:
+            out[key] = value
+    return out
+
+
+def target_index(model_tree: dict) -> Tuple[Dict[str, int], List[Tuple[GroupKey, List[int]]]]:
+    """``{dotted name: optimizer index}`` of a target rank and its groups in Megatron's order."""
+    order = param_order([model_tree])
+    index, groups, next_index = {}, [], 0
+    for key in GROUP_ORDER:
+        members = [name for _, name, shape in order if group_key(name, shape) == key]
+        if not members:
+            continue
+        ids = list(range(next_index, next_index + len(members)))
+        next_index += len(members)
+        index.update(zip(members, ids))
+        groups.append((key, ids))
+    return index, groups
+
+
+def target_skeleton(model_tree: dict, info: dict, half: bool) -> dict:
+    """The target rank's ``optimizer`` entry with empty (to be filled) fp32 tensors.
+
+    ``info`` is ``ModelMeta.optimizer``: ``step``, ``hparams`` by group key, ``grad_scaler``.
+    """
+    index, groups = target_index(model_tree)
+    shapes = {name: shape for _, name, shape in param_order([model_tree])}
+    state = {}
+    for name, i in index.items():
+        state[i] = {"step": torch.tensor(float(info["step"]), dtype=torch.float32)}
+        for field in MOMENTS:
+            state[i][field] = torch.empty(shapes[name], dtype=torch.float32)
+    param_groups = []
+    for key, ids in groups:
+        hparams = dict(_TORCH_GROUP_DEFAULTS)
+        hparams.update(info["hparams"].get(key) or next(iter(info["hparams"].values())))
+        hparams.update(wd_mult=key[0], lr_mult=key[1], params=ids)
+        param_groups.append(hparams)
+    inner = {"state": state, "param_groups": param_groups}
+    if not half:
+        return inner
+    mains = [[torch.empty(shapes[name], dtype=torch.float32)
+              for name in sorted(index, key=index.get) if index[name] in ids]
+             for _, ids in groups]
+    out = {"optimizer": inner, "fp32_from_fp16_params": mains}
+    if info.get("grad_scaler") is not None:
+        out["grad_scaler"] = info["grad_scaler"]
+    return out
+
+
+def target_keys(model_tree: dict, field: str, half: bool, dotted: str) -> tuple:
+    """Where ``field`` of parameter ``dotted`` sits in a target file (keys from the top)."""
+    index, groups = target_index(model_tree)
+    i = index[dotted]
+    inner = ("optimizer", "optimizer") if half else ("optimizer",)
+    if field in MOMENTS:
+        return inner + ("state", i, field)
+    for g, (_, ids) in enumerate(groups):
+        if i in ids:
+            return ("optimizer", "fp32_from_fp16_params", g, ids.index(i))
+    raise KeyError(dotted)
