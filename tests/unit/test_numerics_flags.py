@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from megatron.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.convert.hf import family_for_meta
+from megatron.convert.megatron_layout import layer_tensor_names, layer_tensor_shapes, tp_split_rule
+from megatron.convert.schema import ConversionError, ModelMeta
 from megatron.core.config import ConfigError
 from megatron.fused_kernels.layer_norm import FusedLayerNorm
 from megatron.fused_kernels.softmax import FusedScaleMaskSoftmax, attention_mask_func
@@ -350,6 +353,36 @@ def test_qk_layernorm_parameter_names_follow_megatron_core():
     assert f"{prefix}q_layernorm.weight" in rms and f"{prefix}q_layernorm.bias" not in rms
     assert not any("q_layernorm" in n for n, _ in _gpt().named_parameters())
     assert _model_config("--qk-layernorm").qk_layernorm
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_qk_layernorm_tensors_in_the_converter_table_match_the_model(normalization):
+    meta = ModelMeta(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
+                     num_query_groups=4, kv_channels=8, max_position_embeddings=16,
+                     vocab_size=100, padded_vocab_size=128, normalization=normalization,
+                     qk_layernorm=True)
+    model = _gpt(qk_layernorm=True, normalization=normalization)
+    prefix = "language_model.encoder.layers.0."
+    want = {n[len(prefix):]: tuple(p.shape) for n, p in model.named_parameters()
+            if n.startswith(prefix)}
+    assert layer_tensor_names(meta) == list(want)
+    assert layer_tensor_shapes(meta) == want
+    assert tp_split_rule("self_attention.q_layernorm.weight", False) is None   # replicated
+
+
+@pytest.mark.parametrize("source_args", [{"apply_layernorm_1p": True}, {"squared_relu": True},
+                                         {"rotary_interleaved": True},
+                                         {"rotary_seq_len_interpolation_factor": 2}, {}])
+def test_hf_export_refuses_numerics_flags_in_one_line(source_args):
+    meta = ModelMeta(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
+                     num_query_groups=4, kv_channels=8, max_position_embeddings=16,
+                     vocab_size=100, padded_vocab_size=128, source_args=source_args,
+                     qk_layernorm=not source_args)
+    flag = "--" + (next(iter(source_args)) if source_args else "qk_layernorm").replace("_", "-")
+    with pytest.raises(ConversionError, match=f"^{flag}: ") as err:
+        family_for_meta(meta)
+    assert "\n" not in str(err.value)
+    family_for_meta(ModelMeta(**{**meta.__dict__, "source_args": {}, "qk_layernorm": False}))
 
 
 def test_qk_layernorm_uses_the_1p_form_too():
