@@ -50,6 +50,7 @@ def test_example_script_trains(corpus, tmp_path):
     assert os.path.isfile(tmp_path / "out" / "train.log")
 
 
+@pytest.mark.slow
 def test_qk_layernorm_checkpoint_converts_and_hf_refuses(corpus, tmp_path):
     src, tp1, back = (str(tmp_path / name) for name in ("src", "tp1", "back"))
     _train(corpus, src, 2, 1, extra=FLAGS)
