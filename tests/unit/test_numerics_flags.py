@@ -385,6 +385,14 @@ def test_hf_export_refuses_numerics_flags_in_one_line(source_args):
     family_for_meta(ModelMeta(**{**meta.__dict__, "source_args": {}, "qk_layernorm": False}))
 
 
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_qk_layernorm_parameters_are_counted_for_memory(normalization):
+    from megatron.memory_accounting import num_parameters_on_rank
+
+    model = _gpt(qk_layernorm=True, normalization=normalization)
+    assert num_parameters_on_rank(model.config) == sum(p.numel() for p in model.parameters())
+
+
 def test_qk_layernorm_uses_the_1p_form_too():
     attn = _gpt(qk_layernorm=True, apply_layernorm_1p=True).language_model.encoder.layers[0]
     assert torch.equal(attn.self_attention.q_layernorm.weight, torch.zeros(8, dtype=torch.float64))
