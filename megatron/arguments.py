@@ -15,7 +15,7 @@ from typing import Callable, List, Optional
 import torch
 
 from megatron.core.config import (ConfigError, ParallelConfig, TransformerConfig,
-                                  pipeline_layer_counts)
+                                  numerics_flag_conflict, pipeline_layer_counts)
 
 TOKENIZER_TYPES = [
     "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
@@ -45,7 +45,10 @@ def _add_network_size_args(parser):
                    help="older spelling of --position-embedding-type rope")
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-interleaved", action="store_true")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="rotate neighbouring channel pairs (2i, 2i+1) instead of the two halves")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                   help="divide positions by this factor before taking the rotary angles")
     g.add_argument("--no-position-embedding", action="store_false",
                    dest="add_position_embedding")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -53,10 +56,13 @@ def _add_network_size_args(parser):
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--layernorm-epsilon", type=float, default=None,
                    help="older spelling of --norm-epsilon")
-    g.add_argument("--apply-layernorm-1p", action="store_true")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="LayerNorm weights hold gamma - 1 (start at zero): y = x_hat (1 + w) + b")
+    g.add_argument("--qk-layernorm", action="store_true",
+                   help="a --normalization norm over head_dim on query and key, before rotary")
     g.add_argument("--apply-residual-connection-post-layernorm", action="store_true")
     g.add_argument("--openai-gelu", action="store_true")
-    g.add_argument("--squared-relu", action="store_true")
+    g.add_argument("--squared-relu", action="store_true", help="MLP activation relu(x)^2")
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--onnx-safe", type=bool, required=False)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -206,7 +212,12 @@ def _add_mixed_precision_args(parser):
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--fp32-residual-connection", action="store_true")
-    g.add_argument("--apply-query-key-layer-scaling", action="store_true")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true", default=False,
+                   help="scale q k^T by 1 / layer number (undone in the fp32 softmax); also "
+                   "sets --attention-softmax-in-fp32")
+    g.add_argument("--no-query-key-layer-scaling", action="store_false", default=False,
+                   dest="apply_query_key_layer_scaling",
+                   help="older spelling of the default (no query-key layer scaling)")
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--fp16-lm-cross-entropy", action="store_true")
@@ -493,6 +504,15 @@ def _validate_model(args) -> None:
             args.ffn_hidden_size = 4 * args.hidden_size
     if args.fp16 and args.bf16:
         _fail("--fp16 and --bf16 cannot both be given")
+    conflict = numerics_flag_conflict(args)
+    if conflict is not None:
+        _fail(conflict)
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True
+    if (args.rotary_seq_len_interpolation_factor is not None
+            and args.rotary_seq_len_interpolation_factor < 1):
+        _fail("--rotary-seq-len-interpolation-factor must be >= 1, got "
+              f"{args.rotary_seq_len_interpolation_factor}")
     args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
     if args.bf16 and not args.accumulate_allreduce_grads_in_fp32:
         # As in Megatron: bf16 gradients are reduced and accumulated in fp32.
@@ -548,6 +568,13 @@ def _validate_batch_and_schedule(args) -> None:
                   f"--lr-decay-iters or --train-iters ({decay_iters})")
     if args.lr is not None and args.min_lr > args.lr:
         _fail(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.decoupled_lr is None and args.decoupled_min_lr is not None:
+        _note(args, "--decoupled-min-lr has no effect without --decoupled-lr")
+    if args.decoupled_lr is not None:
+        low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        if not 0.0 <= low <= args.decoupled_lr:
+            _fail(f"--decoupled-min-lr (else --min-lr) ({low}) must be in [0, --decoupled-lr "
+                  f"({args.decoupled_lr})]")
     if args.start_weight_decay is None:
         args.start_weight_decay = args.weight_decay
     if args.end_weight_decay is None:
@@ -659,8 +686,13 @@ def build_configs(args: argparse.Namespace) -> Configs:
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization,
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base, swiglu=args.swiglu,
-        openai_gelu=args.openai_gelu, add_bias_linear=args.add_bias_linear,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        rotary_interleaved=args.rotary_interleaved,
+        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        swiglu=args.swiglu, openai_gelu=args.openai_gelu, squared_relu=args.squared_relu,
+        apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
+        init_method_xavier_uniform=args.init_method_xavier_uniform,
+        add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         params_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16,

@@ -66,13 +66,18 @@ SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "num_query_groups", "kv_channels", "max_position_embeddings",
               "position_embedding_type", "padded_vocab_size", "swiglu", "normalization",
               "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-              "bert_binary_head")
+              "bert_binary_head", "qk_layernorm")
 # How a SHAPE_ARGS entry is named in an error when its dest is not its flag's name.
 _ARG_LABELS = {"bert_binary_head": "the BERT binary head (--bert-no-binary-head removes it)"}
 # Also taken from the checkpoint with --use-checkpoint-args.
 CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_percent",
                                 "rotary_base", "apply_residual_connection_post_layernorm",
                                 "openai_gelu", "norm_epsilon", "tokenizer_type",
+                                # Same shapes, different function: the weights mean nothing
+                                # without them.
+                                "apply_layernorm_1p", "squared_relu", "rotary_interleaved",
+                                "rotary_seq_len_interpolation_factor",
+                                "apply_query_key_layer_scaling",
                                 "vocab_size", "make_vocab_size_divisible_by",
                                 "tensor_model_parallel_size", "pipeline_model_parallel_size")
 

@@ -70,8 +70,9 @@ class MemoryEstimate:
 
 # ------------------------------------------------------------------------- parameters
 
-def _norm_params(config: TransformerConfig) -> int:
-    return 2 * config.hidden_size if config.normalization == "LayerNorm" else config.hidden_size
+def _norm_params(config: TransformerConfig, size: int = 0) -> int:
+    size = size or config.hidden_size
+    return 2 * size if config.normalization == "LayerNorm" else size
 
 
 def layer_parameters(config: TransformerConfig, tp_size: int) -> int:
@@ -82,6 +83,8 @@ def layer_parameters(config: TransformerConfig, tp_size: int) -> int:
     inner = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
     bias = config.add_bias_linear
     count = 2 * _norm_params(config)
+    if config.qk_layernorm:
+        count += 2 * _norm_params(config, config.kv_channels)                 # q/k_layernorm
     count += qkv * h // t + (qkv // t if bias or config.add_qkv_bias else 0)   # query_key_value
     count += h * q // t + (h if bias else 0)                                  # dense (row)
     count += inner * h // t + (inner // t if bias else 0)                     # dense_h_to_4h

@@ -88,6 +88,7 @@ def _parse(argv, extra_args_provider, args_defaults):
 def _optimizer_config(args) -> OptimizerConfig:
     return OptimizerConfig(
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
         fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype,
@@ -530,7 +531,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             args.consumed_train_samples += batch
             stats.add(losses, skipped)
             args.train_loss_history.append((iteration, losses.get("lm loss")))
-            lr = optimizer.param_groups[0]["lr"]
+            lr = next((g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr")),
+                      optimizer.param_groups[0]["lr"])
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
             training_log.write_train_scalars(writer, args, iteration, losses, lr, batch,
                                              loss_scale, grad_norm)

@@ -45,9 +45,28 @@ DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
 # ---- choosing the architecture -----------------------------------------------------------------
 
 
+# Flags of a Megatron source that change what the weights compute in a way none of the
+# transformers classes written here (GPT-2, Llama, BERT) can express.
+_NUMERICS_WITHOUT_HF_EQUIVALENT = (
+    ("qk_layernorm", "--qk-layernorm"), ("apply_layernorm_1p", "--apply-layernorm-1p"),
+    ("squared_relu", "--squared-relu"), ("rotary_interleaved", "--rotary-interleaved"),
+    ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
+)
+
+
+def _refuse_numerics_flags(meta: ModelMeta) -> None:
+    source = dict(meta.source_args or {}, qk_layernorm=meta.qk_layernorm)
+    for name, flag in _NUMERICS_WITHOUT_HF_EQUIVALENT:
+        if source.get(name):
+            raise ConversionError(f"{flag}: no Hugging Face architecture written here (GPT-2, "
+                                  "Llama, BERT) computes this model; convert it to Megatron "
+                                  "checkpoints only")
+
+
 def family_for_meta(meta: ModelMeta):
     """The architecture module that writes ``meta``'s model, or a ConversionError listing every
     feature (with its flag) that stands in the way."""
+    _refuse_numerics_flags(meta)
     if meta.model_type == "BERT":
         problems = hf_bert.unsupported_features(meta)
         if problems:

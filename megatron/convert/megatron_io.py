@@ -324,6 +324,7 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
             args, "untie_embeddings_and_output_weights", False),
         apply_residual_connection_post_layernorm=getattr(
             args, "apply_residual_connection_post_layernorm", False),
+        qk_layernorm=getattr(args, "qk_layernorm", False),
         params_dtype=_params_dtype(args), seq_length=getattr(args, "seq_length", None),
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128) or 1,
         tokenizer_type=getattr(args, "tokenizer_type", None),

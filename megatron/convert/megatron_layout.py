@@ -20,6 +20,8 @@ _QKV = "self_attention.query_key_value"
 _DENSE = "self_attention.dense"
 _H_TO_4H = "mlp.dense_h_to_4h"
 _4H_TO_H = "mlp.dense_4h_to_h"
+_Q_NORM = "self_attention.q_layernorm"
+_K_NORM = "self_attention.k_layernorm"
 
 # Where BERT's own tensors sit in a rank's ``model`` tree (the nesting Megatron saves): the
 # token-type table on the first stage; the heads, by stream piece kind, on the last stage.
@@ -39,6 +41,10 @@ def layer_tensor_names(meta: ModelMeta) -> List[str]:
     names = [("input_layernorm.weight", True), ("input_layernorm.bias", layer_norm),
              (f"{_QKV}.weight", True), (f"{_QKV}.bias", qkv_bias),
              (f"{_DENSE}.weight", True), (f"{_DENSE}.bias", meta.add_bias_linear),
+             (f"{_Q_NORM}.weight", meta.qk_layernorm),
+             (f"{_Q_NORM}.bias", meta.qk_layernorm and layer_norm),
+             (f"{_K_NORM}.weight", meta.qk_layernorm),
+             (f"{_K_NORM}.bias", meta.qk_layernorm and layer_norm),
              ("post_attention_layernorm.weight", True),
              ("post_attention_layernorm.bias", layer_norm),
              (f"{_H_TO_4H}.weight", True), (f"{_H_TO_4H}.bias", meta.add_bias_linear),
@@ -55,6 +61,9 @@ def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
               f"{_DENSE}.weight": (h, meta.num_attention_heads * meta.kv_channels),
               f"{_H_TO_4H}.weight": (h_to_4h, h), f"{_H_TO_4H}.bias": (h_to_4h,),
               f"{_4H_TO_H}.weight": (h, ffn)}
+    # --qk-layernorm's norms are over one head and replicated on every TP rank.
+    shapes.update({f"{norm}.{kind}": (meta.kv_channels,) for norm in (_Q_NORM, _K_NORM)
+                   for kind in ("weight", "bias")})
     return {name: shapes.get(name, (h,)) for name in layer_tensor_names(meta)}
 
 

@@ -85,6 +85,7 @@ class ModelMeta:
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = False
     apply_residual_connection_post_layernorm: bool = False
+    qk_layernorm: bool = False           # --qk-layernorm: q_layernorm / k_layernorm per layer
     params_dtype: torch.dtype = torch.float32
     seq_length: Optional[int] = None
     make_vocab_size_divisible_by: int = 128

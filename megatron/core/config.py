@@ -60,8 +60,14 @@ class TransformerConfig:
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
     rotary_percent: float = 1.0
     rotary_base: int = 10000
+    rotary_interleaved: bool = False               # rotate pairs (2i, 2i+1), not the halves
+    rotary_seq_len_interpolation_factor: Optional[int] = None  # positions divided by it
     swiglu: bool = False
     openai_gelu: bool = False
+    squared_relu: bool = False                     # MLP activation relu(x)^2
+    apply_layernorm_1p: bool = False               # norm weight stored as gamma - 1 (zeros)
+    qk_layernorm: bool = False                     # a norm over head_dim on query and key
+    init_method_xavier_uniform: bool = False       # xavier-uniform instead of N(0, std^2)
     add_bias_linear: bool = True                   # --disable-bias-linear sets False
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = False
@@ -130,6 +136,17 @@ class TransformerConfig:
             raise ConfigError("--recompute-method applies only to --recompute-granularity full")
         if self.fp16 and self.bf16:
             raise ConfigError("--fp16 and --bf16 cannot both be given")
+        problem = numerics_flag_conflict(self)
+        if problem is not None:
+            raise ConfigError(problem)
+        if (self.rotary_seq_len_interpolation_factor is not None
+                and self.rotary_seq_len_interpolation_factor <= 0):
+            raise ConfigError("--rotary-seq-len-interpolation-factor must be > 0, got "
+                              f"{self.rotary_seq_len_interpolation_factor}")
+        if self.apply_query_key_layer_scaling:
+            # The scores are multiplied back by the layer number inside the softmax, which must
+            # therefore run in fp32 (as Megatron sets it).
+            self.attention_softmax_in_fp32 = True
 
     def check_splittable(self, tp_size: int, pp_size: int = 1) -> None:
         """Reject shapes that cannot be split over ``tp_size`` x ``pp_size`` ranks."""
@@ -151,6 +168,23 @@ class TransformerConfig:
         for name, value, by_name, by in checks:
             if value % by != 0:
                 raise ConfigError(f"{name} ({value}) must be divisible by {by_name} ({by})")
+
+
+def numerics_flag_conflict(flags) -> Optional[str]:
+    """One line naming two numerics flags that cannot be combined, or None.
+
+    ``flags`` is a :class:`TransformerConfig` or the parsed namespace (same field names).
+    Megatron's RMSNorm has no 1p form, and its squared ReLU replaces GeLU but not the gated
+    SwiGLU unit; the tanh GeLU would silently win over it in the MLP, so that pair is refused too.
+    """
+    if flags.apply_layernorm_1p and flags.normalization == "RMSNorm":
+        return ("--apply-layernorm-1p applies to LayerNorm only; it cannot be combined with "
+                "--normalization RMSNorm")
+    if flags.squared_relu and flags.swiglu:
+        return "--squared-relu cannot be combined with --swiglu (one MLP activation)"
+    if flags.squared_relu and flags.openai_gelu:
+        return "--squared-relu cannot be combined with --openai-gelu (one MLP activation)"
+    return None
 
 
 def pipeline_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = None,

@@ -35,3 +35,34 @@ def scaled_init_method_normal(sigma: float, num_layers: int) -> InitMethod:
         return torch.nn.init.normal_(tensor, mean=0.0, std=std)
 
     return init_
+
+
+def xavier_uniform_init_method() -> InitMethod:
+    """Initialiser drawing from U(-a, a), ``a = sqrt(6 / (fan_in + fan_out))``
+    (``--init-method-xavier-uniform``).
+
+    Applied, as every initialiser here, to the full unsplit weight, so the fans (and therefore
+    the weights) are the same under any tensor-parallel split.
+    """
+
+    def init_(tensor: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.xavier_uniform_(tensor)
+
+    return init_
+
+
+def get_init_method(config) -> InitMethod:
+    """The initialiser of ``config`` (a TransformerConfig) for every weight that does not feed
+    the residual stream directly: QKV, the first MLP layer, embeddings, the output layer and
+    heads."""
+    if config.init_method_xavier_uniform:
+        return xavier_uniform_init_method()
+    return init_method_normal(config.init_method_std)
+
+
+def get_output_layer_init_method(config) -> InitMethod:
+    """The initialiser of the projections that feed the residual stream (attention ``dense``,
+    ``dense_4h_to_h``): depth-scaled normal, or xavier uniform as for every other weight."""
+    if config.init_method_xavier_uniform:
+        return xavier_uniform_init_method()
+    return scaled_init_method_normal(config.init_method_std, config.num_layers)

@@ -73,22 +73,27 @@ class FusedLayerNorm(torch.nn.Module):
         eps: ``--norm-epsilon``.
         sequence_parallel: mark the parameters for a tensor-parallel gradient all-reduce.
         params_dtype: dtype of weight and bias.
+        apply_layernorm_1p: ``--apply-layernorm-1p``: ``weight`` holds ``gamma - 1`` (zeros at
+            start) and the norm scales by ``1 + weight``, so weight decay pulls gamma to 1, not 0.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel: bool = False,
-                 params_dtype: torch.dtype = torch.float32):
+                 params_dtype: torch.dtype = torch.float32, apply_layernorm_1p: bool = False):
         super().__init__()
         self.hidden_size = hidden_size
         self.eps = eps
         self.sequence_parallel = sequence_parallel
+        self.apply_layernorm_1p = apply_layernorm_1p
         kw = dict(dtype=params_dtype, device=device.current_device())
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, **kw))
+        init = torch.zeros if apply_layernorm_1p else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, **kw))
         self.bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw))
         for p in (self.weight, self.bias):
             p.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fused_layer_norm(x, self.weight, self.bias, self.eps)
+        weight = self.weight + 1 if self.apply_layernorm_1p else self.weight
+        return fused_layer_norm(x, weight, self.bias, self.eps)
 
 
 MixedFusedLayerNorm = FusedLayerNorm

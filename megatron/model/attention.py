@@ -21,6 +21,7 @@ from megatron.core.tensor_parallel.utils import divide
 from megatron.fused_kernels.softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
+from megatron.model.norms import get_norm
 from megatron.model.rotary_pos_embedding import apply_rotary_pos_emb
 
 
@@ -111,7 +112,9 @@ class CoreAttention(MegatronModule):
 
 
 class ParallelAttention(MegatronModule):
-    """Self-attention: fused QKV projection, optional rotary embedding, core attention, ``dense``.
+    """Self-attention: fused QKV projection, optional query/key norms (``--qk-layernorm``, named
+    ``q_layernorm`` / ``k_layernorm`` as in Megatron-Core), optional rotary embedding, core
+    attention, ``dense``.
 
     Args:
         config: the transformer config.
@@ -151,6 +154,15 @@ class ParallelAttention(MegatronModule):
             init_method=output_layer_init_method, tp_group=tp_group,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
+        self.rotary_interleaved = config.rotary_interleaved
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = get_norm(config, hidden_size=hn)
+            self.k_layernorm = get_norm(config, hidden_size=hn)
+            for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
+                # Replicated over TP ranks, but each rank normalises only its own heads: the
+                # gradients are partial sums, added over the TP group before the step.
+                param.sum_grad_over_tp = True
 
     def split_qkv(self, mixed: torch.Tensor):
         """``[s, b, groups * (heads_per_group + 2) * hn]`` -> query ``[s, b, np, hn]``, key and
@@ -174,9 +186,12 @@ class ParallelAttention(MegatronModule):
         """
         mixed, _ = self.query_key_value(hidden_states)       # [s, b, ng*(np/ng+2)*hn] local
         query, key, value = self.split_qkv(mixed)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)                  # over hn, per head
+            key = self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb)
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved)
         if inference_params is not None:
             key, value = self._update_kv_cache(key, value, inference_params)  # [sk, b, ng, hn]
             if attention_mask is None and self.attn_mask_type == AttnMaskType.causal:

@@ -20,7 +20,7 @@ import torch
 
 from megatron.core import device, tensor_parallel
 from megatron.core.config import ConfigError, TransformerConfig
-from megatron.core.utils import init_method_normal
+from megatron.core.utils import get_init_method
 from megatron.fused_kernels import ops as fused_ops
 from megatron.fused_kernels.bias_gelu import gelu_tanh
 from megatron.fused_kernels.layer_norm import FusedLayerNorm
@@ -83,7 +83,7 @@ class BertLMHead(MegatronModule):
                                                    device=device.current_device()))
         tensor_parallel.set_tensor_model_parallel_attributes(self.bias, True, 0, 1)
         self.dense = get_linear_layer(config.hidden_size, config.hidden_size,
-                                      init_method_normal(config.init_method_std),
+                                      get_init_method(config),
                                       config.params_dtype)
         self.layernorm = FusedLayerNorm(config.hidden_size, eps=config.layernorm_epsilon,
                                         sequence_parallel=sequence_parallel,
@@ -160,7 +160,7 @@ class BertModel(MegatronModule):
             if add_binary_head:
                 with init_rng(init_seed, "binary_head"):
                     self.binary_head = get_linear_layer(
-                        config.hidden_size, 2, init_method_normal(config.init_method_std),
+                        config.hidden_size, 2, get_init_method(config),
                         config.params_dtype)
         tie_word_embeddings_over_stages(self, init_seed)
 

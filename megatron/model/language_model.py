@@ -17,7 +17,7 @@ import torch
 from megatron.core import device, tensor_parallel
 from megatron.core.collectives import get_group_size
 from megatron.core.config import TransformerConfig
-from megatron.core.utils import init_method_normal
+from megatron.core.utils import get_init_method
 from megatron.model.attention import dropout_rng_context
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
@@ -51,11 +51,17 @@ def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tenso
 
 def build_word_embeddings(config: TransformerConfig, tp_group):
     """The vocab-parallel word embedding table (built first inside the ``embedding`` seed, so a
-    second call under the same seed reproduces it exactly)."""
-    return tensor_parallel.VocabParallelEmbedding(
+    second call under the same seed reproduces it exactly).
+
+    Its weight is marked ``is_embedding_or_output_parameter``, as the output layer's is:
+    ``--decoupled-lr`` gives these their own learning rate.
+    """
+    table = tensor_parallel.VocabParallelEmbedding(
         config.padded_vocab_size, config.hidden_size,
-        init_method=init_method_normal(config.init_method_std), tp_group=tp_group,
+        init_method=get_init_method(config), tp_group=tp_group,
         params_dtype=config.params_dtype)
+    table.weight.is_embedding_or_output_parameter = True
+    return table
 
 
 def tie_word_embeddings_over_stages(model, init_seed: int) -> None:
@@ -121,12 +127,12 @@ class Embedding(MegatronModule):
             self.position_embeddings = torch.nn.Embedding(
                 config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype,
                 device=device.current_device())
-            init_method_normal(config.init_method_std)(self.position_embeddings.weight)
+            get_init_method(config)(self.position_embeddings.weight)
         if num_tokentypes > 0:
             self.tokentype_embeddings = torch.nn.Embedding(
                 num_tokentypes, config.hidden_size, dtype=config.params_dtype,
                 device=device.current_device())
-            init_method_normal(config.init_method_std)(self.tokentype_embeddings.weight)
+            get_init_method(config)(self.tokentype_embeddings.weight)
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
@@ -186,7 +192,7 @@ class Pooler(MegatronModule):
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel
         self.dense = get_linear_layer(config.hidden_size, config.hidden_size,
-                                      init_method_normal(config.init_method_std),
+                                      get_init_method(config),
                                       config.params_dtype)
 
     def forward(self, hidden_states: torch.Tensor, sequence_index: int = 0) -> torch.Tensor:
@@ -243,7 +249,8 @@ class TransformerLanguageModel(MegatronModule):
         self.rotary_pos_emb = None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(
-                int(config.kv_channels * config.rotary_percent), config.rotary_base)
+                int(config.kv_channels * config.rotary_percent), config.rotary_base,
+                config.rotary_interleaved, config.rotary_seq_len_interpolation_factor)
         self.encoder = ParallelTransformer(config, tp_group, tp_size, num_layers, layer_offset,
                                            pre_process, post_process, sequence_parallel,
                                            init_seed, self_attn_mask_type=encoder_attn_mask_type)
@@ -254,9 +261,10 @@ class TransformerLanguageModel(MegatronModule):
             with init_rng(init_seed, "output_layer"):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
                     config.hidden_size, config.padded_vocab_size,
-                    init_method=init_method_normal(config.init_method_std), tp_group=tp_group,
+                    init_method=get_init_method(config), tp_group=tp_group,
                     bias=False, gather_output=False, sequence_parallel=sequence_parallel,
                     params_dtype=config.params_dtype)
+            self.output_layer.weight.is_embedding_or_output_parameter = True
 
     def set_input_tensor(self, input_tensor) -> None:
         self.encoder.set_input_tensor(input_tensor)

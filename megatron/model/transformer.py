@@ -16,7 +16,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.config import ConfigError, TransformerConfig, pipeline_layer_counts
-from megatron.core.utils import init_method_normal, scaled_init_method_normal
+from megatron.core.utils import get_init_method, get_output_layer_init_method
 from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
 from megatron.fused_kernels.bias_gelu import bias_gelu_impl, bias_gelu_unfused
 from megatron.fused_kernels.swiglu import bias_swiglu_impl, bias_swiglu_unfused
@@ -24,7 +24,7 @@ from megatron.model.attention import ParallelAttention, dropout_rng_context
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
-from megatron.model.utils import init_rng, openai_gelu
+from megatron.model.utils import init_rng, openai_gelu, squared_relu
 
 
 def _bias_activation(config: TransformerConfig) -> Callable:
@@ -34,11 +34,15 @@ def _bias_activation(config: TransformerConfig) -> Callable:
         return bias_swiglu_impl if fused else bias_swiglu_unfused
     if config.openai_gelu:
         return lambda x, bias: openai_gelu(x if bias is None else x + bias)
+    if config.squared_relu:
+        # As in Megatron, the GeLU fusion does not apply: the bias is added, then relu(x)^2.
+        return lambda x, bias: squared_relu(x if bias is None else x + bias)
     return bias_gelu_impl if config.bias_gelu_fusion else bias_gelu_unfused
 
 
 class ParallelMLP(MegatronModule):
-    """``dense_h_to_4h`` (column-parallel), GeLU or SwiGLU, ``dense_4h_to_h`` (row-parallel).
+    """``dense_h_to_4h`` (column-parallel), GeLU, squared ReLU or SwiGLU, ``dense_4h_to_h``
+    (row-parallel).
 
     With SwiGLU ``dense_h_to_4h`` has ``2 * ffn`` outputs: the full weight is ``[gate; value]``
     and is split with stride 2, so each rank holds ``[gate_r; value_r]`` and the model is the same
@@ -89,8 +93,8 @@ class ParallelTransformerLayer(MegatronModule):
         self.hidden_dropout = config.hidden_dropout
         self.apply_residual_connection_post_layernorm = (
             config.apply_residual_connection_post_layernorm)
-        init_method = init_method_normal(config.init_method_std)
-        output_init = scaled_init_method_normal(config.init_method_std, config.num_layers)
+        init_method = get_init_method(config)
+        output_init = get_output_layer_init_method(config)
         self.input_layernorm = get_norm(config, sequence_parallel)
         self.self_attention = ParallelAttention(config, layer_number, tp_group, tp_size,
                                                 sequence_parallel, init_method, output_init,

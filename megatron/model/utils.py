@@ -14,6 +14,11 @@ def openai_gelu(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * x * (1.0 + 0.044715 * x * x)))
 
 
+def squared_relu(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x)^2`` (``--squared-relu``)."""
+    return torch.pow(torch.nn.functional.relu(x), 2)
+
+
 def erf_gelu(x: torch.Tensor) -> torch.Tensor:
     """Exact GeLU through erf."""
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))

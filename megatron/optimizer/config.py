@@ -22,6 +22,10 @@ class OptimizerConfig:
     optimizer: str = "adam"                # --optimizer adam | sgd
     lr: Optional[float] = None             # --lr (the scheduler's max_lr; required)
     min_lr: float = 0.0                    # --min-lr
+    # --decoupled-lr / --decoupled-min-lr: max and min lr of the word embeddings and the output
+    # layer (params marked ``is_embedding_or_output_parameter``); the min defaults to --min-lr.
+    decoupled_lr: Optional[float] = None
+    decoupled_min_lr: Optional[float] = None
     weight_decay: float = 0.01             # --weight-decay
     adam_beta1: float = 0.9                # --adam-beta1
     adam_beta2: float = 0.999              # --adam-beta2
@@ -54,6 +58,13 @@ class OptimizerConfig:
             raise ConfigError(f"--lr must be >= 0, got {self.lr}")
         if not 0.0 <= self.min_lr <= self.lr:
             raise ConfigError(f"--min-lr must be in [0, --lr={self.lr}], got {self.min_lr}")
+        if self.decoupled_lr is not None:
+            if self.decoupled_lr < 0.0:
+                raise ConfigError(f"--decoupled-lr must be >= 0, got {self.decoupled_lr}")
+            low = self.min_lr if self.decoupled_min_lr is None else self.decoupled_min_lr
+            if not 0.0 <= low <= self.decoupled_lr:
+                raise ConfigError(f"--decoupled-min-lr (else --min-lr) must be in "
+                                  f"[0, --decoupled-lr={self.decoupled_lr}], got {low}")
         if self.weight_decay < 0.0:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
         for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):

@@ -460,8 +460,15 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
     weight decay (``wd_mult`` 0); parameters selected by ``scale_lr_cond`` get ``lr_mult``.
     Each group's initial ``lr`` and ``weight_decay`` already include its multipliers, so the
     optimizer is right before the scheduler first touches it.
+
+    With ``config.decoupled_lr`` (``--decoupled-lr``), parameters marked
+    ``is_embedding_or_output_parameter`` (word embeddings, output layer) form groups of their
+    own, and every group carries ``max_lr`` / ``min_lr`` (``--decoupled-lr`` /
+    ``--decoupled-min-lr``, else ``--min-lr``, for those; ``--lr`` / ``--min-lr`` for the rest)
+    and ``is_decoupled_lr``, which the scheduler follows with the same schedule shape.
     """
-    by_key: Dict[Tuple[float, float], List[torch.nn.Parameter]] = {}
+    decoupled = config.decoupled_lr is not None
+    by_key: Dict[Tuple[float, float, bool], List[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
@@ -471,11 +478,21 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
             else:
                 no_wd = name.endswith(".bias") or param.dim() == 1
             scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
-            key = (0.0 if no_wd else 1.0, float(lr_mult) if scale_lr else 1.0)
+            own_lr = decoupled and getattr(param, "is_embedding_or_output_parameter", False)
+            key = (0.0 if no_wd else 1.0, float(lr_mult) if scale_lr else 1.0, own_lr)
             by_key.setdefault(key, []).append(param)
-    return [{"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
-             "lr": config.lr * group_lr_mult, "weight_decay": config.weight_decay * wd_mult}
-            for (wd_mult, group_lr_mult), params in by_key.items()]
+    groups = []
+    for (wd_mult, group_lr_mult, own_lr), params in by_key.items():
+        max_lr = config.decoupled_lr if own_lr else config.lr
+        group = {"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
+                 "lr": max_lr * group_lr_mult, "weight_decay": config.weight_decay * wd_mult}
+        if decoupled:
+            min_lr = config.min_lr
+            if own_lr and config.decoupled_min_lr is not None:
+                min_lr = config.decoupled_min_lr
+            group.update(max_lr=max_lr, min_lr=min_lr, is_decoupled_lr=own_lr)
+        groups.append(group)
+    return groups
 
 
 def _build_torch_optimizer(config: OptimizerConfig,

@@ -4,6 +4,9 @@
 2. Sequence parallel: parameters replicated across tensor-parallel ranks but fed with only this
    rank's part of the sequence (LayerNorm weights and biases, marked ``param.sequence_parallel =
    True`` by the model) hold a partial gradient on each TP rank; they are summed over the TP group.
+   So are, with or without sequence parallelism, parameters replicated across TP ranks but fed
+   with only this rank's heads (``--qk-layernorm``'s norms, marked ``param.sum_grad_over_tp =
+   True``).
 3. Pipeline parallel with tied embeddings: the word embedding (first stage) and the output layer
    (last stage) are one logical weight held twice; both copies' gradients are summed over the
    embedding group so the two copies take the same optimizer step and stay equal.
@@ -25,20 +28,24 @@ def _grad_of(param: torch.nn.Parameter, what: str) -> torch.Tensor:
     return grad
 
 
-def _allreduce_layernorm_grads(model_chunks: Sequence[torch.nn.Module], tp_group) -> None:
-    """Sum the gradients of parameters marked ``sequence_parallel`` over the tensor-parallel group.
+def _allreduce_layernorm_grads(model_chunks: Sequence[torch.nn.Module], tp_group,
+                               sequence_parallel: bool = True) -> None:
+    """Sum over the tensor-parallel group the gradients of parameters marked ``sum_grad_over_tp``,
+    and, when ``sequence_parallel``, of those marked ``sequence_parallel``.
 
     The gradients are packed into one flat tensor per dtype, so there is one collective per dtype
     rather than one per parameter.
     """
-    if dist.get_world_size(tp_group) == 1:
-        return
     grads_by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
-            if param.requires_grad and getattr(param, "sequence_parallel", False):
-                grad = _grad_of(param, f"sequence-parallel parameter {name!r}")
+            marked = getattr(param, "sum_grad_over_tp", False) or (
+                sequence_parallel and getattr(param, "sequence_parallel", False))
+            if param.requires_grad and marked:
+                grad = _grad_of(param, f"TP-replicated parameter {name!r}")
                 grads_by_dtype.setdefault(grad.dtype, []).append(grad)
+    if not grads_by_dtype or dist.get_world_size(tp_group) == 1:
+        return
     for grads in grads_by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numels]
         dist.all_reduce(flat, group=tp_group)
@@ -98,7 +105,8 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
             stage (virtual stages ignored).
         pp_size: pipeline-model-parallel size.
         sequence_parallel: whether ``--sequence-parallel`` is on; then parameters with
-            ``param.sequence_parallel = True`` have their gradients summed over ``tp_group``.
+            ``param.sequence_parallel = True`` have their gradients summed over ``tp_group``
+            (those marked ``sum_grad_over_tp`` always are).
 
     Tied embeddings: with ``pp_size > 1`` the first stage's first chunk and the last stage's last
     chunk are asked for ``shared_embedding_or_output_weight()``, found on the chunk or on any
@@ -114,7 +122,6 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
             raise TypeError(f"finalize_model_grads expects model chunks wrapped in "
                             f"DistributedDataParallel, got {type(chunk).__name__}")
         finish()
-    if sequence_parallel:
-        _allreduce_layernorm_grads(model_chunks, tp_group)
+    _allreduce_layernorm_grads(model_chunks, tp_group, sequence_parallel)
     _allreduce_word_embedding_grads(model_chunks, embedding_group, is_first_stage,
                                     is_last_stage, pp_size)
