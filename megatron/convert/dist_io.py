@@ -20,6 +20,7 @@ dropped, and so is Megatron's ``rerun_state_machine_state``; Megatron-LM loads t
 ``--no-load-optim --no-load-rng`` (or ``--finetune``).
 """
 
+import argparse
 import enum
 import os
 import shutil
@@ -235,7 +236,7 @@ def _save_final(out: _DistTarget, piece: Piece) -> None:
 
 
 def _common_state(target) -> dict:
-    args = target.args()
+    args = argparse.Namespace(**_plain(vars(target.args())))
     args.ckpt_format = "torch_dist"
     args.use_dist_ckpt = True
     source = target.meta.source_args or {}
