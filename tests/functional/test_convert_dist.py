@@ -82,7 +82,7 @@ def _assert_equal(got, want):
 
 def test_megatron_torch_dist_converts_to_legacy_bit_for_bit(tmp_path, capsys):
     out = _convert(MCORE, str(tmp_path / "tp1"), "--target-ckpt-format", "torch")
-    assert "megatron torch_dist TP=1 PP=1" in capsys.readouterr().out
+    assert "megatron TP=1 PP=1 (torch_dist)" in capsys.readouterr().out
     _assert_equal(_rank_model(out), _rank_model(LEGACY))
     out = _convert(MCORE, str(tmp_path / "tp2"), "--target-tensor-parallel-size", "2")
     for tp_rank in range(2):

@@ -134,8 +134,8 @@ def _source_layout(meta: ModelMeta) -> Optional[tuple]:
 
 
 def _describe(kind: str, layout: Optional[tuple], fmt: Optional[str] = None) -> str:
-    kind = kind if fmt is None else f"{kind} {fmt}"
-    return kind if layout is None else f"{kind} TP={layout[0]} PP={layout[1]}"
+    described = kind if layout is None else f"{kind} TP={layout[0]} PP={layout[1]}"
+    return described if fmt is None else f"{described} ({fmt})"
 
 
 def convert(args) -> str:
