@@ -13,10 +13,10 @@
 
 from megatron.dist_checkpointing.keys import (ChunkLayout, KeyMappingError, Placement,
                                               object_key, placements)
-from megatron.dist_checkpointing.model_state import (common_objects, extra_state_objects,
-                                                     load_model_state, model_shards,
-                                                     optimizer_state_shards, read_local,
-                                                     tensor_shards)
+from megatron.dist_checkpointing.model_state import (chunk_layout, common_objects,
+                                                     extra_state_objects, load_model_state,
+                                                     model_shards, optimizer_state_shards,
+                                                     read_local, tensor_shards)
 from megatron.dist_checkpointing.reader import (DistCheckpointError, DistCheckpointReader,
                                                 SafeFileSystemReader, SafeLoadPlanner,
                                                 is_dist_checkpoint)
@@ -26,7 +26,7 @@ from megatron.dist_checkpointing.writer import (DistCheckpointWriteError, Object
 
 __all__ = [
     "ChunkLayout", "KeyMappingError", "Placement", "object_key", "placements",
-    "common_objects", "extra_state_objects", "load_model_state", "model_shards",
+    "chunk_layout", "common_objects", "extra_state_objects", "load_model_state", "model_shards",
     "optimizer_state_shards", "read_local", "tensor_shards",
     "DistCheckpointError", "DistCheckpointReader", "SafeFileSystemReader", "SafeLoadPlanner",
     "is_dist_checkpoint",

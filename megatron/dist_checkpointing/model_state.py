@@ -3,16 +3,21 @@
 Saving (every rank, its own chunks)::
 
     items = []
-    for chunk, layout in zip(model_chunks, layouts):          # one ChunkLayout per chunk
+    for vp_rank, chunk in enumerate(model_chunks):
+        layout = chunk_layout(config, pstate, vp_rank if len(model_chunks) > 1 else None)
         items += model_shards(chunk.state_dict_for_save_checkpoint(), layout)
-    items += common_objects(common_state, layout)            # DP rank 0, TP rank 0, PP rank 0
-    save_shards(iter_dir, items)                             # collective
+    items += extra_state_objects(layout, num_local_layers)     # per chunk (empty entries)
+    items += common_objects(common_state if rank == 0 else None, rng_states,
+                            pp_rank, pp_size, tp_rank, tp_size)  # rng: DP rank 0 of each
+    save_shards(iter_dir, items)                               # collective
 
 Loading (any rank, any layout; no process group needed)::
 
     reader = DistCheckpointReader(iter_dir)
-    state = load_model_state(reader, chunk.state_dict_for_save_checkpoint(), layout)
-    chunk.load_state_dict(state)
+    for vp_rank, chunk in enumerate(model_chunks):
+        layout = chunk_layout(config, pstate, vp_rank if len(model_chunks) > 1 else None)
+        chunk.load_state_dict(load_model_state(
+            reader, chunk.state_dict_for_save_checkpoint(), layout))
 
 The state is the nested dict ``state_dict_for_save_checkpoint`` returns (legacy names, layers
 numbered within the chunk); :mod:`megatron.dist_checkpointing.keys` maps it.
@@ -28,6 +33,21 @@ from megatron.dist_checkpointing.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayou
 from megatron.dist_checkpointing.reader import DistCheckpointError, DistCheckpointReader
 from megatron.dist_checkpointing.writer import ObjectShard, TensorShard
 from megatron.model.module import flatten_state_dict
+
+
+def chunk_layout(config, pstate, vp_rank: Optional[int] = None) -> ChunkLayout:
+    """The :class:`ChunkLayout` of this rank's model chunk ``vp_rank`` (None without virtual
+    stages): ``config`` the model's ``TransformerConfig`` (layers, uneven first / last stages,
+    ``swiglu``), ``pstate`` its ``ParallelState`` (or any object with ``tp_rank``, ``tp_size``,
+    ``pp_rank``, ``pp_size``, ``virtual_pp_size`` and optionally ``dp_rank``)."""
+    from megatron.model.transformer import get_num_layers_and_offset
+
+    vp_size = getattr(pstate, "virtual_pp_size", None)
+    _, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank, vp_size,
+                                          vp_rank if vp_size is not None else None)
+    return ChunkLayout(num_layers=config.num_layers, layer_offset=offset,
+                       tp_rank=getattr(pstate, "tp_rank", 0), tp_size=pstate.tp_size,
+                       dp_rank=getattr(pstate, "dp_rank", 0), swiglu=config.swiglu)
 
 
 def _piece(tensor: torch.Tensor, place: Placement) -> torch.Tensor:

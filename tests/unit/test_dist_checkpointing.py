@@ -16,7 +16,7 @@ import torch
 from megatron.convert.megatron_layout import split_tensor, tp_split_rule
 from megatron.dist_checkpointing import (ChunkLayout, DistCheckpointError, DistCheckpointReader,
                                          DistCheckpointWriteError, KeyMappingError,
-                                         ObjectShard, SafeFileSystemReader, SafeLoadPlanner,
+                                         ObjectShard, chunk_layout, SafeFileSystemReader, SafeLoadPlanner,
                                          ShardWriter, TensorShard, common_objects,
                                          extra_state_objects, load_model_state, model_shards,
                                          placements, save_shards, write_metadata)
@@ -329,3 +329,60 @@ def test_hostile_metadata_and_tensor_items_are_refused(tmp_path):
     with pytest.raises(DistCheckpointError, match="chunk \\[0\\] of 't' cannot be read"):
         DistCheckpointReader(path).read("t")
     assert not os.path.exists(marker)
+
+
+# -- the project's own GPT model ---------------------------------------------------------------
+
+def _gpt_chunks(pp, vp, **config):
+    """Every model chunk of a 4-layer GPT at PP ``pp`` x VPP ``vp`` (TP 1), with its layout."""
+    import types
+
+    from megatron.core.config import TransformerConfig
+    from megatron.model.gpt_model import GPTModel
+
+    cfg = TransformerConfig(num_layers=4, hidden_size=16, num_attention_heads=4,
+                            padded_vocab_size=32, max_position_embeddings=8, seq_length=8,
+                            hidden_dropout=0.0, attention_dropout=0.0, **config)
+    chunks = []
+    for pp_rank in range(pp):
+        for vp_rank in range(vp or 1):
+            pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=pp,
+                                           pp_rank=pp_rank, virtual_pp_size=vp,
+                                           virtual_pp_rank=vp_rank if vp else None)
+            first = pp_rank == 0 and vp_rank == 0
+            last = pp_rank == pp - 1 and vp_rank == (vp or 1) - 1
+            model = GPTModel(cfg, pstate, pre_process=first, post_process=last)
+            chunks.append((model, chunk_layout(cfg, pstate, vp_rank if vp else None)))
+    return chunks
+
+
+@pytest.mark.parametrize("config", [{}, {"untie_embeddings_and_output_weights": True,
+                                         "swiglu": True, "normalization": "RMSNorm",
+                                         "add_bias_linear": False, "ffn_hidden_size": 24}])
+def test_gpt_model_saved_whole_loads_into_interleaved_pipeline_chunks(tmp_path, config):
+    (whole, layout), = _gpt_chunks(1, None, **config)
+    with torch.no_grad():
+        for p in whole.parameters():
+            p.add_(torch.randn_like(p))  # weights no other split would initialise
+    save_shards(str(tmp_path / "a"), model_shards(whole.state_dict_for_save_checkpoint(),
+                                                  layout))
+    reader = DistCheckpointReader(str(tmp_path / "a"))
+    saved = flatten_state_dict(whole.state_dict_for_save_checkpoint())
+    chunks = _gpt_chunks(2, 2, **config)
+    items = []
+    for chunk, layout in chunks:
+        chunk.load_state_dict(load_model_state(reader, chunk.state_dict_for_save_checkpoint(),
+                                               layout))
+        for name, tensor in flatten_state_dict(chunk.state_dict_for_save_checkpoint()).items():
+            if name == "word_embeddings_for_head.weight":
+                name = "language_model.embedding.word_embeddings.weight"
+            if ".layers." in name:
+                prefix, rest = name.split(".layers.")
+                local, inner = rest.split(".", 1)
+                name = f"{prefix}.layers.{layout.layer_offset + int(local)}.{inner}"
+            assert torch.equal(tensor, saved[name]), name
+        items += model_shards(chunk.state_dict_for_save_checkpoint(), layout)
+    save_shards(str(tmp_path / "b"), items)  # and back: the same global tensors
+    again = DistCheckpointReader(str(tmp_path / "b"))
+    assert again.summary() == reader.summary()
+    assert all(torch.equal(again.read(k), reader.read(k)) for k in reader.tensor_keys())
