@@ -335,8 +335,9 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         consumed_train_samples=getattr(args, "consumed_train_samples", 0) or 0,
         consumed_valid_samples=getattr(args, "consumed_valid_samples", 0) or 0,
         model_type="BERT" if src.bert else "GPT", num_tokentypes=src.num_tokentypes,
-        bert_binary_head=src.binary_head, source_args=source_args, optimizer=src.optimizer,
-        optimizer_note=src.optimizer_note)
+        bert_binary_head=src.binary_head, source_args=source_args,
+        optimizer=getattr(src, "optimizer", None),
+        optimizer_note=getattr(src, "optimizer_note", ""))
 
 
 def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,

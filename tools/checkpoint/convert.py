@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the source's number of pipeline stages")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                    help="vocabulary padding of the target; default: the source's")
+    g.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default=None,
+                   help="torch: per-rank model_optim_rng.pt files (default); torch_dist: "
+                        "Megatron-Core's distributed checkpoint")
     g = parser.add_argument_group("hf saver")
     g.add_argument("--allow-no-tokenizer", action="store_true",
                    help="write the model without tokenizer files when its tokenizer cannot be "
@@ -81,7 +84,7 @@ def _check(args) -> None:
                               "and BERT checkpoints can be converted")
     if args.saver != "megatron":
         for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                     "make_vocab_size_divisible_by"):
+                     "make_vocab_size_divisible_by", "target_ckpt_format"):
             if getattr(args, flag) is not None:
                 raise ConversionError(f"--{flag.replace('_', '-')} applies only to "
                                       f"--saver megatron, not --saver {args.saver}")
@@ -99,8 +102,12 @@ def _load(args) -> Iterator[Piece]:
         from megatron.convert.hf import load_hf
 
         return load_hf(args.load_dir)
+    from megatron.convert import dist_io
     from megatron.convert.megatron_io import load_megatron
 
+    if dist_io.find_dist_checkpoint(args.load_dir, args.ckpt_step) is not None:
+        return dist_io.load_dist(args.load_dir, args.ckpt_step,
+                                 true_vocab_size=args.true_vocab_size)
     return load_megatron(args.load_dir, args.ckpt_step, true_vocab_size=args.true_vocab_size)
 
 
@@ -133,8 +140,9 @@ def _source_layout(meta: ModelMeta) -> Optional[tuple]:
             meta.source_args.get("pipeline_model_parallel_size", 1))
 
 
-def _describe(kind: str, layout: Optional[tuple]) -> str:
-    return kind if layout is None else f"{kind} TP={layout[0]} PP={layout[1]}"
+def _describe(kind: str, layout: Optional[tuple], fmt: Optional[str] = None) -> str:
+    described = kind if layout is None else f"{kind} TP={layout[0]} PP={layout[1]}"
+    return described if fmt is None else f"{described} ({fmt})"
 
 
 def convert(args) -> str:
@@ -154,22 +162,35 @@ def convert(args) -> str:
     if args.target_params_dtype is not None:
         stream = _cast(stream, DTYPES[args.target_params_dtype])
     counter = _Counter(stream)
+    source_format = target_format = None
+    if meta.source_args is not None:
+        source_format = meta.source_args.get("ckpt_format") or "torch"
     if args.saver == "megatron":
+        from megatron.convert.dist_io import save_dist
         from megatron.convert.megatron_io import save_megatron
 
         tp = args.target_tensor_parallel_size or (source or (1, 1))[0]
         pp = args.target_pipeline_parallel_size or (source or (1, 1))[1]
+        target_format = args.target_ckpt_format or "torch"
+        if meta.source_args is not None:
+            meta.source_args["ckpt_format"] = target_format
+            if "use_dist_ckpt" in meta.source_args:
+                meta.source_args["use_dist_ckpt"] = target_format == "torch_dist"
         streams = None
-        if meta.optimizer is not None:
+        if meta.optimizer is not None and target_format == "torch":
             from megatron.convert.megatron_io import load_megatron
 
             fields = ("exp_avg", "exp_avg_sq", "main")
             streams = {field: load_megatron(args.load_dir, args.ckpt_step,
                                             true_vocab_size=meta.vocab_size, view=field)
                        for field in fields}
-        save_megatron(counter, args.save_dir, tp, pp,
-                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                      optimizer_streams=streams)
+        if target_format == "torch_dist":
+            save_dist(counter, args.save_dir, tp, pp,
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+        else:
+            save_megatron(counter, args.save_dir, tp, pp,
+                          make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                          optimizer_streams=streams)
         target = (tp, pp)
         if streams is not None:
             dropped = "RNG state (the Adam state is resharded, the LR schedule is kept)"
@@ -186,8 +207,8 @@ def convert(args) -> str:
         source = (1, 1)
     return (f"converted {meta.model_type}: {counter.layers} layers, hidden {meta.hidden_size}, "
             f"vocabulary {meta.vocab_size}, iteration {meta.iteration}\n"
-            f"  {_describe(args.loader, source)} {args.load_dir}\n"
-            f"  -> {_describe(args.saver, target)} {args.save_dir}\n"
+            f"  {_describe(args.loader, source, source_format)} {args.load_dir}\n"
+            f"  -> {_describe(args.saver, target, target_format)} {args.save_dir}\n"
             f"  dropped: {dropped if args.loader == 'megatron' else 'nothing'}")
 
 

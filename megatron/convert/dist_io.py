@@ -1,0 +1,328 @@
+"""Megatron-Core ``torch_dist`` checkpoints to and from the canonical stream of
+:mod:`megatron.convert.schema`.
+
+:func:`load_dist` reads an iteration folder written by Megatron-Core (or by :func:`save_dist`)
+with :class:`megatron.dist_checkpointing.DistCheckpointReader`: the model's description comes
+from ``common_state``'s ``args`` (Megatron's field names and conventions, read by the same rules
+as a legacy checkpoint's args), the tensors are read by global key, a layer at a time, so the
+saved TP / PP layout does not matter.
+
+:func:`save_dist` writes the stream as a ``torch_dist`` folder at a target TP x PP (even
+split, no virtual stages), as the target's ranks would: one data file per target rank
+(``__<rank>_0.distcp``, rank = pp_rank x TP + tp_rank), each holding that rank's pieces under
+Megatron-Core's keys, global shapes and offsets, written by this one process, then one
+``.metadata``. Byte entries: ``common_state/shard_0_1`` (``args`` with the target layout and
+``ckpt_format`` ``torch_dist``, ``checkpoint_version`` 3.0, ``iteration``,
+``opt_param_scheduler`` when the source has one, ``num_floating_point_operations_so_far``,
+``content_metadata`` and this project's ``conversion`` record) and the empty extra-state entry
+of each layer's linear modules. As with the legacy target the optimizer and RNG states are
+dropped, and so is Megatron's ``rerun_state_machine_state``; Megatron-LM loads the result with
+``--no-load-optim --no-load-rng`` (or ``--finetune``).
+"""
+
+import argparse
+import enum
+import os
+import shutil
+import tempfile
+import types
+from typing import Dict, Iterable, Iterator, Optional
+
+import torch
+
+from megatron import checkpointing
+from megatron.convert import megatron_io
+from megatron.convert.megatron_layout import (SCHEDULER_KEY, layer_tensor_names, split_tensor,
+                                              tp_split_rule)
+# The legacy saver's target (sizes, vocabulary rows, args) and its per-piece placement rules,
+# shared so that both formats make the same checks and the same TP shards.
+from megatron.convert.megatron_save import (_check_tensors, _embedding_writes, _final_writes,
+                                            _prepare_save_dir, _Target)
+from megatron.convert.schema import ConversionError, ModelMeta, Piece
+from megatron.dist_checkpointing import keys
+from megatron.dist_checkpointing.model_state import tensor_shards
+from megatron.dist_checkpointing.reader import (DistCheckpointError, DistCheckpointReader,
+                                                is_dist_checkpoint)
+from megatron.dist_checkpointing.writer import (DistCheckpointWriteError, ObjectShard,
+                                                ShardWriter, write_metadata)
+from megatron.safe_unpickle import UnsafeCheckpointError, stand_ins_in
+
+FORMATS = ("torch", "torch_dist")
+_WORD = "language_model.embedding.word_embeddings.weight"
+_POSITION = "language_model.embedding.position_embeddings.weight"
+_OUTPUT = "language_model.output_layer.weight"
+_FINAL_NORM = "language_model.encoder.final_layernorm."
+# What Megatron-Core records about how the model's sharded state was built (plain tensors,
+# one piece per key and rank), so its loader builds the same keys.
+CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+
+
+def _iteration_dir(load_dir: str, ckpt_step: Optional[int]):
+    tracked = checkpointing.read_tracker(load_dir) if os.path.isdir(load_dir) else None
+    if tracked is None and ckpt_step is None:
+        return None
+    iteration, release = (ckpt_step, False) if ckpt_step is not None else tracked
+    return os.path.join(load_dir, checkpointing.checkpoint_dir_name(iteration, release)), \
+        iteration, release
+
+
+def find_dist_checkpoint(load_dir: str, ckpt_step: Optional[int] = None) -> Optional[str]:
+    """The iteration folder of ``load_dir`` when it is a torch_dist one (a ``.metadata``, no
+    ``mp_rank_*`` folders), else None."""
+    found = _iteration_dir(load_dir, ckpt_step)
+    if found is None:
+        return None
+    iter_dir = found[0]
+    if not os.path.isdir(iter_dir) or not is_dist_checkpoint(iter_dir):
+        return None
+    if any(name.startswith("mp_rank_") for name in os.listdir(iter_dir)):
+        return None
+    return iter_dir
+
+
+def _open(load_dir: str, ckpt_step: Optional[int]):
+    iter_dir = find_dist_checkpoint(load_dir, ckpt_step)
+    if iter_dir is None:
+        raise ConversionError(f"--load-dir {load_dir}: no torch_dist iteration folder")
+    try:
+        reader = DistCheckpointReader(iter_dir)
+        common = reader.common_state()
+    except (DistCheckpointError, UnsafeCheckpointError) as err:
+        raise ConversionError(str(err)) from None
+    return reader, common, _iteration_dir(load_dir, ckpt_step)
+
+
+def _meta(reader: DistCheckpointReader, common: dict, iteration: int, release: bool,
+          true_vocab_size: Optional[int]) -> ModelMeta:
+    """The model's description from the saved args, by the legacy loader's rules."""
+    args = common.get("args")
+    where = f"{reader.path} (common_state)"
+    if args is None or not hasattr(args, "num_layers"):
+        raise ConversionError(f"{where}: holds no args namespace")
+    if getattr(args, "num_experts", None):
+        raise ConversionError(f"{where}: a mixture-of-experts model (--num-experts "
+                              f"{args.num_experts}); only dense GPT models can be converted")
+    if any(k.startswith(("lm_head.", "binary_head.", "pooler.")) for k in reader.tensor_keys()):
+        raise ConversionError(f"{where}: a BERT model; torch_dist conversion supports GPT only")
+    source = types.SimpleNamespace(
+        args=args, scheduler=common.get("opt_param_scheduler"), release=release,
+        iteration=common.get("iteration", iteration), bert=False, num_tokentypes=0,
+        binary_head=False, file=lambda *_: where)
+    meta = megatron_io._meta_from_args(source, true_vocab_size)
+    meta.source_args = _plain(meta.source_args)
+    meta.source_args["ckpt_format"] = "torch_dist"
+    return meta
+
+
+def _plain(source_args: dict) -> dict:
+    """The saved args without Megatron's own classes (read as stand-ins; as training does, a
+    value that is not plain data is not written again) and with enum members (``exit_signal``)
+    as their plain values, so any target file loads with ``weights_only``."""
+    plain = (type(None), bool, int, float, str, list, tuple, dict, torch.dtype)
+    out = {}
+    for key, value in source_args.items():
+        if isinstance(value, enum.Enum):
+            value = value.value
+        if key == SCHEDULER_KEY or (isinstance(value, plain) and not stand_ins_in(value)):
+            out[key] = value
+    return out
+
+
+def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int) -> Dict[str, torch.Tensor]:
+    tensors = {}
+    for name in layer_tensor_names(meta):
+        key = keys.layer_key(name)
+        shape = reader.shape(key)
+        if shape[0] != meta.num_layers:
+            raise ConversionError(f"{reader.path}: {key} stacks {shape[0]} layers, the args say "
+                                  f"--num-layers {meta.num_layers}")
+        tensors[name] = reader.read(key, (index,) + (0,) * (len(shape) - 1),
+                                    (1,) + shape[1:])[0]
+    return tensors
+
+
+def _read(reader: DistCheckpointReader, key: str) -> torch.Tensor:
+    if key not in reader:
+        raise ConversionError(f"{reader.path}: no {key} in the checkpoint")
+    return reader.read(key)
+
+
+def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
+              true_vocab_size: Optional[int] = None) -> Iterator[Piece]:
+    """Yield the canonical stream of the torch_dist checkpoint in ``load_dir``.
+
+    Raises:
+        ConversionError: no torch_dist folder, a model this converter does not handle (MoE,
+            BERT), a missing tensor or a refused byte entry, naming it.
+    """
+    reader, common, (_, iteration, release) = _open(load_dir, ckpt_step)
+    meta = _meta(reader, common, iteration, release, true_vocab_size)
+    yield Piece("meta", meta=meta)
+    try:
+        word = _read(reader, keys.OTHER_KEYS[_WORD])
+        if word.size(0) != meta.padded_vocab_size:
+            raise ConversionError(f"{reader.path}: the word embeddings have {word.size(0)} "
+                                  f"rows but the saved args say padded_vocab_size "
+                                  f"{meta.padded_vocab_size}")
+        tensors = {"word_embeddings": word}
+        if meta.position_embedding_type == "learned_absolute":
+            tensors["position_embeddings"] = _read(reader, keys.OTHER_KEYS[_POSITION])
+        yield Piece("embeddings", tensors)
+        del tensors, word
+        for index in range(meta.num_layers):
+            yield Piece("layer", _layer(reader, meta, index), index=index)
+            reader.clear_cache()
+        norm = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
+        yield Piece("final_norm", {n: _read(reader, keys.OTHER_KEYS[_FINAL_NORM + n])
+                                   for n in norm})
+        if meta.untie_embeddings_and_output_weights:
+            yield Piece("output_layer", {"weight": _read(reader, keys.OTHER_KEYS[_OUTPUT])})
+    except DistCheckpointError as err:
+        raise ConversionError(str(err)) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving
+# ---------------------------------------------------------------------------------------------
+
+class _DistTarget:
+    """The target's writers (one per rank) and the layout of each of its chunks."""
+
+    def __init__(self, target, root: str):
+        self.target, self.meta = target, target.meta
+        self.tp, self.pp = target.tp, target.pp
+        self.writers = {(tp_rank, pp_rank): ShardWriter(root, pp_rank * self.tp + tp_rank)
+                        for pp_rank in range(self.pp) for tp_rank in range(self.tp)}
+
+    def layout(self, tp_rank: int, pp_rank: int) -> keys.ChunkLayout:
+        return keys.ChunkLayout(num_layers=self.meta.num_layers,
+                                layer_offset=pp_rank * self.target.per_stage,
+                                tp_rank=tp_rank, tp_size=self.tp, swiglu=self.meta.swiglu)
+
+    def put(self, tp_rank: int, pp_rank: int, name: str, tensor: torch.Tensor) -> None:
+        """Write what target rank (tp_rank, pp_rank) would write of its local ``name``."""
+        writer = self.writers[(tp_rank, pp_rank)]
+        writer.add(tensor_shards(name, tensor, self.layout(tp_rank, pp_rank)))
+
+    def close(self) -> list:
+        return [r for w in self.writers.values() for r in w.close()]
+
+
+def _save_embeddings(out: _DistTarget, piece: Piece) -> None:
+    for tp_rank, pp_rank, path, tensor in _embedding_writes(out.target, piece):
+        name = ".".join(path)
+        if name == "word_embeddings_for_head.weight":
+            continue  # tied: stored once, as the embedding
+        out.put(tp_rank, pp_rank, name, tensor)
+
+
+def _save_layer(out: _DistTarget, piece: Piece) -> None:
+    target = out.target
+    _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes)
+    pp_rank, local = target.stage_of(piece.index)
+    for name, tensor in piece.tensors.items():
+        rule = tp_split_rule(name, out.meta.swiglu)
+        shards = ([tensor] * out.tp if rule is None
+                  else split_tensor(tensor, rule[0], rule[1], out.tp))
+        for tp_rank, shard in enumerate(shards):
+            out.put(tp_rank, pp_rank, f"language_model.encoder.layers.{local}.{name}", shard)
+    out.writers[(0, pp_rank)].add(ObjectShard(fqn, None) for fqn in
+                                  keys.extra_state_keys(piece.index, out.meta.num_layers))
+
+
+def _save_final(out: _DistTarget, piece: Piece) -> None:
+    for tp_rank, pp_rank, path, tensor in _final_writes(out.target, piece):
+        out.put(tp_rank, pp_rank, ".".join(path), tensor)
+
+
+def _common_state(target) -> dict:
+    args = argparse.Namespace(**_plain(vars(target.args())))
+    args.ckpt_format = "torch_dist"
+    args.use_dist_ckpt = True
+    source = target.meta.source_args or {}
+    state = {"args": args, "checkpoint_version": checkpointing.CHECKPOINT_VERSION,
+             "iteration": target.meta.iteration,
+             "num_floating_point_operations_so_far":
+                 source.get("num_floating_point_operations_so_far", 0) or 0,
+             "content_metadata": dict(CONTENT_METADATA),
+             "conversion": target.conversion_record()}
+    if source.get(SCHEDULER_KEY) is not None:
+        state["opt_param_scheduler"] = source[SCHEDULER_KEY]
+    return state
+
+
+def _consume(pieces: Iterator[Piece], out: _DistTarget) -> None:
+    target = out.target
+    wanted = {"embeddings", "final_norm"} | ({"output_layer"} if not target.tied else set())
+    wanted |= {("layer", i) for i in range(out.meta.num_layers)}
+    seen = set()
+    for piece in pieces:
+        key = ("layer", piece.index) if piece.kind == "layer" else piece.kind
+        if key not in wanted and piece.kind != "output_layer":
+            raise ConversionError(f"unexpected piece in the stream: {piece.kind}"
+                                  + (f" {piece.index}" if piece.index is not None else ""))
+        if key in seen:
+            raise ConversionError(f"the stream holds {key} twice")
+        seen.add(key)
+        if piece.kind == "embeddings":
+            _save_embeddings(out, piece)
+        elif piece.kind == "layer":
+            _save_layer(out, piece)
+        else:
+            _save_final(out, piece)
+    missing = wanted - seen
+    if missing:
+        names = sorted(k if isinstance(k, str) else f"layer {k[1]}" for k in missing)
+        raise ConversionError(f"the stream ended without {', '.join(names[:5])}")
+
+
+def _publish(staging: str, save_dir: str, name: str, iteration_label: str) -> str:
+    final = os.path.join(save_dir, name)
+    os.replace(os.path.join(staging, name), final)
+    shutil.rmtree(staging)
+    tracker = os.path.join(save_dir, checkpointing.TRACKER_FILENAME)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(iteration_label)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker + ".tmp", tracker)
+    return final
+
+
+def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
+              make_vocab_size_divisible_by: Optional[int] = None) -> str:
+    """Write the stream as a torch_dist checkpoint at ``target_tp`` x ``target_pp`` in
+    ``save_dir`` (new or empty); returns the iteration folder. Sizes, vocabulary padding,
+    release vs iteration naming and the checks on the stream are those of
+    :func:`megatron.convert.megatron_save.save_megatron`; nothing appears in ``save_dir``
+    until the folder is complete.
+    """
+    pieces = iter(pieces)
+    first = next(pieces, None)
+    if first is None or first.kind != "meta" or first.meta is None:
+        raise ConversionError("the stream must start with its meta piece")
+    if first.meta.model_type != "GPT":
+        raise ConversionError(f"--target-ckpt-format torch_dist: only GPT models, not "
+                              f"{first.meta.model_type}")
+    target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by)
+    created = _prepare_save_dir(save_dir)
+    staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
+    name = checkpointing.checkpoint_dir_name(target.meta.iteration, target.release)
+    root = os.path.join(staging, name)
+    out = None
+    try:
+        out = _DistTarget(target, root)
+        out.writers[(0, 0)].add_object(keys.object_key("common_state"), _common_state(target))
+        _consume(pieces, out)
+        write_metadata(root, out.close())
+        label = "release" if target.release else str(target.meta.iteration)
+        return _publish(staging, save_dir, name, label)
+    except DistCheckpointWriteError as err:
+        raise ConversionError(f"--save-dir {save_dir}: {err}") from None
+    finally:
+        if out is not None:
+            out.close()
+        if os.path.isdir(staging):
+            shutil.rmtree(staging, ignore_errors=True)
+            if created and not os.listdir(save_dir):
+                os.rmdir(save_dir)

@@ -1,0 +1,35 @@
+"""Megatron-Core's ``torch_dist`` checkpoint format (``--ckpt-format torch_dist``).
+
+* :mod:`.keys`: this project's model state names to Megatron-Core's global keys, shapes and
+  per-rank offsets (:class:`ChunkLayout`, :func:`placements`).
+* :mod:`.reader`: a safe reader of any slice of any tensor and of byte entries, without a
+  process group (:class:`DistCheckpointReader`), and safe replacements for the two unsafe
+  parts of ``torch.distributed.checkpoint.load`` (:class:`SafeFileSystemReader`,
+  :class:`SafeLoadPlanner`).
+* :mod:`.writer`: per-writer data files and the shared metadata (:class:`ShardWriter`,
+  :func:`write_metadata`; :func:`save_shards` from every rank at once).
+* :mod:`.model_state`: a model chunk's state to shards and back at any layout.
+"""
+
+from megatron.dist_checkpointing.keys import (ChunkLayout, KeyMappingError, Placement,
+                                              object_key, placements)
+from megatron.dist_checkpointing.model_state import (chunk_layout, common_objects,
+                                                     extra_state_objects, load_model_state,
+                                                     model_shards, optimizer_state_shards,
+                                                     read_local, tensor_shards)
+from megatron.dist_checkpointing.reader import (DistCheckpointError, DistCheckpointReader,
+                                                SafeFileSystemReader, SafeLoadPlanner,
+                                                is_dist_checkpoint)
+from megatron.dist_checkpointing.writer import (DistCheckpointWriteError, ObjectShard,
+                                                ShardWriter, TensorShard, save_shards,
+                                                write_metadata)
+
+__all__ = [
+    "ChunkLayout", "KeyMappingError", "Placement", "object_key", "placements",
+    "chunk_layout", "common_objects", "extra_state_objects", "load_model_state", "model_shards",
+    "optimizer_state_shards", "read_local", "tensor_shards",
+    "DistCheckpointError", "DistCheckpointReader", "SafeFileSystemReader", "SafeLoadPlanner",
+    "is_dist_checkpoint",
+    "DistCheckpointWriteError", "ObjectShard", "ShardWriter", "TensorShard", "save_shards",
+    "write_metadata",
+]

@@ -1,0 +1,148 @@
+"""A model chunk's state to and from ``torch_dist`` shards, at any layout.
+
+Saving (every rank, its own chunks)::
+
+    items = []
+    for vp_rank, chunk in enumerate(model_chunks):
+        layout = chunk_layout(config, pstate, vp_rank if len(model_chunks) > 1 else None)
+        items += model_shards(chunk.state_dict_for_save_checkpoint(), layout)
+    items += extra_state_objects(layout, num_local_layers)     # per chunk (empty entries)
+    items += common_objects(common_state if rank == 0 else None, rng_states,
+                            pp_rank, pp_size, tp_rank, tp_size)  # rng: DP rank 0 of each
+    save_shards(iter_dir, items)                               # collective
+
+Loading (any rank, any layout; no process group needed)::
+
+    reader = DistCheckpointReader(iter_dir)
+    for vp_rank, chunk in enumerate(model_chunks):
+        layout = chunk_layout(config, pstate, vp_rank if len(model_chunks) > 1 else None)
+        chunk.load_state_dict(load_model_state(
+            reader, chunk.state_dict_for_save_checkpoint(), layout))
+
+The state is the nested dict ``state_dict_for_save_checkpoint`` returns (legacy names, layers
+numbered within the chunk); :mod:`megatron.dist_checkpointing.keys` maps it.
+"""
+
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.dist_checkpointing.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout,
+                                              Placement, extra_state_keys,
+                                              object_key, placements)
+from megatron.dist_checkpointing.reader import DistCheckpointError, DistCheckpointReader
+from megatron.dist_checkpointing.writer import ObjectShard, TensorShard
+from megatron.model.module import flatten_state_dict
+
+
+def chunk_layout(config, pstate, vp_rank: Optional[int] = None) -> ChunkLayout:
+    """The :class:`ChunkLayout` of this rank's model chunk ``vp_rank`` (None without virtual
+    stages): ``config`` the model's ``TransformerConfig`` (layers, uneven first / last stages,
+    ``swiglu``), ``pstate`` its ``ParallelState`` (or any object with ``tp_rank``, ``tp_size``,
+    ``pp_rank``, ``pp_size``, ``virtual_pp_size`` and optionally ``dp_rank``)."""
+    from megatron.model.transformer import get_num_layers_and_offset
+
+    vp_size = getattr(pstate, "virtual_pp_size", None)
+    _, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank, vp_size,
+                                          vp_rank if vp_size is not None else None)
+    return ChunkLayout(num_layers=config.num_layers, layer_offset=offset,
+                       tp_rank=getattr(pstate, "tp_rank", 0), tp_size=pstate.tp_size,
+                       dp_rank=getattr(pstate, "dp_rank", 0), swiglu=config.swiglu)
+
+
+def _piece(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
+    if place.local_rows is not None:
+        tensor = tensor[place.local_rows[0]:place.local_rows[1]]
+    return tensor.unsqueeze(0) if place.stacked else tensor
+
+
+def tensor_shards(name: str, tensor: torch.Tensor, layout: ChunkLayout,
+                  prefix: str = "") -> List[TensorShard]:
+    """The pieces this chunk writes of its local tensor ``name`` (legacy dotted name), keyed
+    ``prefix + <Megatron-Core key>`` (``prefix``: e.g. ``optimizer.state.exp_avg.``)."""
+    return [TensorShard(prefix + p.key, _piece(tensor, p), p.global_shape, p.global_offset)
+            for p in placements(name, tuple(tensor.shape), layout) if p.written]
+
+
+def model_shards(state: dict, layout: ChunkLayout) -> List[TensorShard]:
+    """Every piece this chunk writes of its model state (nested or flat legacy names)."""
+    shards = []
+    for name, tensor in flatten_state_dict(state).items():
+        if isinstance(tensor, torch.Tensor):
+            shards += tensor_shards(name, tensor, layout)
+    return shards
+
+
+def optimizer_state_shards(name: str, moments: Dict[str, torch.Tensor],
+                           layout: ChunkLayout) -> List[TensorShard]:
+    """The pieces of one parameter's optimizer tensors (``{"exp_avg": t, "exp_avg_sq": t}``,
+    each shaped like the local parameter ``name``), under Megatron-Core's keys
+    ``optimizer.state.<state name>.<model key>`` (its non-distributed optimizer layout)."""
+    shards = []
+    for state_name, tensor in moments.items():
+        shards += tensor_shards(name, tensor, layout, f"{OPTIMIZER_STATE_PREFIX}{state_name}.")
+    return shards
+
+
+def extra_state_objects(layout: ChunkLayout, num_local_layers: int) -> List[ObjectShard]:
+    """The empty extra-state byte entries Megatron-Core keeps for each layer's linear modules
+    (TransformerEngine state; ``None`` for plain layers), for this chunk's layers."""
+    if not layout.writes_replicated:
+        return []
+    return [ObjectShard(fqn, None) for local in range(num_local_layers)
+            for fqn in extra_state_keys(layout.layer_offset + local, layout.num_layers)]
+
+
+def common_objects(common_state: dict, rng_states: Optional[list] = None,
+                   pp_rank: int = 0, pp_size: int = 1, tp_rank: int = 0,
+                   tp_size: int = 1) -> List[ObjectShard]:
+    """``common_state/shard_0_1`` (write it on global rank 0 only) and this rank's
+    ``rng_state/shard_<pp>.<tp>_<PP>.<TP>`` (``rng_states``: one entry per DP rank, as
+    Megatron keeps them; None: no RNG state)."""
+    items = []
+    if common_state is not None:
+        items.append(ObjectShard(object_key("common_state"), common_state))
+    if rng_states is not None:
+        items.append(ObjectShard(object_key("rng_state", (pp_rank, tp_rank),
+                                            (pp_size, tp_size)), rng_states))
+    return items
+
+
+def read_local(reader: DistCheckpointReader, name: str, like: torch.Tensor,
+               layout: ChunkLayout, prefix: str = "") -> torch.Tensor:
+    """The local tensor ``name`` at ``layout``, read from the checkpoint into a new tensor of
+    ``like``'s shape and dtype (any chunking, any saved layout).
+
+    Raises:
+        DistCheckpointError: the key is absent or its global shape differs from what the
+            local shape at this layout implies (a different model).
+    """
+    out = torch.empty(like.shape, dtype=like.dtype)
+    for place in placements(name, tuple(like.shape), layout):
+        key = prefix + place.key
+        if key not in reader:
+            raise DistCheckpointError(f"{reader.path}: no {key!r} (for {name})")
+        if reader.shape(key) != place.global_shape:
+            raise DistCheckpointError(
+                f"{reader.path}: {key!r} has global shape {list(reader.shape(key))}; the model "
+                f"at TP {layout.tp_size} needs {list(place.global_shape)} (for {name} of local "
+                f"shape {list(like.shape)})")
+        target = _piece(out, place)
+        reader.read(key, place.global_offset, place.sizes(tuple(like.shape)), out=target)
+    return out
+
+
+def load_model_state(reader: DistCheckpointReader, template: dict,
+                     layout: ChunkLayout) -> dict:
+    """``template`` (a chunk's state, nested as saved) with every tensor replaced by the
+    checkpoint's values at ``layout``: ready for ``chunk.load_state_dict``."""
+
+    def fill(node, prefix):
+        if isinstance(node, dict):
+            return {k: fill(v, f"{prefix}{k}.") for k, v in node.items()}
+        if isinstance(node, torch.Tensor):
+            return read_local(reader, prefix[:-1], node, layout)
+        return node
+
+    return fill(template, "")
+
