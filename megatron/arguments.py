@@ -196,7 +196,36 @@ def _add_checkpointing_args(parser):
     g.add_argument("--ckpt-step", type=int, default=None)
     g.add_argument("--use-checkpoint-args", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
-    g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch"])
+    g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
+                   help="torch: one model_optim_rng.pt per (tensor, pipeline) rank; torch_dist: "
+                        "Megatron-Core's distributed checkpoint, every rank writing its own "
+                        "shards, loadable at any other parallel layout")
+    g.add_argument("--use-dist-ckpt", action="store_true",
+                   help="older spelling of --ckpt-format torch_dist")
+    g.add_argument("--auto-detect-ckpt-format", action="store_true",
+                   help="accepted for Megatron's scripts, no effect here: loading always "
+                        "detects the format of the checkpoint in --load")
+    g.add_argument("--ckpt-convert-format", type=str, default=None,
+                   choices=["torch", "torch_dist"],
+                   help="after loading --load, save it in this format to --ckpt-convert-save "
+                        "and exit")
+    g.add_argument("--ckpt-convert-save", type=str, default=None)
+    g.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
+                   choices=["assume_ok_unexpected", "log_unexpected", "raise_unexpected",
+                            "raise_all", "log_all", "ignore_all", "return_unexpected",
+                            "return_all"],
+                   help="torch_dist loads: what to do with saved tensors the model has no "
+                        "place for (ignore, log, raise); a tensor the model needs and the "
+                        "checkpoint lacks always stops the load")
+    g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   help="accepted for Megatron's scripts, no effect here: every rank always "
+                        "writes its own torch_dist shards")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
+                   dest="ckpt_fully_parallel_save",
+                   help="accepted for Megatron's scripts, no effect here")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="accepted for Megatron's scripts, no effect here: every rank always "
+                        "reads only the slices it needs")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints on a background thread while training goes on; the "
                    "tracker is updated once every rank's file is complete")
@@ -376,6 +405,21 @@ def _require(args, *names: str) -> None:
     missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
     if missing:
         _fail(f"missing required flag(s): {', '.join(missing)}")
+
+
+def _validate_checkpoint_format(args) -> None:
+    if args.use_dist_ckpt:
+        args.ckpt_format = "torch_dist"
+    if args.dist_ckpt_strictness not in ("assume_ok_unexpected", "log_unexpected",
+                                         "raise_unexpected", "raise_all"):
+        _fail(f"--dist-ckpt-strictness {args.dist_ckpt_strictness} is not supported: a tensor "
+              "the model needs and the checkpoint lacks always stops a load here; use "
+              "assume_ok_unexpected, log_unexpected, raise_unexpected or raise_all")
+    if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
+        _fail("--ckpt-convert-format and --ckpt-convert-save go together (the format to "
+              "convert --load to, and the folder to write it in)")
+    if args.ckpt_convert_format is not None and not args.load:
+        _fail("--ckpt-convert-format needs --load: the checkpoint to convert")
 
 
 def _apply_old_spellings(args) -> None:
@@ -642,6 +686,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _validate_parallel(args)
     _validate_batch_and_schedule(args)
     _validate_masking(args)
+    _validate_checkpoint_format(args)
     return args
 
 

@@ -414,8 +414,14 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     """Write the checkpoint of ``iteration`` under ``args.save``; returns its folder.
 
     Collective. The files go to the staging folder; once every rank's file is written and
-    fsynced, rank 0 renames the folder into place and then replaces the tracker.
+    fsynced, rank 0 renames the folder into place and then replaces the tracker. With
+    ``--ckpt-format torch_dist`` see :mod:`megatron.checkpointing_dist`.
     """
+    if getattr(args, "ckpt_format", "torch") == "torch_dist":
+        from megatron import checkpointing_dist
+
+        return checkpointing_dist.save_checkpoint(iteration, model_chunks, optimizer,
+                                                  opt_param_scheduler, args, pstate)
     tmp_root = _begin_save(args.save, iteration)
     state = _collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
     error = ""
@@ -594,6 +600,8 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
     iter_dir = _iteration_dir(load_dir, iteration, release)
     if not os.path.isdir(iter_dir):
         raise CheckpointError(f"{iter_dir}: missing (named by {TRACKER_FILENAME} or --ckpt-step)")
+    if _is_dist(iter_dir):
+        return iter_dir, iteration, release  # torch_dist: any saved layout loads
     saved_tp, saved_pp = saved_layout(iter_dir)
     if (saved_tp, saved_pp) != (pstate.tp_size, pstate.pp_size):
         raise CheckpointError(
@@ -644,6 +652,11 @@ def _shape_value(ns, name: str):
     if name == "add_qkv_bias":
         return bool(getattr(ns, "add_qkv_bias", False) or getattr(ns, "add_bias_linear", True))
     return getattr(ns, name)
+
+
+def _is_dist(iter_dir: str) -> bool:
+    """Whether an iteration folder is in the torch_dist format (a DCP ``.metadata``)."""
+    return os.path.isfile(os.path.join(iter_dir, ".metadata"))
 
 
 def _check_args(saved, args, path: str) -> None:
@@ -742,6 +755,9 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) 
     if located is None:
         return 0
     path, iteration, release = located
+    if _is_dist(path):
+        return _load_dist(path, iteration, release, model_chunks, optimizer, opt_param_scheduler,
+                          args, pstate)
     state = load_state_file(path)
     saved_args = state.get("args")
     _check_args(saved_args, args, path)
@@ -774,15 +790,36 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) 
         rng = state["rng_state"]
         _set_rng_state(rng[pstate.dp_rank] if len(rng) == pstate.dp_size else rng[0])
     if restore_training:
-        args.consumed_train_samples = getattr(saved_args, "consumed_train_samples", 0)
-        args.consumed_valid_samples = getattr(saved_args, "consumed_valid_samples", 0)
-        # The recent losses --skip-iterations-with-loss-spike compares with.
-        args.loss_spike_history = list(getattr(saved_args, "loss_spike_history", None) or [])
+        _restore_counters(saved_args, args)
     else:
         iteration = 0
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}",
               flush=True)
+    return iteration
+
+
+def _restore_counters(saved_args, args) -> None:
+    """The training position the checkpoint's args record (and the recent losses
+    --skip-iterations-with-loss-spike compares with)."""
+    args.consumed_train_samples = getattr(saved_args, "consumed_train_samples", 0)
+    args.consumed_valid_samples = getattr(saved_args, "consumed_valid_samples", 0)
+    args.loss_spike_history = list(getattr(saved_args, "loss_spike_history", None) or [])
+
+
+def _load_dist(iter_dir, iteration, release, model_chunks, optimizer, opt_param_scheduler,
+               args, pstate) -> int:
+    from megatron import checkpointing_dist
+
+    common = checkpointing_dist.load_checkpoint(iter_dir, iteration, release, model_chunks,
+                                                optimizer, opt_param_scheduler, args, pstate)
+    if args.finetune or release:
+        iteration = 0
+    else:
+        _restore_counters(common.get("args"), args)
+    if dist.get_rank() == 0:
+        print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
+              "(torch_dist)", flush=True)
     return iteration
 
 
@@ -795,8 +832,14 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
         raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} in {args.load}")
     iteration, release = tracked
     iter_dir = _iteration_dir(args.load, iteration, release)
-    _, saved_pp = saved_layout(iter_dir)
-    saved = megatron_args(load_state_file(_rank_file_in(iter_dir, 0, 0, saved_pp)).get("args"))
+    if _is_dist(iter_dir):
+        from megatron import checkpointing_dist
+
+        saved = megatron_args(checkpointing_dist.saved_args(iter_dir))
+    else:
+        _, saved_pp = saved_layout(iter_dir)
+        saved = megatron_args(load_state_file(_rank_file_in(iter_dir, 0, 0, saved_pp))
+                              .get("args"))
     if saved is None:
         raise CheckpointError(f"{iter_dir}: the checkpoint holds no args")
     for name in CHECKPOINT_ARGS:
@@ -816,7 +859,16 @@ def load_model_weights(model_chunks, args, pstate) -> int:
     if read_tracker(args.load) is None:
         raise CheckpointError(f"--load {args.load}: no {TRACKER_FILENAME}; not a checkpoint "
                               "folder")
-    path, iteration, _ = _locate(args.load, args, pstate)
+    path, iteration, release = _locate(args.load, args, pstate)
+    if _is_dist(path):
+        from megatron import checkpointing_dist
+
+        checkpointing_dist.load_checkpoint(path, iteration, release, model_chunks, None, None,
+                                           args, pstate, weights_only=True)
+        if dist.get_rank() == 0:
+            print(f"  loaded model weights from {args.load} at iteration {iteration}",
+                  flush=True)
+        return iteration
     state = load_state_file(path)
     _check_args(state.get("args"), args, path)
     trees = _check_model_state(model_chunks, state, path)

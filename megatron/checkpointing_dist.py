@@ -1,0 +1,327 @@
+"""Training checkpoints in Megatron-Core's ``torch_dist`` format (``--ckpt-format torch_dist``).
+
+Saving: every rank writes its own shards of the model (its TP piece of its pipeline stage's
+layers, under Megatron-Core's global keys, :mod:`megatron.dist_checkpointing`) and of the Adam
+state (``optimizer.state.exp_avg.<key>``, ``optimizer.state.exp_avg_sq.<key>``, and
+``optimizer.state.fp32_param.<key>`` for a half-precision model); data-parallel copies are
+written once, by DP rank 0. With ``--use-distributed-optimizer`` the moments are first gathered
+over the data-parallel group (the layout on disk is the same). Global rank 0 writes
+``common_state`` (args, iteration, scheduler, optimizer param groups and step) and the
+metadata. The folder is staged, and published with the tracker only after every rank finished,
+as in :mod:`megatron.checkpointing`.
+
+Loading reads any slice of any saved tensor, so a checkpoint saved at any (TP, PP, VPP, DP,
+distributed optimizer on or off) loads at any other, optimizer state included; nothing is
+unpickled except through :mod:`megatron.safe_unpickle`.
+"""
+
+import argparse
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron import checkpointing
+from megatron.convert import optimizer_state
+from megatron.dist_checkpointing import (DistCheckpointError, DistCheckpointReader,
+                                         DistCheckpointWriteError, chunk_layout,
+                                         common_objects, extra_state_objects,
+                                         load_model_state, model_shards,
+                                         optimizer_state_shards, read_local, save_shards,
+                                         tensor_shards)
+from megatron.dist_checkpointing.keys import OPTIMIZER_STATE_PREFIX
+from megatron.safe_unpickle import UnsafeCheckpointError
+
+MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
+
+
+def _layouts(model_chunks, config, pstate) -> list:
+    vp = pstate.virtual_pp_size
+    return [chunk_layout(config, pstate, i if vp is not None else None)
+            for i in range(len(model_chunks))]
+
+
+def _chunk_trees(model_chunks) -> List[dict]:
+    return [chunk.state_dict_for_save_checkpoint() for chunk in model_chunks]
+
+
+def _optimizer_entries(optimizer, trees: List[dict]) -> Tuple[Optional[optimizer_state.SourceOptimizer],
+                                                               Optional[dict]]:
+    """Per-parameter Adam state of this rank (None on a DP rank > 0 of the distributed
+    optimizer, whose gathered state lives on DP rank 0) and the state dict it came from."""
+    state_dict = optimizer.state_dict()
+    if state_dict is None or state_dict.get("param_state", True) is None:
+        return None, state_dict
+    found, why = optimizer_state.SourceOptimizer.read({"optimizer": state_dict}, trees)
+    if found is None:
+        raise checkpointing.CheckpointError(f"--ckpt-format torch_dist: cannot save the "
+                                            f"optimizer state: {why}")
+    return found, state_dict
+
+
+def _common_state(iteration, args, opt_param_scheduler, state_dict, entries) -> dict:
+    common = {"args": checkpointing._plain_args(args),
+              "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "iteration": iteration}
+    if not args.no_save_optim:
+        common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
+        groups = [dict(hparams, wd_mult=key[0], lr_mult=key[1])
+                  for key, hparams in sorted(entries.hparams.items(), reverse=True)]
+        common["optimizer"] = {"state": {"common_step": torch.tensor(float(entries.step))},
+                               "param_groups": groups}
+        if isinstance(state_dict, dict) and state_dict.get("grad_scaler") is not None:
+            common["optimizer"]["grad_scaler"] = state_dict["grad_scaler"]
+    return common
+
+
+def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate) -> list:
+    """Everything this rank writes (collective: RNG states and optimizer gathers)."""
+    config = args.transformer_config if hasattr(args, "transformer_config") else None
+    config = config or _model_config(model_chunks)
+    layouts = _layouts(model_chunks, config, pstate)
+    trees = _chunk_trees(model_chunks)
+    rng_states = None
+    if not args.no_save_rng:
+        rng_states = [None] * pstate.dp_size
+        dist.all_gather_object(rng_states, checkpointing._rng_state(), group=pstate.dp_group)
+    finish = getattr(optimizer, "finish_param_sync", None)
+    if finish is not None:
+        finish()
+    entries, state_dict = (None, None)
+    if not args.no_save_optim:
+        entries, state_dict = _optimizer_entries(optimizer, trees)
+    items = []
+    for chunk, (tree, layout) in enumerate(zip(trees, layouts)):
+        items += model_shards(tree, layout)
+        num_local = sum(1 for name in _flat_names(tree) if name.endswith(
+            "input_layernorm.weight") and ".layers." in name)
+        items += extra_state_objects(layout, num_local)
+        if entries is None:
+            continue
+        for (where, name), fields in entries.entries.items():
+            if where != chunk:
+                continue
+            moments = {k: v for k, v in fields.items() if k in optimizer_state.MOMENTS}
+            items += optimizer_state_shards(name, moments, layout)
+            if args.fp16 or args.bf16:
+                main = fields.get(optimizer_state.MAIN)
+                if main is not None:
+                    items += tensor_shards(name, main, layout, MAIN_PREFIX)
+    common = None
+    if dist.get_rank() == 0:
+        if entries is None and not args.no_save_optim:
+            raise checkpointing.CheckpointError("rank 0 holds no optimizer state to save")
+        common = _common_state(iteration, args, opt_param_scheduler, state_dict, entries)
+    if pstate.dp_rank == 0:
+        items += common_objects(common, rng_states, pstate.pp_rank, pstate.pp_size,
+                                pstate.tp_rank, pstate.tp_size)
+    elif common is not None:
+        items += common_objects(common)
+    return items
+
+
+def _flat_names(tree: dict, prefix: str = "") -> List[str]:
+    names = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            names += _flat_names(value, f"{prefix}{key}.")
+        else:
+            names.append(f"{prefix}{key}")
+    return names
+
+
+def _model_config(model_chunks):
+    module = model_chunks[0]
+    while not hasattr(module, "config") and hasattr(module, "module"):
+        module = module.module
+    return module.config
+
+
+def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
+                    pstate) -> str:
+    """Write iteration ``iteration`` under ``args.save`` in the torch_dist format; collective."""
+    tmp_root = checkpointing._begin_save(args.save, iteration)
+    iter_dir = os.path.join(tmp_root, checkpointing.checkpoint_dir_name(iteration))
+    error = ""
+    try:
+        items = _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
+        checkpointing.crash_point("before_files")
+        save_shards(iter_dir, items)
+        checkpointing.crash_point("after_file")
+    except DistCheckpointWriteError as err:
+        error = str(err)
+    checkpointing._finish_save(args.save, iteration, error)
+    return os.path.join(args.save, checkpointing.checkpoint_dir_name(iteration))
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+
+def is_dist_iteration(iter_dir: str) -> bool:
+    return os.path.isfile(os.path.join(iter_dir, ".metadata"))
+
+
+def _open(iter_dir: str) -> Tuple[DistCheckpointReader, dict]:
+    try:
+        reader = DistCheckpointReader(iter_dir)
+        return reader, reader.common_state()
+    except (DistCheckpointError, UnsafeCheckpointError, OSError) as err:
+        raise checkpointing.CheckpointError(str(err)) from None
+
+
+def saved_args(iter_dir: str) -> Optional[argparse.Namespace]:
+    return _open(iter_dir)[1].get("args")
+
+
+def _load_model(reader, model_chunks, layouts, path: str) -> None:
+    loaded = []
+    try:
+        for chunk, layout in zip(model_chunks, layouts):
+            loaded.append(load_model_state(reader, chunk.state_dict_for_save_checkpoint(),
+                                           layout))
+    except (DistCheckpointError, UnsafeCheckpointError, ValueError) as err:
+        raise checkpointing.CheckpointError(f"{path}: model state does not fit the model: "
+                                            f"{err}") from None
+    for chunk, state in zip(model_chunks, loaded):
+        chunk.load_state_dict(state, strict=True)
+
+
+def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tuple]]]:
+    """``(chunk, name, shape)`` of every parameter of each of the optimizer's groups."""
+    order = optimizer_state.param_order(trees)
+    groups = []
+    for g, group in enumerate(optimizer.param_groups):
+        key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
+        members = [p for p in order if optimizer_state.group_key(p[1], p[2]) == key]
+        if len(members) != len(group["params"]):
+            raise checkpointing.CheckpointError(
+                f"--ckpt-format torch_dist: param group {g} of this run holds "
+                f"{len(group['params'])} parameters, {len(members)} by Megatron's grouping; "
+                "pass --no-load-optim")
+        groups.append(members)
+    return groups
+
+
+def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path) -> None:
+    saved = common.get("optimizer")
+    if not isinstance(saved, dict) or "param_groups" not in saved:
+        raise checkpointing.CheckpointError(f"{path}: has no optimizer state (saved with "
+                                            "--no-save-optim?); pass --no-load-optim or "
+                                            "--finetune")
+    trees = _chunk_trees(model_chunks)
+    groups = _current_order(optimizer, trees)
+    step = int(float(saved.get("state", {}).get("common_step", 0)))
+    saved_groups = {(float(g.get("wd_mult", 1.0)), float(g.get("lr_mult", 1.0))): g
+                    for g in saved["param_groups"]}
+    half = args.fp16 or args.bf16
+    state, param_groups, mains, index = {}, [], [], 0
+    try:
+        for group, members in zip(optimizer.param_groups, groups):
+            key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
+            hparams = {k: v for k, v in group.items() if k not in ("params", "model_params")}
+            hparams.update({k: v for k, v in saved_groups.get(key, {}).items()
+                            if k in ("lr", "weight_decay", "betas", "eps")})
+            ids, main_row = [], []
+            for chunk, name, _ in members:
+                like = _local_param(trees[chunk], name)
+                entry = {"step": torch.tensor(float(step))}
+                for field in optimizer_state.MOMENTS:
+                    entry[field] = read_local(reader, name, like.float(), layouts[chunk],
+                                              f"{OPTIMIZER_STATE_PREFIX}{field}.")
+                state[index] = entry
+                if half:
+                    main_key_present = any(k.startswith(MAIN_PREFIX) for k in reader.tensor_keys())
+                    main_row.append(read_local(reader, name, like.float(), layouts[chunk],
+                                               MAIN_PREFIX) if main_key_present
+                                    else like.detach().float().clone())
+                ids.append(index)
+                index += 1
+            param_groups.append(dict(hparams, params=ids))
+            mains.append(main_row)
+    except (DistCheckpointError, UnsafeCheckpointError) as err:
+        raise checkpointing.CheckpointError(f"{path}: optimizer state does not fit: "
+                                            f"{err}") from None
+    inner = {"state": state, "param_groups": param_groups}
+    if hasattr(optimizer, "shard_groups"):  # the distributed optimizer: whole tensors in
+        _load_distributed(optimizer, inner, mains if half else None, trees, groups, saved)
+        return
+    if half:
+        full = {"optimizer": inner, "fp32_from_fp16_params": mains}
+        if saved.get("grad_scaler") is not None:
+            full["grad_scaler"] = saved["grad_scaler"]
+        optimizer.load_state_dict(full)
+    else:
+        optimizer.load_state_dict(inner)
+
+
+def _local_param(tree: dict, name: str) -> torch.Tensor:
+    node = tree
+    parts = name.split(".")
+    i = 0
+    while i < len(parts):
+        for j in range(len(parts), i, -1):
+            key = ".".join(parts[i:j])
+            if isinstance(node, dict) and key in node:
+                node, i = node[key], j
+                break
+        else:
+            raise KeyError(name)
+    return node
+
+
+def _load_distributed(optimizer, inner, mains, trees, groups, saved) -> None:
+    """The distributed optimizer takes whole per-parameter tensors and keeps its pieces."""
+    param_state = []
+    for g, members in enumerate(groups):
+        row = []
+        for j, (chunk, name, _) in enumerate(members):
+            entry = inner["state"][inner["param_groups"][g]["params"][j]]
+            main = (mains[g][j] if mains is not None
+                    else _local_param(trees[chunk], name).detach().float().clone())
+            row.append({"param": main, "exp_avg": entry["exp_avg"],
+                        "exp_avg_sq": entry["exp_avg_sq"]})
+        param_state.append(row)
+    step = int(float(saved.get("state", {}).get("common_step", 0)))
+    groups_meta = [dict({k: v for k, v in g.items() if k != "params"}, step=step)
+                   for g in inner["param_groups"]]
+    state_dict = {"optimizer": {"param_groups": groups_meta}, "param_state": param_state}
+    if saved.get("grad_scaler") is not None:
+        state_dict["grad_scaler"] = saved["grad_scaler"]
+    optimizer.load_state_dict(state_dict)
+
+
+def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, optimizer,
+                    opt_param_scheduler, args, pstate, weights_only: bool = False) -> dict:
+    """Load a torch_dist iteration folder at this run's layout; returns the common state."""
+    reader, common = _open(iter_dir)
+    checkpointing._check_args(common.get("args"), args, iter_dir)
+    layouts = _layouts(model_chunks, _model_config(model_chunks), pstate)
+    _load_model(reader, model_chunks, layouts, iter_dir)
+    if weights_only:
+        return common
+    restore = not (args.finetune or release)
+    if restore and not args.no_load_optim:
+        _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, iter_dir)
+        if "opt_param_scheduler" not in common:
+            raise checkpointing.CheckpointError(f"{iter_dir}: has no opt_param_scheduler state;"
+                                                " pass --no-load-optim or --finetune")
+        opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
+    elif optimizer is not None:
+        optimizer.reload_model_params()
+    if restore and not args.no_load_rng:
+        key = (f"rng_state/shard_{pstate.pp_rank}.{pstate.tp_rank}_"
+               f"{pstate.pp_size}.{pstate.tp_size}")
+        if key in reader.byte_keys():
+            rng = reader.read_single_object(key)
+            checkpointing._set_rng_state(rng[pstate.dp_rank] if len(rng) == pstate.dp_size
+                                         else rng[0])
+        elif dist.get_rank() == 0:
+            print(f"NOTE: {iter_dir} has no RNG state for (tensor, pipeline) layout "
+                  f"{pstate.tp_size} x {pstate.pp_size} (saved at another layout); RNGs are "
+                  "seeded from --seed", flush=True)
+    return common
+
+
+__all__ = ["save_checkpoint", "load_checkpoint", "is_dist_iteration", "saved_args",
+           "Dict"]
