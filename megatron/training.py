@@ -17,7 +17,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing, global_vars, memory_accounting, training_log
+from megatron import checkpointing, global_vars, memory_accounting, training_hooks, training_log
 from megatron.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.core import device
 from megatron.core.config import ConfigError
@@ -376,7 +376,8 @@ def _skip_for_loss_spike(logged: List[dict], iteration: Optional[int], args, pst
 
 
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, pstate,
-               calculator: NumMicroBatchesCalculator, iteration: Optional[int] = None):
+               calculator: NumMicroBatchesCalculator, iteration: Optional[int] = None,
+               timers: Optional[Timers] = None):
     """One iteration (number ``iteration``, for messages); returns (loss dict, skipped, grad
     norm, loss scale).
 
@@ -392,11 +393,15 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     check = args.check_for_nan_in_loss_and_grad
     check_grads = check and not args.fp16
     watch = _LossWatch(forward_step_func) if check else None
+    timers = timers or Timers(0)
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
+    timers("forward-backward", log_level=1).start()
     logged = schedule(forward_step_func=watch or forward_step_func, data_iterator=data_iterator,
                       model=model, num_microbatches=calculator.num_micro_batches,
                       forward_only=False, grad_scale_func=optimizer.scale_loss,
                       **schedule_kwargs(model, args, pstate))
+    timers("forward-backward", log_level=1).stop()
+    training_hooks.empty_unused_memory(args, 1)
     findings = _loss_findings(watch) if check else []
     if check_grads and not args.overlap_grad_reduce:
         findings += _grad_findings(model)
@@ -413,7 +418,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
                                                                      pstate):
         ok, grad_norm = False, None
     else:
+        timers("optimizer", log_level=1).start()
         ok, grad_norm, _ = optimizer.step()
+        timers("optimizer", log_level=1).stop()
+    training_hooks.empty_unused_memory(args, 2)
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).
     loss_scale = training_log.to_float(optimizer.get_loss_scale())
     if ok:
@@ -437,6 +445,7 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
             logged = schedule(forward_step_func=forward_step_func, data_iterator=data_iterator,
                               model=model, num_microbatches=calculator.num_micro_batches,
                               forward_only=True, **schedule_kwargs(model, args, pstate))
+            training_hooks.empty_unused_memory(args, 1)
             for d in logged:
                 for key, value in d.items():
                     totals[key] = totals.get(key, 0.0) + training_log.to_float(value)
@@ -455,6 +464,28 @@ def evaluate_and_print(prefix, forward_step_func, data_iterator, model, iteratio
         print(training_log.format_eval_line(prefix, losses), flush=True)
     training_log.write_eval_scalars(writer, args, iteration, losses)
     return losses
+
+
+def load_or_finetune(model, optimizer, scheduler, args, pstate) -> int:
+    """Resume from --load; or, when --load holds no checkpoint and --pretrained-checkpoint is
+    given, start from that checkpoint's weights as --finetune does (iteration 0, fresh optimizer
+    and schedule, consumed samples 0), as Megatron does for finetuning runs. Returns the
+    iteration to start from."""
+    pretrained = args.pretrained_checkpoint
+    if not pretrained or (args.load and checkpointing.read_tracker(args.load) is not None):
+        return checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)
+    if checkpointing.read_tracker(pretrained) is None:
+        raise checkpointing.CheckpointError(
+            f"--pretrained-checkpoint {pretrained}: no {checkpointing.TRACKER_FILENAME}; not a "
+            "checkpoint directory")
+    print_rank_0(f"no checkpoint in --load {args.load}; starting from the weights of "
+                 f"--pretrained-checkpoint {pretrained} (as --finetune)")
+    kept = args.load, args.finetune
+    args.load, args.finetune = pretrained, True
+    try:
+        return checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)
+    finally:
+        args.load, args.finetune = kept
 
 
 def _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver=None):
@@ -504,6 +535,48 @@ def report_memory(args, pstate, calculator: NumMicroBatchesCalculator) -> None:
               flush=True)
 
 
+# The timers of the console timing line and of --log-timers-to-tensorboard (those that exist
+# at the configured --timing-log-level).
+TIMERS_TO_LOG = ["forward-backward", "batch-generator", "optimizer", "save-checkpoint"]
+
+
+def _log_iteration(iteration, args, model, pstate, timers, writer, stats, losses, lr, batch,
+                   loss_scale, grad_norm) -> training_log.IntervalStats:
+    """Scalars, the console line and the timing line after one iteration; returns the stats to
+    go on with (fresh ones after a console line).
+
+    Every rank calls it: the params norm is reduced over the model-parallel group and the timers
+    over all ranks, at iterations that every rank agrees on.
+    """
+    console = iteration % args.log_interval == 0
+    scalars = bool(args.tensorboard_dir) and iteration % args.tensorboard_log_interval == 0
+    params_norm = None
+    if args.log_params_norm and (console or scalars):
+        params_norm = training_log.calc_params_l2_norm(model, pstate)
+    training_log.write_train_scalars(writer, args, iteration, losses, lr, batch, loss_scale,
+                                     grad_norm, params_norm)
+    iterations = max(1, stats.advanced + stats.skipped)
+    if args.log_timers_to_tensorboard and scalars:
+        timers.write(TIMERS_TO_LOG, writer, iteration, normalizer=iterations)
+    if not console:
+        return stats
+    timing = (timers.log_string(TIMERS_TO_LOG, normalizer=iterations)
+              if args.timing_log_level > 0 else "")
+    if writer is not None:
+        per_iter_s = training_log.seconds_per_iteration(stats)
+        if args.log_timers_to_tensorboard:
+            writer.add_scalar("iteration-time", per_iter_s, iteration)
+        if args.log_throughput:
+            writer.add_scalar("throughput",
+                              training_log.throughput_tflops(args, batch, per_iter_s), iteration)
+    if args.rank == args.world_size - 1:
+        training_log.emit_line(training_log.format_log_line(
+            args, iteration, stats, lr, batch, loss_scale, grad_norm, params_norm))
+        if timing:
+            print(timing, flush=True)
+    return training_log.IntervalStats()
+
+
 def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator, args,
           pstate, calculator, timers, writer, start_iteration: int, saver=None) -> int:
     """The training loop; returns the last iteration run.
@@ -517,14 +590,18 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     start_time = time.time()
     stats = training_log.IntervalStats()
     iteration = start_iteration
-    is_logger = args.rank == args.world_size - 1
+    profiler = training_hooks.IterationProfiler(args, args.rank)
+    manual_gc = training_hooks.ManualGC(args)
     try:
         while iteration < args.train_iters:
             calculator.update(args.consumed_train_samples)
+            profiler.before_iteration()
             losses, skipped, grad_norm, loss_scale = train_step(
                 forward_step_func, train_iterator, model, optimizer, scheduler, args, pstate,
-                calculator, iteration=iteration + 1)
+                calculator, iteration=iteration + 1, timers=timers)
             iteration += 1
+            profiler.after_iteration()
+            manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
                 report_memory(args, pstate, calculator)
             batch = calculator.current_global_batch_size
@@ -534,18 +611,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
             lr = next((g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr")),
                       optimizer.param_groups[0]["lr"])
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
-            training_log.write_train_scalars(writer, args, iteration, losses, lr, batch,
-                                             loss_scale, grad_norm)
-            if iteration % args.log_interval == 0:
-                # Every rank takes part: the timers are reduced over all of them.
-                timing = (timers.log_string(["save-checkpoint"])
-                          if args.timing_log_level > 0 else "")
-                if is_logger:
-                    training_log.emit_line(training_log.format_log_line(
-                        args, iteration, stats, lr, batch, loss_scale, grad_norm))
-                    if timing:
-                        print(timing, flush=True)
-                stats = training_log.IntervalStats()
+            stats = _log_iteration(iteration, args, model, pstate, timers, writer, stats, losses,
+                                   lr, batch, loss_scale, grad_norm)
             if (args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid
                     and args.eval_iters > 0):
                 evaluate_and_print(f"iteration {iteration}", forward_step_func, valid_iterator,
@@ -567,6 +634,8 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
                 args.exit_requested = True
                 break
     finally:
+        profiler.close()
+        manual_gc.close()
         if stop_signal is not None:
             stop_signal.release()
     return iteration
@@ -616,9 +685,10 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                                            args.data_parallel_size, args.rampup_batch_size)
 
     check_memory_at_startup(args, pstate, calculator)
+    training_hooks.note_cpu_only_flags(args)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate)
     args.loss_spike_history = []
-    iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)
+    iteration = load_or_finetune(model, optimizer, scheduler, args, pstate)
     args.iteration = iteration
     train_it, valid_it, test_it = build_chunk_data_iterators(train_valid_test_dataset_provider,
                                                              args, pstate)

@@ -9,6 +9,7 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron.core import device
 
 def num_floating_point_operations(args, batch_size: int) -> float:
     """Model FLOPs of one forward + backward pass over ``batch_size`` sequences (Megatron's count).
@@ -62,25 +63,40 @@ def emit_line(text: str) -> None:
     sys.stdout.flush()
 
 
+def throughput_tflops(args, batch_size: int, per_iter_s: float) -> float:
+    """Model TFLOP/s per device (Megatron's --log-throughput): FLOPs of one iteration over its
+    time, shared by every rank of the run."""
+    return num_floating_point_operations(args, batch_size) / (per_iter_s * 1e12 * args.world_size)
+
+
+def seconds_per_iteration(stats: IntervalStats) -> float:
+    return (time.perf_counter() - stats.start) / max(1, stats.advanced + stats.skipped)
+
+
 def format_log_line(args, iteration: int, stats: IntervalStats, learning_rate: float,
-                    batch_size: int, loss_scale: float, grad_norm: Optional[float]) -> str:
-    elapsed = time.perf_counter() - stats.start
-    iters = max(1, stats.advanced + stats.skipped)
-    per_iter_s = elapsed / iters
+                    batch_size: int, loss_scale: float, grad_norm: Optional[float],
+                    params_norm: Optional[float] = None) -> str:
+    """Megatron's console line; ``params_norm`` with --log-params-norm, and the model TFLOP/s
+    field with --log-throughput."""
+    per_iter_s = seconds_per_iteration(stats)
     tokens_per_s = batch_size * args.seq_length / per_iter_s / args.world_size
-    tflops = num_floating_point_operations(args, batch_size) / per_iter_s / args.world_size / 1e12
     parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
              f"consumed samples: {args.consumed_train_samples:12d}",
-             f"elapsed time per iteration (ms): {per_iter_s * 1000.0:.1f}",
-             f"tokens per second per device: {tokens_per_s:.1f}",
-             f"throughput per device (TFLOP/s): {tflops:.3f}",
-             f"learning rate: {learning_rate:.6E}",
-             f"global batch size: {batch_size:5d}"]
+             f"elapsed time per iteration (ms): {per_iter_s * 1000.0:.1f}"]
+    if args.log_throughput:
+        # Four significant digits: 123.4 on a GPU, still readable for a tiny model on a CPU.
+        parts.append("throughput per GPU (TFLOP/s/GPU): "
+                     f"{throughput_tflops(args, batch_size, per_iter_s):.4g}")
+    parts += [f"tokens per second per device: {tokens_per_s:.1f}",
+              f"learning rate: {learning_rate:.6E}",
+              f"global batch size: {batch_size:5d}"]
     for key, total in stats.losses.items():
         parts.append(f"{key}: {total / max(1, stats.advanced):.6E}")
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
         parts.append(f"grad norm: {grad_norm:.3f}")
+    if params_norm is not None:
+        parts.append(f"params norm: {params_norm:.3f}")
     parts.append(f"number of skipped iterations: {stats.skipped:3d}")
     parts.append(f"number of nan iterations: {stats.nan:3d}")
     return " | ".join(parts) + " |"
@@ -88,7 +104,7 @@ def format_log_line(args, iteration: int, stats: IntervalStats, learning_rate: f
 
 def write_train_scalars(writer, args, iteration: int, loss_dict: Dict[str, float],
                         learning_rate: float, batch_size: int, loss_scale: float,
-                        grad_norm: Optional[float]) -> None:
+                        grad_norm: Optional[float], params_norm: Optional[float] = None) -> None:
     if writer is None or iteration % args.tensorboard_log_interval != 0:
         return
     samples = args.consumed_train_samples
@@ -107,8 +123,54 @@ def write_train_scalars(writer, args, iteration: int, loss_dict: Dict[str, float
     if grad_norm is not None:
         writer.add_scalar("grad-norm", grad_norm, iteration)
         writer.add_scalar("grad-norm vs samples", grad_norm, samples)
+    if params_norm is not None:
+        writer.add_scalar("params-norm", params_norm, iteration)
+        writer.add_scalar("params-norm vs samples", params_norm, samples)
     if args.log_world_size_to_tensorboard:
         writer.add_scalar("world-size", args.world_size, iteration)
+    if args.log_memory_to_tensorboard:
+        for name, value in memory_stats().items():
+            writer.add_scalar(name, value, iteration)
+
+
+def calc_params_l2_norm(model_chunks, pstate) -> float:
+    """L2 norm of every parameter of the whole model (--log-params-norm), each counted once.
+
+    A tensor-parallel shard counts on every TP rank, a parameter replicated over TP ranks on TP
+    rank 0 only, and the last stage's copy of a tied word embedding not at all; the squares are
+    summed over the model-parallel group (TP x PP). Data-parallel replicas hold the same values,
+    so nothing is summed over them. Collective over the model-parallel group.
+    """
+    from megatron.optimizer.clip_grads import get_grad_norm_fp32, param_is_not_shared
+    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+
+    params = [p.detach() for chunk in model_chunks
+              for p in getattr(chunk, "module", chunk).parameters()
+              if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, pstate.tp_rank)]
+    return get_grad_norm_fp32(params, 2.0, model_parallel_group=pstate.model_parallel_group)
+
+
+def memory_stats() -> Dict[str, float]:
+    """--log-memory-to-tensorboard's scalars under Megatron's names.
+
+    On CUDA: the caching allocator's reserved and allocated bytes (current), its peak allocated
+    bytes and its number of live allocations. On CPU there is no allocator to ask: the process's
+    resident set size stands for reserved and allocated bytes, its peak resident set size for
+    the peak, and there is no allocation count.
+    """
+    if device.is_cuda():
+        stats = torch.cuda.memory_stats()
+        return {"mem-reserved-bytes": stats.get("reserved_bytes.all.current", 0),
+                "mem-allocated-bytes": stats.get("allocated_bytes.all.current", 0),
+                "mem-max-allocated-bytes": stats.get("allocated_bytes.all.peak", 0),
+                "mem-allocated-count": stats.get("allocation.all.current", 0)}
+    import resource
+
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return {"mem-reserved-bytes": rss, "mem-allocated-bytes": rss,
+            "mem-max-allocated-bytes": max(peak, rss)}
 
 
 def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:

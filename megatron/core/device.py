@@ -71,6 +71,12 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def empty_cache() -> None:
+    """Return the caching allocator's unused blocks to the GPU (nothing to do on CPU)."""
+    if is_cuda():
+        torch.cuda.empty_cache()
+
+
 def rng_state() -> Optional[torch.Tensor]:
     """The accelerator's RNG state, or None on CPU."""
     return torch.cuda.get_rng_state() if is_cuda() else None

@@ -119,9 +119,11 @@ def test_log_line_keys_order_and_values():
 
 
 def test_log_line_throughput_fields():
-    """Tokens/s and TFLOP/s per device follow from the printed time per iteration."""
+    """Tokens/s and (--log-throughput) TFLOP/s per device follow from the printed time per
+    iteration."""
     args = _log_args()
     args.world_size = 2
+    args.log_throughput = True
     stats = training_log.IntervalStats()
     stats.add({"lm loss": 1.0}, skipped=False)
     stats.start = time.perf_counter() - 0.5
@@ -129,9 +131,26 @@ def test_log_line_throughput_fields():
     per_iter_s = float(re.search(r"per iteration \(ms\): ([\d.]+)", line)[1]) / 1000.0
     tokens = float(re.search(r"tokens per second per device: ([\d.]+)", line)[1])
     assert tokens == pytest.approx(32 * 16 / per_iter_s / 2, rel=2e-3)
-    tflops = float(re.search(r"\(TFLOP/s\): ([\d.]+)", line)[1])
+    tflops = float(re.search(r"\(TFLOP/s/GPU\): ([-+.\de]+)", line)[1])
     flops = training_log.num_floating_point_operations(args, 32)
-    assert tflops == pytest.approx(flops / per_iter_s / 2 / 1e12, abs=1e-3)
+    assert tflops == pytest.approx(flops / per_iter_s / 2 / 1e12, rel=2e-3)
+    # Megatron's TFLOP/s of GPT-2 small: 72 B s l h^2 (1 + s/(6h) + V/(12 l h)) / time / ranks.
+    small = _args(GPT2_SMALL, padded_vocab_size=50304, world_size=8)
+    B, s, layers, h, V = 8, 1024, 12, 768, 50304
+    by_hand = 72 * B * s * layers * h ** 2 * (1 + s / (6 * h) + V / (12 * layers * h))
+    assert training_log.throughput_tflops(small, B, 0.25) == pytest.approx(
+        by_hand / 0.25 / 8 / 1e12, rel=1e-12)
+    args.log_throughput = False
+    assert "TFLOP/s" not in training_log.format_log_line(args, 1, stats, 1e-3, 32, 1.0, 0.5)
+
+
+def test_log_line_params_norm_field():
+    """Megatron's place for it: after the grad norm, before the skipped count."""
+    args = _log_args()
+    stats = training_log.IntervalStats()
+    stats.add({"lm loss": 1.0}, skipped=False)
+    line = training_log.format_log_line(args, 1, stats, 1e-3, 32, 1.0, 0.5, params_norm=12.3456)
+    assert "| grad norm: 0.500 | params norm: 12.346 | number of skipped iterations:" in line
 
 
 def test_eval_line():
