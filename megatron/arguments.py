@@ -58,6 +58,11 @@ NO_EFFECT_FLAGS = {
     "dataset_impl": "only the mmap .bin/.idx format exists",
     "create_attention_mask_in_dataloader": "the causal mask is made inside attention; a batch "
                                            "mask is built only for --reset-attention-mask",
+    "auto_detect_ckpt_format": "loading always detects whether --load holds a torch or a "
+                               "torch_dist checkpoint",
+    "ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
+    "no_ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
+    "ckpt_fully_parallel_load": "every rank always reads only the slices it needs",
 }
 
 # Flags this project does not support: set to anything but their default, validate_args stops
@@ -285,9 +290,9 @@ def _add_checkpointing_args(parser):
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
                    help="accepted for Megatron's scripts, no effect here: every rank always "
                         "writes its own torch_dist shards")
-    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
-                   dest="ckpt_fully_parallel_save",
-                   help="accepted for Megatron's scripts, no effect here")
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_true",
+                   help="accepted for Megatron's scripts, no effect here: every rank always "
+                        "writes its own torch_dist shards")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="accepted for Megatron's scripts, no effect here: every rank always "
                         "reads only the slices it needs")

@@ -497,6 +497,15 @@ class AsyncCheckpointSaver:
     def save(self, iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
              pstate) -> None:
         self.wait()
+        if getattr(args, "ckpt_format", "torch") == "torch_dist":
+            from megatron import checkpointing_dist
+
+            self._in_flight = checkpointing_dist.start_async(
+                iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
+            if dist.get_rank() == 0:
+                print(f"  saving checkpoint at iteration {iteration:7d} to {args.save} in the "
+                      "background (torch_dist)", flush=True)
+            return
         tmp_root = _begin_save(args.save, iteration)
         state = _collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args,
                                pstate)
@@ -527,12 +536,15 @@ class AsyncCheckpointSaver:
         """Block until the save in flight is written on every rank, then publish it."""
         if self._in_flight is None:
             return
-        if self._in_flight.thread is not None:
+        if getattr(self._in_flight, "thread", None) is not None:
             self._in_flight.thread.join()
         self._finish()
 
     def _finish(self) -> None:
         job, self._in_flight = self._in_flight, None
+        if hasattr(job, "finish"):  # a torch_dist save gathers its records, then publishes
+            job.finish()
+            return
         _finish_save(job.save_dir, job.iteration, job.error)
 
 

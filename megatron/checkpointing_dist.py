@@ -16,8 +16,10 @@ unpickled except through :mod:`megatron.safe_unpickle`.
 """
 
 import argparse
+import dataclasses
 import os
-from typing import Dict, List, Optional, Tuple
+import threading
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,8 @@ import torch.distributed as dist
 from megatron import checkpointing
 from megatron.convert import optimizer_state
 from megatron.dist_checkpointing import (DistCheckpointError, DistCheckpointReader,
-                                         DistCheckpointWriteError, chunk_layout,
+                                         DistCheckpointWriteError, ShardWriter, TensorShard,
+                                         chunk_layout, write_metadata,
                                          common_objects, extra_state_objects,
                                          load_model_state, model_shards,
                                          optimizer_state_shards, read_local, save_shards,
@@ -76,8 +79,7 @@ def _common_state(iteration, args, opt_param_scheduler, state_dict, entries) -> 
 
 def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate) -> list:
     """Everything this rank writes (collective: RNG states and optimizer gathers)."""
-    config = args.transformer_config if hasattr(args, "transformer_config") else None
-    config = config or _model_config(model_chunks)
+    config = _model_config(model_chunks)
     layouts = _layouts(model_chunks, config, pstate)
     trees = _chunk_trees(model_chunks)
     rng_states = None
@@ -112,11 +114,9 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
         if entries is None and not args.no_save_optim:
             raise checkpointing.CheckpointError("rank 0 holds no optimizer state to save")
         common = _common_state(iteration, args, opt_param_scheduler, state_dict, entries)
-    if pstate.dp_rank == 0:
+    if pstate.dp_rank == 0:  # global rank 0 is DP rank 0
         items += common_objects(common, rng_states, pstate.pp_rank, pstate.pp_size,
                                 pstate.tp_rank, pstate.tp_size)
-    elif common is not None:
-        items += common_objects(common)
     return items
 
 
@@ -152,6 +152,74 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         error = str(err)
     checkpointing._finish_save(args.save, iteration, error)
     return os.path.join(args.save, checkpointing.checkpoint_dir_name(iteration))
+
+
+def _cpu_copy(items: list) -> list:
+    """The items with every tensor copied to CPU memory, so training may go on changing them."""
+    out = []
+    for item in items:
+        if isinstance(item, TensorShard):
+            out.append(dataclasses.replace(item, tensor=item.tensor.detach().to("cpu",
+                                                                                copy=True)))
+        else:
+            out.append(dataclasses.replace(item, obj=checkpointing._copy_to_cpu(item.obj)))
+    return out
+
+
+class AsyncDistSave:
+    """``--async-save`` of a torch_dist checkpoint: :func:`start_async` copies this rank's
+    shards to CPU and a thread writes its data file; :meth:`finish` (collective, main thread)
+    gathers every rank's records, rank 0 writes the metadata, and the folder is published."""
+
+    def __init__(self, iteration: int, save_dir: str, iter_dir: str, items: list):
+        self.iteration, self.save_dir, self.iter_dir = iteration, save_dir, iter_dir
+        self.items, self.records, self.error = items, [], ""
+        self.thread = threading.Thread(target=self._write, daemon=True,
+                                       name=f"torch-dist-writer-{iteration}")
+
+    def _write(self) -> None:
+        try:
+            checkpointing.crash_point("before_files")
+            with ShardWriter(self.iter_dir, dist.get_rank()) as writer:
+                writer.add(self.items)
+            self.records = writer.records
+            checkpointing.crash_point("after_file")
+        except BaseException as err:  # noqa: BLE001 - raised on every rank at finish()
+            self.error = f"rank {dist.get_rank()}: {type(err).__name__}: {err}"
+        self.items = []
+
+    def busy(self) -> bool:
+        return self.thread.is_alive()
+
+    def finish(self) -> None:
+        self.thread.join()
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object((self.records, self.error), gathered, dst=0)
+        error = ""
+        if dist.get_rank() == 0:
+            errors = [e for _, e in gathered if e]
+            if not errors:
+                try:
+                    write_metadata(self.iter_dir, [r for rs, _ in gathered for r in rs])
+                except DistCheckpointWriteError as err:
+                    errors.append(str(err))
+            error = "; ".join(errors)
+        checkpointing._finish_save(self.save_dir, self.iteration, error)
+
+
+def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
+                pstate) -> AsyncDistSave:
+    """Begin a background torch_dist save (collective: the shards are gathered here)."""
+    tmp_root = checkpointing._begin_save(args.save, iteration)
+    iter_dir = os.path.join(tmp_root, checkpointing.checkpoint_dir_name(iteration))
+    items = _cpu_copy(_shards(iteration, model_chunks, optimizer, opt_param_scheduler, args,
+                              pstate))
+    if dist.get_rank() == 0:
+        os.makedirs(iter_dir, exist_ok=True)
+    dist.barrier()
+    job = AsyncDistSave(iteration, args.save, iter_dir, items)
+    job.thread.start()
+    return job
 
 
 # ---------------------------------------------------------------------------------------------
@@ -190,14 +258,17 @@ def _load_model(reader, model_chunks, layouts, path: str) -> None:
 def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tuple]]]:
     """``(chunk, name, shape)`` of every parameter of each of the optimizer's groups."""
     order = optimizer_state.param_order(trees)
+    # The distributed optimizer's own groups hold its shards; its model_param_groups the whole.
+    params = getattr(optimizer, "model_param_groups", None) or [
+        g["params"] for g in optimizer.param_groups]
     groups = []
-    for g, group in enumerate(optimizer.param_groups):
+    for g, (group, members_now) in enumerate(zip(optimizer.param_groups, params)):
         key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
         members = [p for p in order if optimizer_state.group_key(p[1], p[2]) == key]
-        if len(members) != len(group["params"]):
+        if len(members) != len(members_now):
             raise checkpointing.CheckpointError(
                 f"--ckpt-format torch_dist: param group {g} of this run holds "
-                f"{len(group['params'])} parameters, {len(members)} by Megatron's grouping; "
+                f"{len(members_now)} parameters, {len(members)} by Megatron's grouping; "
                 "pass --no-load-optim")
         groups.append(members)
     return groups
@@ -323,5 +394,5 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     return common
 
 
-__all__ = ["save_checkpoint", "load_checkpoint", "is_dist_iteration", "saved_args",
-           "Dict"]
+__all__ = ["save_checkpoint", "start_async", "load_checkpoint", "is_dist_iteration",
+           "saved_args"]

@@ -488,6 +488,20 @@ def load_or_finetune(model, optimizer, scheduler, args, pstate) -> int:
         args.load, args.finetune = kept
 
 
+def convert_loaded_checkpoint(iteration, model, optimizer, scheduler, args, pstate) -> None:
+    """--ckpt-convert-format / --ckpt-convert-save: write what --load held in that format to
+    that folder (model, optimizer, scheduler, RNG states), then stop without training."""
+    kept = args.ckpt_format, args.save
+    args.ckpt_format, args.save = args.ckpt_convert_format, args.ckpt_convert_save
+    try:
+        checkpointing.check_save_dir(args.save)
+        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args, pstate)
+    finally:
+        args.ckpt_format, args.save = kept
+    print_rank_0(f"converted {args.load} (iteration {iteration}) to --ckpt-format "
+                 f"{args.ckpt_convert_format} in {args.ckpt_convert_save}; exiting")
+
+
 def _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver=None):
     """Save now, or start a background save with ``saver`` (--async-save)."""
     timers("save-checkpoint", log_level=0).start()
@@ -690,6 +704,10 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     args.loss_spike_history = []
     iteration = load_or_finetune(model, optimizer, scheduler, args, pstate)
     args.iteration = iteration
+    if args.ckpt_convert_format is not None:
+        convert_loaded_checkpoint(iteration, model, optimizer, scheduler, args, pstate)
+        args.train_loss_history = []
+        return args
     train_it, valid_it, test_it = build_chunk_data_iterators(train_valid_test_dataset_provider,
                                                              args, pstate)
     args.exit_requested = False

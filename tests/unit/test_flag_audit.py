@@ -27,14 +27,6 @@ from megatron.arguments import (NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS, ArgumentsErr
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-# TEMPORARY: delete this list (and its uses below) when the numerics branch is merged. These are
-# the numerics flags that branch implements, each with a reference test there; until it lands
-# they are parsed and read nowhere here (the ones it adds are not parsed here yet at all).
-PENDING_NUMERICS = {
-    "apply_layernorm_1p", "squared_relu", "rotary_interleaved", "init_method_xavier_uniform",
-    "decoupled_lr", "decoupled_min_lr", "qk_layernorm", "rotary_seq_len_interpolation_factor",
-}
-
 # Flags handled by argparse itself rather than read by name.
 PARSER_ONLY = {"help"}
 
@@ -100,8 +92,6 @@ def classify():
             out[dest] = "no-effect"
         elif dest in UNSUPPORTED_FLAGS or _single_choice(action):
             out[dest] = "unsupported"
-        elif dest in PENDING_NUMERICS:
-            out[dest] = "pending"
         else:
             where = _read_in(dest, reads)
             if where == ["megatron/arguments.py"]:
@@ -141,17 +131,6 @@ def test_registered_flags_are_not_read_outside_arguments():
         where = [f for f in _read_in(dest, reads) if f != "megatron/arguments.py"
                  and not _defines_own_flag(texts[f], dest)]
         assert not where, f"{dest} is registered as not implemented but read in {where}"
-
-
-def test_pending_numerics_list_is_still_needed():
-    """Once a pending flag is read somewhere, it is implemented: drop it from the list."""
-    texts = _sources()
-    reads, model_attributes = _names_read(texts), _attributes_read_by_model(texts)
-    for dest in PENDING_NUMERICS & set(_actions()):
-        where = [f for f in _read_in(dest, reads) if f != "megatron/arguments.py"]
-        fields = _config_fields_of(dest, texts["megatron/arguments.py"])
-        used = where or set(fields) & model_attributes
-        assert not used, f"{dest} is implemented now: remove it from PENDING_NUMERICS"
 
 
 @pytest.mark.parametrize("dest", sorted(NO_EFFECT_FLAGS))

@@ -1,0 +1,175 @@
+"""``--ckpt-format torch_dist`` in training: Megatron-Core's files load and resume, and a
+checkpoint saved at one parallel layout continues at another.
+
+References: the logits Megatron-Core's own forward gave (``reference.pt``), the Adam moments in
+its file, Megatron's learning-rate schedule in float64, and the losses of the run that never
+stopped (fp32, dropout 0).
+"""
+
+import os
+
+import pytest
+import torch
+
+from megatron.dist_checkpointing import DistCheckpointReader
+from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
+from tests.functional.test_megatron_written import (LOGITS_ATOL, _logits_after_load,
+                                                    _resume_state, fixture_dir,
+                                                    megatron_argv, megatron_cosine_lr,
+                                                    reference, writable_copy)
+from tests.multiprocess import run_on_ranks
+
+# Continued losses of a resharded run against the run that never stopped (fp32; the
+# reduction order of the matmuls and of the gradient all-reduces changes with the layout).
+LOSS_ATOL = 1e-4
+
+
+def _with_layout(argv, tp, pp=1):
+    argv = list(argv)
+    argv[argv.index("--tensor-model-parallel-size") + 1] = str(tp)
+    argv[argv.index("--pipeline-model-parallel-size") + 1] = str(pp)
+    return argv
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_core_file_gives_its_logits(tp):
+    name = "mcore_dist_tp1"
+    argv = _with_layout(megatron_argv(name), tp) + ["--load", fixture_dir(name), "--device",
+                                                    "cpu"]
+    for logits, iteration, _ in run_on_ranks(_logits_after_load, tp, argv):
+        assert iteration == 10
+        torch.testing.assert_close(logits.float(), reference(name)["logits"],
+                                   atol=LOGITS_ATOL, rtol=0)
+
+
+def _mcore_key(name: str) -> str:
+    """Megatron-Core's key of a legacy parameter name, and its layer (None if not stacked)."""
+    from megatron.dist_checkpointing.keys import mcore_key
+
+    return mcore_key(name)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_core_trained_file_resumes_with_its_schedule_and_moments(tmp_path, tp):
+    from megatron.dist_checkpointing import chunk_layout
+    from megatron.dist_checkpointing.model_state import read_local
+
+    name = "mcore_dist_tp1_trained"
+    load = writable_copy(name, tmp_path)
+    argv = _with_layout(megatron_argv(name), tp) + ["--load", load, "--device", "cpu",
+                                                    "--mock-data"]
+    results = run_on_ranks(_resume_state, tp, argv)
+    reader = DistCheckpointReader(os.path.join(load, "iter_0000003"))
+    for tp_rank, out in enumerate(results):
+        assert out["iteration"] == 3 and out["consumed"] == 6 and out["num_steps"] == 6
+        assert out["next_lrs"] == pytest.approx([megatron_cosine_lr(8)] * 2, rel=1e-12)
+        assert len(out["moments"]) == 12 * 4 + 4  # 12 per layer, embeddings, final norm
+        layout = chunk_layout(_Config(), _Layout(tp_rank, tp))
+        for param, have in out["moments"].items():
+            for field in ("exp_avg", "exp_avg_sq"):
+                want = read_local(reader, param, have[field], layout,
+                                  f"optimizer.state.{field}.")
+                assert torch.equal(have[field], want), (param, field, tp_rank)
+            assert float(have["step"]) == 3
+
+
+class _Config:
+    num_layers, swiglu = 4, False
+    first_pipeline_num_layers = last_pipeline_num_layers = None
+
+
+class _Layout:
+    def __init__(self, tp_rank, tp_size):
+        self.tp_rank, self.tp_size, self.pp_rank, self.pp_size = tp_rank, tp_size, 0, 1
+        self.virtual_pp_size, self.dp_rank = None, 0
+
+
+# --------------------------------------------------------------------------------------------
+# Saved at one layout, continued at another
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_counting_corpus(str(tmp_path_factory.mktemp("data") / "counting"))
+
+
+def _flags(corpus, tp=1, pp=1, extra=()):
+    return gpt_flags(corpus, 8, tp=tp, dropout=0.0, extra=[
+        "--pipeline-model-parallel-size", str(pp), "--num-layers", "4",
+        "--ckpt-format", "torch_dist", *extra])
+
+
+LAYOUTS = {
+    "tp2pp2": dict(tp=2, pp=2, dp=1, extra=["--num-layers-per-virtual-pipeline-stage", "1"]),
+    "tp1dp4_distopt": dict(tp=1, pp=1, dp=4, extra=["--use-distributed-optimizer"]),
+    "tp2dp2_distopt": dict(tp=2, pp=1, dp=2, extra=["--use-distributed-optimizer"]),
+    "tp2": dict(tp=2, pp=1, dp=1, extra=[]),
+    "dp2_distopt": dict(tp=1, pp=1, dp=2, extra=["--use-distributed-optimizer"]),
+}
+
+
+def _run(corpus, layout, extra=()):
+    spec = LAYOUTS[layout]
+    ranks = spec["tp"] * spec["pp"] * spec["dp"]
+    flags = _flags(corpus, spec["tp"], spec["pp"], spec["extra"] + list(extra))
+    return run_on_ranks(run_pretrain, ranks, flags)[-1]
+
+
+@pytest.fixture(scope="module")
+def straight(corpus):
+    """The uninterrupted run's losses (one process)."""
+    out = run_on_ranks(run_pretrain, 1, _flags(corpus))[0]
+    return dict(out["losses"])
+
+
+def _assert_continues(resumed, straight, exact=False):
+    assert [i for i, _ in resumed["losses"]] == [5, 6, 7, 8]
+    for i, loss in resumed["losses"]:
+        if exact:
+            assert loss == straight[i], (i, resumed["losses"], straight)
+        else:
+            assert abs(loss - straight[i]) <= LOSS_ATOL, (i, resumed["losses"], straight)
+
+
+def test_resume_at_the_same_layout_is_bit_exact_and_another_layout_continues(corpus, tmp_path,
+                                                                            straight):
+    save = str(tmp_path / "tp2")
+    full = _run(corpus, "tp2", ["--save", save, "--save-interval", "4"])
+    again = _run(corpus, "tp2", ["--load", save, "--ckpt-step", "4"])
+    _assert_continues(again, dict(full["losses"]), exact=True)
+    other = _run(corpus, "dp2_distopt", ["--load", save, "--ckpt-step", "4"])
+    _assert_continues(other, straight)
+    iter_dir = os.path.join(save, "iter_0000004")
+    assert sorted(f for f in os.listdir(iter_dir) if f.endswith(".distcp")) == [
+        "__0_0.distcp", "__1_0.distcp"]   # each rank wrote its own shards
+
+
+def test_async_save_writes_the_same_checkpoint(corpus, tmp_path, straight):
+    save = str(tmp_path / "async")
+    _run(corpus, "dp2_distopt", ["--save", save, "--save-interval", "4", "--async-save"])
+    resumed = _run(corpus, "tp2", ["--load", save, "--ckpt-step", "4"])
+    _assert_continues(resumed, straight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("saved", ["tp2pp2", "tp1dp4_distopt", "tp2dp2_distopt"])
+def test_reshard_matrix(corpus, tmp_path, straight, saved):
+    save = str(tmp_path / saved)
+    _run(corpus, saved, ["--save", save, "--save-interval", "4"])
+    for target in ("tp2pp2", "tp1dp4_distopt", "tp2dp2_distopt"):
+        if target != saved:
+            _assert_continues(_run(corpus, target, ["--load", save, "--ckpt-step", "4"]),
+                              straight)
+
+
+def test_convert_while_loading_writes_the_other_format(corpus, tmp_path):
+    """--ckpt-convert-format / --ckpt-convert-save: load, write it in the other format, exit."""
+    from megatron import checkpointing
+
+    save, converted = str(tmp_path / "dist"), str(tmp_path / "legacy")
+    _run(corpus, "tp2", ["--save", save, "--save-interval", "8"])
+    out = _run(corpus, "tp2", ["--load", save, "--ckpt-convert-format", "torch",
+                               "--ckpt-convert-save", converted])
+    assert out["losses"] == []
+    state = checkpointing.load_state_file(checkpointing.checkpoint_file(converted, 8, 1, 0, 1))
+    assert state["iteration"] == 8 and "optimizer" in state
