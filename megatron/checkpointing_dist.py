@@ -28,7 +28,8 @@ from megatron import checkpointing
 from megatron.convert import optimizer_state
 from megatron.dist_checkpointing import (DistCheckpointError, DistCheckpointReader,
                                          DistCheckpointWriteError, ShardWriter, TensorShard,
-                                         chunk_layout, write_metadata,
+                                         ObjectShard, chunk_layout, object_key,
+                                         write_metadata,
                                          common_objects, extra_state_objects,
                                          load_model_state, model_shards,
                                          optimizer_state_shards, read_local, save_shards,
@@ -37,6 +38,19 @@ from megatron.dist_checkpointing.keys import OPTIMIZER_STATE_PREFIX
 from megatron.safe_unpickle import UnsafeCheckpointError
 
 MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
+# Megatron-Core's loader expects its rerun state machine's entry; this is a fresh machine's
+# state (nothing requested, no error injection), in plain values.
+_FRESH_RERUN_STATE = {"rerun_requested": False, "checkpoint_requested": False,
+                      "restart_again_requested": False, "continue_requested": False,
+                      "error_injector_checkpoint": {"error_injection_rate": 0,
+                                                    "error_injection_type": "transient_error",
+                                                    "injected_error_type": None},
+                      "failed_validation_call": None, "initial_result": None,
+                      "suspicious_node": None, "suspicious_device": None,
+                      "data_iterator_checkpoints": None, "large_value_counts": {},
+                      "max_values": {}}
+# What Megatron-Core records of how its sharded state was laid out (read back on load).
+_CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
 def _layouts(model_chunks, config, pstate) -> list:
@@ -65,7 +79,9 @@ def _optimizer_entries(optimizer, trees: List[dict]) -> Tuple[Optional[optimizer
 
 def _common_state(iteration, args, opt_param_scheduler, state_dict, entries) -> dict:
     common = {"args": checkpointing._plain_args(args),
-              "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "iteration": iteration}
+              "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "iteration": iteration,
+              "num_floating_point_operations_so_far": 0,
+              "content_metadata": dict(_CONTENT_METADATA)}
     if not args.no_save_optim:
         common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         groups = [dict(hparams, wd_mult=key[0], lr_mult=key[1])
@@ -117,6 +133,9 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
     if pstate.dp_rank == 0:  # global rank 0 is DP rank 0
         items += common_objects(common, rng_states, pstate.pp_rank, pstate.pp_size,
                                 pstate.tp_rank, pstate.tp_size)
+    if common is not None:
+        items.append(ObjectShard(object_key("rerun_state_machine_state"),
+                                 dict(_FRESH_RERUN_STATE)))
     return items
 
 

@@ -94,7 +94,7 @@ def corpus(tmp_path_factory):
 
 
 def _flags(corpus, tp=1, pp=1, extra=()):
-    return gpt_flags(corpus, 8, tp=tp, dropout=0.0, extra=[
+    return gpt_flags(corpus, 8, tp=tp, dropout=0.0, micro_batch=1, extra=[
         "--pipeline-model-parallel-size", str(pp), "--num-layers", "4",
         "--ckpt-format", "torch_dist", *extra])
 
@@ -173,3 +173,25 @@ def test_convert_while_loading_writes_the_other_format(corpus, tmp_path):
     assert out["losses"] == []
     state = checkpointing.load_state_file(checkpointing.checkpoint_file(converted, 8, 1, 0, 1))
     assert state["iteration"] == 8 and "optimizer" in state
+
+
+def test_a_training_save_has_megatron_cores_keys_shapes_and_dtypes(tmp_path):
+    """The fixture's own flags, trained here for 3 iterations and saved as torch_dist: the
+    same tensor keys, global shapes and dtypes as Megatron-Core's file of that run, and the
+    same byte entries."""
+    name = "mcore_dist_tp1_trained"
+    save = str(tmp_path / "ours")
+    argv = megatron_argv(name)
+    argv[argv.index("--train-iters") + 1] = "3"
+    argv += ["--save", save, "--device", "cpu", "--mock-data", "--eval-iters", "0",
+             "--num-workers", "0"]
+    run_on_ranks(run_pretrain, 1, argv)
+    ours = DistCheckpointReader(os.path.join(save, "iter_0000003"))
+    theirs = DistCheckpointReader(os.path.join(fixture_dir(name), "iter_0000003"))
+    assert ours.summary() == theirs.summary()
+    assert sorted(ours.byte_keys()) == sorted(theirs.byte_keys())
+    mine, megatrons = ours.common_state(), theirs.common_state()
+    assert set(megatrons) - set(mine) == {"rerun_state_machine"}
+    assert float(mine["optimizer"]["state"]["common_step"]) == 3
+    assert [(g["wd_mult"], g["lr_mult"]) for g in mine["optimizer"]["param_groups"]] == [
+        (g["wd_mult"], g["lr_mult"]) for g in megatrons["optimizer"]["param_groups"]]
