@@ -4,10 +4,10 @@ one of three things, and this test fails on any flag that is none of them:
 (a) implemented: its value is read outside the parser, in megatron/, tools/, tasks/ or an entry
     point (``args.<dest>`` or ``getattr(args, "<dest>")``); a flag read only by
     ``build_configs`` counts only when the config field it fills is read by the model code;
-(b) declared no-effect: listed in ``arguments.NO_EFFECT_FLAGS``, its --help says it has no effect
-    here, and a run that sets it goes on (with one note);
-(c) unsupported: listed in ``arguments.UNSUPPORTED_FLAGS`` (or a choice flag whose only choice is
-    its default): set to anything else, ``validate_args`` stops, before any process group
+(b) declared no-effect: listed in ``flag_registry.NO_EFFECT_FLAGS``, its --help says it has no
+    effect here, and a run that sets it goes on (with one note);
+(c) unsupported: listed in ``flag_registry.UNSUPPORTED_FLAGS`` (or a choice flag whose only
+    choice is its default): set to anything else, ``validate_args`` stops, before any process group
     exists, with one line naming the flag and saying what to use instead.
 """
 
