@@ -15,9 +15,12 @@ Megatron-Core's keys, global shapes and offsets, written by this one process, th
 ``ckpt_format`` ``torch_dist``, ``checkpoint_version`` 3.0, ``iteration``,
 ``opt_param_scheduler`` when the source has one, ``num_floating_point_operations_so_far``,
 ``content_metadata`` and this project's ``conversion`` record) and the empty extra-state entry
-of each layer's linear modules. As with the legacy target the optimizer and RNG states are
-dropped, and so is Megatron's ``rerun_state_machine_state``; Megatron-LM loads the result with
-``--no-load-optim --no-load-rng`` (or ``--finetune``).
+of each layer's linear modules. The Adam state travels as in the legacy formats
+(:mod:`megatron.convert.optimizer_state`): read as views of the source, written under
+``optimizer.state.exp_avg.<key>`` / ``exp_avg_sq`` (and ``fp32_param`` for a half-precision
+target) with the param groups and step in ``common_state``. RNG states are dropped, and so is
+Megatron's ``rerun_state_machine_state``; Megatron-LM loads the result with
+``--no-load-rng``.
 """
 
 import argparse
@@ -31,7 +34,7 @@ from typing import Dict, Iterable, Iterator, Optional
 import torch
 
 from megatron import checkpointing
-from megatron.convert import megatron_io
+from megatron.convert import megatron_io, optimizer_state
 from megatron.convert.megatron_layout import (SCHEDULER_KEY, layer_tensor_names, split_tensor,
                                               tp_split_rule)
 # The legacy saver's target (sizes, vocabulary rows, args) and its per-piece placement rules,
@@ -128,10 +131,42 @@ def _plain(source_args: dict) -> dict:
     return out
 
 
-def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int) -> Dict[str, torch.Tensor]:
+def _view_prefix(reader: DistCheckpointReader, view: Optional[str]) -> str:
+    """Where a view's tensors sit: the Adam moments under ``optimizer.state.<field>.``; the fp32
+    main copies under ``optimizer.state.fp32_param.`` (or the weights, an fp32 model's own)."""
+    if view is None:
+        return ""
+    if view == optimizer_state.MAIN:
+        prefix = keys.OPTIMIZER_STATE_PREFIX + "fp32_param."
+        return prefix if any(k.startswith(prefix) for k in reader.tensor_keys()) else ""
+    return f"{keys.OPTIMIZER_STATE_PREFIX}{view}."
+
+
+def _optimizer_meta(reader: DistCheckpointReader, common: dict) -> tuple:
+    """``ModelMeta.optimizer`` of a torch_dist checkpoint, or None and why it is not carried."""
+    saved = common.get("optimizer")
+    if not isinstance(saved, dict) or "param_groups" not in saved:
+        return None, "the source has no optimizer state"
+    moments = [k for k in reader.tensor_keys() if k.startswith(keys.OPTIMIZER_STATE_PREFIX)]
+    if not moments:
+        return None, ("its optimizer state is not in the non-distributed layout "
+                      "(optimizer.state.exp_avg.*)")
+    hparams = {}
+    for group in saved["param_groups"]:
+        key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
+        if key[1] != 1.0:
+            return None, f"a param group scales its learning rate (lr_mult {key[1]})"
+        hparams[key] = {k: v for k, v in group.items() if k != "params"}
+    step = saved.get("state", {}).get("common_step", 0)
+    return {"step": int(float(step)), "hparams": hparams, "has_main": False,
+            "grad_scaler": saved.get("grad_scaler")}, ""
+
+
+def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int,
+           prefix: str = "") -> Dict[str, torch.Tensor]:
     tensors = {}
     for name in layer_tensor_names(meta):
-        key = keys.layer_key(name)
+        key = prefix + keys.layer_key(name)
         shape = reader.shape(key)
         if shape[0] != meta.num_layers:
             raise ConversionError(f"{reader.path}: {key} stacks {shape[0]} layers, the args say "
@@ -141,15 +176,19 @@ def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int) -> Dict[st
     return tensors
 
 
-def _read(reader: DistCheckpointReader, key: str) -> torch.Tensor:
+def _read(reader: DistCheckpointReader, key: str, prefix: str = "") -> torch.Tensor:
+    key = prefix + key
     if key not in reader:
         raise ConversionError(f"{reader.path}: no {key} in the checkpoint")
     return reader.read(key)
 
 
 def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
-              true_vocab_size: Optional[int] = None) -> Iterator[Piece]:
-    """Yield the canonical stream of the torch_dist checkpoint in ``load_dir``.
+              true_vocab_size: Optional[int] = None,
+              view: Optional[str] = None) -> Iterator[Piece]:
+    """Yield the canonical stream of the torch_dist checkpoint in ``load_dir`` (``view``: an
+    optimizer field in the weights' shapes, as :func:`megatron.convert.megatron_io.load_megatron`
+    streams it).
 
     Raises:
         ConversionError: no torch_dist folder, a model this converter does not handle (MoE,
@@ -157,26 +196,29 @@ def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
     """
     reader, common, (_, iteration, release) = _open(load_dir, ckpt_step)
     meta = _meta(reader, common, iteration, release, true_vocab_size)
+    meta.optimizer, meta.optimizer_note = _optimizer_meta(reader, common)
+    prefix = _view_prefix(reader, view)
     yield Piece("meta", meta=meta)
     try:
-        word = _read(reader, keys.OTHER_KEYS[_WORD])
+        word = _read(reader, keys.OTHER_KEYS[_WORD], prefix)
         if word.size(0) != meta.padded_vocab_size:
             raise ConversionError(f"{reader.path}: the word embeddings have {word.size(0)} "
                                   f"rows but the saved args say padded_vocab_size "
                                   f"{meta.padded_vocab_size}")
         tensors = {"word_embeddings": word}
         if meta.position_embedding_type == "learned_absolute":
-            tensors["position_embeddings"] = _read(reader, keys.OTHER_KEYS[_POSITION])
+            tensors["position_embeddings"] = _read(reader, keys.OTHER_KEYS[_POSITION], prefix)
         yield Piece("embeddings", tensors)
         del tensors, word
         for index in range(meta.num_layers):
-            yield Piece("layer", _layer(reader, meta, index), index=index)
+            yield Piece("layer", _layer(reader, meta, index, prefix), index=index)
             reader.clear_cache()
         norm = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
-        yield Piece("final_norm", {n: _read(reader, keys.OTHER_KEYS[_FINAL_NORM + n])
+        yield Piece("final_norm", {n: _read(reader, keys.OTHER_KEYS[_FINAL_NORM + n], prefix)
                                    for n in norm})
         if meta.untie_embeddings_and_output_weights:
-            yield Piece("output_layer", {"weight": _read(reader, keys.OTHER_KEYS[_OUTPUT])})
+            yield Piece("output_layer", {"weight": _read(reader, keys.OTHER_KEYS[_OUTPUT],
+                                                         prefix)})
     except DistCheckpointError as err:
         raise ConversionError(str(err)) from None
 
@@ -199,24 +241,25 @@ class _DistTarget:
                                 layer_offset=pp_rank * self.target.per_stage,
                                 tp_rank=tp_rank, tp_size=self.tp, swiglu=self.meta.swiglu)
 
-    def put(self, tp_rank: int, pp_rank: int, name: str, tensor: torch.Tensor) -> None:
+    def put(self, tp_rank: int, pp_rank: int, name: str, tensor: torch.Tensor,
+            prefix: str = "") -> None:
         """Write what target rank (tp_rank, pp_rank) would write of its local ``name``."""
         writer = self.writers[(tp_rank, pp_rank)]
-        writer.add(tensor_shards(name, tensor, self.layout(tp_rank, pp_rank)))
+        writer.add(tensor_shards(name, tensor, self.layout(tp_rank, pp_rank), prefix))
 
     def close(self) -> list:
         return [r for w in self.writers.values() for r in w.close()]
 
 
-def _save_embeddings(out: _DistTarget, piece: Piece) -> None:
+def _save_embeddings(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     for tp_rank, pp_rank, path, tensor in _embedding_writes(out.target, piece):
         name = ".".join(path)
         if name == "word_embeddings_for_head.weight":
             continue  # tied: stored once, as the embedding
-        out.put(tp_rank, pp_rank, name, tensor)
+        out.put(tp_rank, pp_rank, name, tensor, prefix)
 
 
-def _save_layer(out: _DistTarget, piece: Piece) -> None:
+def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     target = out.target
     _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes)
     pp_rank, local = target.stage_of(piece.index)
@@ -225,14 +268,16 @@ def _save_layer(out: _DistTarget, piece: Piece) -> None:
         shards = ([tensor] * out.tp if rule is None
                   else split_tensor(tensor, rule[0], rule[1], out.tp))
         for tp_rank, shard in enumerate(shards):
-            out.put(tp_rank, pp_rank, f"language_model.encoder.layers.{local}.{name}", shard)
-    out.writers[(0, pp_rank)].add(ObjectShard(fqn, None) for fqn in
-                                  keys.extra_state_keys(piece.index, out.meta.num_layers))
+            out.put(tp_rank, pp_rank, f"language_model.encoder.layers.{local}.{name}", shard,
+                    prefix)
+    if not prefix:
+        out.writers[(0, pp_rank)].add(ObjectShard(fqn, None) for fqn in
+                                      keys.extra_state_keys(piece.index, out.meta.num_layers))
 
 
-def _save_final(out: _DistTarget, piece: Piece) -> None:
+def _save_final(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     for tp_rank, pp_rank, path, tensor in _final_writes(out.target, piece):
-        out.put(tp_rank, pp_rank, ".".join(path), tensor)
+        out.put(tp_rank, pp_rank, ".".join(path), tensor, prefix)
 
 
 def _common_state(target) -> dict:
@@ -248,10 +293,18 @@ def _common_state(target) -> dict:
              "conversion": target.conversion_record()}
     if source.get(SCHEDULER_KEY) is not None:
         state["opt_param_scheduler"] = source[SCHEDULER_KEY]
+    info = target.meta.optimizer if target.optimizer else None
+    if info is not None:
+        groups = [dict(hparams, wd_mult=key[0], lr_mult=key[1])
+                  for key, hparams in sorted(info["hparams"].items(), reverse=True)]
+        state["optimizer"] = {"state": {"common_step": torch.tensor(float(info["step"]))},
+                              "param_groups": groups}
+        if info.get("grad_scaler") is not None:
+            state["optimizer"]["grad_scaler"] = info["grad_scaler"]
     return state
 
 
-def _consume(pieces: Iterator[Piece], out: _DistTarget) -> None:
+def _consume(pieces: Iterator[Piece], out: _DistTarget, prefix: str = "") -> None:
     target = out.target
     wanted = {"embeddings", "final_norm"} | ({"output_layer"} if not target.tied else set())
     wanted |= {("layer", i) for i in range(out.meta.num_layers)}
@@ -265,11 +318,11 @@ def _consume(pieces: Iterator[Piece], out: _DistTarget) -> None:
             raise ConversionError(f"the stream holds {key} twice")
         seen.add(key)
         if piece.kind == "embeddings":
-            _save_embeddings(out, piece)
+            _save_embeddings(out, piece, prefix)
         elif piece.kind == "layer":
-            _save_layer(out, piece)
+            _save_layer(out, piece, prefix)
         else:
-            _save_final(out, piece)
+            _save_final(out, piece, prefix)
     missing = wanted - seen
     if missing:
         names = sorted(k if isinstance(k, str) else f"layer {k[1]}" for k in missing)
@@ -290,7 +343,8 @@ def _publish(staging: str, save_dir: str, name: str, iteration_label: str) -> st
 
 
 def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
-              make_vocab_size_divisible_by: Optional[int] = None) -> str:
+              make_vocab_size_divisible_by: Optional[int] = None,
+              optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None) -> str:
     """Write the stream as a torch_dist checkpoint at ``target_tp`` x ``target_pp`` in
     ``save_dir`` (new or empty); returns the iteration folder. Sizes, vocabulary padding,
     release vs iteration naming and the checks on the stream are those of
@@ -304,7 +358,8 @@ def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp:
     if first.meta.model_type != "GPT":
         raise ConversionError(f"--target-ckpt-format torch_dist: only GPT models, not "
                               f"{first.meta.model_type}")
-    target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by)
+    target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
+                     optimizer=bool(optimizer_streams))
     created = _prepare_save_dir(save_dir)
     staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
     name = checkpointing.checkpoint_dir_name(target.meta.iteration, target.release)
@@ -314,6 +369,14 @@ def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp:
         out = _DistTarget(target, root)
         out.writers[(0, 0)].add_object(keys.object_key("common_state"), _common_state(target))
         _consume(pieces, out)
+        if target.optimizer:
+            fields = optimizer_state.MOMENTS + ((optimizer_state.MAIN,) if target.half else ())
+            for field in fields:
+                stream = iter(optimizer_streams[field])
+                next(stream)  # its meta piece: the same model
+                prefix = keys.OPTIMIZER_STATE_PREFIX + (
+                    "fp32_param." if field == optimizer_state.MAIN else f"{field}.")
+                _consume(stream, out, prefix)
         write_metadata(root, out.close())
         label = "release" if target.release else str(target.meta.iteration)
         return _publish(staging, save_dir, name, label)

@@ -338,19 +338,43 @@ def _global_name(local: str, pp_rank: int, pp: int, num_layers: int = 4) -> str:
     return local
 
 
-@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_converted_trained_file_resumes_with_its_moments(tmp_path, tp, pp):
-    """Resharded by the converter, the file resumes at the new layout with Megatron's
-    learning rate and every rank holding its part of the file's Adam moments."""
+def _mcore_moments(name: str) -> dict:
+    """Adam moments of a torch_dist fixture by legacy parameter name, read by global key."""
+    from megatron.dist_checkpointing import DistCheckpointReader
+    from megatron.dist_checkpointing.keys import mcore_key
+
+    reader = DistCheckpointReader(os.path.join(fixture_dir(name), "iter_0000003"))
+    step = int(float(reader.common_state()["optimizer"]["state"]["common_step"]))
+    out = {}
+    for param in _named_params_in_group_order():
+        key, layer = mcore_key(param)
+        entry = {"step": step}
+        for field in ("exp_avg", "exp_avg_sq"):
+            whole = reader.read(f"optimizer.state.{field}.{key}")
+            entry[field] = whole if layer is None else whole[layer]
+        out[param] = entry
+    return out
+
+
+@pytest.mark.parametrize("source,target_format,tp,pp", [
+    ("legacy_tp1_trained", "torch", 2, 1), ("legacy_tp1_trained", "torch", 1, 2),
+    ("legacy_tp1_trained", "torch_dist", 2, 1), ("mcore_dist_tp1_trained", "torch", 2, 1)])
+def test_converted_trained_file_resumes_with_its_moments(tmp_path, source, target_format, tp,
+                                                         pp):
+    """Resharded by the converter (either format to either), the file resumes at the new
+    layout with Megatron's learning rate and every rank holding its part of the file's Adam
+    moments."""
     out = str(tmp_path / f"tp{tp}pp{pp}")
-    convert("--load-dir", fixture_dir("legacy_tp1_trained"), "--save-dir", out,
-            "--target-tensor-parallel-size", str(tp), "--target-pipeline-parallel-size", str(pp))
-    argv = megatron_argv("legacy_tp1_trained") + ["--load", out, "--device", "cpu",
-                                                  "--mock-data"]
+    convert("--load-dir", fixture_dir(source), "--save-dir", out, "--target-ckpt-format",
+            target_format, "--target-tensor-parallel-size", str(tp),
+            "--target-pipeline-parallel-size", str(pp))
+    argv = megatron_argv(source) + ["--load", out, "--device", "cpu", "--mock-data",
+                                    "--ckpt-format", target_format]
     argv[argv.index("--tensor-model-parallel-size") + 1] = str(tp)
     argv[argv.index("--pipeline-model-parallel-size") + 1] = str(pp)
     results = run_on_ranks(_resume_state, tp * pp, argv)
-    saved = _saved_moments(fixture_dir("legacy_tp1_trained"))
+    saved = (_saved_moments(fixture_dir(source)) if source.startswith("legacy")
+             else _mcore_moments(source))
     seen = set()
     for rank, out_rank in enumerate(results):
         tp_rank, pp_rank = rank % tp, rank // tp

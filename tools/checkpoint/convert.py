@@ -97,7 +97,8 @@ def _check(args) -> None:
                                       f"--loader megatron, not --loader {args.loader}")
 
 
-def _load(args) -> Iterator[Piece]:
+def _load(args, view: Optional[str] = None) -> Iterator[Piece]:
+    """The source's stream: its weights, or one optimizer field (``view``) in their shapes."""
     if args.loader == "hf":
         from megatron.convert.hf import load_hf
 
@@ -107,8 +108,9 @@ def _load(args) -> Iterator[Piece]:
 
     if dist_io.find_dist_checkpoint(args.load_dir, args.ckpt_step) is not None:
         return dist_io.load_dist(args.load_dir, args.ckpt_step,
-                                 true_vocab_size=args.true_vocab_size)
-    return load_megatron(args.load_dir, args.ckpt_step, true_vocab_size=args.true_vocab_size)
+                                 true_vocab_size=args.true_vocab_size, view=view)
+    return load_megatron(args.load_dir, args.ckpt_step, true_vocab_size=args.true_vocab_size,
+                         view=view)
 
 
 def _cast(pieces: Iterable[Piece], dtype: torch.dtype) -> Iterator[Piece]:
@@ -177,16 +179,13 @@ def convert(args) -> str:
             if "use_dist_ckpt" in meta.source_args:
                 meta.source_args["use_dist_ckpt"] = target_format == "torch_dist"
         streams = None
-        if meta.optimizer is not None and target_format == "torch":
-            from megatron.convert.megatron_io import load_megatron
-
-            fields = ("exp_avg", "exp_avg_sq", "main")
-            streams = {field: load_megatron(args.load_dir, args.ckpt_step,
-                                            true_vocab_size=meta.vocab_size, view=field)
-                       for field in fields}
+        if meta.optimizer is not None:
+            streams = {field: _load(args, view=field)
+                       for field in ("exp_avg", "exp_avg_sq", "main")}
         if target_format == "torch_dist":
             save_dist(counter, args.save_dir, tp, pp,
-                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
+                      make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                      optimizer_streams=streams)
         else:
             save_megatron(counter, args.save_dir, tp, pp,
                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
