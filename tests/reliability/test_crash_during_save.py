@@ -281,3 +281,57 @@ def test_kill_while_replacing_the_tracked_iteration(tmp_path, corpus, reference_
     assert last.results(0)["last"]["losses"] == []
     assert sorted(os.listdir(save)) == FINAL
     _assert_same_checkpoint(save, reference_1["save"], ITERS, 1)
+
+
+# -- --ckpt-format torch_dist -----------------------------------------------------------------
+
+DIST_POINTS = ("before_files", "after_file", "before_rename", "before_tracker", "after_tracker")
+
+
+def _dist_tensors(iter_dir):
+    from megatron.dist_checkpointing import DistCheckpointReader
+
+    reader = DistCheckpointReader(iter_dir)
+    return reader, {key: reader.read(key) for key in reader.tensor_keys()}
+
+
+@pytest.fixture(scope="module")
+def reference_dist(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference_dist")
+    save = str(root / "save")
+    argv = _flags(corpus, save, 2) + ["--ckpt-format", "torch_dist"]
+    group = launch.start(launch.train_runs, 2, [{"name": "ref", "argv": argv}],
+                         log_dir=str(root / "logs"))
+    assert group.wait() == [0, 0]
+    return {"losses": group.results(1)["ref"]["losses"], "save": save}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("point", DIST_POINTS)
+def test_torch_dist_save_killed_anywhere_loses_nothing(tmp_path, corpus, reference_dist, point,
+                                                       async_save):
+    """A torch_dist save (two ranks, each writing its own shards) killed at any point leaves
+    the tracker on a complete checkpoint; the resumed run finishes with the uninterrupted
+    run's losses and the same final tensors, bit for bit."""
+    save = str(tmp_path / "ckpt")
+    argv = _flags(corpus, save, 2, async_save) + ["--ckpt-format", "torch_dist"]
+    crash = launch.start(launch.train_runs, 2, [{"name": "crash", "argv": argv,
+                                                 "env": {CRASH_ENV: f"{point}:2@0"}}],
+                         log_dir=str(tmp_path / "crash"))
+    codes = crash.wait()
+    assert codes[0] == -signal.SIGKILL, (codes, crash.log(0)[-3000:])
+    resumes_from = 4 if point == "after_tracker" else 2
+    assert read_tracker(save) == (resumes_from, False)
+    resume = launch.start(launch.train_runs, 2, [{"name": "resume", "argv": argv + ["--load",
+                                                                                    save]}],
+                          log_dir=str(tmp_path / "resume"))
+    assert resume.wait() == [0, 0], resume.log(0)[-3000:]
+    assert resume.results(1)["resume"]["losses"] == reference_dist["losses"][resumes_from:]
+    assert sorted(os.listdir(save)) == FINAL
+    got_reader, got = _dist_tensors(os.path.join(save, "iter_0000006"))
+    want_reader, want = _dist_tensors(os.path.join(reference_dist["save"], "iter_0000006"))
+    assert sorted(got) == sorted(want)
+    for key in want:
+        assert torch.equal(got[key], want[key]), key
+    assert got_reader.common_state()["iteration"] == 6
