@@ -406,3 +406,53 @@ def test_hf_export_of_a_null_tokenizer_model_gives_megatrons_logits(tmp_path):
         logits = model(ref["tokens"]).logits
     assert logits.shape[-1] == 200  # the tokenizer's size; Megatron pads to 256
     torch.testing.assert_close(logits, ref["logits"][..., :200], atol=LOGITS_ATOL, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# The tools that run a trained model: zero-shot evaluation and the generation server
+# --------------------------------------------------------------------------------------------
+
+def _evaluate(argv):
+    from tasks.main import main
+
+    return main(argv)
+
+
+@pytest.mark.parametrize("name", ["legacy_tp1", "mcore_dist_tp1"])
+def test_zero_shot_evaluation_gives_megatrons_loss(tmp_path, name):
+    """WIKITEXT103 over one document made of the recorded sample (its tokens, then its last
+    label): the one window's average loss is the mean of Megatron's per-token losses."""
+    import numpy as np
+
+    from megatron.data.indexed_dataset import IndexedDatasetBuilder, get_idx_path
+
+    ref = reference(name)
+    doc = torch.cat([ref["tokens"][0], ref["labels"][0, -1:]]).numpy().astype(np.int64)
+    prefix = str(tmp_path / "sample_text_document")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    builder.add_item(doc)
+    builder.end_document()
+    builder.finalize(get_idx_path(prefix))
+    argv = megatron_argv(name) + ["--load", fixture_dir(name), "--device", "cpu",
+                                  "--task", "WIKITEXT103", "--valid-data", prefix,
+                                  "--overlapping-eval", "32", "--num-workers", "0"]
+    result = run_on_ranks(_evaluate, 1, argv)[0][0]  # the one --valid-data file
+    assert result["num_tokenized_tokens"] - 1 == 32
+    assert result["avg loss"] == pytest.approx(float(ref["per_token_loss"][0].mean()),
+                                               abs=LOGITS_ATOL)
+
+
+def test_generation_server_serves_a_megatron_checkpoint(tmp_path):
+    """tools/run_text_generation_server.py on Megatron's file answers with the greedy
+    continuation that Megatron's logits give for the prompt's next token."""
+    from tests.functional import test_text_generation_server as server
+
+    ref = reference("mcore_dist_tp1")
+    prompt = " ".join(str(int(t)) for t in ref["tokens"][0])
+    want = int(ref["logits"][0, -1, :201].argmax())  # ids this tokenizer can produce
+    flags = [f for f in megatron_argv("mcore_dist_tp1")]
+    with server.Server(fixture_dir("mcore_dist_tp1"), tmp_path, extra=flags) as running:
+        status, body = running.request({"prompts": [prompt], "tokens_to_generate": 1,
+                                        "top_k": 1})
+    assert status == 200, body
+    assert body["text"][0].split()[-1] == str(want)
