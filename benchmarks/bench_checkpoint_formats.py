@@ -79,18 +79,24 @@ def get_args(argv=None) -> argparse.Namespace:
                         help="append the output to benchmarks/RESULTS.md")
     opts = parser.parse_args(argv)
     if opts.small:
-        opts.layers, opts.hidden, opts.heads, opts.vocab, opts.seq = 2, 64, 2, 256, 32
+        # 300 tokens: padded to 384, so padding rows exist at both layouts.
+        opts.layers, opts.hidden, opts.heads, opts.vocab, opts.seq = 2, 64, 2, 300, 32
     return opts
 
 
 def model_flags(opts, fmt: str, tp: int, extra=()) -> List[str]:
-    """The pretrain_gpt.py flags of the model at one layout (no data is read)."""
+    """The pretrain_gpt.py flags of the model at one layout (no data is read).
+
+    The vocabulary is padded to a multiple of 128 at every TP size (``128 // tp`` x TP): a
+    checkpoint loads only into the padded vocabulary size it was saved with.
+    """
     flags = f"""
     --num-layers {opts.layers} --hidden-size {opts.hidden} --num-attention-heads {opts.heads}
     --seq-length {opts.seq} --max-position-embeddings {opts.seq} --micro-batch-size 1
     --global-batch-size 2 --train-iters 100 --lr 1e-4 --min-lr 1e-5 --lr-decay-style cosine
     --weight-decay 0.1 --clip-grad 1.0 --tokenizer-type NullTokenizer
-    --vocab-size {opts.vocab - 1} --tensor-model-parallel-size {tp} --mock-data
+    --vocab-size {opts.vocab - 1} --make-vocab-size-divisible-by {128 // tp}
+    --tensor-model-parallel-size {tp} --mock-data
     --num-workers 0 --device cpu --seed 1234 --ckpt-format {fmt}
     """.split()
     return flags + list(extra)
@@ -333,10 +339,9 @@ def main(argv=None) -> None:
 
 
 def _param_count(opts) -> int:
-    """Parameters of the whole model (vocabulary padded to a multiple of 128 x TP)."""
+    """Parameters of the whole model (vocabulary padded to a multiple of 128)."""
     h, layers = opts.hidden, opts.layers
-    multiple = 128 * SAVE_LAYOUT[1]
-    vocab = -(-opts.vocab // multiple) * multiple
+    vocab = -(-opts.vocab // 128) * 128
     per_layer = 12 * h * h + 13 * h
     return vocab * h + opts.seq * h + layers * per_layer + 2 * h
 
