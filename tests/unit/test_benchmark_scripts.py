@@ -94,3 +94,20 @@ def test_bench_scaling_tiny_run_reports_every_layout():
         row = re.search(rf"^\| {re.escape(layout)} \| \d x \d \| \d+ \| \d+ \| [\d.]+x \|"
                         rf" ([\d.]+%)", out, re.M)
         assert row, out
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_formats_small_run_prints_every_ratio():
+    out = _run(["benchmarks/bench_checkpoint_formats.py", "--small", "--repeats", "1"],
+               timeout=900)
+    for what in ("save time, fastest", "save time, median", "load time, fastest",
+                 "load time, median", "bytes on disk"):
+        assert re.search(rf"^\| {re.escape(what)} \| [\d.]+ (s|MiB) \| [\d.]+ (s|MiB) \| "
+                         r"[\d.]+x \|$", out, re.M), out
+    for kind in ("save", "load"):
+        for what in ("peak RSS", "extra over start"):
+            assert re.search(rf"^\| {kind} {what}, rank 0 / rank 1 \(median\) \| \d+ / \d+ MiB "
+                             r"\| \d+ / \d+ MiB \| ([\d.]+x|n/a) \|$", out, re.M), out
+    # The torch_dist checkpoint saved at TP=2 loaded at TP=1 x DP=2 (checked inside the run).
+    assert re.search(r"^\| TP=1 x DP=2, distributed optimizer \| [\d.]+ s \| [\d.]+ s \|", out,
+                     re.M), out
