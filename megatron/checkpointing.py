@@ -671,14 +671,14 @@ def _is_dist(iter_dir: str) -> bool:
     return os.path.isfile(os.path.join(iter_dir, ".metadata"))
 
 
-def _check_args(saved, args, path: str) -> None:
+def _check_args(saved, args, path: str, ignore=()) -> None:
     if saved is None:
         return
     saved = megatron_args(saved)
     diffs = [f"{_ARG_LABELS.get(n, '--' + n.replace('_', '-'))} "
              f"(checkpoint {_shape_value(saved, n)!r}, flags {_shape_value(args, n)!r})"
              for n in SHAPE_ARGS
-             if hasattr(saved, n) and hasattr(args, n)
+             if n not in ignore and hasattr(saved, n) and hasattr(args, n)
              and _shape_value(saved, n) != _shape_value(args, n)]
     if diffs:
         raise CheckpointError(f"{path}: the model shape differs from the flags: "

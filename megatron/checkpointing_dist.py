@@ -381,11 +381,32 @@ def _load_distributed(optimizer, inner, mains, trees, groups, saved) -> None:
     optimizer.load_state_dict(state_dict)
 
 
+def _check_vocab(saved, args, path: str) -> None:
+    """The vocabulary a torch_dist checkpoint was padded from must fit this run's table."""
+    saved_padded = getattr(saved, "padded_vocab_size", None)
+    if saved_padded is None or saved_padded == args.padded_vocab_size:
+        return
+    from megatron import global_vars
+
+    try:
+        vocab = global_vars.get_tokenizer().vocab_size
+    except Exception:  # noqa: BLE001 - no tokenizer set up: the smaller table must do
+        vocab = min(saved_padded, args.padded_vocab_size)
+    if saved_padded < vocab:
+        raise checkpointing.CheckpointError(
+            f"{path}: saved with a vocabulary table of {saved_padded} rows; this run's has "
+            f"{args.padded_vocab_size}, and the tokenizer needs {vocab}")
+
+
 def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, optimizer,
                     opt_param_scheduler, args, pstate, weights_only: bool = False) -> dict:
     """Load a torch_dist iteration folder at this run's layout; returns the common state."""
     reader, common = _open(iter_dir)
-    checkpointing._check_args(common.get("args"), args, iter_dir)
+    # The vocabulary's padding follows the TP size; the tables are read row by row (see
+    # read_local), so only the true vocabulary must match.
+    checkpointing._check_args(common.get("args"), args, iter_dir,
+                              ignore=("padded_vocab_size",))
+    _check_vocab(common.get("args"), args, iter_dir)
     layouts = _layouts(model_chunks, _model_config(model_chunks), pstate)
     _load_model(reader, model_chunks, layouts, iter_dir)
     if weights_only:

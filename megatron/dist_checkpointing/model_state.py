@@ -108,10 +108,34 @@ def common_objects(common_state: dict, rng_states: Optional[list] = None,
     return items
 
 
+# Tensors with a row per (padded) vocabulary entry: the padding depends on the TP size
+# (--make-vocab-size-divisible-by x TP), so their saved row count may differ from this run's.
+VOCAB_ROW_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+def _read_vocab_rows(reader: DistCheckpointReader, key: str, out: torch.Tensor,
+                     place: Placement, name: str) -> None:
+    """This rank's rows of a vocabulary table saved with another padding: the rows both
+    paddings have are read; rows past the saved table (padding only) are zeros. Rows dropped
+    are the saved table's extra padding, which no token id reaches."""
+    saved = reader.shape(key)
+    if tuple(saved[1:]) != tuple(place.global_shape[1:]):
+        raise DistCheckpointError(
+            f"{reader.path}: {key!r} has global shape {list(saved)}; the model needs rows of "
+            f"{list(place.global_shape[1:])} (for {name})")
+    start, rows = place.global_offset[0], out.shape[0]
+    have = max(0, min(rows, saved[0] - start))
+    out.zero_()
+    if have:
+        reader.read(key, (start,) + (0,) * (out.dim() - 1), (have,) + tuple(out.shape[1:]),
+                    out=out[:have])
+
+
 def read_local(reader: DistCheckpointReader, name: str, like: torch.Tensor,
                layout: ChunkLayout, prefix: str = "") -> torch.Tensor:
     """The local tensor ``name`` at ``layout``, read from the checkpoint into a new tensor of
-    ``like``'s shape and dtype (any chunking, any saved layout).
+    ``like``'s shape and dtype (any chunking, any saved layout; a vocabulary table may have
+    been padded for another TP size).
 
     Raises:
         DistCheckpointError: the key is absent or its global shape differs from what the
@@ -122,6 +146,9 @@ def read_local(reader: DistCheckpointReader, name: str, like: torch.Tensor,
         key = prefix + place.key
         if key not in reader:
             raise DistCheckpointError(f"{reader.path}: no {key!r} (for {name})")
+        if place.key in VOCAB_ROW_KEYS and reader.shape(key) != place.global_shape:
+            _read_vocab_rows(reader, key, _piece(out, place), place, name)
+            continue
         if reader.shape(key) != place.global_shape:
             raise DistCheckpointError(
                 f"{reader.path}: {key!r} has global shape {list(reader.shape(key))}; the model "

@@ -195,3 +195,36 @@ def test_a_training_save_has_megatron_cores_keys_shapes_and_dtypes(tmp_path):
     assert float(mine["optimizer"]["state"]["common_step"]) == 3
     assert [(g["wd_mult"], g["lr_mult"]) for g in mine["optimizer"]["param_groups"]] == [
         (g["wd_mult"], g["lr_mult"]) for g in megatrons["optimizer"]["param_groups"]]
+
+
+def _table_after_load(argv):
+    """Rank body: this rank's word-embedding rows and their exp_avg after loading."""
+    out = _resume_state(argv)
+    name = "language_model.embedding.word_embeddings.weight"
+    return out["moments"][name]["exp_avg"], out["iteration"]
+
+
+def test_another_tp_size_with_another_vocabulary_padding_loads(corpus, tmp_path):
+    """The table is padded to a multiple of 32 x TP here: 160 rows at TP 1, 192 at TP 2. Saved
+    at TP 2 and loaded at TP 1 (and the reverse), the rows both paddings have are the saved
+    ones, extra padding rows are dropped or come in as zeros, and training goes on."""
+    pad = ["--make-vocab-size-divisible-by", "32"]
+    save2, save1 = str(tmp_path / "tp2"), str(tmp_path / "tp1")
+    _run(corpus, "tp2", pad + ["--save", save2, "--save-interval", "4"])
+    run_on_ranks(run_pretrain, 1, _flags(corpus, extra=pad + ["--save", save1,
+                                                              "--save-interval", "4"]))
+    key = "optimizer.state.exp_avg.embedding.word_embeddings.weight"
+    saved2 = DistCheckpointReader(os.path.join(save2, "iter_0000004")).read(key)
+    saved1 = DistCheckpointReader(os.path.join(save1, "iter_0000004")).read(key)
+    assert saved2.shape[0] == 192 and saved1.shape[0] == 160
+
+    at1 = run_on_ranks(_table_after_load, 1, _flags(corpus, extra=pad + [
+        "--load", save2, "--ckpt-step", "4", "--mock-data"]))[0][0]
+    assert torch.equal(at1, saved2[:160])
+    at2 = run_on_ranks(_table_after_load, 2, _flags(corpus, tp=2, extra=pad + [
+        "--load", save1, "--ckpt-step", "4", "--mock-data"]))
+    whole = torch.cat([rows for rows, _ in at2])
+    assert torch.equal(whole[:160], saved1) and not whole[160:].any()
+    resumed = run_on_ranks(run_pretrain, 1, _flags(corpus, extra=pad + ["--load", save2,
+                                                                        "--ckpt-step", "4"]))[0]
+    assert [i for i, _ in resumed["losses"]] == [5, 6, 7, 8]
