@@ -158,6 +158,8 @@ def _optimizer_meta(reader: DistCheckpointReader, common: dict) -> tuple:
             return None, f"a param group scales its learning rate (lr_mult {key[1]})"
         hparams[key] = {k: v for k, v in group.items() if k != "params"}
     step = saved.get("state", {}).get("common_step", 0)
+    if int(float(step)) == 0:
+        return None, "its optimizer has not taken a step (no Adam state yet)"
     return {"step": int(float(step)), "hparams": hparams, "has_main": False,
             "grad_scaler": saved.get("grad_scaler")}, ""
 

@@ -135,6 +135,8 @@ class _Source:
                 scaler = scaler or found.grad_scaler
         if len(steps) != 1:
             return None, f"its ranks have taken different numbers of steps ({sorted(steps)})"
+        if steps == {0}:
+            return None, "its optimizer has not taken a step (no Adam state yet)"
         return {"step": steps.pop(), "hparams": hparams, "has_main": has_main == {True},
                 "grad_scaler": scaler}, ""
 

@@ -75,6 +75,7 @@ def _collect_groups():
     }
 
 
+@pytest.mark.slow  # 8 processes on 2 cores; every multi-rank test builds these groups too
 def test_groups_created_on_8_ranks():
     results = run_on_ranks(_collect_groups, 8)
     keys = {"tp": "tp_groups", "dp": "dp_groups", "pp": "pp_groups",

@@ -31,6 +31,7 @@ def _split_body():
     return calc_params_l2_norm([model], state), shared
 
 
+@pytest.mark.slow  # 4 ranks; tests/functional/test_flag_surface.py checks the logged norm
 def test_params_norm_tp2_pp2_matches_the_whole_model():
     reference = _norm64(GPTModel(make_config(), single_process_state()))
     results = run_on_ranks(_split_body, 4)

@@ -432,6 +432,7 @@ def test_interleaved_and_uneven_pipelines_convert_exactly(corpus, tmp_path, froz
     _assert_same_tensors(flatten_state_dict(_states(out)[(0, 0)]["model"]), frozen_reference)
 
 
+@pytest.mark.slow  # the Megatron-written trained files are resharded in the default suite
 def test_cli_carries_adam_state_so_the_resumed_run_continues(corpus, tmp_path):
     """Saved at 4 of 8 iterations by DP = 2 with the distributed optimizer, converted by the
     CLI to TP = 2 (Adam moments resharded like the weights), resumed without the distributed

@@ -31,7 +31,7 @@ def _with_layout(argv, tp, pp=1):
     return argv
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_megatron_core_file_gives_its_logits(tp):
     name = "mcore_dist_tp1"
     argv = _with_layout(megatron_argv(name), tp) + ["--load", fixture_dir(name), "--device",
@@ -49,7 +49,7 @@ def _mcore_key(name: str) -> str:
     return mcore_key(name)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_megatron_core_trained_file_resumes_with_its_schedule_and_moments(tmp_path, tp):
     from megatron.dist_checkpointing import chunk_layout
     from megatron.dist_checkpointing.model_state import read_local
@@ -144,6 +144,7 @@ def test_resume_at_the_same_layout_is_bit_exact_and_another_layout_continues(cor
         "__0_0.distcp", "__1_0.distcp"]   # each rank wrote its own shards
 
 
+@pytest.mark.slow  # also swept, killed at every point, in tests/reliability
 def test_async_save_writes_the_same_checkpoint(corpus, tmp_path, straight):
     save = str(tmp_path / "async")
     _run(corpus, "dp2_distopt", ["--save", save, "--save-interval", "4", "--async-save"])
@@ -162,6 +163,7 @@ def test_reshard_matrix(corpus, tmp_path, straight, saved):
                               straight)
 
 
+@pytest.mark.slow
 def test_convert_while_loading_writes_the_other_format(corpus, tmp_path):
     """--ckpt-convert-format / --ckpt-convert-save: load, write it in the other format, exit."""
     from megatron import checkpointing
@@ -204,6 +206,7 @@ def _table_after_load(argv):
     return out["moments"][name]["exp_avg"], out["iteration"]
 
 
+@pytest.mark.slow
 def test_another_tp_size_with_another_vocabulary_padding_loads(corpus, tmp_path):
     """The table is padded to a multiple of 32 x TP here: 160 rows at TP 1, 192 at TP 2. Saved
     at TP 2 and loaded at TP 1 (and the reverse), the rows both paddings have are the saved

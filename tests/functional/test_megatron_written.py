@@ -300,6 +300,7 @@ def convert(*argv):
     tool.convert(tool.build_parser().parse_args(["--model-type", "GPT", *argv]))
 
 
+@pytest.mark.slow  # the TP=2 resume below loads the same kind of converted file
 def test_converted_to_tp2_gives_megatrons_logits(tmp_path):
     out = str(tmp_path / "tp2")
     convert("--load-dir", fixture_dir("legacy_tp1"), "--save-dir", out,
@@ -357,8 +358,10 @@ def _mcore_moments(name: str) -> dict:
 
 
 @pytest.mark.parametrize("source,target_format,tp,pp", [
-    ("legacy_tp1_trained", "torch", 2, 1), ("legacy_tp1_trained", "torch", 1, 2),
-    ("legacy_tp1_trained", "torch_dist", 2, 1), ("mcore_dist_tp1_trained", "torch", 2, 1)])
+    ("legacy_tp1_trained", "torch", 2, 1),
+    pytest.param("legacy_tp1_trained", "torch", 1, 2, marks=pytest.mark.slow),
+    pytest.param("legacy_tp1_trained", "torch_dist", 2, 1, marks=pytest.mark.slow),
+    pytest.param("mcore_dist_tp1_trained", "torch", 2, 1, marks=pytest.mark.slow)])
 def test_converted_trained_file_resumes_with_its_moments(tmp_path, source, target_format, tp,
                                                          pp):
     """Resharded by the converter (either format to either), the file resumes at the new
@@ -418,7 +421,8 @@ def _evaluate(argv):
     return main(argv)
 
 
-@pytest.mark.parametrize("name", ["legacy_tp1", "mcore_dist_tp1"])
+@pytest.mark.parametrize("name", ["legacy_tp1",
+                                  pytest.param("mcore_dist_tp1", marks=pytest.mark.slow)])
 def test_zero_shot_evaluation_gives_megatrons_loss(tmp_path, name):
     """WIKITEXT103 over one document made of the recorded sample (its tokens, then its last
     label): the one window's average loss is the mean of Megatron's per-token losses."""

@@ -56,6 +56,7 @@ def _run(args, timeout):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_bench_peers_tiny_run_prints_every_contender():
     pytest.importorskip("transformers")
     out = _run(["benchmarks/bench_peers.py", "--layers", "1", "--hidden", "64", "--heads", "2",
