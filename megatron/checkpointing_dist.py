@@ -261,6 +261,36 @@ def saved_args(iter_dir: str) -> Optional[argparse.Namespace]:
     return _open(iter_dir)[1].get("args")
 
 
+def _check_unexpected(reader, model_chunks, layouts, args, path: str) -> None:
+    """--dist-ckpt-strictness: saved model tensors that this model has no place for are
+    ignored (assume_ok_unexpected), listed (log_unexpected) or stop the load (raise_*)."""
+    strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
+    if strictness == "assume_ok_unexpected":
+        return
+    from megatron.dist_checkpointing.keys import placements
+
+    wanted = set()
+    for chunk, layout in zip(model_chunks, layouts):
+        tree = chunk.state_dict_for_save_checkpoint()
+        for name in _flat_names(tree):
+            wanted |= {p.key for p in placements(name, tuple(_local_param(tree, name).shape),
+                                                  layout)}
+    if dist.is_initialized():
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(wanted))
+        wanted = {k for keys_ in gathered for k in keys_}
+    unexpected = sorted(k for k in reader.tensor_keys()
+                        if not k.startswith(OPTIMIZER_STATE_PREFIX) and k not in wanted)
+    if not unexpected:
+        return
+    message = (f"{path}: {len(unexpected)} saved tensor(s) this model has no place for: "
+               f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
+    if strictness.startswith("raise"):
+        raise checkpointing.CheckpointError(message + f" (--dist-ckpt-strictness {strictness})")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"NOTE: {message}; ignored (--dist-ckpt-strictness {strictness})", flush=True)
+
+
 def _load_model(reader, model_chunks, layouts, path: str) -> None:
     loaded = []
     try:
@@ -408,6 +438,7 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
                               ignore=("padded_vocab_size",))
     _check_vocab(common.get("args"), args, iter_dir)
     layouts = _layouts(model_chunks, _model_config(model_chunks), pstate)
+    _check_unexpected(reader, model_chunks, layouts, args, iter_dir)
     _load_model(reader, model_chunks, layouts, iter_dir)
     if weights_only:
         return common

@@ -231,3 +231,54 @@ def test_another_tp_size_with_another_vocabulary_padding_loads(corpus, tmp_path)
     resumed = run_on_ranks(run_pretrain, 1, _flags(corpus, extra=pad + ["--load", save2,
                                                                         "--ckpt-step", "4"]))[0]
     assert [i for i, _ in resumed["losses"]] == [5, 6, 7, 8]
+
+
+def _weights_only_load(argv):
+    """Rank body: load --load's weights into a fresh model; the error text, if any."""
+    import pretrain_gpt
+    from megatron import checkpointing, global_vars
+    from megatron.inference import initialize_for_inference, load_model_for_inference
+
+    try:
+        args, pstate, _ = initialize_for_inference(argv=argv)
+        load_model_for_inference(pretrain_gpt.model_provider, args, pstate)
+        return None
+    except checkpointing.CheckpointError as err:
+        return str(err)
+    finally:
+        global_vars.unset_global_variables()
+
+
+def _with_an_extra_tensor(name: str, dest) -> str:
+    """A copy of a torch_dist fixture with one more saved tensor, in a second data file."""
+    import pickle
+
+    from megatron.dist_checkpointing.writer import ShardWriter, build_metadata
+    from megatron.safe_unpickle import load_dcp_metadata
+
+    root = writable_copy(name, dest)
+    iter_dir = os.path.join(root, "iter_0000010")
+    with ShardWriter(iter_dir, rank=1) as writer:
+        writer.add_tensor("decoder.extra_head.weight", torch.ones(3, 4), (3, 4), (0, 0))
+    extra = build_metadata(writer.records)
+    metadata = load_dcp_metadata(os.path.join(iter_dir, ".metadata"))
+    metadata.state_dict_metadata.update(extra.state_dict_metadata)
+    metadata.storage_data.update(extra.storage_data)
+    with open(os.path.join(iter_dir, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    return root
+
+
+def test_strictness_decides_about_saved_tensors_the_model_lacks(tmp_path, capfd):
+    """A saved tensor this model has no place for is ignored by default, listed with
+    log_unexpected, and stops the load with raise_unexpected."""
+    load = _with_an_extra_tensor("mcore_dist_tp1", tmp_path)
+    base = megatron_argv("mcore_dist_tp1") + ["--load", load, "--device", "cpu"]
+    assert run_on_ranks(_weights_only_load, 1, base)[0] is None
+    logged = run_on_ranks(_weights_only_load, 1, base + ["--dist-ckpt-strictness",
+                                                          "log_unexpected"])[0]
+    assert logged is None
+    assert "decoder.extra_head.weight; ignored" in capfd.readouterr().out
+    error = run_on_ranks(_weights_only_load, 1, base + ["--dist-ckpt-strictness",
+                                                         "raise_unexpected"])[0]
+    assert "1 saved tensor(s) this model has no place for: decoder.extra_head.weight" in error
