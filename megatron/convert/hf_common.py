@@ -1,7 +1,8 @@
 """Helpers the Hugging Face architecture modules share: reading ``config.json`` with errors that
-name the file and key, dtype names, and the canonical tensor shapes a layer must have."""
+name the file and key, dtype and GeLU names, rotary settings, splitting the fused
+``query_key_value`` into q / k / v, and the canonical tensor shapes a layer must have."""
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -10,6 +11,13 @@ from megatron.convert.schema import ConversionError, ModelMeta
 # config.json's dtype names (``torch_dtype``, ``dtype`` in newer transformers) and ours.
 DTYPE_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NAME_BY_DTYPE = {dtype: name for name, dtype in DTYPE_BY_NAME.items()}
+
+# This project's GeLU is the tanh approximation with and without ``--openai-gelu`` (the two
+# differ only in how sqrt(2/pi) is rounded, 1e-9 relative). HF names the same function
+# ``gelu_new`` and ``gelu_pytorch_tanh``; the first stands for ``--openai-gelu``, the second for
+# the default, so the flag survives a round trip. HF's ``gelu`` (erf) is another function.
+ACTIVATION_BY_OPENAI_GELU = {True: "gelu_new", False: "gelu_pytorch_tanh"}
+OPENAI_GELU_BY_ACTIVATION = {"gelu_new": True, "gelu_pytorch_tanh": False, "gelu_fast": False}
 
 _MISSING = object()
 
@@ -65,6 +73,53 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ConversionError(f"params dtype {dtype} has no Hugging Face equivalent; expected "
                               f"one of {', '.join(DTYPE_BY_NAME)}")
     return NAME_BY_DTYPE[dtype]
+
+
+def rope_settings(config: ConfigView, theta_key: str, factor_key: str,
+                  factor_default: float) -> Tuple[int, float]:
+    """``(--rotary-base, --rotary-percent)`` of a config: values inside ``rope_parameters`` (or
+    the older ``rope_scaling``) first, then the architecture's own top-level keys ``theta_key`` /
+    ``factor_key``, then transformers' defaults (10000, ``factor_default``), the order in which
+    transformers itself reads them. Only plain (unscaled) rotary embeddings are accepted."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise config.unsupported("rope_parameters", params, "a dict")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise config.unsupported("rope_parameters.rope_type", rope_type, "'default' (no scaling)")
+    factor = params.get("partial_rotary_factor", config.get(factor_key, factor_default))
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+        raise config.unsupported(factor_key, factor, "a fraction in (0, 1] (--rotary-percent)")
+    theta = params.get("rope_theta", config.get(theta_key, 10000.0))
+    if float(theta) != int(theta):
+        raise config.unsupported(theta_key, theta, "an integer (--rotary-base)")
+    return int(theta), float(factor)
+
+
+def split_qkv(qkv: torch.Tensor, meta: ModelMeta):
+    """Fused rows ``[ng, np/ng + 2, hn, ...]`` -> q ``[np hn, ...]``, k and v ``[ng hn, ...]``.
+
+    Query head ``j`` uses key/value head ``j // (np / ng)`` in Megatron and in the HF classes
+    with separate projections, so splitting each group's rows keeps the heads in order."""
+    groups, hn = meta.num_query_groups, meta.kv_channels
+    per_group = meta.num_attention_heads // groups
+    rest = tuple(qkv.shape[1:])
+    grouped = qkv.view(groups, per_group + 2, hn, *rest)
+    q = grouped[:, :per_group].reshape(groups * per_group * hn, *rest)
+    k = grouped[:, per_group].reshape(groups * hn, *rest)
+    v = grouped[:, per_group + 1].reshape(groups * hn, *rest)
+    return q, k, v
+
+
+def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ModelMeta) -> torch.Tensor:
+    """Inverse of :func:`split_qkv`."""
+    groups, hn = meta.num_query_groups, meta.kv_channels
+    per_group = meta.num_attention_heads // groups
+    rest = tuple(q.shape[1:])
+    grouped = torch.cat([q.reshape(groups, per_group, hn, *rest),
+                         k.reshape(groups, 1, hn, *rest),
+                         v.reshape(groups, 1, hn, *rest)], dim=1)   # [ng, np/ng + 2, hn, ...]
+    return grouped.reshape(-1, *rest)
 
 
 def canonical_layer_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:

@@ -9,26 +9,21 @@ Layout differences:
   ``[out, in]``.
 - Its fused ``c_attn`` output is ``[q | k | v]``, each ``[np, hn]``; Megatron's
   ``query_key_value`` rows are ordered per head as ``[np, 3, hn]``.
-- GeLU: this project's GeLU is the tanh approximation with and without ``--openai-gelu`` (the
-  two differ only in how sqrt(2/pi) is rounded, 1e-9 relative). HF names the same function
-  ``gelu_new`` and ``gelu_pytorch_tanh``; the first stands for ``--openai-gelu``, the second for
-  the default, so the flag survives a round trip. HF's ``gelu`` (erf) is another function and is
-  refused on loading.
+- GeLU: the tanh form with or without ``--openai-gelu`` is ``gelu_new`` / ``gelu_pytorch_tanh``
+  (see :data:`megatron.convert.hf_common.ACTIVATION_BY_OPENAI_GELU`); HF's ``gelu`` (erf) is
+  another function and is refused on loading.
 """
 
 from typing import Dict, List, Optional
 
 import torch
 
-from megatron.convert.hf_common import ConfigView, dtype_name
+from megatron.convert.hf_common import (ACTIVATION_BY_OPENAI_GELU, OPENAI_GELU_BY_ACTIVATION,
+                                         ConfigView, dtype_name)
 from megatron.convert.schema import ConversionError, ModelMeta, fit_vocab_rows
 
 MODEL_TYPE = "gpt2"
 ARCHITECTURE = "GPT2LMHeadModel"
-
-_ACTIVATION_BY_OPENAI_GELU = {True: "gelu_new", False: "gelu_pytorch_tanh"}
-# HF activations that compute the tanh-approximated GeLU, and the flag each maps to.
-_OPENAI_GELU_BY_ACTIVATION = {"gelu_new": True, "gelu_pytorch_tanh": False, "gelu_fast": False}
 
 
 def unsupported_features(meta: ModelMeta) -> List[str]:
@@ -69,7 +64,7 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
         "n_layer": meta.num_layers,
         "n_head": meta.num_attention_heads,
         "n_inner": meta.ffn_hidden_size,
-        "activation_function": _ACTIVATION_BY_OPENAI_GELU[bool(meta.openai_gelu)],
+        "activation_function": ACTIVATION_BY_OPENAI_GELU[bool(meta.openai_gelu)],
         "layer_norm_epsilon": meta.norm_epsilon,
         "resid_pdrop": hidden_dropout,
         "embd_pdrop": hidden_dropout,
@@ -136,10 +131,10 @@ def output_layer_to_hf(t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str,
 def meta_from_config(config: ConfigView) -> ModelMeta:
     """The model a GPT-2 config.json describes; refuses settings our model cannot compute."""
     activation = config.get("activation_function", "gelu_new")
-    if activation not in _OPENAI_GELU_BY_ACTIVATION:
+    if activation not in OPENAI_GELU_BY_ACTIVATION:
         raise config.unsupported("activation_function", activation,
                                  "the tanh-approximated GeLU ("
-                                 + ", ".join(_OPENAI_GELU_BY_ACTIVATION) + ")")
+                                 + ", ".join(OPENAI_GELU_BY_ACTIVATION) + ")")
     for key, allowed in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                          ("add_cross_attention", False)):
         value = config.get(key, allowed)
@@ -159,7 +154,7 @@ def meta_from_config(config: ConfigView) -> ModelMeta:
         max_position_embeddings=positions, vocab_size=vocab, padded_vocab_size=vocab,
         position_embedding_type="learned_absolute", normalization="LayerNorm",
         norm_epsilon=config.need("layer_norm_epsilon", float, default=1e-5), swiglu=False,
-        openai_gelu=_OPENAI_GELU_BY_ACTIVATION[activation], add_bias_linear=True,
+        openai_gelu=OPENAI_GELU_BY_ACTIVATION[activation], add_bias_linear=True,
         untie_embeddings_and_output_weights=False, params_dtype=config.params_dtype(),
         seq_length=positions)
 

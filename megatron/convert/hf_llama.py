@@ -19,7 +19,8 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron.convert.hf_common import ConfigView, dtype_name
+from megatron.convert.hf_common import (ConfigView, dtype_name, join_qkv, rope_settings,
+                                         split_qkv)
 from megatron.convert.schema import ModelMeta, fit_vocab_rows
 
 MODEL_TYPE = "llama"
@@ -30,8 +31,7 @@ def unsupported_features(meta: ModelMeta) -> List[str]:
     """What of ``meta``'s model Llama cannot express, each naming its flag (empty: all fine)."""
     problems = []
     if meta.normalization != "RMSNorm":
-        problems.append(f"--normalization {meta.normalization} with --position-embedding-type "
-                        "rope (Llama uses RMSNorm; no other rotary architecture is written)")
+        problems.append(f"--normalization {meta.normalization} (Llama uses RMSNorm)")
     if not meta.swiglu:
         problems.append("GeLU MLP without --swiglu (Llama's MLP is SwiGLU)")
     if meta.rotary_percent != 1.0:
@@ -96,34 +96,11 @@ def embeddings_to_hf(tensors: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[
                                                         meta.vocab_size, meta.vocab_size)}
 
 
-def _split_qkv(qkv: torch.Tensor, meta: ModelMeta):
-    """Fused rows ``[ng, np/ng + 2, hn, ...]`` -> q ``[np hn, ...]``, k and v ``[ng hn, ...]``."""
-    groups, hn = meta.num_query_groups, meta.kv_channels
-    per_group = meta.num_attention_heads // groups
-    rest = tuple(qkv.shape[1:])
-    grouped = qkv.view(groups, per_group + 2, hn, *rest)
-    q = grouped[:, :per_group].reshape(groups * per_group * hn, *rest)
-    k = grouped[:, per_group].reshape(groups * hn, *rest)
-    v = grouped[:, per_group + 1].reshape(groups * hn, *rest)
-    return q, k, v
-
-
-def _join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ModelMeta) -> torch.Tensor:
-    """Inverse of :func:`_split_qkv`."""
-    groups, hn = meta.num_query_groups, meta.kv_channels
-    per_group = meta.num_attention_heads // groups
-    rest = tuple(q.shape[1:])
-    grouped = torch.cat([q.reshape(groups, per_group, hn, *rest),
-                         k.reshape(groups, 1, hn, *rest),
-                         v.reshape(groups, 1, hn, *rest)], dim=1)   # [ng, np/ng + 2, hn, ...]
-    return grouped.reshape(-1, *rest)
-
-
 def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
     """One canonical layer as ``model.layers.{index}.*``."""
     p = f"model.layers.{index}."
     ffn = meta.ffn_hidden_size
-    q, k, v = _split_qkv(t["self_attention.query_key_value.weight"], meta)
+    q, k, v = split_qkv(t["self_attention.query_key_value.weight"], meta)
     fc = t["mlp.dense_h_to_4h.weight"]                                   # [2 ffn, h]
     out = {
         p + "input_layernorm.weight": t["input_layernorm.weight"],
@@ -137,7 +114,7 @@ def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict
         p + "mlp.down_proj.weight": t["mlp.dense_4h_to_h.weight"],
     }
     if meta.add_bias_linear:
-        qb, kb, vb = _split_qkv(t["self_attention.query_key_value.bias"], meta)
+        qb, kb, vb = split_qkv(t["self_attention.query_key_value.bias"], meta)
         fc_bias = t["mlp.dense_h_to_4h.bias"]
         out.update({
             p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
@@ -161,22 +138,12 @@ def output_layer_to_hf(t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str,
 
 
 def _rope_theta(config: ConfigView) -> int:
-    """The rotary base from ``rope_parameters`` / ``rope_scaling`` / ``rope_theta``; only plain
-    (unscaled) rotary embeddings over the whole head are accepted."""
-    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise config.unsupported("rope_parameters", params, "a dict")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise config.unsupported("rope_parameters.rope_type", rope_type, "'default' (no scaling)")
-    for key in ("partial_rotary_factor",):
-        factor = params.get(key, config.get(key, 1.0))
-        if factor != 1.0:
-            raise config.unsupported(key, factor, "1.0")
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    if float(theta) != int(theta):
-        raise config.unsupported("rope_theta", theta, "an integer (--rotary-base)")
-    return int(theta)
+    """The rotary base; only plain (unscaled) rotary embeddings over the whole head are
+    accepted."""
+    theta, factor = rope_settings(config, "rope_theta", "partial_rotary_factor", 1.0)
+    if factor != 1.0:
+        raise config.unsupported("partial_rotary_factor", factor, "1.0")
+    return theta
 
 
 def meta_from_config(config: ConfigView) -> ModelMeta:
@@ -222,7 +189,7 @@ def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tenso
 
     out = {
         "input_layernorm.weight": get("input_layernorm.weight", (h,)),
-        "self_attention.query_key_value.weight": _join_qkv(
+        "self_attention.query_key_value.weight": join_qkv(
             get("self_attn.q_proj.weight", (q_rows, h)),
             get("self_attn.k_proj.weight", (kv_rows, h)),
             get("self_attn.v_proj.weight", (kv_rows, h)), meta),
@@ -233,7 +200,7 @@ def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tenso
         "mlp.dense_4h_to_h.weight": get("mlp.down_proj.weight", (h, ffn)),
     }
     if meta.add_bias_linear:
-        out["self_attention.query_key_value.bias"] = _join_qkv(
+        out["self_attention.query_key_value.bias"] = join_qkv(
             get("self_attn.q_proj.bias", (q_rows,)), get("self_attn.k_proj.bias", (kv_rows,)),
             get("self_attn.v_proj.bias", (kv_rows,)), meta)
         out["self_attention.dense.bias"] = get("self_attn.o_proj.bias", (h,))
