@@ -2,7 +2,8 @@
 
 A tiny GPTModel (TP = PP = 1) is turned into the canonical stream straight from its checkpoint
 dict, written with ``save_hf``, and loaded by ``transformers`` (``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``AutoTokenizer``) as an independent reference. Parameters are perturbed
+``LlamaForCausalLM``, ``GPTNeoXForCausalLM``, ``AutoTokenizer``) as an independent
+reference. Parameters are perturbed
 (std 0.2, layer norms included) so that activations are of order one and any wrong transpose,
 head order or activation shows: e.g. erf GeLU in place of our tanh GeLU moves the logits by
 ~1e-3. The same float32 function computed by two codes differs by ~3e-6 here (other summation
@@ -34,6 +35,8 @@ transformers = pytest.importorskip("transformers")
 VOCAB, PADDED, SEQ = 100, 128, 16
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
              add_bias_linear=False, num_query_groups=2, ffn_hidden_size=48, rotary_base=500)
+# rope + LayerNorm + GeLU -> GPT-NeoX, with partial rotary.
+NEOX = dict(position_embedding_type="rope", rotary_percent=0.5, rotary_base=500)
 STDLIB_TEXT = inspect.getsource(textwrap) + "\n  naïve café — 数学 \t tabs\n\n 12345 !!"
 
 
@@ -62,6 +65,7 @@ def make_meta(cfg, vocab=VOCAB, **fields):
         max_position_embeddings=cfg.max_position_embeddings, vocab_size=vocab,
         padded_vocab_size=cfg.padded_vocab_size,
         position_embedding_type=cfg.position_embedding_type, rotary_base=cfg.rotary_base,
+        rotary_percent=cfg.rotary_percent, add_qkv_bias=cfg.add_qkv_bias,
         normalization=cfg.normalization, norm_epsilon=cfg.layernorm_epsilon,
         swiglu=cfg.swiglu, openai_gelu=cfg.openai_gelu, add_bias_linear=cfg.add_bias_linear,
         untie_embeddings_and_output_weights=cfg.untie_embeddings_and_output_weights,
@@ -139,6 +143,30 @@ def test_llama_logits_match_transformers(tmp_path, variant):
     assert_same_logits(model, transformers.LlamaForCausalLM, folder)
 
 
+def _config(folder):
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("variant", ["partial_untied", "full_tied_openai_gelu", "no_biases"])
+def test_neox_logits_match_transformers(tmp_path, variant):
+    """Also checks that GPT-NeoX's fused query_key_value is Megatron's per-head [q; k; v]."""
+    overrides = dict(NEOX, untie_embeddings_and_output_weights=variant == "partial_untied",
+                     add_bias_linear=variant != "no_biases")
+    if variant == "full_tied_openai_gelu":
+        overrides.update(rotary_percent=1.0, openai_gelu=True)
+    cfg, model = build_model(seed=6, **overrides)
+    folder = export(tmp_path, model, make_meta(cfg))
+    config = _config(folder)
+    assert config["model_type"] == "gpt_neox" and config["use_parallel_residual"] is False
+    assert config["rotary_pct"] == overrides["rotary_percent"]
+    assert config["attention_bias"] == (variant != "no_biases")
+    assert config["hidden_act"] == ("gelu_new" if variant == "full_tied_openai_gelu"
+                                    else "gelu_pytorch_tanh")
+    assert config["tie_word_embeddings"] == (variant != "partial_untied")
+    assert_same_logits(model, transformers.GPTNeoXForCausalLM, folder)
+
+
 def test_sharded_folder_loads_in_transformers(tmp_path):
     cfg, model = build_model(seed=3, **LLAMA)
     folder = export(tmp_path, model, make_meta(cfg), max_shard_size=20_000)
@@ -163,10 +191,17 @@ NOT_ROUND_TRIPPED = {"padded_vocab_size", "tokenizer_type", "vocab_file", "merge
                      "tokenizer_model"}
 
 
-@pytest.mark.parametrize("case", ["gpt2", "gpt2_bf16", "llama_untied", "llama_sharded"])
+ROUND_TRIP_CASES = {
+    "gpt2": dict(openai_gelu=True), "gpt2_bf16": dict(openai_gelu=True),
+    "llama_untied": dict(LLAMA, untie_embeddings_and_output_weights=True), "llama_sharded": LLAMA,
+    "neox_untied": dict(NEOX, untie_embeddings_and_output_weights=True),
+    "neox_no_biases": dict(NEOX, add_bias_linear=False, openai_gelu=True),
+}
+
+
+@pytest.mark.parametrize("case", ROUND_TRIP_CASES)
 def test_megatron_hf_megatron_is_bit_identical(tmp_path, case):
-    overrides = dict(openai_gelu=True) if case.startswith("gpt2") else dict(
-        LLAMA, untie_embeddings_and_output_weights=case == "llama_untied")
+    overrides = ROUND_TRIP_CASES[case]
     cfg, model = build_model(seed=4, **overrides)
     meta = make_meta(cfg, params_dtype=torch.bfloat16 if case == "gpt2_bf16" else torch.float32)
     source = canonical_pieces(model, meta)
@@ -294,15 +329,21 @@ def _meta_only(tmp_path, meta, **kwargs):
      r"GPT2LMHeadModel.*--untie-embeddings-and-output-weights"),
     (dict(add_bias_linear=False), r"--disable-bias-linear"),
     (dict(num_query_groups=2), r"--num-query-groups 2"),
-    (dict(position_embedding_type="rope"), r"LlamaForCausalLM.*--normalization LayerNorm"),
+    (dict(position_embedding_type="rope", normalization="RMSNorm"),
+     r"LlamaForCausalLM.*GeLU MLP without --swiglu"),
+    (dict(position_embedding_type="rope", num_query_groups=2),
+     r"^--group-query-attention --num-query-groups 2 .*GeLU MLP"),
+    (dict(position_embedding_type="rope", add_bias_linear=False, add_qkv_bias=True),
+     r"GPTNeoXForCausalLM.*--add-qkv-bias"),
     (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
           rotary_percent=0.5), r"--rotary-percent 0.5"),
     (dict(position_embedding_type="none"), r"--position-embedding-type none"),
 ])
 def test_unexpressible_models_are_refused_before_writing(tmp_path, overrides, pattern):
     cfg, _ = build_model()
-    with pytest.raises(ConversionError, match=pattern):
+    with pytest.raises(ConversionError, match=pattern) as err:
         _meta_only(tmp_path, make_meta(cfg, **overrides), allow_no_tokenizer=True)
+    assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
 
 
@@ -362,3 +403,31 @@ def test_load_errors(tmp_path):
     os.remove(os.path.join(folder, "model.safetensors"))
     with pytest.raises(ConversionError, match=r"model\.safetensors"):
         load_hf(folder)
+
+
+def test_neox_load_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg, model = build_model(**dict(NEOX, add_bias_linear=False))
+    folder = export(tmp_path, model, make_meta(cfg))
+    config_path, config = os.path.join(folder, "config.json"), _config(folder)
+
+    def write(**changes):
+        with open(config_path, "w") as f:
+            json.dump({key: value for key, value in {**config, **changes}.items()
+                       if value is not None}, f)
+
+    for key, value in (("use_parallel_residual", True), ("hidden_act", "gelu")):
+        write(**{key: value})
+        with pytest.raises(ConversionError, match=rf"'{key}' is {value!r}"):
+            load_hf(folder)
+    write(rope_parameters=None)             # older configs: rotary_pct / rotary_emb_base only
+    meta = next(load_hf(folder)).meta
+    assert (meta.rotary_percent, meta.rotary_base) == (0.5, 500)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["gpt_neox.layers.1.mlp.dense_4h_to_h.bias"][0] = 1.0
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"layers\.1\.mlp\.dense_4h_to_h\.bias is not zero"):
+        list(load_hf(folder))
+
