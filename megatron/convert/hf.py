@@ -9,7 +9,8 @@ layer at a time. These architectures are written and read:
 - ``GPT2LMHeadModel`` (:mod:`megatron.convert.hf_gpt2`) for ``--position-embedding-type
   learned_absolute`` models;
 - for ``--position-embedding-type rope``: ``LlamaForCausalLM`` (:mod:`megatron.convert.hf_llama`)
-  with ``--normalization RMSNorm``; with LayerNorm, ``GPTNeoXForCausalLM``
+  with ``--normalization RMSNorm``; with LayerNorm, ``StableLmForCausalLM``
+  (:mod:`megatron.convert.hf_stablelm`) for ``--swiglu`` models and ``GPTNeoXForCausalLM``
   (:mod:`megatron.convert.hf_neox`) for GeLU ones;
 - for BERT, ``BertForPreTraining`` / ``MegatronBertForPreTraining`` (or ``*ForMaskedLM`` without
   the binary head) (:mod:`megatron.convert.hf_bert`).
@@ -31,13 +32,13 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.convert import hf_bert, hf_gpt2, hf_llama, hf_neox
+from megatron.convert import hf_bert, hf_gpt2, hf_llama, hf_neox, hf_stablelm
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
 
-_FAMILIES = {**{family.MODEL_TYPE: family for family in (hf_gpt2, hf_llama, hf_neox)},
+_FAMILIES = {**{family.MODEL_TYPE: family for family in (hf_gpt2, hf_llama, hf_neox, hf_stablelm)},
              **{model_type: hf_bert for model_type in hf_bert.POST_LN_BY_MODEL_TYPE}}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -48,7 +49,7 @@ DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
 
 
 # Flags of a Megatron source that change what the weights compute in a way none of the
-# transformers classes written here (GPT-2, Llama, GPT-NeoX, BERT) can express.
+# transformers classes written here (GPT-2, Llama, GPT-NeoX, StableLM, BERT) can express.
 _NUMERICS_WITHOUT_HF_EQUIVALENT = (
     ("qk_layernorm", "--qk-layernorm"), ("apply_layernorm_1p", "--apply-layernorm-1p"),
     ("squared_relu", "--squared-relu"), ("rotary_interleaved", "--rotary-interleaved"),
@@ -61,7 +62,7 @@ def _refuse_numerics_flags(meta: ModelMeta) -> None:
     for name, flag in _NUMERICS_WITHOUT_HF_EQUIVALENT:
         if source.get(name):
             raise ConversionError(f"{flag}: no Hugging Face architecture written here (GPT-2, "
-                                  "Llama, GPT-NeoX, BERT) computes this model; "
+                                  "Llama, GPT-NeoX, StableLM, BERT) computes this model; "
                                   "convert it to Megatron checkpoints only")
 
 
@@ -85,8 +86,8 @@ def family_for_meta(meta: ModelMeta):
         family, chosen_by = _rope_family(meta)
     else:
         raise ConversionError(f"--position-embedding-type {kind}: only learned_absolute "
-                              "(-> GPT2LMHeadModel) and rope (-> LlamaForCausalLM "
-                              "or GPTNeoXForCausalLM) models can be written "
+                              "(-> GPT2LMHeadModel) and rope (-> LlamaForCausalLM, "
+                              "StableLmForCausalLM or GPTNeoXForCausalLM) models can be written "
                               "as Hugging Face folders")
     problems = family.unsupported_features(meta)
     if problems:
@@ -96,17 +97,19 @@ def family_for_meta(meta: ModelMeta):
 
 
 def _rope_family(meta: ModelMeta):
-    """``(family, the flags that chose it)`` for a rotary model: Llama for RMSNorm, GPT-NeoX for
-    LayerNorm + GeLU without GQA."""
+    """``(family, the flags that chose it)`` for a rotary model: Llama for RMSNorm, StableLM for
+    LayerNorm + SwiGLU, GPT-NeoX for LayerNorm + GeLU without GQA."""
     if meta.normalization != "LayerNorm":
         return hf_llama, f"--position-embedding-type rope --normalization {meta.normalization}"
-    if meta.group_query_attention and not meta.swiglu:
+    if meta.swiglu:
+        return hf_stablelm, "--position-embedding-type rope --normalization LayerNorm --swiglu"
+    if meta.group_query_attention:
         raise ConversionError(
             f"--group-query-attention --num-query-groups {meta.num_query_groups} with "
             f"{meta.num_attention_heads} heads, --position-embedding-type rope, --normalization "
             "LayerNorm and a GeLU MLP: no Hugging Face architecture written here computes this "
-            "model (GPT-NeoX has one key/value head per query head)")
-    return hf_neox, "--position-embedding-type rope --normalization LayerNorm"
+            "model (GPT-NeoX has one key/value head per query head; StableLM needs --swiglu)")
+    return hf_neox, "--position-embedding-type rope --normalization LayerNorm, GeLU MLP"
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -375,8 +378,8 @@ def _read_config(folder: str) -> ConfigView:
 
 
 def load_hf(load_dir: str) -> Iterator[Piece]:
-    """The canonical stream of the Hugging Face folder ``load_dir`` (GPT-2, Llama, GPT-NeoX
-    or BERT).
+    """The canonical stream of the Hugging Face folder ``load_dir`` (GPT-2, Llama, GPT-NeoX,
+    StableLM or BERT).
 
     config.json, the architecture and the weight files are checked when this is called; the
     tensors are then read lazily, one piece at a time, as the stream is consumed. The meta's
@@ -386,7 +389,7 @@ def load_hf(load_dir: str) -> Iterator[Piece]:
 
     Raises:
         ConversionError: config.json or the weights are missing, the ``model_type`` is not
-            gpt2, llama, gpt_neox, bert or megatron-bert, or a setting / tensor does
+            gpt2, llama, gpt_neox, stablelm, bert or megatron-bert, or a setting / tensor does
             not fit our model.
     """
     config = _read_config(load_dir)

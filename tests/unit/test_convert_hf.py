@@ -2,8 +2,8 @@
 
 A tiny GPTModel (TP = PP = 1) is turned into the canonical stream straight from its checkpoint
 dict, written with ``save_hf``, and loaded by ``transformers`` (``GPT2LMHeadModel``,
-``LlamaForCausalLM``, ``GPTNeoXForCausalLM``, ``AutoTokenizer``) as an independent
-reference. Parameters are perturbed
+``LlamaForCausalLM``, ``GPTNeoXForCausalLM``, ``StableLmForCausalLM``, ``AutoTokenizer``) as an
+independent reference. Parameters are perturbed
 (std 0.2, layer norms included) so that activations are of order one and any wrong transpose,
 head order or activation shows: e.g. erf GeLU in place of our tanh GeLU moves the logits by
 ~1e-3. The same float32 function computed by two codes differs by ~3e-6 here (other summation
@@ -35,8 +35,10 @@ transformers = pytest.importorskip("transformers")
 VOCAB, PADDED, SEQ = 100, 128, 16
 LLAMA = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
              add_bias_linear=False, num_query_groups=2, ffn_hidden_size=48, rotary_base=500)
-# rope + LayerNorm + GeLU -> GPT-NeoX, with partial rotary.
+# rope + LayerNorm: GeLU -> GPT-NeoX, SwiGLU -> StableLM; both with partial rotary.
 NEOX = dict(position_embedding_type="rope", rotary_percent=0.5, rotary_base=500)
+STABLELM = dict(position_embedding_type="rope", swiglu=True, add_bias_linear=False,
+                num_query_groups=2, ffn_hidden_size=48, rotary_percent=0.5, rotary_base=500)
 STDLIB_TEXT = inspect.getsource(textwrap) + "\n  naïve café — 数学 \t tabs\n\n 12345 !!"
 
 
@@ -167,6 +169,22 @@ def test_neox_logits_match_transformers(tmp_path, variant):
     assert_same_logits(model, transformers.GPTNeoXForCausalLM, folder)
 
 
+@pytest.mark.parametrize("variant", ["gqa_untied", "gqa_qkv_bias_tied", "mha_full_rotary"])
+def test_stablelm_logits_match_transformers(tmp_path, variant):
+    overrides = dict(STABLELM, untie_embeddings_and_output_weights=variant == "gqa_untied",
+                     add_qkv_bias=variant == "gqa_qkv_bias_tied")
+    if variant == "mha_full_rotary":
+        overrides.update(num_query_groups=4, rotary_percent=1.0)
+    cfg, model = build_model(seed=7, **overrides)
+    folder = export(tmp_path, model, make_meta(cfg))
+    config = _config(folder)
+    assert config["model_type"] == "stablelm" and config["qk_layernorm"] is False
+    assert config["num_key_value_heads"] == overrides["num_query_groups"]
+    assert config["partial_rotary_factor"] == overrides["rotary_percent"]
+    assert config["use_qkv_bias"] == (variant == "gqa_qkv_bias_tied")
+    assert_same_logits(model, transformers.StableLmForCausalLM, folder)
+
+
 def test_sharded_folder_loads_in_transformers(tmp_path):
     cfg, model = build_model(seed=3, **LLAMA)
     folder = export(tmp_path, model, make_meta(cfg), max_shard_size=20_000)
@@ -196,6 +214,8 @@ ROUND_TRIP_CASES = {
     "llama_untied": dict(LLAMA, untie_embeddings_and_output_weights=True), "llama_sharded": LLAMA,
     "neox_untied": dict(NEOX, untie_embeddings_and_output_weights=True),
     "neox_no_biases": dict(NEOX, add_bias_linear=False, openai_gelu=True),
+    "stablelm_qkv_bias": dict(STABLELM, add_qkv_bias=True,
+                              untie_embeddings_and_output_weights=True),
 }
 
 
@@ -335,6 +355,8 @@ def _meta_only(tmp_path, meta, **kwargs):
      r"^--group-query-attention --num-query-groups 2 .*GeLU MLP"),
     (dict(position_embedding_type="rope", add_bias_linear=False, add_qkv_bias=True),
      r"GPTNeoXForCausalLM.*--add-qkv-bias"),
+    (dict(position_embedding_type="rope", swiglu=True),
+     r"StableLmForCausalLM.*without --disable-bias-linear"),
     (dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
           rotary_percent=0.5), r"--rotary-percent 0.5"),
     (dict(position_embedding_type="none"), r"--position-embedding-type none"),
@@ -405,7 +427,7 @@ def test_load_errors(tmp_path):
         load_hf(folder)
 
 
-def test_neox_load_errors(tmp_path):
+def test_neox_and_stablelm_load_errors(tmp_path):
     from safetensors.torch import load_file, save_file
 
     cfg, model = build_model(**dict(NEOX, add_bias_linear=False))
@@ -431,3 +453,9 @@ def test_neox_load_errors(tmp_path):
     with pytest.raises(ConversionError, match=r"layers\.1\.mlp\.dense_4h_to_h\.bias is not zero"):
         list(load_hf(folder))
 
+    cfg, model = build_model(**STABLELM)
+    folder = export(tmp_path, model, make_meta(cfg), name="stablelm")
+    config_path, config = os.path.join(folder, "config.json"), _config(folder)
+    write(qk_layernorm=True)
+    with pytest.raises(ConversionError, match=r"'qk_layernorm' is True"):
+        load_hf(folder)
