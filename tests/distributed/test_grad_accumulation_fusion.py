@@ -111,6 +111,7 @@ def test_bf16_activations_accumulate_in_fp32_main_grad():
     torch.testing.assert_close(out["g2"], ref2, rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.slow  # the main_grad tests above check the fused accumulation against fp64
 def test_training_losses_same_with_and_without_fusion(tmp_path):
     data = write_counting_corpus(str(tmp_path / "data" / "counting"))
     flags = gpt_flags(data, 4, tp=2, dropout=0.0)

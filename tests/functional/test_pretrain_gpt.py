@@ -52,7 +52,7 @@ def test_layouts_and_accumulation_agree(corpus):
             assert abs(a - b) < 1e-4 * abs(a), (name, base, other)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_resume_is_bit_exact(corpus, tmp_path, tp):
     """2N iterations straight == N, save, new processes load and run N more (dropout on)."""
     n = 4
@@ -185,7 +185,7 @@ def _run_recording_masks(argv, explicit_causal_mask):
     return {"losses": _losses(out), "masks": masks}
 
 
-@pytest.mark.parametrize("flash", [False, True])
+@pytest.mark.parametrize("flash", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_causal_batches_pass_no_mask_and_train_as_with_it(corpus, flash):
     """Without --reset-attention-mask the mask is exactly causal, so get_batch passes None
     (attention then runs its causal kernels); the losses equal those of the explicit mask."""
