@@ -205,6 +205,9 @@ def _one_run(run: dict, rank: int, events) -> dict:
 
     old_env = {key: os.environ.get(key) for key in run.get("env", {})}
     os.environ.update(run.get("env", {}))
+    # The handlers this process had before the run (inherited from whoever forked it), which a
+    # run must put back.
+    handlers_before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
     undo = [_instrument(run, rank, events)]
     probe = {}
     try:
@@ -232,9 +235,8 @@ def _one_run(run: dict, rank: int, events) -> dict:
         global_vars.unset_global_variables()
         parallel_state.destroy_model_parallel()
     out.update(name=run["name"], probe=probe,
-               handlers_restored=(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-                                  and signal.getsignal(signal.SIGINT)
-                                  == signal.default_int_handler))
+               handlers_restored=(signal.getsignal(signal.SIGTERM),
+                                  signal.getsignal(signal.SIGINT)) == handlers_before)
     return out
 
 
