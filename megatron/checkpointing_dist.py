@@ -4,8 +4,10 @@ Saving: every rank writes its own shards of the model (its TP piece of its pipel
 layers, under Megatron-Core's global keys, :mod:`megatron.dist_checkpointing`) and of the Adam
 state (``optimizer.state.exp_avg.<key>``, ``optimizer.state.exp_avg_sq.<key>``, and
 ``optimizer.state.fp32_param.<key>`` for a half-precision model); data-parallel copies are
-written once, by DP rank 0. With ``--use-distributed-optimizer`` the moments are first gathered
-over the data-parallel group (the layout on disk is the same). Global rank 0 writes
+written once, by DP rank 0. With ``--use-distributed-optimizer`` every data-parallel rank writes
+the range of each parameter's state it owns, as boxes of the same global tensors (no gather;
+the keys and shapes on disk are the same), and reads back only about its own share. Global
+rank 0 writes
 ``common_state`` (args, iteration, scheduler, optimizer param groups and step) and the
 metadata. The folder is staged, and published with the tracker only after every rank finished,
 as in :mod:`megatron.checkpointing`.
@@ -32,8 +34,8 @@ from megatron.dist_checkpointing import (DistCheckpointError, DistCheckpointRead
                                          write_metadata,
                                          common_objects, extra_state_objects,
                                          load_model_state, model_shards,
-                                         optimizer_state_shards, read_local, save_shards,
-                                         tensor_shards)
+                                         optimizer_state_shards, range_shards, read_local,
+                                         read_local_rows, save_shards, tensor_shards)
 from megatron.dist_checkpointing.keys import OPTIMIZER_STATE_PREFIX
 from megatron.safe_unpickle import UnsafeCheckpointError
 
@@ -63,13 +65,11 @@ def _chunk_trees(model_chunks) -> List[dict]:
     return [chunk.state_dict_for_save_checkpoint() for chunk in model_chunks]
 
 
-def _optimizer_entries(optimizer, trees: List[dict]) -> Tuple[Optional[optimizer_state.SourceOptimizer],
-                                                               Optional[dict]]:
-    """Per-parameter Adam state of this rank (None on a DP rank > 0 of the distributed
-    optimizer, whose gathered state lives on DP rank 0) and the state dict it came from."""
+def _optimizer_entries(optimizer, trees: List[dict]) -> Tuple[optimizer_state.SourceOptimizer,
+                                                               dict]:
+    """Per-parameter Adam state of this rank (a non-distributed optimizer) and the state dict
+    it came from."""
     state_dict = optimizer.state_dict()
-    if state_dict is None or state_dict.get("param_state", True) is None:
-        return None, state_dict
     found, why = optimizer_state.SourceOptimizer.read({"optimizer": state_dict}, trees)
     if found is None:
         raise checkpointing.CheckpointError(f"--ckpt-format torch_dist: cannot save the "
@@ -77,24 +77,50 @@ def _optimizer_entries(optimizer, trees: List[dict]) -> Tuple[Optional[optimizer
     return found, state_dict
 
 
-def _common_state(iteration, args, opt_param_scheduler, state_dict, entries) -> dict:
+def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool):
+    """What this rank of the distributed optimizer writes of its own state (no collective),
+    and its group hyper-parameters by (wd_mult, lr_mult) and step."""
+    groups = _current_order(optimizer, trees)
+    local = optimizer.local_param_state()
+    items = []
+    for members, row in zip(groups, local):
+        for (chunk, name, shape), entry in zip(members, row):
+            if entry is None:
+                continue
+            for field in optimizer_state.MOMENTS:
+                if field in entry:
+                    items += range_shards(name, shape, entry["start"], entry[field],
+                                          layouts[chunk], f"{OPTIMIZER_STATE_PREFIX}{field}.")
+            if half:
+                items += range_shards(name, shape, entry["start"], entry["param"],
+                                      layouts[chunk], MAIN_PREFIX)
+    metas = optimizer.group_metadata()
+    hparams = {(float(m.get("wd_mult", 1.0)), float(m.get("lr_mult", 1.0))):
+               {k: v for k, v in m.items()
+                if k not in ("step", "bias_correction", "model_params")}
+               for m in metas}
+    step = max((int(m.get("step", 0)) for m in metas), default=0)
+    return items, hparams, step
+
+
+def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler) -> dict:
     common = {"args": checkpointing._plain_args(args),
               "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0,
               "content_metadata": dict(_CONTENT_METADATA)}
     if not args.no_save_optim:
         common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        groups = [dict(hparams, wd_mult=key[0], lr_mult=key[1])
-                  for key, hparams in sorted(entries.hparams.items(), reverse=True)]
-        common["optimizer"] = {"state": {"common_step": torch.tensor(float(entries.step))},
+        groups = [dict(group, wd_mult=key[0], lr_mult=key[1])
+                  for key, group in sorted(hparams.items(), reverse=True)]
+        common["optimizer"] = {"state": {"common_step": torch.tensor(float(step))},
                                "param_groups": groups}
-        if isinstance(state_dict, dict) and state_dict.get("grad_scaler") is not None:
-            common["optimizer"]["grad_scaler"] = state_dict["grad_scaler"]
+        if grad_scaler is not None:
+            common["optimizer"]["grad_scaler"] = grad_scaler
     return common
 
 
 def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate) -> list:
-    """Everything this rank writes (collective: RNG states and optimizer gathers)."""
+    """Everything this rank writes (collective: the RNG states)."""
     config = _model_config(model_chunks)
     layouts = _layouts(model_chunks, config, pstate)
     trees = _chunk_trees(model_chunks)
@@ -105,10 +131,17 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
     finish = getattr(optimizer, "finish_param_sync", None)
     if finish is not None:
         finish()
-    entries, state_dict = (None, None)
+    half = args.fp16 or args.bf16
+    entries, items, hparams, step, grad_scaler = None, [], None, 0, None
     if not args.no_save_optim:
-        entries, state_dict = _optimizer_entries(optimizer, trees)
-    items = []
+        if hasattr(optimizer, "local_param_state"):  # the distributed optimizer
+            items, hparams, step = _distributed_optimizer_shards(optimizer, trees, layouts, half)
+            scaler = getattr(optimizer, "grad_scaler", None)
+            grad_scaler = scaler.state_dict() if scaler is not None else None
+        else:
+            entries, state_dict = _optimizer_entries(optimizer, trees)
+            hparams, step = entries.hparams, entries.step
+            grad_scaler = state_dict.get("grad_scaler") if isinstance(state_dict, dict) else None
     for chunk, (tree, layout) in enumerate(zip(trees, layouts)):
         items += model_shards(tree, layout)
         num_local = sum(1 for name in _flat_names(tree) if name.endswith(
@@ -121,15 +154,13 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
                 continue
             moments = {k: v for k, v in fields.items() if k in optimizer_state.MOMENTS}
             items += optimizer_state_shards(name, moments, layout)
-            if args.fp16 or args.bf16:
+            if half:
                 main = fields.get(optimizer_state.MAIN)
                 if main is not None:
                     items += tensor_shards(name, main, layout, MAIN_PREFIX)
     common = None
     if dist.get_rank() == 0:
-        if entries is None and not args.no_save_optim:
-            raise checkpointing.CheckpointError("rank 0 holds no optimizer state to save")
-        common = _common_state(iteration, args, opt_param_scheduler, state_dict, entries)
+        common = _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler)
     if pstate.dp_rank == 0:  # global rank 0 is DP rank 0
         items += common_objects(common, rng_states, pstate.pp_rank, pstate.pp_size,
                                 pstate.tp_rank, pstate.tp_size)
@@ -335,13 +366,21 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
     saved_groups = {(float(g.get("wd_mult", 1.0)), float(g.get("lr_mult", 1.0))): g
                     for g in saved["param_groups"]}
     half = args.fp16 or args.bf16
+    main_present = half and any(k.startswith(MAIN_PREFIX) for k in reader.tensor_keys())
+    all_hparams = []
+    for group in optimizer.param_groups:
+        key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
+        hparams = {k: v for k, v in group.items() if k not in ("params", "model_params")}
+        hparams.update({k: v for k, v in saved_groups.get(key, {}).items()
+                        if k in ("lr", "weight_decay", "betas", "eps")})
+        all_hparams.append(hparams)
+    if hasattr(optimizer, "load_local_param_state"):  # the distributed optimizer
+        _load_distributed(reader, optimizer, trees, layouts, groups, all_hparams, step,
+                          main_present, saved.get("grad_scaler"), path)
+        return
     state, param_groups, mains, index = {}, [], [], 0
     try:
-        for group, members in zip(optimizer.param_groups, groups):
-            key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
-            hparams = {k: v for k, v in group.items() if k not in ("params", "model_params")}
-            hparams.update({k: v for k, v in saved_groups.get(key, {}).items()
-                            if k in ("lr", "weight_decay", "betas", "eps")})
+        for hparams, members in zip(all_hparams, groups):
             ids, main_row = [], []
             for chunk, name, _ in members:
                 like = _local_param(trees[chunk], name)
@@ -351,9 +390,8 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
                                               f"{OPTIMIZER_STATE_PREFIX}{field}.")
                 state[index] = entry
                 if half:
-                    main_key_present = any(k.startswith(MAIN_PREFIX) for k in reader.tensor_keys())
                     main_row.append(read_local(reader, name, like.float(), layouts[chunk],
-                                               MAIN_PREFIX) if main_key_present
+                                               MAIN_PREFIX) if main_present
                                     else like.detach().float().clone())
                 ids.append(index)
                 index += 1
@@ -363,9 +401,6 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
         raise checkpointing.CheckpointError(f"{path}: optimizer state does not fit: "
                                             f"{err}") from None
     inner = {"state": state, "param_groups": param_groups}
-    if hasattr(optimizer, "shard_groups"):  # the distributed optimizer: whole tensors in
-        _load_distributed(optimizer, inner, mains if half else None, trees, groups, saved)
-        return
     if half:
         full = {"optimizer": inner, "fp32_from_fp16_params": mains}
         if saved.get("grad_scaler") is not None:
@@ -390,25 +425,33 @@ def _local_param(tree: dict, name: str) -> torch.Tensor:
     return node
 
 
-def _load_distributed(optimizer, inner, mains, trees, groups, saved) -> None:
-    """The distributed optimizer takes whole per-parameter tensors and keeps its pieces."""
-    param_state = []
-    for g, members in enumerate(groups):
-        row = []
-        for j, (chunk, name, _) in enumerate(members):
-            entry = inner["state"][inner["param_groups"][g]["params"][j]]
-            main = (mains[g][j] if mains is not None
-                    else _local_param(trees[chunk], name).detach().float().clone())
-            row.append({"param": main, "exp_avg": entry["exp_avg"],
-                        "exp_avg_sq": entry["exp_avg_sq"]})
-        param_state.append(row)
-    step = int(float(saved.get("state", {}).get("common_step", 0)))
-    groups_meta = [dict({k: v for k, v in g.items() if k != "params"}, step=step)
-                   for g in inner["param_groups"]]
-    state_dict = {"optimizer": {"param_groups": groups_meta}, "param_state": param_state}
-    if saved.get("grad_scaler") is not None:
-        state_dict["grad_scaler"] = saved["grad_scaler"]
-    optimizer.load_state_dict(state_dict)
+def _load_distributed(reader, optimizer, trees, layouts, groups, all_hparams, step: int,
+                      main_present: bool, grad_scaler, path: str) -> None:
+    """The distributed optimizer reads, for each of its pieces, only the band of rows that
+    holds it (about 1/DP of each parameter's state), at any saved layout."""
+
+    def read(g: int, i: int, start: int, end: int) -> dict:
+        chunk, name, shape = groups[g][i]
+        inner = int(torch.Size(shape[1:]).numel())
+        rows = (start // inner, (end - 1) // inner + 1)
+        cut = slice(start - rows[0] * inner, end - rows[0] * inner)
+        values = {field: read_local_rows(reader, name, shape, rows, layouts[chunk],
+                                         f"{OPTIMIZER_STATE_PREFIX}{field}.").reshape(-1)[cut]
+                  for field in optimizer_state.MOMENTS}
+        if main_present:
+            values["param"] = read_local_rows(reader, name, shape, rows, layouts[chunk],
+                                              MAIN_PREFIX).reshape(-1)[cut]
+        else:  # an fp32 model is its own main copy
+            values["param"] = _local_param(trees[chunk], name).detach().reshape(-1)[
+                start:end].float()
+        return values
+
+    metas = [dict(hparams, step=step) for hparams in all_hparams]
+    try:
+        optimizer.load_local_param_state(metas, read, grad_scaler)
+    except (DistCheckpointError, UnsafeCheckpointError) as err:
+        raise checkpointing.CheckpointError(f"{path}: optimizer state does not fit: "
+                                            f"{err}") from None
 
 
 def _check_vocab(saved, args, path: str) -> None:

@@ -15,8 +15,9 @@ from megatron.dist_checkpointing.keys import (ChunkLayout, KeyMappingError, Plac
                                               object_key, placements)
 from megatron.dist_checkpointing.model_state import (chunk_layout, common_objects,
                                                      extra_state_objects, load_model_state,
-                                                     model_shards, optimizer_state_shards,
-                                                     read_local, tensor_shards)
+                                                     flat_boxes, model_shards,
+                                                     optimizer_state_shards, range_shards,
+                                                     read_local, read_local_rows, tensor_shards)
 from megatron.dist_checkpointing.reader import (DistCheckpointError, DistCheckpointReader,
                                                 SafeFileSystemReader, SafeLoadPlanner,
                                                 is_dist_checkpoint)
@@ -27,7 +28,8 @@ from megatron.dist_checkpointing.writer import (DistCheckpointWriteError, Object
 __all__ = [
     "ChunkLayout", "KeyMappingError", "Placement", "object_key", "placements",
     "chunk_layout", "common_objects", "extra_state_objects", "load_model_state", "model_shards",
-    "optimizer_state_shards", "read_local", "tensor_shards",
+    "optimizer_state_shards", "read_local", "tensor_shards", "flat_boxes", "range_shards",
+    "read_local_rows",
     "DistCheckpointError", "DistCheckpointReader", "SafeFileSystemReader", "SafeLoadPlanner",
     "is_dist_checkpoint",
     "DistCheckpointWriteError", "ObjectShard", "ShardWriter", "TensorShard", "save_shards",

@@ -23,7 +23,8 @@ The state is the nested dict ``state_dict_for_save_checkpoint`` returns (legacy 
 numbered within the chunk); :mod:`megatron.dist_checkpointing.keys` maps it.
 """
 
-from typing import Dict, List, Optional
+import dataclasses
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -82,6 +83,121 @@ def optimizer_state_shards(name: str, moments: Dict[str, torch.Tensor],
     for state_name, tensor in moments.items():
         shards += tensor_shards(name, tensor, layout, f"{OPTIMIZER_STATE_PREFIX}{state_name}.")
     return shards
+
+
+def flat_boxes(shape: Tuple[int, ...], start: int, end: int) -> List[Tuple[Tuple[int, ...],
+                                                                       Tuple[int, ...]]]:
+    """Boxes ``(offset, sizes)`` of a tensor of ``shape`` that together hold exactly the
+    elements ``start:end`` of its row-major flattening, in order; each box is itself a
+    contiguous run of that flattening (at most two per dimension)."""
+    shape = tuple(shape)
+    if not 0 <= start <= end <= int(torch.Size(shape).numel()):
+        raise ValueError(f"flat range {start}:{end} is outside a tensor of shape {list(shape)}")
+    if start == end:
+        return []
+    if len(shape) == 1:
+        return [((start,), (end - start,))]
+    inner = int(torch.Size(shape[1:]).numel())
+    first, last = start // inner, (end - 1) // inner
+    if first == last:  # within one row: recurse into it
+        return [((first,) + off, (1,) + size)
+                for off, size in flat_boxes(shape[1:], start - first * inner,
+                                            end - first * inner)]
+    boxes = []
+    if start % inner:  # the partial first row
+        boxes += flat_boxes(shape, start, (first + 1) * inner)
+        first += 1
+    whole_end = last + 1 if end % inner == 0 else last
+    if whole_end > first:
+        boxes.append(((first,) + (0,) * (len(shape) - 1), (whole_end - first,) + shape[1:]))
+    if end % inner:  # the partial last row
+        boxes += flat_boxes(shape, last * inner, end)
+    return boxes
+
+
+def _row_span(place: Placement, local_shape: Tuple[int, ...]) -> Tuple[int, int]:
+    return place.local_rows if place.local_rows is not None else (0, local_shape[0])
+
+
+def _global_box(place: Placement, local_shape, rows: Tuple[int, int]) -> Tuple[tuple, tuple]:
+    """Offset and sizes in ``place``'s global tensor of the local rows ``rows`` (inside the
+    placement's own rows), all of every other dimension."""
+    lo = _row_span(place, local_shape)[0]
+    row_dim = 1 if place.stacked else 0
+    offset = list(place.global_offset)
+    offset[row_dim] += rows[0] - lo
+    sizes = ((1,) if place.stacked else ()) + (rows[1] - rows[0],) + tuple(local_shape[1:])
+    return tuple(offset), sizes
+
+
+def range_shards(name: str, local_shape: Tuple[int, ...], start: int, values: torch.Tensor,
+                 layout: ChunkLayout, prefix: str = "") -> List[TensorShard]:
+    """The pieces of the elements ``start:start + len(values)`` of the local tensor ``name``
+    (row-major flattening of ``local_shape``): what one data-parallel rank of the distributed
+    optimizer holds of a parameter's state. Every DP rank writes its own range (TP replicas
+    and the tied head are still written once)."""
+    local_shape = tuple(local_shape)
+    values = values.reshape(-1)
+    end = start + values.numel()
+    places = placements(name, local_shape, dataclasses.replace(layout, dp_rank=0))
+    shards = []
+    for offset, size in flat_boxes(local_shape, start, end):
+        flat_at = sum(o * int(torch.Size(local_shape[d + 1:]).numel())
+                      for d, o in enumerate(offset))
+        box = values[flat_at - start:flat_at - start + int(torch.Size(size).numel())]
+        box = box.reshape(size)
+        rows = (offset[0], offset[0] + size[0])
+        for place in places:
+            if not place.written:
+                continue
+            lo, hi = _row_span(place, local_shape)
+            a, b = max(lo, rows[0]), min(hi, rows[1])
+            if a >= b:
+                continue
+            g_off, g_size = _global_box(place, local_shape, (a, b))
+            piece = box[a - rows[0]:b - rows[0]]
+            row_dim = 1 if place.stacked else 0
+            g_off = list(g_off)
+            g_size = list(g_size)
+            for d in range(1, len(local_shape)):  # the box's own offsets below the rows
+                g_off[row_dim + d] += offset[d]
+                g_size[row_dim + d] = size[d]
+            if place.stacked:
+                piece = piece.unsqueeze(0)
+            shards.append(TensorShard(prefix + place.key, piece, place.global_shape,
+                                      tuple(g_off)))
+    return shards
+
+
+def read_local_rows(reader: DistCheckpointReader, name: str, local_shape: Tuple[int, ...],
+                    rows: Tuple[int, int], layout: ChunkLayout, prefix: str = "",
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rows ``rows[0]:rows[1]`` (dim 0) of the local tensor ``name`` of ``local_shape`` at
+    ``layout``: :func:`read_local` for a band of rows, so a distributed-optimizer rank reads
+    about its own share of a parameter's state rather than all of it."""
+    local_shape = tuple(local_shape)
+    out = torch.empty((rows[1] - rows[0],) + local_shape[1:], dtype=dtype)
+    for place in placements(name, local_shape, layout):
+        key = prefix + place.key
+        if key not in reader:
+            raise DistCheckpointError(f"{reader.path}: no {key!r} (for {name})")
+        lo, hi = _row_span(place, local_shape)
+        a, b = max(lo, rows[0]), min(hi, rows[1])
+        if a >= b:
+            continue
+        target = out[a - rows[0]:b - rows[0]]
+        g_off, g_size = _global_box(place, local_shape, (a, b))
+        if place.key in VOCAB_ROW_KEYS and reader.shape(key) != place.global_shape:
+            _read_vocab_rows(reader, key, target, dataclasses.replace(place, global_offset=g_off),
+                             name)
+            continue
+        if reader.shape(key) != place.global_shape:
+            raise DistCheckpointError(
+                f"{reader.path}: {key!r} has global shape {list(reader.shape(key))}; the model "
+                f"at TP {layout.tp_size} needs {list(place.global_shape)} (for {name} of local "
+                f"shape {list(local_shape)})")
+        reader.read(key, g_off, g_size, out=target.unsqueeze(0) if place.stacked else target)
+    return out
 
 
 def extra_state_objects(layout: ChunkLayout, num_local_layers: int) -> List[ObjectShard]:

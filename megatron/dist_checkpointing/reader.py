@@ -141,6 +141,17 @@ class DistCheckpointReader:
         """``(offsets, sizes)`` of every stored chunk of ``key``."""
         return [(tuple(c.offsets), tuple(c.sizes)) for c in self._tensor_meta(key).chunks]
 
+    def chunk_file(self, key: str, offsets: Sequence[int]) -> str:
+        """The data file (relative to the folder) that holds the chunk of ``key`` at
+        ``offsets``: which rank wrote it."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        info = self._storage.get(MetadataIndex(key, torch.Size(tuple(offsets))))
+        if info is None:
+            raise DistCheckpointError(f"{self.path}: no stored chunk of {key!r} at "
+                                      f"{list(offsets)}")
+        return info.relative_path
+
     def summary(self) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
         """``{key: (global shape, dtype)}`` of every tensor."""
         return {k: (self.shape(k), self.dtype(k)) for k in self.tensor_keys()}

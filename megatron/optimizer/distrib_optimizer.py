@@ -418,11 +418,7 @@ class DistributedOptimizer(MegatronOptimizer):
         (None elsewhere), which is the rank that writes the checkpoint.
         """
         self.finish_param_sync()
-        groups = []
-        for group in self.optimizer.param_groups:
-            meta = {k: v for k, v in group.items() if k != "params"}
-            meta["step"] = self.num_successful_steps
-            groups.append(meta)
+        groups = self.group_metadata()
         for meta, model_params in zip(groups, self.model_param_groups):
             meta["params"] = list(range(len(model_params)))
         state_dict = {"optimizer": {"param_groups": groups},
@@ -430,6 +426,64 @@ class DistributedOptimizer(MegatronOptimizer):
         if self.grad_scaler is not None:
             state_dict["grad_scaler"] = self.grad_scaler.state_dict()
         return state_dict
+
+    def group_metadata(self) -> List[dict]:
+        """Each group's hyper-parameters (no tensors) and the step count, in model order."""
+        groups = []
+        for group in self.optimizer.param_groups:
+            meta = {k: v for k, v in group.items() if k != "params"}
+            meta["step"] = self.num_successful_steps
+            groups.append(meta)
+        return groups
+
+    def local_param_state(self) -> List[List[Optional[dict]]]:
+        """This rank's own state, without communication: per group, aligned with
+        ``model_param_groups``, None for a parameter this rank holds no piece of, else
+        ``{"start": s, "end": e, "param": main[e - s], <state name>: [e - s]}`` for the
+        elements ``s:e`` of the flattened parameter (fp32; zeros before the first step)."""
+        self.finish_param_sync()
+        out = []
+        for model_params, shards in zip(self.model_param_groups, self.shard_groups):
+            mine = {piece.model_param: (piece, main) for piece, main in shards}
+            row = []
+            for param in model_params:
+                if param not in mine:
+                    row.append(None)
+                    continue
+                piece, main = mine[param]
+                state = self.optimizer.state.get(main, {})
+                entry = {"start": piece.param_start, "end": piece.param_end,
+                         "param": main.detach()}
+                for name in self._state_keys():
+                    value = state.get(name)
+                    entry[name] = (value.detach() if value is not None
+                                   else torch.zeros_like(main, dtype=torch.float32))
+                row.append(entry)
+            out.append(row)
+        return out
+
+    def load_local_param_state(self, groups: List[dict],
+                               read: Callable[[int, int, int, int], dict],
+                               grad_scaler: Optional[dict] = None) -> None:
+        """Load state given piece by piece: ``read(group, index, start, end)`` returns
+        ``{"param": [end - start], <state name>: [end - start]}`` for the elements
+        ``start:end`` of parameter ``index`` of ``group`` (model order), so each rank reads only
+        its own share. ``groups``: hyper-parameters per group (``step`` among them)."""
+        if len(groups) != len(self.model_param_groups):
+            raise ValueError(f"optimizer checkpoint has {len(groups)} param groups, this "
+                             f"model has {len(self.model_param_groups)}")
+        self.finish_param_sync()
+        step = max((int(g.get("step", 0)) for g in groups), default=0)
+        with torch.no_grad():
+            for g, (group, meta) in enumerate(zip(self.optimizer.param_groups, groups)):
+                group.update({k: v for k, v in meta.items() if k not in ("params", "step")})
+                index = {p: i for i, p in enumerate(self.model_param_groups[g])}
+                for piece, main in self.shard_groups[g]:
+                    values = read(g, index[piece.model_param], piece.param_start,
+                                  piece.param_end)
+                    self._set_piece(main, values, step)
+        self.num_successful_steps = step
+        self._load_grad_scaler({} if grad_scaler is None else {"grad_scaler": grad_scaler})
 
     def _local_bucket_state(self, key, bucket, names) -> torch.Tensor:
         """This rank's shard of ``bucket`` for each of ``names``: ``[len(names), shard numel]``,
@@ -519,13 +573,18 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _load_piece(self, piece: ShardPiece, main: torch.Tensor, saved: dict, step: int) -> None:
         cut = slice(piece.param_start, piece.param_end)
-        main.copy_(saved["param"].reshape(-1)[cut])
+        self._set_piece(main, {name: saved[name].reshape(-1)[cut]
+                               for name in ("param",) + self._state_keys()}, step)
+
+    def _set_piece(self, main: torch.Tensor, values: dict, step: int) -> None:
+        """Main copy and state of one piece from flat tensors of its length."""
+        main.copy_(values["param"].reshape(-1))
         state = self.optimizer.state[main]
         state.clear()
         if step == 0:
             return
         for name in self._state_keys():
-            state[name] = saved[name].reshape(-1)[cut].to(main.device, torch.float32).clone()
+            state[name] = values[name].reshape(-1).to(main.device, torch.float32).clone()
         if self.config.optimizer == "adam":
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
 

@@ -18,8 +18,9 @@ from megatron.dist_checkpointing import (ChunkLayout, DistCheckpointError, DistC
                                          DistCheckpointWriteError, KeyMappingError,
                                          ObjectShard, chunk_layout, SafeFileSystemReader, SafeLoadPlanner,
                                          ShardWriter, TensorShard, common_objects,
-                                         extra_state_objects, load_model_state, model_shards,
-                                         placements, save_shards, write_metadata)
+                                         extra_state_objects, flat_boxes, load_model_state,
+                                         model_shards, placements, range_shards,
+                                         read_local_rows, save_shards, write_metadata)
 from megatron.model.module import flatten_state_dict
 from megatron.safe_unpickle import UnsafeCheckpointError, torch_load
 from tests.multiprocess import run_on_ranks
@@ -242,6 +243,68 @@ def test_data_parallel_copies_and_tp_replicas_are_not_written():
     written = {s.key for s in model_shards(state, _layout(1, 2, 0, 1))}
     assert "decoder.final_layernorm.weight" not in written  # TP rank 0 writes the norms
     assert "decoder.layers.mlp.linear_fc2.weight" in written
+
+
+def test_flat_boxes_hold_exactly_the_flat_range():
+    """Against a naive mark of every element of the range."""
+    gen = torch.Generator().manual_seed(3)
+    for shape in [(7,), (5, 6), (3, 4, 5), (2, 3, 4, 2)]:
+        numel = int(torch.Size(shape).numel())
+        for _ in range(40):
+            start, end = sorted(torch.randint(0, numel + 1, (2,), generator=gen).tolist())
+            marks = torch.zeros(shape, dtype=torch.int64)
+            flat_at = start
+            for offset, size in flat_boxes(shape, start, end):
+                box = tuple(slice(o, o + z) for o, z in zip(offset, size))
+                marks[box] += 1
+                # each box is the next contiguous run of the flattening
+                index = torch.arange(numel).reshape(shape)[box].reshape(-1)
+                assert torch.equal(index, torch.arange(flat_at, flat_at + index.numel()))
+                flat_at += index.numel()
+            want = torch.zeros(numel, dtype=torch.int64)
+            want[start:end] = 1
+            assert torch.equal(marks.reshape(-1), want), (shape, start, end)
+            assert flat_at == end
+    with pytest.raises(ValueError, match="outside"):
+        flat_boxes((2, 3), 4, 7)
+
+
+def test_distributed_optimizer_ranges_from_every_dp_rank_rebuild_the_tensors(tmp_path):
+    """TP=2 x DP=3, each DP rank holding an uneven flat range of every parameter (as the
+    distributed optimizer's buckets cut them): the pieces tile Megatron-Core's global tensors,
+    equal the whole tensors, and any band of rows reads back at another layout."""
+    whole = _modern_whole()
+    writers, dp = [], 3
+    for tp_rank in range(2):
+        state = flatten_state_dict(_local_state(whole, tp_rank, 2, 0, 1))
+        for dp_rank in range(dp):
+            items = []
+            for name, tensor in state.items():
+                numel = tensor.numel()
+                cuts = [0, numel // 3 + 1, (2 * numel) // 3 + 1, numel]
+                start, end = cuts[dp_rank], cuts[dp_rank + 1]
+                items += range_shards(name, tuple(tensor.shape), start,
+                                      tensor.reshape(-1)[start:end],
+                                      _layout(tp_rank, 2, 0, 1, dp_rank=dp_rank),
+                                      "optimizer.state.exp_avg.")
+            writer = ShardWriter(str(tmp_path), tp_rank * dp + dp_rank)
+            writer.add(items)
+            writers.append(writer.close())
+    write_metadata(str(tmp_path), [r for rs in writers for r in rs])  # checks the tiling
+    reader = DistCheckpointReader(str(tmp_path))
+    fc1 = reader.read("optimizer.state.exp_avg.decoder.layers.mlp.linear_fc1.weight")
+    assert torch.equal(fc1[2], whole["layers.2.mlp.dense_h_to_4h.weight"])
+    assert torch.equal(reader.read("optimizer.state.exp_avg.embedding.word_embeddings.weight"),
+                       whole["word"])
+    files = {c for c in os.listdir(tmp_path) if c.endswith(".distcp")}
+    assert len(files) == 6  # every (TP, DP) rank wrote
+    for tp, tp_rank in [(1, 0), (4, 3)]:
+        state = flatten_state_dict(_local_state(whole, tp_rank, tp, 0, 1))
+        for name, tensor in state.items():
+            rows = (tensor.shape[0] // 3, tensor.shape[0] - 1)
+            got = read_local_rows(reader, name, tuple(tensor.shape), rows,
+                                  _layout(tp_rank, tp, 0, 1), "optimizer.state.exp_avg.")
+            assert torch.equal(got, tensor[rows[0]:rows[1]]), (tp, name)
 
 
 def _save_on_ranks(path, whole):
