@@ -321,6 +321,11 @@ def _add_data_args(parser):
     g.add_argument("--data-cache-path", default=None)
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--vocab-size", type=int, default=None)
+    g.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                   help="NullTokenizer: the end-of-document id, one of the --vocab-size ids "
+                        "(Megatron-Core's tokenizers). Without it, the end-of-document id is "
+                        "--vocab-size itself and the vocabulary one larger (Megatron's legacy "
+                        "NullTokenizer)")
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
     g.add_argument("--vocab-extra-ids", type=int, default=0)

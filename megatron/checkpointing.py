@@ -78,7 +78,8 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "apply_layernorm_1p", "squared_relu", "rotary_interleaved",
                                 "rotary_seq_len_interpolation_factor",
                                 "apply_query_key_layer_scaling",
-                                "vocab_size", "make_vocab_size_divisible_by",
+                                "vocab_size", "null_tokenizer_eod_id",
+                                "make_vocab_size_divisible_by",
                                 "tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
@@ -636,7 +637,8 @@ def megatron_args(saved: Optional[argparse.Namespace]) -> Optional[argparse.Name
     ``--group-query-attention`` it stores ``num_query_groups`` = 1 (here: the number of heads);
     older files spell rotary embeddings ``use_rotary_position_embeddings`` and the norm epsilon
     ``layernorm_epsilon``, and may lack ``kv_channels`` / ``ffn_hidden_size`` (derived from the
-    hidden size). Megatron's own classes (``model_type`` and other enums, read as
+    hidden size); a ``NullTokenizer`` of Megatron-Core's tokenizers counts its end-of-document
+    id within ``vocab_size`` (``null_tokenizer_eod_id`` is set to say so). Megatron's own classes (``model_type`` and other enums, read as
     :class:`~megatron.safe_unpickle.StandIn`) are dropped: they are not flags here.
     """
     if saved is None:
@@ -650,6 +652,11 @@ def megatron_args(saved: Optional[argparse.Namespace]) -> Optional[argparse.Name
         fields["position_embedding_type"] = "rope"
     if fields.get("norm_epsilon") is None and fields.get("layernorm_epsilon") is not None:
         fields["norm_epsilon"] = fields["layernorm_epsilon"]
+    if (fields.get("tokenizer_type") == "NullTokenizer" and "null_tokenizer_pad_id" in fields
+            and fields.get("null_tokenizer_eod_id") is None and fields.get("vocab_size")):
+        # Megatron-Core's tokenizers (their arguments carry null_tokenizer_pad_id): the
+        # vocabulary is --vocab-size ids, the last one the end of document.
+        fields["null_tokenizer_eod_id"] = int(fields["vocab_size"]) - 1
     hidden = fields.get("hidden_size")
     if hidden and heads and fields.get("kv_channels") is None:
         fields["kv_channels"] = hidden // heads

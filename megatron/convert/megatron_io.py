@@ -274,7 +274,8 @@ def _true_vocab_size(args, padded: int, override: Optional[int], where: str) -> 
         from megatron.tokenizer import build_tokenizer
 
         try:
-            quiet = argparse.Namespace(**{**vars(args), "rank": 1, "padded_vocab_size": padded})
+            quiet = argparse.Namespace(**{**vars(checkpointing.megatron_args(args)), "rank": 1,
+                                          "padded_vocab_size": padded})
             size = build_tokenizer(quiet).vocab_size
         except Exception as err:  # noqa: BLE001 - any tokenizer failure: fall back, say why
             print(f"NOTE: cannot build the tokenizer {where} names "

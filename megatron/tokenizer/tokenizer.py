@@ -8,7 +8,7 @@
 import importlib.util
 import os
 import re
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -26,14 +26,25 @@ TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokeni
 class NullTokenizer(MegatronTokenizer):
     """Megatron's ``NullTokenizer``: text is token ids written as space-separated integers.
 
-    ``--vocab-size V`` gives ids 0..V-1 for data and V for end-of-document, so ``vocab_size`` is
-    V + 1 and ``eod`` is ``vocab_size - 1``.
+    Two conventions, as Megatron has had them:
+
+    * ``eod_id`` None (Megatron's legacy tokenizer): ``--vocab-size V`` gives ids 0..V-1 for
+      data and V for end-of-document, so ``vocab_size`` is V + 1 and ``eod`` is V.
+    * ``eod_id`` given (``--null-tokenizer-eod-id``, Megatron-Core's tokenizers): ``vocab_size``
+      is V, the end-of-document id among them.
     """
 
-    def __init__(self, vocab_size: int):
+    def __init__(self, vocab_size: int, eod_id: Optional[int] = None):
         super().__init__("Null")
-        self._eod_id = int(vocab_size)
-        self._vocab_size = int(vocab_size) + 1
+        if eod_id is None:
+            self._eod_id = int(vocab_size)
+            self._vocab_size = int(vocab_size) + 1
+        else:
+            if not 0 <= int(eod_id) < int(vocab_size):
+                raise ValueError(f"--null-tokenizer-eod-id {eod_id} is not an id of the "
+                                 f"vocabulary of --vocab-size {vocab_size} (0..{vocab_size - 1})")
+            self._eod_id = int(eod_id)
+            self._vocab_size = int(vocab_size)
 
     @property
     def vocab_size(self) -> int:
@@ -137,7 +148,8 @@ def _create(args) -> MegatronTokenizer:
 
         return HuggingFaceTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"))
     if kind == "NullTokenizer":
-        return NullTokenizer(_require(args, "vocab_size", "--vocab-size", must_exist=False))
+        return NullTokenizer(_require(args, "vocab_size", "--vocab-size", must_exist=False),
+                             getattr(args, "null_tokenizer_eod_id", None))
     raise NotImplementedError(f"--tokenizer-type {kind!r} is not implemented; expected one of "
                               f"{', '.join(TOKENIZER_TYPES)}")
 

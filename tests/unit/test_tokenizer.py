@@ -190,6 +190,43 @@ def test_null_tokenizer():
         tokenizer.tokenize("one two")
 
 
+def test_null_tokenizer_with_an_end_of_document_id_counts_it_in_the_vocabulary():
+    args = namespace(tokenizer_type="NullTokenizer", vocab_size=200, null_tokenizer_eod_id=199)
+    tokenizer = build_tokenizer(args)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (200, 199)
+    args = namespace(tokenizer_type="NullTokenizer", vocab_size=200, null_tokenizer_eod_id=7)
+    assert build_tokenizer(args).eod == 7
+    with pytest.raises(ValueError, match="--null-tokenizer-eod-id 200 .*--vocab-size 200"):
+        build_tokenizer(namespace(tokenizer_type="NullTokenizer", vocab_size=200,
+                                  null_tokenizer_eod_id=200))
+
+
+@pytest.mark.parametrize("folder", ["legacy_tp1", "mcore_dist_tp1"])
+def test_null_tokenizer_of_a_megatron_checkpoint_is_the_one_megatron_built(folder):
+    """The 2023 writer was given --vocab-size 199, the 2026 one (Megatron-Core's tokenizers)
+    200; Megatron built a vocabulary of 200 with end-of-document 199 both times (flags.json)."""
+    from megatron import checkpointing
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
+                        "megatron_written", folder)
+    with open(os.path.join(root, "flags.json")) as f:
+        flags = json.load(f)
+    tracked = checkpointing.read_tracker(root)
+    iter_dir = os.path.join(root, checkpointing.checkpoint_dir_name(*tracked))
+    if checkpointing._is_dist(iter_dir):
+        from megatron import checkpointing_dist
+
+        saved = checkpointing_dist.saved_args(iter_dir)
+    else:
+        saved = checkpointing.load_state_file(
+            os.path.join(iter_dir, "mp_rank_00", "model_optim_rng.pt"))["args"]
+    args = checkpointing.megatron_args(saved)
+    args.rank = 1
+    tokenizer = build_tokenizer(args)
+    assert (tokenizer.vocab_size, tokenizer.eod) == (flags["tokenizer_vocab_size"],
+                                                     flags["eod_id"]) == (200, 199)
+
+
 WORDPIECE_VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "hello", ",", "world", "##s", "un",
                    "##aff", "##able", ".", "Hello"]
 
