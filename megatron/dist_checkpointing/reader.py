@@ -36,6 +36,9 @@ from megatron.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata, tor
 METADATA_FILE = ".metadata"
 BACKEND_FILE = "metadata.json"
 BACKEND = "torch_dist"
+# The run's common state: a byte entry, and (Megatron-Core releases up to 0.16) a file.
+COMMON_STATE_FQN = "common_state/shard_0_1"
+COMMON_FILE = "common.pt"
 
 
 class DistCheckpointError(RuntimeError):
@@ -283,16 +286,21 @@ class DistCheckpointReader:
         return value[0]
 
     def common_state(self) -> dict:
-        """The run's common state (``common_state/shard_0_1``): ``args``, ``iteration``,
+        """The run's common state (``common_state/shard_0_1``, or the ``common.pt`` that
+        Megatron-Core releases up to 0.16 write instead): ``args``, ``iteration``,
         ``checkpoint_version``, ``opt_param_scheduler``, ``optimizer`` param groups, ..."""
-        from megatron.dist_checkpointing.keys import object_key
-
-        key = object_key("common_state")
-        if key not in self:
-            raise DistCheckpointError(f"{self.path}: no {key}; not a Megatron-Core checkpoint")
-        state = self.read_single_object(key)
+        key = COMMON_STATE_FQN
+        file = os.path.join(self.path, COMMON_FILE)
+        if key in self:
+            state, where = self.read_single_object(key), key
+        elif os.path.isfile(file):
+            with open(file, "rb") as f:
+                state, where = torch_load(f.read(), file), COMMON_FILE
+        else:
+            raise DistCheckpointError(f"{self.path}: no {key} and no {COMMON_FILE}; not a "
+                                      "Megatron-Core checkpoint")
         if not isinstance(state, dict):
-            raise DistCheckpointError(f"{self.path}: {key} holds {type(state).__name__}, "
+            raise DistCheckpointError(f"{self.path}: {where} holds {type(state).__name__}, "
                                       "expected a dict")
         return state
 

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from megatron.dist_checkpointing.reader import BACKEND, BACKEND_FILE, METADATA_FILE
+from megatron.dist_checkpointing.reader import (BACKEND, BACKEND_FILE, COMMON_FILE,
+                                                COMMON_STATE_FQN, METADATA_FILE)
 
 BACKEND_VERSION = 1
 DCP_VERSION = "1.0.0"
@@ -130,11 +131,18 @@ class ShardWriter:
                                    tuple(tensor.shape), global_shape, tensor.dtype))
 
     def add_object(self, fqn: str, obj: Any) -> None:
-        """Store ``obj`` as the byte entry ``fqn``, as ``torch.save([obj])``."""
+        """Store ``obj`` as the byte entry ``fqn``, as ``torch.save([obj])``. The common state
+        is also written to ``common.pt`` beside it: Megatron-Core releases up to 0.16 read it
+        from there, later ones from the byte entry."""
         buf = io.BytesIO()
         torch.save([obj], buf)
         offset, length = self._append(buf.getbuffer())
         self.records.append(Record(fqn, self.file, offset, length))
+        if fqn == COMMON_STATE_FQN:
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            _write_atomic(os.path.join(os.path.dirname(self._path), COMMON_FILE),
+                          buf.getvalue())
 
     def add(self, items: Iterable) -> None:
         for item in items:

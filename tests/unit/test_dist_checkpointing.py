@@ -368,6 +368,31 @@ def test_hostile_byte_entry_is_refused_and_never_runs(tmp_path, payload):
     assert not os.path.exists(marker)
 
 
+@NO_PROCESS_GROUP
+def test_common_state_is_written_twice_and_read_from_either_place(tmp_path):
+    """Today's Megatron-Core reads the byte entry, its releases up to 0.16 ``common.pt``."""
+    import argparse
+
+    common = {"iteration": 7, "args": argparse.Namespace(num_layers=2), "checkpoint_version": 3.0}
+    path = tmp_path / "iter"
+    save_shards(str(path), [ObjectShard("common_state/shard_0_1", common),
+                            TensorShard("t", torch.ones(2), (2,), (0,))])
+    assert torch.load(path / "common.pt", weights_only=False) == common
+    assert DistCheckpointReader(str(path)).common_state() == common
+    older = tmp_path / "older"  # as such a release writes it: no byte entry
+    save_shards(str(older), [TensorShard("t", torch.ones(2), (2,), (0,))])
+    assert not (older / "common.pt").exists()
+    with pytest.raises(DistCheckpointError, match="no common_state/shard_0_1 and no common.pt"):
+        DistCheckpointReader(str(older)).common_state()
+    torch.save(common, older / "common.pt")
+    assert DistCheckpointReader(str(older)).common_state() == common
+    marker = str(tmp_path / "ran")
+    torch.save({"args": _RunsShell(marker)}, older / "common.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"common\.pt.*posix\.system"):
+        DistCheckpointReader(str(older)).common_state()
+    assert not os.path.exists(marker)
+
+
 def test_hostile_metadata_and_tensor_items_are_refused(tmp_path):
     marker = str(tmp_path / "ran")
     path = str(tmp_path / "iter")

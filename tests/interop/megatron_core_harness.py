@@ -1,0 +1,106 @@
+"""Megatron-Core's side of the interoperability tests: run inside a virtual environment that has
+the ``megatron-core`` package from PyPI (and not this project), under ``torchrun``, one process
+per tensor-parallel rank, on the CPU with gloo.
+
+    torchrun --nproc_per_node TP megatron_core_harness.py load  CKPT_DIR FLAGS_JSON INPUTS OUT
+    torchrun --nproc_per_node TP megatron_core_harness.py round CKPT_DIR FLAGS_JSON INPUTS OUT SAVE
+
+``load``: build Megatron-Core's GPT model (local layer spec) for the model that FLAGS_JSON
+describes (a fixture's flags.json), load CKPT_DIR with ``megatron.core.dist_checkpointing``,
+run the tokens of INPUTS (a reference.pt) and write the logits (padded vocabulary, gathered)
+to OUT. ``round``: the same, then save the loaded model with Megatron-Core's own saver into
+SAVE/iter_<iteration> with a tracker file, as a Megatron-LM run of that release would.
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def _model(flags: dict):
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=flags["num_layers"], hidden_size=flags["hidden_size"],
+        num_attention_heads=flags["num_attention_heads"],
+        ffn_hidden_size=flags["ffn_hidden_size"], kv_channels=flags["kv_channels"],
+        tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True,
+        hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=flags["layernorm_epsilon"],
+        # the tanh GeLU that Megatron's bias-GeLU fusion computes, as the fixtures were run
+        bias_activation_fusion=True, gradient_accumulation_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, masked_softmax_fusion=False)
+    return GPTModel(config, get_gpt_layer_local_spec(), vocab_size=flags["padded_vocab_size"],
+                    max_sequence_length=flags["max_position_embeddings"],
+                    share_embeddings_and_output_weights=True, parallel_output=False)
+
+
+def _args_namespace(flags: dict, tp: int) -> argparse.Namespace:
+    """The model flags a Megatron-LM run stores in its checkpoint's ``args``."""
+    names = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size",
+             "kv_channels", "seq_length", "max_position_embeddings", "padded_vocab_size",
+             "make_vocab_size_divisible_by", "tokenizer_type", "vocab_size",
+             "position_embedding_type", "normalization", "num_query_groups",
+             "group_query_attention", "add_bias_linear", "add_qkv_bias", "swiglu",
+             "untie_embeddings_and_output_weights")
+    values = {n: flags[n] for n in names if n in flags}
+    values.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1,
+                  norm_epsilon=flags["layernorm_epsilon"], ckpt_format="torch_dist")
+    return argparse.Namespace(**values)
+
+
+def main() -> None:
+    mode, ckpt, flags_file, inputs, out = sys.argv[1:6]
+    dist.init_process_group("gloo")
+    # Megatron-Core allocates its attention scratch buffer on the "current CUDA device", and
+    # its saver waits for the device before copying tensors out: on the CPU, both are the host.
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    tp = dist.get_world_size()
+    parallel_state.initialize_model_parallel(tp, 1)
+    # eval mode, dropout 0: no random numbers are drawn, so no CUDA RNG is needed
+    mcore_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    with open(flags_file) as f:
+        flags = json.load(f)
+    model = _model(flags)
+    # As Megatron-LM does: the model under "model", the common state merged beside it.
+    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, pathlib.Path(ckpt))
+    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise SystemExit(f"{ckpt}: missing {missing}, unexpected {unexpected}")
+    model.eval()
+    ref = torch.load(inputs, weights_only=True)
+    with torch.no_grad():
+        logits = model(ref["tokens"], ref["position_ids"], ref["attention_mask"])
+    if dist.get_rank() == 0:
+        torch.save(logits.float(), out)
+    if mode == "round":
+        save_root = sys.argv[6]
+        iteration = 10
+        iter_dir = os.path.join(save_root, f"iter_{iteration:07d}")
+        if dist.get_rank() == 0:
+            os.makedirs(iter_dir, exist_ok=True)
+        dist.barrier()
+        dist_checkpointing.save({"model": model.sharded_state_dict(),
+                                 "args": _args_namespace(flags, tp), "iteration": iteration,
+                                 "checkpoint_version": 3.0}, iter_dir)
+        if dist.get_rank() == 0:
+            with open(os.path.join(save_root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

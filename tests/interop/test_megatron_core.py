@@ -1,0 +1,150 @@
+"""torch_dist checkpoints both ways with Megatron-Core itself (slow: builds a virtual environment
+with the ``megatron-core`` release from PyPI, once, and runs it under torchrun on the CPU).
+
+The reference is Megatron-Core's own loader, saver and forward (``megatron_core_harness.py``,
+run in that environment where this project is not importable) on Megatron's fixture model, whose
+logits Megatron recorded in ``reference.pt``:
+
+* files written here (by the converter, at TP 2 x PP 2, and by a training run's
+  ``--ckpt-convert-format``) load in Megatron-Core at TP 1 and TP 2 and give Megatron's logits;
+* a checkpoint Megatron-Core saves (its release's layout: ``common.pt``, several data files per
+  rank) loads here at TP 1 and TP 2 and gives the same logits.
+
+The environment lives in ``$MEGATRON_CORE_VENV`` (default ``~/.cache/megatron-compat/
+megatron-core-<version>``); building it needs PyPI.
+"""
+
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.functional.gpt_runs import run_pretrain
+from tests.functional.test_megatron_written import (LOGITS_ATOL, _logits_after_load,
+                                                    fixture_dir, megatron_argv, reference,
+                                                    writable_copy)
+from tests.multiprocess import run_on_ranks
+
+pytestmark = pytest.mark.slow
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+HARNESS = pathlib.Path(__file__).with_name("megatron_core_harness.py")
+MEGATRON_CORE = "megatron-core==0.16.1"
+FIXTURE = "mcore_dist_tp1"  # its flags.json describes the model; legacy_tp1 holds the same bits
+
+
+def _venv_dir() -> pathlib.Path:
+    default = pathlib.Path.home() / ".cache" / "megatron-compat" / MEGATRON_CORE.replace("==", "-")
+    return pathlib.Path(os.environ.get("MEGATRON_CORE_VENV", default))
+
+
+@pytest.fixture(scope="module")
+def mcore_python():
+    venv = _venv_dir()
+    python = venv / "bin" / "python"
+    ready = venv / ".ready"
+    if not ready.exists():
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        torch_pin = f"torch=={torch.__version__.split('+')[0]}"
+        result = subprocess.run([str(python), "-m", "pip", "install", "-q", torch_pin, "numpy",
+                                 "packaging", "psutil", MEGATRON_CORE],
+                                capture_output=True, text=True)
+        assert result.returncode == 0, f"installing {MEGATRON_CORE}: {result.stderr[-2000:]}"
+        ready.write_text(MEGATRON_CORE)
+    return python
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _megatron_core(python, mode: str, ckpt: str, out, tp: int, *extra) -> torch.Tensor:
+    """Run the harness under torchrun at ``tp`` ranks from a folder outside the checkout (so
+    only Megatron-Core's ``megatron`` package is importable); returns its logits."""
+    cwd = pathlib.Path(out).parent
+    torchrun = pathlib.Path(python).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", str(tp), str(HARNESS), mode,
+           ckpt, os.path.join(fixture_dir(FIXTURE), "flags.json"),
+           os.path.join(fixture_dir(FIXTURE), "reference.pt"), str(out), *map(str, extra)]
+    result = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+def _assert_megatrons_logits(logits):
+    want = reference(FIXTURE)["logits"]
+    assert logits.shape == want.shape
+    assert float((logits - want).abs().max()) <= LOGITS_ATOL
+
+
+def _our_logits(load_dir: str, tp: int):
+    shutil.copy(os.path.join(fixture_dir(FIXTURE), "reference.pt"), load_dir)
+    argv = megatron_argv(FIXTURE)
+    argv[argv.index("--tensor-model-parallel-size") + 1] = str(tp)
+    argv += ["--load", load_dir, "--device", "cpu"]
+    logits, iteration, _ = run_on_ranks(_logits_after_load, tp, argv)[0]
+    return logits, iteration
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """Megatron's legacy file, converted here to torch_dist at TP 2 x PP 2 (four writers)."""
+    out = tmp_path_factory.mktemp("converted") / "dist"
+    cmd = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--model-type",
+           "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+           fixture_dir("legacy_tp1"), "--save-dir", str(out), "--target-tensor-parallel-size",
+           "2", "--target-pipeline-parallel-size", "2", "--target-ckpt-format", "torch_dist"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    return out
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_megatron_core_loads_what_the_converter_writes(mcore_python, converted, tmp_path, tp):
+    iter_dir = converted / "iter_0000010"
+    assert len(list(iter_dir.glob("*.distcp"))) == 4
+    _assert_megatrons_logits(_megatron_core(mcore_python, "load", str(iter_dir),
+                                            tmp_path / "logits.pt", tp))
+
+
+def test_megatron_core_loads_a_training_runs_save(mcore_python, tmp_path):
+    """pretrain_gpt.py's own torch_dist writer (--ckpt-convert-format), read at TP 2."""
+    source = writable_copy("legacy_tp1", tmp_path)
+    saved = str(tmp_path / "dist")
+    argv = megatron_argv("legacy_tp1") + ["--load", source, "--device", "cpu",
+                                           "--ckpt-convert-format", "torch_dist",
+                                           "--ckpt-convert-save", saved]
+    run_on_ranks(run_pretrain, 1, argv)
+    _assert_megatrons_logits(_megatron_core(mcore_python, "load",
+                                            os.path.join(saved, "iter_0000010"),
+                                            tmp_path / "logits.pt", 2))
+
+
+def test_a_checkpoint_megatron_core_saves_loads_here(mcore_python, tmp_path):
+    """Megatron-Core loads its 2026 fixture (given the common.pt its release reads) and saves
+    it again at TP 2 in its own release's layout; this project reads that at TP 1 and 2."""
+    fixture = pathlib.Path(writable_copy(FIXTURE, tmp_path)) / "iter_0000010"
+    torch.save({}, fixture / "common.pt")  # this release reads its common state from there
+    saved = tmp_path / "saved_by_megatron_core"
+    logits = _megatron_core(mcore_python, "round", str(fixture), tmp_path / "logits.pt", 2,
+                            saved)
+    _assert_megatrons_logits(logits)
+    assert (saved / "iter_0000010" / "common.pt").is_file()
+    assert not any(k.startswith("common_state") for k in _byte_keys(saved / "iter_0000010"))
+    for tp in (1, 2):
+        ours, iteration = _our_logits(str(saved), tp)
+        assert iteration == 10
+        _assert_megatrons_logits(ours)
+
+
+def _byte_keys(iter_dir):
+    from megatron.dist_checkpointing import DistCheckpointReader
+
+    return DistCheckpointReader(str(iter_dir)).byte_keys()
