@@ -1,0 +1,122 @@
+"""Context-parallel attention (megatron/core/context_parallel.py) against naive full attention in
+fp64: outputs and the gradients of queries, keys and values at every rank's tokens, for the ring
+(p2p), all-gather and all-to-all exchanges, with and without grouped-query attention, causal and
+with an explicit mask that leaves whole rows (and, at cp 4, whole chunks) masked.
+
+Every rank builds the whole sequence from fixed seeds, computes the reference itself, and compares
+its own tokens (chunks r and 2cp-1-r) with what the exchanges produced.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron.core.context_parallel import (ContextParallelError, check_sequence_length,
+                                            chunk_positions, context_parallel_attention,
+                                            get_batch_on_this_cp_rank, split_for_cp_rank)
+from tests.multiprocess import run_on_ranks
+
+TOL = dict(rtol=0, atol=1e-10)
+
+
+def test_each_rank_holds_chunks_r_and_2cp_minus_1_minus_r():
+    assert chunk_positions(16, 2, 0).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert chunk_positions(16, 2, 1).tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    held = torch.cat([chunk_positions(24, 3, r) for r in range(3)])
+    assert sorted(held.tolist()) == list(range(24))  # every token exactly once
+    with pytest.raises(ContextParallelError, match="--seq-length 20 .* 2 x "
+                                                   "--context-parallel-size = 8"):
+        check_sequence_length(20, 4)
+
+
+def test_a_batch_is_split_by_tokens_and_the_mask_by_query_rows():
+    tokens = torch.arange(16).view(2, 8)
+    mask = torch.rand(2, 1, 8, 8) > 0.5
+    part = get_batch_on_this_cp_rank({"tokens": tokens, "labels": tokens + 1,
+                                      "attention_mask": mask, "loss_mask": None}, 2, 1)
+    assert part["tokens"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert torch.equal(part["attention_mask"], mask[:, :, 2:6, :])
+    assert part["loss_mask"] is None
+    assert torch.equal(split_for_cp_rank(tokens, 1, 1, 0), tokens)
+
+
+def _naive(q, k, v, mask):
+    """Full attention, fp64; a row that sees no key gives zeros. q [s, b, np, hn], k/v
+    [s, b, ng, hn], mask bool [b, 1, s, s] True = masked."""
+    heads = q.size(2)
+    k = k.repeat_interleave(heads // k.size(2), dim=2)
+    v = v.repeat_interleave(heads // v.size(2), dim=2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / q.size(-1) ** 0.5
+    scores = scores.masked_fill(mask, float("-inf"))
+    empty = mask.all(dim=-1, keepdim=True)
+    probs = torch.softmax(torch.where(empty, torch.zeros_like(scores), scores), dim=-1)
+    probs = probs * (~empty)
+    out = torch.einsum("bhst,tbhd->sbhd", probs, v)
+    return out.reshape(q.size(0), q.size(1), -1)
+
+
+def _case(seq, batch, heads, groups, hn, masked_rows, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(seq, batch, heads, hn, generator=gen, dtype=torch.float64)
+    k = torch.randn(seq, batch, groups, hn, generator=gen, dtype=torch.float64)
+    v = torch.randn(seq, batch, groups, hn, generator=gen, dtype=torch.float64)
+    grad = torch.randn(seq, batch, heads * hn, generator=gen, dtype=torch.float64)
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None].expand(batch, 1, seq,
+                                                                              seq)
+    mask = None
+    if masked_rows:
+        # padding-like: random extra masking, a fully masked row in each sample, and the
+        # whole first chunk of sample 1 seeing nothing
+        mask = causal | (torch.rand(batch, 1, seq, seq, generator=gen) > 0.7)
+        mask = mask.clone()
+        mask[0, :, 5] = True
+        mask[1, :, :masked_rows] = True
+    return q, k, v, grad, (causal if mask is None else mask), mask
+
+
+def _check(cp, comm_type, heads, groups, masked_rows, seed):
+    rank = dist.get_rank()
+    seq, batch, hn = 8 * cp, 2, 4
+    q, k, v, grad, full_mask, mask = _case(seq, batch, heads, groups, hn, masked_rows, seed)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = _naive(*leaves, full_mask)
+    (ref * grad).sum().backward()
+    pos = chunk_positions(seq, cp, rank)
+    local = [t[pos].detach().clone().requires_grad_() for t in (q, k, v)]
+    local_mask = None if mask is None else mask[:, :, pos, :]
+    out = context_parallel_attention(*local, cp_group=dist.group.WORLD, comm_type=comm_type,
+                                     attention_mask=local_mask)
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out, ref[pos].detach(), **TOL)
+    (out * grad[pos]).sum().backward()
+    for name, mine, whole in zip("qkv", local, leaves):
+        assert not torch.isnan(mine.grad).any(), name
+        torch.testing.assert_close(mine.grad, whole.grad[pos], **TOL, msg=f"d{name}")
+    if masked_rows:
+        empty = full_mask.all(dim=-1)[:, 0].transpose(0, 1)[pos]         # [s_local, b]
+        assert (out[empty] == 0).all()
+
+
+def _all_cases(cp):
+    cases = 0
+    for comm_type in ("p2p", "all_gather", "a2a"):
+        for heads, groups in ((4, 4), (4, 2), (8, 1)):
+            for masked_rows in (0, 4):
+                if comm_type == "a2a" and masked_rows:
+                    continue
+                _check(cp, comm_type, heads, groups, masked_rows, seed=cases)
+                cases += 1
+    q = torch.zeros(8, 1, 4, 4)
+    with pytest.raises(ContextParallelError, match="a2a supports causal attention only"):
+        context_parallel_attention(q, q, q, cp_group=dist.group.WORLD, comm_type="a2a",
+                                   attention_mask=torch.zeros(1, 1, 8, 8 * cp, dtype=torch.bool))
+    if cp == 4:
+        with pytest.raises(ContextParallelError, match="6 attention heads .* 4"):
+            context_parallel_attention(torch.zeros(8, 1, 6, 4), q[:, :, :1], q[:, :, :1],
+                                       cp_group=dist.group.WORLD, comm_type="a2a")
+    return cases
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_attention_equals_full_attention(cp):
+    assert run_on_ranks(_all_cases, cp, cp) == [15] * cp
