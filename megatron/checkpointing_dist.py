@@ -110,7 +110,8 @@ def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scal
               "content_metadata": dict(_CONTENT_METADATA)}
     if not args.no_save_optim:
         common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
-        groups = [dict(group, wd_mult=key[0], lr_mult=key[1])
+        groups = [optimizer_state.megatron_core_group(dict(group, wd_mult=key[0],
+                                                          lr_mult=key[1]), args)
                   for key, group in sorted(hparams.items(), reverse=True)]
         common["optimizer"] = {"state": {"common_step": torch.tensor(float(step))},
                                "param_groups": groups}

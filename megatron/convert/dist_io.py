@@ -297,7 +297,8 @@ def _common_state(target) -> dict:
         state["opt_param_scheduler"] = source[SCHEDULER_KEY]
     info = target.meta.optimizer if target.optimizer else None
     if info is not None:
-        groups = [dict(hparams, wd_mult=key[0], lr_mult=key[1])
+        groups = [optimizer_state.megatron_core_group(dict(hparams, wd_mult=key[0],
+                                                           lr_mult=key[1]), args)
                   for key, hparams in sorted(info["hparams"].items(), reverse=True)]
         state["optimizer"] = {"state": {"common_step": torch.tensor(float(info["step"]))},
                               "param_groups": groups}

@@ -54,6 +54,27 @@ def _grouped(order, keys: List[GroupKey]) -> List[list]:
     return [[entry for entry in order if group_key(entry[1], entry[2]) == key] for key in keys]
 
 
+def megatron_core_group(group: dict, args) -> dict:
+    """``group`` (a param group's hyper-parameters) completed with the fields Megatron-Core
+    matches groups by when it loads a torch_dist checkpoint (``wd_mult``, ``lr_mult``,
+    ``is_expert_parallel``, ``is_decoupled_lr``) and its schedule's bounds (``max_lr``,
+    ``min_lr``), from the run's ``args`` where the group does not say."""
+    decoupled = bool(group.get("is_decoupled_lr", False))
+    group.setdefault("is_expert_parallel", False)
+    group.setdefault("is_decoupled_lr", decoupled)
+    max_lr = getattr(args, "lr", None)
+    min_lr = getattr(args, "min_lr", None)
+    if decoupled:
+        max_lr = getattr(args, "decoupled_lr", None) or max_lr
+        if getattr(args, "decoupled_min_lr", None) is not None:
+            min_lr = args.decoupled_min_lr
+    if max_lr is not None:
+        group.setdefault("max_lr", max_lr)
+    if min_lr is not None:
+        group.setdefault("min_lr", min_lr)
+    return group
+
+
 class SourceOptimizer:
     """One source rank file's optimizer state, per parameter: ``entries[(chunk, name)]`` =
     ``{"exp_avg": t, "exp_avg_sq": t, "main": t?}``; ``step``; ``hparams[group key]``."""

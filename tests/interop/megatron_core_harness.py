@@ -4,12 +4,15 @@ per tensor-parallel rank, on the CPU with gloo.
 
     torchrun --nproc_per_node TP megatron_core_harness.py load  CKPT_DIR FLAGS_JSON INPUTS OUT
     torchrun --nproc_per_node TP megatron_core_harness.py round CKPT_DIR FLAGS_JSON INPUTS OUT SAVE
+    torchrun --nproc_per_node 1  megatron_core_harness.py optim CKPT_DIR FLAGS_JSON INPUTS OUT
 
 ``load``: build Megatron-Core's GPT model (local layer spec) for the model that FLAGS_JSON
 describes (a fixture's flags.json), load CKPT_DIR with ``megatron.core.dist_checkpointing``,
 run the tokens of INPUTS (a reference.pt) and write the logits (padded vocabulary, gathered)
 to OUT. ``round``: the same, then save the loaded model with Megatron-Core's own saver into
 SAVE/iter_<iteration> with a tracker file, as a Megatron-LM run of that release would.
+``optim``: load the model and Megatron-Core's Adam (non-distributed) from CKPT_DIR and write the
+Adam state it got to OUT.
 """
 
 import argparse
@@ -56,13 +59,66 @@ def _args_namespace(flags: dict, tp: int) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
+def _host_only() -> None:
+    """Megatron-Core places some buffers on "the current CUDA device" (its attention scratch
+    buffer, the optimizer's loss-scale tensor) and waits for the device before its saver copies
+    tensors out. On this CPU-only machine all of those are the host."""
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
+    for name in ("tensor", "empty", "zeros", "ones"):
+        make = getattr(torch, name)
+
+        def on_host(*args, _make=make, **kwargs):
+            if str(kwargs.get("device", "")).startswith("cuda"):
+                kwargs["device"] = "cpu"
+            return _make(*args, **kwargs)
+
+        setattr(torch, name, on_host)
+
+
+def _load_optimizer_state(model, flags: dict, ckpt: str, out: str) -> None:
+    """Megatron-Core's Adam over ``model`` (its DDP wrapper, non-distributed), loaded from
+    ``ckpt`` with the model; writes ``{"step", "exp_avg": {key: global tensor}, "exp_avg_sq":
+    ..., "lr": [per group], "wd": [per group]}`` to OUT, keyed by the checkpoint's tensor
+    keys (run at TP 1)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(model.config, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=3e-4, min_lr=3e-5, weight_decay=0.1,
+                        adam_beta1=0.9, adam_beta2=0.95, clip_grad=1.0), [ddp])
+    model_sharded = model.sharded_state_dict()
+    wanted = {"model": model_sharded,
+              "optimizer": optimizer.sharded_state_dict(model_sharded, is_loading=True)}
+    state = dist_checkpointing.load(wanted, pathlib.Path(ckpt))
+    model.load_state_dict(state["model"], strict=False)
+    optimizer.load_state_dict(state["optimizer"])
+    inner = optimizer.optimizer
+    # Each parameter's place in the checkpoint: its sharded tensor's key and offset.
+    places = {id(p): model_sharded[n] for n, p in model.named_parameters()}
+    found = {"exp_avg": {}, "exp_avg_sq": {}, "step": None,
+             "lr": [g["lr"] for g in inner.param_groups],
+             "wd": [g["weight_decay"] for g in inner.param_groups]}
+    for group in inner.param_groups:
+        for param in group["params"]:
+            entry, place = inner.state[param], places[id(param)]
+            for field in ("exp_avg", "exp_avg_sq"):
+                whole = found[field].setdefault(place.key, torch.zeros(place.global_shape))
+                lead = (1,) * place.prepend_axis_num
+                box = tuple(slice(o, o + n) for o, n in
+                            zip(place.global_offset, lead + tuple(param.shape)))
+                whole[box] = entry[field].detach().reshape(lead + tuple(param.shape))
+            found["step"] = float(entry["step"])
+    if dist.get_rank() == 0:  # TP 1: this rank holds every parameter whole
+        torch.save(found, out)
+
+
 def main() -> None:
     mode, ckpt, flags_file, inputs, out = sys.argv[1:6]
     dist.init_process_group("gloo")
-    # Megatron-Core allocates its attention scratch buffer on the "current CUDA device", and
-    # its saver waits for the device before copying tensors out: on the CPU, both are the host.
-    torch.cuda.current_device = lambda: "cpu"
-    torch.cuda.synchronize = lambda *a, **k: None
+    _host_only()
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel import random as mcore_random
 
@@ -73,6 +129,11 @@ def main() -> None:
     with open(flags_file) as f:
         flags = json.load(f)
     model = _model(flags)
+    if mode == "optim":
+        _load_optimizer_state(model, flags, ckpt, out)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     # As Megatron-LM does: the model under "model", the common state merged beside it.
     state = dist_checkpointing.load({"model": model.sharded_state_dict()}, pathlib.Path(ckpt))
     missing, unexpected = model.load_state_dict(state["model"], strict=False)

@@ -148,3 +148,71 @@ def _byte_keys(iter_dir):
     from megatron.dist_checkpointing import DistCheckpointReader
 
     return DistCheckpointReader(str(iter_dir)).byte_keys()
+
+
+# -- optimizer state ----------------------------------------------------------------------------
+
+TRAINED = "mcore_dist_tp1_trained"  # Megatron's file after 3 optimizer steps
+
+
+def _optimizer_view(python, iter_dir, tmp_path) -> dict:
+    """The Adam state Megatron-Core's own optimizer holds after loading ``iter_dir``."""
+    cwd = tmp_path / "mcore_optim"
+    cwd.mkdir(exist_ok=True)
+    return _megatron_core(python, "optim", str(iter_dir), cwd / "state.pt", 1)
+
+
+def _assert_view_is_the_file(view, iter_dir, step):
+    from megatron.dist_checkpointing import DistCheckpointReader
+
+    reader = DistCheckpointReader(str(iter_dir))
+    assert view["step"] == step
+    assert len(view["exp_avg"]) == 16  # every tensor key of the model
+    for field in ("exp_avg", "exp_avg_sq"):
+        for key, tensor in view[field].items():
+            assert torch.equal(tensor, reader.read(f"optimizer.state.{field}.{key}")), key
+    groups = reader.common_state()["optimizer"]["param_groups"]
+    assert view["lr"] == [g["lr"] for g in groups]
+    assert view["wd"] == [0.1, 0.0]
+
+
+@pytest.mark.parametrize("source", [TRAINED, "legacy_tp1_trained"])
+def test_megatron_core_reads_the_adam_state_the_converter_writes(mcore_python, tmp_path,
+                                                                   source):
+    """Megatron's trained files (torch_dist, and legacy with apex FusedAdam's state), resharded
+    here to torch_dist at TP 2: Megatron-Core's optimizer gets the moments, step and learning
+    rates the file holds, which for the torch_dist source are exactly Megatron's own."""
+    out = tmp_path / "tp2"
+    cmd = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--model-type",
+           "GPT", "--loader", "megatron", "--saver", "megatron", "--load-dir",
+           fixture_dir(source), "--save-dir", str(out), "--target-tensor-parallel-size", "2",
+           "--target-ckpt-format", "torch_dist"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    view = _optimizer_view(mcore_python, out / "iter_0000003", tmp_path)
+    _assert_view_is_the_file(view, out / "iter_0000003", 3.0)
+    if source == TRAINED:
+        _assert_view_is_the_file(view, os.path.join(fixture_dir(TRAINED), "iter_0000003"), 3.0)
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
+                                    ["--use-distributed-optimizer"]],
+                         ids=["tp2", "dp2_distributed_optimizer"])
+def test_megatron_core_reads_the_adam_state_a_training_run_saves(mcore_python, tmp_path,
+                                                                   layout):
+    """One more step of Megatron's trained file here, on 2 ranks, saved by pretrain_gpt.py's
+    torch_dist writer (with the distributed optimizer every DP rank writes its own range):
+    Megatron-Core's optimizer reads back what the file holds."""
+    load = writable_copy(TRAINED, tmp_path)
+    save = tmp_path / "saved"
+    argv = megatron_argv(TRAINED)
+    at = argv.index("--tensor-model-parallel-size")
+    del argv[at:at + 2]
+    argv += layout + ["--load", load, "--device", "cpu", "--mock-data", "--num-workers", "0",
+                      "--eval-iters", "0", "--exit-interval", "4",
+                      "--save", str(save), "--save-interval", "4"]
+    if "--use-distributed-optimizer" in layout:  # DP 2: the same global batch of 2
+        argv[argv.index("--micro-batch-size") + 1] = "1"
+    run_on_ranks(run_pretrain, 2, argv)
+    iter_dir = save / "iter_0000004"
+    view = _optimizer_view(mcore_python, iter_dir, tmp_path)
+    _assert_view_is_the_file(view, iter_dir, 4.0)
