@@ -15,7 +15,7 @@ import torch
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.model.moe import (MoEConfig, MoELossTracker, TopKRouter, drop_over_capacity,
-                                expert_capacity, sinkhorn, topk_routing)
+                                expert_capacity, permute, sinkhorn, topk_routing, unpermute)
 
 TOL = dict(rtol=0, atol=1e-12)
 SEQ, BATCH, HIDDEN = 6, 3, 8
@@ -274,6 +274,36 @@ def test_dropping_keeps_what_a_loop_over_tokens_keeps(policy, factor):
                       moe_token_drop_policy=policy).eval().route(logits)
     assert torch.equal(dropped[1], keep)
     torch.testing.assert_close(dropped[0], probs * keep, **TOL)
+
+
+@pytest.mark.parametrize("policy", ["probs", "position"])
+def test_padding_gives_every_expert_exactly_capacity_rows(policy):
+    logits = _logits()
+    tokens = torch.randn(SEQ * BATCH, HIDDEN, dtype=torch.float64)
+    router = _router(moe_router_load_balancing_type="none", moe_expert_capacity_factor=0.6,
+                     moe_token_drop_policy=policy).eval()
+    probs, keep = router.route(logits)
+    capacity = expert_capacity(SEQ * BATCH, 5, 2, 0.6)
+    rows, perm = permute(tokens, probs, keep, pad_to=capacity)
+    assert perm.counts == [capacity] * 5 and rows.shape == (5 * capacity, HIDDEN)
+    expected_rows, expected_probs = [], []
+    for e in range(5):
+        kept = [t for t in range(SEQ * BATCH) if keep[t, e]]
+        expected_rows += [tokens[t] for t in kept] + [torch.zeros(HIDDEN, dtype=torch.float64)
+                                                      ] * (capacity - len(kept))
+        expected_probs += [float(probs[t, e]) for t in kept] + [0.0] * (capacity - len(kept))
+    torch.testing.assert_close(rows, torch.stack(expected_rows), **TOL)
+    torch.testing.assert_close(perm.probs, torch.tensor(expected_probs, dtype=torch.float64),
+                               **TOL)
+    combined = unpermute(rows * 2.0, perm)
+    want = torch.zeros_like(tokens)
+    for t in range(SEQ * BATCH):
+        for e in range(5):
+            if keep[t, e]:
+                want[t] += float(probs[t, e]) * 2.0 * tokens[t]
+    torch.testing.assert_close(combined, want, **TOL)
+    unpadded_rows, unpadded = permute(tokens, probs, keep)
+    torch.testing.assert_close(unpermute(unpadded_rows * 2.0, unpadded), want, **TOL)
 
 
 # -- configuration ----------------------------------------------------------------------------
