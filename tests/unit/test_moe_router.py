@@ -278,12 +278,14 @@ def test_dropping_keeps_what_a_loop_over_tokens_keeps(policy, factor):
 
 @pytest.mark.parametrize("policy", ["probs", "position"])
 def test_padding_gives_every_expert_exactly_capacity_rows(policy):
-    logits = _logits()
+    # skewed, so that expert 4 has fewer tokens than its capacity and gets padding rows
+    logits = _logits() + torch.tensor([2.0, 1.0, 0.0, 0.0, -3.0], dtype=torch.float64)
     tokens = torch.randn(SEQ * BATCH, HIDDEN, dtype=torch.float64)
     router = _router(moe_router_load_balancing_type="none", moe_expert_capacity_factor=0.6,
                      moe_token_drop_policy=policy).eval()
     probs, keep = router.route(logits)
     capacity = expert_capacity(SEQ * BATCH, 5, 2, 0.6)
+    assert keep.sum(0).min() < capacity and keep.sum(0).max() == capacity
     rows, perm = permute(tokens, probs, keep, pad_to=capacity)
     assert perm.counts == [capacity] * 5 and rows.shape == (5 * capacity, HIDDEN)
     expected_rows, expected_probs = [], []

@@ -30,7 +30,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
+from megatron.core import device, tensor_parallel
 from megatron.core.collectives import get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method, get_output_layer_init_method
@@ -179,7 +179,8 @@ class SharedExpertMLP(torch.nn.Module):
                 gate = torch.empty(1, config.hidden_size,
                                    dtype=torch.promote_types(config.params_dtype, torch.float32))
                 get_init_method(config)(gate)
-                self.gate_weight = torch.nn.Parameter(gate.to(config.params_dtype))
+                self.gate_weight = torch.nn.Parameter(
+                    gate.to(device=device.current_device(), dtype=config.params_dtype))
             else:
                 self.gate_weight = None
         self.activation_func = expert_activation(config)

@@ -27,6 +27,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from megatron.core import device
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method
 from megatron.model.moe.config import MoEConfig
@@ -190,7 +191,8 @@ class TopKRouter(torch.nn.Module):
         master = torch.empty(self.num_experts, config.hidden_size, dtype=master_dtype)
         with init_rng(init_seed, f"layer.{layer_number - 1}.mlp.router"):
             get_init_method(config)(master)
-        self.weight = torch.nn.Parameter(master.to(config.params_dtype))
+        self.weight = torch.nn.Parameter(master.to(device=device.current_device(),
+                                                   dtype=config.params_dtype))
 
     def gating(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[s, b, E]``; in training, with ``--moe-input-jitter-eps``,
