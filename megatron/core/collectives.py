@@ -9,7 +9,9 @@ backend; if the backend says it is unsupported, the wrapper remembers that and f
 fallback built from ops every backend has:
 
 - all-gather: list-based ``all_gather`` writing straight into views of the output;
-- reduce-scatter: ``all_reduce`` of a copy of the input, then this rank's slice.
+- reduce-scatter: ``all_reduce`` of a copy of the input, then this rank's slice;
+- all-to-all with per-rank split sizes (token dispatch of mixture-of-experts layers): one
+  point-to-point send and receive per peer.
 
 Every rank of a group shares one backend and one torch, so all ranks take the same path.
 :func:`forced_fallback` makes the fallback path run on purpose (tests, or a backend that
@@ -20,7 +22,7 @@ runs without ``torch.distributed``. It never silently means the world group.
 """
 
 import contextlib
-from typing import Dict, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -65,7 +67,8 @@ def _native_op(name: str):
     # torch 2.13 renamed the *_tensor collectives to *_single; older releases have only the old
     # names. Look the op up at call time so either works.
     new, old = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
-                "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}[name]
+                "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor"),
+                "all_to_all": ("all_to_all_single", "all_to_all_single")}[name]
     return getattr(dist, new, None) or getattr(dist, old)
 
 
@@ -169,3 +172,71 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     if get_group_size(group) > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group,
+                      output_split_sizes: Optional[List[int]] = None,
+                      input_split_sizes: Optional[List[int]] = None,
+                      use_native: Optional[bool] = None) -> torch.Tensor:
+    """Send dim-0 piece ``j`` of ``input`` to rank ``j``; piece ``i`` of ``output`` comes from
+    rank ``i`` (rank order).
+
+    Args:
+        output: contiguous; ``sum(output_split_sizes)`` rows (or as many as ``input``).
+        input: this rank's rows, cut into ``input_split_sizes`` pieces (equal pieces if None).
+        group: the process group (None: a single process, so ``output`` becomes ``input``).
+        output_split_sizes: rows received from each rank; None: equal pieces. Must match what
+            each peer's ``input_split_sizes`` says it sends here; a piece may be empty.
+        input_split_sizes: rows sent to each rank; None: equal pieces.
+        use_native: True forces the backend's op, False forces the fallback, None decides.
+
+    Returns:
+        ``output``.
+    """
+    world = get_group_size(group)
+    for what, sizes, tensor in (("input", input_split_sizes, input),
+                                ("output", output_split_sizes, output)):
+        if sizes is not None and (len(sizes) != world or sum(sizes) != tensor.size(0)):
+            raise ValueError(f"all_to_all_single: {what}_split_sizes {list(sizes)} must have "
+                             f"{world} entries summing to the {what}'s {tensor.size(0)} rows")
+    if output.dtype != input.dtype or tuple(output.shape[1:]) != tuple(input.shape[1:]):
+        raise ValueError(f"all_to_all_single: output {tuple(output.shape)} {output.dtype} and "
+                         f"input {tuple(input.shape)} {input.dtype} differ beyond dim 0")
+    if not output.is_contiguous():
+        raise ValueError("all_to_all_single: the output must be contiguous")
+    for what, tensor in (("input", input), ("output", output)):
+        sizes = input_split_sizes if what == "input" else output_split_sizes
+        if sizes is None and tensor.size(0) % world:
+            raise ValueError(f"all_to_all_single: without split sizes the {what}'s "
+                             f"{tensor.size(0)} rows must divide into {world} equal pieces")
+    input = input.contiguous()
+    if world == 1:
+        output.copy_(input)
+        return output
+    if _try_native("all_to_all", group, use_native,
+                   lambda op: op(output, input, output_split_sizes, input_split_sizes,
+                                 group=group)):
+        return output
+    _all_to_all_by_p2p(output, input, group, output_split_sizes, input_split_sizes)
+    return output
+
+
+def _all_to_all_by_p2p(output, input, group, output_split_sizes, input_split_sizes) -> None:
+    world, rank = get_group_size(group), get_group_rank(group)
+    sends = list(input.split(input_split_sizes or [input.size(0) // world] * world))
+    recvs = list(output.split(output_split_sizes or [output.size(0) // world] * world))
+    ops = []
+    for peer in range(world):
+        if peer == rank:
+            recvs[peer].copy_(sends[peer])
+            continue
+        peer_global = dist.get_global_rank(group, peer)
+        # Both ends know each piece's size (the split sizes are exchanged first), so an empty
+        # piece is skipped on both sides.
+        if sends[peer].numel():
+            ops.append(dist.P2POp(dist.isend, sends[peer].contiguous(), peer_global, group))
+        if recvs[peer].numel():
+            ops.append(dist.P2POp(dist.irecv, recvs[peer], peer_global, group))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()

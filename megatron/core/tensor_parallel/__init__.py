@@ -15,6 +15,7 @@ from megatron.core.tensor_parallel.layers import (
     set_tensor_model_parallel_attributes,
 )
 from megatron.core.tensor_parallel.mappings import (
+    all_to_all,
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
@@ -42,7 +43,7 @@ from megatron.core.tensor_parallel.utils import (
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 __all__ = [
-    "CheckpointFunction", "ColumnParallelLinear", "CudaRNGStatesTracker",
+    "CheckpointFunction", "all_to_all", "ColumnParallelLinear", "CudaRNGStatesTracker",
     "LinearWithGradAccumulationAndAsyncCommunication", "RNGStatesTracker",
     "ReusableOutputBuffer", "RowParallelLinear",
     "VocabParallelEmbedding", "VocabUtility", "broadcast_data", "checkpoint",

@@ -14,11 +14,13 @@ gather_from_tensor_model_parallel_..  all-gather last dim        split last dim
 scatter_to_sequence_parallel_region   split dim 0                all-gather dim 0
 gather_from_sequence_parallel_region  all-gather dim 0           reduce-scatter dim 0 (or split)
 reduce_scatter_to_sequence_parall..   reduce-scatter dim 0       all-gather dim 0
+all_to_all                            all-to-all of dim 0        the reverse all-to-all
 ====================================  =========================  ==========================
 
-Every function takes the tensor-parallel group explicitly and is the identity when the group
-has one rank (or is None). Splits keep this rank's piece (rank ``r`` gets the ``r``-th piece);
-gathers concatenate in rank order. None of them modifies its input.
+Every function takes its group explicitly (the tensor-parallel group, or for ``all_to_all`` the
+expert-parallel one) and is the identity when the group has one rank (or is None). Splits keep
+this rank's piece (rank ``r`` gets the ``r``-th piece); gathers concatenate in rank order. None
+of them modifies its input.
 """
 
 import torch
@@ -26,6 +28,7 @@ import torch
 from megatron.core.collectives import (
     all_gather_into_tensor,
     all_reduce,
+    all_to_all_single,
     get_group_rank,
     get_group_size,
     reduce_scatter_tensor,
@@ -203,6 +206,30 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_along_first_dim(grad_output, ctx.group), None
 
 
+class _AllToAll(torch.autograd.Function):
+    """Forward all-to-all along dim 0 with per-rank split sizes; backward the same exchange
+    reversed (the sizes swapped), which is its transpose. It is its own pair."""
+
+    @staticmethod
+    def forward(ctx, input_, group, output_split_sizes, input_split_sizes):
+        ctx.group = group
+        ctx.output_split_sizes = output_split_sizes
+        ctx.input_split_sizes = input_split_sizes
+        return _all_to_all(input_, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return (_all_to_all(grad_output, ctx.group, ctx.input_split_sizes,
+                            ctx.output_split_sizes), None, None, None)
+
+
+def _all_to_all(input_: torch.Tensor, group, output_split_sizes, input_split_sizes):
+    rows = (sum(output_split_sizes) if output_split_sizes is not None else input_.size(0))
+    out = torch.empty((rows,) + tuple(input_.shape[1:]), dtype=input_.dtype,
+                      device=input_.device)
+    return all_to_all_single(out, input_, group, output_split_sizes, input_split_sizes)
+
+
 # ---- public entry points ---------------------------------------------------------------------
 
 def copy_to_tensor_model_parallel_region(input_: torch.Tensor, group) -> torch.Tensor:
@@ -255,3 +282,13 @@ def reduce_scatter_to_sequence_parallel_region(input_: torch.Tensor, group) -> t
     if get_group_size(group) == 1:
         return input_
     return _ReduceScatterToSequenceParallelRegion.apply(input_, group)
+
+
+def all_to_all(input_: torch.Tensor, group, output_split_sizes=None,
+               input_split_sizes=None) -> torch.Tensor:
+    """Rows ``input_split_sizes[j]`` of ``input_`` (in order) go to rank ``j``; the result holds
+    ``output_split_sizes[i]`` rows from each rank ``i``, in rank order. None: equal pieces.
+    Backward sends the gradient rows back the same way. Pieces may be empty, on any rank."""
+    if get_group_size(group) == 1:
+        return input_
+    return _AllToAll.apply(input_, group, output_split_sizes, input_split_sizes)

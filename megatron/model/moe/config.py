@@ -1,0 +1,128 @@
+"""The settings of a mixture-of-experts MLP, under Megatron-Core's field names.
+
+Each field is the ``TransformerConfig`` field Megatron-Core fills from the flag of the same name
+(``--num-experts`` fills ``num_moe_experts``; every other flag is the field with ``--`` and
+dashes). The config checks its own consistency and names the flags in its messages, so a wrong
+combination fails before any layer or process group is built.
+"""
+
+import dataclasses
+from typing import Optional
+
+from megatron.core.config import ConfigError
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+DISPATCHER_TYPES = ("allgather", "alltoall")
+DROP_POLICIES = ("probs", "position")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Mixture-of-experts settings; ``num_moe_experts=None`` means a dense MLP."""
+
+    num_moe_experts: Optional[int] = None              # --num-experts
+    moe_router_topk: int = 2
+    moe_router_score_function: str = "softmax"          # softmax | sigmoid
+    moe_router_pre_softmax: bool = False                # softmax over all experts, then top-k
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_load_balancing_type: str = "aux_loss"    # aux_loss | seq_aux_loss | sinkhorn | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_input_jitter_eps: Optional[float] = None
+    moe_token_dispatcher_type: str = "allgather"        # allgather | alltoall
+    moe_grouped_gemm: bool = False
+    moe_expert_capacity_factor: Optional[float] = None  # None (or < 0): no token is dropped
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"                # probs | position
+    moe_ffn_hidden_size: Optional[int] = None           # default: --ffn-hidden-size
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False                # sigmoid gate on the shared expert
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None   # default: --tensor-model-parallel-size
+    moe_per_layer_logging: bool = False
+
+    def __post_init__(self):
+        if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
+            # Megatron's convention: a negative factor means no capacity limit.
+            object.__setattr__(self, "moe_expert_capacity_factor", None)
+        if self.num_moe_experts is None:
+            return
+        experts, topk = self.num_moe_experts, self.moe_router_topk
+        if experts < 1:
+            raise ConfigError(f"--num-experts must be >= 1, got {experts}")
+        if not 1 <= topk <= experts:
+            raise ConfigError(f"--moe-router-topk ({topk}) must be between 1 and --num-experts "
+                              f"({experts})")
+        self._check_choice("--moe-router-score-function", self.moe_router_score_function,
+                           SCORE_FUNCTIONS)
+        self._check_choice("--moe-router-load-balancing-type",
+                           self.moe_router_load_balancing_type, LOAD_BALANCING_TYPES)
+        self._check_choice("--moe-token-dispatcher-type", self.moe_token_dispatcher_type,
+                           DISPATCHER_TYPES)
+        self._check_choice("--moe-token-drop-policy", self.moe_token_drop_policy,
+                           DROP_POLICIES)
+        if self.expert_model_parallel_size < 1 or experts % self.expert_model_parallel_size:
+            raise ConfigError(f"--num-experts ({experts}) must be divisible by "
+                              f"--expert-model-parallel-size "
+                              f"({self.expert_model_parallel_size})")
+        if self.expert_tensor_parallel_size is not None and self.expert_tensor_parallel_size < 1:
+            raise ConfigError("--expert-tensor-parallel-size must be >= 1, got "
+                              f"{self.expert_tensor_parallel_size}")
+        self._check_losses()
+        self._check_capacity()
+        self._check_sizes()
+
+    @staticmethod
+    def _check_choice(flag: str, value: str, choices) -> None:
+        if value not in choices:
+            raise ConfigError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+    def _check_losses(self) -> None:
+        if self.moe_aux_loss_coeff < 0:
+            raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff:
+            raise ConfigError("--moe-router-load-balancing-type sinkhorn balances by itself; "
+                              f"--moe-aux-loss-coeff must be 0, got {self.moe_aux_loss_coeff}")
+        if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
+            raise ConfigError(f"--moe-z-loss-coeff must be >= 0, got {self.moe_z_loss_coeff}")
+        eps = self.moe_input_jitter_eps
+        if eps is not None and not 0 < eps < 1:
+            raise ConfigError(f"--moe-input-jitter-eps must be in (0, 1), got {eps}")
+        factor = self.moe_router_topk_scaling_factor
+        if factor is not None and factor <= 0:
+            raise ConfigError(f"--moe-router-topk-scaling-factor must be > 0, got {factor}")
+
+    def _check_capacity(self) -> None:
+        factor = self.moe_expert_capacity_factor
+        if factor is None:
+            if self.moe_pad_expert_input_to_capacity:
+                raise ConfigError("--moe-pad-expert-input-to-capacity needs "
+                                  "--moe-expert-capacity-factor")
+            return
+        if factor == 0:
+            raise ConfigError("--moe-expert-capacity-factor must be > 0 (or negative for no "
+                              "limit), got 0")
+        if self.moe_router_load_balancing_type == "sinkhorn":
+            raise ConfigError("--moe-expert-capacity-factor works with "
+                              "--moe-router-load-balancing-type aux_loss, seq_aux_loss or none, "
+                              "not sinkhorn")
+
+    def _check_sizes(self) -> None:
+        for flag, value in (("--moe-ffn-hidden-size", self.moe_ffn_hidden_size),
+                            ("--moe-shared-expert-intermediate-size",
+                             self.moe_shared_expert_intermediate_size)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise ConfigError("--moe-shared-expert-gate needs "
+                              "--moe-shared-expert-intermediate-size")
+
+    @property
+    def num_local_experts(self) -> int:
+        """Experts held by one expert-parallel rank."""
+        return self.num_moe_experts // self.expert_model_parallel_size
+
+    @property
+    def drops_tokens(self) -> bool:
+        return self.moe_expert_capacity_factor is not None

@@ -1,0 +1,207 @@
+"""The experts of a mixture-of-experts layer, and its optional shared expert.
+
+Each expert is an MLP ``linear_fc2(act(linear_fc1(x)))`` with ``linear_fc1`` ``[ffn, h]`` and
+``linear_fc2`` ``[h, ffn]`` (Megatron-Core's names, so checkpoints map key for key:
+``experts.local_experts.<i>.linear_fc1.weight`` is local expert ``i``). The activation is exact
+(erf) GeLU, as Megatron-Core's experts use; with ``--swiglu`` ``linear_fc1`` holds
+``[gate; value]`` (``2 ffn`` rows) and the activation is ``silu(gate) * value``;
+``--squared-relu`` and ``--openai-gelu`` select those activations instead. Biases only with
+``add_bias_linear``.
+
+Expert tensor parallelism (``--expert-tensor-parallel-size``, over the explicit
+``expert_tp_group``): ``linear_fc1`` is split by rows (SwiGLU: each rank holds
+``[gate_r; value_r]``) and ``linear_fc2`` by columns, and the partial outputs are summed over
+the group. The ranks of one expert-TP group must hold the same rows. Weights are initialised on
+the full shape from a seed of the global layer and expert number, then split, so the experts do
+not depend on the expert-parallel or expert-TP layout.
+
+Two ways to run the local experts, with the same parameters:
+
+* :class:`SequentialMLP`: a loop over the local experts;
+* :class:`GroupedMLP` (``--moe-grouped-gemm``): the rows are laid out ``[experts, max rows, h]``
+  (zero-padded) and each projection is one batched matmul over the experts.
+
+Expert parameters carry ``allreduce = False`` (Megatron's mark): their gradients are to be
+summed over the expert-data-parallel ranks, not the data-parallel ones.
+"""
+
+from typing import Callable, List, Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import device, tensor_parallel
+from megatron.core.collectives import get_group_size
+from megatron.core.config import TransformerConfig
+from megatron.core.utils import get_init_method, get_output_layer_init_method
+from megatron.model.moe.config import MoEConfig
+from megatron.model.utils import init_rng, openai_gelu, squared_relu
+
+
+def expert_activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation on ``linear_fc1``'s output (for SwiGLU, ``[..., 2 f]`` -> ``[..., f]``)."""
+    if config.swiglu:
+        def swiglu(x):
+            gate, value = torch.chunk(x, 2, dim=-1)
+            return F.silu(gate) * value
+        return swiglu
+    if config.squared_relu:
+        return squared_relu
+    if config.openai_gelu:
+        return openai_gelu
+    return F.gelu
+
+
+def _fc1_size(config: TransformerConfig, ffn: int) -> int:
+    return 2 * ffn if config.swiglu else ffn
+
+
+class ExpertMLP(torch.nn.Module):
+    """One expert: ``[n, h]`` rows -> ``[n, h]``; split over ``expert_tp_group``."""
+
+    def __init__(self, config: TransformerConfig, ffn_hidden_size: int, expert_tp_group,
+                 bias: bool):
+        super().__init__()
+        self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
+            config.hidden_size, _fc1_size(config, ffn_hidden_size),
+            init_method=get_init_method(config), tp_group=expert_tp_group, bias=bias,
+            gather_output=False, params_dtype=config.params_dtype,
+            stride=2 if config.swiglu else 1)
+        self.activation_func = expert_activation(config)
+        self.linear_fc2 = tensor_parallel.RowParallelLinear(
+            ffn_hidden_size, config.hidden_size,
+            init_method=get_output_layer_init_method(config), tp_group=expert_tp_group,
+            bias=bias, input_is_parallel=True, params_dtype=config.params_dtype)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        intermediate, _ = self.linear_fc1(rows)                  # [n, (2) ffn / etp]
+        output, _ = self.linear_fc2(self.activation_func(intermediate))       # [n, h]
+        return output
+
+
+class SequentialMLP(torch.nn.Module):
+    """The local experts, run one after the other.
+
+    Args:
+        config: the transformer config (hidden size, activation, bias, init, dtype).
+        moe_config: the MoE settings (expert count, expert FFN size).
+        layer_number: 1-based global layer number (initialisation seeds).
+        ep_rank / ep_size: this rank's place in the expert-parallel group: it holds global
+            experts ``ep_rank * E / ep_size ...``.
+        expert_tp_group: the expert-tensor-parallel group (None: none).
+        init_seed: the model's initialisation seed.
+    """
+
+    def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int,
+                 ep_rank: int = 0, ep_size: int = 1, expert_tp_group=None,
+                 init_seed: int = 1234):
+        super().__init__()
+        self.num_local_experts = moe_config.num_moe_experts // ep_size
+        self.expert_tp_group = expert_tp_group
+        self.activation_func = expert_activation(config)
+        ffn = moe_config.moe_ffn_hidden_size or config.ffn_hidden_size
+        first = ep_rank * self.num_local_experts
+        experts = []
+        for i in range(self.num_local_experts):
+            with init_rng(init_seed, f"layer.{layer_number - 1}.mlp.experts.{first + i}"):
+                experts.append(ExpertMLP(config, ffn, expert_tp_group, config.add_bias_linear))
+        self.local_experts = torch.nn.ModuleList(experts)
+        for param in self.parameters():
+            param.allreduce = False
+
+    def forward(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        """``rows [N, h]`` grouped by local expert, ``counts[i]`` rows for expert ``i`` ->
+        the experts' outputs ``[N, h]`` in the same order."""
+        pieces = rows.split(counts)
+        return torch.cat([expert(piece) for expert, piece in zip(self.local_experts, pieces)])
+
+
+class GroupedMLP(SequentialMLP):
+    """The local experts as batched matmuls over ``[experts, max rows, h]``; the same
+    parameters (and checkpoint keys) as :class:`SequentialMLP`, the same result."""
+
+    def _stacked(self, name: str, attr: str) -> Optional[torch.Tensor]:
+        tensors = [getattr(getattr(e, name), attr) for e in self.local_experts]
+        return None if tensors[0] is None else torch.stack(tensors)
+
+    def forward(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
+        num_rows, hidden = rows.shape
+        counts_t = torch.tensor(counts, dtype=torch.long, device=rows.device)   # [El]
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(len(counts), device=rows.device), counts_t)            # [N]
+        starts = torch.cumsum(counts_t, 0) - counts_t
+        slot = torch.arange(num_rows, device=rows.device) - starts[expert_of_row]
+        width = max(counts) if counts else 0
+        rows = tensor_parallel.copy_to_tensor_model_parallel_region(rows, self.expert_tp_group)
+        grouped = rows.new_zeros(len(counts), width, hidden).index_put(
+            (expert_of_row, slot), rows)                                   # [El, max, h]
+        w1, b1 = self._stacked("linear_fc1", "weight"), self._stacked("linear_fc1", "bias")
+        w2, b2 = self._stacked("linear_fc2", "weight"), self._stacked("linear_fc2", "bias")
+        hidden_states = torch.bmm(grouped, w1.transpose(1, 2))            # [El, max, (2)f/etp]
+        if b1 is not None:
+            hidden_states = hidden_states + b1.unsqueeze(1)
+        hidden_states = self.activation_func(hidden_states)              # [El, max, f/etp]
+        output = torch.bmm(hidden_states, w2.transpose(1, 2))             # [El, max, h] partial
+        output = output[expert_of_row, slot]                              # [N, h]
+        output = tensor_parallel.reduce_from_tensor_model_parallel_region(
+            output, self.expert_tp_group)
+        if b2 is not None:
+            output = output + b2[expert_of_row]
+        return output
+
+
+class SharedExpertMLP(torch.nn.Module):
+    """A dense MLP every token goes through, added to the routed experts' output
+    (``--moe-shared-expert-intermediate-size``); tensor-parallel over ``tp_group``.
+
+    With ``--moe-shared-expert-gate`` its output is multiplied per token by
+    ``sigmoid(x . gate_weight)`` (``gate_weight`` ``[1, h]``). Megatron-Core has no bias in
+    shared experts, so ``add_bias_linear`` is refused.
+    """
+
+    def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int,
+                 tp_group=None, init_seed: int = 1234):
+        super().__init__()
+        if config.add_bias_linear:
+            raise ValueError("--moe-shared-expert-intermediate-size: shared experts have no "
+                             "bias; add --disable-bias-linear")
+        size = moe_config.moe_shared_expert_intermediate_size
+        with init_rng(init_seed, f"layer.{layer_number - 1}.mlp.shared_experts"):
+            self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, _fc1_size(config, size), init_method=get_init_method(config),
+                tp_group=tp_group, bias=False, gather_output=False,
+                params_dtype=config.params_dtype, stride=2 if config.swiglu else 1)
+            self.linear_fc2 = tensor_parallel.RowParallelLinear(
+                size, config.hidden_size, init_method=get_output_layer_init_method(config),
+                tp_group=tp_group, bias=False, input_is_parallel=True,
+                params_dtype=config.params_dtype)
+            if moe_config.moe_shared_expert_gate:
+                gate = torch.empty(1, config.hidden_size,
+                                   dtype=torch.promote_types(config.params_dtype, torch.float32))
+                get_init_method(config)(gate)
+                self.gate_weight = torch.nn.Parameter(
+                    gate.to(device=device.current_device(), dtype=config.params_dtype))
+            else:
+                self.gate_weight = None
+        self.activation_func = expert_activation(config)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]``."""
+        intermediate, _ = self.linear_fc1(hidden_states)               # [s, b, (2) f / tp]
+        output, _ = self.linear_fc2(self.activation_func(intermediate))  # [s, b, h]
+        if self.gate_weight is not None:
+            output = output * torch.sigmoid(F.linear(hidden_states, self.gate_weight))
+        return output
+
+
+def check_expert_tp(moe_config: MoEConfig, config: TransformerConfig, expert_tp_group) -> None:
+    """The expert FFN must split over the expert-TP group, whose size must match the config."""
+    etp = get_group_size(expert_tp_group)
+    want = moe_config.expert_tensor_parallel_size
+    if want is not None and want != etp:
+        raise ValueError(f"--expert-tensor-parallel-size is {want} but the expert_tp_group "
+                         f"passed has {etp} ranks")
+    ffn = moe_config.moe_ffn_hidden_size or config.ffn_hidden_size
+    if ffn % etp:
+        raise ValueError(f"--moe-ffn-hidden-size ({ffn}) must be divisible by "
+                         f"--expert-tensor-parallel-size ({etp})")

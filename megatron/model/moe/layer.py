@@ -1,0 +1,93 @@
+"""The mixture-of-experts layer: a drop-in replacement of the transformer layer's MLP.
+
+router -> token dispatcher -> experts -> combine (+ shared expert). ``forward`` takes and
+returns ``[s, b, h]`` and, like :class:`~megatron.model.transformer.ParallelMLP`, returns
+``(output, None)`` (the bias, if any, is inside each expert). Submodule names follow
+Megatron-Core's ``MoELayer`` (``router.weight``, ``experts.local_experts.<i>.linear_fc1.weight``,
+``shared_experts.linear_fc1.weight``, ``shared_experts.gate_weight``), so checkpoint keys map
+one to one.
+
+Process groups are passed explicitly: ``ep_group`` (expert parallelism: the experts are split
+over its ranks, tokens travel between them), ``expert_tp_group`` (each expert split over its
+ranks, which hold the same tokens), ``tp_group`` (the shared expert's tensor parallelism). None
+means no parallelism of that kind. Sequence parallelism is not handled here: the input must be
+the whole ``[s, b, h]`` of this rank's micro-batch.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core.collectives import get_group_rank, get_group_size
+from megatron.core.config import TransformerConfig
+from megatron.model.module import MegatronModule
+from megatron.model.moe.config import MoEConfig
+from megatron.model.moe.dispatcher import build_token_dispatcher
+from megatron.model.moe.experts import (GroupedMLP, SequentialMLP, SharedExpertMLP,
+                                        check_expert_tp)
+from megatron.model.moe.router import TopKRouter, expert_capacity
+from megatron.model.moe.tracker import MoELossTracker
+
+
+class MoELayer(MegatronModule):
+    """Route each token to its top-k experts and sum their outputs weighted by the routing
+    probabilities.
+
+    Args:
+        config: the transformer config (hidden size, FFN size, activation, bias, init, dtype).
+        moe_config: the MoE settings; ``expert_model_parallel_size`` and
+            ``expert_tensor_parallel_size`` (when set) must match the groups' sizes.
+        layer_number: 1-based global layer number (logging and initialisation seeds).
+        ep_group: the expert-parallel group, or None.
+        expert_tp_group: the expert-tensor-parallel group, or None.
+        tp_group: the tensor-parallel group of the shared expert, or None.
+        tracker: shared by the model's MoE layers: logged auxiliary losses and their gradient
+            scale; None: not logged, scale 1.
+        init_seed: the model's initialisation seed.
+    """
+
+    def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int = 1,
+                 *, ep_group=None, expert_tp_group=None, tp_group=None,
+                 tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+        super().__init__(config)
+        if moe_config.num_moe_experts is None:
+            raise ValueError("MoELayer needs --num-experts")
+        ep_size = get_group_size(ep_group)
+        if ep_size != moe_config.expert_model_parallel_size:
+            raise ValueError(f"--expert-model-parallel-size is "
+                             f"{moe_config.expert_model_parallel_size} but the ep_group passed "
+                             f"has {ep_size} ranks")
+        check_expert_tp(moe_config, config, expert_tp_group)
+        self.moe_config = moe_config
+        self.layer_number = layer_number
+        self.router = TopKRouter(config, moe_config, layer_number, tracker, init_seed)
+        self.token_dispatcher = build_token_dispatcher(moe_config.moe_token_dispatcher_type,
+                                                       moe_config.num_moe_experts, ep_group)
+        experts_class = GroupedMLP if moe_config.moe_grouped_gemm else SequentialMLP
+        self.experts = experts_class(config, moe_config, layer_number, get_group_rank(ep_group),
+                                     ep_size, expert_tp_group, init_seed)
+        self.shared_experts = None
+        if moe_config.moe_shared_expert_intermediate_size is not None:
+            self.shared_experts = SharedExpertMLP(config, moe_config, layer_number, tp_group,
+                                                  init_seed)
+
+    def _capacity(self, num_tokens: int) -> Optional[int]:
+        cfg = self.moe_config
+        if not cfg.moe_pad_expert_input_to_capacity:
+            return None
+        return expert_capacity(num_tokens, cfg.num_moe_experts, cfg.moe_router_topk,
+                               cfg.moe_expert_capacity_factor)
+
+    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, None]:
+        """``[s, b, h]`` -> (``[s, b, h]``, None)."""
+        seq_length, batch, hidden = hidden_states.shape
+        probs, routing_map = self.router(hidden_states)                      # [s*b, E] each
+        tokens = hidden_states.reshape(-1, hidden)                           # [s*b, h]
+        rows, counts, handle = self.token_dispatcher.dispatch(
+            tokens, probs, routing_map, self._capacity(tokens.size(0)))      # [N, h]
+        expert_output = self.experts(rows, counts)                           # [N, h]
+        output = self.token_dispatcher.combine(expert_output, handle)        # [s*b, h]
+        output = output.view(seq_length, batch, hidden)                      # [s, b, h]
+        if self.shared_experts is not None:
+            output = output + self.shared_experts(hidden_states)
+        return output, None

@@ -1,0 +1,276 @@
+"""The router of a mixture-of-experts layer: which experts each token goes to, with what weight.
+
+``logits = x W^T`` with ``W`` ``[num_experts, h]`` (no bias). The probabilities:
+
+* softmax (default): the top-k logits, then a softmax over those k, so a token's weights sum
+  to 1 over its chosen experts; with ``--moe-router-pre-softmax`` a softmax over all experts,
+  then the top-k of those probabilities (which sum to less than 1);
+* sigmoid: the top-k of ``sigmoid(logits)``, divided by their sum when k > 1;
+* ``--moe-router-topk-scaling-factor`` multiplies the result.
+
+The chosen experts are listed in descending score order. Load balancing
+(``--moe-router-load-balancing-type``): ``aux_loss`` adds the Switch-Transformer loss
+``E * sum_e f_e P_e`` (f_e: share of the token choices routed to expert e, P_e: mean over tokens
+of e's score over all experts), ``seq_aux_loss`` the same per sequence averaged over sequences,
+``sinkhorn`` picks experts from Sinkhorn-balanced logits while training, ``none`` nothing.
+``--moe-z-loss-coeff`` adds ``mean_t logsumexp(logits_t)^2``. Both losses are computed only in
+training with gradients on, and reach the gradients through
+:func:`~megatron.model.moe.tracker.attach_aux_loss`.
+
+Scores and probabilities are computed in at least float32 and returned in the logits' dtype.
+Tokens are the ``[s, b]`` positions flattened in that order (token ``i * b + j`` is position
+``i`` of sequence ``j``).
+"""
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from megatron.core import device
+from megatron.core.config import TransformerConfig
+from megatron.core.utils import get_init_method
+from megatron.model.moe.config import MoEConfig
+from megatron.model.moe.tracker import MoELossTracker, attach_aux_loss
+from megatron.model.utils import init_rng
+
+SINKHORN_TOLERANCE = 1e-4
+
+
+def _score_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax",
+                 pre_softmax: bool = False, scaling_factor: Optional[float] = None
+                 ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``logits [T, E]`` -> (probabilities ``[T, k]``, expert ids ``[T, k]``), best first."""
+    dtype = _score_dtype(logits)
+    if score_function == "softmax":
+        if pre_softmax:
+            probs, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=dtype), topk, dim=-1)
+        else:
+            top, indices = torch.topk(logits, topk, dim=-1)
+            probs = torch.softmax(top, dim=-1, dtype=dtype)
+    elif score_function == "sigmoid":
+        probs, indices = torch.topk(torch.sigmoid(logits.to(dtype)), topk, dim=-1)
+        if topk > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    else:
+        raise ValueError(f"--moe-router-score-function must be softmax or sigmoid, "
+                         f"got {score_function!r}")
+    if scaling_factor:
+        probs = probs * scaling_factor
+    return probs.to(logits.dtype), indices
+
+
+def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Every expert's score of every token, ``[T, E]``, each row summing to 1: the softmax of the
+    logits, or their sigmoid divided by its row sum. Float32 or wider."""
+    dtype = _score_dtype(logits)
+    if score_function == "softmax":
+        return torch.softmax(logits, dim=-1, dtype=dtype)
+    scores = torch.sigmoid(logits.to(dtype))
+    return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+
+
+def switch_load_balancing_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor,
+                               topk: int) -> torch.Tensor:
+    """``E * sum_e f_e P_e`` with ``f_e = n_e / (k T)`` and ``P_e = sum_t scores[t, e] / T``;
+    1 for perfectly balanced routing.
+
+    Args:
+        scores: ``[T, E]`` (:func:`scores_for_aux_loss`).
+        tokens_per_expert: ``[E]``, the number of the ``k T`` token choices that picked each
+            expert (before any capacity drop).
+        topk: k.
+    """
+    num_tokens, num_experts = scores.shape
+    per_expert = scores.sum(dim=0)                                           # [E]
+    return (per_expert * tokens_per_expert.to(scores.dtype)).sum() * (
+        num_experts / (topk * num_tokens * num_tokens))
+
+
+def sequence_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor,
+                                 seq_length: int, batch: int, topk: int) -> torch.Tensor:
+    """:func:`switch_load_balancing_loss` of each sequence on its own, averaged over the batch.
+
+    Args:
+        scores: ``[s * b, E]`` in the ``[s, b]`` token order.
+        routing_map: ``[s * b, E]`` bool, the top-k choices before any capacity drop.
+    """
+    num_experts = scores.size(1)
+    per_seq_scores = scores.view(seq_length, batch, num_experts).sum(dim=0)        # [b, E]
+    per_seq_counts = routing_map.view(seq_length, batch, num_experts).sum(dim=0)   # [b, E]
+    total = (per_seq_scores * per_seq_counts.to(scores.dtype)).sum()
+    return total * (num_experts / (topk * seq_length * seq_length)) / batch
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """``mean_t logsumexp(logits_t)^2`` (ST-MoE's router z-loss, before its coefficient)."""
+    return torch.logsumexp(logits.to(_score_dtype(logits)), dim=-1).square().mean()
+
+
+def sinkhorn(logits: torch.Tensor, tol: float = SINKHORN_TOLERANCE,
+             max_iterations: int = 10_000) -> torch.Tensor:
+    """``exp(logits) [T, E]`` scaled by one factor per token and one per expert so that rows sum
+    to ``1 / T`` and columns to ``1 / E``: alternate the two normalisations (columns starting
+    at factor 1) until the expert factors change by less than ``tol`` on average."""
+    cost = torch.exp(logits)
+    num_tokens, num_experts = cost.shape
+    eps = 1e-8
+    expert_factor = torch.ones(num_experts, dtype=cost.dtype, device=cost.device)
+    for _ in range(max_iterations):
+        token_factor = 1.0 / (num_tokens * ((cost * expert_factor).sum(dim=1) + eps))
+        new = 1.0 / (num_experts * ((cost * token_factor.unsqueeze(1)).sum(dim=0) + eps))
+        change = (new - expert_factor).abs().mean()
+        expert_factor = new
+        if change <= tol:
+            break
+    return cost * token_factor.unsqueeze(1) * expert_factor
+
+
+def expert_capacity(num_tokens: int, num_experts: int, topk: int,
+                    capacity_factor: float) -> int:
+    """Token choices one expert takes from one rank: ``ceil(T k / E * factor)``."""
+    return math.ceil((num_tokens * topk / num_experts) * capacity_factor)
+
+
+def drop_over_capacity(probs: torch.Tensor, routing_map: torch.Tensor, capacity: int,
+                       policy: str) -> torch.Tensor:
+    """The routing map ``[T, E]`` with at most ``capacity`` tokens left per expert.
+
+    ``probs`` keeps each expert's highest routing probabilities; ``position`` its earliest
+    tokens (in the ``[s, b]`` token order)."""
+    if capacity >= routing_map.size(0):
+        return routing_map
+    if policy == "probs":
+        # Unrouted entries rank below every routed one, whatever its probability.
+        ranked = probs.detach().masked_fill(~routing_map, -1.0)
+        chosen = torch.topk(ranked, capacity, dim=0).indices                  # [C, E]
+        within = torch.zeros_like(routing_map).scatter(0, chosen, True)
+        return routing_map & within
+    if policy == "position":
+        return routing_map & (routing_map.long().cumsum(dim=0) <= capacity)
+    raise ValueError(f"--moe-token-drop-policy must be probs or position, got {policy!r}")
+
+
+def _scatter_to_experts(values: torch.Tensor, indices: torch.Tensor,
+                        num_experts: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``[T, k]`` choices -> dense ``[T, E]`` probabilities and bool map."""
+    shape = (values.size(0), num_experts)
+    probs = torch.zeros(shape, dtype=values.dtype, device=values.device).scatter(1, indices,
+                                                                                 values)
+    chosen = torch.zeros(shape, dtype=torch.bool, device=values.device).scatter(1, indices, True)
+    return probs, chosen
+
+
+class TopKRouter(torch.nn.Module):
+    """``[s, b, h]`` -> routing probabilities ``[s*b, E]`` (zero where not routed) and the bool
+    routing map ``[s*b, E]``, after any capacity drop.
+
+    Args:
+        config: the transformer config (hidden size, init, params dtype).
+        moe_config: the MoE settings.
+        layer_number: 1-based global layer number (logging, and the initialisation seed).
+        tracker: where the auxiliary losses are logged, and their gradient scale; None: not
+            logged, scale 1.
+        init_seed: the model's initialisation seed; the weight depends on it and on the layer
+            number only.
+    """
+
+    def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int,
+                 tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+        super().__init__()
+        self.moe_config = moe_config
+        self.layer_number = layer_number
+        self.tracker = tracker
+        self.num_experts = moe_config.num_moe_experts
+        self.topk = moe_config.moe_router_topk
+        master_dtype = torch.promote_types(config.params_dtype, torch.float32)
+        master = torch.empty(self.num_experts, config.hidden_size, dtype=master_dtype)
+        with init_rng(init_seed, f"layer.{layer_number - 1}.mlp.router"):
+            get_init_method(config)(master)
+        self.weight = torch.nn.Parameter(master.to(device=device.current_device(),
+                                                   dtype=config.params_dtype))
+
+    def gating(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[s, b, h]`` -> logits ``[s, b, E]``; in training, with ``--moe-input-jitter-eps``,
+        the input is first multiplied by noise drawn uniformly from ``[1 - eps, 1 + eps]``."""
+        eps = self.moe_config.moe_input_jitter_eps
+        if eps is not None and self.training:
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - eps, 1.0 + eps)
+            hidden_states = hidden_states * noise
+        return torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype))
+
+    def _losses_on(self) -> bool:
+        return self.training and torch.is_grad_enabled()
+
+    def _record(self, name: str, value: torch.Tensor) -> None:
+        if self.tracker is not None:
+            self.tracker.record(name, self.layer_number, value)
+
+    def _with_z_loss(self, logits: torch.Tensor) -> torch.Tensor:
+        coeff = self.moe_config.moe_z_loss_coeff
+        if coeff is None or not self._losses_on():
+            return logits
+        value = z_loss(logits)
+        self._record("z_loss", value)
+        return attach_aux_loss(logits, value * coeff, self.tracker)
+
+    def _with_load_balancing_loss(self, probs: torch.Tensor, logits: torch.Tensor,
+                                  indices: torch.Tensor, seq_length: int,
+                                  batch: int) -> torch.Tensor:
+        cfg = self.moe_config
+        kind = cfg.moe_router_load_balancing_type
+        if kind not in ("aux_loss", "seq_aux_loss") or not cfg.moe_aux_loss_coeff or (
+                not self._losses_on()):
+            return probs
+        scores = scores_for_aux_loss(logits, cfg.moe_router_score_function)
+        if kind == "aux_loss":
+            counts = torch.zeros(self.num_experts, dtype=torch.long, device=logits.device)
+            counts.scatter_add_(0, indices.flatten(), torch.ones_like(indices.flatten()))
+            value = switch_load_balancing_loss(scores, counts, self.topk)
+        else:
+            _, chosen = _scatter_to_experts(probs.detach(), indices, self.num_experts)
+            value = sequence_load_balancing_loss(scores, chosen, seq_length, batch, self.topk)
+        self._record("load_balancing_loss", value)
+        return attach_aux_loss(probs, value * cfg.moe_aux_loss_coeff, self.tracker)
+
+    def _sinkhorn_routing(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        dtype = _score_dtype(logits)
+        if self.topk == 1:
+            scores = torch.sigmoid(logits.to(dtype))
+        else:
+            scores = torch.softmax(logits, dim=-1, dtype=dtype)
+        if self.training:
+            with torch.no_grad():
+                indices = torch.topk(sinkhorn(logits.detach().to(dtype)), self.topk,
+                                     dim=-1).indices
+        else:
+            indices = torch.topk(scores, self.topk, dim=-1).indices
+        return torch.gather(scores, 1, indices).to(logits.dtype), indices
+
+    def route(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[s, b, E]`` -> (probabilities ``[s*b, E]``, routing map ``[s*b, E]``)."""
+        cfg = self.moe_config
+        seq_length, batch = logits.shape[:2]
+        logits = self._with_z_loss(logits.reshape(-1, self.num_experts))      # [T, E]
+        if cfg.moe_router_load_balancing_type == "sinkhorn":
+            probs, indices = self._sinkhorn_routing(logits)
+        else:
+            probs, indices = topk_routing(logits, self.topk, cfg.moe_router_score_function,
+                                          cfg.moe_router_pre_softmax,
+                                          cfg.moe_router_topk_scaling_factor)  # [T, k]
+            probs = self._with_load_balancing_loss(probs, logits, indices, seq_length, batch)
+        probs, routing_map = _scatter_to_experts(probs, indices, self.num_experts)
+        if cfg.drops_tokens:
+            capacity = expert_capacity(logits.size(0), self.num_experts, self.topk,
+                                       cfg.moe_expert_capacity_factor)
+            routing_map = drop_over_capacity(probs, routing_map, capacity,
+                                             cfg.moe_token_drop_policy)
+            probs = probs * routing_map
+        return probs, routing_map
+
+    def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.route(self.gating(hidden_states))
