@@ -140,11 +140,11 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """BERT sentence-pair datasets from --data-path (or the explicit per-split paths)."""
-    from megatron.arguments import build_configs
+    from megatron.arguments import build_data_config
     from megatron.data.bert_dataset import BertDatasetConfig, build_train_valid_test_datasets
 
     args = global_vars.get_args()
-    data = build_configs(args).data
+    data = build_data_config(args)
     config = BertDatasetConfig(
         seed=data.seed, seq_length=data.seq_length, split=data.split,
         data_cache_path=data.data_cache_path, masked_lm_prob=data.mask_prob,

@@ -92,9 +92,9 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """GPT datasets from --data-path (or the explicit per-split paths, or --mock-data)."""
-    from megatron.arguments import build_configs
+    from megatron.arguments import build_data_config
 
-    data = build_configs(global_vars.get_args()).data
+    data = build_data_config(global_vars.get_args())
     tokenizer = global_vars.get_tokenizer()
     config = GPTDatasetConfig(
         seed=data.seed, seq_length=data.seq_length, split=data.split,

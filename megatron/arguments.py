@@ -898,7 +898,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(parallel=parallel, model=model, ddp=_ddp_config(args),
-                   checkpoint=_checkpoint_config(args), data=_data_config(args),
+                   checkpoint=_checkpoint_config(args), data=build_data_config(args),
                    optimizer=_optimizer_config(args), scheduler=_scheduler_config(args))
 
 
@@ -924,7 +924,9 @@ def _checkpoint_config(args) -> CheckpointConfig:
         dist_ckpt_strictness=args.dist_ckpt_strictness)
 
 
-def _data_config(args) -> DataConfig:
+def build_data_config(args) -> DataConfig:
+    """The data config alone: what a dataset provider needs, before or without the model's
+    (which needs the tokenizer's padded vocabulary)."""
     return DataConfig(
         seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, seed=args.seed,
         data_path=args.data_path, train_data_path=args.train_data_path,
