@@ -140,20 +140,22 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """BERT sentence-pair datasets from --data-path (or the explicit per-split paths)."""
+    from megatron.arguments import build_data_config
     from megatron.data.bert_dataset import BertDatasetConfig, build_train_valid_test_datasets
 
     args = global_vars.get_args()
+    data = build_data_config(args)
     config = BertDatasetConfig(
-        seed=args.seed, seq_length=args.seq_length, split=args.split,
-        data_cache_path=args.data_cache_path, masked_lm_prob=args.mask_prob,
-        short_seq_prob=args.short_seq_prob, binary_head=args.bert_binary_head,
+        seed=data.seed, seq_length=data.seq_length, split=data.split,
+        data_cache_path=data.data_cache_path, masked_lm_prob=data.mask_prob,
+        short_seq_prob=data.short_seq_prob, binary_head=args.bert_binary_head,
         # Megatron's BERT masks whole words, in runs of up to 3 (probability ~ 1/n).
         whole_word_masking=True, max_ngrams=3)
     print_rank_0("> building train, validation, and test datasets for BERT ...")
     return build_train_valid_test_datasets(
-        config, args.data_path, train_val_test_num_samples, global_vars.get_tokenizer(),
-        train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
-        test_data_path=args.test_data_path)
+        config, data.data_path, train_val_test_num_samples, global_vars.get_tokenizer(),
+        train_data_path=data.train_data_path, valid_data_path=data.valid_data_path,
+        test_data_path=data.test_data_path)
 
 
 def main(argv=None):

@@ -92,18 +92,20 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """GPT datasets from --data-path (or the explicit per-split paths, or --mock-data)."""
-    args = global_vars.get_args()
+    from megatron.arguments import build_data_config
+
+    data = build_data_config(global_vars.get_args())
     tokenizer = global_vars.get_tokenizer()
     config = GPTDatasetConfig(
-        seed=args.seed, seq_length=args.seq_length, split=args.split,
-        data_cache_path=args.data_cache_path, reset_position_ids=args.reset_position_ids,
-        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
-        mock=args.mock_data, vocab_size=tokenizer.vocab_size)
+        seed=data.seed, seq_length=data.seq_length, split=data.split,
+        data_cache_path=data.data_cache_path, reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
+        mock=data.mock_data, vocab_size=tokenizer.vocab_size)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_train_valid_test_datasets(
-        config, args.data_path, train_val_test_num_samples,
-        train_data_path=args.train_data_path, valid_data_path=args.valid_data_path,
-        test_data_path=args.test_data_path)
+        config, data.data_path, train_val_test_num_samples,
+        train_data_path=data.train_data_path, valid_data_path=data.valid_data_path,
+        test_data_path=data.test_data_path)
 
 
 if __name__ == "__main__":

@@ -117,12 +117,15 @@ def _reset_peak_rss() -> None:
         refs.write("5")
 
 
-def _fill_adam_state(model, optimizer, scheduler, args) -> None:
+def _fill_adam_state(model, optimizer, scheduler, args):
     """Random gradients and one real optimizer step: the moments exist and are not zero.
+    Returns the train state of that one iteration.
 
     Every rank draws the same gradients, so that the weights TP ranks both hold stay equal, as
     after a real all-reduced step (``torch_dist`` writes such a weight once, from TP rank 0).
     """
+    from megatron.training_state import TrainState
+
     generator = torch.Generator().manual_seed(1000)
     for chunk in model:
         for param in chunk.module.parameters():
@@ -132,7 +135,7 @@ def _fill_adam_state(model, optimizer, scheduler, args) -> None:
             grad.copy_(torch.randn(grad.shape, generator=generator) * 1e-3)
     optimizer.step()
     scheduler.step(args.global_batch_size)
-    args.consumed_train_samples = args.global_batch_size
+    return TrainState(iteration=1, consumed_train_samples=args.global_batch_size)
 
 
 def _param_checksum(model) -> float:
@@ -168,14 +171,15 @@ def phase(kind: str, flags: List[str], ckpt_dir: str, log_path: str) -> Dict:
         model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider,
                                                                 args, pstate)
         if kind == "save":
-            _fill_adam_state(model, optimizer, scheduler, args)
+            train_state = _fill_adam_state(model, optimizer, scheduler, args)
         gc.collect()
         dist.barrier()
         rss_before = _status_kb("VmRSS")
         _reset_peak_rss()
         start = time.perf_counter()
         if kind == "save":
-            checkpointing.save_checkpoint(1, model, optimizer, scheduler, args, pstate)
+            checkpointing.save_checkpoint(1, model, optimizer, scheduler, args, pstate,
+                                          train_state=train_state)
             iteration = 1
         else:
             iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)

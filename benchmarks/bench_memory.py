@@ -431,10 +431,9 @@ def _worker(rank, world_size, flags, probe_kind, train_iters, store_dir, results
     probe = Probe(probe_kind, train_iters)
     probe.install()
     try:
-        args = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                        pretrain_gpt.model_provider, None,
-                        probe.counted_forward_step(pretrain_gpt.forward_step), argv=flags)
-        pstate = global_vars.get_parallel_state()
+        pretrain(pretrain_gpt.train_valid_test_datasets_provider, pretrain_gpt.model_provider,
+                 None, probe.counted_forward_step(pretrain_gpt.forward_step), argv=flags)
+        args, pstate = global_vars.get_args(), global_vars.get_parallel_state()
         num_microbatches = args.global_batch_size // (args.micro_batch_size
                                                       * args.data_parallel_size)
         results[(probe_kind, rank)] = {

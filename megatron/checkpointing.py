@@ -33,6 +33,7 @@ boundary, naming the file.
 
 import argparse
 import copy
+import dataclasses
 import os
 import random
 import re
@@ -47,7 +48,9 @@ import torch
 import torch.distributed as dist
 
 from megatron import safe_unpickle
+from megatron.checkpoint_config import CheckpointConfig
 from megatron.core import device
+from megatron.training_state import TrainState
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -140,14 +143,25 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-# Records of the running process, not settings of the run: kept out of the checkpoint.
-_RUNTIME_ONLY_ARGS = ("train_loss_history",)
+def checkpoint_args(args, config: Optional[CheckpointConfig] = None,
+                    train_state: Optional[TrainState] = None) -> argparse.Namespace:
+    """The flags a save or a load works with, and that a save records as the checkpoint's
+    ``args``: a copy of ``args``, with the fields of ``config`` in place of the checkpoint flags
+    of the same names (so a conversion saves elsewhere, or a finetuning start loads another
+    folder, and the run's flags stay as parsed), and with the training position of
+    ``train_state`` under Megatron's keys (``consumed_train_samples``,
+    ``consumed_valid_samples``)."""
+    fields = dict(vars(args))
+    if config is not None:
+        fields.update(dataclasses.asdict(config))
+    if train_state is not None:
+        fields.update(train_state.saved_args_fields())
+    return argparse.Namespace(**fields)
 
 
 def _plain_args(args) -> argparse.Namespace:
     plain = (type(None), bool, int, float, str, list, tuple, dict, torch.dtype)
-    return argparse.Namespace(**{k: v for k, v in vars(args).items()
-                                 if isinstance(v, plain) and k not in _RUNTIME_ONLY_ARGS})
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if isinstance(v, plain)})
 
 
 def _rng_state() -> dict:
@@ -411,13 +425,20 @@ def _finish_save(save_dir: str, iteration: int, error: str) -> None:
 
 
 def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
-                    pstate) -> str:
-    """Write the checkpoint of ``iteration`` under ``args.save``; returns its folder.
+                    pstate, *, train_state: Optional[TrainState] = None,
+                    config: Optional[CheckpointConfig] = None) -> str:
+    """Write the checkpoint of ``iteration`` under ``--save``; returns its folder.
 
     Collective. The files go to the staging folder; once every rank's file is written and
     fsynced, rank 0 renames the folder into place and then replaces the tracker. With
     ``--ckpt-format torch_dist`` see :mod:`megatron.checkpointing_dist`.
+
+    Args:
+        train_state: the run's position, saved in the checkpoint's ``args`` under Megatron's
+            keys; None saves none (a checkpoint of weights made outside training).
+        config: checkpoint options to use instead of the flags of the same names in ``args``.
     """
+    args = checkpoint_args(args, config, train_state)
     if getattr(args, "ckpt_format", "torch") == "torch_dist":
         from megatron import checkpointing_dist
 
@@ -496,8 +517,11 @@ class AsyncCheckpointSaver:
         return None if self._in_flight is None else self._in_flight.iteration
 
     def save(self, iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
-             pstate) -> None:
+             pstate, *, train_state: Optional[TrainState] = None,
+             config: Optional[CheckpointConfig] = None) -> None:
+        """Start the save of ``iteration``, as :func:`save_checkpoint` takes its arguments."""
         self.wait()
+        args = checkpoint_args(args, config, train_state)
         if getattr(args, "ckpt_format", "torch") == "torch_dist":
             from megatron import checkpointing_dist
 
@@ -760,14 +784,28 @@ def _converted_parts(state: dict, path: str, restore_training: bool, args) -> Tu
     return load_optim, load_rng
 
 
-def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) -> int:
-    """Load ``args.load`` into model, optimizer, scheduler and RNGs; returns the iteration.
+def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate, *,
+                    train_state: Optional[TrainState] = None,
+                    config: Optional[CheckpointConfig] = None) -> int:
+    """Load ``--load`` into model, optimizer, scheduler and RNGs; returns the iteration (0 when
+    there is no checkpoint, and for ``--finetune`` or a release checkpoint).
 
-    Sets ``args.consumed_train_samples`` / ``args.consumed_valid_samples`` from the checkpoint
-    (zero for ``--finetune`` or a release checkpoint).
+    Args:
+        train_state: given, it takes the iteration and the position the checkpoint records
+            (consumed samples, the loss-spike window); with ``--finetune`` or a release
+            checkpoint only the iteration, 0.
+        config: checkpoint options to use instead of the flags of the same names in ``args``.
     """
-    args.consumed_train_samples = getattr(args, "consumed_train_samples", 0)
-    args.consumed_valid_samples = getattr(args, "consumed_valid_samples", 0)
+    args = checkpoint_args(args, config)
+    iteration = _load(model_chunks, optimizer, opt_param_scheduler, args, pstate, train_state)
+    if train_state is not None:
+        train_state.iteration = iteration
+    return iteration
+
+
+def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
+          train_state: Optional[TrainState]) -> int:
+    """:func:`load_checkpoint` with ``args`` as the load sees them (config applied)."""
     if not args.load:
         return 0
     located = _locate(args.load, args, pstate)
@@ -776,7 +814,7 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) 
     path, iteration, release = located
     if _is_dist(path):
         return _load_dist(path, iteration, release, model_chunks, optimizer, opt_param_scheduler,
-                          args, pstate)
+                          args, pstate, train_state)
     state = load_state_file(path)
     saved_args = state.get("args")
     _check_args(saved_args, args, path)
@@ -808,34 +846,26 @@ def load_checkpoint(model_chunks, optimizer, opt_param_scheduler, args, pstate) 
     if load_rng:
         rng = state["rng_state"]
         _set_rng_state(rng[pstate.dp_rank] if len(rng) == pstate.dp_size else rng[0])
-    if restore_training:
-        _restore_counters(saved_args, args)
-    else:
+    if not restore_training:
         iteration = 0
+    elif train_state is not None:
+        train_state.restore_from_saved_args(saved_args)
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}",
               flush=True)
     return iteration
 
 
-def _restore_counters(saved_args, args) -> None:
-    """The training position the checkpoint's args record (and the recent losses
-    --skip-iterations-with-loss-spike compares with)."""
-    args.consumed_train_samples = getattr(saved_args, "consumed_train_samples", 0)
-    args.consumed_valid_samples = getattr(saved_args, "consumed_valid_samples", 0)
-    args.loss_spike_history = list(getattr(saved_args, "loss_spike_history", None) or [])
-
-
 def _load_dist(iter_dir, iteration, release, model_chunks, optimizer, opt_param_scheduler,
-               args, pstate) -> int:
+               args, pstate, train_state: Optional[TrainState]) -> int:
     from megatron import checkpointing_dist
 
     common = checkpointing_dist.load_checkpoint(iter_dir, iteration, release, model_chunks,
                                                 optimizer, opt_param_scheduler, args, pstate)
     if args.finetune or release:
         iteration = 0
-    else:
-        _restore_counters(common.get("args"), args)
+    elif train_state is not None:
+        train_state.restore_from_saved_args(common.get("args"))
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
               "(torch_dist)", flush=True)

@@ -6,6 +6,7 @@ grads), steps the optimizer (skipped on fp16 overflow) and the LR schedule, then
 and saves at their intervals.
 """
 
+import dataclasses
 import functools
 import math
 import os
@@ -18,18 +19,22 @@ import torch
 import torch.distributed as dist
 
 from megatron import checkpointing, global_vars, memory_accounting, training_hooks, training_log
-from megatron.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.arguments import (ArgumentsError, Configs, build_configs, parse_args,
+                                validate_args)
+from megatron.checkpoint_config import CheckpointConfig
 from megatron.core import device
 from megatron.core.config import ConfigError
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.data.config import DataConfig
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter
 from megatron.initialize import initialize_megatron
 from megatron.microbatches import NumMicroBatchesCalculator
-from megatron.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.timers import Timers
+from megatron.training_state import TrainState
 
 
 def print_rank_0(message: str) -> None:
@@ -85,44 +90,16 @@ def _parse(argv, extra_args_provider, args_defaults):
         raise SystemExit(2)
 
 
-def _optimizer_config(args) -> OptimizerConfig:
-    return OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
-        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
-        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
-        fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype,
-        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
-        hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
-        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
-
-
-def get_optimizer_param_scheduler(optimizer, args) -> OptimizerParamScheduler:
+def get_optimizer_param_scheduler(optimizer, config: SchedulerConfig) -> OptimizerParamScheduler:
     """The LR / weight-decay schedule, with steps counted in samples as Megatron does."""
-    gbs = args.global_batch_size
-    if args.train_samples is None:
-        decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
-        wd_incr_steps = args.train_iters * gbs
-        wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
-        warmup_steps = (args.lr_warmup_fraction * decay_steps
-                        if args.lr_warmup_fraction is not None else args.lr_warmup_iters * gbs)
-    else:
-        decay_steps = args.lr_decay_samples or args.train_samples
-        wd_incr_steps = args.train_samples
-        wsd_steps = args.lr_wsd_decay_samples
-        warmup_steps = (args.lr_warmup_fraction * decay_steps
-                        if args.lr_warmup_fraction is not None else args.lr_warmup_samples)
     return OptimizerParamScheduler(
-        optimizer, init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
-        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
-        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
-        end_wd=args.end_weight_decay, wd_incr_steps=wd_incr_steps,
-        wd_incr_style=args.weight_decay_incr_style,
-        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
-        override_opt_param_scheduler=args.override_opt_param_scheduler,
-        wsd_decay_steps=wsd_steps, lr_wsd_decay_style=args.lr_wsd_decay_style)
+        optimizer, init_lr=config.init_lr, max_lr=config.max_lr, min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_steps, lr_decay_steps=config.lr_decay_steps,
+        lr_decay_style=config.lr_decay_style, start_wd=config.start_wd, end_wd=config.end_wd,
+        wd_incr_steps=config.wd_incr_steps, wd_incr_style=config.wd_incr_style,
+        use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=config.override_opt_param_scheduler,
+        wsd_decay_steps=config.wsd_decay_steps, lr_wsd_decay_style=config.lr_wsd_decay_style)
 
 
 def build_model_chunks(model_provider: Callable, pstate) -> List[torch.nn.Module]:
@@ -146,8 +123,24 @@ def build_model_chunks(model_provider: Callable, pstate) -> List[torch.nn.Module
     return chunks
 
 
-def setup_model_and_optimizer(model_provider: Callable, args, pstate):
-    """Model chunks wrapped for data parallelism, the optimizer and the LR schedule."""
+def _training_configs(configs: Configs) -> Configs:
+    """``configs``, checked to describe training: it has an optimizer and a schedule."""
+    if configs.optimizer is None:
+        raise ConfigError("--lr must be given (the peak learning rate), got None")
+    if configs.scheduler is None:
+        raise ConfigError("give --train-iters or --train-samples: the length of the "
+                          "learning-rate schedule")
+    return configs
+
+
+def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
+                              configs: Optional[Configs] = None):
+    """Model chunks wrapped for data parallelism, the optimizer and the LR schedule.
+
+    ``configs`` are the run's configs (``build_configs(args)`` when not given).
+    """
+    configs = _training_configs(configs or build_configs(args))
+    ddp_config = configs.ddp
     modules = [m.to(device.current_device()) for m in build_model_chunks(model_provider, pstate)]
     n_params = sum(p.numel() for m in modules for p in m.parameters())
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
@@ -156,18 +149,19 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate):
     for module in modules:
         ddp = DistributedDataParallel(
             module, dp_group=pstate.dp_group,
-            accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-            overlap_grad_reduce=args.overlap_grad_reduce, bucket_size=args.ddp_bucket_size,
-            use_distributed_optimizer=args.use_distributed_optimizer,
-            gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+            accumulate_allreduce_grads_in_fp32=ddp_config.grad_reduce_in_fp32,
+            overlap_grad_reduce=ddp_config.overlap_grad_reduce,
+            bucket_size=ddp_config.bucket_size,
+            use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+            gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion)
         if args.data_parallel_random_init:
             ddp.broadcast_params()
         chunks.append(ddp)
-    optimizer = get_megatron_optimizer(_optimizer_config(args), chunks,
+    optimizer = get_megatron_optimizer(configs.optimizer, chunks,
                                        mp_group=pstate.model_parallel_group,
                                        tp_group=pstate.tp_group, dp_group=pstate.dp_group,
-                                       overlap_param_gather=args.overlap_param_gather)
-    scheduler = get_optimizer_param_scheduler(optimizer, args)
+                                       overlap_param_gather=ddp_config.overlap_param_gather)
+    scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler
 
 
@@ -204,41 +198,46 @@ def _num_samples(args) -> List[int]:
             args.eval_iters * args.global_batch_size]
 
 
-def build_data_iterators(provider: Callable, args, pstate):
-    """Train/valid/test iterators on TP rank 0 (other TP ranks receive batches by broadcast)."""
+def build_data_iterators(provider: Callable, args, pstate, train_state: TrainState,
+                         data: DataConfig):
+    """Train/valid/test iterators on TP rank 0 (other TP ranks receive batches by broadcast),
+    each starting after the samples ``train_state`` has consumed; notes in ``train_state``
+    which splits have data."""
     loaders = [None, None, None]
     flags = torch.zeros(3, dtype=torch.int64, device=device.current_device())
     if pstate.tp_rank == 0:
         datasets = provider(_num_samples(args))
-        consumed = [args.consumed_train_samples, args.consumed_valid_samples, 0]
+        consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples, 0]
         for i, (ds, start) in enumerate(zip(datasets, consumed)):
             loaders[i] = build_pretraining_data_loader(
-                ds, start, args.micro_batch_size, pstate.dp_rank, pstate.dp_size,
-                args.dataloader_type, args.num_workers, args.seed)
+                ds, start, data.micro_batch_size, pstate.dp_rank, pstate.dp_size,
+                data.dataloader_type, data.num_workers, data.seed)
         flags = torch.tensor([int(ld is not None) for ld in loaders], dtype=torch.int64,
                              device=device.current_device())
     if pstate.tp_size > 1:
         dist.broadcast(flags, pstate.tp_ranks[0], group=pstate.tp_group)
-    args.do_train, args.do_valid, args.do_test = (bool(x) for x in flags.tolist())
+    train_state.do_train, train_state.do_valid, train_state.do_test = (
+        bool(x) for x in flags.tolist())
 
     def make(loader, cyclic):
         if loader is None:
             return None
         return iter(cyclic_iter(loader)) if cyclic else iter(loader)
 
-    cyclic_train = args.dataloader_type == "cyclic"
+    cyclic_train = data.dataloader_type == "cyclic"
     return (make(loaders[0], cyclic_train), make(loaders[1], True), make(loaders[2], True))
 
 
-def build_chunk_data_iterators(provider: Callable, args, pstate):
+def build_chunk_data_iterators(provider: Callable, args, pstate, train_state: TrainState,
+                               data: DataConfig):
     """Train/valid/test iterators; with virtual pipeline stages, a list of one per chunk.
 
     Every chunk walks the same samples in the same order; the forward step of a chunk that
     needs no data (neither the first nor the last virtual stage) never advances its iterator.
     """
     if pstate.virtual_pp_size is None:
-        return build_data_iterators(provider, args, pstate)
-    per_chunk = [build_data_iterators(provider, args, pstate)
+        return build_data_iterators(provider, args, pstate, train_state, data)
+    per_chunk = [build_data_iterators(provider, args, pstate, train_state, data)
                  for _ in range(pstate.virtual_pp_size)]
     return tuple(list(split) for split in zip(*per_chunk))
 
@@ -345,13 +344,15 @@ def _stop_if_not_finite(findings: List[str], iteration: Optional[int], args, pst
         "far are untouched.")
 
 
-def _skip_for_loss_spike(logged: List[dict], iteration: Optional[int], args, pstate) -> bool:
+def _skip_for_loss_spike(logged: List[dict], iteration: Optional[int], args, pstate,
+                         history: List[float]) -> bool:
     """--skip-iterations-with-loss-spike: whether this iteration's optimizer step is skipped.
 
     The iteration's loss (the logged ``lm loss``, else the first logged value) is sent from the
     last pipeline stage to every rank; it is a spike when it is not finite or is more than
     ``--loss-spike-factor`` times the mean of the last ``--loss-spike-window`` losses of steps
-    taken. Those losses travel in the checkpoint's args, so a resumed run decides alike.
+    taken, kept in ``history`` (the train state's ``loss_spike_history``, which travels in the
+    checkpoint's args, so a resumed run decides alike).
     """
     value, bad = -math.inf, 0.0
     if pstate.is_last_stage(ignore_virtual=True) and logged:
@@ -361,7 +362,7 @@ def _skip_for_loss_spike(logged: List[dict], iteration: Optional[int], args, pst
     both = torch.tensor([bad, value], dtype=torch.float64, device=device.current_device())
     dist.all_reduce(both, op=dist.ReduceOp.MAX)
     bad, value = bool(both[0].item()), float(both[1].item())
-    history, window = args.loss_spike_history, args.loss_spike_window
+    window = args.loss_spike_window
     baseline = sum(history[-window:]) / window if len(history) >= window else None
     if not bad and (baseline is None or value <= args.loss_spike_factor * baseline):
         history.append(value)
@@ -377,9 +378,10 @@ def _skip_for_loss_spike(logged: List[dict], iteration: Optional[int], args, pst
 
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, pstate,
                calculator: NumMicroBatchesCalculator, iteration: Optional[int] = None,
-               timers: Optional[Timers] = None):
+               timers: Optional[Timers] = None, train_state: Optional[TrainState] = None):
     """One iteration (number ``iteration``, for messages); returns (loss dict, skipped, grad
-    norm, loss scale).
+    norm, loss scale). ``train_state`` holds the losses --skip-iterations-with-loss-spike
+    compares with (required with that flag).
 
     With --check-for-nan-in-loss-and-grad every rank's micro-batch losses and gradients are
     checked before the optimizer step; gradients before the data-parallel reduction, so the rank
@@ -414,8 +416,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
             findings += _grad_findings(model)
         _stop_if_not_finite(findings, iteration, args, pstate,
                             reduced=check_grads and args.overlap_grad_reduce)
-    if args.skip_iterations_with_loss_spike and _skip_for_loss_spike(logged, iteration, args,
-                                                                     pstate):
+    if args.skip_iterations_with_loss_spike and _skip_for_loss_spike(
+            logged, iteration, args, pstate, train_state.loss_spike_history):
         ok, grad_norm = False, None
     else:
         timers("optimizer", log_level=1).start()
@@ -434,8 +436,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
 
 
 def evaluate(forward_step_func, data_iterator, model, args, pstate,
-             calculator: NumMicroBatchesCalculator, eval_iters: int):
-    """Average of each logged loss over ``eval_iters`` global batches, dropout off."""
+             calculator: NumMicroBatchesCalculator, eval_iters: int, train_state: TrainState):
+    """Average of each logged loss over ``eval_iters`` global batches, dropout off; the samples
+    read count in ``train_state.consumed_valid_samples``."""
     for chunk in model:
         chunk.eval()
     totals, count = {}, 0
@@ -450,65 +453,65 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
                 for key, value in d.items():
                     totals[key] = totals.get(key, 0.0) + training_log.to_float(value)
                 count += 1
-            args.consumed_valid_samples += calculator.current_global_batch_size
+            train_state.consumed_valid_samples += calculator.current_global_batch_size
     for chunk in model:
         chunk.train()
     return {key: value / max(1, count) for key, value in totals.items()}
 
 
-def evaluate_and_print(prefix, forward_step_func, data_iterator, model, iteration, args, pstate,
-                       calculator, writer, eval_iters: int):
+def evaluate_and_print(prefix, forward_step_func, data_iterator, model, train_state, args,
+                       pstate, calculator, writer, eval_iters: int):
     losses = evaluate(forward_step_func, data_iterator, model, args, pstate, calculator,
-                      eval_iters)
+                      eval_iters, train_state)
     if pstate.is_last_stage(ignore_virtual=True) and pstate.tp_rank == 0 and pstate.dp_rank == 0:
         print(training_log.format_eval_line(prefix, losses), flush=True)
-    training_log.write_eval_scalars(writer, args, iteration, losses)
+    training_log.write_eval_scalars(writer, args, train_state, losses)
     return losses
 
 
-def load_or_finetune(model, optimizer, scheduler, args, pstate) -> int:
+def load_or_finetune(model, optimizer, scheduler, args, pstate, train_state: TrainState,
+                     ckpt: CheckpointConfig) -> int:
     """Resume from --load; or, when --load holds no checkpoint and --pretrained-checkpoint is
     given, start from that checkpoint's weights as --finetune does (iteration 0, fresh optimizer
     and schedule, consumed samples 0), as Megatron does for finetuning runs. Returns the
-    iteration to start from."""
-    pretrained = args.pretrained_checkpoint
-    if not pretrained or (args.load and checkpointing.read_tracker(args.load) is not None):
-        return checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)
+    iteration to start from; ``train_state`` takes the position the checkpoint records."""
+    pretrained = ckpt.pretrained_checkpoint
+    if not pretrained or (ckpt.load and checkpointing.read_tracker(ckpt.load) is not None):
+        return checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate,
+                                             train_state=train_state, config=ckpt)
     if checkpointing.read_tracker(pretrained) is None:
         raise checkpointing.CheckpointError(
             f"--pretrained-checkpoint {pretrained}: no {checkpointing.TRACKER_FILENAME}; not a "
             "checkpoint directory")
-    print_rank_0(f"no checkpoint in --load {args.load}; starting from the weights of "
+    print_rank_0(f"no checkpoint in --load {ckpt.load}; starting from the weights of "
                  f"--pretrained-checkpoint {pretrained} (as --finetune)")
-    kept = args.load, args.finetune
-    args.load, args.finetune = pretrained, True
-    try:
-        return checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)
-    finally:
-        args.load, args.finetune = kept
+    return checkpointing.load_checkpoint(
+        model, optimizer, scheduler, args, pstate, train_state=train_state,
+        config=dataclasses.replace(ckpt, load=pretrained, finetune=True))
 
 
-def convert_loaded_checkpoint(iteration, model, optimizer, scheduler, args, pstate) -> None:
+def convert_loaded_checkpoint(train_state: TrainState, model, optimizer, scheduler, args, pstate,
+                              ckpt: CheckpointConfig) -> None:
     """--ckpt-convert-format / --ckpt-convert-save: write what --load held in that format to
-    that folder (model, optimizer, scheduler, RNG states), then stop without training."""
-    kept = args.ckpt_format, args.save
-    args.ckpt_format, args.save = args.ckpt_convert_format, args.ckpt_convert_save
-    try:
-        checkpointing.check_save_dir(args.save)
-        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args, pstate)
-    finally:
-        args.ckpt_format, args.save = kept
-    print_rank_0(f"converted {args.load} (iteration {iteration}) to --ckpt-format "
-                 f"{args.ckpt_convert_format} in {args.ckpt_convert_save}; exiting")
+    that folder (model, optimizer, scheduler, RNG states, position), then stop without
+    training."""
+    target = dataclasses.replace(ckpt, ckpt_format=ckpt.ckpt_convert_format,
+                                 save=ckpt.ckpt_convert_save)
+    checkpointing.check_save_dir(target.save)
+    checkpointing.save_checkpoint(train_state.iteration, model, optimizer, scheduler, args,
+                                  pstate, train_state=train_state, config=target)
+    print_rank_0(f"converted {ckpt.load} (iteration {train_state.iteration}) to --ckpt-format "
+                 f"{ckpt.ckpt_convert_format} in {ckpt.ckpt_convert_save}; exiting")
 
 
-def _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver=None):
-    """Save now, or start a background save with ``saver`` (--async-save)."""
+def _save(train_state: TrainState, model, optimizer, scheduler, args, pstate, timers,
+          ckpt: CheckpointConfig, saver=None):
+    """Save the current iteration now, or start a background save with ``saver``
+    (--async-save)."""
     timers("save-checkpoint", log_level=0).start()
-    if saver is not None:
-        saver.save(iteration, model, optimizer, scheduler, args, pstate)
-    else:
-        checkpointing.save_checkpoint(iteration, model, optimizer, scheduler, args, pstate)
+    save = saver.save if saver is not None else checkpointing.save_checkpoint
+    save(train_state.iteration, model, optimizer, scheduler, args, pstate,
+         train_state=train_state, config=ckpt)
     timers("save-checkpoint", log_level=0).stop()
 
 
@@ -554,7 +557,7 @@ def report_memory(args, pstate, calculator: NumMicroBatchesCalculator) -> None:
 TIMERS_TO_LOG = ["forward-backward", "batch-generator", "optimizer", "save-checkpoint"]
 
 
-def _log_iteration(iteration, args, model, pstate, timers, writer, stats, losses, lr, batch,
+def _log_iteration(train_state, args, model, pstate, timers, writer, stats, losses, lr, batch,
                    loss_scale, grad_norm) -> training_log.IntervalStats:
     """Scalars, the console line and the timing line after one iteration; returns the stats to
     go on with (fresh ones after a console line).
@@ -562,12 +565,13 @@ def _log_iteration(iteration, args, model, pstate, timers, writer, stats, losses
     Every rank calls it: the params norm is reduced over the model-parallel group and the timers
     over all ranks, at iterations that every rank agrees on.
     """
+    iteration = train_state.iteration
     console = iteration % args.log_interval == 0
     scalars = bool(args.tensorboard_dir) and iteration % args.tensorboard_log_interval == 0
     params_norm = None
     if args.log_params_norm and (console or scalars):
         params_norm = training_log.calc_params_l2_norm(model, pstate)
-    training_log.write_train_scalars(writer, args, iteration, losses, lr, batch, loss_scale,
+    training_log.write_train_scalars(writer, args, train_state, losses, lr, batch, loss_scale,
                                      grad_norm, params_norm)
     iterations = max(1, stats.advanced + stats.skipped)
     if args.log_timers_to_tensorboard and scalars:
@@ -585,15 +589,23 @@ def _log_iteration(iteration, args, model, pstate, timers, writer, stats, losses
                               training_log.throughput_tflops(args, batch, per_iter_s), iteration)
     if args.rank == args.world_size - 1:
         training_log.emit_line(training_log.format_log_line(
-            args, iteration, stats, lr, batch, loss_scale, grad_norm, params_norm))
+            args, train_state, stats, lr, batch, loss_scale, grad_norm, params_norm))
         if timing:
             print(timing, flush=True)
     return training_log.IntervalStats()
 
 
+def _learning_rate(optimizer) -> float:
+    """The logged learning rate: the first param group's not under --decoupled-lr."""
+    return next((g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr")),
+                optimizer.param_groups[0]["lr"])
+
+
 def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator, args,
-          pstate, calculator, timers, writer, start_iteration: int, saver=None) -> int:
-    """The training loop; returns the last iteration run.
+          pstate, calculator, timers, writer, train_state: TrainState, ckpt: CheckpointConfig,
+          saver=None) -> int:
+    """The training loop from ``train_state.iteration`` to --train-iters; advances
+    ``train_state`` and returns the last iteration run.
 
     ``saver`` (--async-save) writes checkpoints in the background; each iteration boundary
     publishes a finished one, and an exit waits for it.
@@ -603,62 +615,92 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     stop_signal = _StopSignal() if args.exit_signal_handler else None
     start_time = time.time()
     stats = training_log.IntervalStats()
-    iteration = start_iteration
+    start_iteration = train_state.iteration
     profiler = training_hooks.IterationProfiler(args, args.rank)
     manual_gc = training_hooks.ManualGC(args)
     try:
-        while iteration < args.train_iters:
-            calculator.update(args.consumed_train_samples)
+        while train_state.iteration < args.train_iters:
+            calculator.update(train_state.consumed_train_samples)
             profiler.before_iteration()
             losses, skipped, grad_norm, loss_scale = train_step(
                 forward_step_func, train_iterator, model, optimizer, scheduler, args, pstate,
-                calculator, iteration=iteration + 1, timers=timers)
-            iteration += 1
+                calculator, iteration=train_state.iteration + 1, timers=timers,
+                train_state=train_state)
+            train_state.iteration += 1
+            iteration = train_state.iteration
             profiler.after_iteration()
             manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
                 report_memory(args, pstate, calculator)
             batch = calculator.current_global_batch_size
-            args.consumed_train_samples += batch
+            train_state.consumed_train_samples += batch
             stats.add(losses, skipped)
-            args.train_loss_history.append((iteration, losses.get("lm loss")))
-            lr = next((g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr")),
-                      optimizer.param_groups[0]["lr"])
+            train_state.train_loss_history.append((iteration, losses.get("lm loss")))
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
-            stats = _log_iteration(iteration, args, model, pstate, timers, writer, stats, losses,
-                                   lr, batch, loss_scale, grad_norm)
-            if (args.eval_interval and iteration % args.eval_interval == 0 and args.do_valid
-                    and args.eval_iters > 0):
+            stats = _log_iteration(train_state, args, model, pstate, timers, writer, stats,
+                                   losses, _learning_rate(optimizer), batch, loss_scale,
+                                   grad_norm)
+            if (args.eval_interval and iteration % args.eval_interval == 0
+                    and train_state.do_valid and args.eval_iters > 0):
                 evaluate_and_print(f"iteration {iteration}", forward_step_func, valid_iterator,
-                                   model, iteration, args, pstate, calculator, writer,
+                                   model, train_state, args, pstate, calculator, writer,
                                    args.eval_iters)
             if saver is not None:
                 saver.poll()
             saved = False
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver)
+            if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0:
+                _save(train_state, model, optimizer, scheduler, args, pstate, timers, ckpt, saver)
                 saved = True
             reason = _should_exit(iteration, args, start_time, stop_signal)
             if reason is not None:
-                if args.save and not saved:
-                    _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver)
+                if ckpt.save and not saved:
+                    _save(train_state, model, optimizer, scheduler, args, pstate, timers, ckpt,
+                          saver)
                 if saver is not None:
                     saver.wait()
                 print_rank_0(f"exiting at iteration {iteration}: {reason}")
-                args.exit_requested = True
+                train_state.exit_requested = True
                 break
     finally:
         profiler.close()
         manual_gc.close()
         if stop_signal is not None:
             stop_signal.release()
-    return iteration
+    return train_state.iteration
+
+
+def _train_and_evaluate(forward_step_func, model, optimizer, scheduler, iterators, args,
+                        pstate, calculator, timers, writer, train_state: TrainState,
+                        ckpt: CheckpointConfig) -> None:
+    """Train from ``train_state`` (unless --skip-train or nothing is left), save the last
+    iteration, and evaluate on the validation and test data unless the run was stopped."""
+    train_it, valid_it, test_it = iterators
+    saver = checkpointing.AsyncCheckpointSaver() if ckpt.async_save and ckpt.save else None
+    if not args.skip_train and train_state.do_train and train_state.iteration < args.train_iters:
+        print_rank_0(f"training from iteration {train_state.iteration} to {args.train_iters} ...")
+        train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, args, pstate,
+              calculator, timers, writer, train_state, ckpt, saver=saver)
+        if (ckpt.save and train_state.iteration % (ckpt.save_interval or sys.maxsize) != 0
+                and not train_state.exit_requested):
+            _save(train_state, model, optimizer, scheduler, args, pstate, timers, ckpt, saver)
+        if saver is not None:
+            saver.wait()
+    if train_state.exit_requested or args.eval_iters <= 0:
+        return
+    if train_state.do_valid:
+        train_state.final_valid_losses = evaluate_and_print(
+            "the end of training for val data", forward_step_func, valid_it, model, train_state,
+            args, pstate, calculator, writer, args.eval_iters)
+    if train_state.do_test:
+        train_state.final_test_losses = evaluate_and_print(
+            "the end of training for test data", forward_step_func, test_it, model, train_state,
+            args, pstate, calculator, writer, args.eval_iters)
 
 
 def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable,
              model_type, forward_step_func: Callable, process_non_loss_data_func=None,
              extra_args_provider: Optional[Callable] = None, args_defaults: Optional[dict] = None,
-             argv: Optional[List[str]] = None):
+             argv: Optional[List[str]] = None) -> TrainState:
     """Megatron's entry point: parse flags, build everything, train, evaluate, save.
 
     Args:
@@ -669,7 +711,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         forward_step_func: ``forward_step(data_iterator, model)`` -> (output, loss_func).
         argv: flags to parse instead of ``sys.argv[1:]`` (tests).
     Returns:
-        The args namespace after training (iteration, consumed samples, last losses).
+        The run's :class:`TrainState` (iteration, consumed samples, losses, final
+        evaluations); the flags stay as parsed, in ``global_vars.get_args()``.
     """
     del model_type, process_non_loss_data_func
     args = _parse(argv, extra_args_provider, args_defaults)
@@ -677,61 +720,42 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     from megatron.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(args)
-    build_configs(args)  # validates the model shape against the split once more
-    timers = Timers(args.timing_log_level, args.timing_log_option)
-    writer = training_log.make_scalar_writer(args)
-    global_vars.set_global_variables(args=args, tokenizer=tokenizer, timers=timers,
-                                     tensorboard_writer=writer.tensorboard if writer else None,
-                                     parallel_state=pstate)
-    if args.save:
-        if args.rank == 0:
-            checkpointing.check_save_dir(args.save)
-            for change in checkpointing.clean_interrupted_saves(args.save):
-                print(f"NOTE: --save {args.save}: {change}", flush=True)
-        dist.barrier()
     if args.train_samples is not None:
         args.train_iters = NumMicroBatchesCalculator(
             args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
             args.rampup_batch_size).iterations_for_samples(args.train_samples)
     if args.train_iters is None:
         raise SystemExit("pretrain: give --train-iters or --train-samples")
+    # Also checks the model shape against the split once more.
+    configs = _training_configs(build_configs(args))
+    ckpt = configs.checkpoint
+    timers = Timers(args.timing_log_level, args.timing_log_option)
+    writer = training_log.make_scalar_writer(args)
+    global_vars.set_global_variables(args=args, tokenizer=tokenizer, timers=timers,
+                                     tensorboard_writer=writer.tensorboard if writer else None,
+                                     parallel_state=pstate)
+    if ckpt.save:
+        if args.rank == 0:
+            checkpointing.check_save_dir(ckpt.save)
+            for change in checkpointing.clean_interrupted_saves(ckpt.save):
+                print(f"NOTE: --save {ckpt.save}: {change}", flush=True)
+        dist.barrier()
     calculator = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
                                            args.data_parallel_size, args.rampup_batch_size)
 
     check_memory_at_startup(args, pstate, calculator)
     training_hooks.note_cpu_only_flags(args)
-    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate)
-    args.loss_spike_history = []
-    iteration = load_or_finetune(model, optimizer, scheduler, args, pstate)
-    args.iteration = iteration
-    if args.ckpt_convert_format is not None:
-        convert_loaded_checkpoint(iteration, model, optimizer, scheduler, args, pstate)
-        args.train_loss_history = []
-        return args
-    train_it, valid_it, test_it = build_chunk_data_iterators(train_valid_test_dataset_provider,
-                                                             args, pstate)
-    args.exit_requested = False
-    args.train_loss_history = []
-    saver = checkpointing.AsyncCheckpointSaver() if args.async_save and args.save else None
-    if not args.skip_train and args.do_train and iteration < args.train_iters:
-        print_rank_0(f"training from iteration {iteration} to {args.train_iters} ...")
-        iteration = train(forward_step_func, model, optimizer, scheduler, train_it, valid_it,
-                          args, pstate, calculator, timers, writer, iteration, saver=saver)
-        args.iteration = iteration
-        if args.save and iteration % (args.save_interval or sys.maxsize) != 0 \
-                and not args.exit_requested:
-            _save(iteration, model, optimizer, scheduler, args, pstate, timers, saver)
-        if saver is not None:
-            saver.wait()
-    if not args.exit_requested:
-        if args.do_valid and args.eval_iters > 0:
-            args.final_valid_losses = evaluate_and_print(
-                "the end of training for val data", forward_step_func, valid_it, model,
-                iteration, args, pstate, calculator, writer, args.eval_iters)
-        if args.do_test and args.eval_iters > 0:
-            args.final_test_losses = evaluate_and_print(
-                "the end of training for test data", forward_step_func, test_it, model,
-                iteration, args, pstate, calculator, writer, args.eval_iters)
+    model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,
+                                                            configs=configs)
+    train_state = TrainState()
+    load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+    if ckpt.ckpt_convert_format is not None:
+        convert_loaded_checkpoint(train_state, model, optimizer, scheduler, args, pstate, ckpt)
+        return train_state
+    iterators = build_chunk_data_iterators(train_valid_test_dataset_provider, args, pstate,
+                                           train_state, configs.data)
+    _train_and_evaluate(forward_step_func, model, optimizer, scheduler, iterators, args, pstate,
+                        calculator, timers, writer, train_state, ckpt)
     if writer is not None:
         writer.close()
-    return args
+    return train_state

@@ -10,6 +10,8 @@ from typing import Dict, Optional
 import torch
 
 from megatron.core import device
+from megatron.training_state import TrainState
+
 
 def num_floating_point_operations(args, batch_size: int) -> float:
     """Model FLOPs of one forward + backward pass over ``batch_size`` sequences (Megatron's count).
@@ -73,15 +75,15 @@ def seconds_per_iteration(stats: IntervalStats) -> float:
     return (time.perf_counter() - stats.start) / max(1, stats.advanced + stats.skipped)
 
 
-def format_log_line(args, iteration: int, stats: IntervalStats, learning_rate: float,
+def format_log_line(args, train_state: TrainState, stats: IntervalStats, learning_rate: float,
                     batch_size: int, loss_scale: float, grad_norm: Optional[float],
                     params_norm: Optional[float] = None) -> str:
-    """Megatron's console line; ``params_norm`` with --log-params-norm, and the model TFLOP/s
-    field with --log-throughput."""
+    """Megatron's console line at ``train_state``'s iteration; ``params_norm`` with
+    --log-params-norm, and the model TFLOP/s field with --log-throughput."""
     per_iter_s = seconds_per_iteration(stats)
     tokens_per_s = batch_size * args.seq_length / per_iter_s / args.world_size
-    parts = [f" iteration {iteration:8d}/{args.train_iters:8d}",
-             f"consumed samples: {args.consumed_train_samples:12d}",
+    parts = [f" iteration {train_state.iteration:8d}/{args.train_iters:8d}",
+             f"consumed samples: {train_state.consumed_train_samples:12d}",
              f"elapsed time per iteration (ms): {per_iter_s * 1000.0:.1f}"]
     if args.log_throughput:
         # Four significant digits: 123.4 on a GPU, still readable for a tiny model on a CPU.
@@ -102,12 +104,13 @@ def format_log_line(args, iteration: int, stats: IntervalStats, learning_rate: f
     return " | ".join(parts) + " |"
 
 
-def write_train_scalars(writer, args, iteration: int, loss_dict: Dict[str, float],
+def write_train_scalars(writer, args, train_state: TrainState, loss_dict: Dict[str, float],
                         learning_rate: float, batch_size: int, loss_scale: float,
                         grad_norm: Optional[float], params_norm: Optional[float] = None) -> None:
+    """The scalars of one iteration, by iteration and by consumed samples."""
+    iteration, samples = train_state.iteration, train_state.consumed_train_samples
     if writer is None or iteration % args.tensorboard_log_interval != 0:
         return
-    samples = args.consumed_train_samples
     if args.log_learning_rate_to_tensorboard:
         writer.add_scalar("learning-rate", learning_rate, iteration)
         writer.add_scalar("learning-rate vs samples", learning_rate, samples)
@@ -183,17 +186,17 @@ def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
     return f"{bar}\n{line}\n{bar}"
 
 
-def write_eval_scalars(writer, args, iteration: int, losses: Dict[str, float]) -> None:
+def write_eval_scalars(writer, args, train_state: TrainState, losses: Dict[str, float]) -> None:
     if writer is None:
         return
+    iteration, samples = train_state.iteration, train_state.consumed_train_samples
     for key, value in losses.items():
         writer.add_scalar(f"{key} validation", value, iteration)
-        writer.add_scalar(f"{key} validation vs samples", value, args.consumed_train_samples)
+        writer.add_scalar(f"{key} validation vs samples", value, samples)
         if args.log_validation_ppl_to_tensorboard:
             ppl = math.exp(min(20.0, value))
             writer.add_scalar(f"{key} validation ppl", ppl, iteration)
-            writer.add_scalar(f"{key} validation ppl vs samples", ppl,
-                              args.consumed_train_samples)
+            writer.add_scalar(f"{key} validation ppl vs samples", ppl, samples)
 
 
 def make_tensorboard_writer(args):

@@ -2,7 +2,7 @@
 
 from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
                          get_grads_for_norm)
-from .config import OptimizerConfig
+from .config import OptimizerConfig, SchedulerConfig
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer import (FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer,
@@ -10,7 +10,8 @@ from .optimizer import (FP32Optimizer, Float16OptimizerWithFloat16Params, Megatr
 from .optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [
-    "OptimizerConfig", "get_megatron_optimizer", "get_param_groups", "build_grad_scaler",
+    "OptimizerConfig", "SchedulerConfig", "get_megatron_optimizer", "get_param_groups",
+    "build_grad_scaler",
     "MegatronOptimizer", "FP32Optimizer", "Float16OptimizerWithFloat16Params",
     "DistributedOptimizer",
     "MegatronGradScaler", "ConstantGradScaler", "DynamicGradScaler",

@@ -1,8 +1,10 @@
-"""The optimizer's typed config: what ``megatron/arguments.py`` hands to the optimizer.
+"""The optimizer's and the learning-rate schedule's typed configs: what
+``megatron/arguments.py`` hands to the optimizer and its scheduler.
 
-Field names follow Megatron's flags (``--adam-beta1`` -> ``adam_beta1``); :meth:`__post_init__`
-rejects impossible values with a message naming the flag, the value seen and what was expected,
-so a wrong command line fails before any model is built.
+OptimizerConfig's field names follow Megatron's flags (``--adam-beta1`` -> ``adam_beta1``); its
+:meth:`__post_init__` rejects impossible values with a message naming the flag, the value seen and
+what was expected, so a wrong command line fails before any model is built. SchedulerConfig's
+follow the scheduler's arguments, which Megatron-Core's scheduler shares.
 """
 
 from dataclasses import dataclass
@@ -110,3 +112,27 @@ class OptimizerConfig:
         self.loss_scale_window = int(self.loss_scale_window)
         if self.hysteresis < 1:
             raise ConfigError(f"--hysteresis must be >= 1, got {self.hysteresis}")
+
+
+@dataclass
+class SchedulerConfig:
+    """The learning-rate and weight-decay schedule: the arguments of
+    :class:`~megatron.optimizer.optimizer_param_scheduler.OptimizerParamScheduler`, which checks
+    them. Every ``*_steps`` is a number of samples: ``megatron/arguments.py`` multiplies the
+    ``--*-iters`` flags by the global batch size, as the training loop steps the schedule by the
+    samples of each iteration."""
+
+    init_lr: float                                # --lr-warmup-init
+    max_lr: float                                 # --lr
+    min_lr: float                                 # --min-lr
+    lr_warmup_steps: float                        # --lr-warmup-{iters,samples,fraction}
+    lr_decay_steps: int                           # --lr-decay-{iters,samples}, else the run
+    lr_decay_style: str                           # --lr-decay-style
+    start_wd: float                               # --start-weight-decay
+    end_wd: float                                 # --end-weight-decay
+    wd_incr_steps: int                            # --train-iters / --train-samples
+    wd_incr_style: str                            # --weight-decay-incr-style
+    use_checkpoint_opt_param_scheduler: bool = False  # --use-checkpoint-opt_param-scheduler
+    override_opt_param_scheduler: bool = False    # --override-opt_param-scheduler
+    wsd_decay_steps: Optional[int] = None         # --lr-wsd-decay-{iters,samples}
+    lr_wsd_decay_style: Optional[str] = None      # --lr-wsd-decay-style

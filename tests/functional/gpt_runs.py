@@ -52,9 +52,9 @@ def run_pretrain(argv):
     from megatron.training import pretrain
 
     try:
-        args = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                        pretrain_gpt.model_provider, None, pretrain_gpt.forward_step, argv=argv)
-        return {"losses": args.train_loss_history, "iteration": args.iteration,
-                "valid": getattr(args, "final_valid_losses", None)}
+        state = pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                         pretrain_gpt.model_provider, None, pretrain_gpt.forward_step, argv=argv)
+        return {"losses": state.train_loss_history, "iteration": state.iteration,
+                "valid": state.final_valid_losses}
     finally:
         global_vars.unset_global_variables()

@@ -99,10 +99,10 @@ def _train(argv):
     from megatron.training import pretrain
 
     try:
-        args = pretrain(pretrain_bert.train_valid_test_datasets_provider,
-                        pretrain_bert.model_provider, None, pretrain_bert.forward_step,
-                        extra_args_provider=pretrain_bert.extra_args_provider, argv=argv)
-        return args.iteration
+        state = pretrain(pretrain_bert.train_valid_test_datasets_provider,
+                         pretrain_bert.model_provider, None, pretrain_bert.forward_step,
+                         extra_args_provider=pretrain_bert.extra_args_provider, argv=argv)
+        return state.iteration
     finally:
         global_vars.unset_global_variables()
 

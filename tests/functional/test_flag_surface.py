@@ -56,14 +56,14 @@ def _run(argv, count_gc=False):
         gc.collect, training.train_step = collect, train_step
     try:
         with contextlib.redirect_stdout(out):
-            args = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                                     pretrain_gpt.model_provider, None, forward_step, argv=argv)
+            state = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                                      pretrain_gpt.model_provider, None, forward_step, argv=argv)
     finally:
         gc.collect, training.train_step = real_collect, real_train_step
         global_vars.unset_global_variables()
         parallel_state.destroy_model_parallel()
     sys.stdout.write(out.getvalue())
-    return {"stdout": out.getvalue(), "losses": [v for _, v in args.train_loss_history],
+    return {"stdout": out.getvalue(), "losses": [v for _, v in state.train_loss_history],
             "gc": seen, "gc_enabled_after": gc.isenabled()}
 
 

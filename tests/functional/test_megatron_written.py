@@ -195,6 +195,7 @@ def _resume_state(argv):
     from megatron.initialize import initialize_megatron
     from megatron.tokenizer import build_tokenizer
     from megatron.training import setup_model_and_optimizer
+    from megatron.training_state import TrainState
 
     args = validate_args(parse_args(argv))
     pstate = initialize_megatron(args)
@@ -204,7 +205,9 @@ def _resume_state(argv):
         global_vars.set_global_variables(args=args, tokenizer=tokenizer, parallel_state=pstate)
         model, optimizer, scheduler = setup_model_and_optimizer(pretrain_gpt.model_provider,
                                                                 args, pstate)
-        iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate)
+        train_state = TrainState()
+        iteration = checkpointing.load_checkpoint(model, optimizer, scheduler, args, pstate,
+                                                  train_state=train_state)
         names = {id(p): n for n, p in model[0].module.named_parameters()}
         moments = {}
         for group in optimizer.param_groups:
@@ -215,7 +218,7 @@ def _resume_state(argv):
         scheduler.step(args.global_batch_size)
         lrs = [g["lr"] for g in optimizer.param_groups]
         return {"iteration": iteration, "moments": moments, "num_steps": steps_before,
-                "next_lrs": lrs, "consumed": args.consumed_train_samples}
+                "next_lrs": lrs, "consumed": train_state.consumed_train_samples}
     finally:
         global_vars.unset_global_variables()
 

@@ -122,12 +122,12 @@ def run_bert(argv):
 
     pretrain_bert.loss_func = recording_loss_func
     try:
-        args = pretrain(pretrain_bert.train_valid_test_datasets_provider,
-                        pretrain_bert.model_provider, None, pretrain_bert.forward_step,
-                        extra_args_provider=pretrain_bert.extra_args_provider, argv=argv)
-        return {"iteration": args.iteration, "losses": args.train_loss_history,
-                "logged": logged, "padded_vocab_size": args.padded_vocab_size,
-                "valid": getattr(args, "final_valid_losses", None)}
+        state = pretrain(pretrain_bert.train_valid_test_datasets_provider,
+                         pretrain_bert.model_provider, None, pretrain_bert.forward_step,
+                         extra_args_provider=pretrain_bert.extra_args_provider, argv=argv)
+        return {"iteration": state.iteration, "losses": state.train_loss_history,
+                "logged": logged, "padded_vocab_size": global_vars.get_args().padded_vocab_size,
+                "valid": state.final_valid_losses}
     finally:
         pretrain_bert.loss_func = real_loss_func
         global_vars.unset_global_variables()

@@ -106,9 +106,9 @@ def _pretrain_probed(argv, kill_after=None, minutes_per_iteration=None, fake_wan
 
     def train(*a, **k):
         b = inspect.signature(real["train"]).bind(*a, **k).arguments
-        args, sched, opt = b["args"], b["scheduler"], b["optimizer"]
+        state, sched, opt = b["train_state"], b["scheduler"], b["optimizer"]
         probe["start"] = {
-            "iteration": b["start_iteration"], "consumed": args.consumed_train_samples,
+            "iteration": state.iteration, "consumed": state.consumed_train_samples,
             "scheduler_steps": sched.num_steps, "max_lr": sched.max_lr,
             "optimizer_state_entries": len(opt.state), "rng": torch.get_rng_state(),
             "weights": _flat(b["model"][0].state_dict_for_save_checkpoint())}
@@ -123,8 +123,9 @@ def _pretrain_probed(argv, kill_after=None, minutes_per_iteration=None, fake_wan
 
     def write(*a, **k):
         b = inspect.signature(real["write"]).bind(*a, **k).arguments
-        probe["scalars"].append((b["iteration"], b["learning_rate"], b["batch_size"],
-                                 b["args"].consumed_train_samples))
+        state = b["train_state"]
+        probe["scalars"].append((state.iteration, b["learning_rate"], b["batch_size"],
+                                 state.consumed_train_samples))
         return real["write"](*a, **k)
 
     training.train, training.train_step = train, train_step
@@ -137,12 +138,13 @@ def _pretrain_probed(argv, kill_after=None, minutes_per_iteration=None, fake_wan
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out):
-            args = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
-                                     pretrain_gpt.model_provider, None, pretrain_gpt.forward_step,
-                                     argv=argv)
-        return {"losses": args.train_loss_history, "iteration": args.iteration,
-                "consumed": args.consumed_train_samples, "exit_requested": args.exit_requested,
-                "valid": getattr(args, "final_valid_losses", None),
+            state = training.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
+                                      pretrain_gpt.model_provider, None,
+                                      pretrain_gpt.forward_step, argv=argv)
+        args = global_vars.get_args()
+        return {"losses": state.train_loss_history, "iteration": state.iteration,
+                "consumed": state.consumed_train_samples, "exit_requested": state.exit_requested,
+                "valid": state.final_valid_losses,
                 "shape": (args.num_layers, args.hidden_size, args.num_attention_heads),
                 "stdout": out.getvalue(), "start": probe["start"], "scalars": probe["scalars"],
                 "handler_restored": signal.getsignal(signal.SIGTERM) == handler_before,

@@ -215,11 +215,11 @@ def _one_run(run: dict, rank: int, events) -> dict:
             patch_undo, probe = run["patch"](rank)
             undo.append(patch_undo)
         try:
-            args = training.pretrain(entry.train_valid_test_datasets_provider,
-                                     entry.model_provider, None, entry.forward_step,
-                                     argv=run["argv"])
-            out = {"losses": args.train_loss_history, "iteration": args.iteration,
-                   "exit_requested": args.exit_requested}
+            state = training.pretrain(entry.train_valid_test_datasets_provider,
+                                      entry.model_provider, None, entry.forward_step,
+                                      argv=run["argv"])
+            out = {"losses": state.train_loss_history, "iteration": state.iteration,
+                   "exit_requested": state.exit_requested}
         except Exception as err:  # noqa: BLE001 - a run that expects an error records it
             if not run.get("catch"):
                 raise

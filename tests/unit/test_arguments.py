@@ -1,5 +1,6 @@
 """Megatron's flag surface: the classic GPT-2 recipe parses unchanged; sizes derive; bad ones fail."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from megatron.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.tokenizer import build_tokenizer
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
 
@@ -169,7 +171,56 @@ def test_build_configs():
     assert configs.parallel.data_parallel_size == 2 and configs.parallel.sequence_parallel
     assert configs.model.padded_vocab_size == 512 and configs.model.ffn_hidden_size == 256
     assert configs.model.params_dtype == torch.bfloat16
-    assert args.accumulate_allreduce_grads_in_fp32
+    assert args.accumulate_allreduce_grads_in_fp32 and configs.ddp.grad_reduce_in_fp32
+
+
+def test_build_configs_returns_every_config_from_the_flags():
+    """Each component's config holds its flags' values (the schedule's lengths in samples)."""
+    args = validate_args(_args(CLASSIC_GPT2 + [
+        "--overlap-grad-reduce", "--ddp-bucket-size", "4096", "--overlap-param-gather",
+        "--no-save-optim", "--ckpt-format", "torch_dist", "--async-save", "--num-workers", "3",
+        "--dataloader-type", "cyclic", "--reset-position-ids", "--lr-warmup-init", "1e-6"],
+        world_size=8))
+    args.padded_vocab_size = 50304
+    configs = build_configs(args)
+    assert [f.name for f in dataclasses.fields(configs)] == [
+        "parallel", "model", "ddp", "checkpoint", "data", "optimizer", "scheduler"]
+    assert configs.ddp == DistributedDataParallelConfig(
+        grad_reduce_in_fp32=False, overlap_grad_reduce=True, overlap_param_gather=True,
+        use_distributed_optimizer=True, bucket_size=4096, gradient_accumulation_fusion=True)
+    ckpt = configs.checkpoint
+    assert (ckpt.save, ckpt.load, ckpt.save_interval) == ("ckpts", "ckpts", 2000)
+    assert ckpt.no_save_optim and ckpt.async_save and ckpt.ckpt_format == "torch_dist"
+    assert ckpt.no_load_optim is None and not ckpt.finetune
+    data = configs.data
+    assert data.data_path == ["codeparrot_content_document"] and data.split == "969,30,1"
+    assert (data.seq_length, data.micro_batch_size, data.seed) == (1024, 12, 1234)
+    assert (data.num_workers, data.dataloader_type, data.reset_position_ids) == (3, "cyclic",
+                                                                                 True)
+    opt = configs.optimizer
+    assert (opt.lr, opt.min_lr, opt.weight_decay, opt.clip_grad) == (5e-4, 1e-5, 0.1, 1.0)
+    assert opt.fp16 and opt.params_dtype == torch.float16 and opt.use_distributed_optimizer
+    sched = configs.scheduler
+    assert (sched.init_lr, sched.max_lr, sched.min_lr) == (1e-6, 5e-4, 1e-5)
+    assert sched.lr_decay_style == "cosine"
+    assert (sched.lr_warmup_steps, sched.lr_decay_steps, sched.wd_incr_steps) == (
+        2000 * 192, 150000 * 192, 150000 * 192)
+
+
+def test_build_configs_schedule_in_samples_and_no_training():
+    without_iters = [f for f in BASE if f not in ("--train-iters", "10")]
+    args = validate_args(_args(without_iters + [
+        "--lr", "1e-3", "--global-batch-size", "4", "--lr-warmup-samples", "8",
+        "--lr-decay-samples", "80", "--train-samples", "100"]))
+    args.padded_vocab_size = 128
+    sched = build_configs(args).scheduler
+    assert (sched.lr_warmup_steps, sched.lr_decay_steps, sched.wd_incr_steps) == (8, 80, 100)
+    # Generation or evaluation flags (no --lr): no optimizer, no schedule.
+    args = validate_args(_args(BASE))
+    args.padded_vocab_size = 128
+    configs = build_configs(args)
+    assert configs.optimizer is None and configs.scheduler is None
+    assert configs.checkpoint.save is None and configs.data.seq_length == 32
 
 
 def _run_entry(argv, env_world="1"):

@@ -10,6 +10,7 @@ import pytest
 
 from megatron import training_log
 from megatron.arguments import parse_args, validate_args
+from megatron.training_state import TrainState
 
 
 def _args(flags, padded_vocab_size=None, rank=0, world_size=1):
@@ -78,8 +79,12 @@ def _log_args():
     args = _args(("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
                   "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 32 "
                   "--train-iters 10").split(), padded_vocab_size=128)
-    args.consumed_train_samples = 96
     return args
+
+
+def _at(iteration):
+    """The train state the log lines below are written at: 96 samples consumed."""
+    return TrainState(iteration=iteration, consumed_train_samples=96)
 
 
 LOG_LINE = re.compile(
@@ -104,7 +109,7 @@ def test_log_line_keys_order_and_values():
     stats.add({"lm loss": float("inf")}, skipped=True)   # an fp16 overflow with an inf loss
     stats.add({"lm loss": 100.0}, skipped=True)          # skipped: not in the average
     stats.start = time.perf_counter() - 0.4               # 4 iterations in 0.4 s
-    line = training_log.format_log_line(args, 3, stats, 1.2345e-4, 32, 65536.0, 1.23456)
+    line = training_log.format_log_line(args, _at(3), stats, 1.2345e-4, 32, 65536.0, 1.23456)
     m = LOG_LINE.match(line)
     assert m, line
     assert (m["it"], m["total"], m["consumed"], m["gbs"]) == ("3", "10", "96", "32")
@@ -114,7 +119,7 @@ def test_log_line_keys_order_and_values():
     assert m["scale"] == "65536.0" and m["gn"] == "1.235"
     assert (m["skipped"], m["nan"]) == ("2", "1")
     # No grad norm (a skipped step) means no grad norm field.
-    line = training_log.format_log_line(args, 3, stats, 1.2345e-4, 32, 65536.0, None)
+    line = training_log.format_log_line(args, _at(3), stats, 1.2345e-4, 32, 65536.0, None)
     assert "grad norm" not in line and LOG_LINE.match(line)
 
 
@@ -127,7 +132,7 @@ def test_log_line_throughput_fields():
     stats = training_log.IntervalStats()
     stats.add({"lm loss": 1.0}, skipped=False)
     stats.start = time.perf_counter() - 0.5
-    line = training_log.format_log_line(args, 1, stats, 1e-3, 32, 1.0, 0.5)
+    line = training_log.format_log_line(args, _at(1), stats, 1e-3, 32, 1.0, 0.5)
     per_iter_s = float(re.search(r"per iteration \(ms\): ([\d.]+)", line)[1]) / 1000.0
     tokens = float(re.search(r"tokens per second per device: ([\d.]+)", line)[1])
     assert tokens == pytest.approx(32 * 16 / per_iter_s / 2, rel=2e-3)
@@ -141,7 +146,7 @@ def test_log_line_throughput_fields():
     assert training_log.throughput_tflops(small, B, 0.25) == pytest.approx(
         by_hand / 0.25 / 8 / 1e12, rel=1e-12)
     args.log_throughput = False
-    assert "TFLOP/s" not in training_log.format_log_line(args, 1, stats, 1e-3, 32, 1.0, 0.5)
+    assert "TFLOP/s" not in training_log.format_log_line(args, _at(1), stats, 1e-3, 32, 1.0, 0.5)
 
 
 def test_log_line_params_norm_field():
@@ -149,7 +154,8 @@ def test_log_line_params_norm_field():
     args = _log_args()
     stats = training_log.IntervalStats()
     stats.add({"lm loss": 1.0}, skipped=False)
-    line = training_log.format_log_line(args, 1, stats, 1e-3, 32, 1.0, 0.5, params_norm=12.3456)
+    line = training_log.format_log_line(args, _at(1), stats, 1e-3, 32, 1.0, 0.5,
+                                        params_norm=12.3456)
     assert "| grad norm: 0.500 | params norm: 12.346 | number of skipped iterations:" in line
 
 
@@ -194,7 +200,7 @@ def _scalar_args(*flags, rank=0, world_size=1):
 def test_train_scalars_names_steps_and_flags():
     writer = RecordingWriter()
     args = _scalar_args("--log-batch-size-to-tensorboard", "--log-world-size-to-tensorboard")
-    training_log.write_train_scalars(writer, args, 3, {"lm loss": 2.5}, 1e-3, 32, 4096.0, 0.75)
+    training_log.write_train_scalars(writer, args, _at(3), {"lm loss": 2.5}, 1e-3, 32, 4096.0, 0.75)
     assert sorted(writer.scalars) == sorted([
         ("learning-rate", 1e-3, 3), ("learning-rate vs samples", 1e-3, 96),
         ("batch-size", 32, 3), ("batch-size vs samples", 32, 96),
@@ -206,23 +212,23 @@ def test_train_scalars_names_steps_and_flags():
     writer = RecordingWriter()
     args = _scalar_args("--no-log-learnig-rate-to-tensorboard",
                         "--no-log-loss-scale-to-tensorboard")
-    training_log.write_train_scalars(writer, args, 3, {"lm loss": 2.5}, 1e-3, 32, 4096.0, None)
+    training_log.write_train_scalars(writer, args, _at(3), {"lm loss": 2.5}, 1e-3, 32, 4096.0, None)
     assert sorted(writer.scalars) == [("lm loss", 2.5, 3), ("lm loss vs samples", 2.5, 96)]
     # Only every --tensorboard-log-interval iterations.
     writer = RecordingWriter()
     args = _scalar_args("--tensorboard-log-interval", "2")
-    training_log.write_train_scalars(writer, args, 3, {"lm loss": 2.5}, 1e-3, 32, 1.0, None)
+    training_log.write_train_scalars(writer, args, _at(3), {"lm loss": 2.5}, 1e-3, 32, 1.0, None)
     assert writer.scalars == []
 
 
 def test_eval_scalars_with_and_without_ppl():
     writer = RecordingWriter()
-    training_log.write_eval_scalars(writer, _scalar_args(), 7, {"lm loss": 3.0})
+    training_log.write_eval_scalars(writer, _scalar_args(), _at(7), {"lm loss": 3.0})
     assert writer.scalars == [("lm loss validation", 3.0, 7),
                               ("lm loss validation vs samples", 3.0, 96)]
     writer = RecordingWriter()
     training_log.write_eval_scalars(writer, _scalar_args("--log-validation-ppl-to-tensorboard"),
-                                    7, {"lm loss": 3.0})
+                                    _at(7), {"lm loss": 3.0})
     assert ("lm loss validation ppl", math.exp(3.0), 7) in writer.scalars
     assert ("lm loss validation ppl vs samples", math.exp(3.0), 96) in writer.scalars
 
@@ -250,8 +256,8 @@ def test_wandb_adapter_logs_per_iteration_scalars(monkeypatch, tmp_path):
         "project": "proj", "name": "exp-1", "dir": str(save_dir)}
     assert kwargs["config"]["wandb_project"] == "proj" and kwargs["config"]["hidden_size"] == 32
     fake.calls.clear()
-    training_log.write_train_scalars(writer, args, 3, {"lm loss": 2.5}, 1e-3, 32, 1.0, 0.5)
-    training_log.write_eval_scalars(writer, args, 3, {"lm loss": 2.0})
+    training_log.write_train_scalars(writer, args, _at(3), {"lm loss": 2.5}, 1e-3, 32, 1.0, 0.5)
+    training_log.write_eval_scalars(writer, args, _at(3), {"lm loss": 2.0})
     writer.close()
     assert fake.calls == [("log", {"learning-rate": 1e-3}, 3), ("log", {"lm loss": 2.5}, 3),
                           ("log", {"loss-scale": 1.0}, 3), ("log", {"grad-norm": 0.5}, 3),

@@ -2,9 +2,11 @@
 all-reduce, and the gradient finalisation run before each optimizer step."""
 
 from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig)
 from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 from megatron.core.distributed.grad_buffer import (Bucket, BufferLayout, GradBuffer,
                                                     compute_buffer_layout)
 
-__all__ = ["Bucket", "BufferLayout", "DistributedDataParallel", "GradBuffer",
-           "compute_buffer_layout", "finalize_model_grads"]
+__all__ = ["Bucket", "BufferLayout", "DistributedDataParallel", "DistributedDataParallelConfig",
+           "GradBuffer", "compute_buffer_layout", "finalize_model_grads"]

@@ -1,0 +1,47 @@
+"""The checkpoint options of a run: where and when it saves, what and how it loads.
+
+Field names are Megatron's flag names (``--no-save-optim`` -> ``no_save_optim``), so a config
+can stand in for those flags wherever checkpointing reads them
+(:func:`megatron.checkpointing.checkpoint_args`). ``megatron/arguments.py`` builds it from the
+validated flags; the training loop replaces fields of a copy (``dataclasses.replace``) to load
+another folder or save in another format, and leaves the flags as they were parsed.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.config import ConfigError
+
+CHECKPOINT_FORMATS = ("torch", "torch_dist")
+
+
+@dataclass
+class CheckpointConfig:
+    """Megatron's checkpointing flags (``None`` where Megatron's default is ``None``)."""
+
+    save: Optional[str] = None                   # --save: folder to write checkpoints to
+    save_interval: Optional[int] = None          # --save-interval (None: at the end only)
+    no_save_optim: Optional[bool] = None         # --no-save-optim
+    no_save_rng: Optional[bool] = None           # --no-save-rng
+    load: Optional[str] = None                   # --load: folder to resume from
+    no_load_optim: Optional[bool] = None         # --no-load-optim
+    no_load_rng: Optional[bool] = None           # --no-load-rng
+    finetune: bool = False                       # --finetune: weights only, iteration 0
+    pretrained_checkpoint: Optional[str] = None  # --pretrained-checkpoint
+    ckpt_step: Optional[int] = None              # --ckpt-step: load this iteration
+    exit_on_missing_checkpoint: bool = False     # --exit-on-missing-checkpoint
+    ckpt_format: str = "torch"                   # --ckpt-format torch | torch_dist
+    async_save: bool = False                     # --async-save
+    ckpt_convert_format: Optional[str] = None    # --ckpt-convert-format
+    ckpt_convert_save: Optional[str] = None      # --ckpt-convert-save
+    dist_ckpt_strictness: str = "assume_ok_unexpected"  # --dist-ckpt-strictness
+
+    def __post_init__(self):
+        for flag, value in (("--ckpt-format", self.ckpt_format),
+                            ("--ckpt-convert-format", self.ckpt_convert_format)):
+            if value is not None and value not in CHECKPOINT_FORMATS:
+                raise ConfigError(f"{flag} must be one of {', '.join(CHECKPOINT_FORMATS)}, "
+                                  f"got {value!r}")
+        if (self.ckpt_convert_format is None) != (self.ckpt_convert_save is None):
+            raise ConfigError("--ckpt-convert-format and --ckpt-convert-save go together (the "
+                              "format to convert --load to, and the folder to write it in)")

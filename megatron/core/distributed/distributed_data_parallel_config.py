@@ -1,0 +1,30 @@
+"""The data-parallel wrapper's typed config (Megatron-Core's field names, flags in comments)."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.core.config import ConfigError
+
+
+@dataclass
+class DistributedDataParallelConfig:
+    """How :class:`~megatron.core.distributed.DistributedDataParallel` holds and reduces
+    gradients."""
+
+    grad_reduce_in_fp32: bool = False          # --accumulate-allreduce-grads-in-fp32
+    overlap_grad_reduce: bool = False          # --overlap-grad-reduce
+    # --overlap-param-gather: the distributed optimizer's all-gather of updated parameters
+    # overlaps the next forward (the optimizer takes it from here).
+    overlap_param_gather: bool = False
+    use_distributed_optimizer: bool = False    # --use-distributed-optimizer
+    bucket_size: Optional[int] = None          # --ddp-bucket-size, in elements
+    # --no-gradient-accumulation-fusion sets False: weight gradients are added into the
+    # fp32 main_grad buffer by the fused kernel (Megatron-Core keeps this flag in the
+    # model-parallel config; here the wrapper that owns the buffer takes it).
+    gradient_accumulation_fusion: bool = False
+
+    def __post_init__(self):
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ConfigError(f"--ddp-bucket-size must be >= 1 (elements), got {self.bucket_size}")
+        if self.overlap_param_gather and not self.use_distributed_optimizer:
+            raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")

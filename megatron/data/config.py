@@ -1,0 +1,35 @@
+"""The data flags of a run as one typed config: which files, how they split, how they load.
+
+Field names are Megatron's flag names (``--data-cache-path`` -> ``data_cache_path``).
+``megatron/arguments.py`` builds it from the validated flags; the dataset providers of the entry
+points turn it into their dataset's config (:class:`~megatron.data.gpt_dataset.GPTDatasetConfig`,
+:class:`~megatron.data.bert_dataset.BertDatasetConfig`), which check the values they use, and the
+training loop hands the loader fields to
+:func:`~megatron.data.samplers.build_pretraining_data_loader`, which checks those.
+"""
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+
+@dataclass
+class DataConfig:
+    """Where the samples come from and how each data-parallel rank reads them."""
+
+    seq_length: int                              # --seq-length
+    micro_batch_size: int                        # --micro-batch-size: samples per loader batch
+    seed: int = 1234                             # --seed: shuffles, masks, loader workers
+    data_path: Optional[List[str]] = None        # --data-path: prefixes, optionally weighted
+    train_data_path: Optional[List[str]] = None  # --train-data-path
+    valid_data_path: Optional[List[str]] = None  # --valid-data-path
+    test_data_path: Optional[List[str]] = None   # --test-data-path
+    split: str = "969, 30, 1"                    # --split
+    data_cache_path: Optional[str] = None        # --data-cache-path
+    mock_data: bool = False                      # --mock-data
+    reset_position_ids: bool = False             # --reset-position-ids
+    reset_attention_mask: bool = False           # --reset-attention-mask
+    eod_mask_loss: bool = False                  # --eod-mask-loss
+    mask_prob: float = 0.15                      # --mask-prob (BERT)
+    short_seq_prob: float = 0.1                  # --short-seq-prob (BERT)
+    dataloader_type: str = "single"              # --dataloader-type single | cyclic | external
+    num_workers: int = 2                         # --num-workers
