@@ -35,7 +35,8 @@ DEFAULT_TIMEOUT_S = 300
 # Ranks are forked from one server process that has already imported torch and the project
 # (``forkserver``), so a rank starts in milliseconds instead of re-importing torch; everything a
 # fresh process would take from its parent (environment, working folder, import path) is handed
-# to each rank explicitly.
+# to each rank explicitly. A rank's stdout and stderr go to files that the parent copies to its
+# own when the ranks are done, so pytest's capture (and a failing test's report) shows them.
 _PRELOAD = ["torch", "torch.distributed", "numpy", "megatron.core.parallel_state",
             "megatron.training", "megatron.checkpointing", "pretrain_gpt"]
 _context = None
@@ -56,6 +57,11 @@ def _worker(fn, rank, world_size, tmpdir, args, kwargs, parent=None):
         os.environ.update(environ)
         os.chdir(cwd)
         sys.path[:] = path
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        target = os.open(os.path.join(tmpdir, f"{name}_rank{rank}.txt"),
+                         os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
     import torch.distributed as dist
 
     from megatron.core import device, parallel_state
@@ -128,4 +134,19 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_
         for p in procs:
             if p.is_alive():
                 p.kill()
+        _copy_rank_output(tmpdir, world_size)
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _copy_rank_output(tmpdir: str, world_size: int) -> None:
+    """Every rank's stdout and stderr, rank by rank, onto this process's."""
+    for fd, name, stream in ((1, "stdout", sys.stdout), (2, "stderr", sys.stderr)):
+        stream.flush()
+        for r in range(world_size):
+            path = os.path.join(tmpdir, f"{name}_rank{r}.txt")
+            if not os.path.exists(path):
+                continue
+            with open(path, "rb") as f:
+                data = memoryview(f.read())
+            while data:
+                data = data[os.write(fd, data):]
