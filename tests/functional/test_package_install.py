@@ -62,8 +62,10 @@ def _free_port():
 
 
 @pytest.mark.slow
-def test_fresh_venv_pip_install_preprocesses_trains_converts_and_serves(tmp_path):
-    """About 10 minutes on 2 cores: most of it compiles the C++ extensions."""
+@pytest.mark.parametrize("editable", [False, True], ids=["install", "editable"])
+def test_fresh_venv_pip_install_preprocesses_trains_converts_and_serves(tmp_path, editable):
+    """About 10 minutes on 2 cores each: most of it compiles the C++ extensions. ``pip install
+    .`` and ``pip install -e .`` (the extensions then built inside the source folder)."""
     source, venv, work = tmp_path / "source", tmp_path / "venv", tmp_path / "outside"
     _copy_source(source)
     work.mkdir()
@@ -77,9 +79,9 @@ def test_fresh_venv_pip_install_preprocesses_trains_converts_and_serves(tmp_path
         assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout
 
-    run("-m", "pip", "install", "--quiet", source, timeout=2400)
+    run("-m", "pip", "install", "--quiet", *(["-e"] if editable else []), source, timeout=2400)
     where = run("-c", "import megatron; print(megatron.__file__)")
-    assert str(venv) in where
+    assert str(source if editable else venv) in where
     with open(work / "corpus.jsonl", "w") as f:
         for i in range(40):
             f.write(json.dumps({"text": f"Dr. Smith met {i} cats. They sat down. Then a dog "
