@@ -93,6 +93,8 @@ def format_log_line(args, train_state: TrainState, stats: IntervalStats, learnin
               f"learning rate: {learning_rate:.6E}",
               f"global batch size: {batch_size:5d}"]
     for key, total in stats.losses.items():
+        if key.startswith("moe/"):
+            continue  # per-layer MoE values (--moe-per-layer-logging) go to TensorBoard only
         parts.append(f"{key}: {total / max(1, stats.advanced):.6E}")
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:
