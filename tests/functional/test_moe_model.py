@@ -26,3 +26,54 @@ def test_load_of_megatrons_moe_file_gives_its_logits():
     assert iteration == 10
     torch.testing.assert_close(logits.float(), reference(MOE)["logits"], atol=LOGITS_ATOL,
                                rtol=0)
+
+
+def _tensor_summary(iter_dir):
+    from megatron.dist_checkpointing import DistCheckpointReader
+
+    reader = DistCheckpointReader(iter_dir)
+    tensors = {k: v for k, v in reader.summary().items() if not k.startswith("optimizer.")}
+    extra = sorted(k for k in reader.byte_keys() if "_extra_state" in k)
+    return tensors, extra
+
+
+def _trained_on(tmp_path, *extra):
+    """One more iteration of the fixture's model, loaded from it, saved as torch_dist."""
+    from tests.functional.gpt_runs import run_pretrain
+
+    save = str(tmp_path / "saved")
+    argv = _argv(fixture_dir(MOE), "--save", save, "--train-iters", "11", "--mock-data",
+                 "--no-load-optim", "--no-save-optim", "--eval-iters", "0", "--num-workers", "0",
+                 *extra)
+    run_on_ranks(run_pretrain, 1, argv)
+    return os.path.join(save, "iter_0000011")
+
+
+def test_torch_dist_written_here_has_megatrons_moe_keys_shapes_and_dtypes(tmp_path):
+    want = _tensor_summary(os.path.join(fixture_dir(MOE), "iter_0000010"))
+    assert _tensor_summary(_trained_on(tmp_path)) == want
+
+
+def _trained_at(tmp_path, name, tp):
+    from tests.functional.gpt_runs import run_pretrain
+
+    save = str(tmp_path / name)
+    argv = _argv(fixture_dir(MOE), "--save", save, "--train-iters", "11", "--mock-data",
+                 "--no-load-optim", "--no-save-optim", "--eval-iters", "0", "--num-workers", "0",
+                 "--tensor-model-parallel-size", str(tp),
+                 *(["--sequence-parallel"] if tp > 1 else []))
+    run_on_ranks(run_pretrain, tp, argv)
+    shutil.copy(os.path.join(fixture_dir(MOE), "reference.pt"), save)
+    return save
+
+
+@pytest.mark.slow
+def test_torch_dist_saved_at_tp2_loads_at_tp1(tmp_path):
+    """One step from Megatron's file at TP 2 (sequence parallel) and at TP 1: the TP 2 file,
+    loaded at TP 1, gives the logits of the TP 1 file (the same step under another layout)."""
+    at_tp2, at_tp1 = _trained_at(tmp_path, "tp2", 2), _trained_at(tmp_path, "tp1", 1)
+    got = run_on_ranks(_logits_after_load, 1, _argv(at_tp2))[0]
+    want = run_on_ranks(_logits_after_load, 1, _argv(at_tp1))[0]
+    assert got[1] == want[1] == 11
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)
+    assert not torch.equal(want[0], reference(MOE)["logits"])   # the step changed the model
