@@ -77,3 +77,37 @@ def test_torch_dist_saved_at_tp2_loads_at_tp1(tmp_path):
     assert got[1] == want[1] == 11
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)
     assert not torch.equal(want[0], reference(MOE)["logits"])   # the step changed the model
+
+
+def test_parameter_count_and_flops_of_an_moe_model_by_hand():
+    """The fixture's model: the start-up count equals the model's parameters, and the FLOPs
+    count 2 routed experts of each MoE layer (hand count below)."""
+    import argparse
+    import types
+
+    from megatron.arguments import build_configs, parse_args, validate_args
+    from megatron.memory_accounting import num_parameters_on_rank
+    from megatron.model import GPTModel
+    from megatron.training_log import num_floating_point_operations
+
+    args = validate_args(parse_args(megatron_argv(MOE) + ["--moe-layer-freq", "([1,0]*2)"]))
+    args.padded_vocab_size = 256
+    configs = build_configs(args)
+    pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,
+                                   virtual_pp_size=None, virtual_pp_rank=None)
+    model = GPTModel(configs.model, pstate, moe_config=configs.moe)
+    have = sum(p.numel() for p in model.parameters())
+    h, f, E, L, V, P = 64, 256, 4, 4, 256, 64
+    attention = 2 * 2 * h + 3 * h * h + h * h           # two LayerNorms, QKV, dense (no bias)
+    dense = attention + 2 * h * f
+    moe = attention + E * h + E * 2 * h * f             # router, 4 experts
+    want = V * h + P * h + 2 * dense + 2 * moe + 2 * h  # embeddings, layers, final norm
+    assert have == want == num_parameters_on_rank(configs.model, moe=configs.moe)
+    s, b = 32, 1
+    # Forward FLOPs of one token (2 per multiply-add): QKV + dense, attention scores + values.
+    per_layer = 2 * (3 * h * h + h * h) + 2 * (2 * s * h)
+    expert = 2 * (2 * h * f)                            # fc1 + fc2 of one MLP
+    mlp = 2 * expert + 2 * (2 * expert)                 # 2 dense layers; 2 MoE layers, top-2
+    logits = 2 * h * V
+    hand = 3 * b * s * (L * per_layer + mlp + logits)     # x 3: forward + backward
+    assert num_floating_point_operations(args, b) == pytest.approx(hand, rel=1e-12)
