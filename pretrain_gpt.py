@@ -19,11 +19,12 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
     from megatron.arguments import build_configs
 
     args = global_vars.get_args()
-    config: TransformerConfig = build_configs(args).model
+    configs = build_configs(args)
+    config: TransformerConfig = configs.model
     print_rank_0("building GPT model ...")
     return GPTModel(config, global_vars.get_parallel_state(), pre_process=pre_process,
                     post_process=post_process, parallel_output=True, init_seed=args.seed,
-                    sequence_parallel=args.sequence_parallel)
+                    sequence_parallel=args.sequence_parallel, moe_config=configs.moe)
 
 
 def get_batch(data_iterator):

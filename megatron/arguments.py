@@ -22,6 +22,8 @@ from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig)
 from megatron.data.config import DataConfig
 from megatron.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
+from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BALANCING_TYPES,
+                                       SCORE_FUNCTIONS, MoEConfig, parse_moe_layer_freq)
 from megatron.optimizer.config import OptimizerConfig, SchedulerConfig
 
 TOKENIZER_TYPES = [
@@ -414,11 +416,43 @@ def _add_profiling_args(parser):
                    "--tensorboard-dir")
 
 
+def _add_moe_args(parser):
+    g = parser.add_argument_group(title="mixture of experts")
+    g.add_argument("--num-experts", type=int, default=None,
+                   help="experts per MoE layer (default: a dense MLP in every layer)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1)
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="default: --tensor-model-parallel-size")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="FFN size of each expert (default: --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=parse_moe_layer_freq, default=1,
+                   help="N: every N-th layer (0, N, 2N, ...) is MoE; or a list with one 0/1 per "
+                   "layer, e.g. \"([0]+[1]*23)\"")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-router-score-function", default="softmax", choices=SCORE_FUNCTIONS)
+    g.add_argument("--moe-router-pre-softmax", action="store_true")
+    g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
+                   choices=LOAD_BALANCING_TYPES)
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None)
+    g.add_argument("--moe-input-jitter-eps", type=float, default=None)
+    g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=DISPATCHER_TYPES)
+    g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
+    g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
+    g.add_argument("--moe-token-drop-policy", default="probs", choices=DROP_POLICIES)
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument("--moe-per-layer-logging", action="store_true",
+                   help="also log load_balancing_loss / z_loss of each MoE layer (TensorBoard)")
+
+
 ARG_GROUP_BUILDERS = [
     _add_network_size_args, _add_regularization_args, _add_training_args,
     _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
     _add_mixed_precision_args, _add_distributed_args, _add_validation_args, _add_data_args,
-    _add_logging_args, _add_profiling_args,
+    _add_logging_args, _add_profiling_args, _add_moe_args,
 ]
 
 
@@ -775,6 +809,40 @@ def _validate_masking(args) -> None:
 BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
+def _validate_moe(args) -> None:
+    """Megatron's checks of the MoE flags; expert parallelism waits for the parallel layout."""
+    if args.num_experts is None:
+        return
+    tp = args.tensor_model_parallel_size
+    if args.expert_model_parallel_size != 1:
+        _fail(f"--expert-model-parallel-size {args.expert_model_parallel_size} is not supported "
+              "yet: its expert groups come with the parallel-layout work; use 1")
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    elif args.expert_tensor_parallel_size != tp:
+        _fail(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} differs from "
+              f"--tensor-model-parallel-size ({tp}): not supported yet, its groups come with "
+              "the parallel-layout work; drop it or use the same size")
+    if tp > 1 and not args.sequence_parallel:
+        _fail(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+              "(as in Megatron)")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    gelu = not (args.swiglu or args.squared_relu or args.openai_gelu)
+    if gelu and args.bias_gelu_fusion:
+        _fail("--num-experts: experts use exact (erf) GeLU, as Megatron-Core's do, and it "
+              "refuses the fused tanh bias-GeLU with them; add --no-bias-gelu-fusion")
+    freq = args.moe_layer_freq
+    if isinstance(freq, int) and freq < 1:
+        _fail(f"--moe-layer-freq must be >= 1, got {freq}")
+    if not isinstance(freq, int) and len(freq) != args.num_layers:
+        _fail(f"--moe-layer-freq lists {len(freq)} layers, --num-layers is {args.num_layers}")
+    if args.moe_ffn_hidden_size % tp:
+        _fail(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    _moe_config(args)
+
+
 def validate_bert_args(args: argparse.Namespace) -> None:
     """What pretrain_bert.py needs beyond :func:`validate_args`.
 
@@ -812,6 +880,7 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
     _apply_old_spellings(args)
     _validate_model(args)
     _validate_parallel(args)
+    _validate_moe(args)
     _validate_batch_and_schedule(args)
     _validate_masking(args)
     _validate_checkpoint_format(args)
@@ -846,6 +915,7 @@ class Configs:
     data: DataConfig
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
+    moe: Optional[MoEConfig] = None
 
 
 def build_configs(args: argparse.Namespace) -> Configs:
@@ -899,7 +969,34 @@ def build_configs(args: argparse.Namespace) -> Configs:
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(parallel=parallel, model=model, ddp=_ddp_config(args),
                    checkpoint=_checkpoint_config(args), data=build_data_config(args),
-                   optimizer=_optimizer_config(args), scheduler=_scheduler_config(args))
+                   optimizer=_optimizer_config(args), scheduler=_scheduler_config(args),
+                   moe=_moe_config(args))
+
+
+def _moe_config(args) -> Optional[MoEConfig]:
+    """The MoE settings (None for a dense model); ``--expert-tensor-parallel-size`` defaults
+    to the tensor-parallel size, as in Megatron-Core."""
+    if args.num_experts is None:
+        return None
+    return MoEConfig(
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_input_jitter_eps=args.moe_input_jitter_eps,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=(args.expert_tensor_parallel_size
+                                     or args.tensor_model_parallel_size),
+        moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging)
 
 
 def _ddp_config(args) -> DistributedDataParallelConfig:

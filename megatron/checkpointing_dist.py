@@ -55,9 +55,21 @@ _FRESH_RERUN_STATE = {"rerun_requested": False, "checkpoint_requested": False,
 _CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
+def _num_experts(model_chunks):
+    """``--num-experts`` of the model's MoE layers (None for a dense model)."""
+    from megatron.model.moe import MoELayer
+
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                return module.moe_config.num_moe_experts
+    return None
+
+
 def _layouts(model_chunks, config, pstate) -> list:
     vp = pstate.virtual_pp_size
-    return [chunk_layout(config, pstate, i if vp is not None else None)
+    experts = _num_experts(model_chunks)
+    return [chunk_layout(config, pstate, i if vp is not None else None, experts)
             for i in range(len(model_chunks))]
 
 
@@ -147,7 +159,7 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
         items += model_shards(tree, layout)
         num_local = sum(1 for name in _flat_names(tree) if name.endswith(
             "input_layernorm.weight") and ".layers." in name)
-        items += extra_state_objects(layout, num_local)
+        items += extra_state_objects(layout, num_local, _flat_names(tree))
         if entries is None:
             continue
         for (where, name), fields in entries.entries.items():

@@ -41,6 +41,9 @@ NO_EFFECT_FLAGS = {
     "ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
     "no_ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
     "ckpt_fully_parallel_load": "every rank always reads only the slices it needs",
+    "moe_shared_expert_overlap": "a scheduling optimisation (the shared expert runs while tokens "
+                                 "travel between expert-parallel ranks); the shared expert is "
+                                 "computed after the routed experts, with the same numbers",
 }
 
 # Flags this project does not support: set to anything but their default, validate_args stops

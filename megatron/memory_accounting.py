@@ -75,8 +75,25 @@ def _norm_params(config: TransformerConfig, size: int = 0) -> int:
     return 2 * size if config.normalization == "LayerNorm" else size
 
 
-def layer_parameters(config: TransformerConfig, tp_size: int) -> int:
-    """Parameters of one transformer layer on one tensor-parallel rank."""
+def _moe_mlp_parameters(config: TransformerConfig, moe, tp_size: int) -> int:
+    """An MoE layer's MLP on one tensor-parallel rank (expert TP = TP, expert parallelism 1):
+    the router ``E x h`` (whole on every rank), every expert's fc1 and fc2 (split), and the
+    shared expert (split; its gate ``1 x h`` whole)."""
+    h, t, bias = config.hidden_size, tp_size, config.add_bias_linear
+    ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
+    inner = 2 * ffn if config.swiglu else ffn
+    expert = inner * h // t + (inner // t if bias else 0) + h * ffn // t + (h if bias else 0)
+    count = moe.num_moe_experts * h + moe.num_local_experts * expert
+    shared = moe.moe_shared_expert_intermediate_size
+    if shared is not None:
+        count += (2 * shared if config.swiglu else shared) * h // t + h * shared // t
+        count += h if moe.moe_shared_expert_gate else 0
+    return count
+
+
+def layer_parameters(config: TransformerConfig, tp_size: int, moe=None) -> int:
+    """Parameters of one transformer layer on one tensor-parallel rank; ``moe`` (a
+    :class:`~megatron.model.moe.MoEConfig`) when the layer's MLP is an MoE layer."""
     h, t = config.hidden_size, tp_size
     q = config.num_attention_heads * config.kv_channels
     qkv = q + 2 * config.num_query_groups * config.kv_channels
@@ -87,14 +104,17 @@ def layer_parameters(config: TransformerConfig, tp_size: int) -> int:
         count += 2 * _norm_params(config, config.kv_channels)                 # q/k_layernorm
     count += qkv * h // t + (qkv // t if bias or config.add_qkv_bias else 0)   # query_key_value
     count += h * q // t + (h if bias else 0)                                  # dense (row)
+    if moe is not None:
+        return count + _moe_mlp_parameters(config, moe, tp_size)
     count += inner * h // t + (inner // t if bias else 0)                     # dense_h_to_4h
     count += h * config.ffn_hidden_size // t + (h if bias else 0)             # dense_4h_to_h
     return count
 
 
 def num_parameters_on_rank(config: TransformerConfig, tp_size: int = 1, pp_size: int = 1,
-                           pp_rank: int = 0, vp_size: Optional[int] = None) -> int:
-    """Parameters this rank holds over all its model chunks.
+                           pp_rank: int = 0, vp_size: Optional[int] = None, moe=None) -> int:
+    """Parameters this rank holds over all its model chunks (``moe``: the MoE config of an MoE
+    model, whose ``is_moe_layer`` layers count their experts).
 
     The first stage holds the word (``V/t x h``) and position embeddings; the last the final
     norm and, when untied, the output layer, or, when tied and ``pp > 1``, the copy
@@ -103,9 +123,11 @@ def num_parameters_on_rank(config: TransformerConfig, tp_size: int = 1, pp_size:
     vocab = config.padded_vocab_size // tp_size * config.hidden_size
     total = 0
     for chunk in range(vp_size or 1):
-        layers, _ = get_num_layers_and_offset(config, pp_size, pp_rank, vp_size,
-                                              chunk if vp_size else None)
-        total += layers * layer_parameters(config, tp_size)
+        layers, offset = get_num_layers_and_offset(config, pp_size, pp_rank, vp_size,
+                                                   chunk if vp_size else None)
+        for number in range(offset + 1, offset + layers + 1):
+            is_moe = moe is not None and moe.is_moe_layer(number)
+            total += layer_parameters(config, tp_size, moe if is_moe else None)
         pre = pp_rank == 0 and chunk == 0
         post = pp_rank == pp_size - 1 and chunk == (vp_size or 1) - 1
         if pre:
@@ -200,16 +222,16 @@ def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int
 def estimate_memory(args, pp_rank: int, num_microbatches: int,
                     config: Optional[TransformerConfig] = None) -> MemoryEstimate:
     """The estimate of pipeline stage ``pp_rank`` for validated ``args``."""
-    if config is None:
-        from megatron.arguments import build_configs
+    from megatron.arguments import build_configs
 
-        config = build_configs(args).model
+    configs = build_configs(args)
+    config = config or configs.model
     grad_dtype = torch.float32 if args.accumulate_allreduce_grads_in_fp32 else args.params_dtype
     act_dtype = torch.float32 if args.fp32_residual_connection else args.params_dtype
     tp, pp, vp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.virtual_pipeline_model_parallel_size)
     return MemoryEstimate(
-        num_parameters=num_parameters_on_rank(config, tp, pp, pp_rank, vp),
+        num_parameters=num_parameters_on_rank(config, tp, pp, pp_rank, vp, configs.moe),
         bytes_per_parameter=bytes_per_parameter(
             args.params_dtype, grad_dtype, args.optimizer, args.sgd_momentum,
             args.use_distributed_optimizer, args.data_parallel_size),

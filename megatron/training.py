@@ -18,7 +18,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing, global_vars, memory_accounting, training_hooks, training_log
+from megatron import (checkpointing, global_vars, memory_accounting, moe_logging, training_hooks,
+                      training_log)
 from megatron.arguments import (ArgumentsError, Configs, build_configs, parse_args,
                                 validate_args)
 from megatron.checkpoint_config import CheckpointConfig
@@ -397,6 +398,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     watch = _LossWatch(forward_step_func) if check else None
     timers = timers or Timers(0)
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
+    moe_logging.set_aux_loss_scale(model, optimizer.get_loss_scale(),
+                                   calculator.num_micro_batches)
     timers("forward-backward", log_level=1).start()
     logged = schedule(forward_step_func=watch or forward_step_func, data_iterator=data_iterator,
                       model=model, num_microbatches=calculator.num_micro_batches,
@@ -432,6 +435,10 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     if pstate.is_last_stage(ignore_virtual=True):
         for key in logged[0]:
             losses[key] = sum(training_log.to_float(d[key]) for d in logged) / len(logged)
+    moe_losses = moe_logging.aux_loss_values(model, pstate, calculator.num_micro_batches,
+                                             args.moe_per_layer_logging)
+    if pstate.is_last_stage(ignore_virtual=True):
+        losses.update(moe_losses)
     return losses, not ok, grad_norm, loss_scale
 
 

@@ -17,14 +17,26 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     """Model FLOPs of one forward + backward pass over ``batch_size`` sequences (Megatron's count).
 
     Counts the matrix multiplications only: QKV and output projections, attention scores and
-    values, the MLP (x 3/2 when gated) and the logits, times 3 for forward + backward.
+    values, the MLP (x 3/2 when gated) and the logits, times 3 for forward + backward. In an
+    MoE model only the experts a token is routed to count: an MoE layer's MLP term is
+    ``topk x --moe-ffn-hidden-size`` plus the shared expert's size (the router's small matmul
+    is not counted, as in Megatron).
     """
     s, h, layers = args.seq_length, args.hidden_size, args.num_layers
     kv_ratio = args.num_query_groups / args.num_attention_heads
     q_proj_ratio = args.kv_channels * args.num_attention_heads / h
     gated = 1.5 if args.swiglu else 1.0
+    mlp_sizes = args.ffn_hidden_size * layers
+    if getattr(args, "num_experts", None) is not None:
+        freq = args.moe_layer_freq
+        moe_layers = (sum(1 for i in range(layers) if i % freq == 0) if isinstance(freq, int)
+                      else sum(freq))
+        expert_size = args.moe_ffn_hidden_size or args.ffn_hidden_size
+        routed = args.moe_router_topk * expert_size + (
+            args.moe_shared_expert_intermediate_size or 0)
+        mlp_sizes = args.ffn_hidden_size * (layers - moe_layers) + routed * moe_layers
     per_layer = ((1 + kv_ratio + s / h) * q_proj_ratio
-                 + (args.ffn_hidden_size / h) * gated
+                 + (mlp_sizes / (layers * h)) * gated
                  + args.padded_vocab_size / (2 * layers * h))
     return 12.0 * batch_size * s * layers * h * h * per_layer
 
@@ -93,6 +105,8 @@ def format_log_line(args, train_state: TrainState, stats: IntervalStats, learnin
               f"learning rate: {learning_rate:.6E}",
               f"global batch size: {batch_size:5d}"]
     for key, total in stats.losses.items():
+        if key.startswith("moe/"):
+            continue  # per-layer MoE values (--moe-per-layer-logging) go to TensorBoard only
         parts.append(f"{key}: {total / max(1, stats.advanced):.6E}")
     parts.append(f"loss scale: {loss_scale:.1f}")
     if grad_norm is not None:

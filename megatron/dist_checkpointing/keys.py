@@ -26,6 +26,32 @@ word_embeddings_for_head.weight                    embedding.word_embeddings.wei
                                                    only: tied, so never stored twice)
 =================================================  ==========================================
 
+Mixture-of-experts layers (``--num-experts``). In a chunk's state (``--ckpt-format torch``
+too) the MoE MLP keeps Megatron-Core's module names under the legacy layer prefix:
+``language_model.encoder.layers.N.mlp.router.weight`` [E, h],
+``...layers.N.mlp.experts.local_experts.J.linear_fc1.weight`` [ffn/etp, h] and
+``...linear_fc2.weight`` [h, ffn/etp] (J: the expert's number on this expert-parallel rank),
+``...layers.N.mlp.shared_experts.linear_fc{1,2}.weight`` and ``...shared_experts.gate_weight``.
+(Megatron-LM's own legacy model had no router of this kind, so no older legacy spelling exists
+to follow; the Megatron-Core module names under the legacy prefix keep the mapping one to one.)
+In ``torch_dist``:
+
+=================================================  ==========================================
+...layers.N.mlp.router.weight                      decoder.layers.mlp.router.weight [L, E, h]
+...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
+linear_fc1.{weight,bias}                           linear_fc1.{weight,bias} [L, E, ffn, h]
+...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
+linear_fc2.{weight,bias}                           linear_fc2.{weight,bias} [L, E, h, ffn]
+...layers.N.mlp.shared_experts.linear_fc{1,2}...   decoder.layers.mlp.shared_experts.(same)
+=================================================  ==========================================
+
+Expert tensors are stacked on the layer axis, then on the GLOBAL expert axis
+(``ChunkLayout.expert_offset + J``), whatever the expert-parallel size; expert TP splits
+fc1 by rows and fc2 by columns as TP splits the dense MLP. The pre-MLP norm of an MoE layer
+keeps its key ``decoder.layers.mlp.linear_fc1.layer_norm_*``. A model whose dense and MoE
+layers alternate (``--moe-layer-freq``) stores each key over all L layers, with chunks only at
+the layers that have it.
+
 How a TP rank's local tensor maps into the global one follows the tensor-parallel split of
 :func:`megatron.convert.megatron_layout.tp_split_rule`: rows (vocabulary, fused QKV whole
 query groups, fc1), columns (linear_proj and linear_fc2 weights), or replicated. SwiGLU's fc1 is
@@ -88,6 +114,17 @@ _SPLIT_DIM = {
 _SWIGLU_SPLIT = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
 _LAYER_NAME = re.compile(r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)")
 
+# Mixture-of-experts layer tensors (the legacy name is Megatron-Core's module name).
+_MOE_KEYS = ("mlp.router.weight", "mlp.shared_experts.linear_fc1.weight",
+             "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
+_EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
+_EXPERT_PREFIX = "mlp.experts.experts."
+_MOE_SPLIT_DIM = {"mlp.shared_experts.linear_fc1.weight": 0,
+                  "mlp.shared_experts.linear_fc2.weight": 1,
+                  "linear_fc1.weight": 0, "linear_fc1.bias": 0, "linear_fc2.weight": 1}
+_MOE_SWIGLU_SPLIT = ("mlp.shared_experts.linear_fc1.weight", "linear_fc1.weight",
+                     "linear_fc1.bias")
+
 # Prefixes of the optimizer's per-parameter tensors (Adam moments) in Megatron-Core's files
 # (non-distributed optimizer): ``optimizer.state.exp_avg.<model key>``, same sharding.
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
@@ -107,6 +144,8 @@ class ChunkLayout:
         tp_rank, tp_size: the chunk's tensor-parallel rank and size.
         dp_rank: its data-parallel rank; only DP rank 0 writes (the others hold copies).
         swiglu: ``--swiglu`` (fc1 holds gate and value halves).
+        num_experts: ``--num-experts`` (None: a dense model).
+        expert_offset: global number of this rank's first local expert (expert parallelism).
     """
 
     num_layers: int
@@ -115,6 +154,8 @@ class ChunkLayout:
     tp_size: int = 1
     dp_rank: int = 0
     swiglu: bool = False
+    num_experts: Optional[int] = None
+    expert_offset: int = 0
 
     @property
     def writes_split(self) -> bool:
@@ -132,8 +173,9 @@ class Placement:
     """One piece of a local tensor inside a global tensor of the checkpoint.
 
     ``local_rows`` (``(start, stop)`` on dim 0 of the local tensor, None: all of it) selects
-    the piece; it sits at ``global_offset`` in the tensor ``key`` of ``global_shape``. With a
-    stacked layer axis the piece gets a leading axis of size 1 (``stacked``). ``written``: this
+    the piece; it sits at ``global_offset`` in the tensor ``key`` of ``global_shape``. With
+    stacked axes (``stacked``: 0, 1 for the layer axis, 2 for layer and expert axes) the piece
+    gets that many leading axes of size 1. ``written``: this
     chunk writes the piece (False for copies held elsewhere: replicas, the tied head).
     """
 
@@ -141,7 +183,7 @@ class Placement:
     global_shape: Tuple[int, ...]
     global_offset: Tuple[int, ...]
     local_rows: Optional[Tuple[int, int]]
-    stacked: bool
+    stacked: int
     written: bool
 
     def sizes(self, local_shape: Tuple[int, ...]) -> Tuple[int, ...]:
@@ -149,7 +191,7 @@ class Placement:
         shape = list(local_shape)
         if self.local_rows is not None:
             shape[0] = self.local_rows[1] - self.local_rows[0]
-        return ((1,) if self.stacked else ()) + tuple(shape)
+        return (1,) * int(self.stacked) + tuple(shape)
 
     def with_prefix(self, prefix: str) -> "Placement":
         """The same piece of another tensor keyed ``prefix + key`` (an optimizer moment)."""
@@ -157,7 +199,14 @@ class Placement:
 
 
 def layer_key(legacy_layer_name: str) -> str:
-    """``decoder.layers.<name>`` for a per-layer legacy name (``mlp.dense_h_to_4h.weight``)."""
+    """``decoder.layers.<name>`` for a per-layer legacy name (``mlp.dense_h_to_4h.weight``;
+    an expert's ``mlp.experts.local_experts.J.linear_fc1.weight`` gives the key of all
+    experts)."""
+    if legacy_layer_name in _MOE_KEYS:
+        return LAYER_PREFIX + legacy_layer_name
+    expert = _EXPERT_NAME.fullmatch(legacy_layer_name)
+    if expert:
+        return LAYER_PREFIX + _EXPERT_PREFIX + expert.group(2)
     if legacy_layer_name not in LAYER_KEYS:
         raise KeyMappingError(f"layer tensor {legacy_layer_name!r} has no Megatron-Core key "
                               f"(known: {', '.join(sorted(LAYER_KEYS))})")
@@ -182,14 +231,22 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
     key, local_layer = mcore_key(name)
     inner = name if local_layer is None else _LAYER_NAME.fullmatch(name).group(2)
     local_shape = tuple(local_shape)
-    dim = _SPLIT_DIM.get(inner)
+    expert = _EXPERT_NAME.fullmatch(inner) if local_layer is not None else None
+    local_expert = None
+    if expert:
+        local_expert, inner = int(expert.group(1)), expert.group(2)
+        dim, swiglu_split = _MOE_SPLIT_DIM.get(inner), _MOE_SWIGLU_SPLIT
+    elif inner in _MOE_KEYS:
+        dim, swiglu_split = _MOE_SPLIT_DIM.get(inner), _MOE_SWIGLU_SPLIT
+    else:
+        dim, swiglu_split = _SPLIT_DIM.get(inner), _SWIGLU_SPLIT
     global_shape = list(local_shape)
     offset = [0] * len(local_shape)
     written = layout.writes_split if dim is not None else layout.writes_replicated
     if name == "word_embeddings_for_head.weight":
         written = False
     pieces = []
-    if dim is not None and layout.swiglu and inner in _SWIGLU_SPLIT:
+    if dim is not None and layout.swiglu and inner in swiglu_split:
         if local_shape[0] % 2:
             raise KeyMappingError(f"{name}: a SwiGLU fc1 needs an even number of rows, has "
                                   f"{local_shape[0]}")
@@ -204,7 +261,18 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
             global_shape[dim] = local_shape[dim] * layout.tp_size
             offset[dim] = local_shape[dim] * layout.tp_rank
         pieces.append((tuple(offset), None))
-    stacked = local_layer is not None
+    stacked = int(local_layer is not None)
+    if local_expert is not None:
+        if layout.num_experts is None:
+            raise KeyMappingError(f"{name}: an expert tensor, but the layout has no "
+                                  "num_experts (--num-experts)")
+        global_expert = layout.expert_offset + local_expert
+        if not 0 <= global_expert < layout.num_experts:
+            raise KeyMappingError(f"{name}: global expert {global_expert} is outside the "
+                                  f"model's {layout.num_experts} experts")
+        global_shape = [layout.num_experts] + global_shape
+        pieces = [((global_expert,) + off, rows) for off, rows in pieces]
+        stacked = 2
     if stacked:
         global_layer = layout.layer_offset + local_layer
         if not 0 <= global_layer < layout.num_layers:
@@ -225,7 +293,23 @@ def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] 
     return f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}"
 
 
-def extra_state_keys(global_layer: int, num_layers: int) -> List[str]:
-    """The byte entries of one layer's linear modules' extra state."""
-    return [object_key(f"{LAYER_PREFIX}{module}._extra_state", (global_layer,), (num_layers,))
-            for module in EXTRA_STATE_MODULES]
+def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range] = None,
+                     num_experts: Optional[int] = None, shared_expert: bool = False
+                     ) -> List[str]:
+    """The byte entries of one layer's linear modules' extra state. For an MoE layer
+    (``experts``: the global numbers of this rank's experts, of ``num_experts``) the MLP's are
+    one per expert, ``decoder.layers.mlp.experts.experts.linear_fc{1,2}._extra_state/
+    shard_<layer>.<expert>_<L>.<E>`` (as Megatron-Core writes them), and the shared expert's."""
+    if experts is None:
+        modules = EXTRA_STATE_MODULES
+    else:
+        modules = EXTRA_STATE_MODULES[:2] + (
+            ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
+            if shared_expert else ())
+    keys = [object_key(f"{LAYER_PREFIX}{module}._extra_state", (global_layer,), (num_layers,))
+            for module in modules]
+    for expert in experts or ():
+        for fc in ("linear_fc1", "linear_fc2"):
+            keys.append(object_key(f"{LAYER_PREFIX}{_EXPERT_PREFIX}{fc}._extra_state",
+                                   (global_layer, expert), (num_layers, num_experts)))
+    return keys

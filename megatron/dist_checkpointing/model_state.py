@@ -36,11 +36,14 @@ from megatron.dist_checkpointing.writer import ObjectShard, TensorShard
 from megatron.model.module import flatten_state_dict
 
 
-def chunk_layout(config, pstate, vp_rank: Optional[int] = None) -> ChunkLayout:
+def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
+                 num_experts: Optional[int] = None) -> ChunkLayout:
     """The :class:`ChunkLayout` of this rank's model chunk ``vp_rank`` (None without virtual
     stages): ``config`` the model's ``TransformerConfig`` (layers, uneven first / last stages,
     ``swiglu``), ``pstate`` its ``ParallelState`` (or any object with ``tp_rank``, ``tp_size``,
-    ``pp_rank``, ``pp_size``, ``virtual_pp_size`` and optionally ``dp_rank``)."""
+    ``pp_rank``, ``pp_size``, ``virtual_pp_size`` and optionally ``dp_rank``);
+    ``num_experts``: ``--num-experts`` of an MoE model (expert parallelism 1: this rank holds
+    experts 0 .. E-1)."""
     from megatron.model.transformer import get_num_layers_and_offset
 
     vp_size = getattr(pstate, "virtual_pp_size", None)
@@ -48,13 +51,19 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None) -> ChunkLayout:
                                           vp_rank if vp_size is not None else None)
     return ChunkLayout(num_layers=config.num_layers, layer_offset=offset,
                        tp_rank=getattr(pstate, "tp_rank", 0), tp_size=pstate.tp_size,
-                       dp_rank=getattr(pstate, "dp_rank", 0), swiglu=config.swiglu)
+                       dp_rank=getattr(pstate, "dp_rank", 0), swiglu=config.swiglu,
+                       num_experts=num_experts)
+
+
+def _lead(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
+    """``tensor`` with the placement's stacked axes (size 1) in front."""
+    return tensor.view((1,) * int(place.stacked) + tuple(tensor.shape))
 
 
 def _piece(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
     if place.local_rows is not None:
         tensor = tensor[place.local_rows[0]:place.local_rows[1]]
-    return tensor.unsqueeze(0) if place.stacked else tensor
+    return _lead(tensor, place)
 
 
 def tensor_shards(name: str, tensor: torch.Tensor, layout: ChunkLayout,
@@ -123,10 +132,10 @@ def _global_box(place: Placement, local_shape, rows: Tuple[int, int]) -> Tuple[t
     """Offset and sizes in ``place``'s global tensor of the local rows ``rows`` (inside the
     placement's own rows), all of every other dimension."""
     lo = _row_span(place, local_shape)[0]
-    row_dim = 1 if place.stacked else 0
+    row_dim = int(place.stacked)
     offset = list(place.global_offset)
     offset[row_dim] += rows[0] - lo
-    sizes = ((1,) if place.stacked else ()) + (rows[1] - rows[0],) + tuple(local_shape[1:])
+    sizes = (1,) * row_dim + (rows[1] - rows[0],) + tuple(local_shape[1:])
     return tuple(offset), sizes
 
 
@@ -156,14 +165,13 @@ def range_shards(name: str, local_shape: Tuple[int, ...], start: int, values: to
                 continue
             g_off, g_size = _global_box(place, local_shape, (a, b))
             piece = box[a - rows[0]:b - rows[0]]
-            row_dim = 1 if place.stacked else 0
+            row_dim = int(place.stacked)
             g_off = list(g_off)
             g_size = list(g_size)
             for d in range(1, len(local_shape)):  # the box's own offsets below the rows
                 g_off[row_dim + d] += offset[d]
                 g_size[row_dim + d] = size[d]
-            if place.stacked:
-                piece = piece.unsqueeze(0)
+            piece = _lead(piece, place)
             shards.append(TensorShard(prefix + place.key, piece, place.global_shape,
                                       tuple(g_off)))
     return shards
@@ -196,17 +204,30 @@ def read_local_rows(reader: DistCheckpointReader, name: str, local_shape: Tuple[
                 f"{reader.path}: {key!r} has global shape {list(reader.shape(key))}; the model "
                 f"at TP {layout.tp_size} needs {list(place.global_shape)} (for {name} of local "
                 f"shape {list(local_shape)})")
-        reader.read(key, g_off, g_size, out=target.unsqueeze(0) if place.stacked else target)
+        reader.read(key, g_off, g_size, out=_lead(target, place))
     return out
 
 
-def extra_state_objects(layout: ChunkLayout, num_local_layers: int) -> List[ObjectShard]:
+def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
+                        names: Optional[List[str]] = None) -> List[ObjectShard]:
     """The empty extra-state byte entries Megatron-Core keeps for each layer's linear modules
-    (TransformerEngine state; ``None`` for plain layers), for this chunk's layers."""
+    (TransformerEngine state; ``None`` for plain layers), for this chunk's layers. ``names``
+    (the chunk's flat state names) tell its MoE layers: those with a ``mlp.router.weight``."""
     if not layout.writes_replicated:
         return []
-    return [ObjectShard(fqn, None) for local in range(num_local_layers)
-            for fqn in extra_state_keys(layout.layer_offset + local, layout.num_layers)]
+    names = names or []
+    items = []
+    for local in range(num_local_layers):
+        experts, shared = None, False
+        if any(n.endswith(f"layers.{local}.mlp.router.weight") for n in names):
+            local_experts = {n.split(".local_experts.")[1].split(".")[0] for n in names
+                             if f"layers.{local}.mlp.experts.local_experts." in n}
+            experts = range(layout.expert_offset, layout.expert_offset + len(local_experts))
+            shared = any(f"layers.{local}.mlp.shared_experts." in n for n in names)
+        items += [ObjectShard(fqn, None) for fqn in extra_state_keys(
+            layout.layer_offset + local, layout.num_layers, experts, layout.num_experts,
+            shared)]
+    return items
 
 
 def common_objects(common_state: dict, rng_states: Optional[list] = None,

@@ -13,6 +13,7 @@ from megatron.model.language_model import (
     tie_word_embeddings_over_stages,
 )
 from megatron.model.module import MegatronModule
+from megatron.model.moe import MoEConfig, MoELossTracker
 from megatron.model.transformer import get_num_layers_and_offset
 
 
@@ -31,6 +32,9 @@ class GPTModel(MegatronModule):
         init_seed: the seed every piece's initialisation derives from; the same seed gives the
             same model under any TP / PP split.
         sequence_parallel: ``--sequence-parallel``.
+        moe_config: the MoE settings (``--num-experts`` ...), or None for dense MLPs. An MoE
+            model keeps its auxiliary-loss tracker in ``moe_tracker`` (the training loop sets
+            its gradient scale and logs it).
 
     With tied embeddings (the default) and more than one pipeline stage, a last stage that has no
     embedding keeps ``word_embeddings_for_head``, a ``[V/tp, h]`` copy initialised exactly like
@@ -40,7 +44,8 @@ class GPTModel(MegatronModule):
 
     def __init__(self, config: TransformerConfig, pstate, pre_process: bool = True,
                  post_process: bool = True, parallel_output: bool = True,
-                 init_seed: int = 1234, sequence_parallel: bool = False):
+                 init_seed: int = 1234, sequence_parallel: bool = False,
+                 moe_config: Optional[MoEConfig] = None):
         super().__init__(config)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
         self.tp_group = pstate.tp_group
@@ -54,9 +59,13 @@ class GPTModel(MegatronModule):
         vp_rank = getattr(pstate, "virtual_pp_rank", None) if vp_size is not None else None
         num_layers, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank,
                                                        vp_size, vp_rank)
+        self.moe_tracker = None
+        if moe_config is not None and moe_config.num_moe_experts is not None:
+            self.moe_tracker = MoELossTracker(config.num_layers)
         self.language_model = TransformerLanguageModel(
             config, pstate.tp_group, pstate.tp_size, num_layers, offset, pre_process,
-            post_process, sequence_parallel, init_seed)
+            post_process, sequence_parallel, init_seed, moe_config=moe_config,
+            moe_tracker=self.moe_tracker)
         if self.share_embeddings_and_output_weights:
             tie_word_embeddings_over_stages(self, init_seed)
         # The training logits, written into the same storage every micro-batch (CPU only:

@@ -226,13 +226,16 @@ class TransformerLanguageModel(MegatronModule):
         encoder_attn_mask_type: :class:`AttnMaskType` of the self-attention: ``causal`` (GPT;
             a missing mask means causal) or ``padding`` (BERT; bidirectional, the mask hides
             padding, a missing mask hides nothing).
+        moe_config / moe_tracker: the MoE settings and the auxiliary-loss tracker (None:
+            dense MLPs); see :class:`~megatron.model.transformer.ParallelTransformerLayer`.
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
                  sequence_parallel: bool = False, init_seed: int = 1234,
                  num_tokentypes: int = 0, add_pooler: bool = False,
-                 encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 moe_config=None, moe_tracker=None):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -253,7 +256,8 @@ class TransformerLanguageModel(MegatronModule):
                 config.rotary_interleaved, config.rotary_seq_len_interpolation_factor)
         self.encoder = ParallelTransformer(config, tp_group, tp_size, num_layers, layer_offset,
                                            pre_process, post_process, sequence_parallel,
-                                           init_seed, self_attn_mask_type=encoder_attn_mask_type)
+                                           init_seed, self_attn_mask_type=encoder_attn_mask_type,
+                                           moe_config=moe_config, moe_tracker=moe_tracker)
         if post_process and add_pooler:
             with init_rng(init_seed, "pooler"):
                 self.pooler = Pooler(config, tp_group, sequence_parallel)

@@ -23,6 +23,7 @@ from megatron.fused_kernels.swiglu import bias_swiglu_impl, bias_swiglu_unfused
 from megatron.model.attention import ParallelAttention, dropout_rng_context
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
+from megatron.model.moe import MoEConfig, MoELayer, MoELossTracker
 from megatron.model.norms import get_norm
 from megatron.model.utils import init_rng, openai_gelu, squared_relu
 
@@ -75,6 +76,14 @@ class ParallelMLP(MegatronModule):
 class ParallelTransformerLayer(MegatronModule):
     """norm -> self-attention -> bias-dropout-add -> norm -> MLP -> bias-dropout-add.
 
+    On the MoE layers of an MoE model (``moe_config.is_moe_layer``) the MLP is a
+    :class:`~megatron.model.moe.MoELayer` (``mlp.router``, ``mlp.experts.local_experts.N``),
+    its experts split over the tensor-parallel group (expert TP = TP, Megatron-Core's default).
+    Under sequence parallelism the MoE layer sees the whole sequence: its input is all-gathered
+    over the tensor-parallel ranks and its output cut back to this rank's slice. Every rank then
+    routes the same tokens and computes the same router gradient, so the gather's backward only
+    takes this rank's slice (no reduce-scatter) and the router needs no gradient all-reduce.
+
     Args:
         config: the transformer config.
         layer_number: 1-based global layer number.
@@ -82,11 +91,16 @@ class ParallelTransformerLayer(MegatronModule):
         tp_size: its size.
         sequence_parallel: activations are ``[s/tp, b, h]``.
         self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
+        moe_config: the MoE settings (None: dense MLPs).
+        moe_tracker: the model's auxiliary-loss tracker, shared by its MoE layers.
+        init_seed: the model's initialisation seed (the MoE layer's own seeds derive from it).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
                  sequence_parallel: bool = False,
-                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 moe_config: Optional[MoEConfig] = None,
+                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
         super().__init__(config)
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
@@ -100,7 +114,23 @@ class ParallelTransformerLayer(MegatronModule):
                                                 sequence_parallel, init_method, output_init,
                                                 self_attn_mask_type)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
-        self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
+        self.tp_group = tp_group
+        self.moe_sequence_gather = False
+        if moe_config is not None and moe_config.is_moe_layer(layer_number):
+            self.mlp = MoELayer(config, moe_config, layer_number, ep_group=None,
+                                expert_tp_group=tp_group, tp_group=tp_group,
+                                tracker=moe_tracker, init_seed=init_seed)
+            self.moe_sequence_gather = sequence_parallel and tp_size > 1
+        else:
+            self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
+
+    def _mlp(self, ln_output: torch.Tensor):
+        if not self.moe_sequence_gather:
+            return self.mlp(ln_output)
+        whole = tensor_parallel.gather_from_sequence_parallel_region(
+            ln_output, self.tp_group, tensor_parallel_output_grad=False)     # [s, b, h]
+        output, bias = self.mlp(whole)                                       # [s, b, h]
+        return tensor_parallel.scatter_to_sequence_parallel_region(output, self.tp_group), bias
 
     def _bias_dropout_add(self, x, bias, residual):
         fn = get_bias_dropout_add_func(self.config.bias_dropout_fusion, self.training)
@@ -124,7 +154,7 @@ class ParallelTransformerLayer(MegatronModule):
         residual = ln_output if self.apply_residual_connection_post_layernorm else hidden_states
         ln_input = self._bias_dropout_add(attn_output, attn_bias, residual)
         ln_output = self.post_attention_layernorm(ln_input)
-        mlp_output, mlp_bias = self.mlp(ln_output)
+        mlp_output, mlp_bias = self._mlp(ln_output)
         residual = ln_output if self.apply_residual_connection_post_layernorm else ln_input
         return self._bias_dropout_add(mlp_output, mlp_bias, residual)
 
@@ -172,12 +202,15 @@ class ParallelTransformer(MegatronModule):
         sequence_parallel: activations are ``[s/tp, b, h]``.
         init_seed: seed the per-layer initialisation seeds derive from.
         self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
+        moe_config / moe_tracker: see :class:`ParallelTransformerLayer`.
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
                  sequence_parallel: bool = False, init_seed: int = 1234,
-                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 moe_config: Optional[MoEConfig] = None,
+                 moe_tracker: Optional[MoELossTracker] = None):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -192,7 +225,7 @@ class ParallelTransformer(MegatronModule):
             with init_rng(init_seed, f"layer.{layer_offset + i}"):
                 layers.append(ParallelTransformerLayer(
                     config, layer_offset + i + 1, tp_group, tp_size, sequence_parallel,
-                    self_attn_mask_type))
+                    self_attn_mask_type, moe_config, moe_tracker, init_seed))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:
             with init_rng(init_seed, "final_norm"):

@@ -184,7 +184,8 @@ def test_build_configs_returns_every_config_from_the_flags():
     args.padded_vocab_size = 50304
     configs = build_configs(args)
     assert [f.name for f in dataclasses.fields(configs)] == [
-        "parallel", "model", "ddp", "checkpoint", "data", "optimizer", "scheduler"]
+        "parallel", "model", "ddp", "checkpoint", "data", "optimizer", "scheduler", "moe"]
+    assert configs.moe is None  # a dense model
     assert configs.ddp == DistributedDataParallelConfig(
         grad_reduce_in_fp32=False, overlap_grad_reduce=True, overlap_param_gather=True,
         use_distributed_optimizer=True, bucket_size=4096, gradient_accumulation_fusion=True)

@@ -2,9 +2,8 @@
 (``tests/data/megatron_written/mcore_dist_moe_ep1``: 4 layers, 4 experts, top-2, aux_loss with
 coefficient 0.01, allgather dispatcher, exact GeLU experts, no bias).
 
-The project's GPT model is built with the file's dense weights, and each layer's MLP is replaced
-here (the MoE layer is not wired into the model yet) by a :class:`MoELayer` holding the file's
-router and expert weights. One forward on the recorded tokens must give Megatron's logits, its
+The project's GPT model is built with its MoE layers (``moe_config``) and loaded from the file
+through the ``torch_dist`` key mapping (router and experts included). One forward on the recorded tokens must give Megatron's logits, its
 top-k expert ids, routing probabilities, tokens per expert, and its logged
 ``load_balancing_loss`` per layer and averaged.
 
@@ -40,6 +39,8 @@ def _reference():
 
 
 def _model(tracker):
+    """The GPT model with MoE layers, built as the model provider builds it, and loaded from the
+    file through the torch_dist key mapping."""
     config = TransformerConfig(
         num_layers=LAYERS, hidden_size=64, num_attention_heads=4, padded_vocab_size=256,
         max_position_embeddings=64, seq_length=32, ffn_hidden_size=256, hidden_dropout=0.0,
@@ -49,26 +50,17 @@ def _model(tracker):
                            moe_token_dispatcher_type="allgather", moe_per_layer_logging=True)
     pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,
                                    virtual_pp_size=None, virtual_pp_rank=None)
-    model = GPTModel(config, pstate)
+    model = GPTModel(config, pstate, moe_config=moe_config)
+    model.moe_tracker = tracker
+    for layer in model.language_model.encoder.layers:
+        assert isinstance(layer.mlp, MoELayer)
+        layer.mlp.router.tracker = tracker
     reader = DistCheckpointReader(os.path.join(FIXTURE, "iter_0000010"))
-    dense = {k: v for k, v in flatten_state_dict(model.state_dict_for_save_checkpoint()).items()
-             if ".mlp." not in k}
-    loaded = flatten_state_dict(load_model_state(reader, dense, ChunkLayout(num_layers=LAYERS)))
-    router = reader.read("decoder.layers.mlp.router.weight")                     # [L, E, h]
-    fc1 = reader.read("decoder.layers.mlp.experts.experts.linear_fc1.weight")    # [L, E, f, h]
-    fc2 = reader.read("decoder.layers.mlp.experts.experts.linear_fc2.weight")    # [L, E, h, f]
-    for index, layer in enumerate(model.language_model.encoder.layers):
-        layer.mlp = MoELayer(config, moe_config, index + 1, tracker=tracker)
-        loaded[f"language_model.encoder.layers.{index}.mlp.router.weight"] = router[index]
-        for e in range(EXPERTS):
-            prefix = f"language_model.encoder.layers.{index}.mlp.experts.local_experts.{e}"
-            loaded[f"{prefix}.linear_fc1.weight"] = fc1[index, e]
-            loaded[f"{prefix}.linear_fc2.weight"] = fc2[index, e]
-    params = dict(model.named_parameters())
-    assert sorted(params) == sorted(loaded)
-    with torch.no_grad():
-        for name, value in loaded.items():
-            params[name].copy_(value)
+    state = model.state_dict_for_save_checkpoint()
+    loaded = load_model_state(reader, state, ChunkLayout(num_layers=LAYERS, num_experts=EXPERTS))
+    names = sorted(flatten_state_dict(loaded))
+    assert "language_model.encoder.layers.3.mlp.experts.local_experts.3.linear_fc2.weight" in names
+    model.load_state_dict(loaded)
     return model
 
 

@@ -6,8 +6,9 @@ dashes). The config checks its own consistency and names the flags in its messag
 combination fails before any layer or process group is built.
 """
 
+import ast
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 from megatron.core.config import ConfigError
 
@@ -41,6 +42,7 @@ class MoEConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None   # default: --tensor-model-parallel-size
     moe_per_layer_logging: bool = False
+    moe_layer_freq: Union[int, Tuple[int, ...]] = 1     # every N-th layer, or one 0/1 per layer
 
     def __post_init__(self):
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
@@ -118,6 +120,16 @@ class MoEConfig:
             raise ConfigError("--moe-shared-expert-gate needs "
                               "--moe-shared-expert-intermediate-size")
 
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (1-based) has an MoE MLP: with an integer
+        ``--moe-layer-freq`` N the layers 0, N, 2N, ... (0-based); with a list, those marked 1."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return (layer_number - 1) % freq == 0
+        return bool(freq[layer_number - 1])
+
     @property
     def num_local_experts(self) -> int:
         """Experts held by one expert-parallel rank."""
@@ -126,3 +138,44 @@ class MoEConfig:
     @property
     def drops_tokens(self) -> bool:
         return self.moe_expert_capacity_factor is not None
+
+
+def _evaluate_layer_list(node):
+    """A list expression of Megatron's ``--moe-layer-freq`` form (list literals of 0/1, ``+``,
+    ``*`` by an integer, parentheses) -> list of ints; anything else is refused."""
+    if isinstance(node, ast.Expression):
+        return _evaluate_layer_list(node.body)
+    if isinstance(node, ast.List):
+        values = [_evaluate_layer_list(e) for e in node.elts]
+        if not all(isinstance(v, int) for v in values):
+            raise ValueError("list entries must be 0 or 1")
+        return values
+    if isinstance(node, ast.Constant) and isinstance(node.value, int):
+        return node.value
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+        left, right = _evaluate_layer_list(node.left), _evaluate_layer_list(node.right)
+        if isinstance(node.op, ast.Add) and isinstance(left, list) and isinstance(right, list):
+            return left + right
+        if isinstance(node.op, ast.Mult) and isinstance(left, list) and isinstance(right, int):
+            return left * right
+        if isinstance(node.op, ast.Mult) and isinstance(left, int) and isinstance(right, list):
+            return right * left
+    raise ValueError("only list literals, + and * by an integer are allowed")
+
+
+def parse_moe_layer_freq(text: str) -> Union[int, Tuple[int, ...]]:
+    """``--moe-layer-freq``: an integer N, or Megatron's list form such as ``"([0]+[1]*23)"``
+    (read without ``eval``: only list literals, ``+`` and ``*`` are accepted)."""
+    text = str(text).strip()
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        values = _evaluate_layer_list(ast.parse(text, mode="eval"))
+    except (SyntaxError, ValueError) as err:
+        raise ValueError(f"--moe-layer-freq {text!r}: expected an integer or a list such as "
+                         f"'([0]+[1]*23)' ({err})") from None
+    if not isinstance(values, list) or any(v not in (0, 1) for v in values):
+        raise ValueError(f"--moe-layer-freq {text!r}: the list must hold only 0 and 1")
+    return tuple(values)

@@ -1,0 +1,76 @@
+"""The training loop's side of the mixture-of-experts auxiliary losses.
+
+Before each step the loop sets every MoE tracker's gradient scale to the factor the main loss
+is scaled by in the schedule: ``1 / num_microbatches`` times the fp16 loss scale (1 without
+fp16), so the load-balancing and z losses reach the gradients exactly as if they had been
+added to the loss. After the step it collects the logged values under Megatron's names
+(``load_balancing_loss``, ``z_loss``: the mean over MoE layers of the per-micro-batch mean),
+summed over pipeline stages (each holds its own layers) and averaged over data-parallel ranks
+(each routed its own micro-batches), as the ``lm loss`` is. With ``--moe-per-layer-logging``
+each layer's value is also returned under ``moe/{name}_layer_{i}`` (``i`` 0-based, Megatron's
+TensorBoard name), which the console line leaves out.
+"""
+
+from typing import Dict, List
+
+import torch
+
+from megatron.core.collectives import all_reduce, get_group_size
+from megatron.model.moe.tracker import LOSS_NAMES, MoELossTracker
+
+PER_LAYER_PREFIX = "moe/"
+
+
+def model_trackers(model_chunks) -> List[MoELossTracker]:
+    """The trackers of the (wrapped) model chunks; empty for a dense model."""
+    trackers = []
+    for chunk in model_chunks:
+        module = chunk
+        while getattr(module, "moe_tracker", None) is None and hasattr(module, "module"):
+            module = module.module
+        tracker = getattr(module, "moe_tracker", None)
+        if tracker is not None:
+            trackers.append(tracker)
+    return trackers
+
+
+def set_aux_loss_scale(model_chunks, loss_scale: torch.Tensor, num_microbatches: int) -> None:
+    """The gradient the auxiliary losses start backward with: ``loss_scale / num_microbatches``,
+    the factor of the main loss's gradient."""
+    scale = float(loss_scale) / num_microbatches
+    for tracker in model_trackers(model_chunks):
+        tracker.backward_scale = scale
+
+
+def aux_loss_values(model_chunks, pstate, num_microbatches: int,
+                    per_layer: bool = False) -> Dict[str, float]:
+    """The logged auxiliary losses of this iteration (every rank must call it; the trackers are
+    cleared)."""
+    trackers = model_trackers(model_chunks)
+    if not trackers:
+        return {}
+    merged = MoELossTracker(trackers[0].num_layers)
+    dev = torch.device("cpu")
+    for tracker in trackers:
+        for values in tracker.values.values():
+            dev = values.device
+    for name in LOSS_NAMES:
+        values = torch.zeros(merged.num_layers, dtype=torch.float64, device=dev)
+        recorded = torch.zeros_like(values)
+        for tracker in trackers:
+            if name in tracker.values:
+                values += tracker.values[name]
+                recorded = torch.maximum(recorded, tracker.recorded[name])
+        merged.values[name], merged.recorded[name] = values, recorded
+    merged.all_reduce(pstate.pp_group)
+    dp_size = get_group_size(pstate.dp_group)
+    for name in LOSS_NAMES:
+        all_reduce(merged.values[name], pstate.dp_group)
+        merged.values[name] /= dp_size
+    for tracker in trackers:
+        tracker.clear()
+    out = {}
+    for key, value in merged.report(num_microbatches, per_layer).items():
+        name, _, layer = key.partition("_layer_")
+        out[f"{PER_LAYER_PREFIX}{name}_layer_{int(layer) - 1}" if layer else key] = value
+    return out

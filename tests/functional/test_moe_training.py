@@ -1,0 +1,123 @@
+"""A tiny GPT with mixture-of-experts layers trained under several layouts gives the losses of
+the single-process run, and resumes bit for bit.
+
+The model is the parity suite's (4 layers, hidden 32, fp32, dropout 0) with 4 experts, top-2
+routing, the load-balancing loss (coefficient 0.01) and the z loss (1e-3), so the auxiliary
+losses' gradients (scaled as the main loss's: 1 / micro-batches) are part of every step.
+Tolerance: the same sums in another order give ulp-level differences per step (see
+test_parity.py); a router's top-k choice could flip on such a difference only for a near tie,
+so 1e-4 relative leaves margin while a missing aux-loss gradient, a wrong scale or a
+mis-sliced sequence-parallel gather moves the losses by more within a few steps.
+"""
+
+import os
+import re
+
+import pytest
+
+from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
+from tests.multiprocess import run_on_ranks
+
+ITERS = 6
+RTOL = 1e-4
+MOE = ["--num-layers", "4", "--num-experts", "4", "--moe-router-topk", "2",
+       "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "1e-3", "--no-bias-gelu-fusion"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_counting_corpus(str(tmp_path_factory.mktemp("corpus") / "count_document"))
+
+
+def _flags(corpus, tp=1, pp=1, iters=ITERS, extra=()):
+    extra = MOE + ["--pipeline-model-parallel-size", str(pp)] + list(extra)
+    if tp > 1:
+        extra.append("--sequence-parallel")
+    return gpt_flags(corpus, iters, tp=tp, micro_batch=2, global_batch=8, dropout=0.0,
+                     extra=extra)
+
+
+def _train(corpus, tp=1, pp=1, dp=1, **kw):
+    return run_on_ranks(run_pretrain, tp * pp * dp, _flags(corpus, tp, pp, **kw))[-1]
+
+
+def _losses(result):
+    return [loss for _, loss in result["losses"]]
+
+
+@pytest.fixture(scope="module")
+def baseline(corpus):
+    return _train(corpus)
+
+
+def _check_parity(base, out):
+    a, b = _losses(base), _losses(out)
+    assert len(a) == ITERS and a[-1] < a[0] - 0.2, a   # it learns
+    for step, (x, y) in enumerate(zip(a, b), start=1):
+        assert abs(x - y) <= RTOL * abs(x), (step, a, b)
+
+
+LAYOUTS = [
+    pytest.param(2, 1, 1, (), id="tp2-sp"),
+    pytest.param(1, 2, 1, (), id="pp2"),
+    pytest.param(1, 1, 2, ("--use-distributed-optimizer",), id="dp2-distopt"),
+    pytest.param(2, 2, 1, (), id="tp2-sp-pp2", marks=pytest.mark.slow),
+    pytest.param(1, 2, 2, ("--use-distributed-optimizer",), id="pp2-dp2-distopt",
+                 marks=pytest.mark.slow),
+    pytest.param(1, 2, 1, ("--num-layers-per-virtual-pipeline-stage", "1"), id="pp2x2virtual",
+                 marks=pytest.mark.slow),
+    pytest.param(2, 1, 1, ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                           "--recompute-num-layers", "1"), id="tp2-sp-recompute",
+                 marks=pytest.mark.slow),
+    pytest.param(1, 1, 1, ("--moe-grouped-gemm",), id="grouped-gemm", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("tp,pp,dp,extra", LAYOUTS)
+def test_moe_layout_matches_single_process(corpus, baseline, tp, pp, dp, extra):
+    _check_parity(baseline, _train(corpus, tp, pp, dp, extra=extra))
+
+
+def _run_logged(argv, log_path):
+    """Rank body: :func:`run_pretrain` with this rank's stdout written to ``log_path``."""
+    import sys
+
+    with open(log_path, "w") as log:
+        sys.stdout.flush()
+        saved = os.dup(1)
+        os.dup2(log.fileno(), 1)
+        try:
+            return run_pretrain(argv)
+        finally:
+            sys.stdout.flush()
+            os.dup2(saved, 1)
+            os.close(saved)
+
+
+def test_aux_losses_are_logged_under_megatrons_names(corpus, tmp_path):
+    log = str(tmp_path / "log.txt")
+    run_on_ranks(_run_logged, 1, _flags(corpus, iters=2, extra=["--moe-per-layer-logging"]),
+                 log)
+    with open(log) as f:
+        lines = [l for l in f.read().splitlines() if "| lm loss: " in l]
+    assert len(lines) == 2, lines
+    for line in lines:
+        balance = float(re.search(r"load_balancing_loss: (\S+) \|", line).group(1))
+        z = float(re.search(r"z_loss: (\S+) \|", line).group(1))
+        assert 0.9 < balance < 2.0 and z > 0, line   # E sum f P is ~1 when balanced
+        assert "moe/" not in line   # per-layer values go to TensorBoard only
+
+
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_resume_is_bit_exact(corpus, tmp_path, fmt):
+    """6 iterations straight == 3, save, new processes load and run 3 more (PP 2)."""
+    n, kw = 3, dict(pp=2, iters=6)
+    ckpt = ["--ckpt-format", fmt]
+    straight = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw, extra=ckpt))[-1]
+    save = str(tmp_path / "ckpt")
+    first = run_on_ranks(run_pretrain, 2, _flags(
+        corpus, **kw, extra=ckpt + ["--save", save, "--exit-interval", str(n)]))[-1]
+    second = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw,
+                                                  extra=ckpt + ["--load", save]))[-1]
+    assert _losses(first) == _losses(straight)[:n]
+    assert _losses(second) == _losses(straight)[n:], (straight, second)
