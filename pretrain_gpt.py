@@ -8,6 +8,7 @@ import torch.distributed as dist
 from megatron import global_vars
 from megatron.core import device, tensor_parallel
 from megatron.core.config import TransformerConfig
+from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.dataset_utils import get_ltor_masks_and_position_ids
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
 from megatron.model import GPTModel
@@ -21,9 +22,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTMo
     args = global_vars.get_args()
     config: TransformerConfig = build_configs(args).model
     print_rank_0("building GPT model ...")
+    # Sequence and context parallelism come with the parallel state (the layout).
     return GPTModel(config, global_vars.get_parallel_state(), pre_process=pre_process,
-                    post_process=post_process, parallel_output=True, init_seed=args.seed,
-                    sequence_parallel=args.sequence_parallel)
+                    post_process=post_process, parallel_output=True, init_seed=args.seed)
 
 
 def get_batch(data_iterator):
@@ -35,6 +36,10 @@ def get_batch(data_iterator):
     the others are None. The attention mask is None (causal) unless ``--reset-attention-mask``
     makes it depend on the data; a middle stage then reads the batch for the mask alone, and
     otherwise reads nothing.
+
+    With context parallelism every rank of a cp group reads the same samples and keeps its own
+    ``s / cp`` tokens of each (chunks ``r`` and ``2 cp - 1 - r``): tokens, labels, loss mask and
+    position ids alike, and the attention mask's rows of those tokens.
     """
     args = global_vars.get_args()
     tokenizer = global_vars.get_tokenizer()
@@ -54,6 +59,13 @@ def get_batch(data_iterator):
         # The mask is exactly causal: None says so, and attention then uses its causal kernels
         # (upper-triangular softmax, SDPA's is_causal), which skip the masked half.
         attention_mask = None
+    if pstate.cp_size > 1:
+        local = get_batch_on_this_cp_rank(
+            {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+             "attention_mask": attention_mask, "position_ids": position_ids},
+            pstate.cp_size, pstate.cp_rank)
+        tokens, labels, loss_mask = local["tokens"], local["labels"], local["loss_mask"]
+        attention_mask, position_ids = local["attention_mask"], local["position_ids"]
     if not first:
         tokens = position_ids = None
     if not last:
@@ -62,12 +74,26 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked mean of the per-token losses; the logged value is averaged over DP ranks."""
+    """Masked mean of the per-token losses; the logged value is averaged over DP ranks.
+
+    With context parallelism each rank holds part of every sequence: the masked sum of its own
+    tokens is divided by the token count of the whole cp group, so the logged loss (summed over
+    the group) is the one-rank loss; the loss returned for backward is multiplied by cp, since
+    gradients are averaged over data x context ranks.
+    """
     pstate = global_vars.get_parallel_state()
     losses = output_tensor.float().view(-1)          # [b * s]
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    averaged = loss.detach().clone()
+    if pstate.cp_size > 1:
+        local_sum = torch.sum(losses * mask)
+        totals = torch.stack([local_sum.detach(), mask.sum()])
+        dist.all_reduce(totals, group=pstate.cp_group)
+        count = totals[1].clamp(min=1.0)
+        loss = local_sum * pstate.cp_size / count
+        averaged = totals[0] / count
+    else:
+        loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+        averaged = loss.detach().clone()
     if pstate.dp_size > 1:
         dist.all_reduce(averaged, group=pstate.dp_group)
         averaged /= pstate.dp_size

@@ -148,7 +148,7 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     chunks = []
     for module in modules:
         ddp = DistributedDataParallel(
-            module, dp_group=pstate.dp_group,
+            module, dp_group=pstate.dp_cp_group,
             accumulate_allreduce_grads_in_fp32=ddp_config.grad_reduce_in_fp32,
             overlap_grad_reduce=ddp_config.overlap_grad_reduce,
             bucket_size=ddp_config.bucket_size,
@@ -159,16 +159,17 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
         chunks.append(ddp)
     optimizer = get_megatron_optimizer(configs.optimizer, chunks,
                                        mp_group=pstate.model_parallel_group,
-                                       tp_group=pstate.tp_group, dp_group=pstate.dp_group,
+                                       tp_group=pstate.tp_group, dp_group=pstate.dp_cp_group,
                                        overlap_param_gather=ddp_config.overlap_param_gather)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler
 
 
 def pipeline_tensor_shape(args) -> tuple:
-    """``(s, b, h)`` of the activations between pipeline stages (``s / tp`` with
-    ``--sequence-parallel``); fixed, so stages never exchange shapes."""
-    seq = args.seq_length
+    """``(s, b, h)`` of the activations between pipeline stages (``s / cp`` with context
+    parallelism, then ``/ tp`` with ``--sequence-parallel``); fixed, so stages never exchange
+    shapes."""
+    seq = args.seq_length // args.context_parallel_size
     if args.sequence_parallel:
         seq //= args.tensor_model_parallel_size
     return (seq, args.micro_batch_size, args.hidden_size)

@@ -15,8 +15,9 @@ from typing import Optional
 import torch
 
 from megatron.core import device, tensor_parallel
-from megatron.core.collectives import get_group_size
+from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.config import TransformerConfig
+from megatron.core.context_parallel import chunk_positions
 from megatron.core.utils import get_init_method
 from megatron.model.attention import dropout_rng_context
 from megatron.model.enums import AttnMaskType
@@ -226,14 +227,19 @@ class TransformerLanguageModel(MegatronModule):
         encoder_attn_mask_type: :class:`AttnMaskType` of the self-attention: ``causal`` (GPT;
             a missing mask means causal) or ``padding`` (BERT; bidirectional, the mask hides
             padding, a missing mask hides nothing).
+        cp_group: the context-parallel group (None: whole sequences on this rank); with more
+            than one rank every activation holds this rank's ``s / cp`` tokens and rotary
+            angles are those of their global positions.
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
                  sequence_parallel: bool = False, init_seed: int = 1234,
                  num_tokentypes: int = 0, add_pooler: bool = False,
-                 encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None):
         super().__init__(config)
+        self.cp_size = get_group_size(cp_group)
+        self.cp_rank = get_group_rank(cp_group)
         self.pre_process = pre_process
         self.post_process = post_process
         self.tp_size = tp_size
@@ -253,7 +259,8 @@ class TransformerLanguageModel(MegatronModule):
                 config.rotary_interleaved, config.rotary_seq_len_interpolation_factor)
         self.encoder = ParallelTransformer(config, tp_group, tp_size, num_layers, layer_offset,
                                            pre_process, post_process, sequence_parallel,
-                                           init_seed, self_attn_mask_type=encoder_attn_mask_type)
+                                           init_seed, self_attn_mask_type=encoder_attn_mask_type,
+                                           cp_group=cp_group)
         if post_process and add_pooler:
             with init_rng(init_seed, "pooler"):
                 self.pooler = Pooler(config, tp_group, sequence_parallel)
@@ -288,7 +295,11 @@ class TransformerLanguageModel(MegatronModule):
         if self.rotary_pos_emb is not None:
             local = hidden if self.pre_process else self.encoder.input_tensor
             seq_len = local.size(0) * (self.tp_size if self.sequence_parallel else 1)
-            if inference_params is None:
+            if inference_params is None and self.cp_size > 1:
+                full = seq_len * self.cp_size
+                rotary = self.rotary_pos_emb(full).index_select(0, chunk_positions(
+                    full, self.cp_size, self.cp_rank, local.device))         # [s/cp, 1, 1, d]
+            elif inference_params is None:
                 rotary = self.rotary_pos_emb(seq_len)                        # [s, 1, 1, d]
             else:
                 rotary = self.rotary_pos_emb(seq_len, inference_params.sequence_len_offset)

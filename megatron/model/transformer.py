@@ -82,11 +82,12 @@ class ParallelTransformerLayer(MegatronModule):
         tp_size: its size.
         sequence_parallel: activations are ``[s/tp, b, h]``.
         self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
+        cp_group: the context-parallel group (None: whole sequences on this rank).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
                  sequence_parallel: bool = False,
-                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None):
         super().__init__(config)
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
@@ -98,7 +99,7 @@ class ParallelTransformerLayer(MegatronModule):
         self.input_layernorm = get_norm(config, sequence_parallel)
         self.self_attention = ParallelAttention(config, layer_number, tp_group, tp_size,
                                                 sequence_parallel, init_method, output_init,
-                                                self_attn_mask_type)
+                                                self_attn_mask_type, cp_group=cp_group)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
 
@@ -172,12 +173,13 @@ class ParallelTransformer(MegatronModule):
         sequence_parallel: activations are ``[s/tp, b, h]``.
         init_seed: seed the per-layer initialisation seeds derive from.
         self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
+        cp_group: the context-parallel group (None: whole sequences on this rank).
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
                  sequence_parallel: bool = False, init_seed: int = 1234,
-                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -192,7 +194,7 @@ class ParallelTransformer(MegatronModule):
             with init_rng(init_seed, f"layer.{layer_offset + i}"):
                 layers.append(ParallelTransformerLayer(
                     config, layer_offset + i + 1, tp_group, tp_size, sequence_parallel,
-                    self_attn_mask_type))
+                    self_attn_mask_type, cp_group=cp_group))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:
             with init_rng(init_seed, "final_norm"):
