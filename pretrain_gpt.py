@@ -12,22 +12,27 @@ from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.dataset_utils import get_ltor_masks_and_position_ids
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
 from megatron.model import GPTModel
-from megatron.training import pretrain, print_rank_0
+from megatron.training import model_stage, pretrain, print_rank_0
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """This pipeline stage's GPT model, from the run's flags."""
+def model_provider(pre_process: bool = True, post_process: bool = True,
+                   vp_stage=None) -> GPTModel:
+    """This pipeline stage's GPT model (virtual stage ``vp_stage`` with interleaving), from the
+    run's flags."""
     from megatron.arguments import build_configs
 
     args = global_vars.get_args()
     config: TransformerConfig = build_configs(args).model
     print_rank_0("building GPT model ...")
+    pstate = global_vars.get_parallel_state()
+    if vp_stage is not None:
+        pstate = pstate.for_virtual_stage(vp_stage)
     # Sequence and context parallelism come with the parallel state (the layout).
-    return GPTModel(config, global_vars.get_parallel_state(), pre_process=pre_process,
+    return GPTModel(config, pstate, pre_process=pre_process,
                     post_process=post_process, parallel_output=True, init_seed=args.seed)
 
 
-def get_batch(data_iterator):
+def get_batch(data_iterator, stage=None):
     """Tokens, labels, loss mask, attention mask and position ids of one micro-batch.
 
     TP rank 0 reads the batch and broadcasts it to the other tensor-parallel ranks. With pipeline
@@ -35,7 +40,8 @@ def get_batch(data_iterator):
     position ids and the attention mask, the last labels, the loss mask and the attention mask;
     the others are None. The attention mask is None (causal) unless ``--reset-attention-mask``
     makes it depend on the data; a middle stage then reads the batch for the mask alone, and
-    otherwise reads nothing.
+    otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk the batch is for
+    (:func:`megatron.training.model_stage`); None asks the parallel state (right without virtual stages).
 
     With context parallelism every rank of a cp group reads the same samples and keeps its own
     ``s / cp`` tokens of each (chunks ``r`` and ``2 cp - 1 - r``): tokens, labels, loss mask and
@@ -44,7 +50,8 @@ def get_batch(data_iterator):
     args = global_vars.get_args()
     tokenizer = global_vars.get_tokenizer()
     pstate = global_vars.get_parallel_state()
-    first, last = pstate.is_first_stage(), pstate.is_last_stage()
+    first, last = stage if stage is not None else (pstate.is_first_stage(),
+                                                   pstate.is_last_stage())
     if not (first or last or args.reset_attention_mask):
         return None, None, None, None, None
     data = next(data_iterator) if data_iterator is not None else None
@@ -104,7 +111,8 @@ def forward_step(data_iterator, model):
     """One micro-batch forward; returns the per-token losses and how to reduce them."""
     timers = global_vars.get_timers()
     timers("batch-generator", log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator,
+                                                                        model_stage(model))
     timers("batch-generator", log_level=2).stop()
     dev = device.current_device()
 

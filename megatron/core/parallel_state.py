@@ -505,6 +505,3 @@ def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
 def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
     return get_parallel_state().virtual_pp_rank
 
-
-def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
-    get_parallel_state().virtual_pp_rank = rank
