@@ -131,8 +131,9 @@ def forward_step(data_iterator, model):
     args = global_vars.get_args()
     timers = global_vars.get_timers()
     timers("batch-generator", log_level=2).start()
+    stage = (model_stage(model),) if global_vars.get_parallel_state().virtual_pp_size else ()
     tokens, types, sentence_order, loss_mask, lm_labels, padding_mask = get_batch(
-        data_iterator, model_stage(model))
+        data_iterator, *stage)
     timers("batch-generator", log_level=2).stop()
     if not args.bert_binary_head:
         types = None  # no token-type embeddings without the sentence-order task

@@ -111,8 +111,10 @@ def forward_step(data_iterator, model):
     """One micro-batch forward; returns the per-token losses and how to reduce them."""
     timers = global_vars.get_timers()
     timers("batch-generator", log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator,
-                                                                        model_stage(model))
+    # With virtual stages the chunk tells which stage it is; otherwise the parallel state does
+    # (and get_batch keeps Megatron's one-argument call).
+    stage = (model_stage(model),) if global_vars.get_parallel_state().virtual_pp_size else ()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, *stage)
     timers("batch-generator", log_level=2).stop()
     dev = device.current_device()
 
