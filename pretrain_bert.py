@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from megatron import global_vars
 from megatron.arguments import ArgumentsError, validate_bert_args
 from megatron.core import device, tensor_parallel
-from megatron.training import pretrain, print_rank_0
+from megatron.training import model_stage, pretrain, print_rank_0
 
 # What each pipeline stage reads from a batch. Every stage needs the padding mask: each encoder
 # layer's attention masks the padded keys.
@@ -46,8 +46,9 @@ def extra_args_provider(parser):
     return parser
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True):
-    """This pipeline stage's BERT model, from the run's flags."""
+def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None):
+    """This pipeline stage's BERT model (virtual stage ``vp_stage`` with interleaving), from
+    the run's flags."""
     from megatron.arguments import build_configs
     from megatron.model.bert_model import BertModel
 
@@ -56,26 +57,32 @@ def model_provider(pre_process: bool = True, post_process: bool = True):
     validate_bert_args(args)
     config = build_configs(args).model
     print_rank_0("building BERT model ...")
-    return BertModel(config, global_vars.get_parallel_state(),
+    pstate = global_vars.get_parallel_state()
+    if vp_stage is not None:
+        pstate = pstate.for_virtual_stage(vp_stage)
+    return BertModel(config, pstate,
                      num_tokentypes=2 if args.bert_binary_head else 0,
                      add_binary_head=args.bert_binary_head, parallel_output=True,
                      pre_process=pre_process, post_process=post_process, init_seed=args.seed,
                      sequence_parallel=args.sequence_parallel)
 
 
-def get_batch(data_iterator):
+def get_batch(data_iterator, stage=None):
     """One micro-batch, as the tensors this pipeline stage uses (None for the others).
 
     TP rank 0 reads the batch and broadcasts it to the other tensor-parallel ranks. Every stage
     reads it (each needs the padding mask); the first stage also takes the tokens and token
-    types, the last the labels, the loss mask and the sentence-order targets.
+    types, the last the labels, the loss mask and the sentence-order targets. ``stage`` is
+    ``(first, last)`` of the model chunk (``megatron.training.model_stage``); None asks the parallel
+    state (right without virtual stages).
 
     Returns:
         ``(tokens, types, sentence_order, loss_mask, lm_labels, padding_mask)``: ``[b, s]``
         int64 each, except ``sentence_order`` ``[b]``.
     """
     pstate = global_vars.get_parallel_state()
-    first, last = pstate.is_first_stage(), pstate.is_last_stage()
+    first, last = stage if stage is not None else (pstate.is_first_stage(),
+                                                   pstate.is_last_stage())
     keys = (_FIRST_STAGE_KEYS if first else ()) + (_LAST_STAGE_KEYS if last else ())
     keys += ("padding_mask",)
     data = next(data_iterator) if data_iterator is not None else None
@@ -124,7 +131,9 @@ def forward_step(data_iterator, model):
     args = global_vars.get_args()
     timers = global_vars.get_timers()
     timers("batch-generator", log_level=2).start()
-    tokens, types, sentence_order, loss_mask, lm_labels, padding_mask = get_batch(data_iterator)
+    stage = (model_stage(model),) if global_vars.get_parallel_state().virtual_pp_size else ()
+    tokens, types, sentence_order, loss_mask, lm_labels, padding_mask = get_batch(
+        data_iterator, *stage)
     timers("batch-generator", log_level=2).stop()
     if not args.bert_binary_head:
         types = None  # no token-type embeddings without the sentence-order task

@@ -8,26 +8,33 @@ import torch.distributed as dist
 from megatron import global_vars
 from megatron.core import device, tensor_parallel
 from megatron.core.config import TransformerConfig
+from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.dataset_utils import get_ltor_masks_and_position_ids
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
 from megatron.model import GPTModel
-from megatron.training import pretrain, print_rank_0
+from megatron.training import model_stage, pretrain, print_rank_0
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True) -> GPTModel:
-    """This pipeline stage's GPT model, from the run's flags."""
+def model_provider(pre_process: bool = True, post_process: bool = True,
+                   vp_stage=None) -> GPTModel:
+    """This pipeline stage's GPT model (virtual stage ``vp_stage`` with interleaving), from the
+    run's flags."""
     from megatron.arguments import build_configs
 
     args = global_vars.get_args()
     configs = build_configs(args)
     config: TransformerConfig = configs.model
     print_rank_0("building GPT model ...")
-    return GPTModel(config, global_vars.get_parallel_state(), pre_process=pre_process,
+    pstate = global_vars.get_parallel_state()
+    if vp_stage is not None:
+        pstate = pstate.for_virtual_stage(vp_stage)
+    # Sequence and context parallelism come with the parallel state (the layout).
+    return GPTModel(config, pstate, pre_process=pre_process,
                     post_process=post_process, parallel_output=True, init_seed=args.seed,
-                    sequence_parallel=args.sequence_parallel, moe_config=configs.moe)
+                    moe_config=configs.moe)
 
 
-def get_batch(data_iterator):
+def get_batch(data_iterator, stage=None):
     """Tokens, labels, loss mask, attention mask and position ids of one micro-batch.
 
     TP rank 0 reads the batch and broadcasts it to the other tensor-parallel ranks. With pipeline
@@ -35,12 +42,18 @@ def get_batch(data_iterator):
     position ids and the attention mask, the last labels, the loss mask and the attention mask;
     the others are None. The attention mask is None (causal) unless ``--reset-attention-mask``
     makes it depend on the data; a middle stage then reads the batch for the mask alone, and
-    otherwise reads nothing.
+    otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk the batch is for
+    (:func:`megatron.training.model_stage`); None asks the parallel state (right without virtual stages).
+
+    With context parallelism every rank of a cp group reads the same samples and keeps its own
+    ``s / cp`` tokens of each (chunks ``r`` and ``2 cp - 1 - r``): tokens, labels, loss mask and
+    position ids alike, and the attention mask's rows of those tokens.
     """
     args = global_vars.get_args()
     tokenizer = global_vars.get_tokenizer()
     pstate = global_vars.get_parallel_state()
-    first, last = pstate.is_first_stage(), pstate.is_last_stage()
+    first, last = stage if stage is not None else (pstate.is_first_stage(),
+                                                   pstate.is_last_stage())
     if not (first or last or args.reset_attention_mask):
         return None, None, None, None, None
     data = next(data_iterator) if data_iterator is not None else None
@@ -55,6 +68,13 @@ def get_batch(data_iterator):
         # The mask is exactly causal: None says so, and attention then uses its causal kernels
         # (upper-triangular softmax, SDPA's is_causal), which skip the masked half.
         attention_mask = None
+    if pstate.cp_size > 1:
+        local = get_batch_on_this_cp_rank(
+            {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+             "attention_mask": attention_mask, "position_ids": position_ids},
+            pstate.cp_size, pstate.cp_rank)
+        tokens, labels, loss_mask = local["tokens"], local["labels"], local["loss_mask"]
+        attention_mask, position_ids = local["attention_mask"], local["position_ids"]
     if not first:
         tokens = position_ids = None
     if not last:
@@ -63,12 +83,26 @@ def get_batch(data_iterator):
 
 
 def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Masked mean of the per-token losses; the logged value is averaged over DP ranks."""
+    """Masked mean of the per-token losses; the logged value is averaged over DP ranks.
+
+    With context parallelism each rank holds part of every sequence: the masked sum of its own
+    tokens is divided by the token count of the whole cp group, so the logged loss (summed over
+    the group) is the one-rank loss; the loss returned for backward is multiplied by cp, since
+    gradients are averaged over data x context ranks.
+    """
     pstate = global_vars.get_parallel_state()
     losses = output_tensor.float().view(-1)          # [b * s]
     mask = loss_mask.view(-1).float()
-    loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
-    averaged = loss.detach().clone()
+    if pstate.cp_size > 1:
+        local_sum = torch.sum(losses * mask)
+        totals = torch.stack([local_sum.detach(), mask.sum()])
+        dist.all_reduce(totals, group=pstate.cp_group)
+        count = totals[1].clamp(min=1.0)
+        loss = local_sum * pstate.cp_size / count
+        averaged = totals[0] / count
+    else:
+        loss = torch.sum(losses * mask) / mask.sum().clamp(min=1.0)
+        averaged = loss.detach().clone()
     if pstate.dp_size > 1:
         dist.all_reduce(averaged, group=pstate.dp_group)
         averaged /= pstate.dp_size
@@ -79,7 +113,10 @@ def forward_step(data_iterator, model):
     """One micro-batch forward; returns the per-token losses and how to reduce them."""
     timers = global_vars.get_timers()
     timers("batch-generator", log_level=2).start()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator)
+    # With virtual stages the chunk tells which stage it is; otherwise the parallel state does
+    # (and get_batch keeps Megatron's one-argument call).
+    stage = (model_stage(model),) if global_vars.get_parallel_state().virtual_pp_size else ()
+    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, *stage)
     timers("batch-generator", log_level=2).stop()
     dev = device.current_device()
 

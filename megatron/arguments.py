@@ -302,7 +302,13 @@ def _add_distributed_args(parser):
                    "steps (1) and after the optimizer step too (2); no effect on CPU")
     g.add_argument("--standalone-embedding-stage", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="split every sequence over this many ranks (attention exchanges "
+                        "keys and values; everything else runs on the local tokens)")
+    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"],
+                   help="context parallelism's exchange: a ring of key/value blocks (p2p), "
+                        "one all-gather of them (all_gather), or all-to-all from a sequence "
+                        "split to a head split (a2a)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
                    help="accepted for old scripts; the local (Megatron) implementation is used")
@@ -619,6 +625,27 @@ def _validate_surface(args) -> None:
     _read_data_args_files(args)
 
 
+def _validate_context_parallel(args) -> None:
+    """--context-parallel-size: the sequence, heads and masks must split over the cp ranks."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp):
+        _fail(f"--seq-length ({args.seq_length}) is not divisible by 2 x "
+              f"--context-parallel-size ({cp}) = {2 * cp}: each sequence is cut into "
+              f"{2 * cp} equal chunks")
+    if args.cp_comm_type == "a2a":
+        heads = args.num_attention_heads // tp
+        if heads % cp:
+            _fail(f"--cp-comm-type a2a splits the {heads} attention heads per tensor-parallel "
+                  f"rank (--num-attention-heads {args.num_attention_heads} / "
+                  f"--tensor-model-parallel-size {tp}) over --context-parallel-size {cp}; "
+                  "they must divide evenly (or use --cp-comm-type p2p or all_gather)")
+        if args.reset_attention_mask:
+            _fail("--reset-attention-mask with --context-parallel-size > 1 needs --cp-comm-type "
+                  "p2p or all_gather (a2a supports causal attention only)")
+
+
 def _validate_parallel(args) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     for name, value in (("--tensor-model-parallel-size", tp),
@@ -626,13 +653,13 @@ def _validate_parallel(args) -> None:
                         ("--context-parallel-size", args.context_parallel_size)):
         if value < 1:
             _fail(f"{name} must be >= 1, got {value}")
-    if args.context_parallel_size != 1:
-        _fail(f"--context-parallel-size {args.context_parallel_size} is not supported "
-              "(only 1)")
-    if args.world_size % (tp * pp) != 0:
+    cp = args.context_parallel_size
+    if args.world_size % (tp * cp * pp) != 0:
         _fail(f"world size ({args.world_size}) is not divisible by "
-              f"--tensor-model-parallel-size ({tp}) x --pipeline-model-parallel-size ({pp})")
-    args.data_parallel_size = args.world_size // (tp * pp)
+              f"--tensor-model-parallel-size ({tp}) x --context-parallel-size ({cp}) x "
+              f"--pipeline-model-parallel-size ({pp}) = {tp * cp * pp}")
+    args.data_parallel_size = args.world_size // (tp * cp * pp)
+    _validate_context_parallel(args)
     if args.sequence_parallel and tp == 1:
         _note(args, "--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
                     "disabling it")
@@ -941,7 +968,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization,
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
-        position_embedding_type=args.position_embedding_type,
+        position_embedding_type=args.position_embedding_type, cp_comm_type=args.cp_comm_type,
         rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
         rotary_interleaved=args.rotary_interleaved,
         rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,

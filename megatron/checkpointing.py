@@ -324,7 +324,8 @@ def _begin_save(save_dir: str, iteration: int) -> str:
 
 def _collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
                    pstate) -> Optional[dict]:
-    """This rank's checkpoint (None on data-parallel ranks > 0: they write no file).
+    """This rank's checkpoint (None on data- or context-parallel ranks > 0: they write no
+    file).
 
     Every rank takes part: the data-parallel ranks' RNG states are gathered, and a distributed
     optimizer gathers its shards to DP rank 0 and finishes any parameter all-gather still
@@ -338,7 +339,7 @@ def _collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler,
     if finish_param_sync is not None:
         finish_param_sync()
     optimizer_state = None if args.no_save_optim else optimizer.state_dict()
-    if pstate.dp_rank != 0:
+    if pstate.dp_rank != 0 or pstate.cp_rank != 0:  # context-parallel ranks hold copies too
         return None
     state = {"args": _plain_args(args), "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration}

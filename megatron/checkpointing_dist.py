@@ -174,7 +174,7 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
     common = None
     if dist.get_rank() == 0:
         common = _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler)
-    if pstate.dp_rank == 0:  # global rank 0 is DP rank 0
+    if pstate.dp_rank == 0 and pstate.cp_rank == 0:  # global rank 0 is DP and CP rank 0
         items += common_objects(common, rng_states, pstate.pp_rank, pstate.pp_size,
                                 pstate.tp_rank, pstate.tp_size)
     if common is not None:

@@ -164,14 +164,20 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
     pstate = parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         args.virtual_pipeline_model_parallel_size,
-        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes),
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
+        sequence_parallel=args.sequence_parallel)
     check_node_layout(pstate)
     set_random_seeds(args.seed, pstate, args.data_parallel_random_init)
     _install_fused_kernels(args)
     if args.rank == 0:
         print(f"> initialized on {device.current_device()} with {args.distributed_backend}: "
               f"world size {args.world_size} = tensor-model-parallel "
-              f"{pstate.tp_size} x pipeline-model-parallel {pstate.pp_size} x "
+              f"{pstate.tp_size} x " +
+              (f"context-parallel {pstate.cp_size} x " if pstate.cp_size > 1 else "") +
+              f"pipeline-model-parallel {pstate.pp_size} x "
               f"data-parallel {pstate.dp_size}", flush=True)
         for note in determinism_notes:
             print(f"> --deterministic-mode: {note}", flush=True)

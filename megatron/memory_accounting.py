@@ -28,6 +28,12 @@ plus, once per rank, the activations of the group being recomputed. The first vi
 Megatron's embedding terms (8sb for the input ids, a 1-byte dropout mask sbh), the last the
 output layer's (2e sbh for its inputs, 4sbV/t for the fp32 logits of the loss).
 
+With context parallelism (``cp`` ranks per sequence) a rank keeps its ``s / cp`` tokens, so every
+``sbh`` and ``sbf`` term falls by ``cp``; its attention scores cover its ``s / cp`` queries and all
+``s`` keys, ``a (s / cp) s b (2e + 1)`` (the blockwise kernel keeps them per key block, in fp32,
+but only the blocks the causal mask leaves: about the same count). The distributed optimizer
+shards over the data x context-parallel ranks.
+
 How many micro-batches are alive at once comes from walking this rank's order of forwards and
 backwards (:func:`~megatron.core.pipeline_parallel.schedules.pipeline_order`): ``min(p - r, m)``
 on stage ``r`` under 1F1B, so the first stage holds ``p x L/p = L`` layers' worth, Megatron's
@@ -163,16 +169,19 @@ def bytes_per_parameter(params_dtype: torch.dtype, grad_dtype: torch.dtype,
 # ------------------------------------------------------------------------- activations
 
 def layer_activation_bytes(config: TransformerConfig, micro_batch_size: int, tp_size: int = 1,
-                           sequence_parallel: bool = False, element_bytes: int = 2) -> float:
+                           sequence_parallel: bool = False, element_bytes: int = 2,
+                           cp_size: int = 1) -> float:
     """Bytes one layer keeps for backward for one micro-batch (no full recomputation)."""
-    s, b, h, t, e = config.seq_length, micro_batch_size, config.hidden_size, tp_size, element_bytes
+    b, h, t, e = micro_batch_size, config.hidden_size, tp_size, element_bytes
+    s_full = config.seq_length
+    s = s_full / cp_size                                     # this rank's tokens
     sbh = s * b * h
     inner = (3 if config.swiglu else 2) * e * s * b * config.ffn_hidden_size
     replicated = sbh * (4 * e + 2)
     split = sbh * 4 * e + inner
     scores = 0.0
     if config.recompute_granularity != "selective" and not config.use_flash_attn:
-        scores = config.num_attention_heads * s * s * b * (2 * e + 1)
+        scores = config.num_attention_heads * s * s_full * b * (2 * e + 1)
     return (replicated / t if sequence_parallel else replicated) + (split + scores) / t
 
 
@@ -192,10 +201,11 @@ def _chunk_activation_bytes(config, layers: int, per_layer: float, layer_input: 
 def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int,
                              num_microbatches: int, tp_size: int = 1, pp_size: int = 1,
                              pp_rank: int = 0, vp_size: Optional[int] = None,
-                             sequence_parallel: bool = False, element_bytes: int = 2) -> float:
+                             sequence_parallel: bool = False, element_bytes: int = 2,
+                             cp_size: int = 1) -> float:
     """Peak activation bytes of this rank over one step of its pipeline schedule."""
-    s, b, h, t = config.seq_length, micro_batch_size, config.hidden_size, tp_size
-    per_layer = layer_activation_bytes(config, b, t, sequence_parallel, element_bytes)
+    s, b, h, t = config.seq_length / cp_size, micro_batch_size, config.hidden_size, tp_size
+    per_layer = layer_activation_bytes(config, b, t, sequence_parallel, element_bytes, cp_size)
     sbh_local = s * b * h / (t if sequence_parallel else 1)
     v = vp_size or 1
     unit, workspace = [], 0.0
@@ -230,16 +240,17 @@ def estimate_memory(args, pp_rank: int, num_microbatches: int,
     act_dtype = torch.float32 if args.fp32_residual_connection else args.params_dtype
     tp, pp, vp = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
                   args.virtual_pipeline_model_parallel_size)
+    cp = getattr(args, "context_parallel_size", 1)
     return MemoryEstimate(
         num_parameters=num_parameters_on_rank(config, tp, pp, pp_rank, vp, configs.moe),
         bytes_per_parameter=bytes_per_parameter(
             args.params_dtype, grad_dtype, args.optimizer, args.sgd_momentum,
-            args.use_distributed_optimizer, args.data_parallel_size),
+            args.use_distributed_optimizer, args.data_parallel_size * cp),
         activation_bytes=activation_bytes_on_rank(
             config, micro_batch_size=args.micro_batch_size, num_microbatches=num_microbatches,
             tp_size=tp, pp_size=pp, pp_rank=pp_rank, vp_size=vp,
             sequence_parallel=args.sequence_parallel,
-            element_bytes=torch.tensor([], dtype=act_dtype).element_size()))
+            element_bytes=torch.tensor([], dtype=act_dtype).element_size(), cp_size=cp))
 
 
 def measured_peak_bytes() -> Tuple[float, str]:
@@ -304,7 +315,8 @@ def startup_memory_check(args, pstate, num_microbatches: int, ranks_per_node: in
     lines = [f"[Rank {pstate.rank}] (tensor, pipeline) rank ({pstate.tp_rank}, {pstate.pp_rank}) "
              f"predicted memory before start-up: {est.total_bytes / gb:.2f} GB "
              f"(weights+grads+optimizer {est.weight_and_optimizer_bytes / gb:.2f} GB, "
-             f"activations {est.activation_bytes / gb:.2f} GB)"]
+             f"activations {est.activation_bytes / gb:.2f} GB)"
+             + _context_parallel_note(pstate)]
     for limit, description in rank_memory_limits(device.is_cuda(), ranks_per_node,
                                                  meminfo_path=meminfo_path):
         if est.total_bytes > limit:
@@ -326,4 +338,9 @@ def memory_report(args, pstate, num_microbatches: int) -> str:
             f"{est.weight_and_optimizer_bytes / MB:.2f} ({est.num_parameters} parameters x "
             f"{est.bytes_per_parameter:.2f} bytes) | activations {est.activation_bytes / MB:.2f} "
             f"| total {est.total_bytes / MB:.2f} | measured peak (MB): {peak / MB:.2f} "
-            f"({source})")
+            f"({source})" + _context_parallel_note(pstate))
+
+
+def _context_parallel_note(pstate) -> str:
+    cp = getattr(pstate, "cp_size", 1)
+    return f" [context-parallel {cp}: activations of s/{cp} tokens]" if cp > 1 else ""

@@ -7,7 +7,7 @@ and saves at their intervals.
 """
 
 import dataclasses
-import functools
+import inspect
 import math
 import os
 import signal
@@ -103,24 +103,41 @@ def get_optimizer_param_scheduler(optimizer, config: SchedulerConfig) -> Optimiz
         wsd_decay_steps=config.wsd_decay_steps, lr_wsd_decay_style=config.lr_wsd_decay_style)
 
 
+def model_stage(model) -> tuple:
+    """``(first, last)``: whether a (DDP-wrapped) model chunk is the first / last (virtual)
+    pipeline stage, read from the chunk itself (its ``pre_process`` / ``post_process``), so a
+    forward step needs no "current virtual stage" state."""
+    while not hasattr(model, "pre_process") and hasattr(model, "module"):
+        model = model.module
+    return model.pre_process, model.post_process
+
+
 def build_model_chunks(model_provider: Callable, pstate) -> List[torch.nn.Module]:
     """This rank's model: one chunk, or one per virtual pipeline stage with interleaving.
 
-    A model reads ``pstate.virtual_pp_rank`` while it is built (its layer offset and whether it
-    is the first or last virtual stage), so chunk ``i`` is built with the virtual rank set to
-    ``i``; the rank is left at 0 afterwards.
+    Chunk ``i`` is built by ``model_provider(pre_process, post_process, vp_stage=i)``, where the
+    provider hands the model ``pstate.for_virtual_stage(i)`` (a copy answering for that stage;
+    ``pstate`` itself never changes). A provider without a ``vp_stage`` parameter (users' older
+    scripts) reads the parallel state from ``global_vars`` instead: while it builds chunk ``i``
+    that handle is the stage's copy.
     """
     if pstate.virtual_pp_size is None:
         return [model_provider(pre_process=pstate.is_first_stage(),
                                post_process=pstate.is_last_stage())]
+    takes_stage = "vp_stage" in inspect.signature(model_provider).parameters
     chunks = []
-    try:
-        for i in range(pstate.virtual_pp_size):
-            pstate.virtual_pp_rank = i
-            chunks.append(model_provider(pre_process=pstate.is_first_stage(),
-                                         post_process=pstate.is_last_stage()))
-    finally:
-        pstate.virtual_pp_rank = 0
+    for i in range(pstate.virtual_pp_size):
+        stage = pstate.for_virtual_stage(i)
+        kwargs = dict(pre_process=stage.is_first_stage(), post_process=stage.is_last_stage())
+        if takes_stage:
+            chunks.append(model_provider(**kwargs, vp_stage=i))
+            continue
+        previous = global_vars._PARALLEL_STATE
+        global_vars.set_global_variables(parallel_state=stage)
+        try:
+            chunks.append(model_provider(**kwargs))
+        finally:
+            global_vars._PARALLEL_STATE = previous
     return chunks
 
 
@@ -149,7 +166,7 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     chunks = []
     for module in modules:
         ddp = DistributedDataParallel(
-            module, dp_group=pstate.dp_group,
+            module, dp_group=pstate.dp_cp_group,
             accumulate_allreduce_grads_in_fp32=ddp_config.grad_reduce_in_fp32,
             overlap_grad_reduce=ddp_config.overlap_grad_reduce,
             bucket_size=ddp_config.bucket_size,
@@ -160,16 +177,17 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
         chunks.append(ddp)
     optimizer = get_megatron_optimizer(configs.optimizer, chunks,
                                        mp_group=pstate.model_parallel_group,
-                                       tp_group=pstate.tp_group, dp_group=pstate.dp_group,
+                                       tp_group=pstate.tp_group, dp_group=pstate.dp_cp_group,
                                        overlap_param_gather=ddp_config.overlap_param_gather)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler
 
 
 def pipeline_tensor_shape(args) -> tuple:
-    """``(s, b, h)`` of the activations between pipeline stages (``s / tp`` with
-    ``--sequence-parallel``); fixed, so stages never exchange shapes."""
-    seq = args.seq_length
+    """``(s, b, h)`` of the activations between pipeline stages (``s / cp`` with context
+    parallelism, then ``/ tp`` with ``--sequence-parallel``); fixed, so stages never exchange
+    shapes."""
+    seq = args.seq_length // args.context_parallel_size
     if args.sequence_parallel:
         seq //= args.tensor_model_parallel_size
     return (seq, args.micro_batch_size, args.hidden_size)
@@ -186,9 +204,6 @@ def schedule_kwargs(model, args, pstate) -> dict:
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                             device.current_device()),
         "tensor_shape": pipeline_tensor_shape(args),
-        # The forward step asks pstate which virtual stage it runs (pretrain_gpt.get_batch).
-        "set_virtual_pp_rank": (functools.partial(setattr, pstate, "virtual_pp_rank")
-                                if pstate.virtual_pp_size else None),
     }
 
 

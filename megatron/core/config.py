@@ -58,6 +58,7 @@ class TransformerConfig:
     normalization: str = "LayerNorm"               # LayerNorm | RMSNorm
     apply_residual_connection_post_layernorm: bool = False
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    cp_comm_type: str = "p2p"                      # --cp-comm-type (with --context-parallel-size)
     rotary_percent: float = 1.0
     rotary_base: int = 10000
     rotary_interleaved: bool = False               # rotate pairs (2i, 2i+1), not the halves

@@ -1,38 +1,69 @@
-"""Tensor, pipeline, data, model-parallel and embedding process groups.
+"""The parallel layout: every degree of parallelism, the process groups it implies, their getters.
 
-Ranks are assigned in Megatron's order: tensor-parallel rank varies fastest, then data-parallel,
-then pipeline-parallel. With ``world_size = 8``, ``tp = 2``, ``pp = 2`` (so ``dp = 2``)::
+Ranks are assigned in Megatron's order ``tp-cp-ep-dp-pp``: the tensor-parallel rank varies
+fastest, then the context-parallel rank, then the data-parallel rank, then the pipeline stage
+(expert parallelism is folded into the data x context ranks, below), so::
 
-    global rank:   0  1  2  3  4  5  6  7
-    tp rank:       0  1  0  1  0  1  0  1
-    dp rank:       0  0  1  1  0  0  1  1
-    pp rank:       0  0  0  0  1  1  1  1
+    global rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))
 
-    tensor-parallel groups:   [0, 1] [2, 3] [4, 5] [6, 7]
-    data-parallel groups:     [0, 2] [1, 3] [4, 6] [5, 7]
-    pipeline groups:          [0, 4] [1, 5] [2, 6] [3, 7]
-    model-parallel groups:    [0, 1, 4, 5] [2, 3, 6, 7]     (tp x pp, one per dp rank)
-    embedding groups:         [0, 4] [1, 5] [2, 6] [3, 7]   (first + last stage of each pipeline)
-    position-embedding groups:[0] [1] [2] [3]               (first stage of each pipeline)
+World 16, ``tp = 2``, ``cp = 2``, ``pp = 2`` (so ``dp = 16 / (2 * 2 * 2) = 2``)::
 
-So the two GPUs of a tensor-parallel group are neighbours (same node, fastest link), and stage 0
-holds ranks 0-3 while stage 1 holds ranks 4-7.
+    global rank:  0 1 2 3 4 5 6 7 | 8 9 10 11 12 13 14 15
+    tp rank:      0 1 0 1 0 1 0 1 | 0 1  0  1  0  1  0  1
+    cp rank:      0 0 1 1 0 0 1 1 | 0 0  1  1  0  0  1  1
+    dp rank:      0 0 0 0 1 1 1 1 | 0 0  0  0  1  1  1  1
+    pp rank:      0 0 0 0 0 0 0 0 | 1 1  1  1  1  1  1  1
+
+    tensor-parallel groups:      [0, 1] [2, 3] [4, 5] [6, 7] [8, 9] [10, 11] [12, 13] [14, 15]
+    context-parallel groups:     [0, 2] [1, 3] [4, 6] [5, 7] [8, 10] [9, 11] [12, 14] [13, 15]
+    data-parallel groups:        [0, 4] [1, 5] [2, 6] [3, 7] [8, 12] [9, 13] [10, 14] [11, 15]
+    data x context groups:       [0, 2, 4, 6] [1, 3, 5, 7] [8, 10, 12, 14] [9, 11, 13, 15]
+    pipeline groups:             [0, 8] [1, 9] ... [7, 15]
+    model-parallel groups:       [0, 1, 8, 9] [2, 3, 10, 11] [4, 5, 12, 13] [6, 7, 14, 15]
+    embedding groups:            the first and last rank of each pipeline group
+
+The ranks of one context-parallel group hold the same weights and read the same samples, each
+keeping its own part of every sequence; gradients are therefore averaged over data x context
+ranks, and the data loader's rank and size are the data-parallel ones. Without context
+parallelism (``cp = 1``) this is Megatron's classic layout: with 16 ranks, ``tp = 2`` and
+``pp = 4``, the data-parallel groups are ``[0, 2] [1, 3] [4, 6] [5, 7] ...`` and the pipeline
+groups ``[0, 4, 8, 12] [1, 5, 9, 13] [2, 6, 10, 14] [3, 7, 11, 15]``.
+
+**Experts ("parallel folding").** Mixture-of-experts layers use a second layout over the same
+ranks of each pipeline stage, ``etp-ep-edp-pp`` (expert tensor parallel fastest, then expert
+parallel, then expert data parallel), so the ``tp * cp * dp`` ranks of a stage are re-cut into
+``expert_tp * ep * expert_dp``; attention keeps its own layout. With world 8, ``tp = 2``,
+``cp = 2``, ``ep = 2``, ``expert_tp = 1`` (one stage, ``dp = 2``, ``expert_dp = 4``)::
+
+    expert-tensor-parallel groups:  [0] [1] ... [7]
+    expert-parallel groups:         [0, 1] [2, 3] [4, 5] [6, 7]
+    expert-data-parallel groups:    [0, 2, 4, 6] [1, 3, 5, 7]
 
 :func:`initialize_model_parallel` builds one :class:`ParallelState` holding every group this rank
-belongs to. Core code receives the group it needs as an argument; the module-level getters below
-exist for the training harness and for users' scripts.
+belongs to. Core code receives the layout or the group it needs as an argument; the module-level
+getters below exist for the training harness and for users' scripts.
 """
 
+import dataclasses
 import datetime
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch.distributed as dist
 
 
+class LayoutError(ValueError):
+    """Parallel degrees that do not fit the world size; the message names the flags."""
+
+
 @dataclass(frozen=True)
 class RankLayout:
-    """Every group of every kind for one world, as lists of global ranks (no processes needed)."""
+    """The parallel degrees of a run and every group of every kind, as lists of global ranks.
+
+    Built by :func:`compute_rank_layout` (no processes needed); ``vp_size`` is the number of
+    virtual pipeline stages per rank (None: no interleaving). ``sequence_parallel`` travels with
+    the layout to the model builders.
+    """
 
     world_size: int
     tp_size: int
@@ -44,45 +75,106 @@ class RankLayout:
     model_parallel_groups: List[List[int]]
     embedding_groups: List[List[int]]
     position_embedding_groups: List[List[int]]
+    cp_size: int = 1
+    ep_size: int = 1
+    expert_tp_size: int = 1
+    expert_dp_size: int = 1
+    vp_size: Optional[int] = None
+    sequence_parallel: bool = False
+    cp_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    dp_cp_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    ep_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    expert_tp_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    expert_dp_groups: List[List[int]] = dataclasses.field(default_factory=list)
+
+    def rank_coordinates(self, rank: int) -> dict:
+        """``{"tp": .., "cp": .., "dp": .., "pp": ..}`` of a global rank."""
+        tp, cp, dp = self.tp_size, self.cp_size, self.dp_size
+        return {"tp": rank % tp, "cp": rank // tp % cp, "dp": rank // (tp * cp) % dp,
+                "pp": rank // (tp * cp * dp)}
 
 
-def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1) -> RankLayout:
-    """Megatron's rank assignment as plain lists, checked for consistency."""
-    if tp_size < 1 or pp_size < 1:
-        raise ValueError(f"parallel sizes must be >= 1, got tp={tp_size} pp={pp_size}")
-    if world_size % (tp_size * pp_size) != 0:
-        raise ValueError(
+def _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size):
+    for flag, value in (("--tensor-model-parallel-size", tp_size),
+                        ("--context-parallel-size", cp_size),
+                        ("--pipeline-model-parallel-size", pp_size),
+                        ("--expert-model-parallel-size", ep_size),
+                        ("--expert-tensor-parallel-size", expert_tp_size)):
+        if value < 1:
+            raise LayoutError(f"{flag} must be >= 1, got {value}")
+    model = tp_size * cp_size * pp_size
+    if world_size % model:
+        raise LayoutError(
             f"world size ({world_size}) is not divisible by tensor-model-parallel size "
-            f"({tp_size}) x pipeline-model-parallel size ({pp_size})"
-        )
-    dp_size = world_size // (tp_size * pp_size)
-    ranks_per_stage = world_size // pp_size  # tp * dp
+            f"({tp_size}) x context-parallel size ({cp_size}) x pipeline-model-parallel size "
+            f"({pp_size}) = {model}")
+    stage = world_size // pp_size
+    if stage % (expert_tp_size * ep_size):
+        raise LayoutError(
+            f"the {stage} ranks of a pipeline stage (tensor {tp_size} x context {cp_size} x "
+            f"data {world_size // model}) are not divisible by --expert-tensor-parallel-size "
+            f"({expert_tp_size}) x --expert-model-parallel-size ({ep_size}) = "
+            f"{expert_tp_size * ep_size}")
+    if vp_size is not None and (vp_size < 1 or pp_size < 2):
+        raise LayoutError(f"virtual pipeline stages ({vp_size}) need "
+                          f"--pipeline-model-parallel-size >= 2, got {pp_size}")
 
-    tp_groups = [list(range(start, start + tp_size)) for start in range(0, world_size, tp_size)]
-    dp_groups = []
-    for stage in range(pp_size):
-        base = stage * ranks_per_stage
-        for tp_rank in range(tp_size):
-            dp_groups.append(list(range(base + tp_rank, base + ranks_per_stage, tp_size)))
-    pp_groups = [list(range(r, world_size, ranks_per_stage)) for r in range(ranks_per_stage)]
-    model_parallel_groups = []
-    for dp_rank in range(dp_size):
-        group = []
-        for stage in range(pp_size):
-            start = stage * ranks_per_stage + dp_rank * tp_size
-            group.extend(range(start, start + tp_size))
-        model_parallel_groups.append(group)
+
+def _strided(world_size: int, pp_size: int, inner: int, size: int) -> List[List[int]]:
+    """Within each pipeline stage, the groups of ``size`` ranks ``inner`` apart."""
+    stage = world_size // pp_size
+    groups = []
+    for base in range(0, world_size, stage):
+        for block in range(base, base + stage, inner * size):
+            for offset in range(inner):
+                groups.append(list(range(block + offset, block + inner * size, inner)))
+    return groups
+
+
+def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
+                        cp_size: int = 1, ep_size: int = 1,
+                        expert_tp_size: Optional[int] = None, vp_size: Optional[int] = None,
+                        sequence_parallel: bool = False) -> RankLayout:
+    """Megatron's rank assignment (``tp-cp-ep-dp-pp``) as plain lists, checked for consistency.
+
+    ``expert_tp_size`` defaults to ``tp_size`` (Megatron's default). Raises
+    :class:`LayoutError` naming the flags when the degrees do not fit ``world_size``.
+    """
+    expert_tp_size = tp_size if expert_tp_size is None else expert_tp_size
+    _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size)
+    dp_size = world_size // (tp_size * cp_size * pp_size)
+    stage = world_size // pp_size  # tp * cp * dp
+    tp_groups = _strided(world_size, pp_size, 1, tp_size)
+    cp_groups = _strided(world_size, pp_size, tp_size, cp_size)
+    dp_groups = _strided(world_size, pp_size, tp_size * cp_size, dp_size)
+    dp_cp_groups = _strided(world_size, pp_size, tp_size, cp_size * dp_size)
+    pp_groups = [list(range(r, world_size, stage)) for r in range(stage)]
+    # tp x pp for each (cp, dp) position: the ranks that together hold one copy of the model.
+    model_parallel_groups = [[s * stage + i + t for s in range(pp_size) for t in range(tp_size)]
+                             for i in range(0, stage, tp_size)]
     embedding_groups = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
     position_embedding_groups = [[g[0]] for g in pp_groups]
+    expert_dp_size = stage // (expert_tp_size * ep_size)
     return RankLayout(
         world_size, tp_size, pp_size, dp_size, tp_groups, dp_groups, pp_groups,
         model_parallel_groups, embedding_groups, position_embedding_groups,
+        cp_size=cp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
+        expert_dp_size=expert_dp_size, vp_size=vp_size, sequence_parallel=sequence_parallel,
+        cp_groups=cp_groups, dp_cp_groups=dp_cp_groups,
+        ep_groups=_strided(world_size, pp_size, expert_tp_size, ep_size),
+        expert_tp_groups=_strided(world_size, pp_size, 1, expert_tp_size),
+        expert_dp_groups=_strided(world_size, pp_size, expert_tp_size * ep_size,
+                                  expert_dp_size),
     )
 
 
 @dataclass
 class ParallelState:
-    """The groups this rank belongs to, and its rank in each."""
+    """The groups this rank belongs to, and its rank in each.
+
+    ``dp_cp_group`` is the data x context-parallel group (what gradients are averaged over);
+    without context parallelism it is the very same group as ``dp_group``.
+    """
 
     layout: RankLayout
     rank: int
@@ -97,7 +189,14 @@ class ParallelState:
     dp_ranks: List[int]
     embedding_ranks: List[int]
     virtual_pp_size: Optional[int] = None
-    virtual_pp_rank: Optional[int] = field(default=None)
+    virtual_pp_rank: Optional[int] = None
+    cp_group: object = None
+    dp_cp_group: object = None
+    ep_group: object = None
+    expert_tp_group: object = None
+    expert_dp_group: object = None
+    cp_ranks: List[int] = dataclasses.field(default_factory=list)
+    dp_cp_ranks: List[int] = dataclasses.field(default_factory=list)
 
     @property
     def tp_size(self) -> int:
@@ -112,6 +211,18 @@ class ParallelState:
         return self.layout.dp_size
 
     @property
+    def cp_size(self) -> int:
+        return self.layout.cp_size
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.layout.dp_size * self.layout.cp_size
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel
+
+    @property
     def tp_rank(self) -> int:
         return self.tp_ranks.index(self.rank)
 
@@ -122,6 +233,19 @@ class ParallelState:
     @property
     def dp_rank(self) -> int:
         return self.dp_ranks.index(self.rank)
+
+    @property
+    def cp_rank(self) -> int:
+        return self.cp_ranks.index(self.rank) if self.cp_ranks else 0
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_cp_ranks.index(self.rank) if self.dp_cp_ranks else self.dp_rank
+
+    def for_virtual_stage(self, vp_rank: int) -> "ParallelState":
+        """A copy of this state that answers for virtual pipeline stage ``vp_rank`` (the
+        groups are shared; nothing here changes)."""
+        return dataclasses.replace(self, virtual_pp_rank=vp_rank)
 
     def is_first_stage(self, ignore_virtual: bool = False) -> bool:
         if not ignore_virtual and self.virtual_pp_size is not None and self.virtual_pp_rank != 0:
@@ -150,6 +274,11 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     virtual_pipeline_model_parallel_size: Optional[int] = None,
     timeout: Optional[datetime.timedelta] = None,
+    *,
+    context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: Optional[int] = None,
+    sequence_parallel: bool = False,
 ) -> ParallelState:
     """Create every process group and remember this rank's ones.
 
@@ -168,8 +297,11 @@ def initialize_model_parallel(
         raise ValueError("virtual pipeline stages need pipeline-model-parallel size >= 2")
     world_size = dist.get_world_size()
     rank = dist.get_rank()
-    layout = compute_rank_layout(world_size, tensor_model_parallel_size,
-                                 pipeline_model_parallel_size)
+    layout = compute_rank_layout(
+        world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
+        cp_size=context_parallel_size, ep_size=expert_model_parallel_size,
+        expert_tp_size=expert_tensor_parallel_size,
+        vp_size=virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel)
 
     def build(groups: List[List[int]]):
         mine = None
@@ -179,12 +311,24 @@ def initialize_model_parallel(
                 mine = handle
         return mine
 
+    # The order of creation is fixed (every rank must create the same groups in the same order);
+    # the groups that existed before context and expert parallelism come first.
     tp_group = build(layout.tp_groups)
     pp_group = build(layout.pp_groups)
     dp_group = build(layout.dp_groups)
     mp_group = build(layout.model_parallel_groups)
     emb_group = build(layout.embedding_groups)
     pos_group = build(layout.position_embedding_groups)
+    # Degenerate groups reuse an existing handle, so a run without context or expert
+    # parallelism creates exactly the groups it did before.
+    cp_group = build(layout.cp_groups) if layout.cp_size > 1 else None
+    dp_cp_group = build(layout.dp_cp_groups) if layout.cp_size > 1 else dp_group
+    expert_groups = (layout.ep_groups, layout.expert_tp_groups, layout.expert_dp_groups)
+    if layout.ep_groups == [[r] for r in range(world_size)] and \
+            layout.expert_tp_groups == layout.tp_groups:
+        ep_group, expert_tp_group, expert_dp_group = None, tp_group, dp_cp_group
+    else:
+        ep_group, expert_tp_group, expert_dp_group = (build(g) for g in expert_groups)
     _STATE = ParallelState(
         layout=layout, rank=rank, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
         model_parallel_group=mp_group, embedding_group=emb_group,
@@ -195,6 +339,9 @@ def initialize_model_parallel(
         embedding_ranks=next((g for g in layout.embedding_groups if rank in g), []),
         virtual_pp_size=virtual_pipeline_model_parallel_size,
         virtual_pp_rank=0 if virtual_pipeline_model_parallel_size is not None else None,
+        cp_group=cp_group, dp_cp_group=dp_cp_group, ep_group=ep_group,
+        expert_tp_group=expert_tp_group, expert_dp_group=expert_dp_group,
+        cp_ranks=_find(layout.cp_groups, rank), dp_cp_ranks=_find(layout.dp_cp_groups, rank),
     )
     return _STATE
 
@@ -226,8 +373,49 @@ def get_pipeline_model_parallel_group():
     return get_parallel_state().pp_group
 
 
-def get_data_parallel_group():
-    return get_parallel_state().dp_group
+def get_data_parallel_group(with_context_parallel: bool = False):
+    s = get_parallel_state()
+    return s.dp_cp_group if with_context_parallel else s.dp_group
+
+
+def get_context_parallel_group():
+    return get_parallel_state().cp_group
+
+
+def get_context_parallel_world_size() -> int:
+    return get_parallel_state().cp_size
+
+
+def get_context_parallel_rank() -> int:
+    return get_parallel_state().cp_rank
+
+
+def get_context_parallel_global_ranks() -> List[int]:
+    return list(get_parallel_state().cp_ranks)
+
+
+def get_expert_model_parallel_group():
+    return get_parallel_state().ep_group
+
+
+def get_expert_model_parallel_world_size() -> int:
+    return get_parallel_state().layout.ep_size
+
+
+def get_expert_tensor_parallel_group():
+    return get_parallel_state().expert_tp_group
+
+
+def get_expert_tensor_parallel_world_size() -> int:
+    return get_parallel_state().layout.expert_tp_size
+
+
+def get_expert_data_parallel_group():
+    return get_parallel_state().expert_dp_group
+
+
+def get_expert_data_parallel_world_size() -> int:
+    return get_parallel_state().layout.expert_dp_size
 
 
 def get_model_parallel_group():
@@ -258,12 +446,14 @@ def get_pipeline_model_parallel_rank() -> int:
     return get_parallel_state().pp_rank
 
 
-def get_data_parallel_world_size() -> int:
-    return get_parallel_state().dp_size
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    s = get_parallel_state()
+    return s.dp_cp_size if with_context_parallel else s.dp_size
 
 
-def get_data_parallel_rank() -> int:
-    return get_parallel_state().dp_rank
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    s = get_parallel_state()
+    return s.dp_cp_rank if with_context_parallel else s.dp_rank
 
 
 def get_tensor_model_parallel_src_rank() -> int:
@@ -315,6 +505,3 @@ def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:
 def get_virtual_pipeline_model_parallel_rank() -> Optional[int]:
     return get_parallel_state().virtual_pp_rank
 
-
-def set_virtual_pipeline_model_parallel_rank(rank: int) -> None:
-    get_parallel_state().virtual_pp_rank = rank

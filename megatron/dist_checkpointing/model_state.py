@@ -41,9 +41,13 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
     """The :class:`ChunkLayout` of this rank's model chunk ``vp_rank`` (None without virtual
     stages): ``config`` the model's ``TransformerConfig`` (layers, uneven first / last stages,
     ``swiglu``), ``pstate`` its ``ParallelState`` (or any object with ``tp_rank``, ``tp_size``,
-    ``pp_rank``, ``pp_size``, ``virtual_pp_size`` and optionally ``dp_rank``);
+    ``pp_rank``, ``pp_size``, ``virtual_pp_size`` and optionally ``dp_rank`` / ``dp_cp_rank``);
     ``num_experts``: ``--num-experts`` of an MoE model (expert parallelism 1: this rank holds
-    experts 0 .. E-1)."""
+    experts 0 .. E-1).
+
+    The ranks of a data x context-parallel group hold the same weights: only its rank 0
+    writes them (``dp_cp_rank`` is the rank in that group; without context parallelism it is
+    the data-parallel rank)."""
     from megatron.model.transformer import get_num_layers_and_offset
 
     vp_size = getattr(pstate, "virtual_pp_size", None)
@@ -51,8 +55,8 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
                                           vp_rank if vp_size is not None else None)
     return ChunkLayout(num_layers=config.num_layers, layer_offset=offset,
                        tp_rank=getattr(pstate, "tp_rank", 0), tp_size=pstate.tp_size,
-                       dp_rank=getattr(pstate, "dp_rank", 0), swiglu=config.swiglu,
-                       num_experts=num_experts)
+                       dp_rank=getattr(pstate, "dp_cp_rank", getattr(pstate, "dp_rank", 0)),
+                       swiglu=config.swiglu, num_experts=num_experts)
 
 
 def _lead(tensor: torch.Tensor, place: Placement) -> torch.Tensor:

@@ -16,7 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
+from megatron.core.collectives import get_group_size
 from megatron.core.config import TransformerConfig
+from megatron.core.context_parallel import context_parallel_attention
 from megatron.core.tensor_parallel.utils import divide
 from megatron.fused_kernels.softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
 from megatron.model.enums import AttnMaskType
@@ -126,12 +128,21 @@ class ParallelAttention(MegatronModule):
         output_layer_init_method: initialiser of ``dense``.
         attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT: bidirectional; the mask passed
             to :meth:`forward` hides padding, and a missing mask hides nothing).
+        cp_group: the context-parallel group (None: whole sequences on this rank). With more
+            than one rank, the input holds this rank's tokens of every sequence
+            (:func:`~megatron.core.context_parallel.chunk_positions`) and core attention runs
+            over the whole sequence by ``config.cp_comm_type`` exchanges.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
                  sequence_parallel: bool, init_method, output_layer_init_method,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None):
         super().__init__(config)
+        self.cp_group = cp_group if get_group_size(cp_group) > 1 else None
+        self.cp_comm_type = config.cp_comm_type
+        if self.cp_group is not None and attn_mask_type != AttnMaskType.causal:
+            raise ValueError("--context-parallel-size > 1 supports causal self-attention "
+                             "(GPT) only")
         hn = config.kv_channels
         self.num_heads = divide(config.num_attention_heads, tp_size,
                                 "--num-attention-heads over --tensor-model-parallel-size")
@@ -198,6 +209,15 @@ class ParallelAttention(MegatronModule):
                 # Query i sits at position offset + i: the causal mask is aligned bottom-right.
                 attention_mask = causal_mask(query.size(0), key.size(0),
                                              device=query.device)[None, None]  # [1, 1, sq, sk]
+        if self.cp_group is not None and inference_params is None:
+            # Keys and values travel between cp ranks unexpanded (one per query group).
+            if self.checkpoint_core_attention and torch.is_grad_enabled():
+                context = tensor_parallel.checkpoint(
+                    lambda q, k, v: self._context_parallel_attention(q, k, v, attention_mask),
+                    False, query, key, value)
+            else:
+                context = self._context_parallel_attention(query, key, value, attention_mask)
+            return self.dense(context)                       # context: [s/cp, b, np*hn]
         if self.heads_per_group > 1:
             key = key.repeat_interleave(self.heads_per_group, dim=2)       # [s, b, np, hn]
             value = value.repeat_interleave(self.heads_per_group, dim=2)
@@ -206,6 +226,17 @@ class ParallelAttention(MegatronModule):
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
         return self.dense(context)
+
+    def _context_parallel_attention(self, query, key, value, attention_mask):
+        """This rank's queries ``[s/cp, b, np, hn]`` over the whole sequence's keys and values
+        (``[s/cp, b, ng, hn]`` each) -> ``[s/cp, b, np * hn]``; dropout on the tensor-parallel
+        RNG stream, as in :class:`CoreAttention`."""
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        with dropout_rng_context(dropout_p > 0):
+            return context_parallel_attention(
+                query, key, value, cp_group=self.cp_group, comm_type=self.cp_comm_type,
+                attention_mask=attention_mask, dropout_p=dropout_p,
+                softmax_scale=1.0 / math.sqrt(self.hidden_size_per_head))
 
     def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
         """Write this step's ``[s, b, ng, hn]`` keys and values into the layer's cache at

@@ -31,10 +31,14 @@ class GPTModel(MegatronModule):
             gather them to ``[b, s, V]``. The loss is always computed on the split logits.
         init_seed: the seed every piece's initialisation derives from; the same seed gives the
             same model under any TP / PP split.
-        sequence_parallel: ``--sequence-parallel``.
+        sequence_parallel: ``--sequence-parallel``; None (the default) takes the layout's
+            (``pstate.sequence_parallel``).
         moe_config: the MoE settings (``--num-experts`` ...), or None for dense MLPs. An MoE
             model keeps its auxiliary-loss tracker in ``moe_tracker`` (the training loop sets
             its gradient scale and logs it).
+
+    With context parallelism (``pstate.cp_group`` of more than one rank) every ``[b, s]`` input
+    holds this rank's ``s / cp`` tokens of each sequence and the loss is per local token.
 
     With tied embeddings (the default) and more than one pipeline stage, a last stage that has no
     embedding keeps ``word_embeddings_for_head``, a ``[V/tp, h]`` copy initialised exactly like
@@ -44,10 +48,12 @@ class GPTModel(MegatronModule):
 
     def __init__(self, config: TransformerConfig, pstate, pre_process: bool = True,
                  post_process: bool = True, parallel_output: bool = True,
-                 init_seed: int = 1234, sequence_parallel: bool = False,
+                 init_seed: int = 1234, sequence_parallel: Optional[bool] = None,
                  moe_config: Optional[MoEConfig] = None):
         super().__init__(config)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
+        if sequence_parallel is None:
+            sequence_parallel = bool(getattr(pstate, "sequence_parallel", False))
         self.tp_group = pstate.tp_group
         self.pre_process = pre_process
         self.post_process = post_process
@@ -65,7 +71,7 @@ class GPTModel(MegatronModule):
         self.language_model = TransformerLanguageModel(
             config, pstate.tp_group, pstate.tp_size, num_layers, offset, pre_process,
             post_process, sequence_parallel, init_seed, moe_config=moe_config,
-            moe_tracker=self.moe_tracker)
+            moe_tracker=self.moe_tracker, cp_group=getattr(pstate, "cp_group", None))
         if self.share_embeddings_and_output_weights:
             tie_word_embeddings_over_stages(self, init_seed)
         # The training logits, written into the same storage every micro-batch (CPU only:

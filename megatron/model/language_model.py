@@ -15,8 +15,9 @@ from typing import Optional
 import torch
 
 from megatron.core import device, tensor_parallel
-from megatron.core.collectives import get_group_size
+from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.config import TransformerConfig
+from megatron.core.context_parallel import chunk_positions
 from megatron.core.utils import get_init_method
 from megatron.model.attention import dropout_rng_context
 from megatron.model.enums import AttnMaskType
@@ -228,6 +229,9 @@ class TransformerLanguageModel(MegatronModule):
             padding, a missing mask hides nothing).
         moe_config / moe_tracker: the MoE settings and the auxiliary-loss tracker (None:
             dense MLPs); see :class:`~megatron.model.transformer.ParallelTransformerLayer`.
+        cp_group: the context-parallel group (None: whole sequences on this rank); with more
+            than one rank every activation holds this rank's ``s / cp`` tokens and rotary
+            angles are those of their global positions.
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
@@ -235,8 +239,10 @@ class TransformerLanguageModel(MegatronModule):
                  sequence_parallel: bool = False, init_seed: int = 1234,
                  num_tokentypes: int = 0, add_pooler: bool = False,
                  encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 moe_config=None, moe_tracker=None):
+                 moe_config=None, moe_tracker=None, cp_group=None):
         super().__init__(config)
+        self.cp_size = get_group_size(cp_group)
+        self.cp_rank = get_group_rank(cp_group)
         self.pre_process = pre_process
         self.post_process = post_process
         self.tp_size = tp_size
@@ -257,7 +263,8 @@ class TransformerLanguageModel(MegatronModule):
         self.encoder = ParallelTransformer(config, tp_group, tp_size, num_layers, layer_offset,
                                            pre_process, post_process, sequence_parallel,
                                            init_seed, self_attn_mask_type=encoder_attn_mask_type,
-                                           moe_config=moe_config, moe_tracker=moe_tracker)
+                                           moe_config=moe_config, moe_tracker=moe_tracker,
+                                           cp_group=cp_group)
         if post_process and add_pooler:
             with init_rng(init_seed, "pooler"):
                 self.pooler = Pooler(config, tp_group, sequence_parallel)
@@ -292,7 +299,11 @@ class TransformerLanguageModel(MegatronModule):
         if self.rotary_pos_emb is not None:
             local = hidden if self.pre_process else self.encoder.input_tensor
             seq_len = local.size(0) * (self.tp_size if self.sequence_parallel else 1)
-            if inference_params is None:
+            if inference_params is None and self.cp_size > 1:
+                full = seq_len * self.cp_size
+                rotary = self.rotary_pos_emb(full).index_select(0, chunk_positions(
+                    full, self.cp_size, self.cp_rank, local.device))         # [s/cp, 1, 1, d]
+            elif inference_params is None:
                 rotary = self.rotary_pos_emb(seq_len)                        # [s, 1, 1, d]
             else:
                 rotary = self.rotary_pos_emb(seq_len, inference_params.sequence_len_offset)

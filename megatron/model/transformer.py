@@ -94,13 +94,15 @@ class ParallelTransformerLayer(MegatronModule):
         moe_config: the MoE settings (None: dense MLPs).
         moe_tracker: the model's auxiliary-loss tracker, shared by its MoE layers.
         init_seed: the model's initialisation seed (the MoE layer's own seeds derive from it).
+        cp_group: the context-parallel group (None: whole sequences on this rank).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
                  sequence_parallel: bool = False,
                  self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  moe_config: Optional[MoEConfig] = None,
-                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
+                 cp_group=None):
         super().__init__(config)
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
@@ -112,7 +114,7 @@ class ParallelTransformerLayer(MegatronModule):
         self.input_layernorm = get_norm(config, sequence_parallel)
         self.self_attention = ParallelAttention(config, layer_number, tp_group, tp_size,
                                                 sequence_parallel, init_method, output_init,
-                                                self_attn_mask_type)
+                                                self_attn_mask_type, cp_group=cp_group)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.tp_group = tp_group
         self.moe_sequence_gather = False
@@ -203,6 +205,7 @@ class ParallelTransformer(MegatronModule):
         init_seed: seed the per-layer initialisation seeds derive from.
         self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
         moe_config / moe_tracker: see :class:`ParallelTransformerLayer`.
+        cp_group: the context-parallel group (None: whole sequences on this rank).
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
@@ -210,7 +213,7 @@ class ParallelTransformer(MegatronModule):
                  sequence_parallel: bool = False, init_seed: int = 1234,
                  self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  moe_config: Optional[MoEConfig] = None,
-                 moe_tracker: Optional[MoELossTracker] = None):
+                 moe_tracker: Optional[MoELossTracker] = None, cp_group=None):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -225,7 +228,8 @@ class ParallelTransformer(MegatronModule):
             with init_rng(init_seed, f"layer.{layer_offset + i}"):
                 layers.append(ParallelTransformerLayer(
                     config, layer_offset + i + 1, tp_group, tp_size, sequence_parallel,
-                    self_attn_mask_type, moe_config, moe_tracker, init_seed))
+                    self_attn_mask_type, moe_config, moe_tracker, init_seed,
+                    cp_group=cp_group))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:
             with init_rng(init_seed, "final_norm"):

@@ -135,8 +135,6 @@ def schedule_kwargs(args, pstate) -> dict:
     kwargs = {"communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                                   device.current_device()),
               "tensor_shape": pipeline_tensor_shape(args)}
-    if pstate.virtual_pp_size is not None:
-        kwargs["set_virtual_pp_rank"] = functools.partial(setattr, pstate, "virtual_pp_rank")
     return kwargs
 
 

@@ -112,3 +112,12 @@ def test_bench_checkpoint_formats_small_run_prints_every_ratio():
     # The torch_dist checkpoint saved at TP=2 loaded at TP=1 x DP=2 (checked inside the run).
     assert re.search(r"^\| TP=1 x DP=2, distributed optimizer \| [\d.]+ s \| [\d.]+ s \|", out,
                      re.M), out
+
+
+@pytest.mark.slow
+def test_bench_context_parallel_tiny_run_prints_each_size():
+    out = _run(["benchmarks/bench_context_parallel.py", "--seq", "64", "--layers", "1",
+                "--hidden", "32", "--heads", "2", "--cp-sizes", "1", "2", "--repeats", "1"],
+               timeout=300)
+    rows = re.findall(r"^\| ([12]) \| ([\d.]+) \|", out, re.M)
+    assert [r[0] for r in rows] == ["1", "2"], out
