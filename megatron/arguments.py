@@ -843,13 +843,17 @@ def _validate_moe(args) -> None:
     tp = args.tensor_model_parallel_size
     if args.expert_model_parallel_size != 1:
         _fail(f"--expert-model-parallel-size {args.expert_model_parallel_size} is not supported "
-              "yet: its expert groups come with the parallel-layout work; use 1")
+              "yet (the expert layers do not use the layout's expert groups); use 1")
+    if getattr(args, "context_parallel_size", 1) != 1:
+        _fail(f"--num-experts with --context-parallel-size {args.context_parallel_size} is not "
+              "supported yet (the load-balancing loss would count only this rank's tokens); "
+              "use --context-parallel-size 1")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     elif args.expert_tensor_parallel_size != tp:
         _fail(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} differs from "
-              f"--tensor-model-parallel-size ({tp}): not supported yet, its groups come with "
-              "the parallel-layout work; drop it or use the same size")
+              f"--tensor-model-parallel-size ({tp}): not supported yet (the expert layers do "
+              "not use the layout's expert groups); drop it or use the same size")
     if tp > 1 and not args.sequence_parallel:
         _fail(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
               "(as in Megatron)")

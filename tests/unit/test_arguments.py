@@ -136,6 +136,11 @@ def test_pad_vocab_size():
     (["--lr-warmup-iters", "10"], 1,
      r"--lr-warmup-iters \(10\) must be smaller than --lr-decay-iters or --train-iters \(10\)"),
     (["--min-lr", "1", "--lr", "0.1"], 1, r"--min-lr \(1.0\) is larger than --lr \(0.1\)"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--expert-model-parallel-size", "2"], 2,
+     r"--expert-model-parallel-size 2 is not supported yet"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--context-parallel-size", "2"], 2,
+     r"--num-experts with --context-parallel-size 2 is not supported yet"),
+    (["--num-experts", "4"], 1, r"--num-experts: experts use exact \(erf\) GeLU"),
 ])
 def test_validation_errors(extra, world, pattern):
     with pytest.raises(ArgumentsError, match=pattern):
