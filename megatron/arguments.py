@@ -655,9 +655,12 @@ def _validate_parallel(args) -> None:
             _fail(f"{name} must be >= 1, got {value}")
     cp = args.context_parallel_size
     if args.world_size % (tp * cp * pp) != 0:
-        _fail(f"world size ({args.world_size}) is not divisible by "
-              f"--tensor-model-parallel-size ({tp}) x --context-parallel-size ({cp}) x "
-              f"--pipeline-model-parallel-size ({pp}) = {tp * cp * pp}")
+        sizes = [f"--tensor-model-parallel-size ({tp})"]
+        if cp > 1:
+            sizes.append(f"--context-parallel-size ({cp})")
+        sizes.append(f"--pipeline-model-parallel-size ({pp})")
+        _fail(f"world size ({args.world_size}) is not divisible by {' x '.join(sizes)} "
+              f"= {tp * cp * pp}")
     args.data_parallel_size = args.world_size // (tp * cp * pp)
     _validate_context_parallel(args)
     if args.sequence_parallel and tp == 1:

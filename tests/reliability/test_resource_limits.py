@@ -140,7 +140,7 @@ def test_command_line_prints_table_and_one_line_errors(capsys):
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip() == (
         "estimate_memory.py: error: world size (6) is not divisible by "
-        "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2)")
+        "--tensor-model-parallel-size (2) x --pipeline-model-parallel-size (2) = 4")
 
 
 @pytest.mark.gpu
