@@ -47,7 +47,8 @@ output_layer_from_hf = hf_llama.output_layer_from_hf
 
 def unsupported_features(meta: ModelMeta) -> List[str]:
     """What of ``meta``'s model Mixtral cannot express, each naming its flag (empty: all fine)."""
-    problems = [p for p in hf_llama.unsupported_features(meta)
+    # Llama's rules hold for Mixtral's attention and norms (its biases are refused below).
+    problems = [p.replace("Llama", "Mixtral") for p in hf_llama.unsupported_features(meta)
                 if not p.startswith("--add-qkv-bias")]
     if meta.position_embedding_type != "rope":
         problems.append(f"--position-embedding-type {meta.position_embedding_type} (Mixtral "

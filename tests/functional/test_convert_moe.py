@@ -75,3 +75,34 @@ def test_unconvertible_moe_layout_is_refused_naming_the_flag(tmp_path, capsys):
     args = argparse.Namespace(num_experts=4, moe_layer_freq=2)
     with pytest.raises(ConversionError, match="--moe-layer-freq 2"):
         megatron_io._moe_fields(args, "file")
+
+
+@pytest.mark.slow
+def test_mixtral_folder_converted_to_megatron_gives_transformers_logits(tmp_path):
+    """A Mixtral folder (exported from a tiny model here), converted to a TP 1 checkpoint and
+    loaded by ``pretrain_gpt``'s model from the flags alone, gives transformers' logits."""
+    transformers = pytest.importorskip("transformers")
+    from tests.unit.test_convert_hf import SEQ, VOCAB, export
+    from tests.unit.test_convert_hf_mixtral import build_moe_model, moe_meta
+
+    cfg, model = build_moe_model(seed=11)
+    folder = export(tmp_path, model, moe_meta(cfg))
+    out = _convert(folder, str(tmp_path / "megatron"), "--loader", "hf",
+                   "--target-tensor-parallel-size", "1")
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    hf = transformers.MixtralForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = hf(tokens).logits
+    torch.save({"tokens": tokens, "position_ids": torch.arange(SEQ).expand(2, SEQ)},
+               os.path.join(out, "reference.pt"))
+    argv = ["--load", out, "--device", "cpu", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--group-query-attention", "--num-query-groups", "2",
+            "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
+            "--position-embedding-type", "rope", "--rotary-base", "500",
+            "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
+            "--ffn-hidden-size", "24", "--num-experts", "4", "--moe-router-topk", "2",
+            "--moe-ffn-hidden-size", "24", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(VOCAB - 1), "--micro-batch-size", "2", "--hidden-dropout", "0",
+            "--attention-dropout", "0"]
+    logits, _, _ = run_on_ranks(_logits_after_load, 1, argv)[0]
+    torch.testing.assert_close(logits[..., :VOCAB].float(), want, atol=1e-5, rtol=0)

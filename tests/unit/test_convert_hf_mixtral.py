@@ -99,3 +99,49 @@ def test_routing_mixtral_cannot_compute_is_refused(tmp_path, fields, flag):
         save_hf(iter([types.SimpleNamespace(kind="meta", meta=meta, index=None)]),
                 str(tmp_path / "hf"), allow_no_tokenizer=True)
     assert not os.path.exists(tmp_path / "hf")
+
+
+def _safetensors(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def test_mixtral_folder_through_megatron_tp2_and_torch_dist_comes_back_bit_for_bit(tmp_path):
+    from megatron import checkpointing
+    from megatron.safe_unpickle import torch_load
+    from tools.checkpoint.convert import main
+
+    cfg, model = build_moe_model(seed=7)
+    folder = export(tmp_path, model, moe_meta(cfg))
+    common = ["--model-type", "GPT"]
+    vocab = ["--true-vocab-size", str(VOCAB)]    # the export wrote no tokenizer to learn it from
+    tp2, dist, back = (str(tmp_path / name) for name in ("tp2", "dist", "back"))
+    assert main(common + ["--loader", "hf", "--load-dir", folder, "--save-dir", tp2,
+                          "--target-tensor-parallel-size", "2"]) == 0
+    assert main(common + ["--load-dir", tp2, "--save-dir", dist, "--target-ckpt-format",
+                          "torch_dist", "--target-tensor-parallel-size", "1"] + vocab) == 0
+    assert main(common + ["--saver", "hf", "--load-dir", dist, "--save-dir", back,
+                          "--allow-no-tokenizer"] + vocab) == 0
+    want, got = _safetensors(folder), _safetensors(back)
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    iteration, release = checkpointing.read_tracker(tp2)
+    path = checkpointing.checkpoint_file(tp2, iteration, 0, 0, 1, release)
+    args = torch_load(path)["args"]
+    assert (args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size,
+            args.expert_tensor_parallel_size) == (EXPERTS, TOPK, MOE_FFN, 2)
+
+
+def test_megatrons_moe_file_is_refused_for_hf_in_one_line(tmp_path, capsys):
+    from tests.functional.test_megatron_written import fixture_dir
+    from tools.checkpoint.convert import main
+
+    with pytest.raises(SystemExit):
+        main(["--model-type", "GPT", "--saver", "hf", "--load-dir",
+              fixture_dir("mcore_dist_moe_ep1"), "--save-dir", str(tmp_path / "hf"),
+              "--allow-no-tokenizer"])
+    err = capsys.readouterr().err.strip()
+    assert "MixtralForCausalLM" in err and "--normalization LayerNorm (Mixtral" in err
+    assert "--position-embedding-type learned_absolute" in err
+    assert len(err.splitlines()) == 1
