@@ -102,6 +102,9 @@ def _meta(reader: DistCheckpointReader, common: dict, iteration: int, release: b
     where = f"{reader.path} (common_state)"
     if args is None or not hasattr(args, "num_layers"):
         raise ConversionError(f"{where}: holds no args namespace")
+    if keys.layer_key("mlp.shared_experts.gate_weight") in reader.tensor_keys():
+        raise ConversionError(f"{reader.path}: the shared experts have a sigmoid gate "
+                              "(mlp.shared_experts.gate_weight), which cannot be converted yet")
     if any(k.startswith(("lm_head.", "binary_head.", "pooler.")) for k in reader.tensor_keys()):
         raise ConversionError(f"{where}: a BERT model; torch_dist conversion supports GPT only")
     source = types.SimpleNamespace(
@@ -281,7 +284,8 @@ def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     if not prefix:
         experts = out.meta.num_experts
         out.writers[(0, pp_rank)].add(ObjectShard(fqn, None) for fqn in keys.extra_state_keys(
-            piece.index, out.meta.num_layers, range(experts) if experts else None, experts))
+            piece.index, out.meta.num_layers, range(experts) if experts else None, experts,
+            shared_expert=bool(out.meta.moe_shared_expert_intermediate_size)))
 
 
 def _save_final(out: _DistTarget, piece: Piece, prefix: str = "") -> None:

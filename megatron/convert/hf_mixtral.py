@@ -59,6 +59,10 @@ def unsupported_features(meta: ModelMeta) -> List[str]:
     if meta.add_bias_linear or meta.add_qkv_bias:
         problems.append("linear biases (Mixtral has none; train with --disable-bias-linear "
                         "and without --add-qkv-bias)")
+    if meta.moe_shared_expert_intermediate_size:
+        problems.append(f"--moe-shared-expert-intermediate-size "
+                        f"{meta.moe_shared_expert_intermediate_size} (Mixtral has no shared "
+                        "expert)")
     if meta.moe_router_score_function != "softmax":
         problems.append(f"--moe-router-score-function {meta.moe_router_score_function} "
                         "(Mixtral routes by softmax)")

@@ -294,8 +294,8 @@ def _abspath(path: Optional[str]) -> Optional[str]:
 
 
 def _moe_fields(args, where: str) -> dict:
-    """``ModelMeta``'s mixture-of-experts fields from saved args; refuses the MoE layouts the
-    stream does not describe (dense layers between MoE ones, shared experts)."""
+    """``ModelMeta``'s mixture-of-experts fields from saved args; refuses the MoE layout the
+    stream does not describe (dense layers between MoE ones)."""
     experts = getattr(args, "num_experts", None)
     if not experts:
         return {}
@@ -303,17 +303,15 @@ def _moe_fields(args, where: str) -> dict:
     if freq not in (1, None) and not (isinstance(freq, (list, tuple)) and all(freq)):
         raise ConversionError(f"{where}: --moe-layer-freq {freq}: only models whose every "
                               "layer is an MoE layer (--moe-layer-freq 1) can be converted")
-    shared = getattr(args, "moe_shared_expert_intermediate_size", None)
-    if shared:
-        raise ConversionError(f"{where}: --moe-shared-expert-intermediate-size {shared}: "
-                              "shared experts cannot be converted yet")
     return dict(num_experts=experts, moe_router_topk=getattr(args, "moe_router_topk", 2),
                 moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
                 moe_router_score_function=getattr(args, "moe_router_score_function",
                                                   "softmax") or "softmax",
                 moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
                 moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor",
-                                                       None))
+                                                       None),
+                moe_shared_expert_intermediate_size=getattr(
+                    args, "moe_shared_expert_intermediate_size", None) or None)
 
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
@@ -367,6 +365,17 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         **_moe_fields(args, src.file(0, 0)))
 
 
+def _refuse_shared_expert_gate(src: _Source, meta: ModelMeta) -> None:
+    """A gated shared expert has a tensor the stream does not describe: refuse, not drop it."""
+    if not meta.moe_shared_expert_intermediate_size:
+        return
+    pp_rank, chunk, local = src.layer_map[0]
+    language_model, path = src._language_model(0, pp_rank, chunk)
+    if f"layers.{local}.mlp.shared_experts.gate_weight" in _encoder(language_model, path):
+        raise ConversionError(f"{path}: the shared experts have a sigmoid gate "
+                              "(mlp.shared_experts.gate_weight), which cannot be converted yet")
+
+
 def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
                   true_vocab_size: Optional[int] = None,
                   view: Optional[str] = None) -> Iterator[Piece]:
@@ -407,6 +416,7 @@ def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
     del tensors, word
 
     names = layer_tensor_names(meta)
+    _refuse_shared_expert_gate(src, meta)
     for index in range(meta.num_layers):
         yield Piece("layer", src.read_layer(index, names, meta.swiglu), index=index)
 

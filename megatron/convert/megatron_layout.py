@@ -24,6 +24,7 @@ _Q_NORM = "self_attention.q_layernorm"
 _K_NORM = "self_attention.k_layernorm"
 _ROUTER = "mlp.router.weight"
 _EXPERT = "mlp.experts.local_experts"
+_SHARED = "mlp.shared_experts"
 
 # Where BERT's own tensors sit in a rank's ``model`` tree (the nesting Megatron saves): the
 # token-type table on the first stage; the heads, by stream piece kind, on the last stage.
@@ -56,6 +57,9 @@ def layer_tensor_names(meta: ModelMeta) -> List[str]:
                       (f"{_EXPERT}.{expert}.linear_fc1.bias", meta.add_bias_linear),
                       (f"{_EXPERT}.{expert}.linear_fc2.weight", True),
                       (f"{_EXPERT}.{expert}.linear_fc2.bias", meta.add_bias_linear)]
+        shared = bool(meta.moe_shared_expert_intermediate_size)
+        names += [(f"{_SHARED}.linear_fc1.weight", shared),
+                  (f"{_SHARED}.linear_fc2.weight", shared)]
     else:
         names += [(f"{_H_TO_4H}.weight", True), (f"{_H_TO_4H}.bias", meta.add_bias_linear),
                   (f"{_4H_TO_H}.weight", True), (f"{_4H_TO_H}.bias", meta.add_bias_linear)]
@@ -77,7 +81,10 @@ def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
     h_to_4h = 2 * ffn if meta.swiglu else ffn
     moe_ffn = meta.expert_ffn_size
     fc1 = 2 * moe_ffn if meta.swiglu else moe_ffn
-    shapes = {_ROUTER: (meta.num_experts or 0, h)}
+    shared = meta.moe_shared_expert_intermediate_size or 0
+    shapes = {_ROUTER: (meta.num_experts or 0, h),
+              f"{_SHARED}.linear_fc1.weight": (2 * shared if meta.swiglu else shared, h),
+              f"{_SHARED}.linear_fc2.weight": (h, shared)}
     for expert in range(meta.num_experts or 0):
         shapes.update({f"{_EXPERT}.{expert}.linear_fc1.weight": (fc1, h),
                        f"{_EXPERT}.{expert}.linear_fc1.bias": (fc1,),
@@ -95,8 +102,11 @@ def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
 def tp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
     """``(dim, stride)`` a layer tensor is split along over TP ranks, None when replicated.
     Experts are split over expert-TP, which the converter keeps equal to TP: fc1 by rows (its
-    SwiGLU halves each), fc2 by columns, like the dense MLP; the router is replicated."""
+    SwiGLU halves each), fc2 by columns, like the dense MLP; the router is replicated. The
+    shared expert is split over TP the same way."""
     expert = expert_of(name)
+    if name.startswith(_SHARED + "."):
+        expert = (None, name[len(_SHARED) + 1:])
     if expert is not None:
         name = {"linear_fc1.weight": f"{_H_TO_4H}.weight", "linear_fc1.bias": f"{_H_TO_4H}.bias",
                 "linear_fc2.weight": f"{_4H_TO_H}.weight"}.get(expert[1], expert[1])

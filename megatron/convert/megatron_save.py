@@ -57,7 +57,9 @@ class _Target:
         for flag, value in (("--num-attention-heads", meta.num_attention_heads),
                             ("--num-query-groups", meta.num_query_groups),
                             ("--ffn-hidden-size", meta.ffn_hidden_size),
-                            ("--moe-ffn-hidden-size", meta.expert_ffn_size)):
+                            ("--moe-ffn-hidden-size", meta.expert_ffn_size),
+                            ("--moe-shared-expert-intermediate-size",
+                             meta.moe_shared_expert_intermediate_size or 0)):
             if value % tp != 0:
                 raise ConversionError(f"--target-tensor-parallel-size {tp} does not divide "
                                       f"{flag} ({value}); choose a divisor of {value}")
@@ -160,6 +162,7 @@ class _Target:
                 moe_router_score_function=meta.moe_router_score_function,
                 moe_router_pre_softmax=meta.moe_router_pre_softmax,
                 moe_router_topk_scaling_factor=meta.moe_router_topk_scaling_factor,
+                moe_shared_expert_intermediate_size=meta.moe_shared_expert_intermediate_size,
                 moe_layer_freq=1, expert_model_parallel_size=1,
                 expert_tensor_parallel_size=self.tp)
         if meta.model_type == "BERT":

@@ -106,3 +106,35 @@ def test_mixtral_folder_converted_to_megatron_gives_transformers_logits(tmp_path
             "--attention-dropout", "0"]
     logits, _, _ = run_on_ranks(_logits_after_load, 1, argv)[0]
     torch.testing.assert_close(logits[..., :VOCAB].float(), want, atol=1e-5, rtol=0)
+
+
+def _drop_flag(argv, flag, takes_value=True):
+    at = argv.index(flag)
+    return argv[:at] + argv[at + 1 + int(takes_value):]
+
+
+@pytest.mark.slow
+def test_shared_expert_model_round_trips_through_legacy_tp2_bit_for_bit(tmp_path):
+    """A model with a shared expert, trained three steps here from scratch and saved as torch_dist,
+    comes back from the legacy format at TP 2 with every tensor and extra-state entry."""
+    from tests.functional.gpt_runs import run_pretrain
+
+    save = str(tmp_path / "trained")
+    argv = megatron_argv(MOE) + ["--device", "cpu", "--save", save,
+                                 "--mock-data", "--eval-iters", "0", "--num-workers", "0",
+                                 "--no-save-optim", "--moe-shared-expert-intermediate-size",
+                                 "32"]
+    argv = _drop_flag(_drop_flag(argv, "--save-interval"), "--train-iters")
+    argv += ["--save-interval", "3", "--train-iters", "3"]
+    run_on_ranks(run_pretrain, 1, argv)
+    legacy = _convert(save, str(tmp_path / "tp2"), "--target-ckpt-format", "torch",
+                      "--target-tensor-parallel-size", "2", "--true-vocab-size", "200")
+    back = _convert(legacy, str(tmp_path / "dist"), "--target-ckpt-format", "torch_dist",
+                    "--target-tensor-parallel-size", "1", "--true-vocab-size", "200")
+    ours, theirs = DistCheckpointReader(_iter_dir(back)), DistCheckpointReader(_iter_dir(save))
+    assert "decoder.layers.mlp.shared_experts.linear_fc1.weight" in _model_keys(theirs)
+    assert _model_keys(ours) == _model_keys(theirs)
+    extra = {k for k in theirs.byte_keys() if "_extra_state" in k}
+    assert {k for k in ours.byte_keys() if "_extra_state" in k} == extra
+    for key in _model_keys(theirs):
+        assert torch.equal(ours.read(key), theirs.read(key)), key
