@@ -102,9 +102,10 @@ def _meta(reader: DistCheckpointReader, common: dict, iteration: int, release: b
     where = f"{reader.path} (common_state)"
     if args is None or not hasattr(args, "num_layers"):
         raise ConversionError(f"{where}: holds no args namespace")
-    if keys.layer_key("mlp.shared_experts.gate_weight") in reader.tensor_keys():
-        raise ConversionError(f"{reader.path}: the shared experts have a sigmoid gate "
-                              "(mlp.shared_experts.gate_weight), which cannot be converted yet")
+    if (keys.layer_key("mlp.shared_experts.gate_weight") in reader.tensor_keys()
+            and not getattr(args, "moe_shared_expert_gate", False)):
+        raise ConversionError(f"{where}: holds mlp.shared_experts.gate_weight but its args lack "
+                              "--moe-shared-expert-gate")
     if any(k.startswith(("lm_head.", "binary_head.", "pooler.")) for k in reader.tensor_keys()):
         raise ConversionError(f"{where}: a BERT model; torch_dist conversion supports GPT only")
     source = types.SimpleNamespace(

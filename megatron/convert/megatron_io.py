@@ -311,7 +311,8 @@ def _moe_fields(args, where: str) -> dict:
                 moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor",
                                                        None),
                 moe_shared_expert_intermediate_size=getattr(
-                    args, "moe_shared_expert_intermediate_size", None) or None)
+                    args, "moe_shared_expert_intermediate_size", None) or None,
+                moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)))
 
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
@@ -366,14 +367,15 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
 
 
 def _refuse_shared_expert_gate(src: _Source, meta: ModelMeta) -> None:
-    """A gated shared expert has a tensor the stream does not describe: refuse, not drop it."""
-    if not meta.moe_shared_expert_intermediate_size:
+    """A shared expert's gate the saved args do not name (no ``--moe-shared-expert-gate``):
+    refuse rather than drop it."""
+    if not meta.moe_shared_expert_intermediate_size or meta.moe_shared_expert_gate:
         return
     pp_rank, chunk, local = src.layer_map[0]
     language_model, path = src._language_model(0, pp_rank, chunk)
     if f"layers.{local}.mlp.shared_experts.gate_weight" in _encoder(language_model, path):
-        raise ConversionError(f"{path}: the shared experts have a sigmoid gate "
-                              "(mlp.shared_experts.gate_weight), which cannot be converted yet")
+        raise ConversionError(f"{path}: holds mlp.shared_experts.gate_weight but its args lack "
+                              "--moe-shared-expert-gate")
 
 
 def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,

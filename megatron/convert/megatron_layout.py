@@ -59,7 +59,8 @@ def layer_tensor_names(meta: ModelMeta) -> List[str]:
                       (f"{_EXPERT}.{expert}.linear_fc2.bias", meta.add_bias_linear)]
         shared = bool(meta.moe_shared_expert_intermediate_size)
         names += [(f"{_SHARED}.linear_fc1.weight", shared),
-                  (f"{_SHARED}.linear_fc2.weight", shared)]
+                  (f"{_SHARED}.linear_fc2.weight", shared),
+                  (f"{_SHARED}.gate_weight", shared and meta.moe_shared_expert_gate)]
     else:
         names += [(f"{_H_TO_4H}.weight", True), (f"{_H_TO_4H}.bias", meta.add_bias_linear),
                   (f"{_4H_TO_H}.weight", True), (f"{_4H_TO_H}.bias", meta.add_bias_linear)]
@@ -84,7 +85,7 @@ def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
     shared = meta.moe_shared_expert_intermediate_size or 0
     shapes = {_ROUTER: (meta.num_experts or 0, h),
               f"{_SHARED}.linear_fc1.weight": (2 * shared if meta.swiglu else shared, h),
-              f"{_SHARED}.linear_fc2.weight": (h, shared)}
+              f"{_SHARED}.linear_fc2.weight": (h, shared), f"{_SHARED}.gate_weight": (1, h)}
     for expert in range(meta.num_experts or 0):
         shapes.update({f"{_EXPERT}.{expert}.linear_fc1.weight": (fc1, h),
                        f"{_EXPERT}.{expert}.linear_fc1.bias": (fc1,),

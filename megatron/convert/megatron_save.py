@@ -163,6 +163,7 @@ class _Target:
                 moe_router_pre_softmax=meta.moe_router_pre_softmax,
                 moe_router_topk_scaling_factor=meta.moe_router_topk_scaling_factor,
                 moe_shared_expert_intermediate_size=meta.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=meta.moe_shared_expert_gate,
                 moe_layer_freq=1, expert_model_parallel_size=1,
                 expert_tensor_parallel_size=self.tp)
         if meta.model_type == "BERT":

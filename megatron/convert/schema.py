@@ -46,6 +46,7 @@ mlp.experts.local_experts.J.          [h, moe_ffn], [h]
 mlp.shared_experts.linear_fc1.weight  [S, h] or [2 S, h] = [gate; value] (SwiGLU); S =
                                       --moe-shared-expert-intermediate-size
 mlp.shared_experts.linear_fc2.weight  [h, S]
+mlp.shared_experts.gate_weight        [1, h] (--moe-shared-expert-gate)
 ====================================  ============================================================
 
 Word embeddings (and an untied output layer, and BERT's ``lm_head`` bias) keep the rows the
@@ -113,8 +114,8 @@ class ModelMeta:
     num_tokentypes: int = 0
     bert_binary_head: bool = False
     # Mixture of experts (``--num-experts`` ...; None: a dense model). Every layer is an MoE
-    # layer (``--moe-layer-freq`` 1), with an ungated shared expert when its size is set: the
-    # converter refuses other layouts.
+    # layer (``--moe-layer-freq`` 1), with a shared expert when its size is set (gated with
+    # ``--moe-shared-expert-gate``): the converter refuses other layouts.
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None            # None: ffn_hidden_size
@@ -122,6 +123,7 @@ class ModelMeta:
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
     # The source's full argument namespace as a dict (Megatron sources only): a Megatron saver
     # starts from it so that flags unrelated to the shape (optimizer, data ...) survive.
     source_args: Optional[dict] = None

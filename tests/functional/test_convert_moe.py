@@ -114,7 +114,8 @@ def _drop_flag(argv, flag, takes_value=True):
 
 
 @pytest.mark.slow
-def test_shared_expert_model_round_trips_through_legacy_tp2_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("gate", [False, True])
+def test_shared_expert_model_round_trips_through_legacy_tp2_bit_for_bit(tmp_path, gate):
     """A model with a shared expert, trained three steps here from scratch and saved as torch_dist,
     comes back from the legacy format at TP 2 with every tensor and extra-state entry."""
     from tests.functional.gpt_runs import run_pretrain
@@ -123,7 +124,7 @@ def test_shared_expert_model_round_trips_through_legacy_tp2_bit_for_bit(tmp_path
     argv = megatron_argv(MOE) + ["--device", "cpu", "--save", save,
                                  "--mock-data", "--eval-iters", "0", "--num-workers", "0",
                                  "--no-save-optim", "--moe-shared-expert-intermediate-size",
-                                 "32"]
+                                 "32"] + (["--moe-shared-expert-gate"] if gate else [])
     argv = _drop_flag(_drop_flag(argv, "--save-interval"), "--train-iters")
     argv += ["--save-interval", "3", "--train-iters", "3"]
     run_on_ranks(run_pretrain, 1, argv)
@@ -133,6 +134,7 @@ def test_shared_expert_model_round_trips_through_legacy_tp2_bit_for_bit(tmp_path
                     "--target-tensor-parallel-size", "1", "--true-vocab-size", "200")
     ours, theirs = DistCheckpointReader(_iter_dir(back)), DistCheckpointReader(_iter_dir(save))
     assert "decoder.layers.mlp.shared_experts.linear_fc1.weight" in _model_keys(theirs)
+    assert ("decoder.layers.mlp.shared_experts.gate_weight" in _model_keys(theirs)) == gate
     assert _model_keys(ours) == _model_keys(theirs)
     extra = {k for k in theirs.byte_keys() if "_extra_state" in k}
     assert {k for k in ours.byte_keys() if "_extra_state" in k} == extra
