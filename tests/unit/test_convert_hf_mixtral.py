@@ -26,13 +26,14 @@ transformers = pytest.importorskip("transformers")
 EXPERTS, TOPK, MOE_FFN = 4, 2, 24
 
 
-def build_moe_model(seed=0, **moe):
+def build_moe_model(seed=0, model_overrides=None, **moe):
     """A 2-layer float32 MoE GPTModel (hidden 32, 4 heads, 2 query groups, 4 experts, top-2)
-    with every parameter perturbed, so routing is far from uniform."""
+    with every parameter perturbed, so routing is far from uniform; ``model_overrides`` change
+    the TransformerConfig, ``moe`` the MoEConfig."""
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4,
                             padded_vocab_size=PADDED, max_position_embeddings=SEQ,
                             seq_length=SEQ, hidden_dropout=0.0, attention_dropout=0.0,
-                            params_dtype=torch.float32, **LLAMA)
+                            params_dtype=torch.float32, **dict(LLAMA, **(model_overrides or {})))
     moe_config = MoEConfig(num_moe_experts=EXPERTS, moe_router_topk=TOPK,
                            moe_ffn_hidden_size=MOE_FFN, **moe)
     pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,
