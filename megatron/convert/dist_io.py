@@ -203,7 +203,8 @@ def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
 
     Raises:
         ConversionError: no torch_dist folder, a model this converter does not handle (BERT; MoE
-            with dense layers between the MoE ones or shared experts), a missing tensor or a refused byte entry, naming it.
+            with dense layers between the MoE ones), a missing tensor or a refused byte entry,
+            naming it.
     """
     reader, common, (_, iteration, release) = _open(load_dir, ckpt_step)
     meta = _meta(reader, common, iteration, release, true_vocab_size)

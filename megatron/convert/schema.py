@@ -139,7 +139,8 @@ class ModelMeta:
 
     @property
     def expert_ffn_size(self) -> int:
-        """Hidden size of one expert's MLP (``--moe-ffn-hidden-size``, else ``--ffn-hidden-size``)."""
+        """Hidden size of one expert's MLP (``--moe-ffn-hidden-size``, else
+        ``--ffn-hidden-size``)."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
 

@@ -67,10 +67,11 @@ def test_moe_file_converted_to_tp2_gives_megatrons_logits(tmp_path):
                                    rtol=0)
 
 
-def test_unconvertible_moe_layout_is_refused_naming_the_flag(tmp_path, capsys):
+def test_unconvertible_moe_layout_is_refused_naming_the_flag():
+    import argparse
+
     from megatron.convert import megatron_io
     from megatron.convert.schema import ConversionError
-    import argparse
 
     args = argparse.Namespace(num_experts=4, moe_layer_freq=2)
     with pytest.raises(ConversionError, match="--moe-layer-freq 2"):
