@@ -449,6 +449,8 @@ def _add_moe_args(parser):
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=DROP_POLICIES)
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared expert's output per token by sigmoid(x . gate_weight)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="also log load_balancing_loss / z_loss of each MoE layer (TensorBoard)")
@@ -1027,6 +1029,7 @@ def _moe_config(args) -> Optional[MoEConfig]:
         moe_token_drop_policy=args.moe_token_drop_policy,
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=(args.expert_tensor_parallel_size
                                      or args.tensor_model_parallel_size),

@@ -35,8 +35,8 @@ import torch
 
 from megatron import checkpointing
 from megatron.convert import megatron_io, optimizer_state
-from megatron.convert.megatron_layout import (SCHEDULER_KEY, layer_tensor_names, split_tensor,
-                                              tp_split_rule)
+from megatron.convert.megatron_layout import (SCHEDULER_KEY, expert_of, layer_tensor_names,
+                                              split_tensor, tp_split_rule)
 # The legacy saver's target (sizes, vocabulary rows, args) and its per-piece placement rules,
 # shared so that both formats make the same checks and the same TP shards.
 from megatron.convert.megatron_save import (_check_tensors, _embedding_writes, _final_writes,
@@ -102,9 +102,10 @@ def _meta(reader: DistCheckpointReader, common: dict, iteration: int, release: b
     where = f"{reader.path} (common_state)"
     if args is None or not hasattr(args, "num_layers"):
         raise ConversionError(f"{where}: holds no args namespace")
-    if getattr(args, "num_experts", None):
-        raise ConversionError(f"{where}: a mixture-of-experts model (--num-experts "
-                              f"{args.num_experts}); only dense GPT models can be converted")
+    if (keys.layer_key("mlp.shared_experts.gate_weight") in reader.tensor_keys()
+            and not getattr(args, "moe_shared_expert_gate", False)):
+        raise ConversionError(f"{where}: holds mlp.shared_experts.gate_weight but its args lack "
+                              "--moe-shared-expert-gate")
     if any(k.startswith(("lm_head.", "binary_head.", "pooler.")) for k in reader.tensor_keys()):
         raise ConversionError(f"{where}: a BERT model; torch_dist conversion supports GPT only")
     source = types.SimpleNamespace(
@@ -173,8 +174,16 @@ def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int,
         if shape[0] != meta.num_layers:
             raise ConversionError(f"{reader.path}: {key} stacks {shape[0]} layers, the args say "
                                   f"--num-layers {meta.num_layers}")
-        tensors[name] = reader.read(key, (index,) + (0,) * (len(shape) - 1),
-                                    (1,) + shape[1:])[0]
+        expert = expert_of(name)
+        if expert is None:
+            tensors[name] = reader.read(key, (index,) + (0,) * (len(shape) - 1),
+                                        (1,) + shape[1:])[0]
+            continue
+        if shape[1] != meta.num_experts:
+            raise ConversionError(f"{reader.path}: {key} stacks {shape[1]} experts, the args "
+                                  f"say --num-experts {meta.num_experts}")
+        tensors[name] = reader.read(key, (index, expert[0]) + (0,) * (len(shape) - 2),
+                                    (1, 1) + shape[2:])[0, 0]
     return tensors
 
 
@@ -193,8 +202,9 @@ def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
     streams it).
 
     Raises:
-        ConversionError: no torch_dist folder, a model this converter does not handle (MoE,
-            BERT), a missing tensor or a refused byte entry, naming it.
+        ConversionError: no torch_dist folder, a model this converter does not handle (BERT; MoE
+            with dense layers between the MoE ones), a missing tensor or a refused byte entry,
+            naming it.
     """
     reader, common, (_, iteration, release) = _open(load_dir, ckpt_step)
     meta = _meta(reader, common, iteration, release, true_vocab_size)
@@ -241,7 +251,8 @@ class _DistTarget:
     def layout(self, tp_rank: int, pp_rank: int) -> keys.ChunkLayout:
         return keys.ChunkLayout(num_layers=self.meta.num_layers,
                                 layer_offset=pp_rank * self.target.per_stage,
-                                tp_rank=tp_rank, tp_size=self.tp, swiglu=self.meta.swiglu)
+                                tp_rank=tp_rank, tp_size=self.tp, swiglu=self.meta.swiglu,
+                                num_experts=self.meta.num_experts)
 
     def put(self, tp_rank: int, pp_rank: int, name: str, tensor: torch.Tensor,
             prefix: str = "") -> None:
@@ -273,8 +284,10 @@ def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
             out.put(tp_rank, pp_rank, f"language_model.encoder.layers.{local}.{name}", shard,
                     prefix)
     if not prefix:
-        out.writers[(0, pp_rank)].add(ObjectShard(fqn, None) for fqn in
-                                      keys.extra_state_keys(piece.index, out.meta.num_layers))
+        experts = out.meta.num_experts
+        out.writers[(0, pp_rank)].add(ObjectShard(fqn, None) for fqn in keys.extra_state_keys(
+            piece.index, out.meta.num_layers, range(experts) if experts else None, experts,
+            shared_expert=bool(out.meta.moe_shared_expert_intermediate_size)))
 
 
 def _save_final(out: _DistTarget, piece: Piece, prefix: str = "") -> None:

@@ -12,6 +12,9 @@ layer at a time. These architectures are written and read:
   with ``--normalization RMSNorm``; with LayerNorm, ``StableLmForCausalLM``
   (:mod:`megatron.convert.hf_stablelm`) for ``--swiglu`` models and ``GPTNeoXForCausalLM``
   (:mod:`megatron.convert.hf_neox`) for GeLU ones;
+- for mixture-of-experts models (``--num-experts``), ``MixtralForCausalLM``
+  (:mod:`megatron.convert.hf_mixtral`), with a gated shared expert ``Qwen2MoeForCausalLM``
+  (:mod:`megatron.convert.hf_qwen2_moe`);
 - for BERT, ``BertForPreTraining`` / ``MegatronBertForPreTraining`` (or ``*ForMaskedLM`` without
   the binary head) (:mod:`megatron.convert.hf_bert`).
 
@@ -32,13 +35,16 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.convert import hf_bert, hf_gpt2, hf_llama, hf_neox, hf_stablelm
+from megatron.convert import (hf_bert, hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
+                              hf_stablelm)
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
 
-_FAMILIES = {**{family.MODEL_TYPE: family for family in (hf_gpt2, hf_llama, hf_neox, hf_stablelm)},
+_FAMILIES = {**{family.MODEL_TYPE: family
+                for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
+                               hf_stablelm)},
              **{model_type: hf_bert for model_type in hf_bert.POST_LN_BY_MODEL_TYPE}}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -80,7 +86,13 @@ def family_for_meta(meta: ModelMeta):
         raise ConversionError(f"model type {meta.model_type!r}: only GPT and BERT models can be "
                               "written as Hugging Face folders")
     kind = meta.position_embedding_type
-    if kind == "learned_absolute":
+    if meta.num_experts and meta.moe_shared_expert_intermediate_size:
+        family, chosen_by = hf_qwen2_moe, (f"--num-experts {meta.num_experts} "
+                                           "--moe-shared-expert-intermediate-size "
+                                           f"{meta.moe_shared_expert_intermediate_size}")
+    elif meta.num_experts:
+        family, chosen_by = hf_mixtral, f"--num-experts {meta.num_experts}"
+    elif kind == "learned_absolute":
         family, chosen_by = hf_gpt2, f"--position-embedding-type {kind}"
     elif kind == "rope":
         family, chosen_by = _rope_family(meta)

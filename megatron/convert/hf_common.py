@@ -6,6 +6,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from megatron.convert.megatron_layout import layer_tensor_shapes
 from megatron.convert.schema import ConversionError, ModelMeta
 
 # config.json's dtype names (``torch_dtype``, ``dtype`` in newer transformers) and ours.
@@ -124,6 +125,8 @@ def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ModelMeta)
 
 def canonical_layer_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
     """Every tensor a canonical ``layer`` piece of ``meta``'s model holds, with its shape."""
+    if meta.num_experts:
+        return layer_tensor_shapes(meta)
     h, ffn, hn = meta.hidden_size, meta.ffn_hidden_size, meta.kv_channels
     heads, groups = meta.num_attention_heads, meta.num_query_groups
     shapes = {

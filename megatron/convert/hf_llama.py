@@ -96,12 +96,10 @@ def embeddings_to_hf(tensors: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[
                                                         meta.vocab_size, meta.vocab_size)}
 
 
-def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
-    """One canonical layer as ``model.layers.{index}.*``."""
-    p = f"model.layers.{index}."
-    ffn = meta.ffn_hidden_size
+def attention_to_hf(p: str, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    """A canonical layer's norms and attention under HF layer prefix ``p`` (shared with
+    Mixtral, whose layers differ from Llama's only in the MLP)."""
     q, k, v = split_qkv(t["self_attention.query_key_value.weight"], meta)
-    fc = t["mlp.dense_h_to_4h.weight"]                                   # [2 ffn, h]
     out = {
         p + "input_layernorm.weight": t["input_layernorm.weight"],
         p + "self_attn.q_proj.weight": q,
@@ -109,17 +107,31 @@ def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict
         p + "self_attn.v_proj.weight": v,
         p + "self_attn.o_proj.weight": t["self_attention.dense.weight"],
         p + "post_attention_layernorm.weight": t["post_attention_layernorm.weight"],
-        p + "mlp.gate_proj.weight": fc[:ffn],
-        p + "mlp.up_proj.weight": fc[ffn:],
-        p + "mlp.down_proj.weight": t["mlp.dense_4h_to_h.weight"],
     }
     if meta.add_bias_linear:
         qb, kb, vb = split_qkv(t["self_attention.query_key_value.bias"], meta)
-        fc_bias = t["mlp.dense_h_to_4h.bias"]
         out.update({
             p + "self_attn.q_proj.bias": qb, p + "self_attn.k_proj.bias": kb,
             p + "self_attn.v_proj.bias": vb,
             p + "self_attn.o_proj.bias": t["self_attention.dense.bias"],
+        })
+    return out
+
+
+def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    """One canonical layer as ``model.layers.{index}.*``."""
+    p = f"model.layers.{index}."
+    ffn = meta.ffn_hidden_size
+    fc = t["mlp.dense_h_to_4h.weight"]                                   # [2 ffn, h]
+    out = attention_to_hf(p, t, meta)
+    out.update({
+        p + "mlp.gate_proj.weight": fc[:ffn],
+        p + "mlp.up_proj.weight": fc[ffn:],
+        p + "mlp.down_proj.weight": t["mlp.dense_4h_to_h.weight"],
+    })
+    if meta.add_bias_linear:
+        fc_bias = t["mlp.dense_h_to_4h.bias"]
+        out.update({
             p + "mlp.gate_proj.bias": fc_bias[:ffn], p + "mlp.up_proj.bias": fc_bias[ffn:],
             p + "mlp.down_proj.bias": t["mlp.dense_4h_to_h.bias"],
         })
@@ -178,15 +190,11 @@ def embeddings_from_hf(weights, meta: ModelMeta) -> Dict[str, torch.Tensor]:
                                            (meta.vocab_size, meta.hidden_size))}
 
 
-def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tensor]:
-    """``model.layers.{index}.*`` as one canonical layer."""
-    h, hn, ffn = meta.hidden_size, meta.kv_channels, meta.ffn_hidden_size
+def attention_from_hf(get, meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    """A layer's norms and attention in canonical form; ``get(name, shape)`` reads one tensor
+    of the HF layer (shared with Mixtral)."""
+    h, hn = meta.hidden_size, meta.kv_channels
     q_rows, kv_rows = meta.num_attention_heads * hn, meta.num_query_groups * hn
-    p = f"model.layers.{index}."
-
-    def get(name, shape):
-        return weights.get(p + name, shape)
-
     out = {
         "input_layernorm.weight": get("input_layernorm.weight", (h,)),
         "self_attention.query_key_value.weight": join_qkv(
@@ -195,15 +203,28 @@ def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tenso
             get("self_attn.v_proj.weight", (kv_rows, h)), meta),
         "self_attention.dense.weight": get("self_attn.o_proj.weight", (h, q_rows)),
         "post_attention_layernorm.weight": get("post_attention_layernorm.weight", (h,)),
-        "mlp.dense_h_to_4h.weight": torch.cat([get("mlp.gate_proj.weight", (ffn, h)),
-                                               get("mlp.up_proj.weight", (ffn, h))]),
-        "mlp.dense_4h_to_h.weight": get("mlp.down_proj.weight", (h, ffn)),
     }
     if meta.add_bias_linear:
         out["self_attention.query_key_value.bias"] = join_qkv(
             get("self_attn.q_proj.bias", (q_rows,)), get("self_attn.k_proj.bias", (kv_rows,)),
             get("self_attn.v_proj.bias", (kv_rows,)), meta)
         out["self_attention.dense.bias"] = get("self_attn.o_proj.bias", (h,))
+    return out
+
+
+def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    """``model.layers.{index}.*`` as one canonical layer."""
+    h, ffn = meta.hidden_size, meta.ffn_hidden_size
+    p = f"model.layers.{index}."
+
+    def get(name, shape):
+        return weights.get(p + name, shape)
+
+    out = attention_from_hf(get, meta)
+    out["mlp.dense_h_to_4h.weight"] = torch.cat([get("mlp.gate_proj.weight", (ffn, h)),
+                                                 get("mlp.up_proj.weight", (ffn, h))])
+    out["mlp.dense_4h_to_h.weight"] = get("mlp.down_proj.weight", (h, ffn))
+    if meta.add_bias_linear:
         out["mlp.dense_h_to_4h.bias"] = torch.cat([get("mlp.gate_proj.bias", (ffn,)),
                                                    get("mlp.up_proj.bias", (ffn,))])
         out["mlp.dense_4h_to_h.bias"] = get("mlp.down_proj.bias", (h,))

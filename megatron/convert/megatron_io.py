@@ -293,6 +293,28 @@ def _abspath(path: Optional[str]) -> Optional[str]:
     return os.path.abspath(path) if path else None
 
 
+def _moe_fields(args, where: str) -> dict:
+    """``ModelMeta``'s mixture-of-experts fields from saved args; refuses the MoE layout the
+    stream does not describe (dense layers between MoE ones)."""
+    experts = getattr(args, "num_experts", None)
+    if not experts:
+        return {}
+    freq = getattr(args, "moe_layer_freq", 1)
+    if freq not in (1, None) and not (isinstance(freq, (list, tuple)) and all(freq)):
+        raise ConversionError(f"{where}: --moe-layer-freq {freq}: only models whose every "
+                              "layer is an MoE layer (--moe-layer-freq 1) can be converted")
+    return dict(num_experts=experts, moe_router_topk=getattr(args, "moe_router_topk", 2),
+                moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
+                moe_router_score_function=getattr(args, "moe_router_score_function",
+                                                  "softmax") or "softmax",
+                moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
+                moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor",
+                                                       None),
+                moe_shared_expert_intermediate_size=getattr(
+                    args, "moe_shared_expert_intermediate_size", None) or None,
+                moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)))
+
+
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
     heads = args.num_attention_heads
@@ -340,7 +362,20 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         model_type="BERT" if src.bert else "GPT", num_tokentypes=src.num_tokentypes,
         bert_binary_head=src.binary_head, source_args=source_args,
         optimizer=getattr(src, "optimizer", None),
-        optimizer_note=getattr(src, "optimizer_note", ""))
+        optimizer_note=getattr(src, "optimizer_note", ""),
+        **_moe_fields(args, src.file(0, 0)))
+
+
+def _refuse_shared_expert_gate(src: _Source, meta: ModelMeta) -> None:
+    """A shared expert's gate the saved args do not name (no ``--moe-shared-expert-gate``):
+    refuse rather than drop it."""
+    if not meta.moe_shared_expert_intermediate_size or meta.moe_shared_expert_gate:
+        return
+    pp_rank, chunk, local = src.layer_map[0]
+    language_model, path = src._language_model(0, pp_rank, chunk)
+    if f"layers.{local}.mlp.shared_experts.gate_weight" in _encoder(language_model, path):
+        raise ConversionError(f"{path}: holds mlp.shared_experts.gate_weight but its args lack "
+                              "--moe-shared-expert-gate")
 
 
 def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
@@ -383,6 +418,7 @@ def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
     del tensors, word
 
     names = layer_tensor_names(meta)
+    _refuse_shared_expert_gate(src, meta)
     for index in range(meta.num_layers):
         yield Piece("layer", src.read_layer(index, names, meta.swiglu), index=index)
 

@@ -22,6 +22,9 @@ _H_TO_4H = "mlp.dense_h_to_4h"
 _4H_TO_H = "mlp.dense_4h_to_h"
 _Q_NORM = "self_attention.q_layernorm"
 _K_NORM = "self_attention.k_layernorm"
+_ROUTER = "mlp.router.weight"
+_EXPERT = "mlp.experts.local_experts"
+_SHARED = "mlp.shared_experts"
 
 # Where BERT's own tensors sit in a rank's ``model`` tree (the nesting Megatron saves): the
 # token-type table on the first stage; the heads, by stream piece kind, on the last stage.
@@ -46,10 +49,30 @@ def layer_tensor_names(meta: ModelMeta) -> List[str]:
              (f"{_K_NORM}.weight", meta.qk_layernorm),
              (f"{_K_NORM}.bias", meta.qk_layernorm and layer_norm),
              ("post_attention_layernorm.weight", True),
-             ("post_attention_layernorm.bias", layer_norm),
-             (f"{_H_TO_4H}.weight", True), (f"{_H_TO_4H}.bias", meta.add_bias_linear),
-             (f"{_4H_TO_H}.weight", True), (f"{_4H_TO_H}.bias", meta.add_bias_linear)]
+             ("post_attention_layernorm.bias", layer_norm)]
+    if meta.num_experts:
+        names.append((_ROUTER, True))
+        for expert in range(meta.num_experts):
+            names += [(f"{_EXPERT}.{expert}.linear_fc1.weight", True),
+                      (f"{_EXPERT}.{expert}.linear_fc1.bias", meta.add_bias_linear),
+                      (f"{_EXPERT}.{expert}.linear_fc2.weight", True),
+                      (f"{_EXPERT}.{expert}.linear_fc2.bias", meta.add_bias_linear)]
+        shared = bool(meta.moe_shared_expert_intermediate_size)
+        names += [(f"{_SHARED}.linear_fc1.weight", shared),
+                  (f"{_SHARED}.linear_fc2.weight", shared),
+                  (f"{_SHARED}.gate_weight", shared and meta.moe_shared_expert_gate)]
+    else:
+        names += [(f"{_H_TO_4H}.weight", True), (f"{_H_TO_4H}.bias", meta.add_bias_linear),
+                  (f"{_4H_TO_H}.weight", True), (f"{_4H_TO_H}.bias", meta.add_bias_linear)]
     return [name for name, present in names if present]
+
+
+def expert_of(name: str) -> Optional[Tuple[int, str]]:
+    """``(J, "linear_fc1.weight")`` for expert J's tensor ``name``, None for any other."""
+    if not name.startswith(_EXPERT + "."):
+        return None
+    number, rest = name[len(_EXPERT) + 1:].split(".", 1)
+    return int(number), rest
 
 
 def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
@@ -57,10 +80,20 @@ def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
     h, ffn = meta.hidden_size, meta.ffn_hidden_size
     qkv = (meta.num_attention_heads + 2 * meta.num_query_groups) * meta.kv_channels
     h_to_4h = 2 * ffn if meta.swiglu else ffn
-    shapes = {f"{_QKV}.weight": (qkv, h), f"{_QKV}.bias": (qkv,),
+    moe_ffn = meta.expert_ffn_size
+    fc1 = 2 * moe_ffn if meta.swiglu else moe_ffn
+    shared = meta.moe_shared_expert_intermediate_size or 0
+    shapes = {_ROUTER: (meta.num_experts or 0, h),
+              f"{_SHARED}.linear_fc1.weight": (2 * shared if meta.swiglu else shared, h),
+              f"{_SHARED}.linear_fc2.weight": (h, shared), f"{_SHARED}.gate_weight": (1, h)}
+    for expert in range(meta.num_experts or 0):
+        shapes.update({f"{_EXPERT}.{expert}.linear_fc1.weight": (fc1, h),
+                       f"{_EXPERT}.{expert}.linear_fc1.bias": (fc1,),
+                       f"{_EXPERT}.{expert}.linear_fc2.weight": (h, moe_ffn)})
+    shapes.update({f"{_QKV}.weight": (qkv, h), f"{_QKV}.bias": (qkv,),
               f"{_DENSE}.weight": (h, meta.num_attention_heads * meta.kv_channels),
               f"{_H_TO_4H}.weight": (h_to_4h, h), f"{_H_TO_4H}.bias": (h_to_4h,),
-              f"{_4H_TO_H}.weight": (h, ffn)}
+              f"{_4H_TO_H}.weight": (h, ffn)})
     # --qk-layernorm's norms are over one head and replicated on every TP rank.
     shapes.update({f"{norm}.{kind}": (meta.kv_channels,) for norm in (_Q_NORM, _K_NORM)
                    for kind in ("weight", "bias")})
@@ -68,7 +101,16 @@ def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
 
 
 def tp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
-    """``(dim, stride)`` a layer tensor is split along over TP ranks, None when replicated."""
+    """``(dim, stride)`` a layer tensor is split along over TP ranks, None when replicated.
+    Experts are split over expert-TP, which the converter keeps equal to TP: fc1 by rows (its
+    SwiGLU halves each), fc2 by columns, like the dense MLP; the router is replicated. The
+    shared expert is split over TP the same way."""
+    expert = expert_of(name)
+    if name.startswith(_SHARED + "."):
+        expert = (None, name[len(_SHARED) + 1:])
+    if expert is not None:
+        name = {"linear_fc1.weight": f"{_H_TO_4H}.weight", "linear_fc1.bias": f"{_H_TO_4H}.bias",
+                "linear_fc2.weight": f"{_4H_TO_H}.weight"}.get(expert[1], expert[1])
     if name.startswith(_QKV + "."):
         return 0, 1
     if name.startswith(_H_TO_4H + "."):

@@ -56,7 +56,10 @@ class _Target:
                                   f"--target-pipeline-parallel-size ({pp}) must be >= 1")
         for flag, value in (("--num-attention-heads", meta.num_attention_heads),
                             ("--num-query-groups", meta.num_query_groups),
-                            ("--ffn-hidden-size", meta.ffn_hidden_size)):
+                            ("--ffn-hidden-size", meta.ffn_hidden_size),
+                            ("--moe-ffn-hidden-size", meta.expert_ffn_size),
+                            ("--moe-shared-expert-intermediate-size",
+                             meta.moe_shared_expert_intermediate_size or 0)):
             if value % tp != 0:
                 raise ConversionError(f"--target-tensor-parallel-size {tp} does not divide "
                                       f"{flag} ({value}); choose a divisor of {value}")
@@ -151,6 +154,18 @@ class _Target:
             consumed_valid_samples=meta.consumed_valid_samples)
         if meta.seq_length is not None:
             values["seq_length"] = meta.seq_length
+        if meta.num_experts:
+            # The stream is at expert-parallel size 1; experts are split over TP like the MLP.
+            values.update(
+                num_experts=meta.num_experts, moe_router_topk=meta.moe_router_topk,
+                moe_ffn_hidden_size=meta.expert_ffn_size,
+                moe_router_score_function=meta.moe_router_score_function,
+                moe_router_pre_softmax=meta.moe_router_pre_softmax,
+                moe_router_topk_scaling_factor=meta.moe_router_topk_scaling_factor,
+                moe_shared_expert_intermediate_size=meta.moe_shared_expert_intermediate_size,
+                moe_shared_expert_gate=meta.moe_shared_expert_gate,
+                moe_layer_freq=1, expert_model_parallel_size=1,
+                expert_tensor_parallel_size=self.tp)
         if meta.model_type == "BERT":
             values["bert_binary_head"] = meta.bert_binary_head
         if meta.source_args is None and meta.tokenizer_type == "NullTokenizer":

@@ -38,6 +38,15 @@ self_attention.dense.weight / .bias   [h, np hn], [h]
 post_attention_layernorm.weight/.bias [h]
 mlp.dense_h_to_4h.weight / .bias      [ffn, h] (GeLU) or [2 ffn, h] = [gate; value] (SwiGLU)
 mlp.dense_4h_to_h.weight / .bias      [h, ffn], [h]
+mlp.router.weight                     [E, h] (MoE models, in place of the two above)
+mlp.experts.local_experts.J.          [moe_ffn, h] or [2 moe_ffn, h] = [gate; value] (SwiGLU),
+  linear_fc1.weight / .bias           expert J of E (global number; the stream is at EP 1)
+mlp.experts.local_experts.J.          [h, moe_ffn], [h]
+  linear_fc2.weight / .bias
+mlp.shared_experts.linear_fc1.weight  [S, h] or [2 S, h] = [gate; value] (SwiGLU); S =
+                                      --moe-shared-expert-intermediate-size
+mlp.shared_experts.linear_fc2.weight  [h, S]
+mlp.shared_experts.gate_weight        [1, h] (--moe-shared-expert-gate)
 ====================================  ============================================================
 
 Word embeddings (and an untied output layer, and BERT's ``lm_head`` bias) keep the rows the
@@ -104,6 +113,17 @@ class ModelMeta:
     model_type: str = "GPT"
     num_tokentypes: int = 0
     bert_binary_head: bool = False
+    # Mixture of experts (``--num-experts`` ...; None: a dense model). Every layer is an MoE
+    # layer (``--moe-layer-freq`` 1), with a shared expert when its size is set (gated with
+    # ``--moe-shared-expert-gate``): the converter refuses other layouts.
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None            # None: ffn_hidden_size
+    moe_router_score_function: str = "softmax"           # or "sigmoid"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_shared_expert_gate: bool = False
     # The source's full argument namespace as a dict (Megatron sources only): a Megatron saver
     # starts from it so that flags unrelated to the shape (optimizer, data ...) survive.
     source_args: Optional[dict] = None
@@ -116,6 +136,12 @@ class ModelMeta:
     @property
     def group_query_attention(self) -> bool:
         return self.num_query_groups != self.num_attention_heads
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """Hidden size of one expert's MLP (``--moe-ffn-hidden-size``, else
+        ``--ffn-hidden-size``)."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
 
 
 @dataclasses.dataclass
