@@ -599,7 +599,7 @@ def _verify_zip_checksums(path: str) -> None:
     try:
         with zipfile.ZipFile(path) as archive:
             bad = archive.testzip()
-    except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError) as err:
         raise CheckpointError(f"{path}: corrupt zip archive ({err})") from None
     if bad is not None:
         raise CheckpointError(f"{path}: corrupt: member {bad!r} fails its CRC-32 check "
