@@ -842,13 +842,23 @@ BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
 def _validate_moe(args) -> None:
-    """Megatron's checks of the MoE flags; expert parallelism waits for the parallel layout."""
+    """Megatron's checks of the MoE flags."""
+    ep = args.expert_model_parallel_size
     if args.num_experts is None:
+        if ep != 1:
+            _fail(f"--expert-model-parallel-size {ep} needs --num-experts")
         return
     tp = args.tensor_model_parallel_size
-    if args.expert_model_parallel_size != 1:
-        _fail(f"--expert-model-parallel-size {args.expert_model_parallel_size} is not supported "
-              "yet (the expert layers do not use the layout's expert groups); use 1")
+    if ep < 1 or args.num_experts % ep:
+        _fail(f"--num-experts ({args.num_experts}) must be divisible by "
+              f"--expert-model-parallel-size ({ep})")
+    if ep > 1 and args.use_distributed_optimizer:
+        _fail(f"--use-distributed-optimizer with --expert-model-parallel-size {ep} is not "
+              "supported yet (its shards do not follow the expert-data-parallel group); drop "
+              "one of them")
+    if ep > 1 and (args.save or args.load):
+        _fail(f"--save / --load with --expert-model-parallel-size {ep} are not supported yet "
+              "(checkpoints do not hold each expert-parallel rank's experts)")
     if getattr(args, "context_parallel_size", 1) != 1:
         _fail(f"--num-experts with --context-parallel-size {args.context_parallel_size} is not "
               "supported yet (the load-balancing loss would count only this rank's tokens); "

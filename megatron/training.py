@@ -171,14 +171,16 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
             overlap_grad_reduce=ddp_config.overlap_grad_reduce,
             bucket_size=ddp_config.bucket_size,
             use_distributed_optimizer=ddp_config.use_distributed_optimizer,
-            gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion)
+            gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion,
+            expert_dp_group=pstate.expert_dp_group)
         if args.data_parallel_random_init:
             ddp.broadcast_params()
         chunks.append(ddp)
     optimizer = get_megatron_optimizer(configs.optimizer, chunks,
                                        mp_group=pstate.model_parallel_group,
                                        tp_group=pstate.tp_group, dp_group=pstate.dp_cp_group,
-                                       overlap_param_gather=ddp_config.overlap_param_gather)
+                                       overlap_param_gather=ddp_config.overlap_param_gather,
+                                       expert_parallel_group=pstate.ep_group)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler
 

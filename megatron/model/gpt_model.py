@@ -71,7 +71,9 @@ class GPTModel(MegatronModule):
         self.language_model = TransformerLanguageModel(
             config, pstate.tp_group, pstate.tp_size, num_layers, offset, pre_process,
             post_process, sequence_parallel, init_seed, moe_config=moe_config,
-            moe_tracker=self.moe_tracker, cp_group=getattr(pstate, "cp_group", None))
+            moe_tracker=self.moe_tracker, cp_group=getattr(pstate, "cp_group", None),
+            ep_group=getattr(pstate, "ep_group", None),
+            expert_tp_group=getattr(pstate, "expert_tp_group", None))
         if self.share_embeddings_and_output_weights:
             tie_word_embeddings_over_stages(self, init_seed)
         # The training logits, written into the same storage every micro-batch (CPU only:

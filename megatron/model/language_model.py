@@ -232,6 +232,8 @@ class TransformerLanguageModel(MegatronModule):
         cp_group: the context-parallel group (None: whole sequences on this rank); with more
             than one rank every activation holds this rank's ``s / cp`` tokens and rotary
             angles are those of their global positions.
+        ep_group / expert_tp_group: the MoE layers' expert-parallel and expert-tensor-parallel
+            groups (None: no expert parallelism; experts split over ``tp_group``).
     """
 
     def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
@@ -239,7 +241,8 @@ class TransformerLanguageModel(MegatronModule):
                  sequence_parallel: bool = False, init_seed: int = 1234,
                  num_tokentypes: int = 0, add_pooler: bool = False,
                  encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 moe_config=None, moe_tracker=None, cp_group=None):
+                 moe_config=None, moe_tracker=None, cp_group=None, ep_group=None,
+                 expert_tp_group=None):
         super().__init__(config)
         self.cp_size = get_group_size(cp_group)
         self.cp_rank = get_group_rank(cp_group)
@@ -264,7 +267,8 @@ class TransformerLanguageModel(MegatronModule):
                                            pre_process, post_process, sequence_parallel,
                                            init_seed, self_attn_mask_type=encoder_attn_mask_type,
                                            moe_config=moe_config, moe_tracker=moe_tracker,
-                                           cp_group=cp_group)
+                                           cp_group=cp_group, ep_group=ep_group,
+                                           expert_tp_group=expert_tp_group)
         if post_process and add_pooler:
             with init_rng(init_seed, "pooler"):
                 self.pooler = Pooler(config, tp_group, sequence_parallel)

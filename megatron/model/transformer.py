@@ -78,7 +78,8 @@ class ParallelTransformerLayer(MegatronModule):
 
     On the MoE layers of an MoE model (``moe_config.is_moe_layer``) the MLP is a
     :class:`~megatron.model.moe.MoELayer` (``mlp.router``, ``mlp.experts.local_experts.N``),
-    its experts split over the tensor-parallel group (expert TP = TP, Megatron-Core's default).
+    its experts split over the expert-tensor-parallel group (by default the tensor-parallel
+    group, Megatron-Core's default) and dealt over the expert-parallel group.
     Under sequence parallelism the MoE layer sees the whole sequence: its input is all-gathered
     over the tensor-parallel ranks and its output cut back to this rank's slice. Every rank then
     routes the same tokens and computes the same router gradient, so the gather's backward only
@@ -95,6 +96,8 @@ class ParallelTransformerLayer(MegatronModule):
         moe_tracker: the model's auxiliary-loss tracker, shared by its MoE layers.
         init_seed: the model's initialisation seed (the MoE layer's own seeds derive from it).
         cp_group: the context-parallel group (None: whole sequences on this rank).
+        ep_group: the expert-parallel group of the MoE layers (None: every expert here).
+        expert_tp_group: the group each expert is split over (None: ``tp_group``).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
@@ -102,7 +105,7 @@ class ParallelTransformerLayer(MegatronModule):
                  self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  moe_config: Optional[MoEConfig] = None,
                  moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
-                 cp_group=None):
+                 cp_group=None, ep_group=None, expert_tp_group=None):
         super().__init__(config)
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
@@ -119,8 +122,9 @@ class ParallelTransformerLayer(MegatronModule):
         self.tp_group = tp_group
         self.moe_sequence_gather = False
         if moe_config is not None and moe_config.is_moe_layer(layer_number):
-            self.mlp = MoELayer(config, moe_config, layer_number, ep_group=None,
-                                expert_tp_group=tp_group, tp_group=tp_group,
+            self.mlp = MoELayer(config, moe_config, layer_number, ep_group=ep_group,
+                                expert_tp_group=(tp_group if expert_tp_group is None
+                                                 else expert_tp_group), tp_group=tp_group,
                                 tracker=moe_tracker, init_seed=init_seed)
             self.moe_sequence_gather = sequence_parallel and tp_size > 1
         else:
@@ -204,7 +208,8 @@ class ParallelTransformer(MegatronModule):
         sequence_parallel: activations are ``[s/tp, b, h]``.
         init_seed: seed the per-layer initialisation seeds derive from.
         self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
-        moe_config / moe_tracker: see :class:`ParallelTransformerLayer`.
+        moe_config / moe_tracker / ep_group / expert_tp_group: see
+            :class:`ParallelTransformerLayer`.
         cp_group: the context-parallel group (None: whole sequences on this rank).
     """
 
@@ -213,7 +218,8 @@ class ParallelTransformer(MegatronModule):
                  sequence_parallel: bool = False, init_seed: int = 1234,
                  self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  moe_config: Optional[MoEConfig] = None,
-                 moe_tracker: Optional[MoELossTracker] = None, cp_group=None):
+                 moe_tracker: Optional[MoELossTracker] = None, cp_group=None, ep_group=None,
+                 expert_tp_group=None):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -229,7 +235,7 @@ class ParallelTransformer(MegatronModule):
                 layers.append(ParallelTransformerLayer(
                     config, layer_offset + i + 1, tp_group, tp_size, sequence_parallel,
                     self_attn_mask_type, moe_config, moe_tracker, init_seed,
-                    cp_group=cp_group))
+                    cp_group=cp_group, ep_group=ep_group, expert_tp_group=expert_tp_group))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:
             with init_rng(init_seed, "final_norm"):

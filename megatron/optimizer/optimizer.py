@@ -31,7 +31,8 @@ from megatron.core import device
 from megatron.core.config import ConfigError
 
 from . import apex_state
-from .clip_grads import clip_grad_norm_fp32, count_zeros_fp32, get_grads_for_norm
+from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, get_grads_for_norm,
+                         is_expert_parallel)
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 
@@ -39,7 +40,7 @@ logger = logging.getLogger(__name__)
 
 # Attributes that say how a parameter is split or shared; main params inherit them.
 _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                        "sequence_parallel", "shared")
+                        "sequence_parallel", "shared", "allreduce")
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
 
@@ -116,13 +117,19 @@ class MegatronOptimizer(ABC):
             counted in the norm on TP rank 0 only).
         use_main_grad: True: read ``param.main_grad``; False: read ``param.grad``; None: the
             former where a parameter has it.
+        expert_parallel_group: with expert parallelism, its group: the experts' (parameters
+            marked ``allreduce = False``) part of the norm, zero count and inf/nan flag is also
+            combined over it. None (or one rank): none.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
                  model_parallel_group=None, tp_rank: int = 0,
-                 use_main_grad: Optional[bool] = None):
+                 use_main_grad: Optional[bool] = None, expert_parallel_group=None):
         self.optimizer = optimizer
         self.config = config
+        if expert_parallel_group is not None and dist.get_world_size(expert_parallel_group) == 1:
+            expert_parallel_group = None
+        self.expert_parallel_group = expert_parallel_group
         self.model_parallel_group = model_parallel_group
         self.tp_rank = tp_rank
         self.use_main_grad = use_main_grad
@@ -151,28 +158,39 @@ class MegatronOptimizer(ABC):
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip the main gradients to ``clip_grad``; return the norm before clipping."""
-        return clip_grad_norm_fp32(self.get_parameters(), self.get_main_grads_for_grad_norm(),
-                                   clip_grad, model_parallel_group=self.model_parallel_group)
+        params = self.get_parameters()
+        if self.expert_parallel_group is None:
+            return clip_grad_norm_fp32(params, self.get_main_grads_for_grad_norm(), clip_grad,
+                                       model_parallel_group=self.model_parallel_group)
+        dense = [p for p in params if not is_expert_parallel(p)]
+        experts = [p for p in params if is_expert_parallel(p)]
+        return clip_grad_norm_fp32(
+            params, get_grads_for_norm(dense, tp_rank=self.tp_rank), clip_grad,
+            model_parallel_group=self.model_parallel_group,
+            expert_grads=get_grads_for_norm(experts, tp_rank=self.tp_rank),
+            expert_parallel_group=self.expert_parallel_group)
 
     def count_zeros(self) -> int:
         return count_zeros_fp32(self.get_parameters(), self.model_parallel_group,
-                                tp_rank=self.tp_rank)
+                                tp_rank=self.tp_rank,
+                                expert_parallel_group=self.expert_parallel_group)
 
     def _unscale_and_check_for_nan(self, grads: List[torch.Tensor],
                                    inv_scale: torch.Tensor) -> bool:
         """Multiply ``grads`` by ``inv_scale`` in place; True if any rank saw an inf or nan.
 
         The flag is reduced (MAX) over the model-parallel group so every stage and TP rank skips
-        the same step. Data-parallel replicas already hold identical, averaged gradients.
+        the same step. Data-parallel replicas already hold identical, averaged gradients, except
+        the experts with expert parallelism: then the flag is also reduced over its group.
         """
         where = grads[0].device if grads else device.current_device()
         found_inf = torch.zeros(1, dtype=torch.float32, device=where)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
                                                              inv_scale.to(where))
-        group = self.model_parallel_group
-        if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+        for group in (self.model_parallel_group, self.expert_parallel_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return found_inf.item() > 0
 
     def _raise_if_not_finite(self, grads: List[torch.Tensor]) -> None:
@@ -532,7 +550,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
                            no_weight_decay_cond: Optional[ParamCond] = None,
                            scale_lr_cond: Optional[ParamCond] = None, lr_mult: float = 1.0,
                            use_main_grad: Optional[bool] = None,
-                           overlap_param_gather: bool = False) -> MegatronOptimizer:
+                           overlap_param_gather: bool = False,
+                           expert_parallel_group=None) -> MegatronOptimizer:
     """Build the optimizer for this rank's model chunks.
 
     Args:
@@ -554,6 +573,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
             (the distributed optimizer always reads the data-parallel gradient buffer).
         overlap_param_gather: with ``--use-distributed-optimizer``, overlap the all-gather of
             updated parameters with the next forward (``--overlap-param-gather``).
+        expert_parallel_group: the expert-parallel group (``ParallelState.ep_group``; None:
+            no expert parallelism); see :class:`MegatronOptimizer`.
 
     With ``config.use_distributed_optimizer`` the model chunks must be
     ``DistributedDataParallel`` wrappers (built with ``use_distributed_optimizer=True`` so that
@@ -569,6 +590,10 @@ def get_megatron_optimizer(config: OptimizerConfig,
     if config.use_distributed_optimizer:
         from .distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 - import cycle
 
+        if expert_parallel_group is not None and dist.get_world_size(expert_parallel_group) > 1:
+            raise ConfigError("--use-distributed-optimizer with --expert-model-parallel-size > 1 "
+                              "is not supported yet")
+
         scaler = build_grad_scaler(config) if config.fp16 or config.bf16 else None
         return DistributedOptimizer(
             config, model_chunks, param_groups,
@@ -578,7 +603,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
     if overlap_param_gather:
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
     inner = _build_torch_optimizer(config, param_groups)
-    kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad)
+    kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad,
+                  expert_parallel_group=expert_parallel_group)
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),
                                                  **kwargs)

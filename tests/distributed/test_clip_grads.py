@@ -165,6 +165,9 @@ def _two_rank_checks():
     ps.destroy_model_parallel()
     state = ps.initialize_model_parallel(1, 2)
     out["pp_shared"] = _pp2_shared_embedding(state, *_pp_inputs())
+    ps.destroy_model_parallel()
+    state = ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    out["ep"] = _ep2_optimizer(state, *_ep_inputs())
     return out
 
 
@@ -257,3 +260,58 @@ def test_pp2_tied_embedding_is_counted_once(two_rank_results):
     assert torch.equal(emb0, emb1)  # both copies clipped alike, so they stay tied
     torch.testing.assert_close(emb0.double(), embedding_grad.double() * 0.1 / (expected + 1e-6),
                                rtol=1e-6, atol=0)
+
+
+# -- expert parallel: 2 ranks, each holding other experts --------------------------------------
+
+
+def _ep_inputs():
+    """Gradients of a replicated (dense) weight and of each rank's expert, for two steps."""
+    gen = torch.Generator().manual_seed(11)
+    steps = []
+    for _ in range(2):
+        dense = torch.randn(4, 3, generator=gen)
+        experts = [torch.randn(5, 2, generator=gen) for _ in range(2)]
+        experts[1][0] = 0.0                     # zeros on one rank's expert only
+        steps.append((dense, experts))
+    return (steps,)
+
+
+def _ep2_optimizer(state, steps):
+    """fp16 optimizer over a dense weight and this rank's expert: rank 1's expert alone sees
+    an inf at step 0; both ranks must skip. Then a finite step: norm and zero count."""
+    rank = dist.get_rank(state.ep_group)
+    dense = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.float16))
+    expert = torch.nn.Parameter(torch.zeros(5, 2, dtype=torch.float16))
+    expert.allreduce = False
+    config = OptimizerConfig(lr=1e-2, fp16=True, initial_loss_scale=8.0, hysteresis=1,
+                             clip_grad=1.0, log_num_zeros_in_grad=True)
+    opt = get_megatron_optimizer(config, [torch.nn.ParameterList([dense, expert])],
+                                 mp_group=state.model_parallel_group, tp_group=state.tp_group,
+                                 dp_group=state.dp_group, use_main_grad=False,
+                                 expert_parallel_group=state.ep_group)
+    results = []
+    for step, (dense_grad, expert_grads) in enumerate(steps):
+        scale = opt.get_loss_scale().item()
+        dense.grad = (dense_grad * scale).half()
+        expert.grad = (expert_grads[rank] * scale).half()
+        if step == 0 and rank == 1:
+            expert.grad[0, 1] = float("inf")
+        results.append((*opt.step(), scale))
+        opt.zero_grad()
+    return results
+
+
+def test_ep2_norm_zeros_and_overflow_cover_every_ranks_experts(two_rank_results):
+    (steps,) = _ep_inputs()
+    dense, experts = steps[1]
+    results = [r["ep"] for r in two_rank_results]
+    for (skipped, finite) in results:
+        assert skipped[:3] == (False, None, None)          # rank 1's inf skips both ranks
+        ok, norm, zeros, scale = finite
+        assert ok and scale == 4.0
+        unscaled = [(g * scale).half().double() / scale for g in [dense] + experts]
+        # Counting one rank's expert, or the dense weight twice, gives another norm.
+        assert abs(_norm64(unscaled, 2) - _norm64(unscaled[:2], 2)) > 1e-2
+        assert norm == pytest.approx(_norm64(unscaled, 2), rel=1e-6)
+        assert zeros == 2

@@ -70,6 +70,21 @@ LAYOUTS = [
                            "--recompute-num-layers", "1"), id="tp2-sp-recompute",
                  marks=pytest.mark.slow),
     pytest.param(1, 1, 1, ("--moe-grouped-gemm",), id="grouped-gemm", marks=pytest.mark.slow),
+    # Expert parallelism: the experts are dealt over the data-parallel ranks.
+    pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2"), id="ep2"),
+    pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2",
+                           "--moe-token-dispatcher-type", "alltoall"), id="ep2-alltoall"),
+    pytest.param(1, 1, 4, ("--expert-model-parallel-size", "4",
+                           "--moe-token-dispatcher-type", "alltoall"), id="ep4-alltoall"),
+    pytest.param(1, 1, 4, ("--expert-model-parallel-size", "4"), id="ep4",
+                 marks=pytest.mark.slow),
+    pytest.param(1, 1, 4, ("--expert-model-parallel-size", "2"), id="dp4-ep2"),
+    pytest.param(2, 1, 2, ("--expert-model-parallel-size", "2",
+                           "--moe-token-dispatcher-type", "alltoall"), id="tp2-sp-ep2"),
+    pytest.param(1, 2, 2, ("--expert-model-parallel-size", "2"), id="pp2-ep2"),
+    pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2", "--moe-grouped-gemm",
+                           "--moe-token-dispatcher-type", "alltoall"), id="ep2-grouped-gemm",
+                 marks=pytest.mark.slow),
 ]
 
 

@@ -24,7 +24,7 @@ rest of backward; ``finish_grad_sync`` then only waits.
 """
 
 from contextlib import contextmanager
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,13 @@ from megatron.core.distributed.grad_buffer import GradBuffer
 # Megatron's default when overlapping: large enough that collectives are bandwidth-bound.
 DEFAULT_BUCKET_SIZE = 40_000_000
 DEFAULT_BUCKET_SIZE_PER_DP_RANK = 1_000_000
+
+
+def _same_ranks(group_a, group_b) -> bool:
+    """Whether two process groups hold the same global ranks."""
+    if group_a is group_b:
+        return True
+    return dist.get_process_group_ranks(group_a) == dist.get_process_group_ranks(group_b)
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -58,13 +65,20 @@ class DistributedDataParallel(torch.nn.Module):
             gradients straight into ``main_grad`` (``--gradient-accumulation-fusion``, the
             default; off with ``--no-gradient-accumulation-fusion``): each weight gets
             ``fuse_wgrad_accumulation = True``, which those layers look for.
+        expert_dp_group: the expert-data-parallel group (``ParallelState.expert_dp_group``).
+            Parameters marked ``allreduce = False`` (the MoE experts) then get buffers of
+            their own, :attr:`expert_grad_buffers`, summed over that group and divided by the
+            ``dp_group`` size: every rank's loss reaches an expert through the dispatcher's
+            all-to-all, so the sum over expert-data-parallel ranks already covers all of
+            ``dp_group``'s losses. None, or a group of the same ranks as ``dp_group``: one set
+            of buffers for all parameters.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
                  accumulate_allreduce_grads_in_fp32: bool = False,
                  overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                  use_distributed_optimizer: bool = False,
-                 gradient_accumulation_fusion: bool = False):
+                 gradient_accumulation_fusion: bool = False, expert_dp_group=None):
         super().__init__()
         if dp_group is None:
             raise ValueError("DistributedDataParallel needs dp_group=<the data-parallel process "
@@ -72,6 +86,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
+        # Expert parameters need buffers of their own only when their group differs.
+        if expert_dp_group is not None and _same_ranks(expert_dp_group, dp_group):
+            expert_dp_group = None
+        self.expert_dp_group = expert_dp_group
         self.accumulate_allreduce_grads_in_fp32 = accumulate_allreduce_grads_in_fp32
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
@@ -82,20 +100,26 @@ class DistributedDataParallel(torch.nn.Module):
         self._param_names = {p: name for name, p in module.named_parameters()}
         # Reverse order: backward produces the last layers' gradients first.
         by_dtype: Dict[torch.dtype, list] = {}
+        expert_by_dtype: Dict[torch.dtype, list] = {}
         for param in reversed(list(module.parameters())):
             if not param.requires_grad:
                 continue
             dtype = torch.float32 if accumulate_allreduce_grads_in_fp32 else param.dtype
-            by_dtype.setdefault(dtype, []).append(param)
+            is_expert = expert_dp_group is not None and not getattr(param, "allreduce", True)
+            (expert_by_dtype if is_expert else by_dtype).setdefault(dtype, []).append(param)
 
         self.grad_buffers: Dict[torch.dtype, GradBuffer] = {}
+        self.expert_grad_buffers: Dict[torch.dtype, GradBuffer] = {}
         self.param_to_grad_buffer: Dict[torch.nn.Parameter, GradBuffer] = {}
-        for dtype, params in by_dtype.items():
-            buffer = GradBuffer(params, dtype, dp_group, bucket_size, overlap_grad_reduce,
-                                use_distributed_optimizer)
-            self.grad_buffers[dtype] = buffer
-            for param in params:
-                self.param_to_grad_buffer[param] = buffer
+        for buffers, group, grouped in ((self.grad_buffers, dp_group, by_dtype),
+                                        (self.expert_grad_buffers, expert_dp_group,
+                                         expert_by_dtype)):
+            for dtype, params in grouped.items():
+                buffer = GradBuffer(params, dtype, group, bucket_size, overlap_grad_reduce,
+                                    use_distributed_optimizer, average_over=self.dp_size)
+                buffers[dtype] = buffer
+                for param in params:
+                    self.param_to_grad_buffer[param] = buffer
 
         for param in self.param_to_grad_buffer:
             param.fuse_wgrad_accumulation = gradient_accumulation_fusion
@@ -128,6 +152,10 @@ class DistributedDataParallel(torch.nn.Module):
 
         return hook
 
+    def all_grad_buffers(self) -> List[GradBuffer]:
+        """The data-parallel buffers, then the expert ones."""
+        return list(self.grad_buffers.values()) + list(self.expert_grad_buffers.values())
+
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
@@ -137,17 +165,17 @@ class DistributedDataParallel(torch.nn.Module):
 
         Use it for all but the last micro-batch of a step.
         """
-        for buffer in self.grad_buffers.values():
+        for buffer in self.all_grad_buffers():
             buffer.is_last_microbatch = False
         try:
             yield
         finally:
-            for buffer in self.grad_buffers.values():
+            for buffer in self.all_grad_buffers():
                 buffer.is_last_microbatch = True
 
     def start_grad_sync(self) -> None:
         """Launch the reduction of every bucket not launched yet (async with overlap)."""
-        for buffer in self.grad_buffers.values():
+        for buffer in self.all_grad_buffers():
             buffer.start_grad_sync()
 
     def finish_grad_sync(self) -> None:
@@ -155,21 +183,23 @@ class DistributedDataParallel(torch.nn.Module):
 
         Call once per step, after the last micro-batch's backward.
         """
-        for buffer in self.grad_buffers.values():
+        for buffer in self.all_grad_buffers():
             buffer.finish_grad_sync()
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` and forget the previous step's reduction; call before a step."""
         for param in self.param_to_grad_buffer:
             param.grad_added_to_main_grad = False
-        for buffer in self.grad_buffers.values():
+        for buffer in self.all_grad_buffers():
             buffer.reset()
 
     def broadcast_params(self) -> None:
         """Copy every parameter from data-parallel rank 0 to the other ranks of the dp group."""
-        src = dist.get_global_rank(self.dp_group, 0)
         for param in self.module.parameters():
-            dist.broadcast(param.data, src=src, group=self.dp_group)
+            group = self.dp_group
+            if self.expert_dp_group is not None and not getattr(param, "allreduce", True):
+                group = self.expert_dp_group
+            dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The wrapped module's state dict, with its own keys (no ``module.`` prefix)."""

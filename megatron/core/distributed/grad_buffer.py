@@ -132,11 +132,14 @@ class Bucket:
         overlap_grad_reduce: launch the reduction asynchronously (``async_op=True``).
         use_distributed_optimizer: reduce-scatter (each rank gets only its shard averaged)
             instead of all-reduce; ``data`` must then hold a multiple of the dp size.
+        average_over: the sum over ``dp_group`` is divided by this (default: its size). Expert
+            gradients are summed over the expert-data-parallel group but averaged over the
+            data x context-parallel ranks, whose losses they carry.
     """
 
     def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor,
                  offset: int, dp_group, overlap_grad_reduce: bool,
-                 use_distributed_optimizer: bool = False):
+                 use_distributed_optimizer: bool = False, average_over: Optional[int] = None):
         self.index = index
         self.params = list(params)
         self.data = data
@@ -144,6 +147,7 @@ class Bucket:
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.dp_rank = dist.get_rank(dp_group)
+        self.average_over = self.dp_size if average_over is None else average_over
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
         if use_distributed_optimizer and data.numel() % self.dp_size != 0:
@@ -186,9 +190,10 @@ class Bucket:
         if self.communication_issued:
             return
         self.communication_issued = True
+        if self.average_over != 1:
+            self.data.div_(self.average_over)
         if self.dp_size == 1:
             return
-        self.data.div_(self.dp_size)
         if self.use_distributed_optimizer:
             start, end = self.shard_range()
             self.communication_handle = _reduce_scatter(
@@ -220,11 +225,13 @@ class GradBuffer:
             reduce-scatter it, so a distributed optimizer finds its shard of each bucket averaged
             (the rest of this rank's buffer is left unreduced); parameters marked
             ``shared_embedding`` get a bucket each.
+        average_over: what each bucket's sum is divided by (default: the dp group's size);
+            see :class:`Bucket`.
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype, dp_group,
                  bucket_size: Optional[int], overlap_grad_reduce: bool,
-                 use_distributed_optimizer: bool = False):
+                 use_distributed_optimizer: bool = False, average_over: Optional[int] = None):
         self.params = list(params)
         if not self.params:
             raise ValueError("a GradBuffer needs at least one parameter")
@@ -237,6 +244,7 @@ class GradBuffer:
         self.dp_size = dist.get_world_size(dp_group)
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
+        self.average_over = average_over
         self.is_last_microbatch = True
 
         own_bucket = []
@@ -258,7 +266,7 @@ class GradBuffer:
                                                             layout.bucket_params)):
             bucket_params = [self.params[i] for i in members]
             bucket = Bucket(index, bucket_params, self.data[start:end], start, dp_group,
-                            overlap_grad_reduce, use_distributed_optimizer)
+                            overlap_grad_reduce, use_distributed_optimizer, average_over)
             self.buckets.append(bucket)
             for i in members:
                 param = self.params[i]
