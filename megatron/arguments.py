@@ -859,10 +859,14 @@ def _validate_moe(args) -> None:
     if ep > 1 and (args.save or args.load):
         _fail(f"--save / --load with --expert-model-parallel-size {ep} are not supported yet "
               "(checkpoints do not hold each expert-parallel rank's experts)")
-    if getattr(args, "context_parallel_size", 1) != 1:
-        _fail(f"--num-experts with --context-parallel-size {args.context_parallel_size} is not "
-              "supported yet (the load-balancing loss would count only this rank's tokens); "
-              "use --context-parallel-size 1")
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp > 1 and args.moe_router_load_balancing_type == "sinkhorn":
+        _fail(f"--moe-router-load-balancing-type sinkhorn with --context-parallel-size {cp}: "
+              "Sinkhorn balances one rank's tokens, so it would route differently from CP 1; "
+              "use aux_loss, seq_aux_loss or none")
+    if cp > 1 and (args.moe_expert_capacity_factor or -1) >= 0:
+        _fail(f"--moe-expert-capacity-factor with --context-parallel-size {cp}: the capacity "
+              "of one rank's tokens would drop other tokens than CP 1; drop one of them")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     elif args.expert_tensor_parallel_size != tp:

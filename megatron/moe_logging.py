@@ -63,9 +63,12 @@ def aux_loss_values(model_chunks, pstate, num_microbatches: int,
                 recorded = torch.maximum(recorded, tracker.recorded[name])
         merged.values[name], merged.recorded[name] = values, recorded
     merged.all_reduce(pstate.pp_group)
-    dp_size = get_group_size(pstate.dp_group)
+    # The mean over data x context-parallel ranks (each context-parallel rank records its
+    # share times the group size, see the router).
+    dp_group = getattr(pstate, "dp_cp_group", pstate.dp_group)
+    dp_size = get_group_size(dp_group)
     for name in LOSS_NAMES:
-        all_reduce(merged.values[name], pstate.dp_group)
+        all_reduce(merged.values[name], dp_group)
         merged.values[name] /= dp_size
     for tracker in trackers:
         tracker.clear()

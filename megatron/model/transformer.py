@@ -125,7 +125,7 @@ class ParallelTransformerLayer(MegatronModule):
             self.mlp = MoELayer(config, moe_config, layer_number, ep_group=ep_group,
                                 expert_tp_group=(tp_group if expert_tp_group is None
                                                  else expert_tp_group), tp_group=tp_group,
-                                tracker=moe_tracker, init_seed=init_seed)
+                                tracker=moe_tracker, init_seed=init_seed, cp_group=cp_group)
             self.moe_sequence_gather = sequence_parallel and tp_size > 1
         else:
             self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)

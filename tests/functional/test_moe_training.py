@@ -75,13 +75,23 @@ LAYOUTS = [
     pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2",
                            "--moe-token-dispatcher-type", "alltoall"), id="ep2-alltoall"),
     pytest.param(1, 1, 4, ("--expert-model-parallel-size", "4",
-                           "--moe-token-dispatcher-type", "alltoall"), id="ep4-alltoall"),
+                           "--moe-token-dispatcher-type", "alltoall"), id="ep4-alltoall",
+                 marks=pytest.mark.slow),
     pytest.param(1, 1, 4, ("--expert-model-parallel-size", "4"), id="ep4",
                  marks=pytest.mark.slow),
-    pytest.param(1, 1, 4, ("--expert-model-parallel-size", "2"), id="dp4-ep2"),
+    pytest.param(1, 1, 4, ("--expert-model-parallel-size", "2"), id="dp4-ep2",
+                 marks=pytest.mark.slow),
     pytest.param(2, 1, 2, ("--expert-model-parallel-size", "2",
                            "--moe-token-dispatcher-type", "alltoall"), id="tp2-sp-ep2"),
-    pytest.param(1, 2, 2, ("--expert-model-parallel-size", "2"), id="pp2-ep2"),
+    pytest.param(1, 2, 2, ("--expert-model-parallel-size", "2"), id="pp2-ep2",
+                 marks=pytest.mark.slow),
+    # Context parallelism (the "dp" column counts cp x dp ranks): the load-balancing loss
+    # covers whole sequences. With 2 ranks and ep 2 the experts fold over the cp group.
+    pytest.param(1, 1, 2, ("--context-parallel-size", "2"), id="cp2", marks=pytest.mark.slow),
+    pytest.param(1, 1, 2, ("--context-parallel-size", "2", "--expert-model-parallel-size", "2",
+                           "--moe-token-dispatcher-type", "alltoall"), id="cp2-ep2"),
+    pytest.param(1, 1, 4, ("--context-parallel-size", "2", "--expert-model-parallel-size", "2"),
+                 id="cp2-dp2-ep2", marks=pytest.mark.slow),
     pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2", "--moe-grouped-gemm",
                            "--moe-token-dispatcher-type", "alltoall"), id="ep2-grouped-gemm",
                  marks=pytest.mark.slow),
@@ -93,11 +103,23 @@ def test_moe_layout_matches_single_process(corpus, baseline, tp, pp, dp, extra):
     _check_parity(baseline, _train(corpus, tp, pp, dp, extra=extra))
 
 
+@pytest.mark.slow
+def test_sequence_aux_loss_under_context_parallelism(corpus):
+    """seq_aux_loss counts each whole sequence's token choices, across the cp ranks."""
+    extra = ("--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "0.1")
+    _check_parity(_train(corpus, extra=extra),
+                  _train(corpus, 1, 1, 2, extra=extra + ("--context-parallel-size", "2")))
+
+
 def _run_logged(argv, log_path):
-    """Rank body: :func:`run_pretrain` with this rank's stdout written to ``log_path``."""
+    """Rank body: :func:`run_pretrain` with this rank's stdout written to ``log_path``
+    (``log_path.<rank>`` on ranks other than 0)."""
     import sys
 
-    with open(log_path, "w") as log:
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with open(log_path if rank == 0 else f"{log_path}.{rank}", "w") as log:
         sys.stdout.flush()
         saved = os.dup(1)
         os.dup2(log.fileno(), 1)
@@ -121,6 +143,25 @@ def test_aux_losses_are_logged_under_megatrons_names(corpus, tmp_path):
         z = float(re.search(r"z_loss: (\S+) \|", line).group(1))
         assert 0.9 < balance < 2.0 and z > 0, line   # E sum f P is ~1 when balanced
         assert "moe/" not in line   # per-layer values go to TensorBoard only
+
+
+def _logged_aux_losses(corpus, tmp_path, world, extra):
+    log = str(tmp_path / f"log-{world}.txt")
+    run_on_ranks(_run_logged, world, _flags(corpus, iters=3, extra=list(extra)), log)
+    path = log if world == 1 else f"{log}.{world - 1}"      # the last rank logs
+    with open(path) as f:
+        lines = [l for l in f.read().splitlines() if "| lm loss: " in l]
+    return [(float(re.search(r"load_balancing_loss: (\S+) \|", l).group(1)),
+             float(re.search(r"z_loss: (\S+) \|", l).group(1))) for l in lines]
+
+
+def test_context_parallel_logs_the_one_rank_aux_losses(corpus, tmp_path):
+    one = _logged_aux_losses(corpus, tmp_path, 1, ())
+    two = _logged_aux_losses(corpus, tmp_path, 2, ("--context-parallel-size", "2"))
+    assert len(one) == len(two) == 3
+    for (balance, z), (balance_cp, z_cp) in zip(one, two):
+        # Printed with 7 significant digits.
+        assert balance_cp == pytest.approx(balance, rel=1e-5) and z_cp == pytest.approx(z, rel=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])

@@ -139,8 +139,12 @@ def test_pad_vocab_size():
     (["--num-experts", "6", "--no-bias-gelu-fusion", "--expert-model-parallel-size", "4"], 4,
      r"--num-experts \(6\) must be divisible by --expert-model-parallel-size \(4\)"),
     (["--expert-model-parallel-size", "2"], 2, "--expert-model-parallel-size 2 needs --num-experts"),
-    (["--num-experts", "4", "--no-bias-gelu-fusion", "--context-parallel-size", "2"], 2,
-     r"--num-experts with --context-parallel-size 2 is not supported yet"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--context-parallel-size", "2",
+      "--moe-router-load-balancing-type", "sinkhorn"], 2,
+     r"sinkhorn with --context-parallel-size 2: Sinkhorn balances one rank's tokens"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--context-parallel-size", "2",
+      "--moe-expert-capacity-factor", "1.0"], 2,
+     r"--moe-expert-capacity-factor with --context-parallel-size 2"),
     (["--num-experts", "4"], 1, r"--num-experts: experts use exact \(erf\) GeLU"),
 ])
 def test_validation_errors(extra, world, pattern):

@@ -44,11 +44,14 @@ class MoELayer(MegatronModule):
         tracker: shared by the model's MoE layers: logged auxiliary losses and their gradient
             scale; None: not logged, scale 1.
         init_seed: the model's initialisation seed.
+        cp_group: the context-parallel group: the router's load-balancing loss covers the
+            whole sequence (see :class:`~megatron.model.moe.router.TopKRouter`).
     """
 
     def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int = 1,
                  *, ep_group=None, expert_tp_group=None, tp_group=None,
-                 tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+                 tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
+                 cp_group=None):
         super().__init__(config)
         if moe_config.num_moe_experts is None:
             raise ValueError("MoELayer needs --num-experts")
@@ -60,7 +63,8 @@ class MoELayer(MegatronModule):
         check_expert_tp(moe_config, config, expert_tp_group)
         self.moe_config = moe_config
         self.layer_number = layer_number
-        self.router = TopKRouter(config, moe_config, layer_number, tracker, init_seed)
+        self.router = TopKRouter(config, moe_config, layer_number, tracker, init_seed,
+                                 cp_group=cp_group)
         self.token_dispatcher = build_token_dispatcher(moe_config.moe_token_dispatcher_type,
                                                        moe_config.num_moe_experts, ep_group)
         experts_class = GroupedMLP if moe_config.moe_grouped_gemm else SequentialMLP

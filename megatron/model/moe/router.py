@@ -28,6 +28,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.core import device
+from megatron.core.collectives import all_reduce, get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method
 from megatron.model.moe.config import MoEConfig
@@ -106,6 +107,27 @@ def sequence_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor
     return total * (num_experts / (topk * seq_length * seq_length)) / batch
 
 
+def _cp_share(scores: torch.Tensor, counts: torch.Tensor, topk: int, cp: int) -> torch.Tensor:
+    """``cp`` times this rank's share of the whole sequence's switch loss: its ``T`` tokens'
+    scores against the counts of all ``cp T`` tokens."""
+    num_tokens, num_experts = scores.shape
+    total = cp * num_tokens
+    per_expert = scores.sum(dim=0)                                           # [E]
+    return cp * (per_expert * counts.to(scores.dtype)).sum() * (
+        num_experts / (topk * total * total))
+
+
+def _sequence_loss_share(scores: torch.Tensor, counts: torch.Tensor, seq_length: int,
+                         batch: int, topk: int) -> torch.Tensor:
+    """This rank's share of :func:`sequence_load_balancing_loss`: its tokens' scores
+    (``[s / cp * b, E]``) against each whole sequence's counts ``[b, E]`` (``seq_length``: the
+    whole sequence)."""
+    num_experts = scores.size(1)
+    per_seq_scores = scores.view(-1, batch, num_experts).sum(dim=0)                 # [b, E]
+    total = (per_seq_scores * counts.to(scores.dtype)).sum()
+    return total * (num_experts / (topk * seq_length * seq_length)) / batch
+
+
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """``mean_t logsumexp(logits_t)^2`` (ST-MoE's router z-loss, before its coefficient)."""
     return torch.logsumexp(logits.to(_score_dtype(logits)), dim=-1).square().mean()
@@ -177,11 +199,30 @@ class TopKRouter(torch.nn.Module):
             logged, scale 1.
         init_seed: the model's initialisation seed; the weight depends on it and on the layer
             number only.
+        cp_group: the context-parallel group (None: whole sequences here). With more than one
+            rank the load-balancing loss counts the token choices of the whole sequence (summed
+            over the group), each rank adding its own tokens' scores: the sum over the group
+            of each rank's value is the one-rank loss, so each rank records and attaches its
+            value times the group size (the gradients and the logged values are averaged over
+            data x context-parallel ranks). The z loss is a mean over equally many tokens per
+            rank and needs nothing. Sinkhorn and capacity dropping, which depend on which
+            tokens share a rank, are refused.
     """
 
     def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int,
-                 tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+                 tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
+                 cp_group=None):
         super().__init__()
+        self.cp_group = cp_group
+        self.cp_size = get_group_size(cp_group)
+        if self.cp_size > 1 and moe_config.moe_router_load_balancing_type == "sinkhorn":
+            raise ValueError("--moe-router-load-balancing-type sinkhorn balances the tokens of "
+                             "one rank; with --context-parallel-size > 1 it would route "
+                             "differently from one rank: use aux_loss, seq_aux_loss or none")
+        if self.cp_size > 1 and moe_config.drops_tokens:
+            raise ValueError("--moe-expert-capacity-factor drops tokens by the capacity of one "
+                             "rank's tokens; with --context-parallel-size > 1 it would drop "
+                             "other tokens than one rank: drop the flag or use CP 1")
         self.moe_config = moe_config
         self.layer_number = layer_number
         self.tracker = tracker
@@ -227,13 +268,25 @@ class TopKRouter(torch.nn.Module):
                 not self._losses_on()):
             return probs
         scores = scores_for_aux_loss(logits, cfg.moe_router_score_function)
+        cp = self.cp_size
         if kind == "aux_loss":
             counts = torch.zeros(self.num_experts, dtype=torch.long, device=logits.device)
             counts.scatter_add_(0, indices.flatten(), torch.ones_like(indices.flatten()))
-            value = switch_load_balancing_loss(scores, counts, self.topk)
+            if cp > 1:
+                all_reduce(counts, self.cp_group)
+                value = _cp_share(scores, counts, self.topk, cp)
+            else:
+                value = switch_load_balancing_loss(scores, counts, self.topk)
         else:
             _, chosen = _scatter_to_experts(probs.detach(), indices, self.num_experts)
-            value = sequence_load_balancing_loss(scores, chosen, seq_length, batch, self.topk)
+            if cp > 1:
+                chosen = chosen.view(seq_length, batch, self.num_experts).sum(dim=0)  # [b, E]
+                all_reduce(chosen, self.cp_group)
+                value = cp * _sequence_loss_share(scores, chosen, seq_length * cp, batch,
+                                                  self.topk)
+            else:
+                value = sequence_load_balancing_loss(scores, chosen, seq_length, batch,
+                                                     self.topk)
         self._record("load_balancing_loss", value)
         return attach_aux_loss(probs, value * cfg.moe_aux_loss_coeff, self.tracker)
 
