@@ -82,9 +82,9 @@ def _norm_params(config: TransformerConfig, size: int = 0) -> int:
 
 
 def _moe_mlp_parameters(config: TransformerConfig, moe, tp_size: int) -> int:
-    """An MoE layer's MLP on one tensor-parallel rank (expert TP = TP, expert parallelism 1):
-    the router ``E x h`` (whole on every rank), every expert's fc1 and fc2 (split), and the
-    shared expert (split; its gate ``1 x h`` whole)."""
+    """An MoE layer's MLP on one tensor-parallel rank (expert TP = TP): the router ``E x h``
+    (whole on every rank), the fc1 and fc2 of each of this expert-parallel rank's experts
+    (split), and the shared expert (split; its gate ``1 x h`` whole)."""
     h, t, bias = config.hidden_size, tp_size, config.add_bias_linear
     ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
     inner = 2 * ffn if config.swiglu else ffn
@@ -185,6 +185,48 @@ def layer_activation_bytes(config: TransformerConfig, micro_batch_size: int, tp_
     return (replicated / t if sequence_parallel else replicated) + (split + scores) / t
 
 
+def moe_mlp_activation_bytes(config: TransformerConfig, moe, micro_batch_size: int,
+                             tp_size: int = 1, element_bytes: int = 2,
+                             cp_size: int = 1) -> float:
+    """Bytes an MoE layer's MLP keeps for backward for one micro-batch, with balanced routing.
+
+    The layer sees this rank's whole ``T = s/cp * b`` tokens (under sequence parallelism its
+    input is gathered over the tensor-parallel ranks) and its experts process ``N = k T`` rows
+    on average over the expert-parallel ranks. Kept: the input (``T h``), the dispatched rows,
+    the experts' output rows and their probability-weighted copy (``3 N h``), the experts'
+    inner activations (``2 N f``, SwiGLU ``4 N f``, split over expert-TP), the routing indices
+    and probabilities (``12 T k + 12 N`` bytes), the fp32 scores of the auxiliary and z losses
+    (``4 T E`` each) and the shared expert's inner activations.
+    """
+    e = element_bytes
+    tokens = config.seq_length / cp_size * micro_batch_size
+    k, experts, h = moe.moe_router_topk, moe.num_moe_experts, config.hidden_size
+    rows = k * tokens
+    etp = moe.expert_tensor_parallel_size or tp_size
+    ffn = (moe.moe_ffn_hidden_size or config.ffn_hidden_size) / etp
+    inner = 4 if config.swiglu else 2
+    total = tokens * h * e + 3 * rows * h * e + inner * rows * ffn * e + 12 * (tokens * k + rows)
+    if moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and \
+            moe.moe_aux_loss_coeff:
+        total += 4 * tokens * experts
+    if moe.moe_z_loss_coeff:
+        total += 4 * tokens * experts
+    if moe.moe_shared_expert_intermediate_size:
+        total += inner * tokens * moe.moe_shared_expert_intermediate_size / tp_size * e
+    return total
+
+
+def _layer_bytes(config, moe, number: int, dense: float, b: int, t: int, sp: bool, e: int,
+                 cp: int) -> float:
+    """One layer's kept bytes: ``dense``, or with an MoE MLP in place of the dense one."""
+    if moe is None or not moe.is_moe_layer(number):
+        return dense
+    sbh = config.seq_length / cp * b * config.hidden_size
+    dense_mlp = (e * sbh + (3 if config.swiglu else 2) * e * sbh / config.hidden_size
+                 * config.ffn_hidden_size) / t                # fc1 input, inner activations
+    return dense - dense_mlp + moe_mlp_activation_bytes(config, moe, b, t, e, cp)
+
+
 def _chunk_activation_bytes(config, layers: int, per_layer: float, layer_input: float
                             ) -> Tuple[float, float]:
     """(bytes kept per micro-batch, transient recomputation bytes) of ``layers`` layers."""
@@ -198,22 +240,45 @@ def _chunk_activation_bytes(config, layers: int, per_layer: float, layer_input: 
     return kept, per_layer if checkpointed else 0.0
 
 
+def _mixed_chunk_activation_bytes(config, per_layer: List[float], layer_input: float
+                                  ) -> Tuple[float, float]:
+    """:func:`_chunk_activation_bytes` for layers of different sizes (an MoE model)."""
+    layers = len(per_layer)
+    if config.recompute_granularity != "full" or layers == 0:
+        return sum(per_layer), 0.0
+    n = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        groups = [sum(per_layer[i:i + n]) for i in range(0, layers, n)]
+        return len(groups) * layer_input, max(groups)
+    checkpointed = min(n, layers)
+    kept = checkpointed * layer_input + sum(per_layer[checkpointed:])
+    return kept, max(per_layer[:checkpointed]) if checkpointed else 0.0
+
+
 def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int,
                              num_microbatches: int, tp_size: int = 1, pp_size: int = 1,
                              pp_rank: int = 0, vp_size: Optional[int] = None,
                              sequence_parallel: bool = False, element_bytes: int = 2,
-                             cp_size: int = 1) -> float:
-    """Peak activation bytes of this rank over one step of its pipeline schedule."""
+                             cp_size: int = 1, moe=None) -> float:
+    """Peak activation bytes of this rank over one step of its pipeline schedule (``moe``: the
+    MoE config of an MoE model, whose MoE layers count :func:`moe_mlp_activation_bytes`)."""
     s, b, h, t = config.seq_length / cp_size, micro_batch_size, config.hidden_size, tp_size
     per_layer = layer_activation_bytes(config, b, t, sequence_parallel, element_bytes, cp_size)
     sbh_local = s * b * h / (t if sequence_parallel else 1)
     v = vp_size or 1
     unit, workspace = [], 0.0
     for chunk in range(v):
-        layers, _ = get_num_layers_and_offset(config, pp_size, pp_rank, vp_size,
-                                              chunk if vp_size else None)
-        kept, recompute = _chunk_activation_bytes(config, layers, per_layer,
-                                                  sbh_local * element_bytes)
+        layers, offset = get_num_layers_and_offset(config, pp_size, pp_rank, vp_size,
+                                                   chunk if vp_size else None)
+        if moe is None or moe.num_moe_experts is None:
+            kept, recompute = _chunk_activation_bytes(config, layers, per_layer,
+                                                      sbh_local * element_bytes)
+        else:
+            sizes = [_layer_bytes(config, moe, offset + i + 1, per_layer, b, t,
+                                  sequence_parallel, element_bytes, cp_size)
+                     for i in range(layers)]
+            kept, recompute = _mixed_chunk_activation_bytes(config, sizes,
+                                                            sbh_local * element_bytes)
         workspace = max(workspace, recompute)
         if pp_rank == 0 and chunk == 0:
             kept += 8 * s * b + sbh_local                        # input ids, dropout mask
@@ -250,7 +315,8 @@ def estimate_memory(args, pp_rank: int, num_microbatches: int,
             config, micro_batch_size=args.micro_batch_size, num_microbatches=num_microbatches,
             tp_size=tp, pp_size=pp, pp_rank=pp_rank, vp_size=vp,
             sequence_parallel=args.sequence_parallel,
-            element_bytes=torch.tensor([], dtype=act_dtype).element_size(), cp_size=cp))
+            element_bytes=torch.tensor([], dtype=act_dtype).element_size(), cp_size=cp,
+            moe=configs.moe))
 
 
 def measured_peak_bytes() -> Tuple[float, str]:

@@ -214,3 +214,60 @@ def test_measured_peak_on_cpu_is_the_resident_set():
     peak, source = ma.measured_peak_bytes()
     assert source == "max resident set size"
     assert peak == resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 > 0
+
+
+# ------------------------------------------------------------------------- mixture of experts
+
+def _saved_activation_bytes(module, x) -> int:
+    """Bytes of the distinct storages autograd keeps for backward in one training forward,
+    parameters (and views of them) excluded."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        module(x)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("swiglu,topk,experts,losses,shared", [
+    (False, 2, 4, False, None), (True, 2, 4, True, None), (False, 1, 8, True, None),
+    (True, 2, 4, False, 64)])
+def test_moe_activation_bytes_match_a_census_of_the_real_layer(swiglu, topk, experts, losses,
+                                                               shared):
+    """The accounting of an MoE MLP against what autograd actually keeps (balanced routing is
+    approximated by a random router; 5% covers the small index tensors and the imbalance)."""
+    from megatron.model.moe import MoEConfig, MoELayer
+
+    torch.manual_seed(0)
+    seq = 64
+    cfg = config(seq_length=seq, max_position_embeddings=seq, ffn_hidden_size=48,
+                 swiglu=swiglu, add_bias_linear=False, bias_gelu_fusion=False)
+    moe = MoEConfig(num_moe_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=48,
+                    moe_aux_loss_coeff=0.01 if losses else 0.0,
+                    moe_z_loss_coeff=1e-3 if losses else None,
+                    moe_shared_expert_intermediate_size=shared)
+    layer = MoELayer(cfg, moe, 1)
+    measured = _saved_activation_bytes(layer, torch.randn(seq, B, H, requires_grad=True))
+    accounted = ma.moe_mlp_activation_bytes(cfg, moe, B, element_bytes=4)
+    assert accounted == pytest.approx(measured, rel=0.05)
+
+
+def test_moe_layers_replace_the_dense_mlp_in_the_stage_total():
+    from megatron.model.moe import MoEConfig
+
+    cfg = config(recompute_granularity="selective")
+    moe = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_layer_freq=2)
+    dense_layer = ma.layer_activation_bytes(cfg, B)
+    dense_mlp = 2 * SBH + 2 * 2 * S * B * cfg.ffn_hidden_size   # fc1 input, inner (e = 2)
+    moe_layer = dense_layer - dense_mlp + ma.moe_mlp_activation_bytes(cfg, moe, B)
+    total = ma.activation_bytes_on_rank(cfg, micro_batch_size=B, num_microbatches=1, moe=moe)
+    dense_total = ma.activation_bytes_on_rank(cfg, micro_batch_size=B, num_microbatches=1)
+    # Layers 1 and 3 of 4 are MoE layers (--moe-layer-freq 2).
+    assert total == pytest.approx(dense_total + 2 * (moe_layer - dense_layer), rel=1e-12)
+    assert total != dense_total
