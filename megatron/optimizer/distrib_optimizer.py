@@ -93,7 +93,7 @@ class ShardPiece:
     """
 
     model_param: torch.nn.Parameter
-    buffer_key: Tuple[int, torch.dtype]  # (model chunk index, gradient dtype)
+    buffer_key: Tuple[int, torch.dtype, bool]  # (model chunk index, gradient dtype, expert?)
     bucket_index: int
     param_start: int
     param_end: int
@@ -217,7 +217,7 @@ class DistributedOptimizer(MegatronOptimizer):
                          tp_rank=tp_rank, use_main_grad=True,
                          expert_parallel_group=expert_parallel_group)
 
-        self._pending_gathers: Dict[Tuple[Tuple[int, torch.dtype], int], list] = {}
+        self._pending_gathers: Dict[Tuple[Tuple[int, torch.dtype, bool], int], list] = {}
         self._hook_handles = []
         if overlap_param_gather:
             self._register_forward_pre_hooks()
@@ -248,10 +248,9 @@ class DistributedOptimizer(MegatronOptimizer):
         return self.dp_rank == 0
 
     def param_shard_group(self, param: torch.nn.Parameter):
-        """The process group whose ranks' pieces of ``param`` tile it (one piece per rank at
-        most, from :meth:`local_param_state`): the DP (x CP) group for a dense parameter, the
-        expert-DP group for an expert's. Ranks outside it hold other copies of ``param``
-        (other TP / PP / EP coordinates hold other parameters)."""
+        """The group over which ``param`` is sharded: the DP (x CP) group for a dense parameter,
+        the expert-DP group for an expert's. Its ranks hold every copy of ``param``, and their
+        pieces (at most one each, see :meth:`local_param_state`) tile it exactly once."""
         for buf in self.grad_buffers.values():
             if param in buf.param_index_map:
                 return buf.dp_group
