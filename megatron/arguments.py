@@ -852,10 +852,6 @@ def _validate_moe(args) -> None:
     if ep < 1 or args.num_experts % ep:
         _fail(f"--num-experts ({args.num_experts}) must be divisible by "
               f"--expert-model-parallel-size ({ep})")
-    if ep > 1 and args.use_distributed_optimizer:
-        _fail(f"--use-distributed-optimizer with --expert-model-parallel-size {ep} is not "
-              "supported yet (its shards do not follow the expert-data-parallel group); drop "
-              "one of them")
     if ep > 1 and (args.save or args.load):
         _fail(f"--save / --load with --expert-model-parallel-size {ep} are not supported yet "
               "(checkpoints do not hold each expert-parallel rank's experts)")

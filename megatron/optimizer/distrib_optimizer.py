@@ -33,9 +33,24 @@ One step:
 fp32 models keep no copy of their parameters: a main piece is a view of the model parameter's
 storage. fp16/bf16 models keep fp32 main pieces.
 
+Expert parallelism (``--expert-model-parallel-size`` > 1): the experts' gradients live in the DP
+wrapper's ``expert_grad_buffers``, reduced over the expert-data-parallel group. Every buffer is
+sharded over its own group (``GradBuffer.dp_group``): a dense parameter's pieces tile it over the
+DP (x CP) ranks, an expert's over the expert-DP ranks, and each bucket's updated parameters are
+gathered over that same group. The gradient norm and zero count add the dense pieces over DP,
+then the model-parallel group (TP x PP); the expert pieces over expert-DP, then the
+model-parallel group, then the expert-parallel group, whose ranks hold different experts. The
+inf/nan flag is a max over DP, then the model-parallel group: together every rank of the world.
+With world 4, ``dp = 4`` and ``ep = 2`` (expert-DP groups ``[0, 2] [1, 3]``, EP groups
+``[0, 1] [2, 3]``), rank 1 optimises a quarter of each dense bucket and half of each bucket of
+its two local experts, shared with rank 3.
+
 Checkpoints (:meth:`DistributedOptimizer.state_dict`, a collective over the DP group): the
 shards are gathered to DP rank 0 and saved unsharded, per parameter in model order, so a run with
-any DP size can load them; each rank then cuts out its own pieces::
+any DP size can load them; each rank then cuts out its own pieces. With expert parallelism the
+state is whole on every rank whose expert-DP rank is 0 (Megatron's writers of one file per
+(TP, PP, EP) rank): the dense pieces are all-gathered over DP, the local experts' gathered over
+expert-DP, and ``param_state`` holds the dense parameters and this EP rank's local experts::
 
     {"optimizer": {"param_groups": [{hyper-parameters..., "step": n, "params": [0, 1, ...]}]},
      "param_state": [[{"param": fp32 main, "exp_avg": ..., "exp_avg_sq": ...}, ...], ...],
@@ -78,7 +93,7 @@ class ShardPiece:
     """
 
     model_param: torch.nn.Parameter
-    buffer_key: Tuple[int, torch.dtype]  # (model chunk index, gradient dtype)
+    buffer_key: Tuple[int, torch.dtype, bool]  # (model chunk index, gradient dtype, expert?)
     bucket_index: int
     param_start: int
     param_end: int
@@ -105,7 +120,8 @@ def _shard_pieces(buffer_key, grad_buffer, dp_rank: int) -> Dict[torch.nn.Parame
 
 
 def _check_chunk(index: int, chunk, dp_size: int) -> None:
-    """The chunk must be a DP wrapper whose every bucket can be cut into ``dp_size`` shards."""
+    """The chunk must be a DP wrapper whose every bucket can be cut into as many shards as its
+    buffer's group has ranks (``dp_size`` for the dense buffers)."""
     if not hasattr(chunk, "grad_buffers"):
         raise ConfigError(
             f"--use-distributed-optimizer needs every model chunk wrapped in "
@@ -114,13 +130,15 @@ def _check_chunk(index: int, chunk, dp_size: int) -> None:
     if chunk.dp_size != dp_size:
         raise ConfigError(f"model chunk {index} is data-parallel over {chunk.dp_size} ranks, the "
                           f"optimizer's dp_group over {dp_size}")
-    uneven = [b.data.numel() for buf in chunk.grad_buffers.values() for b in buf.buckets
-              if b.data.numel() % dp_size]
+    buffers = list(chunk.grad_buffers.values()) + list(
+        getattr(chunk, "expert_grad_buffers", {}).values())
+    uneven = [(b.data.numel(), buf.dp_size) for buf in buffers for b in buf.buckets
+              if b.data.numel() % buf.dp_size]
     if uneven:
         raise ConfigError(
             f"--use-distributed-optimizer: model chunk {index} has gradient buckets of "
-            f"{uneven[:3]} elements, not multiples of the data-parallel size {dp_size}; build "
-            "DistributedDataParallel with use_distributed_optimizer=True")
+            f"(elements, group size) {uneven[:3]}, not multiples of their data-parallel "
+            "group's size; build DistributedDataParallel with use_distributed_optimizer=True")
     if not chunk.use_distributed_optimizer and dp_size > 1:
         logger.warning("--use-distributed-optimizer: model chunk %d was wrapped without "
                        "use_distributed_optimizer=True, so its gradients are all-reduced in full "
@@ -141,6 +159,9 @@ class DistributedOptimizer(MegatronOptimizer):
         dp_group: data-parallel group; None: the model chunks' own ``dp_group``.
         model_parallel_group: TP x PP group (see :class:`MegatronOptimizer`).
         tp_rank: this rank's tensor-parallel rank.
+        expert_parallel_group: the expert-parallel group (``ParallelState.ep_group``); required
+            when the model chunks have expert gradient buffers, whose share of the norm and
+            zero count it completes. None, or one rank: no expert parallelism.
         overlap_param_gather: gather updated parameters asynchronously, waiting in each module's
             forward pre-hook (``--overlap-param-gather``); otherwise gather at the end of step().
     """
@@ -149,7 +170,7 @@ class DistributedOptimizer(MegatronOptimizer):
                  param_groups: List[dict],
                  build_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
                  grad_scaler: Optional[MegatronGradScaler] = None, *, dp_group=None,
-                 model_parallel_group=None, tp_rank: int = 0,
+                 model_parallel_group=None, tp_rank: int = 0, expert_parallel_group=None,
                  overlap_param_gather: bool = False):
         if config.fp16 and grad_scaler is None:
             raise ValueError("--fp16 needs a loss scaler (dynamic, or --loss-scale)")
@@ -161,18 +182,24 @@ class DistributedOptimizer(MegatronOptimizer):
         self.dp_rank = collectives.get_group_rank(dp_group)
         for index, chunk in enumerate(self.model_chunks):
             _check_chunk(index, chunk, self.dp_size)
+        self.expert_dp_group = self._expert_dp_group(expert_parallel_group)
         self.grad_scaler = grad_scaler
         self._scale_one = torch.ones(1, dtype=torch.float32, device=device.current_device())
         self.overlap_param_gather = overlap_param_gather
         self.num_successful_steps = 0
 
-        self.grad_buffers = {(i, dtype): buf for i, chunk in enumerate(self.model_chunks)
-                             for dtype, buf in chunk.grad_buffers.items()}
+        # (chunk index, gradient dtype, expert?) -> buffer; the dense buffers of a chunk first.
+        self.grad_buffers = {}
+        for i, chunk in enumerate(self.model_chunks):
+            for expert, buffers in ((False, chunk.grad_buffers),
+                                    (True, getattr(chunk, "expert_grad_buffers", {}))):
+                for dtype, buf in buffers.items():
+                    self.grad_buffers[(i, dtype, expert)] = buf
         self.param_buffers = {key: self._build_param_buffers(buf)
                               for key, buf in self.grad_buffers.items()}
         pieces: Dict[torch.nn.Parameter, ShardPiece] = {}
         for key, buf in self.grad_buffers.items():
-            pieces.update(_shard_pieces(key, buf, self.dp_rank))
+            pieces.update(_shard_pieces(key, buf, collectives.get_group_rank(buf.dp_group)))
 
         # Model-order groups; per group, this rank's (piece, main param) pairs.
         self.model_param_groups: List[List[torch.nn.Parameter]] = []
@@ -187,14 +214,47 @@ class DistributedOptimizer(MegatronOptimizer):
             shard_param_groups.append({**group, "params": [main for _, main in shards]})
         optimizer = build_optimizer(shard_param_groups)
         super().__init__(optimizer, config, model_parallel_group=model_parallel_group,
-                         tp_rank=tp_rank, use_main_grad=True)
+                         tp_rank=tp_rank, use_main_grad=True,
+                         expert_parallel_group=expert_parallel_group)
 
-        self._pending_gathers: Dict[Tuple[Tuple[int, torch.dtype], int], list] = {}
+        self._pending_gathers: Dict[Tuple[Tuple[int, torch.dtype, bool], int], list] = {}
         self._hook_handles = []
         if overlap_param_gather:
             self._register_forward_pre_hooks()
 
     # -- construction ------------------------------------------------------------------------
+
+    def _expert_dp_group(self, expert_parallel_group):
+        """The chunks' expert-data-parallel group when experts have buffers of their own."""
+        groups = {id(getattr(c, "expert_dp_group", None)): getattr(c, "expert_dp_group", None)
+                  for c in self.model_chunks}
+        if len(groups) != 1:
+            raise ConfigError("--use-distributed-optimizer: the model chunks were wrapped with "
+                              "different expert-data-parallel groups")
+        group = next(iter(groups.values()))
+        if group is not None and collectives.get_group_size(expert_parallel_group) == 1:
+            raise ConfigError(
+                "--use-distributed-optimizer: the model chunks keep expert gradients over an "
+                "expert-data-parallel group, but the optimizer got no expert_parallel_group; "
+                "pass ParallelState.ep_group, or the experts' norm would miss other EP ranks")
+        return group
+
+    @property
+    def saves_param_state(self) -> bool:
+        """Whether :meth:`state_dict` returns the whole ``param_state`` on this rank: DP rank 0,
+        or with expert parallelism every rank whose expert-DP rank is 0."""
+        if self.expert_dp_group is not None:
+            return collectives.get_group_rank(self.expert_dp_group) == 0
+        return self.dp_rank == 0
+
+    def param_shard_group(self, param: torch.nn.Parameter):
+        """The group over which ``param`` is sharded: the DP (x CP) group for a dense parameter,
+        the expert-DP group for an expert's. Its ranks hold every copy of ``param``, and their
+        pieces (at most one each, see :meth:`local_param_state`) tile it exactly once."""
+        for buf in self.grad_buffers.values():
+            if param in buf.param_index_map:
+                return buf.dp_group
+        raise KeyError(f"a parameter of shape {tuple(param.shape)} is in no gradient buffer")
 
     def _check_group(self, group: dict) -> None:
         for param in group["params"]:
@@ -259,7 +319,10 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def _unscale_and_check_for_nan(self, grads: List[torch.Tensor],
                                    inv_scale: torch.Tensor) -> bool:
-        """Unscale this rank's shard of the gradients; True if any shard anywhere overflowed."""
+        """Unscale this rank's shard of the gradients; True if any shard anywhere overflowed.
+
+        A max over DP, then the model-parallel group, reaches every rank of the world, so the
+        expert pieces need no reduction of their own."""
         found_inf = torch.zeros(1, dtype=torch.float32, device=device.current_device())
         if grads:
             local = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
@@ -272,29 +335,60 @@ class DistributedOptimizer(MegatronOptimizer):
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
         return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank)
 
-    def get_grad_norm(self) -> float:
-        """The 2-norm of the whole model's gradient, from every rank's shard."""
-        grads = self.get_main_grads_for_grad_norm()
+    def _expert_mains(self, expert: bool) -> List[torch.Tensor]:
+        return [main for piece, main in self._shards() if piece.buffer_key[2] == expert]
+
+    def _all_reduce_expert_dp_mp_ep(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        """The experts' counterpart of :meth:`_all_reduce_dp_then_mp`: over expert-DP (the
+        ranks sharing this rank's experts), the model-parallel group, then the expert-parallel
+        group (the ranks holding the other experts)."""
+        collectives.all_reduce(tensor, self.expert_dp_group, op=op)
+        collectives.all_reduce(tensor, self.model_parallel_group, op=op)
+        collectives.all_reduce(tensor, self.expert_parallel_group, op=op)
+        return tensor
+
+    def _square_sum(self, params: List[torch.Tensor]) -> torch.Tensor:
+        grads = get_grads_for_norm(params, tp_rank=self.tp_rank)
         total = torch.zeros(1, dtype=torch.float32, device=device.current_device())
         if grads:
             norms = torch._foreach_norm(grads, 2.0)
             total += torch.stack(norms).pow(2.0).sum().to(total.device)
-        self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM)
-        return float(total.item()) ** 0.5
+        return total
+
+    def get_grad_norm(self) -> float:
+        """The 2-norm of the whole model's gradient, from every rank's shard."""
+        if self.expert_dp_group is None:
+            total = self._square_sum(self.get_parameters())
+            self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM)
+            return float(total.item()) ** 0.5
+        total = self._all_reduce_dp_then_mp(self._square_sum(self._expert_mains(False)),
+                                            dist.ReduceOp.SUM)
+        experts = self._all_reduce_expert_dp_mp_ep(self._square_sum(self._expert_mains(True)),
+                                                   dist.ReduceOp.SUM)
+        return float((total + experts).item()) ** 0.5
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         grad_norm = self.get_grad_norm()
         clip_grads_with_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
         return grad_norm
 
-    def count_zeros(self) -> int:
+    def _zero_count(self, mains: List[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros(1, dtype=torch.float64, device=device.current_device())
-        for _, main in self._shards():
+        for main in mains:
             if (main.grad is not None and param_is_not_shared(main)
                     and param_is_not_tensor_parallel_duplicate(main, self.tp_rank)):
                 total += main.grad.numel() - torch.count_nonzero(main.grad).to(total.device)
-        self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM)
-        return int(total.item())
+        return total
+
+    def count_zeros(self) -> int:
+        if self.expert_dp_group is None:
+            total = self._zero_count([main for _, main in self._shards()])
+            return int(self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM).item())
+        dense = self._all_reduce_dp_then_mp(self._zero_count(self._expert_mains(False)),
+                                            dist.ReduceOp.SUM)
+        experts = self._all_reduce_expert_dp_mp_ep(self._zero_count(self._expert_mains(True)),
+                                                   dist.ReduceOp.SUM)
+        return int(dense.item()) + int(experts.item())
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -344,10 +438,11 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def start_param_sync(self) -> None:
         """Launch the all-gather of every bucket's updated parameters, in forward order (last
-        bucket first: buckets follow the backward order). Asynchronous where the backend allows."""
-        if self.dp_size == 1:
-            return
+        bucket first: buckets follow the backward order), each over its buffer's group.
+        Asynchronous where the backend allows."""
         for key, grad_buffer in self.grad_buffers.items():
+            if grad_buffer.dp_size == 1:
+                continue
             for bucket in reversed(grad_buffer.buckets):
                 handles = []
                 for param_buffer in self.param_buffers[key].values():
@@ -362,11 +457,11 @@ class DistributedOptimizer(MegatronOptimizer):
         if self.overlap_param_gather:
             native = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             try:
-                return native(out, shard, group=self.dp_group, async_op=True), shard
+                return native(out, shard, group=bucket.dp_group, async_op=True), shard
             except (RuntimeError, NotImplementedError) as err:
                 if "support" not in str(err).lower() and not isinstance(err, NotImplementedError):
                     raise
-        collectives.all_gather_into_tensor(out, shard, self.dp_group)
+        collectives.all_gather_into_tensor(out, shard, bucket.dp_group)
         return None, shard
 
     def _finish_bucket(self, key) -> None:
@@ -412,10 +507,12 @@ class DistributedOptimizer(MegatronOptimizer):
         return ("momentum_buffer",) if self.config.sgd_momentum > 0 else ()
 
     def state_dict(self) -> dict:
-        """The unsharded optimizer state; a collective over the DP group.
+        """The unsharded optimizer state; a collective over the DP group (and the expert-DP
+        group with expert parallelism).
 
-        Every DP rank must call it; the full ``param_state`` is returned on DP rank 0 only
-        (None elsewhere), which is the rank that writes the checkpoint.
+        Every DP rank must call it; the full ``param_state`` is returned where
+        :attr:`saves_param_state` (DP rank 0; with expert parallelism every expert-DP rank 0,
+        its local experts included) and is None elsewhere.
         """
         self.finish_param_sync()
         groups = self.group_metadata()
@@ -502,41 +599,60 @@ class DistributedOptimizer(MegatronOptimizer):
                     local[row, piece.buffer_start - base:piece.buffer_end - base] = value
         return local
 
+    def _gather_bucket_state(self, local: torch.Tensor, group,
+                             to_all: bool) -> Optional[torch.Tensor]:
+        """``[names, bucket numel]`` from every rank's ``[names, shard]`` of ``group``: on its
+        rank 0 (on every rank with ``to_all``), None elsewhere."""
+        size, rank = collectives.get_group_size(group), collectives.get_group_rank(group)
+        if size == 1:
+            return local
+        if to_all:
+            parts = [torch.empty_like(local) for _ in range(size)]
+            dist.all_gather(parts, local, group=group)
+            return torch.cat(parts, dim=1)
+        parts = [torch.empty_like(local) for _ in range(size)] if rank == 0 else None
+        dist.gather(local, parts, dst=dist.get_global_rank(group, 0), group=group)
+        return torch.cat(parts, dim=1) if parts is not None else None
+
     def _gather_param_state(self) -> Optional[List[List[dict]]]:
-        """Gather every bucket's shards to DP rank 0 and cut them into per-parameter tensors."""
+        """Gather every bucket's shards over its buffer's group to the ranks that
+        :attr:`saves_param_state` and cut them into per-parameter tensors.
+
+        Dense buckets go to DP rank 0; with expert parallelism to every rank of the DP group
+        (each expert-DP rank 0 among them needs them), expert buckets to expert-DP rank 0."""
         names = ("param",) + self._state_keys()
-        root = 0 if self.dp_group is None else dist.get_global_rank(self.dp_group, 0)
+        saves = self.saves_param_state
         per_param: Dict[torch.nn.Parameter, dict] = {}
         for key, grad_buffer in self.grad_buffers.items():
+            to_all = self.expert_dp_group is not None and not key[2]
             for bucket in grad_buffer.buckets:
                 local = self._local_bucket_state(key, bucket, names)  # [names, shard]
-                if self.dp_size == 1:
-                    full = local
-                else:
-                    parts = ([torch.empty_like(local) for _ in range(self.dp_size)]
-                             if self.dp_rank == 0 else None)
-                    dist.gather(local, parts, dst=root, group=self.dp_group)
-                    full = torch.cat(parts, dim=1) if parts is not None else None  # [names, b]
-                if full is None:
+                full = self._gather_bucket_state(local, grad_buffer.dp_group, to_all)
+                if full is None or not saves:  # full: [names, bucket numel]
                     continue
                 for param in bucket.params:
                     start, end, _ = grad_buffer.param_index_map[param]
                     rel = slice(start - bucket.offset, end - bucket.offset)
                     per_param[param] = {name: full[row, rel].reshape(param.shape).cpu().clone()
                                         for row, name in enumerate(names)}
-        if self.dp_rank != 0:
+        if not saves:
             return None
         return [[per_param[p] for p in group] for group in self.model_param_groups]
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load an unsharded state (any DP size saved it); this rank keeps its own pieces."""
+        """Load an unsharded state (any DP size saved it); this rank keeps its own pieces.
+
+        With expert parallelism the state is the one of this rank's EP coordinate (the dense
+        parameters and this EP rank's local experts, as :meth:`state_dict` returns it on its
+        expert-DP rank 0); every rank of that coordinate loads the same state."""
         if "param_state" not in state_dict:
             raise KeyError("optimizer checkpoint has no 'param_state': it was not saved with "
                            "--use-distributed-optimizer; drop the flag to load it, or pass "
                            f"--no-load-optim (found keys {sorted(state_dict)})")
         if state_dict["param_state"] is None:
             raise ValueError("optimizer checkpoint has param_state None: it is the state_dict() "
-                             "of a data-parallel rank other than 0, which holds no state")
+                             "of a data-parallel rank other than 0 (expert-data-parallel rank "
+                             "other than 0 with expert parallelism), which holds no state")
         saved_groups = state_dict["optimizer"]["param_groups"]
         param_state = state_dict["param_state"]
         self._check_saved_layout(saved_groups, param_state)

@@ -590,15 +590,12 @@ def get_megatron_optimizer(config: OptimizerConfig,
     if config.use_distributed_optimizer:
         from .distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 - import cycle
 
-        if expert_parallel_group is not None and dist.get_world_size(expert_parallel_group) > 1:
-            raise ConfigError("--use-distributed-optimizer with --expert-model-parallel-size > 1 "
-                              "is not supported yet")
-
         scaler = build_grad_scaler(config) if config.fp16 or config.bf16 else None
         return DistributedOptimizer(
             config, model_chunks, param_groups,
             lambda groups: _build_torch_optimizer(config, groups), scaler, dp_group=dp_group,
             model_parallel_group=mp_group, tp_rank=tp_rank,
+            expert_parallel_group=expert_parallel_group,
             overlap_param_gather=overlap_param_gather)
     if overlap_param_gather:
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")

@@ -20,6 +20,9 @@ from tests.multiprocess import run_on_ranks
 
 ITERS = 6
 RTOL = 1e-4
+# Grad norms are logged with 3 decimals and agree to ~1e-6 relative, so the printed values
+# differ at most by one in the last digit (a value next to a rounding boundary).
+NORM_ATOL = 1.5e-3
 MOE = ["--num-layers", "4", "--num-experts", "4", "--moe-router-topk", "2",
        "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "1e-3", "--no-bias-gelu-fusion"]
 
@@ -41,20 +44,41 @@ def _train(corpus, tp=1, pp=1, dp=1, **kw):
     return run_on_ranks(run_pretrain, tp * pp * dp, _flags(corpus, tp, pp, **kw))[-1]
 
 
+def _train_logged(corpus, log_dir, tp=1, pp=1, dp=1, **kw):
+    """:func:`_train`, with the logged grad norms added to the result as ``grad_norms``.
+
+    The norm matters on its own: with Adam, a gradient clipped by a wrong norm (say, one
+    missing another EP rank's experts) is nearly the same update, so the losses barely move.
+    """
+    os.makedirs(log_dir, exist_ok=True)
+    result = run_on_ranks(_run_logged_per_rank, tp * pp * dp, _flags(corpus, tp, pp, **kw),
+                          log_dir)[-1]
+    norms = []
+    for name in sorted(os.listdir(log_dir)):
+        with open(os.path.join(log_dir, name)) as f:
+            norms = norms or [float(re.search(r"grad norm: (\S+) \|", line).group(1))
+                              for line in f.read().splitlines() if "| lm loss: " in line]
+    return {**result, "grad_norms": norms}
+
+
 def _losses(result):
     return [loss for _, loss in result["losses"]]
 
 
 @pytest.fixture(scope="module")
-def baseline(corpus):
-    return _train(corpus)
+def baseline(corpus, tmp_path_factory):
+    return _train_logged(corpus, str(tmp_path_factory.mktemp("baseline_log")))
 
 
-def _check_parity(base, out):
+def _check_parity(base, out, rtol=RTOL, norm_atol=NORM_ATOL):
     a, b = _losses(base), _losses(out)
     assert len(a) == ITERS and a[-1] < a[0] - 0.2, a   # it learns
     for step, (x, y) in enumerate(zip(a, b), start=1):
-        assert abs(x - y) <= RTOL * abs(x), (step, a, b)
+        assert abs(x - y) <= rtol * abs(x), (step, a, b)
+    m, n = base["grad_norms"], out["grad_norms"]
+    assert len(m) == ITERS == len(n), (m, n)
+    for step, (x, y) in enumerate(zip(m, n), start=1):
+        assert abs(x - y) <= norm_atol, ("grad norm", step, m, n)
 
 
 LAYOUTS = [
@@ -95,12 +119,40 @@ LAYOUTS = [
     pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2", "--moe-grouped-gemm",
                            "--moe-token-dispatcher-type", "alltoall"), id="ep2-grouped-gemm",
                  marks=pytest.mark.slow),
+    # The distributed optimizer shards the experts over expert-DP (2 here, 1 in dp2-ep2).
+    pytest.param(1, 1, 4, ("--expert-model-parallel-size", "2", "--use-distributed-optimizer"),
+                 id="dp4-ep2-distopt"),
+    pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                           "--moe-token-dispatcher-type", "alltoall"),
+                 id="dp2-ep2-distopt-alltoall"),
+    pytest.param(1, 1, 4, ("--expert-model-parallel-size", "2", "--use-distributed-optimizer",
+                           "--moe-token-dispatcher-type", "alltoall", "--overlap-grad-reduce",
+                           "--overlap-param-gather", "--ddp-bucket-size", "2000"),
+                 id="dp4-ep2-distopt-alltoall-overlap"),
 ]
 
 
 @pytest.mark.parametrize("tp,pp,dp,extra", LAYOUTS)
-def test_moe_layout_matches_single_process(corpus, baseline, tp, pp, dp, extra):
-    _check_parity(baseline, _train(corpus, tp, pp, dp, extra=extra))
+def test_moe_layout_matches_single_process(corpus, baseline, tmp_path, tp, pp, dp, extra):
+    _check_parity(baseline, _train_logged(corpus, str(tmp_path), tp, pp, dp, extra=extra))
+
+
+def test_fp16_distopt_ep_matches_single_process_fp16(corpus, tmp_path):
+    """DP 4 x EP 2 with the distributed optimizer in fp16 against the single-process fp16 run.
+
+    The loss scale starts low enough (2^16) that no step overflows, so both runs step alike.
+    Tolerances: the weights are fp16, rounded from fp32 main copies that differ by ulps of
+    summation order, so now and then an element rounds the other way. Losses: 5e-4 relative,
+    one fp16 ulp (2^-11), where they agree to ~1e-4 over 6 steps. Grad norms (~1.4): 5e-3,
+    where they agree to ~3e-3 by step 6; one that misses the other EP rank's experts is ~0.08
+    smaller.
+    """
+    fp16 = ["--fp16", "--initial-loss-scale", "65536"]
+    base = _train_logged(corpus, str(tmp_path / "single"), extra=fp16)
+    out = _train_logged(corpus, str(tmp_path / "dp4-ep2"), dp=4,
+                        extra=fp16 + ["--expert-model-parallel-size", "2",
+                                      "--use-distributed-optimizer"])
+    _check_parity(base, out, rtol=5e-4, norm_atol=5e-3)
 
 
 @pytest.mark.slow
@@ -129,6 +181,13 @@ def _run_logged(argv, log_path):
             sys.stdout.flush()
             os.dup2(saved, 1)
             os.close(saved)
+
+
+def _run_logged_per_rank(argv, log_dir):
+    """Rank body: :func:`_run_logged` into ``log_dir/rank<r>.txt``."""
+    import torch.distributed as dist
+
+    return _run_logged(argv, os.path.join(log_dir, f"rank{dist.get_rank()}.txt"))
 
 
 def test_aux_losses_are_logged_under_megatrons_names(corpus, tmp_path):
