@@ -95,7 +95,8 @@ LAYOUTS = [
                  marks=pytest.mark.slow),
     pytest.param(1, 1, 1, ("--moe-grouped-gemm",), id="grouped-gemm", marks=pytest.mark.slow),
     # Expert parallelism: the experts are dealt over the data-parallel ranks.
-    pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2"), id="ep2"),
+    pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2"), id="ep2",
+                 marks=pytest.mark.slow),
     pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2",
                            "--moe-token-dispatcher-type", "alltoall"), id="ep2-alltoall"),
     pytest.param(1, 1, 4, ("--expert-model-parallel-size", "4",
@@ -112,8 +113,11 @@ LAYOUTS = [
     # Context parallelism (the "dp" column counts cp x dp ranks): the load-balancing loss
     # covers whole sequences. With 2 ranks and ep 2 the experts fold over the cp group.
     pytest.param(1, 1, 2, ("--context-parallel-size", "2"), id="cp2", marks=pytest.mark.slow),
+    pytest.param(1, 1, 2, ("--context-parallel-size", "2", "--expert-model-parallel-size", "2"),
+                 id="cp2-ep2"),
     pytest.param(1, 1, 2, ("--context-parallel-size", "2", "--expert-model-parallel-size", "2",
-                           "--moe-token-dispatcher-type", "alltoall"), id="cp2-ep2"),
+                           "--moe-token-dispatcher-type", "alltoall"), id="cp2-ep2-alltoall",
+                 marks=pytest.mark.slow),
     pytest.param(1, 1, 4, ("--context-parallel-size", "2", "--expert-model-parallel-size", "2"),
                  id="cp2-dp2-ep2", marks=pytest.mark.slow),
     pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2", "--moe-grouped-gemm",
@@ -121,14 +125,14 @@ LAYOUTS = [
                  marks=pytest.mark.slow),
     # The distributed optimizer shards the experts over expert-DP (2 here, 1 in dp2-ep2).
     pytest.param(1, 1, 4, ("--expert-model-parallel-size", "2", "--use-distributed-optimizer"),
-                 id="dp4-ep2-distopt"),
+                 id="dp4-ep2-distopt", marks=pytest.mark.slow),
     pytest.param(1, 1, 2, ("--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                            "--moe-token-dispatcher-type", "alltoall"),
                  id="dp2-ep2-distopt-alltoall"),
     pytest.param(1, 1, 4, ("--expert-model-parallel-size", "2", "--use-distributed-optimizer",
                            "--moe-token-dispatcher-type", "alltoall", "--overlap-grad-reduce",
                            "--overlap-param-gather", "--ddp-bucket-size", "2000"),
-                 id="dp4-ep2-distopt-alltoall-overlap"),
+                 id="dp4-ep2-distopt-alltoall-overlap", marks=pytest.mark.slow),
 ]
 
 
