@@ -856,9 +856,6 @@ def _validate_moe(args) -> None:
         _fail(f"--use-distributed-optimizer with --expert-model-parallel-size {ep} is not "
               "supported yet (its shards do not follow the expert-data-parallel group); drop "
               "one of them")
-    if ep > 1 and (args.save or args.load):
-        _fail(f"--save / --load with --expert-model-parallel-size {ep} are not supported yet "
-              "(checkpoints do not hold each expert-parallel rank's experts)")
     if getattr(args, "context_parallel_size", 1) != 1:
         _fail(f"--num-experts with --context-parallel-size {args.context_parallel_size} is not "
               "supported yet (the load-balancing loss would count only this rank's tokens); "
