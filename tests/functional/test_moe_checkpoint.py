@@ -18,7 +18,7 @@ from tests.functional.test_moe_training import _check_parity, _flags, _losses, c
 from tests.multiprocess import run_on_ranks
 
 N = 3   # iterations before the save; 3 more after it
-FORMATS = ["torch"]
+FORMATS = ["torch", "torch_dist"]
 
 
 def _ep(ep):
@@ -114,3 +114,22 @@ def test_missing_expert_file_names_it(corpus, saved, tmp_path):
     shutil.rmtree(os.path.join(save, f"iter_{N:07d}", "mp_rank_00_001"))
     with pytest.raises(AssertionError, match="mp_rank_00_001/model_optim_rng.pt: missing"):
         _run(corpus, 1, 1, "torch", ["--load", save])
+
+
+def test_torch_dist_ep2_save_equals_ep1_save(saved):
+    """Every tensor and byte entry of the EP 2 save is the EP 1 save's, at the global expert
+    offsets (Megatron-Core's keys, section 8 of FORMATS.md): the same keys, shapes and values
+    (within the float reordering of the two runs' 3 steps)."""
+    import torch
+
+    from megatron.dist_checkpointing.reader import DistCheckpointReader
+
+    one, two = (DistCheckpointReader(os.path.join(saved(ep, "torch_dist")[0], f"iter_{N:07d}"))
+                for ep in (1, 2))
+    assert one.summary() == two.summary()
+    assert sorted(one.byte_keys()) == sorted(two.byte_keys())
+    expert = "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    assert one.shape(expert) == (4, 4, 128, 32)
+    for key in one.tensor_keys():
+        a, b = one.read(key), two.read(key)
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), key
