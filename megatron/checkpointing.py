@@ -637,7 +637,7 @@ def saved_sizes(iter_dir: str) -> Tuple[int, int, int]:
     lengths = {sum(g is not None for g in p) for p in parts}
     if len(lengths) > 1:
         raise CheckpointError(f"{iter_dir}: mixes mp_rank_* folder names of different forms "
-                              f"({sorted(rank_dir_name_of(p) for p in parts)[:4]}...)")
+                              f"({sorted(_rank_dir_name_of(p) for p in parts)[:4]}...)")
     tp = max(p[0] for p in parts) + 1
     if lengths == {1}:
         return tp, 1, 1
@@ -653,7 +653,7 @@ def saved_sizes(iter_dir: str) -> Tuple[int, int, int]:
     return tp, second, 1
 
 
-def rank_dir_name_of(parts) -> str:
+def _rank_dir_name_of(parts) -> str:
     return "mp_rank_" + "_".join(f"{g:02d}" if i == 0 else f"{g:03d}"
                                  for i, g in enumerate(parts) if g is not None)
 
