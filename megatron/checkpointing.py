@@ -5,6 +5,11 @@ Layout (FORMATS.md section 6)::
     SAVE/latest_checkpointed_iteration.txt
     SAVE/iter_0000100/mp_rank_{tp:02d}/model_optim_rng.pt            (PP = 1)
     SAVE/iter_0000100/mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt   (PP > 1)
+    SAVE/iter_0000100/mp_rank_{tp:02d}[_{pp:03d}]_{ep:03d}/...       (EP > 1, Megatron-LM's)
+
+With expert parallelism the ranks whose expert-data-parallel rank is 0 write, each its dense
+parameters and its expert-parallel rank's experts under local numbers (Megatron-LM's legacy
+rule); a checkpoint saved at another EP loads through :mod:`megatron.checkpointing_ep`.
 
 Writing: every file of an iteration goes into ``iter_XXXXXXX.tmp/`` and is fsynced; once every
 rank has reported success, rank 0 renames the folder into place and only then replaces the
@@ -94,15 +99,44 @@ def checkpoint_dir_name(iteration: int, release: bool = False) -> str:
     return "release" if release else f"iter_{iteration:07d}"
 
 
-def _rank_file_in(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    rank_dir = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
-    return os.path.join(iter_dir, rank_dir, "model_optim_rng.pt")
+def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
+                  ep_size: int = 1) -> str:
+    """Megatron-LM's rank folder: ``mp_rank_{tp:02d}``, ``_{pp:03d}`` appended when PP > 1 and
+    ``_{ep:03d}`` when EP > 1 (so ``mp_rank_00_001`` is pipeline stage 1 or expert rank 1;
+    :func:`saved_sizes` tells them apart)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep_size == 1 else f"{name}_{ep_rank:03d}"
+
+
+def _rank_file_in(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
+                  ep_size: int = 1) -> str:
+    return os.path.join(iter_dir, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
+                        "model_optim_rng.pt")
 
 
 def checkpoint_file(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
-                    release: bool = False) -> str:
+                    release: bool = False, ep_rank: int = 0, ep_size: int = 1) -> str:
     return _rank_file_in(os.path.join(root, checkpoint_dir_name(iteration, release)), tp_rank,
-                         pp_rank, pp_size)
+                         pp_rank, pp_size, ep_rank, ep_size)
+
+
+def expert_ranks(pstate) -> Tuple[int, int, int]:
+    """``(ep_rank, ep_size, expert_dp_rank)`` of this rank (``(0, 1, dp x cp rank)`` without
+    expert parallelism)."""
+    from megatron.core.collectives import get_group_rank, get_group_size
+
+    ep_group = getattr(pstate, "ep_group", None)
+    edp_group = getattr(pstate, "expert_dp_group", None)
+    if ep_group is None:
+        return 0, 1, pstate.dp_cp_rank
+    return get_group_rank(ep_group), get_group_size(ep_group), get_group_rank(edp_group)
+
+
+def _my_file(root: str, iteration: int, pstate) -> str:
+    """This rank's file under ``root`` (a staging or a checkpoint folder)."""
+    ep_rank, ep_size, _ = expert_ranks(pstate)
+    return checkpoint_file(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size,
+                           ep_rank=ep_rank, ep_size=ep_size)
 
 
 def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
@@ -324,8 +358,8 @@ def _begin_save(save_dir: str, iteration: int) -> str:
 
 def _collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
                    pstate) -> Optional[dict]:
-    """This rank's checkpoint (None on data- or context-parallel ranks > 0: they write no
-    file).
+    """This rank's checkpoint (None on data- or context-parallel ranks > 0, with expert
+    parallelism on expert-data-parallel ranks > 0: they write no file).
 
     Every rank takes part: the data-parallel ranks' RNG states are gathered, and a distributed
     optimizer gathers its shards to DP rank 0 and finishes any parameter all-gather still
@@ -339,7 +373,12 @@ def _collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler,
     if finish_param_sync is not None:
         finish_param_sync()
     optimizer_state = None if args.no_save_optim else optimizer.state_dict()
-    if pstate.dp_rank != 0 or pstate.cp_rank != 0:  # context-parallel ranks hold copies too
+    _, ep_size, expert_dp_rank = expert_ranks(pstate)
+    if ep_size > 1:
+        # Megatron-LM: the expert-data-parallel rank 0 of each expert-parallel rank writes.
+        if expert_dp_rank != 0:
+            return None
+    elif pstate.dp_rank != 0 or pstate.cp_rank != 0:  # context-parallel ranks hold copies too
         return None
     state = {"args": _plain_args(args), "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration}
@@ -449,8 +488,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     state = _collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
     error = ""
     if state is not None:
-        error = _write_state(state, checkpoint_file(tmp_root, iteration, pstate.tp_rank,
-                                                    pstate.pp_rank, pstate.pp_size))
+        error = _write_state(state, _my_file(tmp_root, iteration, pstate))
     _finish_save(args.save, iteration, error)
     return os.path.join(args.save, checkpoint_dir_name(iteration))
 
@@ -537,8 +575,7 @@ class AsyncCheckpointSaver:
                                pstate)
         job = _InFlight(iteration, args.save)
         if state is not None:
-            path = checkpoint_file(tmp_root, iteration, pstate.tp_rank, pstate.pp_rank,
-                                   pstate.pp_size)
+            path = _my_file(tmp_root, iteration, pstate)
             # Daemon: a process that dies leaves a staging folder, which the next start removes.
             job.thread = threading.Thread(target=job.write, args=(_copy_to_cpu(state), path),
                                           name=f"checkpoint-writer-{iteration}", daemon=True)
@@ -576,15 +613,67 @@ class AsyncCheckpointSaver:
 
 def saved_layout(iter_dir: str) -> Tuple[int, int]:
     """(TP, PP) sizes a checkpoint folder was saved with, from its ``mp_rank_*`` folders."""
-    tps, pps = set(), set()
+    tp, pp, _ = saved_sizes(iter_dir)
+    return tp, pp
+
+
+def saved_sizes(iter_dir: str) -> Tuple[int, int, int]:
+    """(TP, PP, EP) sizes a checkpoint folder was saved with, from its ``mp_rank_*`` folders.
+
+    ``mp_rank_XX_YYY_ZZZ`` is (tp, pp, ep) and ``mp_rank_XX`` tp alone, but Megatron-LM names
+    pipeline stage and expert-parallel rank alike when only one of them is > 1:
+    ``mp_rank_00_001`` is stage 1 (PP > 1) or expert rank 1 (EP > 1). The saved ``args`` of
+    the first rank's file decide (``pipeline_model_parallel_size`` /
+    ``expert_model_parallel_size``); a file without them is read as pipeline stages, as before
+    expert parallelism.
+    """
+    parts = []
     for name in os.listdir(iter_dir):
-        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?", name)
+        m = re.fullmatch(r"mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?", name)
         if m:
-            tps.add(int(m.group(1)))
-            pps.add(int(m.group(2)) if m.group(2) is not None else 0)
-    if not tps:
+            parts.append(tuple(int(g) if g is not None else None for g in m.groups()))
+    if not parts:
         raise CheckpointError(f"{iter_dir}: no mp_rank_* folders; not a checkpoint")
-    return max(tps) + 1, max(pps) + 1
+    lengths = {sum(g is not None for g in p) for p in parts}
+    if len(lengths) > 1:
+        raise CheckpointError(f"{iter_dir}: mixes mp_rank_* folder names of different forms "
+                              f"({sorted(_rank_dir_name_of(p) for p in parts)[:4]}...)")
+    tp = max(p[0] for p in parts) + 1
+    if lengths == {1}:
+        return tp, 1, 1
+    if lengths == {3}:
+        return tp, max(p[1] for p in parts) + 1, max(p[2] for p in parts) + 1
+    second = max(p[1] for p in parts) + 1
+    first_file = os.path.join(iter_dir, "mp_rank_00_000", "model_optim_rng.pt")
+    saved = _peek_args(first_file)
+    saved_ep = getattr(saved, "expert_model_parallel_size", 1) or 1
+    saved_pp = getattr(saved, "pipeline_model_parallel_size", None)
+    if saved_ep > 1 and (saved_pp or 1) == 1:
+        return tp, 1, saved_ep   # a missing expert rank's file is named when it is read
+    return tp, second, 1
+
+
+def _rank_dir_name_of(parts) -> str:
+    return "mp_rank_" + "_".join(f"{g:02d}" if i == 0 else f"{g:03d}"
+                                 for i, g in enumerate(parts) if g is not None)
+
+
+def _peek_args(path: str) -> Optional[argparse.Namespace]:
+    """The saved ``args`` of a rank file, memory-mapped (the tensors are not read)."""
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: missing (it tells pipeline stages from expert ranks)")
+    try:
+        try:
+            state = safe_unpickle.torch_load(path, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):
+                raise
+            state = safe_unpickle.torch_load(path)  # legacy (non-zip) file
+    except safe_unpickle.UnsafeCheckpointError as err:
+        raise CheckpointError(str(err)) from None
+    except Exception as err:  # noqa: BLE001 - any failure to read is reported with the path
+        raise CheckpointError(f"{path}: cannot be read ({type(err).__name__})") from None
+    return state.get("args") if isinstance(state, dict) else None
 
 
 def _verify_zip_checksums(path: str) -> None:
@@ -640,7 +729,7 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
         raise CheckpointError(f"{iter_dir}: missing (named by {TRACKER_FILENAME} or --ckpt-step)")
     if _is_dist(iter_dir):
         return iter_dir, iteration, release  # torch_dist: any saved layout loads
-    saved_tp, saved_pp = saved_layout(iter_dir)
+    saved_tp, saved_pp, saved_ep = saved_sizes(iter_dir)
     if (saved_tp, saved_pp) != (pstate.tp_size, pstate.pp_size):
         raise CheckpointError(
             f"{iter_dir} was saved with tensor-model-parallel size {saved_tp} x "
@@ -651,8 +740,30 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
             f"--loader megatron --saver megatron --load-dir "
             f"{load_dir} --save-dir NEW_DIR --target-tensor-parallel-size {pstate.tp_size} "
             f"--target-pipeline-parallel-size {pstate.pp_size}")
-    path = _rank_file_in(iter_dir, pstate.tp_rank, pstate.pp_rank, pstate.pp_size)
+    ep_rank, ep_size, _ = expert_ranks(pstate)
+    if saved_ep != ep_size:
+        # Another expert-parallel size: checkpointing_ep assembles this rank's state.
+        return _EPReshard(iter_dir, saved_ep), iteration, release
+    path = _rank_file_in(iter_dir, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, ep_rank,
+                         ep_size)
     return path, iteration, release
+
+
+@dataclasses.dataclass(frozen=True)
+class _EPReshard:
+    """Where :func:`_locate` found a torch-format checkpoint saved at another EP."""
+    iter_dir: str
+    saved_ep: int
+
+
+def _read_rank_state(located, model_chunks, args, pstate) -> Tuple[dict, str]:
+    """This rank's checkpoint state and the file (or folder) errors name."""
+    if isinstance(located, _EPReshard):
+        from megatron import checkpointing_ep
+
+        return checkpointing_ep.load_resharded(located.iter_dir, located.saved_ep,
+                                               model_chunks, args, pstate)
+    return load_state_file(located), located
 
 
 def megatron_args(saved: Optional[argparse.Namespace]) -> Optional[argparse.Namespace]:
@@ -813,10 +924,10 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
     if located is None:
         return 0
     path, iteration, release = located
-    if _is_dist(path):
+    if not isinstance(path, _EPReshard) and _is_dist(path):
         return _load_dist(path, iteration, release, model_chunks, optimizer, opt_param_scheduler,
                           args, pstate, train_state)
-    state = load_state_file(path)
+    state, path = _read_rank_state(path, model_chunks, args, pstate)
     saved_args = state.get("args")
     _check_args(saved_args, args, path)
     trees = _check_model_state(model_chunks, state, path)
@@ -887,9 +998,9 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
 
         saved = megatron_args(checkpointing_dist.saved_args(iter_dir))
     else:
-        _, saved_pp = saved_layout(iter_dir)
-        saved = megatron_args(load_state_file(_rank_file_in(iter_dir, 0, 0, saved_pp))
-                              .get("args"))
+        _, saved_pp, saved_ep = saved_sizes(iter_dir)
+        saved = megatron_args(load_state_file(_rank_file_in(iter_dir, 0, 0, saved_pp, 0,
+                                                            saved_ep)).get("args"))
     if saved is None:
         raise CheckpointError(f"{iter_dir}: the checkpoint holds no args")
     for name in CHECKPOINT_ARGS:
@@ -910,7 +1021,7 @@ def load_model_weights(model_chunks, args, pstate) -> int:
         raise CheckpointError(f"--load {args.load}: no {TRACKER_FILENAME}; not a checkpoint "
                               "folder")
     path, iteration, release = _locate(args.load, args, pstate)
-    if _is_dist(path):
+    if not isinstance(path, _EPReshard) and _is_dist(path):
         from megatron import checkpointing_dist
 
         checkpointing_dist.load_checkpoint(path, iteration, release, model_chunks, None, None,
@@ -919,7 +1030,7 @@ def load_model_weights(model_chunks, args, pstate) -> int:
             print(f"  loaded model weights from {args.load} at iteration {iteration}",
                   flush=True)
         return iteration
-    state = load_state_file(path)
+    state, path = _read_rank_state(path, model_chunks, args, pstate)
     _check_args(state.get("args"), args, path)
     trees = _check_model_state(model_chunks, state, path)
     for chunk, tree in zip(model_chunks, trees):

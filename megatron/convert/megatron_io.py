@@ -91,15 +91,15 @@ class _Source:
             raise ConversionError(f"{iter_dir}: missing (named by "
                                   f"{checkpointing.TRACKER_FILENAME} or --ckpt-step)")
         try:
-            self.tp, self.pp = checkpointing.saved_layout(iter_dir)
+            self.tp, self.pp, self.ep = checkpointing.saved_sizes(iter_dir)
         except checkpointing.CheckpointError as err:
             raise ConversionError(str(err)) from None
-        for pp_rank in range(self.pp):
-            for tp_rank in range(self.tp):
-                path = self.file(tp_rank, pp_rank)
-                if not os.path.isfile(path):
-                    raise ConversionError(f"{path}: missing; {iter_dir} holds TP {self.tp} x PP "
-                                          f"{self.pp} rank folders, so every one is needed")
+        for tp_rank, pp_rank, ep_rank in self.ranks():
+            path = self.file(tp_rank, pp_rank, ep_rank)
+            if not os.path.isfile(path):
+                raise ConversionError(f"{path}: missing; {iter_dir} holds TP {self.tp} x PP "
+                                      f"{self.pp} x EP {self.ep} rank folders, so every one "
+                                      "is needed")
         first = read_rank_file(self.file(0, 0))
         self.args = first.get("args")
         if not isinstance(self.args, argparse.Namespace):
@@ -115,6 +115,21 @@ class _Source:
         del first
         self.optimizer, self.optimizer_note = self._read_optimizers()
 
+    def ranks(self) -> List[Tuple[int, int, int]]:
+        """``(tp_rank, pp_rank, ep_rank)`` of every source file."""
+        return [(t, p, e) for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
+
+    def expert_file(self, name: str) -> Tuple[int, str]:
+        """``(ep_rank, local name)`` of a layer tensor named with its global expert number
+        (``mlp.experts.local_experts.<J>...``); ``(0, name)`` for a dense one."""
+        from megatron.checkpointing_ep import local_expert, renumber
+
+        expert = local_expert(name)
+        if expert is None or self.ep == 1:
+            return 0, name
+        per_rank = self.args.num_experts // self.ep
+        return expert // per_rank, renumber(name, expert % per_rank)
+
     def _chunks_of(self, state: dict) -> List[dict]:
         return [state[self.chunk_key(c)] for c in range(self.vp or 1)]
 
@@ -122,17 +137,16 @@ class _Source:
         """What every target needs of the source's optimizer state (``ModelMeta.optimizer``),
         or None and why it cannot be carried (then it is dropped, as before)."""
         steps, hparams, has_main, scaler = set(), {}, set(), None
-        for pp_rank in range(self.pp):
-            for tp_rank in range(self.tp):
-                state = read_rank_file(self.file(tp_rank, pp_rank))
-                found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state))
-                if found is None:
-                    return None, f"{self.file(tp_rank, pp_rank)}: {why}"
-                steps.add(found.step)
-                has_main.add(found.has_main)
-                for key, values in found.hparams.items():
-                    hparams.setdefault(key, values)
-                scaler = scaler or found.grad_scaler
+        for rank in self.ranks():
+            state = read_rank_file(self.file(*rank))
+            found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state))
+            if found is None:
+                return None, f"{self.file(*rank)}: {why}"
+            steps.add(found.step)
+            has_main.add(found.has_main)
+            for key, values in found.hparams.items():
+                hparams.setdefault(key, values)
+            scaler = scaler or found.grad_scaler
         if len(steps) != 1:
             return None, f"its ranks have taken different numbers of steps ({sorted(steps)})"
         if steps == {0}:
@@ -140,18 +154,19 @@ class _Source:
         return {"step": steps.pop(), "hparams": hparams, "has_main": has_main == {True},
                 "grad_scaler": scaler}, ""
 
-    def _chunk_tree(self, tp_rank: int, pp_rank: int, chunk: int) -> Tuple[dict, str]:
+    def _chunk_tree(self, tp_rank: int, pp_rank: int, chunk: int,
+                    ep_rank: int = 0) -> Tuple[dict, str]:
         """One chunk's model tree of a rank file, or its view (:mod:`optimizer_state`)."""
-        path = self.file(tp_rank, pp_rank)
+        path = self.file(tp_rank, pp_rank, ep_rank)
         state = read_rank_file(path)
         tree = state.get(self.chunk_key(chunk))
         if self.view is None or tree is None:
             return tree, path
-        if self._view_cache[0] != (tp_rank, pp_rank):
+        if self._view_cache[0] != (tp_rank, pp_rank, ep_rank):
             found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state))
             if found is None:
                 raise ConversionError(f"{path}: {why}")
-            self._view_cache = ((tp_rank, pp_rank), found)
+            self._view_cache = ((tp_rank, pp_rank, ep_rank), found)
         return optimizer_state.view_tree(tree, chunk, self._view_cache[1].entries,
                                          self.view), path
 
@@ -163,20 +178,22 @@ class _Source:
         tokentypes = lookup_dotted(first_model, ".".join(TOKENTYPE_KEYS)) if self.bert else None
         self.num_tokentypes = 0 if tokentypes is None else tokentypes.size(0)
 
-    def file(self, tp_rank: int, pp_rank: int) -> str:
+    def file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
         return checkpointing.checkpoint_file(self.load_dir, self.iteration, tp_rank, pp_rank,
-                                             self.pp, self.release)
+                                             self.pp, self.release, ep_rank, self.ep)
 
     def chunk_key(self, chunk: int) -> str:
         return "model" if self.vp is None else f"model{chunk}"
 
     def _check_args_layout(self, iter_dir: str) -> None:
         saved = (getattr(self.args, "tensor_model_parallel_size", self.tp),
-                 getattr(self.args, "pipeline_model_parallel_size", self.pp))
-        if saved != (self.tp, self.pp):
+                 getattr(self.args, "pipeline_model_parallel_size", self.pp),
+                 getattr(self.args, "expert_model_parallel_size", self.ep) or 1)
+        if saved != (self.tp, self.pp, self.ep):
             raise ConversionError(
-                f"{iter_dir}: the rank folders say TP {self.tp} x PP {self.pp} but the saved "
-                f"args say TP {saved[0]} x PP {saved[1]}; the checkpoint is incomplete or mixed")
+                f"{iter_dir}: the rank folders say TP {self.tp} x PP {self.pp} x EP {self.ep} "
+                f"but the saved args say TP {saved[0]} x PP {saved[1]} x EP {saved[2]}; the "
+                "checkpoint is incomplete or mixed")
 
     def _layer_map(self) -> List[Tuple[int, int, int]]:
         """``(pp_rank, chunk, local index)`` of every global layer."""
@@ -205,8 +222,9 @@ class _Source:
                                   f"--num-layers {self.args.num_layers}")
         return [where[i] for i in range(self.args.num_layers)]
 
-    def _language_model(self, tp_rank: int, pp_rank: int, chunk: int) -> Tuple[dict, str]:
-        tree, path = self._chunk_tree(tp_rank, pp_rank, chunk)
+    def _language_model(self, tp_rank: int, pp_rank: int, chunk: int,
+                        ep_rank: int = 0) -> Tuple[dict, str]:
+        tree, path = self._chunk_tree(tp_rank, pp_rank, chunk, ep_rank)
         return get_path({"model": tree}, ["model", "language_model"], path), path
 
     def read_tp(self, pp_rank: int, chunk: int, keys: Sequence[str], join_dim: Optional[int],
@@ -242,10 +260,17 @@ class _Source:
         pp_rank, chunk, local = self.layer_map[index]
         per_rank = []
         for tp_rank in range(self.tp):
-            language_model, path = self._language_model(tp_rank, pp_rank, chunk)
-            encoder = _encoder(language_model, path)
-            per_rank.append({name: get_path(encoder, [f"layers.{local}.{name}"], path)
-                             for name in names})
+            tensors = {}
+            by_file: Dict[int, List[Tuple[str, str]]] = {}
+            for name in names:
+                ep_rank, saved_name = self.expert_file(name)
+                by_file.setdefault(ep_rank, []).append((name, saved_name))
+            for ep_rank, pairs in sorted(by_file.items()):
+                language_model, path = self._language_model(tp_rank, pp_rank, chunk, ep_rank)
+                encoder = _encoder(language_model, path)
+                for name, saved_name in pairs:
+                    tensors[name] = get_path(encoder, [f"layers.{local}.{saved_name}"], path)
+            per_rank.append(tensors)
         out = {}
         for name in names:
             rule = tp_split_rule(name, swiglu)

@@ -14,7 +14,7 @@ import torch
 from megatron import checkpointing
 from megatron.convert import optimizer_state
 from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS,
-                                              get_path, layer_tensor_names,
+                                              expert_of, get_path, layer_tensor_names,
                                               layer_tensor_shapes, read_rank_file,
                                               split_tensor, tp_split_rule)
 from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
@@ -29,8 +29,8 @@ class _Target:
     """The target layout: checked sizes, vocabulary rows, stage of every layer, file skeletons."""
 
     def __init__(self, meta: ModelMeta, tp: int, pp: int, divisible_by: Optional[int],
-                 optimizer: bool = False):
-        self.meta, self.tp, self.pp = meta, tp, pp
+                 optimizer: bool = False, ep: int = 1):
+        self.meta, self.tp, self.pp, self.ep = meta, tp, pp, ep
         self.optimizer = optimizer and meta.optimizer is not None
         self._check_sizes()
         self.divisible_by = divisible_by or meta.make_vocab_size_divisible_by or 1
@@ -44,7 +44,7 @@ class _Target:
                       if meta.model_type == "BERT" else {})
 
     def _check_sizes(self) -> None:
-        meta, tp, pp = self.meta, self.tp, self.pp
+        meta, tp, pp, ep = self.meta, self.tp, self.pp, self.ep
         if meta.model_type not in ("GPT", "BERT"):
             raise ConversionError(f"model type {meta.model_type!r}: only GPT and BERT "
                                   "checkpoints can be written")
@@ -63,9 +63,32 @@ class _Target:
             if value % tp != 0:
                 raise ConversionError(f"--target-tensor-parallel-size {tp} does not divide "
                                       f"{flag} ({value}); choose a divisor of {value}")
+        if ep < 1 or (ep > 1 and (not meta.num_experts or meta.num_experts % ep)):
+            raise ConversionError(f"--target-expert-parallel-size {ep} does not divide "
+                                  f"--num-experts ({meta.num_experts or 0}); choose a divisor")
         if pp > meta.num_layers or meta.num_layers % pp != 0:
             raise ConversionError(f"--target-pipeline-parallel-size {pp} does not divide "
                                   f"--num-layers ({meta.num_layers}) into equal stages")
+
+    def ranks(self) -> List[Tuple[int, int, int]]:
+        """``(tp_rank, pp_rank, ep_rank)`` of every target file."""
+        return [(t, p, e) for p in range(self.pp) for e in range(self.ep) for t in range(self.tp)]
+
+    def local_experts(self) -> int:
+        return (self.meta.num_experts or 0) // self.ep
+
+    def route(self, tp_rank: int, pp_rank: int, keys: tuple) -> List[Tuple[tuple, tuple]]:
+        """The files (``(tp, pp, ep)``) and key paths a write of ``keys`` goes to: a dense
+        tensor to every expert rank's file, expert J's to rank J / (E / ep)'s, under its local
+        number (Megatron-LM's legacy layout)."""
+        from megatron.checkpointing_ep import local_expert, renumber
+
+        expert = local_expert(keys[-1])
+        if expert is None:
+            return [((tp_rank, pp_rank, e), keys) for e in range(self.ep)]
+        per_rank = self.local_experts()
+        return [((tp_rank, pp_rank, expert // per_rank),
+                 keys[:-1] + (renumber(keys[-1], expert % per_rank),))]
 
     def stage_of(self, layer: int) -> Tuple[int, int]:
         return layer // self.per_stage, layer % self.per_stage
@@ -95,6 +118,9 @@ class _Target:
         encoder = {}
         for local in range(self.per_stage):
             for name in self.names:
+                expert = expert_of(name)
+                if expert is not None and expert[0] >= self.local_experts():
+                    continue   # each expert rank's file numbers its experts 0 .. E/ep - 1
                 shape = self.shard_shape(self.shapes[name], tp_split_rule(name, meta.swiglu))
                 encoder[f"layers.{local}.{name}"] = torch.empty(shape, dtype=dtype)
         if last:
@@ -155,7 +181,7 @@ class _Target:
         if meta.seq_length is not None:
             values["seq_length"] = meta.seq_length
         if meta.num_experts:
-            # The stream is at expert-parallel size 1; experts are split over TP like the MLP.
+            # Experts are split over TP like the MLP and dealt over the expert ranks.
             values.update(
                 num_experts=meta.num_experts, moe_router_topk=meta.moe_router_topk,
                 moe_ffn_hidden_size=meta.expert_ffn_size,
@@ -164,7 +190,7 @@ class _Target:
                 moe_router_topk_scaling_factor=meta.moe_router_topk_scaling_factor,
                 moe_shared_expert_intermediate_size=meta.moe_shared_expert_intermediate_size,
                 moe_shared_expert_gate=meta.moe_shared_expert_gate,
-                moe_layer_freq=1, expert_model_parallel_size=1,
+                moe_layer_freq=1, expert_model_parallel_size=self.ep,
                 expert_tensor_parallel_size=self.tp)
         if meta.model_type == "BERT":
             values["bert_binary_head"] = meta.bert_binary_head
@@ -178,6 +204,8 @@ class _Target:
         if source is not None:
             layout = [source.get("tensor_model_parallel_size", 1),
                       source.get("pipeline_model_parallel_size", 1)]
+            if (source.get("expert_model_parallel_size") or 1) > 1 or self.ep > 1:
+                layout.append(source.get("expert_model_parallel_size") or 1)
         return {"from_layout": layout,
                 "optimizer": "resharded" if self.optimizer else "dropped", "rng": "dropped"}
 
@@ -218,28 +246,27 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _create_files(target: _Target, root: str) -> Dict[Tuple[int, int], str]:
+def _create_files(target: _Target, root: str) -> Dict[Tuple[int, int, int], str]:
     """Every target rank's file, complete but for the tensor bytes (written later in place)."""
     args = target.args()
     meta = target.meta
     scheduler = (meta.source_args or {}).get(SCHEDULER_KEY)
     files = {}
-    for pp_rank in range(target.pp):
-        for tp_rank in range(target.tp):
-            state = {"args": args, "checkpoint_version": checkpointing.CHECKPOINT_VERSION,
-                     "iteration": meta.iteration, "model": target.model_skeleton(pp_rank)}
-            if scheduler is not None:
-                state["opt_param_scheduler"] = scheduler
-            if target.optimizer:
-                state["optimizer"] = optimizer_state.target_skeleton(
-                    state["model"], meta.optimizer, target.half)
-            state["conversion"] = target.conversion_record()
-            path = checkpointing.checkpoint_file(root, meta.iteration, tp_rank, pp_rank,
-                                                 target.pp, target.release)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with torch.serialization.skip_data():
-                torch.save(state, path)
-            files[(tp_rank, pp_rank)] = path
+    for tp_rank, pp_rank, ep_rank in target.ranks():
+        state = {"args": args, "checkpoint_version": checkpointing.CHECKPOINT_VERSION,
+                 "iteration": meta.iteration, "model": target.model_skeleton(pp_rank)}
+        if scheduler is not None:
+            state["opt_param_scheduler"] = scheduler
+        if target.optimizer:
+            state["optimizer"] = optimizer_state.target_skeleton(
+                state["model"], meta.optimizer, target.half)
+        state["conversion"] = target.conversion_record()
+        path = checkpointing.checkpoint_file(root, meta.iteration, tp_rank, pp_rank,
+                                             target.pp, target.release, ep_rank, target.ep)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with torch.serialization.skip_data():
+            torch.save(state, path)
+        files[(tp_rank, pp_rank, ep_rank)] = path
     return files
 
 
@@ -272,10 +299,12 @@ def _write_optimizer(target: _Target, files: dict, writes: list, field: str, wha
     """Model-tree writes of one optimizer ``field`` view, redirected into the target's
     optimizer state."""
     trees = {pp_rank: target.shape_tree(pp_rank) for pp_rank in {w[1] for w in writes}}
-    by_file: Dict[Tuple[int, int], list] = {}
+    by_file: Dict[Tuple[int, int, int], list] = {}
     for tp_rank, pp_rank, keys, tensor in writes:
-        where = optimizer_state.target_keys(trees[pp_rank], field, target.half, ".".join(keys))
-        by_file.setdefault((tp_rank, pp_rank), []).append((where, tensor))
+        for rank, local_keys in target.route(tp_rank, pp_rank, keys):
+            where = optimizer_state.target_keys(trees[pp_rank], field, target.half,
+                                                ".".join(local_keys))
+            by_file.setdefault(rank, []).append((where, tensor))
     for rank, items in by_file.items():
         _copy_optimizer_into(files[rank], items, what)
 
@@ -284,19 +313,21 @@ def _write_steps(target: _Target, files: dict) -> None:
     """Every parameter's Adam step count (a skeleton's scalars hold no data until written)."""
     step = torch.tensor(float(target.meta.optimizer["step"]), dtype=torch.float32)
     inner = ("optimizer", "optimizer") if target.half else ("optimizer",)
-    for (tp_rank, pp_rank), path in files.items():
+    for (tp_rank, pp_rank, _), path in files.items():
         index, _ = optimizer_state.target_index(target.shape_tree(pp_rank))
         _copy_optimizer_into(path, [(inner + ("state", i, "step"), step)
                                     for i in index.values()], "the Adam step counts")
 
 
-def _write(files: Dict[Tuple[int, int], str], writes: List[Tuple[int, int, tuple, torch.Tensor]],
-           what: str) -> None:
-    """Copy ``(tp_rank, pp_rank, key path under model, tensor)`` into the target files, one
-    file mapped at a time."""
-    by_file: Dict[Tuple[int, int], list] = {}
+def _write(target: _Target, files: Dict[Tuple[int, int, int], str],
+           writes: List[Tuple[int, int, tuple, torch.Tensor]], what: str) -> None:
+    """Copy ``(tp_rank, pp_rank, key path under model, tensor)`` into the target files (every
+    expert rank's, or the one holding the expert: :meth:`_Target.route`), one file mapped at a
+    time."""
+    by_file: Dict[Tuple[int, int, int], list] = {}
     for tp_rank, pp_rank, keys, tensor in writes:
-        by_file.setdefault((tp_rank, pp_rank), []).append((keys, tensor))
+        for rank, local_keys in target.route(tp_rank, pp_rank, keys):
+            by_file.setdefault(rank, []).append((local_keys, tensor))
     for rank, items in by_file.items():
         _copy_into(files[rank], items, what)
 
@@ -433,7 +464,7 @@ def _consume(pieces: Iterator[Piece], target: _Target, files: dict,
             writes = _final_writes(target, piece)
         what = piece.kind if piece.index is None else f"layer {piece.index}"
         if field is None:
-            _write(files, writes, what)
+            _write(target, files, writes, what)
         else:
             _write_optimizer(target, files, writes, field, f"{field} of the {what}")
         del writes, piece
@@ -468,7 +499,8 @@ def _commit(staging: str, save_dir: str, target: _Target, files: dict) -> str:
 
 def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
                   make_vocab_size_divisible_by: Optional[int] = None,
-                  optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None) -> str:
+                  optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None,
+                  target_ep: int = 1) -> str:
     """Write the stream as a Megatron checkpoint at ``target_tp`` x ``target_pp`` in
     ``save_dir`` (which must be new or empty); returns the iteration folder.
 
@@ -478,6 +510,9 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
     written as ``iter_XXXXXXX`` with that iteration and consumed samples; one without (iteration
     0, e.g. from Hugging Face) as ``release``. Nothing appears in ``save_dir`` until every file is
     complete and fsynced; on any failure the staging folder is removed.
+
+    ``target_ep`` > 1 writes Megatron-LM's expert-rank files ``mp_rank_..._{ep:03d}``: each
+    holds the dense tensors and its E / ``target_ep`` experts under local numbers.
 
     ``optimizer_streams`` (``{field: stream}`` for ``exp_avg``, ``exp_avg_sq`` and, for a
     half-precision target, ``main``; each stream from the same source, in the weights' shapes)
@@ -492,7 +527,7 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
     if first is None or first.kind != "meta" or first.meta is None:
         raise ConversionError("the stream must start with its meta piece")
     target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
-                     optimizer=bool(optimizer_streams))
+                     optimizer=bool(optimizer_streams), ep=target_ep)
     created = _prepare_save_dir(save_dir)
     staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
     try:

@@ -146,6 +146,9 @@ class ChunkLayout:
         swiglu: ``--swiglu`` (fc1 holds gate and value halves).
         num_experts: ``--num-experts`` (None: a dense model).
         expert_offset: global number of this rank's first local expert (expert parallelism).
+        expert_dp_rank: its expert-data-parallel rank; only expert-DP rank 0 writes the expert
+            tensors (with EP > 1 the DP ranks hold different experts; at EP 1 it equals
+            ``dp_rank``).
     """
 
     num_layers: int
@@ -156,6 +159,7 @@ class ChunkLayout:
     swiglu: bool = False
     num_experts: Optional[int] = None
     expert_offset: int = 0
+    expert_dp_rank: int = 0
 
     @property
     def writes_split(self) -> bool:
@@ -166,6 +170,16 @@ class ChunkLayout:
     def writes_replicated(self) -> bool:
         """Whether this chunk writes the tensors every TP rank holds whole."""
         return self.dp_rank == 0 and self.tp_rank == 0
+
+    @property
+    def writes_expert_split(self) -> bool:
+        """Whether this chunk writes its pieces of its experts' TP-split tensors."""
+        return self.expert_dp_rank == 0
+
+    @property
+    def writes_expert_replicated(self) -> bool:
+        """Whether this chunk writes its experts' tensors every expert-TP rank holds whole."""
+        return self.expert_dp_rank == 0 and self.tp_rank == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +256,11 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
         dim, swiglu_split = _SPLIT_DIM.get(inner), _SWIGLU_SPLIT
     global_shape = list(local_shape)
     offset = [0] * len(local_shape)
-    written = layout.writes_split if dim is not None else layout.writes_replicated
+    if local_expert is not None:
+        written = layout.writes_expert_split if dim is not None else \
+            layout.writes_expert_replicated
+    else:
+        written = layout.writes_split if dim is not None else layout.writes_replicated
     if name == "word_embeddings_for_head.weight":
         written = False
     pieces = []
@@ -294,14 +312,17 @@ def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] 
 
 
 def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range] = None,
-                     num_experts: Optional[int] = None, shared_expert: bool = False
-                     ) -> List[str]:
+                     num_experts: Optional[int] = None, shared_expert: bool = False,
+                     dense: bool = True) -> List[str]:
     """The byte entries of one layer's linear modules' extra state. For an MoE layer
     (``experts``: the global numbers of this rank's experts, of ``num_experts``) the MLP's are
     one per expert, ``decoder.layers.mlp.experts.experts.linear_fc{1,2}._extra_state/
-    shard_<layer>.<expert>_<L>.<E>`` (as Megatron-Core writes them), and the shared expert's."""
+    shard_<layer>.<expert>_<L>.<E>`` (as Megatron-Core writes them), and the shared expert's;
+    ``dense`` False leaves out all but the experts' (written by another rank at EP > 1)."""
     if experts is None:
         modules = EXTRA_STATE_MODULES
+    elif not dense:
+        modules = ()
     else:
         modules = EXTRA_STATE_MODULES[:2] + (
             ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")

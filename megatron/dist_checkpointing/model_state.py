@@ -42,8 +42,9 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
     stages): ``config`` the model's ``TransformerConfig`` (layers, uneven first / last stages,
     ``swiglu``), ``pstate`` its ``ParallelState`` (or any object with ``tp_rank``, ``tp_size``,
     ``pp_rank``, ``pp_size``, ``virtual_pp_size`` and optionally ``dp_rank`` / ``dp_cp_rank``);
-    ``num_experts``: ``--num-experts`` of an MoE model (expert parallelism 1: this rank holds
-    experts 0 .. E-1).
+    ``num_experts``: ``--num-experts`` of an MoE model; with an ``ep_group`` (expert
+    parallelism) rank e of it holds experts ``e * E / ep ...`` and its ``expert_dp_group`` rank
+    0 writes them.
 
     The ranks of a data x context-parallel group hold the same weights: only its rank 0
     writes them (``dp_cp_rank`` is the rank in that group; without context parallelism it is
@@ -53,10 +54,18 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
     vp_size = getattr(pstate, "virtual_pp_size", None)
     _, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank, vp_size,
                                           vp_rank if vp_size is not None else None)
+    dp_rank = getattr(pstate, "dp_cp_rank", getattr(pstate, "dp_rank", 0))
+    expert_offset, expert_dp_rank = 0, dp_rank
+    ep_group = getattr(pstate, "ep_group", None)
+    if num_experts and ep_group is not None:
+        from megatron.core.collectives import get_group_rank, get_group_size
+
+        expert_offset = get_group_rank(ep_group) * (num_experts // get_group_size(ep_group))
+        expert_dp_rank = get_group_rank(pstate.expert_dp_group)
     return ChunkLayout(num_layers=config.num_layers, layer_offset=offset,
                        tp_rank=getattr(pstate, "tp_rank", 0), tp_size=pstate.tp_size,
-                       dp_rank=getattr(pstate, "dp_cp_rank", getattr(pstate, "dp_rank", 0)),
-                       swiglu=config.swiglu, num_experts=num_experts)
+                       dp_rank=dp_rank, swiglu=config.swiglu, num_experts=num_experts,
+                       expert_offset=expert_offset, expert_dp_rank=expert_dp_rank)
 
 
 def _lead(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
@@ -217,7 +226,8 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
     """The empty extra-state byte entries Megatron-Core keeps for each layer's linear modules
     (TransformerEngine state; ``None`` for plain layers), for this chunk's layers. ``names``
     (the chunk's flat state names) tell its MoE layers: those with a ``mlp.router.weight``."""
-    if not layout.writes_replicated:
+    dense = layout.writes_replicated
+    if not dense and not layout.writes_expert_replicated:
         return []
     names = names or []
     items = []
@@ -228,9 +238,13 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
                              if f"layers.{local}.mlp.experts.local_experts." in n}
             experts = range(layout.expert_offset, layout.expert_offset + len(local_experts))
             shared = any(f"layers.{local}.mlp.shared_experts." in n for n in names)
+        if experts is None and not dense:
+            continue
+        if not layout.writes_expert_replicated:
+            experts = range(0)
         items += [ObjectShard(fqn, None) for fqn in extra_state_keys(
             layout.layer_offset + local, layout.num_layers, experts, layout.num_experts,
-            shared)]
+            shared, dense=dense)]
     return items
 
 

@@ -1,5 +1,6 @@
 """Convert a GPT or BERT checkpoint: reshard a Megatron checkpoint to another TP / PP, or move
-it to and from a Hugging Face folder. The command line is Megatron-LM's
+it to and from a Hugging Face folder (``--target-expert-parallel-size``: a mixture-of-experts
+target's expert ranks). The command line is Megatron-LM's
 ``tools/checkpoint/convert.py``::
 
     python tools/checkpoint/convert.py --model-type GPT --loader megatron --saver megatron \
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: the source's")
     g.add_argument("--target-pipeline-parallel-size", type=int, default=None,
                    help="default: the source's number of pipeline stages")
+    g.add_argument("--target-expert-parallel-size", type=int, default=None,
+                   help="expert-parallel size of a torch-format MoE target: Megatron-LM's "
+                        "mp_rank_..._{ep:03d} files, each with E / ep experts; default 1 "
+                        "(Megatron-LM's)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=None,
                    help="vocabulary padding of the target; default: the source's")
     g.add_argument("--target-ckpt-format", choices=["torch", "torch_dist"], default=None,
@@ -84,10 +89,16 @@ def _check(args) -> None:
                               "and BERT checkpoints can be converted")
     if args.saver != "megatron":
         for flag in ("target_tensor_parallel_size", "target_pipeline_parallel_size",
-                     "make_vocab_size_divisible_by", "target_ckpt_format"):
+                     "target_expert_parallel_size", "make_vocab_size_divisible_by",
+                     "target_ckpt_format"):
             if getattr(args, flag) is not None:
                 raise ConversionError(f"--{flag.replace('_', '-')} applies only to "
                                       f"--saver megatron, not --saver {args.saver}")
+    if (args.target_expert_parallel_size or 1) > 1 and args.target_ckpt_format == "torch_dist":
+        raise ConversionError(f"--target-expert-parallel-size {args.target_expert_parallel_size}"
+                              " applies only to --target-ckpt-format torch: a torch_dist "
+                              "checkpoint stores every expert at its global number and loads "
+                              "at any expert-parallel size")
     if args.saver != "hf" and args.allow_no_tokenizer:
         raise ConversionError("--allow-no-tokenizer applies only to --saver hf")
     if args.loader != "megatron":
@@ -139,11 +150,14 @@ def _source_layout(meta: ModelMeta) -> Optional[tuple]:
     if meta.source_args is None:
         return None
     return (meta.source_args.get("tensor_model_parallel_size", 1),
-            meta.source_args.get("pipeline_model_parallel_size", 1))
+            meta.source_args.get("pipeline_model_parallel_size", 1),
+            meta.source_args.get("expert_model_parallel_size", 1) or 1)
 
 
 def _describe(kind: str, layout: Optional[tuple], fmt: Optional[str] = None) -> str:
     described = kind if layout is None else f"{kind} TP={layout[0]} PP={layout[1]}"
+    if layout is not None and len(layout) > 2 and layout[2] > 1:
+        described += f" EP={layout[2]}"
     return described if fmt is None else f"{described} ({fmt})"
 
 
@@ -173,6 +187,7 @@ def convert(args) -> str:
 
         tp = args.target_tensor_parallel_size or (source or (1, 1))[0]
         pp = args.target_pipeline_parallel_size or (source or (1, 1))[1]
+        ep = args.target_expert_parallel_size or 1
         target_format = args.target_ckpt_format or "torch"
         if meta.source_args is not None:
             meta.source_args["ckpt_format"] = target_format
@@ -189,8 +204,8 @@ def convert(args) -> str:
         else:
             save_megatron(counter, args.save_dir, tp, pp,
                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                          optimizer_streams=streams)
-        target = (tp, pp)
+                          optimizer_streams=streams, target_ep=ep)
+        target = (tp, pp, ep if target_format == "torch" else 1)
         if streams is not None:
             dropped = "RNG state (the Adam state is resharded, the LR schedule is kept)"
         else:
