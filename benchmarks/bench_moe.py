@@ -16,8 +16,8 @@ at 1.0) is trained on the same random batches by:
 - ``hf``: ``transformers.MixtralForCausalLM`` loaded from the folder that
   ``tools/checkpoint/convert.py --saver hf`` writes from ``ours``' initial checkpoint (so the
   two start from the same weights), in a plain PyTorch loop: forward, ``F.cross_entropy`` over
-  the ``[b*s, V]`` logits, backward, ``clip_grad_norm_``, ``torch.optim.AdamW`` (its default
-  attention, SDPA, and its default, eager, expert loop).
+  the ``[b*s, V]`` logits, backward, ``clip_grad_norm_``, ``torch.optim.AdamW`` (its defaults:
+  SDPA attention and, in transformers 5.24, the ``grouped_mm`` experts).
 
 Each contender is a fresh process; they run alternately ``--repeats`` rounds. A run's time is
 the median of its step times after ``--warmup`` steps, a contender's the fastest of its runs.
@@ -483,11 +483,12 @@ def main(argv=None) -> None:
               f"{a.query_groups} query groups, {a.experts} SwiGLU experts (FFN {a.ffn}) top-"
               f"{a.topk}, rope, RMSNorm, vocabulary {a.vocab}, sequence {a.seq}, micro-batch "
               f"{a.micro_batch}, fp32, AdamW; {a.warmup} warm-up + {a.iters} timed steps")
-        print(f"load average before: {_load_average()} (other work on the machine slows both "
-              "sides of a row alike only roughly)")
+        print(f"load average before: {_load_average()} (other work on the machine disturbs "
+              "the times; the alternating runs share it only roughly)")
         print()
         if "hf" in a.parts:
-            print(f"(a) One process, {a.threads} threads, against transformers "
+            print(f"(a) One process, {a.threads} thread{'s' if a.threads > 1 else ''}, "
+                  f"against transformers "
                   f"{_version('transformers')} MixtralForCausalLM; best of {a.repeats} runs:")
             print()
             with tempfile.TemporaryDirectory() as tmp:
