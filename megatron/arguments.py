@@ -852,10 +852,6 @@ def _validate_moe(args) -> None:
     if ep < 1 or args.num_experts % ep:
         _fail(f"--num-experts ({args.num_experts}) must be divisible by "
               f"--expert-model-parallel-size ({ep})")
-    if ep > 1 and args.use_distributed_optimizer and (args.save or args.load):
-        _fail(f"--save / --load with --use-distributed-optimizer and "
-              f"--expert-model-parallel-size {ep} are not supported yet (the sharded expert "
-              "optimizer state is not written); drop --use-distributed-optimizer")
     cp = getattr(args, "context_parallel_size", 1)
     if cp > 1 and args.moe_router_load_balancing_type == "sinkhorn":
         _fail(f"--moe-router-load-balancing-type sinkhorn with --context-parallel-size {cp}: "

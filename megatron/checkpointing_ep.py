@@ -12,7 +12,9 @@ module reads those files and assembles the state the rank would have saved itsel
 * optimizer: each parameter's state (Adam's moments and step, and the fp32 main copy of a
   half-precision run) moved with it. A torch optimizer numbers parameters group by group, each
   group in the model's parameter order (the order of the saved model tree; groups by
-  ``wd_mult`` / ``lr_mult`` as :mod:`megatron.convert.optimizer_state` reads them);
+  ``wd_mult`` / ``lr_mult`` as :mod:`megatron.convert.optimizer_state` reads them); the
+  distributed optimizer's files (``param_state``, unsharded, in the same order) give a
+  distributed optimizer's state;
 * the rest (``args``, scheduler, RNG states, iteration) from the first file read: every
   expert rank saved the same scheduler and the RNG states of every data-parallel rank.
 
@@ -164,9 +166,63 @@ def _per_parameter(optimizer: dict, trees: List[dict], path: str) -> Tuple[dict,
     return entries, keys, inner
 
 
+def _distributed_per_parameter(optimizer: dict, trees: List[dict], path: str
+                               ) -> Tuple[dict, list]:
+    """``({(chunk, name): param_state entry}, group keys)`` of a distributed optimizer's file
+    (``{"optimizer": {"param_groups"}, "param_state": [[entry, ...], ...]}``, unsharded)."""
+    groups = optimizer.get("optimizer", {}).get("param_groups")
+    param_state = optimizer.get("param_state")
+    if not isinstance(groups, list) or not isinstance(param_state, list) or \
+            len(groups) != len(param_state):
+        raise CheckpointError(f"{path}: the distributed optimizer's state has no param groups "
+                              "matching its param_state")
+    keys = [_group_key(group, path, g) for g, group in enumerate(groups)]
+    for g, key in enumerate(keys):
+        if key[1] != 1.0:
+            raise CheckpointError(f"{path}: optimizer param group {g} scales its learning rate "
+                                  f"(lr_mult {key[1]}); it cannot be moved to another "
+                                  "--expert-model-parallel-size")
+    entries = {}
+    for g, (row, names) in enumerate(zip(param_state, _grouped_names(trees, keys))):
+        if len(names) != len(row):
+            raise CheckpointError(f"{path}: optimizer param group {g} holds {len(row)} "
+                                  f"parameters where the model has {len(names)} of its kind")
+        entries.update(zip(names, row))
+    return entries, keys
+
+
+def _distributed_optimizer(files: _SavedFiles, experts: _ExpertMap,
+                           saved_trees: Dict[int, List[dict]], targets: List[dict]) -> dict:
+    """This rank's distributed-optimizer state (unsharded, per parameter in group order, the
+    layout its ``load_state_dict`` cuts its pieces from) from the saved files'."""
+    per_rank = {rank: _distributed_per_parameter(files.state(rank)["optimizer"], trees,
+                                                 files.path(rank))
+                for rank, trees in saved_trees.items()}
+    base = files.state(experts.base)["optimizer"]
+    _, keys = per_rank[experts.base]
+    groups, param_state = [], []
+    for key, group, names in zip(keys, base["optimizer"]["param_groups"],
+                                 _grouped_names(targets, keys)):
+        row = []
+        for chunk, name in names:
+            rank, saved_name, _ = experts.source(name)
+            row.append(per_rank[rank][0][(chunk, saved_name)])
+        param_state.append(row)
+        groups.append(dict(group, params=list(range(len(row)))))
+    return dict(base, optimizer=dict(base["optimizer"], param_groups=groups),
+                param_state=param_state)
+
+
 def _optimizer(files: _SavedFiles, experts: _ExpertMap, saved_trees: Dict[int, List[dict]],
                targets: List[dict]) -> dict:
-    """This rank's optimizer state (torch layout) from the saved files' per-parameter state."""
+    """This rank's optimizer state (the saved optimizer's layout) from the saved files'
+    per-parameter state."""
+    for rank in saved_trees:
+        if not isinstance(files.state(rank).get("optimizer"), dict):
+            raise CheckpointError(f"{files.path(rank)}: has no optimizer state (saved with "
+                                  "--no-save-optim?); pass --no-load-optim or --finetune")
+    if "param_state" in files.state(experts.base)["optimizer"]:
+        return _distributed_optimizer(files, experts, saved_trees, targets)
     per_rank = {}
     for rank, trees in saved_trees.items():
         state = files.state(rank)

@@ -156,12 +156,13 @@ def range_shards(name: str, local_shape: Tuple[int, ...], start: int, values: to
                  layout: ChunkLayout, prefix: str = "") -> List[TensorShard]:
     """The pieces of the elements ``start:start + len(values)`` of the local tensor ``name``
     (row-major flattening of ``local_shape``): what one data-parallel rank of the distributed
-    optimizer holds of a parameter's state. Every DP rank writes its own range (TP replicas
-    and the tied head are still written once)."""
+    optimizer holds of a parameter's state. Every DP rank (expert-DP rank, for an expert's)
+    writes its own range (TP replicas and the tied head are still written once)."""
     local_shape = tuple(local_shape)
     values = values.reshape(-1)
     end = start + values.numel()
-    places = placements(name, local_shape, dataclasses.replace(layout, dp_rank=0))
+    places = placements(name, local_shape, dataclasses.replace(layout, dp_rank=0,
+                                                               expert_dp_rank=0))
     shards = []
     for offset, size in flat_boxes(local_shape, start, end):
         flat_at = sum(o * int(torch.Size(local_shape[d + 1:]).numel())

@@ -202,3 +202,47 @@ def test_converted_ep2_checkpoint_resumes_at_ep2(corpus, straight, saved, tmp_pa
     mid = _convert(save, str(tmp_path / "ep2"), "--target-expert-parallel-size", "2")
     second = _run(corpus, 2, 2, "torch", ["--load", mid])
     _check_parity(straight, {"losses": first["losses"] + second["losses"]})
+
+
+# -- the distributed optimizer: its state sharded over expert-dp, saved whole per expert rank --
+
+DISTOPT = ["--use-distributed-optimizer"]
+
+
+@pytest.fixture(scope="module")
+def saved_distopt(corpus, tmp_path_factory):
+    """``saved_distopt(fmt)``: (folder, first 3 iterations' result) of a world-4 run at EP 2
+    (expert-dp 2) with the distributed optimizer that saved at iteration 3."""
+    made = {}
+
+    def get(fmt):
+        if fmt not in made:
+            save = str(tmp_path_factory.mktemp(f"ckpt_distopt_{fmt}") / "save")
+            first = _run(corpus, 4, 2, fmt, DISTOPT + ["--save", save, "--exit-interval", str(N)])
+            made[fmt] = save, first
+        return made[fmt]
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_distributed_optimizer_ep2_resume_is_bit_exact(corpus, saved_distopt, fmt):
+    straight_ep2 = _run(corpus, 4, 2, fmt, DISTOPT)
+    save, first = saved_distopt(fmt)
+    second = _run(corpus, 4, 2, fmt, DISTOPT + ["--load", save])
+    assert _losses(first) == _losses(straight_ep2)[:N]
+    assert _losses(second) == _losses(straight_ep2)[N:], (straight_ep2, second)
+
+
+@pytest.mark.parametrize("fmt,world,ep", [
+    ("torch", 2, 1),
+    pytest.param("torch_dist", 2, 1, marks=pytest.mark.slow),
+    pytest.param("torch", 4, 4, marks=pytest.mark.slow),
+    pytest.param("torch_dist", 4, 4, marks=pytest.mark.slow)])
+def test_distributed_optimizer_resumes_at_another_ep(corpus, straight, saved_distopt, fmt,
+                                                     world, ep):
+    """EP 2 x expert-dp 2 saves; EP 1 on 2 ranks (or EP 4 on 4) resumes with the experts' Adam
+    state re-dealt, on the single-process losses."""
+    save, first = saved_distopt(fmt)
+    second = _run(corpus, world, ep, fmt, DISTOPT + ["--load", save])
+    _check_parity(straight, {"losses": first["losses"] + second["losses"]})
