@@ -19,9 +19,9 @@
 # The corpus is this machine's Python standard library as JSONL (tools/build_stdlib_corpus.py);
 # point CORPUS at your own JSONL with a "content" key to train on other text. Writes
 # OUT_DIR/data/ (vocab.json, merges.txt, stdlib_content_document.{bin,idx}), OUT_DIR/train.log
-# (appended to) and OUT_DIR/loss.png. With EP=1 it also saves OUT_DIR/checkpoints/ and rerunning
-# resumes from the last one (checkpoints of EP > 1 runs are not supported yet), which
-# tools/checkpoint/convert.py --saver hf turns into a MixtralForCausalLM folder. Extra
+# (appended to) and OUT_DIR/loss.png, and saves OUT_DIR/checkpoints/ (one mp_rank_*_{ep:03d}
+# folder per expert rank when EP > 1); rerunning resumes from the last one, at any EP, and
+# tools/checkpoint/convert.py --saver hf turns it into a MixtralForCausalLM folder. Extra
 # arguments go to pretrain_gpt.py after the script's flags, so they override them (e.g.
 # --moe-token-dispatcher-type allgather); GROUPED_GEMM=0 runs the experts one by one.
 set -euo pipefail
@@ -109,11 +109,7 @@ DATA_ARGS=(
   --tokenizer-type GPT2BPETokenizer --num-workers 1
 )
 OUTPUT_ARGS=(--log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 5)
-# Checkpoints do not hold each expert-parallel rank's experts yet (refused with EP > 1).
-if [ "$EP" = 1 ]; then
-  OUTPUT_ARGS+=(--save-interval "$SAVE_INTERVAL" --save "$OUT/checkpoints"
-                --load "$OUT/checkpoints")
-fi
+OUTPUT_ARGS+=(--save-interval "$SAVE_INTERVAL" --save "$OUT/checkpoints" --load "$OUT/checkpoints")
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PY" -m torch.distributed.run --standalone \
   --nproc_per_node "$NPROC" pretrain_gpt.py \
   "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${TRAIN_ARGS[@]}" "${PARALLEL_ARGS[@]}" \
