@@ -643,9 +643,6 @@ def _validate_context_parallel(args) -> None:
                   f"rank (--num-attention-heads {args.num_attention_heads} / "
                   f"--tensor-model-parallel-size {tp}) over --context-parallel-size {cp}; "
                   "they must divide evenly (or use --cp-comm-type p2p or all_gather)")
-        if args.reset_attention_mask:
-            _fail("--reset-attention-mask with --context-parallel-size > 1 needs --cp-comm-type "
-                  "p2p or all_gather (a2a supports causal attention only)")
 
 
 def _validate_parallel(args) -> None:
