@@ -911,6 +911,10 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     if args.mock_data:
         _fail("--mock-data makes GPT samples only; give BERT sentence data with --data-path "
               "(tools/preprocess_data.py --split-sentences)")
+    if args.context_parallel_size != 1:
+        _fail(f"--context-parallel-size {args.context_parallel_size}: BERT's bidirectional "
+              "attention over padded sequences has no context-parallel split here (it is "
+              "causal GPT attention only); use --context-parallel-size 1")
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
