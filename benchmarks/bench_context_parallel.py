@@ -5,11 +5,12 @@ One small GPT (``--layers`` layers, hidden ``--hidden``, ``--heads`` heads, fp32
 micro-batch 1) at sequence ``--seq`` (8192 by default) runs forward and backward on each layout
 in real gloo processes (one intra-op thread each, so every layout uses one core per rank):
 
-* **memory**: per rank, the bytes of the distinct storages autograd saves for backward during
-  one forward (a ``saved_tensors_hooks`` census, parameters excluded), the peak resident set
-  during forward + backward above the level just before it (``VmHWM`` reset through
-  ``/proc/self/clear_refs``; children run with ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed
-  tensors leave the resident set), and the accounting's activation bytes for one micro-batch
+* **memory**: per rank, the bytes of the distinct storages autograd holds for backward at the
+  end of one forward (a ``saved_tensors_hooks`` census, parameters excluded), the peak of the bytes
+  torch's allocator holds during one forward + backward above what it held before (every
+  allocation and free of the step, from the torch profiler's memory events, summed in order:
+  the rank's own tensors, unaffected by what glibc keeps or returns), and the accounting's
+  activation bytes for one micro-batch
   (:func:`~megatron.memory_accounting.activation_bytes_on_rank`, 4-byte elements);
 * **throughput**: tokens of the whole sequence per second of forward + backward (fastest of
   ``--repeats``), and the share of that time spent inside context parallelism's exchanges
@@ -28,6 +29,7 @@ import os
 import sys
 import tempfile
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -38,12 +40,22 @@ sys.path.insert(0, ROOT)
 MB = 1024 * 1024
 
 
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    return 0
+def peak_allocated_bytes(fn) -> int:
+    """The most bytes torch's allocator held above its level at the start while ``fn()``
+    ran: the running sum of the profiler's allocation (+) and free (-) events, in order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    if not events:
+        raise RuntimeError("the torch profiler recorded no memory events")
+    held = peak = 0
+    for _, nbytes in events:
+        held += nbytes
+        peak = max(peak, held)
+    return peak
 
 
 def _config(a):
@@ -94,24 +106,8 @@ def _worker(rank, world, store_path, a, out):
         model.zero_grad(set_to_none=True)
 
     step()  # warm-up: first-call allocations, BLAS initialisation
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model(tokens, None, None, labels=labels).sum()
-    del loss
     dist.barrier()
-    base = _status_kb("RssAnon")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    step()
-    peak = (_status_kb("VmHWM") - base) * 1024
+    peak = peak_allocated_bytes(step)
     times = []
     for _ in range(a.repeats):
         dist.barrier()
@@ -120,6 +116,26 @@ def _worker(rank, world, store_path, a, out):
         step()
         times.append((time.perf_counter() - start, comm["s"]))
     best = min(times)
+    # Last: this forward has no backward (the output layer's reused logits storage then stays
+    # taken), and nothing else runs after it.
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    packed = []
+
+    def pack(t):
+        # Not ``t`` itself: a saved output holding its own grad_fn is a reference cycle that
+        # would keep the whole graph alive after ``del loss``.
+        kept = t.detach()
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            packed.append((weakref.ref(kept), storage.data_ptr(), storage.nbytes()))
+        return kept
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(tokens, None, None, labels=labels).sum()
+    # Only what the finished graph still holds: a node that dies during the forward (the
+    # attention's detached row maxima) frees what it saved.
+    saved = {ptr: nbytes for ref, ptr, nbytes in packed if ref() is not None}
+    del loss
     accounted = ma.activation_bytes_on_rank(config, micro_batch_size=1, num_microbatches=1,
                                             element_bytes=4, cp_size=world)
     out[rank] = (sum(saved.values()), peak, accounted, best[0], best[1])
@@ -153,15 +169,13 @@ def main(argv=None) -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--record", action="store_true")
     a = p.parse_args(argv)
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
-    os.environ.setdefault("MKL_DISABLE_FAST_MM", "1")
     from record import recording
 
     with recording(a.record, "Context parallelism (bench_context_parallel.py)"):
         print(f"GPT {a.layers} layers, hidden {a.hidden}, {a.heads} heads, rope, fp32, "
               f"sequence {a.seq}, micro-batch 1, --cp-comm-type {a.comm}; one thread per rank")
         print()
-        print("| CP | saved for backward / rank (MB) | peak RSS above start / rank (MB) | "
+        print("| CP | saved for backward / rank (MB) | peak allocated in fwd+bwd / rank (MB) | "
               "accounting / rank (MB) | saved / CP=1 | accounting / CP=1 | "
               "fwd+bwd (s) | tokens/s | vs one rank | communication share |")
         print("|---|---|---|---|---|---|---|---|---|---|")

@@ -643,9 +643,6 @@ def _validate_context_parallel(args) -> None:
                   f"rank (--num-attention-heads {args.num_attention_heads} / "
                   f"--tensor-model-parallel-size {tp}) over --context-parallel-size {cp}; "
                   "they must divide evenly (or use --cp-comm-type p2p or all_gather)")
-        if args.reset_attention_mask:
-            _fail("--reset-attention-mask with --context-parallel-size > 1 needs --cp-comm-type "
-                  "p2p or all_gather (a2a supports causal attention only)")
 
 
 def _validate_parallel(args) -> None:
@@ -910,6 +907,10 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     if args.mock_data:
         _fail("--mock-data makes GPT samples only; give BERT sentence data with --data-path "
               "(tools/preprocess_data.py --split-sentences)")
+    if args.context_parallel_size != 1:
+        _fail(f"--context-parallel-size {args.context_parallel_size}: BERT's bidirectional "
+              "attention over padded sequences has no context-parallel split here (it is "
+              "causal GPT attention only); use --context-parallel-size 1")
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:

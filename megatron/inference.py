@@ -2,6 +2,12 @@
 
 They take the training flags (so a run's script can be reused with ``--load`` added), build the
 same model, and load only its weights.
+
+Context parallelism is a training layout: a generation step of one new token cannot be split
+over the sequence, so these tools run whole sequences on every rank. With
+``--context-parallel-size N`` the job keeps its ranks, and the N context-parallel ranks of each
+model copy become data-parallel replicas. Tensor and pipeline ranks stay where they were (the
+rank order is tp-cp-dp-pp, and cp sits inside dp), so each rank loads the same checkpoint files.
 """
 
 from typing import Callable, List, Optional, Tuple
@@ -26,7 +32,8 @@ def initialize_for_inference(extra_args_provider: Optional[Callable] = None,
     tokenizer)`` and sets the global args, tokenizer and parallel state."""
     defaults = dict(INFERENCE_DEFAULTS)
     defaults.update(args_defaults or {})
-    args = _parse(argv, extra_args_provider, defaults)
+    args = _parse(argv, extra_args_provider, defaults,
+                  before_validation=_context_parallel_ranks_as_replicas)
     pstate = initialize_megatron(args)
     from megatron.tokenizer import build_tokenizer
 
@@ -37,6 +44,17 @@ def initialize_for_inference(extra_args_provider: Optional[Callable] = None,
                                                    args.timing_log_option),
                                      tensorboard_writer=None, parallel_state=pstate)
     return args, pstate, tokenizer
+
+
+def _context_parallel_ranks_as_replicas(args) -> None:
+    """--context-parallel-size N: run without it (see the module docstring), and say so."""
+    cp = args.context_parallel_size
+    if cp > 1:
+        if args.rank == 0:
+            print(f"NOTE: --context-parallel-size {cp} is for training: generation and "
+                  f"evaluation run whole sequences on every rank, so the {cp} context-parallel "
+                  "ranks serve as data-parallel replicas", flush=True)
+        args.context_parallel_size = 1
 
 
 def load_model_for_inference(model_provider: Callable, args,

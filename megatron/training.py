@@ -73,7 +73,9 @@ def _one_line_errors(extra_args_provider: Optional[Callable]) -> Callable:
     return provider
 
 
-def _parse(argv, extra_args_provider, args_defaults):
+def _parse(argv, extra_args_provider, args_defaults, before_validation=None):
+    """Parse and validate the flags; ``before_validation(args)`` (a tool's own adjustments)
+    runs on the parsed flags just before :func:`validate_args`."""
     args = parse_args(argv, _one_line_errors(extra_args_provider))
     for key, value in (args_defaults or {}).items():
         if getattr(args, key, None) is None:
@@ -81,6 +83,8 @@ def _parse(argv, extra_args_provider, args_defaults):
     try:
         if args.use_checkpoint_args:
             checkpointing.load_args_from_checkpoint(args)
+        if before_validation is not None:
+            before_validation(args)
         validate_args(args)
         # Check the ramp-up now, not after the process groups and the model are built.
         NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,

@@ -15,9 +15,11 @@ which three methods provide (Megatron's ``--cp-comm-type``):
   trades back.
 
 Masks are causal by global token position (the chunk order is taken into account), or an
-explicit boolean mask (True = masked) over the local queries and all ``s`` keys. A query row
-that no key may see gives zeros, never NaN. Gradients flow through every exchange (the
-backward of a ring step sends the key/value gradients the other way).
+explicit boolean mask (True = masked) over the local queries and all ``s`` keys (what
+``--reset-attention-mask`` gives: built on the whole sequence, then split by query rows). ``a2a``
+attends for every query, so it all-gathers the mask's rows first; its scores are ``[s, s]`` per
+head anyway. A query row that no key may see gives zeros, never NaN. Gradients flow through
+every exchange (the backward of a ring step sends the key/value gradients the other way).
 
 Shapes follow the model: ``[s_local, b, heads, head_dim]`` in, ``[s_local, b, heads * head_dim]``
 out.
@@ -30,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core.collectives import get_group_rank, get_group_size
+from megatron.core.collectives import (all_gather_into_tensor, get_group_rank,
+                                       get_group_size)
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
@@ -285,8 +288,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         cp_group: the context-parallel group.
         comm_type: ``p2p``, ``all_gather`` or ``a2a`` (see the module docstring).
         attention_mask: None for causal attention, else bool ``[b or 1, 1, s_local, s]``
-            (True = masked; this rank's query rows, every key column in global order). Not
-            with ``a2a``, whose ranks attend for queries they do not hold.
+            (True = masked; this rank's query rows, every key column in global order).
         softmax_scale: multiplies the scores; default ``1 / sqrt(hn)``.
         dropout_p: attention dropout on the probabilities (the caller's RNG stream).
 
@@ -303,13 +305,14 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     scale = 1.0 / math.sqrt(hn) if softmax_scale is None else softmax_scale
     q_pos = chunk_positions(seq, cp, rank, query.device)
     chunk = seq // (2 * cp)
+    if attention_mask is not None and (attention_mask.dim() != 4 or tuple(
+            attention_mask.shape[-2:]) != (s_local, seq) or attention_mask.size(1) != 1):
+        raise ContextParallelError(f"a context-parallel attention mask must be [b or 1, 1, "
+                                   f"{s_local}, {seq}] (this rank's {s_local} queries, all "
+                                   f"{seq} keys), got {tuple(attention_mask.shape)}")
     if comm_type == "a2a":
         out = _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p)
         return out.to(query.dtype)
-    if attention_mask is not None and tuple(attention_mask.shape[-2:]) != (s_local, seq):
-        raise ContextParallelError(f"a context-parallel attention mask must cover this "
-                                   f"rank's {s_local} queries and all {seq} keys, got "
-                                   f"{tuple(attention_mask.shape)}")
     q = _to_bhsd(query)
     key, value = _expand_groups(key, heads), _expand_groups(value, heads)
     own_chunks = [(0, chunk), (chunk, 2 * chunk)]
@@ -353,13 +356,20 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
     return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * hn).to(query.dtype)
 
 
+def _gather_mask_rows(mask: torch.Tensor, group) -> torch.Tensor:
+    """Every cp rank's query rows of a ``[b, 1, s_local, s]`` mask, rank by rank: ``[b, 1,
+    cp * s_local, s]`` (sent as bytes: a bool all-gather is not on every backend)."""
+    cp = get_group_size(group)
+    mine = mask.to(torch.uint8).contiguous()
+    rows = torch.empty((cp, *mine.shape), dtype=torch.uint8, device=mine.device)
+    all_gather_into_tensor(rows, mine, group)                            # [cp, b, 1, s_l, s]
+    b, _, s_local, seq = mine.shape
+    return rows.permute(1, 2, 0, 3, 4).reshape(b, 1, cp * s_local, seq).bool()
+
+
 def _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p):
-    cp, rank = get_group_size(cp_group), get_group_rank(cp_group)
+    cp = get_group_size(cp_group)
     s_local, b, heads, hn = query.shape
-    if attention_mask is not None:
-        raise ContextParallelError("--cp-comm-type a2a supports causal attention only (no "
-                                   "explicit attention mask, e.g. --reset-attention-mask); use "
-                                   "p2p or all_gather")
     if heads % cp:
         raise ContextParallelError(f"--cp-comm-type a2a splits the {heads} attention heads of "
                                    f"a tensor-parallel rank over --context-parallel-size {cp}; "
@@ -373,8 +383,12 @@ def _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p
     v = _SequenceToHeads.apply(value, cp_group)
     k = _expand_groups(k, q.size(2))
     v = _expand_groups(v, q.size(2))
+    # The gathered sequence is rank by rank, each rank's tokens in its chunk order.
     pos = torch.cat([chunk_positions(seq, cp, j, query.device) for j in range(cp)])
-    masked = (pos[None, :] > pos[:, None])[None, None]
+    if attention_mask is None:
+        masked = (pos[None, :] > pos[:, None])[None, None]               # [1, 1, s, s]
+    else:
+        masked = _gather_mask_rows(attention_mask, cp_group).index_select(3, pos)  # [b,1,s,s]
     out, _ = _block_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), masked, scale, dropout_p)
     out = out.permute(2, 0, 1, 3).to(query.dtype)                        # [s, b, np/cp, hn]
     out = _HeadsToSequence.apply(out.contiguous(), cp_group)             # [s_l, b, np, hn]

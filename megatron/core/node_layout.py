@@ -123,13 +123,15 @@ def local_place(env: Mapping[str, str] = os.environ) -> RankPlace:
     return RankPlace(node=node, hostname=hostname, addresses=tuple(addresses))
 
 
-def gather_places(group=None) -> List[RankPlace]:
-    """Every rank's :class:`RankPlace`, indexed by global rank (collective over ``group``)."""
+def gather_places() -> List[RankPlace]:
+    """Every rank's :class:`RankPlace`, indexed by global rank: a collective over the whole
+    world (named, not defaulted to, since "indexed by global rank" holds for it alone)."""
+    world = dist.group.WORLD
     mine = local_place()
-    if dist.get_world_size(group) == 1:
+    if dist.get_world_size(world) == 1:
         return [mine]
-    places: List[Optional[RankPlace]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(places, mine, group=group)
+    places: List[Optional[RankPlace]] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(places, mine, group=world)
     return places
 
 

@@ -136,6 +136,11 @@ class BertModel(MegatronModule):
             raise ConfigError("BERT ties its LM head to the word embeddings: "
                               "--untie-embeddings-and-output-weights is not supported "
                               "(got untie_embeddings_and_output_weights=True)")
+        if getattr(pstate, "cp_size", 1) != 1:
+            # Without this the layers would ignore the cp group and every cp rank would run
+            # whole sequences (pretrain_bert.py refuses the flag before getting here).
+            raise ConfigError(f"BERT has no context parallelism: build it on a layout with "
+                              f"--context-parallel-size 1, got {pstate.cp_size}")
         config.check_splittable(pstate.tp_size, pstate.pp_size)
         self.tp_group = pstate.tp_group
         self.pre_process = pre_process

@@ -194,8 +194,10 @@ def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddin
             "random_seed": seed, "vocab_size": tokenizer.vocab_size, "pad_token": tokenizer.eod}
 
 
-def broadcast_payload(payload: Optional[dict], device, src: int = 0, group=None) -> dict:
-    """Rank ``src``'s payload on every rank of ``group`` (JSON bytes, no pickle)."""
+def broadcast_payload(payload: Optional[dict], device, src: int = 0) -> dict:
+    """Global rank ``src``'s payload on every rank of the job (JSON bytes, no pickle): every
+    rank of every model copy runs the request, so the group is the whole world, by name."""
+    group = dist.group.WORLD
     if dist.get_world_size(group) == 1:
         return payload
     is_src = dist.get_rank() == src

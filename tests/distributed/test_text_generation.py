@@ -13,8 +13,11 @@ Requests then run as the server runs them (rank 0 prepares a payload, every rank
 Checked: greedy output with and without the cache; token ids never in the padded vocabulary
 (the random padded rows would win argmax otherwise, which the test confirms); stop tokens;
 log-probs against log_softmax of an independent full forward (fp32, ~1e-7 relative apart;
-tolerance 2e-5); every rank of a layout returning the same result; and TP = 2 and PP = 2
-returning the TP = 1 tokens (sampled ones too: same seed) with log-probs within 2e-5.
+tolerance 2e-5); every rank of a layout returning the same result; and TP = 2, PP = 2 and
+CP = 2 returning the TP = 1 tokens (sampled ones too: same seed) with log-probs within 2e-5.
+With ``--context-parallel-size 2`` the two ranks generate whole sequences as data-parallel
+replicas (``megatron/inference.py``); before that, the cache-less and scoring requests ran on a
+model that expected half of each sequence and failed.
 """
 
 import types
@@ -251,6 +254,7 @@ def _check_layout(results, single):
 @pytest.mark.parametrize("layout", [
     pytest.param(["--tensor-model-parallel-size", "2"], id="tp2"),
     pytest.param(["--pipeline-model-parallel-size", "2"], id="pp2"),
+    pytest.param(["--context-parallel-size", "2"], id="cp2"),
 ])
 def test_layout_generates_what_one_process_does(single, tmp_path, layout):
     _check_layout(run_on_ranks(_run_layout, 2, layout, str(tmp_path)), single)

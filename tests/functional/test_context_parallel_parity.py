@@ -24,6 +24,7 @@ ITERS = 6
 ATOL = 2e-5
 GQA_ROPE = ["--group-query-attention", "--num-query-groups", "2",
             "--position-embedding-type", "rope"]
+RESET = ["--reset-attention-mask", "--reset-position-ids"]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,28 @@ def baseline_pp(corpus):
 @pytest.fixture(scope="module")
 def baseline_gqa_rope(corpus):
     return _train(corpus, 1, model=GQA_ROPE)
+
+
+@pytest.fixture(scope="module")
+def baseline_reset(corpus):
+    """One process with per-document attention masks and position ids (the counting corpus's
+    documents are 8-60 tokens, so most 16-token samples hold an end of document)."""
+    return _train(corpus, 1, extra=RESET)
+
+
+def _check_flags_matter(baseline, flagged):
+    """The flags change the run by far more than ATOL, so matching it means something."""
+    gap = max(abs(a - b) for a, b in zip(_losses(baseline), _losses(flagged)))
+    assert gap > 50 * ATOL, (gap, _losses(baseline), _losses(flagged))
+
+
+def test_cp2_reset_attention_mask_and_position_ids(corpus, baseline, baseline_reset):
+    # Mask and positions are built on the whole sequence, then split by tokens (the mask by
+    # query rows, every key column kept); each exchange honours the mask across chunks.
+    _check_flags_matter(baseline, baseline_reset)
+    for comm in ("p2p", "a2a"):
+        _check(baseline_reset, _train(corpus, 2, cp=2, comm=comm, extra=RESET),
+               f"cp2 reset mask/positions {comm}")
 
 
 def test_cp2_each_comm_type(corpus, baseline):
@@ -143,3 +166,13 @@ def test_cp2_recompute_and_flash_path(corpus, baseline):
 def test_tp2_cp2_dp2_on_8_ranks(corpus, baseline):
     _check(baseline, _train(corpus, 8, cp=2, tp=2, extra=["--use-distributed-optimizer"]),
            "tp2 cp2 dp2 distopt")
+
+
+@pytest.mark.slow
+def test_reset_attention_mask_all_gather_cp4_and_pipeline(corpus, baseline_reset):
+    _check(baseline_reset, _train(corpus, 2, cp=2, comm="all_gather", extra=RESET),
+           "cp2 reset all_gather")
+    _check(baseline_reset, _train(corpus, 4, cp=4, extra=RESET), "cp4 reset p2p")
+    # A middle pipeline stage reads the batch for the mask alone.
+    reset_pp = _train(corpus, 1, extra=["--num-layers", "4", *RESET])
+    _check(reset_pp, _train(corpus, 4, cp=2, pp=2, extra=RESET), "cp2 pp2 reset")

@@ -338,6 +338,7 @@ def test_bad_bert_flags_name_the_flag(extra, must_name):
     (["--position-embedding-type", "rope"], "--position-embedding-type rope"),
     (["--mock-data"], "--mock-data"),
     (["--untie-embeddings-and-output-weights"], "--untie-embeddings-and-output-weights"),
+    (["--context-parallel-size", "2"], "--context-parallel-size 2: BERT"),
 ])
 def test_flags_bert_cannot_use_name_the_flag(extra, must_name):
     args = parse_args(BASE + ["--tokenizer-type", "BertWordPieceCase"] + extra)
@@ -364,13 +365,19 @@ def _env():
     return env
 
 
-@pytest.mark.parametrize("case", ["gpt2 tokenizer", "missing data prefix"])
+@pytest.mark.parametrize("case", ["gpt2 tokenizer", "context parallel",
+                                  "missing data prefix"])
 def test_user_mistake_is_one_line_without_traceback(data, tmp_path, case):
     """``python pretrain_bert.py`` with a mistake: exit != 0, one stderr line naming it."""
     flags = bert_flags(data, 2)
     if case == "gpt2 tokenizer":
         flags += ["--tokenizer-type", "GPT2BPETokenizer"]
         must_name = ["--tokenizer-type GPT2BPETokenizer", "BertWordPieceLowerCase"]
+    elif case == "context parallel":
+        # Refused as the flags are parsed, before the world size (1 here) is checked against
+        # it, and before any process group or model exists.
+        flags += ["--context-parallel-size", "2"]
+        must_name = ["--context-parallel-size 2: BERT", "--context-parallel-size 1"]
     else:
         missing = str(tmp_path / "no_such" / "corpus_text_sentence")
         flags[flags.index("--data-path") + 1] = missing

@@ -309,6 +309,18 @@ def test_parallel_layouts_agree(seeded, tmp_path, tp, pp, dp):
     assert "validation results on" not in outputs[0][0][1]
 
 
+def test_context_parallel_flag_evaluates_on_replicas(seeded, tmp_path):
+    """A training script's --context-parallel-size 2: evaluation runs whole sequences, the two
+    context-parallel ranks as data-parallel replicas, and gives the one-process results."""
+    load = str(tmp_path / "ckpt")
+    data = seeded.data
+    outputs = run_on_ranks(evaluate_all, 2,
+                           null_eval_argvs(load, data["prefix"], data["jsonl"], data["lambada"],
+                                           extra=["--context-parallel-size", "2"]),
+                           save_argv=seeded_argv(load))
+    assert_same_results(outputs, seeded.outputs)
+
+
 def assert_same_results(outputs, reference):
     """Every rank's results equal the reference run's (ppl within RTOL, counts exactly)."""
     for rank_outputs in outputs:

@@ -342,6 +342,14 @@ def test_untied_head_is_rejected():
         BertModel(make_config(untie_embeddings_and_output_weights=True), single_process_state())
 
 
+def test_context_parallel_layout_is_rejected():
+    # Its layers would ignore the cp group: every cp rank would run whole sequences.
+    pstate = single_process_state()
+    pstate.cp_size = 2
+    with pytest.raises(ConfigError, match="--context-parallel-size 1, got 2"):
+        BertModel(make_config(), pstate)
+
+
 # ---- initialisation and pipeline splits -------------------------------------------------------
 
 

@@ -106,6 +106,10 @@ def test_context_parallel_flags_derive_data_parallel_size():
     args = _validate(["--context-parallel-size", "2", "--tensor-model-parallel-size", "2",
                       "--cp-comm-type", "a2a"], 8)
     assert args.data_parallel_size == 2 and args.cp_comm_type == "a2a"
+    # Every exchange takes the per-document mask (a2a gathers its rows).
+    args = _validate(["--context-parallel-size", "2", "--cp-comm-type", "a2a",
+                      "--reset-attention-mask", "--reset-position-ids"], 2)
+    assert args.reset_attention_mask and args.reset_position_ids
 
 
 @pytest.mark.parametrize("extra,world,pattern", [
@@ -117,9 +121,6 @@ def test_context_parallel_flags_derive_data_parallel_size():
     (["--context-parallel-size", "4", "--tensor-model-parallel-size", "4", "--cp-comm-type",
       "a2a"], 16, r"a2a splits the 2 attention heads per tensor-parallel rank .*"
      r"over --context-parallel-size 4"),
-    (["--context-parallel-size", "2", "--cp-comm-type", "a2a", "--reset-attention-mask"], 2,
-     r"--reset-attention-mask with --context-parallel-size > 1 needs --cp-comm-type p2p or "
-     r"all_gather"),
 ])
 def test_context_parallel_errors(extra, world, pattern):
     with pytest.raises(ArgumentsError, match=pattern):
