@@ -293,6 +293,26 @@ def test_finalize_model_grads_sums_sequence_parallel_and_embedding_grads():
                                            msg=f"rank {rank} tied={tied} {name}")
 
 
+def _no_tp_group_check():
+    """Sequence-parallel grads with tp_group=None (no tensor parallelism) on 2 data-parallel
+    ranks: only the data-parallel average happens, no tensor-parallel sum (over the whole job,
+    which is what a None group means to torch.distributed)."""
+    dist.barrier()
+    norm = nn.LayerNorm(3)
+    norm.weight.sequence_parallel = True
+    model = DistributedDataParallel(norm, dp_group=dist.group.WORLD)
+    for p in model.module.parameters():
+        p.main_grad.fill_(float(dist.get_rank() + 1))
+    finalize_model_grads([model], tp_group=None, sequence_parallel=True)
+    return model.module.weight.main_grad.clone()
+
+
+def test_finalize_without_a_tp_group_reduces_nothing():
+    results = run_on_ranks(_no_tp_group_check, 2)
+    for rank, grad in enumerate(results):
+        assert torch.equal(grad, torch.full((3,), 1.5)), (rank, grad)   # mean of 1 and 2
+
+
 def test_buffer_layout_cuts_buckets_without_splitting_params():
     layout = compute_buffer_layout([6, 4, 8, 3], bucket_size=10, dp_size=2)
     assert layout.param_ranges == [(0, 6), (6, 10), (10, 18), (18, 21)]

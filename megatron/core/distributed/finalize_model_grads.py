@@ -17,6 +17,8 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megatron.core.collectives import get_group_size
+
 
 def _grad_of(param: torch.nn.Parameter, what: str) -> torch.Tensor:
     grad = getattr(param, "main_grad", None)
@@ -44,7 +46,7 @@ def _allreduce_layernorm_grads(model_chunks: Sequence[torch.nn.Module], tp_group
             if param.requires_grad and marked:
                 grad = _grad_of(param, f"TP-replicated parameter {name!r}")
                 grads_by_dtype.setdefault(grad.dtype, []).append(grad)
-    if not grads_by_dtype or dist.get_world_size(tp_group) == 1:
+    if not grads_by_dtype or get_group_size(tp_group) == 1:
         return
     for grads in grads_by_dtype.values():
         flat = torch.cat([g.reshape(-1) for g in grads])  # [sum of numels]

@@ -235,6 +235,9 @@ class GradBuffer:
         self.params = list(params)
         if not self.params:
             raise ValueError("a GradBuffer needs at least one parameter")
+        if dp_group is None:
+            raise ValueError("a GradBuffer needs the process group its buckets are reduced "
+                             "over (dp_group), got None")
         devices = {p.device for p in self.params}
         if len(devices) != 1:
             raise ValueError(f"all parameters of one gradient buffer must be on one device, "
