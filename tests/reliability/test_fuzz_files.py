@@ -733,7 +733,7 @@ def test_checkpoint_whose_model_is_not_a_dict_is_a_checkpoint_error(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("1")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     args = argparse.Namespace(load=str(tmp_path), ckpt_step=None, exit_on_missing_checkpoint=True)
-    pstate = argparse.Namespace(tp_rank=0, pp_rank=0, tp_size=1, pp_size=1)
+    pstate = argparse.Namespace(tp_rank=0, pp_rank=0, tp_size=1, pp_size=1, dp_cp_rank=0)
     with pytest.raises(CheckpointError, match="model_optim_rng.pt"):
         load_model_weights([_Chunk()], args, pstate)
 
