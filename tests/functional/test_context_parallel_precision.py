@@ -96,6 +96,7 @@ def test_cp2_fp16_scaler_grows(corpus):
     assert [math.log2(scale) for _, scale in steps] == [12, 13, 13, 14, 14, 15]
 
 
+@pytest.mark.slow
 def test_cp2_fp16_scaler_skips_overflows_distributed_optimizer(corpus):
     # From 2^20 the first two steps overflow and are skipped on every rank, the scale halves
     # to 2^18 and training goes on; at step 6 both sizes overflow again. The distributed

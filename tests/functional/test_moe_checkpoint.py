@@ -52,7 +52,7 @@ def saved(corpus, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", ["torch", pytest.param("torch_dist", marks=pytest.mark.slow)])
 def test_ep2_resume_is_bit_exact(corpus, saved, fmt):
     """EP 2 over world 2: 6 iterations straight == 3, save, load in new processes, 3 more."""
     straight_ep2 = _run(corpus, 2, 2, fmt)
@@ -62,8 +62,10 @@ def test_ep2_resume_is_bit_exact(corpus, saved, fmt):
     assert _losses(second) == _losses(straight_ep2)[N:], (straight_ep2, second)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("save_ep,load_ep", [(2, 1), (1, 2)], ids=["ep2-to-ep1", "ep1-to-ep2"])
+@pytest.mark.parametrize("fmt,save_ep,load_ep", [
+    ("torch", 2, 1), ("torch_dist", 1, 2),
+    pytest.param("torch_dist", 2, 1, marks=pytest.mark.slow),
+    pytest.param("torch", 1, 2, marks=pytest.mark.slow)])
 def test_resume_at_another_ep(corpus, straight, saved, fmt, save_ep, load_ep):
     """Save at one EP (world 2, dp 2), resume at the other: the losses continue the
     single-process run's."""
@@ -195,6 +197,7 @@ def test_converter_ep_round_trip_is_bit_identical(saved, tmp_path, tp, pp, ep):
                 assert torch.equal(rank1[key], a[key]), key
 
 
+@pytest.mark.slow
 def test_converted_ep2_checkpoint_resumes_at_ep2(corpus, straight, saved, tmp_path):
     """EP 1 training checkpoint -> converter at EP 2 (Adam state carried) -> training at EP 2
     continues the single-process losses."""

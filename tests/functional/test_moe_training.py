@@ -143,6 +143,7 @@ def test_moe_layout_matches_single_process(corpus, baseline, tmp_path, tp, pp, d
     _check_parity(baseline, _train_logged(corpus, str(tmp_path), tp, pp, dp, extra=extra))
 
 
+@pytest.mark.slow
 def test_fp16_distopt_ep_matches_single_process_fp16(corpus, tmp_path):
     """DP 4 x EP 2 with the distributed optimizer in fp16 against the single-process fp16 run.
 
