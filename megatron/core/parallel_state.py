@@ -38,6 +38,7 @@ parallel, then expert data parallel), so the ``tp * cp * dp`` ranks of a stage a
     expert-tensor-parallel groups:  [0] [1] ... [7]
     expert-parallel groups:         [0, 1] [2, 3] [4, 5] [6, 7]
     expert-data-parallel groups:    [0, 2, 4, 6] [1, 3, 5, 7]
+    expert model-parallel groups:   [0, 1] [2, 3] [4, 5] [6, 7]   (expert tp x ep x pp)
 
 :func:`initialize_model_parallel` builds one :class:`ParallelState` holding every group this rank
 belongs to. Core code receives the layout or the group it needs as an argument; the module-level
@@ -86,6 +87,7 @@ class RankLayout:
     ep_groups: List[List[int]] = dataclasses.field(default_factory=list)
     expert_tp_groups: List[List[int]] = dataclasses.field(default_factory=list)
     expert_dp_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    expert_model_parallel_groups: List[List[int]] = dataclasses.field(default_factory=list)
 
     def rank_coordinates(self, rank: int) -> dict:
         """``{"tp": .., "cp": .., "dp": .., "pp": ..}`` of a global rank."""
@@ -155,6 +157,12 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
     embedding_groups = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
     position_embedding_groups = [[g[0]] for g in pp_groups]
     expert_dp_size = stage // (expert_tp_size * ep_size)
+    # expert tp x ep x pp for each expert-dp position: the ranks that together hold one copy
+    # of every expert (what the experts' part of the gradient norm is summed over).
+    experts = expert_tp_size * ep_size
+    expert_model_parallel_groups = [[s * stage + i + j for s in range(pp_size)
+                                     for j in range(experts)]
+                                    for i in range(0, stage, experts)]
     return RankLayout(
         world_size, tp_size, pp_size, dp_size, tp_groups, dp_groups, pp_groups,
         model_parallel_groups, embedding_groups, position_embedding_groups,
@@ -165,6 +173,7 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
         expert_tp_groups=_strided(world_size, pp_size, 1, expert_tp_size),
         expert_dp_groups=_strided(world_size, pp_size, expert_tp_size * ep_size,
                                   expert_dp_size),
+        expert_model_parallel_groups=expert_model_parallel_groups,
     )
 
 
@@ -174,6 +183,9 @@ class ParallelState:
 
     ``dp_cp_group`` is the data x context-parallel group (what gradients are averaged over);
     without context parallelism it is the very same group as ``dp_group``.
+    ``expert_model_parallel_group`` is expert-tp x ep x pp (Megatron's expert tensor, model and
+    pipeline group); with the default expert layout (ep 1, expert-tp = tp) it is the very same
+    group as ``model_parallel_group``.
     """
 
     layout: RankLayout
@@ -197,6 +209,8 @@ class ParallelState:
     expert_dp_group: object = None
     cp_ranks: List[int] = dataclasses.field(default_factory=list)
     dp_cp_ranks: List[int] = dataclasses.field(default_factory=list)
+    expert_model_parallel_group: object = None
+    expert_tp_ranks: List[int] = dataclasses.field(default_factory=list)
 
     @property
     def tp_size(self) -> int:
@@ -241,6 +255,10 @@ class ParallelState:
     @property
     def dp_cp_rank(self) -> int:
         return self.dp_cp_ranks.index(self.rank) if self.dp_cp_ranks else self.dp_rank
+
+    @property
+    def expert_tp_rank(self) -> int:
+        return self.expert_tp_ranks.index(self.rank) if self.expert_tp_ranks else self.tp_rank
 
     def for_virtual_stage(self, vp_rank: int) -> "ParallelState":
         """A copy of this state that answers for virtual pipeline stage ``vp_rank`` (the
@@ -327,8 +345,12 @@ def initialize_model_parallel(
     if layout.ep_groups == [[r] for r in range(world_size)] and \
             layout.expert_tp_groups == layout.tp_groups:
         ep_group, expert_tp_group, expert_dp_group = None, tp_group, dp_cp_group
+        expert_mp_group = mp_group
     else:
         ep_group, expert_tp_group, expert_dp_group = (build(g) for g in expert_groups)
+        expert_mp_group = (mp_group if layout.expert_model_parallel_groups
+                           == layout.model_parallel_groups
+                           else build(layout.expert_model_parallel_groups))
     _STATE = ParallelState(
         layout=layout, rank=rank, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
         model_parallel_group=mp_group, embedding_group=emb_group,
@@ -342,6 +364,8 @@ def initialize_model_parallel(
         cp_group=cp_group, dp_cp_group=dp_cp_group, ep_group=ep_group,
         expert_tp_group=expert_tp_group, expert_dp_group=expert_dp_group,
         cp_ranks=_find(layout.cp_groups, rank), dp_cp_ranks=_find(layout.dp_cp_groups, rank),
+        expert_model_parallel_group=expert_mp_group,
+        expert_tp_ranks=_find(layout.expert_tp_groups, rank),
     )
     return _STATE
 
@@ -408,6 +432,14 @@ def get_expert_tensor_parallel_group():
 
 def get_expert_tensor_parallel_world_size() -> int:
     return get_parallel_state().layout.expert_tp_size
+
+
+def get_expert_tensor_model_pipeline_parallel_group():
+    return get_parallel_state().expert_model_parallel_group
+
+
+def get_expert_tensor_parallel_rank() -> int:
+    return get_parallel_state().expert_tp_rank
 
 
 def get_expert_data_parallel_group():

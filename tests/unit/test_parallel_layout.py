@@ -52,7 +52,8 @@ def test_world16_tp2_cp2_pp2():
     assert layout.embedding_groups == [[r, r + 8] for r in range(8)]
     assert layout.rank_coordinates(13) == {"tp": 1, "cp": 0, "dp": 1, "pp": 1}
     for name in ("tp_groups", "cp_groups", "dp_groups", "dp_cp_groups", "pp_groups",
-                 "model_parallel_groups", "ep_groups", "expert_tp_groups", "expert_dp_groups"):
+                 "model_parallel_groups", "ep_groups", "expert_tp_groups", "expert_dp_groups",
+                 "expert_model_parallel_groups"):
         assert _covers_world(getattr(layout, name), 16), name
 
 
@@ -70,6 +71,15 @@ def test_expert_groups_fold_into_data_and_context_ranks():
     assert layout.expert_tp_groups == [[r] for r in range(8)]
     assert layout.ep_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert layout.expert_dp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.expert_model_parallel_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # Expert tp 4 over tp 2 x pp 2 x dp 2, ep 2: each stage's 8 ranks hold one copy of the
+    # experts; the groups span both stages.
+    layout = ps.compute_rank_layout(16, 2, 2, ep_size=2, expert_tp_size=4)
+    assert layout.expert_tp_groups == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11],
+                                       [12, 13, 14, 15]]
+    assert layout.ep_groups == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14],
+                                [11, 15]]
+    assert layout.expert_model_parallel_groups == [list(range(16))]
     # Expert tp defaults to tp; each pipeline stage is cut on its own.
     layout = ps.compute_rank_layout(16, 2, 2, cp_size=2, ep_size=2)
     assert layout.expert_tp_size == 2 and layout.expert_dp_size == 2
@@ -78,6 +88,8 @@ def test_expert_groups_fold_into_data_and_context_ranks():
                                 [13, 15]]
     assert layout.expert_dp_groups == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13],
                                        [10, 14], [11, 15]]
+    assert layout.expert_model_parallel_groups == [[0, 1, 2, 3, 8, 9, 10, 11],
+                                                   [4, 5, 6, 7, 12, 13, 14, 15]]
 
 
 def test_bad_products_name_the_flags():
