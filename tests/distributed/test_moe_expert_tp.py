@@ -28,7 +28,7 @@ import torch.distributed as dist
 from megatron.core import collectives
 from megatron.core.parallel_state import compute_rank_layout
 from megatron.core.config import ConfigError
-from megatron.model.moe import MoEConfig, MoELossTracker
+from megatron.model.moe import MoEConfig, MoELayer, MoELossTracker
 from megatron.model.transformer import ParallelTransformerLayer
 from tests.distributed.test_moe_parallel import CASES, EXPERTS, SEQ, _batch, _config, _layer, _shard
 from tests.multiprocess import run_on_ranks
@@ -174,3 +174,37 @@ def test_expert_tp_over_own_tokens_equals_one_process():
     capacity_cases = sum(c[2].get("moe_expert_capacity_factor") is not None for c in CASES)
     want = [len(CASES), len(CASES) - capacity_cases, len(CASES) - capacity_cases]
     assert run_on_ranks(_layouts_body, WORLD) == [want] * WORLD
+
+
+def _census_body():
+    """Per rank, what autograd keeps in one training forward against the accounting."""
+    from megatron.memory_accounting import moe_mlp_activation_bytes
+    from tests.unit.test_memory_accounting import _saved_activation_bytes
+
+    seq, batch, hidden = 64, 4, 32
+    results = []
+    for tp, ep, etp, swiglu in ((1, 1, 2, False), (2, 2, 1, True)):
+        layout = compute_rank_layout(2, tp, 1, ep_size=ep, expert_tp_size=etp,
+                                     sequence_parallel=tp > 1)
+        groups = _groups(layout)
+        config = _config(hidden_size=hidden, ffn_hidden_size=48, seq_length=seq,
+                         max_position_embeddings=seq, swiglu=swiglu, params_dtype=torch.float32)
+        moe = MoEConfig(num_moe_experts=EXPERTS, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                        moe_z_loss_coeff=1e-3, expert_model_parallel_size=ep,
+                        expert_tensor_parallel_size=etp)
+        torch.manual_seed(dist.get_rank())
+        layer = MoELayer(config, moe, 1, ep_group=groups["ep_groups"],
+                         expert_tp_group=groups["expert_tp_groups"], tp_group=groups["tp_groups"],
+                         expert_tp_shares_tokens=False, sequence_parallel=tp > 1)
+        x = torch.randn(seq // tp, batch, hidden, requires_grad=True)
+        measured = _saved_activation_bytes(layer, x)
+        accounted = moe_mlp_activation_bytes(config, moe, batch, tp, element_bytes=4)
+        results.append(measured / accounted)
+    return results
+
+
+def test_activation_accounting_matches_a_census_with_expert_tp_over_own_tokens():
+    """5%: the index tensors and the imbalance of a random router (see the one-rank census
+    in test_memory_accounting.py)."""
+    for ratios in run_on_ranks(_census_body, 2):
+        assert all(r == pytest.approx(1.0, abs=0.05) for r in ratios), ratios

@@ -57,7 +57,8 @@ class _OwnRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, sizes, group):
         ctx.sizes, ctx.group = sizes, group
-        return _own_part(rows, sizes, get_group_rank(group)).contiguous()
+        # A copy, not a view: what keeps this rank's rows must not keep the whole group's.
+        return _own_part(rows, sizes, get_group_rank(group)).clone()
 
     @staticmethod
     def backward(ctx, grad):
