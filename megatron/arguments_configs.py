@@ -1,0 +1,199 @@
+"""The typed configs built from validated flags (:mod:`megatron.arguments` re-exports them).
+
+:func:`build_configs` turns the namespace :func:`megatron.arguments.validate_args` returns into the
+config each component takes: parallel layout, model, DDP, checkpointing, data, optimizer, scheduler
+and MoE. The flag audit (tests/unit/test_flag_audit.py) reads the config field each flag fills from
+:func:`build_configs` to the end of this module, so the builders stay after it.
+"""
+
+import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron.checkpoint_config import CheckpointConfig
+from megatron.core.config import ParallelConfig, TransformerConfig
+from megatron.core.distributed.distributed_data_parallel_config import (
+    DistributedDataParallelConfig)
+from megatron.data.config import DataConfig
+from megatron.model.moe.config import MoEConfig
+from megatron.optimizer.config import OptimizerConfig, SchedulerConfig
+
+
+@dataclass
+class Configs:
+    """The typed configs built from validated flags; each component takes only its own.
+
+    ``optimizer`` is None without --lr, and ``scheduler`` also without --train-iters or
+    --train-samples: flags that describe no training (generation, evaluation, conversion).
+    """
+
+    parallel: ParallelConfig
+    model: TransformerConfig
+    ddp: DistributedDataParallelConfig
+    checkpoint: CheckpointConfig
+    data: DataConfig
+    optimizer: Optional[OptimizerConfig] = None
+    scheduler: Optional[SchedulerConfig] = None
+    moe: Optional[MoEConfig] = None
+
+
+def build_configs(args: argparse.Namespace) -> Configs:
+    """Typed configs from validated args (``args.padded_vocab_size`` must be set).
+
+    The builders of the other configs follow this function: the flag audit
+    (tests/unit/test_flag_audit.py) reads the ``field=args.flag`` pairs from here to the end.
+    """
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        data_parallel_size=args.data_parallel_size,
+    )
+    model = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        padded_vocab_size=args.padded_vocab_size,
+        max_position_embeddings=args.max_position_embeddings, seq_length=args.seq_length,
+        ffn_hidden_size=args.ffn_hidden_size, kv_channels=args.kv_channels,
+        num_query_groups=args.num_query_groups, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
+        layernorm_epsilon=args.norm_epsilon, normalization=args.normalization,
+        apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
+        position_embedding_type=args.position_embedding_type, cp_comm_type=args.cp_comm_type,
+        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        rotary_interleaved=args.rotary_interleaved,
+        rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
+        swiglu=args.swiglu, openai_gelu=args.openai_gelu, squared_relu=args.squared_relu,
+        apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
+        init_method_xavier_uniform=args.init_method_xavier_uniform,
+        add_bias_linear=args.add_bias_linear,
+        add_qkv_bias=args.add_qkv_bias,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        params_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16,
+        fp32_residual_connection=args.fp32_residual_connection,
+        apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=args.attention_softmax_in_fp32,
+        masked_softmax_fusion=args.masked_softmax_fusion,
+        bias_gelu_fusion=args.bias_gelu_fusion, bias_dropout_fusion=args.bias_dropout_fusion,
+        bias_swiglu_fusion=args.bias_swiglu_fusion,
+        use_flash_attn=args.use_flash_attn, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+    )
+    model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    return Configs(parallel=parallel, model=model, ddp=_ddp_config(args),
+                   checkpoint=_checkpoint_config(args), data=build_data_config(args),
+                   optimizer=_optimizer_config(args), scheduler=_scheduler_config(args),
+                   moe=_moe_config(args))
+
+
+def _moe_config(args) -> Optional[MoEConfig]:
+    """The MoE settings (None for a dense model); ``--expert-tensor-parallel-size`` defaults
+    to the tensor-parallel size, as in Megatron-Core."""
+    if args.num_experts is None:
+        return None
+    return MoEConfig(
+        num_moe_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=args.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_input_jitter_eps=args.moe_input_jitter_eps,
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=args.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=args.moe_token_drop_policy,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=args.moe_shared_expert_gate,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=(args.expert_tensor_parallel_size
+                                     or args.tensor_model_parallel_size),
+        moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging)
+
+
+def _ddp_config(args) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+
+
+def _checkpoint_config(args) -> CheckpointConfig:
+    return CheckpointConfig(
+        save=args.save, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
+        no_save_rng=args.no_save_rng, load=args.load, no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng, finetune=args.finetune,
+        pretrained_checkpoint=args.pretrained_checkpoint, ckpt_step=args.ckpt_step,
+        exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
+        ckpt_format=args.ckpt_format, async_save=args.async_save,
+        ckpt_convert_format=args.ckpt_convert_format, ckpt_convert_save=args.ckpt_convert_save,
+        dist_ckpt_strictness=args.dist_ckpt_strictness)
+
+
+def build_data_config(args) -> DataConfig:
+    """The data config alone: what a dataset provider needs, before or without the model's
+    (which needs the tokenizer's padded vocabulary)."""
+    return DataConfig(
+        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, seed=args.seed,
+        data_path=args.data_path, train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path, test_data_path=args.test_data_path,
+        split=args.split, data_cache_path=args.data_cache_path, mock_data=args.mock_data,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
+        mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
+        dataloader_type=args.dataloader_type, num_workers=args.num_workers)
+
+
+def _optimizer_config(args) -> Optional[OptimizerConfig]:
+    if args.lr is None:
+        return None
+    return OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
+        decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
+        weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+        fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
+        hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+        log_num_zeros_in_grad=args.log_num_zeros_in_grad,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
+
+
+def _scheduler_config(args) -> Optional[SchedulerConfig]:
+    """The schedule with its lengths in samples, as the training loop steps it."""
+    if args.lr is None or (args.train_iters is None and args.train_samples is None):
+        return None
+    gbs = args.global_batch_size
+    if args.train_samples is None:
+        decay_steps = (args.lr_decay_iters or args.train_iters) * gbs
+        wd_incr_steps = args.train_iters * gbs
+        wsd_steps = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters else None
+        warmup_steps = (args.lr_warmup_fraction * decay_steps
+                        if args.lr_warmup_fraction is not None else args.lr_warmup_iters * gbs)
+    else:
+        decay_steps = args.lr_decay_samples or args.train_samples
+        wd_incr_steps = args.train_samples
+        wsd_steps = args.lr_wsd_decay_samples
+        warmup_steps = (args.lr_warmup_fraction * decay_steps
+                        if args.lr_warmup_fraction is not None else args.lr_warmup_samples)
+    return SchedulerConfig(
+        init_lr=args.lr_warmup_init, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
+        lr_decay_style=args.lr_decay_style, start_wd=args.start_weight_decay,
+        end_wd=args.end_weight_decay, wd_incr_steps=wd_incr_steps,
+        wd_incr_style=args.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        wsd_decay_steps=wsd_steps, lr_wsd_decay_style=args.lr_wsd_decay_style)

@@ -1,0 +1,432 @@
+"""The checks behind :func:`megatron.arguments.validate_args`, one group of flags each.
+
+Each step derives the sizes its flags imply (data-parallel size, micro-batches, ffn size, kv
+channels, ...) and raises :class:`ArgumentsError`, naming the flags and values, on combinations
+that cannot work, before any process group exists; :func:`validate_bert_args` adds what
+pretrain_bert.py needs. :func:`megatron.arguments.validate_args` runs the steps in order, and
+:mod:`megatron.arguments` re-exports the public names.
+"""
+
+import argparse
+import json
+
+import torch
+
+from megatron.arguments_configs import _moe_config
+from megatron.core.config import ConfigError, numerics_flag_conflict, pipeline_layer_counts
+
+
+class ArgumentsError(ValueError):
+    """Flags that cannot work together; the message names the flags and values."""
+
+
+def _note(args, message: str) -> None:
+    if args.rank == 0:
+        print(f"NOTE: {message}", flush=True)
+
+
+def _fail(message: str):
+    raise ArgumentsError(message)
+
+
+def _require(args, *names: str) -> None:
+    missing = ["--" + n.replace("_", "-") for n in names if getattr(args, n) is None]
+    if missing:
+        _fail(f"missing required flag(s): {', '.join(missing)}")
+
+
+def _validate_checkpoint_format(args) -> None:
+    if args.use_dist_ckpt:
+        args.ckpt_format = "torch_dist"
+    if args.dist_ckpt_strictness not in ("assume_ok_unexpected", "log_unexpected",
+                                         "raise_unexpected", "raise_all"):
+        _fail(f"--dist-ckpt-strictness {args.dist_ckpt_strictness} is not supported: a tensor "
+              "the model needs and the checkpoint lacks always stops a load here; use "
+              "assume_ok_unexpected, log_unexpected, raise_unexpected or raise_all")
+    if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
+        _fail("--ckpt-convert-format and --ckpt-convert-save go together (the format to "
+              "convert --load to, and the folder to write it in)")
+    if args.ckpt_convert_format is not None and not args.load:
+        _fail("--ckpt-convert-format needs --load: the checkpoint to convert")
+
+
+def _apply_old_spellings(args) -> None:
+    """Map flags that older Megatron scripts pass onto their current meaning."""
+    if args.batch_size is not None:
+        if args.micro_batch_size is None:
+            args.micro_batch_size = args.batch_size
+        _note(args, "--batch-size is the old name of --micro-batch-size")
+    if args.warmup is not None:
+        args.lr_warmup_iters = args.warmup
+        _note(args, "--warmup is the old name of --lr-warmup-iters")
+    if args.model_parallel_size is not None:
+        args.tensor_model_parallel_size = args.model_parallel_size
+        _note(args, "--model-parallel-size is the old name of --tensor-model-parallel-size")
+    if args.layernorm_epsilon is not None:
+        args.norm_epsilon = args.layernorm_epsilon
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.checkpoint_activations:
+        args.recompute_granularity = "full"
+        args.recompute_method = args.recompute_method or "uniform"
+        args.recompute_num_layers = args.recompute_num_layers or 1
+        _note(args, "--checkpoint-activations means --recompute-granularity full "
+                    "--recompute-method uniform")
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.encoder_seq_length is not None:
+        if args.seq_length is not None and args.seq_length != args.encoder_seq_length:
+            _fail(f"--seq-length ({args.seq_length}) and --encoder-seq-length "
+                  f"({args.encoder_seq_length}) disagree")
+        args.seq_length = args.encoder_seq_length
+    if args.encoder_num_layers is not None and args.num_layers is None:
+        args.num_layers = args.encoder_num_layers
+
+
+def _read_data_args_files(args) -> None:
+    """--data-args-path / --per-split-data-args-path: the path flags' values, read from files."""
+    if args.data_args_path is not None:
+        if args.data_path:
+            _fail("give only one of --data-path and --data-args-path")
+        try:
+            with open(args.data_args_path) as f:
+                args.data_path = f.read().split()
+        except OSError as err:
+            _fail(f"--data-args-path {args.data_args_path}: cannot read it ({err.strerror})")
+    if args.per_split_data_args_path is None:
+        return
+    path = args.per_split_data_args_path
+    if any((args.train_data_path, args.valid_data_path, args.test_data_path)):
+        _fail("give only one of --per-split-data-args-path and --train/--valid/--test-data-path")
+    try:
+        with open(path) as f:
+            splits = json.load(f)
+    except OSError as err:
+        _fail(f"--per-split-data-args-path {path}: cannot read it ({err.strerror})")
+    except ValueError as err:
+        _fail(f"--per-split-data-args-path {path}: not JSON ({err})")
+    if not isinstance(splits, dict) or set(splits) - {"train", "valid", "test"}:
+        _fail(f"--per-split-data-args-path {path}: expected a JSON object with keys train, "
+              f"valid and test, got {type(splits).__name__} "
+              f"{sorted(splits) if isinstance(splits, dict) else ''}")
+    for split in ("train", "valid", "test"):
+        value = splits.get(split)
+        if isinstance(value, str):
+            value = value.split()
+        if value is not None and not (isinstance(value, list)
+                                      and all(isinstance(v, (str, int, float)) for v in value)):
+            _fail(f"--per-split-data-args-path {path}: {split!r} must be a list of [weight] "
+                  f"prefix values or one string, got {value!r}")
+        setattr(args, f"{split}_data_path", [str(v) for v in value] if value else None)
+
+
+def _validate_surface(args) -> None:
+    """The implementation, profiling and data-file flags."""
+    if args.transformer_impl == "transformer_engine":
+        _fail("--transformer-impl transformer_engine is not supported: this project's layers "
+              "are its own and TransformerEngine is not wired in; use --transformer-impl local")
+    if args.profile:
+        if args.profile_step_start < 0 or args.profile_step_end <= args.profile_step_start:
+            _fail(f"--profile-step-end ({args.profile_step_end}) must be larger than "
+                  f"--profile-step-start ({args.profile_step_start}) >= 0")
+        if args.use_pytorch_profiler and not args.tensorboard_dir:
+            _fail("--use-pytorch-profiler writes its trace into --tensorboard-dir; give one")
+    if args.manual_gc_interval < 0:
+        _fail(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
+    _read_data_args_files(args)
+
+
+def _validate_context_parallel(args) -> None:
+    """--context-parallel-size: the sequence, heads and masks must split over the cp ranks."""
+    cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    if cp == 1:
+        return
+    if args.seq_length % (2 * cp):
+        _fail(f"--seq-length ({args.seq_length}) is not divisible by 2 x "
+              f"--context-parallel-size ({cp}) = {2 * cp}: each sequence is cut into "
+              f"{2 * cp} equal chunks")
+    if args.cp_comm_type == "a2a":
+        heads = args.num_attention_heads // tp
+        if heads % cp:
+            _fail(f"--cp-comm-type a2a splits the {heads} attention heads per tensor-parallel "
+                  f"rank (--num-attention-heads {args.num_attention_heads} / "
+                  f"--tensor-model-parallel-size {tp}) over --context-parallel-size {cp}; "
+                  "they must divide evenly (or use --cp-comm-type p2p or all_gather)")
+
+
+def _validate_parallel(args) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for name, value in (("--tensor-model-parallel-size", tp),
+                        ("--pipeline-model-parallel-size", pp),
+                        ("--context-parallel-size", args.context_parallel_size)):
+        if value < 1:
+            _fail(f"{name} must be >= 1, got {value}")
+    cp = args.context_parallel_size
+    if args.world_size % (tp * cp * pp) != 0:
+        sizes = [f"--tensor-model-parallel-size ({tp})"]
+        if cp > 1:
+            sizes.append(f"--context-parallel-size ({cp})")
+        sizes.append(f"--pipeline-model-parallel-size ({pp})")
+        _fail(f"world size ({args.world_size}) is not divisible by {' x '.join(sizes)} "
+              f"= {tp * cp * pp}")
+    args.data_parallel_size = args.world_size // (tp * cp * pp)
+    _validate_context_parallel(args)
+    if args.sequence_parallel and tp == 1:
+        _note(args, "--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
+                    "disabling it")
+        args.sequence_parallel = False
+    uneven = (args.decoder_first_pipeline_num_layers is not None
+              or args.decoder_last_pipeline_num_layers is not None)
+    try:
+        pipeline_layer_counts(args.num_layers, pp, args.decoder_first_pipeline_num_layers,
+                              args.decoder_last_pipeline_num_layers)
+    except ConfigError as err:
+        _fail(str(err))
+    if uneven and pp < 2:
+        _fail("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size "
+              f">= 2, got {pp}")
+    if uneven and args.num_layers_per_virtual_pipeline_stage is not None:
+        _fail("--decoder-first/last-pipeline-num-layers cannot be combined with "
+              "--num-layers-per-virtual-pipeline-stage")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        per_vstage = args.num_layers_per_virtual_pipeline_stage
+        if pp < 2:
+            _fail("--num-layers-per-virtual-pipeline-stage needs "
+                  f"--pipeline-model-parallel-size >= 2, got {pp}")
+        if per_vstage < 1 or (args.num_layers // pp) % per_vstage != 0:
+            _fail(f"--num-layers ({args.num_layers}) / --pipeline-model-parallel-size ({pp}) "
+                  f"= {args.num_layers // pp} layers per stage, not divisible by "
+                  f"--num-layers-per-virtual-pipeline-stage ({per_vstage})")
+        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // per_vstage
+    if args.num_attention_heads % tp != 0:
+        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.group_query_attention and args.num_query_groups % tp != 0:
+        _fail(f"--num-query-groups ({args.num_query_groups}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.ffn_hidden_size % tp != 0:
+        _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        _fail("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        args.distributed_backend = "gloo"
+
+
+def _validate_model(args) -> None:
+    _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_position_embeddings is None:
+        if args.position_embedding_type == "learned_absolute":
+            _fail("--max-position-embeddings is required with learned absolute position "
+                  "embeddings")
+        args.max_position_embeddings = args.seq_length
+    if (args.position_embedding_type == "learned_absolute"
+            and args.seq_length > args.max_position_embeddings):
+        _fail(f"--seq-length ({args.seq_length}) exceeds --max-position-embeddings "
+              f"({args.max_position_embeddings})")
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads != 0:
+            _fail(f"--hidden-size ({args.hidden_size}) must be divisible by "
+                  f"--num-attention-heads ({args.num_attention_heads}) unless --kv-channels "
+                  "is given")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if not args.group_query_attention:
+        args.num_query_groups = args.num_attention_heads
+    elif args.num_attention_heads % args.num_query_groups != 0:
+        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+              f"--num-query-groups ({args.num_query_groups})")
+    if args.ffn_hidden_size is None:
+        if args.swiglu:
+            args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64
+        else:
+            args.ffn_hidden_size = 4 * args.hidden_size
+    if args.fp16 and args.bf16:
+        _fail("--fp16 and --bf16 cannot both be given")
+    conflict = numerics_flag_conflict(args)
+    if conflict is not None:
+        _fail(conflict)
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True
+    if (args.rotary_seq_len_interpolation_factor is not None
+            and args.rotary_seq_len_interpolation_factor < 1):
+        _fail("--rotary-seq-len-interpolation-factor must be >= 1, got "
+              f"{args.rotary_seq_len_interpolation_factor}")
+    args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
+    if args.bf16 and not args.accumulate_allreduce_grads_in_fp32:
+        # As in Megatron: bf16 gradients are reduced and accumulated in fp32.
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.recompute_granularity == "full":
+        if args.recompute_method is None:
+            _fail("--recompute-granularity full needs --recompute-method uniform or block")
+        if args.recompute_num_layers is None:
+            _fail("--recompute-granularity full needs --recompute-num-layers")
+    elif args.recompute_granularity == "selective" and args.recompute_method is not None:
+        _fail(f"--recompute-method {args.recompute_method} applies only to "
+              "--recompute-granularity full")
+    elif args.recompute_granularity is None and args.recompute_method is not None:
+        _fail("--recompute-method needs --recompute-granularity full")
+
+
+def _validate_batch_and_schedule(args) -> None:
+    _require(args, "micro_batch_size")
+    dp = args.data_parallel_size
+    if args.micro_batch_size < 1:
+        _fail(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
+    if args.global_batch_size is None:
+        args.global_batch_size = args.micro_batch_size * dp
+        _note(args, f"--global-batch-size not given; using micro batch x data-parallel size "
+                    f"= {args.global_batch_size}")
+    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+        _fail(f"--global-batch-size ({args.global_batch_size}) must be divisible by "
+              f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp})")
+    args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    if args.rampup_batch_size is not None:
+        if len(args.rampup_batch_size) != 3:
+            _fail("--rampup-batch-size takes 3 values: start increment ramp-samples, got "
+                  f"{args.rampup_batch_size}")
+        args.rampup_batch_size = [int(v) for v in args.rampup_batch_size]
+        if args.train_samples is None:
+            _fail("--rampup-batch-size needs --train-samples (the schedule counts samples), "
+                  "not --train-iters")
+    if args.train_iters is not None and args.train_samples is not None:
+        _fail("give only one of --train-iters and --train-samples")
+    if args.train_samples is not None:
+        if args.lr_decay_iters is not None or args.lr_warmup_iters:
+            _fail("with --train-samples, give the schedule in samples "
+                  "(--lr-decay-samples, --lr-warmup-samples), not iterations")
+    elif args.lr_decay_samples is not None or args.lr_warmup_samples:
+        _fail("with --train-iters, give the schedule in iterations "
+              "(--lr-decay-iters, --lr-warmup-iters), not samples")
+    if args.lr_warmup_fraction is not None and (args.lr_warmup_iters or args.lr_warmup_samples):
+        _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters/--lr-warmup-samples")
+    if args.train_iters is not None and args.lr_warmup_fraction is None:
+        decay_iters = args.lr_decay_iters or args.train_iters
+        if args.lr_warmup_iters >= decay_iters:
+            _fail(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be smaller than "
+                  f"--lr-decay-iters or --train-iters ({decay_iters})")
+    if args.lr is not None and args.min_lr > args.lr:
+        _fail(f"--min-lr ({args.min_lr}) is larger than --lr ({args.lr})")
+    if args.decoupled_lr is None and args.decoupled_min_lr is not None:
+        _note(args, "--decoupled-min-lr has no effect without --decoupled-lr")
+    if args.decoupled_lr is not None:
+        low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+        if not 0.0 <= low <= args.decoupled_lr:
+            _fail(f"--decoupled-min-lr (else --min-lr) ({low}) must be in [0, --decoupled-lr "
+                  f"({args.decoupled_lr})]")
+    if args.start_weight_decay is None:
+        args.start_weight_decay = args.weight_decay
+    if args.end_weight_decay is None:
+        args.end_weight_decay = args.weight_decay
+    if args.dataloader_type is None:
+        args.dataloader_type = "single"
+    if args.save_interval is not None and args.save_interval < 1:
+        _fail(f"--save-interval must be >= 1, got {args.save_interval}")
+    for name in ("log_interval", "eval_interval"):
+        if getattr(args, name) < 1:
+            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.eval_iters < 0:
+        _fail(f"--eval-iters must be >= 0, got {args.eval_iters}")
+    if args.loss_spike_factor <= 1.0:
+        _fail(f"--loss-spike-factor must be > 1, got {args.loss_spike_factor}")
+    if args.loss_spike_window < 1:
+        _fail(f"--loss-spike-window must be >= 1, got {args.loss_spike_window}")
+
+
+def _validate_masking(args) -> None:
+    """The BERT data flags; their defaults pass, so GPT runs never trip on them."""
+    if not 0.0 < args.mask_prob < 1.0:
+        _fail(f"--mask-prob must be in (0, 1), got {args.mask_prob}")
+    if not 0.0 <= args.short_seq_prob <= 1.0:
+        _fail(f"--short-seq-prob must be in [0, 1], got {args.short_seq_prob}")
+
+
+BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
+
+
+def _validate_moe(args) -> None:
+    """Megatron's checks of the MoE flags."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None:
+        if ep != 1:
+            _fail(f"--expert-model-parallel-size {ep} needs --num-experts")
+        return
+    tp = args.tensor_model_parallel_size
+    if ep < 1 or args.num_experts % ep:
+        _fail(f"--num-experts ({args.num_experts}) must be divisible by "
+              f"--expert-model-parallel-size ({ep})")
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp > 1 and args.moe_router_load_balancing_type == "sinkhorn":
+        _fail(f"--moe-router-load-balancing-type sinkhorn with --context-parallel-size {cp}: "
+              "Sinkhorn balances one rank's tokens, so it would route differently from CP 1; "
+              "use aux_loss, seq_aux_loss or none")
+    if cp > 1 and (args.moe_expert_capacity_factor or -1) >= 0:
+        _fail(f"--moe-expert-capacity-factor with --context-parallel-size {cp}: the capacity "
+              "of one rank's tokens would drop other tokens than CP 1; drop one of them")
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = tp
+    etp = args.expert_tensor_parallel_size
+    if etp < 1:
+        _fail(f"--expert-tensor-parallel-size must be >= 1, got {etp}")
+    if etp != tp and tp > 1:
+        # Each tensor-parallel rank routes its own slice of the sequence.
+        if args.moe_router_load_balancing_type == "sinkhorn":
+            _fail(f"--moe-router-load-balancing-type sinkhorn with --expert-tensor-parallel-size "
+                  f"{etp} other than --tensor-model-parallel-size {tp}: each rank balances "
+                  "its own slice of the sequence, so it would route differently from one rank; "
+                  "use aux_loss, seq_aux_loss or none")
+        if (args.moe_expert_capacity_factor or -1) >= 0:
+            _fail(f"--moe-expert-capacity-factor with --expert-tensor-parallel-size {etp} other "
+                  f"than --tensor-model-parallel-size {tp}: the capacity of one rank's slice "
+                  "of the sequence would drop other tokens than one rank; drop one of them")
+    if tp > 1 and not args.sequence_parallel:
+        _fail(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
+              "(as in Megatron)")
+    if args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    gelu = not (args.swiglu or args.squared_relu or args.openai_gelu)
+    if gelu and args.bias_gelu_fusion:
+        _fail("--num-experts: experts use exact (erf) GeLU, as Megatron-Core's do, and it "
+              "refuses the fused tanh bias-GeLU with them; add --no-bias-gelu-fusion")
+    freq = args.moe_layer_freq
+    if isinstance(freq, int) and freq < 1:
+        _fail(f"--moe-layer-freq must be >= 1, got {freq}")
+    if not isinstance(freq, int) and len(freq) != args.num_layers:
+        _fail(f"--moe-layer-freq lists {len(freq)} layers, --num-layers is {args.num_layers}")
+    if args.moe_ffn_hidden_size % etp:
+        _fail(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible by "
+              f"--expert-tensor-parallel-size ({etp})")
+    _moe_config(args)
+
+
+def validate_bert_args(args: argparse.Namespace) -> None:
+    """What pretrain_bert.py needs beyond :func:`validate_args`.
+
+    BERT samples are built from the WordPiece ``[CLS]``, ``[SEP]``, ``[MASK]`` and ``[PAD]``
+    tokens, its position embeddings are learned, and its data are real sentence pairs.
+
+    Raises:
+        ArgumentsError: naming the flag, the value seen and what BERT takes.
+    """
+    if args.tokenizer_type not in BERT_TOKENIZER_TYPES:
+        _fail(f"--tokenizer-type {args.tokenizer_type} cannot make BERT samples (they need the "
+              "WordPiece [CLS], [SEP], [MASK] and [PAD] tokens); use --tokenizer-type "
+              f"{' or '.join(BERT_TOKENIZER_TYPES)} with --vocab-file vocab.txt")
+    if args.position_embedding_type != "learned_absolute" or args.use_rotary_position_embeddings:
+        _fail(f"--position-embedding-type {args.position_embedding_type}: BERT has learned "
+              "absolute position embeddings (learned_absolute) only")
+    if not args.add_position_embedding:
+        _fail("--no-position-embedding: BERT needs its learned position embeddings")
+    if args.untie_embeddings_and_output_weights:
+        _fail("--untie-embeddings-and-output-weights: BERT's masked-LM head always uses the "
+              "word embeddings")
+    if args.mock_data:
+        _fail("--mock-data makes GPT samples only; give BERT sentence data with --data-path "
+              "(tools/preprocess_data.py --split-sentences)")
+    if args.context_parallel_size != 1:
+        _fail(f"--context-parallel-size {args.context_parallel_size}: BERT's bidirectional "
+              "attention over padded sequences has no context-parallel split here (it is "
+              "causal GPT attention only); use --context-parallel-size 1")
