@@ -30,6 +30,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Flags handled by argparse itself rather than read by name.
 PARSER_ONLY = {"help"}
 
+# The parser and the modules that check its flags and build the configs from them: reads there
+# are not uses, and a flag read only there counts through the config fields it fills.
+ARGUMENTS_FILES = ("megatron/arguments.py", "megatron/arguments_validation.py",
+                   "megatron/arguments_configs.py")
+
 MINIMAL = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
            "--max-position-embeddings 8 --micro-batch-size 1").split()
 
@@ -74,7 +79,7 @@ def _config_fields_of(dest, text):
 def _attributes_read_by_model(texts):
     """Attribute names used outside the argument and config definitions."""
     return {name for f, t in texts.items()
-            if f not in ("megatron/arguments.py", "megatron/core/config.py")
+            if f not in ARGUMENTS_FILES + ("megatron/core/config.py",)
             for name in _ATTRIBUTE.findall(t)}
 
 
@@ -94,8 +99,8 @@ def classify():
             out[dest] = "unsupported"
         else:
             where = _read_in(dest, reads)
-            if where == ["megatron/arguments.py"]:
-                fields = _config_fields_of(dest, texts["megatron/arguments.py"])
+            if where and set(where) <= set(ARGUMENTS_FILES):
+                fields = _config_fields_of(dest, texts["megatron/arguments_configs.py"])
                 if fields and not set(fields) & model_attributes:
                     where = []
             out[dest] = "implemented" if where else None
@@ -128,7 +133,7 @@ def test_registered_flags_are_not_read_outside_arguments():
     texts = _sources()
     reads = _names_read(texts)
     for dest in list(NO_EFFECT_FLAGS) + list(UNSUPPORTED_FLAGS):
-        where = [f for f in _read_in(dest, reads) if f != "megatron/arguments.py"
+        where = [f for f in _read_in(dest, reads) if f not in ARGUMENTS_FILES
                  and not _defines_own_flag(texts[f], dest)]
         assert not where, f"{dest} is registered as not implemented but read in {where}"
 
