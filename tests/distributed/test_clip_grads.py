@@ -289,7 +289,8 @@ def _ep2_optimizer(state, steps):
     opt = get_megatron_optimizer(config, [torch.nn.ParameterList([dense, expert])],
                                  mp_group=state.model_parallel_group, tp_group=state.tp_group,
                                  dp_group=state.dp_group, use_main_grad=False,
-                                 expert_parallel_group=state.ep_group)
+                                 expert_model_parallel_group=state.expert_model_parallel_group,
+                                 expert_tp_rank=state.expert_tp_rank)
     results = []
     for step, (dense_grad, expert_grads) in enumerate(steps):
         scale = opt.get_loss_scale().item()
