@@ -859,10 +859,20 @@ def _validate_moe(args) -> None:
               "of one rank's tokens would drop other tokens than CP 1; drop one of them")
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
-    elif args.expert_tensor_parallel_size != tp:
-        _fail(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} differs from "
-              f"--tensor-model-parallel-size ({tp}): not supported yet (the expert layers do "
-              "not use the layout's expert groups); drop it or use the same size")
+    etp = args.expert_tensor_parallel_size
+    if etp < 1:
+        _fail(f"--expert-tensor-parallel-size must be >= 1, got {etp}")
+    if etp != tp and tp > 1:
+        # Each tensor-parallel rank routes its own slice of the sequence.
+        if args.moe_router_load_balancing_type == "sinkhorn":
+            _fail(f"--moe-router-load-balancing-type sinkhorn with --expert-tensor-parallel-size "
+                  f"{etp} other than --tensor-model-parallel-size {tp}: each rank balances "
+                  "its own slice of the sequence, so it would route differently from one rank; "
+                  "use aux_loss, seq_aux_loss or none")
+        if (args.moe_expert_capacity_factor or -1) >= 0:
+            _fail(f"--moe-expert-capacity-factor with --expert-tensor-parallel-size {etp} other "
+                  f"than --tensor-model-parallel-size {tp}: the capacity of one rank's slice "
+                  "of the sequence would drop other tokens than one rank; drop one of them")
     if tp > 1 and not args.sequence_parallel:
         _fail(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel "
               "(as in Megatron)")
@@ -877,9 +887,9 @@ def _validate_moe(args) -> None:
         _fail(f"--moe-layer-freq must be >= 1, got {freq}")
     if not isinstance(freq, int) and len(freq) != args.num_layers:
         _fail(f"--moe-layer-freq lists {len(freq)} layers, --num-layers is {args.num_layers}")
-    if args.moe_ffn_hidden_size % tp:
+    if args.moe_ffn_hidden_size % etp:
         _fail(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible by "
-              f"--tensor-model-parallel-size ({tp})")
+              f"--expert-tensor-parallel-size ({etp})")
     _moe_config(args)
 
 

@@ -190,29 +190,39 @@ def moe_mlp_activation_bytes(config: TransformerConfig, moe, micro_batch_size: i
                              cp_size: int = 1) -> float:
     """Bytes an MoE layer's MLP keeps for backward for one micro-batch, with balanced routing.
 
-    The layer sees this rank's whole ``T = s/cp * b`` tokens (under sequence parallelism its
-    input is gathered over the tensor-parallel ranks) and its experts process ``N = k T`` rows
-    on average over the expert-parallel ranks. Kept: the input (``T h``), the dispatched rows,
-    the experts' output rows and their probability-weighted copy (``3 N h``), the experts'
-    inner activations (``2 N f``, SwiGLU ``4 N f``, split over expert-TP), the routing indices
-    and probabilities (``12 T k + 12 N`` bytes), the fp32 scores of the auxiliary and z losses
+    When the experts are split over the tensor-parallel group (expert-TP = TP, the default) the
+    layer sees this rank's whole ``T = s/cp * b`` tokens (under sequence parallelism its input
+    is gathered over the tensor-parallel ranks), and its experts process ``N = k T`` rows on
+    average over the expert-parallel ranks. Kept: the input (``T h``), the dispatched rows, the
+    experts' output rows and their probability-weighted copy (``3 N h``), the experts' inner
+    activations (``2 N f``, SwiGLU ``4 N f``, split over expert-TP), the routing indices and
+    probabilities (``12 T k + 12 N`` bytes), the fp32 scores of the auxiliary and z losses
     (``4 T E`` each) and the shared expert's inner activations.
+
+    With another expert-TP size each rank routes its own tokens (``T / tp`` under sequence
+    parallelism) and the experts run on the rows of the whole expert-TP group: they keep
+    ``etp N`` input rows and ``etp N`` rows of inner activations (of ``f / etp`` each), the
+    rest stays per rank.
     """
     e = element_bytes
-    tokens = config.seq_length / cp_size * micro_batch_size
+    etp = moe.expert_tensor_parallel_size or tp_size
+    own_tokens = etp != tp_size
+    whole = config.seq_length / cp_size * micro_batch_size
+    tokens = whole / tp_size if own_tokens else whole
     k, experts, h = moe.moe_router_topk, moe.num_moe_experts, config.hidden_size
     rows = k * tokens
-    etp = moe.expert_tensor_parallel_size or tp_size
+    expert_rows = etp * rows if own_tokens else rows
     ffn = (moe.moe_ffn_hidden_size or config.ffn_hidden_size) / etp
     inner = 4 if config.swiglu else 2
-    total = tokens * h * e + 3 * rows * h * e + inner * rows * ffn * e + 12 * (tokens * k + rows)
+    total = (tokens * h * e + (expert_rows + 2 * rows) * h * e + inner * expert_rows * ffn * e
+             + 12 * (tokens * k + rows))
     if moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and \
             moe.moe_aux_loss_coeff:
         total += 4 * tokens * experts
     if moe.moe_z_loss_coeff:
         total += 4 * tokens * experts
     if moe.moe_shared_expert_intermediate_size:
-        total += inner * tokens * moe.moe_shared_expert_intermediate_size / tp_size * e
+        total += inner * whole * moe.moe_shared_expert_intermediate_size / tp_size * e
     return total
 
 

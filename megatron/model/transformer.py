@@ -15,6 +15,7 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.collectives import get_group_size
 from megatron.core.config import ConfigError, TransformerConfig, pipeline_layer_counts
 from megatron.core.utils import get_init_method, get_output_layer_init_method
 from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
@@ -80,10 +81,13 @@ class ParallelTransformerLayer(MegatronModule):
     :class:`~megatron.model.moe.MoELayer` (``mlp.router``, ``mlp.experts.local_experts.N``),
     its experts split over the expert-tensor-parallel group (by default the tensor-parallel
     group, Megatron-Core's default) and dealt over the expert-parallel group.
-    Under sequence parallelism the MoE layer sees the whole sequence: its input is all-gathered
-    over the tensor-parallel ranks and its output cut back to this rank's slice. Every rank then
-    routes the same tokens and computes the same router gradient, so the gather's backward only
-    takes this rank's slice (no reduce-scatter) and the router needs no gradient all-reduce.
+    Under sequence parallelism, when the experts are split over the tensor-parallel group, the
+    MoE layer sees the whole sequence: its input is all-gathered over the tensor-parallel ranks
+    and its output cut back to this rank's slice. Every rank then routes the same tokens and
+    computes the same router gradient, so the gather's backward only takes this rank's slice
+    (no reduce-scatter) and the router needs no gradient all-reduce. With an expert-TP size
+    other than TP each rank routes its own tokens (its slice, under sequence parallelism) and
+    the MoE layer gathers the dispatched rows over the expert-TP group itself.
 
     Args:
         config: the transformer config.
@@ -120,17 +124,31 @@ class ParallelTransformerLayer(MegatronModule):
                                                 self_attn_mask_type, cp_group=cp_group)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.tp_group = tp_group
-        self.moe_sequence_gather = False
+        self.moe_sequence_gather = self.moe_forward_only = False
         if moe_config is not None and moe_config.is_moe_layer(layer_number):
+            expert_tp_group = tp_group if expert_tp_group is None else expert_tp_group
+            # Both groups are blocks of consecutive ranks: the same size means the same group.
+            shares_tokens = get_group_size(expert_tp_group) == tp_size
+            # Without sequence parallelism the tensor-parallel ranks then route the same tokens
+            # as if they were their own: right for a forward (generation turns sequence
+            # parallelism off), but the experts' gradients would count each token tp times.
+            self.moe_forward_only = not shares_tokens and tp_size > 1 and not sequence_parallel
             self.mlp = MoELayer(config, moe_config, layer_number, ep_group=ep_group,
-                                expert_tp_group=(tp_group if expert_tp_group is None
-                                                 else expert_tp_group), tp_group=tp_group,
-                                tracker=moe_tracker, init_seed=init_seed, cp_group=cp_group)
-            self.moe_sequence_gather = sequence_parallel and tp_size > 1
+                                expert_tp_group=expert_tp_group, tp_group=tp_group,
+                                tracker=moe_tracker, init_seed=init_seed, cp_group=cp_group,
+                                expert_tp_shares_tokens=shares_tokens,
+                                sequence_parallel=sequence_parallel and not shares_tokens)
+            self.moe_sequence_gather = sequence_parallel and tp_size > 1 and shares_tokens
         else:
             self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
 
     def _mlp(self, ln_output: torch.Tensor):
+        if self.moe_forward_only and torch.is_grad_enabled():
+            raise ConfigError(
+                f"training an MoE layer whose experts are split over other ranks than the "
+                f"tensor-parallel ones (--expert-tensor-parallel-size "
+                f"{get_group_size(self.mlp.expert_tp_group)}, --tensor-model-parallel-size "
+                f"{get_group_size(self.tp_group)}) needs --sequence-parallel")
         if not self.moe_sequence_gather:
             return self.mlp(ln_output)
         whole = tensor_parallel.gather_from_sequence_parallel_region(

@@ -135,6 +135,21 @@ LAYOUTS = [
                            "--moe-token-dispatcher-type", "alltoall", "--overlap-grad-reduce",
                            "--overlap-param-gather", "--ddp-bucket-size", "2000"),
                  id="dp4-ep2-distopt-alltoall-overlap", marks=pytest.mark.slow),
+    # Expert tensor parallelism other than TP: each rank routes its own tokens (its sequence
+    # slice under TP) and the dispatched rows are gathered over the expert-TP group.
+    pytest.param(1, 1, 2, ("--expert-tensor-parallel-size", "2"), id="dp2-etp2"),
+    pytest.param(2, 1, 1, ("--expert-tensor-parallel-size", "1", "--expert-model-parallel-size",
+                           "2", "--moe-token-dispatcher-type", "alltoall"), id="tp2-sp-etp1-ep2"),
+    pytest.param(2, 1, 2, ("--expert-tensor-parallel-size", "4"), id="tp2-sp-dp2-etp4",
+                 marks=pytest.mark.slow),
+    pytest.param(1, 1, 4, ("--expert-tensor-parallel-size", "2", "--expert-model-parallel-size",
+                           "2", "--use-distributed-optimizer"), id="dp4-etp2-ep2-distopt",
+                 marks=pytest.mark.slow),
+    pytest.param(2, 2, 1, ("--expert-tensor-parallel-size", "1", "--expert-model-parallel-size",
+                           "2"), id="tp2-sp-pp2-etp1-ep2", marks=pytest.mark.slow),
+    pytest.param(1, 1, 2, ("--expert-tensor-parallel-size", "2", "--moe-grouped-gemm",
+                           "--moe-token-dispatcher-type", "alltoall"),
+                 id="dp2-etp2-grouped-gemm-alltoall", marks=pytest.mark.slow),
 ]
 
 

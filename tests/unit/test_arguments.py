@@ -146,10 +146,38 @@ def test_pad_vocab_size():
       "--moe-expert-capacity-factor", "1.0"], 2,
      r"--moe-expert-capacity-factor with --context-parallel-size 2"),
     (["--num-experts", "4"], 1, r"--num-experts: experts use exact \(erf\) GeLU"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+      "--moe-router-load-balancing-type", "sinkhorn"], 2,
+     r"sinkhorn with --expert-tensor-parallel-size 1 other than --tensor-model-parallel-size 2"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel", "--expert-tensor-parallel-size", "1",
+      "--moe-expert-capacity-factor", "1.0"], 2,
+     r"--moe-expert-capacity-factor with --expert-tensor-parallel-size 1 other than "
+     r"--tensor-model-parallel-size 2"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2",
+      "--moe-ffn-hidden-size", "33"], 2,
+     r"--moe-ffn-hidden-size \(33\) must be divisible by --expert-tensor-parallel-size \(2\)"),
 ])
 def test_validation_errors(extra, world, pattern):
     with pytest.raises(ArgumentsError, match=pattern):
         validate_args(_args(BASE + extra, world_size=world))
+
+
+def test_expert_tensor_parallel_size_may_differ_from_tp():
+    """Expert TP 2 over two data-parallel ranks, and expert TP 1 under TP 2: the experts
+    re-cut the ranks of a stage; capacity dropping stays with whole micro-batches (TP 1)."""
+    moe = ["--num-experts", "4", "--no-bias-gelu-fusion"]
+    args = validate_args(_args(BASE + moe + ["--expert-tensor-parallel-size", "2",
+                                             "--moe-expert-capacity-factor", "1.0"],
+                               world_size=2))
+    assert (args.tensor_model_parallel_size, args.expert_tensor_parallel_size) == (1, 2)
+    args = validate_args(_args(BASE + moe + ["--tensor-model-parallel-size", "2",
+                                             "--sequence-parallel",
+                                             "--expert-tensor-parallel-size", "1",
+                                             "--expert-model-parallel-size", "2"],
+                               world_size=2))
+    assert (args.expert_tensor_parallel_size, args.expert_model_parallel_size) == (1, 2)
 
 
 def test_missing_required():

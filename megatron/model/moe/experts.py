@@ -156,11 +156,12 @@ class SharedExpertMLP(torch.nn.Module):
 
     With ``--moe-shared-expert-gate`` its output is multiplied per token by
     ``sigmoid(x . gate_weight)`` (``gate_weight`` ``[1, h]``). Megatron-Core has no bias in
-    shared experts, so ``add_bias_linear`` is refused.
+    shared experts, so ``add_bias_linear`` is refused. With ``sequence_parallel`` the input and
+    output are this rank's slice ``[s/tp, b, h]``, as for the dense MLP.
     """
 
     def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int,
-                 tp_group=None, init_seed: int = 1234):
+                 tp_group=None, init_seed: int = 1234, sequence_parallel: bool = False):
         super().__init__()
         if config.add_bias_linear:
             raise ValueError("--moe-shared-expert-intermediate-size: shared experts have no "
@@ -170,23 +171,26 @@ class SharedExpertMLP(torch.nn.Module):
             self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, _fc1_size(config, size), init_method=get_init_method(config),
                 tp_group=tp_group, bias=False, gather_output=False,
-                params_dtype=config.params_dtype, stride=2 if config.swiglu else 1)
+                params_dtype=config.params_dtype, stride=2 if config.swiglu else 1,
+                sequence_parallel=sequence_parallel)
             self.linear_fc2 = tensor_parallel.RowParallelLinear(
                 size, config.hidden_size, init_method=get_output_layer_init_method(config),
                 tp_group=tp_group, bias=False, input_is_parallel=True,
-                params_dtype=config.params_dtype)
+                params_dtype=config.params_dtype, sequence_parallel=sequence_parallel)
             if moe_config.moe_shared_expert_gate:
                 gate = torch.empty(1, config.hidden_size,
                                    dtype=torch.promote_types(config.params_dtype, torch.float32))
                 get_init_method(config)(gate)
                 self.gate_weight = torch.nn.Parameter(
                     gate.to(device=device.current_device(), dtype=config.params_dtype))
+                if sequence_parallel:   # it sees only this rank's tokens
+                    self.gate_weight.sequence_parallel = True
             else:
                 self.gate_weight = None
         self.activation_func = expert_activation(config)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[s, b, h]`` -> ``[s, b, h]``."""
+        """``[s, b, h]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)."""
         intermediate, _ = self.linear_fc1(hidden_states)               # [s, b, (2) f / tp]
         output, _ = self.linear_fc2(self.activation_func(intermediate))  # [s, b, h]
         if self.gate_weight is not None:

@@ -9,9 +9,17 @@ one to one.
 
 Process groups are passed explicitly: ``ep_group`` (expert parallelism: the experts are split
 over its ranks, tokens travel between them), ``expert_tp_group`` (each expert split over its
-ranks, which hold the same tokens), ``tp_group`` (the shared expert's tensor parallelism). None
-means no parallelism of that kind. Sequence parallelism is not handled here: the input must be
-the whole ``[s, b, h]`` of this rank's micro-batch.
+ranks), ``tp_group`` (the shared expert's tensor parallelism). None means no parallelism of
+that kind.
+
+Which tokens a rank holds decides how the expert-TP group is used. When its ranks hold the same
+tokens (``expert_tp_shares_tokens``, the default: expert-TP is the tensor-parallel group and
+the input the whole ``[s, b, h]`` of the micro-batch) the dispatched rows are already the same
+on each. Otherwise (an expert-TP size other than TP) each rank routes its own tokens, and the
+dispatched rows are gathered over the expert-TP group and handed back after the experts
+(:mod:`~megatron.model.moe.expert_tp`). With ``sequence_parallel`` the input is this rank's
+slice ``[s/tp, b, h]`` of the sequence: the router counts its load-balancing loss over
+``tp_group`` and the shared expert runs sequence-parallel.
 """
 
 from typing import Optional, Tuple
@@ -23,6 +31,7 @@ from megatron.core.config import TransformerConfig
 from megatron.model.module import MegatronModule
 from megatron.model.moe.config import MoEConfig
 from megatron.model.moe.dispatcher import build_token_dispatcher
+from megatron.model.moe.expert_tp import gather_expert_rows, return_own_rows
 from megatron.model.moe.experts import (GroupedMLP, SequentialMLP, SharedExpertMLP,
                                         check_expert_tp)
 from megatron.model.moe.router import TopKRouter, expert_capacity
@@ -46,12 +55,17 @@ class MoELayer(MegatronModule):
         init_seed: the model's initialisation seed.
         cp_group: the context-parallel group: the router's load-balancing loss covers the
             whole sequence (see :class:`~megatron.model.moe.router.TopKRouter`).
+        expert_tp_shares_tokens: whether the ranks of ``expert_tp_group`` hold the same tokens
+            (False: each its own; see the module docstring).
+        sequence_parallel: the input is this rank's sequence slice over ``tp_group``; needs
+            ``expert_tp_shares_tokens=False`` when ``tp_group`` has more than one rank.
     """
 
     def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int = 1,
                  *, ep_group=None, expert_tp_group=None, tp_group=None,
                  tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
-                 cp_group=None):
+                 cp_group=None, expert_tp_shares_tokens: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__(config)
         if moe_config.num_moe_experts is None:
             raise ValueError("MoELayer needs --num-experts")
@@ -61,10 +75,17 @@ class MoELayer(MegatronModule):
                              f"{moe_config.expert_model_parallel_size} but the ep_group passed "
                              f"has {ep_size} ranks")
         check_expert_tp(moe_config, config, expert_tp_group)
+        sliced = sequence_parallel and get_group_size(tp_group) > 1
+        if sliced and expert_tp_shares_tokens:
+            raise ValueError("MoELayer: with sequence_parallel each tensor-parallel rank holds "
+                             "its own tokens; pass expert_tp_shares_tokens=False")
         self.moe_config = moe_config
         self.layer_number = layer_number
+        self.expert_tp_group = expert_tp_group
+        self.gather_over_expert_tp = (not expert_tp_shares_tokens
+                                      and get_group_size(expert_tp_group) > 1)
         self.router = TopKRouter(config, moe_config, layer_number, tracker, init_seed,
-                                 cp_group=cp_group)
+                                 cp_group=cp_group, sp_group=tp_group if sliced else None)
         self.token_dispatcher = build_token_dispatcher(moe_config.moe_token_dispatcher_type,
                                                        moe_config.num_moe_experts, ep_group)
         experts_class = GroupedMLP if moe_config.moe_grouped_gemm else SequentialMLP
@@ -73,7 +94,7 @@ class MoELayer(MegatronModule):
         self.shared_experts = None
         if moe_config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, moe_config, layer_number, tp_group,
-                                                  init_seed)
+                                                  init_seed, sequence_parallel=sliced)
 
     def _capacity(self, num_tokens: int) -> Optional[int]:
         cfg = self.moe_config
@@ -83,13 +104,19 @@ class MoELayer(MegatronModule):
                                cfg.moe_expert_capacity_factor)
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, None]:
-        """``[s, b, h]`` -> (``[s, b, h]``, None)."""
+        """``[s, b, h]`` -> (``[s, b, h]``, None) (``s / tp`` with ``sequence_parallel``)."""
         seq_length, batch, hidden = hidden_states.shape
         probs, routing_map = self.router(hidden_states)                      # [s*b, E] each
         tokens = hidden_states.reshape(-1, hidden)                           # [s*b, h]
         rows, counts, handle = self.token_dispatcher.dispatch(
             tokens, probs, routing_map, self._capacity(tokens.size(0)))      # [N, h]
-        expert_output = self.experts(rows, counts)                           # [N, h]
+        if self.gather_over_expert_tp:
+            group_rows, group_counts, rows_handle = gather_expert_rows(
+                rows, counts, self.expert_tp_group)                          # [N', h]
+            expert_output = return_own_rows(self.experts(group_rows, group_counts),
+                                            rows_handle, self.expert_tp_group)   # [N, h]
+        else:
+            expert_output = self.experts(rows, counts)                       # [N, h]
         output = self.token_dispatcher.combine(expert_output, handle)        # [s*b, h]
         output = output.view(seq_length, batch, hidden)                      # [s, b, h]
         if self.shared_experts is not None:

@@ -107,13 +107,13 @@ def sequence_load_balancing_loss(scores: torch.Tensor, routing_map: torch.Tensor
     return total * (num_experts / (topk * seq_length * seq_length)) / batch
 
 
-def _cp_share(scores: torch.Tensor, counts: torch.Tensor, topk: int, cp: int) -> torch.Tensor:
-    """``cp`` times this rank's share of the whole sequence's switch loss: its ``T`` tokens'
-    scores against the counts of all ``cp T`` tokens."""
-    num_tokens, num_experts = scores.shape
-    total = cp * num_tokens
+def _switch_share(scores: torch.Tensor, counts: torch.Tensor, topk: int,
+                  total: int) -> torch.Tensor:
+    """This rank's share of the switch loss of ``total`` tokens spread over several ranks: its
+    tokens' scores ``[T, E]`` against the token choices ``counts [E]`` of all ``total``."""
+    num_experts = scores.size(1)
     per_expert = scores.sum(dim=0)                                           # [E]
-    return cp * (per_expert * counts.to(scores.dtype)).sum() * (
+    return (per_expert * counts.to(scores.dtype)).sum() * (
         num_experts / (topk * total * total))
 
 
@@ -207,22 +207,38 @@ class TopKRouter(torch.nn.Module):
             data x context-parallel ranks). The z loss is a mean over equally many tokens per
             rank and needs nothing. Sinkhorn and capacity dropping, which depend on which
             tokens share a rank, are refused.
+        sp_group: the tensor-parallel group when its ranks each route their own slice of the
+            sequence (sequence parallelism with an expert-TP size other than TP); None: this
+            rank routes all of it (up to CP). The load-balancing loss then counts over this
+            group too, but the router's gradients are summed over it (the weight is marked
+            ``sequence_parallel``), so each rank attaches its own share, and the z loss its
+            mean divided by the group size; the recorded values are the group's totals, so
+            every rank logs what one rank would. Sinkhorn and capacity dropping are refused
+            here as well.
     """
 
     def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int,
                  tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
-                 cp_group=None):
+                 cp_group=None, sp_group=None):
         super().__init__()
         self.cp_group = cp_group
         self.cp_size = get_group_size(cp_group)
-        if self.cp_size > 1 and moe_config.moe_router_load_balancing_type == "sinkhorn":
-            raise ValueError("--moe-router-load-balancing-type sinkhorn balances the tokens of "
-                             "one rank; with --context-parallel-size > 1 it would route "
-                             "differently from one rank: use aux_loss, seq_aux_loss or none")
-        if self.cp_size > 1 and moe_config.drops_tokens:
-            raise ValueError("--moe-expert-capacity-factor drops tokens by the capacity of one "
-                             "rank's tokens; with --context-parallel-size > 1 it would drop "
-                             "other tokens than one rank: drop the flag or use CP 1")
+        self.sp_group = sp_group
+        self.sp_size = get_group_size(sp_group)
+        for size, why in ((self.cp_size, "--context-parallel-size > 1"),
+                          (self.sp_size, "--sequence-parallel and an "
+                                         "--expert-tensor-parallel-size other than TP")):
+            if size == 1:
+                continue
+            if moe_config.moe_router_load_balancing_type == "sinkhorn":
+                raise ValueError("--moe-router-load-balancing-type sinkhorn balances the tokens "
+                                 f"of one rank; with {why} it would route differently from one "
+                                 "rank: use aux_loss, seq_aux_loss or none")
+            if moe_config.drops_tokens:
+                raise ValueError("--moe-expert-capacity-factor drops tokens by the capacity of "
+                                 f"one rank's tokens; with {why} it would drop other tokens "
+                                 "than one rank: drop the flag")
+        self.moe_config = moe_config
         self.moe_config = moe_config
         self.layer_number = layer_number
         self.tracker = tracker
@@ -234,6 +250,8 @@ class TopKRouter(torch.nn.Module):
             get_init_method(config)(master)
         self.weight = torch.nn.Parameter(master.to(device=device.current_device(),
                                                    dtype=config.params_dtype))
+        if self.sp_size > 1:
+            self.weight.sequence_parallel = True
 
     def gating(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[s, b, E]``; in training, with ``--moe-input-jitter-eps``,
@@ -255,9 +273,22 @@ class TopKRouter(torch.nn.Module):
         coeff = self.moe_config.moe_z_loss_coeff
         if coeff is None or not self._losses_on():
             return logits
-        value = z_loss(logits)
-        self._record("z_loss", value)
+        value = z_loss(logits) / self.sp_size
+        self._record("z_loss", self._over_sequence_group(value))
         return attach_aux_loss(logits, value * coeff, self.tracker)
+
+    def _over_sequence_group(self, share: torch.Tensor) -> torch.Tensor:
+        """A value to record from this rank's ``share`` of a loss: summed over ``sp_group``."""
+        if self.sp_size == 1:
+            return share
+        return all_reduce(share.detach().clone(), self.sp_group)
+
+    def _count_over_sequence(self, counts: torch.Tensor) -> torch.Tensor:
+        """Token choices summed over the ranks holding other parts of the same sequences."""
+        for size, group in ((self.cp_size, self.cp_group), (self.sp_size, self.sp_group)):
+            if size > 1:
+                all_reduce(counts, group)
+        return counts
 
     def _with_load_balancing_loss(self, probs: torch.Tensor, logits: torch.Tensor,
                                   indices: torch.Tensor, seq_length: int,
@@ -268,26 +299,26 @@ class TopKRouter(torch.nn.Module):
                 not self._losses_on()):
             return probs
         scores = scores_for_aux_loss(logits, cfg.moe_router_score_function)
-        cp = self.cp_size
+        cp, ranks = self.cp_size, self.cp_size * self.sp_size
         if kind == "aux_loss":
             counts = torch.zeros(self.num_experts, dtype=torch.long, device=logits.device)
             counts.scatter_add_(0, indices.flatten(), torch.ones_like(indices.flatten()))
-            if cp > 1:
-                all_reduce(counts, self.cp_group)
-                value = _cp_share(scores, counts, self.topk, cp)
+            if ranks > 1:
+                counts = self._count_over_sequence(counts)
+                value = cp * _switch_share(scores, counts, self.topk, ranks * scores.size(0))
             else:
                 value = switch_load_balancing_loss(scores, counts, self.topk)
         else:
             _, chosen = _scatter_to_experts(probs.detach(), indices, self.num_experts)
-            if cp > 1:
+            if ranks > 1:
                 chosen = chosen.view(seq_length, batch, self.num_experts).sum(dim=0)  # [b, E]
-                all_reduce(chosen, self.cp_group)
-                value = cp * _sequence_loss_share(scores, chosen, seq_length * cp, batch,
+                chosen = self._count_over_sequence(chosen)
+                value = cp * _sequence_loss_share(scores, chosen, seq_length * ranks, batch,
                                                   self.topk)
             else:
                 value = sequence_load_balancing_loss(scores, chosen, seq_length, batch,
                                                      self.topk)
-        self._record("load_balancing_loss", value)
+        self._record("load_balancing_loss", self._over_sequence_group(value))
         return attach_aux_loss(probs, value * cfg.moe_aux_loss_coeff, self.tracker)
 
     def _sinkhorn_routing(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
