@@ -138,7 +138,8 @@ def test_converter_reads_an_expert_tp_save(saved, tmp_path):
 
 
 def test_torch_format_save_at_expert_tp_is_refused(corpus, tmp_path):
-    """The training run itself stops at its first save, in one line, and writes nothing."""
+    """The training run itself stops in one line before it writes anything (at its first
+    save; at flag validation once that checks it too)."""
     save = str(tmp_path / "save")
     with pytest.raises(AssertionError, match=r"--ckpt-format torch cannot save "
                        r"--expert-tensor-parallel-size 2 with --tensor-model-parallel-size 1: "
