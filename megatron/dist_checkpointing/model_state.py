@@ -163,7 +163,9 @@ def range_shards(name: str, local_shape: Tuple[int, ...], start: int, values: to
     """The pieces of the elements ``start:start + len(values)`` of the local tensor ``name``
     (row-major flattening of ``local_shape``): what one data-parallel rank of the distributed
     optimizer holds of a parameter's state. Every DP rank (expert-DP rank, for an expert's)
-    writes its own range (TP replicas and the tied head are still written once)."""
+    writes its own range (TP and expert-TP replicas and the tied head are still written
+    once). ``local_shape`` is the local tensor's, so an expert's range is of its expert-TP
+    piece, placed by ``layout``'s expert-TP rank."""
     local_shape = tuple(local_shape)
     values = values.reshape(-1)
     end = start + values.numel()
