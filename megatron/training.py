@@ -184,7 +184,9 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
                                        mp_group=pstate.model_parallel_group,
                                        tp_group=pstate.tp_group, dp_group=pstate.dp_cp_group,
                                        overlap_param_gather=ddp_config.overlap_param_gather,
-                                       expert_parallel_group=pstate.ep_group)
+                                       expert_model_parallel_group=(
+                                           pstate.expert_model_parallel_group),
+                                       expert_tp_rank=pstate.expert_tp_rank)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler
 

@@ -156,24 +156,26 @@ def calc_params_l2_norm(model_chunks, pstate) -> float:
     A tensor-parallel shard counts on every TP rank, a parameter replicated over TP ranks on TP
     rank 0 only, and the last stage's copy of a tied word embedding not at all; the squares are
     summed over the model-parallel group (TP x PP). Data-parallel replicas hold the same values,
-    so nothing is summed over them, except the experts with expert parallelism: their squares are
-    also summed over the expert-parallel group. Collective over those groups.
+    so nothing is summed over them. Experts follow their own layout (unless it is the default
+    one): the same rule at the expert-TP rank, their squares summed over the expert
+    model-parallel group (expert TP x EP x PP) alone. Collective over those groups.
     """
-    from megatron.optimizer.clip_grads import (get_grad_norm_fp32, is_expert_parallel,
-                                               param_is_not_shared)
-    from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
+    from megatron.optimizer.clip_grads import (experts_apart, get_grad_norm_fp32,
+                                               is_expert_parallel, param_counts_here)
 
-    params = [p for chunk in model_chunks
-              for p in getattr(chunk, "module", chunk).parameters()
-              if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p, pstate.tp_rank)]
-    ep_group = getattr(pstate, "ep_group", None)
-    if ep_group is None:
+    mp_group, tp_rank = pstate.model_parallel_group, pstate.tp_rank
+    # Stand-in states without expert groups have the default expert layout.
+    expert_group = getattr(pstate, "expert_model_parallel_group", mp_group)
+    expert_tp_rank = getattr(pstate, "expert_tp_rank", tp_rank)
+    params = [p for chunk in model_chunks for p in getattr(chunk, "module", chunk).parameters()
+              if param_counts_here(p, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank)]
+    if not experts_apart(mp_group, expert_group):
         return get_grad_norm_fp32([p.detach() for p in params], 2.0,
-                                  model_parallel_group=pstate.model_parallel_group)
+                                  model_parallel_group=mp_group)
     return get_grad_norm_fp32([p.detach() for p in params if not is_expert_parallel(p)], 2.0,
-                              model_parallel_group=pstate.model_parallel_group,
+                              model_parallel_group=mp_group,
                               expert_grads=[p.detach() for p in params if is_expert_parallel(p)],
-                              expert_parallel_group=ep_group)
+                              expert_model_parallel_group=expert_group)
 
 
 def memory_stats() -> Dict[str, float]:

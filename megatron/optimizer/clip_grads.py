@@ -13,9 +13,29 @@ the full model exactly once:
 Local sums are then all-reduced over the model-parallel group (TP x PP of one data-parallel
 replica). Gradients are already averaged over data-parallel ranks, so no DP reduction happens here.
 
+Experts (``param.allreduce`` is False) follow their own layout: within a pipeline stage the
+``tp * cp * dp`` ranks are re-cut into ``expert_tp * ep * expert_dp``. An expert's parameter is
+counted with the same rule at the *expert*-TP rank (an expert's replicated bias counts on
+expert-TP rank 0), and the experts' part is summed over the expert model-parallel group alone
+(expert TP x EP x PP: the ranks that hold one copy of every expert shard), never over the
+model-parallel group as well. With world 4, ``tp = 2``, ``expert_tp = 1``, ``ep = 2``::
+
+    tensor-parallel / model-parallel groups:   [0, 1] [2, 3]
+    expert-parallel groups:                     [0, 1] [2, 3]
+    expert model-parallel groups:               [0, 1] [2, 3]
+    expert-tensor-parallel groups:              [0] [1] [2] [3]   (every rank expert-TP rank 0)
+
+Rank 1 holds whole experts, other than rank 0's, and counts their biases although it is TP rank
+1; summing over the model-parallel group and then the expert-parallel group would count every
+expert twice. Where the two groups hold the same ranks (as here, and with the default expert
+layout: ``ep = 1``, ``expert_tp = tp``) the experts are summed with the dense parameters in one
+reduction (:func:`experts_apart`); with the default layout that is exactly the computation of a
+model without experts.
+
 Nothing here reads module-level process-group getters: the caller passes ``tp_rank`` (this rank's
-index in its tensor-parallel group) and ``model_parallel_group``. ``model_parallel_group=None``
-means there is nothing to reduce over (a single model-parallel rank).
+index in its tensor-parallel group) and ``model_parallel_group``, and for the experts
+``expert_tp_rank`` and ``expert_model_parallel_group``. A group of None means there is nothing
+to reduce over (a single rank).
 """
 
 import math
@@ -35,13 +55,30 @@ def param_is_not_shared(param: torch.Tensor) -> bool:
     return not getattr(param, "shared", False)
 
 
-def get_grads_for_norm(parameters: Params, *, tp_rank: int) -> List[torch.Tensor]:
-    """The ``.grad`` of each parameter that contributes to the global norm on this rank."""
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to this rank's experts (Megatron's ``allreduce = False``):
+    the ranks of the expert-parallel group hold different experts."""
+    return not getattr(param, "allreduce", True)
+
+
+def param_counts_here(param: torch.Tensor, *, tp_rank: int,
+                      expert_tp_rank: Optional[int] = None) -> bool:
+    """Whether ``param`` counts in the whole model's norm on this rank: not the ``shared`` copy
+    of a tied embedding, and a TP shard or on TP rank 0; an expert's parameter is judged at
+    ``expert_tp_rank`` (None: ``tp_rank``, the default expert layout) instead."""
+    if is_expert_parallel(param) and expert_tp_rank is not None:
+        tp_rank = expert_tp_rank
+    return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, tp_rank)
+
+
+def get_grads_for_norm(parameters: Params, *, tp_rank: int,
+                       expert_tp_rank: Optional[int] = None) -> List[torch.Tensor]:
+    """The ``.grad`` of each parameter that contributes to the global norm on this rank
+    (:func:`param_counts_here`)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return [p.grad.detach() for p in parameters
-            if p.grad is not None and param_is_not_shared(p)
-            and param_is_not_tensor_parallel_duplicate(p, tp_rank)]
+    return [p.grad.detach() for p in parameters if p.grad is not None
+            and param_counts_here(p, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank)]
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> None:
@@ -49,10 +86,25 @@ def _all_reduce(tensor: torch.Tensor, op, group) -> None:
         dist.all_reduce(tensor, op=op, group=group)
 
 
-def is_expert_parallel(param: torch.Tensor) -> bool:
-    """Whether ``param`` belongs to this rank's experts (Megatron's ``allreduce = False``):
-    the ranks of the expert-parallel group hold different experts."""
-    return not getattr(param, "allreduce", True)
+def _ranks(group) -> Optional[List[int]]:
+    """The global ranks of ``group``; None for a group of one rank (or None)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return None
+    return dist.get_process_group_ranks(group)
+
+
+def same_ranks(group_a, group_b) -> bool:
+    """Whether two groups (None: this rank alone) hold the same ranks."""
+    return group_a is group_b or _ranks(group_a) == _ranks(group_b)
+
+
+def experts_apart(model_parallel_group, expert_model_parallel_group) -> bool:
+    """Whether the experts' part of a norm or zero count needs a reduction of its own: the
+    expert model-parallel group holds other ranks than the model-parallel group.
+
+    It depends on the groups only, never on this rank's TP or expert-TP rank, so that every
+    rank of a group makes the same collectives."""
+    return not same_ranks(model_parallel_group, expert_model_parallel_group)
 
 
 def _local_power_sum(grads: List[torch.Tensor], norm_type: float, where) -> torch.Tensor:
@@ -69,17 +121,18 @@ def _local_power_sum(grads: List[torch.Tensor], norm_type: float, where) -> torc
 
 def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
                        model_parallel_group=None, *, expert_grads: Optional[Params] = None,
-                       expert_parallel_group=None) -> float:
+                       expert_model_parallel_group=None) -> float:
     """The ``norm_type``-norm of the gradients of the whole model, computed in fp32.
 
     Args:
         grads_for_norm: this rank's gradients to count (see :func:`get_grads_for_norm`).
         norm_type: p of the p-norm; ``math.inf`` for the max-norm.
         model_parallel_group: group over which the local parts are combined (TP x PP).
-        expert_grads: with expert parallelism, this rank's expert gradients (kept out of
-            ``grads_for_norm``); their part is combined over the model-parallel group and
-            then over ``expert_parallel_group``, whose ranks hold different experts.
-        expert_parallel_group: the expert-parallel group.
+        expert_grads: when the experts are counted apart (:func:`experts_apart`), this
+            rank's expert gradients to count (:func:`get_grads_for_norm` at the expert-TP
+            rank), kept out of ``grads_for_norm``; their part is combined over
+            ``expert_model_parallel_group`` alone.
+        expert_model_parallel_group: the expert model-parallel group (expert TP x EP x PP).
 
     Returns:
         The total norm as a Python float (identical on every rank of the groups).
@@ -97,8 +150,7 @@ def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
     _all_reduce(total, op, model_parallel_group)
     if expert_grads is not None:
         expert = _local_power_sum(list(expert_grads), norm_type, where)
-        _all_reduce(expert, op, model_parallel_group)
-        _all_reduce(expert, op, expert_parallel_group)
+        _all_reduce(expert, op, expert_model_parallel_group)
         total = torch.maximum(total, expert) if norm_type == math.inf else total + expert
     if norm_type == math.inf:
         return float(total.item())
@@ -118,7 +170,7 @@ def clip_grads_with_norm_fp32(parameters: Params, max_norm: float, total_norm: f
 def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: float,
                         norm_type: float = 2.0, model_parallel_group=None, *,
                         expert_grads: Optional[Params] = None,
-                        expert_parallel_group=None) -> float:
+                        expert_model_parallel_group=None) -> float:
     """Clip the gradients of ``parameters`` so the whole model's norm is at most ``max_norm``.
 
     The norm is taken over ``grads_for_norm`` (each parameter counted once across the model,
@@ -131,42 +183,49 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
         max_norm: ``--clip-grad``.
         norm_type: p of the p-norm; ``math.inf`` for the max-norm.
         model_parallel_group: group over which the norm is combined (TP x PP).
-        expert_grads / expert_parallel_group: see :func:`get_grad_norm_fp32`.
+        expert_grads / expert_model_parallel_group: see :func:`get_grad_norm_fp32`.
 
     Returns:
         The total norm before clipping.
     """
     total_norm = get_grad_norm_fp32(grads_for_norm, norm_type, model_parallel_group,
                                     expert_grads=expert_grads,
-                                    expert_parallel_group=expert_parallel_group)
+                                    expert_model_parallel_group=expert_model_parallel_group)
     clip_grads_with_norm_fp32(parameters, max_norm, total_norm)
     return total_norm
 
 
 def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: int,
-                     expert_parallel_group=None) -> int:
+                     expert_tp_rank: Optional[int] = None,
+                     expert_parameters: Optional[Params] = None,
+                     expert_model_parallel_group=None) -> int:
     """Number of exactly-zero gradient entries in the whole model (``--log-num-zeros-in-grad``).
 
-    Counts each parameter once across the model, with the same rule as the norm; with
-    ``expert_parallel_group`` the experts' zeros are also summed over that group.
+    Counts each parameter once across the model, with the same rule as the norm
+    (:func:`param_counts_here`).
+
+    Args:
+        parameters: this rank's parameters (experts among them unless counted apart).
+        model_parallel_group: group over which their counts are summed (TP x PP).
+        tp_rank: this rank's TP rank (replicated parameters count on TP rank 0).
+        expert_tp_rank: the rank experts' parameters are judged at; None: ``tp_rank``.
+        expert_parameters: when the experts are counted apart (:func:`experts_apart`), this
+            rank's expert parameters, kept out of ``parameters``; their count is summed over
+            ``expert_model_parallel_group`` alone.
     """
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    parameters = list(parameters)
-    parts = [(parameters, model_parallel_group, None)]
-    if expert_parallel_group is not None:
-        parts = [([p for p in parameters if not is_expert_parallel(p)], model_parallel_group,
-                  None),
-                 ([p for p in parameters if is_expert_parallel(p)], model_parallel_group,
-                  expert_parallel_group)]
-    count = 0
-    for params, group, second_group in parts:
-        grads = get_grads_for_norm(params, tp_rank=tp_rank)
+    def local_count(params: Params) -> torch.Tensor:
+        grads = get_grads_for_norm(params, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank)
         where = grads[0].device if grads else device.current_device()
         total = torch.zeros(1, dtype=torch.float64, device=where)
         for grad in grads:
             total += grad.numel() - torch.count_nonzero(grad)
-        _all_reduce(total, dist.ReduceOp.SUM, group)
-        _all_reduce(total, dist.ReduceOp.SUM, second_group)
-        count += int(total.item())
+        return total
+
+    total = local_count(parameters)
+    _all_reduce(total, dist.ReduceOp.SUM, model_parallel_group)
+    count = int(total.item())
+    if expert_parameters is not None:
+        experts = local_count(expert_parameters)
+        _all_reduce(experts, dist.ReduceOp.SUM, expert_model_parallel_group)
+        count += int(experts.item())
     return count

@@ -37,13 +37,16 @@ Expert parallelism (``--expert-model-parallel-size`` > 1): the experts' gradient
 wrapper's ``expert_grad_buffers``, reduced over the expert-data-parallel group. Every buffer is
 sharded over its own group (``GradBuffer.dp_group``): a dense parameter's pieces tile it over the
 DP (x CP) ranks, an expert's over the expert-DP ranks, and each bucket's updated parameters are
-gathered over that same group. The gradient norm and zero count add the dense pieces over DP,
-then the model-parallel group (TP x PP); the expert pieces over expert-DP, then the
-model-parallel group, then the expert-parallel group, whose ranks hold different experts. The
-inf/nan flag is a max over DP, then the model-parallel group: together every rank of the world.
-With world 4, ``dp = 4`` and ``ep = 2`` (expert-DP groups ``[0, 2] [1, 3]``, EP groups
-``[0, 1] [2, 3]``), rank 1 optimises a quarter of each dense bucket and half of each bucket of
-its two local experts, shared with rank 3.
+gathered over that same group. (Where the expert-DP ranks are the DP x CP ranks, as with
+``tp = 2``, ``expert_tp = 1``, ``ep = 2``, the experts stay in the dense buffers and are sharded
+over DP.) The gradient norm and zero count add the dense pieces over DP, then the
+model-parallel group (TP x PP); the expert pieces, counted at the expert-TP rank, over
+expert-DP, then the expert model-parallel group (expert TP x EP x PP) alone: together the ranks
+holding every expert shard once. With the default expert layout the experts count as dense
+pieces. The inf/nan flag is a max over DP, then the model-parallel group: together every rank
+of the world. With world 4, ``dp = 4`` and ``ep = 2`` (expert-DP groups ``[0, 2] [1, 3]``, EP
+and expert model-parallel groups ``[0, 1] [2, 3]``), rank 1 optimises a quarter of each dense
+bucket and half of each bucket of its two local experts, shared with rank 3.
 
 Checkpoints (:meth:`DistributedOptimizer.state_dict`, a collective over the DP group): the
 shards are gathered to DP rank 0 and saved unsharded, per parameter in model order, so a run with
@@ -70,8 +73,8 @@ import torch.distributed as dist
 from megatron.core import collectives, device
 from megatron.core.config import ConfigError
 
-from .clip_grads import (clip_grads_with_norm_fp32, get_grads_for_norm, param_is_not_shared,
-                         param_is_not_tensor_parallel_duplicate)
+from .clip_grads import (clip_grads_with_norm_fp32, get_grads_for_norm, is_expert_parallel,
+                         param_counts_here)
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
 from .optimizer import MegatronOptimizer, StepResult, _copy_parallel_attributes
@@ -159,9 +162,11 @@ class DistributedOptimizer(MegatronOptimizer):
         dp_group: data-parallel group; None: the model chunks' own ``dp_group``.
         model_parallel_group: TP x PP group (see :class:`MegatronOptimizer`).
         tp_rank: this rank's tensor-parallel rank.
-        expert_parallel_group: the expert-parallel group (``ParallelState.ep_group``); required
-            when the model chunks have expert gradient buffers, whose share of the norm and
-            zero count it completes. None, or one rank: no expert parallelism.
+        expert_model_parallel_group: expert TP x EP x PP
+            (``ParallelState.expert_model_parallel_group``), over which the expert pieces'
+            share of the norm and zero count is completed after expert-DP; required (possibly
+            a group of one) when the model chunks have expert gradient buffers.
+        expert_tp_rank: this rank's expert-TP rank; None: ``tp_rank``.
         overlap_param_gather: gather updated parameters asynchronously, waiting in each module's
             forward pre-hook (``--overlap-param-gather``); otherwise gather at the end of step().
     """
@@ -170,7 +175,8 @@ class DistributedOptimizer(MegatronOptimizer):
                  param_groups: List[dict],
                  build_optimizer: Callable[[List[dict]], torch.optim.Optimizer],
                  grad_scaler: Optional[MegatronGradScaler] = None, *, dp_group=None,
-                 model_parallel_group=None, tp_rank: int = 0, expert_parallel_group=None,
+                 model_parallel_group=None, tp_rank: int = 0,
+                 expert_model_parallel_group=None, expert_tp_rank: Optional[int] = None,
                  overlap_param_gather: bool = False):
         if config.fp16 and grad_scaler is None:
             raise ValueError("--fp16 needs a loss scaler (dynamic, or --loss-scale)")
@@ -182,7 +188,7 @@ class DistributedOptimizer(MegatronOptimizer):
         self.dp_rank = collectives.get_group_rank(dp_group)
         for index, chunk in enumerate(self.model_chunks):
             _check_chunk(index, chunk, self.dp_size)
-        self.expert_dp_group = self._expert_dp_group(expert_parallel_group)
+        self.expert_dp_group = self._expert_dp_group(expert_model_parallel_group)
         self.grad_scaler = grad_scaler
         self._scale_one = torch.ones(1, dtype=torch.float32, device=device.current_device())
         self.overlap_param_gather = overlap_param_gather
@@ -215,7 +221,10 @@ class DistributedOptimizer(MegatronOptimizer):
         optimizer = build_optimizer(shard_param_groups)
         super().__init__(optimizer, config, model_parallel_group=model_parallel_group,
                          tp_rank=tp_rank, use_main_grad=True,
-                         expert_parallel_group=expert_parallel_group)
+                         expert_model_parallel_group=expert_model_parallel_group,
+                         expert_tp_rank=expert_tp_rank)
+        # Pieces of expert buffers must be summed over expert-DP, not DP, whatever the groups.
+        self.experts_apart = self.experts_apart or self.expert_dp_group is not None
 
         self._pending_gathers: Dict[Tuple[Tuple[int, torch.dtype, bool], int], list] = {}
         self._hook_handles = []
@@ -224,19 +233,24 @@ class DistributedOptimizer(MegatronOptimizer):
 
     # -- construction ------------------------------------------------------------------------
 
-    def _expert_dp_group(self, expert_parallel_group):
-        """The chunks' expert-data-parallel group when experts have buffers of their own."""
+    def _expert_dp_group(self, expert_model_parallel_group):
+        """The chunks' expert-data-parallel group when experts have buffers of their own.
+
+        Such chunks need the expert model-parallel group. It may have one rank (``tp = 2``,
+        ``expert_tp = ep = pp = 1``: expert-DP spans the stage and each rank holds whole
+        experts), so only None is refused, not a group of one."""
         groups = {id(getattr(c, "expert_dp_group", None)): getattr(c, "expert_dp_group", None)
                   for c in self.model_chunks}
         if len(groups) != 1:
             raise ConfigError("--use-distributed-optimizer: the model chunks were wrapped with "
                               "different expert-data-parallel groups")
         group = next(iter(groups.values()))
-        if group is not None and collectives.get_group_size(expert_parallel_group) == 1:
+        if group is not None and expert_model_parallel_group is None:
             raise ConfigError(
                 "--use-distributed-optimizer: the model chunks keep expert gradients over an "
-                "expert-data-parallel group, but the optimizer got no expert_parallel_group; "
-                "pass ParallelState.ep_group, or the experts' norm would miss other EP ranks")
+                "expert-data-parallel group, but the optimizer got no "
+                "expert_model_parallel_group; pass ParallelState.expert_model_parallel_group, "
+                "or the experts' norm would miss the other ranks' experts")
         return group
 
     @property
@@ -333,22 +347,25 @@ class DistributedOptimizer(MegatronOptimizer):
         return found_inf.item() > 0
 
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
-        return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank)
+        return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank,
+                                  expert_tp_rank=self.expert_tp_rank)
 
     def _expert_mains(self, expert: bool) -> List[torch.Tensor]:
-        return [main for piece, main in self._shards() if piece.buffer_key[2] == expert]
+        return [main for _, main in self._shards() if is_expert_parallel(main) == expert]
 
-    def _all_reduce_expert_dp_mp_ep(self, tensor: torch.Tensor, op) -> torch.Tensor:
-        """The experts' counterpart of :meth:`_all_reduce_dp_then_mp`: over expert-DP (the
-        ranks sharing this rank's experts), the model-parallel group, then the expert-parallel
-        group (the ranks holding the other experts)."""
-        collectives.all_reduce(tensor, self.expert_dp_group, op=op)
-        collectives.all_reduce(tensor, self.model_parallel_group, op=op)
-        collectives.all_reduce(tensor, self.expert_parallel_group, op=op)
+    def _all_reduce_expert_dp_then_expert_mp(self, tensor: torch.Tensor, op) -> torch.Tensor:
+        """The experts' counterpart of :meth:`_all_reduce_dp_then_mp`: over the group the
+        expert pieces are sharded over (expert-DP, or DP where the experts share the dense
+        buffers), then the expert model-parallel group (the ranks holding the other expert
+        shards)."""
+        shard_group = self.expert_dp_group if self.expert_dp_group is not None else self.dp_group
+        collectives.all_reduce(tensor, shard_group, op=op)
+        collectives.all_reduce(tensor, self.expert_model_parallel_group, op=op)
         return tensor
 
     def _square_sum(self, params: List[torch.Tensor]) -> torch.Tensor:
-        grads = get_grads_for_norm(params, tp_rank=self.tp_rank)
+        grads = get_grads_for_norm(params, tp_rank=self.tp_rank,
+                                   expert_tp_rank=self.expert_tp_rank)
         total = torch.zeros(1, dtype=torch.float32, device=device.current_device())
         if grads:
             norms = torch._foreach_norm(grads, 2.0)
@@ -357,14 +374,14 @@ class DistributedOptimizer(MegatronOptimizer):
 
     def get_grad_norm(self) -> float:
         """The 2-norm of the whole model's gradient, from every rank's shard."""
-        if self.expert_dp_group is None:
+        if not self.experts_apart:
             total = self._square_sum(self.get_parameters())
             self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM)
             return float(total.item()) ** 0.5
         total = self._all_reduce_dp_then_mp(self._square_sum(self._expert_mains(False)),
                                             dist.ReduceOp.SUM)
-        experts = self._all_reduce_expert_dp_mp_ep(self._square_sum(self._expert_mains(True)),
-                                                   dist.ReduceOp.SUM)
+        experts = self._all_reduce_expert_dp_then_expert_mp(
+            self._square_sum(self._expert_mains(True)), dist.ReduceOp.SUM)
         return float((total + experts).item()) ** 0.5
 
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -375,19 +392,19 @@ class DistributedOptimizer(MegatronOptimizer):
     def _zero_count(self, mains: List[torch.Tensor]) -> torch.Tensor:
         total = torch.zeros(1, dtype=torch.float64, device=device.current_device())
         for main in mains:
-            if (main.grad is not None and param_is_not_shared(main)
-                    and param_is_not_tensor_parallel_duplicate(main, self.tp_rank)):
+            if main.grad is not None and param_counts_here(
+                    main, tp_rank=self.tp_rank, expert_tp_rank=self.expert_tp_rank):
                 total += main.grad.numel() - torch.count_nonzero(main.grad).to(total.device)
         return total
 
     def count_zeros(self) -> int:
-        if self.expert_dp_group is None:
+        if not self.experts_apart:
             total = self._zero_count([main for _, main in self._shards()])
             return int(self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM).item())
         dense = self._all_reduce_dp_then_mp(self._zero_count(self._expert_mains(False)),
                                             dist.ReduceOp.SUM)
-        experts = self._all_reduce_expert_dp_mp_ep(self._zero_count(self._expert_mains(True)),
-                                                   dist.ReduceOp.SUM)
+        experts = self._all_reduce_expert_dp_then_expert_mp(
+            self._zero_count(self._expert_mains(True)), dist.ReduceOp.SUM)
         return int(dense.item()) + int(experts.item())
 
     # -- the step ----------------------------------------------------------------------------

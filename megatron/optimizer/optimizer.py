@@ -17,7 +17,8 @@ parameter carries ``param.main_grad``, already averaged over data-parallel ranks
 
 Parameter attributes read here: ``tensor_model_parallel`` (a TP shard, set by the
 tensor-parallel layers), ``shared`` (duplicate of a tied embedding; counted once in the norm),
-``sequence_parallel``. They are copied onto the fp32 main parameters so the norm treats both alike.
+``allreduce`` (False on the MoE experts, counted over the expert groups), ``sequence_parallel``.
+They are copied onto the fp32 main parameters so the norm treats both alike.
 """
 
 import logging
@@ -31,8 +32,8 @@ from megatron.core import device
 from megatron.core.config import ConfigError
 
 from . import apex_state
-from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, get_grads_for_norm,
-                         is_expert_parallel)
+from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart,
+                         get_grads_for_norm, is_expert_parallel)
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 
@@ -117,21 +118,29 @@ class MegatronOptimizer(ABC):
             counted in the norm on TP rank 0 only).
         use_main_grad: True: read ``param.main_grad``; False: read ``param.grad``; None: the
             former where a parameter has it.
-        expert_parallel_group: with expert parallelism, its group: the experts' (parameters
-            marked ``allreduce = False``) part of the norm, zero count and inf/nan flag is also
-            combined over it. None (or one rank): none.
+        expert_model_parallel_group: expert TP x EP x PP (``ParallelState.
+            expert_model_parallel_group``), the ranks holding one copy of every expert shard:
+            the experts' (parameters marked ``allreduce = False``) part of the norm and zero
+            count is combined over it alone, and the inf/nan flag over it after the
+            model-parallel group. None: one rank. Where it holds the same ranks as the
+            model-parallel group (always with the default expert layout) the experts are
+            summed with the dense parameters in one reduction.
+        expert_tp_rank: this rank's index in its expert-TP group (an expert's replicated
+            parameters count on expert-TP rank 0 only); None: ``tp_rank``.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
                  model_parallel_group=None, tp_rank: int = 0,
-                 use_main_grad: Optional[bool] = None, expert_parallel_group=None):
+                 use_main_grad: Optional[bool] = None, expert_model_parallel_group=None,
+                 expert_tp_rank: Optional[int] = None):
         self.optimizer = optimizer
         self.config = config
-        if expert_parallel_group is not None and dist.get_world_size(expert_parallel_group) == 1:
-            expert_parallel_group = None
-        self.expert_parallel_group = expert_parallel_group
         self.model_parallel_group = model_parallel_group
         self.tp_rank = tp_rank
+        self.expert_model_parallel_group = expert_model_parallel_group
+        self.expert_tp_rank = tp_rank if expert_tp_rank is None else expert_tp_rank
+        # False with the default expert layout: the experts then count as dense parameters.
+        self.experts_apart = experts_apart(model_parallel_group, expert_model_parallel_group)
         self.use_main_grad = use_main_grad
 
     # -- gradients -------------------------------------------------------------------------
@@ -154,12 +163,13 @@ class MegatronOptimizer(ABC):
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
-        return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank)
+        return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank,
+                                  expert_tp_rank=self.expert_tp_rank)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         """Clip the main gradients to ``clip_grad``; return the norm before clipping."""
         params = self.get_parameters()
-        if self.expert_parallel_group is None:
+        if not self.experts_apart:
             return clip_grad_norm_fp32(params, self.get_main_grads_for_grad_norm(), clip_grad,
                                        model_parallel_group=self.model_parallel_group)
         dense = [p for p in params if not is_expert_parallel(p)]
@@ -167,28 +177,38 @@ class MegatronOptimizer(ABC):
         return clip_grad_norm_fp32(
             params, get_grads_for_norm(dense, tp_rank=self.tp_rank), clip_grad,
             model_parallel_group=self.model_parallel_group,
-            expert_grads=get_grads_for_norm(experts, tp_rank=self.tp_rank),
-            expert_parallel_group=self.expert_parallel_group)
+            expert_grads=get_grads_for_norm(experts, tp_rank=self.expert_tp_rank),
+            expert_model_parallel_group=self.expert_model_parallel_group)
 
     def count_zeros(self) -> int:
-        return count_zeros_fp32(self.get_parameters(), self.model_parallel_group,
-                                tp_rank=self.tp_rank,
-                                expert_parallel_group=self.expert_parallel_group)
+        params = self.get_parameters()
+        kwargs = dict(tp_rank=self.tp_rank, expert_tp_rank=self.expert_tp_rank)
+        if self.experts_apart:
+            kwargs.update(expert_parameters=[p for p in params if is_expert_parallel(p)],
+                          expert_model_parallel_group=self.expert_model_parallel_group)
+            params = [p for p in params if not is_expert_parallel(p)]
+        return count_zeros_fp32(params, self.model_parallel_group, **kwargs)
 
     def _unscale_and_check_for_nan(self, grads: List[torch.Tensor],
                                    inv_scale: torch.Tensor) -> bool:
         """Multiply ``grads`` by ``inv_scale`` in place; True if any rank saw an inf or nan.
 
-        The flag is reduced (MAX) over the model-parallel group so every stage and TP rank skips
-        the same step. Data-parallel replicas already hold identical, averaged gradients, except
-        the experts with expert parallelism: then the flag is also reduced over its group.
+        The flag is reduced (MAX) over the model-parallel group, then over the expert
+        model-parallel group, so every rank skips the same step: dense gradients are identical
+        over data-parallel replicas, which the first reduction reaches from every TP x PP
+        position, and expert gradients over expert-data-parallel replicas, which the second
+        reaches from every expert TP x EP x PP position (each of its ranks carrying its whole
+        model-parallel group's flag). The second is skipped where both hold the same ranks.
         """
         where = grads[0].device if grads else device.current_device()
         found_inf = torch.zeros(1, dtype=torch.float32, device=where)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
                                                              inv_scale.to(where))
-        for group in (self.model_parallel_group, self.expert_parallel_group):
+        groups = [self.model_parallel_group]
+        if self.experts_apart:
+            groups.append(self.expert_model_parallel_group)
+        for group in groups:
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
         return found_inf.item() > 0
@@ -544,6 +564,29 @@ def build_grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
     return None
 
 
+def _check_expert_groups(model_chunks, param_groups: List[dict], mp_group,
+                         expert_model_parallel_group, expert_tp_rank: Optional[int]) -> None:
+    """Refuse a model with experts but no expert group where one is needed: without it the
+    experts' part of the norm would be counted on this rank alone."""
+    if expert_model_parallel_group is not None:
+        if expert_tp_rank is None:
+            raise ValueError("get_megatron_optimizer: expert_model_parallel_group was given "
+                             "without expert_tp_rank; pass ParallelState.expert_tp_rank")
+        return
+    if not any(is_expert_parallel(p) for group in param_groups for p in group["params"]):
+        return
+    mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
+    expert_buffers = any(getattr(c, "expert_dp_group", None) is not None for c in model_chunks)
+    if mp_size > 1 or expert_buffers:
+        where = (f"mp_group has {mp_size} ranks" if mp_size > 1 else
+                 "the model chunks keep expert gradients over an expert-data-parallel group")
+        raise ConfigError(
+            f"get_megatron_optimizer: the model has expert parameters (allreduce = False) and "
+            f"{where}, but expert_model_parallel_group is None, so the experts' part of the "
+            "gradient norm would miss the other ranks' experts; pass "
+            "ParallelState.expert_model_parallel_group and ParallelState.expert_tp_rank")
+
+
 def get_megatron_optimizer(config: OptimizerConfig,
                            model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]], *,
                            mp_group, tp_group, dp_group=None,
@@ -551,7 +594,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
                            scale_lr_cond: Optional[ParamCond] = None, lr_mult: float = 1.0,
                            use_main_grad: Optional[bool] = None,
                            overlap_param_gather: bool = False,
-                           expert_parallel_group=None) -> MegatronOptimizer:
+                           expert_model_parallel_group=None,
+                           expert_tp_rank: Optional[int] = None) -> MegatronOptimizer:
     """Build the optimizer for this rank's model chunks.
 
     Args:
@@ -573,8 +617,13 @@ def get_megatron_optimizer(config: OptimizerConfig,
             (the distributed optimizer always reads the data-parallel gradient buffer).
         overlap_param_gather: with ``--use-distributed-optimizer``, overlap the all-gather of
             updated parameters with the next forward (``--overlap-param-gather``).
-        expert_parallel_group: the expert-parallel group (``ParallelState.ep_group``; None:
-            no expert parallelism); see :class:`MegatronOptimizer`.
+        expert_model_parallel_group: the experts' counterpart of ``mp_group``, expert TP x EP x
+            PP (``ParallelState.expert_model_parallel_group``; None: one rank); required when
+            the model has experts (parameters marked ``allreduce = False``) and ``mp_group``
+            has several ranks or the chunks keep expert gradient buffers. See
+            :class:`MegatronOptimizer`.
+        expert_tp_rank: this rank's expert-TP rank (``ParallelState.expert_tp_rank``);
+            required with ``expert_model_parallel_group``.
 
     With ``config.use_distributed_optimizer`` the model chunks must be
     ``DistributedDataParallel`` wrappers (built with ``use_distributed_optimizer=True`` so that
@@ -587,6 +636,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
     if not param_groups:
         raise ValueError("the model has no trainable parameters to optimize")
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+    _check_expert_groups(model_chunks, param_groups, mp_group, expert_model_parallel_group,
+                         expert_tp_rank)
     if config.use_distributed_optimizer:
         from .distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 - import cycle
 
@@ -595,13 +646,14 @@ def get_megatron_optimizer(config: OptimizerConfig,
             config, model_chunks, param_groups,
             lambda groups: _build_torch_optimizer(config, groups), scaler, dp_group=dp_group,
             model_parallel_group=mp_group, tp_rank=tp_rank,
-            expert_parallel_group=expert_parallel_group,
-            overlap_param_gather=overlap_param_gather)
+            expert_model_parallel_group=expert_model_parallel_group,
+            expert_tp_rank=expert_tp_rank, overlap_param_gather=overlap_param_gather)
     if overlap_param_gather:
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
     inner = _build_torch_optimizer(config, param_groups)
     kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad,
-                  expert_parallel_group=expert_parallel_group)
+                  expert_model_parallel_group=expert_model_parallel_group,
+                  expert_tp_rank=expert_tp_rank)
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),
                                                  **kwargs)

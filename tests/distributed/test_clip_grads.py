@@ -1,5 +1,6 @@
-"""Gradient norm and clipping: against float64 hand computation on one process, and under
-tensor / pipeline parallelism on 2 gloo ranks against the norm of the whole, unsplit model.
+"""Gradient norm and clipping: against float64 hand computation on one process, under
+tensor / pipeline / expert parallelism on 2 gloo ranks, and on 4 with expert tensor parallelism
+other than tensor parallelism, against the norm of the whole, unsplit model.
 
 Tolerances: norms are accumulated in fp32 (per-tensor norms, then their squares summed), so they
 agree with the float64 reference to a few fp32 ulps; rel=1e-6 leaves margin for that.
@@ -289,7 +290,8 @@ def _ep2_optimizer(state, steps):
     opt = get_megatron_optimizer(config, [torch.nn.ParameterList([dense, expert])],
                                  mp_group=state.model_parallel_group, tp_group=state.tp_group,
                                  dp_group=state.dp_group, use_main_grad=False,
-                                 expert_parallel_group=state.ep_group)
+                                 expert_model_parallel_group=state.expert_model_parallel_group,
+                                 expert_tp_rank=state.expert_tp_rank)
     results = []
     for step, (dense_grad, expert_grads) in enumerate(steps):
         scale = opt.get_loss_scale().item()
@@ -315,3 +317,157 @@ def test_ep2_norm_zeros_and_overflow_cover_every_ranks_experts(two_rank_results)
         assert abs(_norm64(unscaled, 2) - _norm64(unscaled[:2], 2)) > 1e-2
         assert norm == pytest.approx(_norm64(unscaled, 2), rel=1e-6)
         assert zeros == 2
+
+
+# -- expert tensor parallelism other than tensor parallelism: 4 ranks -------------------------
+#
+# Both layouts fold the 4 ranks of one stage into expert TP x EP (2) x expert DP:
+#   tp 2, expert tp 1: TP = model-parallel = EP = expert model-parallel groups [0, 1] [2, 3],
+#                      DP = expert-DP [0, 2] [1, 3]; every rank is expert-TP rank 0.
+#   tp 1, expert tp 2: model-parallel groups [r], expert-TP [0, 1] [2, 3], EP [0, 2] [1, 3],
+#                      expert model-parallel [0, 1, 2, 3], expert-DP [r].
+
+# One expert's full shapes and how expert TP holds them: split along a dim, or replicated.
+EXPERT_LAYOUT = {
+    "fc1_weight": ((6, 4), 0),  # column-parallel: rows split
+    "fc1_bias": ((6,), 0),
+    "fc2_weight": ((4, 6), 1),  # row-parallel: columns split
+    "fc2_bias": ((4,), None),   # replicated over expert TP
+}
+ETP_LAYOUTS = {"tp2_etp1": (2, 1), "tp1_etp2": (1, 2)}  # (tp, expert tp); ep 2 in both
+EP_SIZE, NUM_EXPERTS = 2, 4                              # two local experts per EP rank
+
+
+def _etp_full_grads():
+    """The unsplit model's gradients: the dense layer of TP_LAYOUT and four experts."""
+    gen = torch.Generator().manual_seed(17)
+    dense = {n: torch.randn(shape, generator=gen) for n, (shape, _) in TP_LAYOUT.items()}
+    experts = [{n: torch.randn(shape, generator=gen) for n, (shape, _) in EXPERT_LAYOUT.items()}
+               for _ in range(NUM_EXPERTS)]
+    dense["norm_bias"][1] = 0.0
+    experts[1]["fc1_weight"][0] = 0.0  # zeros in an expert's shards
+    experts[3]["fc2_bias"][2] = 0.0    # a zero in a replicated expert bias counts once
+    experts[3]["fc2_bias"][0] = 9.0    # the max-norm sits in a replicated expert bias
+    return dense, experts
+
+
+def _cut(full, dim, size, rank):
+    return full.clone() if dim is None else full.chunk(size, dim=dim)[rank].clone()
+
+
+def _held(full, tp, etp, coords):
+    """``name -> (value, tensor_model_parallel, expert)``: what the rank at ``coords``
+    (tp rank, EP rank, expert-TP rank) holds of the full model ``full``."""
+    (dense, experts), (tp_rank, ep_rank, etp_rank) = full, coords
+    held = {}
+    for name, value in dense.items():
+        dim = TP_LAYOUT[name][1]
+        held[name] = (_cut(value, dim, tp, tp_rank), dim is not None, False)
+    per_rank = NUM_EXPERTS // EP_SIZE
+    for local in range(per_rank):
+        for name, value in experts[ep_rank * per_rank + local].items():
+            dim = EXPERT_LAYOUT[name][1]
+            held[f"expert{local}_{name}"] = (_cut(value, dim, etp, etp_rank), dim is not None,
+                                             True)
+    return held
+
+
+class SplitMoE(torch.nn.Module):
+    """One rank's part of a dense layer and four experts, each parameter's value equal to its
+    gradient (so the params norm is the gradient norm)."""
+
+    def __init__(self, held):
+        super().__init__()
+        for name, (value, tensor_model_parallel, expert) in held.items():
+            param = torch.nn.Parameter(value.clone())
+            param.tensor_model_parallel = tensor_model_parallel
+            if expert:
+                param.allreduce = False
+            self.register_parameter(name, param)
+
+
+def _etp_norms(state):
+    """Norms, zero count and clipping of one rank's :class:`SplitMoE` through the replicated
+    optimizer, the functions it calls, the params norm and the distributed optimizer."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.optimizer.clip_grads import is_expert_parallel
+    from megatron.training_log import calc_params_l2_norm
+
+    coords = (state.tp_rank, dist.get_rank(state.ep_group), state.expert_tp_rank)
+    held = _held(_etp_full_grads(), state.tp_size, state.layout.expert_tp_size, coords)
+    groups = dict(mp_group=state.model_parallel_group, tp_group=state.tp_group,
+                  dp_group=state.dp_cp_group,
+                  expert_model_parallel_group=state.expert_model_parallel_group,
+                  expert_tp_rank=state.expert_tp_rank)
+    model = SplitMoE(held)
+    for p in model.parameters():
+        p.grad = p.detach().clone()
+    out = {"coords": coords, "params_norm": calc_params_l2_norm([model], state)}
+    experts = [p for p in model.parameters() if is_expert_parallel(p)]
+    dense = [p for p in model.parameters() if not is_expert_parallel(p)]
+    out["inf"] = get_grad_norm_fp32(
+        get_grads_for_norm(dense, tp_rank=state.tp_rank), math.inf, state.model_parallel_group,
+        expert_grads=get_grads_for_norm(experts, tp_rank=state.expert_tp_rank),
+        expert_model_parallel_group=state.expert_model_parallel_group)
+    opt = get_megatron_optimizer(OptimizerConfig(lr=0.0), [model], use_main_grad=False, **groups)
+    out["zeros"] = opt.count_zeros()
+    out["two"] = opt.clip_grad_norm(1.0)
+    out["clipped"] = {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ddp = DistributedDataParallel(SplitMoE(held), dp_group=state.dp_cp_group,
+                                  use_distributed_optimizer=True,
+                                  expert_dp_group=state.expert_dp_group)
+    config = OptimizerConfig(lr=0.0, clip_grad=1.0, log_num_zeros_in_grad=True,
+                             use_distributed_optimizer=True)
+    dist_opt = get_megatron_optimizer(config, [ddp], **groups)
+    ddp.zero_grad_buffer()
+    for p in ddp.module.parameters():
+        p.main_grad.copy_(p.detach())
+    # No finish_grad_sync: replicas hold identical gradients, which its reduce-scatter would
+    # only round; each rank's shard of the buffer already holds the reduced gradient.
+    out["dist"] = dist_opt.step()
+    out["expert_buffers"] = bool(ddp.expert_grad_buffers)
+    return out
+
+
+def _four_rank_checks():
+    out = {}
+    for key, (tp, etp) in ETP_LAYOUTS.items():
+        state = ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=EP_SIZE,
+                                             expert_tensor_parallel_size=etp)
+        out[key] = _etp_norms(state)
+        ps.destroy_model_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    return run_on_ranks(_four_rank_checks, 4, timeout=120)
+
+
+@pytest.mark.parametrize("layout", sorted(ETP_LAYOUTS))
+def test_expert_tp_other_than_tp_counts_each_expert_shard_once(four_rank_results, layout):
+    tp, etp = ETP_LAYOUTS[layout]
+    full = _etp_full_grads()
+    grads = list(full[0].values()) + [g for expert in full[1] for g in expert.values()]
+    two = _norm64(grads, 2)
+    zeros = sum(int((g == 0).sum()) for g in grads)
+    assert two > 1.0 and _norm64(grads, math.inf) == 9.0 and zeros == 6
+    coeff = 1.0 / (two + 1e-6)
+    for rank, res in enumerate(r[layout] for r in four_rank_results):
+        # (tp rank, EP rank, expert-TP rank), as the layout comment above says.
+        assert res["coords"] == ((rank % 2, rank % 2, 0) if tp == 2 else
+                                 (0, rank // 2, rank % 2)), rank
+        assert res["two"] == pytest.approx(two, rel=1e-6), rank
+        assert res["inf"] == pytest.approx(9.0, rel=1e-6), rank
+        assert res["zeros"] == zeros, rank
+        assert res["params_norm"] == pytest.approx(two, rel=1e-6), rank
+        ok, dist_norm, dist_zeros = res["dist"]
+        assert ok and dist_norm == pytest.approx(two, rel=1e-6) and dist_zeros == zeros, rank
+        # Expert-DP is DP with tp 2 (experts in the dense buffers), [r] with tp 1.
+        assert res["expert_buffers"] == (tp == 1)
+        held = _held(full, tp, etp, res["coords"])
+        for name, clipped in res["clipped"].items():
+            expected = held[name][0].double() * coeff
+            torch.testing.assert_close(clipped.double(), expected, rtol=1e-6, atol=0,
+                                       msg=f"rank {rank} {name}")

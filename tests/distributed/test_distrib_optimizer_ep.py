@@ -84,7 +84,9 @@ def build(pstate, distributed: bool, precision="fp32", **config_kwargs):
                              **config_kwargs)
     optimizer = get_megatron_optimizer(config, [ddp], mp_group=pstate.model_parallel_group,
                                        tp_group=pstate.tp_group, dp_group=pstate.dp_cp_group,
-                                       expert_parallel_group=pstate.ep_group)
+                                       expert_model_parallel_group=(
+                                           pstate.expert_model_parallel_group),
+                                       expert_tp_rank=pstate.expert_tp_rank)
     return ddp, optimizer
 
 
