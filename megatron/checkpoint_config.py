@@ -15,6 +15,20 @@ from megatron.core.config import ConfigError
 CHECKPOINT_FORMATS = ("torch", "torch_dist")
 
 
+def torch_format_expert_tp_error(tp_size: int, expert_tp_size: int, what: str,
+                                 remedy: str = "use --ckpt-format torch_dist") -> str:
+    """The one-line refusal of the torch format for experts split over ``expert_tp_size``
+    ranks under ``tp_size``: Megatron's torch format names each rank's folder
+    ``mp_rank_{tp:02d}[_{pp:03d}]_{ep:03d}`` by the tensor and expert ranks alone, so with expert
+    TP != TP the ranks of one folder would hold different expert pieces (two would write the
+    same file) or no folder would hold some. ``what`` says which checkpoint, e.g.
+    ``"--ckpt-format torch cannot save"``; ``remedy`` what to do instead."""
+    return (f"{what} --expert-tensor-parallel-size {expert_tp_size} with "
+            f"--tensor-model-parallel-size {tp_size}: its rank folders are named by tensor and "
+            f"expert rank only, so expert pieces split otherwise than by TP have no file of "
+            f"their own; {remedy}")
+
+
 @dataclass
 class CheckpointConfig:
     """Megatron's checkpointing flags (``None`` where Megatron's default is ``None``)."""
@@ -45,3 +59,16 @@ class CheckpointConfig:
         if (self.ckpt_convert_format is None) != (self.ckpt_convert_save is None):
             raise ConfigError("--ckpt-convert-format and --ckpt-convert-save go together (the "
                               "format to convert --load to, and the folder to write it in)")
+
+    def check_expert_tensor_parallel(self, tp_size: int, expert_tp_size: Optional[int]) -> None:
+        """Refuse writing the torch format (``--save`` with ``--ckpt-format torch``, or
+        ``--ckpt-convert-format torch``) for a MoE model whose experts are split over
+        ``expert_tp_size`` != ``tp_size`` ranks (None: TP's); see
+        :func:`torch_format_expert_tp_error`."""
+        if expert_tp_size is None or expert_tp_size == tp_size:
+            return
+        for flag, value, writes in (("--ckpt-format", self.ckpt_format, bool(self.save)),
+                                    ("--ckpt-convert-format", self.ckpt_convert_format, True)):
+            if writes and value == "torch":
+                raise ConfigError(torch_format_expert_tp_error(
+                    tp_size, expert_tp_size, f"{flag} torch cannot save"))

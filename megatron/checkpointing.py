@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from megatron import safe_unpickle
-from megatron.checkpoint_config import CheckpointConfig
+from megatron.checkpoint_config import CheckpointConfig, torch_format_expert_tp_error
 from megatron.core import device
 from megatron.training_state import TrainState
 
@@ -130,6 +130,42 @@ def expert_ranks(pstate) -> Tuple[int, int, int]:
     if ep_group is None:
         return 0, 1, pstate.dp_cp_rank
     return get_group_rank(ep_group), get_group_size(ep_group), get_group_rank(edp_group)
+
+
+def _expert_tp_size(args, pstate) -> Optional[int]:
+    """This run's expert-TP size when its experts are split otherwise than by TP (None for a
+    dense model, or experts split by TP)."""
+    layout = getattr(pstate, "layout", None)
+    if not getattr(args, "num_experts", None) or layout is None:
+        return None
+    return None if layout.expert_tp_size == layout.tp_size else layout.expert_tp_size
+
+
+def _refuse_torch_save(args, pstate) -> None:
+    """The torch format cannot hold experts split otherwise than by TP (see
+    :func:`megatron.checkpoint_config.torch_format_expert_tp_error`); every rank raises
+    alike, before anything is written."""
+    etp = _expert_tp_size(args, pstate)
+    if etp is not None:
+        raise CheckpointError(torch_format_expert_tp_error(pstate.tp_size, etp,
+                                                           "--ckpt-format torch cannot save"))
+
+
+def _refuse_torch_load(args, pstate, saved, path: str) -> None:
+    """A torch-format checkpoint neither loads into a run whose experts are split otherwise
+    than by TP, nor was written by one (its ``saved`` args say so: Megatron-LM's own)."""
+    etp = _expert_tp_size(args, pstate)
+    if etp is not None:
+        raise CheckpointError(torch_format_expert_tp_error(
+            pstate.tp_size, etp, f"{path}: a --ckpt-format torch checkpoint cannot load at",
+            f"load it at --expert-tensor-parallel-size {pstate.tp_size} and write it with "
+            "--ckpt-convert-format torch_dist --ckpt-convert-save NEW_DIR, then --load NEW_DIR"))
+    saved_tp = getattr(saved, "tensor_model_parallel_size", None)
+    saved_etp = getattr(saved, "expert_tensor_parallel_size", None)
+    if getattr(saved, "num_experts", None) and saved_etp not in (None, saved_tp):
+        raise CheckpointError(torch_format_expert_tp_error(
+            saved_tp, saved_etp, f"{path}: a --ckpt-format torch checkpoint saved at",
+            "its expert tensors cannot be told apart; save it with --ckpt-format torch_dist"))
 
 
 def _my_file(root: str, iteration: int, pstate) -> str:
@@ -484,6 +520,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
 
         return checkpointing_dist.save_checkpoint(iteration, model_chunks, optimizer,
                                                   opt_param_scheduler, args, pstate)
+    _refuse_torch_save(args, pstate)
     tmp_root = _begin_save(args.save, iteration)
     state = _collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
     error = ""
@@ -570,6 +607,7 @@ class AsyncCheckpointSaver:
                 print(f"  saving checkpoint at iteration {iteration:7d} to {args.save} in the "
                       "background (torch_dist)", flush=True)
             return
+        _refuse_torch_save(args, pstate)
         tmp_root = _begin_save(args.save, iteration)
         state = _collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args,
                                pstate)
@@ -729,6 +767,7 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
         raise CheckpointError(f"{iter_dir}: missing (named by {TRACKER_FILENAME} or --ckpt-step)")
     if _is_dist(iter_dir):
         return iter_dir, iteration, release  # torch_dist: any saved layout loads
+    _refuse_torch_load(args, pstate, None, iter_dir)
     saved_tp, saved_pp, saved_ep = saved_sizes(iter_dir)
     if (saved_tp, saved_pp) != (pstate.tp_size, pstate.pp_size):
         raise CheckpointError(
@@ -929,6 +968,7 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
                           args, pstate, train_state)
     state, path = _read_rank_state(path, model_chunks, args, pstate)
     saved_args = state.get("args")
+    _refuse_torch_load(args, pstate, saved_args, path)
     _check_args(saved_args, args, path)
     trees = _check_model_state(model_chunks, state, path)
     restore_training = not (args.finetune or release)
@@ -1031,6 +1071,7 @@ def load_model_weights(model_chunks, args, pstate) -> int:
                   flush=True)
         return iteration
     state, path = _read_rank_state(path, model_chunks, args, pstate)
+    _refuse_torch_load(args, pstate, state.get("args"), path)
     _check_args(state.get("args"), args, path)
     trees = _check_model_state(model_chunks, state, path)
     for chunk, tree in zip(model_chunks, trees):

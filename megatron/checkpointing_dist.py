@@ -1,7 +1,8 @@
 """Training checkpoints in Megatron-Core's ``torch_dist`` format (``--ckpt-format torch_dist``).
 
 Saving: every rank writes its own shards of the model (its TP piece of its pipeline stage's
-layers, under Megatron-Core's global keys, :mod:`megatron.dist_checkpointing`) and of the Adam
+layers, its expert-TP piece of its experts, under Megatron-Core's global keys,
+:mod:`megatron.dist_checkpointing`) and of the Adam
 state (``optimizer.state.exp_avg.<key>``, ``optimizer.state.exp_avg_sq.<key>``, and
 ``optimizer.state.fp32_param.<key>`` for a half-precision model); data-parallel copies are
 written once, by DP rank 0. With ``--use-distributed-optimizer`` every data-parallel rank writes
@@ -13,8 +14,8 @@ metadata. The folder is staged, and published with the tracker only after every 
 as in :mod:`megatron.checkpointing`.
 
 Loading reads any slice of any saved tensor, so a checkpoint saved at any (TP, PP, VPP, DP,
-distributed optimizer on or off) loads at any other, optimizer state included; nothing is
-unpickled except through :mod:`megatron.safe_unpickle`.
+EP, expert TP, distributed optimizer on or off) loads at any other, optimizer state included;
+nothing is unpickled except through :mod:`megatron.safe_unpickle`.
 """
 
 import argparse

@@ -52,6 +52,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from megatron import checkpointing
+from megatron.checkpoint_config import torch_format_expert_tp_error
 from megatron.convert.megatron_layout import (  # noqa: F401  (re-exported: the public rules)
     BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS, get_path, has_prefix, join_shards,
     layer_tensor_names, layer_tensor_shapes, lookup_dotted, read_rank_file, split_tensor,
@@ -194,6 +195,13 @@ class _Source:
                 f"{iter_dir}: the rank folders say TP {self.tp} x PP {self.pp} x EP {self.ep} "
                 f"but the saved args say TP {saved[0]} x PP {saved[1]} x EP {saved[2]}; the "
                 "checkpoint is incomplete or mixed")
+        etp = getattr(self.args, "expert_tensor_parallel_size", None)
+        if getattr(self.args, "num_experts", None) and etp not in (None, self.tp):
+            # Expert pieces are joined over the TP files below; other splits have no files.
+            raise ConversionError(torch_format_expert_tp_error(
+                self.tp, etp, f"{iter_dir}: a --ckpt-format torch checkpoint saved at",
+                "its expert tensors cannot be told apart; convert a --ckpt-format torch_dist "
+                "checkpoint of the run instead"))
 
     def _layer_map(self) -> List[Tuple[int, int, int]]:
         """``(pp_rank, chunk, local index)`` of every global layer."""

@@ -46,11 +46,16 @@ linear_fc2.{weight,bias}                           linear_fc2.{weight,bias} [L, 
 =================================================  ==========================================
 
 Expert tensors are stacked on the layer axis, then on the GLOBAL expert axis
-(``ChunkLayout.expert_offset + J``), whatever the expert-parallel size; expert TP splits
-fc1 by rows and fc2 by columns as TP splits the dense MLP. The pre-MLP norm of an MoE layer
-keeps its key ``decoder.layers.mlp.linear_fc1.layer_norm_*``. A model whose dense and MoE
-layers alternate (``--moe-layer-freq``) stores each key over all L layers, with chunks only at
-the layers that have it.
+(``ChunkLayout.expert_offset + J``), whatever the expert-parallel size. Expert tensor
+parallelism (``--expert-tensor-parallel-size``, which may differ from TP) splits an expert's
+fc1 by rows (SwiGLU: stride 2, as below) and its fc2 weight by columns, as TP splits the dense
+MLP, but by the expert-TP rank and size (``ChunkLayout.expert_tp_rank`` / ``expert_tp_size``);
+its fc2 bias is whole on every expert-TP rank. The router and the shared experts are laid out
+by TP like every dense tensor. Only local shapes depend on the layout, never keys or global
+shapes, so a file saved at any (TP, expert TP, EP, PP) loads at any other. The pre-MLP norm
+of an MoE layer keeps its key ``decoder.layers.mlp.linear_fc1.layer_norm_*``. A model whose
+dense and MoE layers alternate (``--moe-layer-freq``) stores each key over all L layers, with
+chunks only at the layers that have it.
 
 How a TP rank's local tensor maps into the global one follows the tensor-parallel split of
 :func:`megatron.convert.megatron_layout.tp_split_rule`: rows (vocabulary, fused QKV whole
@@ -60,7 +65,8 @@ so the local tensor is two pieces, at rows ``r * f`` and ``ffn + r * f`` (``f = 
 which is how Megatron-Core stores it too.
 
 A replicated tensor (norms, position embeddings, row-parallel biases) is written by one rank
-only: TP rank 0 of DP rank 0 (:attr:`ChunkLayout.writes_replicated`).
+only: TP rank 0 of DP rank 0 (:attr:`ChunkLayout.writes_replicated`); an expert's fc2 bias by
+expert-TP rank 0 of expert-DP rank 0 (:attr:`ChunkLayout.writes_expert_replicated`).
 """
 
 import dataclasses
@@ -119,6 +125,8 @@ _MOE_KEYS = ("mlp.router.weight", "mlp.shared_experts.linear_fc1.weight",
              "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
 _EXPERT_PREFIX = "mlp.experts.experts."
+# The keys of the routed experts' tensors (split by the expert-TP layout).
+EXPERT_KEY_PREFIX = LAYER_PREFIX + _EXPERT_PREFIX
 _MOE_SPLIT_DIM = {"mlp.shared_experts.linear_fc1.weight": 0,
                   "mlp.shared_experts.linear_fc2.weight": 1,
                   "linear_fc1.weight": 0, "linear_fc1.bias": 0, "linear_fc2.weight": 1}
@@ -149,6 +157,10 @@ class ChunkLayout:
         expert_dp_rank: its expert-data-parallel rank; only expert-DP rank 0 writes the expert
             tensors (with EP > 1 the DP ranks hold different experts; at EP 1 it equals
             ``dp_rank``).
+        expert_tp_rank, expert_tp_size: its expert-tensor-parallel rank and size, which split
+            the experts' tensors; None (the default) takes ``tp_rank`` / ``tp_size``, so a
+            layout built without them places experts by TP as before. (They are filled in at
+            construction: ``dataclasses.replace`` of ``tp_size`` alone keeps the old ones.)
     """
 
     num_layers: int
@@ -160,6 +172,19 @@ class ChunkLayout:
     num_experts: Optional[int] = None
     expert_offset: int = 0
     expert_dp_rank: int = 0
+    expert_tp_rank: Optional[int] = None
+    expert_tp_size: Optional[int] = None
+
+    def __post_init__(self):
+        if self.expert_tp_size is None:
+            object.__setattr__(self, "expert_tp_size", self.tp_size)
+        if self.expert_tp_rank is None:
+            object.__setattr__(self, "expert_tp_rank", self.tp_rank)
+        for what, rank, size in (("tp", self.tp_rank, self.tp_size),
+                                 ("expert_tp", self.expert_tp_rank, self.expert_tp_size)):
+            if not 0 <= rank < size:
+                raise ValueError(f"ChunkLayout: {what}_rank {rank} is outside {what}_size "
+                                 f"{size}")
 
     @property
     def writes_split(self) -> bool:
@@ -173,13 +198,13 @@ class ChunkLayout:
 
     @property
     def writes_expert_split(self) -> bool:
-        """Whether this chunk writes its pieces of its experts' TP-split tensors."""
+        """Whether this chunk writes its pieces of its experts' expert-TP-split tensors."""
         return self.expert_dp_rank == 0
 
     @property
     def writes_expert_replicated(self) -> bool:
         """Whether this chunk writes its experts' tensors every expert-TP rank holds whole."""
-        return self.expert_dp_rank == 0 and self.tp_rank == 0
+        return self.expert_dp_rank == 0 and self.expert_tp_rank == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -256,11 +281,13 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
         dim, swiglu_split = _SPLIT_DIM.get(inner), _SWIGLU_SPLIT
     global_shape = list(local_shape)
     offset = [0] * len(local_shape)
-    if local_expert is not None:
+    if local_expert is not None:  # split over the expert-TP ranks
         written = layout.writes_expert_split if dim is not None else \
             layout.writes_expert_replicated
+        rank, size = layout.expert_tp_rank, layout.expert_tp_size
     else:
         written = layout.writes_split if dim is not None else layout.writes_replicated
+        rank, size = layout.tp_rank, layout.tp_size
     if name == "word_embeddings_for_head.weight":
         written = False
     pieces = []
@@ -269,15 +296,15 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
             raise KeyMappingError(f"{name}: a SwiGLU fc1 needs an even number of rows, has "
                                   f"{local_shape[0]}")
         half = local_shape[0] // 2
-        global_shape[0] = local_shape[0] * layout.tp_size
-        ffn = half * layout.tp_size
+        global_shape[0] = local_shape[0] * size
+        ffn = half * size
         for k in range(2):
-            offset[0] = k * ffn + layout.tp_rank * half
+            offset[0] = k * ffn + rank * half
             pieces.append((tuple(offset), (k * half, (k + 1) * half)))
     else:
         if dim is not None:
-            global_shape[dim] = local_shape[dim] * layout.tp_size
-            offset[dim] = local_shape[dim] * layout.tp_rank
+            global_shape[dim] = local_shape[dim] * size
+            offset[dim] = local_shape[dim] * rank
         pieces.append((tuple(offset), None))
     stacked = int(local_layer is not None)
     if local_expert is not None:

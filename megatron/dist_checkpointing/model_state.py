@@ -28,8 +28,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.dist_checkpointing.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout,
-                                              Placement, extra_state_keys,
+from megatron.dist_checkpointing.keys import (EXPERT_KEY_PREFIX, OPTIMIZER_STATE_PREFIX,
+                                              ChunkLayout, Placement, extra_state_keys,
                                               object_key, placements)
 from megatron.dist_checkpointing.reader import DistCheckpointError, DistCheckpointReader
 from megatron.dist_checkpointing.writer import ObjectShard, TensorShard
@@ -44,7 +44,8 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
     ``pp_rank``, ``pp_size``, ``virtual_pp_size`` and optionally ``dp_rank`` / ``dp_cp_rank``);
     ``num_experts``: ``--num-experts`` of an MoE model; with an ``ep_group`` (expert
     parallelism) rank e of it holds experts ``e * E / ep ...`` and its ``expert_dp_group`` rank
-    0 writes them.
+    0 writes them. The experts are split by ``pstate.expert_tp_rank`` and
+    ``pstate.layout.expert_tp_size`` (``--expert-tensor-parallel-size``; without them, by TP).
 
     The ranks of a data x context-parallel group hold the same weights: only its rank 0
     writes them (``dp_cp_rank`` is the rank in that group; without context parallelism it is
@@ -55,17 +56,22 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
     _, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank, vp_size,
                                           vp_rank if vp_size is not None else None)
     dp_rank = getattr(pstate, "dp_cp_rank", getattr(pstate, "dp_rank", 0))
+    tp_rank = getattr(pstate, "tp_rank", 0)
     expert_offset, expert_dp_rank = 0, dp_rank
+    expert_tp_rank, expert_tp_size = tp_rank, pstate.tp_size
     ep_group = getattr(pstate, "ep_group", None)
     if num_experts and ep_group is not None:
         from megatron.core.collectives import get_group_rank, get_group_size
 
         expert_offset = get_group_rank(ep_group) * (num_experts // get_group_size(ep_group))
         expert_dp_rank = get_group_rank(pstate.expert_dp_group)
+    if num_experts and hasattr(pstate, "layout"):
+        expert_tp_rank, expert_tp_size = pstate.expert_tp_rank, pstate.layout.expert_tp_size
     return ChunkLayout(num_layers=config.num_layers, layer_offset=offset,
-                       tp_rank=getattr(pstate, "tp_rank", 0), tp_size=pstate.tp_size,
+                       tp_rank=tp_rank, tp_size=pstate.tp_size,
                        dp_rank=dp_rank, swiglu=config.swiglu, num_experts=num_experts,
-                       expert_offset=expert_offset, expert_dp_rank=expert_dp_rank)
+                       expert_offset=expert_offset, expert_dp_rank=expert_dp_rank,
+                       expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size)
 
 
 def _lead(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
@@ -157,7 +163,9 @@ def range_shards(name: str, local_shape: Tuple[int, ...], start: int, values: to
     """The pieces of the elements ``start:start + len(values)`` of the local tensor ``name``
     (row-major flattening of ``local_shape``): what one data-parallel rank of the distributed
     optimizer holds of a parameter's state. Every DP rank (expert-DP rank, for an expert's)
-    writes its own range (TP replicas and the tied head are still written once)."""
+    writes its own range (TP and expert-TP replicas and the tied head are still written
+    once). ``local_shape`` is the local tensor's, so an expert's range is of its expert-TP
+    piece, placed by ``layout``'s expert-TP rank."""
     local_shape = tuple(local_shape)
     values = values.reshape(-1)
     end = start + values.numel()
@@ -191,6 +199,17 @@ def range_shards(name: str, local_shape: Tuple[int, ...], start: int, values: to
     return shards
 
 
+def _shape_error(reader: DistCheckpointReader, key: str, place: Placement, name: str,
+                 local_shape: Tuple[int, ...], layout: ChunkLayout) -> DistCheckpointError:
+    """A saved tensor whose global shape is not the one this model implies: a different
+    model (the layout only changes local shapes); names the split the local shape went by."""
+    at = (f"expert TP {layout.expert_tp_size}" if place.key.startswith(EXPERT_KEY_PREFIX)
+          else f"TP {layout.tp_size}")
+    return DistCheckpointError(
+        f"{reader.path}: {key!r} has global shape {list(reader.shape(key))}; the model at {at} "
+        f"needs {list(place.global_shape)} (for {name} of local shape {list(local_shape)})")
+
+
 def read_local_rows(reader: DistCheckpointReader, name: str, local_shape: Tuple[int, ...],
                     rows: Tuple[int, int], layout: ChunkLayout, prefix: str = "",
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -214,10 +233,7 @@ def read_local_rows(reader: DistCheckpointReader, name: str, local_shape: Tuple[
                              name)
             continue
         if reader.shape(key) != place.global_shape:
-            raise DistCheckpointError(
-                f"{reader.path}: {key!r} has global shape {list(reader.shape(key))}; the model "
-                f"at TP {layout.tp_size} needs {list(place.global_shape)} (for {name} of local "
-                f"shape {list(local_shape)})")
+            raise _shape_error(reader, key, place, name, local_shape, layout)
         reader.read(key, g_off, g_size, out=_lead(target, place))
     return out
 
@@ -306,10 +322,7 @@ def read_local(reader: DistCheckpointReader, name: str, like: torch.Tensor,
             _read_vocab_rows(reader, key, _piece(out, place), place, name)
             continue
         if reader.shape(key) != place.global_shape:
-            raise DistCheckpointError(
-                f"{reader.path}: {key!r} has global shape {list(reader.shape(key))}; the model "
-                f"at TP {layout.tp_size} needs {list(place.global_shape)} (for {name} of local "
-                f"shape {list(like.shape)})")
+            raise _shape_error(reader, key, place, name, tuple(like.shape), layout)
         target = _piece(out, place)
         reader.read(key, place.global_offset, place.sizes(tuple(like.shape)), out=target)
     return out
