@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from megatron.arguments_configs import _moe_config
+from megatron.arguments_configs import _checkpoint_config, _moe_config
 from megatron.core.config import ConfigError, numerics_flag_conflict, pipeline_layer_counts
 
 
@@ -48,6 +48,12 @@ def _validate_checkpoint_format(args) -> None:
               "convert --load to, and the folder to write it in)")
     if args.ckpt_convert_format is not None and not args.load:
         _fail("--ckpt-convert-format needs --load: the checkpoint to convert")
+    if args.num_experts is not None:   # after _validate_moe, which sets the expert-TP size
+        try:
+            _checkpoint_config(args).check_expert_tensor_parallel(
+                args.tensor_model_parallel_size, args.expert_tensor_parallel_size)
+        except ConfigError as err:
+            _fail(str(err))
 
 
 def _apply_old_spellings(args) -> None:

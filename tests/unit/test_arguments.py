@@ -156,6 +156,10 @@ def test_pad_vocab_size():
      r"--moe-expert-capacity-factor with --expert-tensor-parallel-size 1 other than "
      r"--tensor-model-parallel-size 2"),
     (["--num-experts", "4", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2",
+      "--save", "/tmp/never-written"], 2,
+     r"--ckpt-format torch cannot save --expert-tensor-parallel-size 2 with "
+     r"--tensor-model-parallel-size 1: .*use --ckpt-format torch_dist"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2",
       "--moe-ffn-hidden-size", "33"], 2,
      r"--moe-ffn-hidden-size \(33\) must be divisible by --expert-tensor-parallel-size \(2\)"),
 ])
@@ -169,7 +173,8 @@ def test_expert_tensor_parallel_size_may_differ_from_tp():
     re-cut the ranks of a stage; capacity dropping stays with whole micro-batches (TP 1)."""
     moe = ["--num-experts", "4", "--no-bias-gelu-fusion"]
     args = validate_args(_args(BASE + moe + ["--expert-tensor-parallel-size", "2",
-                                             "--moe-expert-capacity-factor", "1.0"],
+                                             "--moe-expert-capacity-factor", "1.0",
+                                             "--ckpt-format", "torch_dist", "--save", "/tmp/x"],
                                world_size=2))
     assert (args.tensor_model_parallel_size, args.expert_tensor_parallel_size) == (1, 2)
     args = validate_args(_args(BASE + moe + ["--tensor-model-parallel-size", "2",
