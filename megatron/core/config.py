@@ -1,8 +1,9 @@
 """Typed configs for the parallel layout and the transformer.
 
 ``megatron/arguments_configs.py`` turns Megatron's flags into these; core code takes only these
-(never the argparse namespace). Each config checks its own consistency in ``__post_init__`` and names the
-flags involved, so a wrong combination fails before any process group is created.
+(never the argparse namespace). Each config checks its own consistency in ``__post_init__``
+and names the flags involved, so a wrong combination fails before any process group is
+created.
 """
 
 from dataclasses import dataclass

@@ -2,9 +2,10 @@
 
 Field names are Megatron's flag names (``--data-cache-path`` -> ``data_cache_path``).
 ``megatron/arguments_configs.py`` builds it from the validated flags; the dataset providers of
-the entry points turn it into their dataset's config (:class:`~megatron.data.gpt_dataset.GPTDatasetConfig`,
-:class:`~megatron.data.bert_dataset.BertDatasetConfig`), which check the values they use, and the
-training loop hands the loader fields to
+the entry points turn it into their dataset's config
+(:class:`~megatron.data.gpt_dataset.GPTDatasetConfig`,
+:class:`~megatron.data.bert_dataset.BertDatasetConfig`), which check the values they use, and
+the training loop hands the loader fields to
 :func:`~megatron.data.samplers.build_pretraining_data_loader`, which checks those.
 """
 
