@@ -83,8 +83,11 @@ def test_resume_is_bit_exact(corpus, straight, saved):
 
 
 @pytest.mark.parametrize("flags,pp", [(("--expert-model-parallel-size", "2"), 1),
-                                      pytest.param((), 2, marks=pytest.mark.slow)],
-                         ids=["ep2", "pp2"])
+                                      pytest.param((), 2, marks=pytest.mark.slow),
+                                      pytest.param(("--use-distributed-optimizer",
+                                                    "--expert-model-parallel-size", "2"), 1,
+                                                   marks=pytest.mark.slow)],
+                         ids=["ep2", "pp2", "distopt-ep2"])
 def test_saved_at_another_layout_loads_in_one_process(corpus, straight, saved, flags, pp):
     save, first = saved(2, *flags, pp=pp)
     second = _run(corpus, 1, ["--load", save])
