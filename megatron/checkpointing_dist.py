@@ -56,21 +56,22 @@ _FRESH_RERUN_STATE = {"rerun_requested": False, "checkpoint_requested": False,
 _CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def _num_experts(model_chunks):
-    """``--num-experts`` of the model's MoE layers (None for a dense model)."""
-    from megatron.model.moe import MoELayer
-
+def _moe_config(model_chunks):
+    """The model's ``MoEConfig`` (None for a dense model), also on a pipeline stage that holds
+    no MoE layer (``GPTModel.moe_config``)."""
     for chunk in model_chunks:
         for module in chunk.modules():
-            if isinstance(module, MoELayer):
-                return module.moe_config.num_moe_experts
+            found = getattr(module, "moe_config", None)
+            if found is not None and found.num_moe_experts is not None:
+                return found
     return None
 
 
 def _layouts(model_chunks, config, pstate) -> list:
     vp = pstate.virtual_pp_size
-    experts = _num_experts(model_chunks)
-    return [chunk_layout(config, pstate, i if vp is not None else None, experts)
+    moe = _moe_config(model_chunks)
+    experts, freq = (moe.num_moe_experts, moe.moe_layer_freq) if moe is not None else (None, 1)
+    return [chunk_layout(config, pstate, i if vp is not None else None, experts, freq)
             for i in range(len(model_chunks))]
 
 

@@ -102,7 +102,7 @@ def _meta(reader: DistCheckpointReader, common: dict, iteration: int, release: b
     where = f"{reader.path} (common_state)"
     if args is None or not hasattr(args, "num_layers"):
         raise ConversionError(f"{where}: holds no args namespace")
-    if (keys.layer_key("mlp.shared_experts.gate_weight") in reader.tensor_keys()
+    if (any(k.endswith(".mlp.shared_experts.gate_weight") for k in reader.tensor_keys())
             and not getattr(args, "moe_shared_expert_gate", False)):
         raise ConversionError(f"{where}: holds mlp.shared_experts.gate_weight but its args lack "
                               "--moe-shared-expert-gate")
@@ -165,25 +165,45 @@ def _optimizer_meta(reader: DistCheckpointReader, common: dict) -> tuple:
             "grad_scaler": saved.get("grad_scaler")}, ""
 
 
+def _per_layer(meta: ModelMeta) -> bool:
+    """Whether the model's layers are stored under per-layer keys (Megatron-Core's
+    non-homogeneous block, :func:`megatron.dist_checkpointing.keys.per_layer_keys`)."""
+    return bool(meta.num_experts) and keys.per_layer_keys(meta.moe_layer_freq)
+
+
+def _layout_error(reader: DistCheckpointReader, key: str, meta: ModelMeta) -> ConversionError:
+    saved = "per-layer" if any(keys.is_per_layer_key(k) for k in reader.tensor_keys()) \
+        else "stacked"
+    wanted = "per-layer" if _per_layer(meta) else "stacked"
+    why = (f"; the file's layers are under {saved} keys but its args' --moe-layer-freq "
+           f"{meta.moe_layer_freq} means {wanted} keys" if saved != wanted else "")
+    return ConversionError(f"{reader.path}: no {key} in the checkpoint{why}")
+
+
 def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int,
            prefix: str = "") -> Dict[str, torch.Tensor]:
     tensors = {}
-    for name in layer_tensor_names(meta):
-        key = prefix + keys.layer_key(name)
+    per_layer = _per_layer(meta)
+    for name in layer_tensor_names(meta, index):
+        key = prefix + keys.layer_key(name, index if per_layer else None)
+        if key not in reader:
+            raise _layout_error(reader, key, meta)
         shape = reader.shape(key)
-        if shape[0] != meta.num_layers:
-            raise ConversionError(f"{reader.path}: {key} stacks {shape[0]} layers, the args say "
-                                  f"--num-layers {meta.num_layers}")
         expert = expert_of(name)
-        if expert is None:
-            tensors[name] = reader.read(key, (index,) + (0,) * (len(shape) - 1),
-                                        (1,) + shape[1:])[0]
-            continue
-        if shape[1] != meta.num_experts:
-            raise ConversionError(f"{reader.path}: {key} stacks {shape[1]} experts, the args "
-                                  f"say --num-experts {meta.num_experts}")
-        tensors[name] = reader.read(key, (index, expert[0]) + (0,) * (len(shape) - 2),
-                                    (1, 1) + shape[2:])[0, 0]
+        start, size = (), ()
+        if not per_layer:
+            if shape[0] != meta.num_layers:
+                raise ConversionError(f"{reader.path}: {key} stacks {shape[0]} layers, the args "
+                                      f"say --num-layers {meta.num_layers}")
+            start, size = (index,), (1,)
+        if expert is not None:
+            if shape[len(start)] != meta.num_experts:
+                raise ConversionError(f"{reader.path}: {key} stacks {shape[len(start)]} "
+                                      f"experts, the args say --num-experts {meta.num_experts}")
+            start, size = start + (expert[0],), size + (1,)
+        rest = shape[len(start):]
+        tensor = reader.read(key, start + (0,) * len(rest), size + tuple(rest))
+        tensors[name] = tensor.reshape(rest)
     return tensors
 
 
@@ -202,9 +222,9 @@ def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
     streams it).
 
     Raises:
-        ConversionError: no torch_dist folder, a model this converter does not handle (BERT; MoE
-            with dense layers between the MoE ones), a missing tensor or a refused byte entry,
-            naming it.
+        ConversionError: no torch_dist folder, a model this converter does not handle (BERT),
+            a missing tensor (or layers under the other layout than the args'
+            ``--moe-layer-freq`` implies) or a refused byte entry, naming it.
     """
     reader, common, (_, iteration, release) = _open(load_dir, ckpt_step)
     meta = _meta(reader, common, iteration, release, true_vocab_size)
@@ -252,7 +272,8 @@ class _DistTarget:
         return keys.ChunkLayout(num_layers=self.meta.num_layers,
                                 layer_offset=pp_rank * self.target.per_stage,
                                 tp_rank=tp_rank, tp_size=self.tp, swiglu=self.meta.swiglu,
-                                num_experts=self.meta.num_experts)
+                                num_experts=self.meta.num_experts,
+                                per_layer=_per_layer(self.meta))
 
     def put(self, tp_rank: int, pp_rank: int, name: str, tensor: torch.Tensor,
             prefix: str = "") -> None:
@@ -274,7 +295,7 @@ def _save_embeddings(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
 
 def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     target = out.target
-    _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes)
+    _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes[piece.index])
     pp_rank, local = target.stage_of(piece.index)
     for name, tensor in piece.tensors.items():
         rule = tp_split_rule(name, out.meta.swiglu)
@@ -284,10 +305,11 @@ def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
             out.put(tp_rank, pp_rank, f"language_model.encoder.layers.{local}.{name}", shard,
                     prefix)
     if not prefix:
-        experts = out.meta.num_experts
+        experts = out.meta.num_experts if out.meta.is_moe_layer(piece.index) else None
         out.writers[(0, pp_rank)].add(ObjectShard(fqn, None) for fqn in keys.extra_state_keys(
             piece.index, out.meta.num_layers, range(experts) if experts else None, experts,
-            shared_expert=bool(out.meta.moe_shared_expert_intermediate_size)))
+            shared_expert=bool(out.meta.moe_shared_expert_intermediate_size),
+            per_layer=_per_layer(out.meta)))
 
 
 def _save_final(out: _DistTarget, piece: Piece, prefix: str = "") -> None:

@@ -224,9 +224,8 @@ def _expected_pieces(meta: ModelMeta):
     if meta.model_type == "BERT" and meta.num_tokentypes:
         embeddings["tokentype_embeddings"] = (meta.num_tokentypes, h)
     yield "embeddings", None, embeddings, {"word_embeddings": vocab}
-    layer = canonical_layer_shapes(meta)
     for index in range(meta.num_layers):
-        yield "layer", index, layer, None
+        yield "layer", index, canonical_layer_shapes(meta, index), None
     norm = {"weight": (h,)}
     if meta.normalization == "LayerNorm":
         norm["bias"] = (h,)

@@ -78,8 +78,8 @@ def unsupported_features(meta: ModelMeta) -> List[str]:
         if value is not None and value != harmless and not (
                 name == "moe_expert_capacity_factor" and value < 0):
             problems.append(f"{flag} {value} (Mixtral has no such routing)")
-    freq = source.get("moe_layer_freq", 1)
-    if freq != 1 and not (isinstance(freq, (list, tuple)) and all(freq)):
+    freq = meta.moe_layer_freq if meta.moe_layer_freq != 1 else source.get("moe_layer_freq", 1)
+    if freq not in (1, None) and not (isinstance(freq, (list, tuple)) and all(freq)):
         problems.append(f"--moe-layer-freq {freq} (every Mixtral layer is an MoE layer)")
     return problems
 

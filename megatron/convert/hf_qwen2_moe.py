@@ -11,6 +11,14 @@ SwiGLU experts plus one shared SwiGLU expert whose output is scaled per token by
 - ``mlp.shared_expert.*`` likewise for ``mlp.shared_experts.linear_fc{1,2}``, and
   ``mlp.shared_expert_gate.weight`` ``[1, h]`` is ``mlp.shared_experts.gate_weight``.
 
+Dense layers between the MoE ones (our ``--moe-layer-freq``): transformers makes layer i
+(0-based) sparse when ``i not in mlp_only_layers`` and ``(i + 1) % decoder_sparse_step == 0``,
+else a plain SwiGLU MLP of ``intermediate_size`` (``mlp.gate_proj`` / ``up_proj`` /
+``down_proj``, no bias), which is our dense ``mlp.dense_h_to_4h`` / ``dense_4h_to_h`` of
+``--ffn-hidden-size``. Any pattern is written exactly as ``decoder_sparse_step`` 1 with the
+dense layers in ``mlp_only_layers`` (a step N > 1 would make layers N-1, 2N-1, ... sparse, not
+Megatron's 0, N, 2N, ...); read back as Megatron's integer form when it is one, else its list.
+
 Routing: transformers takes a softmax over all E logits and keeps the k largest; with
 ``norm_topk_prob`` it divides them by their sum, which equals our default (softmax over the top-k
 logits); without, it is our ``--moe-router-pre-softmax``. Other routings are refused.
@@ -41,7 +49,7 @@ def unsupported_features(meta: ModelMeta) -> List[str]:
     # Mixtral's rules, less those Qwen2-MoE lifts: q/k/v biases, the shared expert, routing
     # without renormalisation.
     lifted = ("linear biases", "--moe-shared-expert-intermediate-size",
-              "--moe-router-pre-softmax")
+              "--moe-router-pre-softmax", "--moe-layer-freq")
     problems = [p.replace("Mixtral", "Qwen2-MoE") for p in hf_mixtral.unsupported_features(meta)
                 if not p.startswith(lifted)]
     if meta.add_bias_linear:
@@ -61,13 +69,15 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
     config = hf_mixtral.hf_config(meta, bos_id, eos_id)
     for name in ("num_local_experts", "router_jitter_noise", "intermediate_size"):
         del config[name]
+    dense = [i for i in range(meta.num_layers) if not meta.is_moe_layer(i)]
     config.update({
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "num_experts": meta.num_experts, "moe_intermediate_size": meta.expert_ffn_size,
-        "intermediate_size": meta.moe_shared_expert_intermediate_size,
+        "intermediate_size": (meta.ffn_hidden_size if dense
+                              else meta.moe_shared_expert_intermediate_size),
         "shared_expert_intermediate_size": meta.moe_shared_expert_intermediate_size,
         "norm_topk_prob": not meta.moe_router_pre_softmax, "qkv_bias": bool(meta.add_qkv_bias),
-        "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+        "decoder_sparse_step": 1, "mlp_only_layers": dense, "use_sliding_window": False,
     })
     return config
 
@@ -84,6 +94,10 @@ def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict
     out = hf_llama.attention_to_hf(p, t, meta)
     if meta.add_qkv_bias:
         out.update(_qkv_bias_to_hf(p, t, meta))
+    if not meta.is_moe_layer(index):
+        out.update(_swiglu_to_hf(p + "mlp.", t["mlp.dense_h_to_4h.weight"],
+                                 t["mlp.dense_4h_to_h.weight"]))
+        return out
     out[p + "mlp.gate.weight"] = t["mlp.router.weight"]
     for expert in range(meta.num_experts):
         ours = f"mlp.experts.local_experts.{expert}."
@@ -105,21 +119,31 @@ def meta_from_config(config: ConfigView) -> ModelMeta:
     """The model a Qwen2-MoE config.json describes; refuses settings our model cannot compute."""
     if config.get("use_sliding_window", False):
         raise config.unsupported("use_sliding_window", True, "false (full causal attention)")
-    step = config.get("decoder_sparse_step", 1)
-    if step != 1:
-        raise config.unsupported("decoder_sparse_step", step, "1 (every layer an MoE layer)")
-    dense = config.get("mlp_only_layers", None) or []
-    if dense:
-        raise config.unsupported("mlp_only_layers", dense, "[] (every layer an MoE layer)")
     meta = hf_llama.meta_from_config(config)
+    freq = _moe_layer_freq(config, meta.num_layers)
     shared = config.need("shared_expert_intermediate_size")
     return dataclasses.replace(
         meta, add_bias_linear=False, add_qkv_bias=bool(config.get("qkv_bias", True)),
-        ffn_hidden_size=shared, num_experts=config.need("num_experts"),
+        ffn_hidden_size=shared if freq == 1 else config.need("intermediate_size"),
+        moe_layer_freq=freq, num_experts=config.need("num_experts"),
         moe_router_topk=config.need("num_experts_per_tok"),
         moe_ffn_hidden_size=config.need("moe_intermediate_size"),
         moe_router_pre_softmax=not config.get("norm_topk_prob", False),
         moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+
+
+def _moe_layer_freq(config: ConfigView, num_layers: int):
+    """Megatron's ``--moe-layer-freq`` for transformers' sparse layers: 1 (all), N (layers 0,
+    N, 2N, ...) or the list of 0/1."""
+    step = config.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or step < 1:
+        raise config.unsupported("decoder_sparse_step", step, "an integer >= 1")
+    dense = set(config.get("mlp_only_layers", None) or [])
+    sparse = [int(i not in dense and (i + 1) % step == 0) for i in range(num_layers)]
+    for every in range(1, num_layers + 1):
+        if sparse == [int(i % every == 0) for i in range(num_layers)]:
+            return every
+    return sparse
 
 
 def _swiglu_from_hf(weights, prefix: str, ffn: int, h: int):
@@ -142,6 +166,10 @@ def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tenso
         out["self_attention.query_key_value.bias"] = join_qkv(
             get("self_attn.q_proj.bias", (q_rows,)), get("self_attn.k_proj.bias", (kv_rows,)),
             get("self_attn.v_proj.bias", (kv_rows,)), meta)
+    if not meta.is_moe_layer(index):
+        out["mlp.dense_h_to_4h.weight"], out["mlp.dense_4h_to_h.weight"] = _swiglu_from_hf(
+            weights, p + "mlp.", meta.ffn_hidden_size, h)
+        return out
     out["mlp.router.weight"] = get("mlp.gate.weight", (meta.num_experts, h))
     for expert in range(meta.num_experts):
         ours = f"mlp.experts.local_experts.{expert}."

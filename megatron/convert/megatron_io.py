@@ -326,17 +326,36 @@ def _abspath(path: Optional[str]) -> Optional[str]:
     return os.path.abspath(path) if path else None
 
 
+def _moe_layer_freq(args, where: str):
+    """The saved ``--moe-layer-freq`` in Megatron's form (an int, or a list of 0/1 per layer;
+    a string of the list form is read as the flag is)."""
+    from megatron.model.moe.config import parse_moe_layer_freq
+
+    freq = getattr(args, "moe_layer_freq", 1)
+    if freq is None:
+        return 1
+    if isinstance(freq, str):
+        try:
+            freq = parse_moe_layer_freq(freq)
+        except ValueError as err:
+            raise ConversionError(f"{where}: {err}") from None
+    if isinstance(freq, int):
+        if freq < 1:
+            raise ConversionError(f"{where}: --moe-layer-freq {freq}: must be >= 1")
+        return freq
+    freq = [int(v) for v in freq]
+    if len(freq) != args.num_layers or any(v not in (0, 1) for v in freq):
+        raise ConversionError(f"{where}: --moe-layer-freq {freq}: expected one 0 or 1 per "
+                              f"layer (--num-layers {args.num_layers})")
+    return freq
+
+
 def _moe_fields(args, where: str) -> dict:
-    """``ModelMeta``'s mixture-of-experts fields from saved args; refuses the MoE layout the
-    stream does not describe (dense layers between MoE ones)."""
+    """``ModelMeta``'s mixture-of-experts fields from saved args."""
     experts = getattr(args, "num_experts", None)
     if not experts:
         return {}
-    freq = getattr(args, "moe_layer_freq", 1)
-    if freq not in (1, None) and not (isinstance(freq, (list, tuple)) and all(freq)):
-        raise ConversionError(f"{where}: --moe-layer-freq {freq}: only models whose every "
-                              "layer is an MoE layer (--moe-layer-freq 1) can be converted")
-    return dict(num_experts=experts, moe_router_topk=getattr(args, "moe_router_topk", 2),
+    return dict(num_experts=experts, moe_layer_freq=_moe_layer_freq(args, where), moe_router_topk=getattr(args, "moe_router_topk", 2),
                 moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
                 moe_router_score_function=getattr(args, "moe_router_score_function",
                                                   "softmax") or "softmax",
@@ -450,10 +469,10 @@ def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
     yield Piece("embeddings", tensors)
     del tensors, word
 
-    names = layer_tensor_names(meta)
     _refuse_shared_expert_gate(src, meta)
     for index in range(meta.num_layers):
-        yield Piece("layer", src.read_layer(index, names, meta.swiglu), index=index)
+        yield Piece("layer", src.read_layer(index, layer_tensor_names(meta, index), meta.swiglu),
+                    index=index)
 
     last, last_chunk = src.pp - 1, (src.vp or 1) - 1
     norm_names = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]

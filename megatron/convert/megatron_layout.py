@@ -37,8 +37,9 @@ BERT_HEAD_KEYS = {"pooler": ("language_model", "pooler"), "lm_head": ("lm_head",
 # Tensor-parallel split rules
 # ---------------------------------------------------------------------------------------------
 
-def layer_tensor_names(meta: ModelMeta) -> List[str]:
-    """The tensors of one transformer layer, in the order the model's state dict has them."""
+def layer_tensor_names(meta: ModelMeta, index: int = 0) -> List[str]:
+    """The tensors of global layer ``index`` (0-based; MoE or dense by
+    ``meta.moe_layer_freq``), in the order the model's state dict has them."""
     layer_norm = meta.normalization == "LayerNorm"
     qkv_bias = meta.add_bias_linear or meta.add_qkv_bias
     names = [("input_layernorm.weight", True), ("input_layernorm.bias", layer_norm),
@@ -50,7 +51,7 @@ def layer_tensor_names(meta: ModelMeta) -> List[str]:
              (f"{_K_NORM}.bias", meta.qk_layernorm and layer_norm),
              ("post_attention_layernorm.weight", True),
              ("post_attention_layernorm.bias", layer_norm)]
-    if meta.num_experts:
+    if meta.is_moe_layer(index):
         names.append((_ROUTER, True))
         for expert in range(meta.num_experts):
             names += [(f"{_EXPERT}.{expert}.linear_fc1.weight", True),
@@ -75,8 +76,8 @@ def expert_of(name: str) -> Optional[Tuple[int, str]]:
     return int(number), rest
 
 
-def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
-    """Whole (unsplit) shape of every tensor of one layer."""
+def layer_tensor_shapes(meta: ModelMeta, index: int = 0) -> Dict[str, Tuple[int, ...]]:
+    """Whole (unsplit) shape of every tensor of global layer ``index``."""
     h, ffn = meta.hidden_size, meta.ffn_hidden_size
     qkv = (meta.num_attention_heads + 2 * meta.num_query_groups) * meta.kv_channels
     h_to_4h = 2 * ffn if meta.swiglu else ffn
@@ -97,7 +98,7 @@ def layer_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
     # --qk-layernorm's norms are over one head and replicated on every TP rank.
     shapes.update({f"{norm}.{kind}": (meta.kv_channels,) for norm in (_Q_NORM, _K_NORM)
                    for kind in ("weight", "bias")})
-    return {name: shapes.get(name, (h,)) for name in layer_tensor_names(meta)}
+    return {name: shapes.get(name, (h,)) for name in layer_tensor_names(meta, index)}
 
 
 def tp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:

@@ -37,8 +37,8 @@ class _Target:
         self.vocab_rows = padded_vocab_size(meta.vocab_size, self.divisible_by, tp)
         self.per_stage = meta.num_layers // pp
         self.release = meta.iteration == 0
-        self.names = layer_tensor_names(meta)
-        self.shapes = layer_tensor_shapes(meta)
+        self.names = [layer_tensor_names(meta, i) for i in range(meta.num_layers)]
+        self.shapes = [layer_tensor_shapes(meta, i) for i in range(meta.num_layers)]
         self.tied = not meta.untie_embeddings_and_output_weights
         self.heads = (dict(bert_head_shapes(meta, self.vocab_rows))
                       if meta.model_type == "BERT" else {})
@@ -117,11 +117,13 @@ class _Target:
             language_model["embedding"] = embedding
         encoder = {}
         for local in range(self.per_stage):
-            for name in self.names:
+            index = pp_rank * self.per_stage + local
+            for name in self.names[index]:
                 expert = expert_of(name)
                 if expert is not None and expert[0] >= self.local_experts():
                     continue   # each expert rank's file numbers its experts 0 .. E/ep - 1
-                shape = self.shard_shape(self.shapes[name], tp_split_rule(name, meta.swiglu))
+                shape = self.shard_shape(self.shapes[index][name],
+                                         tp_split_rule(name, meta.swiglu))
                 encoder[f"layers.{local}.{name}"] = torch.empty(shape, dtype=dtype)
         if last:
             norm = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
@@ -190,7 +192,7 @@ class _Target:
                 moe_router_topk_scaling_factor=meta.moe_router_topk_scaling_factor,
                 moe_shared_expert_intermediate_size=meta.moe_shared_expert_intermediate_size,
                 moe_shared_expert_gate=meta.moe_shared_expert_gate,
-                moe_layer_freq=1, expert_model_parallel_size=self.ep,
+                moe_layer_freq=meta.moe_layer_freq, expert_model_parallel_size=self.ep,
                 expert_tensor_parallel_size=self.tp)
         if meta.model_type == "BERT":
             values["bert_binary_head"] = meta.bert_binary_head
@@ -409,7 +411,7 @@ def _bert_head_writes(target: _Target, piece: Piece) -> list:
 
 
 def _layer_writes(target: _Target, piece: Piece) -> list:
-    _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes)
+    _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes[piece.index])
     pp_rank, local = target.stage_of(piece.index)
     writes = []
     for name, tensor in piece.tensors.items():

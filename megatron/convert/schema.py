@@ -57,7 +57,7 @@ their format requires (see :func:`fit_vocab_rows`).
 """
 
 import dataclasses
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -113,9 +113,10 @@ class ModelMeta:
     model_type: str = "GPT"
     num_tokentypes: int = 0
     bert_binary_head: bool = False
-    # Mixture of experts (``--num-experts`` ...; None: a dense model). Every layer is an MoE
-    # layer (``--moe-layer-freq`` 1), with a shared expert when its size is set (gated with
-    # ``--moe-shared-expert-gate``): the converter refuses other layouts.
+    # Mixture of experts (``--num-experts`` ...; None: a dense model). The MoE layers are
+    # those ``--moe-layer-freq`` marks (:meth:`is_moe_layer`), with a shared expert when its
+    # size is set (gated with ``--moe-shared-expert-gate``); the other layers are dense
+    # (``mlp.dense_h_to_4h`` / ``mlp.dense_4h_to_h`` of ``ffn_hidden_size``).
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None            # None: ffn_hidden_size
@@ -124,6 +125,10 @@ class ModelMeta:
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
+    # ``--moe-layer-freq`` in Megatron's own form: an int N (layers 0, N, 2N, ... 0-based) or
+    # a list of one 0/1 per layer (what Megatron-LM's args hold, so a target's saved args
+    # read back the same).
+    moe_layer_freq: Union[int, List[int]] = 1
     # The source's full argument namespace as a dict (Megatron sources only): a Megatron saver
     # starts from it so that flags unrelated to the shape (optimizer, data ...) survive.
     source_args: Optional[dict] = None
@@ -136,6 +141,15 @@ class ModelMeta:
     @property
     def group_query_attention(self) -> bool:
         return self.num_query_groups != self.num_attention_heads
+
+    def is_moe_layer(self, index: int) -> bool:
+        """Whether global layer ``index`` (0-based) has an MoE MLP."""
+        if not self.num_experts:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return index % freq == 0
+        return bool(freq[index])
 
     @property
     def expert_ffn_size(self) -> int:

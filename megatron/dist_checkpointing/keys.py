@@ -53,9 +53,18 @@ MLP, but by the expert-TP rank and size (``ChunkLayout.expert_tp_rank`` / ``expe
 its fc2 bias is whole on every expert-TP rank. The router and the shared experts are laid out
 by TP like every dense tensor. Only local shapes depend on the layout, never keys or global
 shapes, so a file saved at any (TP, expert TP, EP, PP) loads at any other. The pre-MLP norm
-of an MoE layer keeps its key ``decoder.layers.mlp.linear_fc1.layer_norm_*``. A model whose
-dense and MoE layers alternate (``--moe-layer-freq``) stores each key over all L layers, with
-chunks only at the layers that have it.
+of an MoE layer keeps its key ``decoder.layers.mlp.linear_fc1.layer_norm_*``.
+
+Per-layer keys. When ``--moe-layer-freq`` is an integer above 1 or a list (any list, even all
+ones), Megatron-Core calls the block "non-homogeneous" and drops the stacked layer axis: every
+per-layer tensor, attention and dense MLP ones too, is stored under
+``decoder.layers.<g>.<rest>`` (g: the global 0-based layer number) with the shape of one
+layer, e.g. ``decoder.layers.3.self_attention.linear_qkv.weight`` [(np + 2 ng) hn, h] and
+``decoder.layers.2.mlp.experts.experts.linear_fc1.weight`` [E, ffn, h] (the expert axis
+stays). The extra-state entries follow: ``decoder.layers.<g>.<module>._extra_state/shard_0_1``
+(an object without sharding axes) and ``decoder.layers.<g>.mlp.experts.experts.linear_fc1.
+_extra_state/shard_<e>_<E>``. :attr:`ChunkLayout.per_layer` (from
+:func:`per_layer_keys`) selects this layout; the default (``--moe-layer-freq 1``) stacks.
 
 How a TP rank's local tensor maps into the global one follows the tensor-parallel split of
 :func:`megatron.convert.megatron_layout.tp_split_rule`: rows (vocabulary, fused QKV whole
@@ -138,6 +147,32 @@ _MOE_SWIGLU_SPLIT = ("mlp.shared_experts.linear_fc1.weight", "linear_fc1.weight"
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
 
 
+def per_layer_keys(moe_layer_freq) -> bool:
+    """Whether a model with ``--moe-layer-freq`` ``moe_layer_freq`` is stored with per-layer
+    keys: as Megatron-Core's ``TransformerBlock.sharded_state_dict`` decides, for an integer
+    above 1 or any list (even all ones); None and 1 stack."""
+    if moe_layer_freq is None:
+        return False
+    if isinstance(moe_layer_freq, int):
+        return moe_layer_freq > 1
+    return isinstance(moe_layer_freq, (list, tuple))
+
+
+def per_layer_prefix(global_layer: int) -> str:
+    """``decoder.layers.<g>.``: where layer ``global_layer``'s tensors sit in the per-layer
+    layout."""
+    return f"{LAYER_PREFIX}{global_layer}."
+
+
+_PER_LAYER_KEY = re.compile(r"(?:.*\.)?decoder\.layers\.\d+\.")
+
+
+def is_per_layer_key(key: str) -> bool:
+    """Whether ``key`` (a model key, or an optimizer one ``optimizer.state.<field>.<key>``) is
+    one of the per-layer layout's."""
+    return _PER_LAYER_KEY.match(key) is not None
+
+
 class KeyMappingError(ValueError):
     """A tensor name that has no place in Megatron-Core's layout; the message names it."""
 
@@ -161,6 +196,9 @@ class ChunkLayout:
             the experts' tensors; None (the default) takes ``tp_rank`` / ``tp_size``, so a
             layout built without them places experts by TP as before. (They are filled in at
             construction: ``dataclasses.replace`` of ``tp_size`` alone keeps the old ones.)
+        per_layer: per-layer keys without the layer axis (Megatron-Core's non-homogeneous
+            block, :func:`per_layer_keys`); False: every layer tensor stacked over
+            ``num_layers``.
     """
 
     num_layers: int
@@ -174,6 +212,7 @@ class ChunkLayout:
     expert_dp_rank: int = 0
     expert_tp_rank: Optional[int] = None
     expert_tp_size: Optional[int] = None
+    per_layer: bool = False
 
     def __post_init__(self):
         if self.expert_tp_size is None:
@@ -213,8 +252,9 @@ class Placement:
 
     ``local_rows`` (``(start, stop)`` on dim 0 of the local tensor, None: all of it) selects
     the piece; it sits at ``global_offset`` in the tensor ``key`` of ``global_shape``. With
-    stacked axes (``stacked``: 0, 1 for the layer axis, 2 for layer and expert axes) the piece
-    gets that many leading axes of size 1. ``written``: this
+    stacked axes (``stacked``: 0; 1 for the layer axis, or for the expert axis of per-layer
+    keys; 2 for layer and expert axes) the piece gets that many leading axes of size 1.
+    ``written``: this
     chunk writes the piece (False for copies held elsewhere: replicas, the tied head).
     """
 
@@ -237,19 +277,26 @@ class Placement:
         return dataclasses.replace(self, key=prefix + self.key)
 
 
-def layer_key(legacy_layer_name: str) -> str:
+def layer_key(legacy_layer_name: str, global_layer: Optional[int] = None) -> str:
     """``decoder.layers.<name>`` for a per-layer legacy name (``mlp.dense_h_to_4h.weight``;
     an expert's ``mlp.experts.local_experts.J.linear_fc1.weight`` gives the key of all
-    experts)."""
+    experts); with ``global_layer``, that layer's key of the per-layer layout
+    (``decoder.layers.<g>.<name>``)."""
+    prefix = LAYER_PREFIX if global_layer is None else per_layer_prefix(global_layer)
     if legacy_layer_name in _MOE_KEYS:
-        return LAYER_PREFIX + legacy_layer_name
+        return prefix + legacy_layer_name
     expert = _EXPERT_NAME.fullmatch(legacy_layer_name)
     if expert:
-        return LAYER_PREFIX + _EXPERT_PREFIX + expert.group(2)
+        return prefix + _EXPERT_PREFIX + expert.group(2)
     if legacy_layer_name not in LAYER_KEYS:
         raise KeyMappingError(f"layer tensor {legacy_layer_name!r} has no Megatron-Core key "
                               f"(known: {', '.join(sorted(LAYER_KEYS))})")
-    return LAYER_PREFIX + LAYER_KEYS[legacy_layer_name]
+    return prefix + LAYER_KEYS[legacy_layer_name]
+
+
+def is_expert_key(key: str) -> bool:
+    """Whether the model key ``key`` (either layout) is a routed expert's tensor."""
+    return key.startswith(LAYER_PREFIX) and f".{_EXPERT_PREFIX}" in f".{key[len(LAYER_PREFIX):]}"
 
 
 def mcore_key(name: str) -> Tuple[str, Optional[int]]:
@@ -318,14 +365,18 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
         global_shape = [layout.num_experts] + global_shape
         pieces = [((global_expert,) + off, rows) for off, rows in pieces]
         stacked = 2
-    if stacked:
+    if local_layer is not None:
         global_layer = layout.layer_offset + local_layer
         if not 0 <= global_layer < layout.num_layers:
             raise KeyMappingError(f"{name}: global layer {global_layer} is outside the model's "
                                   f"{layout.num_layers} layers (layer offset "
                                   f"{layout.layer_offset})")
-        global_shape = [layout.num_layers] + global_shape
-        pieces = [((global_layer,) + off, rows) for off, rows in pieces]
+        if layout.per_layer:  # the layer is in the key, not on an axis
+            key = layer_key(inner if local_expert is None else expert.group(0), global_layer)
+            stacked -= 1
+        else:
+            global_shape = [layout.num_layers] + global_shape
+            pieces = [((global_layer,) + off, rows) for off, rows in pieces]
     return [Placement(key, tuple(global_shape), off, rows, stacked, written)
             for off, rows in pieces]
 
@@ -340,12 +391,15 @@ def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] 
 
 def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range] = None,
                      num_experts: Optional[int] = None, shared_expert: bool = False,
-                     dense: bool = True) -> List[str]:
+                     dense: bool = True, per_layer: bool = False) -> List[str]:
     """The byte entries of one layer's linear modules' extra state. For an MoE layer
     (``experts``: the global numbers of this rank's experts, of ``num_experts``) the MLP's are
     one per expert, ``decoder.layers.mlp.experts.experts.linear_fc{1,2}._extra_state/
     shard_<layer>.<expert>_<L>.<E>`` (as Megatron-Core writes them), and the shared expert's;
-    ``dense`` False leaves out all but the experts' (written by another rank at EP > 1)."""
+    ``dense`` False leaves out all but the experts' (written by another rank at EP > 1).
+    ``per_layer``: the per-layer layout's entries, ``decoder.layers.<g>.<module>._extra_state/
+    shard_0_1`` (no sharding axis: Megatron-Core's offset ``(0,)`` of shape ``(1,)``) and
+    ``decoder.layers.<g>.mlp.experts.experts.linear_fc1._extra_state/shard_<expert>_<E>``."""
     if experts is None:
         modules = EXTRA_STATE_MODULES
     elif not dense:
@@ -354,10 +408,15 @@ def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range
         modules = EXTRA_STATE_MODULES[:2] + (
             ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
             if shared_expert else ())
-    keys = [object_key(f"{LAYER_PREFIX}{module}._extra_state", (global_layer,), (num_layers,))
+    if per_layer:
+        prefix, layer_offset, layer_shape = per_layer_prefix(global_layer), (), ()
+    else:
+        prefix, layer_offset, layer_shape = LAYER_PREFIX, (global_layer,), (num_layers,)
+    keys = [object_key(f"{prefix}{module}._extra_state", layer_offset or (0,),
+                       layer_shape or (1,))
             for module in modules]
     for expert in experts or ():
         for fc in ("linear_fc1", "linear_fc2"):
-            keys.append(object_key(f"{LAYER_PREFIX}{_EXPERT_PREFIX}{fc}._extra_state",
-                                   (global_layer, expert), (num_layers, num_experts)))
+            keys.append(object_key(f"{prefix}{_EXPERT_PREFIX}{fc}._extra_state",
+                                   layer_offset + (expert,), layer_shape + (num_experts,)))
     return keys

@@ -28,16 +28,17 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.dist_checkpointing.keys import (EXPERT_KEY_PREFIX, OPTIMIZER_STATE_PREFIX,
-                                              ChunkLayout, Placement, extra_state_keys,
-                                              object_key, placements)
+from megatron.dist_checkpointing.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout,
+                                              Placement, extra_state_keys, is_expert_key,
+                                              is_per_layer_key, object_key, per_layer_keys,
+                                              placements)
 from megatron.dist_checkpointing.reader import DistCheckpointError, DistCheckpointReader
 from megatron.dist_checkpointing.writer import ObjectShard, TensorShard
 from megatron.model.module import flatten_state_dict
 
 
 def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
-                 num_experts: Optional[int] = None) -> ChunkLayout:
+                 num_experts: Optional[int] = None, moe_layer_freq=1) -> ChunkLayout:
     """The :class:`ChunkLayout` of this rank's model chunk ``vp_rank`` (None without virtual
     stages): ``config`` the model's ``TransformerConfig`` (layers, uneven first / last stages,
     ``swiglu``), ``pstate`` its ``ParallelState`` (or any object with ``tp_rank``, ``tp_size``,
@@ -49,7 +50,9 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
 
     The ranks of a data x context-parallel group hold the same weights: only its rank 0
     writes them (``dp_cp_rank`` is the rank in that group; without context parallelism it is
-    the data-parallel rank)."""
+    the data-parallel rank). ``moe_layer_freq``: ``--moe-layer-freq`` of an MoE model; an
+    integer above 1 or a list gives per-layer keys (:func:`~megatron.dist_checkpointing.keys.
+    per_layer_keys`), as in Megatron-Core."""
     from megatron.model.transformer import get_num_layers_and_offset
 
     vp_size = getattr(pstate, "virtual_pp_size", None)
@@ -71,7 +74,8 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
                        tp_rank=tp_rank, tp_size=pstate.tp_size,
                        dp_rank=dp_rank, swiglu=config.swiglu, num_experts=num_experts,
                        expert_offset=expert_offset, expert_dp_rank=expert_dp_rank,
-                       expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size)
+                       expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size,
+                       per_layer=bool(num_experts) and per_layer_keys(moe_layer_freq))
 
 
 def _lead(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
@@ -203,11 +207,32 @@ def _shape_error(reader: DistCheckpointReader, key: str, place: Placement, name:
                  local_shape: Tuple[int, ...], layout: ChunkLayout) -> DistCheckpointError:
     """A saved tensor whose global shape is not the one this model implies: a different
     model (the layout only changes local shapes); names the split the local shape went by."""
-    at = (f"expert TP {layout.expert_tp_size}" if place.key.startswith(EXPERT_KEY_PREFIX)
+    at = (f"expert TP {layout.expert_tp_size}" if is_expert_key(place.key)
           else f"TP {layout.tp_size}")
     return DistCheckpointError(
         f"{reader.path}: {key!r} has global shape {list(reader.shape(key))}; the model at {at} "
         f"needs {list(place.global_shape)} (for {name} of local shape {list(local_shape)})")
+
+
+def _missing_error(reader: DistCheckpointReader, key: str, name: str,
+                   layout: ChunkLayout) -> DistCheckpointError:
+    """An absent key; when the file's layer tensors use the other layout (stacked vs.
+    per-layer keys), says so and which ``--moe-layer-freq`` each needs."""
+    message = f"{reader.path}: no {key!r} (for {name})"
+    if "decoder.layers." not in key:
+        return DistCheckpointError(message)
+    saved_per_layer = any(is_per_layer_key(k) for k in reader.tensor_keys())
+    if saved_per_layer != layout.per_layer:
+        saved, wanted = (("per-layer keys (decoder.layers.<g>.*: --moe-layer-freq above 1 or "
+                          "a list)", "stacked keys (decoder.layers.*: --moe-layer-freq 1)")
+                         if saved_per_layer else
+                         ("stacked keys (decoder.layers.*: --moe-layer-freq 1)",
+                          "per-layer keys (decoder.layers.<g>.*: --moe-layer-freq above 1 or "
+                          "a list)"))
+        message += (f"; the checkpoint stores its layers under {saved}, this model's "
+                    f"--moe-layer-freq needs {wanted}: run with the --moe-layer-freq it was "
+                    "saved with")
+    return DistCheckpointError(message)
 
 
 def read_local_rows(reader: DistCheckpointReader, name: str, local_shape: Tuple[int, ...],
@@ -221,7 +246,7 @@ def read_local_rows(reader: DistCheckpointReader, name: str, local_shape: Tuple[
     for place in placements(name, local_shape, layout):
         key = prefix + place.key
         if key not in reader:
-            raise DistCheckpointError(f"{reader.path}: no {key!r} (for {name})")
+            raise _missing_error(reader, key, name, layout)
         lo, hi = _row_span(place, local_shape)
         a, b = max(lo, rows[0]), min(hi, rows[1])
         if a >= b:
@@ -261,7 +286,7 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
             experts = range(0)
         items += [ObjectShard(fqn, None) for fqn in extra_state_keys(
             layout.layer_offset + local, layout.num_layers, experts, layout.num_experts,
-            shared, dense=dense)]
+            shared, dense=dense, per_layer=layout.per_layer)]
     return items
 
 
@@ -317,7 +342,7 @@ def read_local(reader: DistCheckpointReader, name: str, like: torch.Tensor,
     for place in placements(name, tuple(like.shape), layout):
         key = prefix + place.key
         if key not in reader:
-            raise DistCheckpointError(f"{reader.path}: no {key!r} (for {name})")
+            raise _missing_error(reader, key, name, layout)
         if place.key in VOCAB_ROW_KEYS and reader.shape(key) != place.global_shape:
             _read_vocab_rows(reader, key, _piece(out, place), place, name)
             continue

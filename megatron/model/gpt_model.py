@@ -66,8 +66,12 @@ class GPTModel(MegatronModule):
         num_layers, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank,
                                                        vp_size, vp_rank)
         self.moe_tracker = None
+        # Kept whole on every stage: the checkpoint layout follows --moe-layer-freq even on a
+        # stage without MoE layers.
+        self.moe_config = None
         if moe_config is not None and moe_config.num_moe_experts is not None:
             self.moe_tracker = MoELossTracker(config.num_layers)
+            self.moe_config = moe_config
         self.language_model = TransformerLanguageModel(
             config, pstate.tp_group, pstate.tp_size, num_layers, offset, pre_process,
             post_process, sequence_parallel, init_seed, moe_config=moe_config,

@@ -67,15 +67,23 @@ def test_moe_file_converted_to_tp2_gives_megatrons_logits(tmp_path):
                                    rtol=0)
 
 
-def test_unconvertible_moe_layout_is_refused_naming_the_flag():
+def test_saved_moe_layer_pattern_is_carried_in_megatrons_form():
+    """An int stays an int; a list (Megatron's args hold a list, ours a tuple, an old file may
+    hold the flag's string) becomes a list of 0/1; a malformed one is refused naming it."""
     import argparse
 
     from megatron.convert import megatron_io
     from megatron.convert.schema import ConversionError
 
-    args = argparse.Namespace(num_experts=4, moe_layer_freq=2)
-    with pytest.raises(ConversionError, match="--moe-layer-freq 2"):
-        megatron_io._moe_fields(args, "file")
+    def freq(value, layers=4):
+        args = argparse.Namespace(num_experts=4, moe_layer_freq=value, num_layers=layers)
+        return megatron_io._moe_fields(args, "file")["moe_layer_freq"]
+
+    assert freq(2) == 2 and freq(None) == 1
+    assert freq((1, 0, 1, 1)) == [1, 0, 1, 1]
+    assert freq("([0]+[1]*3)") == [0, 1, 1, 1]
+    with pytest.raises(ConversionError, match=r"file: --moe-layer-freq \[1, 0\]: expected one"):
+        freq([1, 0])
 
 
 @pytest.mark.slow

@@ -90,6 +90,7 @@ def test_megatron_mixtral_megatron_is_bit_identical(tmp_path):
     (dict(add_bias_linear=True), "linear biases"),
     (dict(source_args={"moe_expert_capacity_factor": 1.0}), "--moe-expert-capacity-factor 1.0"),
     (dict(source_args={"moe_layer_freq": 2}), "--moe-layer-freq 2"),
+    (dict(moe_layer_freq=[0, 1]), r"--moe-layer-freq \[0, 1\] \(every Mixtral layer"),
     (dict(source_args={"moe_shared_expert_intermediate_size": 8}),
      "--moe-shared-expert-intermediate-size 8"),
 ])
