@@ -228,8 +228,9 @@ class _CommTimer:
     Wraps the functions the dispatcher and its autograd pairs call (the module attributes they
     look up: ``megatron.core.collectives`` for the dispatcher's own calls, the names
     ``megatron.core.tensor_parallel.mappings`` imported for the autograd functions), counting a
-    call only when its group is ``group``. A call made with gradients enabled is forward; the
-    autograd engine runs backward with them disabled.
+    call only when its group is ``group``. A call made while an MoE layer's forward runs
+    (``in_forward``, set by :func:`child_ep`) is forward, any other backward. (Gradients are
+    off inside an autograd function's forward, so the grad mode cannot tell the two apart.)
     """
 
     KINDS = {"all_to_all_single": "all-to-all", "all_gather_into_tensor": "all-gather",
@@ -243,6 +244,7 @@ class _CommTimer:
 
         self.group, self.torch = group, torch
         self.seconds = {}
+        self.in_forward = False
         for module in (collectives, mappings):
             for name in self.KINDS:
                 if hasattr(module, name):
@@ -253,7 +255,7 @@ class _CommTimer:
             group = kwargs.get("group", args[2] if len(args) > 2 else None)
             if group is not self.group:
                 return fn(*args, **kwargs)
-            key = (kind, "fwd" if self.torch.is_grad_enabled() else "bwd")
+            key = (kind, "fwd" if self.in_forward else "bwd")
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -265,9 +267,9 @@ class _CommTimer:
         self.seconds = {}
 
 
-def _time_method(cls, name: str, totals: dict, key: str) -> None:
+def _time_method(cls, name: str, totals: dict, key: str, comm=None) -> None:
     """Add the wall time of every ``cls.name`` call made with gradients enabled to
-    ``totals[key]``."""
+    ``totals[key]``; with ``comm`` (a :class:`_CommTimer`), mark the call as forward for it."""
     import torch
 
     fn = getattr(cls, name)
@@ -276,9 +278,13 @@ def _time_method(cls, name: str, totals: dict, key: str) -> None:
         if not torch.is_grad_enabled():
             return fn(self, *args, **kwargs)
         start = time.perf_counter()
+        if comm is not None:
+            comm.in_forward = True
         try:
             return fn(self, *args, **kwargs)
         finally:
+            if comm is not None:
+                comm.in_forward = False
             totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
     setattr(cls, name, timed)
 
@@ -302,7 +308,7 @@ def child_ep(a) -> dict:
     pstate = setup[1]
     comm = _CommTimer(pstate.ep_group)
     moe = {}
-    _time_method(MoELayer, "forward", moe, "layer")
+    _time_method(MoELayer, "forward", moe, "layer", comm)
     for cls in (dispatcher_mod.AllGatherTokenDispatcher, dispatcher_mod.AllToAllTokenDispatcher):
         _time_method(cls, "dispatch", moe, "dispatch")
         _time_method(cls, "combine", moe, "combine")
