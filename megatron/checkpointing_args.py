@@ -26,6 +26,10 @@ SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "position_embedding_type", "padded_vocab_size", "swiglu", "normalization",
               "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
               "bert_binary_head", "qk_layernorm")
+# The same for mixture-of-experts models: which layers have experts, how many, how large
+# (checked on load, but not taken by --use-checkpoint-args: the MoE flags are the run's).
+MOE_SHAPE_ARGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
+                  "moe_shared_expert_intermediate_size")
 # How a SHAPE_ARGS entry is named in an error when its dest is not its flag's name.
 _ARG_LABELS = {"bert_binary_head": "the BERT binary head (--bert-no-binary-head removes it)"}
 # Also taken from the checkpoint with --use-checkpoint-args.
@@ -140,7 +144,19 @@ def _shape_value(ns, name: str):
     with ``--add-qkv-bias`` or with the linear biases Megatron adds by default."""
     if name == "add_qkv_bias":
         return bool(getattr(ns, "add_qkv_bias", False) or getattr(ns, "add_bias_linear", True))
-    return getattr(ns, name)
+    if name in MOE_SHAPE_ARGS[1:] and not getattr(ns, "num_experts", None):
+        return None                    # a dense model: the MoE flags shape nothing
+    value = getattr(ns, name)
+    if name == "moe_layer_freq":       # Megatron saves a list, or the flag's text
+        from megatron.model.moe.config import parse_moe_layer_freq
+
+        value = parse_moe_layer_freq(value) if isinstance(value, str) else value
+        if isinstance(value, int):     # which layers have experts: N and a list may agree
+            value = [int(i % value == 0) for i in range(getattr(ns, "num_layers", 0))]
+        return "".join(str(int(v)) for v in value)
+    if name == "moe_ffn_hidden_size" and value is None:
+        return getattr(ns, "ffn_hidden_size", None)   # Megatron's default
+    return value
 
 
 def _check_args(saved, args, path: str, ignore=()) -> None:
@@ -149,7 +165,7 @@ def _check_args(saved, args, path: str, ignore=()) -> None:
     saved = megatron_args(saved)
     diffs = [f"{_ARG_LABELS.get(n, '--' + n.replace('_', '-'))} "
              f"(checkpoint {_shape_value(saved, n)!r}, flags {_shape_value(args, n)!r})"
-             for n in SHAPE_ARGS
+             for n in SHAPE_ARGS + MOE_SHAPE_ARGS
              if n not in ignore and hasattr(saved, n) and hasattr(args, n)
              and _shape_value(saved, n) != _shape_value(args, n)]
     if diffs:
