@@ -2,7 +2,7 @@
 
 Masked-LM plus, unless ``--bert-no-binary-head``, sentence-order prediction, on sentence data made
 by ``tools/preprocess_data.py --split-sentences`` with a WordPiece vocabulary. The training loop,
-checkpoints and logging are the shared :func:`megatron.training.pretrain`.
+checkpoints and logging are the shared :func:`megatron.training.training.pretrain`.
 """
 
 from functools import partial
@@ -11,10 +11,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron import global_vars
-from megatron.arguments import ArgumentsError, validate_bert_args
+from megatron.training import global_vars
+from megatron.training.arguments import ArgumentsError, validate_bert_args
 from megatron.core import device, tensor_parallel
-from megatron.training import model_stage, pretrain, print_rank_0
+from megatron.training.training import model_stage, pretrain, print_rank_0
 
 # What each pipeline stage reads from a batch. Every stage needs the padding mask: each encoder
 # layer's attention masks the padded keys.
@@ -49,7 +49,7 @@ def extra_args_provider(parser):
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None):
     """This pipeline stage's BERT model (virtual stage ``vp_stage`` with interleaving), from
     the run's flags."""
-    from megatron.arguments import build_configs
+    from megatron.training.arguments import build_configs
     from megatron.model.bert_model import BertModel
 
     args = global_vars.get_args()
@@ -73,7 +73,7 @@ def get_batch(data_iterator, stage=None):
     TP rank 0 reads the batch and broadcasts it to the other tensor-parallel ranks. Every stage
     reads it (each needs the padding mask); the first stage also takes the tokens and token
     types, the last the labels, the loss mask and the sentence-order targets. ``stage`` is
-    ``(first, last)`` of the model chunk (``megatron.training.model_stage``); None asks the parallel
+    ``(first, last)`` of the model chunk (``megatron.training.training.model_stage``); None asks the parallel
     state (right without virtual stages).
 
     Returns:
@@ -149,7 +149,7 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """BERT sentence-pair datasets from --data-path (or the explicit per-split paths)."""
-    from megatron.arguments import build_data_config
+    from megatron.training.arguments import build_data_config
     from megatron.data.bert_dataset import BertDatasetConfig, build_train_valid_test_datasets
 
     args = global_vars.get_args()

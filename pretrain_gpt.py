@@ -5,21 +5,21 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from megatron import global_vars
+from megatron.training import global_vars
 from megatron.core import device, tensor_parallel
 from megatron.core.config import TransformerConfig
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.dataset_utils import get_ltor_masks_and_position_ids
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
 from megatron.model import GPTModel
-from megatron.training import model_stage, pretrain, print_rank_0
+from megatron.training.training import model_stage, pretrain, print_rank_0
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True,
                    vp_stage=None) -> GPTModel:
     """This pipeline stage's GPT model (virtual stage ``vp_stage`` with interleaving), from the
     run's flags."""
-    from megatron.arguments import build_configs
+    from megatron.training.arguments import build_configs
 
     args = global_vars.get_args()
     configs = build_configs(args)
@@ -43,7 +43,7 @@ def get_batch(data_iterator, stage=None):
     the others are None. The attention mask is None (causal) unless ``--reset-attention-mask``
     makes it depend on the data; a middle stage then reads the batch for the mask alone, and
     otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk the batch is for
-    (:func:`megatron.training.model_stage`); None asks the parallel state (right without virtual stages).
+    (:func:`megatron.training.training.model_stage`); None asks the parallel state (right without virtual stages).
 
     With context parallelism every rank of a cp group reads the same samples and keeps its own
     ``s / cp`` tokens of each (chunks ``r`` and ``2 cp - 1 - r``): tokens, labels, loss mask and
@@ -130,7 +130,7 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """GPT datasets from --data-path (or the explicit per-split paths, or --mock-data)."""
-    from megatron.arguments import build_data_config
+    from megatron.training.arguments import build_data_config
 
     data = build_data_config(global_vars.get_args())
     tokenizer = global_vars.get_tokenizer()

@@ -13,8 +13,8 @@ optimizer as ``pretrain_gpt.py`` does (``parse_args``, ``validate_args``,
 ``--mock-data``, no data is read), and
 
 * ``save``: fills random gradients and takes one real optimizer step (so the Adam moments exist
-  and are not zero), then times ``megatron.checkpointing.save_checkpoint`` of iteration 1;
-* ``load``: times ``megatron.checkpointing.load_checkpoint`` of that checkpoint into the freshly
+  and are not zero), then times ``megatron.checkpoint.load.save_checkpoint`` of iteration 1;
+* ``load``: times ``megatron.checkpoint.load.load_checkpoint`` of that checkpoint into the freshly
   built model and optimizer, and checks that the weights are those saved (same layout) and that
   the Adam state arrived.
 
@@ -124,7 +124,7 @@ def _fill_adam_state(model, optimizer, scheduler, args):
     Every rank draws the same gradients, so that the weights TP ranks both hold stay equal, as
     after a real all-reduced step (``torch_dist`` writes such a weight once, from TP rank 0).
     """
-    from megatron.training_state import TrainState
+    from megatron.training.train_state import TrainState
 
     generator = torch.Generator().manual_seed(1000)
     for chunk in model:
@@ -152,11 +152,12 @@ def phase(kind: str, flags: List[str], ckpt_dir: str, log_path: str) -> Dict:
     import torch.distributed as dist
 
     import pretrain_gpt
-    from megatron import checkpointing, global_vars
-    from megatron.arguments import build_configs, parse_args, validate_args
-    from megatron.initialize import initialize_megatron
+    from megatron.checkpoint import load as checkpointing
+    from megatron.training import global_vars
+    from megatron.training.arguments import build_configs, parse_args, validate_args
+    from megatron.training.initialize import initialize_megatron
     from megatron.tokenizer import build_tokenizer
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training.training import setup_model_and_optimizer
 
     log = open(log_path, "w")
     os.dup2(log.fileno(), 1)

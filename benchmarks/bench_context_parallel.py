@@ -1,5 +1,5 @@
 """Context parallelism on CPU: activation memory per rank at CP 1, 2, 4 next to
-megatron/memory_accounting.py, and training throughput at CP = 2 against one rank.
+megatron/training/memory_accounting.py, and training throughput at CP = 2 against one rank.
 
 One small GPT (``--layers`` layers, hidden ``--hidden``, ``--heads`` heads, fp32, dropout 0,
 micro-batch 1) at sequence ``--seq`` (8192 by default) runs forward and backward on each layout
@@ -11,7 +11,7 @@ in real gloo processes (one intra-op thread each, so every layout uses one core 
   allocation and free of the step, from the torch profiler's memory events, summed in order:
   the rank's own tensors, unaffected by what glibc keeps or returns), and the accounting's
   activation bytes for one micro-batch
-  (:func:`~megatron.memory_accounting.activation_bytes_on_rank`, 4-byte elements);
+  (:func:`~megatron.training.memory_accounting.activation_bytes_on_rank`, 4-byte elements);
 * **throughput**: tokens of the whole sequence per second of forward + backward (fastest of
   ``--repeats``), and the share of that time spent inside context parallelism's exchanges
   (the ring's ``_shift`` or a2a's all-to-all, timed in the training thread: on CPU they are
@@ -77,7 +77,7 @@ def _worker(rank, world, store_path, a, out):
     from megatron.core import parallel_state
     from megatron.core.context_parallel import split_for_cp_rank
     from megatron.model import GPTModel
-    from megatron import memory_accounting as ma
+    from megatron.training import memory_accounting as ma
 
     pstate = parallel_state.initialize_model_parallel(context_parallel_size=world)
     config = _config(a)

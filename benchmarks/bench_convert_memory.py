@@ -27,8 +27,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megatron import checkpointing  # noqa: E402
-from megatron.arguments import parse_args, validate_args  # noqa: E402
+from megatron.checkpoint import load as checkpointing
+from megatron.training.arguments import parse_args, validate_args  # noqa: E402
 from megatron.convert.schema import padded_vocab_size  # noqa: E402
 
 MB = 1024 * 1024

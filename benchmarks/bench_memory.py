@@ -1,8 +1,8 @@
-"""Per-rank peak memory of tensors in real training runs, against megatron/memory_accounting.py.
+"""Per-rank peak memory of tensors in real training runs, against megatron/training/memory_accounting.py.
 
 Each layout runs ``pretrain()`` of ``pretrain_gpt.py`` in real gloo processes on CPU (fp32, and
 one bf16 layout), ``--mock-data``, for ``--train-iters`` iterations, and compares every rank's
-measured memory with :func:`megatron.memory_accounting.estimate_memory` of the same rank, in
+measured memory with :func:`megatron.training.memory_accounting.estimate_memory` of the same rank, in
 its two parts:
 
 * **weights + gradients + optimizer state**: the level after the first optimizer step (Adam's
@@ -251,13 +251,13 @@ class AllocationTrace:
 
 @dataclass
 class Probe:
-    """Wraps steps of :func:`megatron.training.pretrain` to read memory at fixed moments.
+    """Wraps steps of :func:`megatron.training.training.pretrain` to read memory at fixed moments.
 
     Moments: ``before_model`` (just before the model is built), ``data_start`` / ``data_end``
     (around the data iterators, built after the model), ``static_<i>`` (after iteration i's
     optimizer step), ``sched_start_<i>`` / ``sched_end_<i>`` (around iteration i's
     forward/backward schedule). ``kind`` is ``rss`` or ``tensors`` (see the module docstring).
-    Only module attributes of ``megatron.training`` are replaced; the training code itself runs
+    Only module attributes of ``megatron.training.training`` are replaced; the training code itself runs
     unchanged.
     """
 
@@ -287,7 +287,7 @@ class Probe:
             self.levels[name] = python_tensor_mb()
 
     def install(self) -> None:
-        from megatron import training
+        from megatron.training import training
 
         setup, build_data = training.setup_model_and_optimizer, training.build_chunk_data_iterators
         train_step, get_schedule = training.train_step, training.get_forward_backward_func
@@ -380,8 +380,8 @@ class Probe:
 
 def theory(args, pp_rank: int, num_microbatches: int) -> Dict[str, float]:
     """The accounting's numbers for this rank, in MiB (and per micro-batch alive)."""
-    from megatron.arguments import build_configs
-    from megatron.memory_accounting import activation_bytes_on_rank, estimate_memory
+    from megatron.training.arguments import build_configs
+    from megatron.training.memory_accounting import activation_bytes_on_rank, estimate_memory
 
     est = estimate_memory(args, pp_rank, num_microbatches)
     act_dtype = torch.float32 if args.fp32_residual_connection else args.params_dtype
@@ -420,9 +420,9 @@ def _worker(rank, world_size, flags, probe_kind, train_iters, store_dir, results
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     import pretrain_gpt
-    from megatron import global_vars
+    from megatron.training import global_vars
     from megatron.core import device, parallel_state
-    from megatron.training import pretrain
+    from megatron.training.training import pretrain
 
     device.configure("cpu")
     dist.init_process_group("gloo", init_method=f"file://{store_dir}/store", rank=rank,
@@ -499,7 +499,7 @@ def _cpu_model() -> str:
 
 
 def print_header(bench) -> None:
-    print(f"# Per-rank memory against megatron/memory_accounting.py "
+    print(f"# Per-rank memory against megatron/training/memory_accounting.py "
           f"({datetime.date.today().isoformat()})\n")
     print(f"command: python {' '.join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:])}")
     print(f"machine: {os.cpu_count()} CPUs ({_cpu_model()}), load average "

@@ -10,7 +10,7 @@ at 1.0) is trained on the same random batches by:
 **(a) one process, against transformers** (``--threads`` intra-op threads each):
 
 - ``ours``: this project's training step in-process, as ``pretrain_gpt.py`` runs it
-  (``setup_model_and_optimizer`` and :func:`megatron.training.train_step` on
+  (``setup_model_and_optimizer`` and :func:`megatron.training.training.train_step` on
   ``pretrain_gpt.forward_step``: forward, fused cross entropy, backward, gradient buffer,
   clipping, our AdamW); ``ours-gg`` the same with ``--moe-grouped-gemm``;
 - ``hf``: ``transformers.MixtralForCausalLM`` loaded from the folder that
@@ -133,13 +133,13 @@ def _child_cmd(a, child: str, *extra) -> list:
 def _setup_ours(flags: list):
     """Model, optimizer, scheduler and micro-batch calculator as ``pretrain()`` builds them."""
     import pretrain_gpt
-    from megatron import global_vars
-    from megatron.arguments import build_configs, parse_args, validate_args
-    from megatron.initialize import initialize_megatron
-    from megatron.microbatches import NumMicroBatchesCalculator
-    from megatron.timers import Timers
+    from megatron.training import global_vars
+    from megatron.training.arguments import build_configs, parse_args, validate_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.microbatches import NumMicroBatchesCalculator
+    from megatron.training.timers import Timers
     from megatron.tokenizer import build_tokenizer
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training.training import setup_model_and_optimizer
 
     args = validate_args(parse_args(flags))
     pstate = initialize_megatron(args)
@@ -157,7 +157,7 @@ def _setup_ours(flags: list):
 def _train_ours(setup, data: list, on_step=None) -> dict:
     """Train one step per batch of ``data``; step times (s) and losses."""
     import pretrain_gpt
-    from megatron.training import train_step
+    from megatron.training.training import train_step
 
     args, pstate, model, optimizer, scheduler, calculator = setup
     times, cpu, losses = [], [], []
@@ -178,8 +178,8 @@ def _train_ours(setup, data: list, on_step=None) -> dict:
 def child_ours(a) -> dict:
     import torch
 
-    from megatron import checkpointing
-    from megatron.training_state import TrainState
+    from megatron.checkpoint import load as checkpointing
+    from megatron.training.train_state import TrainState
 
     torch.set_num_threads(a.threads)
     flags = model_flags(a) + ["--global-batch-size", str(a.micro_batch),

@@ -20,7 +20,7 @@ threads, ``OMP_NUM_THREADS`` set to the same), the same batch and sequence, and 
 ``b * s`` tokens per iteration. The contenders run alternately, ``--repeats`` rounds; a run's
 time is the median of its iterations after ``--warmup``, a contender's the median of its runs.
 
-Model FLOPs follow Megatron's count (:func:`megatron.training_log.num_floating_point_operations`:
+Model FLOPs follow Megatron's count (:func:`megatron.training.log.num_floating_point_operations`:
 the matmuls only, causal attention counted in full). They are compared with this machine's fp32
 GEMM rate, measured by a separate process in every round between the contenders: ``torch.mm`` of
 two 2048 x 2048 matrices, and the mix of this model's own GEMM shapes (every projection's forward,
@@ -323,7 +323,7 @@ def profile_ours(a, root: str, flags: list) -> None:
     sys.path.insert(0, root)
     os.chdir(root)
     import pretrain_gpt
-    import megatron.training as training
+    import megatron.training.training as training
 
     original = training.train_step
     state = {"step": 0, "profile": None}
@@ -406,7 +406,7 @@ def model_flops(a) -> float:
     sys.path.insert(0, ROOT)
     from types import SimpleNamespace
 
-    from megatron.training_log import num_floating_point_operations
+    from megatron.training.log import num_floating_point_operations
 
     args = SimpleNamespace(seq_length=a.seq, hidden_size=a.hidden, num_layers=a.layers,
                            num_attention_heads=a.heads, num_query_groups=a.heads,

@@ -17,7 +17,7 @@ AdamW (lr 6e-4, betas 0.9/0.95, weight decay 0.1), clipping at 1.0.
 
 Speed: median time per iteration after the warm-up iterations (Megatron: its own log line; HF:
 CUDA-synchronised wall time per optimizer step). tokens/s = global batch x seq / time.
-Model FLOPs per iteration: Megatron's count (``megatron.training_log.
+Model FLOPs per iteration: Megatron's count (``megatron.training.log.
 num_floating_point_operations``: the matrix multiplications of forward + backward, logits
 included, no recomputation), the same count for the HF model of the same shape. MFU = model
 FLOP/s / ``--peak-tflops`` (989: the H200's dense bf16 datasheet rate); the table also gives the
@@ -78,7 +78,7 @@ TINY = {
 def model_flops(shape: Shape) -> float:
     """Megatron's model FLOPs of one iteration (global batch) for this GPT shape."""
     sys.path.insert(0, ROOT)
-    from megatron.training_log import num_floating_point_operations
+    from megatron.training.log import num_floating_point_operations
 
     args = SimpleNamespace(seq_length=shape.seq, hidden_size=shape.hidden,
                            num_layers=shape.layers, num_attention_heads=shape.heads,

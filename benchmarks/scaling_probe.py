@@ -12,7 +12,7 @@ only (no project file changes):
    its launch, and the ``wait()`` of each returned request is recorded as a second entry
    ``<op>.wait`` with the same sequence number. Calls made from inside another wrapped call
    (``batch_isend_irecv`` posting ``isend``) are not counted twice.
-2. ``megatron.training.train_step`` is wrapped to record each iteration's start and end; calls
+2. ``megatron.training.training.train_step`` is wrapped to record each iteration's start and end; calls
    are recorded only while an iteration runs.
 3. Optionally (``SCALING_PROBE_PROFILE_STEP=n``) iteration ``n`` runs under ``torch.profiler``
    and the per-op self CPU times are saved; that iteration's communication records are marked
@@ -164,8 +164,8 @@ def _profiled_call(fn, *args, **kwargs):
 
 
 def install_step_hook() -> None:
-    """Wrap megatron.training.train_step to mark iterations (and profile one of them)."""
-    from megatron import training
+    """Wrap megatron.training.training.train_step to mark iterations (and profile one of them)."""
+    from megatron.training import training
 
     real = training.train_step
 

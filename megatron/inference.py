@@ -14,12 +14,14 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron import checkpointing, global_vars
-from megatron.arguments import build_configs
+from megatron.checkpoint import load as checkpointing
+from megatron.training import global_vars
+from megatron.training.arguments import build_configs
 from megatron.core import device
-from megatron.initialize import initialize_megatron
-from megatron.timers import Timers
-from megatron.training import _parse, build_model_chunks, print_rank_0
+from megatron.training.initialize import initialize_megatron
+from megatron.training.timers import Timers
+from megatron.training.training import _parse, build_model_chunks
+from megatron.training.utils import print_rank_0
 
 # Flags a tool does not need from the user: one sequence at a time, no training schedule.
 INFERENCE_DEFAULTS = {"micro_batch_size": 1, "no_load_optim": True, "no_load_rng": True}

@@ -46,7 +46,7 @@ def get_tasks_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 class _RaisingParser(argparse.ArgumentParser):
     def error(self, message):
-        from megatron.arguments import ArgumentsError
+        from megatron.training.arguments import ArgumentsError
 
         raise ArgumentsError(message)
 
@@ -58,7 +58,7 @@ def check_task_args(argv: List[str]) -> Optional[argparse.Namespace]:
     Raises:
         ArgumentsError: naming the flag, the value seen and what is expected.
     """
-    from megatron.arguments import ArgumentsError
+    from megatron.training.arguments import ArgumentsError
     from tasks.zeroshot_gpt.datasets import is_indexed_prefix
 
     if "-h" in argv or "--help" in argv:
@@ -82,7 +82,7 @@ def check_task_args(argv: List[str]) -> Optional[argparse.Namespace]:
 
 
 def _check_against_model(args) -> None:
-    from megatron.arguments import ArgumentsError
+    from megatron.training.arguments import ArgumentsError
 
     if args.task == "WIKITEXT103" and args.overlapping_eval > args.seq_length:
         raise ArgumentsError(f"--overlapping-eval ({args.overlapping_eval}) is larger than "
@@ -94,7 +94,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     ``--valid-data`` file (the same on every rank)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     check_task_args(argv)
-    from megatron import global_vars
+    from megatron.training import global_vars
     from megatron.core import parallel_state
     from megatron.inference import initialize_for_inference
 

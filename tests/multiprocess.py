@@ -38,7 +38,7 @@ DEFAULT_TIMEOUT_S = 300
 # to each rank explicitly. A rank's stdout and stderr go to files that the parent copies to its
 # own when the ranks are done, so pytest's capture (and a failing test's report) shows them.
 _PRELOAD = ["torch", "torch.distributed", "numpy", "megatron.core.parallel_state",
-            "megatron.training", "megatron.checkpointing", "pretrain_gpt"]
+            "megatron.training.training", "megatron.checkpoint.load", "pretrain_gpt"]
 _context = None
 
 

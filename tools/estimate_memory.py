@@ -2,7 +2,7 @@
 
 Takes the same flags as pretrain_gpt.py, plus how many ranks the run will have, and prints the
 theoretical memory of one rank of every pipeline stage (weights + gradients + optimizer state, and
-activations over a step of the pipeline schedule) from megatron/memory_accounting.py. It builds no
+activations over a step of the pipeline schedule) from megatron/training/memory_accounting.py. It builds no
 model, starts no process and forms no process group, so it answers in seconds for any model size.
 It warns when a stage's prediction exceeds the memory a rank will have: the GPU's memory on CUDA,
 the machine's MemTotal divided by the ranks per node on CPU, or ``--memory-budget-gb``.
@@ -75,8 +75,8 @@ def rank_counts(args) -> None:
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     """pretrain_gpt.py's flags validated for the given world size, with the padded vocabulary."""
-    from megatron import checkpointing
-    from megatron.arguments import ArgumentsError, parse_args, validate_args
+    from megatron.checkpoint import load as checkpointing
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
     from megatron.core.config import ConfigError
     from megatron.tokenizer import build_tokenizer
 
@@ -98,12 +98,12 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def estimate_stages(args) -> list:
-    """One :class:`~megatron.memory_accounting.MemoryEstimate` per pipeline stage.
+    """One :class:`~megatron.training.memory_accounting.MemoryEstimate` per pipeline stage.
 
     The micro-batch count is that of the full ``--global-batch-size`` (the most a ramp-up
     reaches), which is when a stage holds the most activations.
     """
-    from megatron.memory_accounting import estimate_memory
+    from megatron.training.memory_accounting import estimate_memory
 
     return [estimate_memory(args, stage, args.num_micro_batches)
             for stage in range(args.pipeline_model_parallel_size)]
@@ -113,7 +113,7 @@ def rank_limits(args, meminfo_path: str = "/proc/meminfo") -> list:
     """``(bytes, description)`` of each limit a rank's memory must stay under."""
     import torch
 
-    from megatron.memory_accounting import rank_memory_limits
+    from megatron.training.memory_accounting import rank_memory_limits
 
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     return rank_memory_limits(cuda, args.nproc_per_node, args.memory_budget_gb, meminfo_path)

@@ -42,7 +42,7 @@ def add_text_generate_args(parser):
 
 
 def _check_args(args) -> None:
-    from megatron.arguments import ArgumentsError
+    from megatron.training.arguments import ArgumentsError
 
     if args.load is None:
         raise ArgumentsError("--load is required: the checkpoint to serve")
@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     except KeyboardInterrupt:
         print("server stopped", flush=True)
     except OSError as err:
-        from megatron.arguments import ArgumentsError
+        from megatron.training.arguments import ArgumentsError
 
         raise ArgumentsError(err.strerror or str(err)) from None
 

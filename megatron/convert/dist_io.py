@@ -2,7 +2,7 @@
 :mod:`megatron.convert.schema`.
 
 :func:`load_dist` reads an iteration folder written by Megatron-Core (or by :func:`save_dist`)
-with :class:`megatron.dist_checkpointing.DistCheckpointReader`: the model's description comes
+with :class:`megatron.checkpoint.dist.DistCheckpointReader`: the model's description comes
 from ``common_state``'s ``args`` (Megatron's field names and conventions, read by the same rules
 as a legacy checkpoint's args), the tensors are read by global key, a layer at a time, so the
 saved TP / PP layout does not matter.
@@ -16,7 +16,7 @@ Megatron-Core's keys, global shapes and offsets, written by this one process, th
 ``opt_param_scheduler`` when the source has one, ``num_floating_point_operations_so_far``,
 ``content_metadata`` and this project's ``conversion`` record) and the empty extra-state entry
 of each layer's linear modules. The Adam state travels as in the legacy formats
-(:mod:`megatron.convert.optimizer_state`): read as views of the source, written under
+(:mod:`megatron.checkpoint.optimizer_state`): read as views of the source, written under
 ``optimizer.state.exp_avg.<key>`` / ``exp_avg_sq`` (and ``fp32_param`` for a half-precision
 target) with the param groups and step in ``common_state``. RNG states are dropped, and so is
 Megatron's ``rerun_state_machine_state``; Megatron-LM loads the result with
@@ -33,8 +33,9 @@ from typing import Dict, Iterable, Iterator, Optional
 
 import torch
 
-from megatron import checkpointing
-from megatron.convert import megatron_io, optimizer_state
+from megatron.checkpoint import load as checkpointing
+from megatron.convert import megatron_io
+from megatron.checkpoint import optimizer_state
 from megatron.convert.megatron_layout import (SCHEDULER_KEY, expert_of, layer_tensor_names,
                                               split_tensor, tp_split_rule)
 # The legacy saver's target (sizes, vocabulary rows, args) and its per-piece placement rules,
@@ -42,13 +43,13 @@ from megatron.convert.megatron_layout import (SCHEDULER_KEY, expert_of, layer_te
 from megatron.convert.megatron_save import (_check_tensors, _embedding_writes, _final_writes,
                                             _prepare_save_dir, _Target)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece
-from megatron.dist_checkpointing import keys
-from megatron.dist_checkpointing.model_state import tensor_shards
-from megatron.dist_checkpointing.reader import (DistCheckpointError, DistCheckpointReader,
+from megatron.checkpoint.dist import keys
+from megatron.checkpoint.dist.model_state import tensor_shards
+from megatron.checkpoint.dist.reader import (DistCheckpointError, DistCheckpointReader,
                                                 is_dist_checkpoint)
-from megatron.dist_checkpointing.writer import (DistCheckpointWriteError, ObjectShard,
+from megatron.checkpoint.dist.writer import (DistCheckpointWriteError, ObjectShard,
                                                 ShardWriter, write_metadata)
-from megatron.safe_unpickle import UnsafeCheckpointError, stand_ins_in
+from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, stand_ins_in
 
 FORMATS = ("torch", "torch_dist")
 _WORD = "language_model.embedding.word_embeddings.weight"
@@ -167,7 +168,7 @@ def _optimizer_meta(reader: DistCheckpointReader, common: dict) -> tuple:
 
 def _per_layer(meta: ModelMeta) -> bool:
     """Whether the model's layers are stored under per-layer keys (Megatron-Core's
-    non-homogeneous block, :func:`megatron.dist_checkpointing.keys.per_layer_keys`)."""
+    non-homogeneous block, :func:`megatron.checkpoint.dist.keys.per_layer_keys`)."""
     return bool(meta.num_experts) and keys.per_layer_keys(meta.moe_layer_freq)
 
 

@@ -51,13 +51,13 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron import checkpointing
-from megatron.checkpoint_config import torch_format_expert_tp_error
+from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.config import torch_format_expert_tp_error
 from megatron.convert.megatron_layout import (  # noqa: F401  (re-exported: the public rules)
     BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS, get_path, has_prefix, join_shards,
     layer_tensor_names, layer_tensor_shapes, lookup_dotted, read_rank_file, split_tensor,
     tp_split_rule)
-from megatron.convert import optimizer_state
+from megatron.checkpoint import optimizer_state
 from megatron.convert.megatron_save import save_megatron  # noqa: F401  (re-exported)
 from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
                                      bert_head_shapes)
@@ -123,7 +123,7 @@ class _Source:
     def expert_file(self, name: str) -> Tuple[int, str]:
         """``(ep_rank, local name)`` of a layer tensor named with its global expert number
         (``mlp.experts.local_experts.<J>...``); ``(0, name)`` for a dense one."""
-        from megatron.checkpointing_ep import local_expert, renumber
+        from megatron.checkpoint.experts import local_expert, renumber
 
         expert = local_expert(name)
         if expert is None or self.ep == 1:

@@ -10,7 +10,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron import checkpointing, safe_unpickle
+from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint import safe_unpickle
 from megatron.convert.schema import ConversionError, ModelMeta
 
 # Key of ``meta.source_args`` carrying the source's ``opt_param_scheduler`` state (not a flag).
@@ -151,7 +152,7 @@ def split_tensor(full: torch.Tensor, dim: int, stride: int, tp_size: int) -> Lis
 def read_rank_file(path: str, shared: bool = False) -> dict:
     """One rank's file, memory-mapped (MAP_SHARED when ``shared``: writes go to the file) and
     loaded with ``weights_only``, Megatron's own classes as inert stand-ins
-    (:mod:`megatron.safe_unpickle`)."""
+    (:mod:`megatron.checkpoint.safe_unpickle`)."""
     if not os.path.isfile(path):
         raise ConversionError(f"{path}: missing")
     flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE

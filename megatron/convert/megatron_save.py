@@ -11,8 +11,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron import checkpointing
-from megatron.convert import optimizer_state
+from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint import optimizer_state
 from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS,
                                               expert_of, get_path, layer_tensor_names,
                                               layer_tensor_shapes, read_rank_file,
@@ -81,7 +81,7 @@ class _Target:
         """The files (``(tp, pp, ep)``) and key paths a write of ``keys`` goes to: a dense
         tensor to every expert rank's file, expert J's to rank J / (E / ep)'s, under its local
         number (Megatron-LM's legacy layout)."""
-        from megatron.checkpointing_ep import local_expert, renumber
+        from megatron.checkpoint.experts import local_expert, renumber
 
         expert = local_expert(keys[-1])
         if expert is None:
@@ -444,7 +444,7 @@ def _final_writes(target: _Target, piece: Piece) -> list:
 def _consume(pieces: Iterator[Piece], target: _Target, files: dict,
              field: Optional[str] = None) -> None:
     """Write every piece into the target files (the optimizer's ``field`` when given, see
-    :mod:`megatron.convert.optimizer_state`); check that the stream is complete."""
+    :mod:`megatron.checkpoint.optimizer_state`); check that the stream is complete."""
     wanted = {"embeddings", "final_norm"} | ({"output_layer"} if not target.tied else set())
     wanted |= {("layer", i) for i in range(target.meta.num_layers)} | set(target.heads)
     seen = set()

@@ -132,7 +132,7 @@ class ModelMeta:
     # The source's full argument namespace as a dict (Megatron sources only): a Megatron saver
     # starts from it so that flags unrelated to the shape (optimizer, data ...) survive.
     source_args: Optional[dict] = None
-    # Megatron sources with Adam state that can be carried (megatron.convert.optimizer_state):
+    # Megatron sources with Adam state that can be carried (megatron.checkpoint.optimizer_state):
     # {"step", "hparams" by (wd_mult, lr_mult), "has_main", "grad_scaler"}; else None, and
     # ``optimizer_note`` says why.
     optimizer: Optional[dict] = None

@@ -4,7 +4,7 @@ rewritten in place.
 :func:`megatron.convert.megatron_io.save_megatron` writes every target file with placeholder
 tensor bytes (``torch.serialization.skip_data``) and fills them through a shared memory map
 afterwards, so the checksums ``torch.save`` recorded describe the placeholders; loading verifies
-them (:func:`megatron.checkpointing.load_state_file`).
+them (:func:`megatron.checkpoint.load.load_state_file`).
 """
 
 import os
@@ -21,7 +21,7 @@ def refresh_zip_checksums(path: str) -> None:
 
     The files were written with placeholder tensor bytes and filled in place afterwards, so the
     checksums torch recorded describe the placeholders; loading verifies them
-    (:func:`megatron.checkpointing.load_state_file`). Each member's CRC sits in its local header
+    (:func:`megatron.checkpoint.load.load_state_file`). Each member's CRC sits in its local header
     (offset 14), in its central-directory entry (offset 16) and, when flag bit 3 is set, in the
     data descriptor after its bytes.
     """

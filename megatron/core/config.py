@@ -1,6 +1,6 @@
 """Typed configs for the parallel layout and the transformer.
 
-``megatron/arguments_configs.py`` turns Megatron's flags into these; core code takes only these
+``megatron/training/configs.py`` turns Megatron's flags into these; core code takes only these
 (never the argparse namespace). Each config checks its own consistency in ``__post_init__``
 and names the flags involved, so a wrong combination fails before any process group is
 created.

@@ -1,7 +1,7 @@
 """The data flags of a run as one typed config: which files, how they split, how they load.
 
 Field names are Megatron's flag names (``--data-cache-path`` -> ``data_cache_path``).
-``megatron/arguments_configs.py`` builds it from the validated flags; the dataset providers of
+``megatron/training/configs.py`` builds it from the validated flags; the dataset providers of
 the entry points turn it into their dataset's config
 (:class:`~megatron.data.gpt_dataset.GPTDatasetConfig`,
 :class:`~megatron.data.bert_dataset.BertDatasetConfig`), which check the values they use, and

@@ -1,5 +1,5 @@
 """The optimizer's and the learning-rate schedule's typed configs: what
-``megatron/arguments_configs.py`` hands to the optimizer and its scheduler.
+``megatron/training/configs.py`` hands to the optimizer and its scheduler.
 
 OptimizerConfig's field names follow Megatron's flags (``--adam-beta1`` -> ``adam_beta1``); its
 :meth:`__post_init__` rejects impossible values with a message naming the flag, the value seen and
@@ -118,7 +118,7 @@ class OptimizerConfig:
 class SchedulerConfig:
     """The learning-rate and weight-decay schedule: the arguments of
     :class:`~megatron.optimizer.optimizer_param_scheduler.OptimizerParamScheduler`, which checks
-    them. Every ``*_steps`` is a number of samples: ``megatron/arguments_configs.py`` multiplies
+    them. Every ``*_steps`` is a number of samples: ``megatron/training/configs.py`` multiplies
     the ``--*-iters`` flags by the global batch size, as the training loop steps the schedule by the
     samples of each iteration."""
 

@@ -23,15 +23,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron import global_vars
-from megatron.arguments import build_configs
+from megatron.training import global_vars
+from megatron.training.arguments import build_configs
 from megatron.core import device
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.dataset_utils import get_ltor_masks_and_position_ids
 from megatron.inference import load_model_for_inference
 from megatron.model import GPTModel
-from megatron.training import pipeline_tensor_shape, print_rank_0
+from megatron.training.training import pipeline_tensor_shape
+from megatron.training.utils import print_rank_0
 from tasks.zeroshot_gpt.datasets import build_lambada_dataset, build_perplexity_dataset
 
 METRICS = {"WIKITEXT103": "loss", "LAMBADA": "accuracy"}

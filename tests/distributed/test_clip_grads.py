@@ -391,7 +391,7 @@ def _etp_norms(state):
     optimizer, the functions it calls, the params norm and the distributed optimizer."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.optimizer.clip_grads import is_expert_parallel
-    from megatron.training_log import calc_params_l2_norm
+    from megatron.training.log import calc_params_l2_norm
 
     coords = (state.tp_rank, dist.get_rank(state.ep_group), state.expert_tp_rank)
     held = _held(_etp_full_grads(), state.tp_size, state.layout.expert_tp_size, coords)

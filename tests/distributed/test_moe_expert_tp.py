@@ -178,7 +178,7 @@ def test_expert_tp_over_own_tokens_equals_one_process():
 
 def _census_body():
     """Per rank, what autograd keeps in one training forward against the accounting."""
-    from megatron.memory_accounting import moe_mlp_activation_bytes
+    from megatron.training.memory_accounting import moe_mlp_activation_bytes
     from tests.unit.test_memory_accounting import _saved_activation_bytes
 
     seq, batch, hidden = 64, 4, 32

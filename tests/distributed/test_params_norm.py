@@ -14,7 +14,7 @@ import torch
 
 from megatron.core import parallel_state
 from megatron.model import GPTModel
-from megatron.training_log import calc_params_l2_norm
+from megatron.training.log import calc_params_l2_norm
 from tests.multiprocess import run_on_ranks
 from tests.unit.test_gpt_model import make_config, single_process_state
 

@@ -155,10 +155,11 @@ def _requests(model, pstate, tokenizer, is_single):
 
 def _run_layout(layout_flags, save_root):
     """Per config: build, save, load into a differently seeded model, run the requests."""
-    from megatron import checkpointing, global_vars
+    from megatron.checkpoint import load as checkpointing
+    from megatron.training import global_vars
     from megatron.core import parallel_state
     from megatron.inference import initialize_for_inference, load_model_for_inference
-    from megatron.training import build_model_chunks
+    from megatron.training.training import build_model_chunks
     import pretrain_gpt
 
     results = {}

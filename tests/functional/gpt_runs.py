@@ -48,8 +48,8 @@ def gpt_flags(data_prefix: str, train_iters: int, *, tp: int = 1, micro_batch: i
 def run_pretrain(argv):
     """Run pretrain_gpt's pretrain() in this (already initialised) process; return losses."""
     import pretrain_gpt
-    from megatron import global_vars
-    from megatron.training import pretrain
+    from megatron.training import global_vars
+    from megatron.training.training import pretrain
 
     try:
         state = pretrain(pretrain_gpt.train_valid_test_datasets_provider,

@@ -52,11 +52,12 @@ def test_shape_mismatch_lists_flags(corpus, saved):
 def _load_into_fresh_model(flags):
     """Build model/optimizer as pretrain does, try to load, report whether weights changed."""
     import pretrain_gpt
-    from megatron import checkpointing, global_vars
-    from megatron.arguments import build_configs, parse_args, validate_args
-    from megatron.initialize import initialize_megatron
+    from megatron.checkpoint import load as checkpointing
+    from megatron.training import global_vars
+    from megatron.training.arguments import build_configs, parse_args, validate_args
+    from megatron.training.initialize import initialize_megatron
     from megatron.tokenizer import build_tokenizer
-    from megatron.training import setup_model_and_optimizer
+    from megatron.training.training import setup_model_and_optimizer
 
     args = validate_args(parse_args(flags))
     pstate = initialize_megatron(args)
@@ -147,7 +148,7 @@ def _train_with_failing_save(flags, fail_rank):
     """Train; the save of iteration 4 fails on ``fail_rank`` (disk full, say)."""
     import torch.distributed as dist
 
-    from megatron import checkpointing
+    from megatron.checkpoint import load as checkpointing
 
     real_save = torch.save
 

@@ -45,7 +45,7 @@ def corpus(tmp_path_factory):
 
 def _train_recording_scaler(argv):
     """run_pretrain, with ``(skipped, loss scale after the step)`` of every iteration."""
-    from megatron import training
+    from megatron.training import training
 
     steps = []
     real = training.train_step

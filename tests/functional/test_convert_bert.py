@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron import checkpointing
+from megatron.checkpoint import load as checkpointing
 from megatron.convert.megatron_io import load_megatron, save_megatron
 from megatron.model.module import flatten_state_dict
 from tests.multiprocess import run_on_ranks
@@ -95,8 +95,8 @@ def bert_flags(data, *, tp, pp, micro_batch=2, extra=()):
 
 def _train(argv):
     import pretrain_bert
-    from megatron import global_vars
-    from megatron.training import pretrain
+    from megatron.training import global_vars
+    from megatron.training.training import pretrain
 
     try:
         state = pretrain(pretrain_bert.train_valid_test_datasets_provider,
@@ -130,7 +130,7 @@ def _evaluate(argv, ids, mask, types):
     import torch.distributed as dist
 
     import pretrain_bert
-    from megatron import global_vars
+    from megatron.training import global_vars
     from megatron.core import parallel_state
     from megatron.inference import initialize_for_inference, load_model_for_inference
 

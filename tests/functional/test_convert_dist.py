@@ -2,7 +2,7 @@
 
 References, independent of the converter: the legacy file Megatron-LM wrote with the same
 weights as its torch_dist file (tests/data/megatron_written, README there), read with
-:func:`megatron.safe_unpickle.torch_load` and split here by the legacy TP rules; Megatron-Core's
+:func:`megatron.checkpoint.safe_unpickle.torch_load` and split here by the legacy TP rules; Megatron-Core's
 own torch_dist file for keys, shapes, dtypes and byte-entry names. A torch_dist checkpoint
 stores whole (global) tensors, so whatever layout it is written at, every tensor must equal
 the fixture's bit for bit.
@@ -13,15 +13,15 @@ import os
 import pytest
 import torch
 
-from megatron import checkpointing
+from megatron.checkpoint import load as checkpointing
 from megatron.convert.dist_io import load_dist, save_dist
 from megatron.convert.megatron_io import save_megatron
 from megatron.convert.megatron_layout import split_tensor, tp_split_rule
 from megatron.convert.schema import ModelMeta, Piece
-from megatron.dist_checkpointing import (ChunkLayout, DistCheckpointReader, ObjectShard,
+from megatron.checkpoint.dist import (ChunkLayout, DistCheckpointReader, ObjectShard,
                                          TensorShard, load_model_state, save_shards)
 from megatron.model.module import flatten_state_dict
-from megatron.safe_unpickle import torch_load
+from megatron.checkpoint.safe_unpickle import torch_load
 from tools.checkpoint.convert import main
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",

@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from megatron import checkpointing
+from megatron.checkpoint import load as checkpointing
 from megatron.convert.megatron_io import load_megatron, save_megatron
 from megatron.convert.schema import ConversionError, Piece
 from megatron.model.module import flatten_state_dict
@@ -116,7 +116,7 @@ def _eval_layouts(runs, tokens, labels):
     import torch.distributed as dist
 
     import pretrain_gpt
-    from megatron import global_vars
+    from megatron.training import global_vars
     from megatron.core import parallel_state
     from megatron.inference import initialize_for_inference, load_model_for_inference
 

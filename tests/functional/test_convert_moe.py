@@ -12,8 +12,8 @@ import shutil
 import pytest
 import torch
 
-from megatron import checkpointing
-from megatron.dist_checkpointing import DistCheckpointReader
+from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.dist import DistCheckpointReader
 from tests.functional.test_megatron_written import (LOGITS_ATOL, _logits_after_load,
                                                     fixture_dir, megatron_argv, reference)
 from tests.multiprocess import run_on_ranks

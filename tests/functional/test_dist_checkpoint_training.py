@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from megatron.dist_checkpointing import DistCheckpointReader
+from megatron.checkpoint.dist import DistCheckpointReader
 from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
 from tests.functional.test_megatron_written import (LOGITS_ATOL, _logits_after_load,
                                                     _resume_state, fixture_dir,
@@ -44,15 +44,15 @@ def test_megatron_core_file_gives_its_logits(tp):
 
 def _mcore_key(name: str) -> str:
     """Megatron-Core's key of a legacy parameter name, and its layer (None if not stacked)."""
-    from megatron.dist_checkpointing.keys import mcore_key
+    from megatron.checkpoint.dist.keys import mcore_key
 
     return mcore_key(name)
 
 
 @pytest.mark.parametrize("tp", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_megatron_core_trained_file_resumes_with_its_schedule_and_moments(tmp_path, tp):
-    from megatron.dist_checkpointing import chunk_layout
-    from megatron.dist_checkpointing.model_state import read_local
+    from megatron.checkpoint.dist import chunk_layout
+    from megatron.checkpoint.dist.model_state import read_local
 
     name = "mcore_dist_tp1_trained"
     load = writable_copy(name, tmp_path)
@@ -176,7 +176,7 @@ def test_reshard_matrix(corpus, tmp_path, straight, saved):
 @pytest.mark.slow
 def test_convert_while_loading_writes_the_other_format(corpus, tmp_path):
     """--ckpt-convert-format / --ckpt-convert-save: load, write it in the other format, exit."""
-    from megatron import checkpointing
+    from megatron.checkpoint import load as checkpointing
 
     save, converted = str(tmp_path / "dist"), str(tmp_path / "legacy")
     _run(corpus, "tp2", ["--save", save, "--save-interval", "8"])
@@ -246,7 +246,8 @@ def test_another_tp_size_with_another_vocabulary_padding_loads(corpus, tmp_path)
 def _weights_only_load(argv):
     """Rank body: load --load's weights into a fresh model; the error text, if any."""
     import pretrain_gpt
-    from megatron import checkpointing, global_vars
+    from megatron.checkpoint import load as checkpointing
+    from megatron.training import global_vars
     from megatron.inference import initialize_for_inference, load_model_for_inference
 
     try:
@@ -263,8 +264,8 @@ def _with_an_extra_tensor(name: str, dest) -> str:
     """A copy of a torch_dist fixture with one more saved tensor, in a second data file."""
     import pickle
 
-    from megatron.dist_checkpointing.writer import ShardWriter, build_metadata
-    from megatron.safe_unpickle import load_dcp_metadata
+    from megatron.checkpoint.dist.writer import ShardWriter, build_metadata
+    from megatron.checkpoint.safe_unpickle import load_dcp_metadata
 
     root = writable_copy(name, dest)
     iter_dir = os.path.join(root, "iter_0000010")

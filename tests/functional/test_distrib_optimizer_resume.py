@@ -44,7 +44,7 @@ def run_distributed_optimizer(argv):
     ``setdefault`` leaves the wrapper's and the optimizer's arguments alone once training
     passes ``use_distributed_optimizer`` and ``overlap_param_gather`` itself.
     """
-    import megatron.training as training
+    import megatron.training.training as training
 
     real_ddp, real_get = training.DistributedDataParallel, training.get_megatron_optimizer
     seen = {}

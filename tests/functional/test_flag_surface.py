@@ -31,7 +31,8 @@ def _run(argv, count_gc=False):
     import sys
 
     import pretrain_gpt
-    from megatron import global_vars, training
+    from megatron.training import global_vars
+    from megatron.training import training
     from megatron.core import parallel_state
 
     seen = {"collect_at": [], "auto_gc_in_forward": []}
@@ -137,8 +138,8 @@ def test_params_norm_is_the_norm_of_the_saved_weights(runs):
 
 
 def test_throughput_field_and_scalar(runs):
-    from megatron.arguments import parse_args, validate_args
-    from megatron.training_log import num_floating_point_operations
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.log import num_floating_point_operations
 
     lines = _log_lines(runs["logging"]["stdout"])
     tflops = [float(re.search(r"\| throughput per GPU \(TFLOP/s/GPU\): ([-+.\de]+) \|", ln)[1])

@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from megatron import safe_unpickle
+from megatron.checkpoint import safe_unpickle
 from tests.multiprocess import run_on_ranks
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
@@ -74,7 +74,7 @@ class _CallsProjectFunction:
         self.path = path
 
     def __reduce__(self):
-        from megatron import checkpointing
+        from megatron.checkpoint import load as checkpointing
 
         return (checkpointing.check_save_dir, (self.path,))
 
@@ -116,7 +116,7 @@ def test_other_globals_are_refused_by_name(tmp_path):
 
 
 def test_saved_args_are_read_in_this_projects_conventions():
-    from megatron import checkpointing
+    from megatron.checkpoint import load as checkpointing
 
     saved = safe_unpickle.torch_load(the_rank_file(fixture_dir("legacy_tp1")))["args"]
     view = checkpointing.megatron_args(saved)
@@ -133,7 +133,7 @@ def _logits_after_load(argv):
     """Rank body: build the model as the inference tools do, load ``--load``, run the recorded
     tokens; returns (logits, iteration, args fields)."""
     import pretrain_gpt
-    from megatron import global_vars
+    from megatron.training import global_vars
     from megatron.inference import initialize_for_inference, load_model_for_inference
 
     load = argv[argv.index("--load") + 1]
@@ -190,12 +190,13 @@ def _resume_state(argv):
     """Rank body: set up as pretrain does, load; returns the optimizer's moments and steps per
     parameter name, the scheduler's count, and the learning rates of the next iteration."""
     import pretrain_gpt
-    from megatron import checkpointing, global_vars
-    from megatron.arguments import build_configs, parse_args, validate_args
-    from megatron.initialize import initialize_megatron
+    from megatron.checkpoint import load as checkpointing
+    from megatron.training import global_vars
+    from megatron.training.arguments import build_configs, parse_args, validate_args
+    from megatron.training.initialize import initialize_megatron
     from megatron.tokenizer import build_tokenizer
-    from megatron.training import setup_model_and_optimizer
-    from megatron.training_state import TrainState
+    from megatron.training.training import setup_model_and_optimizer
+    from megatron.training.train_state import TrainState
 
     args = validate_args(parse_args(argv))
     pstate = initialize_megatron(args)
@@ -344,8 +345,8 @@ def _global_name(local: str, pp_rank: int, pp: int, num_layers: int = 4) -> str:
 
 def _mcore_moments(name: str) -> dict:
     """Adam moments of a torch_dist fixture by legacy parameter name, read by global key."""
-    from megatron.dist_checkpointing import DistCheckpointReader
-    from megatron.dist_checkpointing.keys import mcore_key
+    from megatron.checkpoint.dist import DistCheckpointReader
+    from megatron.checkpoint.dist.keys import mcore_key
 
     reader = DistCheckpointReader(os.path.join(fixture_dir(name), "iter_0000003"))
     step = int(float(reader.common_state()["optimizer"]["state"]["common_step"]))

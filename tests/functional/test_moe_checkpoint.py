@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from megatron import checkpointing
+from megatron.checkpoint import load as checkpointing
 from tests.functional.gpt_runs import run_pretrain
 from tests.functional.test_moe_training import _check_parity, _flags, _losses, corpus  # noqa: F401
 from tests.multiprocess import run_on_ranks
@@ -125,7 +125,7 @@ def test_torch_dist_ep2_save_equals_ep1_save(saved):
     (within the float reordering of the two runs' 3 steps)."""
     import torch
 
-    from megatron.dist_checkpointing.reader import DistCheckpointReader
+    from megatron.checkpoint.dist.reader import DistCheckpointReader
 
     one, two = (DistCheckpointReader(os.path.join(saved(ep, "torch_dist")[0], f"iter_{N:07d}"))
                 for ep in (1, 2))

@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from megatron import checkpointing
+from megatron.checkpoint import load as checkpointing
 from tests.functional.gpt_runs import run_pretrain
 from tests.functional.test_moe_training import _check_parity, _flags, _losses, corpus  # noqa: F401
 from tests.multiprocess import run_on_ranks
@@ -102,7 +102,7 @@ def test_expert_tp_save_holds_the_one_process_tensors(corpus, saved, tmp_path):
     up to the learning rate on such a difference: 3 steps leave under 1e-4 (measured). A
     misplaced piece (an expert, a row block or SwiGLU half in another's place) differs by the
     order of the norm itself."""
-    from megatron.dist_checkpointing.reader import DistCheckpointReader
+    from megatron.checkpoint.dist.reader import DistCheckpointReader
 
     one = str(tmp_path / "one")
     _run(corpus, (1, 1, []), ["--save", one, "--exit-interval", str(N)])
@@ -118,7 +118,7 @@ def test_expert_tp_save_holds_the_one_process_tensors(corpus, saved, tmp_path):
 def test_converter_reads_an_expert_tp_save(saved, tmp_path):
     """The converter reads the torch_dist save of expert TP 1 under TP 2 by its global
     tensors and writes Megatron's torch format at TP 1, EP 2 (expert TP = TP there)."""
-    from megatron.dist_checkpointing.reader import DistCheckpointReader
+    from megatron.checkpoint.dist.reader import DistCheckpointReader
     from tools.checkpoint.convert import main
 
     src = saved("tp2-etp1-ep2")[0]

@@ -1,7 +1,7 @@
 """A tiny MoE GPT whose dense and MoE layers alternate (``--moe-layer-freq 2``: layers 0 and 2
 of 4 are MoE) in ``--ckpt-format torch_dist``: the file has Megatron-Core's per-layer keys
 (``decoder.layers.<g>.*``, no layer axis; FORMATS.md section 8 and
-:mod:`megatron.dist_checkpointing.keys`), resumes bit for bit, and loads at another layout
+:mod:`megatron.checkpoint.dist.keys`), resumes bit for bit, and loads at another layout
 continuing the single-process run's losses (1e-4 relative, as test_moe_checkpoint.py).
 """
 
@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from megatron.dist_checkpointing.reader import DistCheckpointReader
+from megatron.checkpoint.dist.reader import DistCheckpointReader
 from tests.functional.gpt_runs import run_pretrain
 from tests.functional.test_moe_training import _check_parity, _flags, _losses, corpus  # noqa: F401
 from tests.multiprocess import run_on_ranks
@@ -126,7 +126,7 @@ def test_converter_round_trip_through_torch_is_bit_identical(saved, tmp_path):
     """torch_dist -> torch at TP 2 x EP 2 -> torch_dist at TP 1: every saved tensor (weights
     and Adam moments, per-layer keys) comes back bit for bit; the torch files hold dense MLPs
     at layers 1 and 3 and the target's args keep --moe-layer-freq 2."""
-    from megatron import checkpointing
+    from megatron.checkpoint import load as checkpointing
 
     src = saved(1)[0]
     mid = _convert(src, str(tmp_path / "mid"), "--target-tensor-parallel-size", "2",

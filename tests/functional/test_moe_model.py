@@ -29,7 +29,7 @@ def test_load_of_megatrons_moe_file_gives_its_logits():
 
 
 def _tensor_summary(iter_dir):
-    from megatron.dist_checkpointing import DistCheckpointReader
+    from megatron.checkpoint.dist import DistCheckpointReader
 
     reader = DistCheckpointReader(iter_dir)
     tensors = {k: v for k, v in reader.summary().items() if not k.startswith("optimizer.")}
@@ -85,10 +85,10 @@ def test_parameter_count_and_flops_of_an_moe_model_by_hand():
     import argparse
     import types
 
-    from megatron.arguments import build_configs, parse_args, validate_args
-    from megatron.memory_accounting import num_parameters_on_rank
+    from megatron.training.arguments import build_configs, parse_args, validate_args
+    from megatron.training.memory_accounting import num_parameters_on_rank
     from megatron.model import GPTModel
-    from megatron.training_log import num_floating_point_operations
+    from megatron.training.log import num_floating_point_operations
 
     args = validate_args(parse_args(megatron_argv(MOE) + ["--moe-layer-freq", "([1,0]*2)"]))
     args.padded_vocab_size = 256

@@ -428,7 +428,7 @@ def test_lost_peer_named_from_the_error_text():
 
 
 def test_missing_gloo_interface_fails_early(monkeypatch):
-    from megatron import initialize
+    from megatron.training import initialize
 
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-if0")
     with pytest.raises(RuntimeError, match=r"GLOO_SOCKET_IFNAME=no-such-if0 names interface\(s\) "
@@ -442,7 +442,7 @@ def test_startup_check_warns_once_when_tp_spans_nodes(monkeypatch, capsys):
     node nothing is printed. (The exchange itself runs for real in the two-host test.)"""
     from types import SimpleNamespace
 
-    from megatron import initialize
+    from megatron.training import initialize
     from megatron.core import node_layout
     from megatron.core.parallel_state import compute_rank_layout
 
@@ -467,7 +467,7 @@ def test_uncaught_collective_error_ends_with_the_lost_peer(monkeypatch, capsys):
     """The hook armed at start-up prints the usual traceback, then the line naming the node."""
     import torch.distributed as dist
 
-    from megatron import initialize
+    from megatron.training import initialize
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)

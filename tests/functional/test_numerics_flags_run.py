@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from megatron import checkpointing
+from megatron.checkpoint import load as checkpointing
 from megatron.convert.hf import save_hf
 from megatron.convert.megatron_io import load_megatron
 from megatron.convert.schema import ConversionError
@@ -77,7 +77,7 @@ def test_qk_layernorm_checkpoint_converts_and_hf_refuses(corpus, tmp_path):
     assert "\n" not in str(err.value) and not os.path.exists(tmp_path / "hf")
 
     # --use-checkpoint-args takes the flags that give the weights their meaning.
-    from megatron.arguments import parse_args
+    from megatron.training.arguments import parse_args
     args = parse_args(["--load", src, "--use-checkpoint-args"])
     checkpointing.load_args_from_checkpoint(args)
     assert args.qk_layernorm and args.apply_layernorm_1p and args.squared_relu

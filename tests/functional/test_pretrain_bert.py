@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.arguments import ArgumentsError, parse_args, validate_args, validate_bert_args
+from megatron.training.arguments import ArgumentsError, parse_args, validate_args, validate_bert_args
 from tests.multiprocess import run_on_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -109,8 +109,8 @@ def run_bert(argv):
     micro-batch this rank's loss function saw (training and evaluation), as floats.
     """
     import pretrain_bert
-    from megatron import global_vars
-    from megatron.training import pretrain
+    from megatron.training import global_vars
+    from megatron.training.training import pretrain
 
     real_loss_func = pretrain_bert.loss_func
     logged = []
@@ -145,7 +145,7 @@ def _keys(tree, prefix=""):
 
 
 def _saved_model_keys(save_dir: str, iteration: int) -> set:
-    from megatron.checkpointing import checkpoint_file, load_state_file
+    from megatron.checkpoint.load import checkpoint_file, load_state_file
 
     return _keys(load_state_file(checkpoint_file(save_dir, iteration, 0, 0, 1))["model"])
 
@@ -287,7 +287,7 @@ def test_no_binary_head_trains_and_logs_no_sop_loss(data, tmp_path):
 
 
 def _fake_parallel_state(monkeypatch):
-    from megatron import global_vars
+    from megatron.training import global_vars
 
     monkeypatch.setattr(global_vars, "_PARALLEL_STATE", SimpleNamespace(dp_size=1))
 

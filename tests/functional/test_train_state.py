@@ -37,7 +37,8 @@ def _run_checked(argv):
     """pretrain() with the flags recorded when the model is built; returns the train state, the
     flags then and the flags after the run."""
     import pretrain_gpt
-    from megatron import global_vars, training
+    from megatron.training import global_vars
+    from megatron.training import training
     from megatron.core import parallel_state
 
     real_setup = training.setup_model_and_optimizer
@@ -61,7 +62,7 @@ def _run_checked(argv):
 
 
 def _runs(corpus, root):
-    from megatron import checkpointing
+    from megatron.checkpoint import load as checkpointing
 
     save, fresh = f"{root}/save", f"{root}/fresh"
     out = {"first": _run_checked(_flags(corpus, 6, ["--save", save, "--save-interval", "2",
@@ -118,9 +119,9 @@ def test_checkpoint_keeps_megatron_keys(runs):
 
 
 def test_checkpoint_args_take_config_and_position_without_changing_flags():
-    from megatron.arguments import build_configs, parse_args, validate_args
-    from megatron.checkpointing import checkpoint_args
-    from megatron.training_state import TrainState
+    from megatron.training.arguments import build_configs, parse_args, validate_args
+    from megatron.checkpoint.load import checkpoint_args
+    from megatron.training.train_state import TrainState
 
     args = validate_args(parse_args("--num-layers 2 --hidden-size 16 --num-attention-heads 2 "
                                     "--seq-length 8 --max-position-embeddings 8 "

@@ -96,7 +96,9 @@ def _pretrain_probed(argv, kill_after=None, minutes_per_iteration=None, fake_wan
     import torch.distributed as dist
 
     import pretrain_gpt
-    from megatron import global_vars, training, training_log
+    from megatron.training import global_vars
+    from megatron.training import training
+    from megatron.training import log as training_log
     from megatron.core import parallel_state
 
     probe = {"start": None, "scalars": []}
@@ -162,7 +164,7 @@ def _pretrain_probed(argv, kill_after=None, minutes_per_iteration=None, fake_wan
 def _run_named(scenarios):
     """Each ``(name, keywords of _pretrain_probed)`` in turn; returns name -> result. A user
     error is returned as ``{"error": message}`` so a scenario can check that a run is refused."""
-    from megatron.checkpointing import CheckpointError
+    from megatron.checkpoint.load import CheckpointError
     from megatron.core.config import ConfigError
 
     results = {}

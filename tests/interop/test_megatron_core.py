@@ -145,7 +145,7 @@ def test_a_checkpoint_megatron_core_saves_loads_here(mcore_python, tmp_path):
 
 
 def _byte_keys(iter_dir):
-    from megatron.dist_checkpointing import DistCheckpointReader
+    from megatron.checkpoint.dist import DistCheckpointReader
 
     return DistCheckpointReader(str(iter_dir)).byte_keys()
 
@@ -163,7 +163,7 @@ def _optimizer_view(python, iter_dir, tmp_path) -> dict:
 
 
 def _assert_view_is_the_file(view, iter_dir, step):
-    from megatron.dist_checkpointing import DistCheckpointReader
+    from megatron.checkpoint.dist import DistCheckpointReader
 
     reader = DistCheckpointReader(str(iter_dir))
     assert view["step"] == step

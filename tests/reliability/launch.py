@@ -32,7 +32,8 @@ import torch._dynamo  # noqa: F401 - torch.optim imports it on first use: second
 import torch.distributed as dist
 
 import pretrain_gpt  # noqa: F401 - imported once in the forkserver, inherited by every rank
-from megatron import global_vars, training
+from megatron.training import global_vars
+from megatron.training import training
 from megatron.core import device, parallel_state
 
 _CONTEXT = None

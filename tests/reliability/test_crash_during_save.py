@@ -18,8 +18,8 @@ import signal
 import pytest
 import torch
 
-from megatron import checkpointing
-from megatron.checkpointing import CRASH_ENV, TRACKER_FILENAME, read_tracker
+from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.load import CRASH_ENV, TRACKER_FILENAME, read_tracker
 from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
 from tests.reliability import launch
 
@@ -289,7 +289,7 @@ DIST_POINTS = ("before_files", "after_file", "before_rename", "before_tracker", 
 
 
 def _dist_tensors(iter_dir):
-    from megatron.dist_checkpointing import DistCheckpointReader
+    from megatron.checkpoint.dist import DistCheckpointReader
 
     reader = DistCheckpointReader(iter_dir)
     return reader, {key: reader.read(key) for key in reader.tensor_keys()}

@@ -22,7 +22,7 @@ LOSS_RE = re.compile(r"iteration\s+(\d+)/.*\| lm loss: (\S+) \|")
 
 PROBE = """
 import os, sys, torch
-from megatron.determinism import configure_deterministic_mode
+from megatron.training.determinism import configure_deterministic_mode
 before = torch.are_deterministic_algorithms_enabled()
 notes = configure_deterministic_mode(sys.argv[1] == "on")
 print(repr((before, torch.are_deterministic_algorithms_enabled(),
@@ -82,7 +82,7 @@ def test_cpu_run_unchanged_and_startup_memory_warning(tmp_path):
     assert line, plain.stdout[-2000:]
     assert "WARNING: pipeline stage" not in plain.stderr
     # The printed prediction is the accounting's for these flags (one stage, 2 micro-batches).
-    from megatron.memory_accounting import estimate_memory
+    from megatron.training.memory_accounting import estimate_memory
 
     args = _args()
     expected = estimate_memory(args, 0, 2).total_bytes / 1024 ** 3
@@ -101,7 +101,7 @@ def test_cpu_run_unchanged_and_startup_memory_warning(tmp_path):
 
 
 def test_startup_check_against_limits(tmp_path):
-    from megatron.memory_accounting import estimate_memory, startup_memory_check
+    from megatron.training.memory_accounting import estimate_memory, startup_memory_check
 
     args = _args()
     total = estimate_memory(args, 0, 2).total_bytes

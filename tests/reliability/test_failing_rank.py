@@ -42,7 +42,7 @@ INITIALIZED = r"^> initialized on "
 FAULT_SCRIPT = """
 import os, runpy, sys, threading, time
 sys.path.insert(0, {root!r})
-import megatron.training as training
+import megatron.training.training as training
 
 real_pretrain = training.pretrain
 

@@ -23,7 +23,7 @@ import re
 import pytest
 import torch
 
-from megatron.checkpointing import TRACKER_FILENAME, checkpoint_file, load_state_file, read_tracker
+from megatron.checkpoint.load import TRACKER_FILENAME, checkpoint_file, load_state_file, read_tracker
 from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
 from tests.reliability import launch
 
@@ -58,7 +58,7 @@ def inject(rank, *, on_rank, faults):
     parameters after every iteration.
     """
     import pretrain_gpt
-    from megatron import training
+    from megatron.training import training
 
     real_step, real_loss = training.train_step, pretrain_gpt.loss_func
     probe = {"weights": []}

@@ -1,7 +1,7 @@
 """Resource limits: predict memory before a run, and keep data preparation within bounded memory.
 
 * tools/estimate_memory.py: for every pipeline stage, the parameters checked against counts worked
-  out by hand and every byte figure against megatron/memory_accounting.py for the same flags; it
+  out by hand and every byte figure against megatron/training/memory_accounting.py for the same flags; it
   warns exactly for the stages above a limit (``--memory-budget-gb``, MemTotal / ranks per node on
   CPU); it handles a 175-billion-parameter model without building a module, forming a process
   group or starting a process.
@@ -61,8 +61,8 @@ def _meminfo_total() -> int:
 
 
 def test_estimate_per_stage_matches_hand_counts_and_accounting(capsys, monkeypatch):
-    from megatron import memory_accounting
-    from megatron.arguments import parse_args, validate_args
+    from megatron.training import memory_accounting
+    from megatron.training.arguments import parse_args, validate_args
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     rows, _ = _estimate(TINY + ["--nproc-per-node", "8"], capsys)

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from megatron.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.tokenizer import build_tokenizer
 from megatron.tokenizer.tokenizer import vocab_size_with_padding
@@ -268,7 +268,7 @@ def test_build_configs_schedule_in_samples_and_no_training():
 
 
 def _run_entry(argv, env_world="1"):
-    code = ("import sys; from megatron.arguments import parse_and_validate; "
+    code = ("import sys; from megatron.training.arguments import parse_and_validate; "
             "parse_and_validate(sys.argv[1:], prog='pretrain_gpt.py')")
     return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
                           env={"WORLD_SIZE": env_world, "PATH": "/usr/bin:/bin"}, timeout=120,

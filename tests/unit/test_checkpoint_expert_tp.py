@@ -14,8 +14,8 @@ import types
 import pytest
 import torch
 
-from megatron import checkpointing
-from megatron.checkpoint_config import CheckpointConfig
+from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.config import CheckpointConfig
 from megatron.convert import megatron_io
 from megatron.convert.schema import ConversionError
 from megatron.core.config import ConfigError

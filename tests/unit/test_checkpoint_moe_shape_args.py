@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from megatron.checkpointing import CheckpointError, _check_args
+from megatron.checkpoint.load import CheckpointError, _check_args
 
 
 def _args(**overrides):

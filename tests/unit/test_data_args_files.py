@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import pretrain_gpt
-from megatron import global_vars
-from megatron.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training import global_vars
+from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 from megatron.tokenizer.tokenizer import NullTokenizer
 from tests.functional.gpt_runs import VOCAB_SIZE, write_counting_corpus
 

@@ -1,4 +1,4 @@
-"""megatron.dist_checkpointing: Megatron-Core's torch_dist keys, the safe reader, the writer.
+"""megatron.checkpoint.dist: Megatron-Core's torch_dist keys, the safe reader, the writer.
 
 References: the folders Megatron-Core wrote (tests/data/megatron_written, README there) and the
 legacy file of the same weights; whole tensors built here and split by the converter's legacy
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatron.convert.megatron_layout import split_tensor, tp_split_rule
-from megatron.dist_checkpointing import (ChunkLayout, DistCheckpointError, DistCheckpointReader,
+from megatron.checkpoint.dist import (ChunkLayout, DistCheckpointError, DistCheckpointReader,
                                          DistCheckpointWriteError, KeyMappingError,
                                          ObjectShard, chunk_layout, SafeFileSystemReader, SafeLoadPlanner,
                                          ShardWriter, TensorShard, common_objects,
@@ -22,7 +22,7 @@ from megatron.dist_checkpointing import (ChunkLayout, DistCheckpointError, DistC
                                          model_shards, placements, range_shards,
                                          read_local_rows, save_shards, write_metadata)
 from megatron.model.module import flatten_state_dict
-from megatron.safe_unpickle import UnsafeCheckpointError, torch_load
+from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, torch_load
 from tests.multiprocess import run_on_ranks
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron.core.parallel_state import compute_rank_layout
-from megatron.dist_checkpointing import (ChunkLayout, DistCheckpointReader, ShardWriter,
+from megatron.checkpoint.dist import (ChunkLayout, DistCheckpointReader, ShardWriter,
                                          chunk_layout, extra_state_objects, load_model_state,
                                          model_shards, placements, range_shards,
                                          read_local_rows, write_metadata)

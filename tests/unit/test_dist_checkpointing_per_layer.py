@@ -11,11 +11,11 @@ and offsets below are written out by hand from that rule, not computed by the co
 import pytest
 import torch
 
-from megatron.dist_checkpointing import (ChunkLayout, DistCheckpointError, DistCheckpointReader,
+from megatron.checkpoint.dist import (ChunkLayout, DistCheckpointError, DistCheckpointReader,
                                          ShardWriter, extra_state_objects, load_model_state,
                                          model_shards, placements, range_shards,
                                          read_local_rows, write_metadata)
-from megatron.dist_checkpointing.keys import extra_state_keys, per_layer_keys
+from megatron.checkpoint.dist.keys import extra_state_keys, per_layer_keys
 
 L = "language_model.encoder.layers.{}."
 H, FFN, EXPERTS = 4, 8, 4

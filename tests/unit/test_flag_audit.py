@@ -1,4 +1,4 @@
-"""Every flag of the parser (megatron/arguments.py, and pretrain_bert.py's extra arguments) is
+"""Every flag of the parser (megatron/training/arguments.py, and pretrain_bert.py's extra arguments) is
 one of three things, and this test fails on any flag that is none of them:
 
 (a) implemented: its value is read outside the parser, in megatron/, tools/, tasks/ or an entry
@@ -21,8 +21,8 @@ import pytest
 import torch.distributed as dist
 
 import pretrain_bert
-from megatron import arguments
-from megatron.arguments import (NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS, ArgumentsError, build_parser,
+from megatron.training import arguments
+from megatron.training.arguments import (NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS, ArgumentsError, build_parser,
                                 parse_args, validate_args)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -32,8 +32,8 @@ PARSER_ONLY = {"help"}
 
 # The parser and the modules that check its flags and build the configs from them: reads there
 # are not uses, and a flag read only there counts through the config fields it fills.
-ARGUMENTS_FILES = ("megatron/arguments.py", "megatron/arguments_validation.py",
-                   "megatron/arguments_configs.py")
+ARGUMENTS_FILES = ("megatron/training/arguments.py", "megatron/training/validation.py",
+                   "megatron/training/configs.py")
 
 MINIMAL = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
            "--max-position-embeddings 8 --micro-batch-size 1").split()
@@ -100,7 +100,7 @@ def classify():
         else:
             where = _read_in(dest, reads)
             if where and set(where) <= set(ARGUMENTS_FILES):
-                fields = _config_fields_of(dest, texts["megatron/arguments_configs.py"])
+                fields = _config_fields_of(dest, texts["megatron/training/configs.py"])
                 if fields and not set(fields) & model_attributes:
                     where = []
             out[dest] = "implemented" if where else None

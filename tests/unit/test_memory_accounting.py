@@ -13,8 +13,8 @@ import types
 import pytest
 import torch
 
-from megatron import memory_accounting as ma
-from megatron.arguments import parse_args, validate_args
+from megatron.training import memory_accounting as ma
+from megatron.training.arguments import parse_args, validate_args
 from megatron.core.config import TransformerConfig
 from megatron.model import GPTModel
 

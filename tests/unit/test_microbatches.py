@@ -2,8 +2,8 @@
 
 import pytest
 
-from megatron.arguments import ArgumentsError
-from megatron.microbatches import NumMicroBatchesCalculator
+from megatron.training.arguments import ArgumentsError
+from megatron.training.microbatches import NumMicroBatchesCalculator
 
 
 def megatron_global_batch(consumed, start, incr, ramp_samples, global_batch):
@@ -120,7 +120,7 @@ def test_impossible_rampup_names_flags(rampup, gbs, mbs, dp, message):
 
 def test_impossible_rampup_is_one_line_before_start(capsys):
     """pretrain's flag check reports a bad ramp as one line and exit code 2, like other flags."""
-    from megatron.training import _parse
+    from megatron.training.training import _parse
 
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from megatron.core.config import TransformerConfig
-from megatron.dist_checkpointing import ChunkLayout, DistCheckpointReader, load_model_state
+from megatron.checkpoint.dist import ChunkLayout, DistCheckpointReader, load_model_state
 from megatron.model import GPTModel
 from megatron.model.module import flatten_state_dict
 from megatron.model.moe import MoEConfig, MoELayer, MoELossTracker

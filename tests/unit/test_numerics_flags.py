@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from megatron.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.convert.hf import family_for_meta
 from megatron.convert.megatron_layout import layer_tensor_names, layer_tensor_shapes, tp_split_rule
 from megatron.convert.schema import ConversionError, ModelMeta
@@ -387,7 +387,7 @@ def test_hf_export_refuses_numerics_flags_in_one_line(source_args):
 
 @pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
 def test_qk_layernorm_parameters_are_counted_for_memory(normalization):
-    from megatron.memory_accounting import num_parameters_on_rank
+    from megatron.training.memory_accounting import num_parameters_on_rank
 
     model = _gpt(qk_layernorm=True, normalization=normalization)
     assert num_parameters_on_rank(model.config) == sum(p.numel() for p in model.parameters())

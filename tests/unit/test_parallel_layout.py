@@ -3,8 +3,8 @@ its error messages, and the flags that size context parallelism."""
 
 import pytest
 
-from megatron import memory_accounting as ma
-from megatron.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training import memory_accounting as ma
+from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 from megatron.core import parallel_state as ps
 from megatron.core.config import TransformerConfig
 

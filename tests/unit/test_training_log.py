@@ -8,9 +8,9 @@ import types
 
 import pytest
 
-from megatron import training_log
-from megatron.arguments import parse_args, validate_args
-from megatron.training_state import TrainState
+from megatron.training import log as training_log
+from megatron.training.arguments import parse_args, validate_args
+from megatron.training.train_state import TrainState
 
 
 def _args(flags, padded_vocab_size=None, rank=0, world_size=1):

@@ -307,7 +307,7 @@ def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int
 def estimate_memory(args, pp_rank: int, num_microbatches: int,
                     config: Optional[TransformerConfig] = None) -> MemoryEstimate:
     """The estimate of pipeline stage ``pp_rank`` for validated ``args``."""
-    from megatron.arguments import build_configs
+    from megatron.training.arguments import build_configs
 
     configs = build_configs(args)
     config = config or configs.model

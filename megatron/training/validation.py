@@ -1,10 +1,10 @@
-"""The checks behind :func:`megatron.arguments.validate_args`, one group of flags each.
+"""The checks behind :func:`megatron.training.arguments.validate_args`, one group of flags each.
 
 Each step derives the sizes its flags imply (data-parallel size, micro-batches, ffn size, kv
 channels, ...) and raises :class:`ArgumentsError`, naming the flags and values, on combinations
 that cannot work, before any process group exists; :func:`validate_bert_args` adds what
-pretrain_bert.py needs. :func:`megatron.arguments.validate_args` runs the steps in order, and
-:mod:`megatron.arguments` re-exports the public names.
+pretrain_bert.py needs. :func:`megatron.training.arguments.validate_args` runs the steps in order, and
+:mod:`megatron.training.arguments` re-exports the public names.
 """
 
 import argparse
@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from megatron.arguments_configs import _checkpoint_config, _moe_config
+from megatron.training.configs import _checkpoint_config, _moe_config
 from megatron.core.config import ConfigError, numerics_flag_conflict, pipeline_layer_counts
 
 

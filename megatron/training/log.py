@@ -10,7 +10,7 @@ from typing import Dict, Optional
 import torch
 
 from megatron.core import device
-from megatron.training_state import TrainState
+from megatron.training.train_state import TrainState
 
 
 def num_floating_point_operations(args, batch_size: int) -> float:

@@ -2,7 +2,7 @@
 
 from typing import List, Optional
 
-from megatron.arguments import ArgumentsError
+from megatron.training.arguments import ArgumentsError
 
 
 class NumMicroBatchesCalculator:

@@ -18,11 +18,15 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron import (checkpointing, global_vars, memory_accounting, moe_logging, training_hooks,
-                      training_log)
-from megatron.arguments import (ArgumentsError, Configs, build_configs, parse_args,
+from megatron.checkpoint import load as checkpointing
+from megatron.training import global_vars
+from megatron.training import memory_accounting
+from megatron.training import moe_logging
+from megatron.training import hooks as training_hooks
+from megatron.training import log as training_log
+from megatron.training.arguments import (ArgumentsError, Configs, build_configs, parse_args,
                                 validate_args)
-from megatron.checkpoint_config import CheckpointConfig
+from megatron.checkpoint.config import CheckpointConfig
 from megatron.core import device
 from megatron.core.config import ConfigError
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -30,17 +34,13 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.config import DataConfig
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter
-from megatron.initialize import initialize_megatron
-from megatron.microbatches import NumMicroBatchesCalculator
+from megatron.training.initialize import initialize_megatron
+from megatron.training.microbatches import NumMicroBatchesCalculator
 from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.timers import Timers
-from megatron.training_state import TrainState
-
-
-def print_rank_0(message: str) -> None:
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(message, flush=True)
+from megatron.training.timers import Timers
+from megatron.training.train_state import TrainState
+from megatron.training.utils import print_rank_0
 
 
 def _prog() -> str:

@@ -9,12 +9,12 @@ Layout (FORMATS.md section 6)::
 
 With expert parallelism the ranks whose expert-data-parallel rank is 0 write, each its dense
 parameters and its expert-parallel rank's experts under local numbers (Megatron-LM's legacy
-rule); a checkpoint saved at another EP loads through :mod:`megatron.checkpointing_ep`.
+rule); a checkpoint saved at another EP loads through :mod:`megatron.checkpoint.experts`.
 
 This module names the folders and files of that layout, reads the tracker, tells the sizes a
 folder was saved at from its ``mp_rank_*`` names, and reads one rank's file safely
-(``torch.load(weights_only=True)`` through :mod:`megatron.safe_unpickle`, after checking the
-zip members' CRC-32). It needs no model; :mod:`megatron.checkpointing` re-exports every
+(``torch.load(weights_only=True)`` through :mod:`megatron.checkpoint.safe_unpickle`, after checking the
+zip members' CRC-32). It needs no model; :mod:`megatron.checkpoint.load` re-exports every
 name.
 """
 
@@ -24,7 +24,7 @@ import re
 import zipfile
 from typing import Optional, Tuple
 
-from megatron import safe_unpickle
+from megatron.checkpoint import safe_unpickle
 
 CHECKPOINT_VERSION = 3.0
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"

@@ -2,7 +2,7 @@
 
 Field names are Megatron's flag names (``--no-save-optim`` -> ``no_save_optim``), so a config
 can stand in for those flags wherever checkpointing reads them
-(:func:`megatron.checkpointing.checkpoint_args`). ``megatron/arguments_configs.py`` builds
+(:func:`megatron.checkpoint.load.checkpoint_args`). ``megatron/training/configs.py`` builds
 it from the validated flags; the training loop replaces fields of a copy
 (``dataclasses.replace``) to load another folder or save in another format, and leaves the
 flags as they were parsed.

@@ -7,9 +7,9 @@ stored item is a ``torch.save``d object at ``(offset, length)`` of its data file
 or for a byte entry the bytes of ``torch.save([obj, ...])``.
 
 :class:`DistCheckpointReader` reads the metadata with
-:func:`megatron.safe_unpickle.load_dcp_metadata`, tensor chunks with
+:func:`megatron.checkpoint.safe_unpickle.load_dcp_metadata`, tensor chunks with
 ``torch.load(weights_only=True)`` (checked against the metadata's sizes and dtype) and byte
-entries with :func:`megatron.safe_unpickle.torch_load`; nothing is unpickled any other way, so
+entries with :func:`megatron.checkpoint.safe_unpickle.torch_load`; nothing is unpickled any other way, so
 a stranger's checkpoint cannot run code. Any slice of a global tensor can be read, whatever the
 chunking it was written with: that is what resharding on load needs.
 
@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
                                                    StorageMeta, TensorStorageMetadata)
 
-from megatron.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata, torch_load
+from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata, torch_load
 
 METADATA_FILE = ".metadata"
 BACKEND_FILE = "metadata.json"
@@ -261,7 +261,7 @@ class DistCheckpointReader:
         return out
 
     def read_object(self, key: str) -> Any:
-        """A byte entry, unpickled by :func:`megatron.safe_unpickle.torch_load`. Megatron-Core
+        """A byte entry, unpickled by :func:`megatron.checkpoint.safe_unpickle.torch_load`. Megatron-Core
         stores each as ``torch.save([obj])``; this returns the stored list as it is.
 
         Raises:

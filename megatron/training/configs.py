@@ -1,6 +1,6 @@
-"""The typed configs built from validated flags (:mod:`megatron.arguments` re-exports them).
+"""The typed configs built from validated flags (:mod:`megatron.training.arguments` re-exports them).
 
-:func:`build_configs` turns the namespace :func:`megatron.arguments.validate_args` returns into the
+:func:`build_configs` turns the namespace :func:`megatron.training.arguments.validate_args` returns into the
 config each component takes: parallel layout, model, DDP, checkpointing, data, optimizer, scheduler
 and MoE. The flag audit (tests/unit/test_flag_audit.py) reads the config field each flag fills from
 :func:`build_configs` to the end of this module, so the builders stay after it.
@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
-from megatron.checkpoint_config import CheckpointConfig
+from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.config import ParallelConfig, TransformerConfig
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig)

@@ -16,7 +16,7 @@ _PARALLEL_STATE = None
 
 def _check(value, name):
     if value is None:
-        raise RuntimeError(f"{name} is not set; it is set by megatron.training.pretrain()")
+        raise RuntimeError(f"{name} is not set; it is set by megatron.training.training.pretrain()")
     return value
 
 

@@ -6,9 +6,9 @@ kv channels, ...) and rejects impossible combinations before any process group e
 :func:`build_configs` then turns the namespace into the typed configs each component takes.
 
 This module holds the flags, their parsing and the order of the checks. The checks themselves
-are in :mod:`megatron.arguments_validation`, the config builders in
-:mod:`megatron.arguments_configs`; both are re-exported here, so callers import everything from
-:mod:`megatron.arguments`.
+are in :mod:`megatron.training.validation`, the config builders in
+:mod:`megatron.training.configs`; both are re-exported here, so callers import everything from
+:mod:`megatron.training.arguments`.
 """
 
 import argparse
@@ -16,14 +16,14 @@ import os
 import sys
 from typing import Callable, List, Optional
 
-from megatron.arguments_configs import (  # noqa: F401  (re-exported)
+from megatron.training.configs import (  # noqa: F401  (re-exported)
     Configs, build_configs, build_data_config)
-from megatron.arguments_validation import (  # noqa: F401  (BERT_*, validate_bert_args re-exported)
+from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert_args re-exported)
     BERT_TOKENIZER_TYPES, ArgumentsError, _apply_old_spellings, _fail, _note,
     _validate_batch_and_schedule, _validate_checkpoint_format, _validate_masking, _validate_model,
     _validate_moe, _validate_parallel, _validate_surface, validate_bert_args)
 from megatron.core.config import ConfigError
-from megatron.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
+from megatron.training.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
 from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BALANCING_TYPES,
                                        SCORE_FUNCTIONS, parse_moe_layer_freq)
 

@@ -1,7 +1,7 @@
 """The state of one training run: where it is, what it has seen, what it has logged.
 
 The parsed flags (``args``) say how to train; :class:`TrainState` says how far a run has got. It
-is made by :func:`megatron.training.pretrain`, advanced by the training loop and evaluation, and
+is made by :func:`megatron.training.training.pretrain`, advanced by the training loop and evaluation, and
 saved and restored by checkpointing under Megatron's keys: the iteration at the top level of a
 checkpoint, the consumed samples inside its ``args`` namespace (``args.consumed_train_samples``,
 ``args.consumed_valid_samples``), so Megatron-LM reads a run's position from this project's files
@@ -15,7 +15,7 @@ from typing import Dict, List, Optional, Tuple
 
 @dataclass
 class TrainState:
-    """A run's position and records; what :func:`~megatron.training.pretrain` returns.
+    """A run's position and records; what :func:`~megatron.training.training.pretrain` returns.
 
     Attributes:
         iteration: iterations completed (the checkpoint's ``iteration``).

@@ -20,7 +20,7 @@ Loading (any rank, any layout; no process group needed)::
             reader, chunk.state_dict_for_save_checkpoint(), layout))
 
 The state is the nested dict ``state_dict_for_save_checkpoint`` returns (legacy names, layers
-numbered within the chunk); :mod:`megatron.dist_checkpointing.keys` maps it.
+numbered within the chunk); :mod:`megatron.checkpoint.dist.keys` maps it.
 """
 
 import dataclasses
@@ -28,12 +28,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.dist_checkpointing.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout,
+from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout,
                                               Placement, extra_state_keys, is_expert_key,
                                               is_per_layer_key, object_key, per_layer_keys,
                                               placements)
-from megatron.dist_checkpointing.reader import DistCheckpointError, DistCheckpointReader
-from megatron.dist_checkpointing.writer import ObjectShard, TensorShard
+from megatron.checkpoint.dist.reader import DistCheckpointError, DistCheckpointReader
+from megatron.checkpoint.dist.writer import ObjectShard, TensorShard
 from megatron.model.module import flatten_state_dict
 
 
@@ -51,7 +51,7 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
     The ranks of a data x context-parallel group hold the same weights: only its rank 0
     writes them (``dp_cp_rank`` is the rank in that group; without context parallelism it is
     the data-parallel rank). ``moe_layer_freq``: ``--moe-layer-freq`` of an MoE model; an
-    integer above 1 or a list gives per-layer keys (:func:`~megatron.dist_checkpointing.keys.
+    integer above 1 or a list gives per-layer keys (:func:`~megatron.checkpoint.dist.keys.
     per_layer_keys`), as in Megatron-Core."""
     from megatron.model.transformer import get_num_layers_and_offset
 

@@ -1,6 +1,6 @@
 """Megatron flags this project parses but does not act on, each with the reason.
 
-Both lists are read by :mod:`megatron.arguments`: its ``--help`` texts come from them, and
+Both lists are read by :mod:`megatron.training.arguments`: its ``--help`` texts come from them, and
 ``validate_args`` notes a no-effect flag once, and stops with one line on an unsupported flag set
 to anything but its default. ``tests/unit/test_flag_audit.py`` checks that every other flag is
 read somewhere.

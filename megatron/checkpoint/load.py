@@ -2,20 +2,20 @@
 
 This module is the entry point: :func:`save_checkpoint`, :class:`AsyncCheckpointSaver`,
 :func:`load_checkpoint`, :func:`load_args_from_checkpoint`, :func:`load_model_weights` and every
-name of the modules below are reached as ``megatron.checkpointing.<name>``. It holds the loading;
+name of the modules below are reached as ``megatron.checkpoint.load.<name>``. It holds the loading;
 the rest is split by concern:
 
-* :mod:`megatron.checkpointing_layout`: the folder and file names of Megatron-LM's layout
+* :mod:`megatron.checkpoint.layout`: the folder and file names of Megatron-LM's layout
   (FORMATS.md section 6), the tracker, the saved sizes, reading one rank's file;
-* :mod:`megatron.checkpointing_args`: the ``args`` a checkpoint records and the checks a load
+* :mod:`megatron.checkpoint.saved_args`: the ``args`` a checkpoint records and the checks a load
   makes of them (model-shape flags, expert-TP layouts the torch format cannot hold);
-* :mod:`megatron.checkpointing_save`: the atomic save (staging folder, rename, tracker), the
+* :mod:`megatron.checkpoint.save`: the atomic save (staging folder, rename, tracker), the
   crash-test hook ``MEGATRON_TEST_CRASH_AT``, ``--async-save``, the RNG states;
-* :mod:`megatron.checkpointing_ep` (a checkpoint saved at another expert-parallel size) and
-  :mod:`megatron.checkpointing_dist` (``--ckpt-format torch_dist``).
+* :mod:`megatron.checkpoint.experts` (a checkpoint saved at another expert-parallel size) and
+  :mod:`megatron.checkpoint.torch_dist` (``--ckpt-format torch_dist``).
 
 Reading: ``torch.load(weights_only=True)`` with a short allow-list of plain types and
-Megatron-LM's own classes read as inert stand-ins (:mod:`megatron.safe_unpickle`), so a
+Megatron-LM's own classes read as inert stand-ins (:mod:`megatron.checkpoint.safe_unpickle`), so a
 checkpoint from a stranger cannot run code and one written by Megatron-LM opens; every key and
 shape is checked before anything is copied into the model, so a failed load never leaves a
 half-loaded model. A checkpoint written by the conversion tool without optimizer or RNG states
@@ -30,24 +30,24 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint_config import CheckpointConfig
+from megatron.checkpoint.config import CheckpointConfig
 # Re-exported: other code and the tests reach every name below as ``checkpointing.<name>``
 # (the torch_dist and EP modules and the tests also the private ones).
-from megatron.checkpointing_args import (  # noqa: F401
+from megatron.checkpoint.saved_args import (  # noqa: F401
     _ARG_LABELS, CHECKPOINT_ARGS, SHAPE_ARGS, _check_args, _expert_tp_size, _plain_args,
     _refuse_torch_load, _refuse_torch_save, _shape_value, checkpoint_args, megatron_args)
-from megatron.checkpointing_layout import (  # noqa: F401
+from megatron.checkpoint.layout import (  # noqa: F401
     _MAX_TRACKER_BYTES, CHECKPOINT_VERSION, REPLACED_SUFFIX, STAGING_PREFIX, TRACKER_FILENAME,
     CheckpointError, _is_dist, _iteration_dir, _my_file, _peek_args, _rank_dir_name_of,
     _rank_file_in, _verify_zip_checksums, checkpoint_dir_name, checkpoint_file, expert_ranks,
     load_state_file, rank_dir_name, read_tracker, saved_layout, saved_sizes)
-from megatron.checkpointing_save import (  # noqa: F401
+from megatron.checkpoint.save import (  # noqa: F401
     CRASH_ENV, CRASH_POINTS, AsyncCheckpointSaver, _InFlight, _KillMidFile, _all_ok,
     _begin_save, _collect_state, _copy_to_cpu, _crash_counts, _crash_lock, _crash_spec,
     _finish_save, _fsync_dir, _global_rank, _model_state, _publish, _raise_if_failed,
     _rng_state, _set_rng_state, _staging_root, _write_state, check_save_dir,
     clean_interrupted_saves, crash_point, save_checkpoint)
-from megatron.training_state import TrainState
+from megatron.training.train_state import TrainState
 
 CONVERSION_TOOL = "tools/checkpoint/convert.py"
 
@@ -100,7 +100,7 @@ class _EPReshard:
 def _read_rank_state(located, model_chunks, args, pstate) -> Tuple[dict, str]:
     """This rank's checkpoint state and the file (or folder) errors name."""
     if isinstance(located, _EPReshard):
-        from megatron import checkpointing_ep
+        from megatron.checkpoint import experts as checkpointing_ep
 
         return checkpointing_ep.load_resharded(located.iter_dir, located.saved_ep,
                                                model_chunks, args, pstate)
@@ -250,7 +250,7 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
 
 def _load_dist(iter_dir, iteration, release, model_chunks, optimizer, opt_param_scheduler,
                args, pstate, train_state: Optional[TrainState]) -> int:
-    from megatron import checkpointing_dist
+    from megatron.checkpoint import torch_dist as checkpointing_dist
 
     common = checkpointing_dist.load_checkpoint(iter_dir, iteration, release, model_chunks,
                                                 optimizer, opt_param_scheduler, args, pstate)
@@ -274,7 +274,7 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
     iteration, release = tracked
     iter_dir = _iteration_dir(args.load, iteration, release)
     if _is_dist(iter_dir):
-        from megatron import checkpointing_dist
+        from megatron.checkpoint import torch_dist as checkpointing_dist
 
         saved = megatron_args(checkpointing_dist.saved_args(iter_dir))
     else:
@@ -302,7 +302,7 @@ def load_model_weights(model_chunks, args, pstate) -> int:
                               "folder")
     path, iteration, release = _locate(args.load, args, pstate)
     if not isinstance(path, _EPReshard) and _is_dist(path):
-        from megatron import checkpointing_dist
+        from megatron.checkpoint import torch_dist as checkpointing_dist
 
         checkpointing_dist.load_checkpoint(path, iteration, release, model_chunks, None, None,
                                            args, pstate, weights_only=True)

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device, node_layout, parallel_state
-from megatron.determinism import configure_deterministic_mode
+from megatron.training.determinism import configure_deterministic_mode
 
 # Every rank's place (node, host, addresses), read by the report on a lost peer.
 _PLACES = None

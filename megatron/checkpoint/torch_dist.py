@@ -2,7 +2,7 @@
 
 Saving: every rank writes its own shards of the model (its TP piece of its pipeline stage's
 layers, its expert-TP piece of its experts, under Megatron-Core's global keys,
-:mod:`megatron.dist_checkpointing`) and of the Adam
+:mod:`megatron.checkpoint.dist`) and of the Adam
 state (``optimizer.state.exp_avg.<key>``, ``optimizer.state.exp_avg_sq.<key>``, and
 ``optimizer.state.fp32_param.<key>`` for a half-precision model); data-parallel copies are
 written once, by DP rank 0. With ``--use-distributed-optimizer`` every data-parallel rank writes
@@ -11,11 +11,11 @@ the keys and shapes on disk are the same), and reads back only about its own sha
 rank 0 writes
 ``common_state`` (args, iteration, scheduler, optimizer param groups and step) and the
 metadata. The folder is staged, and published with the tracker only after every rank finished,
-as in :mod:`megatron.checkpointing`.
+as in :mod:`megatron.checkpoint.load`.
 
 Loading reads any slice of any saved tensor, so a checkpoint saved at any (TP, PP, VPP, DP,
 EP, expert TP, distributed optimizer on or off) loads at any other, optimizer state included;
-nothing is unpickled except through :mod:`megatron.safe_unpickle`.
+nothing is unpickled except through :mod:`megatron.checkpoint.safe_unpickle`.
 """
 
 import argparse
@@ -27,9 +27,9 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron import checkpointing
-from megatron.convert import optimizer_state
-from megatron.dist_checkpointing import (DistCheckpointError, DistCheckpointReader,
+from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint import optimizer_state
+from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                          DistCheckpointWriteError, ShardWriter, TensorShard,
                                          ObjectShard, chunk_layout, object_key,
                                          write_metadata,
@@ -37,8 +37,8 @@ from megatron.dist_checkpointing import (DistCheckpointError, DistCheckpointRead
                                          load_model_state, model_shards,
                                          optimizer_state_shards, range_shards, read_local,
                                          read_local_rows, save_shards, tensor_shards)
-from megatron.dist_checkpointing.keys import OPTIMIZER_STATE_PREFIX
-from megatron.safe_unpickle import UnsafeCheckpointError
+from megatron.checkpoint.dist.keys import OPTIMIZER_STATE_PREFIX
+from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError
 
 MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
 # Megatron-Core's loader expects its rerun state machine's entry; this is a fresh machine's
@@ -313,7 +313,7 @@ def _check_unexpected(reader, model_chunks, layouts, args, path: str) -> None:
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
     if strictness == "assume_ok_unexpected":
         return
-    from megatron.dist_checkpointing.keys import placements
+    from megatron.checkpoint.dist.keys import placements
 
     wanted = set()
     for chunk, layout in zip(model_chunks, layouts):
@@ -474,7 +474,7 @@ def _check_vocab(saved, args, path: str) -> None:
     saved_padded = getattr(saved, "padded_vocab_size", None)
     if saved_padded is None or saved_padded == args.padded_vocab_size:
         return
-    from megatron import global_vars
+    from megatron.training import global_vars
 
     try:
         vocab = global_vars.get_tokenizer().vocab_size

@@ -21,8 +21,8 @@ training and every exit wait for it. An error of a writer is raised on every ran
 boundary, naming the file.
 
 The RNG states a checkpoint records are taken and restored here too (:func:`_rng_state`,
-:func:`_set_rng_state`). :mod:`megatron.checkpointing_dist` reuses the staging protocol for
-``--ckpt-format torch_dist``; :mod:`megatron.checkpointing` re-exports every name.
+:func:`_set_rng_state`). :mod:`megatron.checkpoint.torch_dist` reuses the staging protocol for
+``--ckpt-format torch_dist``; :mod:`megatron.checkpoint.load` re-exports every name.
 """
 
 import argparse
@@ -39,13 +39,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint_config import CheckpointConfig
-from megatron.checkpointing_args import _plain_args, _refuse_torch_save, checkpoint_args
-from megatron.checkpointing_layout import (CHECKPOINT_VERSION, REPLACED_SUFFIX, STAGING_PREFIX,
+from megatron.checkpoint.config import CheckpointConfig
+from megatron.checkpoint.saved_args import _plain_args, _refuse_torch_save, checkpoint_args
+from megatron.checkpoint.layout import (CHECKPOINT_VERSION, REPLACED_SUFFIX, STAGING_PREFIX,
                                            TRACKER_FILENAME, CheckpointError, _my_file,
                                            checkpoint_dir_name, expert_ranks)
 from megatron.core import device
-from megatron.training_state import TrainState
+from megatron.training.train_state import TrainState
 
 CRASH_ENV = "MEGATRON_TEST_CRASH_AT"
 # The points of a save at which MEGATRON_TEST_CRASH_AT can kill the process, in order.
@@ -334,7 +334,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
 
     Collective. The files go to the staging folder; once every rank's file is written and
     fsynced, rank 0 renames the folder into place and then replaces the tracker. With
-    ``--ckpt-format torch_dist`` see :mod:`megatron.checkpointing_dist`.
+    ``--ckpt-format torch_dist`` see :mod:`megatron.checkpoint.torch_dist`.
 
     Args:
         train_state: the run's position, saved in the checkpoint's ``args`` under Megatron's
@@ -343,7 +343,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     """
     args = checkpoint_args(args, config, train_state)
     if getattr(args, "ckpt_format", "torch") == "torch_dist":
-        from megatron import checkpointing_dist
+        from megatron.checkpoint import torch_dist as checkpointing_dist
 
         return checkpointing_dist.save_checkpoint(iteration, model_chunks, optimizer,
                                                   opt_param_scheduler, args, pstate)
@@ -426,7 +426,7 @@ class AsyncCheckpointSaver:
         self.wait()
         args = checkpoint_args(args, config, train_state)
         if getattr(args, "ckpt_format", "torch") == "torch_dist":
-            from megatron import checkpointing_dist
+            from megatron.checkpoint import torch_dist as checkpointing_dist
 
             self._in_flight = checkpointing_dist.start_async(
                 iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from megatron.dist_checkpointing.reader import (BACKEND, BACKEND_FILE, COMMON_FILE,
+from megatron.checkpoint.dist.reader import (BACKEND, BACKEND_FILE, COMMON_FILE,
                                                 COMMON_STATE_FQN, METADATA_FILE)
 
 BACKEND_VERSION = 1

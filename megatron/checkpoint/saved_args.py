@@ -1,12 +1,12 @@
 """The ``args`` a torch-format checkpoint records, and what a load checks them against.
 
 A save records the run's flags as the checkpoint's ``args`` (:func:`checkpoint_args`, with the
-checkpoint options of a :class:`~megatron.checkpoint_config.CheckpointConfig` and the training
+checkpoint options of a :class:`~megatron.checkpoint.config.CheckpointConfig` and the training
 position applied; :func:`_plain_args` keeps the plain values). A load reads them back in this
 project's conventions (:func:`megatron_args`: Megatron-LM writes some fields otherwise), refuses
 a checkpoint whose model-shape flags (:data:`SHAPE_ARGS`) differ from the run's, and refuses the
 expert-TP layouts the torch format cannot hold. ``--use-checkpoint-args`` takes
-:data:`CHECKPOINT_ARGS` from them. :mod:`megatron.checkpointing` re-exports every name.
+:data:`CHECKPOINT_ARGS` from them. :mod:`megatron.checkpoint.load` re-exports every name.
 """
 
 import argparse
@@ -15,10 +15,10 @@ from typing import Optional
 
 import torch
 
-from megatron import safe_unpickle
-from megatron.checkpoint_config import CheckpointConfig, torch_format_expert_tp_error
-from megatron.checkpointing_layout import CheckpointError
-from megatron.training_state import TrainState
+from megatron.checkpoint import safe_unpickle
+from megatron.checkpoint.config import CheckpointConfig, torch_format_expert_tp_error
+from megatron.checkpoint.layout import CheckpointError
+from megatron.training.train_state import TrainState
 
 # Flags that fix the shape of the saved tensors: a checkpoint cannot be loaded if they differ.
 SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -78,7 +78,7 @@ def _expert_tp_size(args, pstate) -> Optional[int]:
 
 def _refuse_torch_save(args, pstate) -> None:
     """The torch format cannot hold experts split otherwise than by TP (see
-    :func:`megatron.checkpoint_config.torch_format_expert_tp_error`); every rank raises
+    :func:`megatron.checkpoint.config.torch_format_expert_tp_error`); every rank raises
     alike, before anything is written."""
     etp = _expert_tp_size(args, pstate)
     if etp is not None:
@@ -113,7 +113,7 @@ def megatron_args(saved: Optional[argparse.Namespace]) -> Optional[argparse.Name
     hidden size); a ``NullTokenizer`` of Megatron-Core's tokenizers counts its end-of-document
     id within ``vocab_size`` (``null_tokenizer_eod_id`` is set to say so). Megatron's own
     classes (``model_type`` and other enums, read as
-    :class:`~megatron.safe_unpickle.StandIn`) are dropped: they are not flags here.
+    :class:`~megatron.checkpoint.safe_unpickle.StandIn`) are dropped: they are not flags here.
     """
     if saved is None:
         return None

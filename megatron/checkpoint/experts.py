@@ -1,6 +1,6 @@
 """Load a torch-format checkpoint saved at another expert-parallel size (``--ckpt-format torch``).
 
-Megatron-LM's legacy layout at EP > 1 (:func:`megatron.checkpointing.rank_dir_name`): the file
+Megatron-LM's legacy layout at EP > 1 (:func:`megatron.checkpoint.load.rank_dir_name`): the file
 of tensor rank t, stage p and expert rank e, ``mp_rank_{t:02d}[_{p:03d}]_{e:03d}``, holds the
 dense parameters (the same on every expert rank) and the E / EP experts ``e * E / EP ...`` under
 local numbers ``mlp.experts.local_experts.<i>``. A rank of a run at another EP needs the dense
@@ -12,13 +12,13 @@ module reads those files and assembles the state the rank would have saved itsel
 * optimizer: each parameter's state (Adam's moments and step, and the fp32 main copy of a
   half-precision run) moved with it. A torch optimizer numbers parameters group by group, each
   group in the model's parameter order (the order of the saved model tree; groups by
-  ``wd_mult`` / ``lr_mult`` as :mod:`megatron.convert.optimizer_state` reads them); the
+  ``wd_mult`` / ``lr_mult`` as :mod:`megatron.checkpoint.optimizer_state` reads them); the
   distributed optimizer's files (``param_state``, unsharded, in the same order) give a
   distributed optimizer's state;
 * the rest (``args``, scheduler, RNG states, iteration) from the first file read: every
   expert rank saved the same scheduler and the RNG states of every data-parallel rank.
 
-Anything missing is a :class:`~megatron.checkpointing.CheckpointError` naming the file.
+Anything missing is a :class:`~megatron.checkpoint.load.CheckpointError` naming the file.
 """
 
 import re
@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron import checkpointing
-from megatron.checkpointing import CheckpointError
+from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.load import CheckpointError
 
 _EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)(\.|$)")
 
@@ -131,7 +131,7 @@ def _group_key(group: dict, path: str, g: int) -> Tuple[float, float]:
 
 def _grouped_names(trees: List[dict], keys: List[Tuple[float, float]]) -> List[List[Tuple]]:
     """Each group's ``(chunk, name)`` of parameters, in the model's order."""
-    from megatron.convert.optimizer_state import group_key
+    from megatron.checkpoint.optimizer_state import group_key
 
     order = [(c, name, value) for c, tree in enumerate(trees)
              for name, (_, value) in _leaves(tree).items() if isinstance(value, torch.Tensor)]
