@@ -152,7 +152,7 @@ def phase(kind: str, flags: List[str], ckpt_dir: str, log_path: str) -> Dict:
     import torch.distributed as dist
 
     import pretrain_gpt
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training import global_vars
     from megatron.training.arguments import build_configs, parse_args, validate_args
     from megatron.training.initialize import initialize_megatron
@@ -163,7 +163,7 @@ def phase(kind: str, flags: List[str], ckpt_dir: str, log_path: str) -> Dict:
     os.dup2(log.fileno(), 1)
     sys.stdout = log
     where = ["--save", ckpt_dir] if kind == "save" else ["--load", ckpt_dir]
-    args = validate_args(parse_args(flags + where))
+    args = validate_args(parse_args(argv=flags + where))
     pstate = initialize_megatron(args)
     try:
         tokenizer = build_tokenizer(args)

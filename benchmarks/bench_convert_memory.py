@@ -27,7 +27,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.training.arguments import parse_args, validate_args  # noqa: E402
 from megatron.convert.schema import padded_vocab_size  # noqa: E402
 
@@ -57,7 +57,7 @@ def _model_args(opts) -> argparse.Namespace:
              "--tokenizer-type NullTokenizer "
              f"--vocab-size {opts.vocab - 1} --tensor-model-parallel-size {opts.source_tp} "
              "--mock-data").split()
-    args = parse_args(flags)
+    args = parse_args(argv=flags)
     args.world_size, args.rank = opts.source_tp, 0
     validate_args(args)
     args.padded_vocab_size = padded_vocab_size(opts.vocab, 128, opts.source_tp)

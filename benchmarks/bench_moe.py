@@ -141,7 +141,7 @@ def _setup_ours(flags: list):
     from megatron.tokenizer import build_tokenizer
     from megatron.training.training import setup_model_and_optimizer
 
-    args = validate_args(parse_args(flags))
+    args = validate_args(parse_args(argv=flags))
     pstate = initialize_megatron(args)
     tokenizer = build_tokenizer(args)
     build_configs(args)
@@ -178,7 +178,7 @@ def _train_ours(setup, data: list, on_step=None) -> dict:
 def child_ours(a) -> dict:
     import torch
 
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training.train_state import TrainState
 
     torch.set_num_threads(a.threads)

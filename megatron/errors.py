@@ -11,7 +11,7 @@ import sys
 
 def user_error_types() -> tuple:
     from megatron.training.arguments import ArgumentsError
-    from megatron.checkpoint.load import CheckpointError
+    from megatron.training.checkpointing import CheckpointError
     from megatron.convert.schema import ConversionError
     from megatron.core.config import ConfigError
     from megatron.data.dataset_utils import DataError

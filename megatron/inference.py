@@ -14,13 +14,13 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.training import global_vars
 from megatron.training.arguments import build_configs
 from megatron.core import device
 from megatron.training.initialize import initialize_megatron
 from megatron.training.timers import Timers
-from megatron.training.training import _parse, build_model_chunks
+from megatron.training.training import build_model_chunks, parse_entry_flags
 from megatron.training.utils import print_rank_0
 
 # Flags a tool does not need from the user: one sequence at a time, no training schedule.
@@ -34,8 +34,8 @@ def initialize_for_inference(extra_args_provider: Optional[Callable] = None,
     tokenizer)`` and sets the global args, tokenizer and parallel state."""
     defaults = dict(INFERENCE_DEFAULTS)
     defaults.update(args_defaults or {})
-    args = _parse(argv, extra_args_provider, defaults,
-                  before_validation=_context_parallel_ranks_as_replicas)
+    args = parse_entry_flags(argv, extra_args_provider, defaults,
+                              before_validation=_context_parallel_ranks_as_replicas)
     pstate = initialize_megatron(args)
     from megatron.tokenizer import build_tokenizer
 

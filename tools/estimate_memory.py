@@ -2,8 +2,8 @@
 
 Takes the same flags as pretrain_gpt.py, plus how many ranks the run will have, and prints the
 theoretical memory of one rank of every pipeline stage (weights + gradients + optimizer state, and
-activations over a step of the pipeline schedule) from megatron/training/memory_accounting.py. It builds no
-model, starts no process and forms no process group, so it answers in seconds for any model size.
+activations over a step of the pipeline schedule) from megatron/training/memory_accounting.py.
+It builds no model, starts no process and forms no process group, so it answers in seconds for any model size.
 It warns when a stage's prediction exceeds the memory a rank will have: the GPU's memory on CUDA,
 the machine's MemTotal divided by the ranks per node on CPU, or ``--memory-budget-gb``.
 
@@ -75,12 +75,12 @@ def rank_counts(args) -> None:
 
 def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     """pretrain_gpt.py's flags validated for the given world size, with the padded vocabulary."""
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training.arguments import ArgumentsError, parse_args, validate_args
     from megatron.core.config import ConfigError
     from megatron.tokenizer import build_tokenizer
 
-    args = parse_args(argv, add_estimate_args)
+    args = parse_args(add_estimate_args, argv=argv)
     rank_counts(args)
     try:
         if args.use_checkpoint_args:

@@ -26,8 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint import load as checkpointing
-from megatron.checkpoint.load import CheckpointError
+from megatron.checkpoint.layout import CheckpointError, expert_ranks, load_state_file, rank_file_in
 
 _EXPERT = re.compile(r"(^|\.)local_experts\.(\d+)(\.|$)")
 
@@ -69,13 +68,13 @@ class _SavedFiles:
         self._states: Dict[int, dict] = {}
 
     def path(self, ep_rank: int) -> str:
-        return checkpointing._rank_file_in(self.iter_dir, self.pstate.tp_rank,
+        return rank_file_in(self.iter_dir, self.pstate.tp_rank,
                                            self.pstate.pp_rank, self.pstate.pp_size, ep_rank,
                                            self.saved_ep)
 
     def state(self, ep_rank: int) -> dict:
         if ep_rank not in self._states:
-            self._states[ep_rank] = checkpointing.load_state_file(self.path(ep_rank))
+            self._states[ep_rank] = load_state_file(self.path(ep_rank))
         return self._states[ep_rank]
 
 
@@ -259,7 +258,7 @@ def load_resharded(iter_dir: str, saved_ep: int, model_chunks, args, pstate
                    ) -> Tuple[dict, str]:
     """This rank's state from a torch-format checkpoint saved at expert-parallel size
     ``saved_ep`` (the same TP and PP); returns it and the folder errors name."""
-    ep_rank, ep_size, _ = checkpointing.expert_ranks(pstate)
+    ep_rank, ep_size, _ = expert_ranks(pstate)
     num_experts = getattr(args, "num_experts", None)
     if not num_experts or num_experts % saved_ep:
         raise CheckpointError(f"{iter_dir}: saved with {saved_ep} expert-parallel ranks, which "

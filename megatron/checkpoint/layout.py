@@ -13,8 +13,8 @@ rule); a checkpoint saved at another EP loads through :mod:`megatron.checkpoint.
 
 This module names the folders and files of that layout, reads the tracker, tells the sizes a
 folder was saved at from its ``mp_rank_*`` names, and reads one rank's file safely
-(``torch.load(weights_only=True)`` through :mod:`megatron.checkpoint.safe_unpickle`, after checking the
-zip members' CRC-32). It needs no model; :mod:`megatron.checkpoint.load` re-exports every
+(``torch.load(weights_only=True)`` through :mod:`megatron.checkpoint.safe_unpickle`, after
+checking the zip members' CRC-32). It needs no model; :mod:`megatron.checkpoint.load` re-exports every
 name.
 """
 
@@ -52,7 +52,7 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
     return name if ep_size == 1 else f"{name}_{ep_rank:03d}"
 
 
-def _rank_file_in(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
+def rank_file_in(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0,
                   ep_size: int = 1) -> str:
     return os.path.join(iter_dir, rank_dir_name(tp_rank, pp_rank, pp_size, ep_rank, ep_size),
                         "model_optim_rng.pt")
@@ -60,7 +60,7 @@ def _rank_file_in(iter_dir: str, tp_rank: int, pp_rank: int, pp_size: int, ep_ra
 
 def checkpoint_file(root: str, iteration: int, tp_rank: int, pp_rank: int, pp_size: int,
                     release: bool = False, ep_rank: int = 0, ep_size: int = 1) -> str:
-    return _rank_file_in(os.path.join(root, checkpoint_dir_name(iteration, release)), tp_rank,
+    return rank_file_in(os.path.join(root, checkpoint_dir_name(iteration, release)), tp_rank,
                          pp_rank, pp_size, ep_rank, ep_size)
 
 
@@ -76,14 +76,14 @@ def expert_ranks(pstate) -> Tuple[int, int, int]:
     return get_group_rank(ep_group), get_group_size(ep_group), get_group_rank(edp_group)
 
 
-def _my_file(root: str, iteration: int, pstate) -> str:
+def my_file(root: str, iteration: int, pstate) -> str:
     """This rank's file under ``root`` (a staging or a checkpoint folder)."""
     ep_rank, ep_size, _ = expert_ranks(pstate)
     return checkpoint_file(root, iteration, pstate.tp_rank, pstate.pp_rank, pstate.pp_size,
                            ep_rank=ep_rank, ep_size=ep_size)
 
 
-def _iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
+def iteration_dir(load_dir: str, iteration: int, release: bool) -> str:
     """The folder of ``iteration``; its ``.old`` copy when a save replacing it was interrupted
     (the next start with this folder as --save puts it back; see clean_interrupted_saves)."""
     iter_dir = os.path.join(load_dir, checkpoint_dir_name(iteration, release))
@@ -147,7 +147,7 @@ def saved_sizes(iter_dir: str) -> Tuple[int, int, int]:
         return tp, max(p[1] for p in parts) + 1, max(p[2] for p in parts) + 1
     second = max(p[1] for p in parts) + 1
     first_file = os.path.join(iter_dir, "mp_rank_00_000", "model_optim_rng.pt")
-    saved = _peek_args(first_file)
+    saved = peek_args(first_file)
     saved_ep = getattr(saved, "expert_model_parallel_size", 1) or 1
     saved_pp = getattr(saved, "pipeline_model_parallel_size", None)
     if saved_ep > 1 and (saved_pp or 1) == 1:
@@ -160,7 +160,7 @@ def _rank_dir_name_of(parts) -> str:
                                  for i, g in enumerate(parts) if g is not None)
 
 
-def _peek_args(path: str) -> Optional[argparse.Namespace]:
+def peek_args(path: str) -> Optional[argparse.Namespace]:
     """The saved ``args`` of a rank file, memory-mapped (the tensors are not read)."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing (it tells pipeline stages from expert ranks)")
@@ -178,7 +178,7 @@ def _peek_args(path: str) -> Optional[argparse.Namespace]:
     return state.get("args") if isinstance(state, dict) else None
 
 
-def _verify_zip_checksums(path: str) -> None:
+def verify_zip_checksums(path: str) -> None:
     """Check the CRC-32 of every member of a zip-format checkpoint.
 
     torch writes them but its reader does not check them, so a flipped bit on disk would load as
@@ -201,7 +201,7 @@ def load_state_file(path: str) -> dict:
     """``torch.load`` one rank's file safely; errors name the file."""
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: missing")
-    _verify_zip_checksums(path)
+    verify_zip_checksums(path)
     try:
         state = safe_unpickle.torch_load(path)
     except safe_unpickle.UnsafeCheckpointError as err:
@@ -213,7 +213,3 @@ def load_state_file(path: str) -> dict:
         raise CheckpointError(f"{path}: not a model_optim_rng checkpoint (no 'iteration' key)")
     return state
 
-
-def _is_dist(iter_dir: str) -> bool:
-    """Whether an iteration folder is in the torch_dist format (a DCP ``.metadata``)."""
-    return os.path.isfile(os.path.join(iter_dir, ".metadata"))

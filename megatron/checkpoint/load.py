@@ -1,18 +1,11 @@
-"""Save and load checkpoints in Megatron's layout (``--ckpt-format torch``), atomically and safely.
+"""Load checkpoints of either format into a run, checking everything before anything changes.
 
-This module is the entry point: :func:`save_checkpoint`, :class:`AsyncCheckpointSaver`,
-:func:`load_checkpoint`, :func:`load_args_from_checkpoint`, :func:`load_model_weights` and every
-name of the modules below are reached as ``megatron.checkpoint.load.<name>``. It holds the loading;
-the rest is split by concern:
-
-* :mod:`megatron.checkpoint.layout`: the folder and file names of Megatron-LM's layout
-  (FORMATS.md section 6), the tracker, the saved sizes, reading one rank's file;
-* :mod:`megatron.checkpoint.saved_args`: the ``args`` a checkpoint records and the checks a load
-  makes of them (model-shape flags, expert-TP layouts the torch format cannot hold);
-* :mod:`megatron.checkpoint.save`: the atomic save (staging folder, rename, tracker), the
-  crash-test hook ``MEGATRON_TEST_CRASH_AT``, ``--async-save``, the RNG states;
-* :mod:`megatron.checkpoint.experts` (a checkpoint saved at another expert-parallel size) and
-  :mod:`megatron.checkpoint.torch_dist` (``--ckpt-format torch_dist``).
+:func:`load_checkpoint` (training: model, optimizer, scheduler, RNG states, the run's position),
+:func:`load_model_weights` (inference and evaluation) and :func:`load_args_from_checkpoint`
+(``--use-checkpoint-args``). A ``torch``-format folder saved at this run's tensor and pipeline
+sizes loads rank file by rank file, one saved at another expert-parallel size through
+:mod:`megatron.checkpoint.experts`; a ``torch_dist`` folder loads at any layout through
+:mod:`megatron.checkpoint.torch_dist`.
 
 Reading: ``torch.load(weights_only=True)`` with a short allow-list of plain types and
 Megatron-LM's own classes read as inert stand-ins (:mod:`megatron.checkpoint.safe_unpickle`), so a
@@ -30,23 +23,15 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint import experts, torch_dist
 from megatron.checkpoint.config import CheckpointConfig
-# Re-exported: other code and the tests reach every name below as ``checkpointing.<name>``
-# (the torch_dist and EP modules and the tests also the private ones).
-from megatron.checkpoint.saved_args import (  # noqa: F401
-    _ARG_LABELS, CHECKPOINT_ARGS, SHAPE_ARGS, _check_args, _expert_tp_size, _plain_args,
-    _refuse_torch_load, _refuse_torch_save, _shape_value, checkpoint_args, megatron_args)
-from megatron.checkpoint.layout import (  # noqa: F401
-    _MAX_TRACKER_BYTES, CHECKPOINT_VERSION, REPLACED_SUFFIX, STAGING_PREFIX, TRACKER_FILENAME,
-    CheckpointError, _is_dist, _iteration_dir, _my_file, _peek_args, _rank_dir_name_of,
-    _rank_file_in, _verify_zip_checksums, checkpoint_dir_name, checkpoint_file, expert_ranks,
-    load_state_file, rank_dir_name, read_tracker, saved_layout, saved_sizes)
-from megatron.checkpoint.save import (  # noqa: F401
-    CRASH_ENV, CRASH_POINTS, AsyncCheckpointSaver, _InFlight, _KillMidFile, _all_ok,
-    _begin_save, _collect_state, _copy_to_cpu, _crash_counts, _crash_lock, _crash_spec,
-    _finish_save, _fsync_dir, _global_rank, _model_state, _publish, _raise_if_failed,
-    _rng_state, _set_rng_state, _staging_root, _write_state, check_save_dir,
-    clean_interrupted_saves, crash_point, save_checkpoint)
+from megatron.checkpoint.dist.reader import is_dist_checkpoint
+from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
+                                        iteration_dir, load_state_file, rank_file_in,
+                                        read_tracker, saved_sizes)
+from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, check_args, checkpoint_args,
+                                            megatron_args, refuse_torch_load)
+from megatron.checkpoint.state import set_rng_state_snapshot
 from megatron.training.train_state import TrainState
 
 CONVERSION_TOOL = "tools/checkpoint/convert.py"
@@ -64,12 +49,12 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
     iteration, release = tracked
     if args.ckpt_step is not None:
         iteration, release = args.ckpt_step, False
-    iter_dir = _iteration_dir(load_dir, iteration, release)
+    iter_dir = iteration_dir(load_dir, iteration, release)
     if not os.path.isdir(iter_dir):
         raise CheckpointError(f"{iter_dir}: missing (named by {TRACKER_FILENAME} or --ckpt-step)")
-    if _is_dist(iter_dir):
+    if is_dist_checkpoint(iter_dir):
         return iter_dir, iteration, release  # torch_dist: any saved layout loads
-    _refuse_torch_load(args, pstate, None, iter_dir)
+    refuse_torch_load(args, pstate, None, iter_dir)
     saved_tp, saved_pp, saved_ep = saved_sizes(iter_dir)
     if (saved_tp, saved_pp) != (pstate.tp_size, pstate.pp_size):
         raise CheckpointError(
@@ -83,9 +68,9 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
             f"--target-pipeline-parallel-size {pstate.pp_size}")
     ep_rank, ep_size, _ = expert_ranks(pstate)
     if saved_ep != ep_size:
-        # Another expert-parallel size: checkpointing_ep assembles this rank's state.
+        # Another expert-parallel size: experts.py assembles this rank's state.
         return _EPReshard(iter_dir, saved_ep), iteration, release
-    path = _rank_file_in(iter_dir, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, ep_rank,
+    path = rank_file_in(iter_dir, pstate.tp_rank, pstate.pp_rank, pstate.pp_size, ep_rank,
                          ep_size)
     return path, iteration, release
 
@@ -100,9 +85,7 @@ class _EPReshard:
 def _read_rank_state(located, model_chunks, args, pstate) -> Tuple[dict, str]:
     """This rank's checkpoint state and the file (or folder) errors name."""
     if isinstance(located, _EPReshard):
-        from megatron.checkpoint import experts as checkpointing_ep
-
-        return checkpointing_ep.load_resharded(located.iter_dir, located.saved_ep,
+        return experts.load_resharded(located.iter_dir, located.saved_ep,
                                                model_chunks, args, pstate)
     return load_state_file(located), located
 
@@ -203,13 +186,13 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
     if located is None:
         return 0
     path, iteration, release = located
-    if not isinstance(path, _EPReshard) and _is_dist(path):
+    if not isinstance(path, _EPReshard) and is_dist_checkpoint(path):
         return _load_dist(path, iteration, release, model_chunks, optimizer, opt_param_scheduler,
                           args, pstate, train_state)
     state, path = _read_rank_state(path, model_chunks, args, pstate)
     saved_args = state.get("args")
-    _refuse_torch_load(args, pstate, saved_args, path)
-    _check_args(saved_args, args, path)
+    refuse_torch_load(args, pstate, saved_args, path)
+    check_args(saved_args, args, path)
     trees = _check_model_state(model_chunks, state, path)
     restore_training = not (args.finetune or release)
     load_optim, load_rng = _converted_parts(state, path, restore_training, args)
@@ -237,7 +220,7 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
             opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     if load_rng:
         rng = state["rng_state"]
-        _set_rng_state(rng[pstate.dp_rank] if len(rng) == pstate.dp_size else rng[0])
+        set_rng_state_snapshot(rng[pstate.dp_rank] if len(rng) == pstate.dp_size else rng[0])
     if not restore_training:
         iteration = 0
     elif train_state is not None:
@@ -250,10 +233,8 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
 
 def _load_dist(iter_dir, iteration, release, model_chunks, optimizer, opt_param_scheduler,
                args, pstate, train_state: Optional[TrainState]) -> int:
-    from megatron.checkpoint import torch_dist as checkpointing_dist
-
-    common = checkpointing_dist.load_checkpoint(iter_dir, iteration, release, model_chunks,
-                                                optimizer, opt_param_scheduler, args, pstate)
+    common = torch_dist.load_checkpoint(iter_dir, iteration, release, model_chunks, optimizer,
+                                        opt_param_scheduler, args, pstate)
     if args.finetune or release:
         iteration = 0
     elif train_state is not None:
@@ -272,14 +253,12 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
     if tracked is None:
         raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} in {args.load}")
     iteration, release = tracked
-    iter_dir = _iteration_dir(args.load, iteration, release)
-    if _is_dist(iter_dir):
-        from megatron.checkpoint import torch_dist as checkpointing_dist
-
-        saved = megatron_args(checkpointing_dist.saved_args(iter_dir))
+    iter_dir = iteration_dir(args.load, iteration, release)
+    if is_dist_checkpoint(iter_dir):
+            saved = megatron_args(torch_dist.saved_args(iter_dir))
     else:
         _, saved_pp, saved_ep = saved_sizes(iter_dir)
-        saved = megatron_args(load_state_file(_rank_file_in(iter_dir, 0, 0, saved_pp, 0,
+        saved = megatron_args(load_state_file(rank_file_in(iter_dir, 0, 0, saved_pp, 0,
                                                             saved_ep)).get("args"))
     if saved is None:
         raise CheckpointError(f"{iter_dir}: the checkpoint holds no args")
@@ -301,18 +280,16 @@ def load_model_weights(model_chunks, args, pstate) -> int:
         raise CheckpointError(f"--load {args.load}: no {TRACKER_FILENAME}; not a checkpoint "
                               "folder")
     path, iteration, release = _locate(args.load, args, pstate)
-    if not isinstance(path, _EPReshard) and _is_dist(path):
-        from megatron.checkpoint import torch_dist as checkpointing_dist
-
-        checkpointing_dist.load_checkpoint(path, iteration, release, model_chunks, None, None,
-                                           args, pstate, weights_only=True)
+    if not isinstance(path, _EPReshard) and is_dist_checkpoint(path):
+        torch_dist.load_checkpoint(path, iteration, release, model_chunks, None, None, args,
+                                   pstate, weights_only=True)
         if dist.get_rank() == 0:
             print(f"  loaded model weights from {args.load} at iteration {iteration}",
                   flush=True)
         return iteration
     state, path = _read_rank_state(path, model_chunks, args, pstate)
-    _refuse_torch_load(args, pstate, state.get("args"), path)
-    _check_args(state.get("args"), args, path)
+    refuse_torch_load(args, pstate, state.get("args"), path)
+    check_args(state.get("args"), args, path)
     trees = _check_model_state(model_chunks, state, path)
     for chunk, tree in zip(model_chunks, trees):
         chunk.load_state_dict(tree, strict=True)

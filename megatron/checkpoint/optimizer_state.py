@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.convert.megatron_layout import dotted_names, lookup_dotted
+from megatron.checkpoint.names import dotted_names, lookup_dotted
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MAIN = "main"          # view: the fp32 main copy of each parameter

@@ -2,7 +2,7 @@
 
 A save records the run's flags as the checkpoint's ``args`` (:func:`checkpoint_args`, with the
 checkpoint options of a :class:`~megatron.checkpoint.config.CheckpointConfig` and the training
-position applied; :func:`_plain_args` keeps the plain values). A load reads them back in this
+position applied; :func:`plain_args` keeps the plain values). A load reads them back in this
 project's conventions (:func:`megatron_args`: Megatron-LM writes some fields otherwise), refuses
 a checkpoint whose model-shape flags (:data:`SHAPE_ARGS`) differ from the run's, and refuses the
 expert-TP layouts the torch format cannot hold. ``--use-checkpoint-args`` takes
@@ -62,7 +62,7 @@ def checkpoint_args(args, config: Optional[CheckpointConfig] = None,
     return argparse.Namespace(**fields)
 
 
-def _plain_args(args) -> argparse.Namespace:
+def plain_args(args) -> argparse.Namespace:
     plain = (type(None), bool, int, float, str, list, tuple, dict, torch.dtype)
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if isinstance(v, plain)})
 
@@ -76,7 +76,7 @@ def _expert_tp_size(args, pstate) -> Optional[int]:
     return None if layout.expert_tp_size == layout.tp_size else layout.expert_tp_size
 
 
-def _refuse_torch_save(args, pstate) -> None:
+def refuse_torch_save(args, pstate) -> None:
     """The torch format cannot hold experts split otherwise than by TP (see
     :func:`megatron.checkpoint.config.torch_format_expert_tp_error`); every rank raises
     alike, before anything is written."""
@@ -86,7 +86,7 @@ def _refuse_torch_save(args, pstate) -> None:
                                                            "--ckpt-format torch cannot save"))
 
 
-def _refuse_torch_load(args, pstate, saved, path: str) -> None:
+def refuse_torch_load(args, pstate, saved, path: str) -> None:
     """A torch-format checkpoint neither loads into a run whose experts are split otherwise
     than by TP, nor was written by one (its ``saved`` args say so: Megatron-LM's own)."""
     etp = _expert_tp_size(args, pstate)
@@ -159,7 +159,7 @@ def _shape_value(ns, name: str):
     return value
 
 
-def _check_args(saved, args, path: str, ignore=()) -> None:
+def check_args(saved, args, path: str, ignore=()) -> None:
     if saved is None:
         return
     saved = megatron_args(saved)

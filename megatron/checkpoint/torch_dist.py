@@ -27,7 +27,11 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.names import dotted_names
+from megatron.checkpoint.layout import CHECKPOINT_VERSION, CheckpointError, checkpoint_dir_name
+from megatron.checkpoint.publish import begin_save, crash_point, finish_save
+from megatron.checkpoint.saved_args import check_args, plain_args
+from megatron.checkpoint.state import copy_to_cpu, rng_state_snapshot, set_rng_state_snapshot
 from megatron.checkpoint import optimizer_state
 from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                          DistCheckpointWriteError, ShardWriter, TensorShard,
@@ -86,7 +90,7 @@ def _optimizer_entries(optimizer, trees: List[dict]) -> Tuple[optimizer_state.So
     state_dict = optimizer.state_dict()
     found, why = optimizer_state.SourceOptimizer.read({"optimizer": state_dict}, trees)
     if found is None:
-        raise checkpointing.CheckpointError(f"--ckpt-format torch_dist: cannot save the "
+        raise CheckpointError(f"--ckpt-format torch_dist: cannot save the "
                                             f"optimizer state: {why}")
     return found, state_dict
 
@@ -118,8 +122,8 @@ def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool):
 
 
 def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler) -> dict:
-    common = {"args": checkpointing._plain_args(args),
-              "checkpoint_version": checkpointing.CHECKPOINT_VERSION, "iteration": iteration,
+    common = {"args": plain_args(args),
+              "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0,
               "content_metadata": dict(_CONTENT_METADATA)}
     if not args.no_save_optim:
@@ -142,7 +146,7 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
     rng_states = None
     if not args.no_save_rng:
         rng_states = [None] * pstate.dp_size
-        dist.all_gather_object(rng_states, checkpointing._rng_state(), group=pstate.dp_group)
+        dist.all_gather_object(rng_states, rng_state_snapshot(), group=pstate.dp_group)
     finish = getattr(optimizer, "finish_param_sync", None)
     if finish is not None:
         finish()
@@ -159,9 +163,9 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
             grad_scaler = state_dict.get("grad_scaler") if isinstance(state_dict, dict) else None
     for chunk, (tree, layout) in enumerate(zip(trees, layouts)):
         items += model_shards(tree, layout)
-        num_local = sum(1 for name in _flat_names(tree) if name.endswith(
+        num_local = sum(1 for name in dotted_names(tree) if name.endswith(
             "input_layernorm.weight") and ".layers." in name)
-        items += extra_state_objects(layout, num_local, _flat_names(tree))
+        items += extra_state_objects(layout, num_local, dotted_names(tree))
         if entries is None:
             continue
         for (where, name), fields in entries.entries.items():
@@ -185,16 +189,6 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
     return items
 
 
-def _flat_names(tree: dict, prefix: str = "") -> List[str]:
-    names = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            names += _flat_names(value, f"{prefix}{key}.")
-        else:
-            names.append(f"{prefix}{key}")
-    return names
-
-
 def _model_config(model_chunks):
     module = model_chunks[0]
     while not hasattr(module, "config") and hasattr(module, "module"):
@@ -205,18 +199,18 @@ def _model_config(model_chunks):
 def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
                     pstate) -> str:
     """Write iteration ``iteration`` under ``args.save`` in the torch_dist format; collective."""
-    tmp_root = checkpointing._begin_save(args.save, iteration)
-    iter_dir = os.path.join(tmp_root, checkpointing.checkpoint_dir_name(iteration))
+    tmp_root = begin_save(args.save, iteration)
+    iter_dir = os.path.join(tmp_root, checkpoint_dir_name(iteration))
     error = ""
     try:
         items = _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
-        checkpointing.crash_point("before_files")
+        crash_point("before_files")
         save_shards(iter_dir, items)
-        checkpointing.crash_point("after_file")
+        crash_point("after_file")
     except DistCheckpointWriteError as err:
         error = str(err)
-    checkpointing._finish_save(args.save, iteration, error)
-    return os.path.join(args.save, checkpointing.checkpoint_dir_name(iteration))
+    finish_save(args.save, iteration, error)
+    return os.path.join(args.save, checkpoint_dir_name(iteration))
 
 
 def _cpu_copy(items: list) -> list:
@@ -227,7 +221,7 @@ def _cpu_copy(items: list) -> list:
             out.append(dataclasses.replace(item, tensor=item.tensor.detach().to("cpu",
                                                                                 copy=True)))
         else:
-            out.append(dataclasses.replace(item, obj=checkpointing._copy_to_cpu(item.obj)))
+            out.append(dataclasses.replace(item, obj=copy_to_cpu(item.obj)))
     return out
 
 
@@ -244,11 +238,11 @@ class AsyncDistSave:
 
     def _write(self) -> None:
         try:
-            checkpointing.crash_point("before_files")
+            crash_point("before_files")
             with ShardWriter(self.iter_dir, dist.get_rank()) as writer:
                 writer.add(self.items)
             self.records = writer.records
-            checkpointing.crash_point("after_file")
+            crash_point("after_file")
         except BaseException as err:  # noqa: BLE001 - raised on every rank at finish()
             self.error = f"rank {dist.get_rank()}: {type(err).__name__}: {err}"
         self.items = []
@@ -269,14 +263,14 @@ class AsyncDistSave:
                 except DistCheckpointWriteError as err:
                     errors.append(str(err))
             error = "; ".join(errors)
-        checkpointing._finish_save(self.save_dir, self.iteration, error)
+        finish_save(self.save_dir, self.iteration, error)
 
 
 def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
                 pstate) -> AsyncDistSave:
     """Begin a background torch_dist save (collective: the shards are gathered here)."""
-    tmp_root = checkpointing._begin_save(args.save, iteration)
-    iter_dir = os.path.join(tmp_root, checkpointing.checkpoint_dir_name(iteration))
+    tmp_root = begin_save(args.save, iteration)
+    iter_dir = os.path.join(tmp_root, checkpoint_dir_name(iteration))
     items = _cpu_copy(_shards(iteration, model_chunks, optimizer, opt_param_scheduler, args,
                               pstate))
     if dist.get_rank() == 0:
@@ -291,16 +285,12 @@ def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, ar
 # Loading
 # ---------------------------------------------------------------------------------------------
 
-def is_dist_iteration(iter_dir: str) -> bool:
-    return os.path.isfile(os.path.join(iter_dir, ".metadata"))
-
-
 def _open(iter_dir: str) -> Tuple[DistCheckpointReader, dict]:
     try:
         reader = DistCheckpointReader(iter_dir)
         return reader, reader.common_state()
     except (DistCheckpointError, UnsafeCheckpointError, OSError) as err:
-        raise checkpointing.CheckpointError(str(err)) from None
+        raise CheckpointError(str(err)) from None
 
 
 def saved_args(iter_dir: str) -> Optional[argparse.Namespace]:
@@ -318,7 +308,7 @@ def _check_unexpected(reader, model_chunks, layouts, args, path: str) -> None:
     wanted = set()
     for chunk, layout in zip(model_chunks, layouts):
         tree = chunk.state_dict_for_save_checkpoint()
-        for name in _flat_names(tree):
+        for name in dotted_names(tree):
             wanted |= {p.key for p in placements(name, tuple(_local_param(tree, name).shape),
                                                   layout)}
     if dist.is_initialized():
@@ -332,7 +322,7 @@ def _check_unexpected(reader, model_chunks, layouts, args, path: str) -> None:
     message = (f"{path}: {len(unexpected)} saved tensor(s) this model has no place for: "
                f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
     if strictness.startswith("raise"):
-        raise checkpointing.CheckpointError(message + f" (--dist-ckpt-strictness {strictness})")
+        raise CheckpointError(message + f" (--dist-ckpt-strictness {strictness})")
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"NOTE: {message}; ignored (--dist-ckpt-strictness {strictness})", flush=True)
 
@@ -344,7 +334,7 @@ def _load_model(reader, model_chunks, layouts, path: str) -> None:
             loaded.append(load_model_state(reader, chunk.state_dict_for_save_checkpoint(),
                                            layout))
     except (DistCheckpointError, UnsafeCheckpointError, ValueError) as err:
-        raise checkpointing.CheckpointError(f"{path}: model state does not fit the model: "
+        raise CheckpointError(f"{path}: model state does not fit the model: "
                                             f"{err}") from None
     for chunk, state in zip(model_chunks, loaded):
         chunk.load_state_dict(state, strict=True)
@@ -361,7 +351,7 @@ def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tu
         key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
         members = [p for p in order if optimizer_state.group_key(p[1], p[2]) == key]
         if len(members) != len(members_now):
-            raise checkpointing.CheckpointError(
+            raise CheckpointError(
                 f"--ckpt-format torch_dist: param group {g} of this run holds "
                 f"{len(members_now)} parameters, {len(members)} by Megatron's grouping; "
                 "pass --no-load-optim")
@@ -372,7 +362,7 @@ def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tu
 def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path) -> None:
     saved = common.get("optimizer")
     if not isinstance(saved, dict) or "param_groups" not in saved:
-        raise checkpointing.CheckpointError(f"{path}: has no optimizer state (saved with "
+        raise CheckpointError(f"{path}: has no optimizer state (saved with "
                                             "--no-save-optim?); pass --no-load-optim or "
                                             "--finetune")
     trees = _chunk_trees(model_chunks)
@@ -413,7 +403,7 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
             param_groups.append(dict(hparams, params=ids))
             mains.append(main_row)
     except (DistCheckpointError, UnsafeCheckpointError) as err:
-        raise checkpointing.CheckpointError(f"{path}: optimizer state does not fit: "
+        raise CheckpointError(f"{path}: optimizer state does not fit: "
                                             f"{err}") from None
     inner = {"state": state, "param_groups": param_groups}
     if half:
@@ -465,7 +455,7 @@ def _load_distributed(reader, optimizer, trees, layouts, groups, all_hparams, st
     try:
         optimizer.load_local_param_state(metas, read, grad_scaler)
     except (DistCheckpointError, UnsafeCheckpointError) as err:
-        raise checkpointing.CheckpointError(f"{path}: optimizer state does not fit: "
+        raise CheckpointError(f"{path}: optimizer state does not fit: "
                                             f"{err}") from None
 
 
@@ -481,7 +471,7 @@ def _check_vocab(saved, args, path: str) -> None:
     except Exception:  # noqa: BLE001 - no tokenizer set up: the smaller table must do
         vocab = min(saved_padded, args.padded_vocab_size)
     if saved_padded < vocab:
-        raise checkpointing.CheckpointError(
+        raise CheckpointError(
             f"{path}: saved with a vocabulary table of {saved_padded} rows; this run's has "
             f"{args.padded_vocab_size}, and the tokenizer needs {vocab}")
 
@@ -492,7 +482,7 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     reader, common = _open(iter_dir)
     # The vocabulary's padding follows the TP size; the tables are read row by row (see
     # read_local), so only the true vocabulary must match.
-    checkpointing._check_args(common.get("args"), args, iter_dir,
+    check_args(common.get("args"), args, iter_dir,
                               ignore=("padded_vocab_size",))
     _check_vocab(common.get("args"), args, iter_dir)
     layouts = _layouts(model_chunks, _model_config(model_chunks), pstate)
@@ -504,7 +494,7 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     if restore and not args.no_load_optim:
         _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, iter_dir)
         if "opt_param_scheduler" not in common:
-            raise checkpointing.CheckpointError(f"{iter_dir}: has no opt_param_scheduler state;"
+            raise CheckpointError(f"{iter_dir}: has no opt_param_scheduler state;"
                                                 " pass --no-load-optim or --finetune")
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     elif optimizer is not None:
@@ -514,7 +504,7 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
                f"{pstate.pp_size}.{pstate.tp_size}")
         if key in reader.byte_keys():
             rng = reader.read_single_object(key)
-            checkpointing._set_rng_state(rng[pstate.dp_rank] if len(rng) == pstate.dp_size
+            set_rng_state_snapshot(rng[pstate.dp_rank] if len(rng) == pstate.dp_size
                                          else rng[0])
         elif dist.get_rank() == 0:
             print(f"NOTE: {iter_dir} has no RNG state for (tensor, pipeline) layout "
@@ -523,5 +513,5 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     return common
 
 
-__all__ = ["save_checkpoint", "start_async", "load_checkpoint", "is_dist_iteration",
+__all__ = ["save_checkpoint", "start_async", "load_checkpoint",
            "saved_args"]

@@ -33,15 +33,16 @@ from typing import Dict, Iterable, Iterator, Optional
 
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.publish import publish
+from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, read_tracker
 from megatron.convert import megatron_io
 from megatron.checkpoint import optimizer_state
 from megatron.convert.megatron_layout import (SCHEDULER_KEY, expert_of, layer_tensor_names,
                                               split_tensor, tp_split_rule)
 # The legacy saver's target (sizes, vocabulary rows, args) and its per-piece placement rules,
 # shared so that both formats make the same checks and the same TP shards.
-from megatron.convert.megatron_save import (_check_tensors, _embedding_writes, _final_writes,
-                                            _prepare_save_dir, _Target)
+from megatron.convert.megatron_save import (check_tensors, embedding_writes, final_writes,
+                                            prepare_save_dir, SaveTarget)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece
 from megatron.checkpoint.dist import keys
 from megatron.checkpoint.dist.model_state import tensor_shards
@@ -61,19 +62,19 @@ _FINAL_NORM = "language_model.encoder.final_layernorm."
 CONTENT_METADATA = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
 
 
-def _iteration_dir(load_dir: str, ckpt_step: Optional[int]):
-    tracked = checkpointing.read_tracker(load_dir) if os.path.isdir(load_dir) else None
+def iteration_dir(load_dir: str, ckpt_step: Optional[int]):
+    tracked = read_tracker(load_dir) if os.path.isdir(load_dir) else None
     if tracked is None and ckpt_step is None:
         return None
     iteration, release = (ckpt_step, False) if ckpt_step is not None else tracked
-    return os.path.join(load_dir, checkpointing.checkpoint_dir_name(iteration, release)), \
+    return os.path.join(load_dir, checkpoint_dir_name(iteration, release)), \
         iteration, release
 
 
 def find_dist_checkpoint(load_dir: str, ckpt_step: Optional[int] = None) -> Optional[str]:
     """The iteration folder of ``load_dir`` when it is a torch_dist one (a ``.metadata``, no
     ``mp_rank_*`` folders), else None."""
-    found = _iteration_dir(load_dir, ckpt_step)
+    found = iteration_dir(load_dir, ckpt_step)
     if found is None:
         return None
     iter_dir = found[0]
@@ -93,7 +94,7 @@ def _open(load_dir: str, ckpt_step: Optional[int]):
         common = reader.common_state()
     except (DistCheckpointError, UnsafeCheckpointError) as err:
         raise ConversionError(str(err)) from None
-    return reader, common, _iteration_dir(load_dir, ckpt_step)
+    return reader, common, iteration_dir(load_dir, ckpt_step)
 
 
 def _meta(reader: DistCheckpointReader, common: dict, iteration: int, release: bool,
@@ -287,7 +288,7 @@ class _DistTarget:
 
 
 def _save_embeddings(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
-    for tp_rank, pp_rank, path, tensor in _embedding_writes(out.target, piece):
+    for tp_rank, pp_rank, path, tensor in embedding_writes(out.target, piece):
         name = ".".join(path)
         if name == "word_embeddings_for_head.weight":
             continue  # tied: stored once, as the embedding
@@ -296,7 +297,7 @@ def _save_embeddings(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
 
 def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     target = out.target
-    _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes[piece.index])
+    check_tensors(f"layer {piece.index}", piece.tensors, target.shapes[piece.index])
     pp_rank, local = target.stage_of(piece.index)
     for name, tensor in piece.tensors.items():
         rule = tp_split_rule(name, out.meta.swiglu)
@@ -314,7 +315,7 @@ def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
 
 
 def _save_final(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
-    for tp_rank, pp_rank, path, tensor in _final_writes(out.target, piece):
+    for tp_rank, pp_rank, path, tensor in final_writes(out.target, piece):
         out.put(tp_rank, pp_rank, ".".join(path), tensor, prefix)
 
 
@@ -323,7 +324,7 @@ def _common_state(target) -> dict:
     args.ckpt_format = "torch_dist"
     args.use_dist_ckpt = True
     source = target.meta.source_args or {}
-    state = {"args": args, "checkpoint_version": checkpointing.CHECKPOINT_VERSION,
+    state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": target.meta.iteration,
              "num_floating_point_operations_so_far":
                  source.get("num_floating_point_operations_so_far", 0) or 0,
@@ -368,19 +369,6 @@ def _consume(pieces: Iterator[Piece], out: _DistTarget, prefix: str = "") -> Non
         raise ConversionError(f"the stream ended without {', '.join(names[:5])}")
 
 
-def _publish(staging: str, save_dir: str, name: str, iteration_label: str) -> str:
-    final = os.path.join(save_dir, name)
-    os.replace(os.path.join(staging, name), final)
-    shutil.rmtree(staging)
-    tracker = os.path.join(save_dir, checkpointing.TRACKER_FILENAME)
-    with open(tracker + ".tmp", "w") as f:
-        f.write(iteration_label)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker + ".tmp", tracker)
-    return final
-
-
 def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
               make_vocab_size_divisible_by: Optional[int] = None,
               optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None) -> str:
@@ -397,11 +385,11 @@ def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp:
     if first.meta.model_type != "GPT":
         raise ConversionError(f"--target-ckpt-format torch_dist: only GPT models, not "
                               f"{first.meta.model_type}")
-    target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
+    target = SaveTarget(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
                      optimizer=bool(optimizer_streams))
-    created = _prepare_save_dir(save_dir)
+    created = prepare_save_dir(save_dir)
     staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
-    name = checkpointing.checkpoint_dir_name(target.meta.iteration, target.release)
+    name = checkpoint_dir_name(target.meta.iteration, target.release)
     root = os.path.join(staging, name)
     out = None
     try:
@@ -418,7 +406,7 @@ def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp:
                 _consume(stream, out, prefix)
         write_metadata(root, out.close())
         label = "release" if target.release else str(target.meta.iteration)
-        return _publish(staging, save_dir, name, label)
+        return publish(staging, save_dir, name, label)
     except DistCheckpointWriteError as err:
         raise ConversionError(f"--save-dir {save_dir}: {err}") from None
     finally:

@@ -51,11 +51,14 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, checkpoint_dir_name,
+                                        checkpoint_file, read_tracker, saved_sizes)
+from megatron.checkpoint.names import lookup_dotted
+from megatron.checkpoint.saved_args import megatron_args
 from megatron.checkpoint.config import torch_format_expert_tp_error
 from megatron.convert.megatron_layout import (  # noqa: F401  (re-exported: the public rules)
     BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS, get_path, has_prefix, join_shards,
-    layer_tensor_names, layer_tensor_shapes, lookup_dotted, read_rank_file, split_tensor,
+    layer_tensor_names, layer_tensor_shapes, read_rank_file, split_tensor,
     tp_split_rule)
 from megatron.checkpoint import optimizer_state
 from megatron.convert.megatron_save import save_megatron  # noqa: F401  (re-exported)
@@ -78,22 +81,22 @@ class _Source:
         self.view = view
         self._view_cache: Tuple[Optional[tuple], Optional[optimizer_state.SourceOptimizer]] = \
             (None, None)
-        tracked = checkpointing.read_tracker(load_dir) if os.path.isdir(load_dir) else None
+        tracked = read_tracker(load_dir) if os.path.isdir(load_dir) else None
         if tracked is None:
-            raise ConversionError(f"--load-dir {load_dir}: no {checkpointing.TRACKER_FILENAME}; "
+            raise ConversionError(f"--load-dir {load_dir}: no {TRACKER_FILENAME}; "
                                   "not a Megatron checkpoint folder")
         self.iteration, self.release = tracked
         if ckpt_step is not None:
             self.iteration, self.release = ckpt_step, False
         self.load_dir = load_dir
-        iter_dir = os.path.join(load_dir, checkpointing.checkpoint_dir_name(
+        iter_dir = os.path.join(load_dir, checkpoint_dir_name(
             self.iteration, self.release))
         if not os.path.isdir(iter_dir):
             raise ConversionError(f"{iter_dir}: missing (named by "
-                                  f"{checkpointing.TRACKER_FILENAME} or --ckpt-step)")
+                                  f"{TRACKER_FILENAME} or --ckpt-step)")
         try:
-            self.tp, self.pp, self.ep = checkpointing.saved_sizes(iter_dir)
-        except checkpointing.CheckpointError as err:
+            self.tp, self.pp, self.ep = saved_sizes(iter_dir)
+        except CheckpointError as err:
             raise ConversionError(str(err)) from None
         for tp_rank, pp_rank, ep_rank in self.ranks():
             path = self.file(tp_rank, pp_rank, ep_rank)
@@ -180,7 +183,7 @@ class _Source:
         self.num_tokentypes = 0 if tokentypes is None else tokentypes.size(0)
 
     def file(self, tp_rank: int, pp_rank: int, ep_rank: int = 0) -> str:
-        return checkpointing.checkpoint_file(self.load_dir, self.iteration, tp_rank, pp_rank,
+        return checkpoint_file(self.load_dir, self.iteration, tp_rank, pp_rank,
                                              self.pp, self.release, ep_rank, self.ep)
 
     def chunk_key(self, chunk: int) -> str:
@@ -307,7 +310,7 @@ def _true_vocab_size(args, padded: int, override: Optional[int], where: str) -> 
         from megatron.tokenizer import build_tokenizer
 
         try:
-            quiet = argparse.Namespace(**{**vars(checkpointing.megatron_args(args)), "rank": 1,
+            quiet = argparse.Namespace(**{**vars(megatron_args(args)), "rank": 1,
                                           "padded_vocab_size": padded})
             size = build_tokenizer(quiet).vocab_size
         except Exception as err:  # noqa: BLE001 - any tokenizer failure: fall back, say why
@@ -377,7 +380,7 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     epsilon = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None)
     padded = args.padded_vocab_size
     # In this project's conventions, without Megatron's own classes (the target writes them).
-    source_args = dict(vars(checkpointing.megatron_args(args)))
+    source_args = dict(vars(megatron_args(args)))
     if src.scheduler is not None:
         source_args[SCHEDULER_KEY] = src.scheduler
     return ModelMeta(

@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.names import dotted_names
 from megatron.checkpoint import safe_unpickle
 from megatron.convert.schema import ConversionError, ModelMeta
 
@@ -184,32 +184,8 @@ def get_path(tree: dict, keys: Sequence[str], path: str):
     return node
 
 
-def lookup_dotted(tree, dotted: str):
-    """The value at dotted key ``dotted`` of a nested ``tree`` whatever its nesting
-    (``{"lm_head": {"dense.weight": t}}`` and ``{"lm_head": {"dense": {"weight": t}}}`` alike),
-    or None."""
-    if not isinstance(tree, dict):
-        return None
-    if dotted in tree:
-        return tree[dotted]
-    for key, child in tree.items():
-        if isinstance(child, dict) and dotted.startswith(f"{key}."):
-            found = lookup_dotted(child, dotted[len(key) + 1:])
-            if found is not None:
-                return found
-    return None
-
-
 def has_prefix(tree, prefix: str) -> bool:
     """Whether a nested ``tree`` holds any key under dotted ``prefix``."""
     return any(name == prefix or name.startswith(prefix + ".") for name in dotted_names(tree))
 
 
-def dotted_names(tree, prefix: str = "") -> List[str]:
-    names = []
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            names += dotted_names(value, f"{prefix}{key}.")
-        else:
-            names.append(f"{prefix}{key}")
-    return names

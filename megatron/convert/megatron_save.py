@@ -11,7 +11,8 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.checkpoint.publish import fsync_path, publish
+from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, checkpoint_file
 from megatron.checkpoint import optimizer_state
 from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS,
                                               expert_of, get_path, layer_tensor_names,
@@ -25,7 +26,7 @@ from megatron.convert.zip_checksums import refresh_zip_checksums
 # Saving
 # ---------------------------------------------------------------------------------------------
 
-class _Target:
+class SaveTarget:
     """The target layout: checked sizes, vocabulary rows, stage of every layer, file skeletons."""
 
     def __init__(self, meta: ModelMeta, tp: int, pp: int, divisible_by: Optional[int],
@@ -221,7 +222,7 @@ class _Target:
             return self.model_skeleton(pp_rank)
 
 
-def _prepare_save_dir(save_dir: str) -> bool:
+def prepare_save_dir(save_dir: str) -> bool:
     """Refuse a save dir that is a file or holds anything; returns whether it was created."""
     if os.path.exists(save_dir):
         if not os.path.isdir(save_dir):
@@ -240,22 +241,14 @@ def _prepare_save_dir(save_dir: str) -> bool:
     return True
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _create_files(target: _Target, root: str) -> Dict[Tuple[int, int, int], str]:
+def _create_files(target: SaveTarget, root: str) -> Dict[Tuple[int, int, int], str]:
     """Every target rank's file, complete but for the tensor bytes (written later in place)."""
     args = target.args()
     meta = target.meta
     scheduler = (meta.source_args or {}).get(SCHEDULER_KEY)
     files = {}
     for tp_rank, pp_rank, ep_rank in target.ranks():
-        state = {"args": args, "checkpoint_version": checkpointing.CHECKPOINT_VERSION,
+        state = {"args": args, "checkpoint_version": CHECKPOINT_VERSION,
                  "iteration": meta.iteration, "model": target.model_skeleton(pp_rank)}
         if scheduler is not None:
             state["opt_param_scheduler"] = scheduler
@@ -263,7 +256,7 @@ def _create_files(target: _Target, root: str) -> Dict[Tuple[int, int, int], str]
             state["optimizer"] = optimizer_state.target_skeleton(
                 state["model"], meta.optimizer, target.half)
         state["conversion"] = target.conversion_record()
-        path = checkpointing.checkpoint_file(root, meta.iteration, tp_rank, pp_rank,
+        path = checkpoint_file(root, meta.iteration, tp_rank, pp_rank,
                                              target.pp, target.release, ep_rank, target.ep)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with torch.serialization.skip_data():
@@ -297,7 +290,7 @@ def _copy_optimizer_into(path: str, items: list, what: str) -> None:
         dst.copy_(tensor)
 
 
-def _write_optimizer(target: _Target, files: dict, writes: list, field: str, what: str) -> None:
+def _write_optimizer(target: SaveTarget, files: dict, writes: list, field: str, what: str) -> None:
     """Model-tree writes of one optimizer ``field`` view, redirected into the target's
     optimizer state."""
     trees = {pp_rank: target.shape_tree(pp_rank) for pp_rank in {w[1] for w in writes}}
@@ -311,7 +304,7 @@ def _write_optimizer(target: _Target, files: dict, writes: list, field: str, wha
         _copy_optimizer_into(files[rank], items, what)
 
 
-def _write_steps(target: _Target, files: dict) -> None:
+def _write_steps(target: SaveTarget, files: dict) -> None:
     """Every parameter's Adam step count (a skeleton's scalars hold no data until written)."""
     step = torch.tensor(float(target.meta.optimizer["step"]), dtype=torch.float32)
     inner = ("optimizer", "optimizer") if target.half else ("optimizer",)
@@ -321,10 +314,10 @@ def _write_steps(target: _Target, files: dict) -> None:
                                     for i in index.values()], "the Adam step counts")
 
 
-def _write(target: _Target, files: Dict[Tuple[int, int, int], str],
+def _write(target: SaveTarget, files: Dict[Tuple[int, int, int], str],
            writes: List[Tuple[int, int, tuple, torch.Tensor]], what: str) -> None:
     """Copy ``(tp_rank, pp_rank, key path under model, tensor)`` into the target files (every
-    expert rank's, or the one holding the expert: :meth:`_Target.route`), one file mapped at a
+    expert rank's, or the one holding the expert: :meth:`SaveTarget.route`), one file mapped at a
     time."""
     by_file: Dict[Tuple[int, int, int], list] = {}
     for tp_rank, pp_rank, keys, tensor in writes:
@@ -334,7 +327,7 @@ def _write(target: _Target, files: Dict[Tuple[int, int, int], str],
         _copy_into(files[rank], items, what)
 
 
-def _check_tensors(what: str, tensors: Dict[str, torch.Tensor],
+def check_tensors(what: str, tensors: Dict[str, torch.Tensor],
                    expected: Dict[str, Tuple[int, ...]]) -> None:
     missing = sorted(set(expected) - set(tensors))
     extra = sorted(set(tensors) - set(expected))
@@ -348,7 +341,7 @@ def _check_tensors(what: str, tensors: Dict[str, torch.Tensor],
                               + "; ".join(detail))
 
 
-def _vocab_shards(target: _Target, table: torch.Tensor, what: str) -> List[torch.Tensor]:
+def _vocab_shards(target: SaveTarget, table: torch.Tensor, what: str) -> List[torch.Tensor]:
     """Each TP rank's rows of ``table`` fitted to the target's padded size, with
     :func:`fit_vocab_rows`'s rule (rows past the table's are zeros; only padding rows are
     dropped), built shard by shard: views where the rows exist, so no whole copy is made."""
@@ -366,7 +359,7 @@ def _vocab_shards(target: _Target, table: torch.Tensor, what: str) -> List[torch
     return shards
 
 
-def _embedding_writes(target: _Target, piece: Piece) -> list:
+def embedding_writes(target: SaveTarget, piece: Piece) -> list:
     meta = target.meta
     word = piece.tensors.get("word_embeddings")
     expected = {"word_embeddings": (0 if word is None else word.size(0), meta.hidden_size)}
@@ -374,7 +367,7 @@ def _embedding_writes(target: _Target, piece: Piece) -> list:
         expected["position_embeddings"] = (meta.max_position_embeddings, meta.hidden_size)
     if target.heads and meta.num_tokentypes:
         expected["tokentype_embeddings"] = (meta.num_tokentypes, meta.hidden_size)
-    _check_tensors("the embeddings", piece.tensors, expected)
+    check_tensors("the embeddings", piece.tensors, expected)
     writes = []
     for tp_rank, shard in enumerate(_vocab_shards(target, word, "the word embeddings")):
         writes.append((tp_rank, 0, ("language_model", "embedding", "word_embeddings", "weight"),
@@ -391,14 +384,14 @@ def _embedding_writes(target: _Target, piece: Piece) -> list:
     return writes
 
 
-def _bert_head_writes(target: _Target, piece: Piece) -> list:
+def _bert_head_writes(target: SaveTarget, piece: Piece) -> list:
     """A BERT head piece: the ``lm_head`` bias split over TP like the word embeddings (fitted to
     the target's padded vocabulary), every other tensor replicated, all on the last stage."""
     expected = dict(target.heads[piece.kind])
     bias = piece.tensors.get("bias")
     if piece.kind == BERT_VOCAB_TENSOR[0]:
         expected["bias"] = (0 if bias is None else bias.size(0),)
-    _check_tensors(f"the {piece.kind}", piece.tensors, expected)
+    check_tensors(f"the {piece.kind}", piece.tensors, expected)
     writes, last = [], target.pp - 1
     for name, tensor in piece.tensors.items():
         keys = BERT_HEAD_KEYS[piece.kind] + (name,)
@@ -410,8 +403,8 @@ def _bert_head_writes(target: _Target, piece: Piece) -> list:
     return writes
 
 
-def _layer_writes(target: _Target, piece: Piece) -> list:
-    _check_tensors(f"layer {piece.index}", piece.tensors, target.shapes[piece.index])
+def _layer_writes(target: SaveTarget, piece: Piece) -> list:
+    check_tensors(f"layer {piece.index}", piece.tensors, target.shapes[piece.index])
     pp_rank, local = target.stage_of(piece.index)
     writes = []
     for name, tensor in piece.tensors.items():
@@ -424,24 +417,24 @@ def _layer_writes(target: _Target, piece: Piece) -> list:
     return writes
 
 
-def _final_writes(target: _Target, piece: Piece) -> list:
+def final_writes(target: SaveTarget, piece: Piece) -> list:
     meta, last = target.meta, target.pp - 1
     if piece.kind == "final_norm":
         names = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
-        _check_tensors("the final norm", piece.tensors, {n: (meta.hidden_size,) for n in names})
+        check_tensors("the final norm", piece.tensors, {n: (meta.hidden_size,) for n in names})
         return [(tp_rank, last, ("language_model", "encoder", f"final_layernorm.{name}"), tensor)
                 for name, tensor in piece.tensors.items() for tp_rank in range(target.tp)]
     if target.tied:
         raise ConversionError("the stream has an output layer but the meta says the embeddings "
                               "are tied (untie_embeddings_and_output_weights is False)")
     weight = piece.tensors.get("weight")
-    _check_tensors("the output layer", piece.tensors,
+    check_tensors("the output layer", piece.tensors,
                    {"weight": (weight.size(0) if weight is not None else 0, meta.hidden_size)})
     return [(tp_rank, last, ("language_model", "output_layer", "weight"), shard)
             for tp_rank, shard in enumerate(_vocab_shards(target, weight, "the output layer"))]
 
 
-def _consume(pieces: Iterator[Piece], target: _Target, files: dict,
+def _consume(pieces: Iterator[Piece], target: SaveTarget, files: dict,
              field: Optional[str] = None) -> None:
     """Write every piece into the target files (the optimizer's ``field`` when given, see
     :mod:`megatron.checkpoint.optimizer_state`); check that the stream is complete."""
@@ -457,13 +450,13 @@ def _consume(pieces: Iterator[Piece], target: _Target, files: dict,
             raise ConversionError(f"the stream holds {key} twice")
         seen.add(key)
         if piece.kind == "embeddings":
-            writes = _embedding_writes(target, piece)
+            writes = embedding_writes(target, piece)
         elif piece.kind == "layer":
             writes = _layer_writes(target, piece)
         elif piece.kind in target.heads:
             writes = _bert_head_writes(target, piece)
         else:
-            writes = _final_writes(target, piece)
+            writes = final_writes(target, piece)
         what = piece.kind if piece.index is None else f"layer {piece.index}"
         if field is None:
             _write(target, files, writes, what)
@@ -477,27 +470,15 @@ def _consume(pieces: Iterator[Piece], target: _Target, files: dict,
                               + (" ..." if len(names) > 5 else ""))
 
 
-def _commit(staging: str, save_dir: str, target: _Target, files: dict) -> str:
-    """fsync every file, move the iteration folder into place, then the tracker (renames)."""
+def _commit(staging: str, save_dir: str, target: SaveTarget, files: dict) -> str:
+    """fsync every file, then publish the iteration folder and the tracker (renames)."""
     for path in files.values():
         refresh_zip_checksums(path)
-        _fsync(path)
-        _fsync(os.path.dirname(path))
-    name = checkpointing.checkpoint_dir_name(target.meta.iteration, target.release)
-    _fsync(os.path.join(staging, name))
-    final = os.path.join(save_dir, name)
-    os.replace(os.path.join(staging, name), final)
-    shutil.rmtree(staging)
-    _fsync(save_dir)
-    tracker = os.path.join(save_dir, checkpointing.TRACKER_FILENAME)
-    with open(tracker + ".tmp", "w") as f:
-        f.write("release" if target.release else str(target.meta.iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker + ".tmp", tracker)
-    _fsync(save_dir)
-    return final
-
+        fsync_path(path)
+        fsync_path(os.path.dirname(path))
+    name = checkpoint_dir_name(target.meta.iteration, target.release)
+    return publish(staging, save_dir, name,
+                   "release" if target.release else str(target.meta.iteration))
 
 def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
                   make_vocab_size_divisible_by: Optional[int] = None,
@@ -528,9 +509,9 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
     first = next(pieces, None)
     if first is None or first.kind != "meta" or first.meta is None:
         raise ConversionError("the stream must start with its meta piece")
-    target = _Target(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
+    target = SaveTarget(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
                      optimizer=bool(optimizer_streams), ep=target_ep)
-    created = _prepare_save_dir(save_dir)
+    created = prepare_save_dir(save_dir)
     staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
     try:
         files = _create_files(target, staging)

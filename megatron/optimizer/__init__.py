@@ -5,8 +5,8 @@ from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp
 from .config import OptimizerConfig, SchedulerConfig
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from .optimizer import (FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer,
-                        build_grad_scaler, get_megatron_optimizer, get_param_groups)
+from .builder import build_grad_scaler, get_megatron_optimizer, get_param_groups
+from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
 from .optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [

@@ -60,7 +60,7 @@ expert-DP, and ``param_state`` holds the dense parameters and this EP rank's loc
      "grad_scaler": {...}}                                  (fp16 / --loss-scale only)
 
 ``param_state[g][i]`` belongs to the i-th parameter of param group ``g`` (the order of
-:func:`~megatron.optimizer.optimizer.get_param_groups`); its tensors have the parameter's shape.
+:func:`~megatron.optimizer.builder.get_param_groups`); its tensors have the parameter's shape.
 """
 
 import logging
@@ -77,7 +77,7 @@ from .clip_grads import (clip_grads_with_norm_fp32, get_grads_for_norm, is_exper
                          param_counts_here)
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
-from .optimizer import MegatronOptimizer, StepResult, _copy_parallel_attributes
+from .optimizer import MegatronOptimizer, StepResult, copy_parallel_attributes
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class DistributedOptimizer(MegatronOptimizer):
         config: the run's :class:`OptimizerConfig`.
         model_chunks: this rank's model chunks, each a ``DistributedDataParallel``.
         param_groups: groups of model parameters with their hyper-parameters
-            (:func:`~megatron.optimizer.optimizer.get_param_groups`).
+            (:func:`~megatron.optimizer.builder.get_param_groups`).
         build_optimizer: ``groups -> torch optimizer``; called once with the same groups, their
             ``params`` replaced by this rank's fp32 main pieces (possibly none).
         grad_scaler: loss scaler (required with ``--fp16``), or None.
@@ -307,7 +307,7 @@ class DistributedOptimizer(MegatronOptimizer):
             raise TypeError(f"parameters must be fp16, bf16 or fp32, got "
                             f"{piece.model_param.dtype} for a parameter of shape "
                             f"{tuple(piece.model_param.shape)}")
-        _copy_parallel_attributes(piece.model_param, main)
+        copy_parallel_attributes(piece.model_param, main)
         return main
 
     def _shards(self):

@@ -23,19 +23,18 @@ They are copied onto the fp32 main parameters so the norm treats both alike.
 
 import logging
 from abc import ABC, abstractmethod
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from megatron.core import device
-from megatron.core.config import ConfigError
 
 from . import apex_state
 from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart,
                          get_grads_for_norm, is_expert_parallel)
 from .config import OptimizerConfig
-from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
+from .grad_scaler import MegatronGradScaler
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ def _in_torch_layout(state_dict: dict, optimizer: torch.optim.Optimizer) -> dict
     return state_dict
 
 
-def _copy_parallel_attributes(source: torch.Tensor, destination: torch.Tensor) -> None:
+def copy_parallel_attributes(source: torch.Tensor, destination: torch.Tensor) -> None:
     for name in _PARALLEL_ATTRIBUTES:
         if hasattr(source, name):
             setattr(destination, name, getattr(source, name))
@@ -365,7 +364,7 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         for i, param in enumerate(group["params"]):
             if param.dtype in (torch.float16, torch.bfloat16):
                 main_param = param.detach().to(torch.float32, copy=True)
-                _copy_parallel_attributes(param, main_param)
+                copy_parallel_attributes(param, main_param)
                 group["params"][i] = main_param
                 if param in self.optimizer.state:
                     self.optimizer.state[main_param] = self.optimizer.state.pop(param)
@@ -484,177 +483,3 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
 
 # -- construction ------------------------------------------------------------------------------
-
-ParamCond = Callable[[str, torch.nn.Parameter], bool]
-
-
-def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerConfig,
-                     no_weight_decay_cond: Optional[ParamCond] = None,
-                     scale_lr_cond: Optional[ParamCond] = None,
-                     lr_mult: float = 1.0) -> List[dict]:
-    """Group trainable parameters by (``wd_mult``, ``lr_mult``), in order of first appearance.
-
-    By default biases (names ending in ``.bias``) and every 1-D parameter (norm weights) get no
-    weight decay (``wd_mult`` 0); parameters selected by ``scale_lr_cond`` get ``lr_mult``.
-    Each group's initial ``lr`` and ``weight_decay`` already include its multipliers, so the
-    optimizer is right before the scheduler first touches it.
-
-    With ``config.decoupled_lr`` (``--decoupled-lr``), parameters marked
-    ``is_embedding_or_output_parameter`` (word embeddings, output layer) form groups of their
-    own, and every group carries ``max_lr`` / ``min_lr`` (``--decoupled-lr`` /
-    ``--decoupled-min-lr``, else ``--min-lr``, for those; ``--lr`` / ``--min-lr`` for the rest)
-    and ``is_decoupled_lr``, which the scheduler follows with the same schedule shape.
-    """
-    decoupled = config.decoupled_lr is not None
-    by_key: Dict[Tuple[float, float, bool], List[torch.nn.Parameter]] = {}
-    for chunk in model_chunks:
-        for name, param in chunk.named_parameters():
-            if not param.requires_grad:
-                continue
-            if no_weight_decay_cond is not None:
-                no_wd = no_weight_decay_cond(name, param)
-            else:
-                no_wd = name.endswith(".bias") or param.dim() == 1
-            scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
-            own_lr = decoupled and getattr(param, "is_embedding_or_output_parameter", False)
-            key = (0.0 if no_wd else 1.0, float(lr_mult) if scale_lr else 1.0, own_lr)
-            by_key.setdefault(key, []).append(param)
-    groups = []
-    for (wd_mult, group_lr_mult, own_lr), params in by_key.items():
-        max_lr = config.decoupled_lr if own_lr else config.lr
-        group = {"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
-                 "lr": max_lr * group_lr_mult, "weight_decay": config.weight_decay * wd_mult}
-        if decoupled:
-            min_lr = config.min_lr
-            if own_lr and config.decoupled_min_lr is not None:
-                min_lr = config.decoupled_min_lr
-            group.update(max_lr=max_lr, min_lr=min_lr, is_decoupled_lr=own_lr)
-        groups.append(group)
-    return groups
-
-
-def _build_torch_optimizer(config: OptimizerConfig,
-                           param_groups: List[dict]) -> torch.optim.Optimizer:
-    if config.optimizer == "adam":
-        # Megatron's Adam decouples weight decay from the gradient (AdamW). The fused
-        # multi-tensor step is used when the compiled kernels load; its state_dict is
-        # torch.optim.AdamW's, so checkpoints move freely between the two.
-        from megatron.fused_kernels import loader
-
-        adam_cls = torch.optim.AdamW
-        if loader.load() is not None:
-            from megatron.optimizer.fused_adam import FusedAdamW
-
-            adam_cls = FusedAdamW
-        return adam_cls(param_groups, lr=config.lr, weight_decay=config.weight_decay,
-                        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
-    return torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
-                           momentum=config.sgd_momentum)
-
-
-def build_grad_scaler(config: OptimizerConfig) -> Optional[MegatronGradScaler]:
-    """``--loss-scale`` gives a constant scaler; otherwise fp16 gets the dynamic one."""
-    if config.loss_scale is not None:
-        return ConstantGradScaler(config.loss_scale)
-    if config.fp16:
-        return DynamicGradScaler(initial_scale=config.initial_loss_scale,
-                                 min_scale=config.min_loss_scale, growth_factor=2.0,
-                                 backoff_factor=0.5, growth_interval=config.loss_scale_window,
-                                 hysteresis=config.hysteresis)
-    return None
-
-
-def _check_expert_groups(model_chunks, param_groups: List[dict], mp_group,
-                         expert_model_parallel_group, expert_tp_rank: Optional[int]) -> None:
-    """Refuse a model with experts but no expert group where one is needed: without it the
-    experts' part of the norm would be counted on this rank alone."""
-    if expert_model_parallel_group is not None:
-        if expert_tp_rank is None:
-            raise ValueError("get_megatron_optimizer: expert_model_parallel_group was given "
-                             "without expert_tp_rank; pass ParallelState.expert_tp_rank")
-        return
-    if not any(is_expert_parallel(p) for group in param_groups for p in group["params"]):
-        return
-    mp_size = dist.get_world_size(mp_group) if mp_group is not None else 1
-    expert_buffers = any(getattr(c, "expert_dp_group", None) is not None for c in model_chunks)
-    if mp_size > 1 or expert_buffers:
-        where = (f"mp_group has {mp_size} ranks" if mp_size > 1 else
-                 "the model chunks keep expert gradients over an expert-data-parallel group")
-        raise ConfigError(
-            f"get_megatron_optimizer: the model has expert parameters (allreduce = False) and "
-            f"{where}, but expert_model_parallel_group is None, so the experts' part of the "
-            "gradient norm would miss the other ranks' experts; pass "
-            "ParallelState.expert_model_parallel_group and ParallelState.expert_tp_rank")
-
-
-def get_megatron_optimizer(config: OptimizerConfig,
-                           model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]], *,
-                           mp_group, tp_group, dp_group=None,
-                           no_weight_decay_cond: Optional[ParamCond] = None,
-                           scale_lr_cond: Optional[ParamCond] = None, lr_mult: float = 1.0,
-                           use_main_grad: Optional[bool] = None,
-                           overlap_param_gather: bool = False,
-                           expert_model_parallel_group=None,
-                           expert_tp_rank: Optional[int] = None) -> MegatronOptimizer:
-    """Build the optimizer for this rank's model chunks.
-
-    Args:
-        config: the run's optimizer settings.
-        model_chunks: this rank's model (a list with virtual pipeline stages).
-        mp_group: model-parallel group (TP x PP) for the grad norm and the inf/nan flag; None when
-            this rank holds the whole model.
-        tp_group: tensor-parallel group, used only to know this rank's TP rank (replicated
-            parameters count in the norm on TP rank 0 only); None means no tensor parallelism.
-            Both are required arguments so that forgetting one cannot silently double-count.
-        dp_group: data-parallel group, over which ``--use-distributed-optimizer`` shards the
-            optimizer state (None: the model chunks' own); unused otherwise, since gradients
-            then arrive already averaged over data-parallel ranks.
-        no_weight_decay_cond: ``(name, param) -> bool``; default: biases and 1-D params.
-        scale_lr_cond: ``(name, param) -> bool`` selecting params whose lr is scaled by
-            ``lr_mult``.
-        lr_mult: learning-rate multiplier for ``scale_lr_cond`` params.
-        use_main_grad: where gradients are read from; see :class:`MegatronOptimizer`
-            (the distributed optimizer always reads the data-parallel gradient buffer).
-        overlap_param_gather: with ``--use-distributed-optimizer``, overlap the all-gather of
-            updated parameters with the next forward (``--overlap-param-gather``).
-        expert_model_parallel_group: the experts' counterpart of ``mp_group``, expert TP x EP x
-            PP (``ParallelState.expert_model_parallel_group``; None: one rank); required when
-            the model has experts (parameters marked ``allreduce = False``) and ``mp_group``
-            has several ranks or the chunks keep expert gradient buffers. See
-            :class:`MegatronOptimizer`.
-        expert_tp_rank: this rank's expert-TP rank (``ParallelState.expert_tp_rank``);
-            required with ``expert_model_parallel_group``.
-
-    With ``config.use_distributed_optimizer`` the model chunks must be
-    ``DistributedDataParallel`` wrappers (built with ``use_distributed_optimizer=True`` so that
-    gradients are reduce-scattered); a :class:`DistributedOptimizer` is returned.
-    """
-    if isinstance(model_chunks, torch.nn.Module):
-        model_chunks = [model_chunks]
-    param_groups = get_param_groups(model_chunks, config, no_weight_decay_cond, scale_lr_cond,
-                                    lr_mult)
-    if not param_groups:
-        raise ValueError("the model has no trainable parameters to optimize")
-    tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
-    _check_expert_groups(model_chunks, param_groups, mp_group, expert_model_parallel_group,
-                         expert_tp_rank)
-    if config.use_distributed_optimizer:
-        from .distrib_optimizer import DistributedOptimizer  # noqa: PLC0415 - import cycle
-
-        scaler = build_grad_scaler(config) if config.fp16 or config.bf16 else None
-        return DistributedOptimizer(
-            config, model_chunks, param_groups,
-            lambda groups: _build_torch_optimizer(config, groups), scaler, dp_group=dp_group,
-            model_parallel_group=mp_group, tp_rank=tp_rank,
-            expert_model_parallel_group=expert_model_parallel_group,
-            expert_tp_rank=expert_tp_rank, overlap_param_gather=overlap_param_gather)
-    if overlap_param_gather:
-        raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
-    inner = _build_torch_optimizer(config, param_groups)
-    kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad,
-                  expert_model_parallel_group=expert_model_parallel_group,
-                  expert_tp_rank=expert_tp_rank)
-    if config.fp16 or config.bf16:
-        return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),
-                                                 **kwargs)
-    return FP32Optimizer(inner, config, **kwargs)

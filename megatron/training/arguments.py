@@ -19,9 +19,7 @@ from typing import Callable, List, Optional
 from megatron.training.configs import (  # noqa: F401  (re-exported)
     Configs, build_configs, build_data_config)
 from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert_args re-exported)
-    BERT_TOKENIZER_TYPES, ArgumentsError, _apply_old_spellings, _fail, _note,
-    _validate_batch_and_schedule, _validate_checkpoint_format, _validate_masking, _validate_model,
-    _validate_moe, _validate_parallel, _validate_surface, validate_bert_args)
+    BERT_TOKENIZER_TYPES, ArgumentsError, check_flags, validate_bert_args)
 from megatron.core.config import ConfigError
 from megatron.training.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
 from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BALANCING_TYPES,
@@ -483,9 +481,14 @@ def _describe_registered_flags(parser) -> None:
                            + UNSUPPORTED_FLAGS[action.dest])
 
 
-def parse_args(argv: Optional[List[str]] = None, extra_args_provider: Optional[Callable] = None,
-               ignore_unknown_args: bool = False) -> argparse.Namespace:
-    """Parse Megatron's flags (no validation); unknown flags are argparse errors (exit 2)."""
+def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_args: bool = False,
+               *, argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse Megatron's flags (no validation); unknown flags are argparse errors (exit 2).
+
+    Megatron-LM's signature: ``extra_args_provider(parser)`` adds a script's own flags, and
+    ``ignore_unknown_args`` lets flags this parser does not know pass. ``argv`` parses a list
+    instead of ``sys.argv[1:]``.
+    """
     parser = build_parser(extra_args_provider)
     if ignore_unknown_args:
         args, _ = parser.parse_known_args(argv)
@@ -503,10 +506,11 @@ def _check_registered_flags(args) -> None:
     for dest, instead in UNSUPPORTED_FLAGS.items():
         value = getattr(args, dest, None)
         if value != parser.get_default(dest):
-            _fail(f"{names[dest]} {value} is not supported: {instead}")
+            raise ArgumentsError(f"{names[dest]} {value} is not supported: {instead}")
     for dest, reason in NO_EFFECT_FLAGS.items():
         if getattr(args, dest, None) != parser.get_default(dest):
-            _note(args, f"{names[dest]} has no effect here: {reason}")
+            if args.rank == 0:
+                print(f"NOTE: {names[dest]} has no effect here: {reason}", flush=True)
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:
@@ -516,22 +520,14 @@ def validate_args(args: argparse.Namespace) -> argparse.Namespace:
         ArgumentsError: naming the flags and values involved.
     """
     _check_registered_flags(args)
-    _validate_surface(args)
-    _apply_old_spellings(args)
-    _validate_model(args)
-    _validate_parallel(args)
-    _validate_moe(args)
-    _validate_batch_and_schedule(args)
-    _validate_masking(args)
-    _validate_checkpoint_format(args)
-    return args
+    return check_flags(args)
 
 
 def parse_and_validate(argv: Optional[List[str]] = None,
                        extra_args_provider: Optional[Callable] = None,
                        prog: Optional[str] = None) -> argparse.Namespace:
     """What an entry point calls: bad sizes print one line naming the flags and exit with 2."""
-    args = parse_args(argv, extra_args_provider)
+    args = parse_args(extra_args_provider, argv=argv)
     try:
         return validate_args(args)
     except (ArgumentsError, ConfigError) as err:

@@ -1,7 +1,7 @@
-"""The typed configs built from validated flags (:mod:`megatron.training.arguments` re-exports them).
+"""The typed configs built from validated flags (re-exported by :mod:`megatron.training.arguments`).
 
-:func:`build_configs` turns the namespace :func:`megatron.training.arguments.validate_args` returns into the
-config each component takes: parallel layout, model, DDP, checkpointing, data, optimizer, scheduler
+:func:`build_configs` turns the namespace :func:`megatron.training.arguments.validate_args`
+returns into the config each component takes: parallel layout, model, DDP, checkpointing, data, optimizer, scheduler
 and MoE. The flag audit (tests/unit/test_flag_audit.py) reads the config field each flag fills from
 :func:`build_configs` to the end of this module, so the builders stay after it.
 """
@@ -87,12 +87,12 @@ def build_configs(args: argparse.Namespace) -> Configs:
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(parallel=parallel, model=model, ddp=_ddp_config(args),
-                   checkpoint=_checkpoint_config(args), data=build_data_config(args),
+                   checkpoint=build_checkpoint_config(args), data=build_data_config(args),
                    optimizer=_optimizer_config(args), scheduler=_scheduler_config(args),
-                   moe=_moe_config(args))
+                   moe=build_moe_config(args))
 
 
-def _moe_config(args) -> Optional[MoEConfig]:
+def build_moe_config(args) -> Optional[MoEConfig]:
     """The MoE settings (None for a dense model); ``--expert-tensor-parallel-size`` defaults
     to the tensor-parallel size, as in Megatron-Core."""
     if args.num_experts is None:
@@ -129,7 +129,7 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         gradient_accumulation_fusion=args.gradient_accumulation_fusion)
 
 
-def _checkpoint_config(args) -> CheckpointConfig:
+def build_checkpoint_config(args) -> CheckpointConfig:
     return CheckpointConfig(
         save=args.save, save_interval=args.save_interval, no_save_optim=args.no_save_optim,
         no_save_rng=args.no_save_rng, load=args.load, no_load_optim=args.no_load_optim,

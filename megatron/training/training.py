@@ -18,7 +18,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.training import global_vars
 from megatron.training import memory_accounting
 from megatron.training import moe_logging
@@ -73,10 +73,10 @@ def _one_line_errors(extra_args_provider: Optional[Callable]) -> Callable:
     return provider
 
 
-def _parse(argv, extra_args_provider, args_defaults, before_validation=None):
+def parse_entry_flags(argv, extra_args_provider, args_defaults, before_validation=None):
     """Parse and validate the flags; ``before_validation(args)`` (a tool's own adjustments)
     runs on the parsed flags just before :func:`validate_args`."""
-    args = parse_args(argv, _one_line_errors(extra_args_provider))
+    args = parse_args(_one_line_errors(extra_args_provider), argv=argv)
     for key, value in (args_defaults or {}).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -745,7 +745,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         evaluations); the flags stay as parsed, in ``global_vars.get_args()``.
     """
     del model_type, process_non_loss_data_func
-    args = _parse(argv, extra_args_provider, args_defaults)
+    args = parse_entry_flags(argv, extra_args_provider, args_defaults)
     pstate = initialize_megatron(args)
     from megatron.tokenizer import build_tokenizer
 

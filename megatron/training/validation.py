@@ -3,7 +3,8 @@
 Each step derives the sizes its flags imply (data-parallel size, micro-batches, ffn size, kv
 channels, ...) and raises :class:`ArgumentsError`, naming the flags and values, on combinations
 that cannot work, before any process group exists; :func:`validate_bert_args` adds what
-pretrain_bert.py needs. :func:`megatron.training.arguments.validate_args` runs the steps in order, and
+pretrain_bert.py needs. :func:`check_flags` runs the steps in order (after
+:func:`megatron.training.arguments.validate_args` has checked the flag registry), and
 :mod:`megatron.training.arguments` re-exports the public names.
 """
 
@@ -12,7 +13,7 @@ import json
 
 import torch
 
-from megatron.training.configs import _checkpoint_config, _moe_config
+from megatron.training.configs import build_checkpoint_config, build_moe_config
 from megatron.core.config import ConfigError, numerics_flag_conflict, pipeline_layer_counts
 
 
@@ -50,7 +51,7 @@ def _validate_checkpoint_format(args) -> None:
         _fail("--ckpt-convert-format needs --load: the checkpoint to convert")
     if args.num_experts is not None:   # after _validate_moe, which sets the expert-TP size
         try:
-            _checkpoint_config(args).check_expert_tensor_parallel(
+            build_checkpoint_config(args).check_expert_tensor_parallel(
                 args.tensor_model_parallel_size, args.expert_tensor_parallel_size)
         except ConfigError as err:
             _fail(str(err))
@@ -405,7 +406,7 @@ def _validate_moe(args) -> None:
     if args.moe_ffn_hidden_size % etp:
         _fail(f"--moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must be divisible by "
               f"--expert-tensor-parallel-size ({etp})")
-    _moe_config(args)
+    build_moe_config(args)
 
 
 def validate_bert_args(args: argparse.Namespace) -> None:
@@ -436,3 +437,17 @@ def validate_bert_args(args: argparse.Namespace) -> None:
         _fail(f"--context-parallel-size {args.context_parallel_size}: BERT's bidirectional "
               "attention over padded sequences has no context-parallel split here (it is "
               "causal GPT attention only); use --context-parallel-size 1")
+
+
+def check_flags(args):
+    """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
+    registry's checks); derives the sizes the later checks and the run read."""
+    _validate_surface(args)
+    _apply_old_spellings(args)
+    _validate_model(args)
+    _validate_parallel(args)
+    _validate_moe(args)
+    _validate_batch_and_schedule(args)
+    _validate_masking(args)
+    _validate_checkpoint_format(args)
+    return args

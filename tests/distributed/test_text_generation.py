@@ -155,7 +155,7 @@ def _requests(model, pstate, tokenizer, is_single):
 
 def _run_layout(layout_flags, save_root):
     """Per config: build, save, load into a differently seeded model, run the requests."""
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training import global_vars
     from megatron.core import parallel_state
     from megatron.inference import initialize_for_inference, load_model_for_inference

@@ -52,14 +52,14 @@ def test_shape_mismatch_lists_flags(corpus, saved):
 def _load_into_fresh_model(flags):
     """Build model/optimizer as pretrain does, try to load, report whether weights changed."""
     import pretrain_gpt
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training import global_vars
     from megatron.training.arguments import build_configs, parse_args, validate_args
     from megatron.training.initialize import initialize_megatron
     from megatron.tokenizer import build_tokenizer
     from megatron.training.training import setup_model_and_optimizer
 
-    args = validate_args(parse_args(flags))
+    args = validate_args(parse_args(argv=flags))
     pstate = initialize_megatron(args)
     tokenizer = build_tokenizer(args)
     build_configs(args)
@@ -148,7 +148,7 @@ def _train_with_failing_save(flags, fail_rank):
     """Train; the save of iteration 4 fails on ``fail_rank`` (disk full, say)."""
     import torch.distributed as dist
 
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
 
     real_save = torch.save
 
@@ -157,13 +157,13 @@ def _train_with_failing_save(flags, fail_rank):
             raise OSError(28, "No space left on device")
         return real_save(obj, f, *a, **k)
 
-    checkpointing.torch.save = flaky_save
+    torch.save = flaky_save
     try:
         return run_pretrain(flags)
     except checkpointing.CheckpointError as err:
         return str(err)
     finally:
-        checkpointing.torch.save = real_save
+        torch.save = real_save
 
 
 def test_failed_save_keeps_previous_checkpoint(corpus, tmp_path):

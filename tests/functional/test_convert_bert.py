@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.convert.megatron_io import load_megatron, save_megatron
 from megatron.model.module import flatten_state_dict
 from tests.multiprocess import run_on_ranks

@@ -2,8 +2,8 @@
 
 References, independent of the converter: the legacy file Megatron-LM wrote with the same
 weights as its torch_dist file (tests/data/megatron_written, README there), read with
-:func:`megatron.checkpoint.safe_unpickle.torch_load` and split here by the legacy TP rules; Megatron-Core's
-own torch_dist file for keys, shapes, dtypes and byte-entry names. A torch_dist checkpoint
+:func:`megatron.checkpoint.safe_unpickle.torch_load` and split here by the legacy TP rules;
+Megatron-Core's own torch_dist file for keys, shapes, dtypes and byte-entry names. A torch_dist checkpoint
 stores whole (global) tensors, so whatever layout it is written at, every tensor must equal
 the fixture's bit for bit.
 """
@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.convert.dist_io import load_dist, save_dist
 from megatron.convert.megatron_io import save_megatron
 from megatron.convert.megatron_layout import split_tensor, tp_split_rule

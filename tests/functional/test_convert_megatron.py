@@ -24,7 +24,7 @@ import sys
 import pytest
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.convert.megatron_io import load_megatron, save_megatron
 from megatron.convert.schema import ConversionError, Piece
 from megatron.model.module import flatten_state_dict

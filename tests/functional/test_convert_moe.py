@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.checkpoint.dist import DistCheckpointReader
 from tests.functional.test_megatron_written import (LOGITS_ATOL, _logits_after_load,
                                                     fixture_dir, megatron_argv, reference)

@@ -176,7 +176,7 @@ def test_reshard_matrix(corpus, tmp_path, straight, saved):
 @pytest.mark.slow
 def test_convert_while_loading_writes_the_other_format(corpus, tmp_path):
     """--ckpt-convert-format / --ckpt-convert-save: load, write it in the other format, exit."""
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
 
     save, converted = str(tmp_path / "dist"), str(tmp_path / "legacy")
     _run(corpus, "tp2", ["--save", save, "--save-interval", "8"])
@@ -246,7 +246,7 @@ def test_another_tp_size_with_another_vocabulary_padding_loads(corpus, tmp_path)
 def _weights_only_load(argv):
     """Rank body: load --load's weights into a fresh model; the error text, if any."""
     import pretrain_gpt
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training import global_vars
     from megatron.inference import initialize_for_inference, load_model_for_inference
 

@@ -146,7 +146,7 @@ def test_throughput_field_and_scalar(runs):
               for ln in lines]
     ms = [float(re.search(r"elapsed time per iteration \(ms\): ([\d.]+)", ln)[1])
           for ln in lines]
-    args = validate_args(parse_args(gpt_flags("x", ITERS)))
+    args = validate_args(parse_args(argv=gpt_flags("x", ITERS)))
     args.padded_vocab_size = 256  # 128 + the EOD token, padded to a multiple of 128
     flops = num_floating_point_operations(args, 4)
     for t, m in zip(tflops, ms):

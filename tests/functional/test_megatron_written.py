@@ -74,7 +74,7 @@ class _CallsProjectFunction:
         self.path = path
 
     def __reduce__(self):
-        from megatron.checkpoint import load as checkpointing
+        from megatron.training import checkpointing
 
         return (checkpointing.check_save_dir, (self.path,))
 
@@ -116,7 +116,7 @@ def test_other_globals_are_refused_by_name(tmp_path):
 
 
 def test_saved_args_are_read_in_this_projects_conventions():
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
 
     saved = safe_unpickle.torch_load(the_rank_file(fixture_dir("legacy_tp1")))["args"]
     view = checkpointing.megatron_args(saved)
@@ -190,7 +190,7 @@ def _resume_state(argv):
     """Rank body: set up as pretrain does, load; returns the optimizer's moments and steps per
     parameter name, the scheduler's count, and the learning rates of the next iteration."""
     import pretrain_gpt
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training import global_vars
     from megatron.training.arguments import build_configs, parse_args, validate_args
     from megatron.training.initialize import initialize_megatron
@@ -198,7 +198,7 @@ def _resume_state(argv):
     from megatron.training.training import setup_model_and_optimizer
     from megatron.training.train_state import TrainState
 
-    args = validate_args(parse_args(argv))
+    args = validate_args(parse_args(argv=argv))
     pstate = initialize_megatron(args)
     try:
         tokenizer = build_tokenizer(args)

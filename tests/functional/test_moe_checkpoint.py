@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from tests.functional.gpt_runs import run_pretrain
 from tests.functional.test_moe_training import _check_parity, _flags, _losses, corpus  # noqa: F401
 from tests.multiprocess import run_on_ranks

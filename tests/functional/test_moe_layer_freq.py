@@ -126,7 +126,7 @@ def test_converter_round_trip_through_torch_is_bit_identical(saved, tmp_path):
     """torch_dist -> torch at TP 2 x EP 2 -> torch_dist at TP 1: every saved tensor (weights
     and Adam moments, per-layer keys) comes back bit for bit; the torch files hold dense MLPs
     at layers 1 and 3 and the target's args keep --moe-layer-freq 2."""
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
 
     src = saved(1)[0]
     mid = _convert(src, str(tmp_path / "mid"), "--target-tensor-parallel-size", "2",

@@ -90,7 +90,7 @@ def test_parameter_count_and_flops_of_an_moe_model_by_hand():
     from megatron.model import GPTModel
     from megatron.training.log import num_floating_point_operations
 
-    args = validate_args(parse_args(megatron_argv(MOE) + ["--moe-layer-freq", "([1,0]*2)"]))
+    args = validate_args(parse_args(argv=megatron_argv(MOE) + ["--moe-layer-freq", "([1,0]*2)"]))
     args.padded_vocab_size = 256
     configs = build_configs(args)
     pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,

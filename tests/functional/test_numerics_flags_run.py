@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.convert.hf import save_hf
 from megatron.convert.megatron_io import load_megatron
 from megatron.convert.schema import ConversionError
@@ -78,7 +78,7 @@ def test_qk_layernorm_checkpoint_converts_and_hf_refuses(corpus, tmp_path):
 
     # --use-checkpoint-args takes the flags that give the weights their meaning.
     from megatron.training.arguments import parse_args
-    args = parse_args(["--load", src, "--use-checkpoint-args"])
+    args = parse_args(argv=["--load", src, "--use-checkpoint-args"])
     checkpointing.load_args_from_checkpoint(args)
     assert args.qk_layernorm and args.apply_layernorm_1p and args.squared_relu
     assert args.rotary_interleaved and args.rotary_seq_len_interpolation_factor == 2

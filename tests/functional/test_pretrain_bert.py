@@ -21,7 +21,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron.training.arguments import ArgumentsError, parse_args, validate_args, validate_bert_args
+from megatron.training.arguments import (ArgumentsError, parse_args, validate_args,
+                                         validate_bert_args)
 from tests.multiprocess import run_on_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -145,7 +146,7 @@ def _keys(tree, prefix=""):
 
 
 def _saved_model_keys(save_dir: str, iteration: int) -> set:
-    from megatron.checkpoint.load import checkpoint_file, load_state_file
+    from megatron.training.checkpointing import checkpoint_file, load_state_file
 
     return _keys(load_state_file(checkpoint_file(save_dir, iteration, 0, 0, 1))["model"])
 
@@ -326,7 +327,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
     (["--seq-length", "64"], "--seq-length (64) exceeds --max-position-embeddings (32)"),
 ])
 def test_bad_bert_flags_name_the_flag(extra, must_name):
-    args = parse_args(BASE + extra)
+    args = parse_args(argv=BASE + extra)
     with pytest.raises(ArgumentsError) as err:
         validate_args(args)
     assert must_name in str(err.value)
@@ -341,7 +342,7 @@ def test_bad_bert_flags_name_the_flag(extra, must_name):
     (["--context-parallel-size", "2"], "--context-parallel-size 2: BERT"),
 ])
 def test_flags_bert_cannot_use_name_the_flag(extra, must_name):
-    args = parse_args(BASE + ["--tokenizer-type", "BertWordPieceCase"] + extra)
+    args = parse_args(argv=BASE + ["--tokenizer-type", "BertWordPieceCase"] + extra)
     with pytest.raises(ArgumentsError) as err:
         validate_bert_args(args)
     assert must_name in str(err.value)
@@ -350,11 +351,11 @@ def test_flags_bert_cannot_use_name_the_flag(extra, must_name):
 def test_defaults_are_megatron_bert():
     import pretrain_bert
 
-    args = validate_args(parse_args(BASE, pretrain_bert.extra_args_provider))
+    args = validate_args(parse_args(pretrain_bert.extra_args_provider, argv=BASE))
     assert args.tokenizer_type == "BertWordPieceLowerCase"
     assert args.bert_binary_head and args.mask_prob == 0.15 and args.short_seq_prob == 0.1
     validate_bert_args(args)
-    assert not parse_args(BASE + ["--bert-no-binary-head"]).bert_binary_head
+    assert not parse_args(argv=BASE + ["--bert-no-binary-head"]).bert_binary_head
 
 
 def _env():

@@ -104,7 +104,7 @@ def test_checkpoint_layout_and_safe_load(corpus, tmp_path):
     assert sorted(os.listdir(os.path.join(save, "iter_0000003"))) == ["mp_rank_00", "mp_rank_01"]
     path = os.path.join(save, "iter_0000003", "mp_rank_01", "model_optim_rng.pt")
     # A separate, fresh process loads it with weights_only=True and only the allow-list.
-    code = ("import sys, torch\nfrom megatron.checkpoint.load import load_state_file\n"
+    code = ("import sys, torch\nfrom megatron.training.checkpointing import load_state_file\n"
             "s = load_state_file(sys.argv[1])\n"
             "print(sorted(s))\nprint(s['checkpoint_version'], s['iteration'])\n")
     proc = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True,

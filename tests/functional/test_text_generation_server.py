@@ -37,7 +37,7 @@ GREEDY = {"prompts": ["1 2 3", "7 8 9 10 11"], "tokens_to_generate": 8, "top_k":
 def _save_random_init(layouts, root):
     """Rank body: per ``{name: flags}``, build the model from its seed and save it as iteration
     1 under ``root/name`` (on two ranks, TP = 1 runs as DP = 2 and saves a TP = 1 layout)."""
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training import global_vars
     from megatron.core import parallel_state
     from megatron.inference import initialize_for_inference

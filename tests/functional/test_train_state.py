@@ -62,7 +62,7 @@ def _run_checked(argv):
 
 
 def _runs(corpus, root):
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
 
     save, fresh = f"{root}/save", f"{root}/fresh"
     out = {"first": _run_checked(_flags(corpus, 6, ["--save", save, "--save-interval", "2",
@@ -120,10 +120,10 @@ def test_checkpoint_keeps_megatron_keys(runs):
 
 def test_checkpoint_args_take_config_and_position_without_changing_flags():
     from megatron.training.arguments import build_configs, parse_args, validate_args
-    from megatron.checkpoint.load import checkpoint_args
+    from megatron.training.checkpointing import checkpoint_args
     from megatron.training.train_state import TrainState
 
-    args = validate_args(parse_args("--num-layers 2 --hidden-size 16 --num-attention-heads 2 "
+    args = validate_args(parse_args(argv="--num-layers 2 --hidden-size 16 --num-attention-heads 2 "
                                     "--seq-length 8 --max-position-embeddings 8 "
                                     "--micro-batch-size 1 --save a".split()))
     args.padded_vocab_size = 128

@@ -164,7 +164,7 @@ def _pretrain_probed(argv, kill_after=None, minutes_per_iteration=None, fake_wan
 def _run_named(scenarios):
     """Each ``(name, keywords of _pretrain_probed)`` in turn; returns name -> result. A user
     error is returned as ``{"error": message}`` so a scenario can check that a run is refused."""
-    from megatron.checkpoint.load import CheckpointError
+    from megatron.training.checkpointing import CheckpointError
     from megatron.core.config import ConfigError
 
     results = {}

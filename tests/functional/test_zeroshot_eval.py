@@ -53,7 +53,7 @@ NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(NULL_
 def save_seeded_checkpoint(argv):
     """Build the model of ``argv`` from its seed on this layout and save it as iteration 1."""
     import pretrain_gpt
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.training import global_vars
     from megatron.core import parallel_state
     from megatron.inference import initialize_for_inference
@@ -99,7 +99,7 @@ def train_then_evaluate(train_argv, eval_argvs):
 
 def load_float64_model(load_dir, vocab_padded, seq=SEQ, hidden=32, layers=2, heads=4):
     """The checkpoint's TP=1, PP=1 weights in a single-process float64 GPTModel."""
-    from megatron.checkpoint.load import load_state_file
+    from megatron.training.checkpointing import load_state_file
     from megatron.core.config import TransformerConfig
     from megatron.model import GPTModel
 

@@ -18,8 +18,9 @@ import signal
 import pytest
 import torch
 
-from megatron.checkpoint import load as checkpointing
-from megatron.checkpoint.load import CRASH_ENV, TRACKER_FILENAME, read_tracker
+from megatron.training import checkpointing
+from megatron.checkpoint.layout import iteration_dir
+from megatron.training.checkpointing import CRASH_ENV, TRACKER_FILENAME, read_tracker
 from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
 from tests.reliability import launch
 
@@ -150,15 +151,15 @@ def test_async_save_killed_in_writer_thread(tmp_path, corpus, reference_1):
 
 def _fail_rank1_save_of_4(rank):
     """Patch for train_runs: on rank 1, writing the file of iteration 4 fails (disk full)."""
-    real = checkpointing.torch.save
+    real = torch.save
 
     def flaky(obj, f, *a, **k):
         if rank == 1 and isinstance(obj, dict) and obj.get("iteration") == 4:
             raise OSError(28, "No space left on device")
         return real(obj, f, *a, **k)
 
-    checkpointing.torch.save = flaky
-    return (lambda: setattr(checkpointing.torch, "save", real)), {}
+    torch.save = flaky
+    return (lambda: setattr(torch, "save", real)), {}
 
 
 def test_async_writer_error_reaches_every_rank(tmp_path, corpus):
@@ -203,7 +204,7 @@ def test_clean_interrupted_saves_restores_a_replaced_folder(tmp_path):
     _touch(os.path.join(save, TRACKER_FILENAME + ".tmp"), "8")
     _touch(os.path.join(save, ".tmp_convert_abc", "kept"))  # the converter's, not ours
 
-    assert checkpointing._iteration_dir(save, 6, False) == os.path.join(save, "iter_0000006.old")
+    assert iteration_dir(save, 6, False) == os.path.join(save, "iter_0000006.old")
     changes = checkpointing.clean_interrupted_saves(save)
     assert changes == [
         "removed .tmp_iter_0000008, left by an interrupted save",

@@ -521,7 +521,7 @@ def _mutate(data: bytearray, mutation) -> None:
 
 def check_checkpoint_case(case, folder: str, originals: dict,
                           outcomes: collections.Counter) -> None:
-    from megatron.checkpoint.load import CheckpointError, load_state_file
+    from megatron.training.checkpointing import CheckpointError, load_state_file
 
     if case["kind"] == "random":
         data = bytearray(case["bytes"])
@@ -605,7 +605,7 @@ TRACKER_TEXT = st.one_of(
 @fuzz_settings(DEFAULT_EXAMPLES * 3)
 @given(TRACKER_TEXT)
 def test_fuzzed_tracker_gives_iteration_or_checkpoint_error(text):
-    from megatron.checkpoint.load import CheckpointError, read_tracker
+    from megatron.training.checkpointing import CheckpointError, read_tracker
 
     content = text.encode("utf-8")
     expected = reference_tracker(content)
@@ -625,7 +625,7 @@ def test_fuzzed_tracker_gives_iteration_or_checkpoint_error(text):
     pytest.param(None, id="folder"),
 ])
 def test_broken_tracker_is_a_checkpoint_error(tmp_path, content):
-    from megatron.checkpoint.load import CheckpointError, read_tracker
+    from megatron.training.checkpointing import CheckpointError, read_tracker
 
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
     tracker.mkdir() if content is None else tracker.write_bytes(content)
@@ -653,7 +653,7 @@ class _CodePayload:
 def test_pickle_that_runs_code_is_refused_and_never_runs(tmp_path, zipped, how):
     import torch
 
-    from megatron.checkpoint.load import CheckpointError, load_state_file
+    from megatron.training.checkpointing import CheckpointError, load_state_file
 
     marker = str(tmp_path / "code_ran")
     state = sample_checkpoint()
@@ -697,7 +697,7 @@ def test_zip_checksums_catch_a_flipped_tensor_byte(tmp_path):
 def test_flipped_tensor_byte_is_a_checkpoint_error(tmp_path):
     import torch
 
-    from megatron.checkpoint.load import CheckpointError, load_state_file
+    from megatron.training.checkpointing import CheckpointError, load_state_file
 
     path = str(tmp_path / "model_optim_rng.pt")
     torch.save(sample_checkpoint(), path)
@@ -725,7 +725,7 @@ def test_checkpoint_whose_model_is_not_a_dict_is_a_checkpoint_error(tmp_path):
     import torch
     import torch.distributed as dist
 
-    from megatron.checkpoint.load import CheckpointError, load_model_weights
+    from megatron.training.checkpointing import CheckpointError, load_model_weights
 
     rank_dir = tmp_path / "iter_0000001" / "mp_rank_00"
     rank_dir.mkdir(parents=True)

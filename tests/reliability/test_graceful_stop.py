@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from megatron.checkpoint.load import TRACKER_FILENAME, checkpoint_file, read_tracker
+from megatron.training.checkpointing import TRACKER_FILENAME, checkpoint_file, read_tracker
 from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
 from tests.reliability import launch
 from tests.reliability.test_crash_during_save import _assert_equal

@@ -23,7 +23,8 @@ import re
 import pytest
 import torch
 
-from megatron.checkpoint.load import TRACKER_FILENAME, checkpoint_file, load_state_file, read_tracker
+from megatron.training.checkpointing import (TRACKER_FILENAME, checkpoint_file, load_state_file,
+                                             read_tracker)
 from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
 from tests.reliability import launch
 

@@ -1,7 +1,8 @@
 """Resource limits: predict memory before a run, and keep data preparation within bounded memory.
 
 * tools/estimate_memory.py: for every pipeline stage, the parameters checked against counts worked
-  out by hand and every byte figure against megatron/training/memory_accounting.py for the same flags; it
+  out by hand and every byte figure against megatron/training/memory_accounting.py for the same
+  flags; it
   warns exactly for the stages above a limit (``--memory-budget-gb``, MemTotal / ranks per node on
   CPU); it handles a 175-billion-parameter model without building a module, forming a process
   group or starting a process.
@@ -73,7 +74,7 @@ def test_estimate_per_stage_matches_hand_counts_and_accounting(capsys, monkeypat
     assert rows[1][0] == 2 * layer + 2 * 64 + 256 // 2 * 64    # + final norm + head copy
     # bf16 weights 2 + fp32 grads 4 + (fp32 master 4 + Adam 8) / DP 2.
     assert rows[0][1] == rows[1][1] == 12.0
-    args = parse_args(list(TINY))
+    args = parse_args(argv=list(TINY))
     args.world_size = 8
     validate_args(args)
     args.padded_vocab_size = 256

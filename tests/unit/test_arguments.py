@@ -36,7 +36,7 @@ CLASSIC_WITH_FRACTION = [a for a in CLASSIC_GPT2] + ["--lr-warmup-fraction", "0.
 
 
 def _args(argv, world_size=1, monkeypatch=None):
-    args = parse_args(argv)
+    args = parse_args(argv=argv)
     args.world_size = world_size
     return args
 
@@ -61,7 +61,7 @@ def test_classic_recipe_rejects_two_warmups():
 
 
 def test_defaults_match_megatron():
-    args = parse_args(["--num-layers", "2"])
+    args = parse_args(argv=["--num-layers", "2"])
     expected = dict(seed=1234, split="969, 30, 1", init_method_std=0.02, clip_grad=1.0,
                     weight_decay=0.01, adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8,
                     attention_dropout=0.1, hidden_dropout=0.1, initial_loss_scale=2 ** 32,

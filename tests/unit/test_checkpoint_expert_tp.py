@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from megatron.checkpoint import load as checkpointing
+from megatron.training import checkpointing
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.convert import megatron_io
 from megatron.convert.schema import ConversionError

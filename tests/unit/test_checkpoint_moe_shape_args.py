@@ -6,7 +6,8 @@ import argparse
 
 import pytest
 
-from megatron.checkpoint.load import CheckpointError, _check_args
+from megatron.checkpoint.layout import CheckpointError
+from megatron.checkpoint.saved_args import check_args
 
 
 def _args(**overrides):
@@ -25,7 +26,7 @@ def _args(**overrides):
     (dict(num_experts=None, moe_layer_freq=2), dict(num_experts=None)),  # dense: no MoE shape
 ])
 def test_same_moe_shape_in_other_spellings_loads(saved, flags):
-    _check_args(_args(**saved), _args(**flags), "ckpt")
+    check_args(_args(**saved), _args(**flags), "ckpt")
 
 
 @pytest.mark.parametrize("saved,flags,message", [
@@ -38,4 +39,4 @@ def test_same_moe_shape_in_other_spellings_loads(saved, flags):
 def test_other_moe_shape_is_refused_naming_the_flag(saved, flags, message):
     with pytest.raises(CheckpointError, match=r"ckpt: the model shape differs from the flags: "
                        + message):
-        _check_args(_args(**saved), _args(**flags), "ckpt")
+        check_args(_args(**saved), _args(**flags), "ckpt")

@@ -237,7 +237,7 @@ def test_hf_round_trip_is_bit_identical(tmp_path, vocab_file, post_ln, binary_he
 
     out = str(tmp_path / "megatron")
     save_megatron(iter(pieces), out, 1, 1)
-    from megatron.checkpoint.load import checkpoint_file, load_state_file
+    from megatron.training.checkpointing import checkpoint_file, load_state_file
 
     state = load_state_file(checkpoint_file(out, 0, 0, 0, 1, release=True))
     assert state["args"].bert_binary_head == binary_head
@@ -329,7 +329,7 @@ def test_megatron_stream_of_a_bert_round_trips_through_tp2(tmp_path, vocab_file)
                      iteration=3, source_args={"tensor_model_parallel_size": 1})
     out = str(tmp_path / "tp2")
     save_megatron(iter(canonical_pieces(model, meta)), out, 2, 1)
-    from megatron.checkpoint.load import checkpoint_file, load_state_file
+    from megatron.training.checkpointing import checkpoint_file, load_state_file
 
     ranks = [flatten_state_dict(load_state_file(checkpoint_file(out, 3, t, 0, 1))["model"])
              for t in range(2)]

@@ -110,7 +110,7 @@ def _safetensors(folder):
 
 
 def test_mixtral_folder_through_megatron_tp2_and_torch_dist_comes_back_bit_for_bit(tmp_path):
-    from megatron.checkpoint import load as checkpointing
+    from megatron.training import checkpointing
     from megatron.checkpoint.safe_unpickle import torch_load
     from tools.checkpoint.convert import main
 

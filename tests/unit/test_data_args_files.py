@@ -25,7 +25,7 @@ def corpora(tmp_path_factory):
 
 
 def _datasets(flags, cache):
-    args = validate_args(parse_args(MODEL + ["--data-cache-path", str(cache)] + flags))
+    args = validate_args(parse_args(argv=MODEL + ["--data-cache-path", str(cache)] + flags))
     global_vars.set_global_variables(args=args, tokenizer=NullTokenizer(VOCAB_SIZE))
     try:
         return args, pretrain_gpt.train_valid_test_datasets_provider([20, 12, 4])
@@ -77,7 +77,7 @@ def test_data_args_path_errors(tmp_path, content, flags, message):
     if content is None:
         path.write_text("prefix")
     with pytest.raises(ArgumentsError, match=message):
-        validate_args(parse_args(MODEL + ["--data-args-path", str(path)] + flags))
+        validate_args(parse_args(argv=MODEL + ["--data-args-path", str(path)] + flags))
 
 
 @pytest.mark.parametrize("content,message", [
@@ -89,4 +89,4 @@ def test_per_split_data_args_path_errors(tmp_path, content, message):
     path = tmp_path / "splits.json"
     path.write_text(content)
     with pytest.raises(ArgumentsError, match=message):
-        validate_args(parse_args(MODEL + ["--per-split-data-args-path", str(path)]))
+        validate_args(parse_args(argv=MODEL + ["--per-split-data-args-path", str(path)]))

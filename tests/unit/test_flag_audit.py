@@ -1,5 +1,5 @@
-"""Every flag of the parser (megatron/training/arguments.py, and pretrain_bert.py's extra arguments) is
-one of three things, and this test fails on any flag that is none of them:
+"""Every flag of the parser (megatron/training/arguments.py, and pretrain_bert.py's extra
+arguments) is one of three things, and this test fails on any flag that is none of them:
 
 (a) implemented: its value is read outside the parser, in megatron/, tools/, tasks/ or an entry
     point (``args.<dest>`` or ``getattr(args, "<dest>")``); a flag read only by
@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 import pretrain_bert
 from megatron.training import arguments
-from megatron.training.arguments import (NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS, ArgumentsError, build_parser,
-                                parse_args, validate_args)
+from megatron.training.arguments import (NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS, ArgumentsError,
+                                         build_parser, parse_args, validate_args)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -143,7 +143,7 @@ def test_no_effect_flag_says_so_and_runs(dest, capsys):
     action = _actions()[dest]
     assert "no effect here" in action.help
     flag = action.option_strings[0]
-    args = validate_args(parse_args(MINIMAL + _set_flag(action)))
+    args = validate_args(parse_args(argv=MINIMAL + _set_flag(action)))
     assert not dist.is_initialized()
     notes = [line for line in capsys.readouterr().out.splitlines() if flag in line]
     assert len(notes) == 1 and "no effect here" in notes[0], notes
@@ -172,13 +172,13 @@ def test_unsupported_flag_stops_with_one_line(dest):
     flag = action.option_strings[0]
     assert "not supported here" in action.help
     with pytest.raises(ArgumentsError) as err:
-        validate_args(parse_args(MINIMAL + _set_flag(action)))
+        validate_args(parse_args(argv=MINIMAL + _set_flag(action)))
     message = str(err.value)
     assert "\n" not in message and message.startswith(flag + " ")
     assert "not supported" in message and ("use" in message or "drop" in message), message
     assert not dist.is_initialized()
     # At its default the flag is no obstacle.
-    validate_args(parse_args(MINIMAL))
+    validate_args(parse_args(argv=MINIMAL))
 
 
 def test_single_choice_flags_refuse_anything_else():
@@ -189,10 +189,10 @@ def test_single_choice_flags_refuse_anything_else():
 
 
 def test_transformer_impl():
-    assert validate_args(parse_args(MINIMAL + ["--transformer-impl", "local"]))
+    assert validate_args(parse_args(argv=MINIMAL + ["--transformer-impl", "local"]))
     with pytest.raises(ArgumentsError, match="--transformer-impl transformer_engine is not "
                                              "supported.*use --transformer-impl local"):
-        validate_args(parse_args(MINIMAL + ["--transformer-impl", "transformer_engine"]))
+        validate_args(parse_args(argv=MINIMAL + ["--transformer-impl", "transformer_engine"]))
 
 
 def test_entry_point_stops_on_an_unsupported_flag_in_one_line(tmp_path):

@@ -181,7 +181,7 @@ def test_estimate_from_flags_by_hand():
     --num-attention-heads 4 --seq-length 32 --max-position-embeddings 32 --micro-batch-size 2
     --global-batch-size 16 --lr 1e-3 --train-iters 10 --tokenizer-type NullTokenizer
     --vocab-size 100 --mock-data""".split()
-    args = parse_args(argv)
+    args = parse_args(argv=argv)
     args.world_size = 8
     args = validate_args(args)
     assert args.data_parallel_size == 2

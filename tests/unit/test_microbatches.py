@@ -120,14 +120,14 @@ def test_impossible_rampup_names_flags(rampup, gbs, mbs, dp, message):
 
 def test_impossible_rampup_is_one_line_before_start(capsys):
     """pretrain's flag check reports a bad ramp as one line and exit code 2, like other flags."""
-    from megatron.training.training import _parse
+    from megatron.training.training import parse_entry_flags
 
     flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
              "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
              "--global-batch-size", "8", "--train-samples", "100", "--lr", "1e-3",
              "--rampup-batch-size", "3", "1", "50"]
     with pytest.raises(SystemExit) as exc:
-        _parse(flags, None, None)
+        parse_entry_flags(flags, None, None)
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "batch size 3 of the ramp is not divisible" in err[0], err

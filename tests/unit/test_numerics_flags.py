@@ -38,7 +38,7 @@ BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
 
 
 def _validated(*extra):
-    args = parse_args(BASE + list(extra))
+    args = parse_args(argv=BASE + list(extra))
     args.world_size = 1
     return validate_args(args)
 

@@ -109,7 +109,7 @@ BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32
 
 
 def _validate(extra, world):
-    args = parse_args(BASE + list(extra))
+    args = parse_args(argv=BASE + list(extra))
     args.world_size = world
     return validate_args(args)
 

@@ -205,7 +205,8 @@ def test_null_tokenizer_with_an_end_of_document_id_counts_it_in_the_vocabulary()
 def test_null_tokenizer_of_a_megatron_checkpoint_is_the_one_megatron_built(folder):
     """The 2023 writer was given --vocab-size 199, the 2026 one (Megatron-Core's tokenizers)
     200; Megatron built a vocabulary of 200 with end-of-document 199 both times (flags.json)."""
-    from megatron.checkpoint import load as checkpointing
+    from megatron.checkpoint.dist.reader import is_dist_checkpoint
+    from megatron.training import checkpointing
 
     root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                         "megatron_written", folder)
@@ -213,10 +214,10 @@ def test_null_tokenizer_of_a_megatron_checkpoint_is_the_one_megatron_built(folde
         flags = json.load(f)
     tracked = checkpointing.read_tracker(root)
     iter_dir = os.path.join(root, checkpointing.checkpoint_dir_name(*tracked))
-    if checkpointing._is_dist(iter_dir):
-        from megatron.checkpoint import torch_dist as checkpointing_dist
+    if is_dist_checkpoint(iter_dir):
+        from megatron.checkpoint import torch_dist
 
-        saved = checkpointing_dist.saved_args(iter_dir)
+        saved = torch_dist.saved_args(iter_dir)
     else:
         saved = checkpointing.load_state_file(
             os.path.join(iter_dir, "mp_rank_00", "model_optim_rng.pt"))["args"]

@@ -14,7 +14,7 @@ from megatron.training.train_state import TrainState
 
 
 def _args(flags, padded_vocab_size=None, rank=0, world_size=1):
-    args = validate_args(parse_args(flags))
+    args = validate_args(parse_args(argv=flags))
     args.padded_vocab_size = padded_vocab_size
     args.rank, args.world_size = rank, world_size
     return args
@@ -187,7 +187,7 @@ class RecordingWriter:
 
 def _scalar_args(*flags, rank=0, world_size=1):
     args = _log_args()
-    extra = parse_args(list(flags))
+    extra = parse_args(argv=list(flags))
     for key in ("log_batch_size_to_tensorboard", "log_learning_rate_to_tensorboard",
                 "log_loss_scale_to_tensorboard", "log_world_size_to_tensorboard",
                 "log_validation_ppl_to_tensorboard", "tensorboard_log_interval",

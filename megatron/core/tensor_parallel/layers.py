@@ -26,8 +26,8 @@ from torch.nn.parameter import Parameter
 from megatron.core import device
 from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.tensor_parallel.mappings import (
-    _gather_along_first_dim,
-    _reduce_scatter_along_first_dim,
+    gather_along_first_dim,
+    reduce_scatter_along_first_dim,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
@@ -132,7 +132,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.group = group
         ctx.async_grad_allreduce = async_grad_allreduce
         ctx.sequence_parallel = sequence_parallel
-        total_input = _gather_along_first_dim(input_, group) if sequence_parallel else input_
+        total_input = gather_along_first_dim(input_, group) if sequence_parallel else input_
         out = None
         if output_buffer is not None and bias is None and total_input.dtype == weight.dtype:
             out = output_buffer.acquire(tuple(total_input.shape[:-1]) + (weight.size(0),),
@@ -147,7 +147,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
     def backward(ctx, grad_output):
         input_, weight = ctx.saved_tensors
         group = ctx.group
-        total_input = (_gather_along_first_dim(input_, group) if ctx.sequence_parallel
+        total_input = (gather_along_first_dim(input_, group) if ctx.sequence_parallel
                        else input_)
         grad_input = handle = None
         if ctx.needs_input_grad[0]:
@@ -167,7 +167,7 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         if handle is not None:
             handle.wait()
         if grad_input is not None and ctx.sequence_parallel:
-            grad_input = _reduce_scatter_along_first_dim(grad_input, group)  # [s/tp, b, in]
+            grad_input = reduce_scatter_along_first_dim(grad_input, group)  # [s/tp, b, in]
         if ctx.output_buffer is not None:
             ctx.output_buffer.release()
         return grad_input, grad_weight, grad_bias, None, None, None, None

@@ -63,7 +63,7 @@ def _split_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     return input_[start:start + size].contiguous()
 
 
-def _gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+def gather_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     world = get_group_size(group)
     if world == 1:
         return input_
@@ -76,11 +76,11 @@ def _gather_along_last_dim(input_: torch.Tensor, group) -> torch.Tensor:
     world = get_group_size(group)
     if world == 1:
         return input_
-    stacked = _gather_along_first_dim(input_, group)          # [world * d0, ..., d_last]
+    stacked = gather_along_first_dim(input_, group)          # [world * d0, ..., d_last]
     return torch.cat(stacked.chunk(world, dim=0), dim=-1)     # [d0, ..., world * d_last]
 
 
-def _reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_along_first_dim(input_: torch.Tensor, group) -> torch.Tensor:
     world = get_group_size(group)
     if world == 1:
         return input_
@@ -165,7 +165,7 @@ class _ScatterToSequenceParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output, ctx.group), None
+        return gather_along_first_dim(grad_output, ctx.group), None
 
 
 class _GatherFromSequenceParallelRegion(torch.autograd.Function):
@@ -181,12 +181,12 @@ class _GatherFromSequenceParallelRegion(torch.autograd.Function):
     def forward(ctx, input_, group, tensor_parallel_output_grad):
         ctx.group = group
         ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
-        return _gather_along_first_dim(input_, group)
+        return gather_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
         if ctx.tensor_parallel_output_grad:
-            return _reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
+            return reduce_scatter_along_first_dim(grad_output, ctx.group), None, None
         return _split_along_first_dim(grad_output, ctx.group), None, None
 
 
@@ -199,11 +199,11 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input_, group):
         ctx.group = group
-        return _reduce_scatter_along_first_dim(input_, group)
+        return reduce_scatter_along_first_dim(input_, group)
 
     @staticmethod
     def backward(ctx, grad_output):
-        return _gather_along_first_dim(grad_output, ctx.group), None
+        return gather_along_first_dim(grad_output, ctx.group), None
 
 
 class _AllToAll(torch.autograd.Function):
