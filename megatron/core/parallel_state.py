@@ -96,7 +96,19 @@ class RankLayout:
                 "pp": rank // (tp * cp * dp)}
 
 
-def _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size):
+def check_degrees(world_size: int, tp_size: int = 1, cp_size: int = 1, pp_size: int = 1,
+                  ep_size: int = 1, expert_tp_size: Optional[int] = None,
+                  vp_size: Optional[int] = None) -> int:
+    """The one check of the parallel degrees against the world size; returns the
+    data-parallel size.
+
+    Flag validation calls it for its messages before any process group exists, and
+    :func:`compute_rank_layout` calls it again, so the two cannot disagree.
+
+    Raises:
+        LayoutError: naming the flags and their values.
+    """
+    expert_tp_size = tp_size if expert_tp_size is None else expert_tp_size
     for flag, value in (("--tensor-model-parallel-size", tp_size),
                         ("--context-parallel-size", cp_size),
                         ("--pipeline-model-parallel-size", pp_size),
@@ -106,10 +118,12 @@ def _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_siz
             raise LayoutError(f"{flag} must be >= 1, got {value}")
     model = tp_size * cp_size * pp_size
     if world_size % model:
-        raise LayoutError(
-            f"world size ({world_size}) is not divisible by tensor-model-parallel size "
-            f"({tp_size}) x context-parallel size ({cp_size}) x pipeline-model-parallel size "
-            f"({pp_size}) = {model}")
+        sizes = [f"--tensor-model-parallel-size ({tp_size})"]
+        if cp_size > 1:
+            sizes.append(f"--context-parallel-size ({cp_size})")
+        sizes.append(f"--pipeline-model-parallel-size ({pp_size})")
+        raise LayoutError(f"world size ({world_size}) is not divisible by {' x '.join(sizes)} "
+                          f"= {model}")
     stage = world_size // pp_size
     if stage % (expert_tp_size * ep_size):
         raise LayoutError(
@@ -120,6 +134,7 @@ def _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_siz
     if vp_size is not None and (vp_size < 1 or pp_size < 2):
         raise LayoutError(f"virtual pipeline stages ({vp_size}) need "
                           f"--pipeline-model-parallel-size >= 2, got {pp_size}")
+    return world_size // model
 
 
 def _strided(world_size: int, pp_size: int, inner: int, size: int) -> List[List[int]]:
@@ -143,7 +158,7 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
     :class:`LayoutError` naming the flags when the degrees do not fit ``world_size``.
     """
     expert_tp_size = tp_size if expert_tp_size is None else expert_tp_size
-    _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size)
+    check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size)
     dp_size = world_size // (tp_size * cp_size * pp_size)
     stage = world_size // pp_size  # tp * cp * dp
     tp_groups = _strided(world_size, pp_size, 1, tp_size)
