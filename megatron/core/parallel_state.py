@@ -192,6 +192,45 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
     )
 
 
+@dataclass(frozen=True)
+class ModelGroups:
+    """What a model's layers need of the layout: their process groups and sequence parallelism.
+
+    Model constructors take this one object instead of a group argument each; it is built by
+    :meth:`ParallelState.model_groups` (or by hand in a test). A None group means that
+    dimension is not split (one rank), never the whole job.
+
+    Attributes:
+        tp_group / tp_size: the tensor-parallel group and its size.
+        sequence_parallel: activations outside the tensor-parallel regions split over
+            ``tp_group`` along the sequence (``--sequence-parallel``).
+        cp_group: the context-parallel group (None: whole sequences on this rank).
+        ep_group: the expert-parallel group of the MoE layers (None: every expert here).
+        expert_tp_group: the group each expert is split over (None: ``tp_group``).
+    """
+
+    tp_group: object = None
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    cp_group: object = None
+    ep_group: object = None
+    expert_tp_group: object = None
+
+    @classmethod
+    def of(cls, pstate, sequence_parallel: Optional[bool] = None) -> "ModelGroups":
+        """The groups of ``pstate``: a :class:`ParallelState`, or any object with
+        ``tp_group`` and ``tp_size`` (a test's or the converter's one-rank stand-in, whose
+        missing groups mean one rank). ``sequence_parallel`` overrides the layout's (None keeps
+        it; generation turns it off)."""
+        if sequence_parallel is None:
+            sequence_parallel = bool(getattr(pstate, "sequence_parallel", False))
+        return cls(tp_group=pstate.tp_group, tp_size=pstate.tp_size,
+                   sequence_parallel=sequence_parallel,
+                   cp_group=getattr(pstate, "cp_group", None),
+                   ep_group=getattr(pstate, "ep_group", None),
+                   expert_tp_group=getattr(pstate, "expert_tp_group", None))
+
+
 @dataclass
 class ParallelState:
     """The groups this rank belongs to, and its rank in each.

@@ -191,13 +191,13 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     return chunks, optimizer, scheduler
 
 
-def pipeline_tensor_shape(args) -> tuple:
+def pipeline_tensor_shape(args, pstate) -> tuple:
     """``(s, b, h)`` of the activations between pipeline stages (``s / cp`` with context
-    parallelism, then ``/ tp`` with ``--sequence-parallel``); fixed, so stages never exchange
-    shapes."""
-    seq = args.seq_length // args.context_parallel_size
-    if args.sequence_parallel:
-        seq //= args.tensor_model_parallel_size
+    parallelism, then ``/ tp`` with sequence parallelism, both as the layout has them); fixed,
+    so stages never exchange shapes."""
+    seq = args.seq_length // pstate.cp_size
+    if pstate.sequence_parallel:
+        seq //= pstate.tp_size
     return (seq, args.micro_batch_size, args.hidden_size)
 
 
@@ -211,7 +211,7 @@ def schedule_kwargs(model, args, pstate) -> dict:
         "no_sync_func": [chunk.no_sync for chunk in model],
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                             device.current_device()),
-        "tensor_shape": pipeline_tensor_shape(args),
+        "tensor_shape": pipeline_tensor_shape(args, pstate),
     }
 
 
@@ -436,7 +436,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     finalize_model_grads(model, tp_group=pstate.tp_group, embedding_group=pstate.embedding_group,
                          is_first_stage=pstate.is_first_stage(ignore_virtual=True),
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
-                         pp_size=pstate.pp_size, sequence_parallel=args.sequence_parallel)
+                         pp_size=pstate.pp_size, sequence_parallel=pstate.sequence_parallel)
     if check:
         if check_grads and args.overlap_grad_reduce:
             findings += _grad_findings(model)
@@ -568,7 +568,7 @@ def check_memory_at_startup(args, pstate, calculator: NumMicroBatchesCalculator)
         return
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     full_batch = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
-                                           args.data_parallel_size, None)
+                                           pstate.dp_size, None)
     for line in memory_accounting.startup_memory_check(
             args, pstate, full_batch.num_micro_batches, max(1, ranks_per_node)):
         print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout, flush=True)
@@ -752,7 +752,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     tokenizer = build_tokenizer(args)
     if args.train_samples is not None:
         args.train_iters = NumMicroBatchesCalculator(
-            args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+            args.global_batch_size, args.micro_batch_size, pstate.dp_size,
             args.rampup_batch_size).iterations_for_samples(args.train_samples)
     if args.train_iters is None:
         raise SystemExit("pretrain: give --train-iters or --train-samples")
@@ -771,7 +771,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                 print(f"NOTE: --save {ckpt.save}: {change}", flush=True)
         dist.barrier()
     calculator = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
-                                           args.data_parallel_size, args.rampup_batch_size)
+                                           pstate.dp_size, args.rampup_batch_size)
 
     check_memory_at_startup(args, pstate, calculator)
     training_hooks.note_cpu_only_flags(args)
