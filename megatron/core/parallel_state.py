@@ -441,7 +441,9 @@ def get_parallel_state() -> ParallelState:
     return _STATE
 
 
-# Megatron's getter names, for the harness and users' scripts.
+# Megatron's getter names that users' own scripts call (model and data providers, forward
+# steps); the project's code is handed its groups instead. tests/distributed/test_parallel_state
+# checks each against the layout's tables.
 
 def get_tensor_model_parallel_group():
     return get_parallel_state().tp_group
@@ -468,40 +470,24 @@ def get_context_parallel_rank() -> int:
     return get_parallel_state().cp_rank
 
 
-def get_context_parallel_global_ranks() -> List[int]:
-    return list(get_parallel_state().cp_ranks)
 
 
-def get_expert_model_parallel_group():
-    return get_parallel_state().ep_group
 
 
 def get_expert_model_parallel_world_size() -> int:
     return get_parallel_state().layout.ep_size
 
 
-def get_expert_tensor_parallel_group():
-    return get_parallel_state().expert_tp_group
 
 
-def get_expert_tensor_parallel_world_size() -> int:
-    return get_parallel_state().layout.expert_tp_size
 
 
-def get_expert_tensor_model_pipeline_parallel_group():
-    return get_parallel_state().expert_model_parallel_group
 
 
-def get_expert_tensor_parallel_rank() -> int:
-    return get_parallel_state().expert_tp_rank
 
 
-def get_expert_data_parallel_group():
-    return get_parallel_state().expert_dp_group
 
 
-def get_expert_data_parallel_world_size() -> int:
-    return get_parallel_state().layout.expert_dp_size
 
 
 def get_model_parallel_group():
@@ -512,8 +498,6 @@ def get_embedding_group():
     return get_parallel_state().embedding_group
 
 
-def get_position_embedding_group():
-    return get_parallel_state().position_embedding_group
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -547,12 +531,8 @@ def get_tensor_model_parallel_src_rank() -> int:
     return get_parallel_state().tp_ranks[0]
 
 
-def get_pipeline_model_parallel_first_rank() -> int:
-    return get_parallel_state().pp_ranks[0]
 
 
-def get_pipeline_model_parallel_last_rank() -> int:
-    return get_parallel_state().pp_ranks[-1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
@@ -573,15 +553,6 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     return get_parallel_state().is_last_stage(ignore_virtual)
 
 
-def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
-    s = get_parallel_state()
-    if s.rank not in s.embedding_ranks:
-        return False
-    if ignore_virtual:
-        return True
-    if s.rank == s.embedding_ranks[0]:
-        return s.is_first_stage()
-    return s.is_last_stage()
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:

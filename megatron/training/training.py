@@ -136,12 +136,8 @@ def build_model_chunks(model_provider: Callable, pstate) -> List[torch.nn.Module
         if takes_stage:
             chunks.append(model_provider(**kwargs, vp_stage=i))
             continue
-        previous = global_vars._PARALLEL_STATE
-        global_vars.set_global_variables(parallel_state=stage)
-        try:
+        with global_vars.parallel_state_of_stage(stage):
             chunks.append(model_provider(**kwargs))
-        finally:
-            global_vars._PARALLEL_STATE = previous
     return chunks
 
 
