@@ -63,8 +63,7 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     return BertModel(config, pstate,
                      num_tokentypes=2 if args.bert_binary_head else 0,
                      add_binary_head=args.bert_binary_head, parallel_output=True,
-                     pre_process=pre_process, post_process=post_process, init_seed=args.seed,
-                     sequence_parallel=args.sequence_parallel)
+                     pre_process=pre_process, post_process=post_process, init_seed=args.seed)
 
 
 def get_batch(data_iterator, stage=None):

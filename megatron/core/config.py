@@ -1,4 +1,5 @@
-"""Typed configs for the parallel layout and the transformer.
+"""Typed config of the transformer (the parallel degrees are checked by the layout object,
+:func:`megatron.core.parallel_state.check_degrees`).
 
 ``megatron/training/configs.py`` turns Megatron's flags into these; core code takes only these
 (never the argparse namespace). Each config checks its own consistency in ``__post_init__``
@@ -14,29 +15,6 @@ import torch
 
 class ConfigError(ValueError):
     """An impossible combination of settings; the message names the flags and values."""
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    virtual_pipeline_model_parallel_size: Optional[int] = None
-    sequence_parallel: bool = False
-    data_parallel_size: int = 1
-
-    def __post_init__(self):
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "data_parallel_size"):
-            if getattr(self, name) < 1:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} must be >= 1, got {getattr(self, name)}")
-        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-
-    @property
-    def world_size(self) -> int:
-        return (self.tensor_model_parallel_size * self.pipeline_model_parallel_size
-                * self.data_parallel_size)
 
 
 @dataclass

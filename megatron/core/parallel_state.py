@@ -96,7 +96,19 @@ class RankLayout:
                 "pp": rank // (tp * cp * dp)}
 
 
-def _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size):
+def check_degrees(world_size: int, tp_size: int = 1, cp_size: int = 1, pp_size: int = 1,
+                  ep_size: int = 1, expert_tp_size: Optional[int] = None,
+                  vp_size: Optional[int] = None) -> int:
+    """The one check of the parallel degrees against the world size; returns the
+    data-parallel size.
+
+    Flag validation calls it for its messages before any process group exists, and
+    :func:`compute_rank_layout` calls it again, so the two cannot disagree.
+
+    Raises:
+        LayoutError: naming the flags and their values.
+    """
+    expert_tp_size = tp_size if expert_tp_size is None else expert_tp_size
     for flag, value in (("--tensor-model-parallel-size", tp_size),
                         ("--context-parallel-size", cp_size),
                         ("--pipeline-model-parallel-size", pp_size),
@@ -106,10 +118,12 @@ def _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_siz
             raise LayoutError(f"{flag} must be >= 1, got {value}")
     model = tp_size * cp_size * pp_size
     if world_size % model:
-        raise LayoutError(
-            f"world size ({world_size}) is not divisible by tensor-model-parallel size "
-            f"({tp_size}) x context-parallel size ({cp_size}) x pipeline-model-parallel size "
-            f"({pp_size}) = {model}")
+        sizes = [f"--tensor-model-parallel-size ({tp_size})"]
+        if cp_size > 1:
+            sizes.append(f"--context-parallel-size ({cp_size})")
+        sizes.append(f"--pipeline-model-parallel-size ({pp_size})")
+        raise LayoutError(f"world size ({world_size}) is not divisible by {' x '.join(sizes)} "
+                          f"= {model}")
     stage = world_size // pp_size
     if stage % (expert_tp_size * ep_size):
         raise LayoutError(
@@ -120,6 +134,7 @@ def _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_siz
     if vp_size is not None and (vp_size < 1 or pp_size < 2):
         raise LayoutError(f"virtual pipeline stages ({vp_size}) need "
                           f"--pipeline-model-parallel-size >= 2, got {pp_size}")
+    return world_size // model
 
 
 def _strided(world_size: int, pp_size: int, inner: int, size: int) -> List[List[int]]:
@@ -143,7 +158,7 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
     :class:`LayoutError` naming the flags when the degrees do not fit ``world_size``.
     """
     expert_tp_size = tp_size if expert_tp_size is None else expert_tp_size
-    _check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size)
+    check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size)
     dp_size = world_size // (tp_size * cp_size * pp_size)
     stage = world_size // pp_size  # tp * cp * dp
     tp_groups = _strided(world_size, pp_size, 1, tp_size)
@@ -175,6 +190,45 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
                                   expert_dp_size),
         expert_model_parallel_groups=expert_model_parallel_groups,
     )
+
+
+@dataclass(frozen=True)
+class ModelGroups:
+    """What a model's layers need of the layout: their process groups and sequence parallelism.
+
+    Model constructors take this one object instead of a group argument each; it is built by
+    :meth:`ParallelState.model_groups` (or by hand in a test). A None group means that
+    dimension is not split (one rank), never the whole job.
+
+    Attributes:
+        tp_group / tp_size: the tensor-parallel group and its size.
+        sequence_parallel: activations outside the tensor-parallel regions split over
+            ``tp_group`` along the sequence (``--sequence-parallel``).
+        cp_group: the context-parallel group (None: whole sequences on this rank).
+        ep_group: the expert-parallel group of the MoE layers (None: every expert here).
+        expert_tp_group: the group each expert is split over (None: ``tp_group``).
+    """
+
+    tp_group: object = None
+    tp_size: int = 1
+    sequence_parallel: bool = False
+    cp_group: object = None
+    ep_group: object = None
+    expert_tp_group: object = None
+
+    @classmethod
+    def of(cls, pstate, sequence_parallel: Optional[bool] = None) -> "ModelGroups":
+        """The groups of ``pstate``: a :class:`ParallelState`, or any object with
+        ``tp_group`` and ``tp_size`` (a test's or the converter's one-rank stand-in, whose
+        missing groups mean one rank). ``sequence_parallel`` overrides the layout's (None keeps
+        it; generation turns it off)."""
+        if sequence_parallel is None:
+            sequence_parallel = bool(getattr(pstate, "sequence_parallel", False))
+        return cls(tp_group=pstate.tp_group, tp_size=pstate.tp_size,
+                   sequence_parallel=sequence_parallel,
+                   cp_group=getattr(pstate, "cp_group", None),
+                   ep_group=getattr(pstate, "ep_group", None),
+                   expert_tp_group=getattr(pstate, "expert_tp_group", None))
 
 
 @dataclass
@@ -387,7 +441,9 @@ def get_parallel_state() -> ParallelState:
     return _STATE
 
 
-# Megatron's getter names, for the harness and users' scripts.
+# Megatron's getter names that users' own scripts call (model and data providers, forward
+# steps); the project's code is handed its groups instead. tests/distributed/test_parallel_state
+# checks each against the layout's tables.
 
 def get_tensor_model_parallel_group():
     return get_parallel_state().tp_group
@@ -414,40 +470,24 @@ def get_context_parallel_rank() -> int:
     return get_parallel_state().cp_rank
 
 
-def get_context_parallel_global_ranks() -> List[int]:
-    return list(get_parallel_state().cp_ranks)
 
 
-def get_expert_model_parallel_group():
-    return get_parallel_state().ep_group
 
 
 def get_expert_model_parallel_world_size() -> int:
     return get_parallel_state().layout.ep_size
 
 
-def get_expert_tensor_parallel_group():
-    return get_parallel_state().expert_tp_group
 
 
-def get_expert_tensor_parallel_world_size() -> int:
-    return get_parallel_state().layout.expert_tp_size
 
 
-def get_expert_tensor_model_pipeline_parallel_group():
-    return get_parallel_state().expert_model_parallel_group
 
 
-def get_expert_tensor_parallel_rank() -> int:
-    return get_parallel_state().expert_tp_rank
 
 
-def get_expert_data_parallel_group():
-    return get_parallel_state().expert_dp_group
 
 
-def get_expert_data_parallel_world_size() -> int:
-    return get_parallel_state().layout.expert_dp_size
 
 
 def get_model_parallel_group():
@@ -458,8 +498,6 @@ def get_embedding_group():
     return get_parallel_state().embedding_group
 
 
-def get_position_embedding_group():
-    return get_parallel_state().position_embedding_group
 
 
 def get_tensor_model_parallel_world_size() -> int:
@@ -493,12 +531,8 @@ def get_tensor_model_parallel_src_rank() -> int:
     return get_parallel_state().tp_ranks[0]
 
 
-def get_pipeline_model_parallel_first_rank() -> int:
-    return get_parallel_state().pp_ranks[0]
 
 
-def get_pipeline_model_parallel_last_rank() -> int:
-    return get_parallel_state().pp_ranks[-1]
 
 
 def get_pipeline_model_parallel_next_rank() -> int:
@@ -519,15 +553,6 @@ def is_pipeline_last_stage(ignore_virtual: bool = False) -> bool:
     return get_parallel_state().is_last_stage(ignore_virtual)
 
 
-def is_rank_in_embedding_group(ignore_virtual: bool = False) -> bool:
-    s = get_parallel_state()
-    if s.rank not in s.embedding_ranks:
-        return False
-    if ignore_virtual:
-        return True
-    if s.rank == s.embedding_ranks[0]:
-        return s.is_first_stage()
-    return s.is_last_stage()
 
 
 def get_virtual_pipeline_model_parallel_world_size() -> Optional[int]:

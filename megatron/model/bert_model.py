@@ -20,6 +20,7 @@ import torch
 
 from megatron.core import device, tensor_parallel
 from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.parallel_state import ModelGroups
 from megatron.core.utils import get_init_method
 from megatron.fused_kernels import ops as fused_ops
 from megatron.fused_kernels.bias_gelu import gelu_tanh
@@ -147,7 +148,8 @@ class BertModel(MegatronModule):
         self.post_process = post_process
         self.parallel_output = parallel_output
         self.add_binary_head = add_binary_head
-        self.sequence_parallel = sequence_parallel
+        groups = ModelGroups.of(pstate, sequence_parallel)
+        self.sequence_parallel = sequence_parallel = groups.sequence_parallel
         self.fp16_lm_cross_entropy = config.fp16_lm_cross_entropy
         self.share_embeddings_and_output_weights = True
         vp_size = getattr(pstate, "virtual_pp_size", None)
@@ -155,9 +157,9 @@ class BertModel(MegatronModule):
         num_layers, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank,
                                                        vp_size, vp_rank)
         self.language_model = TransformerLanguageModel(
-            config, pstate.tp_group, pstate.tp_size, num_layers, offset, pre_process,
-            post_process, sequence_parallel, init_seed, num_tokentypes=num_tokentypes,
-            add_pooler=add_binary_head, encoder_attn_mask_type=AttnMaskType.padding)
+            config, groups, num_layers, offset, pre_process, post_process, init_seed,
+            num_tokentypes=num_tokentypes, add_pooler=add_binary_head,
+            encoder_attn_mask_type=AttnMaskType.padding)
         if post_process:
             with init_rng(init_seed, "lm_head"):
                 self.lm_head = BertLMHead(config, pstate.tp_group, pstate.tp_size,

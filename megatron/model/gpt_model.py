@@ -6,6 +6,7 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.config import TransformerConfig
+from megatron.core.parallel_state import ModelGroups
 from megatron.fused_kernels import ops as fused_ops
 from megatron.model.language_model import (
     TransformerLanguageModel,
@@ -52,13 +53,12 @@ class GPTModel(MegatronModule):
                  moe_config: Optional[MoEConfig] = None):
         super().__init__(config)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
-        if sequence_parallel is None:
-            sequence_parallel = bool(getattr(pstate, "sequence_parallel", False))
+        groups = ModelGroups.of(pstate, sequence_parallel)
         self.tp_group = pstate.tp_group
         self.pre_process = pre_process
         self.post_process = post_process
         self.parallel_output = parallel_output
-        self.sequence_parallel = sequence_parallel
+        self.sequence_parallel = groups.sequence_parallel
         self.fp16_lm_cross_entropy = config.fp16_lm_cross_entropy
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         vp_size = getattr(pstate, "virtual_pp_size", None)
@@ -73,11 +73,8 @@ class GPTModel(MegatronModule):
             self.moe_tracker = MoELossTracker(config.num_layers)
             self.moe_config = moe_config
         self.language_model = TransformerLanguageModel(
-            config, pstate.tp_group, pstate.tp_size, num_layers, offset, pre_process,
-            post_process, sequence_parallel, init_seed, moe_config=moe_config,
-            moe_tracker=self.moe_tracker, cp_group=getattr(pstate, "cp_group", None),
-            ep_group=getattr(pstate, "ep_group", None),
-            expert_tp_group=getattr(pstate, "expert_tp_group", None))
+            config, groups, num_layers, offset, pre_process, post_process, init_seed,
+            moe_config=moe_config, moe_tracker=self.moe_tracker)
         if self.share_embeddings_and_output_weights:
             tie_word_embeddings_over_stages(self, init_seed)
         # The training logits, written into the same storage every micro-batch (CPU only:

@@ -17,6 +17,7 @@ import torch
 from megatron.core import device, tensor_parallel
 from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.config import TransformerConfig
+from megatron.core.parallel_state import ModelGroups
 from megatron.core.context_parallel import chunk_positions
 from megatron.core.utils import get_init_method
 from megatron.model.attention import dropout_rng_context
@@ -214,13 +215,15 @@ class TransformerLanguageModel(MegatronModule):
 
     Args:
         config: the transformer config.
-        tp_group: the tensor-parallel group (None: no tensor parallelism).
-        tp_size: its size.
+        groups: the process groups and sequence parallelism
+            (:class:`~megatron.core.parallel_state.ModelGroups`). Under sequence parallelism
+            activations between tensor-parallel regions are ``[s/tp, b, h]``; with more than
+            one context-parallel rank every activation holds this rank's ``s / cp`` tokens and
+            rotary angles are those of their global positions.
         num_layers: layers on this stage.
         layer_offset: global index of this stage's first layer.
         pre_process: first stage.
         post_process: last stage.
-        sequence_parallel: activations between tensor-parallel regions are ``[s/tp, b, h]``.
         init_seed: seed every piece's initialisation seed derives from.
         num_tokentypes: rows of the embedding's token-type table (BERT: 2; GPT: 0).
         add_pooler: the last stage also returns the pooled first token (BERT).
@@ -229,23 +232,18 @@ class TransformerLanguageModel(MegatronModule):
             padding, a missing mask hides nothing).
         moe_config / moe_tracker: the MoE settings and the auxiliary-loss tracker (None:
             dense MLPs); see :class:`~megatron.model.transformer.ParallelTransformerLayer`.
-        cp_group: the context-parallel group (None: whole sequences on this rank); with more
-            than one rank every activation holds this rank's ``s / cp`` tokens and rotary
-            angles are those of their global positions.
-        ep_group / expert_tp_group: the MoE layers' expert-parallel and expert-tensor-parallel
-            groups (None: no expert parallelism; experts split over ``tp_group``).
     """
 
-    def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
+    def __init__(self, config: TransformerConfig, groups: ModelGroups, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
-                 sequence_parallel: bool = False, init_seed: int = 1234,
-                 num_tokentypes: int = 0, add_pooler: bool = False,
+                 init_seed: int = 1234, num_tokentypes: int = 0, add_pooler: bool = False,
                  encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 moe_config=None, moe_tracker=None, cp_group=None, ep_group=None,
-                 expert_tp_group=None):
+                 moe_config=None, moe_tracker=None):
         super().__init__(config)
-        self.cp_size = get_group_size(cp_group)
-        self.cp_rank = get_group_rank(cp_group)
+        tp_group, tp_size = groups.tp_group, groups.tp_size
+        sequence_parallel = groups.sequence_parallel
+        self.cp_size = get_group_size(groups.cp_group)
+        self.cp_rank = get_group_rank(groups.cp_group)
         self.pre_process = pre_process
         self.post_process = post_process
         self.tp_size = tp_size
@@ -263,12 +261,10 @@ class TransformerLanguageModel(MegatronModule):
             self.rotary_pos_emb = RotaryEmbedding(
                 int(config.kv_channels * config.rotary_percent), config.rotary_base,
                 config.rotary_interleaved, config.rotary_seq_len_interpolation_factor)
-        self.encoder = ParallelTransformer(config, tp_group, tp_size, num_layers, layer_offset,
-                                           pre_process, post_process, sequence_parallel,
-                                           init_seed, self_attn_mask_type=encoder_attn_mask_type,
-                                           moe_config=moe_config, moe_tracker=moe_tracker,
-                                           cp_group=cp_group, ep_group=ep_group,
-                                           expert_tp_group=expert_tp_group)
+        self.encoder = ParallelTransformer(config, groups, num_layers, layer_offset, pre_process,
+                                           post_process, init_seed,
+                                           self_attn_mask_type=encoder_attn_mask_type,
+                                           moe_config=moe_config, moe_tracker=moe_tracker)
         if post_process and add_pooler:
             with init_rng(init_seed, "pooler"):
                 self.pooler = Pooler(config, tp_group, sequence_parallel)

@@ -17,6 +17,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.collectives import get_group_size
 from megatron.core.config import ConfigError, TransformerConfig, pipeline_layer_counts
+from megatron.core.parallel_state import ModelGroups
 from megatron.core.utils import get_init_method, get_output_layer_init_method
 from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
 from megatron.fused_kernels.bias_gelu import bias_gelu_impl, bias_gelu_unfused
@@ -92,25 +93,22 @@ class ParallelTransformerLayer(MegatronModule):
     Args:
         config: the transformer config.
         layer_number: 1-based global layer number.
-        tp_group: the tensor-parallel group (None: no tensor parallelism).
-        tp_size: its size.
-        sequence_parallel: activations are ``[s/tp, b, h]``.
+        groups: the process groups and sequence parallelism
+            (:class:`~megatron.core.parallel_state.ModelGroups`); activations are ``[s/tp, b, h]``
+            under sequence parallelism.
         self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
         moe_config: the MoE settings (None: dense MLPs).
         moe_tracker: the model's auxiliary-loss tracker, shared by its MoE layers.
         init_seed: the model's initialisation seed (the MoE layer's own seeds derive from it).
-        cp_group: the context-parallel group (None: whole sequences on this rank).
-        ep_group: the expert-parallel group of the MoE layers (None: every expert here).
-        expert_tp_group: the group each expert is split over (None: ``tp_group``).
     """
 
-    def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
-                 sequence_parallel: bool = False,
+    def __init__(self, config: TransformerConfig, layer_number: int, groups: ModelGroups,
                  self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  moe_config: Optional[MoEConfig] = None,
-                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
-                 cp_group=None, ep_group=None, expert_tp_group=None):
+                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
         super().__init__(config)
+        tp_group, tp_size = groups.tp_group, groups.tp_size
+        sequence_parallel = groups.sequence_parallel
         self.layer_number = layer_number
         self.sequence_parallel = sequence_parallel
         self.hidden_dropout = config.hidden_dropout
@@ -121,21 +119,22 @@ class ParallelTransformerLayer(MegatronModule):
         self.input_layernorm = get_norm(config, sequence_parallel)
         self.self_attention = ParallelAttention(config, layer_number, tp_group, tp_size,
                                                 sequence_parallel, init_method, output_init,
-                                                self_attn_mask_type, cp_group=cp_group)
+                                                self_attn_mask_type, cp_group=groups.cp_group)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.tp_group = tp_group
         self.moe_sequence_gather = self.moe_forward_only = False
         if moe_config is not None and moe_config.is_moe_layer(layer_number):
-            expert_tp_group = tp_group if expert_tp_group is None else expert_tp_group
+            expert_tp_group = tp_group if groups.expert_tp_group is None else groups.expert_tp_group
             # Both groups are blocks of consecutive ranks: the same size means the same group.
             shares_tokens = get_group_size(expert_tp_group) == tp_size
             # Without sequence parallelism the tensor-parallel ranks then route the same tokens
             # as if they were their own: right for a forward (generation turns sequence
             # parallelism off), but the experts' gradients would count each token tp times.
             self.moe_forward_only = not shares_tokens and tp_size > 1 and not sequence_parallel
-            self.mlp = MoELayer(config, moe_config, layer_number, ep_group=ep_group,
+            self.mlp = MoELayer(config, moe_config, layer_number, ep_group=groups.ep_group,
                                 expert_tp_group=expert_tp_group, tp_group=tp_group,
-                                tracker=moe_tracker, init_seed=init_seed, cp_group=cp_group,
+                                tracker=moe_tracker, init_seed=init_seed,
+                                cp_group=groups.cp_group,
                                 expert_tp_shares_tokens=shares_tokens,
                                 sequence_parallel=sequence_parallel and not shares_tokens)
             self.moe_sequence_gather = sequence_parallel and tp_size > 1 and shares_tokens
@@ -216,28 +215,23 @@ class ParallelTransformer(MegatronModule):
 
     Args:
         config: the transformer config.
-        tp_group: the tensor-parallel group (None: no tensor parallelism).
-        tp_size: its size.
+        groups: the process groups and sequence parallelism (see
+            :class:`ParallelTransformerLayer`).
         num_layers: layers on this stage.
         layer_offset: global index of this stage's first layer.
         pre_process: this is the first stage (input comes from the embedding, not
             :meth:`set_input_tensor`).
         post_process: this is the last stage (apply ``final_layernorm``).
-        sequence_parallel: activations are ``[s/tp, b, h]``.
         init_seed: seed the per-layer initialisation seeds derive from.
         self_attn_mask_type: ``causal`` (GPT) or ``padding`` (BERT's bidirectional attention).
-        moe_config / moe_tracker / ep_group / expert_tp_group: see
-            :class:`ParallelTransformerLayer`.
-        cp_group: the context-parallel group (None: whole sequences on this rank).
+        moe_config / moe_tracker: see :class:`ParallelTransformerLayer`.
     """
 
-    def __init__(self, config: TransformerConfig, tp_group, tp_size: int, num_layers: int,
+    def __init__(self, config: TransformerConfig, groups: ModelGroups, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
-                 sequence_parallel: bool = False, init_seed: int = 1234,
-                 self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
+                 init_seed: int = 1234, self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  moe_config: Optional[MoEConfig] = None,
-                 moe_tracker: Optional[MoELossTracker] = None, cp_group=None, ep_group=None,
-                 expert_tp_group=None):
+                 moe_tracker: Optional[MoELossTracker] = None):
         super().__init__(config)
         self.pre_process = pre_process
         self.post_process = post_process
@@ -251,13 +245,12 @@ class ParallelTransformer(MegatronModule):
         for i in range(num_layers):
             with init_rng(init_seed, f"layer.{layer_offset + i}"):
                 layers.append(ParallelTransformerLayer(
-                    config, layer_offset + i + 1, tp_group, tp_size, sequence_parallel,
-                    self_attn_mask_type, moe_config, moe_tracker, init_seed,
-                    cp_group=cp_group, ep_group=ep_group, expert_tp_group=expert_tp_group))
+                    config, layer_offset + i + 1, groups, self_attn_mask_type, moe_config,
+                    moe_tracker, init_seed))
         self.layers = torch.nn.ModuleList(layers)
         if post_process:
             with init_rng(init_seed, "final_norm"):
-                self.final_layernorm = get_norm(config, sequence_parallel)
+                self.final_layernorm = get_norm(config, groups.sequence_parallel)
 
     def set_input_tensor(self, input_tensor) -> None:
         """Input of a stage that is not the first: the previous stage's output."""

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron.checkpoint.config import CheckpointConfig
-from megatron.core.config import ParallelConfig, TransformerConfig
+from megatron.core.config import TransformerConfig
 from megatron.core.distributed.distributed_data_parallel_config import (
     DistributedDataParallelConfig)
 from megatron.data.config import DataConfig
@@ -27,7 +27,6 @@ class Configs:
     --train-samples: flags that describe no training (generation, evaluation, conversion).
     """
 
-    parallel: ParallelConfig
     model: TransformerConfig
     ddp: DistributedDataParallelConfig
     checkpoint: CheckpointConfig
@@ -43,13 +42,6 @@ def build_configs(args: argparse.Namespace) -> Configs:
     The builders of the other configs follow this function: the flag audit
     (tests/unit/test_flag_audit.py) reads the ``field=args.flag`` pairs from here to the end.
     """
-    parallel = ParallelConfig(
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        data_parallel_size=args.data_parallel_size,
-    )
     model = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
@@ -86,7 +78,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
-    return Configs(parallel=parallel, model=model, ddp=_ddp_config(args),
+    return Configs(model=model, ddp=_ddp_config(args),
                    checkpoint=build_checkpoint_config(args), data=build_data_config(args),
                    optimizer=_optimizer_config(args), scheduler=_scheduler_config(args),
                    moe=build_moe_config(args))

@@ -5,6 +5,7 @@ harness keeps these few handles. Code under ``megatron/core`` never reads them: 
 it needs explicitly.
 """
 
+import contextlib
 from typing import Any, Optional
 
 _ARGS = None
@@ -58,3 +59,15 @@ def set_global_variables(args=None, tokenizer=None, timers=None, tensorboard_wri
 def unset_global_variables() -> None:
     global _ARGS, _TOKENIZER, _TIMERS, _TENSORBOARD_WRITER, _PARALLEL_STATE
     _ARGS = _TOKENIZER = _TIMERS = _TENSORBOARD_WRITER = _PARALLEL_STATE = None
+
+
+@contextlib.contextmanager
+def parallel_state_of_stage(stage):
+    """While an old-style model provider (one without a ``vp_stage`` parameter) builds the
+    chunk of a virtual pipeline stage, :func:`get_parallel_state` answers for that stage."""
+    global _PARALLEL_STATE
+    previous, _PARALLEL_STATE = _PARALLEL_STATE, stage
+    try:
+        yield
+    finally:
+        _PARALLEL_STATE = previous

@@ -6,9 +6,9 @@ grads), steps the optimizer (skipped on fp16 overflow) and the LR schedule, then
 and saves at their intervals.
 """
 
+import argparse
 import dataclasses
 import inspect
-import math
 import os
 import signal
 import sys
@@ -18,10 +18,8 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training import checkpointing
-from megatron.training import global_vars
-from megatron.training import memory_accounting
-from megatron.training import moe_logging
+from megatron.training import (checkpointing, global_vars, memory_accounting, moe_logging,
+                               numerics)
 from megatron.training import hooks as training_hooks
 from megatron.training import log as training_log
 from megatron.training.arguments import (ArgumentsError, Configs, build_configs, parse_args,
@@ -41,6 +39,39 @@ from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training.timers import Timers
 from megatron.training.train_state import TrainState
 from megatron.training.utils import print_rank_0
+
+
+@dataclasses.dataclass
+class TrainingRun:
+    """What one training run hands its loop, evaluation, logging and saves, in one place.
+
+    Built by :func:`pretrain` once everything exists; :func:`train`, :func:`evaluate_and_print`
+    and the logging and saving steps take it whole instead of a dozen handles each.
+
+    Attributes:
+        args: the validated flags (read for the options that have no typed config).
+        pstate: this rank's :class:`~megatron.core.parallel_state.ParallelState`.
+        ckpt: the checkpoint options (:class:`~megatron.checkpoint.config.CheckpointConfig`).
+        calculator: micro-batches per step, following a batch-size ramp-up.
+        timers / writer: the timers and the scalar writer (TensorBoard; None without one).
+        train_state: the run's position and records (:class:`TrainState`).
+        forward_step_func: the user's ``forward_step(data_iterator, model)``.
+        model / optimizer / scheduler: this rank's model chunks, optimizer and LR schedule.
+        saver: the background writer of --async-save, or None.
+    """
+
+    args: argparse.Namespace
+    pstate: object
+    ckpt: CheckpointConfig
+    calculator: NumMicroBatchesCalculator
+    timers: Timers
+    writer: object
+    train_state: TrainState
+    forward_step_func: Callable
+    model: List[torch.nn.Module]
+    optimizer: object
+    scheduler: OptimizerParamScheduler
+    saver: Optional[object] = None
 
 
 def _prog() -> str:
@@ -136,12 +167,8 @@ def build_model_chunks(model_provider: Callable, pstate) -> List[torch.nn.Module
         if takes_stage:
             chunks.append(model_provider(**kwargs, vp_stage=i))
             continue
-        previous = global_vars._PARALLEL_STATE
-        global_vars.set_global_variables(parallel_state=stage)
-        try:
+        with global_vars.parallel_state_of_stage(stage):
             chunks.append(model_provider(**kwargs))
-        finally:
-            global_vars._PARALLEL_STATE = previous
     return chunks
 
 
@@ -191,13 +218,13 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     return chunks, optimizer, scheduler
 
 
-def pipeline_tensor_shape(args) -> tuple:
+def pipeline_tensor_shape(args, pstate) -> tuple:
     """``(s, b, h)`` of the activations between pipeline stages (``s / cp`` with context
-    parallelism, then ``/ tp`` with ``--sequence-parallel``); fixed, so stages never exchange
-    shapes."""
-    seq = args.seq_length // args.context_parallel_size
-    if args.sequence_parallel:
-        seq //= args.tensor_model_parallel_size
+    parallelism, then ``/ tp`` with sequence parallelism, both as the layout has them); fixed,
+    so stages never exchange shapes."""
+    seq = args.seq_length // pstate.cp_size
+    if pstate.sequence_parallel:
+        seq //= pstate.tp_size
     return (seq, args.micro_batch_size, args.hidden_size)
 
 
@@ -211,7 +238,7 @@ def schedule_kwargs(model, args, pstate) -> dict:
         "no_sync_func": [chunk.no_sync for chunk in model],
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                             device.current_device()),
-        "tensor_shape": pipeline_tensor_shape(args),
+        "tensor_shape": pipeline_tensor_shape(args, pstate),
     }
 
 
@@ -294,112 +321,6 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
-class NumericalFaultError(RuntimeError):
-    """--check-for-nan-in-loss-and-grad found an inf or a nan; the message names the iteration,
-    the rank and the tensor, and every rank raises it before the optimizer step."""
-
-
-class _LossWatch:
-    """The forward step, keeping this rank's loss of every micro-batch of the iteration."""
-
-    def __init__(self, forward_step_func: Callable):
-        self.forward_step_func = forward_step_func
-        self.losses: List[torch.Tensor] = []
-
-    def __call__(self, data_iterator, model):
-        output_tensor, loss_func = self.forward_step_func(data_iterator, model)
-
-        def watched(output):
-            result = loss_func(output)
-            self.losses.append(result[0].detach())
-            return result
-
-        return output_tensor, watched
-
-
-def _describe_nonfinite(tensor: torch.Tensor) -> str:
-    n_nan = int(torch.isnan(tensor).sum())
-    n_inf = int(torch.isinf(tensor).sum())
-    return f"{n_nan} nan and {n_inf} inf of {tensor.numel()} values"
-
-
-def _loss_findings(watch: _LossWatch) -> List[str]:
-    if not watch.losses or bool(torch.isfinite(torch.stack(watch.losses)).all()):
-        return []
-    first = next(i for i, loss in enumerate(watch.losses) if not torch.isfinite(loss).all())
-    return [f"loss of micro-batch {first} is {watch.losses[first].item()}"]
-
-
-def _grad_findings(model) -> List[str]:
-    """This rank's parameters whose gradient (``main_grad``) holds an inf or a nan."""
-    named = []
-    for c, chunk in enumerate(model):
-        for name, param in getattr(chunk, "module", chunk).named_parameters():
-            grad = getattr(param, "main_grad", None)
-            grad = param.grad if grad is None else grad
-            if grad is not None:
-                named.append((name if len(model) == 1 else f"{name} (model chunk {c})", grad))
-    if not named or bool(torch.stack([torch.isfinite(g).all() for _, g in named]).all()):
-        return []
-    bad = [f"gradient of {name} has {_describe_nonfinite(g)}" for name, g in named
-           if not torch.isfinite(g).all()]
-    return bad[:3] + ([f"and {len(bad) - 3} more gradients"] if len(bad) > 3 else [])
-
-
-def _stop_if_not_finite(findings: List[str], iteration: Optional[int], args, pstate,
-                        reduced: bool) -> None:
-    """Collective: if any rank found an inf or nan, every rank raises one message naming them."""
-    flag = torch.tensor([int(bool(findings))], device=device.current_device())
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if not flag.item():
-        return
-    where = (f"rank {args.rank} (tensor-parallel rank {pstate.tp_rank}, pipeline-parallel rank "
-             f"{pstate.pp_rank}, data-parallel rank {pstate.dp_rank})")
-    mine = f"{where}: " + "; ".join(findings) if findings else ""
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    when = f"iteration {iteration}" if iteration is not None else "this iteration"
-    note = (" (gradients checked after the data-parallel reduction, --overlap-grad-reduce)"
-            if reduced else "")
-    raise NumericalFaultError(
-        f"{when}: inf or nan found (--check-for-nan-in-loss-and-grad){note}: "
-        + " | ".join(m for m in everyone if m)
-        + f". Every rank stops before the optimizer step of {when}; the checkpoints saved so "
-        "far are untouched.")
-
-
-def _skip_for_loss_spike(logged: List[dict], iteration: Optional[int], args, pstate,
-                         history: List[float]) -> bool:
-    """--skip-iterations-with-loss-spike: whether this iteration's optimizer step is skipped.
-
-    The iteration's loss (the logged ``lm loss``, else the first logged value) is sent from the
-    last pipeline stage to every rank; it is a spike when it is not finite or is more than
-    ``--loss-spike-factor`` times the mean of the last ``--loss-spike-window`` losses of steps
-    taken, kept in ``history`` (the train state's ``loss_spike_history``, which travels in the
-    checkpoint's args, so a resumed run decides alike).
-    """
-    value, bad = -math.inf, 0.0
-    if pstate.is_last_stage(ignore_virtual=True) and logged:
-        key = "lm loss" if "lm loss" in logged[0] else next(iter(logged[0]))
-        mean = sum(training_log.to_float(d[key]) for d in logged) / len(logged)
-        value, bad = (mean, 0.0) if math.isfinite(mean) else (-math.inf, 1.0)
-    both = torch.tensor([bad, value], dtype=torch.float64, device=device.current_device())
-    dist.all_reduce(both, op=dist.ReduceOp.MAX)
-    bad, value = bool(both[0].item()), float(both[1].item())
-    window = args.loss_spike_window
-    baseline = sum(history[-window:]) / window if len(history) >= window else None
-    if not bad and (baseline is None or value <= args.loss_spike_factor * baseline):
-        history.append(value)
-        del history[:-window]
-        return False
-    if args.rank == args.world_size - 1:
-        why = ("is not finite" if bad else f"{value:.6E} is above {args.loss_spike_factor} x "
-               f"{baseline:.6E}, the mean of the last {window} iterations")
-        print(f"skipping the optimizer step of iteration {iteration}: the loss {why} "
-              "(--skip-iterations-with-loss-spike)", flush=True)
-    return True
-
-
 def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, pstate,
                calculator: NumMicroBatchesCalculator, iteration: Optional[int] = None,
                timers: Optional[Timers] = None, train_state: Optional[TrainState] = None):
@@ -418,7 +339,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     optimizer.zero_grad()
     check = args.check_for_nan_in_loss_and_grad
     check_grads = check and not args.fp16
-    watch = _LossWatch(forward_step_func) if check else None
+    watch = numerics.LossWatch(forward_step_func) if check else None
     timers = timers or Timers(0)
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
     moe_logging.set_aux_loss_scale(model, optimizer.get_loss_scale(),
@@ -430,19 +351,19 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
                       **schedule_kwargs(model, args, pstate))
     timers("forward-backward", log_level=1).stop()
     training_hooks.empty_unused_memory(args, 1)
-    findings = _loss_findings(watch) if check else []
+    findings = numerics.loss_findings(watch) if check else []
     if check_grads and not args.overlap_grad_reduce:
-        findings += _grad_findings(model)
+        findings += numerics.grad_findings(model)
     finalize_model_grads(model, tp_group=pstate.tp_group, embedding_group=pstate.embedding_group,
                          is_first_stage=pstate.is_first_stage(ignore_virtual=True),
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
-                         pp_size=pstate.pp_size, sequence_parallel=args.sequence_parallel)
+                         pp_size=pstate.pp_size, sequence_parallel=pstate.sequence_parallel)
     if check:
         if check_grads and args.overlap_grad_reduce:
-            findings += _grad_findings(model)
-        _stop_if_not_finite(findings, iteration, args, pstate,
+            findings += numerics.grad_findings(model)
+        numerics.stop_if_not_finite(findings, iteration, args, pstate,
                             reduced=check_grads and args.overlap_grad_reduce)
-    if args.skip_iterations_with_loss_spike and _skip_for_loss_spike(
+    if args.skip_iterations_with_loss_spike and numerics.skip_for_loss_spike(
             logged, iteration, args, pstate, train_state.loss_spike_history):
         ok, grad_norm = False, None
     else:
@@ -489,13 +410,15 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
     return {key: value / max(1, count) for key, value in totals.items()}
 
 
-def evaluate_and_print(prefix, forward_step_func, data_iterator, model, train_state, args,
-                       pstate, calculator, writer, eval_iters: int):
-    losses = evaluate(forward_step_func, data_iterator, model, args, pstate, calculator,
-                      eval_iters, train_state)
+def evaluate_and_print(run: TrainingRun, prefix: str, data_iterator):
+    """Evaluate --eval-iters batches of ``data_iterator``, print Megatron's validation line and
+    write the scalars; returns the losses."""
+    losses = evaluate(run.forward_step_func, data_iterator, run.model, run.args, run.pstate,
+                      run.calculator, run.args.eval_iters, run.train_state)
+    pstate = run.pstate
     if pstate.is_last_stage(ignore_virtual=True) and pstate.tp_rank == 0 and pstate.dp_rank == 0:
         print(training_log.format_eval_line(prefix, losses), flush=True)
-    training_log.write_eval_scalars(writer, args, train_state, losses)
+    training_log.write_eval_scalars(run.writer, run.args, run.train_state, losses)
     return losses
 
 
@@ -534,15 +457,14 @@ def convert_loaded_checkpoint(train_state: TrainState, model, optimizer, schedul
                  f"{ckpt.ckpt_convert_format} in {ckpt.ckpt_convert_save}; exiting")
 
 
-def _save(train_state: TrainState, model, optimizer, scheduler, args, pstate, timers,
-          ckpt: CheckpointConfig, saver=None):
-    """Save the current iteration now, or start a background save with ``saver``
+def _save(run: TrainingRun):
+    """Save the current iteration now, or start a background save with ``run.saver``
     (--async-save)."""
-    timers("save-checkpoint", log_level=0).start()
-    save = saver.save if saver is not None else checkpointing.save_checkpoint
-    save(train_state.iteration, model, optimizer, scheduler, args, pstate,
-         train_state=train_state, config=ckpt)
-    timers("save-checkpoint", log_level=0).stop()
+    run.timers("save-checkpoint", log_level=0).start()
+    save = run.saver.save if run.saver is not None else checkpointing.save_checkpoint
+    save(run.train_state.iteration, run.model, run.optimizer, run.scheduler, run.args,
+         run.pstate, train_state=run.train_state, config=run.ckpt)
+    run.timers("save-checkpoint", log_level=0).stop()
 
 
 def _should_exit(iteration, args, start_time, stop_signal) -> Optional[str]:
@@ -568,7 +490,7 @@ def check_memory_at_startup(args, pstate, calculator: NumMicroBatchesCalculator)
         return
     ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
     full_batch = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
-                                           args.data_parallel_size, None)
+                                           pstate.dp_size, None)
     for line in memory_accounting.startup_memory_check(
             args, pstate, full_batch.num_micro_batches, max(1, ranks_per_node)):
         print(line, file=sys.stderr if line.startswith("WARNING") else sys.stdout, flush=True)
@@ -587,20 +509,21 @@ def report_memory(args, pstate, calculator: NumMicroBatchesCalculator) -> None:
 TIMERS_TO_LOG = ["forward-backward", "batch-generator", "optimizer", "save-checkpoint"]
 
 
-def _log_iteration(train_state, args, model, pstate, timers, writer, stats, losses, lr, batch,
-                   loss_scale, grad_norm) -> training_log.IntervalStats:
+def _log_iteration(run: TrainingRun, stats, losses, lr, batch, loss_scale,
+                   grad_norm) -> training_log.IntervalStats:
     """Scalars, the console line and the timing line after one iteration; returns the stats to
     go on with (fresh ones after a console line).
 
     Every rank calls it: the params norm is reduced over the model-parallel group and the timers
     over all ranks, at iterations that every rank agrees on.
     """
+    args, train_state, timers, writer = run.args, run.train_state, run.timers, run.writer
     iteration = train_state.iteration
     console = iteration % args.log_interval == 0
     scalars = bool(args.tensorboard_dir) and iteration % args.tensorboard_log_interval == 0
     params_norm = None
     if args.log_params_norm and (console or scalars):
-        params_norm = training_log.calc_params_l2_norm(model, pstate)
+        params_norm = training_log.calc_params_l2_norm(run.model, run.pstate)
     training_log.write_train_scalars(writer, args, train_state, losses, lr, batch, loss_scale,
                                      grad_norm, params_norm)
     iterations = max(1, stats.advanced + stats.skipped)
@@ -631,16 +554,15 @@ def _learning_rate(optimizer) -> float:
                 optimizer.param_groups[0]["lr"])
 
 
-def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_iterator, args,
-          pstate, calculator, timers, writer, train_state: TrainState, ckpt: CheckpointConfig,
-          saver=None) -> int:
-    """The training loop from ``train_state.iteration`` to --train-iters; advances
-    ``train_state`` and returns the last iteration run.
+def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
+    """The training loop from ``run.train_state.iteration`` to --train-iters; advances the train
+    state and returns the last iteration run.
 
-    ``saver`` (--async-save) writes checkpoints in the background; each iteration boundary
-    publishes a finished one, and an exit waits for it.
+    With --async-save (``run.saver``) checkpoints are written in the background; each iteration
+    boundary publishes a finished one, and an exit waits for it.
     """
-    for chunk in model:
+    args, pstate, train_state, ckpt = run.args, run.pstate, run.train_state, run.ckpt
+    for chunk in run.model:
         chunk.train()
     stop_signal = _StopSignal() if args.exit_signal_handler else None
     start_time = time.time()
@@ -650,44 +572,40 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     manual_gc = training_hooks.ManualGC(args)
     try:
         while train_state.iteration < args.train_iters:
-            calculator.update(train_state.consumed_train_samples)
+            run.calculator.update(train_state.consumed_train_samples)
             profiler.before_iteration()
             losses, skipped, grad_norm, loss_scale = train_step(
-                forward_step_func, train_iterator, model, optimizer, scheduler, args, pstate,
-                calculator, iteration=train_state.iteration + 1, timers=timers,
-                train_state=train_state)
+                run.forward_step_func, train_iterator, run.model, run.optimizer, run.scheduler,
+                args, pstate, run.calculator, iteration=train_state.iteration + 1,
+                timers=run.timers, train_state=train_state)
             train_state.iteration += 1
             iteration = train_state.iteration
             profiler.after_iteration()
             manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
-                report_memory(args, pstate, calculator)
-            batch = calculator.current_global_batch_size
+                report_memory(args, pstate, run.calculator)
+            batch = run.calculator.current_global_batch_size
             train_state.consumed_train_samples += batch
             stats.add(losses, skipped)
             train_state.train_loss_history.append((iteration, losses.get("lm loss")))
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
-            stats = _log_iteration(train_state, args, model, pstate, timers, writer, stats,
-                                   losses, _learning_rate(optimizer), batch, loss_scale,
-                                   grad_norm)
+            stats = _log_iteration(run, stats, losses, _learning_rate(run.optimizer), batch,
+                                   loss_scale, grad_norm)
             if (args.eval_interval and iteration % args.eval_interval == 0
                     and train_state.do_valid and args.eval_iters > 0):
-                evaluate_and_print(f"iteration {iteration}", forward_step_func, valid_iterator,
-                                   model, train_state, args, pstate, calculator, writer,
-                                   args.eval_iters)
-            if saver is not None:
-                saver.poll()
+                evaluate_and_print(run, f"iteration {iteration}", valid_iterator)
+            if run.saver is not None:
+                run.saver.poll()
             saved = False
             if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0:
-                _save(train_state, model, optimizer, scheduler, args, pstate, timers, ckpt, saver)
+                _save(run)
                 saved = True
             reason = _should_exit(iteration, args, start_time, stop_signal)
             if reason is not None:
                 if ckpt.save and not saved:
-                    _save(train_state, model, optimizer, scheduler, args, pstate, timers, ckpt,
-                          saver)
-                if saver is not None:
-                    saver.wait()
+                    _save(run)
+                if run.saver is not None:
+                    run.saver.wait()
                 print_rank_0(f"exiting at iteration {iteration}: {reason}")
                 train_state.exit_requested = True
                 break
@@ -699,32 +617,27 @@ def train(forward_step_func, model, optimizer, scheduler, train_iterator, valid_
     return train_state.iteration
 
 
-def _train_and_evaluate(forward_step_func, model, optimizer, scheduler, iterators, args,
-                        pstate, calculator, timers, writer, train_state: TrainState,
-                        ckpt: CheckpointConfig) -> None:
-    """Train from ``train_state`` (unless --skip-train or nothing is left), save the last
+def _train_and_evaluate(run: TrainingRun, iterators) -> None:
+    """Train from ``run.train_state`` (unless --skip-train or nothing is left), save the last
     iteration, and evaluate on the validation and test data unless the run was stopped."""
+    args, train_state, ckpt = run.args, run.train_state, run.ckpt
     train_it, valid_it, test_it = iterators
-    saver = checkpointing.AsyncCheckpointSaver() if ckpt.async_save and ckpt.save else None
     if not args.skip_train and train_state.do_train and train_state.iteration < args.train_iters:
         print_rank_0(f"training from iteration {train_state.iteration} to {args.train_iters} ...")
-        train(forward_step_func, model, optimizer, scheduler, train_it, valid_it, args, pstate,
-              calculator, timers, writer, train_state, ckpt, saver=saver)
+        train(run, train_it, valid_it)
         if (ckpt.save and train_state.iteration % (ckpt.save_interval or sys.maxsize) != 0
                 and not train_state.exit_requested):
-            _save(train_state, model, optimizer, scheduler, args, pstate, timers, ckpt, saver)
-        if saver is not None:
-            saver.wait()
+            _save(run)
+        if run.saver is not None:
+            run.saver.wait()
     if train_state.exit_requested or args.eval_iters <= 0:
         return
     if train_state.do_valid:
         train_state.final_valid_losses = evaluate_and_print(
-            "the end of training for val data", forward_step_func, valid_it, model, train_state,
-            args, pstate, calculator, writer, args.eval_iters)
+            run, "the end of training for val data", valid_it)
     if train_state.do_test:
         train_state.final_test_losses = evaluate_and_print(
-            "the end of training for test data", forward_step_func, test_it, model, train_state,
-            args, pstate, calculator, writer, args.eval_iters)
+            run, "the end of training for test data", test_it)
 
 
 def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callable,
@@ -752,7 +665,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     tokenizer = build_tokenizer(args)
     if args.train_samples is not None:
         args.train_iters = NumMicroBatchesCalculator(
-            args.global_batch_size, args.micro_batch_size, args.data_parallel_size,
+            args.global_batch_size, args.micro_batch_size, pstate.dp_size,
             args.rampup_batch_size).iterations_for_samples(args.train_samples)
     if args.train_iters is None:
         raise SystemExit("pretrain: give --train-iters or --train-samples")
@@ -771,7 +684,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                 print(f"NOTE: --save {ckpt.save}: {change}", flush=True)
         dist.barrier()
     calculator = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
-                                           args.data_parallel_size, args.rampup_batch_size)
+                                           pstate.dp_size, args.rampup_batch_size)
 
     check_memory_at_startup(args, pstate, calculator)
     training_hooks.note_cpu_only_flags(args)
@@ -784,8 +697,12 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         return train_state
     iterators = build_chunk_data_iterators(train_valid_test_dataset_provider, args, pstate,
                                            train_state, configs.data)
-    _train_and_evaluate(forward_step_func, model, optimizer, scheduler, iterators, args, pstate,
-                        calculator, timers, writer, train_state, ckpt)
+    saver = checkpointing.AsyncCheckpointSaver() if ckpt.async_save and ckpt.save else None
+    run = TrainingRun(args=args, pstate=pstate, ckpt=ckpt, calculator=calculator, timers=timers,
+                      writer=writer, train_state=train_state,
+                      forward_step_func=forward_step_func, model=model, optimizer=optimizer,
+                      scheduler=scheduler, saver=saver)
+    _train_and_evaluate(run, iterators)
     if writer is not None:
         writer.close()
     return train_state

@@ -15,6 +15,7 @@ import torch
 
 from megatron.training.configs import build_checkpoint_config, build_moe_config
 from megatron.core.config import ConfigError, numerics_flag_conflict, pipeline_layer_counts
+from megatron.core.parallel_state import LayoutError, check_degrees
 
 
 class ArgumentsError(ValueError):
@@ -163,20 +164,15 @@ def _validate_context_parallel(args) -> None:
 
 def _validate_parallel(args) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    for name, value in (("--tensor-model-parallel-size", tp),
-                        ("--pipeline-model-parallel-size", pp),
-                        ("--context-parallel-size", args.context_parallel_size)):
-        if value < 1:
-            _fail(f"{name} must be >= 1, got {value}")
     cp = args.context_parallel_size
-    if args.world_size % (tp * cp * pp) != 0:
-        sizes = [f"--tensor-model-parallel-size ({tp})"]
-        if cp > 1:
-            sizes.append(f"--context-parallel-size ({cp})")
-        sizes.append(f"--pipeline-model-parallel-size ({pp})")
-        _fail(f"world size ({args.world_size}) is not divisible by {' x '.join(sizes)} "
-              f"= {tp * cp * pp}")
-    args.data_parallel_size = args.world_size // (tp * cp * pp)
+    experts = args.num_experts is not None
+    try:  # the layout's own check, so validation and the process groups cannot disagree
+        args.data_parallel_size = check_degrees(
+            args.world_size, tp, cp, pp,
+            ep_size=args.expert_model_parallel_size if experts else 1,
+            expert_tp_size=args.expert_tensor_parallel_size if experts else None)
+    except LayoutError as err:
+        _fail(str(err))
     _validate_context_parallel(args)
     if args.sequence_parallel and tp == 1:
         _note(args, "--sequence-parallel has no effect with --tensor-model-parallel-size 1; "

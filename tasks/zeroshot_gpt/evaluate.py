@@ -51,8 +51,7 @@ def get_model_provider(metric: str):
         print_rank_0("building GPT model ...")
         return GPTModel(build_configs(args).model, global_vars.get_parallel_state(),
                         pre_process=pre_process, post_process=post_process,
-                        parallel_output=metric == "loss", init_seed=args.seed,
-                        sequence_parallel=args.sequence_parallel)
+                        parallel_output=metric == "loss", init_seed=args.seed)
 
     return model_provider
 
@@ -135,7 +134,7 @@ def schedule_kwargs(args, pstate) -> dict:
     dtype = torch.float32 if args.fp32_residual_connection else args.params_dtype
     kwargs = {"communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                                   device.current_device()),
-              "tensor_shape": pipeline_tensor_shape(args)}
+              "tensor_shape": pipeline_tensor_shape(args, pstate)}
     return kwargs
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import collectives
-from megatron.core.parallel_state import compute_rank_layout
+from megatron.core.parallel_state import ModelGroups, compute_rank_layout
 from megatron.core.config import ConfigError
 from megatron.model.moe import MoEConfig, MoELayer, MoELossTracker
 from megatron.model.transformer import ParallelTransformerLayer
@@ -136,9 +136,11 @@ def _training_without_sequence_parallel_is_refused(groups):
     config = _config(attention_dropout=0.0, hidden_dropout=0.0)
     moe = MoEConfig(num_moe_experts=EXPERTS, expert_model_parallel_size=2,
                     expert_tensor_parallel_size=1)
-    layer = ParallelTransformerLayer(config, 1, groups["tp_groups"], 2, moe_config=moe,
-                                     moe_tracker=MoELossTracker(1), ep_group=groups["ep_groups"],
-                                     expert_tp_group=groups["expert_tp_groups"])
+    model_groups = ModelGroups(tp_group=groups["tp_groups"], tp_size=2,
+                               ep_group=groups["ep_groups"],
+                               expert_tp_group=groups["expert_tp_groups"])
+    layer = ParallelTransformerLayer(config, 1, model_groups, moe_config=moe,
+                                     moe_tracker=MoELossTracker(1))
     x = torch.randn(SEQ, 3, config.hidden_size, dtype=torch.float64)
     with torch.no_grad():
         layer(x, None)

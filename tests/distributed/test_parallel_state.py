@@ -68,7 +68,6 @@ def _collect_groups():
         "sizes": (ps.get_tensor_model_parallel_world_size(), ps.get_data_parallel_world_size(),
                   ps.get_pipeline_model_parallel_world_size()),
         "first": ps.is_pipeline_first_stage(), "last": ps.is_pipeline_last_stage(),
-        "in_emb": ps.is_rank_in_embedding_group(),
         "src": ps.get_tensor_model_parallel_src_rank(),
         "next": ps.get_pipeline_model_parallel_next_rank(),
         "prev": ps.get_pipeline_model_parallel_prev_rank(),
@@ -89,9 +88,57 @@ def test_groups_created_on_8_ranks():
         assert (tp_rank, dp_rank, pp_rank) == (rank % 2, (rank // 2) % 2, rank // 4)
         assert res["sizes"] == (2, 2, 2)
         assert res["first"] == (rank < 4) and res["last"] == (rank >= 4)
-        assert res["in_emb"]
         assert res["src"] == rank - rank % 2
         assert res["next"] == (rank + 4) % 8 and res["prev"] == (rank + 4) % 8
+
+
+def _members(group):
+    """The global ranks really in ``group`` (all-gathered over it); None when not a member."""
+    if group is None:
+        return None
+    out = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, torch.tensor([dist.get_rank()]), group=group)
+    return [int(t) for t in out]
+
+
+def _users_getters():
+    """What a user's script reads through Megatron's getter names, on TP 2 x CP 2 with EP 2."""
+    ps.initialize_model_parallel(2, 1, context_parallel_size=2, expert_model_parallel_size=2)
+    return {
+        "initialized": ps.model_parallel_is_initialized(),
+        "tp": _members(ps.get_tensor_model_parallel_group()),
+        "pp": _members(ps.get_pipeline_model_parallel_group()),
+        "dp": _members(ps.get_data_parallel_group()),
+        "dp_cp": _members(ps.get_data_parallel_group(with_context_parallel=True)),
+        "cp": _members(ps.get_context_parallel_group()),
+        "mp": _members(ps.get_model_parallel_group()),
+        "emb": _members(ps.get_embedding_group()),
+        "cp_rank_size": (ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()),
+        "dp_cp_rank_size": (ps.get_data_parallel_rank(with_context_parallel=True),
+                            ps.get_data_parallel_world_size(with_context_parallel=True)),
+        "ep_size": ps.get_expert_model_parallel_world_size(),
+        "vp": (ps.get_virtual_pipeline_model_parallel_rank(),
+               ps.get_virtual_pipeline_model_parallel_world_size()),
+    }
+
+
+def test_users_getters_answer_from_the_layout():
+    """The getters kept for users' scripts name the groups of Megatron's rank table
+    (tp-cp-dp-pp: TP pairs {0,1} {2,3}, CP pairs {0,2} {1,3}, DP x CP = CP here)."""
+    layout = ps.compute_rank_layout(4, 2, 1, cp_size=2, ep_size=2)
+    results = run_on_ranks(_users_getters, 4)
+    for rank, res in enumerate(results):
+        def table(name):
+            return next(g for g in getattr(layout, name) if rank in g)
+        assert res["initialized"]
+        assert res["tp"] == table("tp_groups") == [rank - rank % 2, rank - rank % 2 + 1]
+        assert res["cp"] == table("cp_groups") == [rank % 2, rank % 2 + 2]
+        assert res["dp"] == table("dp_groups") == [rank]
+        assert res["dp_cp"] == table("dp_cp_groups") == res["cp"]
+        assert res["pp"] == [rank] and res["mp"] == table("model_parallel_groups")
+        assert res["emb"] == table("embedding_groups")
+        assert res["cp_rank_size"] == (rank // 2, 2) == res["dp_cp_rank_size"]
+        assert res["ep_size"] == 2 and res["vp"] == (None, None)
 
 
 def _raise_on_rank_one():

@@ -107,13 +107,13 @@ def _pretrain_probed(argv, kill_after=None, minutes_per_iteration=None, fake_wan
     steps = [0]
 
     def train(*a, **k):
-        b = inspect.signature(real["train"]).bind(*a, **k).arguments
-        state, sched, opt = b["train_state"], b["scheduler"], b["optimizer"]
+        run = inspect.signature(real["train"]).bind(*a, **k).arguments["run"]
+        state, sched, opt = run.train_state, run.scheduler, run.optimizer
         probe["start"] = {
             "iteration": state.iteration, "consumed": state.consumed_train_samples,
             "scheduler_steps": sched.num_steps, "max_lr": sched.max_lr,
             "optimizer_state_entries": len(opt.state), "rng": torch.get_rng_state(),
-            "weights": _flat(b["model"][0].state_dict_for_save_checkpoint())}
+            "weights": _flat(run.model[0].state_dict_for_save_checkpoint())}
         return real["train"](*a, **k)
 
     def train_step(*a, **k):

@@ -211,7 +211,7 @@ def test_build_configs():
                                        "NullTokenizer"], world_size=4))
     build_tokenizer(args)
     configs = build_configs(args)
-    assert configs.parallel.data_parallel_size == 2 and configs.parallel.sequence_parallel
+    assert args.data_parallel_size == 2 and args.sequence_parallel
     assert configs.model.padded_vocab_size == 512 and configs.model.ffn_hidden_size == 256
     assert configs.model.params_dtype == torch.bfloat16
     assert args.accumulate_allreduce_grads_in_fp32 and configs.ddp.grad_reduce_in_fp32
@@ -227,7 +227,7 @@ def test_build_configs_returns_every_config_from_the_flags():
     args.padded_vocab_size = 50304
     configs = build_configs(args)
     assert [f.name for f in dataclasses.fields(configs)] == [
-        "parallel", "model", "ddp", "checkpoint", "data", "optimizer", "scheduler", "moe"]
+        "model", "ddp", "checkpoint", "data", "optimizer", "scheduler", "moe"]
     assert configs.moe is None  # a dense model
     assert configs.ddp == DistributedDataParallelConfig(
         grad_reduce_in_fp32=False, overlap_grad_reduce=True, overlap_param_gather=True,

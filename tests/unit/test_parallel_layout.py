@@ -94,8 +94,8 @@ def test_expert_groups_fold_into_data_and_context_ranks():
 
 def test_bad_products_name_the_flags():
     with pytest.raises(ps.LayoutError, match=r"world size \(12\) is not divisible by "
-                       r"tensor-model-parallel size \(2\) x context-parallel size \(4\) x "
-                       r"pipeline-model-parallel size \(1\) = 8"):
+                       r"--tensor-model-parallel-size \(2\) x --context-parallel-size \(4\) x "
+                       r"--pipeline-model-parallel-size \(1\) = 8"):
         ps.compute_rank_layout(12, 2, 1, cp_size=4)
     with pytest.raises(ps.LayoutError, match=r"--expert-tensor-parallel-size \(1\) x "
                        r"--expert-model-parallel-size \(3\) = 3"):
