@@ -17,6 +17,8 @@ _EXPORTS = {
     "GenerationError": "megatron.text_generation.generation",
     "GenerationRequest": "megatron.text_generation.api",
     "RequestError": "megatron.text_generation.api",
+    "SamplingError": "megatron.text_generation.sampling",
+    "GenerationFailed": "megatron.text_generation.server",
     "parse_request": "megatron.text_generation.api",
     "GenerationService": "megatron.text_generation.server",
     "MegatronServer": "megatron.text_generation.server",

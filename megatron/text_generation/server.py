@@ -8,6 +8,15 @@ time; requests arriving meanwhile wait for it. A request that fails validation i
 ``400 {"error": message}`` by rank 0 alone, before any other rank is involved, and the server
 keeps serving.
 
+An error inside a generation never ends a rank: every rank catches it, and after each generation
+all ranks agree on the worst outcome with one all-reduce, so rank 0 answers 400 (the request
+cannot be generated, e.g. its temperature makes the distribution overflow; raised at the same
+step on every rank, see ``generation``) or 500 (anything else, logged with its traceback on the
+rank that met it), and every rank is ready for the next request. An error raised on one rank
+alone *between* two of the model's collectives would leave the others waiting in it until the
+process group's timeout; every rank runs the same payload, so the errors a request can cause are
+met on all of them at the same point.
+
 Waiting ranks sit in a broadcast; a collective waits at most the process group's timeout
 (``--distributed-timeout-minutes``), so while idle rank 0 broadcasts a *heartbeat* signal well
 within it.
@@ -33,6 +42,13 @@ SHUTDOWN_NUM = 2
 HEARTBEAT_NUM = 3
 API_PATH = "/api"
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# Outcomes of one generation, ordered: the ranks agree on the largest.
+OK, BAD_REQUEST, FAILED = 0, 1, 2
+
+
+class GenerationFailed(RuntimeError):
+    """A generation raised something other than :class:`GenerationError` on some rank (HTTP
+    500); the traceback is in that rank's log."""
 
 
 class GenerationService:
@@ -66,16 +82,54 @@ class GenerationService:
         if self.multi_rank:
             dist.broadcast(torch.tensor([signal], dtype=torch.int64, device=self.device), src=0)
 
+    def _run(self, payload: dict):
+        """This rank's part of one generation: ``(output, None)`` or ``(None, error)``."""
+        try:
+            return api.generate_from_payload(self.model, self.pstate, payload, self.device,
+                                              self.use_kv_cache), None
+        except Exception as err:  # noqa: BLE001 - answered, logged, and serving goes on
+            if not isinstance(err, GenerationError):
+                print(f"generation failed on rank {dist.get_rank() if self.multi_rank else 0}:",
+                      file=sys.stderr, flush=True)
+                traceback.print_exception(err)
+            return None, err
+
+    def _agree_on_outcome(self, error: Optional[BaseException]) -> int:
+        """The worst outcome of this generation over all ranks; every rank calls this once per
+        generation, whatever happened, so they leave it together."""
+        code = OK if error is None else BAD_REQUEST if isinstance(error, GenerationError) \
+            else FAILED
+        if not self.multi_rank:
+            return code
+        status = torch.tensor([code], dtype=torch.int64, device=self.device)
+        dist.all_reduce(status, op=dist.ReduceOp.MAX)
+        return int(status.item())
+
     def generate(self, body) -> dict:
-        """Rank 0: answer a decoded request body; raises ``ValueError`` for a bad request."""
+        """Rank 0: answer a decoded request body.
+
+        Raises:
+            api.RequestTooLarge: prompts with more bytes than could fit (HTTP 413).
+            ValueError: a bad request (HTTP 400): ``api.RequestError`` or ``GenerationError``.
+            GenerationFailed: generation raised anything else, on any rank (HTTP 500).
+        """
         request = api.parse_request(body)
         payload = api.prepare_payload(request, self.tokenizer, self.max_position_embeddings,
                                       self.max_tokens_to_oom)
         with self.lock:
             self._send(GENERATE_NUM)
             api.broadcast_payload(payload, self.device)
-            output = api.generate_from_payload(self.model, self.pstate, payload, self.device,
-                                               self.use_kv_cache)
+            output, error = self._run(payload)
+            outcome = self._agree_on_outcome(error)
+        if isinstance(error, GenerationError):
+            raise error
+        if error is not None:
+            raise GenerationFailed(f"{type(error).__name__}: {error}") from error
+        if outcome == BAD_REQUEST:
+            raise GenerationError("the request cannot be generated (see the log of the rank "
+                                  "that refused it)")
+        if outcome == FAILED:
+            raise GenerationFailed("generation failed on another rank (see its log)")
         return api.post_process(output, self.tokenizer, request.logprobs)
 
     def heartbeat(self) -> None:
@@ -92,22 +146,24 @@ class GenerationService:
             except RuntimeError as err:
                 print(f"NOTE: could not tell the other ranks to stop: {err}", flush=True)
 
+    def worker_step(self) -> bool:
+        """Ranks other than 0: wait for rank 0's next signal and follow it (run the generation
+        it announces, or just wake up); False once it says to stop."""
+        signal = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.broadcast(signal, src=0)
+        choice = int(signal.item())
+        if choice == SHUTDOWN_NUM:
+            return False
+        if choice == GENERATE_NUM:
+            payload = api.broadcast_payload(None, self.device)
+            _, error = self._run(payload)
+            self._agree_on_outcome(error)  # rank 0 answers the client
+        return True
+
     def worker_loop(self) -> None:
         """Ranks other than 0: run each generation rank 0 announces, until it shuts down."""
-        signal = torch.empty(1, dtype=torch.int64, device=self.device)
-        while True:
-            dist.broadcast(signal, src=0)
-            choice = int(signal.item())
-            if choice == SHUTDOWN_NUM:
-                return
-            if choice != GENERATE_NUM:
-                continue
-            payload = api.broadcast_payload(None, self.device)
-            try:
-                api.generate_from_payload(self.model, self.pstate, payload, self.device,
-                                          self.use_kv_cache)
-            except GenerationError:
-                pass  # rank 0 met the same error at the same point and answers the client
+        while self.worker_step():
+            pass
 
 
 def _make_handler(service: GenerationService):
@@ -154,6 +210,8 @@ def _make_handler(service: GenerationService):
                 response = service.generate(self._read_body())
             except ValueError as err:  # RequestError, GenerationError, tokenizer errors
                 return self._error(400, str(err))
+            except GenerationFailed as err:  # logged with its traceback where it happened
+                return self._error(500, f"internal error: {err}")
             except Exception as err:  # noqa: BLE001 - answered, logged, and serving goes on
                 traceback.print_exc()
                 return self._error(500, f"internal error: {type(err).__name__}: {err}")

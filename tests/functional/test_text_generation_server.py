@@ -7,6 +7,9 @@ keeps serving, other paths and methods get 404 / 405, concurrent requests all ge
 answer, and ``tools/text_generation_cli.py`` prints the same text. Greedy
 answers of the TP = 2 server equal the single-process server's. The request checks are also run
 directly on :func:`megatron.text_generation.api.parse_request`.
+
+The TP = 2 server also takes what once killed it (issue 28): a temperature so small that the
+sampling distribution overflows (400, both ranks serve on).
 """
 
 import json
@@ -251,18 +254,42 @@ def test_server_answers_good_and_bad_requests(single_server):
     assert cli.returncode == 1 and "error 400" in cli.stderr
 
 
-def test_torchrun_tensor_parallel_server_matches_single_process(checkpoints, single_server,
-                                                               tmp_path):
-    tp2 = str(checkpoints / "tp2")
+@pytest.fixture(scope="module")
+def tp2_server(checkpoints, tmp_path_factory):
+    """The server under torchrun with TP = 2, shared by the tests below."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    with Server(tp2, tmp_path, launcher, ["--tensor-model-parallel-size", "2"]) as server:
-        status, answer = server.request(GREEDY)
-        assert status == 200, answer
-        _check_greedy(answer)
-        assert server.request({"prompts": []})[0] == 400
-        status, again = server.request(GREEDY)
+    extra = ["--tensor-model-parallel-size", "2"]
+    with Server(str(checkpoints / "tp2"), tmp_path_factory.mktemp("tp2_log"), launcher,
+                extra) as server:
+        yield server
     assert server.proc.returncode is not None
+
+
+def test_torchrun_tensor_parallel_server_matches_single_process(tp2_server, single_server):
+    server = tp2_server
+    status, answer = server.request(GREEDY)
+    assert status == 200, answer
+    _check_greedy(answer)
+    assert server.request({"prompts": []})[0] == 400
+    status, again = server.request(GREEDY)
     _, want = single_server.request(GREEDY)
     assert answer["tokens"] == again["tokens"] == want["tokens"]
     for a, b in zip(answer["logprobs"], want["logprobs"]):
         assert a == pytest.approx(b, abs=2e-5)
+
+
+def test_failed_generation_answers_400_and_both_ranks_keep_serving(tp2_server):
+    """Issue 28: temperature 1e-300 made rank 1's torch.multinomial raise, rank 1 died and
+    torchrun stopped rank 0. Now both ranks refuse it at the same step and serve on."""
+    server = tp2_server
+    status, before = server.request(GREEDY)
+    assert status == 200, before
+    for temperature in (1e-300, 1e-45):
+        status, answer = server.request({"prompts": ["1 2"], "tokens_to_generate": 4,
+                                         "temperature": temperature})
+        assert status == 400, answer
+        assert f"not finite at temperature {temperature!r}" in answer["error"]
+    assert server.request(GREEDY) == (200, before)
+    assert server.proc.poll() is None
+    with open(server.log_path) as f:
+        assert "Traceback" not in f.read()
