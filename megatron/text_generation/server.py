@@ -183,111 +183,117 @@ class _ReadTimeout(Exception):
     """The request did not arrive within ``--read-timeout``."""
 
 
-def _make_handler(service: GenerationService, read_timeout_s: float):
-    class MegatronGenerateHandler(BaseHTTPRequestHandler):
-        """``PUT /api``; any other method on it is 405, any other path 404."""
+class MegatronGenerateHandler(BaseHTTPRequestHandler):
+    """``PUT /api``; any other method on it is 405, any other path 404. :func:`_make_handler`
+    gives it its service and read timeout."""
 
-        protocol_version = "HTTP/1.1"
-        server_version = "MegatronGenerate"
-        # Per socket operation (set by StreamRequestHandler.setup); also bounds writes to a
-        # client that stops reading.
-        timeout = read_timeout_s
+    protocol_version = "HTTP/1.1"
+    server_version = "MegatronGenerate"
+    service: GenerationService
+    read_timeout_s: float = DEFAULT_READ_TIMEOUT_S
+    # Per socket operation (set by StreamRequestHandler.setup); also bounds writes to a client
+    # that stops reading.
+    timeout: float = DEFAULT_READ_TIMEOUT_S
 
-        def handle_one_request(self):
-            # The whole request, not each read, must arrive in time: a client trickling a byte
-            # per read would otherwise hold its thread for ever. When the deadline passes, the
-            # read side is shut, so a blocked read returns end-of-file at once.
-            self._timed_out = False
-            self._deadline = threading.Timer(read_timeout_s, self._expire)
-            self._deadline.daemon = True
-            self._deadline.start()
-            try:
-                super().handle_one_request()
-            finally:
-                self._deadline.cancel()
-
-        def _expire(self):
-            self._timed_out = True
-            try:
-                self.connection.shutdown(socket.SHUT_RD)
-            except OSError:
-                pass  # closed already
-
-        def _reply(self, status: int, body: dict, headers: Optional[dict] = None) -> None:
-            data = json.dumps(body).encode()
-            if self.close_connection:  # the last answer: its client may reconnect on reading it
-                self.server.release_slot(self.request)
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            for key, value in (headers or {}).items():
-                self.send_header(key, value)
-            self.end_headers()
-            self.wfile.write(data)
-
-        def _error(self, status: int, message: str, headers: Optional[dict] = None) -> None:
-            # The body may be unread: never reuse this connection.
-            self.close_connection = True
-            # "message" too, as Megatron's command-line client reads it.
-            self._reply(status, {"error": message, "message": message}, headers)
-
-        def _read_body(self):
-            if self._timed_out:
-                raise _ReadTimeout()
-            length = self.headers.get("Content-Length")
-            if length is None or not (length.isascii() and length.isdigit()):
-                raise api.RequestError("the request needs a Content-Length header")
-            if len(length) > len(str(MAX_BODY_BYTES)) or int(length) > MAX_BODY_BYTES:
-                raise api.RequestTooLarge(f"the request body is {length[:20]} bytes, more than "
-                                          f"the {MAX_BODY_BYTES} this server takes")
-            try:
-                raw = self.rfile.read(int(length))
-            except OSError:  # TimeoutError included
-                raise _ReadTimeout() from None
-            if len(raw) < int(length):
-                raise _ReadTimeout()
+    def handle_one_request(self):
+        # The whole request, not each read, must arrive in time: a client trickling a byte
+        # per read would otherwise hold its thread for ever. When the deadline passes, the
+        # read side is shut, so a blocked read returns end-of-file at once.
+        self._timed_out = False
+        self._deadline = threading.Timer(self.read_timeout_s, self._expire)
+        self._deadline.daemon = True
+        self._deadline.start()
+        try:
+            super().handle_one_request()
+        finally:
             self._deadline.cancel()
-            return api.decode_body(raw)
 
-        def _answer(self):
-            try:
-                return 200, service.generate(self._read_body())
-            except _ReadTimeout:
-                return 408, (f"the request did not arrive within {read_timeout_s:g} s "
-                             f"(--read-timeout)")
-            except api.RequestTooLarge as err:
-                return 413, str(err)
-            except ValueError as err:  # RequestError, GenerationError, tokenizer errors
-                return 400, str(err)
-            except GenerationFailed as err:  # logged with its traceback where it happened
-                return 500, f"internal error: {err}"
-            except Exception as err:  # noqa: BLE001 - answered, logged, and serving goes on
-                traceback.print_exc()
-                return 500, f"internal error: {type(err).__name__}: {err}"
+    def _expire(self):
+        self._timed_out = True
+        try:
+            self.connection.shutdown(socket.SHUT_RD)
+        except OSError:
+            pass  # closed already
 
-        def do_PUT(self):  # noqa: N802 - http.server's naming
-            if urlparse(self.path).path != API_PATH:
-                return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH}")
-            start = time.monotonic()
-            status, answer = self._answer()
-            if status != 200:
-                return self._error(status, answer)
-            self._reply(200, answer)
-            print(f"generated for {len(answer['text'])} prompt(s) in "
-                  f"{time.monotonic() - start:.2f} s", flush=True)
+    def _reply(self, status: int, body: dict, headers: Optional[dict] = None) -> None:
+        data = json.dumps(body).encode()
+        if self.close_connection:  # the last answer: its client may reconnect on reading it
+            self.server.release_slot(self.request)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(data)
 
-        def _not_allowed(self):
-            if urlparse(self.path).path != API_PATH:
-                return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH}")
-            return self._error(405, f"method {self.command} is not allowed; use PUT {API_PATH}",
-                               {"Allow": "PUT"})
+    def _error(self, status: int, message: str, headers: Optional[dict] = None) -> None:
+        # The body may be unread: never reuse this connection.
+        self.close_connection = True
+        # "message" too, as Megatron's command-line client reads it.
+        self._reply(status, {"error": message, "message": message}, headers)
 
-        do_GET = do_POST = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+    def _read_body(self):
+        if self._timed_out:
+            raise _ReadTimeout()
+        length = self.headers.get("Content-Length")
+        if length is None or not (length.isascii() and length.isdigit()):
+            raise api.RequestError("the request needs a Content-Length header")
+        if len(length) > len(str(MAX_BODY_BYTES)) or int(length) > MAX_BODY_BYTES:
+            raise api.RequestTooLarge(f"the request body is {length[:20]} bytes, more than "
+                                      f"the {MAX_BODY_BYTES} this server takes")
+        try:
+            raw = self.rfile.read(int(length))
+        except OSError:  # TimeoutError included
+            raise _ReadTimeout() from None
+        if len(raw) < int(length):
+            raise _ReadTimeout()
+        self._deadline.cancel()
+        return api.decode_body(raw)
 
-        def log_message(self, format, *args):  # noqa: A002 - http.server's signature
-            sys.stderr.write(f"{self.address_string()} - {format % args}\n")
+    def _answer(self):
+        try:
+            return 200, self.service.generate(self._read_body())
+        except _ReadTimeout:
+            return 408, (f"the request did not arrive within {self.read_timeout_s:g} s "
+                         f"(--read-timeout)")
+        except api.RequestTooLarge as err:
+            return 413, str(err)
+        except ValueError as err:  # RequestError, GenerationError, tokenizer errors
+            return 400, str(err)
+        except GenerationFailed as err:  # logged with its traceback where it happened
+            return 500, f"internal error: {err}"
+        except Exception as err:  # noqa: BLE001 - answered, logged, and serving goes on
+            traceback.print_exc()
+            return 500, f"internal error: {type(err).__name__}: {err}"
 
-    return MegatronGenerateHandler
+    def do_PUT(self):  # noqa: N802 - http.server's naming
+        if urlparse(self.path).path != API_PATH:
+            return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH}")
+        start = time.monotonic()
+        status, answer = self._answer()
+        if status != 200:
+            return self._error(status, answer)
+        self._reply(200, answer)
+        print(f"generated for {len(answer['text'])} prompt(s) in "
+              f"{time.monotonic() - start:.2f} s", flush=True)
+
+    def _not_allowed(self):
+        if urlparse(self.path).path != API_PATH:
+            return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH}")
+        return self._error(405, f"method {self.command} is not allowed; use PUT {API_PATH}",
+                           {"Allow": "PUT"})
+
+    do_GET = do_POST = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+
+    def log_message(self, format, *args):  # noqa: A002 - http.server's signature
+        sys.stderr.write(f"{self.address_string()} - {format % args}\n")
+
+
+def _make_handler(service: GenerationService, read_timeout_s: float):
+    """The handler class of one server: :class:`MegatronGenerateHandler` bound to ``service``."""
+    return type("MegatronGenerateHandler", (MegatronGenerateHandler,),
+                {"service": service, "read_timeout_s": read_timeout_s, "timeout": read_timeout_s})
 
 
 def is_loopback(host: str) -> bool:
