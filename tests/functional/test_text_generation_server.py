@@ -262,11 +262,13 @@ def test_server_answers_good_and_bad_requests(single_server):
 def tp2_server(checkpoints, tmp_path_factory):
     """The server under torchrun with TP = 2, shared by the tests below; at most 2 connections
     at once, so concurrent clients also meet the 503."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    logs = tmp_path_factory.mktemp("tp2_log")
+    # torchrun's own log folder goes there too, not into a /tmp/torchelastic_* left behind.
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "--log-dir", str(logs / "torchrun")]
     extra = ["--tensor-model-parallel-size", "2", "--max-connections", "2",
              "--read-timeout", "10"]
-    with Server(str(checkpoints / "tp2"), tmp_path_factory.mktemp("tp2_log"), launcher,
-                extra) as server:
+    with Server(str(checkpoints / "tp2"), logs, launcher, extra) as server:
         yield server
     assert server.proc.returncode is not None
 
