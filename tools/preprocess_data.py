@@ -89,6 +89,9 @@ def get_args(argv=None) -> argparse.Namespace:
     group = parser.add_argument_group(title="output data")
     group.add_argument("--output-prefix", type=str, required=True,
                        help="path prefix of the outputs, without _{key}_document.bin")
+    group.add_argument("--overwrite", action="store_true",
+                       help="replace output datasets that exist already (default: refuse, "
+                            "naming the file)")
     group.add_argument("--dataset-impl", type=str, default=None, choices=["lazy", "cached", "mmap"],
                        help="accepted for old scripts; only the mmap format is written")
     group = parser.add_argument_group(title="runtime")
@@ -331,7 +334,7 @@ class Encoder:
         try:
             document = json.loads(line)
         except json.JSONDecodeError as e:
-            raise BadLine(f"malformed JSON: {e.msg} at column {e.colno}") from None
+            raise BadLine(f"malformed JSON: {_json_error_at(e)}") from None
         except RecursionError:
             raise BadLine("malformed JSON: nested too deeply to parse") from None
         except ValueError as e:  # e.g. an integer literal longer than Python converts
@@ -406,6 +409,15 @@ class Encoder:
                 raise InputError(f"token id {bad} does not fit {self.dtype.name}, chosen for a "
                                  f"vocabulary of {self.tokenizer.vocab_size}")
         return tokens.astype(self.dtype, copy=False)
+
+
+def _json_error_at(error: json.JSONDecodeError) -> str:
+    """``json``'s reason with its column, said once: some reasons end in "at" (``Unterminated
+    string starting at``) and take the column directly, the others get "at column N"."""
+    reason = error.msg
+    if reason.endswith(" at"):
+        return f"{reason} column {error.colno}"
+    return f"{reason} at column {error.colno}"
 
 
 class _DocumentError(ValueError):
@@ -525,10 +537,13 @@ def output_prefixes(output_prefix: str, keys: List[str], split_sentences: bool) 
 
 
 def encode_segments(args: argparse.Namespace, segments: List[Segment], prefixes: Dict[str, str],
-                    workers: int, label: str = "", stop=None) -> Progress:
+                    workers: int, label: str = "", stop=None,
+                    require_documents: bool = True) -> Progress:
     """Tokenize ``segments`` into one dataset per key at ``prefixes``; all or nothing.
 
-    ``stop`` (an Event) is checked after every batch; once set, the work is dropped.
+    ``stop`` (an Event) is checked after every batch; once set, the work is dropped. With
+    ``require_documents``, input without a single document is an :class:`InputError` and
+    nothing is written (a partition may be empty; the whole input may not).
     """
     encoder = Encoder(args)
     total = sum(s.input_bytes() for s in segments)
@@ -558,6 +573,9 @@ def encode_segments(args: argparse.Namespace, segments: List[Segment], prefixes:
             for key, (tokens, lengths, per_document) in result.datasets.items():
                 builders[key].add_documents(tokens, lengths, per_document)
             progress.update(result)
+        if require_documents and progress.documents == 0:
+            paths = list(dict.fromkeys(s.path for s in segments))
+            raise InputError(no_documents_message(args.input, paths, progress.bad_lines))
         for key, prefix in prefixes.items():
             builders[key].finalize(get_idx_path(prefix))
     except BaseException:
@@ -583,7 +601,7 @@ def _partition_main(index: int, args, segments, prefixes, workers: int, report, 
     os.setpgrp()
     try:
         progress = encode_segments(args, segments, prefixes, workers, f"[partition {index}] ",
-                                   stop=stop)
+                                   stop=stop, require_documents=False)
         message = (None, (progress.documents, progress.bad_lines, progress.text_bytes))
     except _Stopped:
         message = ("stopped", None)
@@ -651,13 +669,17 @@ def run_partitions(args: argparse.Namespace, plan: List[List[Segment]],
             writer.close()  # the child holds the only write end: its exit reads as end-of-file
             reports.append(reader)
         stats = _wait_for_partitions(processes, reports)
+        documents, bad_lines, text_bytes = (int(sum(column)) for column in zip(*stats.values()))
+        if documents == 0:
+            paths = list(dict.fromkeys(s.path for segments in plan for s in segments))
+            raise InputError(no_documents_message(args.input, paths, bad_lines))
         dtype = Encoder(args).dtype
         for key, prefix in prefixes.items():
             with IndexedDatasetBuilder(get_bin_path(prefix), dtype) as builder:
                 for part in part_prefixes:
                     builder.add_index(part[key])
                 builder.finalize(get_idx_path(prefix))
-        return tuple(int(sum(column)) for column in zip(*stats.values()))
+        return documents, bad_lines, text_bytes
     finally:
         _stop_partitions(processes, stop)
         for reader in reports:
@@ -665,12 +687,35 @@ def run_partitions(args: argparse.Namespace, plan: List[List[Segment]],
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def no_documents_message(pattern: str, paths: List[str], bad_lines: int) -> str:
+    """The one-line error for input without a single document, naming the file(s)."""
+    where = paths[0] if len(paths) == 1 else f"--input {pattern!r} ({len(paths)} files)"
+    if bad_lines:
+        return (f"{where}: no documents: all {bad_lines} line(s) are malformed and "
+                f"--skip-bad-lines skipped them; nothing written")
+    return f"{where}: no documents (the input is empty); nothing written"
+
+
+def check_outputs_absent(prefixes: Dict[str, str], overwrite: bool) -> None:
+    """Refuse to replace an existing dataset file unless ``--overwrite`` says so."""
+    if overwrite:
+        return
+    for prefix in prefixes.values():
+        for path in (get_bin_path(prefix), get_idx_path(prefix)):
+            if os.path.lexists(path):
+                raise InputError(f"{path} exists already (--output-prefix); pass --overwrite "
+                                 f"to replace it")
+
+
 def main(argv=None) -> int:
     args = get_args(argv)
     start = time.monotonic()
     try:
         files = input_files(args.input)
+        if all(os.path.getsize(f) == 0 for f in files):
+            raise InputError(no_documents_message(args.input, files, 0))
         prefixes = output_prefixes(args.output_prefix, args.json_keys, args.split_sentences)
+        check_outputs_absent(prefixes, args.overwrite)
         os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
         plan = plan_partitions(files, args.partitions)
         if len(plan) == 1:

@@ -6,10 +6,11 @@ tensor x pipeline split (``torchrun`` for more than one)::
     torchrun --nproc_per_node 2 tools/run_text_generation_server.py \\
         <the training flags> --tensor-model-parallel-size 2 --load CHECKPOINT_DIR --port 5000
 
-then ``curl -X PUT http://HOST:5000/api -H 'Content-Type: application/json'
+then ``curl -X PUT http://localhost:5000/api -H 'Content-Type: application/json'
 -d '{"prompts": ["Hello"], "tokens_to_generate": 32}'`` or
-``python tools/text_generation_cli.py HOST:5000``. Rank 0 answers HTTP; the other ranks run each
-generation with it (see ``megatron/text_generation/server.py`` for the request and response).
+``python tools/text_generation_cli.py localhost:5000``. Rank 0 answers HTTP; the other ranks run
+each generation with it (see ``megatron/text_generation/server.py`` for the request and
+response). It listens on 127.0.0.1 unless ``--host`` says otherwise: there is no authentication.
 """
 
 import os
@@ -19,14 +20,26 @@ import sys
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir)))
 
 from megatron.text_generation.api import DEFAULT_MAX_TOKENS_TO_OOM  # noqa: E402
+from megatron.text_generation.server import (  # noqa: E402
+    DEFAULT_HOST,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_TIMEOUT_S,
+)
 
 
 def add_text_generate_args(parser):
     """The server's own flags, added to the training flags."""
     g = parser.add_argument_group(title="text generation server")
     g.add_argument("--port", type=int, default=5000, help="HTTP port of rank 0 (default 5000)")
-    g.add_argument("--host", default="0.0.0.0",
-                   help="address rank 0 listens on (default 0.0.0.0: every interface)")
+    g.add_argument("--host", default=DEFAULT_HOST,
+                   help=f"address rank 0 listens on (default {DEFAULT_HOST}: this machine only; "
+                        f"0.0.0.0 is every interface, and the server has no authentication)")
+    g.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help=f"seconds a request (headers and body) may take to arrive, and an idle "
+                        f"connection may stay open (default {DEFAULT_READ_TIMEOUT_S:g})")
+    g.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help=f"connections served at once; more are answered 503 at once (default "
+                        f"{DEFAULT_MAX_CONNECTIONS})")
     g.add_argument("--max-tokens-to-oom", type=int, default=DEFAULT_MAX_TOKENS_TO_OOM,
                    help="refuse requests of more tokens (prompts x (longest prompt + "
                         "tokens_to_generate)) than this")
@@ -52,6 +65,11 @@ def _check_args(args) -> None:
                              "must then be saved without them)")
     if not 0 < args.port < 65536:
         raise ArgumentsError(f"--port must be between 1 and 65535, got {args.port}")
+    if not 0 < args.read_timeout < float("inf"):
+        raise ArgumentsError(f"--read-timeout must be a positive number of seconds, got "
+                             f"{args.read_timeout}")
+    if args.max_connections < 1:
+        raise ArgumentsError(f"--max-connections must be at least 1, got {args.max_connections}")
     if args.max_tokens_to_oom < 1:
         raise ArgumentsError(f"--max-tokens-to-oom must be positive, got "
                              f"{args.max_tokens_to_oom}")
@@ -85,7 +103,8 @@ def main(argv=None) -> None:
     # Heartbeats keep the waiting ranks' broadcast well inside the process group's timeout.
     heartbeat_s = min(60.0, args.distributed_timeout_minutes * 60 / 4)
     try:
-        MegatronServer(service, heartbeat_s).run(args.host, args.port)
+        MegatronServer(service, heartbeat_s, args.read_timeout,
+                       args.max_connections).run(args.host, args.port)
     except KeyboardInterrupt:
         print("server stopped", flush=True)
     except OSError as err:

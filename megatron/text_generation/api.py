@@ -14,7 +14,10 @@ from the whole distribution (Megatron's defaults). The response::
 
 Each sequence ends after its stop token when it emitted one. A bad request raises
 :class:`RequestError` (a ``ValueError``) before any rank is involved; the server answers it with
-HTTP 400.
+HTTP 400 (413, :class:`RequestTooLarge`, when a prompt has more bytes than could fit the model,
+checked before anything is tokenized). Keys other than Megatron's are refused, naming them, so a
+misspelt ``top_K`` is never silently ignored; ``no_log`` and ``length_penalty`` (beam search
+only, which is refused) are accepted.
 
 Running a request on every rank: rank 0 validates and tokenizes it into a *payload* (plain JSON:
 token ids and settings), :func:`broadcast_payload` gives it to every rank, and
@@ -22,6 +25,7 @@ token ids and settings), :func:`broadcast_payload` gives it to every rank, and
 response with :func:`post_process`.
 """
 
+import difflib
 import json
 import random
 from dataclasses import dataclass
@@ -42,14 +46,60 @@ MAX_TEMPERATURE = 100.0
 DEFAULT_TOKENS_TO_GENERATE = 64
 DEFAULT_MAX_TOKENS_TO_OOM = 12000
 
+# A token is rarely more than a few bytes of text and never near this many, so a prompt longer
+# than max_position_embeddings x this cannot fit the model whatever the tokenizer: it is refused
+# before the (slow) tokenizer sees it.
+MAX_PROMPT_BYTES_PER_TOKEN = 128
+# Longer integer literals are refused by name instead of by Python's int() conversion limit.
+MAX_INT_DIGITS = 30
+
 # Megatron request keys whose features this server does not offer: refused rather than ignored,
 # so a client never silently gets something else than it asked for.
 UNSUPPORTED = ("beam_width", "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon",
                "top_p_decay", "top_p_bound")
+SERVED = ("prompts", "tokens_to_generate", "logprobs", "temperature", "top_k", "top_p",
+          "add_BOS", "stop_token", "random_seed", "no_log", "length_penalty")
+# Megatron's old names, refused with a message saying what replaced them.
+RENAMED = {"sentences": "prompts", "max_len": "tokens_to_generate"}
+KNOWN_KEYS = frozenset(SERVED + UNSUPPORTED + tuple(RENAMED))
 
 
 class RequestError(ValueError):
     """A generation request that cannot be served; the message is the HTTP 400 answer."""
+
+
+class RequestTooLarge(RequestError):
+    """A request larger than the server takes (HTTP 413)."""
+
+
+class LongInteger:
+    """An integer literal of more than :data:`MAX_INT_DIGITS` digits in a request body, kept as
+    text: no field takes one, and each field's check names itself when it meets one."""
+
+    def __init__(self, literal: str):
+        self.digits = len(literal.lstrip("-"))
+
+    def __str__(self) -> str:
+        return f"<an integer of {self.digits} digits>"
+
+
+def _parse_int(literal: str):
+    return LongInteger(literal) if len(literal) > MAX_INT_DIGITS else int(literal)
+
+
+def decode_body(raw: bytes):
+    """A request body's JSON; raises :class:`RequestError` for anything that is not JSON."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_int=_parse_int)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise RequestError(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise RequestError("the request body is not valid JSON: nested too deeply") from None
+
+
+def _show(value) -> str:
+    """A value as the client sent it, cut short, for an error message."""
+    return json.dumps(value, default=str)[:80]
 
 
 @dataclass
@@ -80,14 +130,36 @@ def _get(body: dict, key: str, default, valid, message: str):
         return default
     value = body[key]
     if not valid(value):
-        raise RequestError(f"{message}, got {json.dumps(value)[:80]}")
+        raise RequestError(f"{message}, got {_show(value)}")
     return value
+
+
+def _suggest(key: str) -> str:
+    """``'key'``, with the served key it probably meant (case first, then spelling)."""
+    lowered = {served.lower(): served for served in SERVED}
+    close = difflib.get_close_matches(key.lower(), list(lowered), n=1, cutoff=0.6)
+    if key.lower() in lowered:
+        close = [key.lower()]
+    shown = repr(key) if len(key) <= 40 else repr(key[:40]) + "..."
+    return f"{shown} (did you mean {lowered[close[0]]!r}?)" if close else shown
+
+
+def _check_keys(body: dict) -> None:
+    unknown = sorted(key for key in body if key not in KNOWN_KEYS)
+    if unknown:
+        hints = [_suggest(key) for key in unknown]
+        raise RequestError(f"unknown request key(s) {', '.join(hints)}; the keys are "
+                           f"{', '.join(SERVED)}")
+    for old, new in RENAMED.items():
+        if old in body:
+            raise RequestError(f"{old} is no longer used. Replace with {new}")
+    for key in UNSUPPORTED:
+        if body.get(key) not in (None, False):
+            raise RequestError(f"{key} is not supported by this server")
 
 
 def _check_prompts(body: dict) -> List[str]:
     if "prompts" not in body:
-        if "sentences" in body:
-            raise RequestError("sentences is no longer used. Replace with prompts")
         raise RequestError("prompts argument required")
     prompts = body["prompts"]
     if not isinstance(prompts, list) or not all(isinstance(p, str) for p in prompts):
@@ -104,11 +176,7 @@ def parse_request(body) -> GenerationRequest:
     naming the first bad field."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if "max_len" in body:
-        raise RequestError("max_len is no longer used. Replace with tokens_to_generate")
-    for key in UNSUPPORTED:
-        if body.get(key) not in (None, False):
-            raise RequestError(f"{key} is not supported by this server")
+    _check_keys(body)
     prompts = _check_prompts(body)
     tokens_to_generate = _get(body, "tokens_to_generate", DEFAULT_TOKENS_TO_GENERATE,
                               lambda v: _is_int(v) and v >= 0,
@@ -136,7 +204,9 @@ def parse_request(body) -> GenerationRequest:
                       "stop_token must be an integer token id")
     random_seed = _get(body, "random_seed", None,
                        lambda v: v is None or (_is_int(v) and 0 <= v < 2 ** 63),
-                       "random_seed must be a non-negative integer")
+                       "random_seed must be an integer in [0, 2**63)")
+    _get(body, "no_log", False, lambda v: isinstance(v, bool), "no_log must be a boolean value")
+    _get(body, "length_penalty", 1.0, _is_number, "length_penalty must be a number")
     return GenerationRequest(prompts, tokens_to_generate, logprobs, float(temperature), top_k,
                              float(top_p), add_bos, stop_token, random_seed)
 
@@ -161,13 +231,44 @@ def _tokenize(request: GenerationRequest, tokenizer) -> List[List[int]]:
     return rows
 
 
+def check_prompt_bytes(request: GenerationRequest, max_position_embeddings: int,
+                       max_tokens_to_oom: int = DEFAULT_MAX_TOKENS_TO_OOM) -> None:
+    """Refuse, before tokenizing, prompts with more bytes than could fit the model.
+
+    Raises :class:`RequestTooLarge` naming the first prompt longer than ``max_position_embeddings``
+    x :data:`MAX_PROMPT_BYTES_PER_TOKEN` bytes, or when all of them together exceed
+    ``max_tokens_to_oom`` x that.
+    """
+    per_prompt = max_position_embeddings * MAX_PROMPT_BYTES_PER_TOKEN
+    total = 0
+    for i, prompt in enumerate(request.prompts):
+        # Lone surrogates are legal in JSON strings; count them instead of failing on them.
+        size = len(prompt.encode("utf-8", "surrogatepass"))
+        if size > per_prompt:
+            raise RequestTooLarge(
+                f"prompts[{i}] is {size} bytes; a prompt that fits the model's "
+                f"--max-position-embeddings ({max_position_embeddings}) has at most {per_prompt}")
+        total += size
+    if total > max_tokens_to_oom * MAX_PROMPT_BYTES_PER_TOKEN:
+        raise RequestTooLarge(
+            f"the prompts are {total} bytes together; prompts that fit --max-tokens-to-oom "
+            f"({max_tokens_to_oom} tokens) have at most "
+            f"{max_tokens_to_oom * MAX_PROMPT_BYTES_PER_TOKEN}")
+
+
 def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddings: int,
                     max_tokens_to_oom: int = DEFAULT_MAX_TOKENS_TO_OOM) -> dict:
     """Tokenize a request and check it fits the model; returns what every rank needs.
 
     Raises :class:`RequestError` when a prompt plus ``tokens_to_generate`` is longer than
-    ``max_position_embeddings`` or the batch holds more than ``max_tokens_to_oom`` tokens.
+    ``max_position_embeddings``, the batch holds more than ``max_tokens_to_oom`` tokens or
+    ``top_k`` is larger than the vocabulary; :class:`RequestTooLarge` (before tokenizing) when
+    the prompts have more bytes than could fit.
     """
+    check_prompt_bytes(request, max_position_embeddings, max_tokens_to_oom)
+    if request.top_k > tokenizer.vocab_size:
+        raise RequestError(f"top_k ({request.top_k}) is larger than the vocabulary "
+                           f"({tokenizer.vocab_size} tokens)")
     rows = _tokenize(request, tokenizer)
     longest = max(len(r) for r in rows)
     total = longest + request.tokens_to_generate

@@ -11,7 +11,9 @@ left-aligned, ``L`` = longest prompt + tokens to generate). Step by step, as in 
 2. The last stage samples the next token of every sequence (all its tensor-parallel ranks draw
    from generators seeded alike, and its first tensor-parallel rank's choice is broadcast to the
    others), then broadcasts the tokens over the pipeline group, so every rank holds the same
-   buffer.
+   buffer. When the distribution cannot be sampled (not finite: see ``sampling``), that first
+   rank's verdict travels in the same broadcasts, as a negative token, and every rank raises
+   the same :class:`GenerationError` at the same step: no rank is left waiting in a collective.
 3. A sequence whose prompt is longer than the current position keeps its own prompt token there
    instead; a sequence that emits the stop token is finished (its length ends after that token).
    The loop stops early once all are finished.
@@ -31,7 +33,13 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.text_generation.inference_params import InferenceParams
-from megatron.text_generation.sampling import check_sampling_args, mask_padded_vocab, sample
+from megatron.text_generation.sampling import (
+    SamplingError,
+    check_sampling_args,
+    mask_padded_vocab,
+    sample,
+    sampling_error_message,
+)
 
 
 class GenerationError(ValueError):
@@ -126,6 +134,17 @@ def _agree_over_tensor_parallel(tensor: torch.Tensor, pstate) -> torch.Tensor:
     return tensor
 
 
+def _sample_or_verdict(new_tokens: torch.Tensor, logits: torch.Tensor, top_k: int, top_p: float,
+                       temperature: float, vocab_size: int,
+                       generator: Optional[torch.Generator]) -> None:
+    """The sampled ``[b]`` tokens into ``new_tokens``, or, when the distribution cannot be
+    sampled, ``-code`` of the :class:`SamplingError` in every entry (ids are never negative)."""
+    try:
+        new_tokens.copy_(sample(logits, top_k, top_p, temperature, vocab_size, generator))
+    except SamplingError as err:
+        new_tokens.fill_(-err.code)
+
+
 def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor,
                      vocab_size: int) -> torch.Tensor:
     """``log p(targets)`` from ``[b, s, V]`` logits and ``[b, s]`` ids -> ``[b, s]`` float32."""
@@ -215,10 +234,13 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
         start = prev if use_kv_cache else 0
         logits = step(tokens[:, start:context], positions[:, start:context])  # [b, s, V] last
         if step.is_last:
-            new_tokens.copy_(sample(logits[:, -1, :], top_k, top_p, temperature, vocab_size,
-                                    generator))
+            _sample_or_verdict(new_tokens, logits[:, -1, :], top_k, top_p, temperature,
+                               vocab_size, generator)
             _agree_over_tensor_parallel(new_tokens, pstate)
         broadcast_from_last_stage(new_tokens, pstate)
+        verdict = int(new_tokens.min())
+        if verdict < 0:
+            raise GenerationError(sampling_error_message(-verdict, temperature))
         started = lengths <= context
         tokens[started, context] = new_tokens[started]
         if log_probs is not None and step.is_last:

@@ -9,11 +9,38 @@ any filtering.
 Logits come gathered over the tensor-parallel ranks, ``[b, padded vocab]``. The rows past the
 tokenizer's vocabulary exist only to make the embedding table divisible; they are set to
 ``-inf`` first, so they are never chosen, whatever their weights learned.
+
+Before a token is drawn the distribution is checked: NaN or infinite logits (a numerical fault
+in the model) or a distribution that is not finite after the temperature (a temperature so small
+that the scaled logits overflow float32; ``torch.multinomial`` would raise deep inside) raise
+:class:`SamplingError`, whose ``code`` lets a caller tell other ranks which of the two it was.
 """
 
 from typing import Optional
 
 import torch
+
+
+class SamplingError(ValueError):
+    """The logits or the distribution to sample from are not finite; ``code`` says which."""
+
+    NONFINITE_LOGITS = 1
+    NONFINITE_DISTRIBUTION = 2
+
+    def __init__(self, code: int, temperature: float):
+        super().__init__(sampling_error_message(code, temperature))
+        self.code = code
+
+
+def sampling_error_message(code: int, temperature: float) -> str:
+    """The message of :class:`SamplingError` ``code``: every rank can rebuild it from the code
+    and the request's temperature alone."""
+    if code == SamplingError.NONFINITE_LOGITS:
+        return ("the model's logits are not finite (NaN or inf): a numerical fault in the "
+                "checkpoint or its precision, not in the request")
+    return (f"the sampling distribution is not finite at temperature {temperature!r}: the logits "
+            f"divided by it overflow float32; use a larger temperature, or top_k = 1 for greedy "
+            f"decoding")
 
 
 def mask_padded_vocab(logits: torch.Tensor, vocab_size: Optional[int]) -> torch.Tensor:
@@ -77,11 +104,17 @@ def sample(logits: torch.Tensor, top_k: int = 0, top_p: float = 0.0, temperature
         vocab_size: the tokenizer's vocabulary; ids at or past it are never returned.
         generator: the random stream to draw from (default: torch's global one). Ranks that
             must agree on the sample use generators seeded alike.
+
+    Raises:
+        SamplingError: the logits, or the distribution after the temperature, are not finite.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
     check_sampling_args(top_k, top_p, temperature,
                         min(vocab_size or logits.size(-1), logits.size(-1)))
+    real = logits[:, :vocab_size] if vocab_size is not None else logits
+    if not bool(torch.isfinite(real).all()):
+        raise SamplingError(SamplingError.NONFINITE_LOGITS, temperature)
     logits = mask_padded_vocab(logits.float(), vocab_size)
     if top_k == 1:
         return torch.argmax(logits, dim=-1)
@@ -93,4 +126,6 @@ def sample(logits: torch.Tensor, top_k: int = 0, top_p: float = 0.0, temperature
     elif top_p > 0.0:
         modify_logits_for_top_p_filtering(logits, top_p)
     probs = torch.softmax(logits, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise SamplingError(SamplingError.NONFINITE_DISTRIBUTION, temperature)
     return torch.multinomial(probs, num_samples=1, generator=generator).view(-1)

@@ -236,7 +236,68 @@ def test_progress_line_and_empty_input(tmp_path, capsys):
     for count in (2, 4, 6):
         assert f"Processed {count} documents" in err
     assert "docs/s" in err and "MB/s" in err and "ETA" in err
+
+
+def _one_error_line(err):
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra", [[], ["--workers", "2", "--partitions", "2"]])
+def test_input_without_documents_is_an_error_naming_the_file(tmp_path, capsys, extra):
+    """Before: an empty input exited 0 with an empty dataset, which training later refused far
+    from its cause; so did a file whose every line --skip-bad-lines skipped."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = tmp_path / "in.jsonl"
     path.write_text("")
-    assert preprocess(path, tmp_path / "empty", keys=("text",)) == 0
-    ds = IndexedDataset(str(tmp_path / "empty_text_document"))
-    assert len(ds) == 0 and ds.document_indices.tolist() == [0]
+    assert preprocess(path, out / "x", *extra, keys=("text",)) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{path}: no documents (the input is empty)" in line
+    path.write_bytes(b"not json\n{\n[1]\n")
+    assert preprocess(path, out / "x", "--skip-bad-lines", *extra, keys=("text",)) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{path}: no documents: all 3 line(s) are malformed" in line
+    assert os.listdir(out) == []
+
+
+def test_existing_output_is_kept_without_overwrite(tmp_path, capsys):
+    """Before: a second run over the same --output-prefix replaced the datasets silently."""
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"text": "1 2 3"}) + "\n")
+    null = ("NullTokenizer", "--vocab-size", "10")
+    assert preprocess(path, tmp_path / "x", keys=("text",), tokenizer=null) == 0
+    prefix = str(tmp_path / "x_text_document")
+    first = read_bytes(prefix)
+    capsys.readouterr()
+    path.write_text(json.dumps({"text": "4 5"}) + "\n")
+    assert preprocess(path, tmp_path / "x", keys=("text",), tokenizer=null) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{prefix}.bin exists already" in line and "--overwrite" in line
+    assert read_bytes(prefix) == first
+    os.remove(prefix + ".bin")  # half a pair is refused too: the .idx names the dataset
+    assert preprocess(path, tmp_path / "x", keys=("text",), tokenizer=null) == 1
+    assert f"{prefix}.idx exists already" in _one_error_line(capsys.readouterr().err)
+    assert preprocess(path, tmp_path / "x", "--overwrite", keys=("text",), tokenizer=null) == 0
+    assert IndexedDataset(prefix)[0].tolist() == [4, 5]
+
+
+def test_malformed_json_names_file_line_and_column_once(tmp_path, capsys):
+    """Before: "malformed JSON: Unterminated string starting at at column 10"."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"text": "a"}\n{"text": "unterminated')  # no newline: ends the input
+    assert preprocess(path, tmp_path / "x", keys=("text",)) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == f"error: {path}:2: malformed JSON: Unterminated string starting at column 10"
+    assert preprocess(path, tmp_path / "x", "--skip-bad-lines", keys=("text",)) == 0
+    capsys.readouterr()
+    path.write_bytes(b'{"text": 1,}\n{"text": "tab\x09"}\n')
+    assert preprocess(path, tmp_path / "y", keys=("text",)) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == (f"error: {path}:1: malformed JSON: Expecting property name enclosed in "
+                    f"double quotes at column 12")
+    path.write_bytes(b'{"text": "tab\x09"}\n')
+    assert preprocess(path, tmp_path / "z", keys=("text",)) == 1
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == f"error: {path}:1: malformed JSON: Invalid control character at column 14"

@@ -7,8 +7,15 @@ keeps serving, other paths and methods get 404 / 405, concurrent requests all ge
 answer, and ``tools/text_generation_cli.py`` prints the same text. Greedy
 answers of the TP = 2 server equal the single-process server's. The request checks are also run
 directly on :func:`megatron.text_generation.api.parse_request`.
+
+The TP = 2 server also takes what once killed it (issue 28): a temperature so small that the
+sampling distribution overflows (400, both ranks serve on) and a few hundred fuzzed requests
+(``generation_fuzz``) from three clients at once against ``--max-connections 2``: each is
+answered 200, 400, 413 or 503, and greedy decoding gives the same tokens after as before.
+The HTTP limits themselves are tested in ``test_text_generation_server_limits``.
 """
 
+import collections
 import json
 import os
 import signal
@@ -252,18 +259,84 @@ def test_server_answers_good_and_bad_requests(single_server):
     assert cli.returncode == 1 and "error 400" in cli.stderr
 
 
-def test_torchrun_tensor_parallel_server_matches_single_process(checkpoints, single_server,
-                                                               tmp_path):
-    tp2 = str(checkpoints / "tp2")
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    with Server(tp2, tmp_path, launcher, ["--tensor-model-parallel-size", "2"]) as server:
-        status, answer = server.request(GREEDY)
-        assert status == 200, answer
-        _check_greedy(answer)
-        assert server.request({"prompts": []})[0] == 400
-        status, again = server.request(GREEDY)
+@pytest.fixture(scope="module")
+def tp2_server(checkpoints, tmp_path_factory):
+    """The server under torchrun with TP = 2, shared by the tests below; at most 2 connections
+    at once, so concurrent clients also meet the 503."""
+    logs = tmp_path_factory.mktemp("tp2_log")
+    # torchrun's own log folder goes there too, not into a /tmp/torchelastic_* left behind.
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "--log-dir", str(logs / "torchrun")]
+    extra = ["--tensor-model-parallel-size", "2", "--max-connections", "2",
+             "--read-timeout", "10"]
+    with Server(str(checkpoints / "tp2"), logs, launcher, extra) as server:
+        yield server
     assert server.proc.returncode is not None
+
+
+def test_torchrun_tensor_parallel_server_matches_single_process(tp2_server, single_server):
+    server = tp2_server
+    status, answer = server.request(GREEDY)
+    assert status == 200, answer
+    _check_greedy(answer)
+    assert server.request({"prompts": []})[0] == 400
+    status, again = server.request(GREEDY)
     _, want = single_server.request(GREEDY)
     assert answer["tokens"] == again["tokens"] == want["tokens"]
     for a, b in zip(answer["logprobs"], want["logprobs"]):
         assert a == pytest.approx(b, abs=2e-5)
+
+
+def test_failed_generation_answers_400_and_both_ranks_keep_serving(tp2_server):
+    """Issue 28: temperature 1e-300 made rank 1's torch.multinomial raise, rank 1 died and
+    torchrun stopped rank 0. Now both ranks refuse it at the same step and serve on."""
+    server = tp2_server
+    status, before = server.request(GREEDY)
+    assert status == 200, before
+    for temperature in (1e-300, 1e-45):
+        status, answer = server.request({"prompts": ["1 2"], "tokens_to_generate": 4,
+                                         "temperature": temperature})
+        assert status == 400, answer
+        assert f"not finite at temperature {temperature!r}" in answer["error"]
+    assert server.request(GREEDY) == (200, before)
+    assert server.proc.poll() is None
+    with open(server.log_path) as f:
+        assert "Traceback" not in f.read()
+
+
+FUZZ_REQUESTS = 300
+FUZZ_REQUESTS_SLOW = 2000
+
+
+@pytest.mark.parametrize("count", [
+    pytest.param(FUZZ_REQUESTS, id="short"),
+    pytest.param(FUZZ_REQUESTS_SLOW, id="long", marks=pytest.mark.slow),
+])
+def test_fuzzed_requests_are_answered_and_the_server_lives(tp2_server, count):
+    """Random requests (types, ranges, keys, sizes; see ``generation_fuzz``) from 3 clients at
+    once: every one gets 200, 400, 413 or 503, and greedy decoding gives the same tokens after
+    as before."""
+    from tests.functional.generation_fuzz import fuzz_bodies
+
+    server = tp2_server
+    status, before = server.request(GREEDY)
+    assert status == 200, before
+    bodies = fuzz_bodies(count, seed=count)
+    answers = [None] * len(bodies)
+
+    def client(first):
+        for i in range(first, len(bodies), 3):
+            answers[i] = server.request(bodies[i])
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    statuses = collections.Counter(status for status, _ in answers)
+    for body, (status, answer) in zip(bodies, answers):
+        assert status in (200, 400, 413, 503), (body[:200], status, answer)
+        assert status == 200 or answer["error"], (body[:200], answer)
+    assert statuses[200] > 0 and statuses[400] > 0, statuses
+    assert server.request(GREEDY) == (200, before)
+    assert server.proc.poll() is None

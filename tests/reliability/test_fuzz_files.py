@@ -343,7 +343,8 @@ def _parse_line(raw: bytes):
 
 
 def reference_preprocess(lines, tokenizer, vocab_size: int, case):
-    """``("error", line number)`` or ``("ok", documents, bad lines)``, line by line."""
+    """``("error", line number)``, ``("empty", bad lines)`` or ``("ok", documents, bad lines)``,
+    line by line."""
     per_batch = case["chunk_size"] or max(1, len(lines))
     documents, bad = [], 0
     for first in range(0, len(lines), per_batch):
@@ -367,6 +368,8 @@ def reference_preprocess(lines, tokenizer, vocab_size: int, case):
             if ids and case["append_eod"]:
                 ids = ids + [tokenizer.eod]
             documents.append(ids)
+    if not documents:  # nothing to write is an error naming the file, not an empty dataset
+        return ("empty", bad)
     return ("ok", documents, bad)
 
 
@@ -420,6 +423,12 @@ def check_jsonl_case(case, folder: str, tokenizers, outcomes: collections.Counte
         assert f"{path}:{expected[1]}: " in stderr.getvalue(), (expected, stderr.getvalue())
         assert outputs == [], outputs
         outcomes["error"] += 1
+        return
+    if expected[0] == "empty":
+        assert rc == 1, (expected, stderr.getvalue())
+        assert f"{path}: no documents" in stderr.getvalue(), stderr.getvalue()
+        assert outputs == [], outputs
+        outcomes["empty"] += 1
         return
     assert rc == 0, stderr.getvalue()
     _, documents, bad = expected

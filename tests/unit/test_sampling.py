@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from megatron.text_generation.sampling import (
+    SamplingError,
     mask_padded_vocab,
     modify_logits_for_top_k_filtering,
     modify_logits_for_top_p_filtering,
@@ -148,3 +149,29 @@ def test_same_seed_same_samples_and_float16_logits():
 def test_invalid_settings_are_refused(kw, match):
     with pytest.raises(ValueError, match=match):
         sample(random_logits(rows=2, vocab=16), **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(top_k=3), dict(top_p=0.9)])
+def test_temperature_that_overflows_is_a_sampling_error(kw):
+    """Before: logits / 1e-300 are inf in float32, softmax gives NaN, and torch.multinomial
+    raised a RuntimeError deep inside the generation loop (issue 28)."""
+    logits = random_logits(rows=2, vocab=16).float()
+    with pytest.raises(SamplingError, match="temperature 1e-300") as err:
+        sample(logits, temperature=1e-300, **kw)
+    assert err.value.code == SamplingError.NONFINITE_DISTRIBUTION
+    assert sample(logits, temperature=1e-3, top_k=3).shape == (2,)   # small but finite: fine
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("kw", [dict(top_k=1), dict(), dict(top_p=0.5)])
+def test_non_finite_logits_are_a_sampling_error(bad, kw):
+    """Before: greedy returned the NaN's index as a token, sampling raised in multinomial. The
+    padded rows past the vocabulary do not count: they are masked before sampling."""
+    logits = random_logits(rows=2, vocab=16).float()
+    padded = logits.clone()
+    padded[:, 12:] = bad
+    assert sample(padded, vocab_size=12, **kw).max() < 12
+    logits[1, 4] = bad
+    with pytest.raises(SamplingError, match="logits are not finite") as err:
+        sample(logits, **kw)
+    assert err.value.code == SamplingError.NONFINITE_LOGITS
