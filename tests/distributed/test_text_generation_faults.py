@@ -31,7 +31,7 @@ FAULTY = {"prompts": PROMPTS, "tokens_to_generate": 3, "top_k": 1}
 
 def _build(layout_flags):
     from megatron.inference import initialize_for_inference
-    from megatron.training import build_model_chunks
+    from megatron.training.training import build_model_chunks
     import pretrain_gpt
 
     args, pstate, tokenizer = initialize_for_inference(None, MODEL_FLAGS + layout_flags)
