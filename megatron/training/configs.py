@@ -1,8 +1,8 @@
 """The typed configs built from validated flags (re-exported by :mod:`megatron.training.arguments`).
 
 :func:`build_configs` turns the namespace :func:`megatron.training.arguments.validate_args`
-returns into the config each component takes: parallel layout, model, DDP, checkpointing, data, optimizer, scheduler
-and MoE. The flag audit (tests/unit/test_flag_audit.py) reads the config field each flag fills from
+returns into the config each component takes: model, DDP, checkpointing, data, optimizer,
+scheduler, MoE, and the training loop's and logging's own. The flag audit (tests/unit/test_flag_audit.py) reads the config field each flag fills from
 :func:`build_configs` to the end of this module, so the builders stay after it.
 """
 
@@ -17,6 +17,42 @@ from megatron.core.distributed.distributed_data_parallel_config import (
 from megatron.data.config import DataConfig
 from megatron.model.moe.config import MoEConfig
 from megatron.optimizer.config import OptimizerConfig, SchedulerConfig
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    """How long the loop runs, what it evaluates, when it stops and what it guards against.
+
+    ``train_iters`` is the run's length in iterations (--train-iters, or derived from
+    --train-samples before the configs are built).
+    """
+
+    micro_batch_size: int
+    global_batch_size: int
+    train_iters: Optional[int]
+    eval_interval: Optional[int]
+    eval_iters: int
+    skip_train: bool = False
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+    check_for_nan_in_loss_and_grad: bool = False
+    skip_iterations_with_loss_spike: bool = False
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """What the loop logs, and how often (the console line, TensorBoard, timers)."""
+
+    log_interval: int
+    tensorboard_dir: Optional[str] = None
+    tensorboard_log_interval: int = 1
+    log_params_norm: bool = False
+    log_timers_to_tensorboard: bool = False
+    log_throughput: bool = False
+    timing_log_level: int = 0
+    timing_log_option: str = "minmax"
+    moe_per_layer_logging: bool = False
 
 
 @dataclass
@@ -34,6 +70,8 @@ class Configs:
     optimizer: Optional[OptimizerConfig] = None
     scheduler: Optional[SchedulerConfig] = None
     moe: Optional[MoEConfig] = None
+    training: Optional[TrainingConfig] = None
+    logging: Optional[LoggingConfig] = None
 
 
 def build_configs(args: argparse.Namespace) -> Configs:
@@ -81,7 +119,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
     return Configs(model=model, ddp=_ddp_config(args),
                    checkpoint=build_checkpoint_config(args), data=build_data_config(args),
                    optimizer=_optimizer_config(args), scheduler=_scheduler_config(args),
-                   moe=build_moe_config(args))
+                   moe=build_moe_config(args), training=_training_config(args),
+                   logging=_logging_config(args))
 
 
 def build_moe_config(args) -> Optional[MoEConfig]:
@@ -189,3 +228,25 @@ def _scheduler_config(args) -> Optional[SchedulerConfig]:
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         wsd_decay_steps=wsd_steps, lr_wsd_decay_style=args.lr_wsd_decay_style)
+
+
+def _training_config(args) -> TrainingConfig:
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, skip_train=args.skip_train,
+        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler,
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+        skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike)
+
+
+def _logging_config(args) -> LoggingConfig:
+    return LoggingConfig(
+        log_interval=args.log_interval, tensorboard_dir=args.tensorboard_dir,
+        tensorboard_log_interval=args.tensorboard_log_interval,
+        log_params_norm=args.log_params_norm,
+        log_timers_to_tensorboard=args.log_timers_to_tensorboard,
+        log_throughput=args.log_throughput, timing_log_level=args.timing_log_level,
+        timing_log_option=args.timing_log_option,
+        moe_per_layer_logging=args.moe_per_layer_logging)

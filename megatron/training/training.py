@@ -22,8 +22,8 @@ from megatron.training import (checkpointing, global_vars, memory_accounting, mo
                                numerics)
 from megatron.training import hooks as training_hooks
 from megatron.training import log as training_log
-from megatron.training.arguments import (ArgumentsError, Configs, build_configs, parse_args,
-                                validate_args)
+from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core import device
 from megatron.core.config import ConfigError
@@ -49,8 +49,10 @@ class TrainingRun:
     and the logging and saving steps take it whole instead of a dozen handles each.
 
     Attributes:
-        args: the validated flags (read for the options that have no typed config).
+        args: the validated flags (what :func:`train_step`, the log line and the hooks read).
         pstate: this rank's :class:`~megatron.core.parallel_state.ParallelState`.
+        training / logging: the loop's and logging's typed configs (how long, when to evaluate
+            and stop; what to log and how often).
         ckpt: the checkpoint options (:class:`~megatron.checkpoint.config.CheckpointConfig`).
         calculator: micro-batches per step, following a batch-size ramp-up.
         timers / writer: the timers and the scalar writer (TensorBoard; None without one).
@@ -62,6 +64,8 @@ class TrainingRun:
 
     args: argparse.Namespace
     pstate: object
+    training: TrainingConfig
+    logging: LoggingConfig
     ckpt: CheckpointConfig
     calculator: NumMicroBatchesCalculator
     timers: Timers
@@ -414,7 +418,7 @@ def evaluate_and_print(run: TrainingRun, prefix: str, data_iterator):
     """Evaluate --eval-iters batches of ``data_iterator``, print Megatron's validation line and
     write the scalars; returns the losses."""
     losses = evaluate(run.forward_step_func, data_iterator, run.model, run.args, run.pstate,
-                      run.calculator, run.args.eval_iters, run.train_state)
+                      run.calculator, run.training.eval_iters, run.train_state)
     pstate = run.pstate
     if pstate.is_last_stage(ignore_virtual=True) and pstate.tp_rank == 0 and pstate.dp_rank == 0:
         print(training_log.format_eval_line(prefix, losses), flush=True)
@@ -467,18 +471,18 @@ def _save(run: TrainingRun):
     run.timers("save-checkpoint", log_level=0).stop()
 
 
-def _should_exit(iteration, args, start_time, stop_signal) -> Optional[str]:
+def _should_exit(iteration, training: TrainingConfig, start_time, stop_signal) -> Optional[str]:
     received = stop_signal.any_rank_received() if stop_signal is not None else None
     if received is not None:
         return f"received {received}"
-    if args.exit_interval and iteration % args.exit_interval == 0:
-        return f"reached --exit-interval {args.exit_interval}"
-    if args.exit_duration_in_mins:
+    if training.exit_interval and iteration % training.exit_interval == 0:
+        return f"reached --exit-interval {training.exit_interval}"
+    if training.exit_duration_in_mins:
         minutes = torch.tensor([(time.time() - start_time) / 60.0], dtype=torch.float64,
                                device=device.current_device())
         dist.all_reduce(minutes, op=dist.ReduceOp.MAX)
-        if minutes.item() > args.exit_duration_in_mins:
-            return f"exceeded --exit-duration-in-mins {args.exit_duration_in_mins}"
+        if minutes.item() > training.exit_duration_in_mins:
+            return f"exceeded --exit-duration-in-mins {training.exit_duration_in_mins}"
     return None
 
 
@@ -517,27 +521,28 @@ def _log_iteration(run: TrainingRun, stats, losses, lr, batch, loss_scale,
     Every rank calls it: the params norm is reduced over the model-parallel group and the timers
     over all ranks, at iterations that every rank agrees on.
     """
-    args, train_state, timers, writer = run.args, run.train_state, run.timers, run.writer
+    args, log = run.args, run.logging
+    train_state, timers, writer = run.train_state, run.timers, run.writer
     iteration = train_state.iteration
-    console = iteration % args.log_interval == 0
-    scalars = bool(args.tensorboard_dir) and iteration % args.tensorboard_log_interval == 0
+    console = iteration % log.log_interval == 0
+    scalars = bool(log.tensorboard_dir) and iteration % log.tensorboard_log_interval == 0
     params_norm = None
-    if args.log_params_norm and (console or scalars):
+    if log.log_params_norm and (console or scalars):
         params_norm = training_log.calc_params_l2_norm(run.model, run.pstate)
     training_log.write_train_scalars(writer, args, train_state, losses, lr, batch, loss_scale,
                                      grad_norm, params_norm)
     iterations = max(1, stats.advanced + stats.skipped)
-    if args.log_timers_to_tensorboard and scalars:
+    if log.log_timers_to_tensorboard and scalars:
         timers.write(TIMERS_TO_LOG, writer, iteration, normalizer=iterations)
     if not console:
         return stats
     timing = (timers.log_string(TIMERS_TO_LOG, normalizer=iterations)
-              if args.timing_log_level > 0 else "")
+              if log.timing_log_level > 0 else "")
     if writer is not None:
         per_iter_s = training_log.seconds_per_iteration(stats)
-        if args.log_timers_to_tensorboard:
+        if log.log_timers_to_tensorboard:
             writer.add_scalar("iteration-time", per_iter_s, iteration)
-        if args.log_throughput:
+        if log.log_throughput:
             writer.add_scalar("throughput",
                               training_log.throughput_tflops(args, batch, per_iter_s), iteration)
     if args.rank == args.world_size - 1:
@@ -562,16 +567,17 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     boundary publishes a finished one, and an exit waits for it.
     """
     args, pstate, train_state, ckpt = run.args, run.pstate, run.train_state, run.ckpt
+    training = run.training
     for chunk in run.model:
         chunk.train()
-    stop_signal = _StopSignal() if args.exit_signal_handler else None
+    stop_signal = _StopSignal() if training.exit_signal_handler else None
     start_time = time.time()
     stats = training_log.IntervalStats()
     start_iteration = train_state.iteration
     profiler = training_hooks.IterationProfiler(args, args.rank)
     manual_gc = training_hooks.ManualGC(args)
     try:
-        while train_state.iteration < args.train_iters:
+        while train_state.iteration < training.train_iters:
             run.calculator.update(train_state.consumed_train_samples)
             profiler.before_iteration()
             losses, skipped, grad_norm, loss_scale = train_step(
@@ -591,8 +597,8 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
             stats = _log_iteration(run, stats, losses, _learning_rate(run.optimizer), batch,
                                    loss_scale, grad_norm)
-            if (args.eval_interval and iteration % args.eval_interval == 0
-                    and train_state.do_valid and args.eval_iters > 0):
+            if (training.eval_interval and iteration % training.eval_interval == 0
+                    and train_state.do_valid and training.eval_iters > 0):
                 evaluate_and_print(run, f"iteration {iteration}", valid_iterator)
             if run.saver is not None:
                 run.saver.poll()
@@ -600,7 +606,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0:
                 _save(run)
                 saved = True
-            reason = _should_exit(iteration, args, start_time, stop_signal)
+            reason = _should_exit(iteration, training, start_time, stop_signal)
             if reason is not None:
                 if ckpt.save and not saved:
                     _save(run)
@@ -620,17 +626,17 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
 def _train_and_evaluate(run: TrainingRun, iterators) -> None:
     """Train from ``run.train_state`` (unless --skip-train or nothing is left), save the last
     iteration, and evaluate on the validation and test data unless the run was stopped."""
-    args, train_state, ckpt = run.args, run.train_state, run.ckpt
+    train_state, ckpt, training = run.train_state, run.ckpt, run.training
     train_it, valid_it, test_it = iterators
-    if not args.skip_train and train_state.do_train and train_state.iteration < args.train_iters:
-        print_rank_0(f"training from iteration {train_state.iteration} to {args.train_iters} ...")
+    if not training.skip_train and train_state.do_train and train_state.iteration < training.train_iters:
+        print_rank_0(f"training from iteration {train_state.iteration} to {training.train_iters} ...")
         train(run, train_it, valid_it)
         if (ckpt.save and train_state.iteration % (ckpt.save_interval or sys.maxsize) != 0
                 and not train_state.exit_requested):
             _save(run)
         if run.saver is not None:
             run.saver.wait()
-    if train_state.exit_requested or args.eval_iters <= 0:
+    if train_state.exit_requested or training.eval_iters <= 0:
         return
     if train_state.do_valid:
         train_state.final_valid_losses = evaluate_and_print(
@@ -672,7 +678,7 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     # Also checks the model shape against the split once more.
     configs = _training_configs(build_configs(args))
     ckpt = configs.checkpoint
-    timers = Timers(args.timing_log_level, args.timing_log_option)
+    timers = Timers(configs.logging.timing_log_level, configs.logging.timing_log_option)
     writer = training_log.make_scalar_writer(args)
     global_vars.set_global_variables(args=args, tokenizer=tokenizer, timers=timers,
                                      tensorboard_writer=writer.tensorboard if writer else None,
@@ -698,7 +704,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     iterators = build_chunk_data_iterators(train_valid_test_dataset_provider, args, pstate,
                                            train_state, configs.data)
     saver = checkpointing.AsyncCheckpointSaver() if ckpt.async_save and ckpt.save else None
-    run = TrainingRun(args=args, pstate=pstate, ckpt=ckpt, calculator=calculator, timers=timers,
+    run = TrainingRun(args=args, pstate=pstate, training=configs.training,
+                      logging=configs.logging, ckpt=ckpt, calculator=calculator, timers=timers,
                       writer=writer, train_state=train_state,
                       forward_step_func=forward_step_func, model=model, optimizer=optimizer,
                       scheduler=scheduler, saver=saver)

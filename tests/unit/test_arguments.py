@@ -222,12 +222,22 @@ def test_build_configs_returns_every_config_from_the_flags():
     args = validate_args(_args(CLASSIC_GPT2 + [
         "--overlap-grad-reduce", "--ddp-bucket-size", "4096", "--overlap-param-gather",
         "--no-save-optim", "--ckpt-format", "torch_dist", "--async-save", "--num-workers", "3",
-        "--dataloader-type", "cyclic", "--reset-position-ids", "--lr-warmup-init", "1e-6"],
+        "--dataloader-type", "cyclic", "--reset-position-ids", "--lr-warmup-init", "1e-6",
+        "--exit-interval", "7", "--check-for-nan-in-loss-and-grad", "--log-params-norm",
+        "--timing-log-level", "2", "--tensorboard-log-interval", "5"],
         world_size=8))
     args.padded_vocab_size = 50304
     configs = build_configs(args)
     assert [f.name for f in dataclasses.fields(configs)] == [
-        "model", "ddp", "checkpoint", "data", "optimizer", "scheduler", "moe"]
+        "model", "ddp", "checkpoint", "data", "optimizer", "scheduler", "moe", "training",
+        "logging"]
+    training, logging = configs.training, configs.logging
+    assert (training.train_iters, training.eval_interval, training.eval_iters) == (
+        args.train_iters, args.eval_interval, args.eval_iters)
+    assert training.exit_interval == 7 and training.check_for_nan_in_loss_and_grad
+    assert not training.skip_train and training.global_batch_size == args.global_batch_size
+    assert (logging.log_interval, logging.tensorboard_log_interval) == (args.log_interval, 5)
+    assert logging.log_params_norm and logging.timing_log_level == 2
     assert configs.moe is None  # a dense model
     assert configs.ddp == DistributedDataParallelConfig(
         grad_reduce_in_fp32=False, overlap_grad_reduce=True, overlap_param_gather=True,
