@@ -10,12 +10,12 @@ import sys
 
 
 def user_error_types() -> tuple:
-    from megatron.training.arguments import ArgumentsError
-    from megatron.training.checkpointing import CheckpointError
     from megatron.convert.schema import ConversionError
     from megatron.core.config import ConfigError
     from megatron.data.dataset_utils import DataError
     from megatron.data.indexed_dataset import IndexedDatasetError
+    from megatron.training.arguments import ArgumentsError
+    from megatron.training.checkpointing import CheckpointError
 
     return (ArgumentsError, ConfigError, CheckpointError, ConversionError, DataError,
             IndexedDatasetError, FileNotFoundError, NotADirectoryError, PermissionError)

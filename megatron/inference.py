@@ -14,10 +14,9 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron.training import checkpointing
-from megatron.training import global_vars
-from megatron.training.arguments import build_configs
 from megatron.core import device
+from megatron.training import checkpointing, global_vars
+from megatron.training.arguments import build_configs
 from megatron.training.initialize import initialize_megatron
 from megatron.training.timers import Timers
 from megatron.training.training import build_model_chunks, parse_entry_flags

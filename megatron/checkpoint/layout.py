@@ -14,8 +14,7 @@ rule); a checkpoint saved at another EP loads through :mod:`megatron.checkpoint.
 This module names the folders and files of that layout, reads the tracker, tells the sizes a
 folder was saved at from its ``mp_rank_*`` names, and reads one rank's file safely
 (``torch.load(weights_only=True)`` through :mod:`megatron.checkpoint.safe_unpickle`, after
-checking the zip members' CRC-32). It needs no model; :mod:`megatron.checkpoint.load` re-exports every
-name.
+checking the zip members' CRC-32). It needs no model.
 """
 
 import argparse

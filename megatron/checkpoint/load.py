@@ -27,8 +27,8 @@ from megatron.checkpoint import experts, torch_dist
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
-                                        iteration_dir, load_state_file, rank_file_in,
-                                        read_tracker, saved_sizes)
+                                        iteration_dir, load_state_file, rank_file_in, read_tracker,
+                                        saved_sizes)
 from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, check_args, checkpoint_args,
                                             megatron_args, refuse_torch_load)
 from megatron.checkpoint.state import set_rng_state_snapshot

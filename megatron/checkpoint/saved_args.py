@@ -6,7 +6,7 @@ position applied; :func:`plain_args` keeps the plain values). A load reads them 
 project's conventions (:func:`megatron_args`: Megatron-LM writes some fields otherwise), refuses
 a checkpoint whose model-shape flags (:data:`SHAPE_ARGS`) differ from the run's, and refuses the
 expert-TP layouts the torch format cannot hold. ``--use-checkpoint-args`` takes
-:data:`CHECKPOINT_ARGS` from them. :mod:`megatron.checkpoint.load` re-exports every name.
+:data:`CHECKPOINT_ARGS` from them.
 """
 
 import argparse

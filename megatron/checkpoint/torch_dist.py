@@ -27,22 +27,20 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint.names import dotted_names
-from megatron.checkpoint.layout import CHECKPOINT_VERSION, CheckpointError, checkpoint_dir_name
-from megatron.checkpoint.publish import begin_save, crash_point, finish_save
-from megatron.checkpoint.saved_args import check_args, plain_args
-from megatron.checkpoint.state import copy_to_cpu, rng_state_snapshot, set_rng_state_snapshot
 from megatron.checkpoint import optimizer_state
 from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
-                                         DistCheckpointWriteError, ShardWriter, TensorShard,
-                                         ObjectShard, chunk_layout, object_key,
-                                         write_metadata,
-                                         common_objects, extra_state_objects,
-                                         load_model_state, model_shards,
-                                         optimizer_state_shards, range_shards, read_local,
-                                         read_local_rows, save_shards, tensor_shards)
+                                      DistCheckpointWriteError, ObjectShard, ShardWriter,
+                                      TensorShard, chunk_layout, common_objects,
+                                      extra_state_objects, load_model_state, model_shards,
+                                      object_key, optimizer_state_shards, range_shards, read_local,
+                                      read_local_rows, save_shards, tensor_shards, write_metadata)
 from megatron.checkpoint.dist.keys import OPTIMIZER_STATE_PREFIX
+from megatron.checkpoint.layout import CHECKPOINT_VERSION, CheckpointError, checkpoint_dir_name
+from megatron.checkpoint.names import dotted_names
+from megatron.checkpoint.publish import begin_save, crash_point, finish_save
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError
+from megatron.checkpoint.saved_args import check_args, plain_args
+from megatron.checkpoint.state import copy_to_cpu, rng_state_snapshot, set_rng_state_snapshot
 
 MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
 # Megatron-Core's loader expects its rerun state machine's entry; this is a fresh machine's

@@ -7,10 +7,9 @@ fsyncs one file into the staging folder; :func:`save_torch_checkpoint` does both
 ``--async-save``.
 """
 
+import os
 import threading
 from typing import Optional
-
-import os
 
 import torch
 import torch.distributed as dist

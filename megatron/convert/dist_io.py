@@ -33,24 +33,24 @@ from typing import Dict, Iterable, Iterator, Optional
 
 import torch
 
-from megatron.checkpoint.publish import publish
-from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, read_tracker
-from megatron.convert import megatron_io
 from megatron.checkpoint import optimizer_state
+from megatron.checkpoint.dist import keys
+from megatron.checkpoint.dist.model_state import tensor_shards
+from megatron.checkpoint.dist.reader import (DistCheckpointError, DistCheckpointReader,
+                                             is_dist_checkpoint)
+from megatron.checkpoint.dist.writer import (DistCheckpointWriteError, ObjectShard, ShardWriter,
+                                             write_metadata)
+from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, read_tracker
+from megatron.checkpoint.publish import publish
+from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, stand_ins_in
+from megatron.convert import megatron_io
 from megatron.convert.megatron_layout import (SCHEDULER_KEY, expert_of, layer_tensor_names,
                                               split_tensor, tp_split_rule)
 # The legacy saver's target (sizes, vocabulary rows, args) and its per-piece placement rules,
 # shared so that both formats make the same checks and the same TP shards.
-from megatron.convert.megatron_save import (check_tensors, embedding_writes, final_writes,
-                                            prepare_save_dir, SaveTarget)
+from megatron.convert.megatron_save import (SaveTarget, check_tensors, embedding_writes,
+                                            final_writes, prepare_save_dir)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece
-from megatron.checkpoint.dist import keys
-from megatron.checkpoint.dist.model_state import tensor_shards
-from megatron.checkpoint.dist.reader import (DistCheckpointError, DistCheckpointReader,
-                                                is_dist_checkpoint)
-from megatron.checkpoint.dist.writer import (DistCheckpointWriteError, ObjectShard,
-                                                ShardWriter, write_metadata)
-from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, stand_ins_in
 
 FORMATS = ("torch", "torch_dist")
 _WORD = "language_model.embedding.word_embeddings.weight"

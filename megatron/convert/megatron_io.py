@@ -51,16 +51,15 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from megatron.checkpoint import optimizer_state
+from megatron.checkpoint.config import torch_format_expert_tp_error
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, checkpoint_dir_name,
                                         checkpoint_file, read_tracker, saved_sizes)
 from megatron.checkpoint.names import lookup_dotted
 from megatron.checkpoint.saved_args import megatron_args
-from megatron.checkpoint.config import torch_format_expert_tp_error
 from megatron.convert.megatron_layout import (  # noqa: F401  (re-exported: the public rules)
     BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS, get_path, has_prefix, join_shards,
-    layer_tensor_names, layer_tensor_shapes, read_rank_file, split_tensor,
-    tp_split_rule)
-from megatron.checkpoint import optimizer_state
+    layer_tensor_names, layer_tensor_shapes, read_rank_file, split_tensor, tp_split_rule)
 from megatron.convert.megatron_save import save_megatron  # noqa: F401  (re-exported)
 from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
                                      bert_head_shapes)
@@ -358,7 +357,8 @@ def _moe_fields(args, where: str) -> dict:
     experts = getattr(args, "num_experts", None)
     if not experts:
         return {}
-    return dict(num_experts=experts, moe_layer_freq=_moe_layer_freq(args, where), moe_router_topk=getattr(args, "moe_router_topk", 2),
+    return dict(num_experts=experts, moe_layer_freq=_moe_layer_freq(args, where),
+                moe_router_topk=getattr(args, "moe_router_topk", 2),
                 moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),
                 moe_router_score_function=getattr(args, "moe_router_score_function",
                                                   "softmax") or "softmax",

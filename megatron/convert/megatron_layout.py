@@ -10,8 +10,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.checkpoint.names import dotted_names
 from megatron.checkpoint import safe_unpickle
+from megatron.checkpoint.names import dotted_names
 from megatron.convert.schema import ConversionError, ModelMeta
 
 # Key of ``meta.source_args`` carrying the source's ``opt_param_scheduler`` state (not a flag).

@@ -11,17 +11,16 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint.publish import fsync_path, publish
-from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, checkpoint_file
 from megatron.checkpoint import optimizer_state
+from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, checkpoint_file
+from megatron.checkpoint.publish import fsync_path, publish
 from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS,
                                               expert_of, get_path, layer_tensor_names,
-                                              layer_tensor_shapes, read_rank_file,
-                                              split_tensor, tp_split_rule)
+                                              layer_tensor_shapes, read_rank_file, split_tensor,
+                                              tp_split_rule)
 from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
                                      bert_head_shapes, fit_vocab_rows, padded_vocab_size)
 from megatron.convert.zip_checksums import refresh_zip_checksums
-
 
 # Saving
 # ---------------------------------------------------------------------------------------------

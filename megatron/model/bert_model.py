@@ -26,12 +26,8 @@ from megatron.fused_kernels import ops as fused_ops
 from megatron.fused_kernels.bias_gelu import gelu_tanh
 from megatron.fused_kernels.layer_norm import FusedLayerNorm
 from megatron.model.enums import AttnMaskType
-from megatron.model.language_model import (
-    TransformerLanguageModel,
-    get_linear_layer,
-    parallel_lm_logits,
-    tie_word_embeddings_over_stages,
-)
+from megatron.model.language_model import (TransformerLanguageModel, get_linear_layer,
+                                           parallel_lm_logits, tie_word_embeddings_over_stages)
 from megatron.model.module import MegatronModule
 from megatron.model.transformer import get_num_layers_and_offset
 from megatron.model.utils import init_rng, openai_gelu

@@ -8,11 +8,8 @@ from megatron.core import tensor_parallel
 from megatron.core.config import TransformerConfig
 from megatron.core.parallel_state import ModelGroups
 from megatron.fused_kernels import ops as fused_ops
-from megatron.model.language_model import (
-    TransformerLanguageModel,
-    parallel_lm_logits,
-    tie_word_embeddings_over_stages,
-)
+from megatron.model.language_model import (TransformerLanguageModel, parallel_lm_logits,
+                                           tie_word_embeddings_over_stages)
 from megatron.model.module import MegatronModule
 from megatron.model.moe import MoEConfig, MoELossTracker
 from megatron.model.transformer import get_num_layers_and_offset

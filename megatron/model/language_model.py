@@ -17,8 +17,8 @@ import torch
 from megatron.core import device, tensor_parallel
 from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.config import TransformerConfig
-from megatron.core.parallel_state import ModelGroups
 from megatron.core.context_parallel import chunk_positions
+from megatron.core.parallel_state import ModelGroups
 from megatron.core.utils import get_init_method
 from megatron.model.attention import dropout_rng_context
 from megatron.model.enums import AttnMaskType

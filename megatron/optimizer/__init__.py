@@ -1,12 +1,12 @@
 """Optimizers, loss scaling, gradient clipping and learning-rate schedules (Megatron's names)."""
 
+from .builder import build_grad_scaler, get_megatron_optimizer, get_param_groups
 from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, get_grad_norm_fp32,
                          get_grads_for_norm)
 from .config import OptimizerConfig, SchedulerConfig
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from .builder import build_grad_scaler, get_megatron_optimizer, get_param_groups
-from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
+from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
 from .optimizer_param_scheduler import OptimizerParamScheduler
 
 __all__ = [

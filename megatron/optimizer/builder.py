@@ -11,13 +11,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from megatron.core.config import ConfigError
-
 from .clip_grads import is_expert_parallel
 from .config import OptimizerConfig
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from .optimizer import FP32Optimizer, Float16OptimizerWithFloat16Params, MegatronOptimizer
+from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
+from megatron.core.config import ConfigError
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
 

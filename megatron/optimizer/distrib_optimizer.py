@@ -70,14 +70,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import collectives, device
-from megatron.core.config import ConfigError
-
 from .clip_grads import (clip_grads_with_norm_fp32, get_grads_for_norm, is_expert_parallel,
                          param_counts_here)
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
 from .optimizer import MegatronOptimizer, StepResult, copy_parallel_attributes
+from megatron.core import collectives, device
+from megatron.core.config import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -28,13 +28,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.core import device
-
 from . import apex_state
-from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart,
-                         get_grads_for_norm, is_expert_parallel)
+from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart, get_grads_for_norm,
+                         is_expert_parallel)
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
+from megatron.core import device
 
 logger = logging.getLogger(__name__)
 

@@ -34,11 +34,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.text_generation.generation import (
-    GenerationOutput,
-    generate_tokens,
-    score_tokens,
-)
+from megatron.text_generation.generation import GenerationOutput, generate_tokens, score_tokens
 
 MAX_PROMPTS = 128
 MAX_TOP_K = 1000

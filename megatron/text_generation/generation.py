@@ -33,13 +33,8 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.text_generation.inference_params import InferenceParams
-from megatron.text_generation.sampling import (
-    SamplingError,
-    check_sampling_args,
-    mask_padded_vocab,
-    sample,
-    sampling_error_message,
-)
+from megatron.text_generation.sampling import (SamplingError, check_sampling_args,
+                                               mask_padded_vocab, sample, sampling_error_message)
 
 
 class GenerationError(ValueError):

@@ -16,15 +16,14 @@ import os
 import sys
 from typing import Callable, List, Optional
 
-from megatron.training.configs import (  # noqa: F401  (re-exported)
-    Configs, build_configs, build_data_config)
-from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert_args re-exported)
-    BERT_TOKENIZER_TYPES, ArgumentsError, check_flags, validate_bert_args)
 from megatron.core.config import ConfigError
-from megatron.training.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
 from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BALANCING_TYPES,
                                        SCORE_FUNCTIONS, parse_moe_layer_freq)
-
+from megatron.training.configs import (Configs, build_configs,  # noqa: F401  (re-exported)
+                                       build_data_config)
+from megatron.training.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
+from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert_args re-exported)
+    BERT_TOKENIZER_TYPES, ArgumentsError, check_flags, validate_bert_args)
 
 TOKENIZER_TYPES = [
     "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",

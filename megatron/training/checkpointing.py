@@ -8,13 +8,13 @@ format), :mod:`megatron.checkpoint.publish` (staging, atomic rename, tracker, cr
 offered here.
 """
 
-from megatron.checkpoint.layout import (
-    CHECKPOINT_VERSION, TRACKER_FILENAME, CheckpointError, checkpoint_dir_name, checkpoint_file,
-    expert_ranks, load_state_file, rank_dir_name, read_tracker, saved_layout, saved_sizes)
-from megatron.checkpoint.load import (
-    load_args_from_checkpoint, load_checkpoint, load_model_weights)
-from megatron.checkpoint.publish import (
-    CRASH_ENV, CRASH_POINTS, check_save_dir, clean_interrupted_saves, crash_point)
+from megatron.checkpoint.layout import (CHECKPOINT_VERSION, TRACKER_FILENAME, CheckpointError,
+                                        checkpoint_dir_name, checkpoint_file, expert_ranks,
+                                        load_state_file, rank_dir_name, read_tracker, saved_layout,
+                                        saved_sizes)
+from megatron.checkpoint.load import load_args_from_checkpoint, load_checkpoint, load_model_weights
+from megatron.checkpoint.publish import (CRASH_ENV, CRASH_POINTS, check_save_dir,
+                                         clean_interrupted_saves, crash_point)
 from megatron.checkpoint.save import AsyncCheckpointSaver, save_checkpoint
 from megatron.checkpoint.saved_args import checkpoint_args, megatron_args
 

@@ -2,7 +2,8 @@
 
 :func:`build_configs` turns the namespace :func:`megatron.training.arguments.validate_args`
 returns into the config each component takes: model, DDP, checkpointing, data, optimizer,
-scheduler, MoE, and the training loop's and logging's own. The flag audit (tests/unit/test_flag_audit.py) reads the config field each flag fills from
+scheduler, MoE, and the training loop's and logging's own. The flag audit
+(tests/unit/test_flag_audit.py) reads the config field each flag fills from
 :func:`build_configs` to the end of this module, so the builders stay after it.
 """
 
@@ -12,8 +13,7 @@ from typing import Optional
 
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.config import TransformerConfig
-from megatron.core.distributed.distributed_data_parallel_config import (
-    DistributedDataParallelConfig)
+from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.data.config import DataConfig
 from megatron.model.moe.config import MoEConfig
 from megatron.optimizer.config import OptimizerConfig, SchedulerConfig

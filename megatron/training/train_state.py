@@ -1,8 +1,8 @@
 """The state of one training run: where it is, what it has seen, what it has logged.
 
-The parsed flags (``args``) say how to train; :class:`TrainState` says how far a run has got. It
-is made by :func:`megatron.training.training.pretrain`, advanced by the training loop and evaluation, and
-saved and restored by checkpointing under Megatron's keys: the iteration at the top level of a
+The parsed flags (``args``) say how to train; :class:`TrainState` says how far a run has got. It is
+made by :func:`megatron.training.training.pretrain`, advanced by the training loop and evaluation,
+and saved and restored by checkpointing under Megatron's keys: the iteration at the top level of a
 checkpoint, the consumed samples inside its ``args`` namespace (``args.consumed_train_samples``,
 ``args.consumed_valid_samples``), so Megatron-LM reads a run's position from this project's files
 and this project from Megatron-LM's.

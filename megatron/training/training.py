@@ -18,12 +18,6 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.training import (checkpointing, global_vars, memory_accounting, moe_logging,
-                               numerics)
-from megatron.training import hooks as training_hooks
-from megatron.training import log as training_log
-from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
-from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core import device
 from megatron.core.config import ConfigError
@@ -32,10 +26,16 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.config import DataConfig
 from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter
-from megatron.training.initialize import initialize_megatron
-from megatron.training.microbatches import NumMicroBatchesCalculator
 from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.training import checkpointing, global_vars
+from megatron.training import hooks as training_hooks
+from megatron.training import log as training_log
+from megatron.training import memory_accounting, moe_logging, numerics
+from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
+from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
+from megatron.training.initialize import initialize_megatron
+from megatron.training.microbatches import NumMicroBatchesCalculator
 from megatron.training.timers import Timers
 from megatron.training.train_state import TrainState
 from megatron.training.utils import print_rank_0
@@ -628,8 +628,10 @@ def _train_and_evaluate(run: TrainingRun, iterators) -> None:
     iteration, and evaluate on the validation and test data unless the run was stopped."""
     train_state, ckpt, training = run.train_state, run.ckpt, run.training
     train_it, valid_it, test_it = iterators
-    if not training.skip_train and train_state.do_train and train_state.iteration < training.train_iters:
-        print_rank_0(f"training from iteration {train_state.iteration} to {training.train_iters} ...")
+    left = train_state.iteration < training.train_iters
+    if not training.skip_train and train_state.do_train and left:
+        print_rank_0(f"training from iteration {train_state.iteration} to "
+                     f"{training.train_iters} ...")
         train(run, train_it, valid_it)
         if (ckpt.save and train_state.iteration % (ckpt.save_interval or sys.maxsize) != 0
                 and not train_state.exit_requested):

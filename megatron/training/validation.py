@@ -13,9 +13,9 @@ import json
 
 import torch
 
-from megatron.training.configs import build_checkpoint_config, build_moe_config
 from megatron.core.config import ConfigError, numerics_flag_conflict, pipeline_layer_counts
 from megatron.core.parallel_state import LayoutError, check_degrees
+from megatron.training.configs import build_checkpoint_config, build_moe_config
 
 
 class ArgumentsError(ValueError):

@@ -11,19 +11,17 @@
 * :mod:`.model_state`: a model chunk's state to shards and back at any layout.
 """
 
-from megatron.checkpoint.dist.keys import (ChunkLayout, KeyMappingError, Placement,
-                                              object_key, placements)
-from megatron.checkpoint.dist.model_state import (chunk_layout, common_objects,
-                                                     extra_state_objects, load_model_state,
-                                                     flat_boxes, model_shards,
-                                                     optimizer_state_shards, range_shards,
-                                                     read_local, read_local_rows, tensor_shards)
+from megatron.checkpoint.dist.keys import (ChunkLayout, KeyMappingError, Placement, object_key,
+                                           placements)
+from megatron.checkpoint.dist.model_state import (chunk_layout, common_objects, extra_state_objects,
+                                                  flat_boxes, load_model_state, model_shards,
+                                                  optimizer_state_shards, range_shards, read_local,
+                                                  read_local_rows, tensor_shards)
 from megatron.checkpoint.dist.reader import (DistCheckpointError, DistCheckpointReader,
-                                                SafeFileSystemReader, SafeLoadPlanner,
-                                                is_dist_checkpoint)
-from megatron.checkpoint.dist.writer import (DistCheckpointWriteError, ObjectShard,
-                                                ShardWriter, TensorShard, save_shards,
-                                                write_metadata)
+                                             SafeFileSystemReader, SafeLoadPlanner,
+                                             is_dist_checkpoint)
+from megatron.checkpoint.dist.writer import (DistCheckpointWriteError, ObjectShard, ShardWriter,
+                                             TensorShard, save_shards, write_metadata)
 
 __all__ = [
     "ChunkLayout", "KeyMappingError", "Placement", "object_key", "placements",

@@ -28,10 +28,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout,
-                                              Placement, extra_state_keys, is_expert_key,
-                                              is_per_layer_key, object_key, per_layer_keys,
-                                              placements)
+from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout, Placement,
+                                           extra_state_keys, is_expert_key, is_per_layer_key,
+                                           object_key, per_layer_keys, placements)
 from megatron.checkpoint.dist.reader import DistCheckpointError, DistCheckpointReader
 from megatron.checkpoint.dist.writer import ObjectShard, TensorShard
 from megatron.model.module import flatten_state_dict

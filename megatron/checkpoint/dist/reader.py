@@ -8,9 +8,9 @@ or for a byte entry the bytes of ``torch.save([obj, ...])``.
 
 :class:`DistCheckpointReader` reads the metadata with
 :func:`megatron.checkpoint.safe_unpickle.load_dcp_metadata`, tensor chunks with
-``torch.load(weights_only=True)`` (checked against the metadata's sizes and dtype) and byte
-entries with :func:`megatron.checkpoint.safe_unpickle.torch_load`; nothing is unpickled any other way, so
-a stranger's checkpoint cannot run code. Any slice of a global tensor can be read, whatever the
+``torch.load(weights_only=True)`` (checked against the metadata's sizes and dtype) and byte entries
+with :func:`megatron.checkpoint.safe_unpickle.torch_load`; nothing is unpickled any other way, so a
+stranger's checkpoint cannot run code. Any slice of a global tensor can be read, whatever the
 chunking it was written with: that is what resharding on load needs.
 
 For ``torch.distributed.checkpoint.load`` itself, :class:`SafeFileSystemReader` and
@@ -28,8 +28,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata,
-                                                   StorageMeta, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
+                                                   TensorStorageMetadata)
 
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata, torch_load
 
@@ -261,8 +261,8 @@ class DistCheckpointReader:
         return out
 
     def read_object(self, key: str) -> Any:
-        """A byte entry, unpickled by :func:`megatron.checkpoint.safe_unpickle.torch_load`. Megatron-Core
-        stores each as ``torch.save([obj])``; this returns the stored list as it is.
+        """A byte entry, unpickled by :func:`megatron.checkpoint.safe_unpickle.torch_load`.
+        Megatron-Core stores each as ``torch.save([obj])``; this returns the stored list as it is.
 
         Raises:
             UnsafeCheckpointError: the entry names a global outside the allow-list (its code

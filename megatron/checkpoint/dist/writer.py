@@ -36,8 +36,8 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
                                                    Metadata, MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
 
-from megatron.checkpoint.dist.reader import (BACKEND, BACKEND_FILE, COMMON_FILE,
-                                                COMMON_STATE_FQN, METADATA_FILE)
+from megatron.checkpoint.dist.reader import (BACKEND, BACKEND_FILE, COMMON_FILE, COMMON_STATE_FQN,
+                                             METADATA_FILE)
 
 BACKEND_VERSION = 1
 DCP_VERSION = "1.0.0"

@@ -25,14 +25,12 @@ from torch.nn.parameter import Parameter
 
 from megatron.core import device
 from megatron.core.collectives import get_group_rank, get_group_size
-from megatron.core.tensor_parallel.mappings import (
-    gather_along_first_dim,
-    reduce_scatter_along_first_dim,
-    gather_from_tensor_model_parallel_region,
-    reduce_from_tensor_model_parallel_region,
-    reduce_scatter_to_sequence_parallel_region,
-    scatter_to_tensor_model_parallel_region,
-)
+from megatron.core.tensor_parallel.mappings import (gather_along_first_dim,
+                                                    gather_from_tensor_model_parallel_region,
+                                                    reduce_from_tensor_model_parallel_region,
+                                                    reduce_scatter_along_first_dim,
+                                                    reduce_scatter_to_sequence_parallel_region,
+                                                    scatter_to_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.utils import VocabUtility, divide
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {

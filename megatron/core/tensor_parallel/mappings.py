@@ -25,16 +25,9 @@ of them modifies its input.
 
 import torch
 
-from megatron.core.collectives import (
-    all_gather_into_tensor,
-    all_reduce,
-    all_to_all_single,
-    get_group_rank,
-    get_group_size,
-    reduce_scatter_tensor,
-)
+from megatron.core.collectives import (all_gather_into_tensor, all_reduce, all_to_all_single,
+                                       get_group_rank, get_group_size, reduce_scatter_tensor)
 from megatron.core.tensor_parallel.utils import divide, split_tensor_along_last_dim
-
 
 # ---- the raw operations (no autograd) --------------------------------------------------------
 
