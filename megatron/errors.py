@@ -2,7 +2,9 @@
 
 Every reader of user input raises an error type that carries a message naming the flag, file or
 line: those are listed here. Anything else is a bug and keeps its traceback. An error may carry
-its own ``exit_code`` (2 for a refused target, like a bad flag).
+its own ``exit_code`` (2 for a refused target or --save folder, like a bad flag), and an error
+that every rank raises with the same message (``every_rank_raises = True``: a verdict rank 0
+reached and broadcast) is printed by rank 0 alone.
 """
 
 import contextlib
@@ -31,6 +33,7 @@ def exit_on_user_error(prog: str = None, exit_code: int = 1):
     except user_error_types() as err:
         name = prog or os.path.basename(sys.argv[0]) or "megatron"
         rank = os.environ.get("RANK")
-        where = f" [rank {rank}]" if rank not in (None, "0") else ""
-        print(f"{name}{where}: error: {err}", file=sys.stderr, flush=True)
+        if rank in (None, "0") or not getattr(err, "every_rank_raises", False):
+            where = f" [rank {rank}]" if rank not in (None, "0") else ""
+            print(f"{name}{where}: error: {err}", file=sys.stderr, flush=True)
         raise SystemExit(getattr(err, "exit_code", exit_code)) from None
