@@ -1,7 +1,10 @@
 """Turn mistakes in users' input into one clear line and an exit code, not a traceback.
 
 Every reader of user input raises an error type that carries a message naming the flag, file or
-line: those are listed here. Anything else is a bug and keeps its traceback.
+line: those are listed here. Anything else is a bug and keeps its traceback. An error may carry
+its own ``exit_code`` (2 for a refused target or --save folder, like a bad flag), and an error
+that every rank raises with the same message (``every_rank_raises = True``: a verdict rank 0
+reached and broadcast) is printed by rank 0 alone.
 """
 
 import contextlib
@@ -23,12 +26,14 @@ def user_error_types() -> tuple:
 
 @contextlib.contextmanager
 def exit_on_user_error(prog: str = None, exit_code: int = 1):
-    """Print ``prog: error: message`` for a user's mistake and exit with ``exit_code``."""
+    """Print ``prog: error: message`` for a user's mistake and exit with ``exit_code`` (or the
+    error's own ``exit_code``)."""
     try:
         yield
     except user_error_types() as err:
         name = prog or os.path.basename(sys.argv[0]) or "megatron"
         rank = os.environ.get("RANK")
-        where = f" [rank {rank}]" if rank not in (None, "0") else ""
-        print(f"{name}{where}: error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(exit_code) from None
+        if rank in (None, "0") or not getattr(err, "every_rank_raises", False):
+            where = f" [rank {rank}]" if rank not in (None, "0") else ""
+            print(f"{name}{where}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(getattr(err, "exit_code", exit_code)) from None

@@ -26,7 +26,6 @@ Megatron's ``rerun_state_machine_state``; Megatron-LM loads the result with
 import argparse
 import enum
 import os
-import shutil
 import tempfile
 import types
 from typing import Dict, Iterable, Iterator, Optional
@@ -49,7 +48,8 @@ from megatron.convert.megatron_layout import (SCHEDULER_KEY, expert_of, layer_te
 # The legacy saver's target (sizes, vocabulary rows, args) and its per-piece placement rules,
 # shared so that both formats make the same checks and the same TP shards.
 from megatron.convert.megatron_save import (SaveTarget, check_tensors, embedding_writes,
-                                            final_writes, prepare_save_dir)
+                                            final_writes)
+from megatron.convert.target import staged_target
 from megatron.convert.schema import ConversionError, ModelMeta, Piece
 
 FORMATS = ("torch", "torch_dist")
@@ -371,12 +371,14 @@ def _consume(pieces: Iterator[Piece], out: _DistTarget, prefix: str = "") -> Non
 
 def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
               make_vocab_size_divisible_by: Optional[int] = None,
-              optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None) -> str:
+              optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None,
+              overwrite: bool = False) -> str:
     """Write the stream as a torch_dist checkpoint at ``target_tp`` x ``target_pp`` in
-    ``save_dir`` (new or empty); returns the iteration folder. Sizes, vocabulary padding,
-    release vs iteration naming and the checks on the stream are those of
-    :func:`megatron.convert.megatron_save.save_megatron`; nothing appears in ``save_dir``
-    until the folder is complete.
+    ``save_dir`` (new or empty, or replaced whole with ``overwrite``); returns the iteration
+    folder. Sizes, vocabulary padding, release vs iteration naming, the checks on the stream and
+    the staging next to ``save_dir`` are those of
+    :func:`megatron.convert.megatron_save.save_megatron`: nothing changes in ``save_dir`` until
+    the new checkpoint is complete.
     """
     pieces = iter(pieces)
     first = next(pieces, None)
@@ -387,10 +389,18 @@ def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp:
                               f"{first.meta.model_type}")
     target = SaveTarget(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
                      optimizer=bool(optimizer_streams))
-    created = prepare_save_dir(save_dir)
-    staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
     name = checkpoint_dir_name(target.meta.iteration, target.release)
-    root = os.path.join(staging, name)
+    with staged_target(save_dir, overwrite) as root:
+        staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=root)
+        _write_dist(pieces, target, os.path.join(staging, name), optimizer_streams, save_dir)
+        label = "release" if target.release else str(target.meta.iteration)
+        publish(staging, root, name, label)
+    return os.path.join(save_dir, name)
+
+
+def _write_dist(pieces: Iterator[Piece], target, root: str,
+                optimizer_streams: Optional[Dict[str, Iterable[Piece]]], save_dir: str) -> None:
+    """The iteration folder ``root``: the model's (and optimizer's) shards and metadata."""
     out = None
     try:
         out = _DistTarget(target, root)
@@ -405,14 +415,8 @@ def save_dist(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp:
                     "fp32_param." if field == optimizer_state.MAIN else f"{field}.")
                 _consume(stream, out, prefix)
         write_metadata(root, out.close())
-        label = "release" if target.release else str(target.meta.iteration)
-        return publish(staging, save_dir, name, label)
     except DistCheckpointWriteError as err:
         raise ConversionError(f"--save-dir {save_dir}: {err}") from None
     finally:
         if out is not None:
             out.close()
-        if os.path.isdir(staging):
-            shutil.rmtree(staging, ignore_errors=True)
-            if created and not os.listdir(save_dir):
-                os.rmdir(save_dir)

@@ -28,7 +28,6 @@ vocab_size`` and the Megatron saver pads again (with zero rows).
 
 import contextlib
 import dataclasses
-import glob
 import json
 import os
 from typing import Dict, Iterable, Iterator, Optional, Tuple
@@ -41,6 +40,7 @@ from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
+from megatron.convert.target import staged_target
 
 _FAMILIES = {**{family.MODEL_TYPE: family
                 for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
@@ -166,10 +166,6 @@ class _ShardWriter:
     def finish(self) -> None:
         if self.pending or not self.shards:
             self._flush()
-        for stale in [os.path.join(self.folder, SINGLE_FILE), os.path.join(self.folder, INDEX_FILE),
-                      *glob.glob(os.path.join(self.folder, "model-*-of-*.safetensors"))]:
-            if os.path.isfile(stale):
-                os.remove(stale)
         if len(self.shards) == 1:
             os.replace(self.shards[0][0], os.path.join(self.folder, SINGLE_FILE))
             return
@@ -180,11 +176,6 @@ class _ShardWriter:
             weight_map.update({tensor_name: name for tensor_name in names})
         _write_json(os.path.join(self.folder, INDEX_FILE),
                     {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
-
-    def abort(self) -> None:
-        for path, _ in self.shards:
-            if os.path.isfile(path):
-                os.remove(path)
 
 
 def _write_json(path: str, content: dict) -> None:
@@ -263,23 +254,27 @@ def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
 
 
 def save_hf(pieces: Iterable[Piece], save_dir: str, *, allow_no_tokenizer: bool = False,
-            max_shard_size: int = DEFAULT_MAX_SHARD_SIZE) -> None:
+            max_shard_size: int = DEFAULT_MAX_SHARD_SIZE, overwrite: bool = False) -> None:
     """Write the canonical stream ``pieces`` as a Hugging Face folder ``save_dir``.
 
     The model, the architecture it maps to and the tokenizer files are checked on the meta
     piece, before anything is written. Weights go to safetensors files of at most
     ``max_shard_size`` bytes, so memory holds one shard (plus the piece in flight), not the
-    whole model; a model that fits in one shard is one ``model.safetensors``. Weight files of an
-    earlier export in ``save_dir`` are replaced; ``config.json`` is written last.
+    whole model; a model that fits in one shard is one ``model.safetensors``. Everything is
+    written in a new folder next to ``save_dir`` and renamed into place once complete
+    (:func:`megatron.convert.target.staged_target`): a failure leaves ``save_dir`` as it was.
 
     Args:
         pieces: the canonical stream, meta first.
-        save_dir: the folder to write (created if needed).
+        save_dir: the folder to write: new or empty, or with ``overwrite`` a folder whose
+            content is replaced once the new one is complete.
         allow_no_tokenizer: write a model whose ``--tokenizer-type`` is NullTokenizer (or
             unrecorded, or not exportable) without tokenizer files instead of refusing it.
         max_shard_size: bytes per safetensors file (default 2 GiB).
+        overwrite: replace a non-empty ``save_dir`` (refused otherwise).
 
     Raises:
+        TargetRefusedError: ``save_dir`` is not empty and ``overwrite`` is False.
         ConversionError: the model cannot be expressed (the message names the flag), a
             tokenizer file is missing or unreadable, or the stream is malformed.
     """
@@ -293,20 +288,16 @@ def save_hf(pieces: Iterable[Piece], save_dir: str, *, allow_no_tokenizer: bool 
     config = family.hf_config(meta, tokenizer.bos_id, tokenizer.eos_id)
     if "pad_token_id" in config:
         config["pad_token_id"] = tokenizer.pad_id
-    os.makedirs(save_dir, exist_ok=True)
-    writer = _ShardWriter(save_dir, max_shard_size)
-    try:
+    with staged_target(save_dir, overwrite) as folder:
+        writer = _ShardWriter(folder, max_shard_size)
         _convert_pieces(pieces, meta, family, writer)
         writer.finish()
-    except BaseException:
-        writer.abort()
-        raise
-    write_tokenizer(tokenizer, save_dir)
-    special_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id")
-                   if config[key] is not None}
-    if special_ids:
-        _write_json(os.path.join(save_dir, "generation_config.json"), special_ids)
-    _write_json(os.path.join(save_dir, "config.json"), config)
+        write_tokenizer(tokenizer, folder)
+        special_ids = {key: config[key] for key in ("bos_token_id", "eos_token_id")
+                       if config[key] is not None}
+        if special_ids:
+            _write_json(os.path.join(folder, "generation_config.json"), special_ids)
+        _write_json(os.path.join(folder, "config.json"), config)
 
 
 # ---- reading -----------------------------------------------------------------------------------

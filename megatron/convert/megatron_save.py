@@ -5,7 +5,6 @@ the split rules, what is kept and dropped, and the memory bound).
 
 import argparse
 import os
-import shutil
 import tempfile
 from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
@@ -18,6 +17,7 @@ from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, SCHEDULER_KEY, TOK
                                               expert_of, get_path, layer_tensor_names,
                                               layer_tensor_shapes, read_rank_file, split_tensor,
                                               tp_split_rule)
+from megatron.convert.target import staged_target
 from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
                                      bert_head_shapes, fit_vocab_rows, padded_vocab_size)
 from megatron.convert.zip_checksums import refresh_zip_checksums
@@ -219,25 +219,6 @@ class SaveTarget:
         """One TP rank's model tree of ``pp_rank`` as shapes only (meta tensors)."""
         with torch.device("meta"):
             return self.model_skeleton(pp_rank)
-
-
-def prepare_save_dir(save_dir: str) -> bool:
-    """Refuse a save dir that is a file or holds anything; returns whether it was created."""
-    if os.path.exists(save_dir):
-        if not os.path.isdir(save_dir):
-            raise ConversionError(f"--save-dir {save_dir}: exists and is not a folder")
-        present = sorted(os.listdir(save_dir))
-        if present:
-            raise ConversionError(f"--save-dir {save_dir}: not empty (holds "
-                                  f"{', '.join(present[:3])}{' ...' if len(present) > 3 else ''})"
-                                  "; choose a new or empty folder")
-        return False
-    try:
-        os.makedirs(save_dir)
-    except OSError as err:
-        raise ConversionError(f"--save-dir {save_dir}: cannot be created "
-                              f"({err.strerror})") from None
-    return True
 
 
 def _create_files(target: SaveTarget, root: str) -> Dict[Tuple[int, int, int], str]:
@@ -482,16 +463,19 @@ def _commit(staging: str, save_dir: str, target: SaveTarget, files: dict) -> str
 def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
                   make_vocab_size_divisible_by: Optional[int] = None,
                   optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None,
-                  target_ep: int = 1) -> str:
+                  target_ep: int = 1, overwrite: bool = False) -> str:
     """Write the stream as a Megatron checkpoint at ``target_tp`` x ``target_pp`` in
-    ``save_dir`` (which must be new or empty); returns the iteration folder.
+    ``save_dir`` (new or empty, or with ``overwrite`` replaced whole once the new checkpoint is
+    complete); returns the iteration folder.
 
     The vocabulary is padded to ``padded_vocab_size(meta.vocab_size, divisible_by, target_tp)``
     rows (``divisible_by`` defaults to the source's), as a training run at the target layout
     computes it; rows past the source's are zeros. A checkpoint with a training position is
     written as ``iter_XXXXXXX`` with that iteration and consumed samples; one without (iteration
-    0, e.g. from Hugging Face) as ``release``. Nothing appears in ``save_dir`` until every file is
-    complete and fsynced; on any failure the staging folder is removed.
+    0, e.g. from Hugging Face) as ``release``. The checkpoint is written in a folder next to
+    ``save_dir`` (:func:`megatron.convert.target.staged_target`) and renamed into place when every
+    file is complete and fsynced; on any failure that folder is removed and ``save_dir`` is left
+    as it was.
 
     ``target_ep`` > 1 writes Megatron-LM's expert-rank files ``mp_rank_..._{ep:03d}``: each
     holds the dense tensors and its E / ``target_ep`` experts under local numbers.
@@ -501,8 +485,9 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
     adds the Adam state, resharded like the weights, when ``meta.optimizer`` describes it.
 
     Raises:
-        ConversionError: a non-empty save dir, a target size that does not divide the model, or
-            a stream that does not match its meta.
+        TargetRefusedError: a non-empty save dir without ``overwrite``.
+        ConversionError: a target size that does not divide the model, or a stream that does
+            not match its meta.
     """
     pieces = iter(pieces)
     first = next(pieces, None)
@@ -510,9 +495,8 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
         raise ConversionError("the stream must start with its meta piece")
     target = SaveTarget(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
                      optimizer=bool(optimizer_streams), ep=target_ep)
-    created = prepare_save_dir(save_dir)
-    staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=save_dir)
-    try:
+    with staged_target(save_dir, overwrite) as root:
+        staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=root)
         files = _create_files(target, staging)
         _consume(pieces, target, files)
         if target.optimizer:
@@ -522,9 +506,5 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
                 next(stream)  # its meta piece: the same model
                 _consume(stream, target, files, field)
             _write_steps(target, files)
-        return _commit(staging, save_dir, target, files)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created and not os.listdir(save_dir):
-            os.rmdir(save_dir)
-        raise
+        name = os.path.basename(_commit(staging, root, target, files))
+    return os.path.join(save_dir, name)

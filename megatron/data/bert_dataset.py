@@ -531,6 +531,7 @@ def _open_sentence_dataset(prefix: str, flag: str, binary_head: bool) -> Indexed
                                 f"written by tools/preprocess_data.py --split-sentences")
     indexed = IndexedDataset(prefix)
     counts = np.diff(np.asarray(indexed.document_indices, dtype=np.int64))
+    dataset_utils.check_has_documents(prefix, counts.size, flag)
     sizes = indexed.sequence_lengths
     most = int(counts.max()) if counts.size else 0
     if most == 0:

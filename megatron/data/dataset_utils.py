@@ -73,6 +73,15 @@ def split_bounds(split: str, num_sequences: int) -> List[Optional[Tuple[int, int
 # ------------------------------------------------------------------------------ --data-path
 
 
+def check_has_documents(prefix: str, num_documents: int, flag: str) -> None:
+    """Refuse a data file with no documents, naming it, before any split is cut from it (an
+    empty file used to be reported as a --split that gives train too small a share)."""
+    if num_documents == 0:
+        raise DataError(f"{flag}: the data file {prefix}.bin/.idx holds no documents; "
+                        "preprocess a non-empty input with tools/preprocess_data.py, or leave "
+                        "this prefix out")
+
+
 def parse_data_path(data_path: Union[str, Sequence[str], None],
                     flag: str = "--data-path") -> Tuple[List[str], Optional[List[float]]]:
     """``PREFIX`` or ``W1 PREFIX1 W2 PREFIX2 ...`` as (prefixes, weights or None).

@@ -238,6 +238,9 @@ def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetC
     prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
     opened = {p: _open_indexed_dataset(p, flag) for p in prefixes}
     whole = only is not None
+    if (num_samples[only] if whole else max(num_samples)) > 0:
+        for p in prefixes:
+            dataset_utils.check_has_documents(p, len(opened[p]), flag)
     documents = {p: _split_documents(opened[p], config.split, whole) for p in prefixes}
     if not whole and num_samples[0] > 0:
         _check_train_not_empty(prefixes, documents, opened, config.split)

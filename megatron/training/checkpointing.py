@@ -4,6 +4,7 @@
 :func:`save_checkpoint`, :func:`load_checkpoint` and their companions. The work is done by the
 checkpoint package: :mod:`megatron.checkpoint.save` and :mod:`megatron.checkpoint.load` (either
 format), :mod:`megatron.checkpoint.publish` (staging, atomic rename, tracker, crash points),
+:mod:`megatron.checkpoint.save_lock` (one run per --save folder),
 :mod:`megatron.checkpoint.layout` (Megatron's folder and file names). Only public names are
 offered here.
 """
@@ -16,12 +17,14 @@ from megatron.checkpoint.load import load_args_from_checkpoint, load_checkpoint,
 from megatron.checkpoint.publish import (CRASH_ENV, CRASH_POINTS, check_save_dir,
                                          clean_interrupted_saves, crash_point)
 from megatron.checkpoint.save import AsyncCheckpointSaver, save_checkpoint
+from megatron.checkpoint.save_lock import (
+    LOCK_FILENAME, SaveDirLockedError, SaveLock, lock_save_dir)
 from megatron.checkpoint.saved_args import checkpoint_args, megatron_args
 
 __all__ = [
     "AsyncCheckpointSaver", "CHECKPOINT_VERSION", "CRASH_ENV", "CRASH_POINTS", "CheckpointError",
-    "TRACKER_FILENAME", "check_save_dir", "checkpoint_args", "checkpoint_dir_name",
-    "checkpoint_file", "clean_interrupted_saves", "crash_point", "expert_ranks",
-    "load_args_from_checkpoint", "load_checkpoint", "load_model_weights", "load_state_file",
-    "megatron_args", "rank_dir_name", "read_tracker", "save_checkpoint", "saved_layout",
-    "saved_sizes"]
+    "LOCK_FILENAME", "SaveDirLockedError", "SaveLock", "TRACKER_FILENAME", "check_save_dir",
+    "checkpoint_args", "checkpoint_dir_name", "checkpoint_file", "clean_interrupted_saves",
+    "crash_point", "expert_ranks", "load_args_from_checkpoint", "load_checkpoint",
+    "load_model_weights", "load_state_file", "lock_save_dir", "megatron_args", "rank_dir_name",
+    "read_tracker", "save_checkpoint", "saved_layout", "saved_sizes"]

@@ -685,15 +685,22 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     global_vars.set_global_variables(args=args, tokenizer=tokenizer, timers=timers,
                                      tensorboard_writer=writer.tensorboard if writer else None,
                                      parallel_state=pstate)
-    if ckpt.save:
-        if args.rank == 0:
-            checkpointing.check_save_dir(ckpt.save)
-            for change in checkpointing.clean_interrupted_saves(ckpt.save):
-                print(f"NOTE: --save {ckpt.save}: {change}", flush=True)
-        dist.barrier()
+    lock = checkpointing.lock_save_dir(ckpt.save, args.rank) if ckpt.save else None
+    try:
+        return _build_and_run(train_valid_test_dataset_provider, model_provider,
+                              forward_step_func, args, pstate, configs, timers, writer)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_step_func, args,
+                   pstate, configs: Configs, timers, writer) -> TrainState:
+    """pretrain() once the flags are checked and --save is locked: build the model, optimizer
+    and data, load, then train and evaluate (or convert the loaded checkpoint)."""
+    ckpt = configs.checkpoint
     calculator = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
                                            pstate.dp_size, args.rampup_batch_size)
-
     check_memory_at_startup(args, pstate, calculator)
     training_hooks.note_cpu_only_flags(args)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,

@@ -91,6 +91,40 @@ def _apply_old_spellings(args) -> None:
         args.num_layers = args.encoder_num_layers
 
 
+# Every size, count and interval flag with the smallest value it takes, checked before any
+# value is derived from them (a --global-batch-size 0 used to surface as "lr decay steps ...
+# must be > 0"). 0 is a real setting only where listed with 0: no evaluation (--eval-iters),
+# no warmup, no data-loader workers, no manual GC, no extra vocabulary ids.
+SIZE_FLAG_MINIMA = (
+    ("num_layers", 1), ("encoder_num_layers", 1), ("hidden_size", 1), ("ffn_hidden_size", 1),
+    ("num_attention_heads", 1), ("kv_channels", 1), ("num_query_groups", 1),
+    ("max_position_embeddings", 1), ("rotary_base", 1), ("make_vocab_size_divisible_by", 1),
+    ("vocab_size", 1), ("vocab_extra_ids", 0), ("seq_length", 1), ("encoder_seq_length", 1),
+    ("micro_batch_size", 1), ("batch_size", 1), ("global_batch_size", 1),
+    ("recompute_num_layers", 1), ("train_iters", 1), ("train_samples", 1),
+    ("lr_decay_iters", 1), ("lr_decay_samples", 1), ("lr_wsd_decay_iters", 1),
+    ("lr_wsd_decay_samples", 1), ("lr_warmup_iters", 0), ("lr_warmup_samples", 0),
+    ("warmup", 0), ("log_interval", 1), ("tensorboard_log_interval", 1),
+    ("tensorboard_queue_size", 1), ("eval_iters", 0), ("eval_interval", 1),
+    ("save_interval", 1), ("exit_interval", 1), ("exit_duration_in_mins", 1),
+    ("manual_gc_interval", 0), ("loss_spike_window", 1), ("hysteresis", 1),
+    ("num_workers", 0), ("distributed_timeout_minutes", 1), ("ddp_bucket_size", 1),
+    ("tensor_model_parallel_size", 1), ("model_parallel_size", 1),
+    ("pipeline_model_parallel_size", 1), ("num_layers_per_virtual_pipeline_stage", 1),
+    ("context_parallel_size", 1), ("num_experts", 1), ("expert_model_parallel_size", 1),
+    ("expert_tensor_parallel_size", 1), ("moe_ffn_hidden_size", 1), ("moe_router_topk", 1),
+    ("moe_shared_expert_intermediate_size", 1),
+)
+
+
+def _validate_sizes(args) -> None:
+    """Each flag of :data:`SIZE_FLAG_MINIMA` that is given is at least its minimum."""
+    for name, minimum in SIZE_FLAG_MINIMA:
+        value = getattr(args, name, None)
+        if value is not None and value < minimum:
+            _fail(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
+
+
 def _read_data_args_files(args) -> None:
     """--data-args-path / --per-split-data-args-path: the path flags' values, read from files."""
     if args.data_args_path is not None:
@@ -139,8 +173,6 @@ def _validate_surface(args) -> None:
                   f"--profile-step-start ({args.profile_step_start}) >= 0")
         if args.use_pytorch_profiler and not args.tensorboard_dir:
             _fail("--use-pytorch-profiler writes its trace into --tensorboard-dir; give one")
-    if args.manual_gc_interval < 0:
-        _fail(f"--manual-gc-interval must be >= 0, got {args.manual_gc_interval}")
     _read_data_args_files(args)
 
 
@@ -219,9 +251,6 @@ def _validate_parallel(args) -> None:
 
 def _validate_model(args) -> None:
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length"):
-        if getattr(args, name) < 1:
-            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_position_embeddings is None:
         if args.position_embedding_type == "learned_absolute":
             _fail("--max-position-embeddings is required with learned absolute position "
@@ -277,8 +306,6 @@ def _validate_model(args) -> None:
 def _validate_batch_and_schedule(args) -> None:
     _require(args, "micro_batch_size")
     dp = args.data_parallel_size
-    if args.micro_batch_size < 1:
-        _fail(f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
         _note(args, f"--global-batch-size not given; using micro batch x data-parallel size "
@@ -326,17 +353,8 @@ def _validate_batch_and_schedule(args) -> None:
         args.end_weight_decay = args.weight_decay
     if args.dataloader_type is None:
         args.dataloader_type = "single"
-    if args.save_interval is not None and args.save_interval < 1:
-        _fail(f"--save-interval must be >= 1, got {args.save_interval}")
-    for name in ("log_interval", "eval_interval"):
-        if getattr(args, name) < 1:
-            _fail(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.eval_iters < 0:
-        _fail(f"--eval-iters must be >= 0, got {args.eval_iters}")
     if args.loss_spike_factor <= 1.0:
         _fail(f"--loss-spike-factor must be > 1, got {args.loss_spike_factor}")
-    if args.loss_spike_window < 1:
-        _fail(f"--loss-spike-window must be >= 1, got {args.loss_spike_window}")
 
 
 def _validate_masking(args) -> None:
@@ -372,8 +390,6 @@ def _validate_moe(args) -> None:
     if args.expert_tensor_parallel_size is None:
         args.expert_tensor_parallel_size = tp
     etp = args.expert_tensor_parallel_size
-    if etp < 1:
-        _fail(f"--expert-tensor-parallel-size must be >= 1, got {etp}")
     if etp != tp and tp > 1:
         # Each tensor-parallel rank routes its own slice of the sequence.
         if args.moe_router_load_balancing_type == "sinkhorn":
@@ -439,6 +455,7 @@ def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
     _validate_surface(args)
+    _validate_sizes(args)
     _apply_old_spellings(args)
     _validate_model(args)
     _validate_parallel(args)

@@ -359,15 +359,16 @@ def _cli(*flags):
 def test_cli_errors_are_one_line_exit_1(tmp_path, capsys):
     from tools.checkpoint.convert import main
 
-    common = ["--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "out")]
+    os.makedirs(tmp_path / "src")
+    common = ["--load-dir", str(tmp_path / "src"), "--save-dir", str(tmp_path / "out")]
     proc = _cli("--model-type", "T5", *common)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip() == ("convert.py: error: --model-type T5 is not supported: only "
                                    "GPT and BERT checkpoints can be converted")
     for flags, message in (
             (["--model-type", "GPT"], re.escape(
-                f"--load-dir {tmp_path}: no latest_checkpointed_iteration.txt; not a Megatron "
-                "checkpoint folder")),
+                f"--load-dir {tmp_path / 'src'}: no latest_checkpointed_iteration.txt; not a "
+                "Megatron checkpoint folder")),
             (["--model-type", "GPT", "--saver", "hf", "--target-tensor-parallel-size", "2"],
              "--target-tensor-parallel-size applies only to --saver megatron, not --saver hf"),
             (["--model-type", "GPT", "--loader", "nemo"],

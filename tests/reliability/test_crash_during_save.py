@@ -20,7 +20,8 @@ import torch
 
 from megatron.training import checkpointing
 from megatron.checkpoint.layout import iteration_dir
-from megatron.training.checkpointing import CRASH_ENV, TRACKER_FILENAME, read_tracker
+from megatron.training.checkpointing import (CRASH_ENV, LOCK_FILENAME, TRACKER_FILENAME,
+                                             read_tracker)
 from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
 from tests.reliability import launch
 
@@ -90,7 +91,7 @@ def _assert_same_checkpoint(root, reference_root, iteration, world_size):
 def crash_and_resume(tmp_path, corpus, reference, world_size, point, async_save=False):
     """Kill at ``point`` (``POINT:COUNT[@RANK]``), check the tracker, resume, compare.
 
-    Returns the save folder's listing right after the kill.
+    Returns the save folder's listing right after the kill, less the killed run's lock.
     """
     save = str(tmp_path / "ckpt")
     argv = _flags(corpus, save, world_size, async_save)
@@ -106,6 +107,11 @@ def crash_and_resume(tmp_path, corpus, reference, world_size, point, async_save=
     resumes_from = 4 if name == "after_tracker" else 2
     assert read_tracker(save) == (resumes_from, False)
     left = sorted(os.listdir(save))
+    # Rank 0's lock on --save: left when rank 0 was killed, removed when it left by an error
+    # (a peer gone) first; a lock left behind is taken over by the resumed run.
+    lock_left = LOCK_FILENAME in left
+    if lock_left:
+        left.remove(LOCK_FILENAME)
 
     resume = launch.start(launch.train_runs, world_size,
                           [{"name": "resume", "argv": argv + ["--load", save]}],
@@ -113,6 +119,8 @@ def crash_and_resume(tmp_path, corpus, reference, world_size, point, async_save=
     assert resume.wait() == [0] * world_size, resume.log(0)[-3000:]
     log = resume.log(0)
     assert f"successfully loaded checkpoint from {save} at iteration {resumes_from}" in log
+    assert (f"NOTE: --save {save}: took over {LOCK_FILENAME}, left by a run that is gone"
+            in log) == lock_left
     for leftover in (n for n in left if n.startswith(".") or n.endswith(".tmp")):
         assert f"NOTE: --save {save}: removed {leftover}, left by an interrupted save" in log
     assert resume.results(world_size - 1)["resume"]["losses"] == \
@@ -271,8 +279,8 @@ def test_kill_while_replacing_the_tracked_iteration(tmp_path, corpus, reference_
         "name": "again", "argv": argv + ["--load", save, "--ckpt-step", "4"],
         "env": {CRASH_ENV: "replacing_old:1"}}], log_dir=str(tmp_path / "again"))
     assert again.wait() == [-signal.SIGKILL]
-    assert sorted(os.listdir(save)) == [".tmp_iter_0000006", "iter_0000002", "iter_0000004",
-                                        "iter_0000006.old", TRACKER_FILENAME]
+    assert sorted(os.listdir(save)) == [LOCK_FILENAME, ".tmp_iter_0000006", "iter_0000002",
+                                        "iter_0000004", "iter_0000006.old", TRACKER_FILENAME]
     assert read_tracker(save) == (6, False)
     last = launch.start(launch.train_runs, 1, [{"name": "last", "argv": argv + ["--load", save]}],
                         log_dir=str(tmp_path / "last"))

@@ -168,6 +168,46 @@ def test_validation_errors(extra, world, pattern):
         validate_args(_args(BASE + extra, world_size=world))
 
 
+# Every size, count and interval flag with the smallest value it accepts: 0 only where it means
+# something (no evaluation, no warmup, no workers, no manual GC, no extra ids).
+SIZE_FLAGS = [
+    ("--num-layers", 1), ("--encoder-num-layers", 1), ("--hidden-size", 1),
+    ("--ffn-hidden-size", 1), ("--num-attention-heads", 1), ("--kv-channels", 1),
+    ("--num-query-groups", 1), ("--max-position-embeddings", 1), ("--rotary-base", 1),
+    ("--make-vocab-size-divisible-by", 1), ("--vocab-size", 1), ("--vocab-extra-ids", 0),
+    ("--seq-length", 1), ("--encoder-seq-length", 1), ("--micro-batch-size", 1),
+    ("--batch-size", 1), ("--global-batch-size", 1), ("--recompute-num-layers", 1),
+    ("--train-iters", 1), ("--train-samples", 1), ("--lr-decay-iters", 1),
+    ("--lr-decay-samples", 1), ("--lr-wsd-decay-iters", 1), ("--lr-wsd-decay-samples", 1),
+    ("--lr-warmup-iters", 0), ("--lr-warmup-samples", 0), ("--warmup", 0),
+    ("--log-interval", 1), ("--tensorboard-log-interval", 1), ("--tensorboard-queue-size", 1),
+    ("--eval-iters", 0), ("--eval-interval", 1), ("--save-interval", 1), ("--exit-interval", 1),
+    ("--exit-duration-in-mins", 1), ("--manual-gc-interval", 0), ("--loss-spike-window", 1),
+    ("--hysteresis", 1), ("--num-workers", 0), ("--distributed-timeout-minutes", 1),
+    ("--ddp-bucket-size", 1), ("--tensor-model-parallel-size", 1), ("--model-parallel-size", 1),
+    ("--pipeline-model-parallel-size", 1), ("--num-layers-per-virtual-pipeline-stage", 1),
+    ("--context-parallel-size", 1), ("--num-experts", 1), ("--expert-model-parallel-size", 1),
+    ("--expert-tensor-parallel-size", 1), ("--moe-ffn-hidden-size", 1), ("--moe-router-topk", 1),
+    ("--moe-shared-expert-intermediate-size", 1),
+]
+
+
+@pytest.mark.parametrize("flag,minimum", SIZE_FLAGS, ids=[f for f, _ in SIZE_FLAGS])
+def test_size_flags_below_their_minimum_are_named(flag, minimum):
+    """One below the minimum, and a negative value, stop validation with one line naming the
+    flag and the value, before any size is derived from it (--global-batch-size 0 used to be
+    reported as "lr decay steps ... must be > 0, got 0")."""
+    for value in sorted({minimum - 1, -3}):
+        with pytest.raises(ArgumentsError) as err:
+            validate_args(_args(BASE + [flag, str(value)]))
+        assert str(err.value) == f"{flag} must be >= {minimum}, got {value}"
+
+
+@pytest.mark.parametrize("flag", [f for f, minimum in SIZE_FLAGS if minimum == 0])
+def test_zero_is_accepted_where_it_means_something(flag):
+    validate_args(_args(BASE + [flag, "0"]))
+
+
 def test_expert_tensor_parallel_size_may_differ_from_tp():
     """Expert TP 2 over two data-parallel ranks, and expert TP 1 under TP 2: the experts
     re-cut the ranks of a stage; capacity dropping stays with whole micro-batches (TP 1)."""

@@ -327,6 +327,28 @@ def test_bad_inputs_name_what_is_wrong(tmp_path):
         GPTDatasetConfig(seq_length=0)
 
 
+@pytest.mark.parametrize("where", ["data-path", "blend", "train-data-path", "valid-data-path"])
+def test_a_data_file_without_documents_is_named(tmp_path, where):
+    """A .bin/.idx pair that holds no documents is named as such, whichever flag brings it in
+    (it used to be blamed on --split, or to end in an IndexError)."""
+    empty, full = str(tmp_path / "empty_text_document"), str(tmp_path / "full")
+    write_dataset(empty, [])
+    write_dataset(full, random_docs(10, 20))
+    cfg = GPTDatasetConfig(seed=1, seq_length=3, split="90,8,2",
+                           data_cache_path=str(tmp_path / "c"))
+    kwargs = {"data-path": dict(data_path=empty),
+              "blend": dict(data_path=["1", full, "1", empty]),
+              "train-data-path": dict(data_path=None, train_data_path=empty),
+              "valid-data-path": dict(data_path=None, train_data_path=full,
+                                      valid_data_path=empty)}[where]
+    flag = "--data-path" if where == "blend" else f"--{where}"
+    with pytest.raises(dataset_utils.DataError) as err:
+        build_train_valid_test_datasets(cfg, train_valid_test_num_samples=[5, 2, 0], **kwargs)
+    assert str(err.value) == (f"{flag}: the data file {empty}.bin/.idx holds no documents; "
+                              "preprocess a non-empty input with tools/preprocess_data.py, or "
+                              "leave this prefix out")
+
+
 # -------------------------------------------------------------------------------- mock data
 
 

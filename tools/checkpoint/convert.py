@@ -14,6 +14,11 @@ at a time and the saver writes it, so memory holds about one layer, not the mode
 their ``*ForMaskedLM`` without the binary head (``--bert-no-binary-head``). A Megatron
 target keeps the iteration, consumed samples and LR schedule of the source; the optimizer and RNG
 states are dropped (they cannot be resharded exactly), so training resumes with a fresh optimizer.
+
+The source is never written to: a --save-dir that is --load-dir, lies inside it or contains it is
+refused, as is a non-empty --save-dir without --overwrite (exit status 2, one line). Every saver
+writes into a folder next to --save-dir and renames it into place once complete, so a failed
+conversion changes nothing.
 """
 
 import argparse
@@ -28,6 +33,7 @@ sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), os.pa
 import torch  # noqa: E402
 
 from megatron.convert.schema import ConversionError, ModelMeta, Piece  # noqa: E402
+from megatron.convert.target import check_source_and_target, check_target  # noqa: E402
 from megatron.errors import exit_on_user_error  # noqa: E402
 
 PROG = "convert.py"
@@ -49,7 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--loader", default="megatron", choices=["megatron", "hf"])
     parser.add_argument("--saver", default="megatron", choices=["megatron", "hf"])
     parser.add_argument("--load-dir", required=True, help="the checkpoint (or HF folder) to read")
-    parser.add_argument("--save-dir", required=True, help="a new or empty folder to write")
+    parser.add_argument("--save-dir", required=True,
+                        help="a new or empty folder to write (never --load-dir, nor a folder "
+                             "inside it or holding it)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the content of a non-empty --save-dir, once the new "
+                             "checkpoint is completely written (without it a non-empty "
+                             "--save-dir is refused)")
     g = parser.add_argument_group("megatron loader")
     g.add_argument("--ckpt-step", type=int, default=None,
                    help="iteration to read instead of latest_checkpointed_iteration.txt's")
@@ -106,6 +118,9 @@ def _check(args) -> None:
             if getattr(args, flag) is not None:
                 raise ConversionError(f"--{flag.replace('_', '-')} applies only to "
                                       f"--loader megatron, not --loader {args.loader}")
+    # Before anything is read: the target must not be the source, nor hold content.
+    check_source_and_target(args.load_dir, args.save_dir)
+    check_target(args.save_dir, args.overwrite)
 
 
 def _load(args, view: Optional[str] = None) -> Iterator[Piece]:
@@ -200,11 +215,11 @@ def convert(args) -> str:
         if target_format == "torch_dist":
             save_dist(counter, args.save_dir, tp, pp,
                       make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                      optimizer_streams=streams)
+                      optimizer_streams=streams, overwrite=args.overwrite)
         else:
             save_megatron(counter, args.save_dir, tp, pp,
                           make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                          optimizer_streams=streams, target_ep=ep)
+                          optimizer_streams=streams, target_ep=ep, overwrite=args.overwrite)
         target = (tp, pp, ep if target_format == "torch" else 1)
         if streams is not None:
             dropped = "RNG state (the Adam state is resharded, the LR schedule is kept)"
@@ -214,7 +229,8 @@ def convert(args) -> str:
     else:
         from megatron.convert.hf import save_hf
 
-        save_hf(counter, args.save_dir, allow_no_tokenizer=args.allow_no_tokenizer)
+        save_hf(counter, args.save_dir, allow_no_tokenizer=args.allow_no_tokenizer,
+                overwrite=args.overwrite)
         target = None
         dropped = "optimizer state, RNG state, LR schedule, iteration and consumed samples"
     if source is None and args.loader == "megatron":
