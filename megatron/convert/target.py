@@ -107,8 +107,8 @@ def staged_target(save_dir: str, overwrite: bool = False) -> Iterator[str]:
 
     When the body returns, the folder's files are fsynced and it is renamed to ``save_dir``
     (replacing an empty folder, or with ``overwrite`` a non-empty one, which is removed only
-    then); when it raises, the folder is removed and ``save_dir`` is left untouched. A process killed midway
-    leaves only the hidden ``.NAME.converting-*`` folder next to the target.
+    then); when it raises, the folder is removed and ``save_dir`` is left untouched. A process
+    killed midway leaves only the hidden ``.NAME.converting-*`` folder next to the target.
 
     Raises:
         TargetRefusedError: ``save_dir`` is a file, or is not empty and ``overwrite`` is False.
