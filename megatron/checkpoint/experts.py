@@ -128,6 +128,17 @@ def _group_key(group: dict, path: str, g: int) -> Tuple[float, float]:
     return float(group["wd_mult"]), float(group.get("lr_mult", 1.0))
 
 
+def _movable_group_keys(groups: List[dict], path: str) -> List[Tuple[float, float]]:
+    """Each param group's key; a group that scales its learning rate cannot be re-dealt."""
+    keys = [_group_key(group, path, g) for g, group in enumerate(groups)]
+    for g, key in enumerate(keys):
+        if key[1] != 1.0:
+            raise CheckpointError(f"{path}: optimizer param group {g} scales its learning rate "
+                                  f"(lr_mult {key[1]}); it cannot be moved to another "
+                                  "--expert-model-parallel-size")
+    return keys
+
+
 def _grouped_names(trees: List[dict], keys: List[Tuple[float, float]]) -> List[List[Tuple]]:
     """Each group's ``(chunk, name)`` of parameters, in the model's order."""
     from megatron.checkpoint.optimizer_state import group_key
@@ -147,12 +158,7 @@ def _per_parameter(optimizer: dict, trees: List[dict], path: str) -> Tuple[dict,
                               "--expert-model-parallel-size (pass --no-load-optim)")
     groups = inner["param_groups"]
     mains = optimizer.get("fp32_from_fp16_params") if inner is not optimizer else None
-    keys = [_group_key(group, path, g) for g, group in enumerate(groups)]
-    for g, key in enumerate(keys):
-        if key[1] != 1.0:
-            raise CheckpointError(f"{path}: optimizer param group {g} scales its learning rate "
-                                  f"(lr_mult {key[1]}); it cannot be moved to another "
-                                  "--expert-model-parallel-size")
+    keys = _movable_group_keys(groups, path)
     entries = {}
     for g, (group, names) in enumerate(zip(groups, _grouped_names(trees, keys))):
         if len(names) != len(group["params"]):
@@ -175,12 +181,7 @@ def _distributed_per_parameter(optimizer: dict, trees: List[dict], path: str
             len(groups) != len(param_state):
         raise CheckpointError(f"{path}: the distributed optimizer's state has no param groups "
                               "matching its param_state")
-    keys = [_group_key(group, path, g) for g, group in enumerate(groups)]
-    for g, key in enumerate(keys):
-        if key[1] != 1.0:
-            raise CheckpointError(f"{path}: optimizer param group {g} scales its learning rate "
-                                  f"(lr_mult {key[1]}); it cannot be moved to another "
-                                  "--expert-model-parallel-size")
+    keys = _movable_group_keys(groups, path)
     entries = {}
     for g, (row, names) in enumerate(zip(param_state, _grouped_names(trees, keys))):
         if len(names) != len(row):

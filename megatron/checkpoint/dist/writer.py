@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkSt
 
 from megatron.checkpoint.dist.reader import (BACKEND, BACKEND_FILE, COMMON_FILE, COMMON_STATE_FQN,
                                              METADATA_FILE)
+from megatron.checkpoint.publish import fsync_path
 
 BACKEND_VERSION = 1
 DCP_VERSION = "1.0.0"
@@ -81,14 +82,6 @@ class Record:
 
 def data_file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"
-
-
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
@@ -245,11 +238,11 @@ def write_metadata(path: str, records: Iterable[Record]) -> Metadata:
 
     metadata = build_metadata(records, checkpoint_id=path)
     for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
-        _fsync(os.path.join(path, name))
+        fsync_path(os.path.join(path, name))
     backend = {"sharded_backend": BACKEND, "sharded_backend_version": BACKEND_VERSION}
     _write_atomic(os.path.join(path, BACKEND_FILE), json.dumps(backend).encode())
     _write_atomic(os.path.join(path, METADATA_FILE), pickle.dumps(metadata))
-    _fsync(path)
+    fsync_path(path)
     return metadata
 
 
