@@ -4,8 +4,15 @@ Each public function here has the signature and meaning of a pure-torch referenc
 package (softmax.py, layer_norm.py, bias_gelu.py, bias_dropout_add.py) or, for the optimizer and
 the loss, of ``torch.optim.AdamW`` and ``megatron.core.tensor_parallel.vocab_parallel_cross_
 entropy``. It runs the compiled body when the extension is loaded (see :mod:`.loader`), the
-tensors sit on a device it has bodies for and their dtypes are float32 / float16 / bfloat16;
-otherwise it runs the reference, with the same results up to float32 rounding.
+tensors sit on a device it has bodies for, their dtypes are float32 / float16 / bfloat16 and the
+body has passed its self-check for that device type and dtype; otherwise it runs the reference,
+with the same results up to float32 rounding.
+
+Self-check (:mod:`.selfcheck`): the first use of an op on a device type with a dtype first runs
+the compiled body on small inputs against the reference, forward and backward; a body that
+disagrees or raises is replaced by the reference for the rest of the run there, with one
+warning. ``MEGATRON_KERNEL_SELFCHECK=0`` skips the check (benchmarks). Tests can reach every
+compiled call through :data:`COMPILED_CALL_HOOKS`.
 
 :func:`install` registers the compiled ops under the names the model's fusable calls look up
 (``megatron.fused_kernels.register_kernel``), so ``FusedLayerNorm``, ``FusedScaleMaskSoftmax``
@@ -21,11 +28,11 @@ Differences from the references worth knowing:
   intermediates (``x + bias`` etc.) to the input dtype.
 """
 
-from typing import Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
-from megatron.fused_kernels import loader
+from megatron.fused_kernels import loader, selfcheck
 from megatron.fused_kernels.bias_dropout_add import (
     bias_dropout_add_inference_reference,
     bias_dropout_add_train_reference,
@@ -48,8 +55,32 @@ def kernels_available(device_type: str = "cpu") -> bool:
     return available
 
 
+# Tests only: kernel name (e.g. "bias_gelu_fwd") -> fn(result) -> result, applied to every
+# call of that compiled op, to count calls or to break a body on purpose. Empty otherwise.
+COMPILED_CALL_HOOKS: Dict[str, Callable] = {}
+
+
+class _HookedOps:
+    """``torch.ops.megatron_fused`` with :data:`COMPILED_CALL_HOOKS` applied to the results."""
+
+    def __init__(self, namespace):
+        self._namespace = namespace
+
+    def __getattr__(self, name):
+        op, hook = getattr(self._namespace, name), COMPILED_CALL_HOOKS.get(name)
+        return op if hook is None else (lambda *args: hook(op(*args)))
+
+
 def _ops():
-    return loader.load()
+    namespace = loader.load()
+    if COMPILED_CALL_HOOKS and namespace is not None:
+        return _HookedOps(namespace)
+    return namespace
+
+
+def _verified(op: str, tensor: torch.Tensor, compiled: Callable, reference: Callable) -> bool:
+    """The compiled body of ``op`` passed its self-check on ``tensor``'s device and dtype."""
+    return selfcheck.passes(op, tensor.device.type, tensor.dtype, compiled, reference)
 
 
 _FAKES_REGISTERED = []
@@ -165,14 +196,19 @@ class ScaledUpperTriangMaskedSoftmax(torch.autograd.Function):
 def scaled_masked_softmax(input: torch.Tensor, mask: Optional[torch.Tensor],
                           scale: float) -> torch.Tensor:
     """Fused :func:`~megatron.fused_kernels.softmax.scaled_masked_softmax_reference`."""
-    if not _usable(input) or (mask is not None and mask.dtype != torch.bool) or input.dim() < 1:
+    if (not _usable(input) or (mask is not None and mask.dtype != torch.bool) or input.dim() < 1
+            or not _verified("scaled_masked_softmax", input, ScaledMaskedSoftmax.apply,
+                             scaled_masked_softmax_reference)):
         return scaled_masked_softmax_reference(input, mask, scale)
     return ScaledMaskedSoftmax.apply(input, mask, float(scale))
 
 
 def scaled_upper_triang_masked_softmax(input: torch.Tensor, scale: float) -> torch.Tensor:
     """Fused causal softmax (``softmax.scaled_upper_triang_masked_softmax_reference``)."""
-    if not _usable(input) or input.dim() < 2:
+    if (not _usable(input) or input.dim() < 2
+            or not _verified("scaled_upper_triang_masked_softmax", input,
+                             ScaledUpperTriangMaskedSoftmax.apply,
+                             scaled_upper_triang_masked_softmax_reference)):
         return scaled_upper_triang_masked_softmax_reference(input, scale)
     return ScaledUpperTriangMaskedSoftmax.apply(input, float(scale))
 
@@ -205,17 +241,27 @@ def _norm_usable(x, weight, bias) -> bool:
             and x.shape[-1] == weight.shape[0] and (bias is None or bias.shape == weight.shape))
 
 
+def _layer_norm_compiled(x, weight, bias, eps):
+    return FusedNormFunction.apply(x, weight, bias, float(eps), False)
+
+
+def _rms_norm_compiled(x, weight, eps):
+    return FusedNormFunction.apply(x, weight, None, float(eps), True)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                eps: float) -> torch.Tensor:
     """Fused :func:`~megatron.fused_kernels.layer_norm.layer_norm_reference`."""
-    if not _norm_usable(x, weight, bias):
+    if not _norm_usable(x, weight, bias) or not _verified(
+            "layer_norm", x, _layer_norm_compiled, layer_norm_reference):
         return layer_norm_reference(x, weight, bias, eps)
     return FusedNormFunction.apply(x, weight, bias, float(eps), False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Fused :func:`~megatron.fused_kernels.layer_norm.rms_norm_reference`."""
-    if not _norm_usable(x, weight, None):
+    if not _norm_usable(x, weight, None) or not _verified(
+            "rms_norm", x, _rms_norm_compiled, rms_norm_reference):
         return rms_norm_reference(x, weight, eps)
     return FusedNormFunction.apply(x, weight, None, float(eps), True)
 
@@ -243,7 +289,7 @@ def bias_gelu(input: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor
     ok = _usable(input, bias) and input.dim() >= 1 and (
         bias is None or (bias.dim() == 1 and bias.shape[0] == input.shape[-1]
                          and bias.dtype == input.dtype))
-    if not ok:
+    if not ok or not _verified("bias_gelu", input, BiasGeLUFunction.apply, bias_gelu_reference):
         return bias_gelu_reference(input, bias)
     return BiasGeLUFunction.apply(input, bias)
 
@@ -273,10 +319,13 @@ class BiasDropoutAddFunction(torch.autograd.Function):
 
 
 def _bda_usable(x, bias, residual) -> bool:
+    """Shapes and dtypes the kernel takes, and its self-check (both modes) passed."""
     return (_usable(x, bias, residual) and x.dim() >= 1 and residual.shape == x.shape
             and residual.dtype == x.dtype
             and (bias is None or (bias.dim() == 1 and bias.shape[0] == x.shape[-1]
-                                  and bias.dtype == x.dtype)))
+                                  and bias.dtype == x.dtype))
+            and _verified("bias_dropout_add", x, BiasDropoutAddFunction.apply,
+                          bias_dropout_add_inference_reference))
 
 
 def bias_dropout_add_train(x: torch.Tensor, bias: Optional[torch.Tensor],
@@ -309,8 +358,18 @@ def _adamw_usable(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_p
            for t in states):
         return False
     extra = list(grads) + list(model_params or [])
-    return all(t.device == device and t.dtype in _FLOAT_TYPES and not t.is_sparse
-               for t in extra) and all(t.is_contiguous() for t in (model_params or []))
+    return (all(t.device == device and t.dtype in _FLOAT_TYPES and not t.is_sparse
+                for t in extra) and all(t.is_contiguous() for t in (model_params or []))
+            and _verified("multi_tensor_adamw", grads[0], _adamw_compiled, _adamw_reference))
+
+
+def _adamw_compiled(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, *,
+                    lr, beta1, beta2, eps, weight_decay, step, amsgrad, maximize) -> None:
+    """The compiled step, with :func:`_adamw_reference`'s signature."""
+    _ops().fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
+                        list(max_exp_avg_sqs), list(model_params), float(lr), float(beta1),
+                        float(beta2), float(eps), float(weight_decay), float(step),
+                        bool(amsgrad), bool(maximize))
 
 
 def multi_tensor_adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
@@ -328,15 +387,12 @@ def multi_tensor_adamw(params: Sequence[torch.Tensor], grads: Sequence[torch.Ten
     """
     max_exp_avg_sqs = list(max_exp_avg_sqs or [])
     model_params = list(model_params or [])
-    if _adamw_usable(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params):
-        _ops().fused_adamw_(list(params), list(grads), list(exp_avgs), list(exp_avg_sqs),
-                            max_exp_avg_sqs, model_params, float(lr), float(beta1),
-                            float(beta2), float(eps), float(weight_decay), float(step),
-                            bool(amsgrad), bool(maximize))
-        return
-    _adamw_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params,
-                     lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                     step=step, amsgrad=amsgrad, maximize=maximize)
+    step_fn = (_adamw_compiled if _adamw_usable(params, grads, exp_avgs, exp_avg_sqs,
+                                                max_exp_avg_sqs, model_params)
+               else _adamw_reference)
+    step_fn(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
+            amsgrad=amsgrad, maximize=maximize)
 
 
 def _adamw_reference(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, model_params, *,
@@ -403,6 +459,11 @@ class ChunkedCrossEntropy(torch.autograd.Function):
         return grad_input.view(shape), None, None, None, None
 
 
+def _cross_entropy_compiled(logits, target, group, label_smoothing):
+    """The compiled path with the reference's signature (for the self-check)."""
+    return ChunkedCrossEntropy.apply(logits, target, float(label_smoothing), group, False)
+
+
 def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: torch.Tensor,
                                  group=None, label_smoothing: float = 0.0, *,
                                  inplace_backward: bool = False) -> torch.Tensor:
@@ -421,10 +482,29 @@ def vocab_parallel_cross_entropy(vocab_parallel_logits: torch.Tensor, target: to
     ok = (_usable(logits) and logits.dim() >= 1
           and tuple(target.shape) == tuple(logits.shape[:-1])
           and target.dtype in (torch.int64, torch.int32) and 0.0 <= label_smoothing < 1.0)
-    if not ok:
+    if not ok or not _verified("vocab_parallel_cross_entropy", logits, _cross_entropy_compiled,
+                               reference.vocab_parallel_cross_entropy):
         return reference.vocab_parallel_cross_entropy(logits, target, group, label_smoothing)
     return ChunkedCrossEntropy.apply(logits, target, float(label_smoothing), group,
                                      bool(inplace_backward))
+
+
+def compiled_paths() -> Dict[str, tuple]:
+    """Op name -> (compiled path, reference), the pairs :mod:`.selfcheck` compares."""
+    from megatron.core.tensor_parallel import cross_entropy
+
+    return {
+        "scaled_masked_softmax": (ScaledMaskedSoftmax.apply, scaled_masked_softmax_reference),
+        "scaled_upper_triang_masked_softmax": (ScaledUpperTriangMaskedSoftmax.apply,
+                                               scaled_upper_triang_masked_softmax_reference),
+        "layer_norm": (_layer_norm_compiled, layer_norm_reference),
+        "rms_norm": (_rms_norm_compiled, rms_norm_reference),
+        "bias_gelu": (BiasGeLUFunction.apply, bias_gelu_reference),
+        "bias_dropout_add": (BiasDropoutAddFunction.apply, bias_dropout_add_inference_reference),
+        "vocab_parallel_cross_entropy": (_cross_entropy_compiled,
+                                         cross_entropy.vocab_parallel_cross_entropy),
+        "multi_tensor_adamw": (_adamw_compiled, _adamw_reference),
+    }
 
 
 # ---- registration with the model's fusable calls --------------------------------------------
