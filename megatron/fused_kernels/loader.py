@@ -16,7 +16,9 @@ build folder is removed while we hold ours, for the same reason.
 
 Environment: ``MEGATRON_FUSED_KERNELS=0`` disables the compiled kernels;
 ``MEGATRON_FUSED_PREBUILT=0`` skips step 1 and ``MEGATRON_FUSED_JIT=0`` step 2;
-``MEGATRON_FUSED_CACHE`` moves the cache.
+``MEGATRON_FUSED_CACHE`` moves the cache. Loading is not trusting: each op's compiled body is
+checked against its reference at its first use on a device type and dtype (:mod:`.selfcheck`);
+``MEGATRON_KERNEL_SELFCHECK=0`` skips that check.
 
 This module imports nothing from ``megatron`` so that ``setup.py`` can load it by file path to
 share the source list and compiler flags.
