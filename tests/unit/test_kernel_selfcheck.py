@@ -171,3 +171,19 @@ def test_check_leaves_rng_grad_mode_and_saved_tensor_hooks_alone():
     torch.manual_seed(11)
     plain = ops.bias_dropout_add_train(x, b, x, 0.5)  # verified already: no check
     assert torch.equal(checked, plain) and torch.equal(torch.rand(3), after_checked)
+
+
+def test_first_use_under_fake_tensors_or_inference_mode_checks_on_real_tensors():
+    """torch.compile traces with fake tensors, generation runs in inference mode: a first use
+    there still runs a real check (and passes) instead of failing on fake or grad-less values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FakeTensorMode():
+            x, b = torch.randn(3, 16, requires_grad=True), torch.randn(16)
+            ops.bias_gelu(x, b).sum().backward()
+        with torch.inference_mode():
+            ops.layer_norm(torch.randn(2, 8), torch.ones(8), None, 1e-5)
+    assert selfcheck.results() == {("bias_gelu", "cpu", torch.float32): True,
+                                   ("layer_norm", "cpu", torch.float32): True}
