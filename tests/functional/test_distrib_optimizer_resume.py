@@ -135,11 +135,17 @@ def test_resume_at_dp4_matches_continuing_at_dp2(corpus, straight):
 
 @pytest.mark.slow
 def test_overlap_param_gather_gives_the_same_losses(corpus, straight, tmp_path):
-    """Gathers overlapping the next forward (and finished before each save) change nothing."""
-    out = _run(2, _dist_flags(corpus, 2, ["--overlap-param-gather", "--ddp-bucket-size", "5000",
+    """Gathers overlapping the next forward (and finished before each save) change nothing:
+    bit for bit against the same buckets without overlap. The bucket size itself may move the
+    last bits (on an AVX-512 CPU the fused kernels' results follow the buffer's layout by an
+    ulp), so against the default buckets the losses agree within the file's tolerance."""
+    buckets = ["--ddp-bucket-size", "5000"]
+    out = _run(2, _dist_flags(corpus, 2, ["--overlap-param-gather", *buckets,
                                           "--save", str(tmp_path / "ckpt"),
                                           "--save-interval", str(N)]))
-    assert _losses(out) == _losses(straight)
+    same_buckets = _run(2, _dist_flags(corpus, 2, buckets))
+    assert _losses(out) == _losses(same_buckets)
+    _close(_losses(out), _losses(straight))
 
 
 @pytest.mark.slow
