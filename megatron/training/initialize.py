@@ -1,5 +1,6 @@
 """Process start-up: device, process group from torchrun's environment, parallel groups, seeds."""
 
+import atexit
 import datetime
 import os
 import random
@@ -54,6 +55,22 @@ def _init_process_group(args) -> None:
                                "launch with torchrun")
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=timeout)
+    atexit.register(_leave_process_group)
+
+
+def _leave_process_group() -> None:
+    """Close the process group before the interpreter tears down.
+
+    A gloo rank whose group is still open when Python finalises can abort in its destructor
+    ("terminate called without an active exception"), turning a finished run into exit code
+    -6. Every entry point that joined through here leaves through here, whether or not its
+    script remembers to.
+    """
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:   # noqa: BLE001 - already exiting; a failed close must not mask rc
+            pass
 
 
 def set_random_seeds(seed: int, pstate: parallel_state.ParallelState,
