@@ -28,7 +28,8 @@ building, the launch, log parsing, the table), no GPU needed. Without it the scr
 once when torch has no CUDA device.
 
 Writes ``results.json``, ``results.md`` and one log per contender into ``--out``; prints the
-markdown table. Normally started by ``benchmarks/gpu_bench.sh``.
+markdown table. Normally started by ``benchmarks/gpu_run.py`` (its ``mfu`` and ``recompute``
+stages).
 """
 
 import argparse
@@ -60,6 +61,7 @@ class Shape:
     vocab: int = 50304
     iters: int = 30
     warmup: int = 10
+    selective: int = 0      # 1: --recompute-activations (Megatron's selective recompute)
 
 
 FULL = {
@@ -67,11 +69,17 @@ FULL = {
     "megatron-1.3b": Shape(24, 2048, 16, 2048, micro_batch=8, global_batch=32, iters=15,
                            warmup=5),
     "hf-gpt2-124m": Shape(12, 768, 12, 1024, micro_batch=32, global_batch=128),
+    "megatron-1.3b-selective": Shape(24, 2048, 16, 2048, micro_batch=8, global_batch=32,
+                                     iters=15, warmup=5, selective=1),
 }
+# Run when no --only is given; the selective-recompute one only when asked for.
+DEFAULT = ("megatron-124m", "megatron-1.3b", "hf-gpt2-124m")
 TINY = {
     "megatron-124m": Shape(2, 64, 4, 128, 2, 4, vocab=1024, iters=2, warmup=1),
     "megatron-1.3b": Shape(2, 128, 4, 256, 1, 2, vocab=1024, iters=2, warmup=1),
     "hf-gpt2-124m": Shape(2, 64, 4, 128, 2, 4, vocab=1024, iters=2, warmup=1),
+    "megatron-1.3b-selective": Shape(2, 128, 4, 256, 1, 2, vocab=1024, iters=2, warmup=1,
+                                     selective=1),
 }
 
 
@@ -102,6 +110,8 @@ def megatron_flags(shape: Shape, dry_run: bool, dropout: float) -> list:
              f"--eval-interval 1000000 --mock-data --tokenizer-type NullTokenizer "
              # NullTokenizer adds one EOD id, so V - 1 here gives V ids, a multiple of 128.
              f"--vocab-size {shape.vocab - 1} --seed 1234 --num-workers 0").split()
+    if shape.selective:
+        flags.append("--recompute-activations")
     return flags + ["--device", "cpu" if dry_run else "cuda"]
 
 
@@ -289,7 +299,7 @@ def main():
             raise SystemExit(f"--set {item}: expected NAME.FIELD=VALUE with NAME in "
                              f"{list(shapes)} and FIELD in {list(Shape.__dataclass_fields__)}")
         shapes[name] = replace(shapes[name], **{field: int(value)})
-    names = a.only or list(shapes)
+    names = a.only or list(DEFAULT)
     os.makedirs(a.out, exist_ok=True)
     device = "cpu (dry run)" if a.dry_run else torch.cuda.get_device_name()
     header = (f"{datetime.datetime.now().isoformat(timespec='seconds')} | {device} | torch "

@@ -4,7 +4,9 @@ Speed is never asserted here (benchmarks/RESULTS.md holds the measured numbers);
 check that each script runs its contenders, parses their logs and prints its tables.
 """
 
+import json
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -74,15 +76,45 @@ def test_bench_peers_tiny_run_prints_every_contender():
 
 
 @pytest.mark.slow
-def test_gpu_bench_dry_run_on_cpu(tmp_path):
-    out = subprocess.run(["bash", "benchmarks/gpu_bench.sh", "--dry-run", "--no-compile"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900,
-                         env=dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1",
-                                  HF_HUB_OFFLINE="1"))
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    for name in ("megatron-124m", "megatron-1.3b", "hf-gpt2-124m"):
+def test_gpu_run_dry_run_on_cpu(tmp_path):
+    """The one GPU script, every stage on the CPU: it cannot rot before a GPU runs it. The
+    parity stage holds this CPU to the losses shipped with the script."""
+    out = subprocess.run(["bash", "benchmarks/gpu_run.sh", "--dry-run", "--out", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                         env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
+    for stage in ("env", "build", "kernels", "parity", "bf16", "mfu", "recompute", "profile"):
+        assert re.search(rf"^\| {stage} \| ok \|", out.stdout, re.M), (stage, out.stdout[-4000:])
+    for name in ("megatron-124m", "megatron-1.3b", "hf-gpt2-124m", "megatron-1.3b-selective"):
         assert re.search(rf"^\| {re.escape(name)} \|", out.stdout, re.M), out.stdout
-    assert (tmp_path / "results.md").exists() and (tmp_path / "results.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["logs.tar.gz", "summary.json",
+                                                          "summary.md"]
+    parity = json.loads((tmp_path / "summary.json").read_text())["stages"][3]
+    assert parity["name"] == "parity" and parity["details"]["max_abs_diff"] <= 1e-4
+
+
+def test_gpu_run_parity_file_matches_its_flags():
+    """The recorded CPU losses belong to the flags the parity stage runs (a changed flag without
+    a new recording fails here, not on the GPU)."""
+    import gpu_run
+
+    recorded = json.loads(pathlib.Path(gpu_run.PARITY_FILE).read_text())
+    assert recorded["flags"] == " ".join(gpu_run.PARITY_FLAGS)
+    assert len(recorded["losses"]) == 6 and all(5.0 < x < 9.0 for x in recorded["losses"])
+
+
+def test_gpu_run_top_kernels_reads_a_chrome_trace(tmp_path):
+    import gpu_run
+
+    events = [{"cat": "kernel", "name": "gemm", "dur": 30.0},
+              {"cat": "kernel", "name": "softmax", "dur": 10.0},
+              {"cat": "kernel", "name": "gemm", "dur": 20.0},
+              {"cat": "cpu_op", "name": "aten::mm", "dur": 500.0}]
+    (tmp_path / "a.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    assert gpu_run.top_kernels(str(tmp_path), "kernel") == [("gemm", 50 / 60),
+                                                            ("softmax", 10 / 60)]
+    with pytest.raises(gpu_run.StageError, match="no cuda_runtime events"):
+        gpu_run.top_kernels(str(tmp_path), "cuda_runtime")
 
 
 @pytest.mark.slow

@@ -85,12 +85,19 @@ def test_raising_body_falls_back_and_names_the_exception():
     assert selfcheck.results()[("rms_norm", "cpu", torch.float32)] is True
 
 
-def _every_op_once(dtype):
-    """One call of every public op on CPU tensors of ``dtype``, with its forward kernel name."""
+def _every_op_once(dtype, device="cpu"):
+    """One call of every public op on ``device`` tensors of ``dtype``, with its forward kernel
+    name."""
     g = torch.Generator().manual_seed(1)
 
     def randn(*shape):
-        return torch.randn(shape, generator=g).to(dtype)
+        return torch.randn(shape, generator=g).to(device=device, dtype=dtype)
+
+    def one(n):
+        return torch.ones(n, device=device)
+
+    def zero(n):
+        return torch.zeros(n, device=device)
 
     x4, x3, x2, w = randn(2, 2, 3, 16), randn(2, 4, 16), randn(3, 16), randn(16)
     return [
@@ -103,29 +110,33 @@ def _every_op_once(dtype):
         ("bias_dropout_add_fwd", lambda: ops.bias_dropout_add_train(x2, w, x2, 0.1)),
         ("bias_dropout_add_fwd", lambda: ops.bias_dropout_add_inference(x2, w, x2, 0.1)),
         ("cross_entropy_fwd",
-         lambda: ops.vocab_parallel_cross_entropy(x2, torch.tensor([1, 2, 3]))),
+         lambda: ops.vocab_parallel_cross_entropy(x2, torch.tensor([1, 2, 3], device=device))),
         ("fused_adamw_", lambda: ops.multi_tensor_adamw(
-            [torch.ones(5)], [torch.ones(5).to(dtype)], [torch.zeros(5)], [torch.zeros(5)],
+            [one(5)], [one(5).to(dtype)], [zero(5)], [zero(5)],
             lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1)),
     ]
 
 
+# On a GPU (marker `gpu`) this is the proof that the CUDA bodies themselves ran and agreed.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_healthy_bodies_pass_once_and_then_run_compiled(dtype):
+def test_healthy_bodies_pass_once_and_then_run_compiled(dtype, device):
     """(b) every op's check passes and the compiled body then runs; (c) the second call of an
     op on the same device and dtype does not check again: exactly one more kernel call."""
+    if device == "cuda" and not ops.kernels_available("cuda"):
+        pytest.fail("CUDA bodies are not built (setup.py build_ext on a machine with nvcc)")
     counts = {}
-    for name in {name for name, _ in _every_op_once(dtype)}:
+    for name in {name for name, _ in _every_op_once(dtype, device)}:
         ops.COMPILED_CALL_HOOKS[name] = counting(counts, name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no op may fail its check
-        for name, call in _every_op_once(dtype):
+        for name, call in _every_op_once(dtype, device):
             call()                          # first use: the check, then the compiled call
             before = counts.get(name, 0)
             assert before >= 2, f"{name}: check and compiled call expected, saw {before} calls"
             call()
             assert counts[name] == before + 1, f"{name} checked again or fell back"
-    assert set(selfcheck.results()) == {(op, "cpu", dtype) for op in selfcheck.CHECKS}
+    assert set(selfcheck.results()) == {(op, device, dtype) for op in selfcheck.CHECKS}
     assert all(selfcheck.results().values())
 
 
