@@ -18,7 +18,8 @@ layer at a time. These architectures are written and read:
   (:mod:`megatron.convert.hf_neox`) for GeLU ones;
 - for mixture-of-experts models (``--num-experts``), ``MixtralForCausalLM``
   (:mod:`megatron.convert.hf_mixtral`), with a gated shared expert ``Qwen2MoeForCausalLM``
-  (:mod:`megatron.convert.hf_qwen2_moe`);
+  (:mod:`megatron.convert.hf_qwen2_moe`), with ``--qk-layernorm`` ``Qwen3MoeForCausalLM``
+  (:mod:`megatron.convert.hf_qwen3_moe`);
 - for BERT, ``BertForPreTraining`` / ``MegatronBertForPreTraining`` (or ``*ForMaskedLM`` without
   the binary head) (:mod:`megatron.convert.hf_bert`).
 
@@ -39,7 +40,7 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from megatron.convert import (hf_bert, hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2,
-                              hf_qwen2_moe, hf_qwen3, hf_stablelm)
+                              hf_qwen2_moe, hf_qwen3, hf_qwen3_moe, hf_stablelm)
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
@@ -48,7 +49,7 @@ from megatron.convert.target import staged_target
 
 _FAMILIES = {**{family.MODEL_TYPE: family
                 for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2, hf_qwen2_moe,
-                               hf_qwen3, hf_stablelm)},
+                               hf_qwen3, hf_qwen3_moe, hf_stablelm)},
              **{model_type: hf_bert for model_type in hf_bert.POST_LN_BY_MODEL_TYPE}}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -108,7 +109,9 @@ def family_for_meta(meta: ModelMeta):
         raise ConversionError(f"model type {meta.model_type!r}: only GPT and BERT models can be "
                               "written as Hugging Face folders")
     kind = meta.position_embedding_type
-    if meta.num_experts and meta.moe_shared_expert_intermediate_size:
+    if meta.num_experts and meta.qk_layernorm:
+        family, chosen_by = hf_qwen3_moe, f"--num-experts {meta.num_experts} --qk-layernorm"
+    elif meta.num_experts and meta.moe_shared_expert_intermediate_size:
         family, chosen_by = hf_qwen2_moe, (f"--num-experts {meta.num_experts} "
                                            "--moe-shared-expert-intermediate-size "
                                            f"{meta.moe_shared_expert_intermediate_size}")
