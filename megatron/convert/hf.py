@@ -77,14 +77,20 @@ def _refuse_numerics_flags(meta: ModelMeta) -> None:
                                   "model; convert it to Megatron checkpoints only")
 
 
-def _refuse_family_gaps(meta: ModelMeta, family) -> None:
-    """Per-head q/k norms and rescaled rotaries, which only some families compute."""
-    name = getattr(family, "ARCHITECTURE", "BERT")
-    if meta.qk_layernorm and not getattr(family, "QK_LAYERNORM", False):
+def _refuse_qk_layernorm(meta: ModelMeta) -> None:
+    """Per-head q/k norms where no family written here has them (only Qwen3's do, with
+    rotary positions and RMSNorm)."""
+    if meta.qk_layernorm and (meta.model_type != "GPT" or meta.normalization != "RMSNorm"
+                              or meta.position_embedding_type not in ("rope", "yarn")):
         raise ConversionError(
-            f"--qk-layernorm: {name} has no per-head query/key norms (Qwen3ForCausalLM has them: "
-            "--position-embedding-type rope --normalization RMSNorm --swiglu); convert it to "
-            "Megatron checkpoints only")
+            "--qk-layernorm: only Qwen3ForCausalLM and Qwen3MoeForCausalLM have per-head "
+            "query/key norms here (with --position-embedding-type rope or yarn and "
+            "--normalization RMSNorm); convert it to Megatron checkpoints only")
+
+
+def _refuse_family_gaps(meta: ModelMeta, family) -> None:
+    """Rescaled rotaries, which only some families compute."""
+    name = getattr(family, "ARCHITECTURE", "BERT")
     scaled = (meta.use_rope_scaling and meta.position_embedding_type == "rope") or (
         meta.position_embedding_type == "yarn")
     if scaled and not getattr(family, "ROPE_SCALING", False):
@@ -97,6 +103,7 @@ def _refuse_family_gaps(meta: ModelMeta, family) -> None:
 def family_for_meta(meta: ModelMeta):
     """The architecture module that writes ``meta``'s model, or a ConversionError listing every
     feature (with its flag) that stands in the way."""
+    _refuse_qk_layernorm(meta)
     _refuse_numerics_flags(meta)
     if meta.model_type == "BERT":
         _refuse_family_gaps(meta, hf_bert)

@@ -20,7 +20,6 @@ from megatron.convert.schema import ModelMeta
 MODEL_TYPE = "qwen3"
 ARCHITECTURE = "Qwen3ForCausalLM"
 ROPE_SCALING = True
-QK_LAYERNORM = True
 HF_DEFAULT_HEAD_DIM = 128
 
 embeddings_to_hf = hf_llama.embeddings_to_hf

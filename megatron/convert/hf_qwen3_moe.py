@@ -25,7 +25,6 @@ from megatron.convert.schema import ModelMeta
 MODEL_TYPE = "qwen3_moe"
 ARCHITECTURE = "Qwen3MoeForCausalLM"
 ROPE_SCALING = True
-QK_LAYERNORM = True
 
 embeddings_to_hf = hf_llama.embeddings_to_hf
 final_norm_to_hf = hf_llama.final_norm_to_hf
