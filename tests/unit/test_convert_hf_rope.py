@@ -149,3 +149,25 @@ def test_families_without_rescaled_rotary_refuse_it(tmp_path, overrides, flag):
     cfg, _ = build_model(seed=0, **overrides)
     with pytest.raises(ConversionError, match=flag):
         family_for_meta(_meta(cfg))
+
+
+@pytest.mark.parametrize("rope_scaling, want", [
+    # Llama 3.1's own config.json: the older key, rope_theta at the top level.
+    (dict(LLAMA31), dict(position_embedding_type="rope", use_rope_scaling=True,
+                         rope_scaling_factor=8.0, rotary_base=500000)),
+    # Qwen2.5's long-context recipe: "type" rather than "rope_type".
+    (dict(type="yarn", factor=4.0, original_max_position_embeddings=8),
+     dict(position_embedding_type="yarn", rotary_scaling_factor=4.0,
+          yarn_original_max_position_embeddings=8, rotary_base=500000))])
+def test_published_config_spellings_are_read(tmp_path, rope_scaling, want):
+    cfg, model = build_model(seed=25, **dict(LLAMA, rotary_base=500000))
+    folder = export(tmp_path, model, make_meta(cfg))
+    path = os.path.join(folder, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    del config["rope_parameters"]
+    config.update(rope_scaling=rope_scaling, rope_theta=500000.0)
+    with open(path, "w") as f:
+        json.dump(config, f)
+    meta = next(load_hf(folder)).meta
+    assert {name: getattr(meta, name) for name in want} == want
