@@ -33,13 +33,15 @@ def _config(folder):
         return json.load(f)
 
 
-@pytest.mark.parametrize("untied", [False, True])
-def test_qwen2_logits_match_transformers(tmp_path, untied):
-    meta, model = _build(11, **QWEN2, untie_embeddings_and_output_weights=untied)
+@pytest.mark.parametrize("untied, kv_channels", [(False, None), (True, None), (True, 12)])
+def test_qwen2_logits_match_transformers(tmp_path, untied, kv_channels):
+    meta, model = _build(11, **QWEN2, untie_embeddings_and_output_weights=untied,
+                         kv_channels=kv_channels)
     folder = export(tmp_path, model, meta)
     config = _config(folder)
     assert config["model_type"] == "qwen2" and config["use_sliding_window"] is False
     assert "attention_bias" not in config and config["tie_word_embeddings"] == (not untied)
+    assert config["head_dim"] == meta.kv_channels
     assert_same_logits(model, transformers.Qwen2ForCausalLM, folder)
 
 

@@ -16,8 +16,12 @@ from megatron.convert.schema import ConversionError, ModelMeta
 from tests.unit.test_convert_hf import (NOT_ROUND_TRIPPED, VOCAB, assert_same_logits,
                                         canonical_pieces, export)
 from tests.unit.test_convert_hf_mixtral import MOE_FFN, build_moe_model, moe_meta
+from tests.unit.test_convert_hf_rope import LLAMA, YARN
+from tests.unit.test_convert_hf_rope import _meta as rope_meta
 
 transformers = pytest.importorskip("transformers")
+
+YARN_ONLY = {k: v for k, v in YARN.items() if k not in LLAMA}
 
 
 def build(seed, pre_softmax=False, freq=1, **model_overrides):
@@ -25,14 +29,15 @@ def build(seed, pre_softmax=False, freq=1, **model_overrides):
                                  moe_layer_freq=freq,
                                  model_overrides=dict(qk_layernorm=True, **model_overrides))
     meta = moe_meta(cfg, qk_layernorm=True, moe_router_pre_softmax=pre_softmax,
-                    moe_layer_freq=freq)
+                    moe_layer_freq=freq, **rope_meta(cfg).rope_scaling_fields)
     return meta, model
 
 
-@pytest.mark.parametrize("pre_softmax, freq", [(False, 1), (True, 1), (False, 2)],
-                         ids=["renormalised", "pre_softmax", "dense_layer_1"])
-def test_qwen3_moe_logits_match_transformers(tmp_path, pre_softmax, freq):
-    meta, model = build(seed=41, pre_softmax=pre_softmax, freq=freq)
+@pytest.mark.parametrize("pre_softmax, freq, rope", [(False, 1, {}), (True, 1, {}), (False, 2, {}),
+                                                     (False, 1, YARN_ONLY)],
+                         ids=["renormalised", "pre_softmax", "dense_layer_1", "yarn"])
+def test_qwen3_moe_logits_match_transformers(tmp_path, pre_softmax, freq, rope):
+    meta, model = build(seed=41, pre_softmax=pre_softmax, freq=freq, **rope)
     folder = export(tmp_path, model, meta)
     with open(os.path.join(folder, "config.json")) as f:
         config = json.load(f)
