@@ -1,5 +1,6 @@
 """Helpers the Hugging Face architecture modules share: reading ``config.json`` with errors that
-name the file and key, dtype and GeLU names, rotary settings, splitting the fused
+name the file and key, dtype and GeLU names, rotary settings (and the ``llama3`` / ``yarn``
+rescalings as Megatron's flags), splitting the fused
 ``query_key_value`` into q / k / v, and the canonical tensor shapes a layer must have."""
 
 import math
@@ -184,14 +185,16 @@ def _yarn_mscales(config, key, params, factor) -> Tuple[float, float]:
     """``(--mscale, --mscale-all-dim)`` giving the cos / sin factor transformers computes:
     ``attention_factor`` when set, else ``m(mscale) / m(mscale_all_dim)`` when both are set
     (non-zero), else ``m(1)``."""
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    mscale, mscale_all_dim = (
+        _number(config, key, params, name, None) if params.get(name) else None
+        for name in ("mscale", "mscale_all_dim"))
     both = bool(mscale) and bool(mscale_all_dim)
-    pair = (float(mscale), float(mscale_all_dim)) if both else (1.0, 0.0)
+    pair = (mscale, mscale_all_dim) if both else (1.0, 0.0)
     attention = params.get("attention_factor")
     if attention is None:
         return pair
     attention = _number(config, key, params, "attention_factor")
-    for candidate in ((float(mscale or 0.0), float(mscale_all_dim or 0.0)), pair):
+    for candidate in ((mscale or 0.0, mscale_all_dim or 0.0), pair):
         if math.isclose(_concentration(factor, *candidate), attention, rel_tol=1e-12):
             return candidate
     if factor > 1:

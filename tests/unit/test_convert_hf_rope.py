@@ -9,6 +9,7 @@ tolerance), so a converter that dropped it would fail.
 
 import dataclasses
 import json
+import math
 import os
 
 import pytest
@@ -130,7 +131,15 @@ def test_yarn_settings_are_read_as_transformers_reads_them(tmp_path):
     assert (meta.rotary_scaling_factor, meta.yarn_original_max_position_embeddings,
             meta.yarn_beta_fast, meta.yarn_beta_slow, meta.mscale, meta.mscale_all_dim,
             meta.yarn_correction_range_round_to_int) == (4.0, 8, 32.0, 1.0, 1.0, 0.0, True)
-    _write_rope(folder, factor=1.0, attention_factor=1.5)
+    # An attention_factor alone is matched by --mscale with --mscale-all-dim 0.
+    _write_rope(folder, attention_factor=1.25)
+    meta = next(load_hf(folder)).meta
+    assert meta.mscale_all_dim == 0.0
+    assert 0.1 * meta.mscale * math.log(4.0) + 1 == pytest.approx(1.25, rel=1e-14)
+    _write_rope(folder, attention_factor=None, mscale="big", mscale_all_dim=1.0)
+    with pytest.raises(ConversionError, match=r"'rope_parameters\.mscale' is 'big'"):
+        load_hf(folder)
+    _write_rope(folder, factor=1.0, mscale=None, mscale_all_dim=None, attention_factor=1.5)
     with pytest.raises(ConversionError, match=r"'rope_parameters\.attention_factor' is 1\.5"):
         load_hf(folder)
     _write_rope(folder, rope_type="dynamic")
