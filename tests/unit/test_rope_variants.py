@@ -185,3 +185,27 @@ def test_yarn_refuses_what_it_cannot_combine_with(extra, flag):
         TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2,
                           padded_vocab_size=16, max_position_embeddings=8, seq_length=8,
                           position_embedding_type="yarn", **extra)
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0,
+         yarn_original_max_position_embeddings=8, yarn_mscale=0.8, yarn_mscale_all_dim=0.3),
+    dict(position_embedding_type="rope", use_rope_scaling=True, rope_scaling_factor=4.0,
+         rotary_base=500000)], ids=["yarn", "llama3"])
+def test_cached_decoding_gives_the_full_forward_logits(overrides):
+    """Positions after a key/value cache take the angles (and YaRN's factor) of their offset."""
+    from megatron.text_generation.inference_params import InferenceParams
+    from tests.unit.test_convert_hf import SEQ, VOCAB, build_model
+
+    _, model = build_model(seed=5, normalization="RMSNorm", swiglu=True, **overrides)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(SEQ).expand(2, SEQ)
+    with torch.no_grad():
+        full = model(ids, pos, None)
+        cache, prompt = InferenceParams(2, SEQ), SEQ - 4
+        steps = [model(ids[:, :prompt], pos[:, :prompt], None, inference_params=cache)]
+        cache.sequence_len_offset = prompt
+        for i in range(prompt, SEQ):
+            steps.append(model(ids[:, i:i + 1], pos[:, i:i + 1], None, inference_params=cache))
+            cache.sequence_len_offset += 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
