@@ -12,7 +12,9 @@ Layout differences:
   sides, so splitting each group's rows keeps the heads in order.
 - ``gate_proj`` / ``up_proj`` are the two halves ``[gate; value]`` of ``dense_h_to_4h``.
 - Both sides rotate channel pairs ``(i, i + hn/2)`` (rotate-half) by ``p * theta^(-2i/hn)``,
-  so q/k rows need no permutation.
+  so q/k rows need no permutation. ``--use-rope-scaling`` is transformers' ``llama3`` rope type
+  and ``--position-embedding-type yarn`` its ``yarn`` type
+  (:func:`megatron.convert.hf_common.rope_scaling_from_hf` maps the keys onto the flags).
 """
 
 from typing import Dict, List, Optional
