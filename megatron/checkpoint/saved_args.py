@@ -40,6 +40,10 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 # without them.
                                 "apply_layernorm_1p", "squared_relu", "rotary_interleaved",
                                 "rotary_seq_len_interpolation_factor",
+                                "use_rope_scaling", "rope_scaling_factor",
+                                "rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                                "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",
+                                "yarn_correction_range_round_to_int",
                                 "apply_query_key_layer_scaling",
                                 "vocab_size", "null_tokenizer_eod_id",
                                 "make_vocab_size_divisible_by",

@@ -8,13 +8,18 @@ layer at a time. These architectures are written and read:
 
 - ``GPT2LMHeadModel`` (:mod:`megatron.convert.hf_gpt2`) for ``--position-embedding-type
   learned_absolute`` models;
-- for ``--position-embedding-type rope``: ``LlamaForCausalLM`` (:mod:`megatron.convert.hf_llama`)
-  with ``--normalization RMSNorm``; with LayerNorm, ``StableLmForCausalLM``
+- for ``--position-embedding-type rope`` (or ``yarn``) with ``--normalization RMSNorm``:
+  ``Qwen3ForCausalLM`` (:mod:`megatron.convert.hf_qwen3`) with ``--qk-layernorm``,
+  ``Qwen2ForCausalLM`` (:mod:`megatron.convert.hf_qwen2`) with ``--add-qkv-bias
+  --disable-bias-linear``, else ``LlamaForCausalLM`` (:mod:`megatron.convert.hf_llama`); these
+  three also carry ``--use-rope-scaling`` (transformers' ``llama3`` rope type) and YaRN. With
+  LayerNorm, ``StableLmForCausalLM``
   (:mod:`megatron.convert.hf_stablelm`) for ``--swiglu`` models and ``GPTNeoXForCausalLM``
   (:mod:`megatron.convert.hf_neox`) for GeLU ones;
 - for mixture-of-experts models (``--num-experts``), ``MixtralForCausalLM``
   (:mod:`megatron.convert.hf_mixtral`), with a gated shared expert ``Qwen2MoeForCausalLM``
-  (:mod:`megatron.convert.hf_qwen2_moe`);
+  (:mod:`megatron.convert.hf_qwen2_moe`), with ``--qk-layernorm`` ``Qwen3MoeForCausalLM``
+  (:mod:`megatron.convert.hf_qwen3_moe`);
 - for BERT, ``BertForPreTraining`` / ``MegatronBertForPreTraining`` (or ``*ForMaskedLM`` without
   the binary head) (:mod:`megatron.convert.hf_bert`).
 
@@ -34,8 +39,8 @@ from typing import Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from megatron.convert import (hf_bert, hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
-                              hf_stablelm)
+from megatron.convert import (hf_bert, hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2,
+                              hf_qwen2_moe, hf_qwen3, hf_qwen3_moe, hf_stablelm)
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
@@ -43,8 +48,8 @@ from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head
 from megatron.convert.target import staged_target
 
 _FAMILIES = {**{family.MODEL_TYPE: family
-                for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
-                               hf_stablelm)},
+                for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2, hf_qwen2_moe,
+                               hf_qwen3, hf_qwen3_moe, hf_stablelm)},
              **{model_type: hf_bert for model_type in hf_bert.POST_LN_BY_MODEL_TYPE}}
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -57,26 +62,51 @@ DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
 # Flags of a Megatron source that change what the weights compute in a way none of the
 # transformers classes written here (GPT-2, Llama, GPT-NeoX, StableLM, BERT) can express.
 _NUMERICS_WITHOUT_HF_EQUIVALENT = (
-    ("qk_layernorm", "--qk-layernorm"), ("apply_layernorm_1p", "--apply-layernorm-1p"),
+    ("apply_layernorm_1p", "--apply-layernorm-1p"),
     ("squared_relu", "--squared-relu"), ("rotary_interleaved", "--rotary-interleaved"),
     ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
 )
 
 
 def _refuse_numerics_flags(meta: ModelMeta) -> None:
-    source = dict(meta.source_args or {}, qk_layernorm=meta.qk_layernorm)
+    source = meta.source_args or {}
     for name, flag in _NUMERICS_WITHOUT_HF_EQUIVALENT:
         if source.get(name):
             raise ConversionError(f"{flag}: no Hugging Face architecture written here (GPT-2, "
-                                  "Llama, GPT-NeoX, StableLM, BERT) computes this model; "
-                                  "convert it to Megatron checkpoints only")
+                                  "Llama, Qwen2, Qwen3, GPT-NeoX, StableLM, BERT) computes this "
+                                  "model; convert it to Megatron checkpoints only")
+
+
+def _refuse_qk_layernorm(meta: ModelMeta) -> None:
+    """Per-head q/k norms where no family written here has them (only Qwen3's do, with
+    rotary positions and RMSNorm)."""
+    if meta.qk_layernorm and (meta.model_type != "GPT" or meta.normalization != "RMSNorm"
+                              or meta.position_embedding_type not in ("rope", "yarn")):
+        raise ConversionError(
+            "--qk-layernorm: only Qwen3ForCausalLM and Qwen3MoeForCausalLM have per-head "
+            "query/key norms here (with --position-embedding-type rope or yarn and "
+            "--normalization RMSNorm); convert it to Megatron checkpoints only")
+
+
+def _refuse_family_gaps(meta: ModelMeta, family) -> None:
+    """Rescaled rotaries, which only some families compute."""
+    name = getattr(family, "ARCHITECTURE", "BERT")
+    scaled = (meta.use_rope_scaling and meta.position_embedding_type == "rope") or (
+        meta.position_embedding_type == "yarn")
+    if scaled and not getattr(family, "ROPE_SCALING", False):
+        flag = ("--use-rope-scaling" if meta.position_embedding_type == "rope"
+                else "--position-embedding-type yarn")
+        raise ConversionError(f"{flag}: {name} has no rescaled rotary here (Llama, Qwen2 and "
+                              "Qwen3 have); convert it to Megatron checkpoints only")
 
 
 def family_for_meta(meta: ModelMeta):
     """The architecture module that writes ``meta``'s model, or a ConversionError listing every
     feature (with its flag) that stands in the way."""
+    _refuse_qk_layernorm(meta)
     _refuse_numerics_flags(meta)
     if meta.model_type == "BERT":
+        _refuse_family_gaps(meta, hf_bert)
         problems = hf_bert.unsupported_features(meta)
         if problems:
             raise ConversionError(f"{hf_bert.architecture(meta)} (the Hugging Face architecture "
@@ -86,7 +116,9 @@ def family_for_meta(meta: ModelMeta):
         raise ConversionError(f"model type {meta.model_type!r}: only GPT and BERT models can be "
                               "written as Hugging Face folders")
     kind = meta.position_embedding_type
-    if meta.num_experts and meta.moe_shared_expert_intermediate_size:
+    if meta.num_experts and meta.qk_layernorm:
+        family, chosen_by = hf_qwen3_moe, f"--num-experts {meta.num_experts} --qk-layernorm"
+    elif meta.num_experts and meta.moe_shared_expert_intermediate_size:
         family, chosen_by = hf_qwen2_moe, (f"--num-experts {meta.num_experts} "
                                            "--moe-shared-expert-intermediate-size "
                                            f"{meta.moe_shared_expert_intermediate_size}")
@@ -94,13 +126,14 @@ def family_for_meta(meta: ModelMeta):
         family, chosen_by = hf_mixtral, f"--num-experts {meta.num_experts}"
     elif kind == "learned_absolute":
         family, chosen_by = hf_gpt2, f"--position-embedding-type {kind}"
-    elif kind == "rope":
+    elif kind in ("rope", "yarn"):
         family, chosen_by = _rope_family(meta)
     else:
         raise ConversionError(f"--position-embedding-type {kind}: only learned_absolute "
-                              "(-> GPT2LMHeadModel) and rope (-> LlamaForCausalLM, "
-                              "StableLmForCausalLM or GPTNeoXForCausalLM) models can be written "
-                              "as Hugging Face folders")
+                              "(-> GPT2LMHeadModel) and rope or yarn (-> LlamaForCausalLM, "
+                              "Qwen2ForCausalLM, Qwen3ForCausalLM, StableLmForCausalLM or "
+                              "GPTNeoXForCausalLM) models can be written as Hugging Face folders")
+    _refuse_family_gaps(meta, family)
     problems = family.unsupported_features(meta)
     if problems:
         raise ConversionError(f"{family.ARCHITECTURE} (the Hugging Face architecture for "
@@ -109,10 +142,17 @@ def family_for_meta(meta: ModelMeta):
 
 
 def _rope_family(meta: ModelMeta):
-    """``(family, the flags that chose it)`` for a rotary model: Llama for RMSNorm, StableLM for
+    """``(family, the flags that chose it)`` for a rotary model: for RMSNorm Qwen3 with
+    per-head q/k norms, Qwen2 with biases on q, k, v only, else Llama; StableLM for
     LayerNorm + SwiGLU, GPT-NeoX for LayerNorm + GeLU without GQA."""
+    kind = meta.position_embedding_type
     if meta.normalization != "LayerNorm":
-        return hf_llama, f"--position-embedding-type rope --normalization {meta.normalization}"
+        chosen_by = f"--position-embedding-type {kind} --normalization {meta.normalization}"
+        if meta.qk_layernorm:
+            return hf_qwen3, chosen_by + " --qk-layernorm"
+        if meta.add_qkv_bias and not meta.add_bias_linear:
+            return hf_qwen2, chosen_by + " --add-qkv-bias --disable-bias-linear"
+        return hf_llama, chosen_by
     if meta.swiglu:
         return hf_stablelm, "--position-embedding-type rope --normalization LayerNorm --swiglu"
     if meta.group_query_attention:
@@ -391,8 +431,7 @@ def load_hf(load_dir: str) -> Iterator[Piece]:
 
     Raises:
         ConversionError: config.json or the weights are missing, the ``model_type`` is not
-            gpt2, llama, gpt_neox, stablelm, bert or megatron-bert, or a setting / tensor does
-            not fit our model.
+            one of the families above, or a setting / tensor does not fit our model.
     """
     config = _read_config(load_dir)
     model_type = config.get("model_type")

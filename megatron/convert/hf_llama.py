@@ -12,19 +12,25 @@ Layout differences:
   sides, so splitting each group's rows keeps the heads in order.
 - ``gate_proj`` / ``up_proj`` are the two halves ``[gate; value]`` of ``dense_h_to_4h``.
 - Both sides rotate channel pairs ``(i, i + hn/2)`` (rotate-half) by ``p * theta^(-2i/hn)``,
-  so q/k rows need no permutation.
+  so q/k rows need no permutation. ``--use-rope-scaling`` is transformers' ``llama3`` rope type
+  and ``--position-embedding-type yarn`` its ``yarn`` type
+  (:func:`megatron.convert.hf_common.rope_scaling_from_hf` maps the keys onto the flags).
 """
 
 from typing import Dict, List, Optional
 
 import torch
 
-from megatron.convert.hf_common import (ConfigView, dtype_name, join_qkv, rope_settings,
-                                         split_qkv)
+from megatron.convert.hf_common import (ConfigView, dtype_name, join_qkv,
+                                         rope_parameters_to_hf, rope_scaling_from_hf,
+                                         rope_settings, split_qkv)
 from megatron.convert.schema import ModelMeta, fit_vocab_rows
 
 MODEL_TYPE = "llama"
 ARCHITECTURE = "LlamaForCausalLM"
+# Rotary rescalings transformers computes as Megatron does: --use-rope-scaling (llama3) and
+# --position-embedding-type yarn (read by megatron.convert.hf.family_for_meta).
+ROPE_SCALING = True
 
 
 def unsupported_features(meta: ModelMeta) -> List[str]:
@@ -55,10 +61,12 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
     """config.json of the Llama folder for ``meta``.
 
     The rotary base is written both as ``rope_theta`` (read by older transformers) and inside
-    ``rope_parameters`` (newer ones).
+    ``rope_parameters`` (newer ones); a rescaled rotary (llama3, yarn) also as ``rope_scaling``,
+    the key older transformers and Llama 3.1's own files use.
     """
     source = meta.source_args or {}
     theta = float(meta.rotary_base)
+    rope = rope_parameters_to_hf(meta)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": MODEL_TYPE,
@@ -73,7 +81,8 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
         "max_position_embeddings": meta.max_position_embeddings,
         "rms_norm_eps": meta.norm_epsilon,
         "rope_theta": theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": theta},
+        "rope_parameters": rope,
+        **({"rope_scaling": rope} if rope["rope_type"] != "default" else {}),
         "attention_bias": bool(meta.add_bias_linear),
         "mlp_bias": bool(meta.add_bias_linear),
         "attention_dropout": source.get("attention_dropout", 0.0),
@@ -150,9 +159,9 @@ def output_layer_to_hf(t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str,
 
 
 def _rope_theta(config: ConfigView) -> int:
-    """The rotary base; only plain (unscaled) rotary embeddings over the whole head are
-    accepted."""
-    theta, factor = rope_settings(config, "rope_theta", "partial_rotary_factor", 1.0)
+    """The rotary base; only rotary embeddings over the whole head are accepted."""
+    theta, factor = rope_settings(config, "rope_theta", "partial_rotary_factor", 1.0,
+                                  scaled=("llama3", "yarn"))
     if factor != 1.0:
         raise config.unsupported("partial_rotary_factor", factor, "1.0")
     return theta
@@ -178,7 +187,8 @@ def meta_from_config(config: ConfigView) -> ModelMeta:
         num_query_groups=config.need("num_key_value_heads", default=heads),
         kv_channels=config.need("head_dim", default=hidden // heads),
         max_position_embeddings=positions, vocab_size=vocab, padded_vocab_size=vocab,
-        position_embedding_type="rope", rotary_percent=1.0, rotary_base=_rope_theta(config),
+        rotary_percent=1.0, rotary_base=_rope_theta(config),
+        **rope_scaling_from_hf(config, positions),
         normalization="RMSNorm", norm_epsilon=config.need("rms_norm_eps", float, default=1e-6),
         swiglu=True, add_bias_linear=attention_bias,
         untie_embeddings_and_output_weights=not config.get("tie_word_embeddings", False),

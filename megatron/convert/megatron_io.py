@@ -405,6 +405,7 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         apply_residual_connection_post_layernorm=getattr(
             args, "apply_residual_connection_post_layernorm", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
+        **_rope_scaling_fields(args),
         params_dtype=_params_dtype(args), seq_length=getattr(args, "seq_length", None),
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128) or 1,
         tokenizer_type=getattr(args, "tokenizer_type", None),
@@ -419,6 +420,12 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         optimizer=getattr(src, "optimizer", None),
         optimizer_note=getattr(src, "optimizer_note", ""),
         **_moe_fields(args, src.file(0, 0)))
+
+
+def _rope_scaling_fields(args) -> dict:
+    """The rotary rescaling flags of the saved args (absent in older files: the defaults)."""
+    defaults = ModelMeta(1, 1, 1, 1, 1, 1, 1, 1, 1).rope_scaling_fields
+    return {name: getattr(args, name, default) for name, default in defaults.items()}
 
 
 def _refuse_shared_expert_gate(src: _Source, meta: ModelMeta) -> None:

@@ -164,6 +164,7 @@ class SaveTarget:
             position_embedding_type=meta.position_embedding_type,
             use_rotary_position_embeddings=meta.position_embedding_type == "rope",
             rotary_percent=meta.rotary_percent, rotary_base=meta.rotary_base,
+            qk_layernorm=meta.qk_layernorm, **meta.rope_scaling_fields,
             normalization=meta.normalization, norm_epsilon=meta.norm_epsilon,
             swiglu=meta.swiglu, openai_gelu=meta.openai_gelu,
             add_bias_linear=meta.add_bias_linear, add_qkv_bias=meta.add_qkv_bias,

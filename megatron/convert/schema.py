@@ -83,9 +83,20 @@ class ModelMeta:
     max_position_embeddings: int
     vocab_size: int                      # the tokenizer's size (no padding)
     padded_vocab_size: int               # rows the source's embedding table has
-    position_embedding_type: str = "learned_absolute"   # or "rope"
+    position_embedding_type: str = "learned_absolute"   # or "rope", "yarn"
     rotary_percent: float = 1.0
     rotary_base: int = 10000
+    # Rotary rescalings, as the flags of the same names: Llama 3.1's (with rope) and YaRN's
+    # (position_embedding_type "yarn"; None: Megatron-Core's default).
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rotary_scaling_factor: float = 1.0
+    yarn_original_max_position_embeddings: Optional[int] = None
+    yarn_beta_fast: Optional[float] = None
+    yarn_beta_slow: Optional[float] = None
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    yarn_correction_range_round_to_int: Optional[bool] = None
     normalization: str = "LayerNorm"     # or "RMSNorm"
     norm_epsilon: float = 1e-5
     swiglu: bool = False
@@ -139,6 +150,11 @@ class ModelMeta:
     optimizer_note: str = ""
 
     @property
+    def rope_scaling_fields(self) -> Dict[str, object]:
+        """The rotary rescaling fields above, by name (= the flags' dests)."""
+        return {name: getattr(self, name) for name in ROPE_SCALING_FIELDS}
+
+    @property
     def group_query_attention(self) -> bool:
         return self.num_query_groups != self.num_attention_heads
 
@@ -156,6 +172,12 @@ class ModelMeta:
         """Hidden size of one expert's MLP (``--moe-ffn-hidden-size``, else
         ``--ffn-hidden-size``)."""
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+
+ROPE_SCALING_FIELDS = ("use_rope_scaling", "rope_scaling_factor", "rotary_scaling_factor",
+                       "yarn_original_max_position_embeddings", "yarn_beta_fast",
+                       "yarn_beta_slow", "mscale", "mscale_all_dim",
+                       "yarn_correction_range_round_to_int")
 
 
 @dataclasses.dataclass

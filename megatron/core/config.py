@@ -36,12 +36,22 @@ class TransformerConfig:
     layernorm_epsilon: float = 1e-5                # --norm-epsilon
     normalization: str = "LayerNorm"               # LayerNorm | RMSNorm
     apply_residual_connection_post_layernorm: bool = False
-    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | none
+    position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | yarn | none
     cp_comm_type: str = "p2p"                      # --cp-comm-type (with --context-parallel-size)
     rotary_percent: float = 1.0
     rotary_base: int = 10000
     rotary_interleaved: bool = False               # rotate pairs (2i, 2i+1), not the halves
     rotary_seq_len_interpolation_factor: Optional[int] = None  # positions divided by it
+    use_rope_scaling: bool = False                 # Llama 3.1 frequency rescaling (rope)
+    rope_scaling_factor: float = 8.0
+    # YaRN (position_embedding_type yarn); None: Megatron-Core's default (rotary_pos_embedding).
+    yarn_rotary_scaling_factor: float = 1.0        # --rotary-scaling-factor
+    yarn_original_max_position_embeddings: Optional[int] = None
+    yarn_beta_fast: Optional[float] = None
+    yarn_beta_slow: Optional[float] = None
+    yarn_mscale: float = 1.0                       # --mscale
+    yarn_mscale_all_dim: float = 0.0               # --mscale-all-dim
+    yarn_correction_range_round_to_int: Optional[bool] = None
     swiglu: bool = False
     openai_gelu: bool = False
     squared_relu: bool = False                     # MLP activation relu(x)^2
@@ -94,9 +104,12 @@ class TransformerConfig:
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(f"--normalization must be LayerNorm or RMSNorm, "
                               f"got {self.normalization!r}")
-        if self.position_embedding_type not in ("learned_absolute", "rope", "none"):
-            raise ConfigError("--position-embedding-type must be learned_absolute, rope or none, "
-                              f"got {self.position_embedding_type!r}")
+        if self.position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
+            raise ConfigError("--position-embedding-type must be learned_absolute, rope, yarn or "
+                              f"none, got {self.position_embedding_type!r}")
+        problem = rope_variant_conflict(self)
+        if problem is not None:
+            raise ConfigError(problem)
         if (self.position_embedding_type == "learned_absolute"
                 and self.seq_length > self.max_position_embeddings):
             raise ConfigError(
@@ -203,3 +216,34 @@ def pipeline_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = 
     if last is not None:
         counts[-1] = last
     return counts
+
+
+def rope_variant_conflict(config: TransformerConfig) -> Optional[str]:
+    """Why the rotary flags of ``config`` cannot be computed together (None: they can).
+
+    YaRN rescales the frequencies of the whole head on its own (as Megatron-Core's
+    ``YarnRotaryEmbedding``): the other rotary rescalings, a partial rotary and interleaved pairs
+    do not combine with it.
+    """
+    if config.use_rope_scaling and config.rope_scaling_factor <= 0:
+        return f"--rope-scaling-factor must be > 0, got {config.rope_scaling_factor}"
+    if config.position_embedding_type != "yarn":
+        return None
+    others = [(config.use_rope_scaling, "--use-rope-scaling"),
+              (config.rotary_seq_len_interpolation_factor is not None,
+               "--rotary-seq-len-interpolation-factor"),
+              (config.rotary_percent != 1.0, f"--rotary-percent {config.rotary_percent}"),
+              (config.rotary_interleaved, "--rotary-interleaved")]
+    for present, flag in others:
+        if present:
+            return f"--position-embedding-type yarn does not combine with {flag}"
+    if config.yarn_rotary_scaling_factor <= 0:
+        return f"--rotary-scaling-factor must be > 0, got {config.yarn_rotary_scaling_factor}"
+    for name, flag in (("yarn_original_max_position_embeddings",
+                        "--yarn-original-max-position-embeddings"),
+                       ("yarn_beta_fast", "--yarn-beta-fast"),
+                       ("yarn_beta_slow", "--yarn-beta-slow")):
+        value = getattr(config, name)
+        if value is not None and value <= 0:
+            return f"{flag} must be > 0, got {value}"
+    return None

@@ -24,7 +24,7 @@ from megatron.fused_kernels.softmax import FusedScaleMaskSoftmax, attention_mask
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
-from megatron.model.rotary_pos_embedding import apply_rotary_pos_emb
+from megatron.model.rotary_pos_embedding import apply_rotary_pos_emb, rotary_attention_scale
 
 
 def dropout_rng_context(active: bool):
@@ -166,6 +166,7 @@ class ParallelAttention(MegatronModule):
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
             sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
         self.rotary_interleaved = config.rotary_interleaved
+        self.rotary_mscale = rotary_attention_scale(config)    # YaRN's concentration, else 1
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:
             self.q_layernorm = get_norm(config, hidden_size=hn)
@@ -201,8 +202,10 @@ class ParallelAttention(MegatronModule):
             query = self.q_layernorm(query)                  # over hn, per head
             key = self.k_layernorm(key)
         if rotary_pos_emb is not None:
-            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved)
-            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved)
+            query = apply_rotary_pos_emb(query, rotary_pos_emb, self.rotary_interleaved,
+                                         self.rotary_mscale)
+            key = apply_rotary_pos_emb(key, rotary_pos_emb, self.rotary_interleaved,
+                                       self.rotary_mscale)
         if inference_params is not None:
             key, value = self._update_kv_cache(key, value, inference_params)  # [sk, b, ng, hn]
             if attention_mask is None and self.attn_mask_type == AttnMaskType.causal:

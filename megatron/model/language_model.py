@@ -23,7 +23,7 @@ from megatron.core.utils import get_init_method
 from megatron.model.attention import dropout_rng_context
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
-from megatron.model.rotary_pos_embedding import RotaryEmbedding
+from megatron.model.rotary_pos_embedding import build_rotary_embedding
 from megatron.model.transformer import ParallelTransformer
 from megatron.model.utils import init_rng
 
@@ -256,11 +256,7 @@ class TransformerLanguageModel(MegatronModule):
                     config, tp_group,
                     config.position_embedding_type == "learned_absolute", sequence_parallel,
                     num_tokentypes)
-        self.rotary_pos_emb = None
-        if config.position_embedding_type == "rope":
-            self.rotary_pos_emb = RotaryEmbedding(
-                int(config.kv_channels * config.rotary_percent), config.rotary_base,
-                config.rotary_interleaved, config.rotary_seq_len_interpolation_factor)
+        self.rotary_pos_emb = build_rotary_embedding(config)
         self.encoder = ParallelTransformer(config, groups, num_layers, layer_offset, pre_process,
                                            post_process, init_seed,
                                            self_attn_mask_type=encoder_attn_mask_type,

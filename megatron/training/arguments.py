@@ -44,7 +44,7 @@ def _add_network_size_args(parser):
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
-                   choices=["learned_absolute", "rope", "none"])
+                   choices=["learned_absolute", "rope", "yarn", "none"])
     g.add_argument("--use-rotary-position-embeddings", action="store_true",
                    help="older spelling of --position-embedding-type rope")
     g.add_argument("--rotary-percent", type=float, default=1.0)
@@ -53,6 +53,11 @@ def _add_network_size_args(parser):
                    help="rotate neighbouring channel pairs (2i, 2i+1) instead of the two halves")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
                    help="divide positions by this factor before taking the rotary angles")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1 rescaling of the rotary frequencies (with rope)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="the factor of --use-rope-scaling")
+    _add_yarn_args(g)
     g.add_argument("--no-position-embedding", action="store_false",
                    dest="add_position_embedding")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -74,6 +79,28 @@ def _add_network_size_args(parser):
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
                    help="BERT without the sentence-order (binary) head and its loss")
+
+
+def _add_yarn_args(g):
+    """YaRN's flags (``--position-embedding-type yarn``); unset ones take Megatron-Core's
+    defaults (4096 original positions, beta 32 / 1, rounded correction range)."""
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help="YaRN: how many times the original positions the model runs at")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                   help="YaRN: the positions the model was trained at (default 4096)")
+    g.add_argument("--yarn-beta-fast", type=float, default=None,
+                   help="YaRN: rotations bounding the unscaled frequencies (default 32)")
+    g.add_argument("--yarn-beta-slow", type=float, default=None,
+                   help="YaRN: rotations bounding the fully scaled frequencies (default 1)")
+    g.add_argument("--mscale", type=float, default=1.0,
+                   help="YaRN: numerator coefficient of the cos/sin concentration factor")
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help="YaRN: denominator coefficient of the concentration factor")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help="YaRN: floor / ceil the correction range (the default)")
+    g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int",
+                   help="YaRN: keep the correction range fractional")
 
 
 def _add_regularization_args(parser):
