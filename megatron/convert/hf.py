@@ -36,6 +36,7 @@ import torch
 
 from megatron.convert import (hf_bert, hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
                               hf_stablelm)
+from megatron.convert import hf_mistral
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
@@ -46,6 +47,8 @@ _FAMILIES = {**{family.MODEL_TYPE: family
                 for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
                                hf_stablelm)},
              **{model_type: hf_bert for model_type in hf_bert.POST_LN_BY_MODEL_TYPE}}
+_FAMILIES.update({hf_mistral.MODEL_TYPE: hf_mistral,
+                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS})
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
@@ -76,6 +79,7 @@ def family_for_meta(meta: ModelMeta):
     """The architecture module that writes ``meta``'s model, or a ConversionError listing every
     feature (with its flag) that stands in the way."""
     _refuse_numerics_flags(meta)
+    hf_mistral.check_attention(meta)
     if meta.model_type == "BERT":
         problems = hf_bert.unsupported_features(meta)
         if problems:
@@ -96,6 +100,8 @@ def family_for_meta(meta: ModelMeta):
         family, chosen_by = hf_gpt2, f"--position-embedding-type {kind}"
     elif kind == "rope":
         family, chosen_by = _rope_family(meta)
+        if family is hf_llama and hf_mistral.windowed(meta):
+            family, chosen_by = hf_mistral, f"{chosen_by} --window-size"
     else:
         raise ConversionError(f"--position-embedding-type {kind}: only learned_absolute "
                               "(-> GPT2LMHeadModel) and rope (-> LlamaForCausalLM, "
