@@ -19,7 +19,7 @@ from megatron.core import tensor_parallel
 from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.context_parallel import context_parallel_attention, window_mask_rows
-from megatron.core.tensor_parallel.layers import _initialize_affine_weight_cpu
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
 from megatron.fused_kernels.softmax import (FusedScaleMaskSoftmax, attention_mask_func,
                                             causal_mask, sliding_window_mask)
@@ -104,13 +104,19 @@ class CoreAttention(MegatronModule):
             self.register_buffer("softmax_offset", torch.zeros(
                 self.num_heads, dtype=config.params_dtype), persistent=False)
         elif config.softmax_type == "learnable":
-            self.softmax_offset = torch.nn.Parameter(
-                torch.empty(self.num_heads, dtype=config.params_dtype))
             if init_method is None:
                 init_method = lambda t: torch.nn.init.normal_(  # noqa: E731
                     t, mean=0.0, std=config.init_method_std)
-            _initialize_affine_weight_cpu(self.softmax_offset,
-                                          (config.num_attention_heads,), 0, init_method, tp_group)
+            # Drawn for all heads on the CPU (as the linear layers' weights are), then this
+            # rank's contiguous block of heads kept, so any TP split holds the same values.
+            every_head = torch.empty(config.num_attention_heads,
+                                     dtype=torch.promote_types(config.params_dtype,
+                                                               torch.float32))
+            init_method(every_head)
+            first = get_group_rank(tp_group) * self.num_heads
+            self.softmax_offset = torch.nn.Parameter(
+                every_head[first:first + self.num_heads].to(config.params_dtype).clone())
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
         else:
             self.softmax_offset = None
 
