@@ -131,14 +131,35 @@ def test_window_adds_to_an_explicit_mask_and_a_kv_cache_offset():
     torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
 
 
-def test_fp32_windowed_attention_uses_the_fused_masked_softmax():
-    """fp32 scores through the fusable masked op (compiled body when registered) with the band
-    as its mask, against fp64."""
-    config = _config(window_size=(4, 0), params_dtype=torch.float32)
-    q, k, v = _qkv(16, dtype=torch.float32)
-    out = CoreAttention(config, 1, 4).eval()(q, k, v, None)
-    want = _naive_attention(q, k, v, _naive_mask(16, 16, (4, 0)))
-    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windowed_attention_runs_the_compiled_masked_softmax(dtype, monkeypatch):
+    """With the compiled kernels installed, the band reaches the fused masked softmax (its
+    body is called, forward and backward) and the result stays within the kernel tolerance
+    of fp64."""
+    from megatron.fused_kernels import ops
+
+    if not ops.install():
+        pytest.skip("compiled kernels unavailable")
+    calls = []
+    apply = ops.ScaledMaskedSoftmax.apply
+    monkeypatch.setattr(ops.ScaledMaskedSoftmax, "apply",
+                        lambda *a: calls.append(a[1].shape) or apply(*a))
+    try:
+        config = _config(window_size=(4, 0), params_dtype=dtype, bf16=dtype == torch.bfloat16,
+                         attention_softmax_in_fp32=True)
+        q, k, v = (t.to(dtype).requires_grad_() for t in _qkv(16))
+        out = CoreAttention(config, 1, 4).eval()(q, k, v, None)
+        grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        out.backward(grad.to(dtype))
+    finally:
+        ops.uninstall()
+    assert calls and calls[-1] == (1, 1, 16, 16)     # (a first call may be the self-check)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = _naive_attention(q64, k64, v64, _naive_mask(16, 16, (4, 0)))
+    want.backward(grad.double())
+    tol = 1e-5 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    torch.testing.assert_close(q.grad.double(), q64.grad, rtol=tol, atol=tol)
 
 
 def test_causal_window_with_a_right_side_is_refused():
