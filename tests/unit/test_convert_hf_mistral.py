@@ -136,9 +136,15 @@ def test_our_windowed_model_exports_as_mistral(tmp_path):
 
 @pytest.mark.parametrize("fields, pattern", [
     (dict(window_attn_skip_freq=2), r"MistralForCausalLM.*--window-attn-skip-freq 2"),
-    (dict(window_size=(3, 1)), r"--window-size 3,1 \(Mistral's window looks back only"),
+    (dict(window_size=(3, 1)), r"MistralForCausalLM.*--window-size 3,1 \(the window looks "
+                               r"back only"),
     (dict(softmax_type="learnable"), r"--softmax-type learnable: no Hugging Face"),
-    (dict(normalization="LayerNorm"), r"--window-size 3,0: .* only MistralForCausalLM"),
+    (dict(normalization="LayerNorm"), r"--window-size 3,0: .* only MistralForCausalLM and "
+                                      r"MixtralForCausalLM"),
+    (dict(num_experts=4, moe_shared_expert_intermediate_size=8), r"--window-size 3,0: .*"
+                                                                 r"without a shared expert"),
+    (dict(num_experts=4, window_attn_skip_freq=(1, 0)),
+     r"MixtralForCausalLM.*--window-attn-skip-freq \(1, 0\)"),
     (dict(add_bias_linear=True), r"MistralForCausalLM.*linear biases"),
 ])
 def test_windows_mistral_cannot_express_are_refused(tmp_path, fields, pattern):
@@ -183,3 +189,21 @@ def test_mistral_through_megatron_tp2_comes_back_bit_for_bit(tmp_path):
     args = torch_load(checkpointing.checkpoint_file(tp2, iteration, 0, 0, 1, release))["args"]
     assert (args.window_size, args.window_attn_skip_freq, args.softmax_type) == (
         (WINDOW - 1, 0), None, "vanilla")
+
+
+def test_windowed_moe_model_exports_as_mixtral_and_comes_back(tmp_path):
+    """Mixtral's sliding_window means the same as Mistral's: our MoE model with a window gives
+    transformers' Mixtral logits, and the folder imports with the window."""
+    from tests.unit.test_convert_hf_mixtral import build_moe_model, moe_meta
+
+    cfg, model = build_moe_model(seed=8, model_overrides=dict(window_size=(2, 0)))
+    meta = moe_meta(cfg, window_size=(2, 0))
+    folder = str(tmp_path / "hf")
+    save_hf(iter(canonical_pieces(model, meta)), folder, allow_no_tokenizer=True)
+    theirs = transformers.MixtralForCausalLM.from_pretrained(folder).eval()
+    assert theirs.config.sliding_window == 3
+    want, got = _logits(theirs, model)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert next(iter(load_hf(folder))).meta.window_size == (2, 0)
+    unwindowed = build_moe_model(seed=8)[1]
+    assert (_logits(theirs, unwindowed)[1] - want).abs().max() > 1e-2
