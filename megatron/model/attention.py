@@ -21,6 +21,7 @@ from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.context_parallel import context_parallel_attention, window_mask_rows
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.utils import init_method_normal
 from megatron.fused_kernels.softmax import (FusedScaleMaskSoftmax, attention_mask_func,
                                             causal_mask, sliding_window_mask)
 from megatron.model.enums import AttnMaskType
@@ -63,12 +64,10 @@ class CoreAttention(MegatronModule):
         num_heads: attention heads on this rank.
         attn_mask_type: causal for GPT (a missing mask then means causal).
         tp_group: the tensor-parallel group (for a learnable softmax offset).
-        init_method: initialiser of a learnable softmax offset (on all heads, then split).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, num_heads: int,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group=None,
-                 init_method=None):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group=None):
         super().__init__(config)
         self.attn_mask_type = attn_mask_type
         self.num_heads = num_heads
@@ -94,25 +93,23 @@ class CoreAttention(MegatronModule):
             config.fp16, config.bf16, attn_mask_type, config.masked_softmax_fusion,
             attention_mask_func, softmax_in_fp32, coeff)
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout)
-        self._make_softmax_offset(config, tp_group, init_method)
+        self._make_softmax_offset(config, tp_group)
 
-    def _make_softmax_offset(self, config: TransformerConfig, tp_group, init_method) -> None:
+    def _make_softmax_offset(self, config: TransformerConfig, tp_group) -> None:
         """``softmax_offset`` ``[num_heads]`` (Megatron-Core's name): absent for vanilla, a
-        zero buffer (not saved) for off-by-one, a parameter for learnable, drawn on all heads
-        with ``init_method`` and split over ``tp_group`` like them."""
+        zero buffer (not saved) for off-by-one, a parameter for learnable: N(0,
+        --init-method-std^2) for all heads (also with --init-method-xavier-uniform, which has
+        no meaning for a vector), split over ``tp_group`` like them."""
         if config.softmax_type == "off-by-one":
             self.register_buffer("softmax_offset", torch.zeros(
                 self.num_heads, dtype=config.params_dtype), persistent=False)
         elif config.softmax_type == "learnable":
-            if init_method is None:
-                init_method = lambda t: torch.nn.init.normal_(  # noqa: E731
-                    t, mean=0.0, std=config.init_method_std)
             # Drawn for all heads on the CPU (as the linear layers' weights are), then this
             # rank's contiguous block of heads kept, so any TP split holds the same values.
             every_head = torch.empty(config.num_attention_heads,
                                      dtype=torch.promote_types(config.params_dtype,
                                                                torch.float32))
-            init_method(every_head)
+            init_method_normal(config.init_method_std)(every_head)
             first = get_group_rank(tp_group) * self.num_heads
             self.softmax_offset = torch.nn.Parameter(
                 every_head[first:first + self.num_heads].to(config.params_dtype).clone())
@@ -218,7 +215,7 @@ class ParallelAttention(MegatronModule):
             sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
         self.attn_mask_type = attn_mask_type
         self.core_attention = CoreAttention(config, layer_number, self.num_heads,
-                                            attn_mask_type, tp_group, init_method)
+                                            attn_mask_type, tp_group)
         self.dense = tensor_parallel.RowParallelLinear(
             config.num_attention_heads * hn, config.hidden_size,
             init_method=output_layer_init_method, tp_group=tp_group,

@@ -243,3 +243,16 @@ def test_fused_module_takes_the_reference_for_an_offset_with_half_scores():
                                          offset.double())
     assert torch.equal(outs[0], outs[1])
     torch.testing.assert_close(outs[0].double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_learnable_offset_is_drawn_for_all_heads_with_the_init_std():
+    """The same seed gives the same offsets whatever the weight initialiser (xavier has no
+    meaning for a vector), of the --init-method-std spread."""
+    offsets = []
+    for xavier in (False, True):
+        torch.manual_seed(11)
+        config = _config(softmax_type="learnable", num_attention_heads=64, hidden_size=256,
+                         init_method_std=0.5, init_method_xavier_uniform=xavier)
+        offsets.append(CoreAttention(config, 1, 64).softmax_offset.detach())
+    assert torch.equal(offsets[0], offsets[1])
+    assert 0.3 < offsets[0].std() < 0.7 and offsets[0].abs().max() > 0
