@@ -41,6 +41,7 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "apply_layernorm_1p", "squared_relu", "rotary_interleaved",
                                 "rotary_seq_len_interpolation_factor",
                                 "apply_query_key_layer_scaling",
+                                "window_size", "window_attn_skip_freq", "softmax_type",
                                 "vocab_size", "null_tokenizer_eod_id",
                                 "make_vocab_size_divisible_by",
                                 "tensor_model_parallel_size", "pipeline_model_parallel_size")

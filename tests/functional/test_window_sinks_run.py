@@ -46,3 +46,11 @@ def test_windowed_sink_checkpoint_trains_converts_and_hf_refuses(tmp_path):
     with pytest.raises(ConversionError, match="^--softmax-type learnable: no Hugging Face") as err:
         save_hf(load_megatron(src), str(tmp_path / "hf"), allow_no_tokenizer=True)
     assert "\n" not in str(err.value) and not os.path.exists(tmp_path / "hf")
+
+    # --use-checkpoint-args takes the flags that give the weights their meaning.
+    from megatron.training import checkpointing
+    from megatron.training.arguments import parse_args
+    args = parse_args(argv=["--load", src, "--use-checkpoint-args"])
+    checkpointing.load_args_from_checkpoint(args)
+    assert (args.window_size, args.window_attn_skip_freq, args.softmax_type) == (
+        (3, 0), 2, "learnable")
