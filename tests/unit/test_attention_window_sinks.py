@@ -256,3 +256,29 @@ def test_learnable_offset_is_drawn_for_all_heads_with_the_init_std():
         offsets.append(CoreAttention(config, 1, 64).softmax_offset.detach())
     assert torch.equal(offsets[0], offsets[1])
     assert 0.3 < offsets[0].std() < 0.7 and offsets[0].abs().max() > 0
+
+
+def test_validation_names_the_window_flags():
+    from megatron.training.arguments import ArgumentsError, build_configs, parse_args, \
+        validate_args
+
+    base = ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "1",
+            "--vocab-size", "64", "--tokenizer-type", "NullTokenizer"]
+
+    def validated(*extra):
+        args = parse_args(argv=base + list(extra))
+        args.world_size = 1
+        return validate_args(args)
+
+    args = validated("--window-size", "3,0", "--window-attn-skip-freq", "[1,1,0]+[1]",
+                     "--softmax-type", "off-by-one")
+    args.padded_vocab_size = 128
+    model = build_configs(args).model
+    assert [model.layer_window(n) for n in (1, 2, 3, 4)] == [(3, 0), (3, 0), None, (3, 0)]
+    assert model.softmax_type == "off-by-one"
+    with pytest.raises(ArgumentsError, match=r"--window-attn-skip-freq: a list needs one 0 "
+                                             r"\(full\) or 1 \(window\) per layer"):
+        validated("--window-size", "3,0", "--window-attn-skip-freq", "[1,0]")
+    with pytest.raises(ArgumentsError, match="--window-attn-skip-freq needs --window-size"):
+        validated("--window-attn-skip-freq", "2")
