@@ -36,22 +36,22 @@ import torch
 
 from megatron.convert import (hf_bert, hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
                               hf_stablelm)
-from megatron.convert import hf_mistral
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
 from megatron.convert.target import staged_target
+from megatron.convert import hf_mistral
 
 _FAMILIES = {**{family.MODEL_TYPE: family
                 for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2_moe,
                                hf_stablelm)},
              **{model_type: hf_bert for model_type in hf_bert.POST_LN_BY_MODEL_TYPE}}
-_FAMILIES.update({hf_mistral.MODEL_TYPE: hf_mistral,
-                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS})
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
+_FAMILIES.update({hf_mistral.MODEL_TYPE: hf_mistral,
+                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS})
 
 
 # ---- choosing the architecture -----------------------------------------------------------------
