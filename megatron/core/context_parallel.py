@@ -374,16 +374,22 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
             collect(parts)
             if step < cp - 1:
                 kv = _RingStep.apply(kv, cp_group)
+    out = _merge_chunks(results, q, chunk, softmax_offset)                # [b, np, s_l, hn]
+    return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * hn).to(query.dtype)
+
+
+def _merge_chunks(results, q: torch.Tensor, chunk: int,
+                  softmax_offset: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each of the two query chunks' partial results (plus the softmax offset's term) merged,
+    the chunks side by side: ``[b, np, 2 chunk, hn]``; a chunk that saw nothing is zeros."""
     outs = []
     for c in range(2):
+        like = q[:, :, c * chunk:(c + 1) * chunk]
+        parts = list(results[c])
         if softmax_offset is not None:
-            results[c].append(_sink_part(softmax_offset, q[:, :, c * chunk:(c + 1) * chunk]))
-        if results[c]:
-            outs.append(_merge(results[c]))
-        else:
-            outs.append(torch.zeros_like(q[:, :, c * chunk:(c + 1) * chunk]))
-    out = torch.cat(outs, dim=2)                                          # [b, np, s_l, hn]
-    return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * hn).to(query.dtype)
+            parts.append(_sink_part(softmax_offset, like))
+        outs.append(_merge(parts) if parts else torch.zeros_like(like))
+    return torch.cat(outs, dim=2)
 
 
 def _gather_mask_rows(mask: torch.Tensor, group) -> torch.Tensor:
