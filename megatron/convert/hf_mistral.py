@@ -25,7 +25,6 @@ MODEL_TYPE = "mistral"
 ARCHITECTURE = "MistralForCausalLM"
 
 
-
 class RefusedFamily:
     """A Hugging Face architecture registered only to be refused at import in one line that
     says what is missing."""
@@ -39,10 +38,10 @@ class RefusedFamily:
 
 
 GPT_OSS = RefusedFamily(
-    "gpt_oss", "GptOssForCausalLM cannot be imported: its MoE experts' biases, clamped SwiGLU "
-    "(--activation-func-clamp-value, --glu-linear-offset) and YaRN rope scaling are not "
-    "implemented here (its attention sinks, --softmax-type learnable, and alternating windows, "
-    "--window-size with --window-attn-skip-freq 2, are)")
+    "gpt_oss", "GptOssForCausalLM cannot be imported: its router and expert biases, clamped "
+    "SwiGLU (--quick-geglu, --glu-linear-offset, --activation-func-clamp-value) and YaRN rope "
+    "scaling are not implemented here (its attention sinks, --softmax-type learnable, and "
+    "alternating windows, --window-size with --window-attn-skip-freq 2, are)")
 
 
 def windowed(meta: ModelMeta) -> bool:
