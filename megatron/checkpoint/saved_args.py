@@ -45,6 +45,7 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "yarn_beta_fast", "yarn_beta_slow", "mscale", "mscale_all_dim",
                                 "yarn_correction_range_round_to_int",
                                 "apply_query_key_layer_scaling",
+                                "window_size", "window_attn_skip_freq", "softmax_type",
                                 "vocab_size", "null_tokenizer_eod_id",
                                 "make_vocab_size_divisible_by",
                                 "tensor_model_parallel_size", "pipeline_model_parallel_size")

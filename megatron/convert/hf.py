@@ -46,6 +46,7 @@ from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, p
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
 from megatron.convert.target import staged_target
+from megatron.convert import hf_mistral
 
 _FAMILIES = {**{family.MODEL_TYPE: family
                 for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2, hf_qwen2_moe,
@@ -54,6 +55,8 @@ _FAMILIES = {**{family.MODEL_TYPE: family
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
+_FAMILIES.update({hf_mistral.MODEL_TYPE: hf_mistral,
+                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS})
 
 
 # ---- choosing the architecture -----------------------------------------------------------------
@@ -105,6 +108,7 @@ def family_for_meta(meta: ModelMeta):
     feature (with its flag) that stands in the way."""
     _refuse_qk_layernorm(meta)
     _refuse_numerics_flags(meta)
+    hf_mistral.check_attention(meta)
     if meta.model_type == "BERT":
         _refuse_family_gaps(meta, hf_bert)
         problems = hf_bert.unsupported_features(meta)
@@ -128,6 +132,8 @@ def family_for_meta(meta: ModelMeta):
         family, chosen_by = hf_gpt2, f"--position-embedding-type {kind}"
     elif kind in ("rope", "yarn"):
         family, chosen_by = _rope_family(meta)
+        if family is hf_llama and hf_mistral.windowed(meta):
+            family, chosen_by = hf_mistral, f"{chosen_by} --window-size"
     else:
         raise ConversionError(f"--position-embedding-type {kind}: only learned_absolute "
                               "(-> GPT2LMHeadModel) and rope or yarn (-> LlamaForCausalLM, "

@@ -13,6 +13,9 @@ probabilities and divides them by their sum. That equals a softmax over the k la
 which is what our router computes by default (``--moe-router-score-function softmax`` without
 ``--moe-router-pre-softmax`` or ``--moe-router-topk-scaling-factor``), and the tokens are never
 dropped. Every other routing is refused, naming its flag.
+
+``sliding_window`` W is ``--window-size W-1,0`` on every layer, as for Mistral
+(:mod:`megatron.convert.hf_mistral`).
 """
 
 import dataclasses
@@ -20,7 +23,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from megatron.convert import hf_llama
+from megatron.convert import hf_llama, hf_mistral
 from megatron.convert.hf_common import ConfigView
 from megatron.convert.schema import ModelMeta
 
@@ -81,7 +84,7 @@ def unsupported_features(meta: ModelMeta) -> List[str]:
     freq = meta.moe_layer_freq if meta.moe_layer_freq != 1 else source.get("moe_layer_freq", 1)
     if freq not in (1, None) and not (isinstance(freq, (list, tuple)) and all(freq)):
         problems.append(f"--moe-layer-freq {freq} (every Mixtral layer is an MoE layer)")
-    return problems
+    return problems + hf_mistral.window_problems(meta)
 
 
 def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> dict:
@@ -95,7 +98,8 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
         "intermediate_size": meta.expert_ffn_size,
         "num_local_experts": meta.num_experts, "num_experts_per_tok": meta.moe_router_topk,
         "router_aux_loss_coef": source.get("moe_aux_loss_coeff", 0.0) or 0.0,
-        "router_jitter_noise": 0.0, "output_router_logits": False, "sliding_window": None,
+        "router_jitter_noise": 0.0, "output_router_logits": False,
+        "sliding_window": hf_mistral.sliding_window(meta),
     })
     return config
 
@@ -122,12 +126,10 @@ def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict
 
 def meta_from_config(config: ConfigView) -> ModelMeta:
     """The model a Mixtral config.json describes; refuses settings our model cannot compute."""
-    window = config.get("sliding_window", None)
-    if window is not None:
-        raise config.unsupported("sliding_window", window, "null (full causal attention)")
     meta = hf_llama.meta_from_config(config)
     experts = config.need("num_local_experts")
     return dataclasses.replace(meta, add_bias_linear=False, num_experts=experts,
+                               window_size=hf_mistral.window_from_config(config),
                                moe_router_topk=config.need("num_experts_per_tok"),
                                moe_ffn_hidden_size=meta.ffn_hidden_size)
 

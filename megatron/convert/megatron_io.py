@@ -370,6 +370,27 @@ def _moe_fields(args, where: str) -> dict:
                 moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)))
 
 
+def _attention_fields(args, where: str) -> dict:
+    """``ModelMeta``'s window and softmax fields from saved args (a Megatron-LM file may hold
+    the skip pattern as a list)."""
+    from megatron.core.config import SOFTMAX_TYPES, ConfigError, check_window_settings
+
+    window = getattr(args, "window_size", None)
+    freq = getattr(args, "window_attn_skip_freq", None)
+    window = tuple(int(v) for v in window) if window is not None else None
+    if freq is not None and not isinstance(freq, int):
+        freq = tuple(int(v) for v in freq)
+    softmax_type = getattr(args, "softmax_type", None) or "vanilla"
+    try:
+        check_window_settings(window, freq, args.num_layers)
+    except ConfigError as err:
+        raise ConversionError(f"{where}: {err}") from None
+    if softmax_type not in SOFTMAX_TYPES:
+        raise ConversionError(f"{where}: --softmax-type {softmax_type!r}: expected one of "
+                              f"{', '.join(SOFTMAX_TYPES)}")
+    return dict(window_size=window, window_attn_skip_freq=freq, softmax_type=softmax_type)
+
+
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
     heads = args.num_attention_heads
@@ -406,6 +427,7 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
             args, "apply_residual_connection_post_layernorm", False),
         qk_layernorm=getattr(args, "qk_layernorm", False),
         **_rope_scaling_fields(args),
+        **_attention_fields(args, src.file(0, 0)),
         params_dtype=_params_dtype(args), seq_length=getattr(args, "seq_length", None),
         make_vocab_size_divisible_by=getattr(args, "make_vocab_size_divisible_by", 128) or 1,
         tokenizer_type=getattr(args, "tokenizer_type", None),

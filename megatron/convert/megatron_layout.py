@@ -26,6 +26,7 @@ _K_NORM = "self_attention.k_layernorm"
 _ROUTER = "mlp.router.weight"
 _EXPERT = "mlp.experts.local_experts"
 _SHARED = "mlp.shared_experts"
+_OFFSET = "self_attention.core_attention.softmax_offset"
 
 # Where BERT's own tensors sit in a rank's ``model`` tree (the nesting Megatron saves): the
 # token-type table on the first stage; the heads, by stream piece kind, on the last stage.
@@ -50,6 +51,7 @@ def layer_tensor_names(meta: ModelMeta, index: int = 0) -> List[str]:
              (f"{_Q_NORM}.bias", meta.qk_layernorm and layer_norm),
              (f"{_K_NORM}.weight", meta.qk_layernorm),
              (f"{_K_NORM}.bias", meta.qk_layernorm and layer_norm),
+             (_OFFSET, meta.softmax_type == "learnable"),
              ("post_attention_layernorm.weight", True),
              ("post_attention_layernorm.bias", layer_norm)]
     if meta.is_moe_layer(index):
@@ -95,7 +97,7 @@ def layer_tensor_shapes(meta: ModelMeta, index: int = 0) -> Dict[str, Tuple[int,
     shapes.update({f"{_QKV}.weight": (qkv, h), f"{_QKV}.bias": (qkv,),
               f"{_DENSE}.weight": (h, meta.num_attention_heads * meta.kv_channels),
               f"{_H_TO_4H}.weight": (h_to_4h, h), f"{_H_TO_4H}.bias": (h_to_4h,),
-              f"{_4H_TO_H}.weight": (h, ffn)})
+              f"{_4H_TO_H}.weight": (h, ffn), _OFFSET: (meta.num_attention_heads,)})
     # --qk-layernorm's norms are over one head and replicated on every TP rank.
     shapes.update({f"{norm}.{kind}": (meta.kv_channels,) for norm in (_Q_NORM, _K_NORM)
                    for kind in ("weight", "bias")})
@@ -113,7 +115,7 @@ def tp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
     if expert is not None:
         name = {"linear_fc1.weight": f"{_H_TO_4H}.weight", "linear_fc1.bias": f"{_H_TO_4H}.bias",
                 "linear_fc2.weight": f"{_4H_TO_H}.weight"}.get(expert[1], expert[1])
-    if name.startswith(_QKV + "."):
+    if name.startswith(_QKV + ".") or name == _OFFSET:
         return 0, 1
     if name.startswith(_H_TO_4H + "."):
         return 0, 2 if swiglu else 1

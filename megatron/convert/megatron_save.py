@@ -180,7 +180,9 @@ class SaveTarget:
             virtual_pipeline_model_parallel_size=None,
             decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
             iteration=meta.iteration, consumed_train_samples=meta.consumed_train_samples,
-            consumed_valid_samples=meta.consumed_valid_samples)
+            consumed_valid_samples=meta.consumed_valid_samples,
+            window_size=meta.window_size, window_attn_skip_freq=meta.window_attn_skip_freq,
+            softmax_type=meta.softmax_type)
         if meta.seq_length is not None:
             values["seq_length"] = meta.seq_length
         if meta.num_experts:

@@ -47,6 +47,8 @@ mlp.shared_experts.linear_fc1.weight  [S, h] or [2 S, h] = [gate; value] (SwiGLU
                                       --moe-shared-expert-intermediate-size
 mlp.shared_experts.linear_fc2.weight  [h, S]
 mlp.shared_experts.gate_weight        [1, h] (--moe-shared-expert-gate)
+self_attention.core_attention.        [np] one extra softmax logit per head (--softmax-type
+  softmax_offset                      learnable)
 ====================================  ============================================================
 
 Word embeddings (and an untied output layer, and BERT's ``lm_head`` bias) keep the rows the
@@ -106,6 +108,11 @@ class ModelMeta:
     untie_embeddings_and_output_weights: bool = False
     apply_residual_connection_post_layernorm: bool = False
     qk_layernorm: bool = False           # --qk-layernorm: q_layernorm / k_layernorm per layer
+    # --window-size (left, right) and --window-attn-skip-freq (int, or one 0/1 per layer), as
+    # the flags hold them (None: full attention); --softmax-type.
+    window_size: Optional[Tuple[int, int]] = None
+    window_attn_skip_freq: Optional[Union[int, Tuple[int, ...]]] = None
+    softmax_type: str = "vanilla"
     params_dtype: torch.dtype = torch.float32
     seq_length: Optional[int] = None
     make_vocab_size_divisible_by: int = 128

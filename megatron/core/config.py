@@ -8,9 +8,11 @@ created.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple, Union
 
 import torch
+
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 class ConfigError(ValueError):
@@ -80,6 +82,14 @@ class TransformerConfig:
     fp16_lm_cross_entropy: bool = False
     # The chunked cross entropy kernel, its backward written into the logits' storage.
     cross_entropy_loss_fusion: bool = True
+    # Sliding-window attention: (left, right) keys a query sees besides itself, -1 = no limit on
+    # that side (--window-size); which layers keep full attention (--window-attn-skip-freq: an
+    # int N = every N-th layer, or one 1 (window) / 0 (full) per layer).
+    window_size: Optional[Tuple[int, int]] = None
+    window_attn_skip_freq: Optional[Union[int, Tuple[int, ...]]] = None
+    # --softmax-type: vanilla, off-by-one (an extra zero logit per head in the denominator) or
+    # learnable (that logit a per-head parameter, gpt-oss's attention sinks).
+    softmax_type: str = "vanilla"
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -136,10 +146,30 @@ class TransformerConfig:
                 and self.rotary_seq_len_interpolation_factor <= 0):
             raise ConfigError("--rotary-seq-len-interpolation-factor must be > 0, got "
                               f"{self.rotary_seq_len_interpolation_factor}")
+        check_window_settings(self.window_size, self.window_attn_skip_freq, self.num_layers)
+        if self.softmax_type not in SOFTMAX_TYPES:
+            raise ConfigError(f"--softmax-type must be one of {', '.join(SOFTMAX_TYPES)}, got "
+                              f"{self.softmax_type!r}")
         if self.apply_query_key_layer_scaling:
             # The scores are multiplied back by the layer number inside the softmax, which must
             # therefore run in fp32 (as Megatron sets it).
             self.attention_softmax_in_fp32 = True
+
+    def layer_window(self, layer_number: int) -> Optional[Tuple[int, int]]:
+        """The ``(left, right)`` window of 1-based ``layer_number``, None for full attention.
+
+        Without --window-attn-skip-freq every layer is windowed; an int N leaves layers N, 2N,
+        ... with full attention; a list gives 1 (window) or 0 (full) per layer, first layer
+        first.
+        """
+        if self.window_size is None:
+            return None
+        freq = self.window_attn_skip_freq
+        if freq is None:
+            return self.window_size
+        if isinstance(freq, int):
+            return None if layer_number % freq == 0 else self.window_size
+        return self.window_size if freq[layer_number - 1] else None
 
     def check_splittable(self, tp_size: int, pp_size: int = 1) -> None:
         """Reject shapes that cannot be split over ``tp_size`` x ``pp_size`` ranks."""
@@ -161,6 +191,26 @@ class TransformerConfig:
         for name, value, by_name, by in checks:
             if value % by != 0:
                 raise ConfigError(f"{name} ({value}) must be divisible by {by_name} ({by})")
+
+
+def check_window_settings(window_size, skip_freq, num_layers: int) -> None:
+    """Refuse a malformed --window-size / --window-attn-skip-freq, naming the flag."""
+    if window_size is None:
+        if skip_freq is not None:
+            raise ConfigError("--window-attn-skip-freq needs --window-size (it picks which "
+                              "layers skip the window)")
+        return
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(not isinstance(v, int) or v < -1 for v in window_size)):
+        raise ConfigError(f"--window-size must be two integers 'left,right', each >= 0 or -1 "
+                          f"(no limit), got {window_size!r}")
+    if isinstance(skip_freq, int):
+        if skip_freq < 1:
+            raise ConfigError(f"--window-attn-skip-freq must be >= 1, got {skip_freq}")
+    elif skip_freq is not None and (len(skip_freq) != num_layers
+                                    or any(v not in (0, 1) for v in skip_freq)):
+        raise ConfigError(f"--window-attn-skip-freq: a list needs one 0 (full) or 1 (window) "
+                          f"per layer (--num-layers {num_layers}), got {list(skip_freq)}")
 
 
 def numerics_flag_conflict(flags) -> Optional[str]:

@@ -21,6 +21,10 @@ attends for every query, so it all-gathers the mask's rows first; its scores are
 head anyway. A query row that no key may see gives zeros, never NaN. Gradients flow through
 every exchange (the backward of a ring step sends the key/value gradients the other way).
 
+A softmax offset (attention sinks: one extra logit per head in the denominator) is one more
+partial result to merge: output zero, log-sum-exp the offset. Sliding windows need nothing here:
+the caller passes them as an explicit mask by global position (:func:`window_mask_rows`).
+
 Shapes follow the model: ``[s_local, b, heads, head_dim]`` in, ``[s_local, b, heads * head_dim]``
 out.
 """
@@ -129,6 +133,27 @@ def _merge(parts: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     safe_total = torch.where(total > 0, total, torch.ones_like(total))
     out = sum(w * o for w, (o, _) in zip(weights, parts))
     return out / safe_total
+
+
+def _sink_part(offset: torch.Tensor, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The softmax offset ``[np]`` as a partial result for queries shaped like ``like``
+    ``[b, np, sq, hn]``: no output, log-sum-exp = the offset."""
+    b, heads, sq, _ = like.shape
+    lse = offset.to(like.dtype).view(1, heads, 1, 1).expand(b, heads, sq, 1)
+    return torch.zeros_like(like), lse
+
+
+def window_mask_rows(seq_length: int, cp_size: int, cp_rank: int, window,
+                     device=None) -> torch.Tensor:
+    """Bool ``[1, 1, s_local, s]``, True where this rank's query may not see a key: later
+    positions, or further than ``window = (left, right)`` allows (``--window-size``, -1: no
+    limit; right is 0 for causal attention)."""
+    q_pos = chunk_positions(seq_length, cp_size, cp_rank, device)[:, None]
+    k_pos = torch.arange(seq_length, device=device)[None, :]
+    masked = k_pos > q_pos + max(window[1], 0)
+    if window[0] >= 0:
+        masked |= k_pos < q_pos - window[0]
+    return masked[None, None]
 
 
 def _causal_relation(q_pos: torch.Tensor, k_pos: torch.Tensor) -> str:
@@ -278,7 +303,8 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
                                cp_group, comm_type: str = "p2p",
                                attention_mask: Optional[torch.Tensor] = None,
                                softmax_scale: Optional[float] = None,
-                               dropout_p: float = 0.0) -> torch.Tensor:
+                               dropout_p: float = 0.0,
+                               softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence.
 
     Args:
@@ -291,6 +317,7 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
             (True = masked; this rank's query rows, every key column in global order).
         softmax_scale: multiplies the scores; default ``1 / sqrt(hn)``.
         dropout_p: attention dropout on the probabilities (the caller's RNG stream).
+        softmax_offset: ``[np]``, one extra logit per head in the softmax denominator, or None.
 
     Returns:
         ``[s_local, b, np * hn]`` in the query's dtype.
@@ -311,7 +338,8 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
                                    f"{s_local}, {seq}] (this rank's {s_local} queries, all "
                                    f"{seq} keys), got {tuple(attention_mask.shape)}")
     if comm_type == "a2a":
-        out = _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p)
+        out = _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p,
+                             softmax_offset)
         return out.to(query.dtype)
     q = _to_bhsd(query)
     key, value = _expand_groups(key, heads), _expand_groups(value, heads)
@@ -346,14 +374,22 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
             collect(parts)
             if step < cp - 1:
                 kv = _RingStep.apply(kv, cp_group)
+    out = _merge_chunks(results, q, chunk, softmax_offset)                # [b, np, s_l, hn]
+    return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * hn).to(query.dtype)
+
+
+def _merge_chunks(results, q: torch.Tensor, chunk: int,
+                  softmax_offset: Optional[torch.Tensor]) -> torch.Tensor:
+    """Each of the two query chunks' partial results (plus the softmax offset's term) merged,
+    the chunks side by side: ``[b, np, 2 chunk, hn]``; a chunk that saw nothing is zeros."""
     outs = []
     for c in range(2):
-        if results[c]:
-            outs.append(_merge(results[c]))
-        else:
-            outs.append(torch.zeros_like(q[:, :, c * chunk:(c + 1) * chunk]))
-    out = torch.cat(outs, dim=2)                                          # [b, np, s_l, hn]
-    return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * hn).to(query.dtype)
+        like = q[:, :, c * chunk:(c + 1) * chunk]
+        parts = list(results[c])
+        if softmax_offset is not None:
+            parts.append(_sink_part(softmax_offset, like))
+        outs.append(_merge(parts) if parts else torch.zeros_like(like))
+    return torch.cat(outs, dim=2)
 
 
 def _gather_mask_rows(mask: torch.Tensor, group) -> torch.Tensor:
@@ -367,7 +403,8 @@ def _gather_mask_rows(mask: torch.Tensor, group) -> torch.Tensor:
     return rows.permute(1, 2, 0, 3, 4).reshape(b, 1, cp * s_local, seq).bool()
 
 
-def _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p):
+def _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p,
+                   softmax_offset=None):
     cp = get_group_size(cp_group)
     s_local, b, heads, hn = query.shape
     if heads % cp:
@@ -389,11 +426,18 @@ def _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p
         masked = (pos[None, :] > pos[:, None])[None, None]               # [1, 1, s, s]
     else:
         masked = _gather_mask_rows(attention_mask, cp_group).index_select(3, pos)  # [b,1,s,s]
-    out, _ = _block_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), masked, scale, dropout_p)
+    out, lse = _block_attention(_to_bhsd(q), _to_bhsd(k), _to_bhsd(v), masked, scale,
+                                dropout_p)
+    if softmax_offset is not None:
+        # This rank holds heads [rank * share, (rank + 1) * share) of the sequence-to-heads swap.
+        share, rank = q.size(2), get_group_rank(cp_group)
+        mine = softmax_offset[rank * share:(rank + 1) * share]
+        out = _merge([(out, lse), _sink_part(mine, out)])
     out = out.permute(2, 0, 1, 3).to(query.dtype)                        # [s, b, np/cp, hn]
     out = _HeadsToSequence.apply(out.contiguous(), cp_group)             # [s_l, b, np, hn]
     return out.reshape(s_local, b, heads * hn)
 
 
 __all__ = ["COMM_TYPES", "ContextParallelError", "check_sequence_length", "chunk_positions",
-           "split_for_cp_rank", "get_batch_on_this_cp_rank", "context_parallel_attention"]
+           "split_for_cp_rank", "get_batch_on_this_cp_rank", "context_parallel_attention",
+           "window_mask_rows"]

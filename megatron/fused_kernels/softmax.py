@@ -9,6 +9,11 @@ cast back to the input's dtype, which is what the compiled kernels do for fp16/b
 :class:`FusedScaleMaskSoftmax` keeps Megatron's constructor; with ``scaled_masked_softmax_fusion``
 it calls the fusable ops (compiled body when registered, else the references below), without it
 the plain torch composition (``mask_func`` + ``torch.softmax``). Both give the same numbers.
+
+Sliding windows (``--window-size``) reach these ops as an explicit banded mask
+(:func:`sliding_window_mask`), so the fused masked kernel serves them. A softmax offset
+(``--softmax-type off-by-one|learnable``: one extra logit per head in the denominator) has no
+compiled body: :func:`softmax_with_offset_reference` computes it on either path.
 """
 
 from typing import Callable, Optional
@@ -28,6 +33,47 @@ def _math_dtype(x: torch.Tensor) -> torch.dtype:
 def causal_mask(sq: int, sk: int, device=None) -> torch.Tensor:
     """Bool ``[sq, sk]`` mask, True above the diagonal (a query may not see later keys)."""
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(diagonal=1 + sk - sq)
+
+
+def sliding_window_mask(sq: int, sk: int, window, device=None) -> torch.Tensor:
+    """Bool ``[sq, sk]`` mask, True outside the window (``--window-size left,right``).
+
+    Query ``i`` sits at position ``i + sk - sq`` (the last ``sq`` of ``sk`` positions, as with a
+    key/value cache) and sees key ``j`` when ``pos - left <= j <= pos + right``; -1 lifts the
+    limit on that side, so ``(-1, 0)`` is the causal mask.
+    """
+    left, right = window
+    pos = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    key = torch.arange(sk, device=device)[None, :]
+    masked = torch.zeros(sq, sk, dtype=torch.bool, device=device)
+    if left >= 0:
+        masked |= key < pos - left
+    if right >= 0:
+        masked |= key > pos + right
+    return masked
+
+
+def softmax_with_offset_reference(x: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                                  offset: torch.Tensor) -> torch.Tensor:
+    """``exp(s_j) / (exp(o_h) + sum_k exp(s_k))`` with ``s = x * scale`` masked to -10000 and
+    ``o_h`` the offset of head ``h``: a softmax over the keys plus one extra logit per head whose
+    probability is dropped (attention sinks). Math in float32 or better; differentiable in
+    ``offset``.
+
+    Args:
+        x: scores ``[b, np, sq, sk]``.
+        mask: bool broadcastable to ``x``, True = masked, or None.
+        scale: multiplies the scores before masking.
+        offset: ``[np]``, the extra logit of each head (zeros for off-by-one).
+    """
+    dtype = _math_dtype(x)
+    y = x.to(dtype) * scale
+    if mask is not None:
+        y = y.masked_fill(mask, MASKED_VALUE)
+    b, np_, sq, _ = y.shape
+    sink = offset.to(dtype).view(1, np_, 1, 1).expand(b, np_, sq, 1)
+    probs = torch.softmax(torch.cat([y, sink], dim=-1), dim=-1)       # [b, np, sq, sk + 1]
+    return probs[..., :-1].to(x.dtype)
 
 
 def attention_mask_func(attention_scores: torch.Tensor,
@@ -101,14 +147,22 @@ class FusedScaleMaskSoftmax(torch.nn.Module):
         self.softmax_in_fp32 = softmax_in_fp32
         self.scale = scale
 
-    def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, input: torch.Tensor, mask: Optional[torch.Tensor],
+                softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Probabilities ``[b, np, sq, sk]`` from scores ``[b, np, sq, sk]``.
 
         ``mask`` is bool (True = masked) broadcastable to the scores, or None: causal when the
-        mask type is causal, no masking when it is padding.
+        mask type is causal, no masking when it is padding. ``softmax_offset`` ``[np]`` adds one
+        logit per head to the denominator; it has no fused kernel, so both paths then compute
+        :func:`softmax_with_offset_reference` (in fp32 at least).
         """
         if input.dim() != 4:
             raise ValueError(f"attention scores must be [b, np, sq, sk], got {tuple(input.shape)}")
+        if softmax_offset is not None:
+            if mask is None and self.attn_mask_type == AttnMaskType.causal:
+                mask = causal_mask(input.shape[-2], input.shape[-1], device=input.device)
+            scale = 1.0 if self.scale is None else self.scale
+            return softmax_with_offset_reference(input, mask, scale, softmax_offset)
         if self.scaled_masked_softmax_fusion:
             return self.forward_fused_softmax(input, mask)
         return self.forward_torch_softmax(input, mask)

@@ -16,11 +16,14 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import tensor_parallel
-from megatron.core.collectives import get_group_size
-from megatron.core.config import TransformerConfig
-from megatron.core.context_parallel import context_parallel_attention
+from megatron.core.collectives import get_group_rank, get_group_size
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.context_parallel import context_parallel_attention, window_mask_rows
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
-from megatron.fused_kernels.softmax import FusedScaleMaskSoftmax, attention_mask_func, causal_mask
+from megatron.core.utils import init_method_normal
+from megatron.fused_kernels.softmax import (FusedScaleMaskSoftmax, attention_mask_func,
+                                            causal_mask, sliding_window_mask)
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
@@ -47,21 +50,36 @@ class CoreAttention(MegatronModule):
     the device has them). Attention dropout draws from the tensor-parallel RNG stream, since each
     rank holds different heads.
 
+    A windowed layer (``config.layer_window``) adds the banded mask of
+    :func:`~megatron.fused_kernels.softmax.sliding_window_mask` to whatever mask it is given;
+    both bodies take it. ``--softmax-type off-by-one|learnable`` adds one logit per head to the
+    softmax denominator (``softmax_offset``: zeros, or a parameter of this rank's heads, split
+    over tensor-parallel ranks like the heads); scaled_dot_product_attention has no such term,
+    so those layers always take the explicit body.
+
     Args:
         config: the transformer config.
-        layer_number: 1-based global layer number (query-key layer scaling divides by it).
+        layer_number: 1-based global layer number (query-key layer scaling divides by it; the
+            window pattern is read by it).
         num_heads: attention heads on this rank.
         attn_mask_type: causal for GPT (a missing mask then means causal).
+        tp_group: the tensor-parallel group (for a learnable softmax offset).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, num_heads: int,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group=None):
         super().__init__(config)
         self.attn_mask_type = attn_mask_type
         self.num_heads = num_heads
         self.hidden_size_per_head = config.kv_channels
         self.use_flash_attn = config.use_flash_attn
         self.attention_dropout_p = config.attention_dropout
+        self.window_size = config.layer_window(layer_number)
+        if (self.window_size is not None and attn_mask_type == AttnMaskType.causal
+                and self.window_size[1] != 0):
+            raise ConfigError(f"--window-size {self.window_size[0]},{self.window_size[1]}: "
+                              "causal attention (GPT) sees no later key; the right side "
+                              "must be 0")
         coeff = None
         self.norm_factor = math.sqrt(self.hidden_size_per_head)
         softmax_in_fp32 = config.attention_softmax_in_fp32
@@ -75,6 +93,42 @@ class CoreAttention(MegatronModule):
             config.fp16, config.bf16, attn_mask_type, config.masked_softmax_fusion,
             attention_mask_func, softmax_in_fp32, coeff)
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout)
+        self._make_softmax_offset(config, tp_group)
+
+    def _make_softmax_offset(self, config: TransformerConfig, tp_group) -> None:
+        """``softmax_offset`` ``[num_heads]`` (Megatron-Core's name): absent for vanilla, a
+        zero buffer (not saved) for off-by-one, a parameter for learnable: N(0,
+        --init-method-std^2) for all heads (also with --init-method-xavier-uniform, which has
+        no meaning for a vector), split over ``tp_group`` like them."""
+        if config.softmax_type == "off-by-one":
+            self.register_buffer("softmax_offset", torch.zeros(
+                self.num_heads, dtype=config.params_dtype), persistent=False)
+        elif config.softmax_type == "learnable":
+            # Drawn for all heads on the CPU (as the linear layers' weights are), then this
+            # rank's contiguous block of heads kept, so any TP split holds the same values.
+            every_head = torch.empty(config.num_attention_heads,
+                                     dtype=torch.promote_types(config.params_dtype,
+                                                               torch.float32))
+            init_method_normal(config.init_method_std)(every_head)
+            first = get_group_rank(tp_group) * self.num_heads
+            self.softmax_offset = torch.nn.Parameter(
+                every_head[first:first + self.num_heads].to(config.params_dtype).clone())
+            set_tensor_model_parallel_attributes(self.softmax_offset, True, 0, 1)
+        else:
+            self.softmax_offset = None
+
+    def _with_window(self, attention_mask: Optional[torch.Tensor], sq: int, sk: int,
+                     device) -> Optional[torch.Tensor]:
+        """The mask with this layer's window added (None means causal, or nothing with a
+        padding mask type)."""
+        if self.window_size is None:
+            return attention_mask
+        band = sliding_window_mask(sq, sk, self.window_size, device=device)   # [sq, sk]
+        if attention_mask is None:
+            if self.attn_mask_type == AttnMaskType.causal:
+                band = band | causal_mask(sq, sk, device=device)
+            return band[None, None]                                           # [1, 1, sq, sk]
+        return attention_mask | band
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -83,16 +137,18 @@ class CoreAttention(MegatronModule):
         ``attention_mask``: bool broadcastable to ``[b, np, sq, sk]``, True = masked; None means
         causal.
         """
-        if self.use_flash_attn:
-            return self._sdpa_forward(query, key, value, attention_mask)
         sq, b, np_, hn = query.shape
         sk = key.size(0)
+        attention_mask = self._with_window(attention_mask, sq, sk, query.device)
+        if self.use_flash_attn and self.softmax_offset is None:
+            return self._sdpa_forward(query, key, value, attention_mask)
         q = query.reshape(sq, b * np_, hn).transpose(0, 1)               # [b*np, sq, hn]
         k = key.reshape(sk, b * np_, hn).permute(1, 2, 0)                # [b*np, hn, sk]
         scores = torch.baddbmm(
             torch.empty(b * np_, sq, sk, dtype=query.dtype, device=query.device), q, k,
             beta=0.0, alpha=1.0 / self.norm_factor)                      # [b*np, sq, sk]
-        probs = self.scale_mask_softmax(scores.view(b, np_, sq, sk), attention_mask)
+        probs = self.scale_mask_softmax(scores.view(b, np_, sq, sk), attention_mask,
+                                        self.softmax_offset)
         with dropout_rng_context(self.training and self.attention_dropout_p > 0):
             probs = self.attention_dropout(probs)                        # [b, np, sq, sk]
         v = value.reshape(sk, b * np_, hn).transpose(0, 1)               # [b*np, sk, hn]
@@ -159,7 +215,7 @@ class ParallelAttention(MegatronModule):
             sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
         self.attn_mask_type = attn_mask_type
         self.core_attention = CoreAttention(config, layer_number, self.num_heads,
-                                            attn_mask_type)
+                                            attn_mask_type, tp_group)
         self.dense = tensor_parallel.RowParallelLinear(
             config.num_attention_heads * hn, config.hidden_size,
             init_method=output_layer_init_method, tp_group=tp_group,
@@ -235,11 +291,18 @@ class ParallelAttention(MegatronModule):
         (``[s/cp, b, ng, hn]`` each) -> ``[s/cp, b, np * hn]``; dropout on the tensor-parallel
         RNG stream, as in :class:`CoreAttention`."""
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        window = self.core_attention.window_size
+        if window is not None:
+            cp = get_group_size(self.cp_group)
+            band = window_mask_rows(query.size(0) * cp, cp, get_group_rank(self.cp_group),
+                                    window, device=query.device)         # [1, 1, s/cp, s]
+            attention_mask = band if attention_mask is None else attention_mask | band
         with dropout_rng_context(dropout_p > 0):
             return context_parallel_attention(
                 query, key, value, cp_group=self.cp_group, comm_type=self.cp_comm_type,
                 attention_mask=attention_mask, dropout_p=dropout_p,
-                softmax_scale=1.0 / math.sqrt(self.hidden_size_per_head))
+                softmax_scale=1.0 / math.sqrt(self.hidden_size_per_head),
+                softmax_offset=self.core_attention.softmax_offset)
 
     def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
         """Write this step's ``[s, b, ng, hn]`` keys and values into the layer's cache at

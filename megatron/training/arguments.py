@@ -16,7 +16,7 @@ import os
 import sys
 from typing import Callable, List, Optional
 
-from megatron.core.config import ConfigError
+from megatron.core.config import SOFTMAX_TYPES, ConfigError
 from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BALANCING_TYPES,
                                        SCORE_FUNCTIONS, parse_moe_layer_freq)
 from megatron.training.configs import (Configs, build_configs,  # noqa: F401  (re-exported)
@@ -79,6 +79,36 @@ def _add_network_size_args(parser):
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--bert-no-binary-head", action="store_false", dest="bert_binary_head",
                    help="BERT without the sentence-order (binary) head and its loss")
+    g.add_argument("--window-size", type=parse_window_size, default=None,
+                   help="sliding-window attention: 'left,right' keys a query sees on each "
+                   "side besides itself (-1: no limit); default: full attention")
+    g.add_argument("--window-attn-skip-freq", type=parse_window_attn_skip_freq, default=None,
+                   help="layers that keep full attention: N = every N-th layer (N, 2N, ...), "
+                   "or a list with one 1 (window) / 0 (full) per layer, e.g. \"[1,1,1,0]*3\"")
+    g.add_argument("--softmax-type", default="vanilla", choices=list(SOFTMAX_TYPES),
+                   help="off-by-one: an extra zero logit per head in the attention softmax; "
+                   "learnable: that logit a learned per-head parameter (attention sinks)")
+
+
+def parse_window_size(text: str):
+    """``--window-size``: Megatron's tuple form ``"128,0"`` (or ``"(128,0)"``) -> (128, 0)."""
+    try:
+        values = tuple(int(v) for v in str(text).strip().strip("()").split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 2 or min(values) < -1:
+        raise argparse.ArgumentTypeError(
+            f"--window-size {text!r}: expected two integers 'left,right', each >= 0 or -1 "
+            "(no limit on that side), e.g. '4096,0'")
+    return values
+
+
+def parse_window_attn_skip_freq(text: str):
+    """``--window-attn-skip-freq``: an int N or a 0/1 list, read as --moe-layer-freq is."""
+    try:
+        return parse_moe_layer_freq(text, flag="--window-attn-skip-freq")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _add_yarn_args(g):

@@ -120,6 +120,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
         last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
+        softmax_type=args.softmax_type,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),

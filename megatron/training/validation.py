@@ -13,7 +13,8 @@ import json
 
 import torch
 
-from megatron.core.config import ConfigError, numerics_flag_conflict, pipeline_layer_counts
+from megatron.core.config import (ConfigError, check_window_settings, numerics_flag_conflict,
+                                  pipeline_layer_counts)
 from megatron.core.parallel_state import LayoutError, check_degrees
 from megatron.training.configs import build_checkpoint_config, build_moe_config
 
@@ -281,6 +282,10 @@ def _validate_model(args) -> None:
     conflict = numerics_flag_conflict(args)
     if conflict is not None:
         _fail(conflict)
+    try:
+        check_window_settings(args.window_size, args.window_attn_skip_freq, args.num_layers)
+    except ConfigError as err:
+        _fail(str(err))
     if args.apply_query_key_layer_scaling:
         args.attention_softmax_in_fp32 = True
     if (args.rotary_seq_len_interpolation_factor is not None

@@ -52,6 +52,11 @@ VARIANTS = {
                      normalization="RMSNorm", swiglu=True),
     "sdpa": dict(use_flash_attn=True),
 }
+# A window (3 keys back) on layer 1, full layer 2, attention sinks: the cached steps' band must
+# end at each new token's own position.
+CACHE_VARIANTS = dict(VARIANTS, window_sinks=dict(window_size=(3, 0), window_attn_skip_freq=2,
+                                                  softmax_type="learnable"),
+                      window_sdpa=dict(use_flash_attn=True, window_size=(2, 0)))
 SINGLE = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, tp_ranks=[0],
                                pp_group=None, pp_size=1, pp_rank=0, pp_ranks=[0])
 
@@ -62,9 +67,9 @@ def _model(**overrides):
     return GPTModel(config, single_process_state(), init_seed=7).eval()
 
 
-@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("variant", list(CACHE_VARIANTS))
 def test_cached_steps_give_the_full_forward_logits(variant):
-    model = _model(**VARIANTS[variant])
+    model = _model(**CACHE_VARIANTS[variant])
     ids = torch.randint(0, 100, (2, 13), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(13).expand(2, 13)
     cache = InferenceParams(max_batch_size=2, max_sequence_length=16)
@@ -77,7 +82,7 @@ def test_cached_steps_give_the_full_forward_logits(variant):
             cache.sequence_len_offset += 1
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
     keys, values = cache.key_value_memory_dict[1]
-    groups = VARIANTS[variant].get("num_query_groups", 4)
+    groups = CACHE_VARIANTS[variant].get("num_query_groups", 4)
     assert keys.shape == values.shape == (16, 2, groups, 8)
     assert sorted(cache.key_value_memory_dict) == [1, 2]
 

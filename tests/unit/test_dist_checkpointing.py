@@ -55,6 +55,10 @@ def test_placements_follow_the_tensor_parallel_split():
     assert not norm.written  # replicated: TP rank 0 writes it
     word, = placements("language_model.embedding.word_embeddings.weight", (128, 64), rank1)
     assert (word.global_shape, word.global_offset) == ((256, 64), (128, 0))
+    sinks, = placements("language_model.encoder.layers.1.self_attention.core_attention."
+                        "softmax_offset", (8,), rank1)      # split over TP by heads
+    assert (sinks.key, sinks.global_shape, sinks.global_offset, sinks.written) == (
+        "decoder.layers.self_attention.core_attention.softmax_offset", (4, 16), (3, 8), True)
     head, = placements("word_embeddings_for_head.weight", (128, 64), rank1)
     assert head.key == "embedding.word_embeddings.weight" and not head.written
 
@@ -446,7 +450,8 @@ def _gpt_chunks(pp, vp, **config):
 
 @pytest.mark.parametrize("config", [{}, {"untie_embeddings_and_output_weights": True,
                                          "swiglu": True, "normalization": "RMSNorm",
-                                         "add_bias_linear": False, "ffn_hidden_size": 24}])
+                                         "add_bias_linear": False, "ffn_hidden_size": 24},
+                                    {"softmax_type": "learnable", "window_size": (2, 0)}])
 def test_gpt_model_saved_whole_loads_into_interleaved_pipeline_chunks(tmp_path, config):
     (whole, layout), = _gpt_chunks(1, None, **config)
     with torch.no_grad():
@@ -456,6 +461,10 @@ def test_gpt_model_saved_whole_loads_into_interleaved_pipeline_chunks(tmp_path, 
                                                   layout))
     reader = DistCheckpointReader(str(tmp_path / "a"))
     saved = flatten_state_dict(whole.state_dict_for_save_checkpoint())
+    if config.get("softmax_type") == "learnable":   # Megatron-Core's key, [layers, heads]
+        offsets = reader.read("decoder.layers.self_attention.core_attention.softmax_offset")
+        assert torch.equal(offsets[3], saved[
+            "language_model.encoder.layers.3.self_attention.core_attention.softmax_offset"])
     chunks = _gpt_chunks(2, 2, **config)
     items = []
     for chunk, layout in chunks:

@@ -98,6 +98,8 @@ LAYER_KEYS = {
     "mlp.dense_h_to_4h.bias": "mlp.linear_fc1.bias",
     "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
     "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
+    # --softmax-type learnable: one offset per head, split over TP like the heads.
+    "self_attention.core_attention.softmax_offset": "self_attention.core_attention.softmax_offset",
 }
 
 # Legacy name outside the layers -> Megatron-Core key.
@@ -120,6 +122,7 @@ EXTRA_STATE_MODULES = ("self_attention.linear_proj", "self_attention.linear_qkv"
 _SPLIT_DIM = {
     "self_attention.query_key_value.weight": 0, "self_attention.query_key_value.bias": 0,
     "self_attention.dense.weight": 1,
+    "self_attention.core_attention.softmax_offset": 0,
     "mlp.dense_h_to_4h.weight": 0, "mlp.dense_h_to_4h.bias": 0,
     "mlp.dense_4h_to_h.weight": 1,
     "language_model.embedding.word_embeddings.weight": 0,

@@ -163,9 +163,11 @@ def _evaluate_layer_list(node):
     raise ValueError("only list literals, + and * by an integer are allowed")
 
 
-def parse_moe_layer_freq(text: str) -> Union[int, Tuple[int, ...]]:
+def parse_moe_layer_freq(text: str, flag: str = "--moe-layer-freq"
+                         ) -> Union[int, Tuple[int, ...]]:
     """``--moe-layer-freq``: an integer N, or Megatron's list form such as ``"([0]+[1]*23)"``
-    (read without ``eval``: only list literals, ``+`` and ``*`` are accepted)."""
+    (read without ``eval``: only list literals, ``+`` and ``*`` are accepted). ``flag`` names
+    the option in errors (``--window-attn-skip-freq`` has the same form)."""
     text = str(text).strip()
     try:
         return int(text)
@@ -174,8 +176,8 @@ def parse_moe_layer_freq(text: str) -> Union[int, Tuple[int, ...]]:
     try:
         values = _evaluate_layer_list(ast.parse(text, mode="eval"))
     except (SyntaxError, ValueError) as err:
-        raise ValueError(f"--moe-layer-freq {text!r}: expected an integer or a list such as "
+        raise ValueError(f"{flag} {text!r}: expected an integer or a list such as "
                          f"'([0]+[1]*23)' ({err})") from None
     if not isinstance(values, list) or any(v not in (0, 1) for v in values):
-        raise ValueError(f"--moe-layer-freq {text!r}: the list must hold only 0 and 1")
+        raise ValueError(f"{flag} {text!r}: the list must hold only 0 and 1")
     return tuple(values)
