@@ -461,11 +461,20 @@ def _add_moe_args(parser):
                    help="also log load_balancing_loss / z_loss of each MoE layer (TensorBoard)")
 
 
+def _add_mtp_args(parser):
+    g = parser.add_argument_group(title="multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction depths after the last layer (DeepSeek-V3); "
+                   "depth K predicts the token K + 2 places ahead")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the MTP losses' weight: their mean over depths is multiplied by it")
+
+
 ARG_GROUP_BUILDERS = [
     _add_network_size_args, _add_regularization_args, _add_training_args,
     _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
     _add_mixed_precision_args, _add_distributed_args, _add_validation_args, _add_data_args,
-    _add_logging_args, _add_profiling_args, _add_moe_args,
+    _add_logging_args, _add_profiling_args, _add_moe_args, _add_mtp_args,
 ]
 
 

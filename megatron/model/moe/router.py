@@ -431,18 +431,21 @@ def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tens
     return expert_bias + torch.sign(mean - counts) * rate
 
 
-def update_expert_biases(modules, group=None) -> int:
+def update_expert_biases(modules, groups=()) -> int:
     """After an optimizer step: update the expert bias of every router (with
     ``--moe-router-enable-expert-bias``) in ``modules`` from the token choices it counted since
-    the last update, summed over ``group`` (every rank of this pipeline stage that routes other
-    tokens: data x context x tensor parallel), and reset the counts. One all-reduce for all the
-    routers. Returns the number of routers updated."""
+    the last update, summed over each of ``groups`` in turn (together: every rank of this
+    pipeline stage that routes other tokens, data x context x tensor parallel; ranks routing
+    the same tokens only scale the counts, which leaves the update unchanged), and reset the
+    counts. One all-reduce per group for all the routers. Returns the number of routers
+    updated."""
     routers = [m for module in modules for m in module.modules()
                if isinstance(m, TopKRouter) and m.expert_bias is not None]
     if not routers:
         return 0
     counts = torch.stack([r.local_tokens_per_expert for r in routers])       # [R, E]
-    all_reduce(counts, group)
+    for group in groups:
+        all_reduce(counts, group)
     with torch.no_grad():
         for router, count in zip(routers, counts):
             rate = router.moe_config.moe_router_bias_update_rate
