@@ -8,6 +8,7 @@ the losses of the run that never stopped, bit for bit.
 
 import os
 
+import pytest
 import torch
 
 from tests.functional.gpt_runs import run_pretrain
@@ -77,3 +78,47 @@ def test_resumed_run_matches_the_run_that_never_stopped(tmp_path, capfd):
     tail = straight["losses"][-2:]
     assert bool(torch.isfinite(torch.tensor(tail, dtype=torch.float64)).all())
     assert resumed["losses"][-2:] == tail
+
+
+# --------------------------------------------------------------------------------------------
+# Parity: the expert-bias update counts every data-parallel rank's tokens, so DP 2 and EP 2
+# give the single process's biases and losses.
+
+PARITY = ["--num-layers", "2", "--num-experts", "8", "--moe-router-topk", "2",
+          "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+          "--moe-router-bias-update-rate", "0.05", "--moe-router-num-groups", "4",
+          "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+          "--moe-aux-loss-coeff", "1e-3", "--mtp-num-layers", "1", "--no-bias-gelu-fusion",
+          "--ckpt-format", "torch_dist", "--no-save-optim", "--no-save-rng"]
+
+
+def _parity_run(tmp_path, name, world, *extra):
+    from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
+
+    corpus = write_counting_corpus(str(tmp_path / "corpus" / "count_document"))
+    save = str(tmp_path / name)
+    argv = gpt_flags(corpus, 5, micro_batch=2, global_batch=8, dropout=0.0,
+                     extra=PARITY + ["--save", save, *extra])
+    result = run_on_ranks(run_pretrain, world, argv)[-1]
+    from megatron.checkpoint.dist import DistCheckpointReader
+
+    reader = DistCheckpointReader(os.path.join(save, "iter_0000005"))
+    biases = [reader.read("decoder.layers.mlp.router.expert_bias"),
+              reader.read("mtp.layers.0.transformer_layer.mlp.router.expert_bias")]
+    return [loss for _, loss in result["losses"]], biases
+
+
+@pytest.mark.slow
+def test_expert_bias_and_losses_at_dp2_and_ep2_are_the_single_process(tmp_path):
+    """Tolerance: as in the MoE parity tests (1e-4 relative on the losses: reductions in
+    another order). The biases move by exact multiples of the rate, so they must be equal:
+    a DP rank updating from its own counts only would move some by another step."""
+    base_losses, base_bias = _parity_run(tmp_path, "one", 1)
+    assert all(bool((b != 0).any()) for b in base_bias), base_bias
+    for name, world, extra in (("dp2", 2, ()), ("ep2", 2, ("--expert-model-parallel-size",
+                                                          "2"))):
+        losses, bias = _parity_run(tmp_path, name, world, *extra)
+        for x, y in zip(base_losses, losses):
+            assert abs(x - y) <= 1e-4 * abs(x), (name, base_losses, losses)
+        for want, got in zip(base_bias, bias):
+            assert torch.equal(want, got), (name, want, got)
