@@ -66,14 +66,18 @@ def test_trained_on_it_writes_megatrons_keys_and_moves_the_expert_biases(tmp_pat
         assert bool((steps.sum(-1).abs() < steps.size(-1)).all()), key
 
 
-def test_resumed_run_matches_the_run_that_never_stopped(tmp_path, capfd):
-    straight = _train(fixture_dir(DSV3), None, 13, "--no-load-optim")
+@pytest.mark.parametrize("optimizer", [
+    (), pytest.param(("--use-distributed-optimizer",), marks=pytest.mark.slow)],
+    ids=["adam", "distributed"])
+def test_resumed_run_matches_the_run_that_never_stopped(tmp_path, capfd, optimizer):
+    straight = _train(fixture_dir(DSV3), None, 13, "--no-load-optim", *optimizer)
     out = capfd.readouterr().out
     assert "mtp_1 loss" in out, out[-2000:]
     first = str(tmp_path / "first")
-    stopped = _train(fixture_dir(DSV3), first, 13, "--no-load-optim", "--exit-interval", "11")
+    stopped = _train(fixture_dir(DSV3), first, 13, "--no-load-optim", "--exit-interval", "11",
+                     *optimizer)
     assert stopped["iteration"] == 11
-    resumed = _train(first, None, 13)
+    resumed = _train(first, None, 13, *optimizer)
     assert resumed["iteration"] == straight["iteration"] == 13
     tail = straight["losses"][-2:]
     assert bool(torch.isfinite(torch.tensor(tail, dtype=torch.float64)).all())
