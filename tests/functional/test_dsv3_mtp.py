@@ -126,3 +126,21 @@ def test_expert_bias_and_losses_at_dp2_and_ep2_are_the_single_process(tmp_path):
             assert abs(x - y) <= 1e-4 * abs(x), (name, base_losses, losses)
         for want, got in zip(base_bias, bias):
             assert torch.equal(want, got), (name, want, got)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("untie", [True, False], ids=["untied", "tied"])
+def test_mtp_at_tp2_gives_the_single_process_losses(tmp_path, untie):
+    """A dense GPT with one MTP depth (its projection split over TP, its output gathered):
+    TP 2 trains as TP 1 does. Tolerance as in the parity suite (reductions in another order)."""
+    from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
+
+    corpus = write_counting_corpus(str(tmp_path / "corpus" / "count_document"))
+    extra = ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+    extra += ["--untie-embeddings-and-output-weights"] if untie else []
+    losses = {}
+    for tp in (1, 2):
+        argv = gpt_flags(corpus, 4, tp=tp, dropout=0.0, extra=extra)
+        losses[tp] = [loss for _, loss in run_on_ranks(run_pretrain, tp, argv)[-1]["losses"]]
+    for x, y in zip(losses[1], losses[2]):
+        assert abs(x - y) <= 1e-5 * abs(x), losses
