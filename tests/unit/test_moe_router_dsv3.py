@@ -140,3 +140,22 @@ def test_flags_reach_the_config():
     assert cfg.moe_router_enable_expert_bias and cfg.moe_router_bias_update_rate == 0.01
     assert cfg.moe_router_dtype == "fp32"
     assert args.mtp_num_layers == 1 and args.mtp_loss_scaling_factor == 0.1
+
+
+@pytest.mark.parametrize("extra,world,pattern", [
+    (["--pipeline-model-parallel-size", "2"], 2,
+     r"--mtp-num-layers with --pipeline-model-parallel-size 2 is not supported"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+     r"--mtp-num-layers with --sequence-parallel"),
+    (["--mtp-loss-scaling-factor", "-1"], 1, r"--mtp-loss-scaling-factor must be >= 0"),
+])
+def test_mtp_layouts_not_built_are_refused_in_one_line(extra, world, pattern):
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+    args = parse_args(argv=["--num-layers", "4", "--hidden-size", "64",
+                            "--num-attention-heads", "8", "--seq-length", "32",
+                            "--max-position-embeddings", "32", "--micro-batch-size", "2",
+                            "--train-iters", "10", "--mtp-num-layers", "1", *extra])
+    args.world_size = world
+    with pytest.raises(ArgumentsError, match=pattern):
+        validate_args(args)
