@@ -3,7 +3,6 @@ expert-bias selection, the bias update, and how a router counts and updates; plu
 checks of the new router settings."""
 
 import itertools
-import types
 
 import pytest
 import torch
