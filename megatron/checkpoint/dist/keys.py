@@ -38,6 +38,9 @@ In ``torch_dist``:
 
 =================================================  ==========================================
 ...layers.N.mlp.router.weight                      decoder.layers.mlp.router.weight [L, E, h]
+...layers.N.mlp.router.expert_bias                 decoder.layers.mlp.router.expert_bias
+                                                   [L, E] (fp32 buffer, with
+                                                   ``--moe-router-enable-expert-bias``)
 ...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
 linear_fc1.{weight,bias}                           linear_fc1.{weight,bias} [L, E, ffn, h]
 ...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
@@ -65,6 +68,13 @@ stays). The extra-state entries follow: ``decoder.layers.<g>.<module>._extra_sta
 (an object without sharding axes) and ``decoder.layers.<g>.mlp.experts.experts.linear_fc1.
 _extra_state/shard_<e>_<E>``. :attr:`ChunkLayout.per_layer` (from
 :func:`per_layer_keys`) selects this layout; the default (``--moe-layer-freq 1``) stacks.
+
+Multi-token prediction (``--mtp-num-layers``): depth K's ``mtp.layers.K.{enorm,hnorm,
+final_layernorm}.weight`` [h] and ``mtp.layers.K.eh_proj.weight`` [h, 2h] (split by rows over
+TP) keep their names; its transformer layer, ``mtp.layers.K.transformer_layer.<legacy layer
+name>`` in a chunk's state, is stored as one layer of the per-layer layout under
+``mtp.layers.K.transformer_layer.<Megatron-Core name>`` (no layer axis; the expert axis
+stays), with its extra-state entries likewise, plus ``mtp.layers.K.eh_proj._extra_state``.
 
 How a TP rank's local tensor maps into the global one follows the tensor-parallel split of
 :func:`megatron.convert.megatron_layout.tp_split_rule`: rows (vocabulary, fused QKV whole
