@@ -103,6 +103,17 @@ def test_router_counts_in_training_updates_and_resets():
     assert router.local_tokens_per_expert.sum() == 0
 
 
+def test_expert_bias_stays_float32_in_a_bf16_model():
+    router = _router().to(torch.bfloat16)
+    assert router.weight.dtype == torch.bfloat16
+    assert router.expert_bias.dtype == torch.float32
+    assert router.local_tokens_per_expert.dtype == torch.float32
+    router(torch.randn(4, 2, 16, dtype=torch.bfloat16))
+    update_expert_biases([router])
+    assert router.expert_bias.dtype == torch.float32
+    assert sorted(set(router.expert_bias.abs().tolist())) <= [0.0, 0.5]
+
+
 def test_router_dtype_computes_the_logits_in_fp64():
     router = _router(moe_router_dtype="fp64")
     x = torch.randn(4, 2, 16)

@@ -306,6 +306,16 @@ class TopKRouter(torch.nn.Module):
         else:
             self.expert_bias = None
 
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.half()``...: the expert bias and its counts stay float32 (a bf16 bias
+        could not take small update steps, and the checkpoint keeps it in float32)."""
+        module = super()._apply(fn, *args, **kwargs)
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buffer = self._buffers.get(name)
+            if buffer is not None and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return module
+
     def gating(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[s, b, E]``; in training, with ``--moe-input-jitter-eps``,
         the input is first multiplied by noise drawn uniformly from ``[1 - eps, 1 + eps]``."""
