@@ -31,7 +31,8 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     # Sequence and context parallelism come with the parallel state (the layout).
     return GPTModel(config, pstate, pre_process=pre_process,
                     post_process=post_process, parallel_output=True, init_seed=args.seed,
-                    moe_config=configs.moe)
+                    moe_config=configs.moe, mtp_num_layers=args.mtp_num_layers,
+                    mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
 
 
 def get_batch(data_iterator, stage=None):
@@ -123,8 +124,10 @@ def forward_step(data_iterator, model):
     def to_device(tensor):
         return None if tensor is None else tensor.to(dev)
 
+    # The loss mask also reaches the model, for multi-token prediction's loss.
+    extra = {"loss_mask": to_device(loss_mask)} if global_vars.get_args().mtp_num_layers else {}
     output_tensor = model(to_device(tokens), to_device(position_ids), to_device(attention_mask),
-                          labels=to_device(labels))
+                          labels=to_device(labels), **extra)
     return output_tensor, partial(loss_func, to_device(loss_mask))
 
 

@@ -141,10 +141,11 @@ def _movable_group_keys(groups: List[dict], path: str) -> List[Tuple[float, floa
 
 def _grouped_names(trees: List[dict], keys: List[Tuple[float, float]]) -> List[List[Tuple]]:
     """Each group's ``(chunk, name)`` of parameters, in the model's order."""
-    from megatron.checkpoint.optimizer_state import group_key
+    from megatron.checkpoint.optimizer_state import group_key, is_buffer_name
 
     order = [(c, name, value) for c, tree in enumerate(trees)
-             for name, (_, value) in _leaves(tree).items() if isinstance(value, torch.Tensor)]
+             for name, (_, value) in _leaves(tree).items()
+             if isinstance(value, torch.Tensor) and not is_buffer_name(name)]
     return [[(c, name) for c, name, value in order
              if group_key(name, tuple(value.shape)) == key] for key in keys]
 

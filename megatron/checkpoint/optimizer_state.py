@@ -39,13 +39,22 @@ def group_key(name: str, shape) -> GroupKey:
     return (0.0 if no_wd else 1.0, 1.0)
 
 
+# Model state entries that are buffers, not parameters: the optimizer holds nothing for them.
+BUFFER_SUFFIXES = (".expert_bias",)
+
+
+def is_buffer_name(name: str) -> bool:
+    """Whether the dotted state name ``name`` is a buffer (a router's expert bias)."""
+    return name.endswith(BUFFER_SUFFIXES)
+
+
 def param_order(chunk_trees: List[dict]) -> List[Tuple[int, str, Tuple[int, ...]]]:
     """``(chunk, dotted name, shape)`` of every parameter of one rank, in the model's order."""
     out = []
     for chunk, tree in enumerate(chunk_trees):
         for name in dotted_names(tree):
             tensor = lookup_dotted(tree, name)
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and not is_buffer_name(name):
                 out.append((chunk, name, tuple(tensor.shape)))
     return out
 

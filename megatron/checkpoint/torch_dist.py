@@ -162,7 +162,7 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
     for chunk, (tree, layout) in enumerate(zip(trees, layouts)):
         items += model_shards(tree, layout)
         num_local = sum(1 for name in dotted_names(tree) if name.endswith(
-            "input_layernorm.weight") and ".layers." in name)
+            "input_layernorm.weight") and ".layers." in name and not name.startswith("mtp."))
         items += extra_state_objects(layout, num_local, dotted_names(tree))
         if entries is None:
             continue

@@ -11,7 +11,9 @@ from megatron.fused_kernels import ops as fused_ops
 from megatron.model.language_model import (TransformerLanguageModel, parallel_lm_logits,
                                            tie_word_embeddings_over_stages)
 from megatron.model.module import MegatronModule
-from megatron.model.moe import MoEConfig, MoELossTracker
+from megatron.model.moe import MoEConfig, MoELossTracker, attach_aux_loss
+from megatron.model.multi_token_prediction import (MTPLossTracker, MultiTokenPredictionBlock,
+                                                   roll_left)
 from megatron.model.transformer import get_num_layers_and_offset
 
 
@@ -34,6 +36,10 @@ class GPTModel(MegatronModule):
         moe_config: the MoE settings (``--num-experts`` ...), or None for dense MLPs. An MoE
             model keeps its auxiliary-loss tracker in ``moe_tracker`` (the training loop sets
             its gradient scale and logs it).
+        mtp_num_layers: ``--mtp-num-layers``: multi-token prediction depths after the last
+            layer (:mod:`~megatron.model.multi_token_prediction`), in ``mtp``; their losses go
+            through ``mtp_tracker``. Needs one pipeline stage.
+        mtp_loss_scaling_factor: ``--mtp-loss-scaling-factor``.
 
     With context parallelism (``pstate.cp_group`` of more than one rank) every ``[b, s]`` input
     holds this rank's ``s / cp`` tokens of each sequence and the loss is per local token.
@@ -47,9 +53,13 @@ class GPTModel(MegatronModule):
     def __init__(self, config: TransformerConfig, pstate, pre_process: bool = True,
                  post_process: bool = True, parallel_output: bool = True,
                  init_seed: int = 1234, sequence_parallel: Optional[bool] = None,
-                 moe_config: Optional[MoEConfig] = None):
+                 moe_config: Optional[MoEConfig] = None, mtp_num_layers: Optional[int] = None,
+                 mtp_loss_scaling_factor: float = 0.1):
         super().__init__(config)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
+        if mtp_num_layers and pstate.pp_size > 1:
+            raise ValueError("--mtp-num-layers with --pipeline-model-parallel-size > 1 is not "
+                             "supported (the MTP layers need the embedding on the last stage)")
         groups = ModelGroups.of(pstate, sequence_parallel)
         self.tp_group = pstate.tp_group
         self.pre_process = pre_process
@@ -67,11 +77,19 @@ class GPTModel(MegatronModule):
         # stage without MoE layers.
         self.moe_config = None
         if moe_config is not None and moe_config.num_moe_experts is not None:
-            self.moe_tracker = MoELossTracker(config.num_layers)
+            self.moe_tracker = MoELossTracker(config.num_layers + (mtp_num_layers or 0),
+                                              config.num_layers)
             self.moe_config = moe_config
         self.language_model = TransformerLanguageModel(
             config, groups, num_layers, offset, pre_process, post_process, init_seed,
             moe_config=moe_config, moe_tracker=self.moe_tracker)
+        self.mtp = self.mtp_tracker = None
+        self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
+        if mtp_num_layers:
+            self.mtp = MultiTokenPredictionBlock(config, groups, mtp_num_layers,
+                                                 moe_config if self.moe_config else None,
+                                                 self.moe_tracker, init_seed)
+            self.mtp_tracker = MTPLossTracker(mtp_num_layers)
         if self.share_embeddings_and_output_weights:
             tie_word_embeddings_over_stages(self, init_seed)
         # The training logits, written into the same storage every micro-batch (CPU only:
@@ -94,7 +112,7 @@ class GPTModel(MegatronModule):
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: Optional[torch.Tensor],
                 attention_mask: Optional[torch.Tensor],
                 labels: Optional[torch.Tensor] = None,
-                inference_params=None) -> torch.Tensor:
+                inference_params=None, loss_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Run this stage.
 
         Args:
@@ -106,11 +124,14 @@ class GPTModel(MegatronModule):
                 (:class:`~megatron.text_generation.inference_params.InferenceParams`), or None;
                 with it the ``s`` tokens are the ones at positions ``sequence_len_offset ..``
                 and attend over every cached position before them.
+            loss_mask: ``[b, s]``, the tokens the multi-token prediction loss counts (None:
+                all); only read with ``mtp_num_layers``.
 
         Returns:
             On a stage that is not last, hidden states ``[s, b, h]`` (``[s/tp, b, h]`` with SP).
             On the last stage, logits ``[b, s, V/tp]`` (``[b, s, V]`` without
-            ``parallel_output``) when ``labels`` is None, else the per-token loss ``[b, s]``.
+            ``parallel_output``) when ``labels`` is None, else the per-token loss ``[b, s]``
+            (of the main head; in training the MTP loss is attached to it).
         """
         hidden = self.language_model(input_ids, position_ids, attention_mask,
                                      inference_params=inference_params)
@@ -119,19 +140,30 @@ class GPTModel(MegatronModule):
         # Logits that only feed the loss are dead after the output layer's backward.
         buffer = (self._logits_buffer if labels is not None and torch.is_grad_enabled()
                   and hidden.device.type == "cpu" else None)
-        if self.share_embeddings_and_output_weights:
-            logits = parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
-                                        self.tp_group, self.sequence_parallel,
-                                        output_buffer=buffer)                  # [s, b, V/tp]
-        else:
-            logits, _ = self.language_model.output_layer(hidden,
-                                                         output_buffer=buffer)  # [s, b, V/tp]
+        logits = self._head(hidden, buffer)                                  # [s, b, V/tp]
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()                         # [b, s, V/tp]
             if not self.parallel_output:
                 logits = tensor_parallel.gather_from_tensor_model_parallel_region(
                     logits, self.tp_group)                                       # [b, s, V]
             return logits
+        loss = self._per_token_loss(logits, labels)                              # [b, s]
+        if self.mtp is not None and self.training and torch.is_grad_enabled():
+            loss = self._with_mtp_loss(loss, hidden, input_ids, position_ids, attention_mask,
+                                       labels, loss_mask)
+        return loss
+
+    def _head(self, hidden: torch.Tensor, buffer=None) -> torch.Tensor:
+        """``[s, b, h]`` -> logits ``[s, b, V/tp]``."""
+        if self.share_embeddings_and_output_weights:
+            return parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
+                                      self.tp_group, self.sequence_parallel,
+                                      output_buffer=buffer)
+        logits, _ = self.language_model.output_layer(hidden, output_buffer=buffer)
+        return logits
+
+    def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Logits ``[s, b, V/tp]`` and labels ``[b, s]`` -> cross entropy ``[b, s]``."""
         if not self.fp16_lm_cross_entropy and logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         target = labels.transpose(0, 1).contiguous()                             # [s, b]
@@ -145,11 +177,32 @@ class GPTModel(MegatronModule):
                                                                 self.tp_group)  # [s, b]
         return loss.transpose(0, 1).contiguous()                                 # [b, s]
 
+    def _with_mtp_loss(self, loss, hidden, input_ids, position_ids, attention_mask, labels,
+                       loss_mask) -> torch.Tensor:
+        """``loss`` with every depth's scaled MTP loss attached (see the MTP module)."""
+        rotary = None
+        if self.language_model.rotary_pos_emb is not None:
+            rotary = self.language_model.rotary_pos_emb(hidden.size(0))          # [s, 1, 1, d]
+        outputs = self.mtp(input_ids, position_ids, hidden, attention_mask, rotary,
+                           self.language_model.embedding)
+        mask = (torch.ones_like(labels, dtype=torch.float32) if loss_mask is None
+                else loss_mask.float())
+        total = 0.0
+        for depth, output in enumerate(outputs):
+            labels, mask = roll_left(labels), roll_left(mask)
+            per_token = self._per_token_loss(self._head(output), labels)         # [b, s]
+            value = (per_token.float() * mask).sum() / mask.sum()
+            self.mtp_tracker.record(depth, value)
+            total = total + value * (self.mtp_loss_scaling_factor / len(outputs))
+        return attach_aux_loss(loss, total, self.mtp_tracker)
+
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """``{"language_model": {...}, "word_embeddings_for_head": {"weight": ...}}`` as
         Megatron saves it (the second key only on a last stage without an embedding)."""
         state = {"language_model": self.language_model.state_dict_for_save_checkpoint(
             prefix, keep_vars)}
+        if self.mtp is not None:
+            state["mtp"] = self.mtp.state_dict(prefix=prefix, keep_vars=keep_vars)
         if hasattr(self, "word_embeddings_for_head"):
             state["word_embeddings_for_head"] = self.word_embeddings_for_head.state_dict(
                 prefix=prefix, keep_vars=keep_vars)

@@ -18,7 +18,7 @@ from typing import Callable, List, Optional
 
 from megatron.core.config import SOFTMAX_TYPES, ConfigError
 from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BALANCING_TYPES,
-                                       SCORE_FUNCTIONS, parse_moe_layer_freq)
+                                       ROUTER_DTYPES, SCORE_FUNCTIONS, parse_moe_layer_freq)
 from megatron.training.configs import (Configs, build_configs,  # noqa: F401  (re-exported)
                                        build_data_config)
 from megatron.training.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
@@ -490,6 +490,16 @@ def _add_moe_args(parser):
     g.add_argument("--moe-router-score-function", default="softmax", choices=SCORE_FUNCTIONS)
     g.add_argument("--moe-router-pre-softmax", action="store_true")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
+    g.add_argument("--moe-router-num-groups", type=int, default=None,
+                   help="split the experts into this many groups (group-limited routing)")
+    g.add_argument("--moe-router-group-topk", type=int, default=None,
+                   help="each token's experts come from its best this many groups")
+    g.add_argument("--moe-router-enable-expert-bias", action="store_true",
+                   help="aux-loss-free balancing: a per-expert bias on the sigmoid scores "
+                   "picks the experts, moved after each step towards equal load")
+    g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
+    g.add_argument("--moe-router-dtype", default=None, choices=ROUTER_DTYPES,
+                   help="compute the router's logits and probabilities in this precision")
     g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
                    choices=LOAD_BALANCING_TYPES)
     g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
@@ -508,11 +518,20 @@ def _add_moe_args(parser):
                    help="also log load_balancing_loss / z_loss of each MoE layer (TensorBoard)")
 
 
+def _add_mtp_args(parser):
+    g = parser.add_argument_group(title="multi-token prediction")
+    g.add_argument("--mtp-num-layers", type=int, default=None,
+                   help="multi-token prediction depths after the last layer (DeepSeek-V3); "
+                   "depth K predicts the token K + 2 places ahead")
+    g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
+                   help="the MTP losses' weight: their mean over depths is multiplied by it")
+
+
 ARG_GROUP_BUILDERS = [
     _add_network_size_args, _add_regularization_args, _add_training_args,
     _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
     _add_mixed_precision_args, _add_distributed_args, _add_validation_args, _add_data_args,
-    _add_logging_args, _add_profiling_args, _add_moe_args,
+    _add_logging_args, _add_profiling_args, _add_moe_args, _add_mtp_args,
 ]
 
 

@@ -16,6 +16,7 @@ from typing import Dict, List
 import torch
 
 from megatron.core.collectives import all_reduce, get_group_size
+from megatron.model.moe.router import update_expert_biases as update_expert_biases_of
 from megatron.model.moe.tracker import LOSS_NAMES, MoELossTracker
 
 PER_LAYER_PREFIX = "moe/"
@@ -34,12 +35,43 @@ def model_trackers(model_chunks) -> List[MoELossTracker]:
     return trackers
 
 
+def _unwrapped(model_chunks):
+    for chunk in model_chunks:
+        module = chunk
+        while hasattr(module, "module") and not hasattr(module, "mtp_tracker"):
+            module = module.module
+        yield module
+
+
+def mtp_trackers(model_chunks):
+    """The multi-token prediction trackers of the (wrapped) model chunks."""
+    return [m.mtp_tracker for m in _unwrapped(model_chunks)
+            if getattr(m, "mtp_tracker", None) is not None]
+
+
 def set_aux_loss_scale(model_chunks, loss_scale: torch.Tensor, num_microbatches: int) -> None:
-    """The gradient the auxiliary losses start backward with: ``loss_scale / num_microbatches``,
-    the factor of the main loss's gradient."""
+    """The gradient the auxiliary losses (MoE, and multi-token prediction) start backward with:
+    ``loss_scale / num_microbatches``, the factor of the main loss's gradient."""
     scale = float(loss_scale) / num_microbatches
-    for tracker in model_trackers(model_chunks):
+    for tracker in model_trackers(model_chunks) + mtp_trackers(model_chunks):
         tracker.backward_scale = scale
+
+
+def mtp_loss_values(model_chunks, pstate, num_microbatches: int) -> Dict[str, float]:
+    """``mtp_{K} loss`` of this iteration, averaged over data x context-parallel ranks (every
+    rank of the last stage must call it)."""
+    out = {}
+    dp_group = getattr(pstate, "dp_cp_group", pstate.dp_group)
+    for tracker in mtp_trackers(model_chunks):
+        out.update(tracker.report(num_microbatches, dp_group))
+    return out
+
+
+def update_expert_biases(model_chunks, pstate) -> None:
+    """Aux-loss-free balancing after the optimizer step: every router's expert bias moves by
+    the token choices of the step, counted over data x context x tensor-parallel ranks."""
+    groups = (getattr(pstate, "dp_cp_group", pstate.dp_group), pstate.tp_group)
+    update_expert_biases_of(list(_unwrapped(model_chunks)), groups)
 
 
 def aux_loss_values(model_chunks, pstate, num_microbatches: int,
@@ -49,7 +81,7 @@ def aux_loss_values(model_chunks, pstate, num_microbatches: int,
     trackers = model_trackers(model_chunks)
     if not trackers:
         return {}
-    merged = MoELossTracker(trackers[0].num_layers)
+    merged = MoELossTracker(trackers[0].num_layers, trackers[0].num_decoder_layers)
     dev = torch.device("cpu")
     for tracker in trackers:
         for values in tracker.values.values():

@@ -374,6 +374,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
         timers("optimizer", log_level=1).start()
         ok, grad_norm, _ = optimizer.step()
         timers("optimizer", log_level=1).stop()
+    moe_logging.update_expert_biases(model, pstate)
     training_hooks.empty_unused_memory(args, 2)
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).
     loss_scale = training_log.to_float(optimizer.get_loss_scale())
@@ -387,6 +388,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
                                              args.moe_per_layer_logging)
     if pstate.is_last_stage(ignore_virtual=True):
         losses.update(moe_losses)
+        losses.update(moe_logging.mtp_loss_values(model, pstate, calculator.num_micro_batches))
     return losses, not ok, grad_norm, loss_scale
 
 

@@ -373,6 +373,24 @@ def _validate_masking(args) -> None:
 BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
+def _validate_mtp(args) -> None:
+    """Multi-token prediction: the layouts it is built for."""
+    depths = args.mtp_num_layers
+    if depths is None:
+        return
+    if depths < 1:
+        _fail(f"--mtp-num-layers must be >= 1, got {depths}")
+    if args.mtp_loss_scaling_factor < 0:
+        _fail(f"--mtp-loss-scaling-factor must be >= 0, got {args.mtp_loss_scaling_factor}")
+    for flag, value, ok in (
+            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, 1),
+            ("--context-parallel-size", getattr(args, "context_parallel_size", 1), 1)):
+        if value != ok:
+            _fail(f"--mtp-num-layers with {flag} {value} is not supported (only {ok})")
+    if args.sequence_parallel:
+        _fail("--mtp-num-layers with --sequence-parallel is not supported")
+
+
 def _validate_moe(args) -> None:
     """Megatron's checks of the MoE flags."""
     ep = args.expert_model_parallel_size
@@ -465,6 +483,7 @@ def check_flags(args):
     _validate_model(args)
     _validate_parallel(args)
     _validate_moe(args)
+    _validate_mtp(args)
     _validate_batch_and_schedule(args)
     _validate_masking(args)
     _validate_checkpoint_format(args)

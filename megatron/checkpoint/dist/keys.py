@@ -38,6 +38,9 @@ In ``torch_dist``:
 
 =================================================  ==========================================
 ...layers.N.mlp.router.weight                      decoder.layers.mlp.router.weight [L, E, h]
+...layers.N.mlp.router.expert_bias                 decoder.layers.mlp.router.expert_bias
+                                                   [L, E] (fp32 buffer, with
+                                                   ``--moe-router-enable-expert-bias``)
 ...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
 linear_fc1.{weight,bias}                           linear_fc1.{weight,bias} [L, E, ffn, h]
 ...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
@@ -65,6 +68,13 @@ stays). The extra-state entries follow: ``decoder.layers.<g>.<module>._extra_sta
 (an object without sharding axes) and ``decoder.layers.<g>.mlp.experts.experts.linear_fc1.
 _extra_state/shard_<e>_<E>``. :attr:`ChunkLayout.per_layer` (from
 :func:`per_layer_keys`) selects this layout; the default (``--moe-layer-freq 1``) stacks.
+
+Multi-token prediction (``--mtp-num-layers``): depth K's ``mtp.layers.K.{enorm,hnorm,
+final_layernorm}.weight`` [h] and ``mtp.layers.K.eh_proj.weight`` [h, 2h] (split by rows over
+TP) keep their names; its transformer layer, ``mtp.layers.K.transformer_layer.<legacy layer
+name>`` in a chunk's state, is stored as one layer of the per-layer layout under
+``mtp.layers.K.transformer_layer.<Megatron-Core name>`` (no layer axis; the expert axis
+stays), with its extra-state entries likewise, plus ``mtp.layers.K.eh_proj._extra_state``.
 
 How a TP rank's local tensor maps into the global one follows the tensor-parallel split of
 :func:`megatron.convert.megatron_layout.tp_split_rule`: rows (vocabulary, fused QKV whole
@@ -133,7 +143,8 @@ _SWIGLU_SPLIT = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
 _LAYER_NAME = re.compile(r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)")
 
 # Mixture-of-experts layer tensors (the legacy name is Megatron-Core's module name).
-_MOE_KEYS = ("mlp.router.weight", "mlp.shared_experts.linear_fc1.weight",
+_MOE_KEYS = ("mlp.router.weight", "mlp.router.expert_bias",
+             "mlp.shared_experts.linear_fc1.weight",
              "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
 _EXPERT_PREFIX = "mlp.experts.experts."
@@ -297,9 +308,58 @@ def layer_key(legacy_layer_name: str, global_layer: Optional[int] = None) -> str
     return prefix + LAYER_KEYS[legacy_layer_name]
 
 
+# Multi-token prediction (``--mtp-num-layers``): depth K's own tensors keep their keys; its
+# transformer layer is stored like one layer of the per-layer layout, without a layer axis.
+MTP_PREFIX = "mtp.layers."
+_MTP_OWN = re.compile(r"mtp\.layers\.(\d+)\.(enorm|hnorm|final_layernorm|eh_proj)\.(weight|bias)")
+_MTP_LAYER = re.compile(r"mtp\.layers\.(\d+)\.transformer_layer\.(.+)")
+_MTP_SPLIT_DIM = {"eh_proj": 0}
+
+
+def mtp_layer_prefix(depth: int) -> str:
+    """``mtp.layers.<K>.transformer_layer.``: where MTP depth K's transformer layer sits."""
+    return f"{MTP_PREFIX}{depth}.transformer_layer."
+
+
+def _mtp_placements(name: str, local_shape: Tuple[int, ...],
+                    layout: ChunkLayout) -> Optional[List[Placement]]:
+    """The placements of an MTP tensor, or None if ``name`` is not one."""
+    own = _MTP_OWN.fullmatch(name)
+    if own:
+        dim = _MTP_SPLIT_DIM.get(own.group(2))
+        shape, offset = list(local_shape), [0] * len(local_shape)
+        if dim is not None:
+            shape[dim], offset[dim] = local_shape[dim] * layout.tp_size, \
+                local_shape[dim] * layout.tp_rank
+        written = layout.writes_split if dim is not None else layout.writes_replicated
+        return [Placement(name, tuple(shape), tuple(offset), None, 0, written)]
+    inner = _MTP_LAYER.fullmatch(name)
+    if not inner:
+        return None
+    as_layer = dataclasses.replace(layout, num_layers=1, layer_offset=0, per_layer=True)
+    prefix = mtp_layer_prefix(int(inner.group(1)))
+    pieces = placements(f"language_model.encoder.layers.0.{inner.group(2)}", local_shape,
+                        as_layer)
+    return [dataclasses.replace(p, key=prefix + p.key[len(per_layer_prefix(0)):])
+            for p in pieces]
+
+
+def mtp_extra_state_keys(depth: int, experts: Optional[range] = None,
+                         num_experts: Optional[int] = None, dense: bool = True) -> List[str]:
+    """The byte entries of MTP depth ``depth``'s linear modules: its ``eh_proj`` and its
+    transformer layer's (as one layer of the per-layer layout)."""
+    own = [object_key(f"{MTP_PREFIX}{depth}.eh_proj._extra_state")] if dense else []
+    layer = extra_state_keys(0, 1, experts, num_experts, dense=dense, per_layer=True)
+    return own + [mtp_layer_prefix(depth) + key[len(per_layer_prefix(0)):] for key in layer]
+
+
 def is_expert_key(key: str) -> bool:
-    """Whether the model key ``key`` (either layout) is a routed expert's tensor."""
-    return key.startswith(LAYER_PREFIX) and f".{_EXPERT_PREFIX}" in f".{key[len(LAYER_PREFIX):]}"
+    """Whether the model key ``key`` (either layout, or an MTP layer's) is a routed expert's
+    tensor."""
+    for prefix in (LAYER_PREFIX, MTP_PREFIX):
+        if key.startswith(prefix) and f".{_EXPERT_PREFIX}" in f".{key[len(prefix):]}":
+            return True
+    return False
 
 
 def mcore_key(name: str) -> Tuple[str, Optional[int]]:
@@ -317,6 +377,9 @@ def mcore_key(name: str) -> Tuple[str, Optional[int]]:
 def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> List[Placement]:
     """Where the local tensor ``name`` (a legacy dotted name of the chunk's state) of shape
     ``local_shape`` sits in the checkpoint, as one piece (two for SwiGLU's fc1)."""
+    mtp = _mtp_placements(name, tuple(local_shape), layout)
+    if mtp is not None:
+        return mtp
     key, local_layer = mcore_key(name)
     inner = name if local_layer is None else _LAYER_NAME.fullmatch(name).group(2)
     local_shape = tuple(local_shape)

@@ -29,8 +29,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout, Placement,
-                                           extra_state_keys, is_expert_key, is_per_layer_key,
-                                           object_key, per_layer_keys, placements)
+                                           MTP_PREFIX, extra_state_keys, is_expert_key,
+                                           is_per_layer_key, mtp_extra_state_keys, object_key,
+                                           per_layer_keys, placements)
 from megatron.checkpoint.dist.reader import DistCheckpointError, DistCheckpointReader
 from megatron.checkpoint.dist.writer import ObjectShard, TensorShard
 from megatron.model.module import flatten_state_dict
@@ -286,6 +287,26 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
         items += [ObjectShard(fqn, None) for fqn in extra_state_keys(
             layout.layer_offset + local, layout.num_layers, experts, layout.num_experts,
             shared, dense=dense, per_layer=layout.per_layer)]
+    return items + _mtp_extra_state_objects(layout, names)
+
+
+def _mtp_extra_state_objects(layout: ChunkLayout, names: List[str]) -> List[ObjectShard]:
+    """The extra-state entries of the multi-token prediction depths among ``names``."""
+    items = []
+    depths = sorted({int(n.split(".")[2]) for n in names if n.startswith(MTP_PREFIX)})
+    for depth in depths:
+        layer = f"{MTP_PREFIX}{depth}.transformer_layer.mlp."
+        experts = None
+        if f"{layer}router.weight" in names:
+            local = {n.split(".local_experts.")[1].split(".")[0] for n in names
+                     if n.startswith(f"{layer}experts.local_experts.")}
+            experts = range(layout.expert_offset, layout.expert_offset + len(local))
+            if not layout.writes_expert_replicated:
+                experts = range(0)
+        elif not layout.writes_replicated:
+            continue
+        items += [ObjectShard(fqn, None) for fqn in mtp_extra_state_keys(
+            depth, experts, layout.num_experts, dense=layout.writes_replicated)]
     return items
 
 

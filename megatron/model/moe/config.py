@@ -14,6 +14,7 @@ from megatron.core.config import ConfigError
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+ROUTER_DTYPES = ("fp32", "fp64")
 DISPATCHER_TYPES = ("allgather", "alltoall")
 DROP_POLICIES = ("probs", "position")
 
@@ -27,6 +28,11 @@ class MoEConfig:
     moe_router_score_function: str = "softmax"          # softmax | sigmoid
     moe_router_pre_softmax: bool = False                # softmax over all experts, then top-k
     moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None         # experts split into this many groups
+    moe_router_group_topk: Optional[int] = None         # groups a token may choose from
+    moe_router_enable_expert_bias: bool = False         # aux-loss-free balancing (sigmoid)
+    moe_router_bias_update_rate: float = 1e-3
+    moe_router_dtype: Optional[str] = None              # None (the input's) | fp32 | fp64
     moe_router_load_balancing_type: str = "aux_loss"    # aux_loss | seq_aux_loss | sinkhorn | none
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
@@ -72,6 +78,7 @@ class MoEConfig:
             raise ConfigError("--expert-tensor-parallel-size must be >= 1, got "
                               f"{self.expert_tensor_parallel_size}")
         self._check_losses()
+        self._check_router()
         self._check_capacity()
         self._check_sizes()
 
@@ -94,6 +101,36 @@ class MoEConfig:
         factor = self.moe_router_topk_scaling_factor
         if factor is not None and factor <= 0:
             raise ConfigError(f"--moe-router-topk-scaling-factor must be > 0, got {factor}")
+
+    def _check_router(self) -> None:
+        groups, group_topk = self.moe_router_num_groups, self.moe_router_group_topk
+        if (groups is None) != (group_topk is None):
+            raise ConfigError("--moe-router-num-groups and --moe-router-group-topk go together; "
+                              f"got {groups} and {group_topk}")
+        if groups is not None:
+            experts, topk = self.num_moe_experts, self.moe_router_topk
+            if groups < 1 or experts % groups:
+                raise ConfigError(f"--num-experts ({experts}) must be divisible by "
+                                  f"--moe-router-num-groups ({groups})")
+            if not 1 <= group_topk <= groups:
+                raise ConfigError(f"--moe-router-group-topk ({group_topk}) must be between 1 "
+                                  f"and --moe-router-num-groups ({groups})")
+            if topk % group_topk or topk // group_topk > experts // groups:
+                raise ConfigError(f"--moe-router-topk ({topk}) must be a multiple of "
+                                  f"--moe-router-group-topk ({group_topk}) and at most "
+                                  f"{experts // groups} per group")
+            if self.moe_router_load_balancing_type == "sinkhorn":
+                raise ConfigError("--moe-router-num-groups works with the top-k routers, not "
+                                  "--moe-router-load-balancing-type sinkhorn")
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+            raise ConfigError("--moe-router-enable-expert-bias needs "
+                              "--moe-router-score-function sigmoid, got "
+                              f"{self.moe_router_score_function}")
+        if self.moe_router_enable_expert_bias and self.moe_router_bias_update_rate < 0:
+            raise ConfigError("--moe-router-bias-update-rate must be >= 0, got "
+                              f"{self.moe_router_bias_update_rate}")
+        if self.moe_router_dtype is not None:
+            self._check_choice("--moe-router-dtype", self.moe_router_dtype, ROUTER_DTYPES)
 
     def _check_capacity(self) -> None:
         factor = self.moe_expert_capacity_factor

@@ -107,6 +107,7 @@ class MoELayer(MegatronModule):
         """``[s, b, h]`` -> (``[s, b, h]``, None) (``s / tp`` with ``sequence_parallel``)."""
         seq_length, batch, hidden = hidden_states.shape
         probs, routing_map = self.router(hidden_states)                      # [s*b, E] each
+        probs = probs.to(hidden_states.dtype)        # a no-op unless --moe-router-dtype is set
         tokens = hidden_states.reshape(-1, hidden)                           # [s*b, h]
         rows, counts, handle = self.token_dispatcher.dispatch(
             tokens, probs, routing_map, self._capacity(tokens.size(0)))      # [N, h]

@@ -8,6 +8,13 @@
 * sigmoid: the top-k of ``sigmoid(logits)``, divided by their sum when k > 1;
 * ``--moe-router-topk-scaling-factor`` multiplies the result.
 
+``--moe-router-num-groups G --moe-router-group-topk g`` limits each token to the experts of its
+best g of G groups (DeepSeek-V3). ``--moe-router-enable-expert-bias`` (sigmoid only) adds a
+per-expert bias to the scores to choose the experts, not to weigh them; the bias is not
+trained but moved by ``--moe-router-bias-update-rate`` after each step towards equal load
+(:func:`update_expert_biases`). ``--moe-router-dtype fp32|fp64`` computes the router's logits
+and probabilities in that precision.
+
 The chosen experts are listed in descending score order. Load balancing
 (``--moe-router-load-balancing-type``): ``aux_loss`` adds the Switch-Transformer loss
 ``E * sum_e f_e P_e`` (f_e: share of the token choices routed to expert e, P_e: mean over tokens
@@ -36,25 +43,61 @@ from megatron.model.moe.tracker import MoELossTracker, attach_aux_loss
 from megatron.model.utils import init_rng
 
 SINKHORN_TOLERANCE = 1e-4
+ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def _score_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.promote_types(logits.dtype, torch.float32)
 
 
+def group_limited_topk(scores: torch.Tensor, topk: int, num_groups: int,
+                       group_topk: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of ``scores [T, E]`` among the experts of each token's best ``group_topk`` groups.
+
+    The ``E`` experts form ``num_groups`` consecutive groups; a group's score is the sum of its
+    best ``topk / group_topk`` scores; experts outside the token's chosen groups count as
+    ``-inf``. Returns (values, expert ids), each ``[T, k]``, best first."""
+    num_tokens, num_experts = scores.shape
+    grouped = scores.view(num_tokens, num_groups, num_experts // num_groups)
+    group_scores = grouped.topk(topk // group_topk, dim=-1).values.sum(dim=-1)     # [T, G]
+    chosen = torch.topk(group_scores, group_topk, dim=-1).indices                  # [T, g]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, chosen, True)
+    keep = keep.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)  # [T, E]
+    return torch.topk(scores.masked_fill(~keep, float("-inf")), topk, dim=-1)
+
+
+def _topk(scores: torch.Tensor, topk: int, num_groups: Optional[int],
+          group_topk: Optional[int]) -> Tuple[torch.Tensor, torch.Tensor]:
+    if num_groups:
+        return group_limited_topk(scores, topk, num_groups, group_topk)
+    return torch.topk(scores, topk, dim=-1)
+
+
 def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax",
-                 pre_softmax: bool = False, scaling_factor: Optional[float] = None
+                 pre_softmax: bool = False, scaling_factor: Optional[float] = None,
+                 num_groups: Optional[int] = None, group_topk: Optional[int] = None,
+                 expert_bias: Optional[torch.Tensor] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``logits [T, E]`` -> (probabilities ``[T, k]``, expert ids ``[T, k]``), best first."""
+    """``logits [T, E]`` -> (probabilities ``[T, k]``, expert ids ``[T, k]``), best first.
+
+    ``num_groups`` / ``group_topk``: group-limited routing (:func:`group_limited_topk`).
+    ``expert_bias`` ``[E]`` (sigmoid only): added to the scores to choose the experts, never to
+    their probabilities."""
     dtype = _score_dtype(logits)
     if score_function == "softmax":
         if pre_softmax:
-            probs, indices = torch.topk(torch.softmax(logits, dim=-1, dtype=dtype), topk, dim=-1)
+            probs, indices = _topk(torch.softmax(logits, dim=-1, dtype=dtype), topk,
+                                   num_groups, group_topk)
         else:
-            top, indices = torch.topk(logits, topk, dim=-1)
+            top, indices = _topk(logits, topk, num_groups, group_topk)
             probs = torch.softmax(top, dim=-1, dtype=dtype)
     elif score_function == "sigmoid":
-        probs, indices = torch.topk(torch.sigmoid(logits.to(dtype)), topk, dim=-1)
+        scores = torch.sigmoid(logits.to(dtype))
+        if expert_bias is None:
+            probs, indices = _topk(scores, topk, num_groups, group_topk)
+        else:
+            _, indices = _topk(scores + expert_bias.to(dtype), topk, num_groups, group_topk)
+            probs = torch.gather(scores, 1, indices)
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
@@ -239,7 +282,6 @@ class TopKRouter(torch.nn.Module):
                                  f"one rank's tokens; with {why} it would drop other tokens "
                                  "than one rank: drop the flag")
         self.moe_config = moe_config
-        self.moe_config = moe_config
         self.layer_number = layer_number
         self.tracker = tracker
         self.num_experts = moe_config.num_moe_experts
@@ -252,6 +294,27 @@ class TopKRouter(torch.nn.Module):
                                                    dtype=config.params_dtype))
         if self.sp_size > 1:
             self.weight.sequence_parallel = True
+        self.router_dtype = ROUTER_DTYPES.get(moe_config.moe_router_dtype)
+        if moe_config.moe_router_enable_expert_bias:
+            # Megatron-Core's buffers: the bias is saved (``...router.expert_bias``), the token
+            # choices counted since the last bias update are not.
+            self.register_buffer("expert_bias", torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device.current_device()))
+            self.register_buffer("local_tokens_per_expert", torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device.current_device()),
+                persistent=False)
+        else:
+            self.expert_bias = None
+
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.half()``...: the expert bias and its counts stay float32 (a bf16 bias
+        could not take small update steps, and the checkpoint keeps it in float32)."""
+        module = super()._apply(fn, *args, **kwargs)
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buffer = self._buffers.get(name)
+            if buffer is not None and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return module
 
     def gating(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[s, b, E]``; in training, with ``--moe-input-jitter-eps``,
@@ -260,6 +323,8 @@ class TopKRouter(torch.nn.Module):
         if eps is not None and self.training:
             noise = torch.empty_like(hidden_states).uniform_(1.0 - eps, 1.0 + eps)
             hidden_states = hidden_states * noise
+        if self.router_dtype is not None:
+            hidden_states = hidden_states.to(self.router_dtype)
         return torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype))
 
     def _losses_on(self) -> bool:
@@ -345,7 +410,9 @@ class TopKRouter(torch.nn.Module):
         else:
             probs, indices = topk_routing(logits, self.topk, cfg.moe_router_score_function,
                                           cfg.moe_router_pre_softmax,
-                                          cfg.moe_router_topk_scaling_factor)  # [T, k]
+                                          cfg.moe_router_topk_scaling_factor,
+                                          cfg.moe_router_num_groups, cfg.moe_router_group_topk,
+                                          self.expert_bias)                   # [T, k]
             probs = self._with_load_balancing_loss(probs, logits, indices, seq_length, batch)
         probs, routing_map = _scatter_to_experts(probs, indices, self.num_experts)
         if cfg.drops_tokens:
@@ -354,7 +421,44 @@ class TopKRouter(torch.nn.Module):
             routing_map = drop_over_capacity(probs, routing_map, capacity,
                                              cfg.moe_token_drop_policy)
             probs = probs * routing_map
+        if self.expert_bias is not None and torch.is_grad_enabled():
+            with torch.no_grad():
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
         return probs, routing_map
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         return self.route(self.gating(hidden_states))
+
+
+def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor,
+                        rate: float) -> torch.Tensor:
+    """Aux-loss-free balancing: each expert's bias moves by ``rate`` towards balance, up when
+    it took fewer token choices than the mean over experts, down when more (unchanged when
+    equal). ``tokens_per_expert``: ``[..., E]`` counts of one step over all data-parallel
+    ranks; ``expert_bias`` the same shape."""
+    counts = tokens_per_expert.to(expert_bias.dtype)
+    mean = counts.sum(dim=-1, keepdim=True) / counts.size(-1)
+    return expert_bias + torch.sign(mean - counts) * rate
+
+
+def update_expert_biases(modules, groups=()) -> int:
+    """After an optimizer step: update the expert bias of every router (with
+    ``--moe-router-enable-expert-bias``) in ``modules`` from the token choices it counted since
+    the last update, summed over each of ``groups`` in turn (together: every rank of this
+    pipeline stage that routes other tokens, data x context x tensor parallel; ranks routing
+    the same tokens only scale the counts, which leaves the update unchanged), and reset the
+    counts. One all-reduce per group for all the routers. Returns the number of routers
+    updated."""
+    routers = [m for module in modules for m in module.modules()
+               if isinstance(m, TopKRouter) and m.expert_bias is not None]
+    if not routers:
+        return 0
+    counts = torch.stack([r.local_tokens_per_expert for r in routers])       # [R, E]
+    for group in groups:
+        all_reduce(counts, group)
+    with torch.no_grad():
+        for router, count in zip(routers, counts):
+            rate = router.moe_config.moe_router_bias_update_rate
+            router.expert_bias.copy_(updated_expert_bias(router.expert_bias, count, rate))
+            router.local_tokens_per_expert.zero_()
+    return len(routers)

@@ -34,10 +34,13 @@ class MoELossTracker:
     pipeline group gathers them before :meth:`report`.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, num_decoder_layers: Optional[int] = None):
         if num_layers < 1:
             raise ValueError(f"MoELossTracker needs num_layers >= 1, got {num_layers}")
         self.num_layers = num_layers
+        # Layers past the decoder's (multi-token prediction) are logged, and summed into the
+        # average, but Megatron divides that sum by the decoder's MoE layers only.
+        self.num_decoder_layers = num_layers if num_decoder_layers is None else num_decoder_layers
         self.backward_scale = 1.0
         self.values: Dict[str, torch.Tensor] = {}
         self.recorded: Dict[str, torch.Tensor] = {}
@@ -63,13 +66,18 @@ class MoELossTracker:
 
     def report(self, num_microbatches: int = 1, per_layer: bool = False) -> Dict[str, float]:
         """The logged values: for each name, the mean over the layers that recorded it of the
-        per-micro-batch mean (Megatron's ``load_balancing_loss`` of the log line). With
+        per-micro-batch mean (Megatron's ``load_balancing_loss`` of the log line; with
+        multi-token prediction layers, the sum over all recorded layers divided by the
+        decoder's recorded ones, as Megatron logs it). With
         ``per_layer`` (``--moe-per-layer-logging``) also ``{name}_layer_{n}`` for each of them."""
         out = {}
         for name in self.values:
             mask = self.recorded[name] > 0
             per_microbatch = self.values[name] / num_microbatches
-            if mask.any():
+            if mask.any() and self.num_decoder_layers < self.num_layers:
+                decoder = int(mask[:self.num_decoder_layers].sum())
+                out[name] = float(per_microbatch[mask].sum() / max(decoder, 1))
+            elif mask.any():
                 out[name] = float(per_microbatch[mask].mean())
             if per_layer:
                 for index in mask.nonzero().flatten().tolist():

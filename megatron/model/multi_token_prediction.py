@@ -1,0 +1,143 @@
+"""Multi-token prediction (``--mtp-num-layers``, DeepSeek-V3), as Megatron-Core builds it.
+
+Depth K (0-based) predicts the token K + 2 places ahead. Its input is the hidden state the
+previous depth produced (depth 0: the main model's, after its final norm) and the embedding of
+the input tokens shifted left K + 1 places; each goes through its own norm, the two are
+concatenated (embedding first) and projected back to the hidden size, then one transformer
+layer and a final norm. The main model's output head turns the result into logits. Module and
+parameter names follow Megatron-Core (``mtp.layers.K.enorm``, ``hnorm``, ``eh_proj``,
+``transformer_layer``, ``final_layernorm``), so checkpoint keys map one to one.
+
+Training loss: depth K's cross entropy against the labels shifted left K + 1 places, masked by
+the loss mask shifted the same way (the vacated last places count as masked), averaged over
+the unmasked tokens, times ``--mtp-loss-scaling-factor / --mtp-num-layers``. Like the MoE
+auxiliary losses it is not added to the returned loss: it is attached to it
+(:func:`~megatron.model.moe.tracker.attach_aux_loss`), so it reaches the gradients with the
+main loss's scale (``backward_scale`` of :class:`MTPLossTracker`) and the logged ``lm loss``
+stays the main head's. The unscaled per-depth values are logged as ``mtp_{K+1} loss``.
+"""
+
+import dataclasses
+from typing import Dict, List, Optional
+
+import torch
+
+from megatron.core import tensor_parallel
+from megatron.core.collectives import all_reduce, get_group_size
+from megatron.core.config import TransformerConfig
+from megatron.core.parallel_state import ModelGroups
+from megatron.core.utils import get_init_method
+from megatron.model.module import MegatronModule
+from megatron.model.moe import MoEConfig, MoELossTracker
+from megatron.model.norms import get_norm
+from megatron.model.transformer import ParallelTransformerLayer
+from megatron.model.utils import init_rng
+
+
+def roll_left(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor [..., s]`` shifted left by one place along its last dim, the last place 0."""
+    rolled = torch.roll(tensor, shifts=-1, dims=-1)
+    rolled[..., -1] = 0
+    return rolled
+
+
+class MTPLossTracker:
+    """The per-depth MTP losses of an iteration (summed over micro-batches) and the gradient
+    scale of the attached losses (set by the training loop, as for the MoE trackers)."""
+
+    def __init__(self, num_depths: int):
+        self.num_depths = num_depths
+        self.backward_scale = 1.0
+        self.values: Optional[torch.Tensor] = None
+
+    def record(self, depth: int, value: torch.Tensor) -> None:
+        if self.values is None:
+            self.values = torch.zeros(self.num_depths, dtype=torch.float64, device=value.device)
+        self.values[depth] += value.detach().to(torch.float64)
+
+    def report(self, num_microbatches: int = 1, group=None) -> Dict[str, float]:
+        """``{"mtp_1 loss": ...}``: per depth, the mean over micro-batches, averaged over
+        ``group`` (the data x context-parallel ranks; every rank must call it). Clears."""
+        if self.values is None:
+            return {}
+        values = all_reduce(self.values.clone(), group) / get_group_size(group)
+        self.values = None
+        return {f"mtp_{k + 1} loss": float(v) / num_microbatches
+                for k, v in enumerate(values.tolist())}
+
+
+def mtp_moe_config(moe_config: Optional[MoEConfig], num_layers: int) -> Optional[MoEConfig]:
+    """The MoE settings of the MTP layers: Megatron-Core gives them the last decoder layer's
+    kind, MoE or dense."""
+    if moe_config is None or not moe_config.is_moe_layer(num_layers):
+        return None
+    return dataclasses.replace(moe_config, moe_layer_freq=1)
+
+
+class MultiTokenPredictionLayer(MegatronModule):
+    """One depth: ``[s, b, h]`` hidden and embedded shifted tokens -> ``[s, b, h]``.
+
+    Args:
+        config: the transformer config.
+        groups: the model's process groups; sequence parallelism is not supported.
+        depth: 0-based depth; its transformer layer is global layer ``num_layers + depth + 1``
+            (MoE logging, initialisation seeds).
+        moe_config / moe_tracker: see :func:`mtp_moe_config`.
+        init_seed: the model's initialisation seed.
+    """
+
+    def __init__(self, config: TransformerConfig, groups: ModelGroups, depth: int,
+                 moe_config: Optional[MoEConfig] = None,
+                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+        super().__init__(config)
+        with init_rng(init_seed, f"mtp.{depth}"):
+            self.enorm = get_norm(config)
+            self.hnorm = get_norm(config)
+            self.eh_proj = tensor_parallel.ColumnParallelLinear(
+                2 * config.hidden_size, config.hidden_size, init_method=get_init_method(config),
+                tp_group=groups.tp_group, bias=False, gather_output=True,
+                params_dtype=config.params_dtype)
+            self.final_layernorm = get_norm(config)
+        with init_rng(init_seed, f"layer.{config.num_layers + depth}"):
+            self.transformer_layer = ParallelTransformerLayer(
+                config, config.num_layers + depth + 1, groups, moe_config=moe_config,
+                moe_tracker=moe_tracker, init_seed=init_seed)
+
+    def forward(self, hidden_states: torch.Tensor, embedded: torch.Tensor,
+                attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+        both = torch.cat([self.enorm(embedded), self.hnorm(hidden_states)], dim=-1)  # [s, b, 2h]
+        projected, _ = self.eh_proj(both)                                            # [s, b, h]
+        output = self.transformer_layer(projected, attention_mask, rotary_pos_emb)   # [s, b, h]
+        return self.final_layernorm(output)
+
+
+class MultiTokenPredictionBlock(MegatronModule):
+    """``--mtp-num-layers`` depths, run one after the other (module name ``layers``)."""
+
+    def __init__(self, config: TransformerConfig, groups: ModelGroups, num_depths: int,
+                 moe_config: Optional[MoEConfig] = None,
+                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+        super().__init__(config)
+        if groups.sequence_parallel or get_group_size(groups.cp_group) > 1:
+            raise ValueError("--mtp-num-layers is not supported with --sequence-parallel or "
+                             "--context-parallel-size > 1")
+        layer_moe = mtp_moe_config(moe_config, config.num_layers)
+        self.layers = torch.nn.ModuleList(
+            MultiTokenPredictionLayer(config, groups, k, layer_moe, moe_tracker, init_seed)
+            for k in range(num_depths))
+
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
+                hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor], embedding) -> List[torch.Tensor]:
+        """Each depth's output ``[s, b, h]``; ``input_ids`` / ``position_ids`` ``[b, s]`` are
+        the main model's, ``embedding`` its embedding module."""
+        outputs = []
+        for layer in self.layers:
+            input_ids = roll_left(input_ids)
+            if position_ids is not None:
+                position_ids = roll_left(position_ids)
+            embedded = embedding(input_ids, position_ids)                    # [s, b, h]
+            hidden_states = layer(hidden_states, embedded, attention_mask, rotary_pos_emb)
+            outputs.append(hidden_states)
+        return outputs
