@@ -118,6 +118,7 @@ def parse_entry_flags(argv, extra_args_provider, args_defaults, before_validatio
     try:
         if args.use_checkpoint_args:
             checkpointing.load_args_from_checkpoint(args)
+        checkpointing.null_tokenizer_eod_from_checkpoint(args)
         if before_validation is not None:
             before_validation(args)
         validate_args(args)

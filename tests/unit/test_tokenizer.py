@@ -177,10 +177,12 @@ def test_build_sets_padding_once(capsys):
 
 
 def test_null_tokenizer():
+    """Today's Megatron: --vocab-size N gives N ids, the last one the end of document."""
     args = namespace(tokenizer_type="NullTokenizer", vocab_size=1000)
     tokenizer = build_tokenizer(args)
-    assert tokenizer.vocab_size == 1001 and tokenizer.eod == 1000 == tokenizer.vocab_size - 1
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.eos) == (1000, 999, 999)
     assert args.padded_vocab_size == 1024
+    assert args.null_tokenizer_eod_id == 999        # recorded, so a checkpoint says which
     assert tokenizer.tokenize("3 1 4 1 5") == [3, 1, 4, 1, 5]
     assert tokenizer.tokenize("") == []
     assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
@@ -196,9 +198,33 @@ def test_null_tokenizer_with_an_end_of_document_id_counts_it_in_the_vocabulary()
     assert (tokenizer.vocab_size, tokenizer.eod) == (200, 199)
     args = namespace(tokenizer_type="NullTokenizer", vocab_size=200, null_tokenizer_eod_id=7)
     assert build_tokenizer(args).eod == 7
-    with pytest.raises(ValueError, match="--null-tokenizer-eod-id 200 .*--vocab-size 200"):
+    # The end of document appended after the data ids: the older convention.
+    args = namespace(tokenizer_type="NullTokenizer", vocab_size=199, null_tokenizer_eod_id=199)
+    assert (build_tokenizer(args).vocab_size, args.null_tokenizer_eod_id) == (200, 199)
+    with pytest.raises(ValueError, match="--null-tokenizer-eod-id 201 .*--vocab-size 200"):
         build_tokenizer(namespace(tokenizer_type="NullTokenizer", vocab_size=200,
-                                  null_tokenizer_eod_id=200))
+                                  null_tokenizer_eod_id=201))
+
+
+@pytest.mark.parametrize("fields, convention", [
+    # This project before it recorded the id, and Megatron's legacy tokenizer: appended.
+    (dict(vocab_size=199, null_tokenizer_eod_id=None), (200, 199)),
+    (dict(vocab_size=199), (200, 199)),
+    # Megatron-Core's tokenizers (their args carry null_tokenizer_pad_id): within.
+    (dict(vocab_size=200, null_tokenizer_pad_id=-1), (200, 199)),
+    # Recorded explicitly: as recorded.
+    (dict(vocab_size=200, null_tokenizer_eod_id=199), (200, 199)),
+    (dict(vocab_size=200, null_tokenizer_eod_id=200), (201, 200)),
+])
+def test_null_tokenizer_of_saved_args_keeps_the_convention_they_were_written_with(fields,
+                                                                                  convention):
+    from megatron.training import checkpointing
+
+    saved = argparse.Namespace(tokenizer_type="NullTokenizer", **fields)
+    args = checkpointing.megatron_args(saved)
+    args.rank = 1
+    tokenizer = build_tokenizer(args)
+    assert (tokenizer.vocab_size, tokenizer.eod) == convention
 
 
 @pytest.mark.parametrize("folder", ["legacy_tp1", "mcore_dist_tp1"])
