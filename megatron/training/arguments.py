@@ -157,6 +157,11 @@ def _add_training_args(parser):
     g.add_argument("--loss-spike-factor", type=float, default=2.0)
     g.add_argument("--loss-spike-window", type=int, default=20)
     g.add_argument("--skip-train", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the mean over every unmasked token of the global batch "
+                   "(all micro-batches and data-parallel ranks), not the mean of per-micro-batch "
+                   "means; gradients are summed over data-parallel ranks and divided by the "
+                   "global token count")
 
 
 def _add_initialization_args(parser):
