@@ -2,7 +2,9 @@
 
 ``args`` is any namespace carrying Megatron's attribute names: ``tokenizer_type``, ``vocab_file``,
 ``merge_file``, ``tokenizer_model``, ``vocab_size``, ``vocab_extra_ids``,
-``make_vocab_size_divisible_by``, ``tensor_model_parallel_size`` and ``rank``.
+``make_vocab_size_divisible_by``, ``tensor_model_parallel_size`` and ``rank``; for TikTokenizer
+also ``tiktoken_pattern``, ``tiktoken_num_special_tokens`` and ``special_tokens``; for
+NullTokenizer ``null_tokenizer_eod_id``.
 """
 
 import importlib.util
@@ -20,7 +22,7 @@ _NULL_TOKEN_ID = re.compile(r"[+-]?[0-9]{1,18}")
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer")
+                   "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
 
 
 class NullTokenizer(MegatronTokenizer):
@@ -152,6 +154,17 @@ def _create(args) -> MegatronTokenizer:
         from megatron.tokenizer.huggingface import HuggingFaceTokenizer
 
         return HuggingFaceTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"))
+    if kind == "TikTokenizer":
+        from megatron.tokenizer.tiktoken_tokenizer import TikTokenizer
+
+        pattern = getattr(args, "tiktoken_pattern", None)
+        if pattern is None:
+            raise ValueError("--tiktoken-pattern v1|v2 is required for --tokenizer-type "
+                             "TikTokenizer")
+        return TikTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"), pattern,
+                            vocab_size=getattr(args, "vocab_size", None),
+                            num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
+                            special_tokens=getattr(args, "special_tokens", None))
     if kind == "NullTokenizer":
         tokenizer = NullTokenizer(_require(args, "vocab_size", "--vocab-size", must_exist=False),
                                   getattr(args, "null_tokenizer_eod_id", None))

@@ -154,7 +154,8 @@ def test_split_sentences(tmp_path, corpus, documents, gpt2):
 def test_null_tokenizer_int32_and_uint16(tmp_path):
     path = tmp_path / "ids.jsonl"
     path.write_text(json.dumps({"text": "5 3 99999"}) + "\n" + json.dumps({"text": "1"}) + "\n")
-    assert preprocess(path, tmp_path / "big", "--vocab-size", "100000", "--append-eod",
+    # --vocab-size N: ids 0..N-1, the last one the end of document.
+    assert preprocess(path, tmp_path / "big", "--vocab-size", "100001", "--append-eod",
                       keys=("text",), tokenizer=("NullTokenizer",)) == 0
     ds = IndexedDataset(str(tmp_path / "big_text_document"))
     assert ds.dtype == np.int32
