@@ -154,24 +154,26 @@ def test_per_token_loss_over_data_parallel_ranks_matches_float64(corpus, micro_b
     assert results[0][0]["lm loss"] == pytest.approx(single[0]["lm loss"], abs=LOSS_ATOL)
 
 
-def _pipeline_losses(corpus, pp, vp_layers):
+def _layout_losses(corpus, ranks, layout=()):
     from tests.functional.gpt_runs import run_pretrain
 
-    extra = ["--num-layers", "4", "--pipeline-model-parallel-size", str(pp),
-             "--calculate-per-token-loss", "--eod-mask-loss"]
-    if vp_layers is not None:
-        extra += ["--num-layers-per-virtual-pipeline-stage", str(vp_layers)]
+    extra = ["--num-layers", "4", "--calculate-per-token-loss", "--eod-mask-loss"] + list(layout)
     argv = gpt_flags(corpus, 4, micro_batch=1, global_batch=4, dropout=0.0, extra=extra)
-    return [loss for _, loss in run_on_ranks(run_pretrain, pp, argv)[-1]["losses"]]
+    return [loss for _, loss in run_on_ranks(run_pretrain, ranks, argv)[-1]["losses"]]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("vp_layers", [None, 1], ids=["1f1b", "interleaved"])
-def test_per_token_loss_with_pipeline_stages_trains_as_one_process(corpus, vp_layers):
-    """The token count lives on the last stage; every stage must divide its gradients by it.
-    Four iterations: the later losses follow from the earlier steps' gradients on both
-    stages (a stage left undivided moves them by far more than the tolerance)."""
-    single = _pipeline_losses(corpus, 1, None)
-    staged = _pipeline_losses(corpus, 2, vp_layers)
-    assert len(staged) == len(single) == 4
-    assert staged == pytest.approx(single, rel=1e-5)
+@pytest.mark.parametrize("layout", [
+    ["--pipeline-model-parallel-size", "2"],
+    ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+    ["--context-parallel-size", "2"],
+], ids=["1f1b", "interleaved", "context-parallel"])
+def test_per_token_loss_in_other_layouts_trains_as_one_process(corpus, layout):
+    """Pipeline stages: the token count lives on the last stage, and every stage must divide
+    its gradients by it. Context parallelism: each rank counts its part of every sequence.
+    Four iterations: the later losses follow from the earlier steps' gradients on every rank
+    (a rank left undivided moves them by far more than the tolerance)."""
+    single = _layout_losses(corpus, 1)
+    other = _layout_losses(corpus, 2, layout)
+    assert len(other) == len(single) == 4
+    assert other == pytest.approx(single, rel=1e-5)
