@@ -276,18 +276,25 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
 
 
 def null_tokenizer_eod_from_checkpoint(args) -> argparse.Namespace:
-    """A NullTokenizer run that resumes from --load keeps the end-of-document id (and so the
-    number of ids) its checkpoint was written with, unless --null-tokenizer-eod-id says
-    otherwise: ``--vocab-size V`` means V + 1 ids with the end of document V in Megatron's
-    legacy tokenizer and in this project's older checkpoints, V ids with V - 1 today.
+    """A NullTokenizer run that starts from a checkpoint (--load, else
+    --pretrained-checkpoint) keeps the end-of-document id, and so the number of ids, that
+    checkpoint was written with, unless --null-tokenizer-eod-id says otherwise: ``--vocab-size
+    V`` meant V + 1 ids with the end of document V in Megatron's legacy tokenizer and in this
+    project's older checkpoints, and means V ids with V - 1 today.
 
-    Nothing changes without --load, or when the tracker is missing (a fresh run that will
-    save there), or when the checkpoint was not written for the same --vocab-size.
+    Nothing changes without a checkpoint there yet (a fresh run), or when the checkpoint was
+    not written for the same --vocab-size.
     """
-    if (getattr(args, "tokenizer_type", None) != "NullTokenizer" or not args.load
-            or args.null_tokenizer_eod_id is not None or read_tracker(args.load) is None):
+    if (getattr(args, "tokenizer_type", None) != "NullTokenizer"
+            or args.null_tokenizer_eod_id is not None):
         return args
-    saved = _saved_args_in(args.load, f"--load {args.load}")
+    folders = [(args.load, "--load"),
+               (getattr(args, "pretrained_checkpoint", None), "--pretrained-checkpoint")]
+    found = [(f, flag) for f, flag in folders if f and read_tracker(f) is not None]
+    if not found:
+        return args
+    folder, flag = found[0]
+    saved = _saved_args_in(folder, f"{flag} {folder}")
     if (getattr(saved, "tokenizer_type", None) == "NullTokenizer"
             and getattr(saved, "vocab_size", None) == args.vocab_size):
         args.null_tokenizer_eod_id = getattr(saved, "null_tokenizer_eod_id", None)

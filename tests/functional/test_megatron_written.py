@@ -487,3 +487,14 @@ def test_generation_server_serves_a_megatron_checkpoint(tmp_path):
                                         "top_k": 1})
     assert status == 200, body
     assert body["text"][0].split()[-1] == str(want)
+
+
+def test_null_tokenizer_ids_follow_a_pretrained_checkpoint(tmp_path):
+    """--pretrained-checkpoint with an empty --load (a finetuning start): the same rule."""
+    from megatron.training.training import parse_entry_flags
+    from megatron.tokenizer import build_tokenizer
+
+    argv = megatron_argv("legacy_tp1") + ["--device", "cpu", "--load", str(tmp_path),
+                                          "--pretrained-checkpoint", fixture_dir("legacy_tp1")]
+    tokenizer = build_tokenizer(parse_entry_flags(argv, None, None))
+    assert (tokenizer.vocab_size, tokenizer.eod) == (200, 199)
