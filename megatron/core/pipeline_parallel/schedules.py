@@ -11,8 +11,9 @@ of the mean over the global batch); a loss given as a sum is first divided by it
 or, with ``calculate_per_token_loss``, left a sum (``--calculate-per-token-loss``: the tokens of
 all micro-batches are counted into the returned :class:`MicroBatchLosses`' ``num_tokens``, and
 ``finalize_model_grads`` divides the gradients by their total over the data-parallel ranks).
-Then the loss is scaled for fp16 through ``grad_scale_func`` and backward runs; gradient reduction across data-parallel ranks is deferred through ``no_sync_func``
-until the last micro-batch of each model chunk. Only the last pipeline stage computes losses, so
+Then the loss is scaled for fp16 through ``grad_scale_func`` and backward runs; gradient
+reduction across data-parallel ranks is deferred through ``no_sync_func`` until the last
+micro-batch of each model chunk. Only the last pipeline stage computes losses, so
 only there is the returned list of logged values non-empty.
 
 Three schedules, chosen by :func:`get_forward_backward_func`:
