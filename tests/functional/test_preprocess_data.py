@@ -165,6 +165,11 @@ def test_null_tokenizer_int32_and_uint16(tmp_path):
                       tokenizer=("NullTokenizer",)) == 0
     ds = IndexedDataset(str(tmp_path / "small_text_document"))
     assert ds.dtype == np.uint16 and ds[0].tolist() == [5, 3, 9]
+    # The end of document appended after the data ids (the older convention), by flag.
+    assert preprocess(path, tmp_path / "older", "--vocab-size", "100", "--append-eod",
+                      "--null-tokenizer-eod-id", "100", keys=("text",),
+                      tokenizer=("NullTokenizer",)) == 0
+    assert IndexedDataset(str(tmp_path / "older_text_document"))[0].tolist() == [5, 3, 9, 100]
 
 
 BAD_LINES = {
