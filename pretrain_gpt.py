@@ -94,6 +94,8 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
     pstate = global_vars.get_parallel_state()
     losses = output_tensor.float().view(-1)          # [b * s]
     mask = loss_mask.view(-1).float()
+    if global_vars.get_args().calculate_per_token_loss:
+        return per_token_loss(losses, mask)
     if pstate.cp_size > 1:
         local_sum = torch.sum(losses * mask)
         totals = torch.stack([local_sum.detach(), mask.sum()])
@@ -108,6 +110,15 @@ def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
         dist.all_reduce(averaged, group=pstate.dp_group)
         averaged /= pstate.dp_size
     return loss, {"lm loss": averaged}
+
+
+def per_token_loss(losses: torch.Tensor, mask: torch.Tensor):
+    """--calculate-per-token-loss: the masked sum of this rank's per-token losses and the number
+    of tokens it counts, as Megatron returns them; the schedule and the gradient reduction divide
+    by the count over the whole global batch, and the log shows sum / count over it too."""
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), mask.sum().detach()])}
 
 
 def forward_step(data_iterator, model):

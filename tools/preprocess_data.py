@@ -81,7 +81,17 @@ def get_args(argv=None) -> argparse.Namespace:
                        help="SentencePiece model, or tokenizer.json / its folder for HuggingFace")
     group.add_argument("--vocab-file", type=str, default=None)
     group.add_argument("--merge-file", type=str, default=None)
-    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="for NullTokenizer, and TikTokenizer (default 2**17)")
+    group.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                       help="NullTokenizer: the end-of-document id (default --vocab-size - 1)")
+    group.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
+                       help="for TikTokenizer: the pre-tokenization regex")
+    group.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                       help="for TikTokenizer: ids 0..N-1 are special tokens")
+    group.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", type=str,
+                       nargs="+", default=None, dest="special_tokens",
+                       help="for TikTokenizer: the first special tokens, in id order")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to each document")
     group.add_argument("--lang", type=str, default="english",

@@ -245,26 +245,59 @@ def _load_dist(iter_dir, iteration, release, model_chunks, optimizer, opt_param_
     return iteration
 
 
-def load_args_from_checkpoint(args) -> argparse.Namespace:
-    """--use-checkpoint-args: take the model-shape flags from the checkpoint in --load."""
-    if not args.load:
-        raise CheckpointError("--use-checkpoint-args needs --load")
-    tracked = read_tracker(args.load)
+def _saved_args_in(load_dir: str, what: str) -> argparse.Namespace:
+    """The args saved in the checkpoint ``load_dir``'s tracker names, in this project's
+    conventions (:func:`megatron_args`); ``what`` names the flag that asked, for errors."""
+    tracked = read_tracker(load_dir)
     if tracked is None:
-        raise CheckpointError(f"--use-checkpoint-args: no {TRACKER_FILENAME} in {args.load}")
+        raise CheckpointError(f"{what}: no {TRACKER_FILENAME} in {load_dir}")
     iteration, release = tracked
-    iter_dir = iteration_dir(args.load, iteration, release)
+    iter_dir = iteration_dir(load_dir, iteration, release)
     if is_dist_checkpoint(iter_dir):
-            saved = megatron_args(torch_dist.saved_args(iter_dir))
+        saved = megatron_args(torch_dist.saved_args(iter_dir))
     else:
         _, saved_pp, saved_ep = saved_sizes(iter_dir)
         saved = megatron_args(load_state_file(rank_file_in(iter_dir, 0, 0, saved_pp, 0,
                                                             saved_ep)).get("args"))
     if saved is None:
         raise CheckpointError(f"{iter_dir}: the checkpoint holds no args")
+    return saved
+
+
+def load_args_from_checkpoint(args) -> argparse.Namespace:
+    """--use-checkpoint-args: take the model-shape flags from the checkpoint in --load."""
+    if not args.load:
+        raise CheckpointError("--use-checkpoint-args needs --load")
+    saved = _saved_args_in(args.load, "--use-checkpoint-args")
     for name in CHECKPOINT_ARGS:
         if hasattr(saved, name):
             setattr(args, name, getattr(saved, name))
+    return args
+
+
+def null_tokenizer_eod_from_checkpoint(args) -> argparse.Namespace:
+    """A NullTokenizer run that starts from a checkpoint (--load, else
+    --pretrained-checkpoint) keeps the end-of-document id, and so the number of ids, that
+    checkpoint was written with, unless --null-tokenizer-eod-id says otherwise: ``--vocab-size
+    V`` meant V + 1 ids with the end of document V in Megatron's legacy tokenizer and in this
+    project's older checkpoints, and means V ids with V - 1 today.
+
+    Nothing changes without a checkpoint there yet (a fresh run), or when the checkpoint was
+    not written for the same --vocab-size.
+    """
+    if (getattr(args, "tokenizer_type", None) != "NullTokenizer"
+            or args.null_tokenizer_eod_id is not None):
+        return args
+    folders = [(args.load, "--load"),
+               (getattr(args, "pretrained_checkpoint", None), "--pretrained-checkpoint")]
+    found = [(f, flag) for f, flag in folders if f and read_tracker(f) is not None]
+    if not found:
+        return args
+    folder, flag = found[0]
+    saved = _saved_args_in(folder, f"{flag} {folder}")
+    if (getattr(saved, "tokenizer_type", None) == "NullTokenizer"
+            and getattr(saved, "vocab_size", None) == args.vocab_size):
+        args.null_tokenizer_eod_id = getattr(saved, "null_tokenizer_eod_id", None)
     return args
 
 

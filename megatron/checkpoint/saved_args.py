@@ -115,8 +115,9 @@ def megatron_args(saved: Optional[argparse.Namespace]) -> Optional[argparse.Name
     ``--group-query-attention`` it stores ``num_query_groups`` = 1 (here: the number of heads);
     older files spell rotary embeddings ``use_rotary_position_embeddings`` and the norm epsilon
     ``layernorm_epsilon``, and may lack ``kv_channels`` / ``ffn_hidden_size`` (derived from the
-    hidden size); a ``NullTokenizer`` of Megatron-Core's tokenizers counts its end-of-document
-    id within ``vocab_size`` (``null_tokenizer_eod_id`` is set to say so). Megatron's own
+    hidden size); a ``NullTokenizer``'s end-of-document id is set explicitly
+    (``null_tokenizer_eod_id``): within ``vocab_size`` for Megatron-Core's tokenizers, after it
+    for older writers. Megatron's own
     classes (``model_type`` and other enums, read as
     :class:`~megatron.checkpoint.safe_unpickle.StandIn`) are dropped: they are not flags here.
     """
@@ -131,11 +132,14 @@ def megatron_args(saved: Optional[argparse.Namespace]) -> Optional[argparse.Name
         fields["position_embedding_type"] = "rope"
     if fields.get("norm_epsilon") is None and fields.get("layernorm_epsilon") is not None:
         fields["norm_epsilon"] = fields["layernorm_epsilon"]
-    if (fields.get("tokenizer_type") == "NullTokenizer" and "null_tokenizer_pad_id" in fields
+    if (fields.get("tokenizer_type") == "NullTokenizer"
             and fields.get("null_tokenizer_eod_id") is None and fields.get("vocab_size")):
         # Megatron-Core's tokenizers (their arguments carry null_tokenizer_pad_id): the
-        # vocabulary is --vocab-size ids, the last one the end of document.
-        fields["null_tokenizer_eod_id"] = int(fields["vocab_size"]) - 1
+        # vocabulary is --vocab-size ids, the last one the end of document. Without that
+        # field (Megatron's legacy tokenizer, this project before it recorded the id): the
+        # end of document was appended after them.
+        size = int(fields["vocab_size"])
+        fields["null_tokenizer_eod_id"] = size - 1 if "null_tokenizer_pad_id" in fields else size
     hidden = fields.get("hidden_size")
     if hidden and heads and fields.get("kv_channels") is None:
         fields["kv_channels"] = hidden // heads

@@ -2,7 +2,9 @@
 
 ``args`` is any namespace carrying Megatron's attribute names: ``tokenizer_type``, ``vocab_file``,
 ``merge_file``, ``tokenizer_model``, ``vocab_size``, ``vocab_extra_ids``,
-``make_vocab_size_divisible_by``, ``tensor_model_parallel_size`` and ``rank``.
+``make_vocab_size_divisible_by``, ``tensor_model_parallel_size`` and ``rank``; for TikTokenizer
+also ``tiktoken_pattern``, ``tiktoken_num_special_tokens`` and ``special_tokens``; for
+NullTokenizer ``null_tokenizer_eod_id``.
 """
 
 import importlib.util
@@ -20,31 +22,32 @@ _NULL_TOKEN_ID = re.compile(r"[+-]?[0-9]{1,18}")
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "HuggingFaceTokenizer", "NullTokenizer")
+                   "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
 
 
 class NullTokenizer(MegatronTokenizer):
     """Megatron's ``NullTokenizer``: text is token ids written as space-separated integers.
 
-    Two conventions, as Megatron has had them:
-
-    * ``eod_id`` None (Megatron's legacy tokenizer): ``--vocab-size V`` gives ids 0..V-1 for
-      data and V for end-of-document, so ``vocab_size`` is V + 1 and ``eod`` is V.
-    * ``eod_id`` given (``--null-tokenizer-eod-id``, Megatron-Core's tokenizers): ``vocab_size``
-      is V, the end-of-document id among them.
+    ``--vocab-size V`` gives V ids, as today's Megatron has it; the end-of-document id is
+    ``eod_id`` (``--null-tokenizer-eod-id``), by default V - 1. ``eod_id`` == V is the older
+    convention (Megatron's legacy tokenizer, and this project's checkpoints written before
+    the change): the data ids are 0..V-1 and the end of document is appended as V, so the
+    vocabulary holds V + 1 ids. A checkpoint's saved args say which one it was written with
+    (:func:`megatron.checkpoint.saved_args.megatron_args`).
     """
 
     def __init__(self, vocab_size: int, eod_id: Optional[int] = None):
         super().__init__("Null")
-        if eod_id is None:
-            self._eod_id = int(vocab_size)
-            self._vocab_size = int(vocab_size) + 1
-        else:
-            if not 0 <= int(eod_id) < int(vocab_size):
-                raise ValueError(f"--null-tokenizer-eod-id {eod_id} is not an id of the "
-                                 f"vocabulary of --vocab-size {vocab_size} (0..{vocab_size - 1})")
-            self._eod_id = int(eod_id)
-            self._vocab_size = int(vocab_size)
+        vocab_size = int(vocab_size)
+        if vocab_size < 1:
+            raise ValueError(f"--vocab-size {vocab_size}: NullTokenizer needs at least one id")
+        eod_id = vocab_size - 1 if eod_id is None else int(eod_id)
+        if not 0 <= eod_id <= vocab_size:
+            raise ValueError(f"--null-tokenizer-eod-id {eod_id} is not an id of the "
+                             f"vocabulary of --vocab-size {vocab_size} (0..{vocab_size - 1}, or "
+                             f"{vocab_size} to append the end of document as one more id)")
+        self._eod_id = eod_id
+        self._vocab_size = vocab_size + 1 if eod_id == vocab_size else vocab_size
 
     @property
     def vocab_size(self) -> int:
@@ -77,6 +80,10 @@ class NullTokenizer(MegatronTokenizer):
 
     @property
     def eod(self) -> int:
+        return self._eod_id
+
+    @property
+    def eos(self) -> int:
         return self._eod_id
 
     # Megatron's NullTokenizer answers -1 for the BERT ids rather than failing.
@@ -147,9 +154,23 @@ def _create(args) -> MegatronTokenizer:
         from megatron.tokenizer.huggingface import HuggingFaceTokenizer
 
         return HuggingFaceTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"))
+    if kind == "TikTokenizer":
+        from megatron.tokenizer.tiktoken_tokenizer import TikTokenizer
+
+        pattern = getattr(args, "tiktoken_pattern", None)
+        if pattern is None:
+            raise ValueError("--tiktoken-pattern v1|v2 is required for --tokenizer-type "
+                             "TikTokenizer")
+        return TikTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"), pattern,
+                            vocab_size=getattr(args, "vocab_size", None),
+                            num_special_tokens=getattr(args, "tiktoken_num_special_tokens", 1000),
+                            special_tokens=getattr(args, "special_tokens", None))
     if kind == "NullTokenizer":
-        return NullTokenizer(_require(args, "vocab_size", "--vocab-size", must_exist=False),
-                             getattr(args, "null_tokenizer_eod_id", None))
+        tokenizer = NullTokenizer(_require(args, "vocab_size", "--vocab-size", must_exist=False),
+                                  getattr(args, "null_tokenizer_eod_id", None))
+        # Saved with every checkpoint, so a later load knows which convention wrote it.
+        args.null_tokenizer_eod_id = tokenizer.eod
+        return tokenizer
     raise NotImplementedError(f"--tokenizer-type {kind!r} is not implemented; expected one of "
                               f"{', '.join(TOKENIZER_TYPES)}")
 

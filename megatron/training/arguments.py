@@ -27,7 +27,8 @@ from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert
 
 TOKENIZER_TYPES = [
     "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
-    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "NullTokenizer",
+    "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer",
+    "NullTokenizer",
 ]
 
 
@@ -214,6 +215,11 @@ def _add_training_args(parser):
     g.add_argument("--loss-spike-factor", type=float, default=2.0)
     g.add_argument("--loss-spike-window", type=int, default=20)
     g.add_argument("--skip-train", action="store_true")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="the loss is the mean over every unmasked token of the global batch "
+                   "(all micro-batches and data-parallel ranks), not the mean of per-micro-batch "
+                   "means; gradients are summed over data-parallel ranks and divided by the "
+                   "global token count")
 
 
 def _add_initialization_args(parser):
@@ -405,6 +411,7 @@ def _add_data_args(parser):
     g.add_argument("--num-workers", type=int, default=2)
     g.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", type=str, default=None)
+    _add_tiktoken_args(g)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -425,6 +432,19 @@ def _add_data_args(parser):
                    help='a JSON file {"train": [...], "valid": [...], "test": [...]} holding '
                    "the --train/--valid/--test-data-path values (a list, or one whitespace "
                    "separated string, each)")
+
+
+def _add_tiktoken_args(g):
+    """TikTokenizer's flags (also offered by tools/preprocess_data.py)."""
+    g.add_argument("--tiktoken-pattern", type=str, default=None, choices=["v1", "v2"],
+                   help="TikTokenizer: the pre-tokenization regex (Megatron's v1 or v2)")
+    g.add_argument("--tiktoken-num-special-tokens", type=int, default=1000,
+                   help="TikTokenizer: ids 0..N-1 are special tokens; the vocabulary file's "
+                   "tokens follow from N")
+    g.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", type=str,
+                   nargs="+", default=None, dest="special_tokens",
+                   help="TikTokenizer: the first special tokens, in id order (must include "
+                   "<unk> <s> </s>; default <unk> <s> </s> <mask> <pad> <cls> <sep>)")
 
 
 def _add_logging_args(parser):

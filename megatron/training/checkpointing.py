@@ -13,7 +13,8 @@ from megatron.checkpoint.layout import (CHECKPOINT_VERSION, TRACKER_FILENAME, Ch
                                         checkpoint_dir_name, checkpoint_file, expert_ranks,
                                         load_state_file, rank_dir_name, read_tracker, saved_layout,
                                         saved_sizes)
-from megatron.checkpoint.load import load_args_from_checkpoint, load_checkpoint, load_model_weights
+from megatron.checkpoint.load import (load_args_from_checkpoint, load_checkpoint,
+                                      load_model_weights, null_tokenizer_eod_from_checkpoint)
 from megatron.checkpoint.publish import (CRASH_ENV, CRASH_POINTS, check_save_dir,
                                          clean_interrupted_saves, crash_point)
 from megatron.checkpoint.save import AsyncCheckpointSaver, save_checkpoint
@@ -26,5 +27,6 @@ __all__ = [
     "LOCK_FILENAME", "SaveDirLockedError", "SaveLock", "TRACKER_FILENAME", "check_save_dir",
     "checkpoint_args", "checkpoint_dir_name", "checkpoint_file", "clean_interrupted_saves",
     "crash_point", "expert_ranks", "load_args_from_checkpoint", "load_checkpoint",
-    "load_model_weights", "load_state_file", "lock_save_dir", "megatron_args", "rank_dir_name",
+    "load_model_weights", "load_state_file", "lock_save_dir", "megatron_args",
+    "null_tokenizer_eod_from_checkpoint", "rank_dir_name",
     "read_tracker", "save_checkpoint", "saved_layout", "saved_sizes"]

@@ -170,7 +170,8 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        calculate_per_token_loss=args.calculate_per_token_loss)
 
 
 def build_checkpoint_config(args) -> CheckpointConfig:

@@ -297,3 +297,42 @@ def make_scalar_writer(args) -> Optional[ScalarWriter]:
 
 def to_float(value) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def _is_sum_and_count(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() == 2
+
+
+def reduce_logged(batches, dp_group) -> Dict[str, float]:
+    """One number per logged name from what the schedules returned for one or more global
+    batches (``batches``: a list of per-micro-batch lists of logged dicts).
+
+    A value given as a ``[loss sum, token count]`` pair (``--calculate-per-token-loss``) is
+    summed over the micro-batches and over ``dp_group`` (the data x context-parallel ranks),
+    then divided: the mean over every counted token of the batches, as Megatron logs it. Any
+    other value, already averaged over data-parallel ranks by the loss function, is averaged
+    over the micro-batches.
+    """
+    totals: Dict[str, float] = {}
+    pairs: Dict[str, torch.Tensor] = {}
+    order: Dict[str, None] = {}
+    count = 0
+    for logged in batches:
+        for values in logged:
+            for key, value in values.items():
+                order.setdefault(key)
+                if _is_sum_and_count(value):
+                    pair = value.detach().reshape(2).to(torch.float64)
+                    pairs[key] = pairs[key] + pair if key in pairs else pair
+                else:
+                    totals[key] = totals.get(key, 0.0) + to_float(value)
+            count += 1
+    if pairs:
+        names = sorted(pairs)
+        stacked = torch.stack([pairs[k] for k in names])        # [names, 2]
+        if dp_group is not None and torch.distributed.get_world_size(dp_group) > 1:
+            torch.distributed.all_reduce(stacked, group=dp_group)
+        for key, (loss_sum, tokens) in zip(names, stacked.tolist()):
+            totals[key] = loss_sum / tokens if tokens > 0 else float("nan")
+    return {key: (totals[key] if key in pairs else totals[key] / max(1, count))
+            for key in order}

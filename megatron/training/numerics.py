@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device
-from megatron.training import log as training_log
 
 
 class NumericalFaultError(RuntimeError):
@@ -92,20 +91,21 @@ def stop_if_not_finite(findings: List[str], iteration: Optional[int], args, psta
         "far are untouched.")
 
 
-def skip_for_loss_spike(logged: List[dict], iteration: Optional[int], args, pstate,
+def skip_for_loss_spike(losses: dict, iteration: Optional[int], args, pstate,
                          history: List[float]) -> bool:
     """--skip-iterations-with-loss-spike: whether this iteration's optimizer step is skipped.
 
-    The iteration's loss (the logged ``lm loss``, else the first logged value) is sent from the
+    The iteration's loss (``losses``: the logged values as the log line shows them; its ``lm
+    loss``, else its first value) is sent from the
     last pipeline stage to every rank; it is a spike when it is not finite or is more than
     ``--loss-spike-factor`` times the mean of the last ``--loss-spike-window`` losses of steps
     taken, kept in ``history`` (the train state's ``loss_spike_history``, which travels in the
     checkpoint's args, so a resumed run decides alike).
     """
     value, bad = -math.inf, 0.0
-    if pstate.is_last_stage(ignore_virtual=True) and logged:
-        key = "lm loss" if "lm loss" in logged[0] else next(iter(logged[0]))
-        mean = sum(training_log.to_float(d[key]) for d in logged) / len(logged)
+    if pstate.is_last_stage(ignore_virtual=True) and losses:
+        key = "lm loss" if "lm loss" in losses else next(iter(losses))
+        mean = losses[key]
         value, bad = (mean, 0.0) if math.isfinite(mean) else (-math.inf, 1.0)
     both = torch.tensor([bad, value], dtype=torch.float64, device=device.current_device())
     dist.all_reduce(both, op=dist.ReduceOp.MAX)

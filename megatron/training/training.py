@@ -118,6 +118,7 @@ def parse_entry_flags(argv, extra_args_provider, args_defaults, before_validatio
     try:
         if args.use_checkpoint_args:
             checkpointing.load_args_from_checkpoint(args)
+        checkpointing.null_tokenizer_eod_from_checkpoint(args)
         if before_validation is not None:
             before_validation(args)
         validate_args(args)
@@ -207,7 +208,8 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
             bucket_size=ddp_config.bucket_size,
             use_distributed_optimizer=ddp_config.use_distributed_optimizer,
             gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion,
-            expert_dp_group=pstate.expert_dp_group)
+            expert_dp_group=pstate.expert_dp_group,
+            calculate_per_token_loss=ddp_config.calculate_per_token_loss)
         if args.data_parallel_random_init:
             ddp.broadcast_params()
         chunks.append(ddp)
@@ -234,10 +236,12 @@ def pipeline_tensor_shape(args, pstate) -> tuple:
 
 def schedule_kwargs(model, args, pstate) -> dict:
     """Keywords of the forward/backward schedule beyond the common ones, for this layout."""
+    per_token = {"calculate_per_token_loss": args.calculate_per_token_loss}
     if pstate.pp_size == 1:
-        return {"no_sync_func": model[0].no_sync}
+        return {"no_sync_func": model[0].no_sync, **per_token}
     dtype = torch.float32 if args.fp32_residual_connection else args.params_dtype
     return {
+        **per_token,
         # Each chunk defers its own reduction to its own last micro-batch.
         "no_sync_func": [chunk.no_sync for chunk in model],
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
@@ -361,14 +365,18 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     finalize_model_grads(model, tp_group=pstate.tp_group, embedding_group=pstate.embedding_group,
                          is_first_stage=pstate.is_first_stage(ignore_virtual=True),
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
-                         pp_size=pstate.pp_size, sequence_parallel=pstate.sequence_parallel)
+                         pp_size=pstate.pp_size, sequence_parallel=pstate.sequence_parallel,
+                         num_tokens=logged.num_tokens if args.calculate_per_token_loss else None,
+                         pp_group=pstate.pp_group, dp_group=pstate.dp_cp_group)
     if check:
         if check_grads and args.overlap_grad_reduce:
             findings += numerics.grad_findings(model)
         numerics.stop_if_not_finite(findings, iteration, args, pstate,
                             reduced=check_grads and args.overlap_grad_reduce)
+    last_stage = pstate.is_last_stage(ignore_virtual=True)
+    losses = training_log.reduce_logged([logged], pstate.dp_cp_group) if last_stage else {}
     if args.skip_iterations_with_loss_spike and numerics.skip_for_loss_spike(
-            logged, iteration, args, pstate, train_state.loss_spike_history):
+            losses, iteration, args, pstate, train_state.loss_spike_history):
         ok, grad_norm = False, None
     else:
         timers("optimizer", log_level=1).start()
@@ -380,13 +388,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     loss_scale = training_log.to_float(optimizer.get_loss_scale())
     if ok:
         scheduler.step(increment=calculator.current_global_batch_size)
-    losses = {}
-    if pstate.is_last_stage(ignore_virtual=True):
-        for key in logged[0]:
-            losses[key] = sum(training_log.to_float(d[key]) for d in logged) / len(logged)
     moe_losses = moe_logging.aux_loss_values(model, pstate, calculator.num_micro_batches,
                                              args.moe_per_layer_logging)
-    if pstate.is_last_stage(ignore_virtual=True):
+    if last_stage:
         losses.update(moe_losses)
         losses.update(moe_logging.mtp_loss_values(model, pstate, calculator.num_micro_batches))
     return losses, not ok, grad_norm, loss_scale
@@ -398,22 +402,19 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
     read count in ``train_state.consumed_valid_samples``."""
     for chunk in model:
         chunk.eval()
-    totals, count = {}, 0
+    batches = []
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
     with torch.no_grad():
         for _ in range(eval_iters):
-            logged = schedule(forward_step_func=forward_step_func, data_iterator=data_iterator,
-                              model=model, num_microbatches=calculator.num_micro_batches,
-                              forward_only=True, **schedule_kwargs(model, args, pstate))
+            batches.append(schedule(forward_step_func=forward_step_func,
+                                    data_iterator=data_iterator, model=model,
+                                    num_microbatches=calculator.num_micro_batches,
+                                    forward_only=True, **schedule_kwargs(model, args, pstate)))
             training_hooks.empty_unused_memory(args, 1)
-            for d in logged:
-                for key, value in d.items():
-                    totals[key] = totals.get(key, 0.0) + training_log.to_float(value)
-                count += 1
             train_state.consumed_valid_samples += calculator.current_global_batch_size
     for chunk in model:
         chunk.train()
-    return {key: value / max(1, count) for key, value in totals.items()}
+    return training_log.reduce_logged(batches, pstate.dp_cp_group)
 
 
 def evaluate_and_print(run: TrainingRun, prefix: str, data_iterator):

@@ -391,6 +391,15 @@ def _validate_mtp(args) -> None:
         _fail("--mtp-num-layers with --sequence-parallel is not supported")
 
 
+def _validate_loss(args) -> None:
+    if args.calculate_per_token_loss and args.num_experts is not None:
+        _fail("--calculate-per-token-loss with --num-experts is not supported here: the "
+              "router's auxiliary losses are scaled for per-micro-batch means; drop one of them")
+    if args.calculate_per_token_loss and args.mtp_num_layers is not None:
+        _fail("--calculate-per-token-loss with --mtp-num-layers is not supported here: the "
+              "multi-token-prediction loss is scaled as a per-micro-batch mean; drop one of them")
+
+
 def _validate_moe(args) -> None:
     """Megatron's checks of the MoE flags."""
     ep = args.expert_model_parallel_size
@@ -472,6 +481,9 @@ def validate_bert_args(args: argparse.Namespace) -> None:
         _fail(f"--context-parallel-size {args.context_parallel_size}: BERT's bidirectional "
               "attention over padded sequences has no context-parallel split here (it is "
               "causal GPT attention only); use --context-parallel-size 1")
+    if args.calculate_per_token_loss:
+        _fail("--calculate-per-token-loss: BERT's loss function returns per-micro-batch means "
+              "(its masked-LM and sentence-order losses), not token sums; drop the flag")
 
 
 def check_flags(args):
@@ -484,6 +496,7 @@ def check_flags(args):
     _validate_parallel(args)
     _validate_moe(args)
     _validate_mtp(args)
+    _validate_loss(args)
     _validate_batch_and_schedule(args)
     _validate_masking(args)
     _validate_checkpoint_format(args)

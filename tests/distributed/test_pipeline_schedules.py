@@ -384,6 +384,34 @@ def test_get_forward_backward_func_and_no_pipelining_keywords():
     torch.testing.assert_close(model.weight.grad, ref[0][0], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("per_token", [False, True])
+def test_loss_given_as_a_sum_and_a_token_count(per_token):
+    """A three-value loss function (sum, count, logged): without calculate_per_token_loss the
+    schedule makes it the micro-batch mean over its count, then divides by the micro-batches;
+    with it the sum is kept and the counts are summed into ``num_tokens``. Reference: autograd
+    of the same objective written out in float64."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1).double()
+    batches = [(torch.randn(n, 4, dtype=torch.float64), torch.randn(n, 1, dtype=torch.float64))
+               for n in (3, 5, 2)]
+    data = iter(batches)
+
+    def step(it, mdl):
+        x, target = next(it)
+        out = mdl(x)
+        return out, lambda o: (((o - target) ** 2).sum(), torch.tensor(len(x)), {"n": len(x)})
+    logged = forward_backward_no_pipelining(
+        forward_step_func=step, data_iterator=data, model=model, num_microbatches=3,
+        calculate_per_token_loss=per_token)
+    assert [d["n"] for d in logged] == [3, 5, 2] and int(logged.num_tokens) == 10
+    reference = torch.nn.Linear(4, 1).double()
+    reference.load_state_dict(model.state_dict())
+    sums = [((reference(x) - t) ** 2).sum() for x, t in batches]
+    objective = sum(sums) if per_token else sum(s / len(x) for s, (x, _) in zip(sums, batches)) / 3
+    objective.backward()
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad, rtol=1e-12, atol=0)
+
+
 # ------------------------------------------------------------------------- real gloo ranks
 
 def _real_pipeline_body(m):

@@ -32,10 +32,13 @@ from megatron.text_generation.inference_params import InferenceParams
 from tests.multiprocess import run_on_ranks
 from tests.unit.test_gpt_model import make_config, single_process_state
 
-VOCAB = 128           # NullTokenizer: ids 0..127 and eod 128, so vocab_size 129, padded to 256
+# NullTokenizer: ids 0..127 and the end of document appended as 128 (--null-tokenizer-eod-id
+# 128), so vocab_size 129, padded to 256
+VOCAB = 128
 TOKENIZER_VOCAB = VOCAB + 1
 MODEL_FLAGS = """--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
---max-position-embeddings 32 --tokenizer-type NullTokenizer --vocab-size 128 --device cpu
+--max-position-embeddings 32 --tokenizer-type NullTokenizer --vocab-size 128
+--null-tokenizer-eod-id 128 --device cpu
 --seed 1234 --hidden-dropout 0 --attention-dropout 0 --init-method-std 0.2""".split()
 ROPE_FLAGS = ["--position-embedding-type", "rope", "--group-query-attention",
               "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",

@@ -4,7 +4,9 @@ import os
 
 import numpy as np
 
-VOCAB_SIZE = 128
+# NullTokenizer ids 0..128, the last (128) the end of document; padded to 256 at TP 1 and 2 alike,
+# so every layout builds the same model.
+VOCAB_SIZE = 129
 
 
 def write_counting_corpus(prefix: str, num_docs: int = 200, seed: int = 0) -> str:

@@ -139,7 +139,7 @@ def _logits_after_load(argv):
     load = argv[argv.index("--load") + 1]
     ref = torch.load(os.path.join(load, "reference.pt"), weights_only=True)
     try:
-        args, pstate, _ = initialize_for_inference(argv=argv)
+        args, pstate, tokenizer = initialize_for_inference(argv=argv)
         chunks, iteration = load_model_for_inference(pretrain_gpt.model_provider, args, pstate)
         with torch.no_grad():
             logits = chunks[0](ref["tokens"], ref["position_ids"], None)
@@ -147,18 +147,41 @@ def _logits_after_load(argv):
             from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
             logits = gather_from_tensor_model_parallel_region(logits, group=pstate.tp_group)
         return logits, iteration, {"num_query_groups": args.num_query_groups,
-                                   "num_layers": args.num_layers}
+                                   "num_layers": args.num_layers,
+                                   "ids": (tokenizer.vocab_size, tokenizer.eod)}
     finally:
         global_vars.unset_global_variables()
 
 
 @pytest.mark.parametrize("name", LEGACY)
 def test_load_gives_megatrons_logits(name):
+    """Also the ids: the 2023 writer's --vocab-size 199 meant 200 ids with end of document
+    199 (flags.json), and the run that loads it keeps them, though --vocab-size 199 alone
+    now means 199 ids."""
     argv = megatron_argv(name) + ["--load", fixture_dir(name), "--device", "cpu"]
-    logits, iteration, _ = run_on_ranks(_logits_after_load, 1, argv)[0]
+    logits, iteration, fields = run_on_ranks(_logits_after_load, 1, argv)[0]
     ref = reference(name)
     assert iteration == (10 if name == "legacy_tp1" else 3)
     torch.testing.assert_close(logits.float(), ref["logits"], atol=LOGITS_ATOL, rtol=0)
+    with open(os.path.join(fixture_dir(name), "flags.json")) as f:
+        flags = json.load(f)
+    assert fields["ids"] == (flags["tokenizer_vocab_size"], flags["eod_id"]) == (200, 199)
+
+
+@pytest.mark.parametrize("name, vocab_size", [("legacy_tp1", "199"), ("mcore_dist_tp1", "200")])
+def test_null_tokenizer_ids_follow_the_checkpoint_and_today_without_one(name, vocab_size):
+    """With --load, the convention the checkpoint recorded; without, today's Megatron's
+    (--vocab-size N: N ids, end of document N - 1)."""
+    from megatron.training.training import parse_entry_flags
+    from megatron.tokenizer import build_tokenizer
+
+    argv = megatron_argv(name) + ["--device", "cpu"]
+    assert argv[argv.index("--vocab-size") + 1] == vocab_size
+    loaded = parse_entry_flags(argv + ["--load", fixture_dir(name)], None, None)
+    fresh = parse_entry_flags(argv, None, None)
+    ids = [(t.vocab_size, t.eod) for t in (build_tokenizer(loaded), build_tokenizer(fresh))]
+    n = int(vocab_size)
+    assert ids == [(200, 199), (n, n - 1)]
 
 
 def test_use_checkpoint_args_takes_the_shape_from_the_file():
@@ -167,7 +190,7 @@ def test_use_checkpoint_args_takes_the_shape_from_the_file():
             "--tokenizer-type", "NullTokenizer", "--vocab-size", "199", "--seq-length", "32",
             "--micro-batch-size", "2", "--hidden-dropout", "0", "--attention-dropout", "0"]
     logits, _, fields = run_on_ranks(_logits_after_load, 1, argv)[0]
-    assert fields == {"num_query_groups": 4, "num_layers": 4}
+    assert fields == {"num_query_groups": 4, "num_layers": 4, "ids": (200, 199)}
     torch.testing.assert_close(logits.float(), reference("legacy_tp1")["logits"],
                                atol=LOGITS_ATOL, rtol=0)
 
@@ -457,10 +480,21 @@ def test_generation_server_serves_a_megatron_checkpoint(tmp_path):
 
     ref = reference("mcore_dist_tp1")
     prompt = " ".join(str(int(t)) for t in ref["tokens"][0])
-    want = int(ref["logits"][0, -1, :201].argmax())  # ids this tokenizer can produce
+    want = int(ref["logits"][0, -1, :200].argmax())  # ids this tokenizer can produce
     flags = [f for f in megatron_argv("mcore_dist_tp1")]
     with server.Server(fixture_dir("mcore_dist_tp1"), tmp_path, extra=flags) as running:
         status, body = running.request({"prompts": [prompt], "tokens_to_generate": 1,
                                         "top_k": 1})
     assert status == 200, body
     assert body["text"][0].split()[-1] == str(want)
+
+
+def test_null_tokenizer_ids_follow_a_pretrained_checkpoint(tmp_path):
+    """--pretrained-checkpoint with an empty --load (a finetuning start): the same rule."""
+    from megatron.training.training import parse_entry_flags
+    from megatron.tokenizer import build_tokenizer
+
+    argv = megatron_argv("legacy_tp1") + ["--device", "cpu", "--load", str(tmp_path),
+                                          "--pretrained-checkpoint", fixture_dir("legacy_tp1")]
+    tokenizer = build_tokenizer(parse_entry_flags(argv, None, None))
+    assert (tokenizer.vocab_size, tokenizer.eod) == (200, 199)

@@ -154,7 +154,8 @@ def test_split_sentences(tmp_path, corpus, documents, gpt2):
 def test_null_tokenizer_int32_and_uint16(tmp_path):
     path = tmp_path / "ids.jsonl"
     path.write_text(json.dumps({"text": "5 3 99999"}) + "\n" + json.dumps({"text": "1"}) + "\n")
-    assert preprocess(path, tmp_path / "big", "--vocab-size", "100000", "--append-eod",
+    # --vocab-size N: ids 0..N-1, the last one the end of document.
+    assert preprocess(path, tmp_path / "big", "--vocab-size", "100001", "--append-eod",
                       keys=("text",), tokenizer=("NullTokenizer",)) == 0
     ds = IndexedDataset(str(tmp_path / "big_text_document"))
     assert ds.dtype == np.int32
@@ -164,6 +165,11 @@ def test_null_tokenizer_int32_and_uint16(tmp_path):
                       tokenizer=("NullTokenizer",)) == 0
     ds = IndexedDataset(str(tmp_path / "small_text_document"))
     assert ds.dtype == np.uint16 and ds[0].tolist() == [5, 3, 9]
+    # The end of document appended after the data ids (the older convention), by flag.
+    assert preprocess(path, tmp_path / "older", "--vocab-size", "100", "--append-eod",
+                      "--null-tokenizer-eod-id", "100", keys=("text",),
+                      tokenizer=("NullTokenizer",)) == 0
+    assert IndexedDataset(str(tmp_path / "older_text_document"))[0].tolist() == [5, 3, 9, 100]
 
 
 BAD_LINES = {
@@ -301,3 +307,40 @@ def test_malformed_json_names_file_line_and_column_once(tmp_path, capsys):
     assert preprocess(path, tmp_path / "z", keys=("text",)) == 1
     line = _one_error_line(capsys.readouterr().err)
     assert line == f"error: {path}:1: malformed JSON: Invalid control character at column 14"
+
+
+def test_tiktokenizer_documents_end_in_its_end_of_document_id(tmp_path, documents, monkeypatch):
+    """--tokenizer-type TikTokenizer: each document is the ids of a tiktoken encoding built
+    here from the same vocabulary (regular tokens after the 10 special ids), then </s>."""
+    import base64
+
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    vocab, merges = gpt2_vocab_files()
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", "")    # no cache files written
+    ranks = data_gym_to_mergeable_bpe_ranks(merges, vocab)
+    tokens = [bytes([b]) for b in range(256)] + sorted(
+        (t for t in ranks if len(t) > 1), key=ranks.get)[:500]
+    model = tmp_path / "tiktoken.json"
+    model.write_text(json.dumps([{"rank": i, "token_bytes": base64.b64encode(t).decode(),
+                                  "token_str": t.decode("utf-8", "replace")}
+                                 for i, t in enumerate(tokens)]))
+    pattern = (r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|"
+               r"\s+(?!\S)|\s+")
+    specials = ["<unk>", "<s>", "</s>"] + [f"<SPECIAL_{k}>" for k in range(3, 10)]
+    reference = tiktoken.Encoding(name="reference", pat_str=pattern,
+                                  mergeable_ranks={t: 10 + i for i, t in enumerate(tokens)},
+                                  special_tokens={s: i for i, s in enumerate(specials)})
+    texts = [d["content"] for d in documents[:4]]
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    tokenizer = ("TikTokenizer", "--tokenizer-model", str(model), "--tiktoken-pattern", "v1",
+                 "--vocab-size", str(10 + len(tokens)), "--tiktoken-num-special-tokens", "10",
+                 "--tiktoken-special-tokens", "<unk>", "<s>", "</s>")
+    assert preprocess(path, tmp_path / "x", "--append-eod", keys=("text",),
+                      tokenizer=tokenizer) == 0
+    ds = IndexedDataset(str(tmp_path / "x_text_document"))
+    assert ds.dtype == np.uint16 and len(ds) == len(texts)
+    for i, text in enumerate(texts):
+        assert ds[i].tolist() == reference.encode(text, allowed_special="all") + [2]

@@ -34,7 +34,8 @@ from tests.multiprocess import run_on_ranks
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FLAGS = """--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32
---max-position-embeddings 32 --tokenizer-type NullTokenizer --vocab-size 128 --device cpu
+--max-position-embeddings 32 --tokenizer-type NullTokenizer --vocab-size 128
+--null-tokenizer-eod-id 128 --device cpu
 --seed 1234 --hidden-dropout 0 --attention-dropout 0 --init-method-std 0.2""".split()
 START_DEADLINE_S = 120
 GREEDY = {"prompts": ["1 2 3", "7 8 9 10 11"], "tokens_to_generate": 8, "top_k": 1,

@@ -37,10 +37,10 @@ MAX_POSITIONS = 32
 
 
 class CountingTokenizer(NullTokenizer):
-    """NullTokenizer (ids 0..127, eod 128) that counts its calls."""
+    """NullTokenizer (ids 0..127, eod 128 appended) that counts its calls."""
 
     def __init__(self):
-        super().__init__(128)
+        super().__init__(128, eod_id=128)
         self.calls = 0
 
     def tokenize(self, text):

@@ -44,7 +44,9 @@ MODEL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
          "--seq-length", str(SEQ), "--max-position-embeddings", str(SEQ),
          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234",
          "--device", "cpu", "--num-workers", "0", "--micro-batch-size", "2"]
-NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(NULL_VOCAB)]
+# The end of document appended after the data ids: 129 ids, eod 128.
+NULL_TOKENIZER = ["--tokenizer-type", "NullTokenizer", "--vocab-size", str(NULL_VOCAB),
+                  "--null-tokenizer-eod-id", str(NULL_VOCAB)]
 
 
 # ---------------------------------------------------------------------------- rank bodies
@@ -504,7 +506,7 @@ def test_missing_text_key_is_named_with_file_and_line(tmp_path):
 
     bad = tmp_path / "docs.jsonl"
     bad.write_text('{"text": "1 2 3"}\n{"content": "4 5 6"}\n')
-    tokenizer = NullTokenizer(NULL_VOCAB)
+    tokenizer = NullTokenizer(NULL_VOCAB, eod_id=NULL_VOCAB)
     with pytest.raises(DataError, match=f'{bad}:2: no string under "text" '
                                         r"\(found \['content'\]\)"):
         build_perplexity_dataset(str(bad), tokenizer, SEQ, 4, 256)

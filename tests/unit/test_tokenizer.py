@@ -177,10 +177,12 @@ def test_build_sets_padding_once(capsys):
 
 
 def test_null_tokenizer():
+    """Today's Megatron: --vocab-size N gives N ids, the last one the end of document."""
     args = namespace(tokenizer_type="NullTokenizer", vocab_size=1000)
     tokenizer = build_tokenizer(args)
-    assert tokenizer.vocab_size == 1001 and tokenizer.eod == 1000 == tokenizer.vocab_size - 1
+    assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.eos) == (1000, 999, 999)
     assert args.padded_vocab_size == 1024
+    assert args.null_tokenizer_eod_id == 999        # recorded, so a checkpoint says which
     assert tokenizer.tokenize("3 1 4 1 5") == [3, 1, 4, 1, 5]
     assert tokenizer.tokenize("") == []
     assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
@@ -196,9 +198,33 @@ def test_null_tokenizer_with_an_end_of_document_id_counts_it_in_the_vocabulary()
     assert (tokenizer.vocab_size, tokenizer.eod) == (200, 199)
     args = namespace(tokenizer_type="NullTokenizer", vocab_size=200, null_tokenizer_eod_id=7)
     assert build_tokenizer(args).eod == 7
-    with pytest.raises(ValueError, match="--null-tokenizer-eod-id 200 .*--vocab-size 200"):
+    # The end of document appended after the data ids: the older convention.
+    args = namespace(tokenizer_type="NullTokenizer", vocab_size=199, null_tokenizer_eod_id=199)
+    assert (build_tokenizer(args).vocab_size, args.null_tokenizer_eod_id) == (200, 199)
+    with pytest.raises(ValueError, match="--null-tokenizer-eod-id 201 .*--vocab-size 200"):
         build_tokenizer(namespace(tokenizer_type="NullTokenizer", vocab_size=200,
-                                  null_tokenizer_eod_id=200))
+                                  null_tokenizer_eod_id=201))
+
+
+@pytest.mark.parametrize("fields, convention", [
+    # This project before it recorded the id, and Megatron's legacy tokenizer: appended.
+    (dict(vocab_size=199, null_tokenizer_eod_id=None), (200, 199)),
+    (dict(vocab_size=199), (200, 199)),
+    # Megatron-Core's tokenizers (their args carry null_tokenizer_pad_id): within.
+    (dict(vocab_size=200, null_tokenizer_pad_id=-1), (200, 199)),
+    # Recorded explicitly: as recorded.
+    (dict(vocab_size=200, null_tokenizer_eod_id=199), (200, 199)),
+    (dict(vocab_size=200, null_tokenizer_eod_id=200), (201, 200)),
+])
+def test_null_tokenizer_of_saved_args_keeps_the_convention_they_were_written_with(fields,
+                                                                                  convention):
+    from megatron.training import checkpointing
+
+    saved = argparse.Namespace(tokenizer_type="NullTokenizer", **fields)
+    args = checkpointing.megatron_args(saved)
+    args.rank = 1
+    tokenizer = build_tokenizer(args)
+    assert (tokenizer.vocab_size, tokenizer.eod) == convention
 
 
 @pytest.mark.parametrize("folder", ["legacy_tp1", "mcore_dist_tp1"])
@@ -390,3 +416,190 @@ def test_sentence_splitter_matches_punkt_package():
     assert kept[2] == "They talked.\n"
     with pytest.raises(ValueError, match="--lang 'klingon'"):
         SentenceSplitter("klingon")
+
+
+# ------------------------------------------------------------------------------- TikTokenizer
+# Megatron's --tiktoken-pattern regexes, written out here as the reference reads them.
+TIKTOKEN_V1 = r"[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+TIKTOKEN_V2 = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+               r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|"
+               r"\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+TIKTOKEN_MERGES = 3000   # GPT-2's first merges: a small but real byte-level BPE
+
+
+@pytest.fixture(scope="module")
+def gpt2_ranks():
+    """GPT-2's ranks as tiktoken's own loader reads them: single bytes, then the merges."""
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+
+    vocab_file, merges_file = gpt2_vocab_files()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TIKTOKEN_CACHE_DIR", "")       # no cache files written
+        return data_gym_to_mergeable_bpe_ranks(merges_file, vocab_file)
+
+
+@pytest.fixture(scope="module")
+def tiktoken_vocab(tmp_path_factory, gpt2_ranks):
+    """Megatron's vocabulary layout from GPT-2's first merges: entry i has rank i, entries
+    0..255 are the bytes in order, the merges follow in GPT-2's priority order."""
+    import base64
+
+    merges = sorted((r, t) for t, r in gpt2_ranks.items() if len(t) > 1)[:TIKTOKEN_MERGES]
+    tokens = [bytes([b]) for b in range(256)] + [t for _, t in merges]
+    entries = [{"rank": i, "token_bytes": base64.b64encode(t).decode("ascii"),
+                "token_str": t.decode("utf-8", errors="replace")} for i, t in enumerate(tokens)]
+    path = tmp_path_factory.mktemp("tiktoken") / "vocab.json"
+    path.write_text(json.dumps(entries), encoding="utf-8")
+    return str(path), tokens
+
+
+def tiktoken_args(path, **kw):
+    values = dict(tokenizer_type="TikTokenizer", tokenizer_model=path, tiktoken_pattern="v2",
+                  tiktoken_num_special_tokens=1000, special_tokens=None)
+    values.update(kw)
+    return namespace(**values)
+
+
+def reference_encoding(tokens, pattern, specials):
+    """tiktoken built directly: token i of the file has id len(specials) + i."""
+    import tiktoken
+
+    offset = len(specials)
+    return tiktoken.Encoding(name="reference", pat_str=pattern,
+                             mergeable_ranks={t: offset + i for i, t in enumerate(tokens)},
+                             special_tokens={s: i for i, s in enumerate(specials)})
+
+
+@pytest.mark.parametrize("pattern, regex", [("v1", TIKTOKEN_V1), ("v2", TIKTOKEN_V2)],
+                         ids=["v1", "v2"])
+def test_tiktokenizer_ids_match_tiktoken_with_the_offset(tiktoken_vocab, stdlib_texts, pattern,
+                                                          regex):
+    path, tokens = tiktoken_vocab
+    size = 1000 + len(tokens)
+    args = tiktoken_args(path, tiktoken_pattern=pattern, vocab_size=size)
+    tokenizer = build_tokenizer(args)
+    specials = ["<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>"]
+    specials += [f"<SPECIAL_{k}>" for k in range(7, 1000)]
+    reference = reference_encoding(tokens, regex, specials)
+    assert tokenizer.vocab_size == size and args.padded_vocab_size == 4352  # 34 x 128
+    assert (tokenizer.unk, tokenizer.bos, tokenizer.eos, tokenizer.eod) == (0, 1, 2, 2)
+    assert (tokenizer.mask, tokenizer.pad, tokenizer.cls, tokenizer.sep) == (3, 4, 5, 6)
+    for text in stdlib_texts + TRICKY_TEXTS + ["a <s> b </s><SPECIAL_999>"]:
+        ids = tokenizer.tokenize(text)
+        assert ids == reference.encode(text, allowed_special="all"), text[:60]
+        assert all(0 <= i < size for i in ids)
+        assert tokenizer.detokenize(ids) == text
+        flat, lengths = tokenizer.tokenize_batch_flat([text, "", text])
+        assert lengths.tolist() == [len(ids), 0, len(ids)] and flat.tolist() == ids + ids
+    assert tokenizer.tokenize("<s>") == [1]          # special text is the special token
+    assert tokenizer.vocab["<pad>"] == 4 and tokenizer.vocab["the"] == 1000 + tokens.index(b"the")
+    assert tokenizer.inv_vocab[2] == "</s>"
+
+
+def test_tiktokenizer_segments_as_gpt2_ranks_do(tiktoken_vocab, gpt2_ranks, stdlib_texts):
+    """Only the order of ranks matters to byte-pair merging: the file's re-ranked bytes and
+    merges cut text into the same pieces as GPT-2's own ranks (restricted to the same
+    tokens) do under the same pattern."""
+    import tiktoken
+
+    path, tokens = tiktoken_vocab
+    tokenizer = build_tokenizer(tiktoken_args(path, vocab_size=1000 + len(tokens)))
+    kept = set(tokens)
+    gpt2 = tiktoken.Encoding(name="gpt2-prefix", pat_str=TIKTOKEN_V2, special_tokens={},
+                             mergeable_ranks={t: r for t, r in gpt2_ranks.items() if t in kept})
+    for text in stdlib_texts + TRICKY_TEXTS:
+        pieces = [tokens[i - 1000] for i in tokenizer.tokenize(text)]
+        assert pieces == [gpt2.decode_single_token_bytes(i) for i in gpt2.encode_ordinary(text)]
+
+
+def test_tiktokenizer_special_tokens_and_a_shorter_vocabulary(tiktoken_vocab):
+    """--tiktoken-num-special-tokens 10 with named specials; --vocab-size cuts the file."""
+    path, tokens = tiktoken_vocab
+    names = ["<s>", "</s>", "<unk>", "<|im_start|>"]
+    args = tiktoken_args(path, vocab_size=10 + 400, tiktoken_num_special_tokens=10,
+                         special_tokens=names)
+    tokenizer = build_tokenizer(args)
+    specials = names + [f"<SPECIAL_{k}>" for k in range(4, 10)]
+    reference = reference_encoding(tokens[:400], TIKTOKEN_V2, specials)
+    assert (tokenizer.bos, tokenizer.eod, tokenizer.unk, tokenizer.vocab_size) == (0, 1, 2, 410)
+    with pytest.raises(NotImplementedError, match="<pad>"):
+        tokenizer.pad
+    for text in TRICKY_TEXTS + ["<|im_start|>user"]:
+        ids = tokenizer.tokenize(text)
+        assert ids == reference.encode(text, allowed_special="all")
+        assert max(ids, default=0) < 410
+
+
+def test_tiktokenizer_flags_parse_as_megatrons():
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(argv=["--tokenizer-type", "TikTokenizer", "--tiktoken-pattern", "v1",
+                            "--tokenizer-special-tokens", "<unk>", "<s>", "</s>"])
+    assert (args.tiktoken_pattern, args.tiktoken_num_special_tokens) == ("v1", 1000)
+    assert args.special_tokens == ["<unk>", "<s>", "</s>"]
+    older = parse_args(argv=["--tiktoken-special-tokens", "<unk>", "<s>", "</s>", "<x>"])
+    assert older.special_tokens == ["<unk>", "<s>", "</s>", "<x>"]
+
+
+def _vocab_file(tmp_path, entries, raw=None):
+    path = tmp_path / "bad.json"
+    path.write_text(raw if raw is not None else json.dumps(entries), encoding="utf-8")
+    return str(path)
+
+
+def _byte_entries(n=256):
+    import base64
+
+    return [{"rank": i, "token_bytes": base64.b64encode(bytes([i])).decode(), "token_str": ""}
+            for i in range(n)]
+
+
+@pytest.mark.parametrize("case, match", [
+    ("not json", r"bad\.json: not JSON"),
+    ("a dict", r"bad\.json: expected a JSON list"),
+    ("extra key", r"bad\.json: entry 3 has \['extra', 'rank', 'token_bytes', 'token_str'\]"),
+    ("rank", r"bad\.json: entry 5 has rank 6"),
+    ("bytes order", r"bad\.json: entry 65 is b'B'; the first 256 entries must be the single"),
+    ("base64", r"bad\.json: entry 7: token_bytes '\*\*' is not base64"),
+    ("repeat", r"bad\.json: entry 256 repeats the token b'a' of entry 97"),
+    ("too short", r"bad\.json: holds 256 tokens, but --vocab-size 2000 .* pass --vocab-size 1256"),
+])
+def test_tiktokenizer_bad_vocabulary_names_file_and_entry(tmp_path, case, match):
+    import base64
+
+    entries = _byte_entries()
+    raw = None
+    if case == "not json":
+        raw = "[{"
+    elif case == "a dict":
+        raw = "{}"
+    elif case == "extra key":
+        entries[3]["extra"] = 1
+    elif case == "rank":
+        entries[5]["rank"] = 6
+    elif case == "bytes order":
+        entries[65]["token_bytes"] = base64.b64encode(b"B").decode()
+    elif case == "base64":
+        entries[7]["token_bytes"] = "**"
+    elif case == "repeat":
+        entries.append({"rank": 256, "token_bytes": base64.b64encode(b"a").decode(),
+                        "token_str": "a"})
+    path = _vocab_file(tmp_path, entries, raw)
+    size = 2000 if case == "too short" else 1257
+    with pytest.raises(ValueError, match=match):
+        build_tokenizer(tiktoken_args(path, vocab_size=size))
+
+
+def test_tiktokenizer_bad_flags_are_named(tmp_path):
+    path = _vocab_file(tmp_path, _byte_entries())
+    with pytest.raises(ValueError, match="--tiktoken-pattern v1|v2 is required"):
+        build_tokenizer(tiktoken_args(path, vocab_size=1256, tiktoken_pattern=None))
+    with pytest.raises(ValueError, match="must include </s>"):
+        build_tokenizer(tiktoken_args(path, vocab_size=1256, special_tokens=["<unk>", "<s>"]))
+    with pytest.raises(ValueError, match="a token is named twice"):
+        build_tokenizer(tiktoken_args(path, vocab_size=1256,
+                                      special_tokens=["<unk>", "<s>", "</s>", "<s>"]))
+    with pytest.raises(ValueError, match="--tiktoken-num-special-tokens 2 is fewer than"):
+        build_tokenizer(tiktoken_args(path, vocab_size=258, tiktoken_num_special_tokens=2))
+    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+        build_tokenizer(tiktoken_args(str(tmp_path / "missing.json"), vocab_size=1256))

@@ -72,13 +72,17 @@ class DistributedDataParallel(torch.nn.Module):
             all-to-all, so the sum over expert-data-parallel ranks already covers all of
             ``dp_group``'s losses. None, or a group of the same ranks as ``dp_group``: one set
             of buffers for all parameters.
+        calculate_per_token_loss: sum gradients over the groups instead of averaging
+            (``--calculate-per-token-loss``): the losses are sums over tokens, and
+            :meth:`scale_gradients` divides by the step's token count afterwards.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
                  accumulate_allreduce_grads_in_fp32: bool = False,
                  overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                  use_distributed_optimizer: bool = False,
-                 gradient_accumulation_fusion: bool = False, expert_dp_group=None):
+                 gradient_accumulation_fusion: bool = False, expert_dp_group=None,
+                 calculate_per_token_loss: bool = False):
         super().__init__()
         if dp_group is None:
             raise ValueError("DistributedDataParallel needs dp_group=<the data-parallel process "
@@ -116,7 +120,8 @@ class DistributedDataParallel(torch.nn.Module):
                                          expert_by_dtype)):
             for dtype, params in grouped.items():
                 buffer = GradBuffer(params, dtype, group, bucket_size, overlap_grad_reduce,
-                                    use_distributed_optimizer, average_over=self.dp_size)
+                                    use_distributed_optimizer,
+                                    average_over=1 if calculate_per_token_loss else self.dp_size)
                 buffers[dtype] = buffer
                 for param in params:
                     self.param_to_grad_buffer[param] = buffer
@@ -185,6 +190,11 @@ class DistributedDataParallel(torch.nn.Module):
         """
         for buffer in self.all_grad_buffers():
             buffer.finish_grad_sync()
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every ``main_grad`` by ``factor`` (after :meth:`finish_grad_sync`)."""
+        for buffer in self.all_grad_buffers():
+            buffer.data.mul_(factor)
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` and forget the previous step's reduction; call before a step."""

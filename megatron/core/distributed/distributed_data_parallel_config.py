@@ -22,6 +22,9 @@ class DistributedDataParallelConfig:
     # fp32 main_grad buffer by the fused kernel (Megatron-Core keeps this flag in the
     # model-parallel config; here the wrapper that owns the buffer takes it).
     gradient_accumulation_fusion: bool = False
+    # --calculate-per-token-loss: gradients are summed over data-parallel ranks, then divided
+    # by the step's token count (Megatron-Core keeps it in the model config).
+    calculate_per_token_loss: bool = False
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:

@@ -10,6 +10,10 @@
 3. Pipeline parallel with tied embeddings: the word embedding (first stage) and the output layer
    (last stage) are one logical weight held twice; both copies' gradients are summed over the
    embedding group so the two copies take the same optimizer step and stay equal.
+4. ``--calculate-per-token-loss``: the losses were sums over tokens and the data-parallel
+   reduction summed them; the token count of the step (known on the last pipeline stage) is sent
+   to every stage, summed over the data-parallel ranks, and the gradients are divided by it: the
+   gradient of the mean over every token of the global batch.
 """
 
 from typing import Dict, List, Optional, Sequence
@@ -91,10 +95,29 @@ def _allreduce_word_embedding_grads(model_chunks: Sequence[torch.nn.Module], emb
     dist.all_reduce(_grad_of(weight, "the shared embedding/output weight"), group=embedding_group)
 
 
+def _divide_by_token_count(model_chunks: Sequence[torch.nn.Module], num_tokens, pp_group,
+                           dp_group) -> None:
+    """Divide every gradient by the step's token count over the whole global batch: the count
+    this stage's loss functions returned (on the last stage; anything elsewhere), taken from the
+    last stage of the pipeline and summed over ``dp_group``."""
+    buffers = [b for chunk in model_chunks for b in chunk.all_grad_buffers()]
+    dev = buffers[0].data.device if buffers else torch.device("cpu")
+    count = torch.as_tensor(num_tokens, dtype=torch.int64, device=dev).clone().reshape(())
+    if pp_group is not None and get_group_size(pp_group) > 1:
+        dist.broadcast(count, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)
+    if dp_group is not None and get_group_size(dp_group) > 1:
+        dist.all_reduce(count, group=dp_group)
+    total = int(count.item())
+    if total > 0:
+        for chunk in model_chunks:
+            chunk.scale_gradients(1.0 / total)
+
+
 def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
                          embedding_group=None, is_first_stage: bool = True,
                          is_last_stage: bool = True, pp_size: int = 1,
-                         sequence_parallel: bool = False) -> None:
+                         sequence_parallel: bool = False, num_tokens=None, pp_group=None,
+                         dp_group=None) -> None:
     """Finish every gradient reduction of a step; afterwards ``main_grad`` is ready to step on.
 
     Args:
@@ -109,6 +132,11 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
         sequence_parallel: whether ``--sequence-parallel`` is on; then parameters with
             ``param.sequence_parallel = True`` have their gradients summed over ``tp_group``
             (those marked ``sum_grad_over_tp`` always are).
+        num_tokens: with ``--calculate-per-token-loss``, the schedule's ``num_tokens`` (the
+            tokens this stage's loss functions counted); the gradients are then divided by its
+            sum over the global batch, which ``pp_group`` (this rank's pipeline) and
+            ``dp_group`` (its data x context-parallel group, the one the gradients were
+            summed over) collect. None: the gradients are left as averaged.
 
     Tied embeddings: with ``pp_size > 1`` the first stage's first chunk and the last stage's last
     chunk are asked for ``shared_embedding_or_output_weight()``, found on the chunk or on any
@@ -127,3 +155,5 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
     _allreduce_layernorm_grads(model_chunks, tp_group, sequence_parallel)
     _allreduce_word_embedding_grads(model_chunks, embedding_group, is_first_stage,
                                     is_last_stage, pp_size)
+    if num_tokens is not None:
+        _divide_by_token_count(model_chunks, num_tokens, pp_group, dp_group)

@@ -2,6 +2,7 @@
 
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import (
+    MicroBatchLosses,
     forward_backward_no_pipelining,
     forward_backward_pipelining_with_interleaving,
     forward_backward_pipelining_without_interleaving,
@@ -10,7 +11,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 
 __all__ = [
-    "P2PCommunicator", "forward_backward_no_pipelining",
+    "MicroBatchLosses", "P2PCommunicator", "forward_backward_no_pipelining",
     "forward_backward_pipelining_with_interleaving",
     "forward_backward_pipelining_without_interleaving", "get_forward_backward_func",
     "pipeline_order",

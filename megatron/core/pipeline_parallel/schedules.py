@@ -4,11 +4,16 @@ A forward step function has Megatron's contract::
 
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     loss, logged = loss_func(output_tensor)      # loss: scalar mean over the micro-batch
+    loss, num_tokens, logged = loss_func(output_tensor)   # or: the sum over num_tokens tokens
 
 The schedule divides each micro-batch loss by the number of micro-batches (so gradients are those
-of the mean over the global batch), scales it for fp16 through ``grad_scale_func`` and runs
-backward; gradient reduction across data-parallel ranks is deferred through ``no_sync_func``
-until the last micro-batch of each model chunk. Only the last pipeline stage computes losses, so
+of the mean over the global batch); a loss given as a sum is first divided by its ``num_tokens``,
+or, with ``calculate_per_token_loss``, left a sum (``--calculate-per-token-loss``: the tokens of
+all micro-batches are counted into the returned :class:`MicroBatchLosses`' ``num_tokens``, and
+``finalize_model_grads`` divides the gradients by their total over the data-parallel ranks).
+Then the loss is scaled for fp16 through ``grad_scale_func`` and backward runs; gradient
+reduction across data-parallel ranks is deferred through ``no_sync_func`` until the last
+micro-batch of each model chunk. Only the last pipeline stage computes losses, so
 only there is the returned list of logged values non-empty.
 
 Three schedules, chosen by :func:`get_forward_backward_func`:
@@ -72,18 +77,48 @@ ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 NoSyncArg = Union[None, Callable, Sequence[Callable]]
 
 
+class MicroBatchLosses(list):
+    """What a schedule returns: the logged values of each micro-batch on this stage (a list),
+    and ``num_tokens``, the token counts that three-value loss functions returned, summed (0
+    where no loss is computed or the loss functions return two values)."""
+
+    def __init__(self, values=()):
+        super().__init__(values)
+        self.num_tokens = 0
+
+
+def _loss_for_backward(outputs, num_microbatches: int, per_token: bool, forward_only: bool,
+                       losses: MicroBatchLosses) -> torch.Tensor:
+    """The loss backward starts from, out of what a loss function returned; its logged values
+    and token count go to ``losses``."""
+    if len(outputs) == 3:
+        loss, num_tokens, logged = outputs
+        losses.num_tokens = losses.num_tokens + num_tokens
+        if not (per_token or forward_only):
+            loss = loss / torch.clamp(num_tokens, min=1)
+    elif len(outputs) == 2:
+        loss, logged = outputs
+    else:
+        raise ValueError(f"a loss function returns (loss, logged) or (loss, num_tokens, "
+                         f"logged), got {len(outputs)} values")
+    losses.append(logged)
+    if forward_only or (per_token and len(outputs) == 3):
+        return loss
+    return loss / num_microbatches
+
+
 # ---------------------------------------------------------------------- no pipelining
 
 def _forward_backward_step(forward_step_func, data_iterator, model, num_microbatches: int,
-                           forward_only: bool, grad_scale_func: Optional[Callable]):
+                           forward_only: bool, grad_scale_func: Optional[Callable],
+                           per_token: bool, losses: MicroBatchLosses) -> None:
     output_tensor, loss_func = forward_step_func(data_iterator, model)
-    loss, logged = loss_func(output_tensor)
+    loss = _loss_for_backward(loss_func(output_tensor), num_microbatches, per_token,
+                              forward_only, losses)
     if not forward_only:
-        loss = loss / num_microbatches
         if grad_scale_func is not None:
             loss = grad_scale_func(loss)
         loss.backward()
-    return logged
 
 
 def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator: Iterator,
@@ -91,7 +126,8 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
                                    forward_only: bool = False,
                                    grad_scale_func: Optional[Callable] = None,
                                    no_sync_func: Optional[Callable] = None,
-                                   **_pipeline_kwargs) -> List[dict]:
+                                   calculate_per_token_loss: bool = False,
+                                   **_pipeline_kwargs) -> MicroBatchLosses:
     """All micro-batches on one stage; returns each micro-batch's logged values.
 
     Pipeline-only keywords (``communicator``, ``tensor_shape``, ...) are accepted and ignored, so
@@ -106,15 +142,14 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
     if isinstance(no_sync_func, (list, tuple)):
         no_sync_func = no_sync_func[0]
     no_sync = no_sync_func if no_sync_func is not None else contextlib.nullcontext
-    logged = []
+    logged = MicroBatchLosses()
+    step = (forward_step_func, data_iterator, model, num_microbatches, forward_only,
+            grad_scale_func, calculate_per_token_loss, logged)
     with no_sync():
         for _ in range(num_microbatches - 1):
-            logged.append(_forward_backward_step(forward_step_func, data_iterator, model,
-                                                 num_microbatches, forward_only,
-                                                 grad_scale_func))
+            _forward_backward_step(*step)
     # The last micro-batch's backward runs with reduction enabled.
-    logged.append(_forward_backward_step(forward_step_func, data_iterator, model,
-                                         num_microbatches, forward_only, grad_scale_func))
+    _forward_backward_step(*step)
     return logged
 
 
@@ -214,7 +249,8 @@ class _Run:
     tensor_shape: Tuple[int, ...]
     grad_sync: _GradSync
     set_virtual_pp_rank: Optional[Callable[[int], None]] = None
-    losses: List[dict] = field(default_factory=list)
+    per_token: bool = False
+    losses: MicroBatchLosses = field(default_factory=MicroBatchLosses)
     backwards_done: List[int] = field(default_factory=list)
 
     def __post_init__(self):
@@ -239,9 +275,8 @@ class _Run:
         output_tensor, loss_func = self.forward_step_func(self.data_iterators[chunk], model)
         if not self.is_last_virtual(chunk):
             return output_tensor
-        loss, logged = loss_func(output_tensor)
-        self.losses.append(logged)
-        return loss if self.forward_only else loss / self.num_microbatches
+        return _loss_for_backward(loss_func(output_tensor), self.num_microbatches,
+                                  self.per_token, self.forward_only, self.losses)
 
     def backward(self, chunk: int, input_tensor: Optional[torch.Tensor],
                  output_tensor: torch.Tensor,
@@ -271,7 +306,7 @@ def _as_list(value, n: int, what: str) -> list:
 
 def _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
               grad_scale_func, no_sync_func, communicator, tensor_shape,
-              set_virtual_pp_rank) -> _Run:
+              set_virtual_pp_rank, per_token: bool) -> _Run:
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if communicator is None or tensor_shape is None:
         raise ValueError("pipeline schedules need communicator=<P2PCommunicator> and "
@@ -284,7 +319,7 @@ def _make_run(forward_step_func, data_iterator, model, num_microbatches, forward
                 grad_scale_func=grad_scale_func, comm=communicator,
                 tensor_shape=tuple(tensor_shape),
                 grad_sync=_GradSync(no_sync_func, len(chunks)),
-                set_virtual_pp_rank=set_virtual_pp_rank)
+                set_virtual_pp_rank=set_virtual_pp_rank, per_token=per_token)
 
 
 # ---------------------------------------------------------------------- 1F1B
@@ -342,7 +377,8 @@ def forward_backward_pipelining_without_interleaving(
         forward_only: bool = False, grad_scale_func: Optional[Callable] = None,
         no_sync_func: NoSyncArg = None, communicator: Optional[P2PCommunicator] = None,
         tensor_shape: Optional[Sequence[int]] = None,
-        set_virtual_pp_rank: Optional[Callable[[int], None]] = None) -> List[dict]:
+        set_virtual_pp_rank: Optional[Callable[[int], None]] = None,
+        calculate_per_token_loss: bool = False) -> MicroBatchLosses:
     """1F1B over the stages of ``communicator``'s pipeline (one model chunk per rank).
 
     Args:
@@ -357,13 +393,15 @@ def forward_backward_pipelining_without_interleaving(
         tensor_shape: ``(s, b, h)`` of the activations between stages (``s/tp`` with sequence
             parallelism).
         set_virtual_pp_rank: accepted for a uniform signature; called with 0.
+        calculate_per_token_loss: a loss function's summed loss is not divided by its token
+            count nor by the number of micro-batches (``--calculate-per-token-loss``).
 
     Returns:
         The logged values of each micro-batch on the last stage; an empty list elsewhere.
     """
     run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
                     grad_scale_func, no_sync_func, communicator, tensor_shape,
-                    set_virtual_pp_rank)
+                    set_virtual_pp_rank, calculate_per_token_loss)
     if len(run.chunks) != 1:
         raise ValueError("1F1B takes one model chunk per rank; use the interleaved schedule "
                          f"for {len(run.chunks)} chunks")
@@ -538,7 +576,8 @@ def forward_backward_pipelining_with_interleaving(
         grad_scale_func: Optional[Callable] = None, no_sync_func: NoSyncArg = None,
         communicator: Optional[P2PCommunicator] = None,
         tensor_shape: Optional[Sequence[int]] = None,
-        set_virtual_pp_rank: Optional[Callable[[int], None]] = None) -> List[dict]:
+        set_virtual_pp_rank: Optional[Callable[[int], None]] = None,
+        calculate_per_token_loss: bool = False) -> MicroBatchLosses:
     """The interleaved 1F1B schedule over ``len(model)`` chunks per rank.
 
     Args are those of :func:`forward_backward_pipelining_without_interleaving`, except:
@@ -551,7 +590,7 @@ def forward_backward_pipelining_with_interleaving(
     """
     run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
                     grad_scale_func, no_sync_func, communicator, tensor_shape,
-                    set_virtual_pp_rank)
+                    set_virtual_pp_rank, calculate_per_token_loss)
     p, v, m = communicator.pp_size, len(run.chunks), num_microbatches
     if m % p != 0:
         raise ValueError(
