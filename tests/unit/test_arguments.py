@@ -162,6 +162,10 @@ def test_pad_vocab_size():
     (["--num-experts", "4", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2",
       "--moe-ffn-hidden-size", "33"], 2,
      r"--moe-ffn-hidden-size \(33\) must be divisible by --expert-tensor-parallel-size \(2\)"),
+    (["--num-experts", "4", "--no-bias-gelu-fusion", "--calculate-per-token-loss"], 1,
+     r"--calculate-per-token-loss with --num-experts is not supported"),
+    (["--mtp-num-layers", "1", "--calculate-per-token-loss"], 1,
+     r"--calculate-per-token-loss with --mtp-num-layers is not supported"),
 ])
 def test_validation_errors(extra, world, pattern):
     with pytest.raises(ArgumentsError, match=pattern):
