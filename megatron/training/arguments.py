@@ -12,6 +12,7 @@ are in :mod:`megatron.training.validation`, the config builders in
 """
 
 import argparse
+import functools
 import os
 import sys
 from typing import Callable, List, Optional
@@ -21,7 +22,7 @@ from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BAL
                                        SCORE_FUNCTIONS, parse_moe_layer_freq)
 from megatron.training.configs import (Configs, build_configs,  # noqa: F401  (re-exported)
                                        build_data_config)
-from megatron.training.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
+from megatron.training import flag_registry, megatron_flags
 from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert_args re-exported)
     BERT_TOKENIZER_TYPES, ArgumentsError, check_flags, validate_bert_args)
 
@@ -136,12 +137,12 @@ def _add_training_args(parser):
                    dest="async_tensor_model_parallel_allreduce")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
                    dest="gradient_accumulation_fusion")
-    g.add_argument("--use-mcore-models", action="store_true")
+    g.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models")
     g.add_argument("--use-legacy-models", action="store_true")
     g.add_argument("--transformer-impl", default="local",
                    choices=["local", "transformer_engine"],
-                   help="local: this project's own layers (the only ones wired in); "
-                   "transformer_engine is refused with a message")
+                   help="local: this project's own layers; transformer_engine (Megatron's "
+                   "default) is accepted with a note: the same layers compute the same function")
     g.add_argument("--manual-gc", action="store_true",
                    help="turn Python's automatic garbage collector off during training and "
                    "collect every --manual-gc-interval iterations, at the same point on every rank")
@@ -231,10 +232,10 @@ def _add_checkpointing_args(parser):
                         "place for (ignore, log, raise); a tensor the model needs and the "
                         "checkpoint lacks always stops the load")
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
-                   help="accepted for Megatron's scripts, no effect here: every rank always "
+                   dest="ckpt_fully_parallel_save_deprecated", help="accepted for Megatron's scripts, no effect here: every rank always "
                         "writes its own torch_dist shards")
-    g.add_argument("--no-ckpt-fully-parallel-save", action="store_true",
-                   help="accepted for Megatron's scripts, no effect here: every rank always "
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
+                   dest="ckpt_fully_parallel_save", help="accepted for Megatron's scripts, no effect here: every rank always "
                         "writes its own torch_dist shards")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="accepted for Megatron's scripts, no effect here: every rank always "
@@ -290,7 +291,7 @@ def _add_distributed_args(parser):
                    dest="scatter_gather_tensors_in_pipeline")
     g.add_argument("--use-ring-exchange-p2p", action="store_true")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank")
-    g.add_argument("--lazy-mpu-init", type=bool, required=False)
+    g.add_argument("--lazy-mpu-init", action="store_true")
     g.add_argument("--use-cpu-initialization", action="store_true", default=None)
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                    help="empty the CUDA caching allocator after forward-backward and evaluation "
@@ -459,13 +460,29 @@ ARG_GROUP_BUILDERS = [
 ]
 
 
-def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+def _own_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Megatron-style arguments", allow_abbrev=False)
     for add in ARG_GROUP_BUILDERS:
         add(parser)
-    _describe_registered_flags(parser)
+    return parser
+
+
+# The no-effect and unsupported flags: flag_registry's, and the rows of
+# megatron_flags_table that the argument groups above do not define.
+NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS = megatron_flags.registry(
+    megatron_flags.register(_own_parser()))
+NO_EFFECT_FLAGS.update(flag_registry.NO_EFFECT_FLAGS)
+UNSUPPORTED_FLAGS.update(flag_registry.UNSUPPORTED_FLAGS)
+
+
+def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    """Megatron's flags: this module's argument groups, a script's own flags, then every other
+    option of Megatron-LM's parser from :mod:`megatron.training.megatron_flags_table`."""
+    parser = _own_parser()
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
+    megatron_flags.register(parser)
+    _describe_registered_flags(parser)
     return parser
 
 
@@ -498,18 +515,37 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
     return args
 
 
+@functools.lru_cache(maxsize=1)
+def _flag_names_and_defaults():
+    """dest -> first option string, dest -> default (as argparse: the first action's)."""
+    parser = build_parser()
+    names, defaults = {}, {}
+    for action in parser._actions:
+        if action.option_strings:
+            names.setdefault(action.dest, action.option_strings[0])
+            defaults.setdefault(action.dest, action.default)
+    return parser, names, defaults
+
+
 def _check_registered_flags(args) -> None:
     """Stop on an unsupported flag that is set; one note for each no-effect flag that is set."""
-    parser = build_parser()
-    names = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    parser, names, defaults = _flag_names_and_defaults()
     for dest, instead in UNSUPPORTED_FLAGS.items():
         value = getattr(args, dest, None)
-        if value != parser.get_default(dest):
-            raise ArgumentsError(f"{names[dest]} {value} is not supported: {instead}")
+        if value != defaults[dest]:
+            raise ArgumentsError(f"{names[dest]} {_shown(value)} is not supported: {instead}")
+    refused = megatron_flags.refused_choice(parser, args)
+    if refused:
+        raise ArgumentsError(refused)
     for dest, reason in NO_EFFECT_FLAGS.items():
-        if getattr(args, dest, None) != parser.get_default(dest):
+        if getattr(args, dest, None) != defaults[dest]:
             if args.rank == 0:
                 print(f"NOTE: {names[dest]} has no effect here: {reason}", flush=True)
+
+
+def _shown(value) -> str:
+    """A flag's value as typed on the command line (lists space separated)."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -10,7 +10,7 @@ read somewhere.
 # They parse so that those scripts run; --help says why they have no effect, and a run that sets
 # one prints one note. dest -> reason.
 NO_EFFECT_FLAGS = {
-    "use_mcore_models": "there is one model implementation",
+    "deprecated_use_mcore_models": "there is one model implementation",
     "use_legacy_models": "there is one model implementation",
     "use_cpu_initialization": "weights are always drawn on the full shape from one seed (on the "
                               "CPU generator) and then split, so every layout gets the same model",
@@ -38,8 +38,8 @@ NO_EFFECT_FLAGS = {
                                            "mask is built only for --reset-attention-mask",
     "auto_detect_ckpt_format": "loading always detects whether --load holds a torch or a "
                                "torch_dist checkpoint",
+    "ckpt_fully_parallel_save_deprecated": "every rank always writes its own torch_dist shards",
     "ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
-    "no_ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
     "ckpt_fully_parallel_load": "every rank always reads only the slices it needs",
     "moe_shared_expert_overlap": "a scheduling optimisation (the shared expert runs while tokens "
                                  "travel between expert-parallel ranks); the shared expert is "

@@ -113,7 +113,9 @@ SIZE_FLAG_MINIMA = (
     ("pipeline_model_parallel_size", 1), ("num_layers_per_virtual_pipeline_stage", 1),
     ("context_parallel_size", 1), ("num_experts", 1), ("expert_model_parallel_size", 1),
     ("expert_tensor_parallel_size", 1), ("moe_ffn_hidden_size", 1), ("moe_router_topk", 1),
-    ("moe_shared_expert_intermediate_size", 1),
+    ("moe_shared_expert_intermediate_size", 1), ("num_virtual_stages_per_pipeline_rank", 1),
+    ("eval_global_batch_size", 1), ("save_retain_interval", 1),
+    ("padded_vocab_size", 1),
 )
 
 
@@ -165,8 +167,9 @@ def _read_data_args_files(args) -> None:
 def _validate_surface(args) -> None:
     """The implementation, profiling and data-file flags."""
     if args.transformer_impl == "transformer_engine":
-        _fail("--transformer-impl transformer_engine is not supported: this project's layers "
-              "are its own and TransformerEngine is not wired in; use --transformer-impl local")
+        _note(args, "--transformer-impl transformer_engine: this project's own layers compute "
+                    "the same function as TransformerEngine's (TransformerEngine itself is not "
+                    "used)")
     if args.profile:
         if args.profile_step_start < 0 or args.profile_step_end <= args.profile_step_start:
             _fail(f"--profile-step-end ({args.profile_step_end}) must be larger than "
@@ -223,6 +226,7 @@ def _validate_parallel(args) -> None:
     if uneven and args.num_layers_per_virtual_pipeline_stage is not None:
         _fail("--decoder-first/last-pipeline-num-layers cannot be combined with "
               "--num-layers-per-virtual-pipeline-stage")
+    _virtual_stages_per_rank(args)
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_vstage = args.num_layers_per_virtual_pipeline_stage
@@ -247,6 +251,24 @@ def _validate_parallel(args) -> None:
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         args.distributed_backend = "gloo"
+
+
+def _virtual_stages_per_rank(args) -> None:
+    """--num-virtual-stages-per-pipeline-rank V: the same split as
+    --num-layers-per-virtual-pipeline-stage (layers per stage) / V."""
+    stages = args.num_virtual_stages_per_pipeline_rank
+    if stages is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        _fail("give only one of --num-layers-per-virtual-pipeline-stage and "
+              "--num-virtual-stages-per-pipeline-rank")
+    per_stage = args.num_layers // pp
+    if pp < 2 or per_stage % stages:
+        _fail(f"--num-virtual-stages-per-pipeline-rank {stages} needs "
+              f"--pipeline-model-parallel-size >= 2 and the {per_stage} layers per pipeline "
+              f"stage (--num-layers {args.num_layers} / {pp}) divisible by it")
+    args.num_layers_per_virtual_pipeline_stage = per_stage // stages
 
 
 def _validate_model(args) -> None:
@@ -451,6 +473,35 @@ def validate_bert_args(args: argparse.Namespace) -> None:
               "causal GPT attention only); use --context-parallel-size 1")
 
 
+def _validate_run_extras(args) -> None:
+    """Megatron flags of the run around the model: selective recompute's modules, weight decay
+    of the q/k norms, evaluation batches, progress log and checkpoint retention."""
+    modules = args.recompute_modules
+    if modules is not None:
+        if args.recompute_granularity != "selective":
+            _note(args, "--recompute-modules has no effect without --recompute-granularity "
+                        "selective")
+        elif set(modules) - {"core_attn"}:
+            _fail(f"--recompute-modules {' '.join(modules)} is not supported: only core_attn "
+                  "(core attention, what --recompute-granularity selective recomputes here) is "
+                  "built; use --recompute-modules core_attn, or --recompute-granularity full")
+    if args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":
+        args.apply_wd_to_qk_layernorm = True
+    padded, tp = args.padded_vocab_size, args.tensor_model_parallel_size
+    if padded is not None and padded % tp:
+        _fail(f"--padded-vocab-size ({padded}) must be divisible by --tensor-model-parallel-size "
+              f"({tp}): each rank holds an equal slice of the vocabulary")
+    eval_batch = args.eval_global_batch_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if eval_batch is not None and eval_batch % per_step:
+        _fail(f"--eval-global-batch-size ({eval_batch}) must be divisible by --micro-batch-size "
+              f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
+    for flag, value in (("--log-progress", args.log_progress),
+                        ("--save-retain-interval", args.save_retain_interval)):
+        if value and not args.save:
+            _fail(f"{flag} works in the --save folder; give --save")
+
+
 def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
@@ -461,6 +512,7 @@ def check_flags(args):
     _validate_parallel(args)
     _validate_moe(args)
     _validate_batch_and_schedule(args)
+    _validate_run_extras(args)
     _validate_masking(args)
     _validate_checkpoint_format(args)
     return args
