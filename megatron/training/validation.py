@@ -74,6 +74,9 @@ def _apply_old_spellings(args) -> None:
         args.norm_epsilon = args.layernorm_epsilon
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        _fail("--no-position-embedding is deprecated (as in Megatron); use "
+              "--position-embedding-type none")
     if args.checkpoint_activations:
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or "uniform"
