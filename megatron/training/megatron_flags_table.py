@@ -57,6 +57,8 @@ EXPERIMENTAL = "no feature here is gated behind it"
 DATA_CACHE = ("a start-up optimisation of Megatron's dataset index caches; the same samples are "
               "built either way")
 ENERGY = "energy is not measured here (no GPU power counters are read)"
+TIKTOKEN_KNOB = ("it configures TikTokenizer, which is not built here (--tokenizer-type "
+                 "TikTokenizer is refused); with any other tokenizer Megatron ignores it too")
 TOKENIZER_ASSETS = "checkpoints here never copy the tokenizer's files"
 PROFILER = ("the torch profiler trace of --use-pytorch-profiler always records tensor shapes and "
             "call stacks")
@@ -626,8 +628,8 @@ ROWS = (
      'false', True, '', REFUSED, TOKENIZER_EXTRAS),
     ('--tokenizer-metadata', 'metadata_path', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--tokenizer-special-tokens', 'special_tokens', 'str+', None, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--tiktoken-pattern', '', 'str', None, 'v1|v2', REFUSED, TIKTOKEN),
-    ('--tiktoken-num-special-tokens', '', 'int', 1000, '', REFUSED, TIKTOKEN),
+    ('--tiktoken-pattern', '', 'str', None, 'v1|v2', NO_EFFECT, TIKTOKEN_KNOB),
+    ('--tiktoken-num-special-tokens', '', 'int', 1000, '', NO_EFFECT, TIKTOKEN_KNOB),
     ('--tokenizer-sentencepiece-legacy', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--no-tokenizer-sentencepiece-ignore-extra-whitespaces --disable-tokenizer-sentencepiece-ignore-extra-whitespaces',
      'tokenizer_sentencepiece_ignore_extra_whitespaces', 'false', True, '', REFUSED, TOKENIZER_EXTRAS),
