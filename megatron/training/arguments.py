@@ -228,9 +228,11 @@ def _add_checkpointing_args(parser):
                    choices=["assume_ok_unexpected", "log_unexpected", "raise_unexpected",
                             "raise_all", "log_all", "ignore_all", "return_unexpected",
                             "return_all"],
-                   help="torch_dist loads: what to do with saved tensors the model has no "
-                        "place for (ignore, log, raise); a tensor the model needs and the "
-                        "checkpoint lacks always stops the load")
+                   help="torch_dist loads, as Megatron-Core's StrictHandling: what to do with "
+                        "saved tensors the model has no place for and (the *_all modes) with "
+                        "tensors the model needs that the checkpoint lacks, which then keep "
+                        "their current values: ignore, log or raise; return_* ignore them (a "
+                        "training run has no caller to return the keys to)")
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
                    dest="ckpt_fully_parallel_save_deprecated", help="accepted for Megatron's scripts, no effect here: every rank always "
                         "writes its own torch_dist shards")

@@ -118,7 +118,8 @@ def _kwargs(row: Row) -> dict:
     kind = row.action.rstrip("+*")
     kwargs = {"type": TYPES[kind], "default": row.default, "nargs": nargs}
     if kind == "attn_backend":
-        kwargs.update(choices=list(AttnBackend), default=AttnBackend[row.default])
+        kwargs.update(choices=list(AttnBackend), default=AttnBackend[row.default],
+                      metavar="{" + ",".join(b.name for b in AttnBackend) + "}")
     elif kind == "signal":
         kwargs.update(choices=SIGNAL_NUMBERS)
     elif row.choices:

@@ -40,11 +40,6 @@ def _require(args, *names: str) -> None:
 def _validate_checkpoint_format(args) -> None:
     if args.use_dist_ckpt:
         args.ckpt_format = "torch_dist"
-    if args.dist_ckpt_strictness not in ("assume_ok_unexpected", "log_unexpected",
-                                         "raise_unexpected", "raise_all"):
-        _fail(f"--dist-ckpt-strictness {args.dist_ckpt_strictness} is not supported: a tensor "
-              "the model needs and the checkpoint lacks always stops a load here; use "
-              "assume_ok_unexpected, log_unexpected, raise_unexpected or raise_all")
     if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
         _fail("--ckpt-convert-format and --ckpt-convert-save go together (the format to "
               "convert --load to, and the folder to write it in)")
