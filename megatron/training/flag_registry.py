@@ -1,9 +1,12 @@
-"""Megatron flags this project parses but does not act on, each with the reason.
+"""Megatron flags that this project's own argument groups define but do not act on, each with
+the reason.
 
-Both lists are read by :mod:`megatron.training.arguments`: its ``--help`` texts come from them, and
-``validate_args`` notes a no-effect flag once, and stops with one line on an unsupported flag set
-to anything but its default. ``tests/unit/test_flag_audit.py`` checks that every other flag is
-read somewhere.
+:mod:`megatron.training.arguments` merges both lists with the no-effect and refused rows of
+:mod:`megatron.training.megatron_flags_table` (the options of Megatron-LM's parser that the
+argument groups do not define) into its ``NO_EFFECT_FLAGS`` / ``UNSUPPORTED_FLAGS``: their
+``--help`` texts come from them, and ``validate_args`` notes a no-effect flag once, and stops with
+one line on an unsupported flag set to anything but its default.
+``tests/unit/test_flag_audit.py`` checks that every other flag is used somewhere.
 """
 
 # Flags Megatron launch scripts pass that change nothing here, by the nature of this codebase.

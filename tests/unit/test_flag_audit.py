@@ -7,9 +7,11 @@ arguments) is one of three things, and this test fails on any flag that is none 
     f-string message does not count); a flag read only by ``build_configs`` counts only when a
     config field computed from it is read by the model code; a flag read only by the validation
     checks counts only when :data:`DERIVED_IN_VALIDATION` says what they make of its value;
-(b) declared no-effect: listed in ``flag_registry.NO_EFFECT_FLAGS``, its --help says it has no
-    effect here, and a run that sets it goes on (with one note);
-(c) unsupported: listed in ``flag_registry.UNSUPPORTED_FLAGS`` (or a choice flag whose only
+(b) declared no-effect: listed in ``arguments.NO_EFFECT_FLAGS`` (``flag_registry``'s and the
+    no-effect rows of ``megatron_flags_table``), its --help says it has no effect here, and a run
+    that sets it goes on (with one note);
+(c) unsupported: listed in ``arguments.UNSUPPORTED_FLAGS`` (``flag_registry``'s and the refused
+    rows of ``megatron_flags_table``; or a choice flag whose only
     choice is its default): set to anything else, ``validate_args`` stops, before any process group
     exists, with one line naming the flag and saying what to use instead.
 """
