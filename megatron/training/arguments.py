@@ -303,10 +303,12 @@ def _add_distributed_args(parser):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split every sequence over this many ranks (attention exchanges "
                         "keys and values; everything else runs on the local tokens)")
-    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"],
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   choices=["p2p", "all_gather", "allgather", "a2a"],
                    help="context parallelism's exchange: a ring of key/value blocks (p2p), "
-                        "one all-gather of them (all_gather), or all-to-all from a sequence "
-                        "split to a head split (a2a)")
+                        "one all-gather of them (allgather, or all_gather), or all-to-all from a "
+                        "sequence split to a head split (a2a); one type for every layer (as "
+                        "Megatron, one value per layer is taken when all are the same)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
                    help="accepted for old scripts; the local (Megatron) implementation is used")

@@ -165,9 +165,10 @@ def refused_choice(parser: argparse.ArgumentParser, args) -> str:
     """One line for the first flag set to a value :data:`EXTRA_CHOICES` refuses, else ``""``."""
     for action in parser._actions:
         refused = getattr(action, "refused_choices", {})
-        value = getattr(args, action.dest, None)
-        if isinstance(value, str) and value in refused:
-            return f"{action.option_strings[0]} {value} is not supported: {refused[value]}"
+        values = getattr(args, action.dest, None)
+        for value in values if isinstance(values, list) else [values]:
+            if isinstance(value, str) and value in refused:
+                return f"{action.option_strings[0]} {value} is not supported: {refused[value]}"
     return ""
 
 

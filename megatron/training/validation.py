@@ -162,8 +162,20 @@ def _read_data_args_files(args) -> None:
         setattr(args, f"{split}_data_path", [str(v) for v in value] if value else None)
 
 
+def _one_cp_comm_type(args) -> None:
+    """--cp-comm-type takes Megatron's list (one type, or one per layer); one type for all
+    layers is built, so the list becomes that type (Megatron's allgather is all_gather)."""
+    given = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    types = sorted({"all_gather" if t == "allgather" else t for t in given})
+    if len(types) != 1:
+        _fail(f"--cp-comm-type {' '.join(given)} is not supported: a different exchange per "
+              f"layer is not built yet; use one of {', '.join(types)} for all layers")
+    args.cp_comm_type = types[0]
+
+
 def _validate_surface(args) -> None:
     """The implementation, profiling and data-file flags."""
+    _one_cp_comm_type(args)
     if args.transformer_impl == "transformer_engine":
         _note(args, "--transformer-impl transformer_engine: this project's own layers compute "
                     "the same function as TransformerEngine's (TransformerEngine itself is not "

@@ -42,7 +42,6 @@ DEVIATIONS = {
     "local_rank": ("default", "None here: the launcher's LOCAL_RANK is read when the process "
                    "group starts"),
     "profile_ranks": ("default", "[0] here (rank 0 profiles), as Megatron's earlier default"),
-    "cp_comm_type": ("default", "one exchange type for all layers here ('p2p', not ['p2p'])"),
     "eval_interval": ("default", "1000 here, as in earlier Megatron releases"),
     "split": ("default", "Megatron sets '969, 30, 1' during validation when --split is not "
               "given; here it is the parser default"),
@@ -168,6 +167,22 @@ def test_transformer_engine_is_accepted_with_one_note(capsys):
     assert args.transformer_impl == "transformer_engine"
     notes = [ln for ln in capsys.readouterr().out.splitlines() if "--transformer-impl" in ln]
     assert len(notes) == 1 and "same function" in notes[0], notes
+
+
+def test_cp_comm_type_takes_megatrons_list_and_spelling():
+    common = MINIMAL + ["--context-parallel-size", "2"]
+
+    def validated(*types):
+        args = parse_args(argv=common + ["--cp-comm-type", *types])
+        args.world_size = 2
+        return validate_args(args)
+
+    assert validated("allgather").cp_comm_type == "all_gather"
+    assert validated("a2a", "a2a").cp_comm_type == "a2a"   # one per layer, all the same
+    with pytest.raises(ArgumentsError, match="^--cp-comm-type p2p a2a is not supported"):
+        validated("p2p", "a2a")
+    with pytest.raises(ArgumentsError, match=r"^--cp-comm-type a2a\+p2p is not supported"):
+        validated("a2a+p2p")
 
 
 def test_a_refused_list_flag_shows_its_values():
