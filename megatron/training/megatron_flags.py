@@ -101,12 +101,39 @@ def _template_actions() -> Dict[Tuple[str, ...], argparse.Action]:
             for row in rows()}
 
 
+# --help of the rows that work here.
+WORKS_HELP = {
+    "--disable-bf16-reduced-precision-matmul": "cuBLAS accumulates bf16 matmuls in full "
+                                               "precision (CUDA only)",
+    "--recompute-modules": "with --recompute-granularity selective: core_attn (core attention), "
+                           "the only module built",
+    "--apply-wd-to-qk-layernorm": "weight decay also on the query/key norms' parameters",
+    "--no-weight-decay-cond-type": "apply_wd_to_qk_layernorm: as --apply-wd-to-qk-layernorm",
+    "--exit-signal": "the signal --exit-signal-handler waits for (besides SIGINT)",
+    "--no-check-for-nan-in-loss-and-grad": "Megatron's opt-out; here the check is opt-in",
+    "--save-retain-interval": "after each save, delete older checkpoints whose iteration is not "
+                              "a multiple of this (the latest is always kept)",
+    "--num-virtual-stages-per-pipeline-rank": "interleaved pipeline: virtual stages per rank "
+                                              "(instead of --num-layers-per-virtual-pipeline-"
+                                              "stage)",
+    "--eval-global-batch-size": "samples per evaluation step (default: --global-batch-size)",
+    "--no-mmap-bin-files": "read each .bin into memory instead of memory-mapping it",
+    "--log-progress": "append job, checkpoint, FLOP and token counts to SAVE/progress.txt",
+    "--wandb-entity": "the wandb entity (team) of the --wandb-project run",
+    "--logging-level": "level of the root Python logger (e.g. 20 for INFO)",
+    "--max-tokens-to-oom": "tools/run_text_generation_server.py: most tokens in one request",
+    "--padded-vocab-size": "the model's vocabulary size, instead of padding the tokenizer's",
+    "--save-interval": "iterations between checkpoints",
+    "--no-log-loss-scale-to-tensorboard": "no loss-scale scalar in TensorBoard",
+}
+
+
 def _help(row: Row) -> str:
     if row.kind == NO_EFFECT:
         return "accepted for Megatron scripts; no effect here: " + row.reason
     if row.kind == REFUSED:
         return "not supported here (a run that sets it stops): " + row.reason
-    return "as in Megatron-LM"
+    return WORKS_HELP[row.options[0]]
 
 
 def _kwargs(row: Row) -> dict:

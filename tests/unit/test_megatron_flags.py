@@ -136,6 +136,23 @@ def test_table_rows_are_unique_and_well_formed():
         assert (row.reason is None) == (row.kind == megatron_flags.WORKS), row
         if row.kind == megatron_flags.REFUSED:
             assert "use" in row.reason or "drop" in row.reason, row
+        if row.kind == megatron_flags.WORKS:
+            assert megatron_flags.WORKS_HELP[row.options[0]], row
+
+
+def test_value_types_follow_the_defaults():
+    """A stored flag whose Megatron default is a float parses floats; one whose default is an
+    int parses ints (or floats, where Megatron's type is float with a whole default)."""
+    actions = _by_option(build_parser())
+    for row in megatron_flags.rows():
+        action = actions[row.options[0]]
+        default = row.default
+        if row.action in ("true", "false", "bool?") or isinstance(default, bool):
+            continue
+        if isinstance(default, int) and not row.choices:
+            assert action.type in (int, float), row
+        if isinstance(default, float):
+            assert action.type is float, row
 
 
 def test_types_follow_megatron():
