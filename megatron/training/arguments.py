@@ -438,9 +438,11 @@ def _add_moe_args(parser):
     g.add_argument("--moe-router-score-function", default="softmax", choices=SCORE_FUNCTIONS)
     g.add_argument("--moe-router-pre-softmax", action="store_true")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)
-    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
-                   choices=LOAD_BALANCING_TYPES)
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+                   choices=LOAD_BALANCING_TYPES,
+                   help="one type (Megatron takes several, each with its --moe-aux-loss-coeff; "
+                   "one is built here)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=DISPATCHER_TYPES)

@@ -400,8 +400,26 @@ def _validate_masking(args) -> None:
 BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
+def _one_load_balancing(args) -> None:
+    """--moe-router-load-balancing-type / --moe-aux-loss-coeff take Megatron's lists (several
+    balancing losses, one coefficient each); one loss is built, so one-element lists become
+    their value."""
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if isinstance(types, list):
+        if len(types) != 1:
+            _fail(f"--moe-router-load-balancing-type {' '.join(types)} is not supported: "
+                  "combining several balancing losses is not built yet; use one of them")
+        args.moe_router_load_balancing_type = types[0]
+    if isinstance(coeffs, list):
+        if len(coeffs) != 1:
+            _fail(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per "
+                  "balancing loss, and one loss is built here; give one value")
+        args.moe_aux_loss_coeff = coeffs[0]
+
+
 def _validate_moe(args) -> None:
     """Megatron's checks of the MoE flags."""
+    _one_load_balancing(args)
     ep = args.expert_model_parallel_size
     if args.num_experts is None:
         if ep != 1:

@@ -202,6 +202,20 @@ def test_cp_comm_type_takes_megatrons_list_and_spelling():
         validated("a2a+p2p")
 
 
+def test_load_balancing_takes_megatrons_one_element_lists():
+    moe = MINIMAL + ["--num-experts", "4", "--no-bias-gelu-fusion"]
+    args = validate_args(parse_args(argv=moe + ["--moe-router-load-balancing-type",
+                                                "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3"]))
+    assert args.moe_router_load_balancing_type == "seq_aux_loss"
+    assert args.moe_aux_loss_coeff == 1e-3
+    args = validate_args(parse_args(argv=moe))
+    assert (args.moe_router_load_balancing_type, args.moe_aux_loss_coeff) == ("aux_loss", 0.0)
+    with pytest.raises(ArgumentsError, match="^--moe-router-load-balancing-type aux_loss "
+                                             "seq_aux_loss is not supported"):
+        validate_args(parse_args(argv=moe + ["--moe-router-load-balancing-type", "aux_loss",
+                                             "seq_aux_loss"]))
+
+
 def test_a_refused_list_flag_shows_its_values():
     with pytest.raises(ArgumentsError, match=r"^--cuda-graph-scope attn mlp is not supported"):
         validate_args(parse_args(argv=MINIMAL + ["--cuda-graph-scope", "attn", "mlp"]))
