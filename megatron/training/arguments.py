@@ -234,10 +234,12 @@ def _add_checkpointing_args(parser):
                         "their current values: ignore, log or raise; return_* ignore them (a "
                         "training run has no caller to return the keys to)")
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
-                   dest="ckpt_fully_parallel_save_deprecated", help="accepted for Megatron's scripts, no effect here: every rank always "
+                   dest="ckpt_fully_parallel_save_deprecated",
+                   help="accepted for Megatron's scripts, no effect here: every rank always "
                         "writes its own torch_dist shards")
     g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
-                   dest="ckpt_fully_parallel_save", help="accepted for Megatron's scripts, no effect here: every rank always "
+                   dest="ckpt_fully_parallel_save",
+                   help="accepted for Megatron's scripts, no effect here: every rank always "
                         "writes its own torch_dist shards")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="accepted for Megatron's scripts, no effect here: every rank always "
