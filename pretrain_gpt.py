@@ -152,7 +152,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         seed=data.seed, seq_length=data.seq_length, split=data.split,
         data_cache_path=data.data_cache_path, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
-        mock=data.mock_data, vocab_size=tokenizer.vocab_size)
+        mock=data.mock_data, vocab_size=tokenizer.vocab_size,
+        mmap_bin_files=data.mmap_bin_files)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,

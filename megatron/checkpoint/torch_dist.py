@@ -295,42 +295,75 @@ def saved_args(iter_dir: str) -> Optional[argparse.Namespace]:
     return _open(iter_dir)[1].get("args")
 
 
-def _check_unexpected(reader, model_chunks, layouts, args, path: str) -> None:
-    """--dist-ckpt-strictness: saved model tensors that this model has no place for are
-    ignored (assume_ok_unexpected), listed (log_unexpected) or stop the load (raise_*)."""
+# --dist-ckpt-strictness, as Megatron-Core's StrictHandling: what happens to saved model tensors
+# this model has no place for (unexpected), and to tensors it needs that the checkpoint lacks
+# (missing): "raise" stops the load, "log" prints them and goes on, "ignore" goes on. A missing
+# tensor that does not stop the load keeps the model's current value. The return_* modes hand
+# the keys to a caller of Megatron-Core's loader; a training run has none, so they ignore them.
+STRICTNESS = {  # mode -> (unexpected, missing)
+    "assume_ok_unexpected": ("ignore", "raise"), "log_unexpected": ("log", "raise"),
+    "raise_unexpected": ("raise", "raise"), "raise_all": ("raise", "raise"),
+    "log_all": ("log", "log"), "ignore_all": ("ignore", "ignore"),
+    "return_unexpected": ("ignore", "raise"), "return_all": ("ignore", "ignore"),
+}
+
+
+def _check_strictness(reader, model_chunks, layouts, args, path: str) -> List[frozenset]:
+    """--dist-ckpt-strictness (see :data:`STRICTNESS`); returns, per chunk, the tensors the
+    checkpoint lacks that keep the model's values."""
     strictness = getattr(args, "dist_ckpt_strictness", "assume_ok_unexpected")
-    if strictness == "assume_ok_unexpected":
-        return
+    on_unexpected, on_missing = STRICTNESS[strictness]
+    if on_unexpected == "ignore" and on_missing == "raise":
+        return [frozenset()] * len(model_chunks)
     from megatron.checkpoint.dist.keys import placements
 
-    wanted = set()
+    saved = set(reader.tensor_keys())
+    wanted, keep = set(), []
     for chunk, layout in zip(model_chunks, layouts):
-        tree = chunk.state_dict_for_save_checkpoint()
+        tree, absent, absent_keys = chunk.state_dict_for_save_checkpoint(), set(), set()
         for name in dotted_names(tree):
-            wanted |= {p.key for p in placements(name, tuple(_local_param(tree, name).shape),
-                                                  layout)}
+            keys = {p.key for p in placements(name, tuple(_local_param(tree, name).shape),
+                                               layout)}
+            wanted |= keys
+            if not keys <= saved:
+                absent.add(name)
+                absent_keys |= keys - saved
+        if on_missing != "raise":   # else the load itself stops, naming the tensor
+            keep.append(frozenset(absent))
+            _report(f"{path}: {len(absent_keys)} tensor(s) this model needs are not in the "
+                    "checkpoint", sorted(absent_keys), on_missing, strictness,
+                    "; they keep their current values")
+        else:
+            keep.append(frozenset())
     if dist.is_initialized():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, sorted(wanted))
         wanted = {k for keys_ in gathered for k in keys_}
-    unexpected = sorted(k for k in reader.tensor_keys()
+    unexpected = sorted(k for k in saved
                         if not k.startswith(OPTIMIZER_STATE_PREFIX) and k not in wanted)
-    if not unexpected:
+    _report(f"{path}: {len(unexpected)} saved tensor(s) this model has no place for",
+            unexpected, on_unexpected, strictness, "; ignored")
+    return keep
+
+
+def _report(message: str, names: List[str], action: str, strictness: str,
+            outcome: str) -> None:
+    """Raise (``action`` "raise") or note ("log") ``names``, if any; "ignore" passes."""
+    if not names or action == "ignore":
         return
-    message = (f"{path}: {len(unexpected)} saved tensor(s) this model has no place for: "
-               f"{', '.join(unexpected[:5])}{' ...' if len(unexpected) > 5 else ''}")
-    if strictness.startswith("raise"):
-        raise CheckpointError(message + f" (--dist-ckpt-strictness {strictness})")
+    text = f"{message}: {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+    if action == "raise":
+        raise CheckpointError(text + f" (--dist-ckpt-strictness {strictness})")
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"NOTE: {message}; ignored (--dist-ckpt-strictness {strictness})", flush=True)
+        print(f"NOTE: {text}{outcome} (--dist-ckpt-strictness {strictness})", flush=True)
 
 
-def _load_model(reader, model_chunks, layouts, path: str) -> None:
+def _load_model(reader, model_chunks, layouts, path: str, keep: List[frozenset]) -> None:
     loaded = []
     try:
-        for chunk, layout in zip(model_chunks, layouts):
+        for chunk, layout, kept in zip(model_chunks, layouts, keep):
             loaded.append(load_model_state(reader, chunk.state_dict_for_save_checkpoint(),
-                                           layout))
+                                           layout, kept))
     except (DistCheckpointError, UnsafeCheckpointError, ValueError) as err:
         raise CheckpointError(f"{path}: model state does not fit the model: "
                                             f"{err}") from None
@@ -484,8 +517,8 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
                               ignore=("padded_vocab_size",))
     _check_vocab(common.get("args"), args, iter_dir)
     layouts = _layouts(model_chunks, _model_config(model_chunks), pstate)
-    _check_unexpected(reader, model_chunks, layouts, args, iter_dir)
-    _load_model(reader, model_chunks, layouts, iter_dir)
+    keep = _check_strictness(reader, model_chunks, layouts, args, iter_dir)
+    _load_model(reader, model_chunks, layouts, iter_dir, keep)
     if weights_only:
         return common
     restore = not (args.finetune or release)

@@ -74,6 +74,7 @@ class BertDatasetConfig:
         whole_word_masking: mask every piece of a word together.
         max_ngrams: longest run of candidate words masked together; n is drawn with probability
             proportional to 1/n (Megatron's ``pretrain_bert.py`` uses 3).
+        mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory.
     """
 
     seed: int
@@ -85,6 +86,7 @@ class BertDatasetConfig:
     binary_head: bool = True
     whole_word_masking: bool = True
     max_ngrams: int = 1
+    mmap_bin_files: bool = True
 
     def __post_init__(self) -> None:
         if self.seq_length < NUM_SPECIAL_TOKENS + 2:
@@ -522,14 +524,15 @@ class BertDataset(torch.utils.data.Dataset):
 # ------------------------------------------------------------------------ building the splits
 
 
-def _open_sentence_dataset(prefix: str, flag: str, binary_head: bool) -> IndexedDataset:
+def _open_sentence_dataset(prefix: str, flag: str, binary_head: bool,
+                           mmap: bool = True) -> IndexedDataset:
     """The indexed dataset of ``prefix``, rejected when it cannot hold BERT samples."""
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         raise FileNotFoundError(f"{flag}: data prefix {prefix!r} does not exist (missing "
                                 f"{', '.join(missing)}); expected PREFIX.bin and PREFIX.idx as "
                                 f"written by tools/preprocess_data.py --split-sentences")
-    indexed = IndexedDataset(prefix)
+    indexed = IndexedDataset(prefix, mmap=mmap)
     counts = np.diff(np.asarray(indexed.document_indices, dtype=np.int64))
     dataset_utils.check_has_documents(prefix, counts.size, flag)
     sizes = indexed.sequence_lengths
@@ -588,7 +591,8 @@ def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]]
 def _build_from_blend(data_path, num_samples: Sequence[int], config: BertDatasetConfig,
                       tokenizer, flag: str, only: Optional[int] = None) -> List:
     prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
-    opened = {p: _open_sentence_dataset(p, flag, config.binary_head) for p in prefixes}
+    opened = {p: _open_sentence_dataset(p, flag, config.binary_head, config.mmap_bin_files)
+              for p in prefixes}
     whole = only is not None
     documents = {p: _split_documents(opened[p], config.split, whole) for p in prefixes}
     if not whole and num_samples[0] > 0:

@@ -34,3 +34,4 @@ class DataConfig:
     short_seq_prob: float = 0.1                  # --short-seq-prob (BERT)
     dataloader_type: str = "single"              # --dataloader-type single | cyclic | external
     num_workers: int = 2                         # --num-workers
+    mmap_bin_files: bool = True                  # False with --no-mmap-bin-files

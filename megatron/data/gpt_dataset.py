@@ -50,6 +50,8 @@ class GPTDatasetConfig:
             :func:`~megatron.data.dataset_utils.get_ltor_masks_and_position_ids`.
         mock: ``--mock-data``; synthetic tokens instead of files.
         vocab_size: vocabulary of the synthetic tokens (needed only with ``mock``).
+        mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory
+            instead of memory-mapping it (the same tokens).
     """
 
     seed: int = 1234
@@ -60,6 +62,7 @@ class GPTDatasetConfig:
     reset_attention_mask: bool = False
     eod_mask_loss: bool = False
     mock: bool = False
+    mmap_bin_files: bool = True
     vocab_size: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -175,13 +178,13 @@ class GPTDataset(torch.utils.data.Dataset):
 # ------------------------------------------------------------------------ building the splits
 
 
-def _open_indexed_dataset(prefix: str, flag: str) -> IndexedDataset:
+def _open_indexed_dataset(prefix: str, flag: str, mmap: bool = True) -> IndexedDataset:
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         raise FileNotFoundError(f"{flag}: data prefix {prefix!r} does not exist (missing "
                                 f"{', '.join(missing)}); expected PREFIX.bin and PREFIX.idx as "
                                 f"written by tools/preprocess_data.py")
-    return IndexedDataset(prefix)
+    return IndexedDataset(prefix, mmap=mmap)
 
 
 def _split_documents(indexed, split: str, whole: bool) -> List[Optional[np.ndarray]]:
@@ -236,7 +239,7 @@ def _check_train_not_empty(prefixes, documents, opened, split) -> None:
 def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetConfig,
                       flag: str, only: Optional[int] = None) -> List:
     prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
-    opened = {p: _open_indexed_dataset(p, flag) for p in prefixes}
+    opened = {p: _open_indexed_dataset(p, flag, config.mmap_bin_files) for p in prefixes}
     whole = only is not None
     if (num_samples[only] if whole else max(num_samples)) > 0:
         for p in prefixes:

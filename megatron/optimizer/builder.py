@@ -28,7 +28,8 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
     """Group trainable parameters by (``wd_mult``, ``lr_mult``), in order of first appearance.
 
     By default biases (names ending in ``.bias``) and every 1-D parameter (norm weights) get no
-    weight decay (``wd_mult`` 0); parameters selected by ``scale_lr_cond`` get ``lr_mult``.
+    weight decay (``wd_mult`` 0), except, with ``config.apply_wd_to_qk_layernorm``
+    (``--apply-wd-to-qk-layernorm``), the query and key norms' parameters; parameters selected by ``scale_lr_cond`` get ``lr_mult``.
     Each group's initial ``lr`` and ``weight_decay`` already include its multipliers, so the
     optimizer is right before the scheduler first touches it.
 
@@ -48,6 +49,8 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
                 no_wd = no_weight_decay_cond(name, param)
             else:
                 no_wd = name.endswith(".bias") or param.dim() == 1
+                if config.apply_wd_to_qk_layernorm and _is_qk_norm(name):
+                    no_wd = False
             scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
             own_lr = decoupled and getattr(param, "is_embedding_or_output_parameter", False)
             key = (0.0 if no_wd else 1.0, float(lr_mult) if scale_lr else 1.0, own_lr)
@@ -64,6 +67,10 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
             group.update(max_lr=max_lr, min_lr=min_lr, is_decoupled_lr=own_lr)
         groups.append(group)
     return groups
+
+
+def _is_qk_norm(name: str) -> bool:
+    return "q_layernorm." in name or "k_layernorm." in name
 
 
 def _build_torch_optimizer(config: OptimizerConfig,

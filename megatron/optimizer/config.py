@@ -45,6 +45,7 @@ class OptimizerConfig:
     use_distributed_optimizer: bool = False  # --use-distributed-optimizer
     log_num_zeros_in_grad: bool = False    # --log-num-zeros-in-grad
     check_for_nan_in_loss_and_grad: bool = False  # --check-for-nan-in-loss-and-grad
+    apply_wd_to_qk_layernorm: bool = False  # --apply-wd-to-qk-layernorm: weight decay on q/k norms
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "sgd"):

@@ -6,9 +6,11 @@ light module of this package (``megatron.training.train_state``, say) does not b
 harness with it.
 
 Modules: ``arguments`` (the parser), ``validation``, ``configs`` (typed configs from the flags),
-``flag_registry``, ``initialize``, ``global_vars``, ``training`` (``pretrain`` and the loop),
-``log``, ``hooks``, ``train_state``, ``microbatches``, ``timers``, ``checkpointing`` (the save and
-load entry points), ``memory_accounting``, ``moe_logging``, ``determinism``, ``utils``.
+``flag_registry``, ``megatron_flags`` / ``megatron_flags_table`` (every other option of
+Megatron-LM's parser, classified), ``initialize``, ``global_vars``, ``training`` (``pretrain``
+and the loop), ``log``, ``hooks``, ``train_state``, ``microbatches``, ``timers``,
+``checkpointing`` (the save and load entry points), ``save_extras`` (progress log, checkpoint
+retention), ``memory_accounting``, ``moe_logging``, ``determinism``, ``utils``.
 """
 
 import importlib

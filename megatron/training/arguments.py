@@ -12,6 +12,7 @@ are in :mod:`megatron.training.validation`, the config builders in
 """
 
 import argparse
+import functools
 import os
 import sys
 from typing import Callable, List, Optional
@@ -21,7 +22,7 @@ from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BAL
                                        ROUTER_DTYPES, SCORE_FUNCTIONS, parse_moe_layer_freq)
 from megatron.training.configs import (Configs, build_configs,  # noqa: F401  (re-exported)
                                        build_data_config)
-from megatron.training.flag_registry import NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS
+from megatron.training import flag_registry, megatron_flags
 from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert_args re-exported)
     BERT_TOKENIZER_TYPES, ArgumentsError, check_flags, validate_bert_args)
 
@@ -194,12 +195,12 @@ def _add_training_args(parser):
                    dest="async_tensor_model_parallel_allreduce")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
                    dest="gradient_accumulation_fusion")
-    g.add_argument("--use-mcore-models", action="store_true")
+    g.add_argument("--use-mcore-models", action="store_true", dest="deprecated_use_mcore_models")
     g.add_argument("--use-legacy-models", action="store_true")
     g.add_argument("--transformer-impl", default="local",
                    choices=["local", "transformer_engine"],
-                   help="local: this project's own layers (the only ones wired in); "
-                   "transformer_engine is refused with a message")
+                   help="local: this project's own layers; transformer_engine (Megatron's "
+                   "default) is accepted with a note: the same layers compute the same function")
     g.add_argument("--manual-gc", action="store_true",
                    help="turn Python's automatic garbage collector off during training and "
                    "collect every --manual-gc-interval iterations, at the same point on every rank")
@@ -290,13 +291,17 @@ def _add_checkpointing_args(parser):
                    choices=["assume_ok_unexpected", "log_unexpected", "raise_unexpected",
                             "raise_all", "log_all", "ignore_all", "return_unexpected",
                             "return_all"],
-                   help="torch_dist loads: what to do with saved tensors the model has no "
-                        "place for (ignore, log, raise); a tensor the model needs and the "
-                        "checkpoint lacks always stops the load")
+                   help="torch_dist loads, as Megatron-Core's StrictHandling: what to do with "
+                        "saved tensors the model has no place for and (the *_all modes) with "
+                        "tensors the model needs that the checkpoint lacks, which then keep "
+                        "their current values: ignore, log or raise; return_* ignore them (a "
+                        "training run has no caller to return the keys to)")
     g.add_argument("--ckpt-fully-parallel-save", action="store_true",
+                   dest="ckpt_fully_parallel_save_deprecated",
                    help="accepted for Megatron's scripts, no effect here: every rank always "
                         "writes its own torch_dist shards")
-    g.add_argument("--no-ckpt-fully-parallel-save", action="store_true",
+    g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
+                   dest="ckpt_fully_parallel_save",
                    help="accepted for Megatron's scripts, no effect here: every rank always "
                         "writes its own torch_dist shards")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
@@ -353,7 +358,7 @@ def _add_distributed_args(parser):
                    dest="scatter_gather_tensors_in_pipeline")
     g.add_argument("--use-ring-exchange-p2p", action="store_true")
     g.add_argument("--local-rank", "--local_rank", type=int, default=None, dest="local_rank")
-    g.add_argument("--lazy-mpu-init", type=bool, required=False)
+    g.add_argument("--lazy-mpu-init", action="store_true")
     g.add_argument("--use-cpu-initialization", action="store_true", default=None)
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                    help="empty the CUDA caching allocator after forward-backward and evaluation "
@@ -363,10 +368,12 @@ def _add_distributed_args(parser):
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split every sequence over this many ranks (attention exchanges "
                         "keys and values; everything else runs on the local tokens)")
-    g.add_argument("--cp-comm-type", default="p2p", choices=["p2p", "all_gather", "a2a"],
+    g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
+                   choices=["p2p", "all_gather", "allgather", "a2a"],
                    help="context parallelism's exchange: a ring of key/value blocks (p2p), "
-                        "one all-gather of them (all_gather), or all-to-all from a sequence "
-                        "split to a head split (a2a)")
+                        "one all-gather of them (allgather, or all_gather), or all-to-all from a "
+                        "sequence split to a head split (a2a); one type for every layer (as "
+                        "Megatron, one value per layer is taken when all are the same)")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
                    help="accepted for old scripts; the local (Megatron) implementation is used")
@@ -520,9 +527,11 @@ def _add_moe_args(parser):
     g.add_argument("--moe-router-bias-update-rate", type=float, default=1e-3)
     g.add_argument("--moe-router-dtype", default=None, choices=ROUTER_DTYPES,
                    help="compute the router's logits and probabilities in this precision")
-    g.add_argument("--moe-router-load-balancing-type", default="aux_loss",
-                   choices=LOAD_BALANCING_TYPES)
-    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0)
+    g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
+                   choices=LOAD_BALANCING_TYPES,
+                   help="one type (Megatron takes several, each with its --moe-aux-loss-coeff; "
+                   "one is built here)")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=DISPATCHER_TYPES)
@@ -555,13 +564,29 @@ ARG_GROUP_BUILDERS = [
 ]
 
 
-def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+def _own_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Megatron-style arguments", allow_abbrev=False)
     for add in ARG_GROUP_BUILDERS:
         add(parser)
-    _describe_registered_flags(parser)
+    return parser
+
+
+# The no-effect and unsupported flags: flag_registry's, and the rows of
+# megatron_flags_table that the argument groups above do not define.
+NO_EFFECT_FLAGS, UNSUPPORTED_FLAGS = megatron_flags.registry(
+    megatron_flags.register(_own_parser()))
+NO_EFFECT_FLAGS.update(flag_registry.NO_EFFECT_FLAGS)
+UNSUPPORTED_FLAGS.update(flag_registry.UNSUPPORTED_FLAGS)
+
+
+def build_parser(extra_args_provider: Optional[Callable] = None) -> argparse.ArgumentParser:
+    """Megatron's flags: this module's argument groups, a script's own flags, then every other
+    option of Megatron-LM's parser from :mod:`megatron.training.megatron_flags_table`."""
+    parser = _own_parser()
     if extra_args_provider is not None:
         parser = extra_args_provider(parser)
+    megatron_flags.register(parser)
+    _describe_registered_flags(parser)
     return parser
 
 
@@ -594,18 +619,37 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
     return args
 
 
+@functools.lru_cache(maxsize=1)
+def _flag_names_and_defaults():
+    """dest -> first option string, dest -> default (as argparse: the first action's)."""
+    parser = build_parser()
+    names, defaults = {}, {}
+    for action in parser._actions:
+        if action.option_strings:
+            names.setdefault(action.dest, action.option_strings[0])
+            defaults.setdefault(action.dest, action.default)
+    return parser, names, defaults
+
+
 def _check_registered_flags(args) -> None:
     """Stop on an unsupported flag that is set; one note for each no-effect flag that is set."""
-    parser = build_parser()
-    names = {a.dest: a.option_strings[0] for a in parser._actions if a.option_strings}
+    parser, names, defaults = _flag_names_and_defaults()
     for dest, instead in UNSUPPORTED_FLAGS.items():
         value = getattr(args, dest, None)
-        if value != parser.get_default(dest):
-            raise ArgumentsError(f"{names[dest]} {value} is not supported: {instead}")
+        if value != defaults[dest]:
+            raise ArgumentsError(f"{names[dest]} {_shown(value)} is not supported: {instead}")
+    refused = megatron_flags.refused_choice(parser, args)
+    if refused:
+        raise ArgumentsError(refused)
     for dest, reason in NO_EFFECT_FLAGS.items():
-        if getattr(args, dest, None) != parser.get_default(dest):
+        if getattr(args, dest, None) != defaults[dest]:
             if args.rank == 0:
                 print(f"NOTE: {names[dest]} has no effect here: {reason}", flush=True)
+
+
+def _shown(value) -> str:
+    """A flag's value as typed on the command line (lists space separated)."""
+    return " ".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def validate_args(args: argparse.Namespace) -> argparse.Namespace:

@@ -197,7 +197,8 @@ def build_data_config(args) -> DataConfig:
         reset_position_ids=args.reset_position_ids,
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
-        dataloader_type=args.dataloader_type, num_workers=args.num_workers)
+        dataloader_type=args.dataloader_type, num_workers=args.num_workers,
+        mmap_bin_files=args.mmap_bin_files)
 
 
 def _optimizer_config(args) -> Optional[OptimizerConfig]:
@@ -213,7 +214,8 @@ def _optimizer_config(args) -> Optional[OptimizerConfig]:
         min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
         hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
-        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad)
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm)
 
 
 def _scheduler_config(args) -> Optional[SchedulerConfig]:

@@ -1,16 +1,19 @@
-"""Megatron flags this project parses but does not act on, each with the reason.
+"""Megatron flags that this project's own argument groups define but do not act on, each with
+the reason.
 
-Both lists are read by :mod:`megatron.training.arguments`: its ``--help`` texts come from them, and
-``validate_args`` notes a no-effect flag once, and stops with one line on an unsupported flag set
-to anything but its default. ``tests/unit/test_flag_audit.py`` checks that every other flag is
-read somewhere.
+:mod:`megatron.training.arguments` merges both lists with the no-effect and refused rows of
+:mod:`megatron.training.megatron_flags_table` (the options of Megatron-LM's parser that the
+argument groups do not define) into its ``NO_EFFECT_FLAGS`` / ``UNSUPPORTED_FLAGS``: their
+``--help`` texts come from them, and ``validate_args`` notes a no-effect flag once, and stops with
+one line on an unsupported flag set to anything but its default.
+``tests/unit/test_flag_audit.py`` checks that every other flag is used somewhere.
 """
 
 # Flags Megatron launch scripts pass that change nothing here, by the nature of this codebase.
 # They parse so that those scripts run; --help says why they have no effect, and a run that sets
 # one prints one note. dest -> reason.
 NO_EFFECT_FLAGS = {
-    "use_mcore_models": "there is one model implementation",
+    "deprecated_use_mcore_models": "there is one model implementation",
     "use_legacy_models": "there is one model implementation",
     "use_cpu_initialization": "weights are always drawn on the full shape from one seed (on the "
                               "CPU generator) and then split, so every layout gets the same model",
@@ -38,8 +41,8 @@ NO_EFFECT_FLAGS = {
                                            "mask is built only for --reset-attention-mask",
     "auto_detect_ckpt_format": "loading always detects whether --load holds a torch or a "
                                "torch_dist checkpoint",
+    "ckpt_fully_parallel_save_deprecated": "every rank always writes its own torch_dist shards",
     "ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
-    "no_ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
     "ckpt_fully_parallel_load": "every rank always reads only the slices it needs",
     "moe_shared_expert_overlap": "a scheduling optimisation (the shared expert runs while tokens "
                                  "travel between expert-parallel ranks); the shared expert is "

@@ -2,6 +2,7 @@
 
 import atexit
 import datetime
+import logging
 import os
 import random
 import socket
@@ -169,8 +170,22 @@ def check_node_layout(pstate: parallel_state.ParallelState) -> list:
     return places
 
 
+def apply_process_settings(args) -> None:
+    """Process-wide settings some flags ask for, as Megatron applies them at start-up.
+
+    --logging-level sets the root logger's level; --disable-bf16-reduced-precision-matmul
+    stops cuBLAS from accumulating bf16 matmuls in reduced precision (a no-op without CUDA, as
+    the flag only concerns cuBLAS).
+    """
+    if args.logging_level is not None:
+        logging.getLogger().setLevel(args.logging_level)
+    if args.disable_bf16_reduced_precision_matmul:
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
 def initialize_megatron(args) -> parallel_state.ParallelState:
     """Device, process group, parallel groups and seeds for validated ``args``."""
+    apply_process_settings(args)
     # Before the device and the process group: cuBLAS and NCCL read their settings at start.
     determinism_notes = configure_deterministic_mode(args.deterministic_mode)
     device.configure(args.device, args.local_rank)

@@ -236,8 +236,9 @@ def make_tensorboard_writer(args):
 def make_wandb_run(args):
     """The ``wandb`` module, initialised on the last rank when --wandb-project is given.
 
-    The run is named by --wandb-exp-name and writes under --wandb-save-dir (else
-    ``SAVE/wandb`` with --save, else wandb's default); its config is the run's arguments. wandb
+    The run is named by --wandb-exp-name, belongs to --wandb-entity (else the user's default
+    entity) and writes under --wandb-save-dir (else ``SAVE/wandb`` with --save, else wandb's
+    default); its config is the run's arguments. wandb
     is optional: without it, one note says so and training goes on.
     """
     if not args.wandb_project or args.rank != args.world_size - 1:
@@ -252,8 +253,8 @@ def make_wandb_run(args):
     save_dir = args.wandb_save_dir or (os.path.join(args.save, "wandb") if args.save else None)
     if save_dir:
         os.makedirs(save_dir, exist_ok=True)
-    wandb.init(project=args.wandb_project, name=args.wandb_exp_name or None, dir=save_dir,
-               config=dict(vars(args)))
+    wandb.init(project=args.wandb_project, entity=args.wandb_entity or None,
+               name=args.wandb_exp_name or None, dir=save_dir, config=dict(vars(args)))
     return wandb
 
 

@@ -31,7 +31,7 @@ from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training import hooks as training_hooks
 from megatron.training import log as training_log
-from megatron.training import memory_accounting, moe_logging, numerics
+from megatron.training import memory_accounting, moe_logging, numerics, save_extras
 from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
 from megatron.training.initialize import initialize_megatron
@@ -250,11 +250,16 @@ def schedule_kwargs(model, args, pstate) -> dict:
     }
 
 
+def eval_global_batch_size(args, calculator: NumMicroBatchesCalculator) -> int:
+    """Samples per evaluation step: --eval-global-batch-size, else the training batch."""
+    return args.eval_global_batch_size or calculator.current_global_batch_size
+
+
 def _num_samples(args) -> List[int]:
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
     eval_runs = args.train_iters // args.eval_interval + 1
-    return [train_samples, eval_runs * args.eval_iters * args.global_batch_size,
-            args.eval_iters * args.global_batch_size]
+    eval_batch = args.eval_global_batch_size or args.global_batch_size
+    return [train_samples, eval_runs * args.eval_iters * eval_batch, args.eval_iters * eval_batch]
 
 
 def build_data_iterators(provider: Callable, args, pstate, train_state: TrainState,
@@ -302,18 +307,18 @@ def build_chunk_data_iterators(provider: Callable, args, pstate, train_state: Tr
 
 
 class _StopSignal:
-    """--exit-signal-handler: SIGTERM or SIGINT is noted, and the run saves and stops at the end
-    of the iteration (every rank, agreeing by an all-reduce, whichever ranks got the signal).
+    """--exit-signal-handler: --exit-signal (SIGTERM by default) or SIGINT is noted, and the run
+    saves and stops at the end of the iteration (every rank, agreeing by an all-reduce, whichever
+    ranks got the signal).
 
     Further signals are noted the same way: a launcher may relay the one it got (torchrun passes
     an interrupt on to its workers), so a second signal must not kill the save in progress.
     """
 
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self):
+    def __init__(self, exit_signal: int = signal.SIGTERM):
         self.received = 0  # the first signal's number
-        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        signals = dict.fromkeys((signal.Signals(exit_signal), signal.SIGINT))
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in signals}
 
     def _handle(self, signum, frame):
         self.received = self.received or signum
@@ -404,14 +409,16 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
         chunk.eval()
     batches = []
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
+    batch = eval_global_batch_size(args, calculator)
     with torch.no_grad():
         for _ in range(eval_iters):
             batches.append(schedule(forward_step_func=forward_step_func,
                                     data_iterator=data_iterator, model=model,
-                                    num_microbatches=calculator.num_micro_batches,
+                                    num_microbatches=batch // (
+                                        args.micro_batch_size * pstate.dp_size),
                                     forward_only=True, **schedule_kwargs(model, args, pstate)))
             training_hooks.empty_unused_memory(args, 1)
-            train_state.consumed_valid_samples += calculator.current_global_batch_size
+            train_state.consumed_valid_samples += batch
     for chunk in model:
         chunk.train()
     return training_log.reduce_logged(batches, pstate.dp_cp_group)
@@ -472,6 +479,22 @@ def _save(run: TrainingRun):
     save(run.train_state.iteration, run.model, run.optimizer, run.scheduler, run.args,
          run.pstate, train_state=run.train_state, config=run.ckpt)
     run.timers("save-checkpoint", log_level=0).stop()
+    _after_save(run)
+
+
+def _after_save(run: TrainingRun) -> None:
+    """Rank 0, after a save: --log-progress's line and --save-retain-interval's pruning."""
+    args, train_state = run.args, run.train_state
+    if args.rank != 0:
+        return
+    if args.log_progress:
+        samples = train_state.consumed_train_samples
+        line = save_extras.saved_checkpoint_progress(
+            train_state.iteration, training_log.num_floating_point_operations(args, samples),
+            samples * args.seq_length)
+        save_extras.append_progress(args.save, args.world_size, line)
+    if args.save_retain_interval is not None:
+        save_extras.prune_checkpoints(args.save, args.save_retain_interval)
 
 
 def _should_exit(iteration, training: TrainingConfig, start_time, stop_signal) -> Optional[str]:
@@ -573,7 +596,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     training = run.training
     for chunk in run.model:
         chunk.train()
-    stop_signal = _StopSignal() if training.exit_signal_handler else None
+    stop_signal = _StopSignal(args.exit_signal) if training.exit_signal_handler else None
     start_time = time.time()
     stats = training_log.IntervalStats()
     start_iteration = train_state.iteration
@@ -671,6 +694,9 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     del model_type, process_non_loss_data_func
     args = parse_entry_flags(argv, extra_args_provider, args_defaults)
     pstate = initialize_megatron(args)
+    if args.log_progress and args.rank == 0:
+        os.makedirs(args.save, exist_ok=True)
+        save_extras.append_progress(args.save, args.world_size, "Starting job")
     from megatron.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(args)

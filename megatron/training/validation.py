@@ -41,11 +41,6 @@ def _require(args, *names: str) -> None:
 def _validate_checkpoint_format(args) -> None:
     if args.use_dist_ckpt:
         args.ckpt_format = "torch_dist"
-    if args.dist_ckpt_strictness not in ("assume_ok_unexpected", "log_unexpected",
-                                         "raise_unexpected", "raise_all"):
-        _fail(f"--dist-ckpt-strictness {args.dist_ckpt_strictness} is not supported: a tensor "
-              "the model needs and the checkpoint lacks always stops a load here; use "
-              "assume_ok_unexpected, log_unexpected, raise_unexpected or raise_all")
     if (args.ckpt_convert_format is None) != (args.ckpt_convert_save is None):
         _fail("--ckpt-convert-format and --ckpt-convert-save go together (the format to "
               "convert --load to, and the folder to write it in)")
@@ -75,6 +70,9 @@ def _apply_old_spellings(args) -> None:
         args.norm_epsilon = args.layernorm_epsilon
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        _fail("--no-position-embedding is deprecated (as in Megatron); use "
+              "--position-embedding-type none")
     if args.checkpoint_activations:
         args.recompute_granularity = "full"
         args.recompute_method = args.recompute_method or "uniform"
@@ -114,7 +112,9 @@ SIZE_FLAG_MINIMA = (
     ("pipeline_model_parallel_size", 1), ("num_layers_per_virtual_pipeline_stage", 1),
     ("context_parallel_size", 1), ("num_experts", 1), ("expert_model_parallel_size", 1),
     ("expert_tensor_parallel_size", 1), ("moe_ffn_hidden_size", 1), ("moe_router_topk", 1),
-    ("moe_shared_expert_intermediate_size", 1),
+    ("moe_shared_expert_intermediate_size", 1), ("num_virtual_stages_per_pipeline_rank", 1),
+    ("eval_global_batch_size", 1), ("save_retain_interval", 1),
+    ("padded_vocab_size", 1),
 )
 
 
@@ -163,11 +163,24 @@ def _read_data_args_files(args) -> None:
         setattr(args, f"{split}_data_path", [str(v) for v in value] if value else None)
 
 
+def _one_cp_comm_type(args) -> None:
+    """--cp-comm-type takes Megatron's list (one type, or one per layer); one type for all
+    layers is built, so the list becomes that type (Megatron's allgather is all_gather)."""
+    given = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
+    types = sorted({"all_gather" if t == "allgather" else t for t in given})
+    if len(types) != 1:
+        _fail(f"--cp-comm-type {' '.join(given)} is not supported: a different exchange per "
+              f"layer is not built yet; use one of {', '.join(types)} for all layers")
+    args.cp_comm_type = types[0]
+
+
 def _validate_surface(args) -> None:
     """The implementation, profiling and data-file flags."""
+    _one_cp_comm_type(args)
     if args.transformer_impl == "transformer_engine":
-        _fail("--transformer-impl transformer_engine is not supported: this project's layers "
-              "are its own and TransformerEngine is not wired in; use --transformer-impl local")
+        _note(args, "--transformer-impl transformer_engine: this project's own layers compute "
+                    "the same function as TransformerEngine's (TransformerEngine itself is not "
+                    "used)")
     if args.profile:
         if args.profile_step_start < 0 or args.profile_step_end <= args.profile_step_start:
             _fail(f"--profile-step-end ({args.profile_step_end}) must be larger than "
@@ -224,6 +237,7 @@ def _validate_parallel(args) -> None:
     if uneven and args.num_layers_per_virtual_pipeline_stage is not None:
         _fail("--decoder-first/last-pipeline-num-layers cannot be combined with "
               "--num-layers-per-virtual-pipeline-stage")
+    _virtual_stages_per_rank(args)
     args.virtual_pipeline_model_parallel_size = None
     if args.num_layers_per_virtual_pipeline_stage is not None:
         per_vstage = args.num_layers_per_virtual_pipeline_stage
@@ -248,6 +262,24 @@ def _validate_parallel(args) -> None:
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         args.distributed_backend = "gloo"
+
+
+def _virtual_stages_per_rank(args) -> None:
+    """--num-virtual-stages-per-pipeline-rank V: the same split as
+    --num-layers-per-virtual-pipeline-stage (layers per stage) / V."""
+    stages = args.num_virtual_stages_per_pipeline_rank
+    if stages is None:
+        return
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers_per_virtual_pipeline_stage is not None:
+        _fail("give only one of --num-layers-per-virtual-pipeline-stage and "
+              "--num-virtual-stages-per-pipeline-rank")
+    per_stage = args.num_layers // pp
+    if pp < 2 or per_stage % stages:
+        _fail(f"--num-virtual-stages-per-pipeline-rank {stages} needs "
+              f"--pipeline-model-parallel-size >= 2 and the {per_stage} layers per pipeline "
+              f"stage (--num-layers {args.num_layers} / {pp}) divisible by it")
+    args.num_layers_per_virtual_pipeline_stage = per_stage // stages
 
 
 def _validate_model(args) -> None:
@@ -400,8 +432,26 @@ def _validate_loss(args) -> None:
               "multi-token-prediction loss is scaled as a per-micro-batch mean; drop one of them")
 
 
+def _one_load_balancing(args) -> None:
+    """--moe-router-load-balancing-type / --moe-aux-loss-coeff take Megatron's lists (several
+    balancing losses, one coefficient each); one loss is built, so one-element lists become
+    their value."""
+    types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
+    if isinstance(types, list):
+        if len(types) != 1:
+            _fail(f"--moe-router-load-balancing-type {' '.join(types)} is not supported: "
+                  "combining several balancing losses is not built yet; use one of them")
+        args.moe_router_load_balancing_type = types[0]
+    if isinstance(coeffs, list):
+        if len(coeffs) != 1:
+            _fail(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per "
+                  "balancing loss, and one loss is built here; give one value")
+        args.moe_aux_loss_coeff = coeffs[0]
+
+
 def _validate_moe(args) -> None:
     """Megatron's checks of the MoE flags."""
+    _one_load_balancing(args)
     ep = args.expert_model_parallel_size
     if args.num_experts is None:
         if ep != 1:
@@ -486,6 +536,35 @@ def validate_bert_args(args: argparse.Namespace) -> None:
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")
 
 
+def _validate_run_extras(args) -> None:
+    """Megatron flags of the run around the model: selective recompute's modules, weight decay
+    of the q/k norms, evaluation batches, progress log and checkpoint retention."""
+    modules = args.recompute_modules
+    if modules is not None:
+        if args.recompute_granularity != "selective":
+            _note(args, "--recompute-modules has no effect without --recompute-granularity "
+                        "selective")
+        elif set(modules) - {"core_attn"}:
+            _fail(f"--recompute-modules {' '.join(modules)} is not supported: only core_attn "
+                  "(core attention, what --recompute-granularity selective recomputes here) is "
+                  "built; use --recompute-modules core_attn, or --recompute-granularity full")
+    if args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":
+        args.apply_wd_to_qk_layernorm = True
+    padded, tp = args.padded_vocab_size, args.tensor_model_parallel_size
+    if padded is not None and padded % tp:
+        _fail(f"--padded-vocab-size ({padded}) must be divisible by --tensor-model-parallel-size "
+              f"({tp}): each rank holds an equal slice of the vocabulary")
+    eval_batch = args.eval_global_batch_size
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if eval_batch is not None and eval_batch % per_step:
+        _fail(f"--eval-global-batch-size ({eval_batch}) must be divisible by --micro-batch-size "
+              f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
+    for flag, value in (("--log-progress", args.log_progress),
+                        ("--save-retain-interval", args.save_retain_interval)):
+        if value and not args.save:
+            _fail(f"{flag} works in the --save folder; give --save")
+
+
 def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
@@ -498,6 +577,7 @@ def check_flags(args):
     _validate_mtp(args)
     _validate_loss(args)
     _validate_batch_and_schedule(args)
+    _validate_run_extras(args)
     _validate_masking(args)
     _validate_checkpoint_format(args)
     return args

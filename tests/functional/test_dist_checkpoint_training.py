@@ -293,3 +293,59 @@ def test_strictness_decides_about_saved_tensors_the_model_lacks(tmp_path, capfd)
     error = run_on_ranks(_weights_only_load, 1, base + ["--dist-ckpt-strictness",
                                                          "raise_unexpected"])[0]
     assert "1 saved tensor(s) this model has no place for: decoder.extra_head.weight" in error
+
+
+def _without_a_tensor(name: str, dest, key: str) -> str:
+    """A copy of a torch_dist fixture whose metadata no longer lists ``key``."""
+    import pickle
+
+    from megatron.checkpoint.safe_unpickle import load_dcp_metadata
+
+    root = writable_copy(name, dest)
+    path = os.path.join(root, "iter_0000010", ".metadata")
+    metadata = load_dcp_metadata(path)
+    del metadata.state_dict_metadata[key]
+    for index in [i for i in metadata.storage_data if i.fqn == key]:
+        del metadata.storage_data[index]
+    with open(path, "wb") as f:
+        pickle.dump(metadata, f)
+    return root
+
+
+def _final_norm_after_load(argv):
+    """Rank body: the final layer norm's weight after loading --load, or the error text."""
+    import pretrain_gpt
+    from megatron.training import checkpointing
+    from megatron.training import global_vars
+    from megatron.inference import initialize_for_inference, load_model_for_inference
+
+    try:
+        args, pstate, _ = initialize_for_inference(argv=argv)
+        chunks, _ = load_model_for_inference(pretrain_gpt.model_provider, args, pstate)
+        norms = [p for n, p in chunks[0].named_parameters() if "final" in n and "weight" in n]
+        return norms[0].detach().clone()
+    except checkpointing.CheckpointError as err:
+        return str(err)
+    finally:
+        global_vars.unset_global_variables()
+
+
+def test_strictness_decides_about_tensors_the_checkpoint_lacks(tmp_path, capfd):
+    """As Megatron-Core's StrictHandling: a tensor the model needs and the checkpoint lacks
+    stops the load by default and with raise_all; with log_all it is listed and, as with
+    ignore_all, keeps the model's own (initial) value while the rest loads."""
+    key = "decoder.final_layernorm.weight"
+    load = _without_a_tensor("mcore_dist_tp1", tmp_path, key)
+    base = megatron_argv("mcore_dist_tp1") + ["--load", load, "--device", "cpu"]
+    for mode in (None, "raise_all", "log_unexpected"):
+        flags = base + (["--dist-ckpt-strictness", mode] if mode else [])
+        error = run_on_ranks(_final_norm_after_load, 1, flags)[0]
+        assert isinstance(error, str) and key in error, (mode, error)
+    capfd.readouterr()
+    for mode in ("log_all", "ignore_all", "return_all"):
+        norm = run_on_ranks(_final_norm_after_load, 1,
+                            base + ["--dist-ckpt-strictness", mode])[0]
+        assert torch.equal(norm, torch.ones_like(norm)), mode   # a fresh LayerNorm's weight
+        out = capfd.readouterr().out
+        listed = f"{key}; they keep their current values (--dist-ckpt-strictness {mode})"
+        assert (listed in out) == (mode == "log_all"), (mode, out)

@@ -191,7 +191,8 @@ def _scalar_args(*flags, rank=0, world_size=1):
     for key in ("log_batch_size_to_tensorboard", "log_learning_rate_to_tensorboard",
                 "log_loss_scale_to_tensorboard", "log_world_size_to_tensorboard",
                 "log_validation_ppl_to_tensorboard", "tensorboard_log_interval",
-                "wandb_project", "wandb_exp_name", "wandb_save_dir", "tensorboard_dir", "save"):
+                "wandb_project", "wandb_exp_name", "wandb_save_dir", "wandb_entity", "tensorboard_dir",
+                "save"):
         setattr(args, key, getattr(extra, key))
     args.rank, args.world_size = rank, world_size
     return args
@@ -247,13 +248,14 @@ def test_wandb_adapter_logs_per_iteration_scalars(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "wandb", fake)
     save_dir = tmp_path / "wandb_runs"
     args = _scalar_args("--wandb-project", "proj", "--wandb-exp-name", "exp-1",
-                        "--wandb-save-dir", str(save_dir), rank=3, world_size=4)
+                        "--wandb-save-dir", str(save_dir), "--wandb-entity", "team",
+                        rank=3, world_size=4)
     writer = training_log.make_scalar_writer(args)
     assert writer is not None and writer.tensorboard is None
     (kind, kwargs), = fake.calls
     assert kind == "init" and save_dir.is_dir()
-    assert {k: kwargs[k] for k in ("project", "name", "dir")} == {
-        "project": "proj", "name": "exp-1", "dir": str(save_dir)}
+    assert {k: kwargs[k] for k in ("project", "entity", "name", "dir")} == {
+        "project": "proj", "entity": "team", "name": "exp-1", "dir": str(save_dir)}
     assert kwargs["config"]["wandb_project"] == "proj" and kwargs["config"]["hidden_size"] == 32
     fake.calls.clear()
     training_log.write_train_scalars(writer, args, _at(3), {"lm loss": 2.5}, 1e-3, 32, 1.0, 0.5)
@@ -273,6 +275,7 @@ def test_wandb_only_on_last_rank_and_default_dir(monkeypatch, tmp_path):
                         rank=1, world_size=2)
     training_log.make_scalar_writer(args)
     assert fake.calls[0][1]["dir"] == str(tmp_path / "ckpt" / "wandb")
+    assert fake.calls[0][1]["entity"] is None  # no --wandb-entity: wandb's default entity
     assert (tmp_path / "ckpt" / "wandb").is_dir()
 
 
