@@ -49,13 +49,11 @@ TYPES = {"int": int, "float": float, "str": str, "attn_backend": _attn_backend,
 # Values of choice flags defined in arguments.py that Megatron takes and this project refuses:
 # (option string, value, reason). A value the flag's own choices already hold is left alone.
 EXTRA_CHOICES = (
-    ("--position-embedding-type", "yarn", table.ROPE_SCALING),
     ("--position-embedding-type", "mrope", table.VISION),
     ("--position-embedding-type", "relative", table.T5),
     ("--transformer-impl", "inference_optimized", table.INFERENCE),
     *(("--optimizer", name, table.OPTIMIZERS)
       for name in ("muon", "dist_muon", "lion", "soap", "adaptive_muon")),
-    ("--tokenizer-type", "TikTokenizer", table.TIKTOKEN),
     ("--tokenizer-type", "MultimodalTokenizer", table.VISION),
     ("--tokenizer-type", "NullMultimodalTokenizer", table.VISION),
     ("--tokenizer-type", "SFTTokenizer", table.SFT),

@@ -57,8 +57,6 @@ EXPERIMENTAL = "no feature here is gated behind it"
 DATA_CACHE = ("a start-up optimisation of Megatron's dataset index caches; the same samples are "
               "built either way")
 ENERGY = "energy is not measured here (no GPU power counters are read)"
-TIKTOKEN_KNOB = ("it configures TikTokenizer, which is not built here (--tokenizer-type "
-                 "TikTokenizer is refused); with any other tokenizer Megatron ignores it too")
 TOKENIZER_ASSETS = "checkpoints here never copy the tokenizer's files"
 PROFILER = ("the torch profiler trace of --use-pytorch-profiler always records tensor shapes and "
             "call stacks")
@@ -68,16 +66,10 @@ AVERAGE = ("gradients are averaged over the data-parallel group by scaling each 
 BARRIER = "the timers here never add a barrier; --timing-log-level 1 timers are not synchronised"
 
 # What to do instead of a refused flag.
-PER_TOKEN_LOSS = "per-token loss normalisation is not built yet; drop it"
 ROPE_SCALING = ("RoPE scaling (Llama-3.x scaling, YaRN) is not built yet; drop it (plain RoPE "
                 "with --rotary-base is used)")
-WINDOW = "sliding-window attention is not built yet; drop it (full causal attention is used)"
-SOFTMAX_TYPE = "attention-sink softmax variants are not built yet; drop it (vanilla softmax)"
-DEEPSEEK_ROUTER = ("DeepSeek's router extensions (expert bias, group-limited routing, router "
-                   "dtype) are not built yet; drop them")
 MTP = "multi-token prediction is not built yet; drop it"
 MLA = "multi-latent attention is not built yet; use standard attention (--num-query-groups)"
-TIKTOKEN = "TikTokenizer is not built yet; use --tokenizer-type HuggingFaceTokenizer"
 FSDP = ("FSDP (--use-torch-fsdp2, --use-megatron-fsdp and its knobs) is not built yet; use "
         "--use-distributed-optimizer")
 RERUN = ("the rerun state machine (result validation, error injection) is not built yet; drop it "
@@ -199,8 +191,6 @@ ROWS = (
     ('--mtp-standalone', '', 'true', False, '', REFUSED, MTP),
     ('--cpu-offloading-num-layers', '', 'int', 0, '', REFUSED, ACT_OFFLOAD),
     ('--cpu-offloading-retain-pinned-cpu-buffers', '', 'true', False, '', REFUSED, ACT_OFFLOAD),
-    ('--mtp-num-layers', '', 'int', None, '', REFUSED, MTP),
-    ('--mtp-loss-scaling-factor', '', 'float', 0.1, '', REFUSED, MTP),
     ('--mtp-use-repeated-layer', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-detach-heads', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hsm', '', 'true', False, '', REFUSED, MTP),
@@ -209,8 +199,6 @@ ROWS = (
     ('--account-for-loss-in-pipeline-split', '', 'true', False, '', REFUSED, PP_LAYOUT),
     ('--attention-backend', '', 'attn_backend', 'auto', '', NO_EFFECT, ATTN_BACKEND),
     ('--flash-attention-version', '', 'int', None, '2|3|4', NO_EFFECT, ATTN_BACKEND),
-    ('--softmax-type', '',
-     'str', 'vanilla', 'vanilla|off-by-one|learnable', REFUSED, SOFTMAX_TYPE),
     ('--glu-linear-offset', '', 'float', 0.0, '', REFUSED, MODEL_VARIANT),
     ('--activation-func-clamp-value', '', 'float', None, '', REFUSED, MODEL_VARIANT),
     ('--qk-l2-norm', '', 'true', False, '', REFUSED, MODEL_VARIANT),
@@ -218,7 +206,6 @@ ROWS = (
     ('--qk-clip-alpha', '', 'float', 0.5, '', REFUSED, QK_CLIP),
     ('--qk-clip-threshold', '', 'float', 100, '', REFUSED, QK_CLIP),
     ('--attention-output-gate', '', 'true', False, '', REFUSED, MODEL_VARIANT),
-    ('--calculate-per-token-loss', '', 'true', False, '', REFUSED, PER_TOKEN_LOSS),
     ('--multi-latent-attention', '', 'true', False, '', REFUSED, MLA),
     ('--experimental-attention-variant', '',
      'str', None, 'gdn|gdn2|dsa|gated_delta_net', REFUSED, ATTN_VARIANT),
@@ -280,11 +267,6 @@ ROWS = (
     ('--moe-enable-routing-replay', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--moe-router-padding-for-quantization', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-padding-for-fp8', '', 'true', False, '', REFUSED, FP8),
-    ('--moe-router-num-groups', '', 'int', None, '', REFUSED, DEEPSEEK_ROUTER),
-    ('--moe-router-group-topk', '', 'int', None, '', REFUSED, DEEPSEEK_ROUTER),
-    ('--moe-router-dtype', '', 'str', None, 'fp32|fp64', REFUSED, DEEPSEEK_ROUTER),
-    ('--moe-router-enable-expert-bias', '', 'true', False, '', REFUSED, DEEPSEEK_ROUTER),
-    ('--moe-router-bias-update-rate', '', 'float', 0.001, '', REFUSED, DEEPSEEK_ROUTER),
     ('--moe-router-quantile-balancing-ema', '', 'float', 0.0, '', REFUSED, MODEL_VARIANT),
     ('--moe-router-force-load-balancing', '', 'true', False, '', REFUSED, FORCE_BALANCE),
     ('--moe-router-force-biased', '', 'float', None, '', REFUSED, MODEL_VARIANT),
@@ -366,18 +348,8 @@ ROWS = (
     ('--moe-paged-stash-buffer-size-factor-cuda', '', 'float', 1.1, '', REFUSED, ACT_OFFLOAD),
     ('--moe-paged-stash-buffer-size-factor-cpu', '', 'float', 0.0, '', REFUSED, ACT_OFFLOAD),
     ('--fine-grained-offloading-max-inflight-offloads', '', 'int', None, '', REFUSED, ACT_OFFLOAD),
-    ('--window-size', '', 'window', None, '', REFUSED, WINDOW),
-    ('--window-attn-skip-freq', '', 'layer_pattern', None, '', REFUSED, WINDOW),
-    ('--yarn-original-max-position-embeddings', '', 'int', None, '', REFUSED, ROPE_SCALING),
-    ('--yarn-beta-fast', '', 'float', None, '', REFUSED, ROPE_SCALING),
-    ('--yarn-beta-slow', '', 'float', None, '', REFUSED, ROPE_SCALING),
-    ('--yarn-correction-range-round-to-int', '', 'true', None, '', REFUSED, ROPE_SCALING),
-    ('--no-yarn-correction-range-round-to-int', 'yarn_correction_range_round_to_int',
-     'false', True, '', REFUSED, ROPE_SCALING),
     ('--relative-attention-num-buckets', '', 'int', 32, '', REFUSED, T5),
     ('--relative-attention-max-distance', '', 'int', 128, '', REFUSED, T5),
-    ('--use-rope-scaling', '', 'true', False, '', REFUSED, ROPE_SCALING),
-    ('--rope-scaling-factor', '', 'float', 8.0, '', REFUSED, ROPE_SCALING),
     ('--no-rope-freq', '', 'layer_pattern', None, '', REFUSED, MODEL_VARIANT),
     ('--quick-geglu', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--apply-wd-to-qk-layernorm', '', 'true', False, '', WORKS, None),
@@ -629,9 +601,6 @@ ROWS = (
     ('--no-pad-vocab-size --disable-pad-vocab-size', 'pad_vocab_size',
      'false', True, '', REFUSED, TOKENIZER_EXTRAS),
     ('--tokenizer-metadata', 'metadata_path', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--tokenizer-special-tokens', 'special_tokens', 'str+', None, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--tiktoken-pattern', '', 'str', None, 'v1|v2', NO_EFFECT, TIKTOKEN_KNOB),
-    ('--tiktoken-num-special-tokens', '', 'int', 1000, '', NO_EFFECT, TIKTOKEN_KNOB),
     ('--tokenizer-sentencepiece-legacy', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--no-tokenizer-sentencepiece-ignore-extra-whitespaces '
      '--disable-tokenizer-sentencepiece-ignore-extra-whitespaces',
@@ -692,9 +661,6 @@ ROWS = (
     ('--qk-head-dim', '', 'int', 128, '', REFUSED, MLA),
     ('--qk-pos-emb-head-dim', '', 'int', 64, '', REFUSED, MLA),
     ('--v-head-dim', '', 'int', 128, '', REFUSED, MLA),
-    ('--rotary-scaling-factor', '', 'float', 1.0, '', REFUSED, ROPE_SCALING),
-    ('--mscale', '', 'float', 1.0, '', REFUSED, ROPE_SCALING),
-    ('--mscale-all-dim', '', 'float', 0.0, '', REFUSED, ROPE_SCALING),
     ('--cache-mla-latents', '', 'true', False, '', REFUSED, MLA),
     ('--mla-down-proj-fusion', '', 'true', False, '', REFUSED, MLA),
     ('--linear-attention-freq', '', 'layer_pattern', None, '', REFUSED, ATTN_VARIANT),

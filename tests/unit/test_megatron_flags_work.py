@@ -150,7 +150,7 @@ def test_eval_global_batch_size_sets_the_evaluation_step(monkeypatch):
     monkeypatch.setattr(training, "get_forward_backward_func", lambda *a: schedule)
     monkeypatch.setattr(training, "schedule_kwargs", lambda *a: {})
     args = _args("--global-batch-size", "4", "--eval-global-batch-size", "6", world_size=2)
-    pstate = types.SimpleNamespace(pp_size=1, virtual_pp_size=None, dp_size=2)
+    pstate = types.SimpleNamespace(pp_size=1, virtual_pp_size=None, dp_size=2, dp_cp_group=None)
     calculator = types.SimpleNamespace(current_global_batch_size=4, num_micro_batches=2)
     state = types.SimpleNamespace(consumed_valid_samples=0)
     losses = training.evaluate(None, None, [torch.nn.Linear(1, 1)], args, pstate, calculator,
