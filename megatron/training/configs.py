@@ -157,7 +157,9 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
-        gradient_accumulation_fusion=args.gradient_accumulation_fusion)
+        gradient_accumulation_fusion=args.gradient_accumulation_fusion,
+        use_torch_fsdp2=args.use_torch_fsdp2,
+        torch_fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
 
 
 def build_checkpoint_config(args) -> CheckpointConfig:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device
+from megatron.optimizer.clip_grads import local_tensor
 from megatron.training import log as training_log
 
 
@@ -62,6 +63,7 @@ def grad_findings(model) -> List[str]:
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             if grad is not None:
+                grad = local_tensor(grad)  # an FSDP2 shard: this rank's part
                 named.append((name if len(model) == 1 else f"{name} (model chunk {c})", grad))
     if not named or bool(torch.stack([torch.isfinite(g).all() for _, g in named]).all()):
         return []

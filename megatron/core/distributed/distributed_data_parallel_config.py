@@ -22,6 +22,12 @@ class DistributedDataParallelConfig:
     # fp32 main_grad buffer by the fused kernel (Megatron-Core keeps this flag in the
     # model-parallel config; here the wrapper that owns the buffer takes it).
     gradient_accumulation_fusion: bool = False
+    # --use-torch-fsdp2: shard parameters, gradients and optimizer state over the data-parallel
+    # group with PyTorch's FSDP2 instead of this wrapper's grad buffers.
+    use_torch_fsdp2: bool = False
+    # --torch-fsdp2-no-reshard-after-forward sets False: keep each unit's gathered parameters
+    # from its forward to its backward.
+    torch_fsdp2_reshard_after_forward: bool = True
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:

@@ -1,0 +1,81 @@
+"""--use-torch-fsdp2: a tiny GPT trained with FSDP2 over two data-parallel ranks gives the losses
+and logged gradient norms of one process and of two ranks with the grad-buffer wrapper, and the
+same losses twice.
+
+Tolerance: as in ``test_parity``, the layouts compute the same sums in another order (FSDP2's
+reduce-scatter averages the two ranks' gradients, the single process sums its micro-batches),
+and torch's AdamW steps on the shards where the other runs use the fused kernel, so fp32 losses
+differ by a few ulps per step; ``RTOL = 1e-5`` is 100x above that and far below what a dropped
+micro-batch, an unaveraged gradient or a wrong clipping norm does (1e-3 and more within two
+steps: clipping is active, the gradient norm is above --clip-grad 1.0 here). Adam hides a
+gradient scaled by a constant (an unaveraged sum over ranks), so the gradient norm each step
+returns, the one logged and clipped with, is compared too.
+"""
+
+import pytest
+
+from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
+from tests.multiprocess import run_on_ranks
+
+ITERS = 4
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_counting_corpus(str(tmp_path_factory.mktemp("corpus") / "count_document"))
+
+
+def _flags(corpus, extra=()):
+    return gpt_flags(corpus, ITERS, micro_batch=2, global_batch=8, dropout=0.0,
+                     extra=list(extra))
+
+
+def run_recording_grad_norms(argv):
+    """``run_pretrain`` on this rank, also returning each step's gradient norm."""
+    from megatron.training import training
+
+    norms, original = [], training.train_step
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        norms.append(result[2])
+        return result
+
+    training.train_step = recording
+    try:
+        return dict(run_pretrain(argv), grad_norms=norms)
+    finally:
+        training.train_step = original
+
+
+def _run(corpus, ranks, extra=()):
+    """Losses, then gradient norms (one list) of the last rank."""
+    result = run_on_ranks(run_recording_grad_norms, ranks, _flags(corpus, extra))[-1]
+    return [loss for _, loss in result["losses"]] + result["grad_norms"]
+
+
+def _close(got, want):
+    assert len(got) == len(want) == 2 * ITERS
+    for a, b in zip(got, want):
+        assert a == pytest.approx(b, rel=RTOL), (got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_fsdp2_dp2_matches_one_process_and_ddp(corpus, untie):
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    single = _run(corpus, 1, extra)
+    ddp = _run(corpus, 2, extra)
+    fsdp = _run(corpus, 2, extra + ["--use-torch-fsdp2"])
+    _close(fsdp, single)
+    _close(fsdp, ddp)
+    assert single[ITERS - 1] < single[0]  # it learns: the comparison is not between constants
+    assert min(single[ITERS:]) > 1.0      # clipping acts at every step
+
+
+@pytest.mark.slow
+def test_fsdp2_same_seed_same_losses(corpus):
+    flags = ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"]
+    first = _run(corpus, 2, flags)
+    assert _run(corpus, 2, flags) == first
