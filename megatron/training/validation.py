@@ -273,9 +273,6 @@ def _validate_torch_fsdp2(args) -> None:
          "not built yet (FSDP2 here trains in fp32); drop it"),
         (args.num_experts is not None, "--num-experts",
          "not built yet (mixture of experts under FSDP2); drop --use-torch-fsdp2"),
-        (args.recompute_granularity is not None,
-         f"--recompute-granularity {args.recompute_granularity}",
-         "not built yet (activation recomputation under FSDP2); drop it"),
     ]
     for bad, flag, why in refused:
         if bad:

@@ -79,3 +79,17 @@ def test_fsdp2_same_seed_same_losses(corpus):
     flags = ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"]
     first = _run(corpus, 2, flags)
     assert _run(corpus, 2, flags) == first
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recompute", [
+    ["--recompute-granularity", "full", "--recompute-method", "uniform",
+     "--recompute-num-layers", "1"],
+    ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+     "1", "--torch-fsdp2-no-reshard-after-forward"],
+    ["--recompute-activations"],
+], ids=["full-uniform", "full-block-no-reshard", "selective"])
+def test_fsdp2_with_recomputation_matches_one_process(corpus, recompute):
+    """Layers recomputed in backward gather their shards again there (FSDP2 runs the
+    recomputed forward like any other); gradients and losses stay those of one process."""
+    _close(_run(corpus, 2, ["--use-torch-fsdp2", *recompute]), _run(corpus, 1))

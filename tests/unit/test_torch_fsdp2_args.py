@@ -40,9 +40,6 @@ def test_flags_fill_the_ddp_config():
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
     (["--bf16"], "--bf16"),
     (["--fp16"], "--fp16"),
-    (["--recompute-granularity", "full", "--recompute-method", "uniform",
-      "--recompute-num-layers", "1"],
-     "--recompute-granularity full"),
 ])
 def test_refused_combinations_name_both_flags(extra, named):
     with pytest.raises(ArgumentsError) as err:
