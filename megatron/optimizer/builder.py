@@ -125,12 +125,14 @@ def _check_expert_groups(model_chunks, param_groups: List[dict], mp_group,
 
 def _fully_sharded_optimizer(config: OptimizerConfig, param_groups: List[dict], kwargs: dict,
                              grad_shard_group) -> MegatronOptimizer:
-    """The optimizer over FSDP2's sharded fp32 parameters."""
+    """The optimizer over FSDP2's sharded fp32 parameters (with --bf16 too: FSDP2 computes in
+    bf16 from them)."""
     if config.fp16 or config.loss_scale is not None:
         raise ConfigError("--use-torch-fsdp2 steps on fp32 parameters without a loss scaler; "
                           "drop --fp16 / --loss-scale")
     inner = _build_torch_optimizer(config, param_groups, sharded=True)
-    return FullyShardedOptimizer(inner, config, grad_shard_group=grad_shard_group, **kwargs)
+    return FullyShardedOptimizer(inner, config, half=config.bf16,
+                                 grad_shard_group=grad_shard_group, **kwargs)
 
 
 def get_megatron_optimizer(config: OptimizerConfig,

@@ -495,20 +495,57 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
 
 
 class FullyShardedOptimizer(FP32Optimizer):
-    """:class:`FP32Optimizer` over FSDP2's sharded fp32 parameters (the fp32 main weights)."""
+    """:class:`FP32Optimizer` over FSDP2's sharded fp32 parameters (the fp32 main weights).
+
+    Args:
+        optimizer / config / **kwargs: as for :class:`FP32Optimizer`; ``grad_shard_group`` is
+            the group the parameters are sharded over.
+        half: the model computes in bf16 (``--bf16``, FSDP2's mixed-precision policy): the
+            state dict then takes the mixed-precision optimizer's layout (``optimizer`` and
+            ``fp32_from_fp16_params``), so a checkpoint moves between runs with and without
+            FSDP2 and a resume continues from the exact fp32 weights.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
+                 half: bool = False, **kwargs):
+        super().__init__(optimizer, config, **kwargs)
+        self.half = half
 
     def state_dict(self) -> dict:
-        """The torch optimizer's state with whole tensors (collective over the shard group)."""
-        return gather_full(self.optimizer.state_dict())
+        """Whole tensors, in the layout of the optimizer a run without FSDP2 would have
+        (collective over the shard group)."""
+        inner = gather_full(self.optimizer.state_dict())
+        if not self.half:
+            return inner
+        mains = [[gather_full(p.detach()) for p in group["params"]]
+                 for group in self.optimizer.param_groups]
+        return {"optimizer": inner, "fp32_from_fp16_params": mains}
 
     def load_state_dict(self, state_dict: dict) -> None:
         _reject_distributed_state(state_dict)
+        mains = state_dict.get("fp32_from_fp16_params", state_dict.get("fp32_from_fp16"))
         if "state" not in state_dict and "optimizer" in state_dict:
-            logger.warning("loading a sharded fp32 optimizer from a mixed-precision optimizer "
-                           "checkpoint: using its 'optimizer' entry only")
             state_dict = state_dict["optimizer"]
         state_dict = _in_torch_layout(state_dict, self.optimizer)
         self.optimizer.load_state_dict(self._sharded(state_dict))
+        if mains is not None:
+            self._load_main_params(mains)
+        elif self.half:
+            logger.warning("optimizer checkpoint has no fp32 main params; the fp32 weights "
+                           "start from the loaded model weights")
+
+    @torch.no_grad()
+    def _load_main_params(self, saved_groups) -> None:
+        """The fp32 weights a mixed-precision checkpoint holds, into this rank's shards."""
+        groups = [group["params"] for group in self.optimizer.param_groups]
+        if [len(g) for g in saved_groups] != [len(g) for g in groups]:
+            raise ValueError(f"optimizer checkpoint has fp32 main params in groups of "
+                             f"{[len(g) for g in saved_groups]}, this model "
+                             f"{[len(g) for g in groups]}")
+        for current, saved in zip(groups, saved_groups):
+            for param, saved_param in zip(current, saved):
+                value = self._shard(saved_param.detach().float(), param)
+                local_tensor(param).copy_(local_tensor(value))
 
     def _sharded(self, state_dict: dict) -> dict:
         """``state_dict`` with each whole moment replaced by this rank's shard of it."""

@@ -211,6 +211,7 @@ def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
         return TorchFullyShardedDataParallel(
             module, dp_group=pstate.dp_cp_group, units=fsdp2_units(module),
             reshard_after_forward=ddp_config.torch_fsdp2_reshard_after_forward,
+            compute_dtype=torch.bfloat16 if args.bf16 else None,
             broadcast_first=args.data_parallel_random_init)
     ddp = DistributedDataParallel(
         module, dp_group=pstate.dp_cp_group,

@@ -269,8 +269,8 @@ def _validate_torch_fsdp2(args) -> None:
         (args.tensor_model_parallel_size > 1,
          f"--tensor-model-parallel-size {args.tensor_model_parallel_size}",
          "not built yet (tensor parallelism inside FSDP2); use --tensor-model-parallel-size 1"),
-        (args.fp16 or args.bf16, "--fp16" if args.fp16 else "--bf16",
-         "not built yet (FSDP2 here trains in fp32); drop it"),
+        (args.fp16, "--fp16",
+         "not built yet (FSDP2 here trains in fp32, or bf16 on fp32 main weights); use --bf16"),
         (args.num_experts is not None, "--num-experts",
          "not built yet (mixture of experts under FSDP2); drop --use-torch-fsdp2"),
     ]

@@ -38,7 +38,6 @@ def test_flags_fill_the_ddp_config():
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
     (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
-    (["--bf16"], "--bf16"),
     (["--fp16"], "--fp16"),
 ])
 def test_refused_combinations_name_both_flags(extra, named):
@@ -54,3 +53,17 @@ def test_megatron_fsdp_is_refused_with_what_to_use():
     message = str(err.value)
     assert "--use-megatron-fsdp" in message and "not built yet" in message
     assert "--use-torch-fsdp2" in message
+
+
+def test_bf16_builds_fp32_weights_under_fsdp2_only():
+    """FSDP2's shards are the fp32 main weights (bf16 is its compute dtype); without FSDP2 a
+    bf16 model holds bf16 weights."""
+    import torch
+
+    from megatron.training.configs import build_configs
+
+    for fsdp, want in ((["--use-torch-fsdp2"], torch.float32), ([], torch.bfloat16)):
+        args = _validated(fsdp + ["--bf16"])
+        args.padded_vocab_size = 128
+        configs = build_configs(args)
+        assert configs.model.params_dtype == want and configs.model.bf16

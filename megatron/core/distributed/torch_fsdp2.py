@@ -63,6 +63,17 @@ def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
+def _cast_floats(tree, dtype: Optional[torch.dtype]):
+    """``tree`` with its fp32 tensors cast to ``dtype`` (None: unchanged)."""
+    if dtype is None:
+        return tree
+    if isinstance(tree, dict):
+        return type(tree)((k, _cast_floats(v, dtype)) for k, v in tree.items())
+    if isinstance(tree, torch.Tensor) and tree.dtype == torch.float32:
+        return tree.to(dtype)
+    return tree
+
+
 def _flat_items(tree, prefix=""):
     for key, value in tree.items():
         if isinstance(value, dict):
@@ -85,15 +96,18 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         reshard_after_forward: free each unit's gathered parameters after its forward and
             gather them again for backward (``--torch-fsdp2-no-reshard-after-forward`` turns
             it off: more memory, one all-gather fewer per unit).
-        mp_policy: FSDP2's mixed-precision policy (None: compute in the parameters' dtype).
+        compute_dtype: with bf16 (``--bf16``), the parameters stay fp32 shards (the main
+            weights) and FSDP2's mixed-precision policy gathers them as bf16 for forward and
+            backward and reduces gradients in fp32. Checkpoints then hold the weights in bf16,
+            as a bf16 model's (the fp32 values go with the optimizer state). None: compute in
+            the parameters' dtype.
         broadcast_first: copy rank 0's weights to the group before sharding
             (``--data-parallel-random-init``).
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
                  units: Sequence[torch.nn.Module] = (), reshard_after_forward: bool = True,
-                 mp_policy: Optional[MixedPrecisionPolicy] = None,
-                 broadcast_first: bool = False):
+                 compute_dtype: Optional[torch.dtype] = None, broadcast_first: bool = False):
         super().__init__()
         if dp_group is None:
             raise ValueError("TorchFullyShardedDataParallel needs dp_group=<the data-parallel "
@@ -101,6 +115,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self.module = module
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
+        self.compute_dtype = compute_dtype
         if broadcast_first:
             src = dist.get_global_rank(dp_group, 0)
             for param in module.parameters():
@@ -109,8 +124,11 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                       for name, p in module.named_parameters()}
         device_type = next(module.parameters()).device.type
         self.mesh = DeviceMesh.from_group(dp_group, device_type)
+        policy = MixedPrecisionPolicy()
+        if compute_dtype is not None:
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward,
-                      mp_policy=mp_policy or MixedPrecisionPolicy())
+                      mp_policy=policy)
         for unit in units:
             fully_shard(unit, **kwargs)
         fully_shard(module, **kwargs)
@@ -153,7 +171,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         save = getattr(self.module, "state_dict_for_save_checkpoint", None)
         tree = (save(prefix=prefix, keep_vars=False) if save is not None
                 else self.module.state_dict(prefix=prefix))
-        return gather_full(tree)
+        return _cast_floats(gather_full(tree), self.compute_dtype)
 
     def load_state_dict(self, state_dict, strict: bool = True):
         """Load whole tensors (the module's own nested or flat keys); each sharded tensor keeps
