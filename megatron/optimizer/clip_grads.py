@@ -48,18 +48,12 @@ from typing import Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from megatron.core import device
+from megatron.core.distributed.torch_fsdp2 import local_tensor
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
 Params = Union[torch.Tensor, Iterable[torch.Tensor]]
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``tensor``: the local shard of a ``DTensor`` (sharing its storage,
-    so in-place changes reach the DTensor), else ``tensor`` itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def param_is_not_shared(param: torch.Tensor) -> bool:

@@ -35,11 +35,11 @@ from torch.distributed.tensor import DTensor
 
 from . import apex_state
 from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart, get_grads_for_norm,
-                         is_expert_parallel, local_tensor)
+                         is_expert_parallel)
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
 from megatron.core import device
-from megatron.core.distributed.torch_fsdp2 import gather_full, shard_like
+from megatron.core.distributed.torch_fsdp2 import gather_full, local_tensor, shard_like
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device
-from megatron.optimizer.clip_grads import local_tensor
+from megatron.core.distributed.torch_fsdp2 import local_tensor
 from megatron.training import log as training_log
 
 

@@ -266,9 +266,6 @@ def _validate_torch_fsdp2(args) -> None:
          f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
          "pipeline parallelism is not supported with FSDP2 here; use "
          "--pipeline-model-parallel-size 1"),
-        (args.tensor_model_parallel_size > 1,
-         f"--tensor-model-parallel-size {args.tensor_model_parallel_size}",
-         "not built yet (tensor parallelism inside FSDP2); use --tensor-model-parallel-size 1"),
         (args.fp16, "--fp16",
          "not built yet (FSDP2 here trains in fp32, or bf16 on fp32 main weights); use --bf16"),
         (args.num_experts is not None, "--num-experts",

@@ -57,6 +57,12 @@ def _run(corpus, ranks, extra=()):
     return [loss for _, loss in result["losses"]] + result["grad_norms"]
 
 
+@pytest.fixture(scope="module")
+def single(corpus):
+    """One process, tied embeddings: the reference of the layouts below."""
+    return _run(corpus, 1)
+
+
 def _close(got, want):
     assert len(got) == len(want) == 2 * ITERS
     for a, b in zip(got, want):
@@ -91,10 +97,24 @@ def test_fsdp2_same_seed_same_losses(corpus):
      "1", "--torch-fsdp2-no-reshard-after-forward"],
     ["--recompute-activations"],
 ], ids=["full-uniform", "full-block-no-reshard", "selective"])
-def test_fsdp2_with_recomputation_matches_one_process(corpus, recompute):
+def test_fsdp2_with_recomputation_matches_one_process(corpus, single, recompute):
     """Layers recomputed in backward gather their shards again there (FSDP2 runs the
     recomputed forward like any other); gradients and losses stay those of one process."""
-    _close(_run(corpus, 2, ["--use-torch-fsdp2", *recompute]), _run(corpus, 1))
+    _close(_run(corpus, 2, ["--use-torch-fsdp2", *recompute]), single)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, layout", [
+    (4, ["--tensor-model-parallel-size", "2"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    (2, ["--context-parallel-size", "2"]),
+], ids=["tp2-dp2", "tp2-dp2-sp", "cp2"])
+def test_fsdp2_composes_with_tensor_and_context_parallelism(corpus, single, ranks, layout):
+    """Tensor parallelism inside, FSDP2 outside: each TP rank's slice is sharded over its
+    data-parallel group, norms sum over the shards and then over TP (replicated parameters on
+    TP rank 0 only), sequence-parallel norm gradients are summed over TP on the shards. With
+    context parallelism the shards spread over data x context parallel ranks."""
+    _close(_run(corpus, ranks, ["--use-torch-fsdp2", *layout]), single)
 
 
 @pytest.mark.slow

@@ -53,18 +53,19 @@ def _close(a, b, precision=()):
         assert abs(x - y) <= tol * abs(y), (a, b)
 
 
-def _straight(corpus, fmt, tmp, extra):
+def _straight(corpus, fmt, tmp, extra, ranks=2):
     """2N iterations at DP=2, saving at iteration N on the way."""
     save = str(tmp / f"ckpt_{fmt}")
-    out = run_on_ranks(run_pretrain, 2, _flags(corpus, fmt, ["--save", save, "--save-interval",
-                                                             str(N), *extra]))[-1]
+    out = run_on_ranks(run_pretrain, ranks, _flags(corpus, fmt, ["--save", save,
+                                                                 "--save-interval", str(N),
+                                                                 *extra]))[-1]
     assert out["iteration"] == 2 * N
     return _losses(out), save
 
 
-def _resume(corpus, fmt, save, extra):
-    out = run_on_ranks(run_pretrain, 2, _flags(corpus, fmt, ["--load", save, "--ckpt-step",
-                                                             str(N), *extra]))[-1]
+def _resume(corpus, fmt, save, extra, ranks=2):
+    out = run_on_ranks(run_pretrain, ranks, _flags(corpus, fmt, ["--load", save, "--ckpt-step",
+                                                                 str(N), *extra]))[-1]
     assert [i for i, _ in out["losses"]] == list(range(N + 1, 2 * N + 1))
     return _losses(out)
 
@@ -82,3 +83,15 @@ def test_fsdp2_resume_is_bit_exact_and_loads_without_fsdp2(corpus, tmp_path, fmt
 def test_a_checkpoint_without_fsdp2_loads_with_it(corpus, tmp_path, fmt, precision):
     straight, save = _straight(corpus, fmt, tmp_path, precision)
     _close(_resume(corpus, fmt, save, FSDP + precision), straight[N:], precision)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_tp2_fsdp2_checkpoint_resumes_and_loads_at_another_layout(corpus, tmp_path, fmt):
+    """TP=2 x DP=2 under FSDP2: each TP rank's file (or shard) holds its whole slice; the
+    resume is bit exact, and torch_dist loads it without FSDP2 at TP=1 x DP=2."""
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    straight, save = _straight(corpus, fmt, tmp_path, FSDP + tp2, ranks=4)
+    assert _resume(corpus, fmt, save, FSDP + tp2, ranks=4) == straight[N:]
+    if fmt == "torch_dist":
+        _close(_resume(corpus, fmt, save, []), straight[N:])

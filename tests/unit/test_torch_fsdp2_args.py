@@ -37,7 +37,6 @@ def test_flags_fill_the_ddp_config():
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
     (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
-    (["--tensor-model-parallel-size", "2"], "--tensor-model-parallel-size 2"),
     (["--fp16"], "--fp16"),
 ])
 def test_refused_combinations_name_both_flags(extra, named):

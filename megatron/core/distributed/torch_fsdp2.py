@@ -41,6 +41,12 @@ PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride"
                     "is_embedding_or_output_parameter")
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of a ``DTensor`` (sharing its storage,
+    so in-place changes reach the DTensor), else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def gather_full(value):
     """``value`` with every ``DTensor`` in it (nested dicts, lists, tuples) replaced by the
     whole tensor. Collective over each DTensor's mesh; every rank must pass the same tree."""
