@@ -12,6 +12,7 @@ missing from the sum moves the norm by tens of percent.
 """
 
 from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.optimizer.clip_grads import count_zeros_fp32, get_grad_norm_fp32, get_grads_for_norm
 from megatron.optimizer.config import OptimizerConfig
 from megatron.optimizer.optimizer import FullyShardedOptimizer
+from megatron.training.log import calc_params_l2_norm
 from tests.distributed.test_ddp import DP, NUM_MICRO_BATCHES, build_mlp, make_batch
 from tests.multiprocess import run_on_ranks
 
@@ -79,6 +81,8 @@ def _body():
     norm = get_grad_norm_fp32(get_grads_for_norm(params, tp_rank=0),
                               shard_group=fsdp.shard_group)
     zeros = count_zeros_fp32(params, tp_rank=0, shard_group=fsdp.shard_group)
+    params_norm = calc_params_l2_norm([fsdp], SimpleNamespace(model_parallel_group=None,
+                                                              tp_rank=0))
     optimizer = FullyShardedOptimizer(
         torch.optim.AdamW(params, lr=1e-2), OptimizerConfig(lr=1e-2, clip_grad=MAX_NORM),
         grad_shard_group=fsdp.shard_group)
@@ -87,7 +91,7 @@ def _body():
                if p.grad is not None}
     optimizer.optimizer.step()
     model_state, optim_state = fsdp.state_dict(), optimizer.state_dict()
-    return dict(early_calls=early_calls, last_calls=calls[0], early_grads=early_grads,
+    return dict(params_norm=params_norm, early_calls=early_calls, last_calls=calls[0], early_grads=early_grads,
                 grads=grads, norm=norm, zeros=zeros, clipped_norm=clipped_norm,
                 clipped=clipped, model_state=model_state, optim_state=optim_state,
                 local_numel=sum(p.to_local().numel() for p in params),
@@ -113,13 +117,15 @@ def test_accumulation_reduces_once_and_averages(results):
 
 
 @pytest.mark.slow
-def test_norm_zeros_and_clipping_are_the_whole_models(results):
+def test_norms_zeros_and_clipping_are_the_whole_models(results):
     ref, ref_norm = _reference()
     ref_zeros = sum(int((g == 0).sum()) for g in ref.values())
     for got in results:
         assert got["norm"] == pytest.approx(ref_norm, rel=NORM_REL)
         assert got["clipped_norm"] == pytest.approx(ref_norm, rel=NORM_REL)
         assert got["zeros"] == ref_zeros
+        whole = torch.sqrt(sum((p.detach() ** 2).sum() for p in build_mlp().parameters()))
+        assert got["params_norm"] == pytest.approx(whole.item(), rel=NORM_REL)
         coeff = MAX_NORM / (ref_norm + 1e-6)
         for name, grad in ref.items():
             torch.testing.assert_close(got["clipped"][name], grad * coeff, rtol=NORM_REL,

@@ -84,7 +84,9 @@ def test_fsdp2_dp2_matches_one_process_and_ddp(corpus, untie):
 
 @pytest.mark.slow
 def test_fsdp2_same_seed_same_losses(corpus):
-    flags = ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"]
+    """Also runs the checks and logs that read the shards (inf/nan, params norm, zeros)."""
+    flags = ["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward",
+             "--check-for-nan-in-loss-and-grad", "--log-params-norm", "--log-num-zeros-in-grad"]
     first = _run(corpus, 2, flags)
     assert _run(corpus, 2, flags) == first
 
