@@ -1,6 +1,6 @@
 """--use-torch-fsdp2: a tiny GPT trained with FSDP2 over two data-parallel ranks gives the losses
-and logged gradient norms of one process and of two ranks with the grad-buffer wrapper, and the
-same losses twice.
+and logged gradient norms (and final validation loss) of one process and of two ranks with the
+grad-buffer wrapper, and the same losses twice.
 
 Tolerance: as in ``test_parity``, the layouts compute the same sums in another order (FSDP2's
 reduce-scatter averages the two ranks' gradients, the single process sums its micro-batches),
@@ -52,9 +52,11 @@ def run_recording_grad_norms(argv):
 
 
 def _run(corpus, ranks, extra=()):
-    """Losses, then gradient norms (one list) of the last rank."""
+    """Losses, then gradient norms, then the final validation loss (one list) of the last
+    rank."""
     result = run_on_ranks(run_recording_grad_norms, ranks, _flags(corpus, extra))[-1]
-    return [loss for _, loss in result["losses"]] + result["grad_norms"]
+    return ([loss for _, loss in result["losses"]] + result["grad_norms"]
+            + [result["valid"]["lm loss"]])
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +66,7 @@ def single(corpus):
 
 
 def _close(got, want):
-    assert len(got) == len(want) == 2 * ITERS
+    assert len(got) == len(want) == 2 * ITERS + 1
     for a, b in zip(got, want):
         assert a == pytest.approx(b, rel=RTOL), (got, want)
 
@@ -79,7 +81,7 @@ def test_fsdp2_dp2_matches_one_process_and_ddp(corpus, untie):
     _close(fsdp, single)
     _close(fsdp, ddp)
     assert single[ITERS - 1] < single[0]  # it learns: the comparison is not between constants
-    assert min(single[ITERS:]) > 1.0      # clipping acts at every step
+    assert min(single[ITERS:2 * ITERS]) > 1.0      # clipping acts at every step
 
 
 @pytest.mark.slow
@@ -136,5 +138,6 @@ def test_fsdp2_bf16_matches_bf16_without_fsdp2(corpus):
     assert fsdp[0] == ddp[0] and fsdp[0] != fp32[0]
     for a, b in zip(fsdp[:ITERS], ddp[:ITERS]):
         assert a == pytest.approx(b, rel=BF16_RTOL), (fsdp, ddp)
-    for a, b in zip(fsdp[ITERS:], ddp[ITERS:]):
+    for a, b in zip(fsdp[ITERS:2 * ITERS], ddp[ITERS:2 * ITERS]):
         assert a == pytest.approx(b, rel=BF16_NORM_RTOL), (fsdp, ddp)
+    assert fsdp[-1] == pytest.approx(ddp[-1], rel=BF16_RTOL)

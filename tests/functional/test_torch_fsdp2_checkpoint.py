@@ -91,7 +91,8 @@ def test_tp2_fsdp2_checkpoint_resumes_and_loads_at_another_layout(corpus, tmp_pa
     """TP=2 x DP=2 under FSDP2: each TP rank's file (or shard) holds its whole slice; the
     resume is bit exact, and torch_dist loads it without FSDP2 at TP=1 x DP=2."""
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-    straight, save = _straight(corpus, fmt, tmp_path, FSDP + tp2, ranks=4)
+    # --async-save: the shards are gathered on the main thread, then written in the background.
+    straight, save = _straight(corpus, fmt, tmp_path, FSDP + tp2 + ["--async-save"], ranks=4)
     assert _resume(corpus, fmt, save, FSDP + tp2, ranks=4) == straight[N:]
     if fmt == "torch_dist":
         _close(_resume(corpus, fmt, save, []), straight[N:])
