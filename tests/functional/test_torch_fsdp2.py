@@ -28,8 +28,8 @@ def corpus(tmp_path_factory):
     return write_counting_corpus(str(tmp_path_factory.mktemp("corpus") / "count_document"))
 
 
-def _flags(corpus, extra=()):
-    return gpt_flags(corpus, ITERS, micro_batch=2, global_batch=8, dropout=0.0,
+def _flags(corpus, extra=(), dropout=0.0):
+    return gpt_flags(corpus, ITERS, micro_batch=2, global_batch=8, dropout=dropout,
                      extra=list(extra))
 
 
@@ -51,10 +51,10 @@ def run_recording_grad_norms(argv):
         training.train_step = original
 
 
-def _run(corpus, ranks, extra=()):
+def _run(corpus, ranks, extra=(), dropout=0.0):
     """Losses, then gradient norms, then the final validation loss (one list) of the last
     rank."""
-    result = run_on_ranks(run_recording_grad_norms, ranks, _flags(corpus, extra))[-1]
+    result = run_on_ranks(run_recording_grad_norms, ranks, _flags(corpus, extra, dropout))[-1]
     return ([loss for _, loss in result["losses"]] + result["grad_norms"]
             + [result["valid"]["lm loss"]])
 
@@ -141,3 +141,14 @@ def test_fsdp2_bf16_matches_bf16_without_fsdp2(corpus):
     for a, b in zip(fsdp[ITERS:2 * ITERS], ddp[ITERS:2 * ITERS]):
         assert a == pytest.approx(b, rel=BF16_NORM_RTOL), (fsdp, ddp)
     assert fsdp[-1] == pytest.approx(ddp[-1], rel=BF16_RTOL)
+
+
+@pytest.mark.slow
+def test_fsdp2_with_dropout_and_recomputation_matches_ddp(corpus):
+    """Dropout draws from the same per-rank streams with and without FSDP2 (and is replayed
+    exactly by recomputation), so the run matches two ranks with the grad-buffer wrapper."""
+    recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                 "--recompute-num-layers", "1"]
+    fsdp = _run(corpus, 2, ["--use-torch-fsdp2", *recompute], dropout=0.1)
+    _close(fsdp, _run(corpus, 2, dropout=0.1))
+    assert fsdp[0] != _run(corpus, 2, ["--use-torch-fsdp2"])[0]  # dropout was on
