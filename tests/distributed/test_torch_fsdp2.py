@@ -171,3 +171,26 @@ def test_state_loads_back_into_shards_exactly(results):
             for key, value in entry.items():
                 torch.testing.assert_close(optim_state["state"][index][key], value,
                                            rtol=0, atol=0)
+
+
+def _registered_after_forward(reshard_after_forward):
+    """Which of fc1's weights the module holds between forward and backward: the shard
+    (a DTensor) once resharded, else the gathered whole weight."""
+    from torch.distributed.tensor import DTensor
+
+    model = build_mlp()
+    fsdp = TorchFullyShardedDataParallel(model, dp_group=dist.group.WORLD,
+                                         units=[model.fc1, model.fc2, model.fc3],
+                                         reshard_after_forward=reshard_after_forward)
+    loss = _loss(fsdp, dist.get_rank(), 0)
+    held = model.fc1.weight
+    kind = "shard" if isinstance(held, DTensor) else tuple(held.shape)
+    loss.backward()
+    return kind
+
+
+@pytest.mark.slow
+def test_no_reshard_after_forward_keeps_gathered_weights_until_backward():
+    whole = tuple(build_mlp().fc1.weight.shape)
+    assert run_on_ranks(_registered_after_forward, DP, True) == ["shard"] * DP
+    assert run_on_ranks(_registered_after_forward, DP, False) == [whole] * DP
