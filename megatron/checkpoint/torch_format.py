@@ -33,9 +33,10 @@ def collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, 
     """This rank's checkpoint (None on data- or context-parallel ranks > 0, with expert
     parallelism on expert-data-parallel ranks > 0: they write no file).
 
-    Every rank takes part: the data-parallel ranks' RNG states are gathered, and a distributed
+    Every rank takes part: the data-parallel ranks' RNG states are gathered, a distributed
     optimizer gathers its shards to DP rank 0 and finishes any parameter all-gather still
-    overlapping, so the model is whole. The tensors returned are the live ones, not copies.
+    overlapping, so the model is whole, and a model and optimizer sharded by FSDP2 gather their
+    whole tensors. The tensors returned are the live ones, not copies.
     """
     rng_states = None
     if not args.no_save_rng:
@@ -45,6 +46,8 @@ def collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, 
     if finish_param_sync is not None:
         finish_param_sync()
     optimizer_state = None if args.no_save_optim else optimizer.state_dict()
+    # On every rank: a model sharded by FSDP2 gathers its whole tensors here (a collective).
+    models = model_state(model_chunks)
     _, ep_size, expert_dp_rank = expert_ranks(pstate)
     if ep_size > 1:
         # Megatron-LM: the expert-data-parallel rank 0 of each expert-parallel rank writes.
@@ -54,7 +57,7 @@ def collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, 
         return None
     state = {"args": plain_args(args), "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration}
-    state.update(model_state(model_chunks))
+    state.update(models)
     if not args.no_save_optim:
         state["optimizer"] = optimizer_state
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()

@@ -15,7 +15,8 @@ from .clip_grads import is_expert_parallel
 from .config import OptimizerConfig
 from .distrib_optimizer import DistributedOptimizer
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
-from .optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer, MegatronOptimizer
+from .optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer, FullyShardedOptimizer,
+                        MegatronOptimizer)
 from megatron.core.config import ConfigError
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
@@ -73,8 +74,10 @@ def _is_qk_norm(name: str) -> bool:
     return "q_layernorm." in name or "k_layernorm." in name
 
 
-def _build_torch_optimizer(config: OptimizerConfig,
-                           param_groups: List[dict]) -> torch.optim.Optimizer:
+def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[dict],
+                           sharded: bool = False) -> torch.optim.Optimizer:
+    """AdamW (fused when the kernels load) or SGD; ``sharded``: over FSDP2's DTensor
+    parameters, which the fused kernel does not take, so torch's own AdamW."""
     if config.optimizer == "adam":
         # Megatron's Adam decouples weight decay from the gradient (AdamW). The fused
         # multi-tensor step is used when the compiled kernels load; its state_dict is
@@ -82,7 +85,7 @@ def _build_torch_optimizer(config: OptimizerConfig,
         from megatron.fused_kernels import loader
 
         adam_cls = torch.optim.AdamW
-        if loader.load() is not None:
+        if not sharded and loader.load() is not None:
             from megatron.optimizer.fused_adam import FusedAdamW
 
             adam_cls = FusedAdamW
@@ -127,6 +130,18 @@ def _check_expert_groups(model_chunks, param_groups: List[dict], mp_group,
             "ParallelState.expert_model_parallel_group and ParallelState.expert_tp_rank")
 
 
+def _fully_sharded_optimizer(config: OptimizerConfig, param_groups: List[dict], kwargs: dict,
+                             grad_shard_group) -> MegatronOptimizer:
+    """The optimizer over FSDP2's sharded fp32 parameters (with --bf16 too: FSDP2 computes in
+    bf16 from them)."""
+    if config.fp16 or config.loss_scale is not None:
+        raise ConfigError("--use-torch-fsdp2 steps on fp32 parameters without a loss scaler; "
+                          "drop --fp16 / --loss-scale")
+    inner = _build_torch_optimizer(config, param_groups, sharded=True)
+    return FullyShardedOptimizer(inner, config, half=config.bf16,
+                                 grad_shard_group=grad_shard_group, **kwargs)
+
+
 def get_megatron_optimizer(config: OptimizerConfig,
                            model_chunks: Union[torch.nn.Module, Sequence[torch.nn.Module]], *,
                            mp_group, tp_group, dp_group=None,
@@ -135,7 +150,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
                            use_main_grad: Optional[bool] = None,
                            overlap_param_gather: bool = False,
                            expert_model_parallel_group=None,
-                           expert_tp_rank: Optional[int] = None) -> MegatronOptimizer:
+                           expert_tp_rank: Optional[int] = None,
+                           grad_shard_group=None) -> MegatronOptimizer:
     """Build the optimizer for this rank's model chunks.
 
     Args:
@@ -164,6 +180,9 @@ def get_megatron_optimizer(config: OptimizerConfig,
             :class:`MegatronOptimizer`.
         expert_tp_rank: this rank's expert-TP rank (``ParallelState.expert_tp_rank``);
             required with ``expert_model_parallel_group``.
+        grad_shard_group: the data-parallel group FSDP2 shards the model chunks over
+            (``--use-torch-fsdp2``); a :class:`FullyShardedOptimizer` is returned, stepping on
+            the shards, its norms summed over this group. None: parameters are whole.
 
     With ``config.use_distributed_optimizer`` the model chunks must be
     ``DistributedDataParallel`` wrappers (built with ``use_distributed_optimizer=True`` so that
@@ -188,10 +207,12 @@ def get_megatron_optimizer(config: OptimizerConfig,
             expert_tp_rank=expert_tp_rank, overlap_param_gather=overlap_param_gather)
     if overlap_param_gather:
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
-    inner = _build_torch_optimizer(config, param_groups)
     kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad,
                   expert_model_parallel_group=expert_model_parallel_group,
                   expert_tp_rank=expert_tp_rank)
+    if grad_shard_group is not None:
+        return _fully_sharded_optimizer(config, param_groups, kwargs, grad_shard_group)
+    inner = _build_torch_optimizer(config, param_groups)
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),
                                                  **kwargs)

@@ -32,6 +32,11 @@ layout: ``ep = 1``, ``expert_tp = tp``) the experts are summed with the dense pa
 reduction (:func:`experts_apart`); with the default layout that is exactly the computation of a
 model without experts.
 
+Fully sharded data parallelism (``--use-torch-fsdp2``): a gradient is then a ``DTensor`` holding
+this rank's shard of the data-parallel average. Its local part is what this rank counts, and the
+sums are first combined over ``shard_group`` (the data-parallel group the shards are spread
+over), then over the model-parallel group as above, so the norm equals the unsharded one.
+
 Nothing here reads module-level process-group getters: the caller passes ``tp_rank`` (this rank's
 index in its tensor-parallel group) and ``model_parallel_group``, and for the experts
 ``expert_tp_rank`` and ``expert_model_parallel_group``. A group of None means there is nothing
@@ -45,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device
+from megatron.core.distributed.torch_fsdp2 import local_tensor
 from megatron.core.tensor_parallel.layers import param_is_not_tensor_parallel_duplicate
 
 Params = Union[torch.Tensor, Iterable[torch.Tensor]]
@@ -77,7 +83,7 @@ def get_grads_for_norm(parameters: Params, *, tp_rank: int,
     (:func:`param_counts_here`)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    return [p.grad.detach() for p in parameters if p.grad is not None
+    return [local_tensor(p.grad.detach()) for p in parameters if p.grad is not None
             and param_counts_here(p, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank)]
 
 
@@ -121,7 +127,7 @@ def _local_power_sum(grads: List[torch.Tensor], norm_type: float, where) -> torc
 
 def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
                        model_parallel_group=None, *, expert_grads: Optional[Params] = None,
-                       expert_model_parallel_group=None) -> float:
+                       expert_model_parallel_group=None, shard_group=None) -> float:
     """The ``norm_type``-norm of the gradients of the whole model, computed in fp32.
 
     Args:
@@ -133,13 +139,15 @@ def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
             rank), kept out of ``grads_for_norm``; their part is combined over
             ``expert_model_parallel_group`` alone.
         expert_model_parallel_group: the expert model-parallel group (expert TP x EP x PP).
+        shard_group: with fully sharded data parallelism, the group the gradients are sharded
+            over; the local parts are combined over it before ``model_parallel_group``.
 
     Returns:
         The total norm as a Python float (identical on every rank of the groups).
     """
     if isinstance(grads_for_norm, torch.Tensor):
         grads_for_norm = [grads_for_norm]
-    grads = list(grads_for_norm)
+    grads = [local_tensor(g) for g in grads_for_norm]
     norm_type = float(norm_type)
     where = grads[0].device if grads else device.current_device()
     if norm_type <= 0.0:
@@ -147,6 +155,7 @@ def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     # Sum of |g|^p over this rank's tensors, then over the group; the p-th root at the end.
     total = _local_power_sum(grads, norm_type, where)
+    _all_reduce(total, op, shard_group)
     _all_reduce(total, op, model_parallel_group)
     if expert_grads is not None:
         expert = _local_power_sum(list(expert_grads), norm_type, where)
@@ -161,7 +170,7 @@ def clip_grads_with_norm_fp32(parameters: Params, max_norm: float, total_norm: f
     """Scale every ``param.grad`` by ``max_norm / (total_norm + 1e-6)`` when that is below 1."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
-    grads = [p.grad.detach() for p in parameters if p.grad is not None]
+    grads = [local_tensor(p.grad.detach()) for p in parameters if p.grad is not None]
     clip_coeff = float(max_norm) / (total_norm + 1.0e-6)
     if grads and clip_coeff < 1.0:
         torch._foreach_mul_(grads, clip_coeff)
@@ -170,7 +179,7 @@ def clip_grads_with_norm_fp32(parameters: Params, max_norm: float, total_norm: f
 def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: float,
                         norm_type: float = 2.0, model_parallel_group=None, *,
                         expert_grads: Optional[Params] = None,
-                        expert_model_parallel_group=None) -> float:
+                        expert_model_parallel_group=None, shard_group=None) -> float:
     """Clip the gradients of ``parameters`` so the whole model's norm is at most ``max_norm``.
 
     The norm is taken over ``grads_for_norm`` (each parameter counted once across the model,
@@ -183,14 +192,16 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
         max_norm: ``--clip-grad``.
         norm_type: p of the p-norm; ``math.inf`` for the max-norm.
         model_parallel_group: group over which the norm is combined (TP x PP).
-        expert_grads / expert_model_parallel_group: see :func:`get_grad_norm_fp32`.
+        expert_grads / expert_model_parallel_group / shard_group: see
+            :func:`get_grad_norm_fp32`.
 
     Returns:
         The total norm before clipping.
     """
     total_norm = get_grad_norm_fp32(grads_for_norm, norm_type, model_parallel_group,
                                     expert_grads=expert_grads,
-                                    expert_model_parallel_group=expert_model_parallel_group)
+                                    expert_model_parallel_group=expert_model_parallel_group,
+                                    shard_group=shard_group)
     clip_grads_with_norm_fp32(parameters, max_norm, total_norm)
     return total_norm
 
@@ -198,7 +209,7 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
 def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: int,
                      expert_tp_rank: Optional[int] = None,
                      expert_parameters: Optional[Params] = None,
-                     expert_model_parallel_group=None) -> int:
+                     expert_model_parallel_group=None, shard_group=None) -> int:
     """Number of exactly-zero gradient entries in the whole model (``--log-num-zeros-in-grad``).
 
     Counts each parameter once across the model, with the same rule as the norm
@@ -212,6 +223,8 @@ def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: 
         expert_parameters: when the experts are counted apart (:func:`experts_apart`), this
             rank's expert parameters, kept out of ``parameters``; their count is summed over
             ``expert_model_parallel_group`` alone.
+        shard_group: with fully sharded data parallelism, the group the gradients are sharded
+            over; the counts are summed over it first.
     """
     def local_count(params: Params) -> torch.Tensor:
         grads = get_grads_for_norm(params, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank)
@@ -222,6 +235,7 @@ def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: 
         return total
 
     total = local_count(parameters)
+    _all_reduce(total, dist.ReduceOp.SUM, shard_group)
     _all_reduce(total, dist.ReduceOp.SUM, model_parallel_group)
     count = int(total.item())
     if expert_parameters is not None:

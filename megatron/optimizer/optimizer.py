@@ -4,6 +4,10 @@ The training loop talks to one of two classes with Megatron's method names:
 
 * :class:`FP32Optimizer` for an fp32 model: gradients are clipped and the torch optimizer steps
   on the model parameters directly.
+* :class:`FullyShardedOptimizer` for an fp32 model sharded by FSDP2 (``--use-torch-fsdp2``):
+  parameters, gradients and moments are ``DTensor`` shards; norms sum the shards over the
+  data-parallel group; checkpoints hold whole tensors, gathered on save and re-sharded on load,
+  so optimizer state moves freely between runs with and without FSDP2.
 * :class:`Float16OptimizerWithFloat16Params` for a model held in fp16 or bf16: every half-precision
   parameter gets an fp32 "main" copy that the torch optimizer updates. Each step copies the model
   gradients into fp32 main gradients, unscales them and checks them for inf/nan (fp16), clips
@@ -27,6 +31,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from . import apex_state
 from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart, get_grads_for_norm,
@@ -34,6 +39,7 @@ from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart, g
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
 from megatron.core import device
+from megatron.core.distributed.torch_fsdp2 import gather_full, local_tensor, shard_like
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +131,17 @@ class MegatronOptimizer(ABC):
             summed with the dense parameters in one reduction.
         expert_tp_rank: this rank's index in its expert-TP group (an expert's replicated
             parameters count on expert-TP rank 0 only); None: ``tp_rank``.
+        grad_shard_group: with fully sharded data parallelism (``--use-torch-fsdp2``), the
+            data-parallel group the parameters and gradients are sharded over: norms and zero
+            counts of the local shards are summed over it as well. None: not sharded.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
                  model_parallel_group=None, tp_rank: int = 0,
                  use_main_grad: Optional[bool] = None, expert_model_parallel_group=None,
-                 expert_tp_rank: Optional[int] = None):
+                 expert_tp_rank: Optional[int] = None, grad_shard_group=None):
         self.optimizer = optimizer
+        self.grad_shard_group = grad_shard_group
         self.config = config
         self.model_parallel_group = model_parallel_group
         self.tp_rank = tp_rank
@@ -169,7 +179,8 @@ class MegatronOptimizer(ABC):
         params = self.get_parameters()
         if not self.experts_apart:
             return clip_grad_norm_fp32(params, self.get_main_grads_for_grad_norm(), clip_grad,
-                                       model_parallel_group=self.model_parallel_group)
+                                       model_parallel_group=self.model_parallel_group,
+                                       shard_group=self.grad_shard_group)
         dense = [p for p in params if not is_expert_parallel(p)]
         experts = [p for p in params if is_expert_parallel(p)]
         return clip_grad_norm_fp32(
@@ -180,7 +191,8 @@ class MegatronOptimizer(ABC):
 
     def count_zeros(self) -> int:
         params = self.get_parameters()
-        kwargs = dict(tp_rank=self.tp_rank, expert_tp_rank=self.expert_tp_rank)
+        kwargs = dict(tp_rank=self.tp_rank, expert_tp_rank=self.expert_tp_rank,
+                      shard_group=self.grad_shard_group)
         if self.experts_apart:
             kwargs.update(expert_parameters=[p for p in params if is_expert_parallel(p)],
                           expert_model_parallel_group=self.expert_model_parallel_group)
@@ -198,12 +210,13 @@ class MegatronOptimizer(ABC):
         reaches from every expert TP x EP x PP position (each of its ranks carrying its whole
         model-parallel group's flag). The second is skipped where both hold the same ranks.
         """
+        grads = [local_tensor(g) for g in grads]
         where = grads[0].device if grads else device.current_device()
         found_inf = torch.zeros(1, dtype=torch.float32, device=where)
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
                                                              inv_scale.to(where))
-        groups = [self.model_parallel_group]
+        groups = [self.grad_shard_group, self.model_parallel_group]
         if self.experts_apart:
             groups.append(self.expert_model_parallel_group)
         for group in groups:
@@ -479,6 +492,78 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
                                      f"{tuple(saved_param.shape)}, this model's is "
                                      f"{tuple(param.shape)}")
                 param.data.copy_(saved_param.data)
+
+
+class FullyShardedOptimizer(FP32Optimizer):
+    """:class:`FP32Optimizer` over FSDP2's sharded fp32 parameters (the fp32 main weights).
+
+    Args:
+        optimizer / config / **kwargs: as for :class:`FP32Optimizer`; ``grad_shard_group`` is
+            the group the parameters are sharded over.
+        half: the model computes in bf16 (``--bf16``, FSDP2's mixed-precision policy): the
+            state dict then takes the mixed-precision optimizer's layout (``optimizer`` and
+            ``fp32_from_fp16_params``), so a checkpoint moves between runs with and without
+            FSDP2 and a resume continues from the exact fp32 weights.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
+                 half: bool = False, **kwargs):
+        super().__init__(optimizer, config, **kwargs)
+        self.half = half
+
+    def state_dict(self) -> dict:
+        """Whole tensors, in the layout of the optimizer a run without FSDP2 would have
+        (collective over the shard group)."""
+        inner = gather_full(self.optimizer.state_dict())
+        if not self.half:
+            return inner
+        mains = [[gather_full(p.detach()) for p in group["params"]]
+                 for group in self.optimizer.param_groups]
+        return {"optimizer": inner, "fp32_from_fp16_params": mains}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        _reject_distributed_state(state_dict)
+        mains = state_dict.get("fp32_from_fp16_params", state_dict.get("fp32_from_fp16"))
+        if "state" not in state_dict and "optimizer" in state_dict:
+            state_dict = state_dict["optimizer"]
+        state_dict = _in_torch_layout(state_dict, self.optimizer)
+        self.optimizer.load_state_dict(self._sharded(state_dict))
+        if mains is not None:
+            self._load_main_params(mains)
+        elif self.half:
+            logger.warning("optimizer checkpoint has no fp32 main params; the fp32 weights "
+                           "start from the loaded model weights")
+
+    @torch.no_grad()
+    def _load_main_params(self, saved_groups) -> None:
+        """The fp32 weights a mixed-precision checkpoint holds, into this rank's shards."""
+        groups = [group["params"] for group in self.optimizer.param_groups]
+        if [len(g) for g in saved_groups] != [len(g) for g in groups]:
+            raise ValueError(f"optimizer checkpoint has fp32 main params in groups of "
+                             f"{[len(g) for g in saved_groups]}, this model "
+                             f"{[len(g) for g in groups]}")
+        for current, saved in zip(groups, saved_groups):
+            for param, saved_param in zip(current, saved):
+                value = self._shard(saved_param.detach().float(), param)
+                local_tensor(param).copy_(local_tensor(value))
+
+    def _sharded(self, state_dict: dict) -> dict:
+        """``state_dict`` with each whole moment replaced by this rank's shard of it."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+        by_id = dict(zip(ids, params))
+        state = {}
+        for index, entry in state_dict.get("state", {}).items():
+            param = by_id.get(index)
+            state[index] = {key: self._shard(value, param) for key, value in entry.items()}
+        return {**state_dict, "state": state}
+
+    @staticmethod
+    def _shard(value, param):
+        sharded = isinstance(param, DTensor) and isinstance(value, torch.Tensor)
+        if not sharded or isinstance(value, DTensor) or tuple(value.shape) != tuple(param.shape):
+            return value   # the step count, or a value torch.optim itself checks
+        return shard_like(value, param)
 
 
 # -- construction ------------------------------------------------------------------------------

@@ -365,6 +365,15 @@ def _add_distributed_args(parser):
                    "steps (1) and after the optimizer step too (2); no effect on CPU")
     g.add_argument("--standalone-embedding-stage", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="fully sharded data parallelism with PyTorch's FSDP2: every transformer "
+                        "layer (and an untied embedding and output layer) sharded over the "
+                        "data-parallel (x context-parallel) ranks, the optimizer on the shards")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward",
+                   help="with --use-torch-fsdp2, keep each layer's gathered parameters from its "
+                        "forward to its backward (more memory, fewer all-gathers)")
+    g.add_argument("--use-megatron-fsdp", action="store_true")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split every sequence over this many ranks (attention exchanges "
                         "keys and values; everything else runs on the local tokens)")

@@ -11,6 +11,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.config import TransformerConfig
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
@@ -106,7 +108,10 @@ def build_configs(args: argparse.Namespace) -> Configs:
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
-        params_dtype=args.params_dtype, fp16=args.fp16, bf16=args.bf16,
+        # FSDP2 keeps fp32 parameters (the main weights) and computes in bf16 through its
+        # mixed-precision policy.
+        params_dtype=torch.float32 if args.use_torch_fsdp2 else args.params_dtype,
+        fp16=args.fp16, bf16=args.bf16,
         fp32_residual_connection=args.fp32_residual_connection,
         apply_query_key_layer_scaling=args.apply_query_key_layer_scaling,
         attention_softmax_in_fp32=args.attention_softmax_in_fp32,
@@ -171,7 +176,9 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
-        calculate_per_token_loss=args.calculate_per_token_loss)
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        use_torch_fsdp2=args.use_torch_fsdp2,
+        torch_fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
 
 
 def build_checkpoint_config(args) -> CheckpointConfig:

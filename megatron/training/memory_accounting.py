@@ -149,17 +149,27 @@ def num_parameters_on_rank(config: TransformerConfig, tp_size: int = 1, pp_size:
 
 def bytes_per_parameter(params_dtype: torch.dtype, grad_dtype: torch.dtype,
                         optimizer: str = "adam", sgd_momentum: float = 0.9,
-                        use_distributed_optimizer: bool = False, dp_size: int = 1) -> float:
-    """Weight + gradient + optimizer bytes of one parameter (Megatron's 18 for bf16 + Adam)."""
-    weight = torch.tensor([], dtype=params_dtype).element_size()
-    grad = torch.tensor([], dtype=grad_dtype).element_size()
-    master = 4 if params_dtype != torch.float32 else 0
+                        use_distributed_optimizer: bool = False, dp_size: int = 1,
+                        fully_sharded: bool = False, accumulates: bool = False) -> float:
+    """Weight + gradient + optimizer bytes of one parameter (Megatron's 18 for bf16 + Adam).
+
+    ``fully_sharded`` (``--use-torch-fsdp2``): the fp32 weight (the main weight, also under
+    bf16), its fp32 gradient and the optimizer state are all split over ``dp_size``; with
+    ``accumulates`` (several micro-batches) the whole fp32 gradient is also kept between them,
+    since the reduce-scatter waits for the last one. The layer gathered for compute comes on
+    top (one unit at a time).
+    """
     if optimizer == "adam":
         states = 8
     elif optimizer == "sgd":
         states = 4 if sgd_momentum else 0
     else:
         raise ValueError(f"--optimizer must be adam or sgd, got {optimizer!r}")
+    if fully_sharded:
+        return (4 + 4 + states) / dp_size + (4 if accumulates else 0)
+    weight = torch.tensor([], dtype=params_dtype).element_size()
+    grad = torch.tensor([], dtype=grad_dtype).element_size()
+    master = 4 if params_dtype != torch.float32 else 0
     sharded = master + states
     if use_distributed_optimizer:
         sharded /= dp_size
@@ -320,7 +330,9 @@ def estimate_memory(args, pp_rank: int, num_microbatches: int,
         num_parameters=num_parameters_on_rank(config, tp, pp, pp_rank, vp, configs.moe),
         bytes_per_parameter=bytes_per_parameter(
             args.params_dtype, grad_dtype, args.optimizer, args.sgd_momentum,
-            args.use_distributed_optimizer, args.data_parallel_size * cp),
+            args.use_distributed_optimizer, args.data_parallel_size * cp,
+            fully_sharded=getattr(args, "use_torch_fsdp2", False),
+            accumulates=num_microbatches > 1),
         activation_bytes=activation_bytes_on_rank(
             config, micro_batch_size=args.micro_batch_size, num_microbatches=num_microbatches,
             tp_size=tp, pp_size=pp, pp_rank=pp_rank, vp_size=vp,

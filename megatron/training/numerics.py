@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import device
+from megatron.core.distributed.torch_fsdp2 import local_tensor
 
 
 class NumericalFaultError(RuntimeError):
@@ -61,6 +62,7 @@ def grad_findings(model) -> List[str]:
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             if grad is not None:
+                grad = local_tensor(grad)  # an FSDP2 shard: this rank's part
                 named.append((name if len(model) == 1 else f"{name} (model chunk {c})", grad))
     if not named or bool(torch.stack([torch.isfinite(g).all() for _, g in named]).all()):
         return []

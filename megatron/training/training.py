@@ -21,7 +21,8 @@ import torch.distributed as dist
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core import device
 from megatron.core.config import ConfigError
-from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.distributed import (DistributedDataParallel, TorchFullyShardedDataParallel,
+                                       finalize_model_grads)
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.config import DataConfig
@@ -187,6 +188,46 @@ def _training_configs(configs: Configs) -> Configs:
     return configs
 
 
+def fsdp2_units(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The sub-modules FSDP2 shards as units of their own, in forward order: an untied input
+    embedding, every transformer layer, an untied output layer. A tied embedding is read by the
+    output layer outside its own forward, so it stays in the root unit."""
+    from megatron.model.transformer import ParallelTransformerLayer
+
+    language_model = getattr(module, "language_model", None)
+    untied = getattr(language_model, "untie_embeddings_and_output_weights", False)
+    units = []
+    if untied and getattr(language_model, "embedding", None) is not None:
+        units.append(language_model.embedding)
+    units += [m for m in module.modules() if isinstance(m, ParallelTransformerLayer)]
+    if untied and getattr(language_model, "output_layer", None) is not None:
+        units.append(language_model.output_layer)
+    return units
+
+
+def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
+    """``module`` wrapped for data parallelism over ``pstate.dp_cp_group``: sharded by FSDP2
+    with --use-torch-fsdp2, else the grad-buffer wrapper."""
+    if ddp_config.use_torch_fsdp2:
+        return TorchFullyShardedDataParallel(
+            module, dp_group=pstate.dp_cp_group, units=fsdp2_units(module),
+            reshard_after_forward=ddp_config.torch_fsdp2_reshard_after_forward,
+            compute_dtype=torch.bfloat16 if args.bf16 else None,
+            broadcast_first=args.data_parallel_random_init)
+    ddp = DistributedDataParallel(
+        module, dp_group=pstate.dp_cp_group,
+        accumulate_allreduce_grads_in_fp32=ddp_config.grad_reduce_in_fp32,
+        overlap_grad_reduce=ddp_config.overlap_grad_reduce,
+        bucket_size=ddp_config.bucket_size,
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion,
+        expert_dp_group=pstate.expert_dp_group,
+        calculate_per_token_loss=ddp_config.calculate_per_token_loss)
+    if args.data_parallel_random_init:
+        ddp.broadcast_params()
+    return ddp
+
+
 def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
                               configs: Optional[Configs] = None):
     """Model chunks wrapped for data parallelism, the optimizer and the LR schedule.
@@ -199,27 +240,16 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     n_params = sum(p.numel() for m in modules for p in m.parameters())
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({pstate.tp_rank}, {pstate.pp_rank}): {n_params}")
-    chunks = []
-    for module in modules:
-        ddp = DistributedDataParallel(
-            module, dp_group=pstate.dp_cp_group,
-            accumulate_allreduce_grads_in_fp32=ddp_config.grad_reduce_in_fp32,
-            overlap_grad_reduce=ddp_config.overlap_grad_reduce,
-            bucket_size=ddp_config.bucket_size,
-            use_distributed_optimizer=ddp_config.use_distributed_optimizer,
-            gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion,
-            expert_dp_group=pstate.expert_dp_group,
-            calculate_per_token_loss=ddp_config.calculate_per_token_loss)
-        if args.data_parallel_random_init:
-            ddp.broadcast_params()
-        chunks.append(ddp)
+    chunks = [wrap_for_data_parallel(module, args, pstate, ddp_config) for module in modules]
+    fsdp2 = ddp_config.use_torch_fsdp2
     optimizer = get_megatron_optimizer(configs.optimizer, chunks,
                                        mp_group=pstate.model_parallel_group,
                                        tp_group=pstate.tp_group, dp_group=pstate.dp_cp_group,
                                        overlap_param_gather=ddp_config.overlap_param_gather,
                                        expert_model_parallel_group=(
                                            pstate.expert_model_parallel_group),
-                                       expert_tp_rank=pstate.expert_tp_rank)
+                                       expert_tp_rank=pstate.expert_tp_rank,
+                                       grad_shard_group=pstate.dp_cp_group if fsdp2 else None)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler
 

@@ -282,6 +282,38 @@ def _virtual_stages_per_rank(args) -> None:
     args.num_layers_per_virtual_pipeline_stage = per_stage // stages
 
 
+def _validate_torch_fsdp2(args) -> None:
+    """--use-torch-fsdp2: FSDP2 owns the sharding and the gradient reduction; combinations it
+    cannot serve (or that are not built on it yet) stop here in one line naming the flags."""
+    if not args.use_torch_fsdp2:
+        return
+    refused = [
+        (args.use_distributed_optimizer, "--use-distributed-optimizer",
+         "FSDP2 already shards the optimizer state; drop --use-distributed-optimizer"),
+        (args.overlap_grad_reduce, "--overlap-grad-reduce",
+         "FSDP2 owns the gradient reduction (one reduce-scatter per layer in the last "
+         "micro-batch's backward); drop --overlap-grad-reduce"),
+        (args.overlap_param_gather, "--overlap-param-gather",
+         "FSDP2 gathers each layer's parameters itself; drop --overlap-param-gather"),
+        (args.pipeline_model_parallel_size > 1,
+         f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
+         "pipeline parallelism is not supported with FSDP2 here; use "
+         "--pipeline-model-parallel-size 1"),
+        (args.fp16, "--fp16",
+         "not built yet (FSDP2 here trains in fp32, or bf16 on fp32 main weights); use --bf16"),
+        (args.num_experts is not None, "--num-experts",
+         "not built yet (mixture of experts under FSDP2); drop --use-torch-fsdp2"),
+        (args.mtp_num_layers is not None, "--mtp-num-layers",
+         "not built yet (multi-token prediction under FSDP2); drop --use-torch-fsdp2"),
+        (args.calculate_per_token_loss, "--calculate-per-token-loss",
+         "not built yet (FSDP2's reduce-scatter averages the gradients, where per-token loss "
+         "sums them before dividing by the token count); drop --use-torch-fsdp2"),
+    ]
+    for bad, flag, why in refused:
+        if bad:
+            _fail(f"--use-torch-fsdp2 cannot be combined with {flag}: {why}")
+
+
 def _validate_model(args) -> None:
     _require(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
     if args.max_position_embeddings is None:
@@ -580,4 +612,5 @@ def check_flags(args):
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_checkpoint_format(args)
+    _validate_torch_fsdp2(args)
     return args

@@ -88,6 +88,14 @@ def test_bytes_per_parameter():
     assert ma.bytes_per_parameter(f32, f32, "sgd", 0.0) == 8
     with pytest.raises(ValueError, match="--optimizer must be adam or sgd, got 'lamb'"):
         ma.bytes_per_parameter(f32, f32, "lamb")
+    # --use-torch-fsdp2: fp32 weight 4 + fp32 grad 4 + Adam 8, all sharded (bf16 is only the
+    # compute dtype); accumulating over micro-batches keeps the whole fp32 gradient too.
+    for dp in (1, 2, 4):
+        for dtype in (f32, bf16):
+            assert ma.bytes_per_parameter(dtype, f32, dp_size=dp,
+                                          fully_sharded=True) == pytest.approx(16 / dp)
+            assert ma.bytes_per_parameter(dtype, f32, dp_size=dp, fully_sharded=True,
+                                          accumulates=True) == pytest.approx(16 / dp + 4)
 
 
 # ------------------------------------------------------------------------- activations

@@ -25,6 +25,12 @@ class DistributedDataParallelConfig:
     # --calculate-per-token-loss: gradients are summed over data-parallel ranks, then divided
     # by the step's token count (Megatron-Core keeps it in the model config).
     calculate_per_token_loss: bool = False
+    # --use-torch-fsdp2: shard parameters, gradients and optimizer state over the data-parallel
+    # group with PyTorch's FSDP2 instead of this wrapper's grad buffers.
+    use_torch_fsdp2: bool = False
+    # --torch-fsdp2-no-reshard-after-forward sets False: keep each unit's gathered parameters
+    # from its forward to its backward.
+    torch_fsdp2_reshard_after_forward: bool = True
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:

@@ -22,12 +22,14 @@ import torch
 import torch.distributed as dist
 
 from megatron.core.collectives import get_group_size
+from megatron.core.distributed.torch_fsdp2 import local_tensor
 
 
 def _grad_of(param: torch.nn.Parameter, what: str) -> torch.Tensor:
     grad = getattr(param, "main_grad", None)
-    if grad is None:
-        grad = param.grad
+    if grad is None and param.grad is not None:
+        # Sharded by FSDP2: this rank's shard, laid out alike on every TP rank.
+        grad = local_tensor(param.grad)
     if grad is None:
         raise RuntimeError(f"{what} has neither main_grad nor grad; wrap the model chunk in "
                            f"DistributedDataParallel and run backward before finalize_model_grads")

@@ -1,0 +1,193 @@
+"""Fully sharded data parallelism on PyTorch's FSDP2 (``--use-torch-fsdp2``).
+
+:class:`TorchFullyShardedDataParallel` applies ``torch.distributed.fsdp.fully_shard`` over a
+one-dimensional ``DeviceMesh`` of the data-parallel (x context-parallel) group: first to each
+unit the caller names (every transformer layer, the untied embedding and output layer), then to
+the whole model, which takes what is left (final norm, a tied embedding). Every parameter then
+is a ``DTensor`` holding this rank's dim-0 shard; the sharding, the all-gathers before each
+unit's forward and backward, and the reduce-scatter of gradients are FSDP2's own.
+
+It answers the training loop as :class:`~megatron.core.distributed.DistributedDataParallel`
+does:
+
+* :meth:`no_sync` turns FSDP2's gradient synchronisation off for the micro-batches it wraps,
+  so they accumulate unsharded gradients locally, and the last micro-batch's backward runs one
+  reduce-scatter per unit (averaged over the mesh, as the grad-buffer wrapper averages over
+  the data-parallel group);
+* afterwards each ``param.grad`` is a ``DTensor``: this rank's shard of the averaged gradient;
+  nothing is left for :meth:`finish_grad_sync` to do;
+* checkpoints see whole tensors: :meth:`state_dict_for_save_checkpoint` gathers each sharded
+  tensor (a collective: every rank of the mesh calls it, in the same order) and
+  :meth:`load_state_dict` takes whole tensors and keeps this rank's shard of each, so a
+  checkpoint moves freely between runs with and without FSDP2.
+
+The parameter attributes the optimizer and the norms read (``tensor_model_parallel``,
+``shared``, ``sequence_parallel``, ...) are carried from the original parameters onto the
+sharded ones.
+"""
+
+from contextlib import contextmanager
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+# Attributes that say how a parameter is split, shared or grouped; kept across sharding.
+PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
+                    "sequence_parallel", "sum_grad_over_tp", "shared", "allreduce",
+                    "is_embedding_or_output_parameter")
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``tensor``: the local shard of a ``DTensor`` (sharing its storage,
+    so in-place changes reach the DTensor), else ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def gather_full(value):
+    """``value`` with every ``DTensor`` in it (nested dicts, lists, tuples) replaced by the
+    whole tensor. Collective over each DTensor's mesh; every rank must pass the same tree."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return type(value)((k, gather_full(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return type(value)(gather_full(v) for v in value)
+    return value
+
+
+def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
+    """This rank's shard of the whole tensor ``full``, laid out as ``like`` (no communication:
+    every rank holds ``full``)."""
+    if tuple(full.shape) != tuple(like.shape):
+        raise ValueError(f"a whole tensor of shape {tuple(full.shape)} cannot take the place of "
+                         f"a sharded one of shape {tuple(like.shape)}")
+    full = full.to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def _cast_floats(tree, dtype: Optional[torch.dtype]):
+    """``tree`` with its fp32 tensors cast to ``dtype`` (None: unchanged)."""
+    if dtype is None:
+        return tree
+    if isinstance(tree, dict):
+        return type(tree)((k, _cast_floats(v, dtype)) for k, v in tree.items())
+    if isinstance(tree, torch.Tensor) and tree.dtype == torch.float32:
+        return tree.to(dtype)
+    return tree
+
+
+def _flat_items(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _flat_items(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+class TorchFullyShardedDataParallel(torch.nn.Module):
+    """Shard ``module`` over ``dp_group`` with FSDP2.
+
+    Args:
+        module: the model chunk (on its device, weights initialised identically on every rank).
+        dp_group: the data-parallel (x context-parallel) process group to shard over
+            (``ParallelState.dp_cp_group``).
+        units: sub-modules sharded as units of their own, in forward order; each is gathered
+            just before its forward and freed after it. Parameters outside every unit belong to
+            the root unit. A parameter used outside its unit's forward (a tied embedding read
+            by the output layer) must stay in the root.
+        reshard_after_forward: free each unit's gathered parameters after its forward and
+            gather them again for backward (``--torch-fsdp2-no-reshard-after-forward`` turns
+            it off: more memory, one all-gather fewer per unit).
+        compute_dtype: with bf16 (``--bf16``), the parameters stay fp32 shards (the main
+            weights) and FSDP2's mixed-precision policy gathers them as bf16 for forward and
+            backward and reduces gradients in fp32. Checkpoints then hold the weights in bf16,
+            as a bf16 model's (the fp32 values go with the optimizer state). None: compute in
+            the parameters' dtype.
+        broadcast_first: copy rank 0's weights to the group before sharding
+            (``--data-parallel-random-init``).
+    """
+
+    def __init__(self, module: torch.nn.Module, *, dp_group,
+                 units: Sequence[torch.nn.Module] = (), reshard_after_forward: bool = True,
+                 compute_dtype: Optional[torch.dtype] = None, broadcast_first: bool = False):
+        super().__init__()
+        if dp_group is None:
+            raise ValueError("TorchFullyShardedDataParallel needs dp_group=<the data-parallel "
+                             "process group> (ParallelState.dp_cp_group), got None")
+        self.module = module
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group)
+        self.compute_dtype = compute_dtype
+        if broadcast_first:
+            src = dist.get_global_rank(dp_group, 0)
+            for param in module.parameters():
+                dist.broadcast(param.data, src=src, group=dp_group)
+        attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
+                      for name, p in module.named_parameters()}
+        device_type = next(module.parameters()).device.type
+        self.mesh = DeviceMesh.from_group(dp_group, device_type)
+        policy = MixedPrecisionPolicy()
+        if compute_dtype is not None:
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward,
+                      mp_policy=policy)
+        for unit in units:
+            fully_shard(unit, **kwargs)
+        fully_shard(module, **kwargs)
+        for name, param in module.named_parameters():
+            for attr, value in attributes.get(name, {}).items():
+                setattr(param, attr, value)
+
+    @property
+    def shard_group(self):
+        """The group each parameter is sharded over (its norms are summed over it)."""
+        return self.dp_group
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Micro-batches run inside only accumulate unsharded gradients; no reduce-scatter."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def start_grad_sync(self) -> None:
+        """Nothing to start: the last micro-batch's backward reduce-scatters."""
+
+    def finish_grad_sync(self) -> None:
+        """Nothing to wait for: FSDP2 finishes its reduce-scatters at the end of backward."""
+
+    def zero_grad_buffer(self) -> None:
+        """Nothing to zero: the optimizer drops the sharded gradients (``zero_grad``)."""
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """The wrapped module's state, with whole tensors (collective)."""
+        return gather_full(self.module.state_dict(prefix=prefix, keep_vars=False))
+
+    def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
+        """The wrapped module's checkpoint state, with whole tensors (collective)."""
+        save = getattr(self.module, "state_dict_for_save_checkpoint", None)
+        tree = (save(prefix=prefix, keep_vars=False) if save is not None
+                else self.module.state_dict(prefix=prefix))
+        return _cast_floats(gather_full(tree), self.compute_dtype)
+
+    def load_state_dict(self, state_dict, strict: bool = True):
+        """Load whole tensors (the module's own nested or flat keys); each sharded tensor keeps
+        this rank's shard. No communication."""
+        current = dict(self.module.state_dict())
+        flat = dict(_flat_items(state_dict)) if any(
+            isinstance(v, dict) for v in state_dict.values()) else dict(state_dict)
+        for key, value in list(flat.items()):
+            like = current.get(key)
+            if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and not isinstance(
+                    value, DTensor):
+                flat[key] = shard_like(value, like)
+        return self.module.load_state_dict(flat, strict=strict)

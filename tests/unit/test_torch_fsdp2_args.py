@@ -1,0 +1,68 @@
+"""--use-torch-fsdp2's flags: Megatron's names and defaults, the config they fill, and one-line
+refusals of the combinations FSDP2 does not serve here (each naming the flags)."""
+
+import pytest
+
+from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training.configs import _ddp_config
+
+BASE = """
+--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
+--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3
+--train-iters 4 --tokenizer-type NullTokenizer --vocab-size 128 --mock-data
+""".split()
+
+
+def _validated(extra, world_size=2):
+    args = parse_args(argv=BASE + list(extra))
+    args.world_size = world_size
+    return validate_args(args)
+
+
+def test_defaults_are_megatrons():
+    args = parse_args(argv=BASE)
+    assert args.use_torch_fsdp2 is False
+    assert args.torch_fsdp2_reshard_after_forward is True
+    assert args.use_megatron_fsdp is False
+
+
+def test_flags_fill_the_ddp_config():
+    args = _validated(["--use-torch-fsdp2", "--torch-fsdp2-no-reshard-after-forward"])
+    ddp = _ddp_config(args)
+    assert ddp.use_torch_fsdp2 and not ddp.torch_fsdp2_reshard_after_forward
+    assert not _ddp_config(_validated([])).use_torch_fsdp2
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
+    (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
+    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
+    (["--fp16"], "--fp16"),
+])
+def test_refused_combinations_name_both_flags(extra, named):
+    with pytest.raises(ArgumentsError) as err:
+        _validated(["--use-torch-fsdp2"] + extra, world_size=4)
+    message = str(err.value)
+    assert "--use-torch-fsdp2" in message and named in message and "\n" not in message
+
+
+def test_megatron_fsdp_is_refused_with_what_to_use():
+    with pytest.raises(ArgumentsError) as err:
+        _validated(["--use-megatron-fsdp"])
+    message = str(err.value)
+    assert "--use-megatron-fsdp" in message and "not built yet" in message
+    assert "--use-torch-fsdp2" in message
+
+
+def test_bf16_builds_fp32_weights_under_fsdp2_only():
+    """FSDP2's shards are the fp32 main weights (bf16 is its compute dtype); without FSDP2 a
+    bf16 model holds bf16 weights."""
+    import torch
+
+    from megatron.training.configs import build_configs
+
+    for fsdp, want in ((["--use-torch-fsdp2"], torch.float32), ([], torch.bfloat16)):
+        args = _validated(fsdp + ["--bf16"])
+        args.padded_vocab_size = 128
+        configs = build_configs(args)
+        assert configs.model.params_dtype == want and configs.model.bf16
