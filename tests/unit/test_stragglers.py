@@ -141,3 +141,27 @@ def test_defaults_follow_megatron():
     assert (args.log_straggler, args.straggler_minmax_count, args.straggler_ctrlr_port,
             args.disable_straggler_on_startup) == (False, 1, 65535, False)
     assert args.hang_dump_timeout_s is None and args.hang_dump_dir is None
+
+
+def test_sections_come_from_the_timers_without_resetting_them():
+    """At --timing-log-level 1 the forward-backward and optimizer timers feed the row (per
+    iteration, in ms) and keep their values for the console's timing line; the batch
+    generator (level 2) is not measured and shows as nan."""
+    from megatron.training.timers import Timers
+
+    timers = Timers(log_level=1)
+    for name in ("forward-backward", "optimizer"):
+        timer = timers(name, log_level=1)
+        timer.start()
+        timer.stop()
+        timer.elapsed_s = {"forward-backward": 0.5, "optimizer": 0.1}[name]
+    assert timers.seconds("batch-generator") is None
+    detector = stragglers.StragglerDetector(_args(rank=1, world_size=2,
+                                                  disable_straggler_on_startup=False),
+                                            timers, lambda batch: 6e12)
+    detector._iterations, detector._forward_s = 2, 0.2
+    forward_ms, fwd_bwd, optim, batch, etpt = detector._row(batch_size=4)
+    assert (forward_ms, fwd_bwd, optim) == pytest.approx((100.0, 250.0, 50.0))
+    assert batch != batch
+    assert etpt == pytest.approx(6e12 / 2 / (3 * 0.1) / 1e12)   # 10 TFLOP/s
+    assert timers.seconds("forward-backward") == 0.5
