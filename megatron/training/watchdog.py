@@ -36,7 +36,7 @@ from typing import Dict, List, Optional
 import torch.distributed as dist
 
 HANG_EXIT_CODE = 3
-PHASES = ("train-step", "after-step")
+PHASES = ("before-training", "train-step", "after-step")
 _KEY_PREFIX = "megatron_hang_watchdog/"
 # How long a rank waits for the others' entries once a dump has started.
 ANSWER_WAIT_S = 10.0
@@ -159,9 +159,15 @@ class HangWatchdog:
             with self._lock:
                 mark = self._mark
             overdue = mark is not None and time.monotonic() - mark[2] > self.timeout_s
-            if overdue or self.store.check(["dump"]):
+            if overdue or self._dump_requested():
                 self._dump_and_exit(mark)
                 return
+
+    def _dump_requested(self) -> bool:
+        try:
+            return self.store.check(["dump"])
+        except Exception:  # noqa: BLE001 - a store gone with the job; its collectives fail too
+            return False
 
     def _state(self, mark) -> dict:
         frame = sys._current_frames().get(self._trainer)
@@ -189,8 +195,23 @@ class HangWatchdog:
                 if self.store.check([k])}
 
     def _dump_and_exit(self, mark) -> None:
+        """Stacks to the file first; then the exchange through the store, which may fail
+        when the job is already coming apart; the process ends either way."""
         state = self._state(mark)
         path = self._write_stacks(mark, state)
+        try:
+            self._report(state, path)
+        except Exception as err:  # noqa: BLE001 - the stacks are written; end as promised
+            print(f"hang watchdog: rank {self.rank} wrote its stacks to {path} but could not "
+                  f"reach the other ranks through the store ({err})", file=sys.stderr,
+                  flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        _exit(HANG_EXIT_CODE)
+
+    def _report(self, state: dict, path: str) -> None:
+        """Publish this rank's entry, wait for the others', print the verdict (lowest rank
+        that answered), and wait until every answering rank has printed too."""
         self.store.set(f"state/{self.rank}", json.dumps(state))
         self.store.set("dump", str(self.rank))
         print(f"hang watchdog: rank {self.rank} wrote its stacks to {path}", file=sys.stderr,
@@ -208,9 +229,6 @@ class HangWatchdog:
         deadline = time.monotonic() + ANSWER_WAIT_S
         while time.monotonic() < deadline and int(self.store.add("done", 0)) < len(states):
             time.sleep(0.05)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        _exit(HANG_EXIT_CODE)
 
 
 class _Off:
