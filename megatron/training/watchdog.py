@@ -12,7 +12,9 @@ timeout, or another rank has set the dump key, it
    --tensorboard-dir, else the working folder): a header (rank, host, iteration, phase), then
    the Python stack of every thread (``faulthandler.dump_traceback(all_threads=True)``);
 2. publishes where its training thread is: its iteration and phase, and whether it is blocked
-   inside a ``torch.distributed`` call (which one, from where) or is somewhere else;
+   inside a ``torch.distributed`` call (which one, from where), or in the ``.wait()`` of an
+   asynchronous communication handle (pipeline sends and receives, overlapped reductions), or
+   is somewhere else;
 3. sets the dump key, so ranks that are not (yet) over their deadline dump too;
 4. waits a few seconds for every rank's entry; the lowest rank that answered prints the verdict;
 5. ends the process with exit code :data:`HANG_EXIT_CODE` (torchrun then stops the rest).
@@ -23,6 +25,7 @@ that did not answer (their Python is stuck; their stack file may be missing). Wi
 nothing here runs: no thread, no store traffic.
 """
 
+import dis
 import faulthandler
 import json
 import os
@@ -68,9 +71,22 @@ def _outside_stdlib(frame):
     return frame or innermost
 
 
+def _method_called(frame) -> Optional[str]:
+    """The name of the method ``frame`` is calling now (the last attribute it loaded)."""
+    name = None
+    for instruction in dis.get_instructions(frame.f_code):
+        if instruction.offset > frame.f_lasti:
+            break
+        if instruction.opname in ("LOAD_METHOD", "LOAD_ATTR"):
+            name = instruction.argval
+    return name
+
+
 def _where(frame) -> Dict[str, str]:
     """Where a thread stands: the innermost ``torch.distributed`` call on its stack (it waits
-    in a collective) and its caller, else its innermost frame outside Python's library."""
+    in a collective) and its caller; or a ``.wait()`` on an asynchronous communication handle
+    (a compiled method: no Python frame below the caller); else its innermost frame outside
+    Python's library."""
     innermost = frame
     collective = None
     while frame is not None:
@@ -82,6 +98,8 @@ def _where(frame) -> Dict[str, str]:
         frame = frame.f_back
     if innermost is None:
         return {"collective": "", "at": "unknown"}
+    if _method_called(innermost) == "wait" and _outside_stdlib(innermost) is innermost:
+        return {"collective": "wait", "at": _place(innermost)}
     return {"collective": "", "at": _place(_outside_stdlib(innermost))}
 
 
@@ -112,8 +130,12 @@ def verdict(states: Dict[int, dict], world_size: int,
         lines.append("hang watchdog: every rank is at the same point; none is behind")
     for rank in sorted(states):
         s = states[rank]
-        place = (f"waiting in torch.distributed.{s['collective']} called at {s['at']}"
-                 if s["collective"] else f"not in a collective, at {s['at']}")
+        if s["collective"] == "wait":
+            place = f"waiting for an asynchronous communication (.wait()) at {s['at']}"
+        elif s["collective"]:
+            place = f"waiting in torch.distributed.{s['collective']} called at {s['at']}"
+        else:
+            place = f"not in a collective, at {s['at']}"
         lines.append(f"  rank {rank}: iteration {s['iteration']} {s['phase']}, {place}")
     for rank in silent:
         last = (marks or {}).get(rank)

@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 
+import torch
 import torch.distributed as dist
 
 from megatron.training import watchdog
@@ -56,6 +57,46 @@ def test_a_thread_blocked_in_torch_distributed_is_found_there():
     assert seen["collective"] == "all_reduce"
     assert "in caller_in_training" in seen["at"]
     assert watchdog._where(sys._getframe())["collective"] == ""
+
+
+def _thread_place(target, *args):
+    """``watchdog._where`` of a thread blocked in ``target(*args)``."""
+    thread = threading.Thread(target=target, args=args, daemon=True)
+    thread.start()
+    for _ in range(200):
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code.co_name == target.__name__:
+            break
+        time.sleep(0.01)
+    time.sleep(0.1)
+    return thread, watchdog._where(sys._current_frames()[thread.ident])
+
+
+def _await_handle(handle):
+    handle.wait()
+
+
+def _await_event(event):
+    event.wait()
+
+
+def test_a_wait_on_a_compiled_handle_counts_as_communication():
+    """Pipeline sends and overlapped reductions wait on torch's compiled work handles from the
+    project's own code; a threading.Event's wait (Python code) is not communication."""
+    handle, event = torch._C.Future([]), threading.Event()
+    thread, place = _thread_place(_await_handle, handle)
+    handle.set_result(None)
+    thread.join(5)
+    assert place["collective"] == "wait" and "in _await_handle" in place["at"]
+    thread_b, place_b = _thread_place(_await_event, event)
+    event.set()
+    thread_b.join(5)
+    assert place_b == {"collective": "", "at": place_b["at"]}
+    assert "in _await_event" in place_b["at"]
+    lines = watchdog.verdict({0: _state(1, collective="wait", at="p2p.py:142 in _wait"),
+                              1: _state(1, at="faulty.py:3 in step")}, 2)
+    assert lines[0].startswith("hang watchdog: rank(s) 1 did not arrive")
+    assert "rank 0: iteration 1 train-step, waiting for an asynchronous communication" in lines[1]
 
 
 def _sleeping_step(stop):
