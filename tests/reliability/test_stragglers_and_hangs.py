@@ -7,7 +7,8 @@
   to turn it on, then lists --straggler-minmax-count ranks.
 * --hang-dump-timeout-s: rank 1 stops inside its third forward step while ranks 0 and 2 wait
   for it in the loss all-reduce; within the timeout and a margin every rank has written its
-  stacks and exited with the watchdog's code, and the verdict names rank 1.
+  stacks and exited with the watchdog's code, and the verdict names rank 1. Then the same
+  under torchrun with tensor and pipeline peers.
 """
 
 import os
@@ -187,3 +188,42 @@ def test_hang_watchdog_dumps_every_rank_and_names_the_missing_one(tmp_path, corp
                      r"all_reduce called at \S+pretrain_gpt\.py:\d+ in loss_func", log0)
     assert re.search(r"rank 1: iteration 3 train-step, not in a collective, at \S+:\d+ in "
                      r"sleepy_forward_step", log0)
+
+
+@pytest.mark.slow
+def test_hang_watchdog_under_torchrun_with_tensor_and_pipeline_peers(tmp_path, corpus):
+    """torchrun, TP=2 x PP=2 over 4 ranks, rank 2 stuck in its forward step: its tensor peer
+    waits in a tensor-parallel collective and the first stage in a pipeline receive (a ``.wait()`` on a
+    handle); only rank 2 is named, every rank leaves its stacks, and the job ends."""
+    from tests.reliability import test_failing_rank as failing
+
+    script = tmp_path / "hanging_pretrain_gpt.py"
+    script.write_text(failing.FAULT_SCRIPT.format(root=failing.REPO_ROOT,
+                                                  rank=failing.FAILING_RANK, mode="hang"))
+    dumps = tmp_path / "dumps"
+    timeout_s = 8.0
+    job = failing.Job(str(script), failing._flags(
+        corpus, "--hang-dump-timeout-s", str(timeout_s), "--hang-dump-dir", str(dumps),
+        "--distributed-timeout-minutes", "1"))
+    try:
+        job.wait_for_line(failing.INITIALIZED, failing.START_TIMEOUT_S)
+        job.find_workers()
+        line = job.wait_for_line(r"^FAULT rank", failing.START_TIMEOUT_S)
+        hung_at = float(line.split(" at ")[1])
+        job.finish(timeout_s + HANG_MARGIN_S + 15)
+        elapsed = time.time() - hung_at
+        assert not job.alive(), f"still running {elapsed:.0f} s after the hang"
+        assert elapsed < timeout_s + HANG_MARGIN_S + 15
+        assert job.proc.returncode != 0
+    finally:
+        job.kill()
+    output = job.output()
+    assert "hang watchdog: rank(s) 2 did not arrive where the others wait" in output, \
+        output[-4000:]
+    assert re.search(r"rank 3: iteration \d+ train-step, waiting in torch\.distributed\.", output)
+    assert re.search(r"rank 0: iteration \d+ train-step, waiting for an asynchronous "
+                     r"communication", output), output[-4000:]
+    for rank in range(failing.WORLD_SIZE):
+        text = (dumps / f"hang_rank{rank}.txt").read_text()
+        assert text.startswith(f"rank {rank} of {failing.WORLD_SIZE} on ")
+    assert "in faulty_forward_step" in (dumps / "hang_rank2.txt").read_text()
