@@ -123,7 +123,8 @@ def test_straggler_report_names_the_slowed_rank(tmp_path, corpus):
         {"name": "plain", "argv": _flags(corpus, 6, "--log-interval", "3")},
         {"name": "report", "argv": _flags(corpus, 6, "--log-interval", "3", "--log-straggler",
                                           "--tensorboard-dir", tb, "--straggler-ctrlr-port",
-                                          str(_free_port())), "patch": _slow_rank},
+                                          str(_free_port()), "--timing-log-level", "1"),
+         "patch": _slow_rank},
         {"name": "toggled", "argv": _flags(corpus, 6, "--log-interval", "3", "--log-straggler",
                                            "--disable-straggler-on-startup",
                                            "--straggler-minmax-count", "2",
@@ -142,6 +143,8 @@ def test_straggler_report_names_the_slowed_rank(tmp_path, corpus):
     for line in report:
         assert _named(line, "MxRtt") == SLOW_RANK and _named(line, "MnEtpt") == SLOW_RANK
         assert _named(line, "MnRtt") != SLOW_RANK and _named(line, "MxEtpt") != SLOW_RANK
+        # --timing-log-level 1 adds the timers' sections (which include waiting for peers).
+        assert "| MnFwdBwd/Rnk: " in line and "| MxOptim/Rnk: " in line
     assert all(_report_lines(group.log(r)) == [] for r in range(1, WORLD_SIZE))  # rank 0 only
     assert _tensorboard_ranks(tb, "straggler/MaxRoundTripTime-rank") == {3: SLOW_RANK,
                                                                          6: SLOW_RANK}
