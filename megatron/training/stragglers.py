@@ -10,9 +10,10 @@ rank's step takes as long.
 At each --log-interval the per-iteration averages are gathered from every rank, and rank 0
 prints Megatron's line::
 
-    [2026-12-05 08:30:00] | MnRtt/Rnk: 3.10ms/0 | MxRtt/Rnk: 210.52ms/2 | ... | MnEtpt/Rnk: 0.00TF/2 | MxEtpt/Rnk: 0.01TF/0
+    [2026-12-05 08:30:00] | MnRtt/Rnk: 3.10ms/0 | MxRtt/Rnk: 210.52ms/2 | ...
+        ... | MnEtpt/Rnk: 0.00TF/2 | MxEtpt/Rnk: 0.01TF/0
 
-``value unit / rank`` for the minimum and maximum of each measure, and Etpt, the estimated
+(one line, wrapped here): ``value unit / rank`` for the minimum and maximum of each measure, and Etpt, the estimated
 TFLOP/s of each rank (the model FLOPs of an iteration over the world size, over three times the
 forward time, as Megatron estimates it from a forward-only timing). With
 --straggler-minmax-count N (1 < N < world size) two more lines list the N ranks with the lowest
@@ -29,7 +30,7 @@ import datetime
 import socket
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist

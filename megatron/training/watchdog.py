@@ -198,7 +198,7 @@ class HangWatchdog:
         state.update(iteration=iteration, phase=phase)
         return state
 
-    def _write_stacks(self, mark, state) -> str:
+    def _write_stacks(self, state) -> str:
         path = os.path.join(self.folder, f"hang_rank{self.rank}.txt")
         with open(path, "w") as f:
             f.write(f"rank {self.rank} of {self.world_size} on {socket.gethostname()} "
@@ -220,7 +220,7 @@ class HangWatchdog:
         """Stacks to the file first; then the exchange through the store, which may fail
         when the job is already coming apart; the process ends either way."""
         state = self._state(mark)
-        path = self._write_stacks(mark, state)
+        path = self._write_stacks(state)
         try:
             self._report(state, path)
         except Exception as err:  # noqa: BLE001 - the stacks are written; end as promised

@@ -196,8 +196,9 @@ def test_hang_watchdog_dumps_every_rank_and_names_the_missing_one(tmp_path, corp
 @pytest.mark.slow
 def test_hang_watchdog_under_torchrun_with_tensor_and_pipeline_peers(tmp_path, corpus):
     """torchrun, TP=2 x PP=2 over 4 ranks, rank 2 stuck in its forward step: its tensor peer
-    waits in a tensor-parallel collective and the first stage in a pipeline receive (a ``.wait()`` on a
-    handle); only rank 2 is named, every rank leaves its stacks, and the job ends."""
+    waits in a tensor-parallel collective and the first stage in a pipeline receive (a
+    ``.wait()`` on a handle); only rank 2 is named, every rank leaves its stacks, and the job
+    ends."""
     from tests.reliability import test_failing_rank as failing
 
     script = tmp_path / "hanging_pretrain_gpt.py"
