@@ -346,6 +346,15 @@ def _add_distributed_args(parser):
     g.add_argument("--overlap-p2p-communication", action="store_true")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    g.add_argument("--hang-dump-timeout-s", type=float, default=None,
+                   help="hang watchdog (default off): when one training step (or the "
+                   "evaluation, logging and saving after it) runs longer than this many "
+                   "seconds, every rank writes the Python stacks of all its threads to "
+                   "--hang-dump-dir and the job stops, naming the rank(s) the others wait for; "
+                   "must be below --distributed-timeout-minutes")
+    g.add_argument("--hang-dump-dir", type=str, default=None,
+                   help="folder of the hang watchdog's stack files (hang_rank<R>.txt); "
+                   "default: --save, else --tensorboard-dir, else the working folder")
     g.add_argument("--deterministic-mode", action="store_true",
                    help="bit-reproducible runs on GPUs: deterministic kernels only (an op "
                         "without one raises), pinned cuBLAS workspace and NCCL algorithm")
@@ -493,6 +502,19 @@ def _add_logging_args(parser):
     g.add_argument("--wandb-project", type=str, default="")
     g.add_argument("--wandb-exp-name", type=str, default="")
     g.add_argument("--wandb-save-dir", type=str, default="")
+    g.add_argument("--log-straggler", action="store_true",
+                   help="at every --log-interval, rank 0 prints the slowest and fastest ranks "
+                   "by their own forward time per iteration (Megatron's MnRtt/MxRtt line; also "
+                   "to TensorBoard under straggler/)")
+    g.add_argument("--straggler-minmax-count", type=int, default=1,
+                   help="with --log-straggler: how many of the slowest and fastest ranks to list")
+    g.add_argument("--straggler-ctrlr-port", type=int, default=65535,
+                   help="with --log-straggler: rank 0 listens on this localhost TCP port; any "
+                   "HTTP request to it (curl localhost:PORT) turns the report on or off at the "
+                   "next --log-interval")
+    g.add_argument("--disable-straggler-on-startup", action="store_true",
+                   help="with --log-straggler: start with the report off (turn it on through "
+                   "--straggler-ctrlr-port)")
 
 
 def _add_profiling_args(parser):

@@ -66,6 +66,12 @@ class Timers:
             return self._null
         return self._timers.setdefault(name, _Timer())
 
+    def seconds(self, name: str):
+        """Seconds ``name`` has accumulated since it was last reset, leaving it running and
+        unreset; None when the timer is not measured at this --timing-log-level."""
+        timer = self._timers.get(name)
+        return None if timer is None else timer.elapsed(reset=False)
+
     def _min_max_ms(self, names: List[str], normalizer: float, reset: bool):
         """(min, max) over ranks of each timer's milliseconds / ``normalizer``; collective."""
         # On the run's device: NCCL reduces only device tensors.

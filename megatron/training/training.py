@@ -32,7 +32,8 @@ from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training import hooks as training_hooks
 from megatron.training import log as training_log
-from megatron.training import memory_accounting, moe_logging, numerics, save_extras
+from megatron.training import (memory_accounting, moe_logging, numerics, save_extras,
+                               stragglers, watchdog)
 from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
 from megatron.training.initialize import initialize_megatron
@@ -632,16 +633,22 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     start_iteration = train_state.iteration
     profiler = training_hooks.IterationProfiler(args, args.rank)
     manual_gc = training_hooks.ManualGC(args)
+    straggler = stragglers.build(args, run.timers, lambda batch: (
+        training_log.num_floating_point_operations(args, batch)))
+    hang = watchdog.build(args)
+    forward_step_func = straggler.timed(run.forward_step_func)
     try:
         while train_state.iteration < training.train_iters:
             run.calculator.update(train_state.consumed_train_samples)
             profiler.before_iteration()
+            hang.phase(train_state.iteration + 1, "train-step")
             losses, skipped, grad_norm, loss_scale = train_step(
-                run.forward_step_func, train_iterator, run.model, run.optimizer, run.scheduler,
+                forward_step_func, train_iterator, run.model, run.optimizer, run.scheduler,
                 args, pstate, run.calculator, iteration=train_state.iteration + 1,
                 timers=run.timers, train_state=train_state)
             train_state.iteration += 1
             iteration = train_state.iteration
+            hang.phase(iteration, "after-step")
             profiler.after_iteration()
             manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
@@ -651,6 +658,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             stats.add(losses, skipped)
             train_state.train_loss_history.append((iteration, losses.get("lm loss")))
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
+            straggler.after_iteration(iteration, batch, run.writer)
             stats = _log_iteration(run, stats, losses, _learning_rate(run.optimizer), batch,
                                    loss_scale, grad_norm)
             if (training.eval_interval and iteration % training.eval_interval == 0
@@ -674,6 +682,8 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     finally:
         profiler.close()
         manual_gc.close()
+        straggler.close()
+        hang.close()
         if stop_signal is not None:
             stop_signal.release()
     return train_state.iteration

@@ -126,6 +126,25 @@ def _validate_sizes(args) -> None:
             _fail(f"--{name.replace('_', '-')} must be >= {minimum}, got {value}")
 
 
+def _validate_watchdogs(args) -> None:
+    """The straggler report's count and port, and the hang watchdog's timeout."""
+    if args.straggler_minmax_count < 1:
+        _fail(f"--straggler-minmax-count must be >= 1, got {args.straggler_minmax_count}")
+    if not 1 <= args.straggler_ctrlr_port <= 65535:
+        _fail(f"--straggler-ctrlr-port must be a TCP port in 1..65535, got "
+              f"{args.straggler_ctrlr_port}")
+    timeout = args.hang_dump_timeout_s
+    if timeout is None:
+        return
+    if not timeout > 0:
+        _fail(f"--hang-dump-timeout-s must be > 0 seconds, got {timeout}")
+    if timeout >= args.distributed_timeout_minutes * 60:
+        _fail(f"--hang-dump-timeout-s {timeout:g} must be below --distributed-timeout-minutes "
+              f"{args.distributed_timeout_minutes} (x 60 = "
+              f"{args.distributed_timeout_minutes * 60} s): a collective times out and ends "
+              "the job first, before any stack is written")
+
+
 def _read_data_args_files(args) -> None:
     """--data-args-path / --per-split-data-args-path: the path flags' values, read from files."""
     if args.data_args_path is not None:
@@ -602,6 +621,7 @@ def check_flags(args):
     registry's checks); derives the sizes the later checks and the run read."""
     _validate_surface(args)
     _validate_sizes(args)
+    _validate_watchdogs(args)
     _apply_old_spellings(args)
     _validate_model(args)
     _validate_parallel(args)
