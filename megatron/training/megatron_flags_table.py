@@ -70,13 +70,12 @@ ROPE_SCALING = ("RoPE scaling (Llama-3.x scaling, YaRN) is not built yet; drop i
                 "with --rotary-base is used)")
 MTP = "multi-token prediction is not built yet; drop it"
 MLA = "multi-latent attention is not built yet; use standard attention (--num-query-groups)"
-FSDP = ("FSDP (--use-torch-fsdp2, --use-megatron-fsdp and its knobs) is not built yet; use "
-        "--use-distributed-optimizer")
+FSDP = ("Megatron's own FSDP (--use-megatron-fsdp, its sharding strategies and knobs) is not "
+        "built yet; use --use-torch-fsdp2 (PyTorch's FSDP2) or --use-distributed-optimizer")
 RERUN = ("the rerun state machine (result validation, error injection) is not built yet; drop it "
          "(use --check-for-nan-in-loss-and-grad)")
 NON_PERSISTENT = ("non-persistent and local checkpoints are not built yet; use --save with "
                   "--save-interval")
-STRAGGLER = "straggler detection is not built yet; drop it"
 FP8 = ("FP8/FP4 training needs TransformerEngine's kernels, which are not built here; use --bf16")
 KITCHEN = "quantization recipes (kitchen) are not built here; use --bf16"
 TP_OVERLAP = ("tensor-parallel communication/GEMM overlap needs TransformerEngine's userbuffers, "
@@ -515,8 +514,6 @@ ROWS = (
     ('--mamba-training-ssm-states-dtype', '', 'str', None, 'fp32|bf16', REFUSED, MAMBA),
     ('--no-align-grad-reduce --disable-align-grad-reduce', 'align_grad_reduce',
      'false', True, '', NO_EFFECT, SCHEDULE),
-    ('--use-megatron-fsdp', '', 'true', False, '', REFUSED, FSDP),
-    ('--use-torch-fsdp2', '', 'true', False, '', REFUSED, FSDP),
     ('--nccl-communicator-config-path', '', 'str', None, '', NO_EFFECT, NCCL_TUNING),
     ('--use-tp-pp-dp-mapping', '', 'true', False, '', REFUSED, RANK_ORDER),
     ('--disable-gloo-process-groups', 'use_gloo_process_groups',
@@ -567,8 +564,6 @@ ROWS = (
     ('--keep-fp8-transpose-cache', '', 'true', False, '', REFUSED, FSDP),
     ('--enable-full-sharding-in-hsdp', '', 'true', False, '', REFUSED, FSDP),
     ('--num-distributed-optimizer-instances', '', 'int', 1, '', REFUSED, DIST_OPT_INSTANCES),
-    ('--torch-fsdp2-no-reshard-after-forward', 'torch_fsdp2_reshard_after_forward',
-     'false', True, '', REFUSED, FSDP),
     ('--fake-process-group', '', 'true', False, '', REFUSED, TESTING),
     ('--start-eval-at-iter', '', 'int', None, '', REFUSED, TRAINING_EXTRAS),
     ('--eval-global-batch-size', '', 'int', None, '', WORKS, None),
@@ -694,10 +689,6 @@ ROWS = (
     ('--logits-load-msc-prefetch-depth', '', 'int', 2, '', REFUSED, DISTILL),
     ('--logits-load-kd-loss-alpha', '', 'float', 1.0, '', REFUSED, DISTILL),
     ('--logits-load-ignore-errors', '', 'true', False, '', REFUSED, DISTILL),
-    ('--log-straggler', '', 'true', False, '', REFUSED, STRAGGLER),
-    ('--straggler-ctrlr-port', '', 'int', 65535, '', REFUSED, STRAGGLER),
-    ('--straggler-minmax-count', '', 'int', 1, '', REFUSED, STRAGGLER),
-    ('--disable-straggler-on-startup', '', 'true', False, '', REFUSED, STRAGGLER),
     ('--run-workload-inspector-server', '', 'true', False, '', REFUSED, TELEMETRY),
     ('--inference-batch-times-seqlen-threshold', '', 'int', -1, '', REFUSED, INFERENCE),
     ('--max-tokens-to-oom', '', 'int', 12000, '', WORKS, None),
