@@ -785,8 +785,8 @@ def test_hostile_json_is_a_bad_line_not_a_crash(tmp_path, message):
 
 
 NULL_TOKENIZER_TEXTS = {
-    "101": "token id 101 is outside the vocabulary [0, 101)",
-    "-3": "token id -3 is outside the vocabulary [0, 101)",
+    "101": "token id 101 is outside the vocabulary [0, 100)",
+    "-3": "token id -3 is outside the vocabulary [0, 100)",
     "1_0": "got '1_0'",
     "\u0663": "got '\u0663'",
     "99999999999999999999": "got '99999999999999999999'",
