@@ -54,7 +54,6 @@ class CheckpointConfig:
     non_persistent_ckpt_type: Optional[str] = None        # --non-persistent-ckpt-type
     non_persistent_global_ckpt_dir: Optional[str] = None  # --non-persistent-global-ckpt-dir
     non_persistent_local_ckpt_dir: Optional[str] = None   # --non-persistent-local-ckpt-dir
-    non_persistent_local_ckpt_algo: str = "fully_parallel"  # --non-persistent-local-ckpt-algo
     replication: bool = False                    # --replication
     replication_jump: Optional[int] = None       # --replication-jump
     replication_factor: int = 2                  # --replication-factor

@@ -323,9 +323,7 @@ def _add_checkpointing_args(parser):
     g.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None)
     g.add_argument("--non-persistent-local-ckpt-dir", type=str, default=None)
     g.add_argument("--non-persistent-local-ckpt-algo", type=str, default="fully_parallel",
-                   choices=["fully_parallel", "atomic"],
-                   help="accepted for Megatron's scripts; both write each rank's whole state "
-                   "atomically here (the state loaded back is the same either way)")
+                   choices=["fully_parallel", "atomic"])
     g.add_argument("--replication", action="store_true",
                    help="local non-persistent checkpoints: each rank's file is also kept by "
                    "--replication-factor - 1 peer ranks, --replication-jump ranks apart")

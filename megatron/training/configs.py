@@ -195,7 +195,6 @@ def build_checkpoint_config(args) -> CheckpointConfig:
         non_persistent_ckpt_type=args.non_persistent_ckpt_type,
         non_persistent_global_ckpt_dir=args.non_persistent_global_ckpt_dir,
         non_persistent_local_ckpt_dir=args.non_persistent_local_ckpt_dir,
-        non_persistent_local_ckpt_algo=args.non_persistent_local_ckpt_algo,
         replication=args.replication, replication_jump=args.replication_jump,
         replication_factor=args.replication_factor)
 

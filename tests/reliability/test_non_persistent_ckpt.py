@@ -35,7 +35,7 @@ def _flags(corpus, save, world_size, extra=()):
                      extra=["--save", save, "--save-interval", "4"] + list(extra))
 
 
-def _np_global(save):
+def _np_global():
     return ["--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "global"]
 
 
@@ -133,11 +133,13 @@ def test_bad_flag_combinations_are_refused_in_one_line(tmp_path, extra, message)
 # -- killed between persistent saves -------------------------------------------------------------
 
 @pytest.mark.slow
-def test_global_resumes_from_newest_non_persistent(tmp_path, corpus, reference_1):
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
+def test_global_resumes_from_newest_non_persistent(tmp_path, corpus, reference_1, ckpt_format):
     """Killed after iteration 7: the persistent tracker names 4, SAVE/non_persistent holds only
-    iteration 6 (2 was removed), and the resumed run takes 6 and matches the reference."""
+    iteration 6 (2 was removed), and the resumed run takes 6 and matches the reference (whose
+    checkpoints were in the torch format: resume is exact in either)."""
     save = str(tmp_path / "ckpt")
-    argv = _flags(corpus, save, 1, _np_global(save))
+    argv = _flags(corpus, save, 1, _np_global() + ["--ckpt-format", ckpt_format])
     _kill_after_7(tmp_path, argv, 1, {})
     np_dir = os.path.join(save, "non_persistent")
     assert read_tracker(save) == (4, False)
@@ -148,6 +150,7 @@ def test_global_resumes_from_newest_non_persistent(tmp_path, corpus, reference_1
             f"iteration 6 (persistent checkpoint in --load {save}: iteration 4)") in log
     assert f"successfully loaded checkpoint from {np_dir} at iteration 6" in log
     assert resume.results(0)["resume"]["losses"] == reference_1[6:]
+    assert sorted(os.listdir(np_dir)) == ["iter_0000006", TRACKER_FILENAME]
 
 
 @pytest.mark.slow
@@ -178,7 +181,7 @@ def test_torn_global_save_is_never_taken(tmp_path, corpus, reference_1):
     persistent 4, then 6): the non-persistent tracker still names 2, older than the persistent
     4, so the resumed run takes 4, says why, and matches the reference."""
     save = str(tmp_path / "ckpt")
-    argv = _flags(corpus, save, 1, _np_global(save))
+    argv = _flags(corpus, save, 1, _np_global())
     crash = launch.start(launch.train_runs, 1, [{"name": "crash", "argv": argv,
                                                  "env": {CRASH_ENV: "during_file:3"}}],
                          log_dir=str(tmp_path / "crash"))
