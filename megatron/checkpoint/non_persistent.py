@@ -146,7 +146,8 @@ def _exchange(payload: bytes, peers: List[int], holders_of: Dict[int, List[int]]
     mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if payload else \
         torch.zeros(0, dtype=torch.uint8)
     sizes = {s: torch.zeros(1, dtype=torch.int64) for s in sources}
-    reqs = [dist.isend(torch.tensor([mine.numel()], dtype=torch.int64), p) for p in peers]
+    my_size = torch.tensor([mine.numel()], dtype=torch.int64)
+    reqs = [dist.isend(my_size, p) for p in peers]
     reqs += [dist.irecv(sizes[s], s) for s in sources]
     for r in reqs:
         r.wait()
@@ -258,9 +259,15 @@ def _inventory(local_dir: str, rank: int) -> Dict[int, List[int]]:
 def newest_local(local_dir: str) -> Tuple[int, Dict[int, int]]:
     """Collective: the newest iteration every rank's file is held for (-1: none), and for each
     rank the lowest rank holding its file then."""
-    world = dist.get_world_size()
-    inventories = [None] * world
+    inventories = [None] * dist.get_world_size()
     dist.all_gather_object(inventories, _inventory(local_dir, dist.get_rank()))
+    return newest_complete(inventories)
+
+
+def newest_complete(inventories: List[Dict[int, List[int]]]) -> Tuple[int, Dict[int, int]]:
+    """:func:`newest_local` on the gathered inventories (rank -> iteration -> the ranks whose
+    files it holds): a rank's own file is preferred, else the lowest rank holding a copy."""
+    world = len(inventories)
     for iteration in sorted({it for inv in inventories for it in inv}, reverse=True):
         holder = {}
         for h, inv in enumerate(inventories):

@@ -109,6 +109,19 @@ def test_replication_cliques_match_the_worked_table():
         "--replication needs --replication-factor >= 2")
 
 
+def test_newest_complete_iteration_needs_every_rank_file_somewhere():
+    """Iteration 6 lacks rank 2's file everywhere (its save was torn): 4 is taken, where rank
+    1's own file is gone and rank 3 holds its copy; a rank's own file wins over a copy."""
+    inventories = [{4: [0, 2], 6: [0]},         # rank 0 holds its own and rank 2's (of 4)
+                   {6: [1, 3]},                 # rank 1 lost iteration 4
+                   {4: [0, 2], 6: [0]},         # rank 2 died writing its own file of 6
+                   {4: [3, 1], 6: [3, 1]}]
+    assert non_persistent.newest_complete(inventories) == (4, {0: 0, 1: 3, 2: 2, 3: 3})
+    inventories[2][6] = [0, 2]
+    assert non_persistent.newest_complete(inventories) == (6, {0: 0, 1: 1, 2: 2, 3: 3})
+    assert non_persistent.newest_complete([{}, {2: [1]}]) == (-1, {})
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--non-persistent-ckpt-type", "in_memory"],
      "--non-persistent-ckpt-type in_memory is not built: a checkpoint held in memory dies"),
