@@ -233,3 +233,31 @@ def test_torn_local_save_is_never_taken(tmp_path, corpus, reference_2):
     assert resume.results(1)["resume"]["losses"] == reference_2[4:]
     for rank in range(2):
         assert os.listdir(os.path.join(local, str(rank))) == ["iter_0000006"]
+
+
+@pytest.mark.slow
+def test_local_two_nodes_of_two_lose_a_node(tmp_path, corpus):
+    """Four ranks (TP 2 x DP 2) on two "nodes" of two (LOCAL_WORLD_SIZE 2, so the copies go
+    --replication-jump 2 ranks away, onto the other node): the folders of node 1 (ranks 2 and
+    3) are removed after the kill; both ranks receive their files from node 0 and the losses
+    match the uninterrupted run at this layout."""
+    def flags(save, extra=()):
+        return gpt_flags(corpus, ITERS, tp=2, extra=["--save", save, "--save-interval", "4"]
+                         + list(extra))
+
+    two_per_node = {"LOCAL_WORLD_SIZE": "2"}
+    ref = launch.start(launch.train_runs, 4, [{"name": "ref", "argv": flags(
+        str(tmp_path / "ref_save"))}], log_dir=str(tmp_path / "ref"))
+    assert ref.wait() == [0] * 4, ref.log(0)[-3000:]
+    save, local = str(tmp_path / "ckpt"), str(tmp_path / "local")
+    argv = flags(save, _np_local(local))
+    _kill_after_7(tmp_path, argv, 4, two_per_node)
+    assert sorted(os.listdir(os.path.join(local, "1", "iter_0000006"))) == \
+        ["rank_00001.pt", "rank_00003.pt"]
+    for rank in (2, 3):
+        shutil.rmtree(os.path.join(local, str(rank)))
+    resume = _resume(tmp_path, argv + ["--load", save], 4, two_per_node)
+    for rank, holder in ((2, 0), (3, 1)):
+        assert (f"NOTE: rank {rank}: no local checkpoint file of iteration 6; restored it from "
+                f"the copy held by rank {holder}") in resume.log(rank)
+    assert resume.results(3)["resume"]["losses"] == ref.results(3)["ref"]["losses"][6:]
