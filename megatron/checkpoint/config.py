@@ -50,6 +50,13 @@ class CheckpointConfig:
     ckpt_convert_format: Optional[str] = None    # --ckpt-convert-format
     ckpt_convert_save: Optional[str] = None      # --ckpt-convert-save
     dist_ckpt_strictness: str = "assume_ok_unexpected"  # --dist-ckpt-strictness
+    non_persistent_save_interval: Optional[int] = None    # --non-persistent-save-interval
+    non_persistent_ckpt_type: Optional[str] = None        # --non-persistent-ckpt-type
+    non_persistent_global_ckpt_dir: Optional[str] = None  # --non-persistent-global-ckpt-dir
+    non_persistent_local_ckpt_dir: Optional[str] = None   # --non-persistent-local-ckpt-dir
+    replication: bool = False                    # --replication
+    replication_jump: Optional[int] = None       # --replication-jump
+    replication_factor: int = 2                  # --replication-factor
 
     def __post_init__(self):
         for flag, value in (("--ckpt-format", self.ckpt_format),

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import experts, torch_dist
+from megatron.checkpoint import experts, non_persistent, torch_dist
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
@@ -182,6 +182,17 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
     """:func:`load_checkpoint` with ``args`` as the load sees them (config applied)."""
     if not args.load:
         return 0
+    picked = _pick_non_persistent(args)
+    if picked is not None:
+        kind, iteration, folder, holder = picked
+        if kind == "global":
+            inner = argparse.Namespace(**vars(args))
+            inner.load, inner.non_persistent_ckpt_type = folder, None
+            return _load(model_chunks, optimizer, opt_param_scheduler, inner, pstate,
+                         train_state)
+        state, path = non_persistent.fetch_local(folder, iteration, holder)
+        return _apply_rank_state(state, path, iteration, False, model_chunks, optimizer,
+                                 opt_param_scheduler, args, pstate, train_state, folder)
     located = _locate(args.load, args, pstate)
     if located is None:
         return 0
@@ -190,6 +201,48 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
         return _load_dist(path, iteration, release, model_chunks, optimizer, opt_param_scheduler,
                           args, pstate, train_state)
     state, path = _read_rank_state(path, model_chunks, args, pstate)
+    return _apply_rank_state(state, path, iteration, release, model_chunks, optimizer,
+                             opt_param_scheduler, args, pstate, train_state, args.load)
+
+
+def _pick_non_persistent(args) -> Optional[tuple]:
+    """``(kind, iteration, folder, holders)`` of the newest complete non-persistent checkpoint
+    when it is at least as new as the persistent one in --load, else None; says which it took.
+    Collective for local checkpoints (every rank decides from the same inventory)."""
+    kind = getattr(args, "non_persistent_ckpt_type", None)
+    if kind not in ("global", "local") or args.ckpt_step is not None:
+        return None
+    tracked = read_tracker(args.load)
+    persistent = -1 if tracked is None else tracked[0]
+    holder = None
+    if kind == "global":
+        folder = non_persistent.global_dir(args, args.load)
+        found = read_tracker(folder) if os.path.isdir(folder) else None
+        newest = -1 if found is None or found[1] else found[0]
+    else:
+        folder = args.non_persistent_local_ckpt_dir
+        newest, holder = non_persistent.newest_local(folder)
+    if newest < 0:
+        return None
+    where = ("none" if tracked is None else f"iteration {persistent}")
+    if newest < persistent:
+        if dist.get_rank() == 0:
+            print(f"NOTE: the {kind} non-persistent checkpoint in {folder} (iteration {newest}) "
+                  f"is older than the persistent one in --load {args.load} ({where}); resuming "
+                  "from the persistent one", flush=True)
+        return None
+    if dist.get_rank() == 0:
+        print(f"NOTE: resuming from the {kind} non-persistent checkpoint in {folder} at "
+              f"iteration {newest} (persistent checkpoint in --load {args.load}: {where})",
+              flush=True)
+    return kind, newest, folder, holder
+
+
+def _apply_rank_state(state: dict, path: str, iteration: int, release: bool, model_chunks,
+                      optimizer, opt_param_scheduler, args, pstate,
+                      train_state: Optional[TrainState], where: str) -> int:
+    """Check one rank's torch-format state against the run, then load it; ``where`` is the
+    folder the success line names."""
     saved_args = state.get("args")
     refuse_torch_load(args, pstate, saved_args, path)
     check_args(saved_args, args, path)
@@ -226,7 +279,7 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
     elif train_state is not None:
         train_state.restore_from_saved_args(saved_args)
     if dist.get_rank() == 0:
-        print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}",
+        print(f"  successfully loaded checkpoint from {where} at iteration {iteration}",
               flush=True)
     return iteration
 

@@ -310,6 +310,28 @@ def _add_checkpointing_args(parser):
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints on a background thread while training goes on; the "
                    "tracker is updated once every rank's file is complete")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="iterations between non-persistent checkpoints, cheap ones kept only "
+                   "until a newer one is written (--non-persistent-ckpt-type)")
+    g.add_argument("--non-persistent-ckpt-type", type=str, default=None,
+                   choices=["global", "local", "in_memory"],
+                   help="global: a checkpoint in --non-persistent-global-ckpt-dir (default "
+                   "SAVE/non_persistent), only the newest kept; local: every rank writes its own "
+                   "state under --non-persistent-local-ckpt-dir (with --replication, copies on "
+                   "peer ranks of other nodes); in_memory is refused. --load resumes from the "
+                   "newest complete checkpoint, persistent or not")
+    g.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None)
+    g.add_argument("--non-persistent-local-ckpt-dir", type=str, default=None)
+    g.add_argument("--non-persistent-local-ckpt-algo", type=str, default="fully_parallel",
+                   choices=["fully_parallel", "atomic"])
+    g.add_argument("--replication", action="store_true",
+                   help="local non-persistent checkpoints: each rank's file is also kept by "
+                   "--replication-factor - 1 peer ranks, --replication-jump ranks apart")
+    g.add_argument("--replication-jump", type=int, default=None,
+                   help="rank distance between copies of a local checkpoint (default: the "
+                   "processes per node, LOCAL_WORLD_SIZE, so the copies sit on other nodes)")
+    g.add_argument("--replication-factor", type=int, default=2,
+                   help="how many ranks hold each rank's local checkpoint, itself included")
 
 
 def _add_mixed_precision_args(parser):

@@ -15,6 +15,7 @@ from megatron.checkpoint.layout import (CHECKPOINT_VERSION, TRACKER_FILENAME, Ch
                                         saved_sizes)
 from megatron.checkpoint.load import (load_args_from_checkpoint, load_checkpoint,
                                       load_model_weights, null_tokenizer_eod_from_checkpoint)
+from megatron.checkpoint.non_persistent import save_non_persistent
 from megatron.checkpoint.publish import (CRASH_ENV, CRASH_POINTS, check_save_dir,
                                          clean_interrupted_saves, crash_point)
 from megatron.checkpoint.save import AsyncCheckpointSaver, save_checkpoint
@@ -29,4 +30,4 @@ __all__ = [
     "crash_point", "expert_ranks", "load_args_from_checkpoint", "load_checkpoint",
     "load_model_weights", "load_state_file", "lock_save_dir", "megatron_args",
     "null_tokenizer_eod_from_checkpoint", "rank_dir_name",
-    "read_tracker", "save_checkpoint", "saved_layout", "saved_sizes"]
+    "read_tracker", "save_checkpoint", "save_non_persistent", "saved_layout", "saved_sizes"]

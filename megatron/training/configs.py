@@ -190,7 +190,13 @@ def build_checkpoint_config(args) -> CheckpointConfig:
         exit_on_missing_checkpoint=args.exit_on_missing_checkpoint,
         ckpt_format=args.ckpt_format, async_save=args.async_save,
         ckpt_convert_format=args.ckpt_convert_format, ckpt_convert_save=args.ckpt_convert_save,
-        dist_ckpt_strictness=args.dist_ckpt_strictness)
+        dist_ckpt_strictness=args.dist_ckpt_strictness,
+        non_persistent_save_interval=args.non_persistent_save_interval,
+        non_persistent_ckpt_type=args.non_persistent_ckpt_type,
+        non_persistent_global_ckpt_dir=args.non_persistent_global_ckpt_dir,
+        non_persistent_local_ckpt_dir=args.non_persistent_local_ckpt_dir,
+        replication=args.replication, replication_jump=args.replication_jump,
+        replication_factor=args.replication_factor)
 
 
 def build_data_config(args) -> DataConfig:

@@ -44,6 +44,9 @@ NO_EFFECT_FLAGS = {
     "ckpt_fully_parallel_save_deprecated": "every rank always writes its own torch_dist shards",
     "ckpt_fully_parallel_save": "every rank always writes its own torch_dist shards",
     "ckpt_fully_parallel_load": "every rank always reads only the slices it needs",
+    "non_persistent_local_ckpt_algo": "a local non-persistent checkpoint is always each rank's "
+                                      "whole state, written atomically; both algorithms load "
+                                      "back the same state",
     "moe_shared_expert_overlap": "a scheduling optimisation (the shared expert runs while tokens "
                                  "travel between expert-parallel ranks); the shared expert is "
                                  "computed after the routed experts, with the same numbers",

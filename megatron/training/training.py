@@ -513,6 +513,15 @@ def _save(run: TrainingRun):
     _after_save(run)
 
 
+def _save_non_persistent(run: TrainingRun) -> None:
+    """--non-persistent-save-interval: a cheap checkpoint (megatron/checkpoint/non_persistent)."""
+    run.timers("save-checkpoint", log_level=0).start()
+    checkpointing.save_non_persistent(run.train_state.iteration, run.model, run.optimizer,
+                                      run.scheduler, run.args, run.pstate,
+                                      train_state=run.train_state, config=run.ckpt)
+    run.timers("save-checkpoint", log_level=0).stop()
+
+
 def _after_save(run: TrainingRun) -> None:
     """Rank 0, after a save: --log-progress's line and --save-retain-interval's pruning."""
     args, train_state = run.args, run.train_state
@@ -670,6 +679,9 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0:
                 _save(run)
                 saved = True
+            elif (ckpt.non_persistent_save_interval
+                  and iteration % ckpt.non_persistent_save_interval == 0):
+                _save_non_persistent(run)
             reason = _should_exit(iteration, training, start_time, stop_signal)
             if reason is not None:
                 if ckpt.save and not saved:

@@ -54,6 +54,35 @@ def _validate_checkpoint_format(args) -> None:
             _fail(str(err))
 
 
+def _validate_non_persistent(args) -> None:
+    """--non-persistent-*: a type to go with the interval, the folder it needs, and a
+    replication layout that fits the world (megatron/checkpoint/non_persistent.py)."""
+    kind = args.non_persistent_ckpt_type
+    if kind == "in_memory":
+        _fail("--non-persistent-ckpt-type in_memory is not built: a checkpoint held in memory "
+              "dies with the process, and recovery here restarts the processes; use local")
+    if args.non_persistent_save_interval is not None and kind is None:
+        _fail("--non-persistent-save-interval needs --non-persistent-ckpt-type global or local")
+    if (kind == "global" and args.non_persistent_save_interval is not None
+            and not (args.save or args.non_persistent_global_ckpt_dir)):
+        _fail("--non-persistent-ckpt-type global needs --save (it writes SAVE/non_persistent) "
+              "or --non-persistent-global-ckpt-dir")
+    if kind != "local":
+        return
+    if not args.non_persistent_local_ckpt_dir:
+        _fail("--non-persistent-ckpt-type local needs --non-persistent-local-ckpt-dir")
+    for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                     ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False))):
+        if on:
+            _fail(f"--non-persistent-ckpt-type local with {flag} is not built: a local "
+                  "checkpoint holds each rank's whole optimizer state; use global")
+    from megatron.checkpoint.non_persistent import replication_error
+    error = replication_error(args.world_size, args.replication, args.replication_jump,
+                              args.replication_factor)
+    if error:
+        _fail(error)
+
+
 def _apply_old_spellings(args) -> None:
     """Map flags that older Megatron scripts pass onto their current meaning."""
     if args.batch_size is not None:
@@ -114,6 +143,7 @@ SIZE_FLAG_MINIMA = (
     ("expert_tensor_parallel_size", 1), ("moe_ffn_hidden_size", 1), ("moe_router_topk", 1),
     ("moe_shared_expert_intermediate_size", 1), ("num_virtual_stages_per_pipeline_rank", 1),
     ("eval_global_batch_size", 1), ("save_retain_interval", 1),
+    ("non_persistent_save_interval", 1), ("replication_jump", 1), ("replication_factor", 1),
     ("padded_vocab_size", 1),
 )
 
@@ -632,5 +662,6 @@ def check_flags(args):
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_checkpoint_format(args)
+    _validate_non_persistent(args)
     _validate_torch_fsdp2(args)
     return args
