@@ -74,8 +74,8 @@ FSDP = ("Megatron's own FSDP (--use-megatron-fsdp, its sharding strategies and k
         "built yet; use --use-torch-fsdp2 (PyTorch's FSDP2) or --use-distributed-optimizer")
 RERUN = ("the rerun state machine (result validation, error injection) is not built yet; drop it "
          "(use --check-for-nan-in-loss-and-grad)")
-NON_PERSISTENT = ("non-persistent and local checkpoints are not built yet; use --save with "
-                  "--save-interval")
+NON_PERSISTENT = ("this option of the local checkpoint manager (a cache of process-group "
+                  "tensors) is not built; local checkpoints work without it: drop it")
 FP8 = ("FP8/FP4 training needs TransformerEngine's kernels, which are not built here; use --bf16")
 KITCHEN = "quantization recipes (kitchen) are not built here; use --bf16"
 TP_OVERLAP = ("tensor-parallel communication/GEMM overlap needs TransformerEngine's userbuffers, "
@@ -87,7 +87,6 @@ INFERENCE = ("the inference engine's flags belong to Megatron's inference server
              "here; drop it (tools/run_text_generation_server.py serves a checkpoint)")
 VISION = "vision and multimodal models are not built here; drop it"
 BIENCODER = "ICT/REALM biencoder retrieval models are not built here; drop it"
-RETRO = "Retro is not built here; drop it"
 MAMBA = "Mamba and hybrid (attention/SSM) models are not built here; drop it"
 T5 = "relative position buckets belong to T5, which is not built here; drop it"
 SFT = "supervised fine-tuning data and prompt formats are not built yet; drop it"
@@ -136,7 +135,6 @@ MODEL_VARIANT = "this model variant is not built yet; drop it"
 FORCE_BALANCE = "forced (random) router balancing is a benchmark switch, not built here; drop it"
 MOE_RECOMPUTE = ("recomputing MoE layers is not built yet; use --recompute-granularity full, or "
                  "selective (core attention)")
-EXTENDED_TP = "it was replaced by --expert-tensor-parallel-size; use that"
 DUMPS = "dumping parameters, activations or gradients during training is not built yet; drop it"
 TRAINING_EXTRAS = "this training-loop option is not built yet; drop it"
 CKPT_EXTRAS = "this checkpoint-loading option is not built yet; drop it"
@@ -462,13 +460,6 @@ ROWS = (
     ('--save-dgrads-interval', '', 'int', None, '', REFUSED, DUMPS),
     ('--save-retain-interval', '', 'int', None, '', WORKS, None),
     ('--load-main-params-from-ckpt', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
-    ('--non-persistent-save-interval', '', 'int', None, '', REFUSED, NON_PERSISTENT),
-    ('--non-persistent-ckpt-type', '',
-     'str', None, 'global|local|in_memory', REFUSED, NON_PERSISTENT),
-    ('--non-persistent-global-ckpt-dir', '', 'str', None, '', REFUSED, NON_PERSISTENT),
-    ('--non-persistent-local-ckpt-dir', '', 'str', None, '', REFUSED, NON_PERSISTENT),
-    ('--non-persistent-local-ckpt-algo', '',
-     'str', 'fully_parallel', 'fully_parallel|atomic', REFUSED, NON_PERSISTENT),
     ('--use-mp-args-from-checkpoint-args', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
     ('--no-use-tokenizer-model-from-checkpoint-args '
      '--disable-use-tokenizer-model-from-checkpoint-args',
@@ -499,9 +490,6 @@ ROWS = (
      'true', False, '', NO_EFFECT, RESHARDABLE),
     ('--no-save-tokenizer-assets --disable-save-tokenizer-assets', 'save_tokenizer_assets',
      'false', True, '', NO_EFFECT, TOKENIZER_ASSETS),
-    ('--replication', '', 'true', False, '', REFUSED, NON_PERSISTENT),
-    ('--replication-jump', '', 'int', None, '', REFUSED, NON_PERSISTENT),
-    ('--replication-factor', '', 'int', 2, '', REFUSED, NON_PERSISTENT),
     ('--verify-integrity', '', 'true', False, '', REFUSED, NON_PERSISTENT),
     ('--override-ckpt-iteration', '', 'int', None, '', REFUSED, CKPT_EXTRAS),
     ('--dist-ckpt-format', 'dist_ckpt_format_deprecated',
