@@ -50,7 +50,8 @@ class FIMConfig:
         prefix_id / middle_id / suffix_id / pad_id / eod_id: ids of the ``--fim-*-token`` flags.
         split_id: id of ``--fim-split-sample``, or None.
         no_prefix: ``--fim-no-prefix``, or None.
-        tokenizer: has ``tokenize(text) -> ids`` and ``detokenize(ids) -> text``.
+        tokenizer: has ``tokenize_text(text) -> ids`` (no begin/end tokens added) and
+            ``detokenize(ids) -> text``.
     """
 
     rate: float
@@ -109,7 +110,7 @@ def sample_rng(seed: int, index: int) -> np.random.RandomState:
 
 
 def _ids(tokenizer, text: str) -> np.ndarray:
-    return np.asarray(tokenizer.tokenize(text) if text else [], dtype=np.int64)
+    return np.asarray(tokenizer.tokenize_text(text) if text else [], dtype=np.int64)
 
 
 def permute(tokens: np.ndarray, rate: float, config: FIMConfig,

@@ -33,7 +33,7 @@ class CharTokenizer:
         self.vocab = {"<fim_prefix>": P, "<fim_middle>": M, "<fim_suffix>": S,
                       "<fim_pad>": PAD, "<|endoftext|>": EOD, "|": SPLIT}
 
-    def tokenize(self, text):
+    def tokenize_text(self, text):
         out, i = [], 0
         while i < len(text):
             word = next((w for w in self.words if text.startswith(w, i)), None)
@@ -75,11 +75,11 @@ def char_config(rate=1.0, spm_rate=0.0, tokenizer=None, **kw):
 
 
 def ids(text):
-    return np.array(CharTokenizer().tokenize(text), dtype=np.int64)
+    return np.array(CharTokenizer().tokenize_text(text), dtype=np.int64)
 
 
 def t(text):
-    return CharTokenizer().tokenize(text)
+    return CharTokenizer().tokenize_text(text)
 
 
 # ---------------------------------------------------------------- permutation on given tokens
@@ -230,7 +230,8 @@ def naive_fim(sample, tok, flags, rng):
         if flags.fim_no_prefix is not None and text.startswith(flags.fim_no_prefix):
             return seg
         a, b = sorted(rng.randint(0, len(text) + 1, size=2))
-        pre, mid, suf = (tok.tokenize(x) if x else [] for x in (text[:a], text[a:b], text[b:]))
+        pre, mid, suf = (tok.tokenize_text(x) if x else []
+                         for x in (text[:a], text[a:b], text[b:]))
         if rng.binomial(1, flags.fim_spm_rate):
             return [pre_id, suf_id] + suf + [mid_id] + pre + mid
         return [pre_id] + pre + [suf_id] + suf + [mid_id] + mid
@@ -308,6 +309,35 @@ def test_fim_shares_the_plain_datasets_index_cache(data_prefix, bpe):
     assert sorted(os.listdir(cache)) == before
     assert fim.description == plain.description
     np.testing.assert_array_equal(fim.shuffle_idx, plain.shuffle_idx)
+
+
+def test_pieces_get_no_begin_token_from_a_hugging_face_post_processor(tmp_path):
+    """A tokenizer.json whose post-processor starts every text with <s>: the re-tokenized pieces
+    of a permuted sample hold no <s> (Megatron-LM tokenizes them without special tokens)."""
+    from tokenizers import AddedToken, processors
+
+    from megatron.tokenizer import gpt2_vocab_files
+    from megatron.tokenizer.huggingface import HuggingFaceTokenizer
+    from tests.unit.test_tokenizer import byte_level_reference
+
+    hf = byte_level_reference(*gpt2_vocab_files())
+    hf.add_special_tokens([AddedToken(x, special=True) for x in
+                           ("<s>", "<fim_prefix>", "<fim_middle>", "<fim_suffix>", "<fim_pad>")])
+    bos = hf.token_to_id("<s>")
+    hf.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                      special_tokens=[("<s>", bos)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = HuggingFaceTokenizer(str(tmp_path))
+    text = "def area(r):\n    return 3.14 * r * r\n"
+    assert tok.tokenize(text)[0] == bos and bos not in tok.tokenize_text(text)
+    config = resolve_fim_config(fim_flags(fim_rate=1.0, fim_eod_token="<|endoftext|>"), tok)
+    sample = np.array(tok.tokenize_text(text) + [tok.eod], dtype=np.int64)
+    for index in range(20):
+        got = fim_sample(sample, config, sample_rng(7, index))
+        want = naive_fim(sample.tolist(), tok, fim_flags(fim_rate=1.0,
+                         fim_eod_token="<|endoftext|>"), sample_rng(7, index))
+        assert got.tolist() == want and bos not in want
+        assert config.prefix_id in want
 
 
 # ------------------------------------------------------------------------------ refusals
