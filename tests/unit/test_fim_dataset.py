@@ -3,6 +3,7 @@ scripted draws, the dataset against a naive re-implementation sample by sample o
 tokenizer, the kept length, rate 0 as the plain dataset bit for bit, and the refusals."""
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -338,6 +339,27 @@ def test_pieces_get_no_begin_token_from_a_hugging_face_post_processor(tmp_path):
                          fim_eod_token="<|endoftext|>"), sample_rng(7, index))
         assert got.tolist() == want and bos not in want
         assert config.prefix_id in want
+
+
+def test_the_split_builder_makes_fim_datasets_also_in_blends(data_prefix, bpe):
+    from megatron.data.blendable_dataset import BlendableDataset
+    from megatron.data.gpt_dataset import build_train_valid_test_datasets
+
+    fim = resolve_fim_config(fim_flags(fim_rate=1.0), bpe)
+    base = dict(seed=1234, seq_length=24, split="80,20,0")
+    plain_train, _, _ = build_train_valid_test_datasets(GPTDatasetConfig(**base), [data_prefix],
+                                                        [10, 4, 0])
+    train, valid, test = build_train_valid_test_datasets(GPTDatasetConfig(**base, fim=fim),
+                                                         [data_prefix], [10, 4, 0])
+    assert isinstance(train, GPTFIMDataset) and isinstance(valid, GPTFIMDataset) and test is None
+    assert train[3]["text"].tolist() == naive_fim(plain_train[3]["text"].tolist(), bpe,
+                                                  fim_flags(fim_rate=1.0), sample_rng(1234, 3))
+    blend, _, _ = build_train_valid_test_datasets(GPTDatasetConfig(**base, fim=fim),
+                                                  ["1", data_prefix, "1", data_prefix], [10, 4, 0])
+    assert isinstance(blend, BlendableDataset)
+    assert all(isinstance(d, GPTFIMDataset) for d in blend.datasets)
+    clone = pickle.loads(pickle.dumps(train))                 # loader workers may pickle it
+    assert clone[3]["text"].tolist() == train[3]["text"].tolist()
 
 
 # ------------------------------------------------------------------------------ refusals
