@@ -144,6 +144,7 @@ def forward_step(data_iterator, model):
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
     """GPT datasets from --data-path (or the explicit per-split paths, or --mock-data)."""
+    from megatron.data.fim_dataset import resolve_fim_config
     from megatron.training.arguments import build_data_config
 
     data = build_data_config(global_vars.get_args())
@@ -153,7 +154,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         data_cache_path=data.data_cache_path, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         mock=data.mock_data, vocab_size=tokenizer.vocab_size,
-        mmap_bin_files=data.mmap_bin_files)
+        mmap_bin_files=data.mmap_bin_files, fim=resolve_fim_config(data.fim, tokenizer))
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,

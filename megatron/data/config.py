@@ -9,8 +9,26 @@ the training loop hands the loader fields to
 :func:`~megatron.data.samplers.build_pretraining_data_loader`, which checks those.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
+
+
+@dataclass
+class FIMFlags:
+    """The fill-in-the-middle flags (token fields are token texts;
+    :func:`megatron.data.fim_dataset.resolve_fim_config` looks up their ids)."""
+
+    fim_data: bool = False                       # --fim-data: GPT samples get FIM permutations
+    fim_rate: float = 0.5                        # --fim-rate: chance a segment is permuted
+    fim_spm_rate: float = 0.5                    # --fim-spm-rate: chance of SPM over PSM
+    fim_split_sample: Optional[str] = None       # --fim-split-sample: fragment separator token
+    fim_fragment_rate: Optional[float] = None    # --fim-fragment-rate: chance per fragment
+    fim_no_prefix: Optional[str] = None          # --fim-no-prefix: text that skips FIM
+    fim_prefix_token: str = "<fim_prefix>"       # --fim-prefix-token
+    fim_middle_token: str = "<fim_middle>"       # --fim-middle-token
+    fim_suffix_token: str = "<fim_suffix>"       # --fim-suffix-token
+    fim_pad_token: str = "<fim_pad>"             # --fim-pad-token
+    fim_eod_token: str = "<|endoftext|>"         # --fim-eod-token
 
 
 @dataclass
@@ -35,3 +53,4 @@ class DataConfig:
     dataloader_type: str = "single"              # --dataloader-type single | cyclic | external
     num_workers: int = 2                         # --num-workers
     mmap_bin_files: bool = True                  # False with --no-mmap-bin-files
+    fim: FIMFlags = field(default_factory=FIMFlags)  # --fim-data and its flags (GPT only)

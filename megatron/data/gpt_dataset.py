@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron.data import dataset_utils, index_builders
+from megatron.data import dataset_utils, fim_dataset, index_builders
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.mock_dataset import MockGPTDataset
@@ -52,6 +52,9 @@ class GPTDatasetConfig:
         vocab_size: vocabulary of the synthetic tokens (needed only with ``mock``).
         mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory
             instead of memory-mapping it (the same tokens).
+        fim: with ``--fim-data``, the resolved
+            :class:`~megatron.data.fim_dataset.FIMConfig`: each split's datasets are then
+            :class:`GPTFIMDataset` (same indices and cache).
     """
 
     seed: int = 1234
@@ -64,6 +67,7 @@ class GPTDatasetConfig:
     mock: bool = False
     mmap_bin_files: bool = True
     vocab_size: Optional[int] = None
+    fim: Optional[fim_dataset.FIMConfig] = None
 
     def __post_init__(self) -> None:
         if self.seq_length <= 0:
@@ -71,6 +75,9 @@ class GPTDatasetConfig:
         dataset_utils.parse_split(self.split)  # reject a bad --split before any file is read
         if self.mock and (self.vocab_size is None or self.vocab_size <= 0):
             raise DataError(f"--mock-data needs a vocabulary size > 0, got {self.vocab_size}")
+        if self.mock and self.fim is not None:
+            raise DataError("--fim-data permutes the text of --data-path samples; --mock-data "
+                            "has no text")
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -175,6 +182,22 @@ class GPTDataset(torch.utils.data.Dataset):
         return {"text": np.array(text, dtype=np.int64)}
 
 
+class GPTFIMDataset(GPTDataset):
+    """A :class:`GPTDataset` whose samples are rewritten for fill-in-the-middle
+    (``--fim-data``, :func:`megatron.data.fim_dataset.fim_sample`); it shares the plain dataset's
+    indices and cache. ``fim`` is the resolved :class:`~megatron.data.fim_dataset.FIMConfig`."""
+
+    def __init__(self, name: str, path_prefix: str, indexed_dataset, documents: np.ndarray,
+                 num_samples: int, config: GPTDatasetConfig, fim: fim_dataset.FIMConfig):
+        super().__init__(name, path_prefix, indexed_dataset, documents, num_samples, config)
+        self.fim = fim
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        text = super().__getitem__(idx)["text"]
+        rng = fim_dataset.sample_rng(self.description["seed"], idx % len(self))
+        return {"text": fim_dataset.fim_sample(text, self.fim, rng)}
+
+
 # ------------------------------------------------------------------------ building the splits
 
 
@@ -201,6 +224,13 @@ def _split_documents(indexed, split: str, whole: bool) -> List[Optional[np.ndarr
     return out
 
 
+def _gpt_dataset(name, prefix, indexed, docs, num_samples, config: GPTDatasetConfig):
+    """A GPTDataset, or its FIM form with ``config.fim``."""
+    if config.fim is None:
+        return GPTDataset(name, prefix, indexed, docs, num_samples, config)
+    return GPTFIMDataset(name, prefix, indexed, docs, num_samples, config, config.fim)
+
+
 def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]],
                  documents: Dict[str, List[Optional[np.ndarray]]],
                  opened: Dict[str, IndexedDataset],
@@ -212,7 +242,7 @@ def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]]
         docs = documents[prefix][index]
         if docs is None:
             return None
-        return GPTDataset(name, prefix, opened[prefix], docs, num_samples, config)
+        return _gpt_dataset(name, prefix, opened[prefix], docs, num_samples, config)
     # A dataset too small to have this split leaves it, and the others share its weight. A
     # dataset of weight 0 is left out too: the greedy blend breaks ties towards the lowest index
     # and could otherwise draw from it.
@@ -222,7 +252,7 @@ def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]]
         return None
     normalized = dataset_utils.normalize_weights([w for _, w in present])
     per_dataset = dataset_utils.blend_num_samples(normalized, num_samples)
-    parts = [GPTDataset(name, p, opened[p], documents[p][index], n, config)
+    parts = [_gpt_dataset(name, p, opened[p], documents[p][index], n, config)
              for (p, _), n in zip(present, per_dataset)]
     # The blend's length: each dataset's share rounded up (at least the samples wanted).
     size = sum(math.ceil(num_samples * w) for w in normalized)

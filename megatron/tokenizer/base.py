@@ -37,6 +37,12 @@ class MegatronTokenizer(abc.ABC):
     def tokenize(self, text: str) -> List[int]:
         """Ids of ``text``."""
 
+    def tokenize_text(self, text: str) -> List[int]:
+        """Ids of ``text`` alone, without the begin/end tokens that ``tokenize`` may add (a
+        Hugging Face post-processor's, Llama 2's bos): the pieces of a fill-in-the-middle
+        sample are tokenized this way."""
+        return self.tokenize(text)
+
     def detokenize(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``."""
         raise NotImplementedError(f"detokenize is not provided by the {self.name} tokenizer")

@@ -73,6 +73,9 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     def tokenize(self, text: str) -> List[int]:
         return self._tokenizer.encode(text).ids
 
+    def tokenize_text(self, text: str) -> List[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
     def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
         pieces = [e.ids for e in self._tokenizer.encode_batch(list(texts))]
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))

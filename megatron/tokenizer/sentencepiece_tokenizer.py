@@ -194,3 +194,6 @@ class Llama2Tokenizer(GPTSentencePieceTokenizer):
     def tokenize(self, text: str, bos: bool = True, eos: bool = False) -> List[int]:
         ids = self._processor.encode_as_ids(text)
         return ([self.bos] if bos else []) + ids + ([self.eos] if eos else [])
+
+    def tokenize_text(self, text: str) -> List[int]:
+        return self.tokenize(text, bos=False)

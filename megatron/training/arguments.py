@@ -459,6 +459,7 @@ def _add_data_args(parser):
     g.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", type=str, default=None)
     _add_tiktoken_args(g)
+    _add_fim_args(g)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -492,6 +493,28 @@ def _add_tiktoken_args(g):
                    nargs="+", default=None, dest="special_tokens",
                    help="TikTokenizer: the first special tokens, in id order (must include "
                    "<unk> <s> </s>; default <unk> <s> </s> <mask> <pad> <cls> <sep>)")
+
+
+def _add_fim_args(g):
+    """Fill-in-the-middle GPT samples (megatron/data/fim_dataset.py)."""
+    g.add_argument("--fim-data", action="store_true",
+                   help="GPT: rewrite samples into fill-in-the-middle order (PSM or SPM)")
+    g.add_argument("--fim-rate", type=float, default=0.5,
+                   help="chance that a document segment of a sample is permuted")
+    g.add_argument("--fim-spm-rate", type=float, default=0.5,
+                   help="chance that a permuted segment is in SPM rather than PSM order")
+    g.add_argument("--fim-split-sample", type=str, default=None,
+                   help="a token that cuts segments into fragments, each permuted on its own "
+                   "(with --fim-fragment-rate)")
+    g.add_argument("--fim-fragment-rate", type=float, default=None,
+                   help="chance that a fragment (see --fim-split-sample) is permuted")
+    g.add_argument("--fim-no-prefix", type=str, default=None,
+                   help="segments whose text starts with this are never permuted")
+    for part, token in (("prefix", "<fim_prefix>"), ("middle", "<fim_middle>"),
+                        ("suffix", "<fim_suffix>"), ("pad", "<fim_pad>"),
+                        ("eod", "<|endoftext|>")):
+        g.add_argument(f"--fim-{part}-token", type=str, default=token,
+                       help=f"FIM: the tokenizer's {part} token (one token of its vocabulary)")
 
 
 def _add_logging_args(parser):

@@ -16,7 +16,7 @@ import torch
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.config import TransformerConfig
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
-from megatron.data.config import DataConfig
+from megatron.data.config import DataConfig, FIMFlags
 from megatron.model.moe.config import MoEConfig
 from megatron.optimizer.config import OptimizerConfig, SchedulerConfig
 
@@ -211,7 +211,16 @@ def build_data_config(args) -> DataConfig:
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dataloader_type=args.dataloader_type, num_workers=args.num_workers,
-        mmap_bin_files=args.mmap_bin_files)
+        mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args))
+
+
+def _fim_flags(args) -> FIMFlags:
+    return FIMFlags(
+        fim_data=args.fim_data, fim_rate=args.fim_rate, fim_spm_rate=args.fim_spm_rate,
+        fim_split_sample=args.fim_split_sample, fim_fragment_rate=args.fim_fragment_rate,
+        fim_no_prefix=args.fim_no_prefix, fim_prefix_token=args.fim_prefix_token,
+        fim_middle_token=args.fim_middle_token, fim_suffix_token=args.fim_suffix_token,
+        fim_pad_token=args.fim_pad_token, fim_eod_token=args.fim_eod_token)
 
 
 def _optimizer_config(args) -> Optional[OptimizerConfig]:

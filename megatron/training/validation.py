@@ -617,6 +617,21 @@ def validate_bert_args(args: argparse.Namespace) -> None:
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")
 
 
+def _validate_fim(args) -> None:
+    """--fim-data: rates are probabilities; fragments need their rate; files, not mock data."""
+    if not args.fim_data:
+        return
+    for flag, value in (("--fim-rate", args.fim_rate), ("--fim-spm-rate", args.fim_spm_rate),
+                        ("--fim-fragment-rate", args.fim_fragment_rate)):
+        if value is not None and not 0.0 <= value <= 1.0:
+            _fail(f"{flag} {value} is not a probability (expected 0 to 1)")
+    if args.fim_split_sample is not None and args.fim_fragment_rate is None:
+        _fail(f"--fim-split-sample {args.fim_split_sample} needs --fim-fragment-rate (the chance "
+              "that each fragment is permuted)")
+    if args.mock_data:
+        _fail("--fim-data permutes the text of --data-path samples; --mock-data has no text")
+
+
 def _validate_run_extras(args) -> None:
     """Megatron flags of the run around the model: selective recompute's modules, weight decay
     of the q/k norms, evaluation batches, progress log and checkpoint retention."""
@@ -661,6 +676,7 @@ def check_flags(args):
     _validate_batch_and_schedule(args)
     _validate_run_extras(args)
     _validate_masking(args)
+    _validate_fim(args)
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
     _validate_torch_fsdp2(args)
