@@ -109,11 +109,15 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             the parameters' dtype.
         broadcast_first: copy rank 0's weights to the group before sharding
             (``--data-parallel-random-init``).
+        reduce_dtype: the dtype gradients are reduce-scattered in (FSDP2's ``reduce_dtype``;
+            the sharded gradients are then kept in the parameters' dtype). None: fp32 with a
+            compute dtype, else the parameters' dtype.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
                  units: Sequence[torch.nn.Module] = (), reshard_after_forward: bool = True,
-                 compute_dtype: Optional[torch.dtype] = None, broadcast_first: bool = False):
+                 compute_dtype: Optional[torch.dtype] = None, broadcast_first: bool = False,
+                 reduce_dtype: Optional[torch.dtype] = None):
         super().__init__()
         if dp_group is None:
             raise ValueError("TorchFullyShardedDataParallel needs dp_group=<the data-parallel "
@@ -130,9 +134,9 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                       for name, p in module.named_parameters()}
         device_type = next(module.parameters()).device.type
         self.mesh = DeviceMesh.from_group(dp_group, device_type)
-        policy = MixedPrecisionPolicy()
-        if compute_dtype is not None:
-            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        if reduce_dtype is None and compute_dtype is not None:
+            reduce_dtype = torch.float32
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward,
                       mp_policy=policy)
         for unit in units:
