@@ -395,6 +395,10 @@ def _add_distributed_args(parser):
                    choices=["no_shard", "optim"],
                    help="with --use-megatron-fsdp: sharding across the outer data-parallel "
                         "groups of hybrid sharding; only no_shard (one group) is built")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="with --use-megatron-fsdp and a strategy on FSDP2: hybrid sharding, "
+                        "the data-parallel ranks split into this many replicas of consecutive "
+                        "ranks, each sharding the model (a two-dimensional FSDP2 mesh)")
     g.add_argument("--megatron-fsdp-main-params-dtype", default="fp32",
                    choices=["fp32", "bf16", "fp16", "auto"],
                    help="with --use-megatron-fsdp: the main weights' dtype; fp32 is built")

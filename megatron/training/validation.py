@@ -342,7 +342,15 @@ def _validate_megatron_fsdp(args) -> None:
     built (MEGATRON_FSDP_STRATEGIES); the dtype flags map onto FSDP2's mixed-precision policy
     or stop in one line."""
     args.torch_fsdp2_reduce_dtype = None
+    if args.num_distributed_optimizer_instances < 1:
+        _fail(f"--num-distributed-optimizer-instances must be >= 1, got "
+              f"{args.num_distributed_optimizer_instances}")
     if not args.use_megatron_fsdp:
+        if args.num_distributed_optimizer_instances != 1:
+            _fail(f"--num-distributed-optimizer-instances "
+                  f"{args.num_distributed_optimizer_instances} needs --use-megatron-fsdp (hybrid "
+                  f"sharding; one distributed-optimizer instance spans the data-parallel group "
+                  f"otherwise); drop it")
         for dest, default in MEGATRON_FSDP_DEFAULTS:
             if getattr(args, dest) != default:
                 _fail(f"--{dest.replace('_', '-')} {getattr(args, dest)} needs "
@@ -357,6 +365,10 @@ def _validate_megatron_fsdp(args) -> None:
               f"(hybrid sharding over outer data-parallel groups); use no_shard")
     on_fsdp2, reshard, distributed = MEGATRON_FSDP_STRATEGIES[
         args.data_parallel_sharding_strategy]
+    if args.num_distributed_optimizer_instances != 1 and not on_fsdp2:
+        _fail(f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} "
+              f"is not built with {_megatron_fsdp_flag(args)}; hybrid sharding needs "
+              f"--data-parallel-sharding-strategy optim_grads or optim_grads_params")
     _check_megatron_fsdp_dtypes(args, on_fsdp2)
     args.use_torch_fsdp2 = on_fsdp2
     args.torch_fsdp2_reshard_after_forward = reshard
@@ -402,6 +414,11 @@ def _validate_torch_fsdp2(args) -> None:
     for bad, flag, why in refused:
         if bad:
             _fail(f"{name} cannot be combined with {flag}: {why}")
+    replicas, dp_cp = args.num_distributed_optimizer_instances, \
+        args.data_parallel_size * args.context_parallel_size
+    if dp_cp % replicas:
+        _fail(f"--num-distributed-optimizer-instances {replicas} must divide the data x context "
+              f"parallel size ({dp_cp}): each replica shards the model over an equal share")
 
 
 def _validate_model(args) -> None:

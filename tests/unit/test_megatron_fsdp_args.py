@@ -107,3 +107,26 @@ def test_strategy_optim_serves_what_fsdp2_refuses():
     args = _validated(MEGATRON_FSDP + ["--data-parallel-sharding-strategy", "optim",
                                        "--pipeline-model-parallel-size", "2"], world_size=4)
     assert args.use_distributed_optimizer and not args.use_torch_fsdp2
+
+
+def test_distributed_optimizer_instances_become_fsdp2_replicas():
+    args = _validated(MEGATRON_FSDP + ["--num-distributed-optimizer-instances", "2"],
+                      world_size=4)
+    assert parse_args(argv=BASE).num_distributed_optimizer_instances == 1
+    assert _ddp_config(args).torch_fsdp2_replicas == 2
+
+
+@pytest.mark.parametrize("extra, named", [
+    (["--num-distributed-optimizer-instances", "3"], "must divide"),
+    (["--num-distributed-optimizer-instances", "0"], "must be >= 1"),
+    (["--num-distributed-optimizer-instances", "2", "--data-parallel-sharding-strategy",
+      "optim"], "optim_grads_params"),
+])
+def test_distributed_optimizer_instances_refusals(extra, named):
+    message = _refusal(MEGATRON_FSDP + extra)
+    assert "--num-distributed-optimizer-instances" in message and named in message
+
+
+def test_distributed_optimizer_instances_without_megatron_fsdp_are_refused():
+    message = _refusal(["--num-distributed-optimizer-instances", "2"])
+    assert "needs --use-megatron-fsdp" in message

@@ -34,6 +34,9 @@ class DistributedDataParallelConfig:
     # --megatron-fsdp-grad-comm-dtype on FSDP2: the dtype gradients are reduce-scattered in
     # ("fp32" or "bf16"); None: FSDP2's default for the run (fp32).
     torch_fsdp2_reduce_dtype: Optional[str] = None
+    # --num-distributed-optimizer-instances with --use-megatron-fsdp on FSDP2: hybrid sharding,
+    # the data-parallel group split into this many replicas, each sharding the model.
+    torch_fsdp2_replicas: int = 1
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:
