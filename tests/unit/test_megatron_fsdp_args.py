@@ -130,3 +130,10 @@ def test_distributed_optimizer_instances_refusals(extra, named):
 def test_distributed_optimizer_instances_without_megatron_fsdp_are_refused():
     message = _refusal(["--num-distributed-optimizer-instances", "2"])
     assert "needs --use-megatron-fsdp" in message
+
+
+def test_fsdp_dtensor_format_is_refused_with_what_to_use():
+    with pytest.raises((ArgumentsError, SystemExit)) as err:
+        _validated(MEGATRON_FSDP + ["--ckpt-format", "fsdp_dtensor"])
+    message = str(err.value)
+    assert "fsdp_dtensor" in message and "torch_dist" in message and "\n" not in message
