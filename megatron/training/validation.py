@@ -356,7 +356,8 @@ def _validate_megatron_fsdp(args) -> None:
                 _fail(f"--{dest.replace('_', '-')} {getattr(args, dest)} needs "
                       f"--use-megatron-fsdp (or drop it)")
         return
-    if args.use_torch_fsdp2:
+    # (a second validation of the same flags sees the --use-torch-fsdp2 set below)
+    if args.use_torch_fsdp2 and not getattr(args, "megatron_fsdp_on_fsdp2", False):
         _fail("give one of --use-megatron-fsdp and --use-torch-fsdp2 (with "
               "--use-megatron-fsdp, --data-parallel-sharding-strategy optim_grads_params is "
               "FSDP2)")
@@ -370,7 +371,7 @@ def _validate_megatron_fsdp(args) -> None:
               f"is not built with {_megatron_fsdp_flag(args)}; hybrid sharding needs "
               f"--data-parallel-sharding-strategy optim_grads or optim_grads_params")
     _check_megatron_fsdp_dtypes(args, on_fsdp2)
-    args.use_torch_fsdp2 = on_fsdp2
+    args.use_torch_fsdp2 = args.megatron_fsdp_on_fsdp2 = on_fsdp2
     args.torch_fsdp2_reshard_after_forward = reshard
     # Megatron-FSDP's launch scripts pass --use-distributed-optimizer with every strategy;
     # the strategy decides here what is sharded.

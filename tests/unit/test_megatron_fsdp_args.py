@@ -137,3 +137,10 @@ def test_fsdp_dtensor_format_is_refused_with_what_to_use():
         _validated(MEGATRON_FSDP + ["--ckpt-format", "fsdp_dtensor"])
     message = str(err.value)
     assert "fsdp_dtensor" in message and "torch_dist" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])
+def test_validating_twice_gives_the_same_layout(strategy):
+    args = _validated(MEGATRON_FSDP + ["--data-parallel-sharding-strategy", strategy])
+    once = _ddp_config(args)
+    assert _ddp_config(validate_args(args)) == once
