@@ -404,7 +404,34 @@ def _add_distributed_args(parser):
                    dest="torch_fsdp2_reshard_after_forward",
                    help="with --use-torch-fsdp2, keep each layer's gathered parameters from its "
                         "forward to its backward (more memory, fewer all-gathers)")
-    g.add_argument("--use-megatron-fsdp", action="store_true")
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="Megatron-FSDP's flags on PyTorch's FSDP2: --data-parallel-sharding-"
+                        "strategy picks what is sharded over the data-parallel ranks")
+    g.add_argument("--data-parallel-sharding-strategy", default="optim_grads_params",
+                   choices=["no_shard", "optim", "optim_grads", "optim_grads_params"],
+                   help="with --use-megatron-fsdp: no_shard = the grad-buffer wrapper (DDP), "
+                        "optim = the distributed optimizer (ZeRO-1), optim_grads = FSDP2 keeping "
+                        "each layer's gathered parameters from forward to backward, "
+                        "optim_grads_params = FSDP2 resharding after forward (ZeRO-3)")
+    g.add_argument("--outer-dp-sharding-strategy", default="no_shard",
+                   choices=["no_shard", "optim"],
+                   help="with --use-megatron-fsdp: sharding across the outer data-parallel "
+                        "groups of hybrid sharding; only no_shard (one group) is built")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="with --use-megatron-fsdp and a strategy on FSDP2: hybrid sharding, "
+                        "the data-parallel ranks split into this many replicas of consecutive "
+                        "ranks, each sharding the model (a two-dimensional FSDP2 mesh)")
+    g.add_argument("--megatron-fsdp-main-params-dtype", default="fp32",
+                   choices=["fp32", "bf16", "fp16", "auto"],
+                   help="with --use-megatron-fsdp: the main weights' dtype; fp32 is built")
+    g.add_argument("--megatron-fsdp-main-grads-dtype", default="auto",
+                   choices=["fp32", "bf16", "fp16", "auto"],
+                   help="with --use-megatron-fsdp: the sharded gradients' dtype; fp32 (auto: "
+                        "the same) is built")
+    g.add_argument("--megatron-fsdp-grad-comm-dtype", default="auto",
+                   choices=["fp32", "fp16", "bf16", "auto"],
+                   help="with --use-megatron-fsdp and a sharding strategy on FSDP2: the dtype "
+                        "gradients are reduce-scattered in (FSDP2's reduce_dtype; auto: fp32)")
     g.add_argument("--context-parallel-size", type=int, default=1,
                    help="split every sequence over this many ranks (attention exchanges "
                         "keys and values; everything else runs on the local tokens)")

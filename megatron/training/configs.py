@@ -178,7 +178,9 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         calculate_per_token_loss=args.calculate_per_token_loss,
         use_torch_fsdp2=args.use_torch_fsdp2,
-        torch_fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward)
+        torch_fsdp2_reshard_after_forward=args.torch_fsdp2_reshard_after_forward,
+        torch_fsdp2_reduce_dtype=getattr(args, "torch_fsdp2_reduce_dtype", None),
+        torch_fsdp2_replicas=args.num_distributed_optimizer_instances)
 
 
 def build_checkpoint_config(args) -> CheckpointConfig:

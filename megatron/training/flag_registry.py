@@ -70,8 +70,6 @@ UNSUPPORTED_FLAGS = {
     "use_ring_exchange_p2p": "it needs a PyTorch built with ring_exchange; drop it (batched "
                              "isend/irecv are used)",
     "onnx_safe": "nothing is exported to ONNX here; drop it",
-    "use_megatron_fsdp": "not built yet; use --use-torch-fsdp2 (fully sharded data parallelism "
-                         "on PyTorch's FSDP2)",
     "sample_rate": "training data are not sub-sampled here; use blend weights in --data-path "
                    "instead",
 }

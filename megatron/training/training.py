@@ -206,14 +206,20 @@ def fsdp2_units(module: torch.nn.Module) -> List[torch.nn.Module]:
     return units
 
 
+FSDP2_REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
     """``module`` wrapped for data parallelism over ``pstate.dp_cp_group``: sharded by FSDP2
-    with --use-torch-fsdp2, else the grad-buffer wrapper."""
+    with --use-torch-fsdp2 (or --use-megatron-fsdp's optim_grads / optim_grads_params), else
+    the grad-buffer wrapper."""
     if ddp_config.use_torch_fsdp2:
         return TorchFullyShardedDataParallel(
             module, dp_group=pstate.dp_cp_group, units=fsdp2_units(module),
             reshard_after_forward=ddp_config.torch_fsdp2_reshard_after_forward,
             compute_dtype=torch.bfloat16 if args.bf16 else None,
+            reduce_dtype=FSDP2_REDUCE_DTYPES[ddp_config.torch_fsdp2_reduce_dtype],
+            replicas=ddp_config.torch_fsdp2_replicas,
             broadcast_first=args.data_parallel_random_init)
     ddp = DistributedDataParallel(
         module, dp_group=pstate.dp_cp_group,
@@ -250,7 +256,8 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
                                        expert_model_parallel_group=(
                                            pstate.expert_model_parallel_group),
                                        expert_tp_rank=pstate.expert_tp_rank,
-                                       grad_shard_group=pstate.dp_cp_group if fsdp2 else None)
+                                       grad_shard_group=chunks[0].shard_group if fsdp2
+                                       else None)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler
 

@@ -331,11 +331,95 @@ def _virtual_stages_per_rank(args) -> None:
     args.num_layers_per_virtual_pipeline_stage = per_stage // stages
 
 
+# --data-parallel-sharding-strategy -> (on FSDP2, reshard after forward, distributed optimizer)
+MEGATRON_FSDP_STRATEGIES = {
+    "no_shard": (False, True, False),
+    "optim": (False, True, True),
+    "optim_grads": (True, False, False),
+    "optim_grads_params": (True, True, False),
+}
+MEGATRON_FSDP_DEFAULTS = (("data_parallel_sharding_strategy", "optim_grads_params"),
+                          ("outer_dp_sharding_strategy", "no_shard"),
+                          ("megatron_fsdp_main_params_dtype", "fp32"),
+                          ("megatron_fsdp_main_grads_dtype", "auto"),
+                          ("megatron_fsdp_grad_comm_dtype", "auto"))
+
+
+def _megatron_fsdp_flag(args) -> str:
+    return f"--use-megatron-fsdp --data-parallel-sharding-strategy " \
+           f"{args.data_parallel_sharding_strategy}"
+
+
+def _check_megatron_fsdp_dtypes(args, on_fsdp2: bool) -> None:
+    flag = _megatron_fsdp_flag(args)
+    if args.megatron_fsdp_main_params_dtype != "fp32":
+        _fail(f"--megatron-fsdp-main-params-dtype {args.megatron_fsdp_main_params_dtype} is not "
+              f"built yet (the main weights are fp32 here); use fp32")
+    if args.megatron_fsdp_main_grads_dtype not in ("auto", "fp32"):
+        _fail(f"--megatron-fsdp-main-grads-dtype {args.megatron_fsdp_main_grads_dtype} is not "
+              f"built yet (the gradients the optimizer reads are fp32 here); use fp32 or auto")
+    comm = args.megatron_fsdp_grad_comm_dtype
+    if comm == "fp16" or (comm != "auto" and not on_fsdp2):
+        what = ("use auto, fp32 or bf16" if on_fsdp2 else
+                "use auto (--accumulate-allreduce-grads-in-fp32 picks the reduction dtype of "
+                "the grad-buffer wrapper)")
+        _fail(f"--megatron-fsdp-grad-comm-dtype {comm} is not built with {flag}; {what}")
+    args.torch_fsdp2_reduce_dtype = {"auto": None, "fp32": "fp32", "bf16": "bf16"}.get(comm)
+
+
+def _validate_megatron_fsdp(args) -> None:
+    """--use-megatron-fsdp: each --data-parallel-sharding-strategy becomes a layout that is
+    built (MEGATRON_FSDP_STRATEGIES); the dtype flags map onto FSDP2's mixed-precision policy
+    or stop in one line."""
+    args.torch_fsdp2_reduce_dtype = None
+    if args.num_distributed_optimizer_instances < 1:
+        _fail(f"--num-distributed-optimizer-instances must be >= 1, got "
+              f"{args.num_distributed_optimizer_instances}")
+    if not args.use_megatron_fsdp:
+        if args.num_distributed_optimizer_instances != 1:
+            _fail(f"--num-distributed-optimizer-instances "
+                  f"{args.num_distributed_optimizer_instances} needs --use-megatron-fsdp (hybrid "
+                  f"sharding; one distributed-optimizer instance spans the data-parallel group "
+                  f"otherwise); drop it")
+        for dest, default in MEGATRON_FSDP_DEFAULTS:
+            if getattr(args, dest) != default:
+                _fail(f"--{dest.replace('_', '-')} {getattr(args, dest)} needs "
+                      f"--use-megatron-fsdp (or drop it)")
+        return
+    # (a second validation of the same flags sees the --use-torch-fsdp2 set below)
+    if args.use_torch_fsdp2 and not getattr(args, "megatron_fsdp_on_fsdp2", False):
+        _fail("give one of --use-megatron-fsdp and --use-torch-fsdp2 (with "
+              "--use-megatron-fsdp, --data-parallel-sharding-strategy optim_grads_params is "
+              "FSDP2)")
+    if args.outer_dp_sharding_strategy != "no_shard":
+        _fail(f"--outer-dp-sharding-strategy {args.outer_dp_sharding_strategy} is not built yet "
+              f"(hybrid sharding over outer data-parallel groups); use no_shard")
+    on_fsdp2, reshard, distributed = MEGATRON_FSDP_STRATEGIES[
+        args.data_parallel_sharding_strategy]
+    if args.num_distributed_optimizer_instances != 1 and not on_fsdp2:
+        _fail(f"--num-distributed-optimizer-instances {args.num_distributed_optimizer_instances} "
+              f"is not built with {_megatron_fsdp_flag(args)}; hybrid sharding needs "
+              f"--data-parallel-sharding-strategy optim_grads or optim_grads_params")
+    _check_megatron_fsdp_dtypes(args, on_fsdp2)
+    args.use_torch_fsdp2 = args.megatron_fsdp_on_fsdp2 = on_fsdp2
+    args.torch_fsdp2_reshard_after_forward = reshard
+    # Megatron-FSDP's launch scripts pass --use-distributed-optimizer with every strategy;
+    # the strategy decides here what is sharded.
+    args.use_distributed_optimizer = distributed
+    if not distributed and args.overlap_param_gather:
+        _fail(f"{_megatron_fsdp_flag(args)} cannot be combined with --overlap-param-gather: "
+              f"it overlaps the distributed optimizer's gather (use --data-parallel-sharding-"
+              f"strategy optim) or drop it")
+
+
 def _validate_torch_fsdp2(args) -> None:
     """--use-torch-fsdp2: FSDP2 owns the sharding and the gradient reduction; combinations it
     cannot serve (or that are not built on it yet) stop here in one line naming the flags."""
     if not args.use_torch_fsdp2:
         return
+    name, instead = "--use-torch-fsdp2", "drop --use-torch-fsdp2"
+    if args.use_megatron_fsdp:
+        name, instead = _megatron_fsdp_flag(args), "use --data-parallel-sharding-strategy optim"
     refused = [
         (args.use_distributed_optimizer, "--use-distributed-optimizer",
          "FSDP2 already shards the optimizer state; drop --use-distributed-optimizer"),
@@ -351,16 +435,21 @@ def _validate_torch_fsdp2(args) -> None:
         (args.fp16, "--fp16",
          "not built yet (FSDP2 here trains in fp32, or bf16 on fp32 main weights); use --bf16"),
         (args.num_experts is not None, "--num-experts",
-         "not built yet (mixture of experts under FSDP2); drop --use-torch-fsdp2"),
+         f"not built yet (mixture of experts under FSDP2); {instead}"),
         (args.mtp_num_layers is not None, "--mtp-num-layers",
-         "not built yet (multi-token prediction under FSDP2); drop --use-torch-fsdp2"),
+         f"not built yet (multi-token prediction under FSDP2); {instead}"),
         (args.calculate_per_token_loss, "--calculate-per-token-loss",
          "not built yet (FSDP2's reduce-scatter averages the gradients, where per-token loss "
-         "sums them before dividing by the token count); drop --use-torch-fsdp2"),
+         f"sums them before dividing by the token count); {instead}"),
     ]
     for bad, flag, why in refused:
         if bad:
-            _fail(f"--use-torch-fsdp2 cannot be combined with {flag}: {why}")
+            _fail(f"{name} cannot be combined with {flag}: {why}")
+    replicas, dp_cp = args.num_distributed_optimizer_instances, \
+        args.data_parallel_size * args.context_parallel_size
+    if dp_cp % replicas:
+        _fail(f"--num-distributed-optimizer-instances {replicas} must divide the data x context "
+              f"parallel size ({dp_cp}): each replica shards the model over an equal share")
 
 
 def _validate_model(args) -> None:
@@ -665,6 +754,7 @@ def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
     _validate_surface(args)
+    _validate_megatron_fsdp(args)
     _validate_sizes(args)
     _validate_watchdogs(args)
     _apply_old_spellings(args)

@@ -62,6 +62,14 @@ DERIVED_IN_VALIDATION = {
     "recompute_modules": "core_attn is what selective recompute does; other modules refused",
     "no_weight_decay_cond_type": "apply_wd_to_qk_layernorm sets --apply-wd-to-qk-layernorm",
     "num_virtual_stages_per_pipeline_rank": "sets --num-layers-per-virtual-pipeline-stage",
+    "use_megatron_fsdp": "with --data-parallel-sharding-strategy sets --use-torch-fsdp2, "
+                         "--torch-fsdp2-no-reshard-after-forward and --use-distributed-optimizer",
+    "data_parallel_sharding_strategy": "picks the layout --use-megatron-fsdp sets",
+    "outer_dp_sharding_strategy": "no_shard goes on; optim is refused",
+    "megatron_fsdp_main_params_dtype": "fp32 goes on; the others are refused",
+    "megatron_fsdp_main_grads_dtype": "fp32 and auto go on; the others are refused",
+    "megatron_fsdp_grad_comm_dtype": "becomes FSDP2's reduce_dtype (the DDP config's "
+                                     "torch_fsdp2_reduce_dtype); fp16 is refused",
 }
 
 MINIMAL = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "

@@ -46,12 +46,12 @@ def test_refused_combinations_name_both_flags(extra, named):
     assert "--use-torch-fsdp2" in message and named in message and "\n" not in message
 
 
-def test_megatron_fsdp_is_refused_with_what_to_use():
+def test_megatron_fsdp_with_torch_fsdp2_is_refused_in_one_line():
     with pytest.raises(ArgumentsError) as err:
-        _validated(["--use-megatron-fsdp"])
+        _validated(["--use-megatron-fsdp", "--use-torch-fsdp2"])
     message = str(err.value)
-    assert "--use-megatron-fsdp" in message and "not built yet" in message
-    assert "--use-torch-fsdp2" in message
+    assert "--use-megatron-fsdp" in message and "--use-torch-fsdp2" in message
+    assert "\n" not in message
 
 
 def test_bf16_builds_fp32_weights_under_fsdp2_only():

@@ -31,6 +31,12 @@ class DistributedDataParallelConfig:
     # --torch-fsdp2-no-reshard-after-forward sets False: keep each unit's gathered parameters
     # from its forward to its backward.
     torch_fsdp2_reshard_after_forward: bool = True
+    # --megatron-fsdp-grad-comm-dtype on FSDP2: the dtype gradients are reduce-scattered in
+    # ("fp32" or "bf16"); None: FSDP2's default for the run (fp32).
+    torch_fsdp2_reduce_dtype: Optional[str] = None
+    # --num-distributed-optimizer-instances with --use-megatron-fsdp on FSDP2: hybrid sharding,
+    # the data-parallel group split into this many replicas, each sharding the model.
+    torch_fsdp2_replicas: int = 1
 
     def __post_init__(self):
         if self.bucket_size is not None and self.bucket_size < 1:

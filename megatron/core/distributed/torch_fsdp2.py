@@ -88,6 +88,27 @@ def _flat_items(tree, prefix=""):
             yield f"{prefix}{key}", value
 
 
+def _data_parallel_mesh(dp_group, device_type: str, replicas: int):
+    """The mesh to shard over and the group of one shard set: ``dp_group`` itself (one
+    dimension), or with ``replicas > 1`` a (replica, shard) mesh of its ranks, consecutive ranks
+    sharing a replica. Each rank creates only the two groups it belongs to (local
+    synchronisation), so every data-parallel group may build its own mesh."""
+    if replicas == 1:
+        return DeviceMesh.from_group(dp_group, device_type), dp_group
+    ranks = dist.get_process_group_ranks(dp_group)
+    if replicas < 1 or len(ranks) % replicas:
+        raise ValueError(f"hybrid sharding needs the data-parallel size ({len(ranks)}) "
+                         f"divisible by the number of replicas ({replicas})")
+    grid = torch.tensor(ranks, dtype=torch.int).reshape(replicas, len(ranks) // replicas)
+    row, col = next((r, c) for r in range(grid.shape[0]) for c in range(grid.shape[1])
+                    if grid[r, c] == dist.get_rank())
+    shard = dist.new_group(grid[row].tolist(), use_local_synchronization=True)
+    replicate = dist.new_group(grid[:, col].tolist(), use_local_synchronization=True)
+    mesh = DeviceMesh.from_group([replicate, shard], device_type, mesh=grid,
+                                 mesh_dim_names=("replicate", "shard"))
+    return mesh, shard
+
+
 class TorchFullyShardedDataParallel(torch.nn.Module):
     """Shard ``module`` over ``dp_group`` with FSDP2.
 
@@ -109,11 +130,19 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             the parameters' dtype.
         broadcast_first: copy rank 0's weights to the group before sharding
             (``--data-parallel-random-init``).
+        reduce_dtype: the dtype gradients are reduce-scattered in (FSDP2's ``reduce_dtype``;
+            the sharded gradients are then kept in the parameters' dtype). None: fp32 with a
+            compute dtype, else the parameters' dtype.
+        replicas: hybrid sharding (HSDP): split ``dp_group`` into this many replicas of
+            consecutive ranks; each parameter is sharded within a replica and replicated
+            across them (a two-dimensional mesh, FSDP2's HSDP: reduce-scatter within, then
+            all-reduce across). 1: shard over the whole group.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
                  units: Sequence[torch.nn.Module] = (), reshard_after_forward: bool = True,
-                 compute_dtype: Optional[torch.dtype] = None, broadcast_first: bool = False):
+                 compute_dtype: Optional[torch.dtype] = None, broadcast_first: bool = False,
+                 reduce_dtype: Optional[torch.dtype] = None, replicas: int = 1):
         super().__init__()
         if dp_group is None:
             raise ValueError("TorchFullyShardedDataParallel needs dp_group=<the data-parallel "
@@ -129,10 +158,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
                       for name, p in module.named_parameters()}
         device_type = next(module.parameters()).device.type
-        self.mesh = DeviceMesh.from_group(dp_group, device_type)
-        policy = MixedPrecisionPolicy()
-        if compute_dtype is not None:
-            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        self.mesh, self._shard_group = _data_parallel_mesh(dp_group, device_type, replicas)
+        if reduce_dtype is None and compute_dtype is not None:
+            reduce_dtype = torch.float32
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
         kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward,
                       mp_policy=policy)
         for unit in units:
@@ -145,7 +174,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     @property
     def shard_group(self):
         """The group each parameter is sharded over (its norms are summed over it)."""
-        return self.dp_group
+        return self._shard_group
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
