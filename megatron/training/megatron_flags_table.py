@@ -70,8 +70,8 @@ ROPE_SCALING = ("RoPE scaling (Llama-3.x scaling, YaRN) is not built yet; drop i
                 "with --rotary-base is used)")
 MTP = "multi-token prediction is not built yet; drop it"
 MLA = "multi-latent attention is not built yet; use standard attention (--num-query-groups)"
-FSDP = ("Megatron's own FSDP (--use-megatron-fsdp, its sharding strategies and knobs) is not "
-        "built yet; use --use-torch-fsdp2 (PyTorch's FSDP2) or --use-distributed-optimizer")
+FSDP = ("this knob of Megatron's own FSDP runtime has no counterpart here (--use-megatron-fsdp "
+        "and its sharding strategies run on PyTorch's FSDP2); drop it")
 RERUN = ("the rerun state machine (result validation, error injection) is not built yet; drop it "
          "(use --check-for-nan-in-loss-and-grad)")
 NON_PERSISTENT = ("this option of the local checkpoint manager (a cache of process-group "
@@ -108,7 +108,6 @@ ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not
                 "it")
 MHC = "hyper-connections are not built yet; drop it"
 HETERO = "heterogeneous (per-layer) architectures are not built yet; drop it"
-FIM = "fill-in-the-middle data are not built yet; drop it"
 UPCYCLING = "dense-to-MoE upcycling is not built yet; drop it"
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
@@ -121,8 +120,6 @@ CP_VARIANTS = ("hierarchical/hybrid context parallelism is not built yet; use "
 WEIGHT_SHARDS = "sharded tensor-parallel weights are not built yet; drop it"
 UCC = "only the default communication backend is built here; drop it"
 RANK_ORDER = "the rank order is always tensor-context-expert-data-pipeline here; drop it"
-DIST_OPT_INSTANCES = ("one distributed-optimizer instance spans the data-parallel group here; "
-                      "drop it")
 GRAD_PRECISION = ("gradients are reduced in fp32 here with --bf16 (as "
                   "--accumulate-allreduce-grads-in-fp32); drop it")
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
@@ -542,16 +539,12 @@ ROWS = (
     ('--gtp-expert-remat-nccl-ub', '', 'true', False, '', REFUSED, FSDP),
     ('--fsdp-manual-registration', '', 'true', False, '', REFUSED, FSDP),
     ('--create-all-gather-group', '', 'true', False, '', REFUSED, FSDP),
-    ('--data-parallel-sharding-strategy', '',
-     'str', 'optim_grads_params', 'no_shard|optim|optim_grads|optim_grads_params', REFUSED, FSDP),
-    ('--outer-dp-sharding-strategy', '', 'str', 'no_shard', 'no_shard|optim', REFUSED, FSDP),
     ('--no-gradient-reduce-div-fusion', 'gradient_reduce_div_fusion',
      'false', True, '', NO_EFFECT, FUSION),
     ('--fsdp-double-buffer', '', 'true', False, '', REFUSED, FSDP),
     ('--suggested-communication-unit-size', '', 'int', None, '', REFUSED, FSDP),
     ('--keep-fp8-transpose-cache', '', 'true', False, '', REFUSED, FSDP),
     ('--enable-full-sharding-in-hsdp', '', 'true', False, '', REFUSED, FSDP),
-    ('--num-distributed-optimizer-instances', '', 'int', 1, '', REFUSED, DIST_OPT_INSTANCES),
     ('--fake-process-group', '', 'true', False, '', REFUSED, TESTING),
     ('--start-eval-at-iter', '', 'int', None, '', REFUSED, TRAINING_EXTRAS),
     ('--eval-global-batch-size', '', 'int', None, '', WORKS, None),
@@ -569,17 +562,6 @@ ROWS = (
     ('--object-storage-cache-path', '', 'str', None, '', REFUSED, DATA_EXTRAS),
     ('--mid-level-dataset-surplus', '', 'float', 0.005, '', REFUSED, DATA_EXTRAS),
     ('--allow-ambiguous-pad-tokens', '', 'true', False, '', REFUSED, DATA_EXTRAS),
-    ('--fim-data', '', 'true', False, '', REFUSED, FIM),
-    ('--fim-rate', '', 'float', 0.5, '', REFUSED, FIM),
-    ('--fim-spm-rate', '', 'float', 0.5, '', REFUSED, FIM),
-    ('--fim-split-sample', '', 'str', None, '', REFUSED, FIM),
-    ('--fim-fragment-rate', '', 'float', None, '', REFUSED, FIM),
-    ('--fim-no-prefix', '', 'str', None, '', REFUSED, FIM),
-    ('--fim-prefix-token', '', 'str', '<fim_prefix>', '', REFUSED, FIM),
-    ('--fim-middle-token', '', 'str', '<fim_middle>', '', REFUSED, FIM),
-    ('--fim-suffix-token', '', 'str', '<fim_suffix>', '', REFUSED, FIM),
-    ('--fim-pad-token', '', 'str', '<fim_pad>', '', REFUSED, FIM),
-    ('--fim-eod-token', '', 'str', '<|endoftext|>', '', REFUSED, FIM),
     ('--padded-vocab-size', '', 'int', None, '', WORKS, None),
     ('--no-pad-vocab-size --disable-pad-vocab-size', 'pad_vocab_size',
      'false', True, '', REFUSED, TOKENIZER_EXTRAS),
@@ -757,9 +739,6 @@ ROWS = (
     ('--main-params-dtype', '', 'str', 'fp32', 'fp32|fp16', REFUSED, TE),
     ('--exp-avg-dtype', '', 'str', 'fp32', 'fp32|fp16|bf16|fp8', REFUSED, TE),
     ('--exp-avg-sq-dtype', '', 'str', 'fp32', 'fp32|fp16|bf16|fp8', REFUSED, TE),
-    ('--megatron-fsdp-main-params-dtype', '', 'str', 'fp32', 'fp32|bf16|fp16|auto', REFUSED, FSDP),
-    ('--megatron-fsdp-main-grads-dtype', '', 'str', 'auto', 'fp32|bf16|fp16|auto', REFUSED, FSDP),
-    ('--megatron-fsdp-grad-comm-dtype', '', 'str', 'auto', 'fp32|fp16|bf16|auto', REFUSED, FSDP),
     ('--megatron-fsdp-enable-fine-grained-param-gather', '', 'true', False, '', REFUSED, FSDP),
     ('--megatron-fsdp-max-pool-double-buffer', '', 'true', False, '', REFUSED, FSDP),
     ('--fsdp-db-use-persist-buf-on-alloc-fail', '', 'true', False, '', REFUSED, FSDP),
