@@ -344,6 +344,9 @@ def _add_distributed_args(parser):
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
     g.add_argument("--overlap-p2p-communication", action="store_true")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="number ranks tensor, context, pipeline, then data parallel "
+                   "(Megatron's tp-cp-ep-pp-dp) instead of the default tp-cp-ep-dp-pp")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--hang-dump-timeout-s", type=float, default=None,

@@ -235,7 +235,8 @@ def _validate_parallel(args) -> None:
         args.data_parallel_size = check_degrees(
             args.world_size, tp, cp, pp,
             ep_size=args.expert_model_parallel_size if experts else 1,
-            expert_tp_size=args.expert_tensor_parallel_size if experts else None)
+            expert_tp_size=args.expert_tensor_parallel_size if experts else None,
+            order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp")
     except LayoutError as err:
         _fail(str(err))
     _validate_context_parallel(args)

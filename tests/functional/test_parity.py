@@ -135,3 +135,15 @@ def test_resume_with_pipeline_parallelism_is_bit_exact(corpus, tmp_path):
 @pytest.mark.slow
 def test_resume_with_interleaved_pipeline_is_bit_exact(corpus, tmp_path):
     _resume(corpus, tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_tp_pp_dp_mapping_matches_single_process(corpus, baseline):
+    # PP 2 x DP 2: with one data-parallel copy the two rank orders are the same layout.
+    # Numbered tp-cp-ep-pp-dp, rank 1 is the last stage of the first copy (under the default
+    # order it would be the first stage of the second copy), so it holds losses too.
+    results = run_on_ranks(run_pretrain, 4, _flags(corpus, pp=2,
+                                                   extra=["--use-tp-pp-dp-mapping"]))
+    assert [i for i, _ in results[1]["losses"]] == list(range(1, ITERS + 1))
+    assert not results[2]["losses"]
+    _check_parity(baseline, results[-1])
