@@ -66,6 +66,11 @@ from typing import List, Optional
 import torch.distributed as dist
 
 
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"  # --use-tp-pp-dp-mapping
+ORDERS = (DEFAULT_ORDER, TP_PP_DP_ORDER)
+
+
 class LayoutError(ValueError):
     """Parallel degrees that do not fit the world size; the message names the flags."""
 
@@ -101,7 +106,7 @@ class RankLayout:
     expert_tp_groups: List[List[int]] = dataclasses.field(default_factory=list)
     expert_dp_groups: List[List[int]] = dataclasses.field(default_factory=list)
     expert_model_parallel_groups: List[List[int]] = dataclasses.field(default_factory=list)
-    order: str = "tp-cp-ep-dp-pp"
+    order: str = DEFAULT_ORDER
 
     def rank_coordinates(self, rank: int) -> dict:
         """``{"tp": .., "cp": .., "dp": .., "pp": ..}`` of a global rank."""
@@ -111,7 +116,7 @@ class RankLayout:
 
 def check_degrees(world_size: int, tp_size: int = 1, cp_size: int = 1, pp_size: int = 1,
                   ep_size: int = 1, expert_tp_size: Optional[int] = None,
-                  vp_size: Optional[int] = None, order: str = "tp-cp-ep-dp-pp") -> int:
+                  vp_size: Optional[int] = None, order: str = DEFAULT_ORDER) -> int:
     """The one check of the parallel degrees against the world size; returns the
     data-parallel size.
 
@@ -148,7 +153,7 @@ def check_degrees(world_size: int, tp_size: int = 1, cp_size: int = 1, pp_size: 
         raise LayoutError(f"virtual pipeline stages ({vp_size}) need "
                           f"--pipeline-model-parallel-size >= 2, got {pp_size}")
     folded = ep_size > 1 or expert_tp_size != tp_size  # a layout of the experts' own
-    if (order != "tp-cp-ep-dp-pp" and pp_size > 1 and folded
+    if (order != DEFAULT_ORDER and pp_size > 1 and folded
             and expert_tp_size * ep_size != tp_size * cp_size):
         # Ranks numbered pipeline before data: the experts' pipeline groups match attention's
         # only when both cut a stage into the same number of data-parallel copies.
@@ -158,11 +163,6 @@ def check_degrees(world_size: int, tp_size: int = 1, cp_size: int = 1, pp_size: 
             f"({ep_size}) = --tensor-model-parallel-size ({tp_size}) x "
             f"--context-parallel-size ({cp_size})")
     return world_size // model
-
-
-DEFAULT_ORDER = "tp-cp-ep-dp-pp"
-TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"  # --use-tp-pp-dp-mapping
-ORDERS = (DEFAULT_ORDER, TP_PP_DP_ORDER)
 
 
 def _groups_of(sizes: dict, order: List[str], dims: List[str]) -> List[List[int]]:

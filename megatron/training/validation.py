@@ -15,7 +15,8 @@ import torch
 
 from megatron.core.config import (ConfigError, check_window_settings, numerics_flag_conflict,
                                   pipeline_layer_counts)
-from megatron.core.parallel_state import LayoutError, check_degrees
+from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutError,
+                                          check_degrees)
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
                                                           layout_stage_counts)
 from megatron.training.configs import build_checkpoint_config, build_moe_config
@@ -238,7 +239,7 @@ def _validate_parallel(args) -> None:
             args.world_size, tp, cp, pp,
             ep_size=args.expert_model_parallel_size if experts else 1,
             expert_tp_size=args.expert_tensor_parallel_size if experts else None,
-            order="tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp")
+            order=TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping else DEFAULT_ORDER)
     except LayoutError as err:
         _fail(str(err))
     _validate_context_parallel(args)

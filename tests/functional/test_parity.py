@@ -111,18 +111,20 @@ def test_distributed_optimizer_layout_matches_single_process(corpus, baseline, t
                                    extra=["--use-distributed-optimizer"]))
 
 
-def _resume(corpus, tmp_path, vp_layers):
+def _resume(corpus, tmp_path, vp_layers, layout=()):
     """2N iterations straight == N, save, new processes load and run N more (dropout on)."""
     n = 4
+    layout = list(layout)
     kw = dict(tp=1, pp=2, vp_layers=vp_layers, iters=2 * n, dropout=0.1)
-    straight = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw))[-1]
+    straight = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw, extra=layout))[-1]
     save = str(tmp_path / "ckpt")
     first = run_on_ranks(run_pretrain, 2, _flags(
-        corpus, **kw, extra=["--save", save, "--exit-interval", str(n)]))[-1]
+        corpus, **kw, extra=layout + ["--save", save, "--exit-interval", str(n)]))[-1]
     assert first["iteration"] == n
     assert sorted(os.listdir(os.path.join(save, f"iter_{n:07d}"))) == ["mp_rank_00_000",
                                                                         "mp_rank_00_001"]
-    second = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw, extra=["--load", save]))[-1]
+    second = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw,
+                                                  extra=layout + ["--load", save]))[-1]
     assert [i for i, _ in second["losses"]] == list(range(n + 1, 2 * n + 1))
     assert _losses(first) == _losses(straight)[:n]
     assert _losses(second) == _losses(straight)[n:], (straight, second)
@@ -135,6 +137,11 @@ def test_resume_with_pipeline_parallelism_is_bit_exact(corpus, tmp_path):
 @pytest.mark.slow
 def test_resume_with_interleaved_pipeline_is_bit_exact(corpus, tmp_path):
     _resume(corpus, tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_resume_with_a_pipeline_layout_is_bit_exact(corpus, tmp_path):
+    _resume(corpus, tmp_path, None, ["--pipeline-model-parallel-layout", "E|tt|t|tL"])
 
 
 @pytest.mark.slow
