@@ -200,10 +200,13 @@ def get_num_layers_and_offset(config: TransformerConfig, pp_size: int, pp_rank: 
     if vp_size is not None and (first is not None or last is not None):
         raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with "
                           "--num-layers-per-virtual-pipeline-stage")
+    # getattr: converters and tests pass a stand-in holding only the split they know.
     counts = stage_layer_counts(
-        config.num_layers, pp_size, vp_size, layout=config.pipeline_model_parallel_layout,
-        account_embedding=config.account_for_embedding_in_pipeline_split,
-        account_loss=config.account_for_loss_in_pipeline_split, first=first, last=last)
+        config.num_layers, pp_size, vp_size,
+        layout=getattr(config, "pipeline_model_parallel_layout", None),
+        account_embedding=getattr(config, "account_for_embedding_in_pipeline_split", False),
+        account_loss=getattr(config, "account_for_loss_in_pipeline_split", False),
+        first=first, last=last)
     if len(counts[pp_rank]) != (vp_size or 1):
         raise ConfigError(f"the pipeline layout has {len(counts[pp_rank])} virtual stages per "
                           f"rank, the run {vp_size or 1}")
