@@ -215,7 +215,13 @@ class _Source:
             first_pipeline_num_layers=getattr(self.args, "decoder_first_pipeline_num_layers",
                                               None),
             last_pipeline_num_layers=getattr(self.args, "decoder_last_pipeline_num_layers",
-                                             None))
+                                             None),
+            pipeline_model_parallel_layout=getattr(self.args, "pipeline_model_parallel_layout",
+                                                   None),
+            account_for_embedding_in_pipeline_split=getattr(
+                self.args, "account_for_embedding_in_pipeline_split", False),
+            account_for_loss_in_pipeline_split=getattr(
+                self.args, "account_for_loss_in_pipeline_split", False))
         where = {}
         try:
             for pp_rank in range(self.pp):

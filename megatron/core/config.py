@@ -79,6 +79,9 @@ class TransformerConfig:
     recompute_num_layers: Optional[int] = None
     first_pipeline_num_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
     last_pipeline_num_layers: Optional[int] = None   # --decoder-last-pipeline-num-layers
+    pipeline_model_parallel_layout: Optional[str] = None  # every stage written out
+    account_for_embedding_in_pipeline_split: bool = False
+    account_for_loss_in_pipeline_split: bool = False
     fp16_lm_cross_entropy: bool = False
     # The chunked cross entropy kernel, its backward written into the logits' storage.
     cross_entropy_loss_fusion: bool = True
@@ -179,7 +182,11 @@ class TransformerConfig:
             ("--ffn-hidden-size", self.ffn_hidden_size, "--tensor-model-parallel-size", tp_size),
             ("padded vocab size", self.padded_vocab_size, "--tensor-model-parallel-size", tp_size),
         ]
-        if self.first_pipeline_num_layers is None and self.last_pipeline_num_layers is None:
+        if (self.pipeline_model_parallel_layout is not None
+                or self.account_for_embedding_in_pipeline_split
+                or self.account_for_loss_in_pipeline_split):
+            pass  # their stage counts are checked by pipeline_parallel.layer_layout
+        elif self.first_pipeline_num_layers is None and self.last_pipeline_num_layers is None:
             checks.append(("--num-layers", self.num_layers, "--pipeline-model-parallel-size",
                            pp_size))
         else:

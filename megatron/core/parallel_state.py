@@ -43,6 +43,19 @@ parallel, then expert data parallel), so the ``tp * cp * dp`` ranks of a stage a
 :func:`initialize_model_parallel` builds one :class:`ParallelState` holding every group this rank
 belongs to. Core code receives the layout or the group it needs as an argument; the module-level
 getters below exist for the training harness and for users' scripts.
+
+**The other order** (``--use-tp-pp-dp-mapping``, Megatron's ``tp-cp-ep-pp-dp``) puts the pipeline
+stage before the data-parallel rank: ``rank = tp_rank + tp * (cp_rank + cp * (pp_rank + pp *
+dp_rank))``, so the stages of one model copy sit on neighbouring ranks. World 8, ``tp = 2``,
+``pp = 2`` (``dp = 2``)::
+
+    tensor-parallel groups:      [0, 1] [2, 3] [4, 5] [6, 7]
+    pipeline groups:             [0, 2] [1, 3] [4, 6] [5, 7]
+    data-parallel groups:        [0, 4] [1, 5] [2, 6] [3, 7]
+    model-parallel groups:       [0, 1, 2, 3] [4, 5, 6, 7]
+
+The experts follow the same order (``etp-ep-pp-edp``), which keeps their pipeline groups equal to
+attention's only when ``expert_tp * ep = tp * cp``; other expert layouts are refused with it.
 """
 
 import dataclasses
@@ -51,6 +64,11 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch.distributed as dist
+
+
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"  # --use-tp-pp-dp-mapping
+ORDERS = (DEFAULT_ORDER, TP_PP_DP_ORDER)
 
 
 class LayoutError(ValueError):
@@ -88,17 +106,17 @@ class RankLayout:
     expert_tp_groups: List[List[int]] = dataclasses.field(default_factory=list)
     expert_dp_groups: List[List[int]] = dataclasses.field(default_factory=list)
     expert_model_parallel_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    order: str = DEFAULT_ORDER
 
     def rank_coordinates(self, rank: int) -> dict:
         """``{"tp": .., "cp": .., "dp": .., "pp": ..}`` of a global rank."""
-        tp, cp, dp = self.tp_size, self.cp_size, self.dp_size
-        return {"tp": rank % tp, "cp": rank // tp % cp, "dp": rank // (tp * cp) % dp,
-                "pp": rank // (tp * cp * dp)}
+        return {name: _find(getattr(self, f"{name}_groups"), rank).index(rank)
+                for name in ("tp", "cp", "dp", "pp")}
 
 
 def check_degrees(world_size: int, tp_size: int = 1, cp_size: int = 1, pp_size: int = 1,
                   ep_size: int = 1, expert_tp_size: Optional[int] = None,
-                  vp_size: Optional[int] = None) -> int:
+                  vp_size: Optional[int] = None, order: str = DEFAULT_ORDER) -> int:
     """The one check of the parallel degrees against the world size; returns the
     data-parallel size.
 
@@ -134,61 +152,89 @@ def check_degrees(world_size: int, tp_size: int = 1, cp_size: int = 1, pp_size: 
     if vp_size is not None and (vp_size < 1 or pp_size < 2):
         raise LayoutError(f"virtual pipeline stages ({vp_size}) need "
                           f"--pipeline-model-parallel-size >= 2, got {pp_size}")
+    folded = ep_size > 1 or expert_tp_size != tp_size  # a layout of the experts' own
+    if (order != DEFAULT_ORDER and pp_size > 1 and folded
+            and expert_tp_size * ep_size != tp_size * cp_size):
+        # Ranks numbered pipeline before data: the experts' pipeline groups match attention's
+        # only when both cut a stage into the same number of data-parallel copies.
+        raise LayoutError(
+            f"--use-tp-pp-dp-mapping with pipeline parallelism needs "
+            f"--expert-tensor-parallel-size ({expert_tp_size}) x --expert-model-parallel-size "
+            f"({ep_size}) = --tensor-model-parallel-size ({tp_size}) x "
+            f"--context-parallel-size ({cp_size})")
     return world_size // model
 
 
-def _strided(world_size: int, pp_size: int, inner: int, size: int) -> List[List[int]]:
-    """Within each pipeline stage, the groups of ``size`` ranks ``inner`` apart."""
-    stage = world_size // pp_size
-    groups = []
-    for base in range(0, world_size, stage):
-        for block in range(base, base + stage, inner * size):
-            for offset in range(inner):
-                groups.append(list(range(block + offset, block + inner * size, inner)))
-    return groups
+def _groups_of(sizes: dict, order: List[str], dims: List[str]) -> List[List[int]]:
+    """The groups in which only the coordinates ``dims`` vary, ranks numbered in ``order``
+    (first name fastest). Members ascend, groups ascend by their first member (Megatron's
+    listing order)."""
+    strides, stride = {}, 1
+    for name in order:
+        strides[name] = stride
+        stride *= sizes[name]
+    groups = {}
+    for rank in range(stride):
+        key = tuple(rank // strides[n] % sizes[n] for n in order if n not in dims)
+        groups.setdefault(key, []).append(rank)
+    return sorted(groups.values(), key=lambda g: g[0])
+
+
+def _order_names(order: str) -> List[str]:
+    names = order.split("-")
+    if order not in ORDERS:
+        raise LayoutError(f"rank order must be one of {', '.join(ORDERS)}, got {order!r}")
+    return names
 
 
 def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
                         cp_size: int = 1, ep_size: int = 1,
                         expert_tp_size: Optional[int] = None, vp_size: Optional[int] = None,
-                        sequence_parallel: bool = False) -> RankLayout:
-    """Megatron's rank assignment (``tp-cp-ep-dp-pp``) as plain lists, checked for consistency.
+                        sequence_parallel: bool = False,
+                        order: str = DEFAULT_ORDER) -> RankLayout:
+    """Megatron's rank assignment as plain lists, checked for consistency.
 
+    ``order`` is Megatron's ``tp-cp-ep-dp-pp`` (the default) or ``tp-cp-ep-pp-dp``
+    (``--use-tp-pp-dp-mapping``: the pipeline stage varies before the data-parallel rank).
     ``expert_tp_size`` defaults to ``tp_size`` (Megatron's default). Raises
     :class:`LayoutError` naming the flags when the degrees do not fit ``world_size``.
     """
+    names = _order_names(order)
     expert_tp_size = tp_size if expert_tp_size is None else expert_tp_size
-    check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size, vp_size)
-    dp_size = world_size // (tp_size * cp_size * pp_size)
-    stage = world_size // pp_size  # tp * cp * dp
-    tp_groups = _strided(world_size, pp_size, 1, tp_size)
-    cp_groups = _strided(world_size, pp_size, tp_size, cp_size)
-    dp_groups = _strided(world_size, pp_size, tp_size * cp_size, dp_size)
-    dp_cp_groups = _strided(world_size, pp_size, tp_size, cp_size * dp_size)
-    pp_groups = [list(range(r, world_size, stage)) for r in range(stage)]
-    # tp x pp for each (cp, dp) position: the ranks that together hold one copy of the model.
-    model_parallel_groups = [[s * stage + i + t for s in range(pp_size) for t in range(tp_size)]
-                             for i in range(0, stage, tp_size)]
-    embedding_groups = [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
-    position_embedding_groups = [[g[0]] for g in pp_groups]
-    expert_dp_size = stage // (expert_tp_size * ep_size)
-    # expert tp x ep x pp for each expert-dp position: the ranks that together hold one copy
-    # of every expert (what the experts' part of the gradient norm is summed over).
-    experts = expert_tp_size * ep_size
-    expert_model_parallel_groups = [[s * stage + i + j for s in range(pp_size)
-                                     for j in range(experts)]
-                                    for i in range(0, stage, experts)]
+    dp_size = check_degrees(world_size, tp_size, cp_size, pp_size, ep_size, expert_tp_size,
+                            vp_size, order)
+    expert_dp_size = world_size // pp_size // (expert_tp_size * ep_size)
+    dense = {"tp": tp_size, "cp": cp_size, "ep": 1, "dp": dp_size, "pp": pp_size}
+    expert = {"tp": expert_tp_size, "cp": 1, "ep": ep_size, "dp": expert_dp_size,
+              "pp": pp_size}
+
+    def groups(dims, sizes=dense):
+        return _groups_of(sizes, names, dims)
+
+    pp_groups = groups(["pp"])
+    model_parallel_groups = groups(["tp", "pp"])
+    if ep_size == 1 and expert_tp_size == tp_size:  # the experts share attention's layout
+        expert_groups = dict(ep_groups=[[r] for r in range(world_size)],
+                             expert_tp_groups=groups(["tp"]),
+                             expert_dp_groups=groups(["cp", "dp"]),
+                             expert_model_parallel_groups=model_parallel_groups)
+    else:
+        # expert tp x ep x pp for each expert-dp position: the ranks that together hold one
+        # copy of every expert (what the experts' part of the gradient norm is summed over).
+        expert_groups = dict(ep_groups=groups(["ep"], expert),
+                             expert_tp_groups=groups(["tp"], expert),
+                             expert_dp_groups=groups(["dp"], expert),
+                             expert_model_parallel_groups=groups(["tp", "ep", "pp"], expert))
     return RankLayout(
-        world_size, tp_size, pp_size, dp_size, tp_groups, dp_groups, pp_groups,
-        model_parallel_groups, embedding_groups, position_embedding_groups,
+        world_size, tp_size, pp_size, dp_size, groups(["tp"]), groups(["dp"]), pp_groups,
+        # tp x pp for each (cp, dp) position: the ranks that together hold one copy of the model.
+        model_parallel_groups,
+        [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups],
+        [[g[0]] for g in pp_groups],
         cp_size=cp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
         expert_dp_size=expert_dp_size, vp_size=vp_size, sequence_parallel=sequence_parallel,
-        cp_groups=cp_groups, dp_cp_groups=dp_cp_groups,
-        ep_groups=_strided(world_size, pp_size, expert_tp_size, ep_size),
-        expert_tp_groups=_strided(world_size, pp_size, 1, expert_tp_size),
-        expert_dp_groups=_strided(world_size, pp_size, expert_tp_size * ep_size,
-                                  expert_dp_size),
-        expert_model_parallel_groups=expert_model_parallel_groups,
+        cp_groups=groups(["cp"]), dp_cp_groups=groups(["cp", "dp"]), order=order,
+        **expert_groups,
     )
 
 
@@ -351,6 +397,7 @@ def initialize_model_parallel(
     expert_model_parallel_size: int = 1,
     expert_tensor_parallel_size: Optional[int] = None,
     sequence_parallel: bool = False,
+    order: str = DEFAULT_ORDER,
 ) -> ParallelState:
     """Create every process group and remember this rank's ones.
 
@@ -358,6 +405,7 @@ def initialize_model_parallel(
     ``new_group`` is collective over the whole world even for groups a rank is not in.
     ``timeout`` (``--distributed-timeout-minutes``) bounds every collective of the new groups;
     without it they get torch's default (30 minutes on gloo), not the world group's.
+    ``order`` is the rank order of :func:`compute_rank_layout`.
     """
     global _STATE
     if not dist.is_initialized():
@@ -373,7 +421,8 @@ def initialize_model_parallel(
         world_size, tensor_model_parallel_size, pipeline_model_parallel_size,
         cp_size=context_parallel_size, ep_size=expert_model_parallel_size,
         expert_tp_size=expert_tensor_parallel_size,
-        vp_size=virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel)
+        vp_size=virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
+        order=order)
 
     def build(groups: List[List[int]]):
         mine = None

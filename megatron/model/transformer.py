@@ -16,7 +16,8 @@ import torch
 
 from megatron.core import tensor_parallel
 from megatron.core.collectives import get_group_size
-from megatron.core.config import ConfigError, TransformerConfig, pipeline_layer_counts
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.pipeline_parallel.layer_layout import stage_layer_counts, stage_offset
 from megatron.core.parallel_state import ModelGroups
 from megatron.core.utils import get_init_method, get_output_layer_init_method
 from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
@@ -191,23 +192,26 @@ def get_num_layers_and_offset(config: TransformerConfig, pp_size: int, pp_rank: 
     virtual stages (interleaving), the layers are cut into ``pp * vp`` chunks of
     ``L / (pp * vp)``, dealt round-robin: chunk ``v`` of stage ``p`` starts at layer
     ``v * L / vp + p * L / (pp * vp)``. E.g. 8 layers, pp 2, vp 2: stage 0 holds layers 0-1
-    and 4-5, stage 1 holds 2-3 and 6-7.
+    and 4-5, stage 1 holds 2-3 and 6-7. A pipeline layout or the embedding / loss counted as
+    layers change the counts, not the order (see :mod:`megatron.core.pipeline_parallel.
+    layer_layout`).
     """
-    layers = config.num_layers
     first, last = config.first_pipeline_num_layers, config.last_pipeline_num_layers
-    counts = pipeline_layer_counts(layers, pp_size, first, last)
-    if vp_size is None:
-        return counts[pp_rank], sum(counts[:pp_rank])
-    if first is not None or last is not None:
+    if vp_size is not None and (first is not None or last is not None):
         raise ConfigError("--decoder-first/last-pipeline-num-layers cannot be combined with "
                           "--num-layers-per-virtual-pipeline-stage")
-    per_stage = counts[pp_rank]
-    if per_stage % vp_size != 0:
-        raise ConfigError(
-            f"--num-layers per pipeline stage ({per_stage}) must be divisible by the number of "
-            f"virtual stages ({vp_size}, from --num-layers-per-virtual-pipeline-stage)")
-    per_chunk = per_stage // vp_size
-    return per_chunk, vp_rank * (layers // vp_size) + pp_rank * per_chunk
+    # getattr: converters and tests pass a stand-in holding only the split they know.
+    counts = stage_layer_counts(
+        config.num_layers, pp_size, vp_size,
+        layout=getattr(config, "pipeline_model_parallel_layout", None),
+        account_embedding=getattr(config, "account_for_embedding_in_pipeline_split", False),
+        account_loss=getattr(config, "account_for_loss_in_pipeline_split", False),
+        first=first, last=last)
+    if len(counts[pp_rank]) != (vp_size or 1):
+        raise ConfigError(f"the pipeline layout has {len(counts[pp_rank])} virtual stages per "
+                          f"rank, the run {vp_size or 1}")
+    vp_rank = vp_rank or 0
+    return counts[pp_rank][vp_rank], stage_offset(counts, pp_rank, vp_rank)
 
 
 class ParallelTransformer(MegatronModule):

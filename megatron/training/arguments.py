@@ -365,7 +365,20 @@ def _add_distributed_args(parser):
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
+                   help="every pipeline stage written out, e.g. 'Et*3|(tt|)*29|tL': E the "
+                   "embedding, t a transformer layer, L the loss, | ends a stage, x*n and "
+                   "(...)*n repeat; pp x vp stages, stage i on pipeline rank i %% pp")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   help="the embedding takes the place of one transformer layer of the first "
+                   "stage when the layers are split evenly")
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true",
+                   help="the loss takes the place of one transformer layer of the last stage "
+                   "when the layers are split evenly")
     g.add_argument("--overlap-p2p-communication", action="store_true")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="number ranks tensor, context, pipeline, then data parallel "
+                   "(Megatron's tp-cp-ep-pp-dp) instead of the default tp-cp-ep-dp-pp")
     g.add_argument("--distributed-backend", default="nccl", choices=["nccl", "gloo"])
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
     g.add_argument("--hang-dump-timeout-s", type=float, default=None,

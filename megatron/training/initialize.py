@@ -200,7 +200,9 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
         context_parallel_size=args.context_parallel_size,
         expert_model_parallel_size=getattr(args, "expert_model_parallel_size", 1),
         expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None),
-        sequence_parallel=args.sequence_parallel)
+        sequence_parallel=args.sequence_parallel,
+        order=(parallel_state.TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping
+               else parallel_state.DEFAULT_ORDER))
     check_node_layout(pstate)
     set_random_seeds(args.seed, pstate, args.data_parallel_random_init)
     _install_fused_kernels(args)

@@ -15,7 +15,10 @@ import torch
 
 from megatron.core.config import (ConfigError, check_window_settings, numerics_flag_conflict,
                                   pipeline_layer_counts)
-from megatron.core.parallel_state import LayoutError, check_degrees
+from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutError,
+                                          check_degrees)
+from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
+                                                          layout_stage_counts)
 from megatron.training.configs import build_checkpoint_config, build_moe_config
 
 
@@ -265,7 +268,8 @@ def _validate_parallel(args) -> None:
         args.data_parallel_size = check_degrees(
             args.world_size, tp, cp, pp,
             ep_size=args.expert_model_parallel_size if experts else 1,
-            expert_tp_size=args.expert_tensor_parallel_size if experts else None)
+            expert_tp_size=args.expert_tensor_parallel_size if experts else None,
+            order=TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping else DEFAULT_ORDER)
     except LayoutError as err:
         _fail(str(err))
     _validate_context_parallel(args)
@@ -273,6 +277,26 @@ def _validate_parallel(args) -> None:
         _note(args, "--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
                     "disabling it")
         args.sequence_parallel = False
+    if not _custom_pipeline_split(args):
+        _even_pipeline_split(args, pp)
+    if args.num_attention_heads % tp != 0:
+        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.group_query_attention and args.num_query_groups % tp != 0:
+        _fail(f"--num-query-groups ({args.num_query_groups}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.ffn_hidden_size % tp != 0:
+        _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+              f"--tensor-model-parallel-size ({tp})")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        _fail("--overlap-param-gather needs --use-distributed-optimizer")
+    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
+        args.distributed_backend = "gloo"
+
+
+def _even_pipeline_split(args, pp: int) -> None:
+    """The layers split evenly, or by --decoder-first/last-pipeline-num-layers, with or without
+    virtual stages."""
     uneven = (args.decoder_first_pipeline_num_layers is not None
               or args.decoder_last_pipeline_num_layers is not None)
     try:
@@ -298,19 +322,45 @@ def _validate_parallel(args) -> None:
                   f"= {args.num_layers // pp} layers per stage, not divisible by "
                   f"--num-layers-per-virtual-pipeline-stage ({per_vstage})")
         args.virtual_pipeline_model_parallel_size = args.num_layers // pp // per_vstage
-    if args.num_attention_heads % tp != 0:
-        _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
-              f"--tensor-model-parallel-size ({tp})")
-    if args.group_query_attention and args.num_query_groups % tp != 0:
-        _fail(f"--num-query-groups ({args.num_query_groups}) must be divisible by "
-              f"--tensor-model-parallel-size ({tp})")
-    if args.ffn_hidden_size % tp != 0:
-        _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
-              f"--tensor-model-parallel-size ({tp})")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
-        _fail("--overlap-param-gather needs --use-distributed-optimizer")
-    if args.distributed_backend == "nccl" and not torch.cuda.is_available():
-        args.distributed_backend = "gloo"
+
+
+def _custom_pipeline_split(args) -> bool:
+    """--pipeline-model-parallel-layout or --account-for-embedding/loss-in-pipeline-split: check
+    the stage contents they imply and derive the virtual stages; False when neither is given."""
+    layout, pp = args.pipeline_model_parallel_layout, args.pipeline_model_parallel_size
+    accounted = [f for f, on in (("--account-for-embedding-in-pipeline-split",
+                                  args.account_for_embedding_in_pipeline_split),
+                                 ("--account-for-loss-in-pipeline-split",
+                                  args.account_for_loss_in_pipeline_split)) if on]
+    if layout is None and not accounted:
+        return False
+    name = "--pipeline-model-parallel-layout" if layout is not None else accounted[0]
+    others = [("--decoder-first-pipeline-num-layers", args.decoder_first_pipeline_num_layers),
+              ("--decoder-last-pipeline-num-layers", args.decoder_last_pipeline_num_layers),
+              ("--num-layers-per-virtual-pipeline-stage",
+               args.num_layers_per_virtual_pipeline_stage)]
+    if layout is not None:
+        others += [(f, True) for f in accounted] + [
+            ("--num-virtual-stages-per-pipeline-rank", args.num_virtual_stages_per_pipeline_rank)]
+    for flag, value in others:
+        if value is not None:
+            _fail(f"{name} cannot be combined with {flag}")
+    vp = None if layout is not None else args.num_virtual_stages_per_pipeline_rank
+    try:
+        if layout is not None:
+            vp = len(layout_stage_counts(layout, pp, args.num_layers)[0])
+        else:
+            accounted_stage_counts(args.num_layers, pp, vp,
+                                   args.account_for_embedding_in_pipeline_split,
+                                   args.account_for_loss_in_pipeline_split)
+    except ConfigError as err:
+        _fail(str(err))
+    vp = vp if vp and vp > 1 else None
+    if vp is not None and pp < 2:
+        _fail(f"{name}: virtual pipeline stages ({vp}) need --pipeline-model-parallel-size >= 2, "
+              f"got {pp}")
+    args.virtual_pipeline_model_parallel_size = vp
+    return True
 
 
 def _virtual_stages_per_rank(args) -> None:

@@ -111,18 +111,20 @@ def test_distributed_optimizer_layout_matches_single_process(corpus, baseline, t
                                    extra=["--use-distributed-optimizer"]))
 
 
-def _resume(corpus, tmp_path, vp_layers):
+def _resume(corpus, tmp_path, vp_layers, layout=()):
     """2N iterations straight == N, save, new processes load and run N more (dropout on)."""
     n = 4
+    layout = list(layout)
     kw = dict(tp=1, pp=2, vp_layers=vp_layers, iters=2 * n, dropout=0.1)
-    straight = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw))[-1]
+    straight = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw, extra=layout))[-1]
     save = str(tmp_path / "ckpt")
     first = run_on_ranks(run_pretrain, 2, _flags(
-        corpus, **kw, extra=["--save", save, "--exit-interval", str(n)]))[-1]
+        corpus, **kw, extra=layout + ["--save", save, "--exit-interval", str(n)]))[-1]
     assert first["iteration"] == n
     assert sorted(os.listdir(os.path.join(save, f"iter_{n:07d}"))) == ["mp_rank_00_000",
                                                                         "mp_rank_00_001"]
-    second = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw, extra=["--load", save]))[-1]
+    second = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw,
+                                                  extra=layout + ["--load", save]))[-1]
     assert [i for i, _ in second["losses"]] == list(range(n + 1, 2 * n + 1))
     assert _losses(first) == _losses(straight)[:n]
     assert _losses(second) == _losses(straight)[n:], (straight, second)
@@ -135,3 +137,36 @@ def test_resume_with_pipeline_parallelism_is_bit_exact(corpus, tmp_path):
 @pytest.mark.slow
 def test_resume_with_interleaved_pipeline_is_bit_exact(corpus, tmp_path):
     _resume(corpus, tmp_path, 1)
+
+
+@pytest.mark.slow
+def test_resume_with_a_pipeline_layout_is_bit_exact(corpus, tmp_path):
+    _resume(corpus, tmp_path, None, ["--pipeline-model-parallel-layout", "E|tt|t|tL"])
+
+
+@pytest.mark.slow
+def test_tp_pp_dp_mapping_matches_single_process(corpus, baseline):
+    # PP 2 x DP 2: with one data-parallel copy the two rank orders are the same layout.
+    # Numbered tp-cp-ep-pp-dp, rank 1 is the last stage of the first copy (under the default
+    # order it would be the first stage of the second copy), so it holds losses too.
+    results = run_on_ranks(run_pretrain, 4, _flags(corpus, pp=2,
+                                                   extra=["--use-tp-pp-dp-mapping"]))
+    assert all(loss is not None for _, loss in results[1]["losses"])
+    assert all(loss is None for _, loss in results[2]["losses"])  # a first stage
+    _check_parity(baseline, results[1])
+    _check_parity(baseline, results[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    pytest.param(["--pipeline-model-parallel-layout", "Et|t*3L"], id="layout-1-3"),
+    # pp 2 x vp 2, rank 0 [E] [t], rank 1 [t t] [t L]: an empty chunk, uneven virtual stages.
+    pytest.param(["--pipeline-model-parallel-layout", "E|tt|t|tL"], id="layout-vp-0-2-1-1"),
+    # 4 layers + embedding + loss = 6 places over pp 2 x vp 3: rank 0 [E] [t] [t],
+    # rank 1 [t] [t] [L].
+    pytest.param(["--account-for-embedding-in-pipeline-split",
+                  "--account-for-loss-in-pipeline-split",
+                  "--num-virtual-stages-per-pipeline-rank", "3"], id="account-both-vp3"),
+])
+def test_pipeline_layout_matches_single_process(corpus, baseline, extra):
+    _check_parity(baseline, _train(corpus, pp=2, extra=extra))

@@ -1,6 +1,8 @@
 """The parallel layout object: Megatron's rank assignment with context and expert parallelism,
 its error messages, and the flags that size context parallelism."""
 
+import dataclasses
+
 import pytest
 
 from megatron.training import memory_accounting as ma
@@ -155,3 +157,80 @@ def test_memory_accounting_divides_activations_by_cp():
     quarter = ma.activation_bytes_on_rank(cfg, micro_batch_size=2, num_microbatches=1,
                                           cp_size=4)
     assert quarter == pytest.approx(whole / 4)
+
+
+def _naive_groups(sizes, order, dims):
+    """Every rank's coordinates by nested loops over Megatron's formula (first name of
+    ``order`` fastest); a group per setting of the coordinates outside ``dims``."""
+    import itertools
+    names = order.split("-")
+    found = {}
+    for coords in itertools.product(*(range(sizes[n]) for n in names)):
+        rank, scale = 0, 1
+        for name, value in zip(names, coords):
+            rank += value * scale
+            scale *= sizes[name]
+        key = tuple(v for n, v in zip(names, coords) if n not in dims)
+        found.setdefault(key, []).append(rank)
+    return sorted(sorted(g) for g in found.values())
+
+
+@pytest.mark.parametrize("order", [ps.DEFAULT_ORDER, ps.TP_PP_DP_ORDER])
+@pytest.mark.parametrize("tp,pp,cp,dp,ep", [
+    (2, 2, 1, 2, 1), (1, 4, 1, 2, 1), (2, 2, 2, 2, 1), (4, 2, 1, 3, 1), (2, 3, 2, 1, 1),
+    (1, 2, 2, 2, 2), (2, 2, 1, 2, 2), (1, 1, 2, 2, 2)])
+def test_groups_match_a_naive_enumeration(order, tp, pp, cp, dp, ep):
+    world = tp * pp * cp * dp
+    # With experts, expert tp x ep = tp x cp keeps both orders' pipeline groups together.
+    etp = tp * cp // ep if ep > 1 else tp
+    layout = ps.compute_rank_layout(world, tp, pp, cp_size=cp, ep_size=ep,
+                                    expert_tp_size=etp, order=order)
+    dense = {"tp": tp, "cp": cp, "ep": 1, "dp": dp, "pp": pp}
+    for name, dims in (("tp_groups", ["tp"]), ("cp_groups", ["cp"]), ("dp_groups", ["dp"]),
+                       ("pp_groups", ["pp"]), ("dp_cp_groups", ["cp", "dp"]),
+                       ("model_parallel_groups", ["tp", "pp"])):
+        assert getattr(layout, name) == _naive_groups(dense, order, dims), name
+    assert layout.embedding_groups == [[g[0], g[-1]] if pp > 1 else [g[0]]
+                                       for g in _naive_groups(dense, order, ["pp"])]
+    for rank in range(world):
+        expected, rest = {}, rank
+        for name in order.split("-"):
+            expected[name], rest = rest % dense[name], rest // dense[name]
+        del expected["ep"]
+        assert layout.rank_coordinates(rank) == expected
+    if ep > 1:
+        expert = {"tp": etp, "cp": 1, "ep": ep, "dp": world // pp // (etp * ep), "pp": pp}
+        for name, dims in (("ep_groups", ["ep"]), ("expert_tp_groups", ["tp"]),
+                           ("expert_dp_groups", ["dp"]),
+                           ("expert_model_parallel_groups", ["tp", "ep", "pp"])):
+            assert getattr(layout, name) == _naive_groups(expert, order, dims), name
+        assert _naive_groups(expert, order, ["pp"]) == layout.pp_groups
+
+
+def test_tp_pp_dp_mapping_documented_table():
+    # The module docstring's table: world 8, tp 2, pp 2 numbered tp-cp-ep-pp-dp.
+    layout = ps.compute_rank_layout(8, 2, 2, order="tp-cp-ep-pp-dp")
+    assert layout.tp_groups == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout.pp_groups == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout.dp_groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert layout.model_parallel_groups == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert layout.rank_coordinates(6) == {"tp": 0, "cp": 0, "dp": 1, "pp": 1}
+    # Without pipeline parallelism the two orders are the same layout.
+    assert ps.compute_rank_layout(8, 2, 1, cp_size=2, order="tp-cp-ep-pp-dp") == \
+        dataclasses.replace(ps.compute_rank_layout(8, 2, 1, cp_size=2),
+                            order="tp-cp-ep-pp-dp")
+
+
+def test_tp_pp_dp_mapping_flag_and_its_errors():
+    assert _validate(["--use-tp-pp-dp-mapping"], 2).use_tp_pp_dp_mapping
+    with pytest.raises(ArgumentsError, match=r"--use-tp-pp-dp-mapping with pipeline "
+                       r"parallelism needs --expert-tensor-parallel-size \(1\) x "
+                       r"--expert-model-parallel-size \(4\) = --tensor-model-parallel-size "
+                       r"\(2\) x --context-parallel-size \(1\)"):
+        _validate(["--use-tp-pp-dp-mapping", "--pipeline-model-parallel-size", "2",
+                   "--tensor-model-parallel-size", "2", "--num-experts", "4",
+                   "--expert-model-parallel-size", "4", "--expert-tensor-parallel-size", "1",
+                   "--sequence-parallel"],
+                  8)
+    with pytest.raises(ps.LayoutError, match="rank order must be one of"):
+        ps.compute_rank_layout(4, 2, 2, order="pp-dp-tp")

@@ -1,0 +1,154 @@
+"""Which layers each (virtual) pipeline stage holds.
+
+Three ways to say it, as in Megatron-LM:
+
+* the default even split, or ``--decoder-first/last-pipeline-num-layers``
+  (:func:`megatron.core.config.pipeline_layer_counts`);
+* ``--account-for-embedding-in-pipeline-split`` / ``--account-for-loss-in-pipeline-split``: the
+  embedding (first stage) and the loss (last stage) each take the place of one transformer layer
+  when the layers are split evenly, e.g. 6 layers, pp 4, both flags: 8 places, 2 per stage, so
+  the stages hold ``[1, 2, 2, 1]`` layers;
+* ``--pipeline-model-parallel-layout``: every stage written out, e.g. ``"Et*3|(tt|)*29,m|L"``.
+  ``E`` is the embedding, ``t`` a transformer layer, ``m`` a multi-token-prediction layer, ``L``
+  the loss; ``|`` ends a stage; ``x*n`` repeats one character and ``(...)*n`` a group n times
+  (groups do not nest); commas are only for the eye. There are ``pp * vp`` stages: stage ``i``
+  is virtual stage ``i // pp`` of pipeline rank ``i % pp``, so with pp 2,
+  ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2).
+
+Whatever the way, the layers are numbered in the order the stages run: virtual stage 0 of every
+rank, then virtual stage 1, ... (see :func:`stage_layer_counts`).
+"""
+
+import re
+from typing import List, Optional
+
+from megatron.core.config import ConfigError, pipeline_layer_counts
+
+LAYOUT_FLAG = "--pipeline-model-parallel-layout"
+_KINDS = {"E": "embedding", "t": "transformer layer", "m": "MTP layer", "L": "loss"}
+_GROUP = re.compile(r"\(([^()]*)\)\*(\d+)")
+_CHAR = re.compile(r"(.)\*(\d+)")
+
+
+def _fail(text: str, pos: int, why: str) -> None:
+    raise ConfigError(f"{LAYOUT_FLAG} {text!r}: {why} at position {pos}")
+
+
+def _expand(text: str, start: int = 0, stop: Optional[int] = None, whole: str = "") -> str:
+    """``text[start:stop]`` with its repetitions written out and commas dropped; errors name
+    their position in ``whole`` (the flag's value)."""
+    whole = whole or text
+    stop = len(text) if stop is None else stop
+    out, pos = [], start
+    while pos < stop:
+        ch = text[pos]
+        group = _GROUP.match(text, pos, stop) if ch == "(" else None
+        single = _CHAR.match(text, pos, stop) if ch in _KINDS or ch == "|" else None
+        if group:
+            if not group.group(1):
+                _fail(whole, pos, "empty group '()'")
+            inner = _expand(text, group.start(1), group.end(1), whole)
+            out.append(inner * int(group.group(2)))
+            pos = group.end()
+        elif single:
+            out.append(single.group(1) * int(single.group(2)))
+            pos = single.end()
+        elif ch in _KINDS or ch == "|":
+            out.append(ch)
+            pos += 1
+        elif ch == ",":
+            pos += 1
+        elif ch == "(":
+            _fail(whole, pos, "'(' without a matching ')*n' (groups do not nest)")
+        else:
+            _fail(whole, pos, f"unexpected {ch!r} (characters: E t m L | , and repetitions "
+                  "'x*n' or '(...)*n')")
+    return "".join(out)
+
+
+def parse_pipeline_layout(text: str) -> List[str]:
+    """The stages of a layout string, in running order, each as a string of ``E t m L``."""
+    if not text or not text.strip():
+        raise ConfigError(f"{LAYOUT_FLAG} is empty")
+    return _expand(text).split("|")
+
+
+def layout_stage_counts(text: str, pp_size: int, num_layers: int,
+                        mtp_num_layers: Optional[int] = None) -> List[List[int]]:
+    """Transformer layers of each stage of a layout: ``counts[pp_rank][vp_rank]``.
+
+    Checks what Megatron checks: the stages fill every pipeline rank equally, the embedding
+    opens the first stage and the loss closes the last, once each, and the ``t`` count is
+    ``--num-layers``. MTP layers (``m``) are refused: this project does not build them with
+    pipeline parallelism.
+    """
+    stages = parse_pipeline_layout(text)
+    if len(stages) % pp_size:
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r} has {len(stages)} stages, not a multiple of "
+                          f"--pipeline-model-parallel-size ({pp_size})")
+    flat = "".join(stages)
+    if "m" in flat:
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: MTP layers ('m') in a pipeline layout are "
+                          "not built")
+    if flat.count("E") != 1 or not stages[0].startswith("E"):
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: the embedding 'E' must appear once, first "
+                          "in the first stage")
+    if flat.count("L") != 1 or not stages[-1].endswith("L"):
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: the loss 'L' must appear once, last in the "
+                          "last stage")
+    if flat.count("t") != num_layers:
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r} holds {flat.count('t')} transformer layers "
+                          f"('t'), but --num-layers is {num_layers}")
+    vp_size = len(stages) // pp_size
+    return [[stages[v * pp_size + p].count("t") for v in range(vp_size)]
+            for p in range(pp_size)]
+
+
+def accounted_stage_counts(num_layers: int, pp_size: int, vp_size: Optional[int] = None,
+                           embedding: bool = False, loss: bool = False) -> List[List[int]]:
+    """``counts[pp_rank][vp_rank]`` when the embedding and/or the loss count as one layer of
+    the first / last stage (``--account-for-embedding/loss-in-pipeline-split``)."""
+    vp = vp_size or 1
+    places = num_layers + int(embedding) + int(loss)
+    if places % (pp_size * vp):
+        flags = [f for f, on in (("--account-for-embedding-in-pipeline-split", embedding),
+                                 ("--account-for-loss-in-pipeline-split", loss)) if on]
+        raise ConfigError(
+            f"--num-layers ({num_layers}) plus one place each for {' and '.join(flags)} = "
+            f"{places} is not divisible by --pipeline-model-parallel-size ({pp_size})"
+            + (f" x virtual stages ({vp})" if vp > 1 else ""))
+    per = places // (pp_size * vp)
+    counts = [[per] * vp for _ in range(pp_size)]
+    counts[0][0] -= int(embedding)
+    counts[-1][-1] -= int(loss)
+    if min(counts[0][0], counts[-1][-1]) < 0:
+        raise ConfigError(f"--num-layers ({num_layers}) leaves no transformer layer for the "
+                          "stage that holds the embedding or the loss")
+    return counts
+
+
+def stage_layer_counts(num_layers: int, pp_size: int, vp_size: Optional[int] = None, *,
+                       layout: Optional[str] = None, account_embedding: bool = False,
+                       account_loss: bool = False, first: Optional[int] = None,
+                       last: Optional[int] = None) -> List[List[int]]:
+    """Transformer layers of every (virtual) stage, ``counts[pp_rank][vp_rank]``."""
+    if layout is not None:
+        return layout_stage_counts(layout, pp_size, num_layers)
+    if account_embedding or account_loss:
+        return accounted_stage_counts(num_layers, pp_size, vp_size, account_embedding,
+                                      account_loss)
+    per_rank = pipeline_layer_counts(num_layers, pp_size, first, last)
+    vp = vp_size or 1
+    for count in per_rank:
+        if count % vp:
+            raise ConfigError(
+                f"--num-layers per pipeline stage ({count}) must be divisible by the number "
+                f"of virtual stages ({vp}, from --num-layers-per-virtual-pipeline-stage)")
+    return [[count // vp] * vp for count in per_rank]
+
+
+def stage_offset(counts: List[List[int]], pp_rank: int, vp_rank: int = 0) -> int:
+    """Global index of the first layer of ``(pp_rank, vp_rank)``: the layers of every stage
+    that runs before it (all ranks' earlier virtual stages, then lower ranks' same one)."""
+    before = sum(row[v] for row in counts for v in range(vp_rank))
+    return before + sum(counts[p][vp_rank] for p in range(pp_rank))

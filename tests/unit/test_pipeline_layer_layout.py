@@ -1,0 +1,155 @@
+"""--pipeline-model-parallel-layout and --account-for-embedding/loss-in-pipeline-split: the
+parser, the stage contents they imply (against layouts written out by hand) and their errors."""
+
+import pytest
+
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.pipeline_parallel import layer_layout as ll
+from megatron.model.transformer import get_num_layers_and_offset
+from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+
+def test_megatron_documented_deepseek_layout():
+    # Megatron's example: DeepSeek-V3 (61 layers + 1 MTP) at pp 16 x vp 2.
+    stages = ll.parse_pipeline_layout("Et*3|(tt|)*29,m|L")
+    assert len(stages) == 32
+    assert stages[0] == "Ettt" and stages[1:30] == ["tt"] * 29
+    assert stages[30:] == ["m", "L"]
+    # Stage i sits on pipeline rank i % 16, virtual stage i // 16.
+    assert stages[16] == "tt" and stages[31] == "L"
+
+
+@pytest.mark.parametrize("text,stages", [
+    ("Et|tt|tL", ["Et", "tt", "tL"]),
+    ("Et*3|t,t|L", ["Ettt", "tt", "L"]),
+    ("E(t|)*2tL", ["Et", "t", "tL"]),
+    ("(|t)*2,L", ["", "t", "tL"]),
+    ("E(t*2|)*2L", ["Ett", "tt", "L"]),
+    ("Et|*2tL", ["Et", "", "tL"]),
+])
+def test_parser_against_stages_written_by_hand(text, stages):
+    assert ll.parse_pipeline_layout(text) == stages
+
+
+@pytest.mark.parametrize("text,pattern", [
+    ("Et|x|L", r"unexpected 'x' .* at position 3"),
+    ("E(t(t)*2)*2|L", r"'\(' without a matching '\)\*n' \(groups do not nest\) at position 1"),
+    ("Et*|L", r"unexpected '\*' .* at position 2"),
+    ("E()*2|tL", r"empty group '\(\)' at position 1"),
+    ("Et|(t|q)*2L", r"unexpected 'q' .* at position 6"),
+    ("", r" is empty"),
+])
+def test_parser_errors_name_the_flag_and_position(text, pattern):
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-layout" + ".*" + pattern):
+        ll.parse_pipeline_layout(text)
+
+
+def test_layout_counts_per_rank_and_virtual_stage():
+    # pp 2: stages 0 1 2 3 -> rank 0 holds stages 0 and 2, rank 1 holds 1 and 3.
+    assert ll.layout_stage_counts("E|tt|t|tL", 2, 4) == [[0, 1], [2, 1]]
+    assert ll.layout_stage_counts("Et|tttL", 2, 4) == [[1], [3]]
+    assert ll.layout_stage_counts("Et*3|(tt|)*29,t|L", 16, 62) == \
+        [[3, 2]] + [[2, 2]] * 13 + [[2, 1], [2, 0]]
+
+
+@pytest.mark.parametrize("text,pp,layers,pattern", [
+    ("Et|tt|tL", 2, 4, r"has 3 stages, not a multiple of --pipeline-model-parallel-size \(2\)"),
+    ("Et|ttL", 2, 4, r"holds 3 transformer layers \('t'\), but --num-layers is 4"),
+    ("tE|ttL", 2, 3, r"the embedding 'E' must appear once, first in the first stage"),
+    ("Et|tLt", 2, 3, r"the loss 'L' must appear once, last in the last stage"),
+    ("Et|ttmL", 2, 3, r"MTP layers \('m'\) in a pipeline layout are not built"),
+])
+def test_layout_content_errors(text, pp, layers, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        ll.layout_stage_counts(text, pp, layers)
+
+
+def test_accounted_split_written_by_hand():
+    # 6 layers + embedding + loss = 8 places over 4 stages.
+    assert ll.accounted_stage_counts(6, 4, None, True, True) == [[1], [2], [2], [1]]
+    assert ll.accounted_stage_counts(7, 4, None, True, False) == [[1], [2], [2], [2]]
+    assert ll.accounted_stage_counts(7, 4, None, False, True) == [[2], [2], [2], [1]]
+    # pp 2 x vp 3 with both: 6 places, one per chunk.
+    assert ll.accounted_stage_counts(4, 2, 3, True, True) == [[0, 1, 1], [1, 1, 0]]
+    with pytest.raises(ConfigError, match=r"--num-layers \(6\) plus one place each for "
+                       r"--account-for-embedding-in-pipeline-split = 7 is not divisible by "
+                       r"--pipeline-model-parallel-size \(4\)"):
+        ll.accounted_stage_counts(6, 4, None, True, False)
+
+
+def _layers(counts):
+    """Every chunk's global layer numbers, from the counts by walking the stages in running
+    order (virtual stage 0 of every rank, then 1, ...): the reference for the offsets."""
+    pp, vp = len(counts), len(counts[0])
+    owned, next_layer = {}, 0
+    for v in range(vp):
+        for p in range(pp):
+            owned[(p, v)] = list(range(next_layer, next_layer + counts[p][v]))
+            next_layer += counts[p][v]
+    return owned
+
+
+@pytest.mark.parametrize("kw,pp,vp,expected", [
+    (dict(pipeline_model_parallel_layout="E|tt|t|tL"), 2, 2,
+     {(0, 0): [], (1, 0): [0, 1], (0, 1): [2], (1, 1): [3]}),
+    (dict(pipeline_model_parallel_layout="Et|tttL"), 2, None, {(0, 0): [0], (1, 0): [1, 2, 3]}),
+    (dict(account_for_embedding_in_pipeline_split=True,
+          account_for_loss_in_pipeline_split=True), 2, 3,
+     {(0, 0): [], (1, 0): [0], (0, 1): [1], (1, 1): [2], (0, 2): [3], (1, 2): []}),
+    (dict(), 2, 2, {(0, 0): [0], (1, 0): [1], (0, 1): [2], (1, 1): [3]}),
+])
+def test_model_chunks_hold_the_layers_written_out(kw, pp, vp, expected):
+    cfg = TransformerConfig(num_layers=4, hidden_size=32, num_attention_heads=4,
+                            padded_vocab_size=128, max_position_embeddings=16, seq_length=16,
+                            **kw)
+    got = {}
+    for p in range(pp):
+        for v in range(vp or 1):
+            count, offset = get_num_layers_and_offset(cfg, pp, p, vp, v if vp else None)
+            got[(p, v)] = list(range(offset, offset + count))
+    assert got == expected
+    counts = [[len(expected[(p, v)]) for v in range(vp or 1)] for p in range(pp)]
+    assert _layers(counts) == expected
+
+
+BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 "
+        "--max-position-embeddings 32 --micro-batch-size 2 --train-iters 10 "
+        "--pipeline-model-parallel-size 2").split()
+
+
+def _validate(extra, world=2):
+    args = parse_args(argv=BASE + list(extra))
+    args.world_size = world
+    return validate_args(args)
+
+
+def test_flags_derive_virtual_stages():
+    args = _validate(["--pipeline-model-parallel-layout", "E|tt|t|tL"])
+    assert args.virtual_pipeline_model_parallel_size == 2
+    assert _validate(["--pipeline-model-parallel-layout", "Et|tttL"]) \
+        .virtual_pipeline_model_parallel_size is None
+    args = _validate(["--account-for-embedding-in-pipeline-split",
+                      "--account-for-loss-in-pipeline-split",
+                      "--num-virtual-stages-per-pipeline-rank", "3"])
+    assert args.virtual_pipeline_model_parallel_size == 3
+
+
+@pytest.mark.parametrize("extra,pattern", [
+    (["--pipeline-model-parallel-layout", "Et|tt(L"],
+     r"--pipeline-model-parallel-layout 'Et\|tt\(L': '\(' without .* at position 5"),
+    (["--pipeline-model-parallel-layout", "Et|tttL", "--decoder-first-pipeline-num-layers",
+      "1"], r"--pipeline-model-parallel-layout cannot be combined with "
+     r"--decoder-first-pipeline-num-layers"),
+    (["--pipeline-model-parallel-layout", "Et|tttL", "--account-for-loss-in-pipeline-split"],
+     r"--pipeline-model-parallel-layout cannot be combined with "
+     r"--account-for-loss-in-pipeline-split"),
+    (["--account-for-embedding-in-pipeline-split"],
+     r"--num-layers \(4\) plus one place each for --account-for-embedding-in-pipeline-split "
+     r"= 5 is not divisible by --pipeline-model-parallel-size \(2\)"),
+    (["--account-for-loss-in-pipeline-split", "--num-layers-per-virtual-pipeline-stage", "1"],
+     r"--account-for-loss-in-pipeline-split cannot be combined with "
+     r"--num-layers-per-virtual-pipeline-stage"),
+])
+def test_flag_errors(extra, pattern):
+    with pytest.raises(ArgumentsError, match=pattern):
+        _validate(extra)
