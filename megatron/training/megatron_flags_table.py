@@ -111,15 +111,12 @@ HETERO = "heterogeneous (per-layer) architectures are not built yet; drop it"
 UPCYCLING = "dense-to-MoE upcycling is not built yet; drop it"
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
-PP_LAYOUT = ("custom pipeline layouts are not built yet; use --decoder-first-pipeline-num-layers "
-             "/ --decoder-last-pipeline-num-layers")
 VP_GROUP = ("the interleaved schedule here groups --pipeline-model-parallel-size micro-batches "
             "per virtual stage; drop it")
 CP_VARIANTS = ("hierarchical/hybrid context parallelism is not built yet; use "
                "--context-parallel-size with --cp-comm-type")
 WEIGHT_SHARDS = "sharded tensor-parallel weights are not built yet; drop it"
 UCC = "only the default communication backend is built here; drop it"
-RANK_ORDER = "the rank order is always tensor-context-expert-data-pipeline here; drop it"
 GRAD_PRECISION = ("gradients are reduced in fp32 here with --bf16 (as "
                   "--accumulate-allreduce-grads-in-fp32); drop it")
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
@@ -189,8 +186,6 @@ ROWS = (
     ('--mtp-detach-heads', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hsm', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hybrid-override-pattern', '', 'str', None, '', REFUSED, MTP),
-    ('--account-for-embedding-in-pipeline-split', '', 'true', False, '', REFUSED, PP_LAYOUT),
-    ('--account-for-loss-in-pipeline-split', '', 'true', False, '', REFUSED, PP_LAYOUT),
     ('--attention-backend', '', 'attn_backend', 'auto', '', NO_EFFECT, ATTN_BACKEND),
     ('--flash-attention-version', '', 'int', None, '2|3|4', NO_EFFECT, ATTN_BACKEND),
     ('--glu-linear-offset', '', 'float', 0.0, '', REFUSED, MODEL_VARIANT),
@@ -500,7 +495,6 @@ ROWS = (
     ('--no-align-grad-reduce --disable-align-grad-reduce', 'align_grad_reduce',
      'false', True, '', NO_EFFECT, SCHEDULE),
     ('--nccl-communicator-config-path', '', 'str', None, '', NO_EFFECT, NCCL_TUNING),
-    ('--use-tp-pp-dp-mapping', '', 'true', False, '', REFUSED, RANK_ORDER),
     ('--disable-gloo-process-groups', 'use_gloo_process_groups',
      'false', True, '', NO_EFFECT, NCCL_TUNING),
     ('--use-sharp', '', 'true', False, '', NO_EFFECT, NCCL_TUNING),
@@ -517,7 +511,6 @@ ROWS = (
     ('--no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec',
      'flight_recorder_extra_dump_on_exec', 'false', True, '', REFUSED, TIMEOUTS),
     ('--disable-jit-fuser', '', 'true', False, '', NO_EFFECT, FUSION),
-    ('--pipeline-model-parallel-layout', '', 'str', None, '', REFUSED, PP_LAYOUT),
     ('--num-virtual-stages-per-pipeline-rank', '', 'int', None, '', WORKS, None),
     ('--no-overlap-p2p-communication', 'overlap_p2p_comm', 'false', True, '', NO_EFFECT, SCHEDULE),
     ('--ddp-num-buckets', '', 'int', None, '', NO_EFFECT, BUCKETS),
