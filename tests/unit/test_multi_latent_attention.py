@@ -1,0 +1,144 @@
+"""Multi-latent attention (--multi-latent-attention) against a naive fp64 MLA written here:
+explicit projections, a per-head loop, rotation of neighbouring pairs written out with cos and
+sin, RMS norms by hand, and DeepSeek's softmax scale (YaRN's all-dim mscale squared over
+sqrt(qk_head_dim + qk_pos_emb_head_dim))."""
+
+import math
+
+import pytest
+import torch
+
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.utils import init_method_normal
+from megatron.model.multi_latent_attention import MultiLatentAttention
+from megatron.model.rotary_pos_embedding import build_rotary_embedding, yarn_inv_freq, \
+    YarnSettings
+from megatron.training.arguments import build_parser
+
+H, HEADS, D, R, DV, C = 32, 4, 8, 4, 6, 16
+
+
+def _config(**kw):
+    base = dict(num_layers=2, hidden_size=H, num_attention_heads=HEADS, padded_vocab_size=64,
+                max_position_embeddings=64, seq_length=16, attention_dropout=0.0,
+                hidden_dropout=0.0, params_dtype=torch.float64, normalization="RMSNorm",
+                layernorm_epsilon=1e-6, qk_layernorm=True, add_bias_linear=False,
+                position_embedding_type="rope", multi_latent_attention=True,
+                kv_lora_rank=C, qk_head_dim=D, qk_pos_emb_head_dim=R, v_head_dim=DV)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def _module(config):
+    torch.manual_seed(3)
+    init = init_method_normal(0.2)
+    module = MultiLatentAttention(config, 1, None, 1, False, init, init)
+    with torch.no_grad():   # norms away from 1, so a missing norm weight would show
+        for name, param in module.named_parameters():
+            if "layernorm" in name:
+                param.uniform_(0.5, 1.5)
+    return module.eval()
+
+
+def _rms(x, w, eps=1e-6):
+    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+
+
+def _rotate_pairs(x, pos, inv_freq, mscale):
+    """Channel pair (2i, 2i+1) of x [r] at position pos turned by pos * inv_freq[i]."""
+    out = torch.empty_like(x)
+    for i in range(x.numel() // 2):
+        c, s = math.cos(pos * inv_freq[i]) * mscale, math.sin(pos * inv_freq[i]) * mscale
+        a, b = x[2 * i].item(), x[2 * i + 1].item()
+        out[2 * i], out[2 * i + 1] = a * c - b * s, a * s + b * c
+    return out
+
+
+def _naive_mla(module, x, inv_freq, scale, concentration=1.0):
+    """fp64 MLA of x [s, b, h] from the module's weights, one head and token at a time."""
+    p = {k: v.detach().double() for k, v in module.state_dict().items()}
+    s, b, _ = x.shape
+    if "linear_q_proj.weight" in p:
+        q_all = x @ p["linear_q_proj.weight"].T
+    else:
+        q_lat = _rms(x @ p["linear_q_down_proj.weight"].T, p["q_layernorm.weight"])
+        q_all = q_lat @ p["linear_q_up_proj.weight"].T                     # [s, b, H*(d+r)]
+    kv = x @ p["linear_kv_down_proj.weight"].T
+    latent = _rms(kv[..., :C], p["kv_layernorm.weight"])
+    k_rope = kv[..., C:]                                                    # [s, b, r]
+    kv_up = latent @ p["linear_kv_up_proj.weight"].T                       # [s, b, H*(d+dv)]
+    out = torch.zeros(s, b, HEADS * DV, dtype=torch.float64)
+    for bi in range(b):
+        for h in range(HEADS):
+            q = q_all[:, bi, h * (D + R):(h + 1) * (D + R)]
+            kvh = kv_up[:, bi, h * (D + DV):(h + 1) * (D + DV)]
+            qs = [torch.cat([q[t, :D], _rotate_pairs(q[t, D:], t, inv_freq, concentration)])
+                  for t in range(s)]
+            ks = [torch.cat([kvh[t, :D], _rotate_pairs(k_rope[t, bi], t, inv_freq,
+                                                        concentration)]) for t in range(s)]
+            for i in range(s):
+                scores = torch.tensor([float(qs[i] @ ks[j]) * scale for j in range(i + 1)],
+                                      dtype=torch.float64)
+                probs = torch.softmax(scores, 0)
+                out[i, bi, h * DV:(h + 1) * DV] = sum(probs[j] * kvh[j, D:] for j in range(i + 1))
+    return out @ p["linear_proj.weight"].T
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+@pytest.mark.parametrize("flash", [False, True])
+def test_mla_matches_naive_fp64(q_lora_rank, flash):
+    config = _config(q_lora_rank=q_lora_rank, use_flash_attn=flash)
+    module = _module(config)
+    assert (q_lora_rank is None) == hasattr(module, "linear_q_proj")
+    x = torch.randn(6, 2, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    rotary = build_rotary_embedding(config)(6)                            # [s, 1, 1, r]
+    out, bias = module(x, None, rotary)
+    assert bias is None
+    inv_freq = [10000 ** (-2 * i / R) for i in range(R // 2)]
+    want = _naive_mla(module, x, inv_freq, 1 / math.sqrt(D + R))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+def test_mla_yarn_scales_rotation_and_softmax():
+    kw = dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4.0, yarn_mscale=0.9,
+              yarn_mscale_all_dim=0.7, yarn_original_max_position_embeddings=8,
+              q_lora_rank=12)
+    config = _config(**kw)
+    module = _module(config)
+    x = torch.randn(5, 1, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    out, _ = module(x, None, build_rotary_embedding(config)(5))
+
+    def m(k):
+        return 0.1 * k * math.log(4.0) + 1
+
+    yarn = YarnSettings(scaling_factor=4.0, original_max_position_embeddings=8, mscale=0.9,
+                        mscale_all_dim=0.7)
+    inv_freq = yarn_inv_freq(R, 10000, yarn).tolist()
+    want = _naive_mla(module, x, inv_freq, m(0.7) ** 2 / math.sqrt(D + R),
+                      concentration=m(0.9) / m(0.7))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+def test_mla_interleaved_rotary_gives_the_same_scores():
+    x = torch.randn(5, 2, H, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    outs = []
+    for interleaved in (False, True):
+        config = _config(rotary_interleaved=interleaved)
+        outs.append(_module(config)(x, None, build_rotary_embedding(config)(5))[0])
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-12, atol=1e-12)
+
+
+def test_mla_flags_parse_and_bad_values_are_refused():
+    args = build_parser().parse_args([])
+    assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim,
+            args.qk_pos_emb_head_dim, args.v_head_dim) == (False, None, 32, 128, 64, 128)
+    args = build_parser().parse_args(["--multi-latent-attention", "--q-lora-rank", "24"])
+    assert args.multi_latent_attention and args.q_lora_rank == 24
+    with pytest.raises(ConfigError, match="--position-embedding-type rope or yarn"):
+        _config(position_embedding_type="learned_absolute")
+    with pytest.raises(ConfigError, match="--qk-pos-emb-head-dim must be even"):
+        _config(qk_pos_emb_head_dim=3)
+    with pytest.raises(ConfigError, match="--group-query-attention"):
+        _config(num_query_groups=2)
+    with pytest.raises(ConfigError, match="--kv-lora-rank"):
+        _config(kv_lora_rank=0)
