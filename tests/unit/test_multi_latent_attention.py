@@ -142,3 +142,84 @@ def test_mla_flags_parse_and_bad_values_are_refused():
         _config(num_query_groups=2)
     with pytest.raises(ConfigError, match="--kv-lora-rank"):
         _config(kv_lora_rank=0)
+
+
+# -- torch_dist keys ----------------------------------------------------------------------------
+
+def _mla_gpt(q_lora_rank):
+    import types
+
+    from megatron.checkpoint.dist import chunk_layout
+    from megatron.model.gpt_model import GPTModel
+
+    config = _config(q_lora_rank=q_lora_rank, num_layers=2, params_dtype=torch.float32)
+    pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0)
+    torch.manual_seed(0)
+    model = GPTModel(config, pstate)
+    return model, chunk_layout(config, pstate)
+
+
+def test_mla_placements_split_up_projections_by_heads_and_replicate_down_projections():
+    from megatron.checkpoint.dist import ChunkLayout, placements
+
+    rank1 = ChunkLayout(num_layers=2, tp_rank=1, tp_size=2, mla=True)
+    prefix = "language_model.encoder.layers.1."
+    up, = placements(prefix + "self_attention.linear_kv_up_proj.weight", (28, 16), rank1)
+    assert (up.key, up.global_shape, up.global_offset, up.written) == (
+        "decoder.layers.self_attention.linear_kv_up_proj.weight", (2, 56, 16), (1, 28, 0), True)
+    proj, = placements(prefix + "self_attention.linear_proj.weight", (32, 12), rank1)
+    assert (proj.global_shape, proj.global_offset) == ((2, 32, 24), (1, 0, 12))
+    down, = placements(prefix + "self_attention.linear_kv_down_proj.weight", (20, 32), rank1)
+    assert (down.global_shape, down.global_offset, down.written) == ((2, 20, 32), (1, 0, 0),
+                                                                     False)
+    norm, = placements(prefix + "input_layernorm.weight", (32,), rank1)
+    assert norm.key == "decoder.layers.input_layernorm.weight"
+    kv_norm, = placements(prefix + "self_attention.kv_layernorm.weight", (16,), rank1)
+    assert kv_norm.key == "decoder.layers.self_attention.linear_kv_up_proj.layer_norm_weight"
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_mla_model_saves_megatron_core_keys_and_loads_both_spellings(tmp_path, q_lora_rank):
+    from megatron.checkpoint.dist import (DistCheckpointReader, extra_state_objects,
+                                          load_model_state, model_shards, save_shards)
+    from megatron.model.module import flatten_state_dict
+
+    model, layout = _mla_gpt(q_lora_rank)
+    state = model.state_dict_for_save_checkpoint()
+    save_shards(str(tmp_path / "te"), model_shards(state, layout))
+    reader = DistCheckpointReader(str(tmp_path / "te"))
+    attn = "decoder.layers.self_attention."
+    q_keys = ({attn + "linear_q_proj.weight": (2, HEADS * (D + R), H)} if q_lora_rank is None
+              else {attn + "linear_q_down_proj.weight": (2, 12, H),
+                    attn + "linear_q_up_proj.layer_norm_weight": (2, 12),
+                    attn + "linear_q_up_proj.weight": (2, HEADS * (D + R), 12)})
+    want = {**q_keys, "decoder.layers.input_layernorm.weight": (2, H),
+            attn + "linear_kv_down_proj.weight": (2, C + R, H),
+            attn + "linear_kv_up_proj.layer_norm_weight": (2, C),
+            attn + "linear_kv_up_proj.weight": (2, HEADS * (D + DV), C),
+            attn + "linear_proj.weight": (2, H, HEADS * DV)}
+    layer_keys = {k: v for k, v in ((k, s) for k, (s, _) in reader.summary().items())
+                  if k.startswith("decoder.layers.") and not k.startswith("decoder.layers.mlp")}
+    assert layer_keys == want
+    extra = {o.fqn.split("/")[0] for o in extra_state_objects(
+        layout, 2, list(flatten_state_dict(state)))}
+    modules = ["linear_proj", "linear_kv_down_proj", "linear_kv_up_proj"] + (
+        ["linear_q_proj"] if q_lora_rank is None else ["linear_q_down_proj", "linear_q_up_proj"])
+    assert {attn + m + "._extra_state" for m in modules} <= extra
+    assert attn + "linear_qkv._extra_state" not in extra
+    # Megatron-Core's local spec spells the latent norms q_layernorm / kv_layernorm.
+    renamed = [s for s in model_shards(state, layout)]
+    for shard in renamed:
+        for te, local in (("linear_q_up_proj.layer_norm_weight", "q_layernorm.weight"),
+                          ("linear_kv_up_proj.layer_norm_weight", "kv_layernorm.weight")):
+            shard.key = shard.key.replace(te, local)
+    save_shards(str(tmp_path / "local"), renamed)
+    for folder in ("te", "local"):
+        other, _ = _mla_gpt(q_lora_rank)
+        with torch.no_grad():
+            for p in other.parameters():
+                p.zero_()
+        loaded = load_model_state(DistCheckpointReader(str(tmp_path / folder)),
+                                  other.state_dict_for_save_checkpoint(), layout)
+        flat, saved = flatten_state_dict(loaded), flatten_state_dict(state)
+        assert [k for k in saved if not torch.equal(flat[k], saved[k])] == [], folder
