@@ -223,3 +223,15 @@ def test_mla_model_saves_megatron_core_keys_and_loads_both_spellings(tmp_path, q
                                   other.state_dict_for_save_checkpoint(), layout)
         flat, saved = flatten_state_dict(loaded), flatten_state_dict(state)
         assert [k for k in saved if not torch.equal(flat[k], saved[k])] == [], folder
+
+
+def test_converter_refuses_mla_checkpoints_in_one_line():
+    import types
+
+    from megatron.convert import megatron_io
+    from megatron.convert.schema import ConversionError
+
+    args = build_parser().parse_args(["--multi-latent-attention"])
+    source = types.SimpleNamespace(args=args, file=lambda *_: "ckpt/iter_0000001")
+    with pytest.raises(ConversionError, match="ckpt/iter_0000001: --multi-latent-attention"):
+        megatron_io._meta_from_args(source, None)
