@@ -32,6 +32,7 @@ from megatron.core.collectives import get_group_size
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
+from megatron.fused_kernels.softmax import causal_mask
 from megatron.model.attention import CoreAttention
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
@@ -165,8 +166,6 @@ class MultiLatentAttention(MegatronModule):
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_params=None):
         """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> (output, bias), as
         :meth:`~megatron.model.attention.ParallelAttention.forward`."""
-        if inference_params is not None:
-            raise ConfigError("text generation with --multi-latent-attention is not built yet")
         if rotary_pos_emb is None:
             raise ConfigError("--multi-latent-attention needs rotary positions "
                               "(--position-embedding-type rope or yarn)")
@@ -188,6 +187,11 @@ class MultiLatentAttention(MegatronModule):
         query = torch.cat((q_nope, q_pos), dim=-1)                           # [s, b, np, d+r]
         key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads, -1)), dim=-1)
         value = value.contiguous()
+        if inference_params is not None:
+            key, value = self._update_kv_cache(key, value, inference_params)
+            if attention_mask is None:   # query i sits at position offset + i
+                attention_mask = causal_mask(query.size(0), key.size(0),
+                                             device=query.device)[None, None]
         if self.checkpoint_core_attention and torch.is_grad_enabled():
             context = tensor_parallel.checkpoint(
                 lambda q, k, v: self.core_attention(q, k, v, attention_mask), False,
@@ -195,3 +199,25 @@ class MultiLatentAttention(MegatronModule):
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*dv]
         return self.linear_proj(context)
+
+    def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
+        """Write this step's expanded keys ``[s, b, np, d + r]`` and values ``[s, b, np, dv]``
+        into the layer's cache at ``sequence_len_offset`` and return every cached position up
+        to them (the full keys and values are cached, not the latents)."""
+        cache = inference_params.key_value_memory_dict
+        if self.layer_number not in cache:
+            def empty(t):
+                return torch.empty((inference_params.max_sequence_length,
+                                    inference_params.max_batch_size) + tuple(t.shape[2:]),
+                                   dtype=t.dtype, device=t.device)
+            cache[self.layer_number] = (empty(key), empty(value))
+        keys, values = cache[self.layer_number]
+        s0, b0 = inference_params.sequence_len_offset, inference_params.batch_size_offset
+        s1, b1 = s0 + key.size(0), b0 + key.size(1)
+        if s1 > keys.size(0) or b1 > keys.size(1):
+            raise ValueError(f"key/value cache of layer {self.layer_number} holds "
+                             f"{keys.size(0)} positions x {keys.size(1)} sequences; this step "
+                             f"needs positions up to {s1} and sequences up to {b1}")
+        keys[s0:s1, b0:b1] = key
+        values[s0:s1, b0:b1] = value
+        return keys[:s1, b0:b1], values[:s1, b0:b1]

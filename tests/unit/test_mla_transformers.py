@@ -107,3 +107,24 @@ def test_mla_gpt_logits_match_transformers_deepseek_v3(q_lora_rank, rope):
         got = ours(tokens, None, None)
     assert got.shape == want.shape
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 12])
+def test_mla_cached_decoding_gives_the_full_forward_logits(q_lora_rank):
+    """Generation's key/value cache: a prompt, then one token at a time, equals one forward."""
+    from megatron.text_generation.inference_params import InferenceParams
+
+    torch.manual_seed(1)
+    model = _ours(q_lora_rank, **YARN_OURS)
+    seq = 10
+    ids = torch.randint(0, VOCAB, (2, seq), generator=torch.Generator().manual_seed(3))
+    pos = torch.arange(seq).expand(2, seq)
+    with torch.no_grad():
+        full = model(ids, pos, None)
+        cache, prompt = InferenceParams(2, seq), seq - 4
+        steps = [model(ids[:, :prompt], pos[:, :prompt], None, inference_params=cache)]
+        cache.sequence_len_offset = prompt
+        for i in range(prompt, seq):
+            steps.append(model(ids[:, i:i + 1], pos[:, i:i + 1], None, inference_params=cache))
+            cache.sequence_len_offset += 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)

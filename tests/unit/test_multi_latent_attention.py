@@ -235,3 +235,21 @@ def test_converter_refuses_mla_checkpoints_in_one_line():
     source = types.SimpleNamespace(args=args, file=lambda *_: "ckpt/iter_0000001")
     with pytest.raises(ConversionError, match="ckpt/iter_0000001: --multi-latent-attention"):
         megatron_io._meta_from_args(source, None)
+
+
+def test_mla_under_rope_takes_yarn_as_megatron_core_does():
+    """DeepSeek-V3's recipe: --position-embedding-type rope with --rotary-scaling-factor 40
+    --mscale 1 --mscale-all-dim 1 runs YaRN (MLA's rope type when --rope-type is unset)."""
+    from megatron.model.multi_latent_attention import mla_softmax_scale
+    from megatron.training.configs import _position_embedding_type
+
+    words = ["--multi-latent-attention", "--position-embedding-type", "rope",
+             "--rotary-scaling-factor", "40", "--mscale", "1.0", "--mscale-all-dim", "1.0"]
+    args = build_parser().parse_args(words)
+    assert _position_embedding_type(args) == "yarn"
+    assert _position_embedding_type(build_parser().parse_args(words[1:])) == "rope"
+    config = _config(position_embedding_type="yarn", yarn_rotary_scaling_factor=40.0,
+                     yarn_mscale=1.0, yarn_mscale_all_dim=1.0, qk_head_dim=128,
+                     qk_pos_emb_head_dim=64)
+    m = 0.1 * math.log(40.0) + 1
+    assert mla_softmax_scale(config) == pytest.approx(m * m / math.sqrt(192), rel=1e-15)
