@@ -253,3 +253,17 @@ def test_mla_under_rope_takes_yarn_as_megatron_core_does():
                      qk_pos_emb_head_dim=64)
     m = 0.1 * math.log(40.0) + 1
     assert mla_softmax_scale(config) == pytest.approx(m * m / math.sqrt(192), rel=1e-15)
+
+
+def test_mla_with_context_parallelism_is_refused_before_any_group_exists():
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+    args = parse_args(argv=["--multi-latent-attention", "--context-parallel-size", "2",
+                            "--num-layers", "2", "--hidden-size", "32",
+                            "--num-attention-heads", "4", "--seq-length", "16",
+                            "--max-position-embeddings", "16", "--micro-batch-size", "1",
+                            "--position-embedding-type", "rope"])
+    args.world_size = 2
+    with pytest.raises(ArgumentsError, match="^--multi-latent-attention with "
+                                             "--context-parallel-size 2 is not supported"):
+        validate_args(args)
