@@ -267,3 +267,17 @@ def test_mla_with_context_parallelism_is_refused_before_any_group_exists():
     with pytest.raises(ArgumentsError, match="^--multi-latent-attention with "
                                              "--context-parallel-size 2 is not supported"):
         validate_args(args)
+
+
+def test_mla_selective_recompute_gives_the_same_gradients():
+    x = torch.randn(6, 2, H, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    grads = []
+    for granularity in (None, "selective"):
+        config = _config(q_lora_rank=12, recompute_granularity=granularity)
+        module = _module(config).train()
+        out, _ = module(x, None, build_rotary_embedding(config)(6))
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in module.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=1e-12, msg=name)
