@@ -25,7 +25,7 @@ SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "num_query_groups", "kv_channels", "max_position_embeddings",
               "position_embedding_type", "padded_vocab_size", "swiglu", "normalization",
               "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-              "bert_binary_head", "qk_layernorm")
+              "bert_binary_head", "qk_layernorm", "multi_latent_attention")
 # The same for mixture-of-experts models: which layers have experts, how many, how large
 # (checked on load, but not taken by --use-checkpoint-args: the MoE flags are the run's).
 MOE_SHAPE_ARGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
@@ -46,6 +46,8 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "yarn_correction_range_round_to_int",
                                 "apply_query_key_layer_scaling",
                                 "window_size", "window_attn_skip_freq", "softmax_type",
+                                "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                "qk_pos_emb_head_dim", "v_head_dim",
                                 "vocab_size", "null_tokenizer_eod_id",
                                 "make_vocab_size_divisible_by",
                                 "tensor_model_parallel_size", "pipeline_model_parallel_size")

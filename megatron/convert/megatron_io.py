@@ -399,6 +399,10 @@ def _attention_fields(args, where: str) -> dict:
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
+    if getattr(args, "multi_latent_attention", False):
+        raise ConversionError(f"{src.file(0, 0)}: --multi-latent-attention checkpoints cannot "
+                              "be converted yet (load them with the training's own "
+                              "--ckpt-format torch or torch_dist)")
     heads = args.num_attention_heads
     gqa = getattr(args, "group_query_attention", False)
     position = getattr(args, "position_embedding_type", "learned_absolute")

@@ -104,6 +104,11 @@ def layer_tensor_shapes(meta: ModelMeta, index: int = 0) -> Dict[str, Tuple[int,
     return {name: shapes.get(name, (h,)) for name in layer_tensor_names(meta, index)}
 
 
+# Multi-latent attention's projections split by heads (its down projections are replicated).
+_MLA_ROW_SPLIT = ("self_attention.linear_q_proj.weight", "self_attention.linear_q_up_proj.weight",
+                  "self_attention.linear_kv_up_proj.weight")
+
+
 def tp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
     """``(dim, stride)`` a layer tensor is split along over TP ranks, None when replicated.
     Experts are split over expert-TP, which the converter keeps equal to TP: fc1 by rows (its
@@ -115,11 +120,11 @@ def tp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
     if expert is not None:
         name = {"linear_fc1.weight": f"{_H_TO_4H}.weight", "linear_fc1.bias": f"{_H_TO_4H}.bias",
                 "linear_fc2.weight": f"{_4H_TO_H}.weight"}.get(expert[1], expert[1])
-    if name.startswith(_QKV + ".") or name == _OFFSET:
+    if name.startswith(_QKV + ".") or name == _OFFSET or name in _MLA_ROW_SPLIT:
         return 0, 1
     if name.startswith(_H_TO_4H + "."):
         return 0, 2 if swiglu else 1
-    if name in (f"{_DENSE}.weight", f"{_4H_TO_H}.weight"):
+    if name in (f"{_DENSE}.weight", f"{_4H_TO_H}.weight", "self_attention.linear_proj.weight"):
         return 1, 1
     return None
 

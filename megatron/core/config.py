@@ -93,6 +93,15 @@ class TransformerConfig:
     # --softmax-type: vanilla, off-by-one (an extra zero logit per head in the denominator) or
     # learnable (that logit a per-head parameter, gpt-oss's attention sinks).
     softmax_type: str = "vanilla"
+    # Multi-latent attention (--multi-latent-attention): queries (optionally through a
+    # --q-lora-rank bottleneck), keys and values from a --kv-lora-rank latent, per-head
+    # dims --qk-head-dim (+ --qk-pos-emb-head-dim rotary channels) and --v-head-dim.
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -120,7 +129,7 @@ class TransformerConfig:
         if self.position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ConfigError("--position-embedding-type must be learned_absolute, rope, yarn or "
                               f"none, got {self.position_embedding_type!r}")
-        problem = rope_variant_conflict(self)
+        problem = rope_variant_conflict(self) or mla_conflict(self)
         if problem is not None:
             raise ConfigError(problem)
         if (self.position_embedding_type == "learned_absolute"
@@ -273,6 +282,32 @@ def pipeline_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = 
     if last is not None:
         counts[-1] = last
     return counts
+
+
+def mla_conflict(config: TransformerConfig) -> Optional[str]:
+    """Why the multi-latent attention flags of ``config`` cannot be built (None: they can)."""
+    if not config.multi_latent_attention:
+        return None
+    if config.position_embedding_type not in ("rope", "yarn"):
+        return ("--multi-latent-attention needs --position-embedding-type rope or yarn, got "
+                f"{config.position_embedding_type}")
+    if config.num_query_groups != config.num_attention_heads:
+        return "--multi-latent-attention does not combine with --group-query-attention"
+    if config.rotary_percent != 1.0:
+        return "--multi-latent-attention rotates all --qk-pos-emb-head-dim channels: drop " \
+            f"--rotary-percent {config.rotary_percent}"
+    sizes = [("--kv-lora-rank", config.kv_lora_rank), ("--qk-head-dim", config.qk_head_dim),
+             ("--qk-pos-emb-head-dim", config.qk_pos_emb_head_dim),
+             ("--v-head-dim", config.v_head_dim)]
+    if config.q_lora_rank is not None:
+        sizes.append(("--q-lora-rank", config.q_lora_rank))
+    for flag, value in sizes:
+        if value is None or value <= 0:
+            return f"{flag} must be a positive integer with --multi-latent-attention, got {value}"
+    if config.qk_pos_emb_head_dim % 2:
+        return f"--qk-pos-emb-head-dim must be even (rotary pairs), got " \
+            f"{config.qk_pos_emb_head_dim}"
+    return None
 
 
 def rope_variant_conflict(config: TransformerConfig) -> Optional[str]:

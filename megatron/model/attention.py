@@ -67,7 +67,8 @@ class CoreAttention(MegatronModule):
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, num_heads: int,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group=None):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, tp_group=None,
+                 softmax_scale: Optional[float] = None):
         super().__init__(config)
         self.attn_mask_type = attn_mask_type
         self.num_heads = num_heads
@@ -81,7 +82,11 @@ class CoreAttention(MegatronModule):
                               "causal attention (GPT) sees no later key; the right side "
                               "must be 0")
         coeff = None
-        self.norm_factor = math.sqrt(self.hidden_size_per_head)
+        # softmax_scale: multi-latent attention's own (its query/key head dim and YaRN's mscale).
+        self.softmax_scale = (1.0 / math.sqrt(self.hidden_size_per_head) if softmax_scale is None
+                              else softmax_scale)
+        self.norm_factor = (math.sqrt(self.hidden_size_per_head) if softmax_scale is None
+                            else 1.0 / softmax_scale)
         softmax_in_fp32 = config.attention_softmax_in_fp32
         if config.apply_query_key_layer_scaling:
             # Scores are divided by the layer number before the half-precision matmul output
@@ -151,10 +156,11 @@ class CoreAttention(MegatronModule):
                                         self.softmax_offset)
         with dropout_rng_context(self.training and self.attention_dropout_p > 0):
             probs = self.attention_dropout(probs)                        # [b, np, sq, sk]
-        v = value.reshape(sk, b * np_, hn).transpose(0, 1)               # [b*np, sk, hn]
-        context = torch.bmm(probs.view(b * np_, sq, sk), v)              # [b*np, sq, hn]
-        context = context.view(b, np_, sq, hn).permute(2, 0, 1, 3)       # [sq, b, np, hn]
-        return context.reshape(sq, b, np_ * hn)                          # [sq, b, np*hn]
+        hv = value.size(-1)                 # the value head dim (MLA's may differ from hn)
+        v = value.reshape(sk, b * np_, hv).transpose(0, 1)               # [b*np, sk, hv]
+        context = torch.bmm(probs.view(b * np_, sq, sk), v)              # [b*np, sq, hv]
+        context = context.view(b, np_, sq, hv).permute(2, 0, 1, 3)       # [sq, b, np, hv]
+        return context.reshape(sq, b, np_ * hv)                          # [sq, b, np*hv]
 
     def _sdpa_forward(self, query, key, value, attention_mask):
         sq, b, np_, hn = query.shape
@@ -165,8 +171,8 @@ class CoreAttention(MegatronModule):
         with dropout_rng_context(dropout_p > 0):
             context = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=keep, dropout_p=dropout_p, is_causal=is_causal,
-                scale=1.0 / math.sqrt(hn))                               # [b, np, sq, hn]
-        return context.permute(2, 0, 1, 3).reshape(sq, b, np_ * hn)      # [sq, b, np*hn]
+                scale=self.softmax_scale)                                # [b, np, sq, hv]
+        return context.permute(2, 0, 1, 3).reshape(sq, b, -1)            # [sq, b, np*hv]
 
 
 class ParallelAttention(MegatronModule):

@@ -125,6 +125,8 @@ def rotary_attention_scale(config) -> float:
 def build_rotary_embedding(config) -> Optional["RotaryEmbedding"]:
     """The rotary embedding a TransformerConfig asks for, or None (no rotary positions)."""
     dim = int(config.kv_channels * config.rotary_percent)
+    if getattr(config, "multi_latent_attention", False):
+        dim = config.qk_pos_emb_head_dim        # only the decoupled position channels rotate
     if config.position_embedding_type == "yarn":
         return RotaryEmbedding(dim, config.rotary_base, config.rotary_interleaved,
                                yarn=YarnSettings.from_config(config))

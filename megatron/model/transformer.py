@@ -24,6 +24,7 @@ from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
 from megatron.fused_kernels.bias_gelu import bias_gelu_impl, bias_gelu_unfused
 from megatron.fused_kernels.swiglu import bias_swiglu_impl, bias_swiglu_unfused
 from megatron.model.attention import ParallelAttention, dropout_rng_context
+from megatron.model.multi_latent_attention import MultiLatentAttention
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.moe import MoEConfig, MoELayer, MoELossTracker
@@ -118,9 +119,11 @@ class ParallelTransformerLayer(MegatronModule):
         init_method = get_init_method(config)
         output_init = get_output_layer_init_method(config)
         self.input_layernorm = get_norm(config, sequence_parallel)
-        self.self_attention = ParallelAttention(config, layer_number, tp_group, tp_size,
-                                                sequence_parallel, init_method, output_init,
-                                                self_attn_mask_type, cp_group=groups.cp_group)
+        attention_cls = (MultiLatentAttention if config.multi_latent_attention
+                         else ParallelAttention)
+        self.self_attention = attention_cls(config, layer_number, tp_group, tp_size,
+                                            sequence_parallel, init_method, output_init,
+                                            self_attn_mask_type, cp_group=groups.cp_group)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.tp_group = tp_group
         self.moe_sequence_gather = self.moe_forward_only = False

@@ -60,6 +60,7 @@ def _add_network_size_args(parser):
     g.add_argument("--rope-scaling-factor", type=float, default=8.0,
                    help="the factor of --use-rope-scaling")
     _add_yarn_args(g)
+    _add_mla_args(g)
     g.add_argument("--no-position-embedding", action="store_false",
                    dest="add_position_embedding")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -111,6 +112,21 @@ def parse_window_attn_skip_freq(text: str):
         return parse_moe_layer_freq(text, flag="--window-attn-skip-freq")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_mla_args(g):
+    """Multi-latent attention (DeepSeek-V2/V3), with Megatron-Core's names and defaults."""
+    g.add_argument("--multi-latent-attention", action="store_true", default=False,
+                   help="multi-latent attention instead of standard self-attention")
+    g.add_argument("--q-lora-rank", type=int, default=None,
+                   help="MLA: rank of the query's low-rank projection (None: a full one)")
+    g.add_argument("--kv-lora-rank", type=int, default=32,
+                   help="MLA: rank of the compressed key/value latent")
+    g.add_argument("--qk-head-dim", type=int, default=128,
+                   help="MLA: per-head query/key channels without rotary position")
+    g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
+                   help="MLA: per-head query/key rotary channels (the key's shared by heads)")
+    g.add_argument("--v-head-dim", type=int, default=128, help="MLA: per-head value channels")
 
 
 def _add_yarn_args(g):

@@ -76,6 +76,16 @@ class Configs:
     logging: Optional[LoggingConfig] = None
 
 
+def _position_embedding_type(args) -> str:
+    """``--position-embedding-type``, except that multi-latent attention's rotary positions are
+    YaRN's (Megatron-Core's MLA default with ``--rope-type`` unset) under ``rope``: the
+    DeepSeek recipes set ``--rotary-scaling-factor``, ``--mscale`` and ``--mscale-all-dim``
+    beside ``--position-embedding-type rope``. At the default factor 1 YaRN is plain rope."""
+    if args.multi_latent_attention and args.position_embedding_type == "rope":
+        return "yarn"
+    return args.position_embedding_type
+
+
 def build_configs(args: argparse.Namespace) -> Configs:
     """Typed configs from validated args (``args.padded_vocab_size`` must be set).
 
@@ -92,7 +102,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std,
         layernorm_epsilon=args.norm_epsilon, normalization=args.normalization,
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
-        position_embedding_type=args.position_embedding_type, cp_comm_type=args.cp_comm_type,
+        position_embedding_type=_position_embedding_type(args), cp_comm_type=args.cp_comm_type,
         rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
         rotary_interleaved=args.rotary_interleaved,
         rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
@@ -130,6 +140,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         softmax_type=args.softmax_type,
+        multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,
+        kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
+        qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),

@@ -247,6 +247,9 @@ def _validate_context_parallel(args) -> None:
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
     if cp == 1:
         return
+    if args.multi_latent_attention:
+        _fail(f"--multi-latent-attention with --context-parallel-size {cp} is not supported "
+              "yet: run MLA with --context-parallel-size 1")
     if args.seq_length % (2 * cp):
         _fail(f"--seq-length ({args.seq_length}) is not divisible by 2 x "
               f"--context-parallel-size ({cp}) = {2 * cp}: each sequence is cut into "

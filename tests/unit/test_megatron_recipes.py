@@ -165,8 +165,6 @@ BERT_340M = """
 """
 
 FP8 = {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"}
-MLA = {"--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-       "--qk-pos-emb-head-dim", "--v-head-dim"}
 # Flags that work here but whose combination with the recipe's layout is refused by validation
 # (one line naming the flag): flag -> what it cannot be combined with yet.
 REFUSED_IN_COMBINATION = {"--mtp-num-layers": "pipeline parallelism"}
@@ -176,7 +174,7 @@ RECIPES = {
     "llama3_8b": (LLAMA3_8B, 8, FP8 | {"--grad-reduce-in-bf16"}, False),
     "llama3_70b": (LLAMA3_70B, 64, set(), False),
     "mixtral_8x7b": (MIXTRAL_8X7B, 64, set(), False),
-    "deepseek_v3": (DEEPSEEK_V3, 256, MLA | {
+    "deepseek_v3": (DEEPSEEK_V3, 256, {
         "--moe-token-dispatcher-type", "--moe-enable-deepep", "--mtp-num-layers",
         "--mtp-loss-scaling-factor"}, False),
     "gpt3_175b": (GPT3_175B, 256, set(), False),

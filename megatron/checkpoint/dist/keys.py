@@ -160,6 +160,60 @@ _MOE_SWIGLU_SPLIT = ("mlp.shared_experts.linear_fc1.weight", "linear_fc1.weight"
 # (non-distributed optimizer): ``optimizer.state.exp_avg.<model key>``, same sharding.
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
 
+# --- Multi-latent attention (--multi-latent-attention) ---------------------------------------
+# A chunk's MLA tensors carry Megatron-Core's MLASelfAttention names under the legacy layer
+# prefix and keep them in torch_dist; the input norm and the latents' norms take the names of
+# Megatron-Core's TransformerEngine spec (its default), where the latent norms are fused into
+# the up projections. Its local spec's spellings (``self_attention.q_layernorm.weight``,
+# ``self_attention.kv_layernorm.weight``) are read too (MLA_LOAD_ALIASES). The up projections
+# and linear_q_proj split by rows (whole heads), linear_proj by columns; the down projections
+# and the norms are replicated.
+_MLA_LINEARS = ("linear_q_proj", "linear_q_down_proj", "linear_q_up_proj",
+                "linear_kv_down_proj", "linear_kv_up_proj")
+MLA_LAYER_KEYS = {f"self_attention.{m}.weight": f"self_attention.{m}.weight"
+                  for m in _MLA_LINEARS}
+MLA_LAYER_KEYS.update({
+    "input_layernorm.weight": "input_layernorm.weight",
+    "input_layernorm.bias": "input_layernorm.bias",
+    "self_attention.q_layernorm.weight": "self_attention.linear_q_up_proj.layer_norm_weight",
+    "self_attention.q_layernorm.bias": "self_attention.linear_q_up_proj.layer_norm_bias",
+    "self_attention.kv_layernorm.weight": "self_attention.linear_kv_up_proj.layer_norm_weight",
+    "self_attention.kv_layernorm.bias": "self_attention.linear_kv_up_proj.layer_norm_bias",
+    "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
+    "self_attention.linear_proj.bias": "self_attention.linear_proj.bias",
+})
+_MLA_SPLIT_DIM = {"self_attention.linear_q_proj.weight": 0,
+                  "self_attention.linear_q_up_proj.weight": 0,
+                  "self_attention.linear_kv_up_proj.weight": 0,
+                  "self_attention.linear_proj.weight": 1}
+MLA_LOAD_ALIASES = {
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_q_up_proj.layer_norm_bias": "self_attention.q_layernorm.bias",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_bias": "self_attention.kv_layernorm.bias",
+}
+
+
+def mla_attention_modules(names) -> Tuple[str, ...]:
+    """The MLA linear modules (with extra state) among a layer's legacy tensor names."""
+    present = tuple(f"self_attention.{m}" for m in _MLA_LINEARS
+                    if any(f"self_attention.{m}." in n for n in names))
+    return ("self_attention.linear_proj",) + present
+
+
+def stored_key(key: str, present) -> str:
+    """``key``, or the Megatron-Core local-spec spelling of an MLA norm when only that one is
+    ``present`` (a container of the checkpoint's keys)."""
+    if key in present:
+        return key
+    for te_name, local_name in MLA_LOAD_ALIASES.items():
+        if key.endswith(te_name):
+            alias = key[:-len(te_name)] + local_name
+            if alias in present:
+                return alias
+    return key
+# --- end of multi-latent attention -----------------------------------------------------------
+
 
 def per_layer_keys(moe_layer_freq) -> bool:
     """Whether a model with ``--moe-layer-freq`` ``moe_layer_freq`` is stored with per-layer
@@ -213,6 +267,7 @@ class ChunkLayout:
         per_layer: per-layer keys without the layer axis (Megatron-Core's non-homogeneous
             block, :func:`per_layer_keys`); False: every layer tensor stacked over
             ``num_layers``.
+        mla: the layers are multi-latent attention ones (``MLA_LAYER_KEYS``).
     """
 
     num_layers: int
@@ -227,6 +282,7 @@ class ChunkLayout:
     expert_tp_rank: Optional[int] = None
     expert_tp_size: Optional[int] = None
     per_layer: bool = False
+    mla: bool = False
 
     def __post_init__(self):
         if self.expert_tp_size is None:
@@ -291,12 +347,15 @@ class Placement:
         return dataclasses.replace(self, key=prefix + self.key)
 
 
-def layer_key(legacy_layer_name: str, global_layer: Optional[int] = None) -> str:
+def layer_key(legacy_layer_name: str, global_layer: Optional[int] = None,
+              mla: bool = False) -> str:
     """``decoder.layers.<name>`` for a per-layer legacy name (``mlp.dense_h_to_4h.weight``;
     an expert's ``mlp.experts.local_experts.J.linear_fc1.weight`` gives the key of all
     experts); with ``global_layer``, that layer's key of the per-layer layout
     (``decoder.layers.<g>.<name>``)."""
     prefix = LAYER_PREFIX if global_layer is None else per_layer_prefix(global_layer)
+    if mla and legacy_layer_name in MLA_LAYER_KEYS:
+        return prefix + MLA_LAYER_KEYS[legacy_layer_name]
     if legacy_layer_name in _MOE_KEYS:
         return prefix + legacy_layer_name
     expert = _EXPERT_NAME.fullmatch(legacy_layer_name)
@@ -362,12 +421,12 @@ def is_expert_key(key: str) -> bool:
     return False
 
 
-def mcore_key(name: str) -> Tuple[str, Optional[int]]:
+def mcore_key(name: str, mla: bool = False) -> Tuple[str, Optional[int]]:
     """The Megatron-Core key of a legacy dotted name, and its local layer number (None for a
-    tensor outside the layers)."""
+    tensor outside the layers); ``mla``: the layers are multi-latent attention ones."""
     match = _LAYER_NAME.fullmatch(name)
     if match:
-        return layer_key(match.group(2)), int(match.group(1))
+        return layer_key(match.group(2), mla=mla), int(match.group(1))
     if name in OTHER_KEYS:
         return OTHER_KEYS[name], None
     raise KeyMappingError(f"{name!r} has no Megatron-Core key: only GPT models (embeddings, "
@@ -380,7 +439,7 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
     mtp = _mtp_placements(name, tuple(local_shape), layout)
     if mtp is not None:
         return mtp
-    key, local_layer = mcore_key(name)
+    key, local_layer = mcore_key(name, layout.mla)
     inner = name if local_layer is None else _LAYER_NAME.fullmatch(name).group(2)
     local_shape = tuple(local_shape)
     expert = _EXPERT_NAME.fullmatch(inner) if local_layer is not None else None
@@ -390,6 +449,8 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
         dim, swiglu_split = _MOE_SPLIT_DIM.get(inner), _MOE_SWIGLU_SPLIT
     elif inner in _MOE_KEYS:
         dim, swiglu_split = _MOE_SPLIT_DIM.get(inner), _MOE_SWIGLU_SPLIT
+    elif layout.mla and inner in _MLA_SPLIT_DIM:
+        dim, swiglu_split = _MLA_SPLIT_DIM[inner], ()
     else:
         dim, swiglu_split = _SPLIT_DIM.get(inner), _SWIGLU_SPLIT
     global_shape = list(local_shape)
@@ -438,7 +499,8 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
                                   f"{layout.num_layers} layers (layer offset "
                                   f"{layout.layer_offset})")
         if layout.per_layer:  # the layer is in the key, not on an axis
-            key = layer_key(inner if local_expert is None else expert.group(0), global_layer)
+            key = layer_key(inner if local_expert is None else expert.group(0), global_layer,
+                            layout.mla)
             stacked -= 1
         else:
             global_shape = [layout.num_layers] + global_shape
@@ -457,7 +519,8 @@ def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] 
 
 def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range] = None,
                      num_experts: Optional[int] = None, shared_expert: bool = False,
-                     dense: bool = True, per_layer: bool = False) -> List[str]:
+                     dense: bool = True, per_layer: bool = False,
+                     attention_modules: Optional[Tuple[str, ...]] = None) -> List[str]:
     """The byte entries of one layer's linear modules' extra state. For an MoE layer
     (``experts``: the global numbers of this rank's experts, of ``num_experts``) the MLP's are
     one per expert, ``decoder.layers.mlp.experts.experts.linear_fc{1,2}._extra_state/
@@ -465,13 +528,16 @@ def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range
     ``dense`` False leaves out all but the experts' (written by another rank at EP > 1).
     ``per_layer``: the per-layer layout's entries, ``decoder.layers.<g>.<module>._extra_state/
     shard_0_1`` (no sharding axis: Megatron-Core's offset ``(0,)`` of shape ``(1,)``) and
-    ``decoder.layers.<g>.mlp.experts.experts.linear_fc1._extra_state/shard_<expert>_<E>``."""
+    ``decoder.layers.<g>.mlp.experts.experts.linear_fc1._extra_state/shard_<expert>_<E>``.
+    ``attention_modules``: the attention's linear modules (None: ``linear_proj`` and
+    ``linear_qkv``; multi-latent attention's come from :func:`mla_attention_modules`)."""
+    attention = EXTRA_STATE_MODULES[:2] if attention_modules is None else attention_modules
     if experts is None:
-        modules = EXTRA_STATE_MODULES
+        modules = attention + EXTRA_STATE_MODULES[2:]
     elif not dense:
         modules = ()
     else:
-        modules = EXTRA_STATE_MODULES[:2] + (
+        modules = attention + (
             ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
             if shared_expert else ())
     if per_layer:

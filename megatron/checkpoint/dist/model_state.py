@@ -30,8 +30,9 @@ import torch
 
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout, Placement,
                                            MTP_PREFIX, extra_state_keys, is_expert_key,
-                                           is_per_layer_key, mtp_extra_state_keys, object_key,
-                                           per_layer_keys, placements)
+                                           is_per_layer_key, mla_attention_modules,
+                                           mtp_extra_state_keys, object_key, per_layer_keys,
+                                           placements, stored_key)
 from megatron.checkpoint.dist.reader import DistCheckpointError, DistCheckpointReader
 from megatron.checkpoint.dist.writer import ObjectShard, TensorShard
 from megatron.model.module import flatten_state_dict
@@ -75,7 +76,8 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
                        dp_rank=dp_rank, swiglu=config.swiglu, num_experts=num_experts,
                        expert_offset=expert_offset, expert_dp_rank=expert_dp_rank,
                        expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size,
-                       per_layer=bool(num_experts) and per_layer_keys(moe_layer_freq))
+                       per_layer=bool(num_experts) and per_layer_keys(moe_layer_freq),
+                       mla=getattr(config, "multi_latent_attention", False))
 
 
 def _lead(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
@@ -244,7 +246,7 @@ def read_local_rows(reader: DistCheckpointReader, name: str, local_shape: Tuple[
     local_shape = tuple(local_shape)
     out = torch.empty((rows[1] - rows[0],) + local_shape[1:], dtype=dtype)
     for place in placements(name, local_shape, layout):
-        key = prefix + place.key
+        key = stored_key(prefix + place.key, reader)
         if key not in reader:
             raise _missing_error(reader, key, name, layout)
         lo, hi = _row_span(place, local_shape)
@@ -284,9 +286,15 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
             continue
         if not layout.writes_expert_replicated:
             experts = range(0)
+        attention = None
+        if layout.mla:
+            attention = mla_attention_modules(
+                [n for n in names if f"layers.{local}.self_attention." in n] or
+                ["self_attention.linear_q_proj.", "self_attention.linear_kv_down_proj.",
+                 "self_attention.linear_kv_up_proj."])
         items += [ObjectShard(fqn, None) for fqn in extra_state_keys(
             layout.layer_offset + local, layout.num_layers, experts, layout.num_experts,
-            shared, dense=dense, per_layer=layout.per_layer)]
+            shared, dense=dense, per_layer=layout.per_layer, attention_modules=attention)]
     return items + _mtp_extra_state_objects(layout, names)
 
 
@@ -360,7 +368,7 @@ def read_local(reader: DistCheckpointReader, name: str, like: torch.Tensor,
     """
     out = torch.empty(like.shape, dtype=like.dtype)
     for place in placements(name, tuple(like.shape), layout):
-        key = prefix + place.key
+        key = stored_key(prefix + place.key, reader)
         if key not in reader:
             raise _missing_error(reader, key, name, layout)
         if place.key in VOCAB_ROW_KEYS and reader.shape(key) != place.global_shape:

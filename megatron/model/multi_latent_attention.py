@@ -1,0 +1,223 @@
+"""Multi-latent attention (``--multi-latent-attention``, DeepSeek-V2/V3), split over
+tensor-parallel ranks by heads.
+
+With ``H`` heads, ``d = --qk-head-dim``, ``r = --qk-pos-emb-head-dim``, ``dv = --v-head-dim``:
+
+- query: ``linear_q_proj`` ``[H (d + r), h]``, or with ``--q-lora-rank q`` the bottleneck
+  ``linear_q_down_proj`` ``[q, h]`` -> ``q_layernorm`` -> ``linear_q_up_proj`` ``[H (d + r), q]``;
+  each head's rows are ``[d no-position | r rotary]``.
+- key/value: ``linear_kv_down_proj`` ``[c + r, h]`` (``c = --kv-lora-rank``) gives the latent
+  ``c`` and one rotary key part ``r`` shared by every head; ``kv_layernorm`` normalises the
+  latent and ``linear_kv_up_proj`` ``[H (d + dv), c]`` makes each head's ``[d key | dv value]``.
+- the rotary angles turn only the ``r`` position channels, taken as neighbouring pairs
+  ``(2i, 2i + 1)`` (DeepSeek's layout: de-interleaved to halves, then rotated);
+  the scores are scaled by ``m^2 / sqrt(d + r)``, ``m`` YaRN's ``0.1 --mscale-all-dim ln s + 1``
+  (1 without YaRN); ``linear_proj`` ``[h, H dv]`` is row-parallel.
+
+The norms exist with ``--qk-layernorm`` (as Megatron-Core builds them; DeepSeek sets it). The
+down projections are replicated on every tensor-parallel rank and the up projections split by
+heads. Under sequence parallelism each rank projects its own tokens down and the small latents
+are all-gathered; the replicated weights' gradients are then partial sums (marked
+``sequence_parallel`` for the tensor-parallel all-reduce).
+"""
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron.core import device, tensor_parallel
+from megatron.core.collectives import get_group_size
+from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.utils import divide
+from megatron.fused_kernels.softmax import causal_mask
+from megatron.model.attention import CoreAttention
+from megatron.model.enums import AttnMaskType
+from megatron.model.module import MegatronModule
+from megatron.model.norms import get_norm
+from megatron.model.rotary_pos_embedding import (YarnSettings, apply_rotary_pos_emb,
+                                                 rotary_attention_scale, yarn_get_mscale)
+
+
+def mla_softmax_scale(config: TransformerConfig) -> float:
+    """``m^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)``, ``m`` YaRN's all-dim mscale (1
+    without YaRN)."""
+    mscale = 1.0
+    if config.position_embedding_type == "yarn":
+        yarn = YarnSettings.from_config(config)
+        mscale = yarn_get_mscale(yarn.scaling_factor, yarn.mscale_all_dim)
+    return mscale * mscale / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
+
+
+class ReplicatedLinear(torch.nn.Module):
+    """``y = x W^T`` with the whole ``W`` ``[out, in]`` on every tensor-parallel rank, drawn on
+    the CPU from the default generator (as the parallel layers draw their full weights).
+
+    ``sequence_parallel``: each rank sees its own tokens, so the gradient is a partial sum.
+    """
+
+    def __init__(self, input_size: int, output_size: int, init_method, params_dtype,
+                 sequence_parallel: bool):
+        super().__init__()
+        master = torch.empty(output_size, input_size, dtype=torch.promote_types(
+            params_dtype, torch.float32))
+        init_method(master)
+        self.weight = torch.nn.Parameter(master.to(params_dtype).to(
+            device.current_device()))
+        set_tensor_model_parallel_attributes(self.weight, False, 0, 1)
+        self.weight.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """Channels ``[x0, x1, x2, x3, ..]`` -> ``[x0, x2, .., x1, x3, ..]``."""
+    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+class MultiLatentAttention(MegatronModule):
+    """Megatron-Core's ``MLASelfAttention`` (module and parameter names), for this rank's
+    heads. Takes the arguments of :class:`~megatron.model.attention.ParallelAttention`."""
+
+    def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
+                 sequence_parallel: bool, init_method, output_layer_init_method,
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None):
+        super().__init__(config)
+        if get_group_size(cp_group) > 1:
+            raise ConfigError("--multi-latent-attention does not support "
+                              "--context-parallel-size > 1 yet")
+        self.tp_group = tp_group
+        self.sequence_parallel = sequence_parallel and tp_size > 1
+        self.layer_number = layer_number
+        self.num_heads = divide(config.num_attention_heads, tp_size,
+                                "--num-attention-heads over --tensor-model-parallel-size")
+        self.qk_head_dim, self.pos_dim = config.qk_head_dim, config.qk_pos_emb_head_dim
+        self.v_head_dim, self.kv_lora_rank = config.v_head_dim, config.kv_lora_rank
+        q_head = self.qk_head_dim + self.pos_dim
+        heads = config.num_attention_heads
+        dtype, sp = config.params_dtype, self.sequence_parallel
+
+        def up(in_size, out_size):
+            return tensor_parallel.ColumnParallelLinear(
+                in_size, out_size, init_method=init_method, tp_group=tp_group, bias=False,
+                gather_output=False, sequence_parallel=False, params_dtype=dtype)
+
+        self.q_layernorm = self.kv_layernorm = None
+        if config.q_lora_rank is None:
+            self.linear_q_proj = tensor_parallel.ColumnParallelLinear(
+                config.hidden_size, heads * q_head, init_method=init_method, tp_group=tp_group,
+                bias=False, gather_output=False, sequence_parallel=sequence_parallel,
+                params_dtype=dtype)
+        else:
+            self.linear_q_down_proj = ReplicatedLinear(config.hidden_size, config.q_lora_rank,
+                                                       init_method, dtype, sp)
+            if config.qk_layernorm:
+                self.q_layernorm = get_norm(config, hidden_size=config.q_lora_rank)
+            self.linear_q_up_proj = up(config.q_lora_rank, heads * q_head)
+        self.linear_kv_down_proj = ReplicatedLinear(
+            config.hidden_size, self.kv_lora_rank + self.pos_dim, init_method, dtype, sp)
+        if config.qk_layernorm:
+            self.kv_layernorm = get_norm(config, hidden_size=self.kv_lora_rank)
+        self.linear_kv_up_proj = up(self.kv_lora_rank,
+                                    heads * (self.qk_head_dim + self.v_head_dim))
+        self.core_attention = CoreAttention(config, layer_number, self.num_heads, attn_mask_type,
+                                            tp_group, softmax_scale=mla_softmax_scale(config))
+        self.linear_proj = tensor_parallel.RowParallelLinear(
+            heads * self.v_head_dim, config.hidden_size, init_method=output_layer_init_method,
+            tp_group=tp_group, bias=config.add_bias_linear, input_is_parallel=True,
+            skip_bias_add=True, sequence_parallel=sequence_parallel, params_dtype=dtype)
+        self.rotary_interleaved = config.rotary_interleaved
+        self.rotary_mscale = rotary_attention_scale(config)
+        self.checkpoint_core_attention = config.recompute_granularity == "selective"
+
+    def _down(self, proj: ReplicatedLinear, hidden_states: torch.Tensor) -> torch.Tensor:
+        """A replicated down projection of ``[s(/tp), b, h]`` -> ``[s, b, rank]`` (this rank's
+        tokens' latents gathered under sequence parallelism; the gather's backward keeps this
+        rank's slice, the up projection having summed the heads' gradients already)."""
+        latent = proj(hidden_states)
+        if self.sequence_parallel:
+            latent = tensor_parallel.gather_from_sequence_parallel_region(
+                latent, self.tp_group, tensor_parallel_output_grad=False)
+        return latent
+
+    def _rotate(self, t: torch.Tensor, rotary_pos_emb: torch.Tensor) -> torch.Tensor:
+        """Rotate position channels ``[s, b, n, r]`` as neighbouring pairs."""
+        if not self.rotary_interleaved:
+            t = _deinterleave(t)
+        return apply_rotary_pos_emb(t, rotary_pos_emb, self.rotary_interleaved,
+                                    self.rotary_mscale)
+
+    def _query(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[s(/tp), b, h]`` -> ``[s, b, np, d + r]`` before rotation."""
+        if hasattr(self, "linear_q_proj"):
+            query, _ = self.linear_q_proj(hidden_states)
+        else:
+            latent = self._down(self.linear_q_down_proj, hidden_states)     # [s, b, q]
+            if self.q_layernorm is not None:
+                latent = self.q_layernorm(latent)
+            query, _ = self.linear_q_up_proj(latent)
+        s, b = query.shape[:2]
+        return query.view(s, b, self.num_heads, self.qk_head_dim + self.pos_dim)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                rotary_pos_emb: Optional[torch.Tensor] = None, inference_params=None):
+        """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> (output, bias), as
+        :meth:`~megatron.model.attention.ParallelAttention.forward`."""
+        if rotary_pos_emb is None:
+            raise ConfigError("--multi-latent-attention needs rotary positions "
+                              "(--position-embedding-type rope or yarn)")
+        d, r = self.qk_head_dim, self.pos_dim
+        query = self._query(hidden_states)                                   # [s, b, np, d+r]
+        q_nope, q_pos = torch.split(query, [d, r], dim=-1)
+        kv = self._down(self.linear_kv_down_proj, hidden_states)            # [s, b, c+r]
+        latent, k_pos = torch.split(kv, [self.kv_lora_rank, r], dim=-1)
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        kv, _ = self.linear_kv_up_proj(latent)                              # [s, b, np*(d+dv)]
+        s, b = kv.shape[:2]
+        kv = kv.view(s, b, self.num_heads, d + self.v_head_dim)
+        k_nope, value = torch.split(kv, [d, self.v_head_dim], dim=-1)
+        # This rank's heads use the shared rotary key: its gradient is summed over the ranks.
+        k_pos = tensor_parallel.copy_to_tensor_model_parallel_region(k_pos, self.tp_group)
+        q_pos = self._rotate(q_pos, rotary_pos_emb)
+        k_pos = self._rotate(k_pos.unsqueeze(2), rotary_pos_emb)            # [s, b, 1, r]
+        query = torch.cat((q_nope, q_pos), dim=-1)                           # [s, b, np, d+r]
+        key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads, -1)), dim=-1)
+        value = value.contiguous()
+        if inference_params is not None:
+            key, value = self._update_kv_cache(key, value, inference_params)
+            if attention_mask is None:   # query i sits at position offset + i
+                attention_mask = causal_mask(query.size(0), key.size(0),
+                                             device=query.device)[None, None]
+        if self.checkpoint_core_attention and torch.is_grad_enabled():
+            context = tensor_parallel.checkpoint(
+                lambda q, k, v: self.core_attention(q, k, v, attention_mask), False,
+                query, key, value)
+        else:
+            context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*dv]
+        return self.linear_proj(context)
+
+    def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
+        """Write this step's expanded keys ``[s, b, np, d + r]`` and values ``[s, b, np, dv]``
+        into the layer's cache at ``sequence_len_offset`` and return every cached position up
+        to them (the full keys and values are cached, not the latents)."""
+        cache = inference_params.key_value_memory_dict
+        if self.layer_number not in cache:
+            def empty(t):
+                return torch.empty((inference_params.max_sequence_length,
+                                    inference_params.max_batch_size) + tuple(t.shape[2:]),
+                                   dtype=t.dtype, device=t.device)
+            cache[self.layer_number] = (empty(key), empty(value))
+        keys, values = cache[self.layer_number]
+        s0, b0 = inference_params.sequence_len_offset, inference_params.batch_size_offset
+        s1, b1 = s0 + key.size(0), b0 + key.size(1)
+        if s1 > keys.size(0) or b1 > keys.size(1):
+            raise ValueError(f"key/value cache of layer {self.layer_number} holds "
+                             f"{keys.size(0)} positions x {keys.size(1)} sequences; this step "
+                             f"needs positions up to {s1} and sequences up to {b1}")
+        keys[s0:s1, b0:b1] = key
+        values[s0:s1, b0:b1] = value
+        return keys[:s1, b0:b1], values[:s1, b0:b1]
