@@ -69,7 +69,8 @@ BARRIER = "the timers here never add a barrier; --timing-log-level 1 timers are 
 ROPE_SCALING = ("RoPE scaling (Llama-3.x scaling, YaRN) is not built yet; drop it (plain RoPE "
                 "with --rotary-base is used)")
 MTP = "multi-token prediction is not built yet; drop it"
-MLA = "multi-latent attention is not built yet; use standard attention (--num-query-groups)"
+MLA = ("this option of multi-latent attention (caching the compressed latents, fusing the down "
+       "projections) is not built; --multi-latent-attention runs without it: drop it")
 FSDP = ("this knob of Megatron's own FSDP runtime has no counterpart here (--use-megatron-fsdp "
         "and its sharding strategies run on PyTorch's FSDP2); drop it")
 RERUN = ("the rerun state machine (result validation, error injection) is not built yet; drop it "
@@ -195,7 +196,6 @@ ROWS = (
     ('--qk-clip-alpha', '', 'float', 0.5, '', REFUSED, QK_CLIP),
     ('--qk-clip-threshold', '', 'float', 100, '', REFUSED, QK_CLIP),
     ('--attention-output-gate', '', 'true', False, '', REFUSED, MODEL_VARIANT),
-    ('--multi-latent-attention', '', 'true', False, '', REFUSED, MLA),
     ('--experimental-attention-variant', '',
      'str', None, 'gdn|gdn2|dsa|gated_delta_net', REFUSED, ATTN_VARIANT),
     ('--dsa-indexer-n-heads', '', 'int', None, '', REFUSED, ATTN_VARIANT),
@@ -614,11 +614,6 @@ ROWS = (
     ('--dino-warmup-teacher-temp-epochs', '', 'int', 30, '', REFUSED, VISION),
     ('--moe-use-upcycling', '', 'true', False, '', REFUSED, UPCYCLING),
     ('--moe-upcycling-granularity', '', 'int', 1, '', REFUSED, UPCYCLING),
-    ('--q-lora-rank', '', 'int', None, '', REFUSED, MLA),
-    ('--kv-lora-rank', '', 'int', 32, '', REFUSED, MLA),
-    ('--qk-head-dim', '', 'int', 128, '', REFUSED, MLA),
-    ('--qk-pos-emb-head-dim', '', 'int', 64, '', REFUSED, MLA),
-    ('--v-head-dim', '', 'int', 128, '', REFUSED, MLA),
     ('--cache-mla-latents', '', 'true', False, '', REFUSED, MLA),
     ('--mla-down-proj-fusion', '', 'true', False, '', REFUSED, MLA),
     ('--linear-attention-freq', '', 'layer_pattern', None, '', REFUSED, ATTN_VARIANT),
