@@ -587,6 +587,20 @@ def validate_bert_args(args: argparse.Namespace) -> None:
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")
 
 
+def _validate_muon(args) -> None:
+    if args.optimizer not in ("muon", "dist_muon"):
+        return
+    from megatron.optimizer.muon import check_muon_settings
+
+    try:
+        check_muon_settings(args)
+    except ConfigError as err:
+        _fail(str(err))
+    if args.use_torch_fsdp2:
+        _fail("--optimizer muon does not run with --use-torch-fsdp2 (Muon needs each weight "
+              "matrix whole); use --optimizer adam")
+
+
 def _validate_run_extras(args) -> None:
     """Megatron flags of the run around the model: selective recompute's modules, weight decay
     of the q/k norms, evaluation batches, progress log and checkpoint retention."""
@@ -633,4 +647,5 @@ def check_flags(args):
     _validate_masking(args)
     _validate_checkpoint_format(args)
     _validate_torch_fsdp2(args)
+    _validate_muon(args)
     return args
