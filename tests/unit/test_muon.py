@@ -258,6 +258,7 @@ def test_muon_flags_reach_the_config():
         "muon", 0.8, True, False, "shape_scaling", 0.2, 10, "high")
 
 
+@pytest.mark.slow
 def test_training_loss_decreases_with_muon():
     """A few full steps on one fixed batch: the GPT's loss falls."""
     model = tiny_gpt()
