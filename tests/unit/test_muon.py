@@ -240,6 +240,19 @@ def test_muon_refuses_a_one_dimensional_weight():
         Muon([{"params": [torch.nn.Parameter(torch.ones(3))], "use_muon": True}], lr=LR)
 
 
+def test_torch_dist_checkpoints_are_refused_in_one_line():
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+    argv = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+            "--max-position-embeddings 8 --micro-batch-size 1 --lr 1e-3 --optimizer muon "
+            "--ckpt-format torch_dist --save /nonexistent").split()
+    with pytest.raises(ArgumentsError) as err:
+        validate_args(parse_args(argv=argv))
+    assert str(err.value).startswith("--optimizer muon keeps its optimizer state in "
+                                     "--ckpt-format torch only") and "\n" not in str(err.value)
+    validate_args(parse_args(argv=argv + ["--no-save-optim"]))
+
+
 def test_muon_flags_reach_the_config():
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.configs import build_configs
