@@ -57,7 +57,7 @@ def grad_sets(model, count, seed=1):
 def run(model, optimizer, grads):
     for step_grads in grads:
         for name, p in model.named_parameters():
-            p.grad = step_grads[name].clone()
+            p.grad = step_grads[name].to(p.dtype)
         optimizer.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -285,3 +285,21 @@ def test_training_loss_decreases_with_muon():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_bf16_steps_on_fp32_main_weights_like_fp32():
+    """--bf16: Muon steps on the fp32 main copies (which keep the QKV split) and the bf16
+    model follows the fp32 run within two bf16 steps (half a step rounding the start, half
+    rounding the end, the rest for the update taken from the rounded start)."""
+    grads = grad_sets(tiny_gpt(), 2)
+    fp32 = tiny_gpt()
+    want = run(fp32, build(fp32, muon_config()), grads)
+    half = tiny_gpt().to(torch.bfloat16)
+    optimizer = build(half, muon_config(bf16=True))
+    mains = [p for g in optimizer.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in mains)
+    assert sum(1 for p in mains if getattr(p, "muon_qkv_split", None) == (16, 8, 8)) == 2
+    got = run(half, optimizer, grads)
+    for name in want:
+        ulp = 2.0 ** -8 * want[name].abs().max().item()  # one bf16 step at the largest weight
+        torch.testing.assert_close(got[name].float(), want[name], rtol=0, atol=2 * ulp, msg=name)
