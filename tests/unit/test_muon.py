@@ -303,3 +303,14 @@ def test_bf16_steps_on_fp32_main_weights_like_fp32():
     for name in want:
         ulp = 2.0 ** -8 * want[name].abs().max().item()  # one bf16 step at the largest weight
         torch.testing.assert_close(got[name].float(), want[name], rtol=0, atol=2 * ulp, msg=name)
+
+
+def test_conversion_does_not_read_muon_state_as_adam():
+    from megatron.checkpoint.optimizer_state import SourceOptimizer
+
+    model = tiny_gpt()
+    optimizer = build(model, muon_config())
+    run(model, optimizer, grad_sets(model, 1))
+    found, why = SourceOptimizer.read({"optimizer": optimizer.state_dict()},
+                                      [model.state_dict_for_save_checkpoint()])
+    assert found is None and "Muon" in why
