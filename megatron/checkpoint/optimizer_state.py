@@ -134,6 +134,8 @@ class SourceOptimizer:
                 values.append(row)
                 if "step" in group:
                     steps.append(int(group["step"]))
+        if any(group.get("use_muon") for group in groups):
+            return None, "the optimizer state is Muon's (--optimizer muon), not Adam's"
         keys = []
         for g, group in enumerate(groups):
             if "wd_mult" not in group:

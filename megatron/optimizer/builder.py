@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .clip_grads import is_expert_parallel
 from .config import OptimizerConfig
 from .distrib_optimizer import DistributedOptimizer
+from .muon import build_muon, mark_qkv_weights, split_muon_groups
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer, FullyShardedOptimizer,
                         MegatronOptimizer)
@@ -151,7 +152,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
                            overlap_param_gather: bool = False,
                            expert_model_parallel_group=None,
                            expert_tp_rank: Optional[int] = None,
-                           grad_shard_group=None) -> MegatronOptimizer:
+                           grad_shard_group=None,
+                           expert_tp_group=None) -> MegatronOptimizer:
     """Build the optimizer for this rank's model chunks.
 
     Args:
@@ -183,6 +185,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
         grad_shard_group: the data-parallel group FSDP2 shards the model chunks over
             (``--use-torch-fsdp2``); a :class:`FullyShardedOptimizer` is returned, stepping on
             the shards, its norms summed over this group. None: parameters are whole.
+        expert_tp_group: the group expert weights are split over (``--optimizer muon``
+            gathers their shards from it; None: ``tp_group``).
 
     With ``config.use_distributed_optimizer`` the model chunks must be
     ``DistributedDataParallel`` wrappers (built with ``use_distributed_optimizer=True`` so that
@@ -210,9 +214,18 @@ def get_megatron_optimizer(config: OptimizerConfig,
     kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad,
                   expert_model_parallel_group=expert_model_parallel_group,
                   expert_tp_rank=expert_tp_rank)
-    if grad_shard_group is not None:
+    if config.optimizer == "muon":
+        if grad_shard_group is not None:
+            raise ConfigError("--optimizer muon does not run with --use-torch-fsdp2 (Muon "
+                              "needs each weight matrix whole); use --optimizer adam")
+        if config.muon_split_qkv:
+            mark_qkv_weights(model_chunks)
+        inner = build_muon(config, split_muon_groups(param_groups), tp_group=tp_group,
+                           expert_tp_group=expert_tp_group or tp_group)
+    elif grad_shard_group is not None:
         return _fully_sharded_optimizer(config, param_groups, kwargs, grad_shard_group)
-    inner = _build_torch_optimizer(config, param_groups)
+    else:
+        inner = _build_torch_optimizer(config, param_groups)
     if config.fp16 or config.bf16:
         return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),
                                                  **kwargs)

@@ -21,7 +21,7 @@ _DTYPE_FOR_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class OptimizerConfig:
     """Optimizer, mixed precision and loss-scaling settings (Megatron flag names in comments)."""
 
-    optimizer: str = "adam"                # --optimizer adam | sgd
+    optimizer: str = "adam"                # --optimizer adam | sgd | muon | dist_muon
     lr: Optional[float] = None             # --lr (the scheduler's max_lr; required)
     min_lr: float = 0.0                    # --min-lr
     # --decoupled-lr / --decoupled-min-lr: max and min lr of the word embeddings and the output
@@ -46,15 +46,35 @@ class OptimizerConfig:
     log_num_zeros_in_grad: bool = False    # --log-num-zeros-in-grad
     check_for_nan_in_loss_and_grad: bool = False  # --check-for-nan-in-loss-and-grad
     apply_wd_to_qk_layernorm: bool = False  # --apply-wd-to-qk-layernorm: weight decay on q/k norms
+    # --muon-*: see megatron/optimizer/muon.py (read with --optimizer muon / dist_muon only)
+    muon_momentum: float = 0.9
+    muon_nesterov: bool = False
+    muon_split_qkv: bool = True
+    muon_scale_mode: str = "spectral"
+    muon_fp32_matmul_prec: str = "medium"
+    muon_coefficient_type: str = "quintic"
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "duplicated"
+    muon_use_syrk: bool = False
+    muon_extra_scale_factor: float = 1.0
+    muon_scalar_optimizer: str = "adam"
 
     def __post_init__(self):
-        if self.optimizer not in ("adam", "sgd"):
-            raise ConfigError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+        if self.optimizer not in ("adam", "sgd", "muon", "dist_muon"):
+            raise ConfigError(f"--optimizer must be adam, sgd, muon or dist_muon, got "
+                              f"{self.optimizer!r}")
         if self.lr is None:
             raise ConfigError("--lr must be given (the peak learning rate), got None")
         self._check_learning_rates()
         self._check_precision()
         self._check_loss_scaling()
+        if self.optimizer in ("muon", "dist_muon"):
+            self._check_muon()
+
+    def _check_muon(self) -> None:
+        from .muon import check_muon_settings
+
+        check_muon_settings(self)
 
     def _check_learning_rates(self) -> None:
         if self.lr < 0.0:

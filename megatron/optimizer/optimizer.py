@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 # Attributes that say how a parameter is split or shared; main params inherit them.
 _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                        "sequence_parallel", "shared", "allreduce")
+                        "sequence_parallel", "shared", "allreduce", "muon_qkv_split")
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
 

@@ -165,6 +165,31 @@ def _add_regularization_args(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-08)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    # Muon (--optimizer muon): megatron/optimizer/muon.py says what each does.
+    g.add_argument("--muon-momentum", type=float, default=0.9,
+                   help="Muon's momentum coefficient")
+    g.add_argument("--muon-no-split-qkv", action="store_false", dest="muon_split_qkv",
+                   help="orthogonalise the fused QKV weight as one matrix")
+    g.add_argument("--muon-nesterov", action="store_true", help="Nesterov momentum for Muon")
+    g.add_argument("--muon-scale-mode", type=str, default="spectral",
+                   choices=["spectral", "unit_rms_norm", "shape_scaling"],
+                   help="how Muon scales the orthogonalised update by the matrix shape")
+    g.add_argument("--muon-fp32-matmul-prec", type=str, default="medium",
+                   choices=["low", "medium", "high"],
+                   help="Newton-Schulz precision: medium runs it in bf16, high in fp32")
+    g.add_argument("--muon-coefficient-type", type=str, default="quintic",
+                   help="Newton-Schulz coefficient table")
+    g.add_argument("--muon-num-ns-steps", type=int, default=5,
+                   help="Newton-Schulz iteration steps")
+    g.add_argument("--muon-tp-mode", type=str, default="duplicated",
+                   choices=["blockwise", "duplicated", "distributed"],
+                   help="tensor-parallel shards: duplicated gathers the whole matrix")
+    g.add_argument("--muon-use-syrk", action="store_true",
+                   help="Triton SYRK kernel for Newton-Schulz (not built here)")
+    g.add_argument("--muon-extra-scale-factor", type=float, default=1.0,
+                   help="extra factor on Muon's update")
+    g.add_argument("--muon-scalar-optimizer", type=str, default="adam", choices=["adam", "lion"],
+                   help="optimizer of the parameters Muon does not take")
 
 
 def _add_training_args(parser):
@@ -204,7 +229,8 @@ def _add_training_args(parser):
                    dest="cross_entropy_loss_fusion")
     g.add_argument("--no-persist-layer-norm", action="store_true")
     g.add_argument("--use-flash-attn", action="store_true")
-    g.add_argument("--optimizer", type=str, default="adam", choices=["adam", "sgd"])
+    g.add_argument("--optimizer", type=str, default="adam",
+                   choices=["adam", "sgd", "muon", "dist_muon"])
     g.add_argument("--dataloader-type", type=str, default=None,
                    choices=["single", "cyclic", "external"])
     g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",

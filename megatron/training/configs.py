@@ -255,7 +255,15 @@ def _optimizer_config(args) -> Optional[OptimizerConfig]:
         hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
         log_num_zeros_in_grad=args.log_num_zeros_in_grad,
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
-        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm)
+        apply_wd_to_qk_layernorm=args.apply_wd_to_qk_layernorm,
+        muon_momentum=args.muon_momentum, muon_nesterov=args.muon_nesterov,
+        muon_split_qkv=args.muon_split_qkv, muon_scale_mode=args.muon_scale_mode,
+        muon_fp32_matmul_prec=args.muon_fp32_matmul_prec,
+        muon_coefficient_type=args.muon_coefficient_type,
+        muon_num_ns_steps=args.muon_num_ns_steps, muon_tp_mode=args.muon_tp_mode,
+        muon_use_syrk=args.muon_use_syrk,
+        muon_extra_scale_factor=args.muon_extra_scale_factor,
+        muon_scalar_optimizer=args.muon_scalar_optimizer)
 
 
 def _scheduler_config(args) -> Optional[SchedulerConfig]:

@@ -256,6 +256,7 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
                                        expert_model_parallel_group=(
                                            pstate.expert_model_parallel_group),
                                        expert_tp_rank=pstate.expert_tp_rank,
+                                       expert_tp_group=pstate.expert_tp_group,
                                        grad_shard_group=chunks[0].shard_group if fsdp2
                                        else None)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)

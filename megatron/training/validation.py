@@ -774,6 +774,25 @@ def _validate_fim(args) -> None:
         _fail("--fim-data permutes the text of --data-path samples; --mock-data has no text")
 
 
+def _validate_muon(args) -> None:
+    if args.optimizer not in ("muon", "dist_muon"):
+        return
+    from megatron.optimizer.muon import check_muon_settings
+
+    try:
+        check_muon_settings(args)
+    except ConfigError as err:
+        _fail(str(err))
+    if args.use_torch_fsdp2:
+        _fail("--optimizer muon does not run with --use-torch-fsdp2 (Muon needs each weight "
+              "matrix whole); use --optimizer adam")
+    saves = args.save and not args.no_save_optim
+    loads = args.load and not args.no_load_optim
+    if args.ckpt_format == "torch_dist" and (saves or loads):
+        _fail("--optimizer muon keeps its optimizer state in --ckpt-format torch only; use "
+              "--ckpt-format torch (or --no-save-optim / --no-load-optim)")
+
+
 def _validate_run_extras(args) -> None:
     """Megatron flags of the run around the model: selective recompute's modules, weight decay
     of the q/k norms, evaluation batches, progress log and checkpoint retention."""
@@ -823,4 +842,5 @@ def check_flags(args):
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
     _validate_torch_fsdp2(args)
+    _validate_muon(args)
     return args

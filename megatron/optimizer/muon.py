@@ -1,0 +1,317 @@
+"""Muon (``--optimizer muon``): momentum orthogonalised by a Newton-Schulz iteration for the
+transformer layers' 2-D weight matrices, AdamW for every other parameter.
+
+The meaning follows Megatron-Core's Muon (built on NVIDIA's Emerging-Optimizers):
+
+- Which parameters: 2-D weights not marked ``is_embedding_or_output_parameter`` get Muon;
+  the word embeddings, the output layer, norms and biases get AdamW with ``--adam-beta1``,
+  ``--adam-beta2``, ``--adam-eps``, the same learning rate and weight-decay groups
+  (``--muon-scalar-optimizer adam``). As in Megatron-Core, a learned position-embedding table
+  is 2-D and unmarked, so it takes Muon.
+- A Muon step, for a parameter ``W`` with gradient ``G``, learning rate ``lr``, weight decay
+  ``wd`` and momentum ``beta`` (``--muon-momentum``)::
+
+      W <- W - lr * wd * W                          (decoupled weight decay)
+      M <- beta * M + (1 - beta) * G                (``momentum_buffer``)
+      U <- (1 - beta) * G + beta * M  if --muon-nesterov, else M
+      W <- W - lr * scale(m, n) * extra * NS(U)     (--muon-extra-scale-factor)
+
+- ``NS``: ``X = U / max(||U||_F, 1e-7)`` (transposed first when it has more rows than columns),
+  then per step ``(a, b, c)``: ``A = X X^T``, ``X <- a X + (b A + c A A) X``; the coefficient
+  table is ``--muon-coefficient-type``, run for ``--muon-num-ns-steps`` steps.
+  ``--muon-fp32-matmul-prec medium`` runs the iteration in bfloat16 (as Megatron-Core does:
+  torch has no fp32-in, bf16-compute matmul), ``high`` in fp32.
+- ``scale(m, n)`` for an ``m x n`` (out x in) matrix, ``--muon-scale-mode``: ``spectral``
+  ``sqrt(max(m, n))``, ``unit_rms_norm`` ``sqrt(m / n)``, ``shape_scaling``
+  ``sqrt(max(1, m / n))``.
+- ``--muon-split-qkv`` (the default): the fused query/key/value weight, whose rows are ordered
+  per query group ``[groups, heads_per_group + 2, head_dim]``, is orthogonalised as three
+  matrices (all queries, all keys, all values), each with its own scale.
+- ``--muon-tp-mode duplicated`` (the default): a tensor-parallel shard is all-gathered into the
+  whole matrix, orthogonalised on every rank and cut back, so the numbers do not depend on the
+  tensor-parallel layout. ``blockwise`` (per-shard) and ``distributed`` are refused.
+"""
+
+import math
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.optim.adam import adam as adam_update
+
+from megatron.core.config import ConfigError
+
+# Newton-Schulz coefficients (a, b, c) per step, as Megatron-Core's --muon-coefficient-type.
+COEFFICIENTS = {
+    "simple": ((3.4445, -4.7750, 2.0315),),
+    "quintic": ((4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377),
+                (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046),
+                (2.8366, -3.0525, 1.2012)),
+    "polar_express": ((8.2051, -22.9019, 16.4607), (4.0664, -2.8612, 0.5184),
+                      (3.9096, -2.8234, 0.5250), (3.2856, -2.4153, 0.4853),
+                      (2.2779, -1.6198, 0.3985), (1.8726, -1.2307, 0.3585),
+                      (1.8564, -1.2132, 0.3568), (1.8750, -1.2500, 0.3750)),
+    "aol": ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959),
+            (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169)),
+}
+SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+NS_EPS = 1e-7
+
+
+def ns_coefficients(kind: str, steps: int) -> List[Tuple[float, float, float]]:
+    """The ``steps`` coefficient triples of table ``kind``: ``simple`` repeats its one triple,
+    ``polar_express`` needs at least its 8 and repeats the last, the others repeat whole."""
+    if kind not in COEFFICIENTS:
+        raise ConfigError(f"--muon-coefficient-type must be one of {sorted(COEFFICIENTS)}, "
+                          f"got {kind!r}")
+    if steps < 1:
+        raise ConfigError(f"--muon-num-ns-steps must be >= 1, got {steps}")
+    table = list(COEFFICIENTS[kind])
+    if kind == "simple":
+        return table * steps
+    if kind == "polar_express":
+        if steps < len(table):
+            raise ConfigError(f"--muon-num-ns-steps must be >= {len(table)} with "
+                              f"--muon-coefficient-type polar_express, got {steps}")
+        return table + [table[-1]] * (steps - len(table))
+    if steps % len(table):
+        raise ConfigError(f"--muon-num-ns-steps must be a multiple of {len(table)} with "
+                          f"--muon-coefficient-type {kind}, got {steps}")
+    return table * (steps // len(table))
+
+
+def newton_schulz(x: torch.Tensor, coefficients, bf16: bool) -> torch.Tensor:
+    """Approximate orthogonal polar factor of the 2-D fp32 ``x`` (same shape, fp32)."""
+    wide = x.size(0) <= x.size(1)
+    X = x if wide else x.mT
+    X = X / X.norm().clamp_min(NS_EPS)
+    if bf16:
+        X = X.to(torch.bfloat16)
+    for a, b, c in coefficients:
+        A = X @ X.mT
+        B = torch.addmm(A, A, A, beta=b, alpha=c)   # b A + c A A
+        X = torch.addmm(X, B, X, beta=a)             # a X + B X
+    X = X.to(torch.float32)
+    return X if wide else X.mT
+
+
+def muon_scale(size_out: int, size_in: int, mode: str) -> float:
+    """The update scale of an ``size_out x size_in`` matrix under ``--muon-scale-mode``."""
+    if mode == "spectral":
+        return math.sqrt(max(size_out, size_in))
+    if mode == "unit_rms_norm":
+        return math.sqrt(size_out / size_in)
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, size_out / size_in))
+    raise ConfigError(f"--muon-scale-mode must be one of {SCALE_MODES}, got {mode!r}")
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon over groups marked ``use_muon``, torch's AdamW over the others.
+
+    Groups carry ``lr`` and ``weight_decay`` (the scheduler sets them); Muon groups
+    ``momentum`` and ``nesterov``, AdamW groups ``betas`` and ``eps``. State per parameter:
+    ``momentum_buffer`` (Muon) or torch AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``, so a
+    saved state dict is a plain torch one.
+
+    Args:
+        params: param groups; each with ``use_muon`` (default False).
+        coefficient_type, num_ns_steps, scale_mode, extra_scale_factor, fp32_matmul_prec:
+            the ``--muon-*`` flags of the same names.
+        tp_group / expert_tp_group: where tensor-parallel shards (``tensor_model_parallel``
+            with ``partition_dim``) of dense / expert (``allreduce = False``) weights are
+            gathered from; None: one rank.
+    """
+
+    def __init__(self, params, *, lr: float, weight_decay: float = 0.0,
+                 momentum: float = 0.9, nesterov: bool = False,
+                 betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 coefficient_type: str = "quintic", num_ns_steps: int = 5,
+                 scale_mode: str = "spectral", extra_scale_factor: float = 1.0,
+                 fp32_matmul_prec: str = "medium", tp_group=None, expert_tp_group=None):
+        if fp32_matmul_prec not in ("medium", "high"):
+            raise ConfigError("--muon-fp32-matmul-prec low is not built (the lowest precision "
+                              "here is medium: the iteration in bfloat16); use medium or high")
+        muon_scale(1, 1, scale_mode)
+        self.coefficients = ns_coefficients(coefficient_type, num_ns_steps)
+        self.scale_mode, self.extra_scale_factor = scale_mode, extra_scale_factor
+        self.bf16 = fp32_matmul_prec == "medium"
+        self.tp_group, self.expert_tp_group = tp_group, expert_tp_group
+        defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                        betas=betas, eps=eps, use_muon=False)
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.dim() != 2:
+                        raise ValueError(f"Muon takes 2-D weights only, got shape "
+                                         f"{tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("Muon.step takes no closure")
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adam_step(group)
+        return None
+
+    def _muon_step(self, group: dict) -> None:
+        lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            buf = state["momentum_buffer"]
+            if wd != 0.0:
+                p.add_(p, alpha=-lr * wd)
+            buf.lerp_(grad, 1.0 - beta)
+            update = grad.lerp(buf, beta) if group["nesterov"] else buf
+            p.add_(self.orthogonalize(p, update.float()).to(p.dtype), alpha=-lr)
+
+    def _adam_step(self, group: dict) -> None:
+        params, grads, avgs, avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            avgs.append(state["exp_avg"])
+            avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        adam_update(params, grads, avgs, avg_sqs, [], steps, foreach=False,
+                    decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+                    lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=False)
+
+    def orthogonalize(self, p: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+        """The scaled, orthogonalised ``update`` of parameter ``p`` (this rank's piece)."""
+        group, dim = self._shard_group(p)
+        split = getattr(p, "muon_qkv_split", None)
+        if split is None:
+            return self._orthogonalize_matrix(update, group, dim)
+        rows = sum(split)
+        if update.size(0) % rows:
+            raise ValueError(f"--muon-split-qkv: {update.size(0)} rows are not whole query "
+                             f"groups of {split}")
+        cols = update.size(1)
+        per_group = update.view(update.size(0) // rows, rows, cols)
+        parts = [self._orthogonalize_matrix(part.reshape(-1, cols), group, dim)
+                 .view(per_group.size(0), -1, cols)
+                 for part in torch.split(per_group, list(split), dim=1)]
+        return torch.cat(parts, dim=1).view_as(update)
+
+    def _shard_group(self, p: torch.Tensor):
+        """(group, dim) a tensor-parallel shard of ``p`` is cut along, or (None, None)."""
+        if not getattr(p, "tensor_model_parallel", False):
+            return None, None
+        dim = getattr(p, "partition_dim", -1)
+        group = self.tp_group if getattr(p, "allreduce", True) else self.expert_tp_group
+        if dim not in (0, 1) or group is None or dist.get_world_size(group) == 1:
+            return None, None
+        return group, dim
+
+    def _orthogonalize_matrix(self, local: torch.Tensor, group, dim) -> torch.Tensor:
+        if group is None:
+            full = local
+        else:
+            pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, local.contiguous(), group=group)
+            full = torch.cat(pieces, dim=dim)
+        scale = muon_scale(full.size(0), full.size(1), self.scale_mode) * self.extra_scale_factor
+        out = newton_schulz(full, self.coefficients, self.bf16) * scale
+        if group is None:
+            return out
+        return out.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
+
+
+def check_muon_settings(settings) -> None:
+    """Refuse, in one line each, the Muon settings not built here or out of range.
+
+    ``settings``: anything with Megatron's dests as attributes (the parsed args, or an
+    ``OptimizerConfig``): ``optimizer``, ``muon_*``, ``use_distributed_optimizer``, ``fp16``.
+    """
+    if settings.optimizer == "dist_muon":
+        raise ConfigError("--optimizer dist_muon (Muon over a layer-wise distributed "
+                          "optimizer) is not built; use --optimizer muon")
+    if settings.muon_tp_mode != "duplicated":
+        raise ConfigError(f"--muon-tp-mode {settings.muon_tp_mode} is not built: its numbers "
+                          "depend on the tensor-parallel layout; use --muon-tp-mode duplicated")
+    if settings.muon_use_syrk:
+        raise ConfigError("--muon-use-syrk (a Triton kernel) is not built; drop it")
+    if settings.muon_scalar_optimizer != "adam":
+        raise ConfigError(f"--muon-scalar-optimizer {settings.muon_scalar_optimizer} is not "
+                          "built; use adam")
+    if settings.use_distributed_optimizer:
+        raise ConfigError("--optimizer muon does not run with --use-distributed-optimizer "
+                          "(Muon needs each weight matrix whole); drop the flag")
+    if settings.fp16:
+        raise ConfigError("--optimizer muon does not run with --fp16 (no loss scaling for "
+                          "Muon, as in Megatron-Core); use --bf16")
+    if settings.muon_fp32_matmul_prec not in ("medium", "high"):
+        raise ConfigError("--muon-fp32-matmul-prec low is not built (the lowest precision "
+                          "here is medium: the iteration in bfloat16); use medium or high")
+    if not 0.0 <= settings.muon_momentum < 1.0:
+        raise ConfigError(f"--muon-momentum must be in [0, 1), got {settings.muon_momentum}")
+    ns_coefficients(settings.muon_coefficient_type, settings.muon_num_ns_steps)
+    muon_scale(1, 1, settings.muon_scale_mode)
+
+
+def mark_qkv_weights(model_chunks: Sequence[torch.nn.Module]) -> None:
+    """Mark each fused query/key/value weight with ``muon_qkv_split``: its rows per query group
+    (queries of the group's heads, key, value)."""
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            qkv = getattr(module, "query_key_value", None)
+            per_group = getattr(module, "heads_per_group", None)
+            head_dim = getattr(module, "hidden_size_per_head", None)
+            if qkv is None or per_group is None or head_dim is None:
+                continue
+            weight = getattr(qkv, "weight", None)
+            if weight is not None and weight.dim() == 2:
+                weight.muon_qkv_split = (per_group * head_dim, head_dim, head_dim)
+
+
+def split_muon_groups(param_groups: List[dict]) -> List[dict]:
+    """``param_groups`` with each group cut into its Muon part (2-D, not embedding or output)
+    and its AdamW part, Muon parts first, empty parts dropped."""
+    muon, adam = [], []
+    for group in param_groups:
+        mine = [p for p in group["params"] if _takes_muon(p)]
+        rest = [p for p in group["params"] if not _takes_muon(p)]
+        if mine:
+            muon.append(dict(group, params=mine, use_muon=True))
+        if rest:
+            adam.append(dict(group, params=rest, use_muon=False))
+    return muon + adam
+
+
+def _takes_muon(p: torch.Tensor) -> bool:
+    return p.dim() == 2 and not getattr(p, "is_embedding_or_output_parameter", False)
+
+
+def build_muon(config, param_groups: List[dict], tp_group=None,
+               expert_tp_group=None) -> Muon:
+    """The :class:`Muon` optimizer of ``config`` (an ``OptimizerConfig``) over
+    ``param_groups`` (already split by :func:`split_muon_groups`)."""
+    return Muon(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                momentum=config.muon_momentum, nesterov=config.muon_nesterov,
+                betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+                coefficient_type=config.muon_coefficient_type,
+                num_ns_steps=config.muon_num_ns_steps, scale_mode=config.muon_scale_mode,
+                extra_scale_factor=config.muon_extra_scale_factor,
+                fp32_matmul_prec=config.muon_fp32_matmul_prec, tp_group=tp_group,
+                expert_tp_group=expert_tp_group)
