@@ -103,7 +103,7 @@ FLEX = ("the flex token dispatcher (DeepEP, HybridEP, NCCL EP) is not built here
 OPT_OFFLOAD = "optimizer CPU offload is not built yet; use --use-distributed-optimizer"
 ACT_OFFLOAD = ("activation offloading is not built yet; use --recompute-granularity to save "
                "activation memory")
-OPTIMIZERS = "Muon and Lion are not built yet; use --optimizer adam or sgd"
+OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd or muon"
 MUP = "muP parametrisation is not built yet; drop it"
 ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not built yet; drop "
                 "it")
@@ -342,19 +342,6 @@ ROWS = (
     ('--no-rope-freq', '', 'layer_pattern', None, '', REFUSED, MODEL_VARIANT),
     ('--quick-geglu', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--apply-wd-to-qk-layernorm', '', 'true', False, '', WORKS, None),
-    ('--muon-momentum', '', 'float', 0.9, '', REFUSED, OPTIMIZERS),
-    ('--muon-no-split-qkv', 'muon_split_qkv', 'false', True, '', REFUSED, OPTIMIZERS),
-    ('--muon-nesterov', '', 'true', False, '', REFUSED, OPTIMIZERS),
-    ('--muon-scale-mode', '',
-     'str', 'spectral', 'spectral|unit_rms_norm|shape_scaling', REFUSED, OPTIMIZERS),
-    ('--muon-fp32-matmul-prec', '', 'str', 'medium', 'low|medium|high', REFUSED, OPTIMIZERS),
-    ('--muon-coefficient-type', '', 'str', 'quintic', '', REFUSED, OPTIMIZERS),
-    ('--muon-num-ns-steps', '', 'int', 5, '', REFUSED, OPTIMIZERS),
-    ('--muon-tp-mode', '',
-     'str', 'duplicated', 'blockwise|duplicated|distributed', REFUSED, OPTIMIZERS),
-    ('--muon-use-syrk', '', 'true', False, '', REFUSED, OPTIMIZERS),
-    ('--muon-extra-scale-factor', '', 'float', 1.0, '', REFUSED, OPTIMIZERS),
-    ('--muon-scalar-optimizer', '', 'str', 'adam', 'adam|lion', REFUSED, OPTIMIZERS),
     ('--lion-beta1', '', 'float', 0.95, '', REFUSED, OPTIMIZERS),
     ('--lion-beta2', '', 'float', 0.98, '', REFUSED, OPTIMIZERS),
     ('--no-weight-decay-cond-type', '', 'str', None, 'apply_wd_to_qk_layernorm', WORKS, None),
