@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from megatron.checkpoint.dist import DistCheckpointReader
+from megatron.checkpoint.safe_unpickle import load_dcp_metadata
 from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
 from tests.functional.test_megatron_written import (LOGITS_ATOL, _logits_after_load, fixture_dir,
                                                     megatron_argv, reference)
@@ -155,3 +156,35 @@ def test_the_converter_reads_unfused_norm_names_bit_for_bit(tmp_path):
     load = _rewrite_fixture(str(tmp_path))
     out = _convert(load, str(tmp_path / "legacy"), "--target-ckpt-format", "torch")
     _assert_equal(_rank_model(out), _rank_model(LEGACY))
+
+
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--no-bias-gelu-fusion"]
+
+
+@pytest.mark.parametrize("freq", [None, "2"])
+def test_transformer_engine_moe_layers_keep_their_own_pre_mlp_norm(corpus, tmp_path, freq):
+    """Megatron-Core's TransformerEngine spec keeps an MoE layer's pre-MLP norm as its own
+    module (``pre_mlp_layernorm``); dense layers' stays fused. Stacked keys (every layer MoE)
+    and per-layer keys (--moe-layer-freq 2: layers 0 and 2 of 4 MoE); both resume exactly."""
+    save = str(tmp_path / "te_moe")
+    extra = MOE + ["--num-layers", "4"] + (["--moe-layer-freq", freq] if freq else [])
+    full = run_on_ranks(run_pretrain, 1, _flags(corpus, "transformer_engine", extra + [
+        "--save", save, "--save-interval", "3"]))[0]
+    keys = set(DistCheckpointReader(os.path.join(save, "iter_0000003")).tensor_keys())
+    raw = set(load_dcp_metadata(os.path.join(save, "iter_0000003", ".metadata"))
+              .state_dict_metadata)     # the names as stored
+    if freq is None:
+        assert "decoder.layers.pre_mlp_layernorm.weight" in raw
+        assert "optimizer.state.exp_avg.decoder.layers.pre_mlp_layernorm.bias" in raw
+        assert not any("linear_fc1.layer_norm" in k for k in raw)
+    else:
+        assert {"decoder.layers.0.pre_mlp_layernorm.weight",
+                "decoder.layers.2.pre_mlp_layernorm.bias",
+                "decoder.layers.1.mlp.linear_fc1.layer_norm_weight",
+                "decoder.layers.3.mlp.linear_fc1.layer_norm_bias"} <= raw
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" not in raw
+    assert not any("pre_mlp_layernorm" in k for k in keys)   # the reader's fused names
+    straight = dict(full["losses"])
+    again = run_on_ranks(run_pretrain, 1, _flags(corpus, "local", extra + [
+        "--load", save, "--ckpt-step", "3"]))[0]
+    assert all(loss == straight[i] for i, loss in again["losses"]), (again, straight)

@@ -539,3 +539,21 @@ def fused_norm_aliases(saved_keys) -> dict:
         if fused not in saved:
             aliases[fused] = key
     return aliases
+
+
+_FUSED_PRE_MLP_NORM = re.compile(r"(.*decoder\.layers\.(?:(\d+)\.)?)mlp\.linear_fc1\."
+                                 r"layer_norm_(weight|bias)")
+
+
+def te_moe_norm_key(key: str, moe_layers) -> str:
+    """The key Megatron-Core's TransformerEngine spec gives ``key`` (a model or optimizer key):
+    an MoE layer's pre-MLP norm is a module of its own there, ``<layer>pre_mlp_layernorm.*``;
+    every other key is unchanged. ``moe_layers``: the global numbers of the MoE layers, or
+    True when the stacked layer axis holds MoE layers only."""
+    match = _FUSED_PRE_MLP_NORM.fullmatch(key)
+    if not match:
+        return key
+    layer, number, field = match.groups()
+    is_moe = moe_layers is True if number is None else (
+        moe_layers is not True and int(number) in moe_layers)
+    return f"{layer}pre_mlp_layernorm.{field}" if is_moe else key
