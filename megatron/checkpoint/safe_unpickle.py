@@ -207,6 +207,9 @@ _DCP_METADATA_GLOBALS = {
         "StorageMeta", "TensorProperties", "TensorStorageMetadata", "_MEM_FORMAT_ENCODING")},
     *{("torch.distributed.checkpoint.planner", n) for n in (
         "SavePlan", "WriteItem", "WriteItemType", "TensorWriteData")},
+    # torch's own FileSystemWriter records its folder as a path object in StorageMeta; a
+    # path is rebuilt from its strings and runs nothing else.
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
 }
 
 

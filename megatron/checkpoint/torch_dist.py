@@ -34,7 +34,8 @@ from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       extra_state_objects, load_model_state, model_shards,
                                       object_key, optimizer_state_shards, range_shards, read_local,
                                       read_local_rows, save_shards, tensor_shards, write_metadata)
-from megatron.checkpoint.dist.keys import OPTIMIZER_STATE_PREFIX
+from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, TRANSFORMER_ENGINE,
+                                           extra_state_value, te_moe_norm_key)
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, CheckpointError, checkpoint_dir_name
 from megatron.checkpoint.names import dotted_names
 from megatron.checkpoint.publish import begin_save, crash_point, finish_save
@@ -163,7 +164,8 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
         items += model_shards(tree, layout)
         num_local = sum(1 for name in dotted_names(tree) if name.endswith(
             "input_layernorm.weight") and ".layers." in name and not name.startswith("mtp."))
-        items += extra_state_objects(layout, num_local, dotted_names(tree))
+        items += extra_state_objects(layout, num_local, dotted_names(tree),
+                                     extra_state_value(args.transformer_impl))
         if entries is None:
             continue
         for (where, name), fields in entries.entries.items():
@@ -184,7 +186,27 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
     if common is not None:
         items.append(ObjectShard(object_key("rerun_state_machine_state"),
                                  dict(_FRESH_RERUN_STATE)))
+    if args.transformer_impl == TRANSFORMER_ENGINE:
+        items = _te_moe_norm_keys(items, trees, layouts)
     return items
+
+
+def _te_moe_norm_keys(items: list, trees: List[dict], layouts: list) -> list:
+    """The items with MoE layers' pre-MLP norms under the TransformerEngine spec's key
+    (:func:`~megatron.checkpoint.dist.keys.te_moe_norm_key`)."""
+    moe_layers = set()
+    for tree, layout in zip(trees, layouts):
+        for name in dotted_names(tree):
+            if name.endswith(".mlp.router.weight") and ".layers." in name \
+                    and not name.startswith("mtp."):
+                local = int(name.split(".layers.")[1].split(".")[0])
+                moe_layers.add(layout.layer_offset + local)
+    if not moe_layers:
+        return items
+    if not any(layout.per_layer for layout in layouts):
+        moe_layers = True   # stacked keys: every layer is an MoE layer (--moe-layer-freq 1)
+    return [dataclasses.replace(item, key=te_moe_norm_key(item.key, moe_layers))
+            if isinstance(item, TensorShard) else item for item in items]
 
 
 def _model_config(model_chunks):

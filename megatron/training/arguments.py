@@ -229,6 +229,13 @@ def _add_training_args(parser):
                    dest="cross_entropy_loss_fusion")
     g.add_argument("--no-persist-layer-norm", action="store_true")
     g.add_argument("--use-flash-attn", action="store_true")
+    g.add_argument("--attention-backend", type=megatron_flags.TYPES["attn_backend"],
+                   default=megatron_flags.AttnBackend.auto,
+                   choices=list(megatron_flags.AttnBackend),
+                   help="flash: scaled_dot_product_attention; fused: the scaled masked softmax "
+                   "kernel; unfused / local: the plain explicit body; auto: as the other flags "
+                   "say with --transformer-impl local, by sequence length with "
+                   "transformer_engine (megatron/model/attention_backend.py)")
     g.add_argument("--optimizer", type=str, default="adam",
                    choices=["adam", "sgd", "muon", "dist_muon"])
     g.add_argument("--dataloader-type", type=str, default=None,

@@ -226,9 +226,25 @@ def _one_cp_comm_type(args) -> None:
     args.cp_comm_type = types[0]
 
 
+def _attention_backend(args) -> None:
+    """--attention-backend onto --use-flash-attn / --masked-softmax-fusion (the switches the
+    attention reads); ``args.attention_backend`` keeps the flag's value."""
+    from megatron.model.attention_backend import AttentionBackendError, backend_name, resolve
+
+    try:
+        _, args.use_flash_attn, args.masked_softmax_fusion = resolve(
+            backend_name(args.attention_backend), transformer_impl=args.transformer_impl,
+            seq_length=args.seq_length or 0, softmax_type=args.softmax_type,
+            use_flash_attn=args.use_flash_attn,
+            masked_softmax_fusion=args.masked_softmax_fusion)
+    except AttentionBackendError as err:
+        _fail(str(err))
+
+
 def _validate_surface(args) -> None:
     """The implementation, profiling and data-file flags."""
     _one_cp_comm_type(args)
+    _attention_backend(args)
     if args.transformer_impl == "transformer_engine":
         _note(args, "--transformer-impl transformer_engine: this project's own layers compute "
                     "the same function as TransformerEngine's (TransformerEngine itself is not "

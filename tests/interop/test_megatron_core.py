@@ -23,6 +23,7 @@ import sys
 import pytest
 import torch
 
+from megatron.checkpoint.dist import DistCheckpointReader
 from tests.functional.gpt_runs import run_pretrain
 from tests.functional.test_megatron_written import (LOGITS_ATOL, _logits_after_load,
                                                     fixture_dir, megatron_argv, reference,
@@ -125,6 +126,26 @@ def test_megatron_core_loads_a_training_runs_save(mcore_python, tmp_path):
     _assert_megatrons_logits(_megatron_core(mcore_python, "load",
                                             os.path.join(saved, "iter_0000010"),
                                             tmp_path / "logits.pt", 2))
+
+
+def test_megatron_core_loads_a_transformer_engine_runs_save(mcore_python, tmp_path):
+    """A --transformer-impl transformer_engine save (TransformerEngine's uint8 extra state, the
+    fused norm names) loads in Megatron-Core. Its own TransformerEngine spec cannot be built
+    without TransformerEngine installed (``get_gpt_layer_with_transformer_engine_spec`` needs
+    ``TESpecProvider``), so the harness reads it with the local spec, whose keys are the same."""
+    source = writable_copy("legacy_tp1", tmp_path)
+    saved = str(tmp_path / "dist")
+    argv = megatron_argv("legacy_tp1") + ["--load", source, "--device", "cpu",
+                                           "--transformer-impl", "transformer_engine",
+                                           "--ckpt-convert-format", "torch_dist",
+                                           "--ckpt-convert-save", saved]
+    run_on_ranks(run_pretrain, 1, argv)
+    iter_dir = os.path.join(saved, "iter_0000010")
+    reader = DistCheckpointReader(iter_dir)
+    (extra,) = reader.read_object("decoder.layers.mlp.linear_fc1._extra_state/shard_0_4")
+    assert isinstance(extra, torch.Tensor) and extra.dtype == torch.uint8
+    _assert_megatrons_logits(_megatron_core(mcore_python, "load", iter_dir,
+                                            tmp_path / "logits.pt", 1))
 
 
 def test_a_checkpoint_megatron_core_saves_loads_here(mcore_python, tmp_path):

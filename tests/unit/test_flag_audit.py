@@ -57,6 +57,8 @@ DERIVED_IN_VALIDATION = {
     "transformer_impl": "local and transformer_engine run this project's layers (one note); "
                         "inference_optimized is refused",
     "use_dist_ckpt": "sets --ckpt-format torch_dist (old spelling)",
+    "attention_backend": "sets --use-flash-attn and --masked-softmax-fusion, which choose the "
+                         "attention body (megatron/model/attention_backend.py)",
     "data_args_path": "its file's contents become --data-path",
     "per_split_data_args_path": "its JSON becomes --train/--valid/--test-data-path",
     "recompute_modules": "core_attn is what selective recompute does; other modules refused",

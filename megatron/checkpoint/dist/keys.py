@@ -552,3 +552,74 @@ def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range
             keys.append(object_key(f"{prefix}{_EXPERT_PREFIX}{fc}._extra_state",
                                    layer_offset + (expert,), layer_shape + (num_experts,)))
     return keys
+
+
+# -- TransformerEngine layer specs (--transformer-impl) ---------------------------------------
+#
+# Megatron-Core's TransformerEngine spec fuses each dense layer's input norm into
+# ``self_attention.linear_qkv`` (a LayerNorm + linear module: ``layer_norm_weight`` /
+# ``layer_norm_bias``) and its pre-MLP norm into ``mlp.linear_fc1``; its local spec keeps
+# ``input_layernorm`` / ``pre_mlp_layernorm`` modules but maps them onto the same fused names
+# when it writes torch_dist, so both specs' dense files carry the fused names above. Files
+# written without that mapping (older or hand-made ones, and the TransformerEngine spec's MoE
+# layers, whose pre-MLP norm stays a module of its own) hold the unfused names; a reader takes
+# either (:func:`fused_norm_aliases`). The specs differ in the linear modules' extra state:
+# None for local layers, an empty uint8 tensor for TransformerEngine ones without fp8 state
+# (:func:`extra_state_value`).
+
+TRANSFORMER_ENGINE = "transformer_engine"
+
+# Unfused module name -> (fused module name, the attention module a standard layer has).
+_UNFUSED_NORMS = {"input_layernorm": "self_attention.linear_qkv.layer_norm_",
+                  "pre_mlp_layernorm": "mlp.linear_fc1.layer_norm_"}
+_UNFUSED_NORM_KEY = re.compile(r"(.*(?:decoder\.layers\.(?:\d+\.)?|\.transformer_layer\.))"
+                               r"(input_layernorm|pre_mlp_layernorm)\.(weight|bias)")
+
+
+def extra_state_value(transformer_impl: str = "local"):
+    """What a linear module's ``_extra_state`` byte entry holds for ``--transformer-impl``:
+    None (local layers) or TransformerEngine's empty uint8 tensor (no fp8 state to keep)."""
+    if transformer_impl == TRANSFORMER_ENGINE:
+        import torch
+
+        return torch.empty(0, dtype=torch.uint8)
+    return None
+
+
+def fused_norm_aliases(saved_keys) -> dict:
+    """``{fused key: saved key}`` for every unfused layer-norm tensor key among ``saved_keys``
+    (model keys, or optimizer ones under a prefix) whose layer has a standard fused-QKV
+    attention (``<layer>self_attention.linear_qkv.weight`` saved under the same prefix), so
+    that a file with either spelling loads. Layers without one (multi-latent attention keeps
+    a separate ``input_layernorm``) are left alone."""
+    saved = set(saved_keys)
+    aliases = {}
+    for key in saved:
+        match = _UNFUSED_NORM_KEY.fullmatch(key)
+        if not match:
+            continue
+        layer, module, field = match.groups()
+        if f"{layer}self_attention.linear_qkv.weight" not in saved:
+            continue
+        fused = f"{layer}{_UNFUSED_NORMS[module]}{field}"
+        if fused not in saved:
+            aliases[fused] = key
+    return aliases
+
+
+_FUSED_PRE_MLP_NORM = re.compile(r"(.*decoder\.layers\.(?:(\d+)\.)?)mlp\.linear_fc1\."
+                                 r"layer_norm_(weight|bias)")
+
+
+def te_moe_norm_key(key: str, moe_layers) -> str:
+    """The key Megatron-Core's TransformerEngine spec gives ``key`` (a model or optimizer key):
+    an MoE layer's pre-MLP norm is a module of its own there, ``<layer>pre_mlp_layernorm.*``;
+    every other key is unchanged. ``moe_layers``: the global numbers of the MoE layers, or
+    True when the stacked layer axis holds MoE layers only."""
+    match = _FUSED_PRE_MLP_NORM.fullmatch(key)
+    if not match:
+        return key
+    layer, number, field = match.groups()
+    is_moe = moe_layers is True if number is None else (
+        moe_layers is not True and int(number) in moe_layers)
+    return f"{layer}pre_mlp_layernorm.{field}" if is_moe else key

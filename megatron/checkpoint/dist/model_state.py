@@ -266,10 +266,12 @@ def read_local_rows(reader: DistCheckpointReader, name: str, local_shape: Tuple[
 
 
 def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
-                        names: Optional[List[str]] = None) -> List[ObjectShard]:
+                        names: Optional[List[str]] = None, value=None) -> List[ObjectShard]:
     """The empty extra-state byte entries Megatron-Core keeps for each layer's linear modules
     (TransformerEngine state; ``None`` for plain layers), for this chunk's layers. ``names``
-    (the chunk's flat state names) tell its MoE layers: those with a ``mlp.router.weight``."""
+    (the chunk's flat state names) tell its MoE layers: those with a ``mlp.router.weight``.
+    ``value``: what each entry holds (:func:`~megatron.checkpoint.dist.keys.
+    extra_state_value` of the run's ``--transformer-impl``)."""
     dense = layout.writes_replicated
     if not dense and not layout.writes_expert_replicated:
         return []
@@ -292,13 +294,14 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
                 [n for n in names if f"layers.{local}.self_attention." in n] or
                 ["self_attention.linear_q_proj.", "self_attention.linear_kv_down_proj.",
                  "self_attention.linear_kv_up_proj."])
-        items += [ObjectShard(fqn, None) for fqn in extra_state_keys(
+        items += [ObjectShard(fqn, value) for fqn in extra_state_keys(
             layout.layer_offset + local, layout.num_layers, experts, layout.num_experts,
             shared, dense=dense, per_layer=layout.per_layer, attention_modules=attention)]
-    return items + _mtp_extra_state_objects(layout, names)
+    return items + _mtp_extra_state_objects(layout, names, value)
 
 
-def _mtp_extra_state_objects(layout: ChunkLayout, names: List[str]) -> List[ObjectShard]:
+def _mtp_extra_state_objects(layout: ChunkLayout, names: List[str],
+                             value=None) -> List[ObjectShard]:
     """The extra-state entries of the multi-token prediction depths among ``names``."""
     items = []
     depths = sorted({int(n.split(".")[2]) for n in names if n.startswith(MTP_PREFIX)})
@@ -313,7 +316,7 @@ def _mtp_extra_state_objects(layout: ChunkLayout, names: List[str]) -> List[Obje
                 experts = range(0)
         elif not layout.writes_replicated:
             continue
-        items += [ObjectShard(fqn, None) for fqn in mtp_extra_state_keys(
+        items += [ObjectShard(fqn, value) for fqn in mtp_extra_state_keys(
             depth, experts, layout.num_experts, dense=layout.writes_replicated)]
     return items
 

@@ -110,9 +110,30 @@ class DistCheckpointReader:
                 TypeError) as err:
             raise DistCheckpointError(f"{meta_path}: cannot be read ({err})") from None
         self._storage = self.metadata.storage_data or {}
+        self._use_fused_norm_names()
         self._cache: "collections.OrderedDict[tuple, torch.Tensor]" = collections.OrderedDict()
         self._cache_limit = cache_bytes
         self._cached = 0
+
+    def _use_fused_norm_names(self) -> None:
+        """List unfused layer-norm tensors (``decoder.layers.input_layernorm.weight``,
+        ``...pre_mlp_layernorm.bias``) under the fused names every other spelling of the file
+        uses (:func:`~megatron.checkpoint.dist.keys.fused_norm_aliases`), so callers ask for
+        one name whichever ``--transformer-impl`` spec wrote the file."""
+        import dataclasses
+
+        from megatron.checkpoint.dist.keys import fused_norm_aliases
+
+        aliases = fused_norm_aliases(self.tensor_keys())
+        if not aliases:
+            return
+        renamed = {saved: fused for fused, saved in aliases.items()}
+        entries = self.metadata.state_dict_metadata
+        self.metadata.state_dict_metadata = {renamed.get(k, k): v for k, v in entries.items()}
+        self._storage = {(dataclasses.replace(index, fqn=renamed[index.fqn])
+                          if index.fqn in renamed else index): info
+                         for index, info in self._storage.items()}
+        self.metadata.storage_data = self._storage
 
     # -- what the checkpoint holds ---------------------------------------------------------
 

@@ -1,0 +1,88 @@
+"""``--attention-backend``: which body of :class:`~megatron.model.attention.CoreAttention`
+computes attention, expressed through the two switches it already reads.
+
+=========  ==========================================================  ====================
+backend    body                                                         switches
+=========  ==========================================================  ====================
+flash      ``torch.nn.functional.scaled_dot_product_attention`` (flash  use_flash_attn
+           / memory-efficient kernels on GPU, its flash kernel on CPU)
+fused      explicit ``baddbmm`` + scaled masked softmax kernel + ``bmm``  masked_softmax_fusion
+unfused    the same explicit body, plain softmax                        neither
+local      as unfused (Megatron-Core's own DotProductAttention)         neither
+auto       see :func:`auto_backend`
+=========  ==========================================================  ====================
+
+All compute the same function within float tolerance. ``flash`` has no softmax-offset term, so
+``--softmax-type off-by-one|learnable`` with it is refused; windows (``--window-size``) work
+with every backend (``flash`` takes the banded mask as an explicit mask).
+"""
+
+from typing import Optional, Tuple
+
+# Shortest sequence from which --attention-backend auto takes scaled_dot_product_attention
+# (benchmarks/bench_attention_backends.py, RESULTS.md "Attention backends": on CPU it is the
+# fastest path from 256 tokens in fp32 and bf16, by 2-5x at 1024-2048; below, the explicit
+# body is as fast or faster).
+AUTO_FLASH_MIN_SEQ = 256
+
+EXPLICIT = ("fused", "unfused", "local")
+
+
+class AttentionBackendError(ValueError):
+    """A backend that cannot run with the other flags; the message is one line."""
+
+
+def auto_backend(transformer_impl: str, seq_length: int, softmax_type: str,
+                 use_flash_attn: bool, masked_softmax_fusion: bool) -> str:
+    """The backend ``auto`` picks.
+
+    As in Megatron, ``auto`` is TransformerEngine's choice: with ``--transformer-impl local``
+    attention runs as the other flags say (``--use-flash-attn``, else the fused softmax unless
+    ``--no-masked-softmax-fusion``), so runs without the flag keep their numbers. With
+    ``transformer_engine``: ``flash`` when ``--use-flash-attn`` is given, or when the layers
+    have no softmax offset and ``seq_length >= AUTO_FLASH_MIN_SEQ``; otherwise the explicit body
+    the softmax flags select."""
+    explicit = "fused" if masked_softmax_fusion else "unfused"
+    if use_flash_attn:
+        return "flash"
+    if transformer_impl != "transformer_engine":
+        return explicit
+    if softmax_type == "vanilla" and seq_length >= AUTO_FLASH_MIN_SEQ:
+        return "flash"
+    return explicit
+
+
+def resolve(backend: str, *, transformer_impl: str = "local", seq_length: int = 0,
+            softmax_type: str = "vanilla", use_flash_attn: bool = False,
+            masked_softmax_fusion: bool = True) -> Tuple[str, bool, bool]:
+    """``(chosen backend, use_flash_attn, masked_softmax_fusion)`` for ``--attention-backend
+    backend`` and the other flags' values.
+
+    Raises:
+        AttentionBackendError: a named backend the other flags contradict
+            (``--use-flash-attn`` with an explicit body, ``--no-masked-softmax-fusion`` with
+            ``fused``) or cannot run (``flash`` with a softmax offset).
+    """
+    if backend == "auto":
+        backend = auto_backend(transformer_impl, seq_length, softmax_type, use_flash_attn,
+                               masked_softmax_fusion)
+    elif backend == "flash":
+        if softmax_type != "vanilla":
+            raise AttentionBackendError(
+                f"--attention-backend flash cannot add --softmax-type {softmax_type}'s offset "
+                "(scaled_dot_product_attention has no such term); use --attention-backend "
+                "fused or unfused")
+    elif use_flash_attn:
+        raise AttentionBackendError(f"--attention-backend {backend} contradicts "
+                                    "--use-flash-attn (which selects flash); give one")
+    elif backend == "fused" and not masked_softmax_fusion:
+        raise AttentionBackendError("--attention-backend fused contradicts "
+                                    "--no-masked-softmax-fusion; give one (or use unfused)")
+    if backend == "flash":   # the softmax switch stays as given: no flash layer reads it
+        return backend, True, masked_softmax_fusion
+    return backend, False, backend == "fused"
+
+
+def backend_name(value) -> Optional[str]:
+    """The name of an ``AttnBackend`` member, or of a plain string (None stays None)."""
+    return getattr(value, "name", value)
