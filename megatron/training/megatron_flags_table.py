@@ -187,7 +187,6 @@ ROWS = (
     ('--mtp-detach-heads', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hsm', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hybrid-override-pattern', '', 'str', None, '', REFUSED, MTP),
-    ('--attention-backend', '', 'attn_backend', 'auto', '', NO_EFFECT, ATTN_BACKEND),
     ('--flash-attention-version', '', 'int', None, '2|3|4', NO_EFFECT, ATTN_BACKEND),
     ('--glu-linear-offset', '', 'float', 0.0, '', REFUSED, MODEL_VARIANT),
     ('--activation-func-clamp-value', '', 'float', None, '', REFUSED, MODEL_VARIANT),
