@@ -225,6 +225,7 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
         iteration = 0
     elif train_state is not None:
         train_state.restore_from_saved_args(saved_args)
+        train_state.rerun_checkpoint = state.get("rerun_state_machine")
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration}",
               flush=True)
