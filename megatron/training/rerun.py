@@ -500,7 +500,7 @@ class WeightHashMismatchError(RuntimeError):
 def _digests(model) -> List[tuple]:
     out = []
     for c, chunk in enumerate(model):
-        for name, param in chunk.named_parameters():
+        for name, param in getattr(chunk, "module", chunk).named_parameters():
             data = param.detach().contiguous().cpu().view(-1).view(torch.uint8)
             out.append((name if len(model) == 1 else f"{name} (model chunk {c})",
                         getattr(param, "allreduce", True),
