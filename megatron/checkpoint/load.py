@@ -278,6 +278,7 @@ def _apply_rank_state(state: dict, path: str, iteration: int, release: bool, mod
         iteration = 0
     elif train_state is not None:
         train_state.restore_from_saved_args(saved_args)
+        train_state.rerun_checkpoint = state.get("rerun_state_machine")
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {where} at iteration {iteration}",
               flush=True)

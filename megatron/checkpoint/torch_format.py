@@ -57,6 +57,10 @@ def collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, 
         return None
     state = {"args": plain_args(args), "checkpoint_version": CHECKPOINT_VERSION,
              "iteration": iteration}
+    # Megatron's top-level key; it travels here inside args (TrainState.saved_args_fields).
+    rerun_entry = vars(state["args"]).pop("rerun_state_machine", None)
+    if rerun_entry is not None:
+        state["rerun_state_machine"] = rerun_entry
     state.update(models)
     if not args.no_save_optim:
         state["optimizer"] = optimizer_state

@@ -258,6 +258,7 @@ def _add_training_args(parser):
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
                    help="stop every rank before the optimizer step when a loss or (without "
                    "--fp16) a gradient holds an inf or nan, naming the iteration, rank and tensor")
+    _add_rerun_args(g)
     g.add_argument("--skip-iterations-with-loss-spike", action="store_true",
                    help="skip the optimizer step of an iteration whose loss is not finite or "
                    "exceeds --loss-spike-factor x the mean loss of the last --loss-spike-window "
@@ -270,6 +271,34 @@ def _add_training_args(parser):
                    "(all micro-batches and data-parallel ranks), not the mean of per-micro-batch "
                    "means; gradients are summed over data-parallel ranks and divided by the "
                    "global token count")
+
+
+def _add_rerun_args(g):
+    """Result validation (megatron/training/rerun.py) and the weight-hash check."""
+    g.add_argument("--rerun-mode", default="disabled",
+                   choices=["disabled", "validate_results", "report_stats"],
+                   help="validate_results: a step whose result a check rejects runs again on "
+                   "the same data and RNG state; a different result is a transient fault (exit "
+                   "17, checkpoint saved), the same one is saved for a re-run elsewhere (exit "
+                   "16). report_stats: re-run every step and report the differences. disabled "
+                   "(the default here; Megatron's is validate_results): the checks stop at once")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="with --rerun-mode validate_results: reject a correct result with "
+                   "probability 1/rate per rank and step, to exercise the re-run (0: never)")
+    g.add_argument("--error-injection-type", default="transient_error",
+                   choices=["correct_result", "transient_error", "persistent_error"],
+                   help="what an injected error looks like to the re-runs")
+    g.add_argument("--result-rejected-tracker-filename", default=None,
+                   help="append one line per rejected result and re-run outcome to this file")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="re-run (validate_results) a step whose loss is at least 10x the largest "
+                   "of the first 100 losses; reported, not fatal")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="the same for this rank's gradient norm before the data-parallel "
+                   "reduction")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every this many iterations, compare each data-parallel replica's "
+                   "weights by hash and stop on a mismatch, naming the ranks")
 
 
 def _add_initialization_args(parser):

@@ -124,3 +124,16 @@ def skip_for_loss_spike(losses: dict, iteration: Optional[int], args, pstate,
         print(f"skipping the optimizer step of iteration {iteration}: the loss {why} "
               "(--skip-iterations-with-loss-spike)", flush=True)
     return True
+
+
+def local_grad_sumsq(model) -> float:
+    """The sum of squares (fp64) of this rank's gradients (``main_grad``, else ``grad``): the
+    gradient result --rerun-mode compares between runs and --check-for-large-grads watches."""
+    total = torch.zeros((), dtype=torch.float64, device=device.current_device())
+    for chunk in model:
+        for param in chunk.parameters():
+            grad = getattr(param, "main_grad", None)
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                total += local_tensor(grad).double().square().sum()
+    return float(total.item())

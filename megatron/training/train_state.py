@@ -31,6 +31,10 @@ class TrainState:
         do_train, do_valid, do_test: whether each split has data (agreed over tensor-parallel
             ranks).
         final_valid_losses, final_test_losses: the end-of-training evaluations, when run.
+        rerun: the run's :class:`~megatron.training.rerun.RerunStateMachine` (None: results
+            are not validated).
+        rerun_checkpoint: the machine's checkpoint entry (Megatron's key
+            ``rerun_state_machine``): set before a save the machine asks for, read after a load.
     """
 
     iteration: int = 0
@@ -44,15 +48,20 @@ class TrainState:
     do_test: bool = False
     final_valid_losses: Optional[Dict[str, float]] = None
     final_test_losses: Optional[Dict[str, float]] = None
+    rerun: Optional[object] = None
+    rerun_checkpoint: Optional[dict] = None
 
     def saved_args_fields(self) -> Dict[str, object]:
         """What a checkpoint's ``args`` namespace records of this run: Megatron's two counters,
         and the losses --skip-iterations-with-loss-spike compares with, so a resumed run decides
         as the first did (copies: a background save may still be writing them while training
         goes on)."""
-        return {"consumed_train_samples": self.consumed_train_samples,
-                "consumed_valid_samples": self.consumed_valid_samples,
-                "loss_spike_history": list(self.loss_spike_history)}
+        fields = {"consumed_train_samples": self.consumed_train_samples,
+                  "consumed_valid_samples": self.consumed_valid_samples,
+                  "loss_spike_history": list(self.loss_spike_history)}
+        if self.rerun_checkpoint is not None:  # a re-run from this checkpoint is pending
+            fields["rerun_state_machine"] = self.rerun_checkpoint
+        return fields
 
     def restore_from_saved_args(self, saved: Optional[argparse.Namespace]) -> None:
         """Take the training position a checkpoint's ``args`` records (0 and no losses for what
@@ -60,3 +69,4 @@ class TrainState:
         self.consumed_train_samples = getattr(saved, "consumed_train_samples", 0) or 0
         self.consumed_valid_samples = getattr(saved, "consumed_valid_samples", 0) or 0
         self.loss_spike_history = list(getattr(saved, "loss_spike_history", None) or [])
+        self.rerun_checkpoint = getattr(saved, "rerun_state_machine", None)

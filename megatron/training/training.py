@@ -8,6 +8,7 @@ and saves at their intervals.
 
 import argparse
 import dataclasses
+import functools
 import inspect
 import os
 import signal
@@ -32,7 +33,7 @@ from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training import hooks as training_hooks
 from megatron.training import log as training_log
-from megatron.training import (memory_accounting, moe_logging, numerics, save_extras,
+from megatron.training import (memory_accounting, moe_logging, numerics, rerun, save_extras,
                                stragglers, watchdog)
 from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
@@ -373,26 +374,17 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
-def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, pstate,
-               calculator: NumMicroBatchesCalculator, iteration: Optional[int] = None,
-               timers: Optional[Timers] = None, train_state: Optional[TrainState] = None):
-    """One iteration (number ``iteration``, for messages); returns (loss dict, skipped, grad
-    norm, loss scale). ``train_state`` holds the losses --skip-iterations-with-loss-spike
-    compares with (required with that flag).
-
-    With --check-for-nan-in-loss-and-grad every rank's micro-batch losses and gradients are
-    checked before the optimizer step; gradients before the data-parallel reduction, so the rank
-    that produced an inf or nan is named (after it with --overlap-grad-reduce, which starts the
-    reduction during backward). Gradients are not checked with --fp16: there an inf gradient is
-    an overflow, and the optimizer skips the step and the log line counts it.
-    """
+def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, pstate,
+                      calculator: NumMicroBatchesCalculator, timers: Timers, check: bool,
+                      machine) -> rerun.StepRun:
+    """One run of the step's forward and backward passes, gradients finalised. With ``check``
+    the losses and gradients are checked for inf/nan (the run's findings); with a rerun
+    ``machine`` the losses and this rank's gradient sum of squares are kept as the result."""
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    check = args.check_for_nan_in_loss_and_grad
     check_grads = check and not args.fp16
-    watch = numerics.LossWatch(forward_step_func) if check else None
-    timers = timers or Timers(0)
+    watch = numerics.LossWatch(forward_step_func) if check or machine else None
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
     moe_logging.set_aux_loss_scale(model, optimizer.get_loss_scale(),
                                    calculator.num_micro_batches)
@@ -406,17 +398,56 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     findings = numerics.loss_findings(watch) if check else []
     if check_grads and not args.overlap_grad_reduce:
         findings += numerics.grad_findings(model)
+    sumsq = machine is not None and machine.validates_grads
+    grad_sumsq = (numerics.local_grad_sumsq(model)
+                  if sumsq and not args.overlap_grad_reduce else None)
     finalize_model_grads(model, tp_group=pstate.tp_group, embedding_group=pstate.embedding_group,
                          is_first_stage=pstate.is_first_stage(ignore_virtual=True),
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
                          pp_size=pstate.pp_size, sequence_parallel=pstate.sequence_parallel,
                          num_tokens=logged.num_tokens if args.calculate_per_token_loss else None,
                          pp_group=pstate.pp_group, dp_group=pstate.dp_cp_group)
-    if check:
-        if check_grads and args.overlap_grad_reduce:
-            findings += numerics.grad_findings(model)
+    if check_grads and args.overlap_grad_reduce:
+        findings += numerics.grad_findings(model)
+    if sumsq and args.overlap_grad_reduce:
+        grad_sumsq = numerics.local_grad_sumsq(model)
+    losses = [float(v) for v in watch.losses] if machine is not None else []
+    return rerun.StepRun(logged, findings, losses, grad_sumsq)
+
+
+def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, args, pstate,
+               calculator: NumMicroBatchesCalculator, iteration: Optional[int] = None,
+               timers: Optional[Timers] = None, train_state: Optional[TrainState] = None):
+    """One iteration (number ``iteration``, for messages); returns (loss dict, skipped, grad
+    norm, loss scale). ``train_state`` holds the losses --skip-iterations-with-loss-spike
+    compares with (required with that flag) and the rerun state machine, if any.
+
+    With --check-for-nan-in-loss-and-grad every rank's micro-batch losses and gradients are
+    checked before the optimizer step; gradients before the data-parallel reduction, so the rank
+    that produced an inf or nan is named (after it with --overlap-grad-reduce, which starts the
+    reduction during backward). Gradients are not checked with --fp16: there an inf gradient is
+    an overflow, and the optimizer skips the step and the log line counts it. With
+    --rerun-mode validate_results / report_stats the passes may run again before the optimizer
+    step (:mod:`megatron.training.rerun`), which may raise :class:`~megatron.training.rerun.
+    RerunExit`.
+    """
+    check = args.check_for_nan_in_loss_and_grad
+    machine = train_state.rerun if train_state is not None else None
+    timers = timers or Timers(0)
+    body = functools.partial(_forward_backward, forward_step_func, data_iterator, model,
+                             optimizer, args, pstate, calculator, timers, check, machine)
+
+    def stop_plainly(findings):
         numerics.stop_if_not_finite(findings, iteration, args, pstate,
-                            reduced=check_grads and args.overlap_grad_reduce)
+                                    reduced=check and not args.fp16 and args.overlap_grad_reduce)
+
+    if machine is None:
+        step = body()
+        logged = step.logged
+        if check:
+            stop_plainly(step.findings)
+    else:
+        logged = machine.run_step(body, data_iterator, iteration, stop_plainly)
     last_stage = pstate.is_last_stage(ignore_virtual=True)
     losses = training_log.reduce_logged([logged], pstate.dp_cp_group) if last_stage else {}
     if args.skip_iterations_with_loss_spike and numerics.skip_for_loss_spike(
@@ -633,6 +664,26 @@ def _learning_rate(optimizer) -> float:
                 optimizer.param_groups[0]["lr"])
 
 
+def _rerun_exit(run: TrainingRun, stop: "rerun.RerunExit") -> None:
+    """The rerun state machine stopped the step: save the checkpoint it asks for (the weights
+    before the step's optimizer step, with the machine's state), then exit every rank with its
+    code (Megatron's 16 or 17)."""
+    saved = ""
+    if stop.checkpoint and run.ckpt.save:
+        run.train_state.rerun_checkpoint = run.train_state.rerun.state_dict()
+        if run.saver is not None:
+            run.saver.wait()
+        _save(run)
+        if run.saver is not None:
+            run.saver.wait()
+        saved = f" (saved: iteration {run.train_state.iteration} in {run.ckpt.save})"
+    elif stop.checkpoint:
+        saved = " (no --save: nothing was saved)"
+    if run.args.rank == 0:
+        print(f"{stop}{saved}", file=sys.stderr, flush=True)
+    raise SystemExit(stop.code)
+
+
 def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     """The training loop from ``run.train_state.iteration`` to --train-iters; advances the train
     state and returns the last iteration run.
@@ -654,17 +705,25 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
         training_log.num_floating_point_operations(args, batch)))
     hang = watchdog.build(args)
     forward_step_func = straggler.timed(run.forward_step_func)
+    if train_state.rerun is not None:
+        train_iterator = rerun.wrap_iterators(train_iterator)
     try:
         while train_state.iteration < training.train_iters:
             run.calculator.update(train_state.consumed_train_samples)
             profiler.before_iteration()
             hang.phase(train_state.iteration + 1, "train-step")
-            losses, skipped, grad_norm, loss_scale = train_step(
-                forward_step_func, train_iterator, run.model, run.optimizer, run.scheduler,
-                args, pstate, run.calculator, iteration=train_state.iteration + 1,
-                timers=run.timers, train_state=train_state)
+            try:
+                losses, skipped, grad_norm, loss_scale = train_step(
+                    forward_step_func, train_iterator, run.model, run.optimizer, run.scheduler,
+                    args, pstate, run.calculator, iteration=train_state.iteration + 1,
+                    timers=run.timers, train_state=train_state)
+            except rerun.RerunExit as stop:
+                _rerun_exit(run, stop)
             train_state.iteration += 1
             iteration = train_state.iteration
+            hash_interval = args.check_weight_hash_across_dp_replicas_interval
+            if hash_interval and iteration % hash_interval == 0:
+                rerun.check_weight_hashes(run.model, run.optimizer, pstate, iteration)
             hang.phase(iteration, "after-step")
             profiler.after_iteration()
             manual_gc.after_iteration(iteration)
@@ -796,6 +855,10 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
                                                             configs=configs)
     train_state = TrainState()
     load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+    train_state.rerun = rerun.build(args, args.rank)
+    if train_state.rerun is not None:
+        train_state.rerun.load_state_dict(train_state.rerun_checkpoint)
+    train_state.rerun_checkpoint = None
     if ckpt.ckpt_convert_format is not None:
         convert_loaded_checkpoint(train_state, model, optimizer, scheduler, args, pstate, ckpt)
         return train_state

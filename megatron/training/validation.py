@@ -139,6 +139,7 @@ SIZE_FLAG_MINIMA = (
     ("tensorboard_queue_size", 1), ("eval_iters", 0), ("eval_interval", 1),
     ("save_interval", 1), ("exit_interval", 1), ("exit_duration_in_mins", 1),
     ("manual_gc_interval", 0), ("loss_spike_window", 1), ("hysteresis", 1),
+    ("error_injection_rate", 0), ("check_weight_hash_across_dp_replicas_interval", 1),
     ("num_workers", 0), ("distributed_timeout_minutes", 1), ("ddp_bucket_size", 1),
     ("tensor_model_parallel_size", 1), ("model_parallel_size", 1),
     ("pipeline_model_parallel_size", 1), ("num_layers_per_virtual_pipeline_stage", 1),
@@ -631,6 +632,10 @@ def _validate_batch_and_schedule(args) -> None:
         args.dataloader_type = "single"
     if args.loss_spike_factor <= 1.0:
         _fail(f"--loss-spike-factor must be > 1, got {args.loss_spike_factor}")
+    if (args.check_weight_hash_across_dp_replicas_interval is not None
+            and getattr(args, "use_torch_fsdp2", False)):
+        _fail("--check-weight-hash-across-dp-replicas-interval compares whole replicas; with "
+              "--use-torch-fsdp2 each rank holds a shard, so there is no replica to compare")
 
 
 def _validate_masking(args) -> None:

@@ -50,6 +50,8 @@ DEVIATIONS = {
     "wandb_save_dir": ("default", "'' here; both mean the default folder"),
     "check_for_nan_in_loss_and_grad": ("default", "the check is opt-in here "
                                        "(--check-for-nan-in-loss-and-grad)"),
+    "rerun_mode": ("default", "result validation is opt-in here (--rerun-mode "
+                   "validate_results); disabled keeps the checks' plain stop"),
 }
 
 
