@@ -73,8 +73,6 @@ MLA = ("this option of multi-latent attention (caching the compressed latents, f
        "projections) is not built; --multi-latent-attention runs without it: drop it")
 FSDP = ("this knob of Megatron's own FSDP runtime has no counterpart here (--use-megatron-fsdp "
         "and its sharding strategies run on PyTorch's FSDP2); drop it")
-RERUN = ("the rerun state machine (result validation, error injection) is not built yet; drop it "
-         "(use --check-for-nan-in-loss-and-grad)")
 NON_PERSISTENT = ("this option of the local checkpoint manager (a cache of process-group "
                   "tensors) is not built; local checkpoints work without it: drop it")
 FP8 = ("FP8/FP4 training needs TransformerEngine's kernels, which are not built here; use --bf16")
@@ -353,8 +351,6 @@ ROWS = (
     ('--nvtx-ranges', '', 'true', False, '', REFUSED, MEMORY_TOOLS),
     ('--step-batch-size-schedule', '', 'str', None, '', REFUSED, TRAINING_EXTRAS),
     ('--decrease-batch-size-if-needed', '', 'true', False, '', REFUSED, TRAINING_EXTRAS),
-    ('--check-weight-hash-across-dp-replicas-interval', '',
-     'int', None, '', REFUSED, TRAINING_EXTRAS),
     ('--gpu-sniff-test-interval', '', 'int', None, '', REFUSED, TRAINING_EXTRAS),
     ('--train-sync-interval', '', 'int', None, '', NO_EFFECT, SCHEDULE),
     ('--exit-signal', '', 'signal', signal.SIGTERM, '', WORKS, None),
@@ -365,8 +361,6 @@ ROWS = (
     ('--iterations-to-skip', '', 'int+', [], '', REFUSED, TRAINING_EXTRAS),
     ('--no-check-for-nan-in-loss-and-grad', 'check_for_nan_in_loss_and_grad',
      'false', True, '', WORKS, None),
-    ('--check-for-large-grads', '', 'true', False, '', REFUSED, RERUN),
-    ('--result-rejected-tracker-filename', '', 'str', None, '', REFUSED, RERUN),
     ('--tp-comm-overlap-cfg', '', 'str', None, '', REFUSED, TP_OVERLAP),
     ('--no-rope-fusion', 'apply_rope_fusion', 'false', True, '', NO_EFFECT, FUSION),
     ('--rope-type', '', 'str', None, 'rope|yarn', REFUSED, ROPE_SCALING),
@@ -741,12 +735,6 @@ ROWS = (
     ('--enable-ft-package', '', 'true', False, '', REFUSED, RESILIENCY),
     ('--calc-ft-timeouts', '', 'true', False, '', REFUSED, RESILIENCY),
     ('--ft-num-warmup-iters', '', 'int', 5, '', REFUSED, RESILIENCY),
-    ('--error-injection-rate', '', 'int', 0, '', REFUSED, RERUN),
-    ('--error-injection-type', '',
-     'str', 'transient_error', 'correct_result|transient_error|persistent_error', REFUSED, RERUN),
-    ('--rerun-mode', '',
-     'str', 'validate_results', 'disabled|validate_results|report_stats', REFUSED, RERUN),
-    ('--check-for-spiky-loss', '', 'true', False, '', REFUSED, RERUN),
     ('--enable-msc', '', 'true', False, '', REFUSED, MSC_ENABLE),
     ('--disable-msc', 'disable_msc_deprecated', 'true', False, '', NO_EFFECT, MSC),
     ('--sft', '', 'true', False, '', REFUSED, SFT),
