@@ -46,7 +46,7 @@ from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, p
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
 from megatron.convert.target import staged_target
-from megatron.convert import hf_mistral
+from megatron.convert import hf_deepseek_v3, hf_mistral
 
 _FAMILIES = {**{family.MODEL_TYPE: family
                 for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2, hf_qwen2_moe,
@@ -56,7 +56,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
 _FAMILIES.update({hf_mistral.MODEL_TYPE: hf_mistral,
-                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS})
+                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS,
+                  hf_deepseek_v3.MODEL_TYPE: hf_deepseek_v3})
 
 
 # ---- choosing the architecture -----------------------------------------------------------------
@@ -106,6 +107,8 @@ def _refuse_family_gaps(meta: ModelMeta, family) -> None:
 def family_for_meta(meta: ModelMeta):
     """The architecture module that writes ``meta``'s model, or a ConversionError listing every
     feature (with its flag) that stands in the way."""
+    if meta.multi_latent_attention and meta.model_type == "GPT":
+        return _deepseek_v3_family(meta)
     _refuse_qk_layernorm(meta)
     _refuse_numerics_flags(meta)
     hf_mistral.check_attention(meta)
@@ -144,6 +147,20 @@ def family_for_meta(meta: ModelMeta):
     if problems:
         raise ConversionError(f"{family.ARCHITECTURE} (the Hugging Face architecture for "
                               f"{chosen_by}) cannot express: " + "; ".join(problems))
+    return family
+
+
+def _deepseek_v3_family(meta: ModelMeta):
+    """DeepSeek-V3 for --multi-latent-attention (dense or MoE), or what stands in the way."""
+    _refuse_numerics_flags(meta)
+    hf_mistral.check_attention(meta)
+    family = hf_deepseek_v3
+    problems = family.unsupported_features(meta)
+    if meta.position_embedding_type not in ("rope", "yarn"):
+        problems.insert(0, f"--position-embedding-type {meta.position_embedding_type}")
+    if problems:
+        raise ConversionError(f"{family.ARCHITECTURE} (the Hugging Face architecture for "
+                              "--multi-latent-attention) cannot express: " + "; ".join(problems))
     return family
 
 

@@ -371,6 +371,10 @@ def _moe_fields(args, where: str) -> dict:
                 moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
                 moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor",
                                                        None),
+                moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+                moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+                moe_router_enable_expert_bias=bool(getattr(
+                    args, "moe_router_enable_expert_bias", False)),
                 moe_shared_expert_intermediate_size=getattr(
                     args, "moe_shared_expert_intermediate_size", None) or None,
                 moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)))
@@ -399,10 +403,6 @@ def _attention_fields(args, where: str) -> dict:
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
-    if getattr(args, "multi_latent_attention", False):
-        raise ConversionError(f"{src.file(0, 0)}: --multi-latent-attention checkpoints cannot "
-                              "be converted yet (load them with the training's own "
-                              "--ckpt-format torch or torch_dist)")
     heads = args.num_attention_heads
     gqa = getattr(args, "group_query_attention", False)
     position = getattr(args, "position_embedding_type", "learned_absolute")
@@ -451,7 +451,19 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         bert_binary_head=src.binary_head, source_args=source_args,
         optimizer=getattr(src, "optimizer", None),
         optimizer_note=getattr(src, "optimizer_note", ""),
-        **_moe_fields(args, src.file(0, 0)))
+        **_moe_fields(args, src.file(0, 0)), **_mla_fields(args))
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
+def _mla_fields(args) -> dict:
+    """``ModelMeta``'s multi-latent attention fields from saved args (none without the flag)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    defaults = ModelMeta(1, 1, 1, 1, 1, 1, 1, 1, 1)
+    return dict(multi_latent_attention=True,
+                **{name: getattr(args, name, getattr(defaults, name)) for name in MLA_FIELDS})
 
 
 def _rope_scaling_fields(args) -> dict:
