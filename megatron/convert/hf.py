@@ -20,6 +20,8 @@ layer at a time. These architectures are written and read:
   (:mod:`megatron.convert.hf_mixtral`), with a gated shared expert ``Qwen2MoeForCausalLM``
   (:mod:`megatron.convert.hf_qwen2_moe`), with ``--qk-layernorm`` ``Qwen3MoeForCausalLM``
   (:mod:`megatron.convert.hf_qwen3_moe`);
+- for ``--multi-latent-attention`` models (dense, or MoE with DeepSeek's sigmoid router, expert
+  bias and dense first layers), ``DeepseekV3ForCausalLM`` (:mod:`megatron.convert.hf_deepseek_v3`);
 - for BERT, ``BertForPreTraining`` / ``MegatronBertForPreTraining`` (or ``*ForMaskedLM`` without
   the binary head) (:mod:`megatron.convert.hf_bert`).
 
@@ -206,10 +208,13 @@ class _ShardWriter:
         self.total_bytes = 0
         self.shards = []                 # (temporary path, tensor names)
 
-    def add(self, tensors: Dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def add(self, tensors: Dict[str, torch.Tensor], dtype: torch.dtype,
+            keep_float32: Tuple[str, ...] = ()) -> None:
+        """``tensors`` in ``dtype``, those whose names end with ``keep_float32`` in float32."""
         for name, tensor in tensors.items():
             # A private contiguous copy: safetensors refuses views that share storage.
-            tensor = tensor.detach().to(device="cpu", dtype=dtype).clone(
+            wanted = torch.float32 if keep_float32 and name.endswith(keep_float32) else dtype
+            tensor = tensor.detach().to(device="cpu", dtype=wanted).clone(
                 memory_format=torch.contiguous_format)
             size = tensor.numel() * tensor.element_size()
             if self.pending and self.pending_bytes + size > self.max_shard_size:
@@ -306,7 +311,8 @@ def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
             raise ConversionError(f"stream: expected {what}, got {got}")
         _check_tensors(piece, shapes, what, min_rows)
         if kind == "layer":
-            writer.add(family.layer_to_hf(index, piece.tensors, meta), meta.params_dtype)
+            writer.add(family.layer_to_hf(index, piece.tensors, meta), meta.params_dtype,
+                       getattr(family, "KEEP_FLOAT32", ()))
         elif kind in to_hf:
             writer.add(to_hf[kind](piece.tensors, meta), meta.params_dtype)
         else:

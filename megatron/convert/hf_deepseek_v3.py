@@ -21,6 +21,10 @@ two experts, ours by its best ``topk / group_topk``: grouped routing needs ``num
 = 2 topk_group``. Ours renormalises the chosen sigmoid weights when k > 1, so ``norm_topk_prob``
 must be true (or k 1).
 
+The router's weight and expert bias are written in float32, as transformers keeps them (our
+expert bias is float32 too; our router weight has the model's dtype, so a bfloat16 Megatron
+checkpoint rounds it).
+
 Multi-token prediction: transformers' model has none and skips the weights of layers past
 ``num_hidden_layers``; so does the loader here, and the saver refuses ``--mtp-num-layers``.
 """
@@ -37,6 +41,8 @@ from megatron.convert.schema import ModelMeta
 MODEL_TYPE = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 ROPE_SCALING = True
+# What transformers keeps in float32 whatever the model's dtype: the router's weight and bias.
+KEEP_FLOAT32 = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 embeddings_to_hf = hf_llama.embeddings_to_hf
 final_norm_to_hf = hf_llama.final_norm_to_hf

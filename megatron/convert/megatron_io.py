@@ -403,6 +403,10 @@ def _attention_fields(args, where: str) -> dict:
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
+    if getattr(args, "mtp_num_layers", None):
+        raise ConversionError(f"{src.file(0, 0)}: --mtp-num-layers {args.mtp_num_layers}: the "
+                              "multi-token prediction layers cannot be converted (load the "
+                              "checkpoint with the training's own --ckpt-format)")
     heads = args.num_attention_heads
     gqa = getattr(args, "group_query_attention", False)
     position = getattr(args, "position_embedding_type", "learned_absolute")

@@ -124,7 +124,9 @@ class SaveTarget:
                     continue   # each expert rank's file numbers its experts 0 .. E/ep - 1
                 shape = self.shard_shape(self.shapes[index][name],
                                          tp_split_rule(name, meta.swiglu))
-                encoder[f"layers.{local}.{name}"] = torch.empty(shape, dtype=dtype)
+                # The router's expert bias stays float32 whatever the weights' dtype.
+                encoder[f"layers.{local}.{name}"] = torch.empty(shape, dtype=(
+                    torch.float32 if name == "mlp.router.expert_bias" else dtype))
         if last:
             norm = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
             for name in norm:

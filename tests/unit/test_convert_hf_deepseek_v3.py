@@ -63,7 +63,7 @@ def our_model(meta):
         multi_latent_attention=True, q_lora_rank=meta.q_lora_rank,
         kv_lora_rank=meta.kv_lora_rank, qk_head_dim=meta.qk_head_dim,
         qk_pos_emb_head_dim=meta.qk_pos_emb_head_dim, v_head_dim=meta.v_head_dim)
-    moe = MoEConfig(
+    moe = meta.num_experts and MoEConfig(
         num_moe_experts=meta.num_experts, moe_router_topk=meta.moe_router_topk,
         moe_ffn_hidden_size=meta.moe_ffn_hidden_size, moe_layer_freq=meta.moe_layer_freq,
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
@@ -73,7 +73,8 @@ def our_model(meta):
         moe_shared_expert_intermediate_size=meta.moe_shared_expert_intermediate_size)
     pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,
                                    virtual_pp_size=None, virtual_pp_rank=None)
-    return GPTModel(cfg, pstate, parallel_output=False, moe_config=moe).eval()
+    return GPTModel(cfg, pstate, parallel_output=False,
+                    moe_config=moe if meta.num_experts else None).eval()
 
 
 def _state_dict(pieces):
@@ -115,20 +116,45 @@ def _safetensors(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
-def test_export_gives_back_every_tensor_bit_for_bit(tmp_path):
-    folder, _ = hf_folder(tmp_path)
+def test_dense_only_folder_gives_transformers_logits(tmp_path):
+    folder, theirs = hf_folder(tmp_path, first_k_dense_replace=3)
+    pieces = list(load_hf(folder))
+    assert not pieces[0].meta.num_experts
+    ours = our_model(pieces[0].meta)
+    ours.load_state_dict(_state_dict(pieces), strict=False)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = theirs(ids).logits
+        got = ours(ids, torch.arange(SEQ).expand(2, SEQ), None)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("first_dense, dtype", [(1, "float32"), (3, "float32"),
+                                                 (1, "bfloat16")])
+def test_export_gives_back_every_tensor_bit_for_bit(tmp_path, first_dense, dtype):
+    """Also in bfloat16, where the expert bias stays float32 as transformers keeps it."""
+    folder, _ = hf_folder(tmp_path, first_k_dense_replace=first_dense)
+    if dtype == "bfloat16":
+        DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(
+            folder)
     save_hf(load_hf(folder), str(tmp_path / "back"), allow_no_tokenizer=True)
     want, got = _safetensors(folder), _safetensors(str(tmp_path / "back"))
     assert sorted(got) == sorted(want)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
     with open(os.path.join(tmp_path / "back", "config.json")) as f:
         config = json.load(f)
+    if first_dense == 3:
+        return
+    assert got["model.layers.1.mlp.gate.e_score_correction_bias"].dtype == torch.float32
+    assert got["model.layers.1.mlp.gate.weight"].dtype == torch.float32
+    assert [k for k in want if got[k].dtype != want[k].dtype] == []
     for key in ("first_k_dense_replace", "n_group", "topk_group", "n_shared_experts",
                 "routed_scaling_factor", "q_lora_rank", "kv_lora_rank", "v_head_dim"):
         assert config[key] == CONFIG.get(key, 12), key
 
 
-def test_folder_through_megatron_tp2_comes_back_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
+def test_folder_through_megatron_tp2_comes_back_bit_for_bit(tmp_path, fmt):
     from megatron.checkpoint.safe_unpickle import torch_load
     from megatron.training import checkpointing
     from tools.checkpoint.convert import main
@@ -137,12 +163,15 @@ def test_folder_through_megatron_tp2_comes_back_bit_for_bit(tmp_path):
     tp2, back = str(tmp_path / "tp2"), str(tmp_path / "back")
     common, vocab = ["--model-type", "GPT"], ["--true-vocab-size", str(VOCAB)]
     assert main(common + ["--loader", "hf", "--load-dir", folder, "--save-dir", tp2,
-                          "--target-tensor-parallel-size", "2"]) == 0
+                          "--target-tensor-parallel-size", "2", "--target-ckpt-format",
+                          fmt]) == 0
     assert main(common + ["--saver", "hf", "--load-dir", tp2, "--save-dir", back,
                           "--allow-no-tokenizer"] + vocab) == 0
     want, got = _safetensors(folder), _safetensors(back)
     assert sorted(got) == sorted(want)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    if fmt == "torch_dist":
+        return
     iteration, release = checkpointing.read_tracker(tp2)
     args = torch_load(checkpointing.checkpoint_file(tp2, iteration, 1, 0, 1, release))["args"]
     assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim,
@@ -150,6 +179,29 @@ def test_folder_through_megatron_tp2_comes_back_bit_for_bit(tmp_path):
     assert (args.moe_router_num_groups, args.moe_router_group_topk,
             args.moe_router_enable_expert_bias, args.moe_router_score_function) == (
                 4, 2, True, "sigmoid")
+
+
+def test_torch_dist_checkpoint_loads_into_our_model_with_transformers_logits(tmp_path):
+    """The converter's Megatron-Core keys are those the training's own loader reads."""
+    from megatron.checkpoint.dist import ChunkLayout, DistCheckpointReader, load_model_state
+    from tools.checkpoint.convert import main
+
+    folder, theirs = hf_folder(tmp_path)
+    dist = str(tmp_path / "dist")
+    assert main(["--model-type", "GPT", "--loader", "hf", "--load-dir", folder, "--save-dir",
+                 dist, "--target-ckpt-format", "torch_dist"]) == 0
+    meta = next(load_hf(folder)).meta
+    ours = our_model(meta)
+    (iteration_dir,) = [d for d in os.listdir(dist) if d.startswith(("iter_", "release"))]
+    reader = DistCheckpointReader(os.path.join(dist, iteration_dir))
+    layout = ChunkLayout(num_layers=3, num_experts=8, swiglu=True, per_layer=True, mla=True)
+    ours.load_state_dict(load_model_state(reader, ours.state_dict_for_save_checkpoint(),
+                                          layout), strict=False)
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = theirs(ids).logits
+        got = ours(ids, torch.arange(SEQ).expand(2, SEQ), None)
+    torch.testing.assert_close(got[..., :VOCAB], want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -165,3 +217,47 @@ def test_config_values_our_flags_cannot_express_are_refused_by_key(tmp_path, ove
     config.save_pretrained(str(tmp_path / "hf"))
     with pytest.raises(ConversionError, match=key):
         next(load_hf(str(tmp_path / "hf")))
+
+
+def test_multi_token_prediction_weights_in_a_folder_are_skipped_as_transformers_does(tmp_path):
+    """DeepSeek's own folders hold the MTP layer as ``model.layers.{num_hidden_layers}.*``,
+    which transformers' model does not have; the import skips it too."""
+    from safetensors.torch import save_file
+
+    folder, _ = hf_folder(tmp_path)
+    tensors = _safetensors(folder)
+    tensors["model.layers.3.eh_proj.weight"] = torch.ones(32, 64)
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    pieces = list(load_hf(folder))
+    assert [p.index for p in pieces if p.kind == "layer"] == [0, 1, 2]
+
+
+def test_megatron_checkpoint_with_multi_token_prediction_is_refused_in_one_line(tmp_path, capsys):
+    from tests.functional.test_megatron_written import fixture_dir
+    from tools.checkpoint.convert import main
+
+    with pytest.raises(SystemExit):
+        main(["--model-type", "GPT", "--load-dir", fixture_dir("mcore_dist_dsv3_mtp"),
+              "--save-dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert "--mtp-num-layers 1" in err and len(err.splitlines()) == 1
+    assert not os.path.exists(tmp_path / "out")
+
+
+@pytest.mark.parametrize("change, flag", [
+    (dict(qk_layernorm=False), "--qk-layernorm"),
+    (dict(add_bias_linear=True), "linear biases"),
+    (dict(moe_router_topk=3), "--moe-router-topk 3"),
+    (dict(moe_router_enable_expert_bias=False), "--moe-router-enable-expert-bias"),
+    (dict(moe_layer_freq=[1, 0, 1]), "--moe-layer-freq"),
+    (dict(position_embedding_type="learned_absolute"), "learned_absolute"),
+])
+def test_models_deepseek_v3_cannot_compute_are_refused_before_writing(tmp_path, change, flag):
+    import dataclasses
+
+    folder, _ = hf_folder(tmp_path)
+    meta = dataclasses.replace(next(load_hf(folder)).meta, **change)
+    with pytest.raises(ConversionError, match="DeepseekV3ForCausalLM.*" + flag):
+        save_hf(iter([types.SimpleNamespace(kind="meta", meta=meta, index=None)]),
+                str(tmp_path / "out"), allow_no_tokenizer=True)
+    assert not os.path.exists(tmp_path / "out")
