@@ -412,6 +412,8 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     position = getattr(args, "position_embedding_type", "learned_absolute")
     if getattr(args, "use_rotary_position_embeddings", False):
         position = "rope"
+    if getattr(args, "multi_latent_attention", False) and position == "rope":
+        position = "yarn"   # what the training runs (megatron.training.configs)
     epsilon = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None)
     padded = args.padded_vocab_size
     # In this project's conventions, without Megatron's own classes (the target writes them).

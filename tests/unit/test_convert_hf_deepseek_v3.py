@@ -62,7 +62,8 @@ def our_model(meta):
         position_embedding_type=meta.position_embedding_type, rotary_base=meta.rotary_base,
         multi_latent_attention=True, q_lora_rank=meta.q_lora_rank,
         kv_lora_rank=meta.kv_lora_rank, qk_head_dim=meta.qk_head_dim,
-        qk_pos_emb_head_dim=meta.qk_pos_emb_head_dim, v_head_dim=meta.v_head_dim)
+        qk_pos_emb_head_dim=meta.qk_pos_emb_head_dim, v_head_dim=meta.v_head_dim,
+        **_yarn(meta))
     moe = meta.num_experts and MoEConfig(
         num_moe_experts=meta.num_experts, moe_router_topk=meta.moe_router_topk,
         moe_ffn_hidden_size=meta.moe_ffn_hidden_size, moe_layer_freq=meta.moe_layer_freq,
@@ -77,6 +78,20 @@ def our_model(meta):
                     moe_config=moe if meta.num_experts else None).eval()
 
 
+def _yarn(meta):
+    if meta.position_embedding_type != "yarn":
+        return {}
+    return dict(yarn_rotary_scaling_factor=meta.rotary_scaling_factor,
+                yarn_original_max_position_embeddings=meta.yarn_original_max_position_embeddings,
+                yarn_beta_fast=meta.yarn_beta_fast, yarn_beta_slow=meta.yarn_beta_slow,
+                yarn_mscale=meta.mscale, yarn_mscale_all_dim=meta.mscale_all_dim)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 8, "beta_fast": 32.0, "beta_slow": 1.0,
+        "mscale": 0.9, "mscale_all_dim": 0.7}
+
+
 def _state_dict(pieces):
     top = {"embeddings": "language_model.embedding.", "final_norm":
            "language_model.encoder.final_layernorm.", "output_layer": "language_model.output_layer."}
@@ -89,12 +104,14 @@ def _state_dict(pieces):
     return sd
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 12])
-def test_imported_deepseek_v3_gives_transformers_logits(tmp_path, q_lora_rank):
-    folder, theirs = hf_folder(tmp_path, q_lora_rank=q_lora_rank)
+@pytest.mark.parametrize("q_lora_rank, rope", [(None, None), (12, None), (12, YARN)])
+def test_imported_deepseek_v3_gives_transformers_logits(tmp_path, q_lora_rank, rope):
+    extra = {"rope_parameters": dict(rope)} if rope else {}
+    folder, theirs = hf_folder(tmp_path, q_lora_rank=q_lora_rank, **extra)
     pieces = list(load_hf(folder))
     meta = pieces[0].meta
     assert meta.multi_latent_attention and meta.moe_layer_freq == [0, 1, 1]
+    assert meta.position_embedding_type == ("yarn" if rope else "rope")
     assert (meta.moe_router_num_groups, meta.moe_router_group_topk) == (4, 2)
     assert meta.moe_shared_expert_intermediate_size == 32
     ours = our_model(meta)
