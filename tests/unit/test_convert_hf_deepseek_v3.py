@@ -170,8 +170,9 @@ def test_export_gives_back_every_tensor_bit_for_bit(tmp_path, first_dense, dtype
         assert config[key] == CONFIG.get(key, 12), key
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_folder_through_megatron_tp2_comes_back_bit_for_bit(tmp_path, fmt):
+@pytest.mark.parametrize("fmt, pp", [("torch", 1), ("torch", 3), ("torch_dist", 1),
+                                     ("torch_dist", 3)])
+def test_folder_through_megatron_tp2_comes_back_bit_for_bit(tmp_path, fmt, pp):
     from megatron.checkpoint.safe_unpickle import torch_load
     from megatron.training import checkpointing
     from tools.checkpoint.convert import main
@@ -181,13 +182,13 @@ def test_folder_through_megatron_tp2_comes_back_bit_for_bit(tmp_path, fmt):
     common, vocab = ["--model-type", "GPT"], ["--true-vocab-size", str(VOCAB)]
     assert main(common + ["--loader", "hf", "--load-dir", folder, "--save-dir", tp2,
                           "--target-tensor-parallel-size", "2", "--target-ckpt-format",
-                          fmt]) == 0
+                          fmt, "--target-pipeline-parallel-size", str(pp)]) == 0
     assert main(common + ["--saver", "hf", "--load-dir", tp2, "--save-dir", back,
                           "--allow-no-tokenizer"] + vocab) == 0
     want, got = _safetensors(folder), _safetensors(back)
     assert sorted(got) == sorted(want)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
-    if fmt == "torch_dist":
+    if fmt == "torch_dist" or pp > 1:
         return
     iteration, release = checkpointing.read_tracker(tp2)
     args = torch_load(checkpointing.checkpoint_file(tp2, iteration, 1, 0, 1, release))["args"]
