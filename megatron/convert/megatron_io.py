@@ -19,6 +19,11 @@ query_key_value weight and bias       rows, contiguous; each rank holds whole qu
 dense weight                          columns (row-parallel); its bias is replicated
 dense_h_to_4h weight and bias         rows; with SwiGLU stride 2: rank r holds [gate_r; value_r]
 dense_4h_to_h weight                  columns (row-parallel); its bias is replicated
+MLA linear_q_proj, linear_q_up_proj,  rows, contiguous (whole heads per rank)
+  linear_kv_up_proj weights
+MLA linear_proj weight                columns (row-parallel)
+MLA down projections, router, expert  replicated
+  bias
 norms, position embeddings            replicated (rank 0's copy is read)
 BERT lm_head.bias                     rows, contiguous, like the word embeddings (padding too)
 other BERT tensors                    replicated (token-type table, pooler, lm_head dense and

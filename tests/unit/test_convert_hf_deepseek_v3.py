@@ -93,8 +93,9 @@ YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
 
 
 def _state_dict(pieces):
-    top = {"embeddings": "language_model.embedding.", "final_norm":
-           "language_model.encoder.final_layernorm.", "output_layer": "language_model.output_layer."}
+    top = {"embeddings": "language_model.embedding.",
+           "final_norm": "language_model.encoder.final_layernorm.",
+           "output_layer": "language_model.output_layer."}
     sd = {}
     for piece in pieces[1:]:
         prefix = (f"language_model.encoder.layers.{piece.index}." if piece.kind == "layer"
