@@ -187,7 +187,10 @@ def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int,
     tensors = {}
     per_layer = _per_layer(meta)
     for name in layer_tensor_names(meta, index):
-        key = prefix + keys.layer_key(name, index if per_layer else None)
+        key = prefix + keys.layer_key(name, index if per_layer else None,
+                                      mla=meta.multi_latent_attention)
+        if meta.multi_latent_attention:
+            key = keys.stored_key(key, reader)
         if key not in reader:
             raise _layout_error(reader, key, meta)
         shape = reader.shape(key)
@@ -275,7 +278,8 @@ class _DistTarget:
                                 layer_offset=pp_rank * self.target.per_stage,
                                 tp_rank=tp_rank, tp_size=self.tp, swiglu=self.meta.swiglu,
                                 num_experts=self.meta.num_experts,
-                                per_layer=_per_layer(self.meta))
+                                per_layer=_per_layer(self.meta),
+                                mla=self.meta.multi_latent_attention)
 
     def put(self, tp_rank: int, pp_rank: int, name: str, tensor: torch.Tensor,
             prefix: str = "") -> None:
@@ -311,7 +315,9 @@ def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
         out.writers[(0, pp_rank)].add(ObjectShard(fqn, None) for fqn in keys.extra_state_keys(
             piece.index, out.meta.num_layers, range(experts) if experts else None, experts,
             shared_expert=bool(out.meta.moe_shared_expert_intermediate_size),
-            per_layer=_per_layer(out.meta)))
+            per_layer=_per_layer(out.meta), attention_modules=(
+                keys.mla_attention_modules(piece.tensors) if out.meta.multi_latent_attention
+                else None)))
 
 
 def _save_final(out: _DistTarget, piece: Piece, prefix: str = "") -> None:

@@ -20,6 +20,8 @@ layer at a time. These architectures are written and read:
   (:mod:`megatron.convert.hf_mixtral`), with a gated shared expert ``Qwen2MoeForCausalLM``
   (:mod:`megatron.convert.hf_qwen2_moe`), with ``--qk-layernorm`` ``Qwen3MoeForCausalLM``
   (:mod:`megatron.convert.hf_qwen3_moe`);
+- for ``--multi-latent-attention`` models (dense, or MoE with DeepSeek's sigmoid router, expert
+  bias and dense first layers), ``DeepseekV3ForCausalLM`` (:mod:`megatron.convert.hf_deepseek_v3`);
 - for BERT, ``BertForPreTraining`` / ``MegatronBertForPreTraining`` (or ``*ForMaskedLM`` without
   the binary head) (:mod:`megatron.convert.hf_bert`).
 
@@ -46,7 +48,7 @@ from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, p
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
 from megatron.convert.target import staged_target
-from megatron.convert import hf_mistral
+from megatron.convert import hf_deepseek_v3, hf_mistral
 
 _FAMILIES = {**{family.MODEL_TYPE: family
                 for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2, hf_qwen2_moe,
@@ -56,7 +58,8 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
 _FAMILIES.update({hf_mistral.MODEL_TYPE: hf_mistral,
-                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS})
+                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS,
+                  hf_deepseek_v3.MODEL_TYPE: hf_deepseek_v3})
 
 
 # ---- choosing the architecture -----------------------------------------------------------------
@@ -106,6 +109,8 @@ def _refuse_family_gaps(meta: ModelMeta, family) -> None:
 def family_for_meta(meta: ModelMeta):
     """The architecture module that writes ``meta``'s model, or a ConversionError listing every
     feature (with its flag) that stands in the way."""
+    if meta.multi_latent_attention and meta.model_type == "GPT":
+        return _deepseek_v3_family(meta)
     _refuse_qk_layernorm(meta)
     _refuse_numerics_flags(meta)
     hf_mistral.check_attention(meta)
@@ -144,6 +149,20 @@ def family_for_meta(meta: ModelMeta):
     if problems:
         raise ConversionError(f"{family.ARCHITECTURE} (the Hugging Face architecture for "
                               f"{chosen_by}) cannot express: " + "; ".join(problems))
+    return family
+
+
+def _deepseek_v3_family(meta: ModelMeta):
+    """DeepSeek-V3 for --multi-latent-attention (dense or MoE), or what stands in the way."""
+    _refuse_numerics_flags(meta)
+    hf_mistral.check_attention(meta)
+    family = hf_deepseek_v3
+    problems = family.unsupported_features(meta)
+    if meta.position_embedding_type not in ("rope", "yarn"):
+        problems.insert(0, f"--position-embedding-type {meta.position_embedding_type}")
+    if problems:
+        raise ConversionError(f"{family.ARCHITECTURE} (the Hugging Face architecture for "
+                              "--multi-latent-attention) cannot express: " + "; ".join(problems))
     return family
 
 
@@ -189,10 +208,13 @@ class _ShardWriter:
         self.total_bytes = 0
         self.shards = []                 # (temporary path, tensor names)
 
-    def add(self, tensors: Dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    def add(self, tensors: Dict[str, torch.Tensor], dtype: torch.dtype,
+            keep_float32: Tuple[str, ...] = ()) -> None:
+        """``tensors`` in ``dtype``, those whose names end with ``keep_float32`` in float32."""
         for name, tensor in tensors.items():
             # A private contiguous copy: safetensors refuses views that share storage.
-            tensor = tensor.detach().to(device="cpu", dtype=dtype).clone(
+            wanted = torch.float32 if keep_float32 and name.endswith(keep_float32) else dtype
+            tensor = tensor.detach().to(device="cpu", dtype=wanted).clone(
                 memory_format=torch.contiguous_format)
             size = tensor.numel() * tensor.element_size()
             if self.pending and self.pending_bytes + size > self.max_shard_size:
@@ -289,7 +311,8 @@ def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
             raise ConversionError(f"stream: expected {what}, got {got}")
         _check_tensors(piece, shapes, what, min_rows)
         if kind == "layer":
-            writer.add(family.layer_to_hf(index, piece.tensors, meta), meta.params_dtype)
+            writer.add(family.layer_to_hf(index, piece.tensors, meta), meta.params_dtype,
+                       getattr(family, "KEEP_FLOAT32", ()))
         elif kind in to_hf:
             writer.add(to_hf[kind](piece.tensors, meta), meta.params_dtype)
         else:

@@ -268,7 +268,7 @@ def join_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: ModelMeta)
 def canonical_layer_shapes(meta: ModelMeta, index: int = 0) -> Dict[str, Tuple[int, ...]]:
     """Every tensor the canonical ``layer`` piece ``index`` of ``meta``'s model holds, with its
     shape."""
-    if meta.num_experts:
+    if meta.num_experts or meta.multi_latent_attention:
         return layer_tensor_shapes(meta, index)
     h, ffn, hn = meta.hidden_size, meta.ffn_hidden_size, meta.kv_channels
     heads, groups = meta.num_attention_heads, meta.num_query_groups

@@ -19,6 +19,11 @@ query_key_value weight and bias       rows, contiguous; each rank holds whole qu
 dense weight                          columns (row-parallel); its bias is replicated
 dense_h_to_4h weight and bias         rows; with SwiGLU stride 2: rank r holds [gate_r; value_r]
 dense_4h_to_h weight                  columns (row-parallel); its bias is replicated
+MLA linear_q_proj, linear_q_up_proj,  rows, contiguous (whole heads per rank)
+  linear_kv_up_proj weights
+MLA linear_proj weight                columns (row-parallel)
+MLA down projections, router, expert  replicated
+  bias
 norms, position embeddings            replicated (rank 0's copy is read)
 BERT lm_head.bias                     rows, contiguous, like the word embeddings (padding too)
 other BERT tensors                    replicated (token-type table, pooler, lm_head dense and
@@ -371,6 +376,10 @@ def _moe_fields(args, where: str) -> dict:
                 moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
                 moe_router_topk_scaling_factor=getattr(args, "moe_router_topk_scaling_factor",
                                                        None),
+                moe_router_num_groups=getattr(args, "moe_router_num_groups", None),
+                moe_router_group_topk=getattr(args, "moe_router_group_topk", None),
+                moe_router_enable_expert_bias=bool(getattr(
+                    args, "moe_router_enable_expert_bias", False)),
                 moe_shared_expert_intermediate_size=getattr(
                     args, "moe_shared_expert_intermediate_size", None) or None,
                 moe_shared_expert_gate=bool(getattr(args, "moe_shared_expert_gate", False)))
@@ -399,15 +408,17 @@ def _attention_fields(args, where: str) -> dict:
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
-    if getattr(args, "multi_latent_attention", False):
-        raise ConversionError(f"{src.file(0, 0)}: --multi-latent-attention checkpoints cannot "
-                              "be converted yet (load them with the training's own "
-                              "--ckpt-format torch or torch_dist)")
+    if getattr(args, "mtp_num_layers", None):
+        raise ConversionError(f"{src.file(0, 0)}: --mtp-num-layers {args.mtp_num_layers}: the "
+                              "multi-token prediction layers cannot be converted (load the "
+                              "checkpoint with the training's own --ckpt-format)")
     heads = args.num_attention_heads
     gqa = getattr(args, "group_query_attention", False)
     position = getattr(args, "position_embedding_type", "learned_absolute")
     if getattr(args, "use_rotary_position_embeddings", False):
         position = "rope"
+    if getattr(args, "multi_latent_attention", False) and position == "rope":
+        position = "yarn"   # what the training runs (megatron.training.configs)
     epsilon = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None)
     padded = args.padded_vocab_size
     # In this project's conventions, without Megatron's own classes (the target writes them).
@@ -451,7 +462,19 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         bert_binary_head=src.binary_head, source_args=source_args,
         optimizer=getattr(src, "optimizer", None),
         optimizer_note=getattr(src, "optimizer_note", ""),
-        **_moe_fields(args, src.file(0, 0)))
+        **_moe_fields(args, src.file(0, 0)), **_mla_fields(args))
+
+
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim")
+
+
+def _mla_fields(args) -> dict:
+    """``ModelMeta``'s multi-latent attention fields from saved args (none without the flag)."""
+    if not getattr(args, "multi_latent_attention", False):
+        return {}
+    defaults = ModelMeta(1, 1, 1, 1, 1, 1, 1, 1, 1)
+    return dict(multi_latent_attention=True,
+                **{name: getattr(args, name, getattr(defaults, name)) for name in MLA_FIELDS})
 
 
 def _rope_scaling_fields(args) -> dict:

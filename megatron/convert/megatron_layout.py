@@ -44,6 +44,12 @@ def layer_tensor_names(meta: ModelMeta, index: int = 0) -> List[str]:
     ``meta.moe_layer_freq``), in the order the model's state dict has them."""
     layer_norm = meta.normalization == "LayerNorm"
     qkv_bias = meta.add_bias_linear or meta.add_qkv_bias
+    if meta.multi_latent_attention:
+        names = [("input_layernorm.weight", True), ("input_layernorm.bias", layer_norm)]
+        names += [(name, True) for name in mla_tensor_shapes(meta)]
+        names += [("post_attention_layernorm.weight", True),
+                  ("post_attention_layernorm.bias", layer_norm)]
+        return _mlp_tensor_names(meta, index, names)
     names = [("input_layernorm.weight", True), ("input_layernorm.bias", layer_norm),
              (f"{_QKV}.weight", True), (f"{_QKV}.bias", qkv_bias),
              (f"{_DENSE}.weight", True), (f"{_DENSE}.bias", meta.add_bias_linear),
@@ -54,8 +60,40 @@ def layer_tensor_names(meta: ModelMeta, index: int = 0) -> List[str]:
              (_OFFSET, meta.softmax_type == "learnable"),
              ("post_attention_layernorm.weight", True),
              ("post_attention_layernorm.bias", layer_norm)]
+    return _mlp_tensor_names(meta, index, names)
+
+
+def mla_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
+    """Multi-latent attention's tensors and whole shapes, in the model's state-dict order."""
+    h, heads = meta.hidden_size, meta.num_attention_heads
+    q_head, c, norm = meta.qk_head_dim + meta.qk_pos_emb_head_dim, meta.kv_lora_rank, []
+    a = "self_attention."
+    if meta.q_lora_rank is None:
+        shapes = {a + "linear_q_proj.weight": (heads * q_head, h)}
+    else:
+        q = meta.q_lora_rank
+        shapes = {a + "linear_q_down_proj.weight": (q, h)}
+        shapes.update({a + "q_layernorm.weight": (q,)} if meta.qk_layernorm else {})
+        shapes[a + "linear_q_up_proj.weight"] = (heads * q_head, q)
+    shapes[a + "linear_kv_down_proj.weight"] = (c + meta.qk_pos_emb_head_dim, h)
+    if meta.qk_layernorm:
+        shapes[a + "kv_layernorm.weight"] = (c,)
+        norm = [a + "q_layernorm.bias", a + "kv_layernorm.bias"]
+    shapes[a + "linear_kv_up_proj.weight"] = (heads * (meta.qk_head_dim + meta.v_head_dim), c)
+    shapes[a + "linear_proj.weight"] = (h, heads * meta.v_head_dim)
+    if meta.normalization == "LayerNorm":
+        for name in norm:
+            if name.replace(".bias", ".weight") in shapes:
+                shapes[name] = shapes[name.replace(".bias", ".weight")]
+    if meta.add_bias_linear:
+        shapes[a + "linear_proj.bias"] = (h,)
+    return shapes
+
+
+def _mlp_tensor_names(meta: ModelMeta, index: int, names: list) -> List[str]:
     if meta.is_moe_layer(index):
         names.append((_ROUTER, True))
+        names.append(("mlp.router.expert_bias", meta.moe_router_enable_expert_bias))
         for expert in range(meta.num_experts):
             names += [(f"{_EXPERT}.{expert}.linear_fc1.weight", True),
                       (f"{_EXPERT}.{expert}.linear_fc1.bias", meta.add_bias_linear),
@@ -101,6 +139,9 @@ def layer_tensor_shapes(meta: ModelMeta, index: int = 0) -> Dict[str, Tuple[int,
     # --qk-layernorm's norms are over one head and replicated on every TP rank.
     shapes.update({f"{norm}.{kind}": (meta.kv_channels,) for norm in (_Q_NORM, _K_NORM)
                    for kind in ("weight", "bias")})
+    shapes["mlp.router.expert_bias"] = (meta.num_experts or 0,)
+    if meta.multi_latent_attention:
+        shapes.update(mla_tensor_shapes(meta))
     return {name: shapes.get(name, (h,)) for name in layer_tensor_names(meta, index)}
 
 

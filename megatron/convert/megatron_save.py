@@ -124,7 +124,9 @@ class SaveTarget:
                     continue   # each expert rank's file numbers its experts 0 .. E/ep - 1
                 shape = self.shard_shape(self.shapes[index][name],
                                          tp_split_rule(name, meta.swiglu))
-                encoder[f"layers.{local}.{name}"] = torch.empty(shape, dtype=dtype)
+                # The router's expert bias stays float32 whatever the weights' dtype.
+                encoder[f"layers.{local}.{name}"] = torch.empty(shape, dtype=(
+                    torch.float32 if name == "mlp.router.expert_bias" else dtype))
         if last:
             norm = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
             for name in norm:
@@ -193,10 +195,18 @@ class SaveTarget:
                 moe_router_score_function=meta.moe_router_score_function,
                 moe_router_pre_softmax=meta.moe_router_pre_softmax,
                 moe_router_topk_scaling_factor=meta.moe_router_topk_scaling_factor,
+                moe_router_num_groups=meta.moe_router_num_groups,
+                moe_router_group_topk=meta.moe_router_group_topk,
+                moe_router_enable_expert_bias=meta.moe_router_enable_expert_bias,
                 moe_shared_expert_intermediate_size=meta.moe_shared_expert_intermediate_size,
                 moe_shared_expert_gate=meta.moe_shared_expert_gate,
                 moe_layer_freq=meta.moe_layer_freq, expert_model_parallel_size=self.ep,
                 expert_tensor_parallel_size=self.tp)
+        values["multi_latent_attention"] = meta.multi_latent_attention
+        if meta.multi_latent_attention:
+            values.update({name: getattr(meta, name) for name in (
+                "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                "v_head_dim")})
         if meta.model_type == "BERT":
             values["bert_binary_head"] = meta.bert_binary_head
         if meta.source_args is None and meta.tokenizer_type == "NullTokenizer":

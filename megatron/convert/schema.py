@@ -39,6 +39,7 @@ post_attention_layernorm.weight/.bias [h]
 mlp.dense_h_to_4h.weight / .bias      [ffn, h] (GeLU) or [2 ffn, h] = [gate; value] (SwiGLU)
 mlp.dense_4h_to_h.weight / .bias      [h, ffn], [h]
 mlp.router.weight                     [E, h] (MoE models, in place of the two above)
+mlp.router.expert_bias                [E] float32 (--moe-router-enable-expert-bias)
 mlp.experts.local_experts.J.          [moe_ffn, h] or [2 moe_ffn, h] = [gate; value] (SwiGLU),
   linear_fc1.weight / .bias           expert J of E (global number; the stream is at EP 1)
 mlp.experts.local_experts.J.          [h, moe_ffn], [h]
@@ -50,6 +51,14 @@ mlp.shared_experts.gate_weight        [1, h] (--moe-shared-expert-gate)
 self_attention.core_attention.        [np] one extra softmax logit per head (--softmax-type
   softmax_offset                      learnable)
 ====================================  ============================================================
+
+With ``meta.multi_latent_attention`` the attention tensors are instead, as the model names them
+(H heads, d / r / dv / c / q the qk, rotary, value, kv-latent and q-latent sizes):
+``self_attention.linear_q_proj.weight`` [H (d + r), h] or, with a q rank,
+``linear_q_down_proj.weight`` [q, h], ``q_layernorm.weight`` [q] and ``linear_q_up_proj.weight``
+[H (d + r), q]; ``linear_kv_down_proj.weight`` [c + r, h], ``kv_layernorm.weight`` [c],
+``linear_kv_up_proj.weight`` [H (d + dv), c], ``linear_proj.weight`` [h, H dv] (the norms with
+``qk_layernorm``).
 
 Word embeddings (and an untied output layer, and BERT's ``lm_head`` bias) keep the rows the
 source has: ``V_rows`` is the source's padded vocabulary size for a Megatron checkpoint
@@ -113,6 +122,14 @@ class ModelMeta:
     window_size: Optional[Tuple[int, int]] = None
     window_attn_skip_freq: Optional[Union[int, Tuple[int, ...]]] = None
     softmax_type: str = "vanilla"
+    # --multi-latent-attention and its sizes (the attention tensors are then those of
+    # :mod:`megatron.model.multi_latent_attention`; kv_channels is unused).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 32
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
     params_dtype: torch.dtype = torch.float32
     seq_length: Optional[int] = None
     make_vocab_size_divisible_by: int = 128
@@ -141,6 +158,9 @@ class ModelMeta:
     moe_router_score_function: str = "softmax"           # or "sigmoid"
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    moe_router_enable_expert_bias: bool = False          # mlp.router.expert_bias [E], float32
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
     # ``--moe-layer-freq`` in Megatron's own form: an int N (layers 0, N, 2N, ... 0-based) or

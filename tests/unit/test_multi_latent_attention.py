@@ -225,16 +225,26 @@ def test_mla_model_saves_megatron_core_keys_and_loads_both_spellings(tmp_path, q
         assert [k for k in saved if not torch.equal(flat[k], saved[k])] == [], folder
 
 
-def test_converter_refuses_mla_checkpoints_in_one_line():
+def test_converter_reads_mla_sizes_and_yarn_from_saved_args():
+    """The converter's view of an MLA checkpoint's args: its sizes, and YaRN under rope as the
+    training runs it."""
     import types
 
     from megatron.convert import megatron_io
-    from megatron.convert.schema import ConversionError
 
-    args = build_parser().parse_args(["--multi-latent-attention"])
-    source = types.SimpleNamespace(args=args, file=lambda *_: "ckpt/iter_0000001")
-    with pytest.raises(ConversionError, match="ckpt/iter_0000001: --multi-latent-attention"):
-        megatron_io._meta_from_args(source, None)
+    args = build_parser().parse_args([
+        "--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16",
+        "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+        "--position-embedding-type", "rope", "--rotary-scaling-factor", "4",
+        "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"])
+    args.padded_vocab_size, args.seq_length = 64, 16
+    source = types.SimpleNamespace(args=args, file=lambda *_: "ckpt/iter_0000001",
+                                   scheduler=None, release=True, bert=False, num_tokentypes=0,
+                                   binary_head=False)
+    meta = megatron_io._meta_from_args(source, 64)
+    assert (meta.multi_latent_attention, meta.q_lora_rank, meta.kv_lora_rank, meta.qk_head_dim,
+            meta.qk_pos_emb_head_dim, meta.v_head_dim) == (True, 12, 16, 8, 4, 6)
+    assert (meta.position_embedding_type, meta.rotary_scaling_factor) == ("yarn", 4.0)
 
 
 def test_mla_under_rope_takes_yarn_as_megatron_core_does():
