@@ -1,8 +1,8 @@
 """Context-parallel attention (megatron/core/context_parallel.py) against naive full attention in
 fp64: outputs and the gradients of queries, keys and values at every rank's tokens, for the ring
 (p2p), all-gather, all-to-all and hierarchical (a2a+p2p) exchanges, with and without
-grouped-query attention, with value heads narrower than key heads (multi-latent attention), causal and
-with an explicit mask that leaves whole rows (and, at cp 4, whole chunks) masked (all-to-all
+grouped-query attention, with value heads narrower than key heads (multi-latent attention),
+causal and with an explicit mask that leaves whole rows (and, at cp 4, whole chunks) masked (all-to-all
 gathers the mask's rows: it attends for queries other ranks hold).
 
 Every rank builds the whole sequence from fixed seeds, computes the reference itself, and compares
