@@ -163,3 +163,15 @@ def test_hierarchical_groups_are_neighbours_inside_and_strided_outside():
 @pytest.mark.parametrize("sizes", [[2, 2], [1, 4], [4, 1]])
 def test_a2a_plus_p2p_attention_equals_full_attention(sizes):
     assert run_on_ranks(_hierarchical_cases, 4, sizes) == [6] * 4
+
+
+def test_cp_comm_type_is_one_type_or_one_per_layer():
+    from megatron.core.config import ConfigError
+    from tests.unit.test_gpt_model import make_config
+
+    config = make_config(num_layers=3, cp_comm_type=["a2a", "p2p", "a2a+p2p"])
+    assert [config.layer_cp_comm_type(n) for n in (1, 2, 3, 4)] == ["a2a", "p2p", "a2a+p2p",
+                                                                     "a2a+p2p"]
+    assert make_config(cp_comm_type="all_gather").layer_cp_comm_type(2) == "all_gather"
+    with pytest.raises(ConfigError, match="one per layer: got 2 for --num-layers 3"):
+        make_config(num_layers=3, cp_comm_type=["a2a", "p2p"])
