@@ -122,3 +122,47 @@ def test_torch_dist_checkpoint_moves_between_pp2_and_pp1(corpus, tmp_path, saved
     tail = dict(single, losses=single["losses"][2:], grad_norms=single["grad_norms"][2:],
                 mtp=single["mtp"][2:])
     _assert_parity(dict(resumed), tail)
+
+
+def _rank_models(folder):
+    """``{file path under the iteration folder: flattened model dict}`` of a torch checkpoint."""
+    import os
+
+    from megatron.checkpoint.safe_unpickle import torch_load
+    from megatron.model.module import flatten_state_dict
+
+    (name,) = [d for d in os.listdir(folder) if d.startswith("iter_")]
+    out = {}
+    for rank in sorted(os.listdir(os.path.join(folder, name))):
+        state = torch_load(os.path.join(folder, name, rank, "model_optim_rng.pt"))
+        out[rank] = flatten_state_dict(state["model"])
+    return out
+
+
+@pytest.mark.slow
+def test_converted_pp2_torch_checkpoint_with_mtp_comes_back_and_resumes_at_pp1(corpus, tmp_path):
+    """A PP 2 torch checkpoint (the last stage's MTP layers and its copy of the untied input
+    embedding) converted to one rank and back is the same file content, key for key and bit for
+    bit; the one-rank conversion resumes as the single process does."""
+    import torch
+
+    from tools.checkpoint.convert import main
+
+    extra = ["--untie-embeddings-and-output-weights"]
+    single = _run(corpus, 1, extra)
+    save, one, back = (str(tmp_path / n) for n in ("pp2", "pp1", "back"))
+    _run(corpus, 2, extra + PP2 + ["--save", save, "--exit-interval", "2"])
+    for src, dst, pp in ((save, one, "1"), (one, back, "2")):
+        assert main(["--model-type", "GPT", "--load-dir", src, "--save-dir", dst,
+                     "--target-pipeline-parallel-size", pp]) == 0
+    want, got = _rank_models(save), _rank_models(back)
+    assert sorted(want) == sorted(got)
+    for rank in want:
+        assert sorted(want[rank]) == sorted(got[rank]), rank
+        assert [k for k in want[rank] if not torch.equal(want[rank][k], got[rank][k])] == []
+    last = want[sorted(want)[-1]]
+    assert "word_embeddings_for_head.weight" in last and "mtp.layers.1.eh_proj.weight" in last
+    resumed = _run(corpus, 1, extra + ["--load", one])
+    tail = dict(single, losses=single["losses"][2:], grad_norms=single["grad_norms"][2:],
+                mtp=single["mtp"][2:])
+    _assert_parity(resumed, tail)
