@@ -63,9 +63,11 @@ def _assert_parity(got, want):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
-def test_mtp_at_pp2_gives_the_single_process_losses_and_grad_norms(corpus, untie):
-    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+@pytest.mark.parametrize("untie, optimizer", [(False, []), (True, []),
+                                              (True, ["--use-distributed-optimizer"])],
+                         ids=["tied", "untied", "untied-distributed-optimizer"])
+def test_mtp_at_pp2_gives_the_single_process_losses_and_grad_norms(corpus, untie, optimizer):
+    extra = (["--untie-embeddings-and-output-weights"] if untie else []) + optimizer
     single = _run(corpus, 1, extra)
     piped = _run(corpus, 2, extra + ["--pipeline-model-parallel-size", "2"])
     _assert_parity(piped, single)
