@@ -42,10 +42,11 @@ def get_batch(data_iterator, stage=None):
     parallelism a stage gets only what it uses, as in Megatron: the first (virtual) stage tokens,
     position ids and the attention mask, the last labels, the loss mask and the attention mask
     (and, with ``--mtp-num-layers``, the tokens and position ids too: multi-token prediction
-    runs there); the others are None. The attention mask is None (causal) unless ``--reset-attention-mask``
-    makes it depend on the data; a middle stage then reads the batch for the mask alone, and
-    otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk the batch is for
-    (:func:`megatron.training.training.model_stage`); None asks the parallel state (right without virtual stages).
+    runs there); the others are None. The attention mask is None (causal) unless
+    ``--reset-attention-mask`` makes it depend on the data; a middle stage then reads the batch
+    for the mask alone, and otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk
+    the batch is for (:func:`megatron.training.training.model_stage`); None asks the parallel
+    state (right without virtual stages).
 
     With context parallelism every rank of a cp group reads the same samples and keeps its own
     ``s / cp`` tokens of each (chunks ``r`` and ``2 cp - 1 - r``): tokens, labels, loss mask and

@@ -256,7 +256,8 @@ def _layer_from_hf(weights, p: str, meta: ModelMeta, moe: bool) -> Dict[str, tor
 
 # Our MTP depth's own tensors (an ``mtp`` piece) -> theirs, after ``model.layers.{L + K}.``.
 MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
-             "eh_proj.weight": "eh_proj.weight", "final_layernorm.weight": "shared_head.norm.weight"}
+             "eh_proj.weight": "eh_proj.weight",
+             "final_layernorm.weight": "shared_head.norm.weight"}
 # The copies of the main model's tables each depth carries: theirs -> the main model's key.
 MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight",
               "shared_head.head.weight": "lm_head.weight"}
