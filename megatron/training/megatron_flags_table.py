@@ -68,7 +68,8 @@ BARRIER = "the timers here never add a barrier; --timing-log-level 1 timers are 
 # What to do instead of a refused flag.
 ROPE_SCALING = ("RoPE scaling (Llama-3.x scaling, YaRN) is not built yet; drop it (plain RoPE "
                 "with --rotary-base is used)")
-MTP = "multi-token prediction is not built yet; drop it"
+MTP = ("this option of multi-token prediction (standalone MTP stages, a repeated MTP layer, "
+       "detached heads, hybrid patterns) is not built yet; drop it (--mtp-num-layers works)")
 MLA = ("this option of multi-latent attention (caching the compressed latents, fusing the down "
        "projections) is not built; --multi-latent-attention runs without it: drop it")
 FSDP = ("this knob of Megatron's own FSDP runtime has no counterpart here (--use-megatron-fsdp "
