@@ -102,6 +102,15 @@ class TransformerConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # Attention variants of Megatron-Core: --qk-l2-norm (query and key scaled to unit RMS over
+    # head_dim, no weight: Llama 4), --attention-output-gate (a sigmoid gate per head channel,
+    # its rows in the QKV projection: Qwen3-Next), --no-rope-freq (layers without rotary
+    # positions: an int N = every N-th layer, or one 1 (no rope) / 0 per layer).
+    qk_l2_norm: bool = False
+    attention_output_gate: bool = False
+    no_rope_freq: Optional[Union[int, Tuple[int, ...]]] = None
+    # --embedding-init-method-std: N(0, std^2) for the embedding tables (None: as other weights).
+    embedding_init_method_std: Optional[float] = None
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -129,7 +138,8 @@ class TransformerConfig:
         if self.position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ConfigError("--position-embedding-type must be learned_absolute, rope, yarn or "
                               f"none, got {self.position_embedding_type!r}")
-        problem = rope_variant_conflict(self) or mla_conflict(self)
+        problem = (rope_variant_conflict(self) or mla_conflict(self)
+                   or attention_variant_conflict(self))
         if problem is not None:
             raise ConfigError(problem)
         if (self.position_embedding_type == "learned_absolute"
@@ -182,6 +192,16 @@ class TransformerConfig:
         if isinstance(freq, int):
             return None if layer_number % freq == 0 else self.window_size
         return self.window_size if freq[layer_number - 1] else None
+
+    def layer_uses_rope(self, layer_number: int) -> bool:
+        """False for the 1-based layers --no-rope-freq leaves without rotary positions: an int
+        N names layers N, 2N, ...; a list holds 1 for a layer without rope."""
+        freq = self.no_rope_freq
+        if freq is None or layer_number > self.num_layers:  # multi-token prediction layers
+            return True
+        if isinstance(freq, int):
+            return layer_number % freq != 0
+        return not freq[layer_number - 1]
 
     def check_splittable(self, tp_size: int, pp_size: int = 1) -> None:
         """Reject shapes that cannot be split over ``tp_size`` x ``pp_size`` ranks."""
@@ -307,6 +327,36 @@ def mla_conflict(config: TransformerConfig) -> Optional[str]:
     if config.qk_pos_emb_head_dim % 2:
         return f"--qk-pos-emb-head-dim must be even (rotary pairs), got " \
             f"{config.qk_pos_emb_head_dim}"
+    return None
+
+
+def attention_variant_conflict(config: TransformerConfig) -> Optional[str]:
+    """Why --qk-l2-norm, --attention-output-gate, --no-rope-freq or
+    --embedding-init-method-std cannot be built as given (None: they can)."""
+    if config.multi_latent_attention:
+        for flag, on in (("--qk-l2-norm", config.qk_l2_norm),
+                         ("--attention-output-gate", config.attention_output_gate)):
+            if on:
+                return f"{flag} applies to standard self-attention, not --multi-latent-attention"
+        if config.no_rope_freq is not None:
+            return "--no-rope-freq is not built for --multi-latent-attention (its rotary " \
+                "channels are part of every head); drop one"
+    std = config.embedding_init_method_std
+    if std is not None and std < 0:
+        return f"--embedding-init-method-std must be >= 0, got {std}"
+    freq = config.no_rope_freq
+    if freq is None:
+        return None
+    if config.position_embedding_type not in ("rope", "yarn"):
+        return ("--no-rope-freq picks layers without rotary positions: it needs "
+                f"--position-embedding-type rope or yarn, got {config.position_embedding_type}")
+    if isinstance(freq, int):
+        if freq < 1 or config.num_layers % freq:
+            return (f"--no-rope-freq {freq}: an int must be >= 1 and divide --num-layers "
+                    f"({config.num_layers})")
+    elif len(freq) != config.num_layers or any(v not in (0, 1) for v in freq):
+        return (f"--no-rope-freq: a list needs one 1 (no rope) or 0 per layer (--num-layers "
+                f"{config.num_layers}), got {list(freq)}")
     return None
 
 

@@ -272,7 +272,8 @@ def check_muon_settings(settings) -> None:
 
 def mark_qkv_weights(model_chunks: Sequence[torch.nn.Module]) -> None:
     """Mark each fused query/key/value weight with ``muon_qkv_split``: its rows per query group
-    (queries of the group's heads, key, value)."""
+    (queries of the group's heads, their output gates with --attention-output-gate, key,
+    value)."""
     for chunk in model_chunks:
         for module in chunk.modules():
             qkv = getattr(module, "query_key_value", None)
@@ -282,7 +283,9 @@ def mark_qkv_weights(model_chunks: Sequence[torch.nn.Module]) -> None:
                 continue
             weight = getattr(qkv, "weight", None)
             if weight is not None and weight.dim() == 2:
-                weight.muon_qkv_split = (per_group * head_dim, head_dim, head_dim)
+                queries = (per_group * head_dim,) * (2 if getattr(module, "output_gate", False)
+                                                     else 1)
+                weight.muon_qkv_split = (*queries, head_dim, head_dim)
 
 
 def split_muon_groups(param_groups: List[dict]) -> List[dict]:

@@ -143,6 +143,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
         multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,
         kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        qk_l2_norm=args.qk_l2_norm, attention_output_gate=args.attention_output_gate,
+        no_rope_freq=args.no_rope_freq, embedding_init_method_std=args.embedding_init_method_std,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),
