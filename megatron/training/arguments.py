@@ -727,6 +727,9 @@ def _add_moe_args(parser):
                    help="N: every N-th layer (0, N, 2N, ...) is MoE; or a list with one 0/1 per "
                    "layer, e.g. \"([0]+[1]*23)\"")
     g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-apply-probs-on-input", action="store_true",
+                   help="scale each token by its routing probability before its expert, "
+                   "not the expert's output after (needs --moe-router-topk 1)")
     g.add_argument("--moe-router-score-function", default="softmax", choices=SCORE_FUNCTIONS)
     g.add_argument("--moe-router-pre-softmax", action="store_true")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)

@@ -164,6 +164,7 @@ def build_moe_config(args) -> Optional[MoEConfig]:
         moe_router_score_function=args.moe_router_score_function,
         moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_apply_probs_on_input=args.moe_apply_probs_on_input,
         moe_router_num_groups=args.moe_router_num_groups,
         moe_router_group_topk=args.moe_router_group_topk,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,

@@ -107,8 +107,10 @@ class MoELayer(MegatronModule):
         """``[s, b, h]`` -> (``[s, b, h]``, None) (``s / tp`` with ``sequence_parallel``)."""
         seq_length, batch, hidden = hidden_states.shape
         probs, routing_map = self.router(hidden_states)                      # [s*b, E] each
-        probs = probs.to(hidden_states.dtype)        # a no-op unless --moe-router-dtype is set
         tokens = hidden_states.reshape(-1, hidden)                           # [s*b, h]
+        if self.moe_config.moe_apply_probs_on_input:
+            tokens, probs = _probs_on_input(tokens, probs, routing_map)
+        probs = probs.to(hidden_states.dtype)        # a no-op unless --moe-router-dtype is set
         rows, counts, handle = self.token_dispatcher.dispatch(
             tokens, probs, routing_map, self._capacity(tokens.size(0)))      # [N, h]
         if self.gather_over_expert_tp:
@@ -123,3 +125,14 @@ class MoELayer(MegatronModule):
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden_states)
         return output, None
+
+
+def _probs_on_input(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+    """``--moe-apply-probs-on-input``: each token ``[T, h]`` scaled by its one routing
+    probability (top-1; the product in the wider dtype, then cast back), and the combine's
+    probabilities made 1 where the token is routed, so the expert's output is not scaled
+    again."""
+    scale = probs.sum(dim=-1, keepdim=True)                                  # [T, 1]
+    wide = torch.promote_types(tokens.dtype, scale.dtype)
+    scaled = (tokens.to(wide) * scale.to(wide)).to(tokens.dtype)
+    return scaled, routing_map.to(probs.dtype)
