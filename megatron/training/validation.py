@@ -814,11 +814,6 @@ def _validate_muon(args) -> None:
     if args.use_torch_fsdp2:
         _fail("--optimizer muon does not run with --use-torch-fsdp2 (Muon needs each weight "
               "matrix whole); use --optimizer adam")
-    saves = args.save and not args.no_save_optim
-    loads = args.load and not args.no_load_optim
-    if args.ckpt_format == "torch_dist" and (saves or loads):
-        _fail("--optimizer muon keeps its optimizer state in --ckpt-format torch only; use "
-              "--ckpt-format torch (or --no-save-optim / --no-load-optim)")
 
 
 def _validate_run_extras(args) -> None:
