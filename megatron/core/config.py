@@ -13,6 +13,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+# --recompute-modules built here (Megatron-Core's names); mla_up_proj is not.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
 
 
 class ConfigError(ValueError):
@@ -77,6 +79,9 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None    # full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: Optional[int] = None
+    # With selective recomputation, what is recomputed (--recompute-modules): see
+    # RECOMPUTE_MODULES; Megatron-Core's default is core attention alone.
+    recompute_modules: Tuple[str, ...] = ("core_attn",)
     first_pipeline_num_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
     last_pipeline_num_layers: Optional[int] = None   # --decoder-last-pipeline-num-layers
     pipeline_model_parallel_layout: Optional[str] = None  # every stage written out
@@ -159,6 +164,10 @@ class TransformerConfig:
                                   f">= 1, got {self.recompute_num_layers}")
         elif self.recompute_granularity == "selective" and self.recompute_method is not None:
             raise ConfigError("--recompute-method applies only to --recompute-granularity full")
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ConfigError(f"--recompute-modules {' '.join(unknown)}: not built; choose from "
+                              f"{', '.join(RECOMPUTE_MODULES)}")
         if self.fp16 and self.bf16:
             raise ConfigError("--fp16 and --bf16 cannot both be given")
         problem = numerics_flag_conflict(self)
@@ -176,6 +185,10 @@ class TransformerConfig:
             # The scores are multiplied back by the layer number inside the softmax, which must
             # therefore run in fp32 (as Megatron sets it).
             self.attention_softmax_in_fp32 = True
+
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recomputation covers ``module`` (a --recompute-modules name)."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
 
     def layer_window(self, layer_number: int) -> Optional[Tuple[int, int]]:
         """The ``(left, right)`` window of 1-based ``layer_number``, None for full attention.

@@ -218,7 +218,7 @@ class ParallelAttention(MegatronModule):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.hidden_size_per_head = hn
         self.layer_number = layer_number
-        self.checkpoint_core_attention = config.recompute_granularity == "selective"
+        self.checkpoint_core_attention = config.recomputes("core_attn")
         self.output_gate = config.attention_output_gate
         self.use_rope = config.layer_uses_rope(layer_number)
         gate_heads = config.num_attention_heads if self.output_gate else 0

@@ -224,6 +224,9 @@ def _add_training_args(parser):
     g.add_argument("--distribute-saved-activations", action="store_true")
     g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="older spelling of --recompute-granularity selective with moe added to "
+                   "--recompute-modules (each MoE layer recomputed in backward)")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="old spelling of --recompute-granularity full --recompute-method uniform")
     g.add_argument("--train-iters", type=int, default=None)
