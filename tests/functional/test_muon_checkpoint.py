@@ -79,3 +79,17 @@ def test_dist_muon_torch_format_resumes_at_dp1(corpus, tmp_path):
     one = _losses(_run(corpus, "muon", 1, load), first=5)
     for i in range(5, 9):
         assert abs(one[i] - full[i]) <= LOSS_ATOL, (i, one, full)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra,ranks", [
+    (["--tensor-model-parallel-size", "2"], 4),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--moe-aux-loss-coeff", "0.01",
+      "--swiglu"], 2)])
+def test_dist_muon_is_muon_with_tensor_and_expert_parallelism(corpus, extra, ranks):
+    """TP=2 x DP=2 (each tensor-parallel pair owns the same weights and gathers them together)
+    and EP=2 (expert weights stepped by every rank)."""
+    flags = ["--train-iters", "4", *extra]
+    muon = [loss for _, loss in _run(corpus, "muon", ranks, flags)["losses"]]
+    dist_muon = [loss for _, loss in _run(corpus, "dist_muon", ranks, flags)["losses"]]
+    assert len(muon) == 4 and dist_muon == muon
