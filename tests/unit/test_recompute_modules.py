@@ -1,8 +1,8 @@
 """--recompute-modules (core_attn, mlp, moe, moe_act, layernorm, shared_experts) and
 --moe-layer-recompute: a GPT with dense and MoE layers (shared experts, aux and z losses,
-dropout) gives the same loss (bit for bit: the same operations on the same inputs and RNG states) and
-the same gradients as without recomputation, and each recomputed module really runs twice per
-step while the discarded outputs are freed after the forward.
+dropout) gives the same loss (bit for bit: the same operations on the same inputs and RNG
+states) and the same gradients as without recomputation, and each recomputed module really
+runs twice per step while the discarded outputs are freed after the forward.
 
 Gradients: float64; a recomputed block's backward runs inside its checkpoint, so where several
 gradients meet in one tensor (the residual stream, the router's aux-loss path, the tied
