@@ -179,3 +179,18 @@ def test_embedding_init_std_scales_only_the_embeddings():
             torch.testing.assert_close(wide[name], tensor * (0.5 / 0.02), rtol=1e-12, atol=0)
         else:
             assert torch.equal(wide[name], tensor), name
+
+
+@pytest.mark.parametrize("flag,value", [("attention_output_gate", True), ("qk_l2_norm", True),
+                                        ("no_rope_freq", 4)])
+def test_conversion_refuses_the_variants_in_one_line(flag, value):
+    """A converter would read the gated QKV rows as plain ones: refused, naming the flag."""
+    import types
+
+    from megatron.convert.megatron_io import ConversionError, _meta_from_args
+
+    src = types.SimpleNamespace(args=argparse.Namespace(**{flag: value}, num_layers=4),
+                                file=lambda *ranks: "iter_0000001/mp_rank_00/model_optim_rng.pt")
+    with pytest.raises(ConversionError, match=f"--{flag.replace('_', '-')}: this attention "
+                                              "variant has no converter target"):
+        _meta_from_args(src, None)
