@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import optimizer_state
+from megatron.checkpoint import muon_state, optimizer_state
 from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       DistCheckpointWriteError, ObjectShard, ShardWriter,
                                       TensorShard, chunk_layout, common_objects,
@@ -84,14 +84,30 @@ def _chunk_trees(model_chunks) -> List[dict]:
 
 def _optimizer_entries(optimizer, trees: List[dict]) -> Tuple[optimizer_state.SourceOptimizer,
                                                                dict]:
-    """Per-parameter Adam state of this rank (a non-distributed optimizer) and the state dict
-    it came from."""
+    """Per-parameter Adam (or Muon) state of this rank (a non-distributed optimizer) and the
+    state dict it came from."""
+    if muon_state.is_muon(optimizer):
+        return _muon_entries(optimizer, trees)
     state_dict = optimizer.state_dict()
     found, why = optimizer_state.SourceOptimizer.read({"optimizer": state_dict}, trees)
     if found is None:
         raise CheckpointError(f"--ckpt-format torch_dist: cannot save the "
                                             f"optimizer state: {why}")
     return found, state_dict
+
+
+def _muon_entries(optimizer, trees: List[dict]):
+    """Muon's per-parameter state (:mod:`megatron.checkpoint.muon_state`) in the shape
+    :func:`_optimizer_entries` returns."""
+    entries, step, state_dict = muon_state.saved_entries(optimizer, trees)
+    for where, main in muon_state.main_copies(optimizer, trees).items():
+        entries.setdefault(where, {})[optimizer_state.MAIN] = main
+    hparams = {}
+    for group in optimizer.param_groups:   # Muon's groups first: theirs are recorded
+        key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
+        hparams.setdefault(key, {k: v for k, v in group.items() if k != "params"})
+    scaler = state_dict.get("grad_scaler")
+    return optimizer_state.SourceOptimizer(entries, step, hparams, scaler), state_dict
 
 
 def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool):
@@ -171,7 +187,8 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
         for (where, name), fields in entries.entries.items():
             if where != chunk:
                 continue
-            moments = {k: v for k, v in fields.items() if k in optimizer_state.MOMENTS}
+            moments = {k: v for k, v in fields.items()
+                       if k in optimizer_state.MOMENTS + muon_state.MUON_FIELDS}
             items += optimizer_state_shards(name, moments, layout)
             if half:
                 main = fields.get(optimizer_state.MAIN)
@@ -419,6 +436,9 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
                                             "--no-save-optim?); pass --no-load-optim or "
                                             "--finetune")
     trees = _chunk_trees(model_chunks)
+    if muon_state.is_muon(optimizer):
+        _load_muon(reader, saved, optimizer, trees, layouts, args, path)
+        return
     groups = _current_order(optimizer, trees)
     step = int(float(saved.get("state", {}).get("common_step", 0)))
     saved_groups = {(float(g.get("wd_mult", 1.0)), float(g.get("lr_mult", 1.0))): g
@@ -466,6 +486,44 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
         optimizer.load_state_dict(full)
     else:
         optimizer.load_state_dict(inner)
+
+
+def _load_muon(reader, saved: dict, optimizer, trees, layouts, args, path: str) -> None:
+    """Muon's state (:mod:`megatron.checkpoint.muon_state`), each tensor read at this rank's
+    layout; a ``dist_muon`` optimizer keeps its own share."""
+    step = int(float(saved.get("state", {}).get("common_step", 0)))
+    saved_groups = {(float(g.get("wd_mult", 1.0)), float(g.get("lr_mult", 1.0))): g
+                    for g in saved["param_groups"]}
+    hparams = []
+    for group in optimizer.param_groups:
+        key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
+        extra = {k: v for k, v in group.items() if k != "params"}
+        extra.update({k: v for k, v in saved_groups.get(key, {}).items()
+                      if k in ("lr", "weight_decay")})
+        hparams.append(extra)
+
+    def read(chunk: int, name: str, prefix: str) -> torch.Tensor:
+        like = _local_param(trees[chunk], name)
+        return read_local(reader, name, like.float(), layouts[chunk], prefix)
+
+    half = args.fp16 or args.bf16
+    try:
+        inner = muon_state.load_inner_state(optimizer, trees, read, step, hparams)
+        mains = None
+        if half:
+            present = any(k.startswith(MAIN_PREFIX) for k in reader.tensor_keys())
+            mains = [[read(c, n, MAIN_PREFIX) if present else
+                      _local_param(trees[c], n).detach().float().clone() for c, n in row]
+                     for row in muon_state.main_members(optimizer, trees)]
+    except (DistCheckpointError, UnsafeCheckpointError) as err:
+        raise CheckpointError(f"{path}: optimizer state does not fit: {err}") from None
+    if not half:
+        optimizer.load_state_dict(inner)
+        return
+    full = {"optimizer": inner, "fp32_from_fp16_params": mains}
+    if saved.get("grad_scaler") is not None:
+        full["grad_scaler"] = saved["grad_scaler"]
+    optimizer.load_state_dict(full)
 
 
 def _local_param(tree: dict, name: str) -> torch.Tensor:

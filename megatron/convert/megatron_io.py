@@ -432,6 +432,11 @@ def _attention_fields(args, where: str) -> dict:
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
+    for flag in ("qk_l2_norm", "attention_output_gate", "no_rope_freq"):
+        if getattr(args, flag, None):
+            raise ConversionError(f"{src.file(0, 0)}: --{flag.replace('_', '-')}: this "
+                                  "attention variant has no converter target (load the "
+                                  "checkpoint with the training's own --ckpt-format)")
     heads = args.num_attention_heads
     gqa = getattr(args, "group_query_attention", False)
     position = getattr(args, "position_embedding_type", "learned_absolute")

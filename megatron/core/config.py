@@ -13,6 +13,8 @@ from typing import Optional, Tuple, Union
 import torch
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
+# --recompute-modules built here (Megatron-Core's names); mla_up_proj is not.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
 
 
 class ConfigError(ValueError):
@@ -78,6 +80,9 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None    # full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: Optional[int] = None
+    # With selective recomputation, what is recomputed (--recompute-modules): see
+    # RECOMPUTE_MODULES; Megatron-Core's default is core attention alone.
+    recompute_modules: Tuple[str, ...] = ("core_attn",)
     first_pipeline_num_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
     last_pipeline_num_layers: Optional[int] = None   # --decoder-last-pipeline-num-layers
     pipeline_model_parallel_layout: Optional[str] = None  # every stage written out
@@ -103,6 +108,15 @@ class TransformerConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # Attention variants of Megatron-Core: --qk-l2-norm (query and key scaled to unit RMS over
+    # head_dim, no weight: Llama 4), --attention-output-gate (a sigmoid gate per head channel,
+    # its rows in the QKV projection: Qwen3-Next), --no-rope-freq (layers without rotary
+    # positions: an int N = every N-th layer, or one 1 (no rope) / 0 per layer).
+    qk_l2_norm: bool = False
+    attention_output_gate: bool = False
+    no_rope_freq: Optional[Union[int, Tuple[int, ...]]] = None
+    # --embedding-init-method-std: N(0, std^2) for the embedding tables (None: as other weights).
+    embedding_init_method_std: Optional[float] = None
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -130,7 +144,8 @@ class TransformerConfig:
         if self.position_embedding_type not in ("learned_absolute", "rope", "yarn", "none"):
             raise ConfigError("--position-embedding-type must be learned_absolute, rope, yarn or "
                               f"none, got {self.position_embedding_type!r}")
-        problem = rope_variant_conflict(self) or mla_conflict(self)
+        problem = (rope_variant_conflict(self) or mla_conflict(self)
+                   or attention_variant_conflict(self))
         if problem is not None:
             raise ConfigError(problem)
         if (self.position_embedding_type == "learned_absolute"
@@ -150,6 +165,10 @@ class TransformerConfig:
                                   f">= 1, got {self.recompute_num_layers}")
         elif self.recompute_granularity == "selective" and self.recompute_method is not None:
             raise ConfigError("--recompute-method applies only to --recompute-granularity full")
+        unknown = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ConfigError(f"--recompute-modules {' '.join(unknown)}: not built; choose from "
+                              f"{', '.join(RECOMPUTE_MODULES)}")
         if self.fp16 and self.bf16:
             raise ConfigError("--fp16 and --bf16 cannot both be given")
         problem = numerics_flag_conflict(self)
@@ -181,6 +200,10 @@ class TransformerConfig:
             return self.cp_comm_type
         return self.cp_comm_type[min(layer_number, self.num_layers) - 1]
 
+    def recomputes(self, module: str) -> bool:
+        """Whether selective recomputation covers ``module`` (a --recompute-modules name)."""
+        return self.recompute_granularity == "selective" and module in self.recompute_modules
+
     def layer_window(self, layer_number: int) -> Optional[Tuple[int, int]]:
         """The ``(left, right)`` window of 1-based ``layer_number``, None for full attention.
 
@@ -196,6 +219,16 @@ class TransformerConfig:
         if isinstance(freq, int):
             return None if layer_number % freq == 0 else self.window_size
         return self.window_size if freq[layer_number - 1] else None
+
+    def layer_uses_rope(self, layer_number: int) -> bool:
+        """False for the 1-based layers --no-rope-freq leaves without rotary positions: an int
+        N names layers N, 2N, ...; a list holds 1 for a layer without rope."""
+        freq = self.no_rope_freq
+        if freq is None or layer_number > self.num_layers:  # multi-token prediction layers
+            return True
+        if isinstance(freq, int):
+            return layer_number % freq != 0
+        return not freq[layer_number - 1]
 
     def check_splittable(self, tp_size: int, pp_size: int = 1) -> None:
         """Reject shapes that cannot be split over ``tp_size`` x ``pp_size`` ranks."""
@@ -321,6 +354,36 @@ def mla_conflict(config: TransformerConfig) -> Optional[str]:
     if config.qk_pos_emb_head_dim % 2:
         return f"--qk-pos-emb-head-dim must be even (rotary pairs), got " \
             f"{config.qk_pos_emb_head_dim}"
+    return None
+
+
+def attention_variant_conflict(config: TransformerConfig) -> Optional[str]:
+    """Why --qk-l2-norm, --attention-output-gate, --no-rope-freq or
+    --embedding-init-method-std cannot be built as given (None: they can)."""
+    if config.multi_latent_attention:
+        for flag, on in (("--qk-l2-norm", config.qk_l2_norm),
+                         ("--attention-output-gate", config.attention_output_gate)):
+            if on:
+                return f"{flag} applies to standard self-attention, not --multi-latent-attention"
+        if config.no_rope_freq is not None:
+            return "--no-rope-freq is not built for --multi-latent-attention (its rotary " \
+                "channels are part of every head); drop one"
+    std = config.embedding_init_method_std
+    if std is not None and std < 0:
+        return f"--embedding-init-method-std must be >= 0, got {std}"
+    freq = config.no_rope_freq
+    if freq is None:
+        return None
+    if config.position_embedding_type not in ("rope", "yarn"):
+        return ("--no-rope-freq picks layers without rotary positions: it needs "
+                f"--position-embedding-type rope or yarn, got {config.position_embedding_type}")
+    if isinstance(freq, int):
+        if freq < 1 or config.num_layers % freq:
+            return (f"--no-rope-freq {freq}: an int must be >= 1 and divide --num-layers "
+                    f"({config.num_layers})")
+    elif len(freq) != config.num_layers or any(v not in (0, 1) for v in freq):
+        return (f"--no-rope-freq: a list needs one 1 (no rope) or 0 per layer (--num-layers "
+                f"{config.num_layers}), got {list(freq)}")
     return None
 
 

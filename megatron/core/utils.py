@@ -60,6 +60,15 @@ def get_init_method(config) -> InitMethod:
     return init_method_normal(config.init_method_std)
 
 
+def get_embedding_init_method(config) -> InitMethod:
+    """The initialiser of the embedding tables: N(0, --embedding-init-method-std^2) when that
+    is set, else :func:`get_init_method`'s (Megatron-Core's ``embedding_init_method``)."""
+    std = getattr(config, "embedding_init_method_std", None)
+    if std is not None:
+        return init_method_normal(std)
+    return get_init_method(config)
+
+
 def get_output_layer_init_method(config) -> InitMethod:
     """The initialiser of the projections that feed the residual stream (attention ``dense``,
     ``dense_4h_to_h``): depth-scaled normal, or xavier uniform as for every other weight."""

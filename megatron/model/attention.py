@@ -3,7 +3,9 @@
 ``query_key_value`` is a column-parallel projection whose output rows are ordered per query
 group as ``[groups, heads_per_group + 2, head_dim]`` (queries of the group's heads, then its key,
 then its value). Without grouped-query attention a group is one head and this is Megatron's
-``[heads, 3, head_dim]`` layout. Because the rows of one group are contiguous, the column split
+``[heads, 3, head_dim]`` layout. With ``--attention-output-gate`` each group also holds its
+heads' gate rows, after its queries: ``[queries, gates, key, value]`` (Megatron-Core's order).
+Because the rows of one group are contiguous, the column split
 hands each tensor-parallel rank whole groups, and no communication is needed until ``dense``, a
 row-parallel projection that sums the ranks' partial outputs.
 """
@@ -27,7 +29,7 @@ from megatron.fused_kernels.softmax import (FusedScaleMaskSoftmax, attention_mas
                                             causal_mask, sliding_window_mask)
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
-from megatron.model.norms import get_norm
+from megatron.model.norms import L2Norm, get_norm
 from megatron.model.rotary_pos_embedding import apply_rotary_pos_emb, rotary_attention_scale
 
 
@@ -222,8 +224,11 @@ class ContextParallelSetup:
 
 class ParallelAttention(MegatronModule):
     """Self-attention: fused QKV projection, optional query/key norms (``--qk-layernorm``, named
-    ``q_layernorm`` / ``k_layernorm`` as in Megatron-Core), optional rotary embedding, core
-    attention, ``dense``.
+    ``q_layernorm`` / ``k_layernorm`` as in Megatron-Core; ``--qk-l2-norm``: a weightless
+    :class:`~megatron.model.norms.L2Norm` there instead), optional rotary embedding (not on the
+    layers ``--no-rope-freq`` names), core attention, an optional sigmoid output gate
+    (``--attention-output-gate``: ``context * sigmoid(gate)`` per head channel, the gate
+    projected with the queries), ``dense``.
 
     Args:
         config: the transformer config.
@@ -259,8 +264,11 @@ class ParallelAttention(MegatronModule):
         self.heads_per_group = config.num_attention_heads // config.num_query_groups
         self.hidden_size_per_head = hn
         self.layer_number = layer_number
-        self.checkpoint_core_attention = config.recompute_granularity == "selective"
-        qkv_size = (config.num_attention_heads + 2 * config.num_query_groups) * hn
+        self.checkpoint_core_attention = config.recomputes("core_attn")
+        self.output_gate = config.attention_output_gate
+        self.use_rope = config.layer_uses_rope(layer_number)
+        gate_heads = config.num_attention_heads if self.output_gate else 0
+        qkv_size = (config.num_attention_heads + gate_heads + 2 * config.num_query_groups) * hn
         self.query_key_value = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, qkv_size, init_method=init_method, tp_group=tp_group,
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
@@ -276,7 +284,10 @@ class ParallelAttention(MegatronModule):
         self.rotary_interleaved = config.rotary_interleaved
         self.rotary_mscale = rotary_attention_scale(config)    # YaRN's concentration, else 1
         self.q_layernorm = self.k_layernorm = None
-        if config.qk_layernorm:
+        if config.qk_l2_norm:   # Megatron-Core's spec puts it in place of --qk-layernorm
+            self.q_layernorm = L2Norm(config.layernorm_epsilon)
+            self.k_layernorm = L2Norm(config.layernorm_epsilon)
+        elif config.qk_layernorm:
             self.q_layernorm = get_norm(config, hidden_size=hn)
             self.k_layernorm = get_norm(config, hidden_size=hn)
             for param in (*self.q_layernorm.parameters(), *self.k_layernorm.parameters()):
@@ -285,13 +296,24 @@ class ParallelAttention(MegatronModule):
                 param.sum_grad_over_tp = True
 
     def split_qkv(self, mixed: torch.Tensor):
-        """``[s, b, groups * (heads_per_group + 2) * hn]`` -> query ``[s, b, np, hn]``, key and
-        value ``[s, b, groups, hn]``."""
+        """``[s, b, groups * (heads_per_group (x2 with the gate) + 2) * hn]`` -> query
+        ``[s, b, np, hn]``, key and value ``[s, b, groups, hn]``, gate ``[s, b, np * hn]``
+        (None without ``--attention-output-gate``)."""
         s, b = mixed.shape[:2]
         hn, per_group = self.hidden_size_per_head, self.heads_per_group
-        mixed = mixed.view(s, b, self.num_groups, (per_group + 2) * hn)
-        query, key, value = torch.split(mixed, [per_group * hn, hn, hn], dim=3)
-        return query.reshape(s, b, self.num_heads, hn), key, value
+        gate_rows = per_group * hn if self.output_gate else 0
+        mixed = mixed.view(s, b, self.num_groups, (per_group + 2) * hn + gate_rows)
+        query, gate, key, value = torch.split(mixed, [per_group * hn, gate_rows, hn, hn], dim=3)
+        gate = gate.reshape(s, b, self.num_heads * hn) if self.output_gate else None
+        return query.reshape(s, b, self.num_heads, hn), key, value, gate
+
+    def _gated(self, context: torch.Tensor, gate: Optional[torch.Tensor]) -> torch.Tensor:
+        """``context * sigmoid(gate)`` (the sigmoid in fp32 at least, as Megatron-Core), or the
+        context unchanged without a gate; both ``[s, b, np * hn]``."""
+        if gate is None:
+            return context
+        gate = gate.to(torch.promote_types(gate.dtype, torch.float32))
+        return (context * torch.sigmoid(gate)).to(context.dtype)
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_params=None):
@@ -305,7 +327,9 @@ class ParallelAttention(MegatronModule):
         ``attention_mask`` is None). ``rotary_pos_emb`` must then hold those positions' angles.
         """
         mixed, _ = self.query_key_value(hidden_states)       # [s, b, ng*(np/ng+2)*hn] local
-        query, key, value = self.split_qkv(mixed)
+        query, key, value, gate = self.split_qkv(mixed)
+        if not self.use_rope:
+            rotary_pos_emb = None
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)                  # over hn, per head
             key = self.k_layernorm(key)
@@ -328,7 +352,7 @@ class ParallelAttention(MegatronModule):
                     False, query, key, value)
             else:
                 context = self._context_parallel_attention(query, key, value, attention_mask)
-            return self.dense(context)                       # context: [s/cp, b, np*hn]
+            return self.dense(self._gated(context, gate))    # context: [s/cp, b, np*hn]
         if self.heads_per_group > 1:
             key = key.repeat_interleave(self.heads_per_group, dim=2)       # [s, b, np, hn]
             value = value.repeat_interleave(self.heads_per_group, dim=2)
@@ -336,7 +360,7 @@ class ParallelAttention(MegatronModule):
             context = self._checkpointed_attention_forward(query, key, value, attention_mask)
         else:
             context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*hn]
-        return self.dense(context)
+        return self.dense(self._gated(context, gate))
 
     def _context_parallel_attention(self, query, key, value, attention_mask):
         """This rank's queries ``[s/cp, b, np, hn]`` over the whole sequence's keys and values

@@ -19,7 +19,7 @@ from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.context_parallel import chunk_positions
 from megatron.core.parallel_state import ModelGroups
-from megatron.core.utils import get_init_method
+from megatron.core.utils import get_embedding_init_method, get_init_method
 from megatron.model.attention import dropout_rng_context
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
@@ -60,7 +60,7 @@ def build_word_embeddings(config: TransformerConfig, tp_group):
     """
     table = tensor_parallel.VocabParallelEmbedding(
         config.padded_vocab_size, config.hidden_size,
-        init_method=get_init_method(config), tp_group=tp_group,
+        init_method=get_embedding_init_method(config), tp_group=tp_group,
         params_dtype=config.params_dtype)
     table.weight.is_embedding_or_output_parameter = True
     return table
@@ -129,12 +129,12 @@ class Embedding(MegatronModule):
             self.position_embeddings = torch.nn.Embedding(
                 config.max_position_embeddings, config.hidden_size, dtype=config.params_dtype,
                 device=device.current_device())
-            get_init_method(config)(self.position_embeddings.weight)
+            get_embedding_init_method(config)(self.position_embeddings.weight)
         if num_tokentypes > 0:
             self.tokentype_embeddings = torch.nn.Embedding(
                 num_tokentypes, config.hidden_size, dtype=config.params_dtype,
                 device=device.current_device())
-            get_init_method(config)(self.tokentype_embeddings.weight)
+            get_embedding_init_method(config)(self.tokentype_embeddings.weight)
         self.embedding_dropout = torch.nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],

@@ -136,7 +136,7 @@ class MultiLatentAttention(MegatronModule):
             skip_bias_add=True, sequence_parallel=sequence_parallel, params_dtype=dtype)
         self.rotary_interleaved = config.rotary_interleaved
         self.rotary_mscale = rotary_attention_scale(config)
-        self.checkpoint_core_attention = config.recompute_granularity == "selective"
+        self.checkpoint_core_attention = config.recomputes("core_attn")
 
     def _down(self, proj: ReplicatedLinear, hidden_states: torch.Tensor) -> torch.Tensor:
         """A replicated down projection of ``[s(/tp), b, h]`` -> ``[s, b, rank]`` (this rank's

@@ -23,3 +23,17 @@ def get_norm(config: TransformerConfig, sequence_parallel: bool = False,
     return FusedLayerNorm(size, eps=config.layernorm_epsilon, sequence_parallel=sequence_parallel,
                           params_dtype=config.params_dtype,
                           apply_layernorm_1p=config.apply_layernorm_1p)
+
+
+class L2Norm(torch.nn.Module):
+    """``x / sqrt(mean(x^2) + eps)`` over the last dim, in fp32, cast back: an RMSNorm with no
+    weight (Megatron-Core's ``L2Norm``, what ``--qk-l2-norm`` puts on query and key). It has no
+    parameters, so it adds no checkpoint key."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)

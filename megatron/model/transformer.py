@@ -29,6 +29,7 @@ from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.moe import MoEConfig, MoELayer, MoELossTracker
 from megatron.model.norms import get_norm
+from megatron.model.recompute import OutputDiscardingCheckpoint, recomputed
 from megatron.model.utils import init_rng, openai_gelu, squared_relu
 
 
@@ -145,6 +146,27 @@ class ParallelTransformerLayer(MegatronModule):
             self.moe_sequence_gather = sequence_parallel and tp_size > 1 and shares_tokens
         else:
             self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
+        # --recompute-modules: the MLP or MoE block whole; the two norms' outputs.
+        self.recompute_mlp = config.recomputes(
+            "moe" if isinstance(self.mlp, MoELayer) else "mlp")
+        self.norm_checkpoints = None
+        if config.recomputes("layernorm"):
+            self.norm_checkpoints = (OutputDiscardingCheckpoint(self.input_layernorm),
+                                     OutputDiscardingCheckpoint(self.post_attention_layernorm))
+
+    def _run_mlp(self, hidden_states: torch.Tensor):
+        if self.recompute_mlp:
+            return recomputed(self.mlp, hidden_states)
+        return self.mlp(hidden_states)
+
+    def _norm(self, which: int, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.norm_checkpoints is not None:
+            return self.norm_checkpoints[which](hidden_states)
+        return (self.input_layernorm, self.post_attention_layernorm)[which](hidden_states)
+
+    def _discard_norm(self, which: int, hook_tensor: torch.Tensor) -> None:
+        if self.norm_checkpoints is not None:
+            self.norm_checkpoints[which].discard(hook_tensor)
 
     def _mlp(self, ln_output: torch.Tensor):
         if self.moe_forward_only and torch.is_grad_enabled():
@@ -154,10 +176,10 @@ class ParallelTransformerLayer(MegatronModule):
                 f"{get_group_size(self.mlp.expert_tp_group)}, --tensor-model-parallel-size "
                 f"{get_group_size(self.tp_group)}) needs --sequence-parallel")
         if not self.moe_sequence_gather:
-            return self.mlp(ln_output)
+            return self._run_mlp(ln_output)
         whole = tensor_parallel.gather_from_sequence_parallel_region(
             ln_output, self.tp_group, tensor_parallel_output_grad=False)     # [s, b, h]
-        output, bias = self.mlp(whole)                                       # [s, b, h]
+        output, bias = self._run_mlp(whole)                                  # [s, b, h]
         return tensor_parallel.scatter_to_sequence_parallel_region(output, self.tp_group), bias
 
     def _bias_dropout_add(self, x, bias, residual):
@@ -176,15 +198,18 @@ class ParallelTransformerLayer(MegatronModule):
         ``inference_params``: the key/value cache of a generation (see
         :meth:`ParallelAttention.forward`), or None.
         """
-        ln_output = self.input_layernorm(hidden_states)
+        ln_output = self._norm(0, hidden_states)
         attn_output, attn_bias = self.self_attention(ln_output, attention_mask, rotary_pos_emb,
                                                      inference_params=inference_params)
         residual = ln_output if self.apply_residual_connection_post_layernorm else hidden_states
         ln_input = self._bias_dropout_add(attn_output, attn_bias, residual)
-        ln_output = self.post_attention_layernorm(ln_input)
+        self._discard_norm(0, ln_input)
+        ln_output = self._norm(1, ln_input)
         mlp_output, mlp_bias = self._mlp(ln_output)
         residual = ln_output if self.apply_residual_connection_post_layernorm else ln_input
-        return self._bias_dropout_add(mlp_output, mlp_bias, residual)
+        output = self._bias_dropout_add(mlp_output, mlp_bias, residual)
+        self._discard_norm(1, output)
+        return output
 
 
 def get_num_layers_and_offset(config: TransformerConfig, pp_size: int, pp_rank: int,

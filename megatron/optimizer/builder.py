@@ -214,14 +214,15 @@ def get_megatron_optimizer(config: OptimizerConfig,
     kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad,
                   expert_model_parallel_group=expert_model_parallel_group,
                   expert_tp_rank=expert_tp_rank)
-    if config.optimizer == "muon":
+    if config.optimizer in ("muon", "dist_muon"):
         if grad_shard_group is not None:
             raise ConfigError("--optimizer muon does not run with --use-torch-fsdp2 (Muon "
                               "needs each weight matrix whole); use --optimizer adam")
         if config.muon_split_qkv:
             mark_qkv_weights(model_chunks)
         inner = build_muon(config, split_muon_groups(param_groups), tp_group=tp_group,
-                           expert_tp_group=expert_tp_group or tp_group)
+                           expert_tp_group=expert_tp_group or tp_group,
+                           dp_group=_model_dp_group(model_chunks, dp_group))
     elif grad_shard_group is not None:
         return _fully_sharded_optimizer(config, param_groups, kwargs, grad_shard_group)
     else:
@@ -230,3 +231,10 @@ def get_megatron_optimizer(config: OptimizerConfig,
         return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),
                                                  **kwargs)
     return FP32Optimizer(inner, config, **kwargs)
+
+
+def _model_dp_group(model_chunks, dp_group):
+    """``dp_group``, else the data-parallel wrapper's own group (None: one rank)."""
+    if dp_group is not None:
+        return dp_group
+    return getattr(model_chunks[0], "dp_group", None)

@@ -30,6 +30,14 @@ The meaning follows Megatron-Core's Muon (built on NVIDIA's Emerging-Optimizers)
 - ``--muon-tp-mode duplicated`` (the default): a tensor-parallel shard is all-gathered into the
   whole matrix, orthogonalised on every rank and cut back, so the numbers do not depend on the
   tensor-parallel layout. ``blockwise`` (per-shard) and ``distributed`` are refused.
+- ``--optimizer dist_muon`` (Megatron-Core's layer-wise distributed optimizer around Muon):
+  whole parameters are dealt round-robin over the data-parallel ranks (one counter running
+  through the groups, Muon's first), each rank steps only its own and keeps only their state,
+  then every parameter is broadcast from its owner. Gradients are already averaged over the
+  data-parallel ranks, so the weights are those of ``--optimizer muon``. Expert parameters are
+  stepped by every rank (their gradients are averaged over the expert-data-parallel ranks
+  only). A state dict is gathered whole on every rank (the same as Muon's), and a loaded one is
+  cut back to this rank's share, so checkpoints move between the two and between DP sizes.
 """
 
 import math
@@ -121,6 +129,8 @@ class Muon(torch.optim.Optimizer):
         tp_group / expert_tp_group: where tensor-parallel shards (``tensor_model_parallel``
             with ``partition_dim``) of dense / expert (``allreduce = False``) weights are
             gathered from; None: one rank.
+        dp_group: ``--optimizer dist_muon``'s data-parallel group the parameters are dealt
+            over; None: every rank steps every parameter (``--optimizer muon``).
     """
 
     def __init__(self, params, *, lr: float, weight_decay: float = 0.0,
@@ -128,7 +138,8 @@ class Muon(torch.optim.Optimizer):
                  betas: Tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  coefficient_type: str = "quintic", num_ns_steps: int = 5,
                  scale_mode: str = "spectral", extra_scale_factor: float = 1.0,
-                 fp32_matmul_prec: str = "medium", tp_group=None, expert_tp_group=None):
+                 fp32_matmul_prec: str = "medium", tp_group=None, expert_tp_group=None,
+                 dp_group=None):
         if fp32_matmul_prec not in ("medium", "high"):
             raise ConfigError("--muon-fp32-matmul-prec low is not built (the lowest precision "
                               "here is medium: the iteration in bfloat16); use medium or high")
@@ -137,6 +148,8 @@ class Muon(torch.optim.Optimizer):
         self.scale_mode, self.extra_scale_factor = scale_mode, extra_scale_factor
         self.bf16 = fp32_matmul_prec == "medium"
         self.tp_group, self.expert_tp_group = tp_group, expert_tp_group
+        self.dp_group = dp_group if dp_group is not None and dist.get_world_size(
+            dp_group) > 1 else None
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         betas=betas, eps=eps, use_muon=False)
         super().__init__(params, defaults)
@@ -151,16 +164,91 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("Muon.step takes no closure")
-        for group in self.param_groups:
+        owners = self._owners()
+        for group, row in zip(self.param_groups, owners):
+            mine = [p for p, owner in zip(group["params"], row) if self._is_mine(owner)]
             if group["use_muon"]:
-                self._muon_step(group)
+                self._muon_step(group, mine)
             else:
-                self._adam_step(group)
+                self._adam_step(group, mine)
+        if self.dp_group is not None:
+            for group, row in zip(self.param_groups, owners):
+                for p, owner in zip(group["params"], row):
+                    if owner >= 0:
+                        dist.broadcast(p.data, dist.get_global_rank(self.dp_group, owner),
+                                       group=self.dp_group)
         return None
 
-    def _muon_step(self, group: dict) -> None:
+    # -- the layer-wise deal (dist_muon) ---------------------------------------------------
+
+    def _owners(self) -> List[List[int]]:
+        """The data-parallel rank stepping each parameter, group by group: dense parameters
+        round-robin (one counter through all groups), -1 for every rank (expert parameters,
+        or no ``dp_group``)."""
+        size = 1 if self.dp_group is None else dist.get_world_size(self.dp_group)
+        owners, count = [], 0
+        for group in self.param_groups:
+            row = []
+            for p in group["params"]:
+                if self.dp_group is None or not getattr(p, "allreduce", True):
+                    row.append(-1)
+                else:
+                    row.append(count % size)
+                    count += 1
+            owners.append(row)
+        return owners
+
+    def _is_mine(self, owner: int) -> bool:
+        return owner < 0 or owner == dist.get_rank(self.dp_group)
+
+    def _share_state(self, p: torch.Tensor, use_muon: bool, owner: int) -> None:
+        """Broadcast ``p``'s state from its owner (nothing when it has none yet)."""
+        src = dist.get_global_rank(self.dp_group, owner)
+        mine = self._is_mine(owner)
+        state = self.state[p] if mine else {}
+        present = torch.tensor([1.0 if state else 0.0], device=p.device)
+        dist.broadcast(present, src, group=self.dp_group)
+        if not present.item():
+            self.state.pop(p, None)
+            return
+        fields = ("momentum_buffer",) if use_muon else ("exp_avg", "exp_avg_sq")
+        if not mine:
+            state = {field: torch.empty_like(p) for field in fields}
+        for field in fields:
+            dist.broadcast(state[field], src, group=self.dp_group)
+        if not use_muon:
+            step = torch.tensor([float(state["step"]) if mine else 0.0], device=p.device)
+            dist.broadcast(step, src, group=self.dp_group)
+            state["step"] = torch.tensor(step.item(), dtype=torch.float32)
+        self.state[p] = state
+
+    def _keep_own_state(self) -> None:
+        for group, row in zip(self.param_groups, self._owners()):
+            for p, owner in zip(group["params"], row):
+                if not self._is_mine(owner):
+                    self.state.pop(p, None)
+
+    def state_dict(self) -> dict:
+        """Torch's state dict; with ``dp_group``, collective: every parameter's state gathered
+        from its owner, so it is the state dict ``--optimizer muon`` would hold."""
+        if self.dp_group is None:
+            return super().state_dict()
+        for group, row in zip(self.param_groups, self._owners()):
+            for p, owner in zip(group["params"], row):
+                if owner >= 0:
+                    self._share_state(p, group["use_muon"], owner)
+        saved = super().state_dict()
+        self._keep_own_state()
+        return saved
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        if self.dp_group is not None:
+            self._keep_own_state()
+
+    def _muon_step(self, group: dict, params: List[torch.Tensor]) -> None:
         lr, wd, beta = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
+        for p in params:
             if p.grad is None:
                 continue
             grad = p.grad
@@ -174,9 +262,9 @@ class Muon(torch.optim.Optimizer):
             update = grad.lerp(buf, beta) if group["nesterov"] else buf
             p.add_(self.orthogonalize(p, update.float()).to(p.dtype), alpha=-lr)
 
-    def _adam_step(self, group: dict) -> None:
+    def _adam_step(self, group: dict, mine: List[torch.Tensor]) -> None:
         params, grads, avgs, avg_sqs, steps = [], [], [], [], []
-        for p in group["params"]:
+        for p in mine:
             if p.grad is None:
                 continue
             state = self.state[p]
@@ -244,9 +332,6 @@ def check_muon_settings(settings) -> None:
     ``settings``: anything with Megatron's dests as attributes (the parsed args, or an
     ``OptimizerConfig``): ``optimizer``, ``muon_*``, ``use_distributed_optimizer``, ``fp16``.
     """
-    if settings.optimizer == "dist_muon":
-        raise ConfigError("--optimizer dist_muon (Muon over a layer-wise distributed "
-                          "optimizer) is not built; use --optimizer muon")
     if settings.muon_tp_mode != "duplicated":
         raise ConfigError(f"--muon-tp-mode {settings.muon_tp_mode} is not built: its numbers "
                           "depend on the tensor-parallel layout; use --muon-tp-mode duplicated")
@@ -272,7 +357,8 @@ def check_muon_settings(settings) -> None:
 
 def mark_qkv_weights(model_chunks: Sequence[torch.nn.Module]) -> None:
     """Mark each fused query/key/value weight with ``muon_qkv_split``: its rows per query group
-    (queries of the group's heads, key, value)."""
+    (queries of the group's heads, their output gates with --attention-output-gate, key,
+    value)."""
     for chunk in model_chunks:
         for module in chunk.modules():
             qkv = getattr(module, "query_key_value", None)
@@ -282,7 +368,9 @@ def mark_qkv_weights(model_chunks: Sequence[torch.nn.Module]) -> None:
                 continue
             weight = getattr(qkv, "weight", None)
             if weight is not None and weight.dim() == 2:
-                weight.muon_qkv_split = (per_group * head_dim, head_dim, head_dim)
+                queries = (per_group * head_dim,) * (2 if getattr(module, "output_gate", False)
+                                                     else 1)
+                weight.muon_qkv_split = (*queries, head_dim, head_dim)
 
 
 def split_muon_groups(param_groups: List[dict]) -> List[dict]:
@@ -304,9 +392,10 @@ def _takes_muon(p: torch.Tensor) -> bool:
 
 
 def build_muon(config, param_groups: List[dict], tp_group=None,
-               expert_tp_group=None) -> Muon:
+               expert_tp_group=None, dp_group=None) -> Muon:
     """The :class:`Muon` optimizer of ``config`` (an ``OptimizerConfig``) over
-    ``param_groups`` (already split by :func:`split_muon_groups`)."""
+    ``param_groups`` (already split by :func:`split_muon_groups`); ``dp_group`` is read for
+    ``--optimizer dist_muon`` only."""
     return Muon(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                 momentum=config.muon_momentum, nesterov=config.muon_nesterov,
                 betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
@@ -314,4 +403,5 @@ def build_muon(config, param_groups: List[dict], tp_group=None,
                 num_ns_steps=config.muon_num_ns_steps, scale_mode=config.muon_scale_mode,
                 extra_scale_factor=config.muon_extra_scale_factor,
                 fp32_matmul_prec=config.muon_fp32_matmul_prec, tp_group=tp_group,
-                expert_tp_group=expert_tp_group)
+                expert_tp_group=expert_tp_group,
+                dp_group=dp_group if config.optimizer == "dist_muon" else None)

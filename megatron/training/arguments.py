@@ -72,6 +72,15 @@ def _add_network_size_args(parser):
                    help="LayerNorm weights hold gamma - 1 (start at zero): y = x_hat (1 + w) + b")
     g.add_argument("--qk-layernorm", action="store_true",
                    help="a --normalization norm over head_dim on query and key, before rotary")
+    g.add_argument("--qk-l2-norm", action="store_true",
+                   help="scale query and key to unit RMS over head_dim (no weight), before "
+                   "rotary; replaces --qk-layernorm (Llama 4)")
+    g.add_argument("--attention-output-gate", action="store_true",
+                   help="gate each head's attention output by sigmoid of a projection of the "
+                   "layer input, projected with the queries (Qwen3-Next)")
+    g.add_argument("--no-rope-freq", type=parse_no_rope_freq, default=None,
+                   help="layers without rotary positions: N = every N-th layer (N, 2N, ...), "
+                   "or a list with one 1 (no rope) / 0 per layer, e.g. \"[0,0,0,1]*2\"")
     g.add_argument("--apply-residual-connection-post-layernorm", action="store_true")
     g.add_argument("--openai-gelu", action="store_true")
     g.add_argument("--squared-relu", action="store_true", help="MLP activation relu(x)^2")
@@ -110,6 +119,14 @@ def parse_window_attn_skip_freq(text: str):
     """``--window-attn-skip-freq``: an int N or a 0/1 list, read as --moe-layer-freq is."""
     try:
         return parse_moe_layer_freq(text, flag="--window-attn-skip-freq")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def parse_no_rope_freq(text: str):
+    """``--no-rope-freq``: an int N or a 0/1 list, read as --moe-layer-freq is."""
+    try:
+        return parse_moe_layer_freq(text, flag="--no-rope-freq")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
@@ -207,6 +224,9 @@ def _add_training_args(parser):
     g.add_argument("--distribute-saved-activations", action="store_true")
     g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--moe-layer-recompute", action="store_true",
+                   help="older spelling of --recompute-granularity selective with moe added to "
+                   "--recompute-modules (each MoE layer recomputed in backward)")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="old spelling of --recompute-granularity full --recompute-method uniform")
     g.add_argument("--train-iters", type=int, default=None)
@@ -307,6 +327,8 @@ def _add_initialization_args(parser):
     g.add_argument("--data-parallel-random-init", action="store_true")
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--init-method-xavier-uniform", action="store_true")
+    g.add_argument("--embedding-init-method-std", type=float, default=None,
+                   help="N(0, std^2) for the embedding tables (default: as other weights)")
 
 
 def _add_learning_rate_args(parser):
@@ -714,6 +736,9 @@ def _add_moe_args(parser):
                    help="N: every N-th layer (0, N, 2N, ...) is MoE; or a list with one 0/1 per "
                    "layer, e.g. \"([0]+[1]*23)\"")
     g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-apply-probs-on-input", action="store_true",
+                   help="scale each token by its routing probability before its expert, "
+                   "not the expert's output after (needs --moe-router-topk 1)")
     g.add_argument("--moe-router-score-function", default="softmax", choices=SCORE_FUNCTIONS)
     g.add_argument("--moe-router-pre-softmax", action="store_true")
     g.add_argument("--moe-router-topk-scaling-factor", type=float, default=None)

@@ -131,6 +131,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         use_flash_attn=args.use_flash_attn, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
         first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
@@ -143,6 +144,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
         multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,
         kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        qk_l2_norm=args.qk_l2_norm, attention_output_gate=args.attention_output_gate,
+        no_rope_freq=args.no_rope_freq, embedding_init_method_std=args.embedding_init_method_std,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),
@@ -162,6 +165,7 @@ def build_moe_config(args) -> Optional[MoEConfig]:
         moe_router_score_function=args.moe_router_score_function,
         moe_router_pre_softmax=args.moe_router_pre_softmax,
         moe_router_topk_scaling_factor=args.moe_router_topk_scaling_factor,
+        moe_apply_probs_on_input=args.moe_apply_probs_on_input,
         moe_router_num_groups=args.moe_router_num_groups,
         moe_router_group_topk=args.moe_router_group_topk,
         moe_router_enable_expert_bias=args.moe_router_enable_expert_bias,

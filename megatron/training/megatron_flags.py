@@ -104,8 +104,9 @@ def _template_actions() -> Dict[Tuple[str, ...], argparse.Action]:
 WORKS_HELP = {
     "--disable-bf16-reduced-precision-matmul": "cuBLAS accumulates bf16 matmuls in full "
                                                "precision (CUDA only)",
-    "--recompute-modules": "with --recompute-granularity selective: core_attn (core attention), "
-                           "the only module built",
+    "--recompute-modules": "with --recompute-granularity selective, what is recomputed in "
+                           "backward: core_attn (the default), mlp, moe, moe_act, layernorm, "
+                           "shared_experts",
     "--apply-wd-to-qk-layernorm": "weight decay also on the query/key norms' parameters",
     "--no-weight-decay-cond-type": "apply_wd_to_qk_layernorm: as --apply-wd-to-qk-layernorm",
     "--exit-signal": "the signal --exit-signal-handler waits for (besides SIGINT)",

@@ -159,14 +159,14 @@ def bytes_per_parameter(params_dtype: torch.dtype, grad_dtype: torch.dtype,
     since the reduce-scatter waits for the last one. The layer gathered for compute comes on
     top (one unit at a time).
     """
-    if optimizer in ("adam", "muon"):
+    if optimizer in ("adam", "muon", "dist_muon"):
         # Muon keeps one fp32 buffer per weight matrix and Adam's two for the rest: Adam's
-        # 8 bytes bound it from above.
-        states = 8
+        # 8 bytes bound it from above. dist_muon deals whole parameters' state over DP.
+        states = 8 / dp_size if optimizer == "dist_muon" else 8
     elif optimizer == "sgd":
         states = 4 if sgd_momentum else 0
     else:
-        raise ValueError(f"--optimizer must be adam, sgd or muon, got {optimizer!r}")
+        raise ValueError(f"--optimizer must be adam, sgd, muon or dist_muon, got {optimizer!r}")
     if fully_sharded:
         return (4 + 4 + states) / dp_size + (4 if accumulates else 0)
     weight = torch.tensor([], dtype=params_dtype).element_size()

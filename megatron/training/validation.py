@@ -838,25 +838,37 @@ def _validate_muon(args) -> None:
     if args.use_torch_fsdp2:
         _fail("--optimizer muon does not run with --use-torch-fsdp2 (Muon needs each weight "
               "matrix whole); use --optimizer adam")
-    saves = args.save and not args.no_save_optim
-    loads = args.load and not args.no_load_optim
-    if args.ckpt_format == "torch_dist" and (saves or loads):
-        _fail("--optimizer muon keeps its optimizer state in --ckpt-format torch only; use "
-              "--ckpt-format torch (or --no-save-optim / --no-load-optim)")
+
+
+def _validate_recompute_modules(args) -> None:
+    """--recompute-modules (Megatron-Core's default: core_attn) and --moe-layer-recompute, its
+    older spelling for adding moe."""
+    from megatron.core.config import RECOMPUTE_MODULES
+
+    if args.moe_layer_recompute:
+        if args.recompute_granularity == "full":
+            _fail("--moe-layer-recompute cannot be combined with --recompute-granularity full "
+                  "(which recomputes whole layers already)")
+        args.recompute_granularity = "selective"
+        args.recompute_modules = list(args.recompute_modules or ["core_attn"])
+        if "moe" not in args.recompute_modules:
+            args.recompute_modules.append("moe")
+    modules = args.recompute_modules
+    if modules is None:
+        return
+    if args.recompute_granularity != "selective":
+        _note(args, "--recompute-modules has no effect without --recompute-granularity "
+                    "selective")
+    elif set(modules) - set(RECOMPUTE_MODULES):
+        unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
+        _fail(f"--recompute-modules {' '.join(unknown)} is not built; choose from "
+              f"{', '.join(RECOMPUTE_MODULES)}, or use --recompute-granularity full")
 
 
 def _validate_run_extras(args) -> None:
     """Megatron flags of the run around the model: selective recompute's modules, weight decay
     of the q/k norms, evaluation batches, progress log and checkpoint retention."""
-    modules = args.recompute_modules
-    if modules is not None:
-        if args.recompute_granularity != "selective":
-            _note(args, "--recompute-modules has no effect without --recompute-granularity "
-                        "selective")
-        elif set(modules) - {"core_attn"}:
-            _fail(f"--recompute-modules {' '.join(modules)} is not supported: only core_attn "
-                  "(core attention, what --recompute-granularity selective recomputes here) is "
-                  "built; use --recompute-modules core_attn, or --recompute-granularity full")
+    _validate_recompute_modules(args)
     if args.no_weight_decay_cond_type == "apply_wd_to_qk_layernorm":
         args.apply_wd_to_qk_layernorm = True
     padded, tp = args.padded_vocab_size, args.tensor_model_parallel_size

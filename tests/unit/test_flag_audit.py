@@ -52,6 +52,8 @@ DERIVED_IN_VALIDATION = {
     "warmup": "sets --lr-warmup-iters (old name)",
     "model_parallel_size": "sets --tensor-model-parallel-size (old name)",
     "recompute_activations": "sets --recompute-granularity selective",
+    "moe_layer_recompute": "sets --recompute-granularity selective and adds moe to "
+                           "--recompute-modules (its older spelling)",
     "checkpoint_activations": "sets --recompute-granularity full --recompute-method uniform",
     "add_position_embedding": "refused unless --position-embedding-type rope, as in Megatron",
     "transformer_impl": "local and transformer_engine run this project's layers (one note); "

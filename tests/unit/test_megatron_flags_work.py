@@ -106,8 +106,9 @@ def test_recompute_modules_core_attn_is_selective_recompute():
     assert _configs("--recompute-granularity", "selective", "--recompute-modules",
                     "core_attn").model.recompute_granularity == "selective"
     with pytest.raises(ArgumentsError) as err:
-        _args("--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp")
-    assert str(err.value).startswith("--recompute-modules core_attn mlp is not supported")
+        _args("--recompute-granularity", "selective", "--recompute-modules", "core_attn",
+              "mla_up_proj")
+    assert str(err.value).startswith("--recompute-modules mla_up_proj is not built")
 
 
 class _QKNormAttention(torch.nn.Module):

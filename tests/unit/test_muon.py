@@ -222,7 +222,6 @@ def test_coefficient_tables_follow_megatron_core():
     (dict(muon_tp_mode="distributed"), "--muon-tp-mode distributed"),
     (dict(use_distributed_optimizer=True), "--optimizer muon does not run with "
                                            "--use-distributed-optimizer"),
-    (dict(optimizer="dist_muon"), "--optimizer dist_muon"),
     (dict(muon_use_syrk=True), "--muon-use-syrk"),
     (dict(muon_scalar_optimizer="lion"), "--muon-scalar-optimizer lion"),
     (dict(muon_fp32_matmul_prec="low"), "--muon-fp32-matmul-prec low"),
@@ -240,17 +239,27 @@ def test_muon_refuses_a_one_dimensional_weight():
         Muon([{"params": [torch.nn.Parameter(torch.ones(3))], "use_muon": True}], lr=LR)
 
 
-def test_torch_dist_checkpoints_are_refused_in_one_line():
+def test_dist_muon_validates_with_both_checkpoint_formats_and_not_the_distributed_optimizer():
     from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 
     argv = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
-            "--max-position-embeddings 8 --micro-batch-size 1 --lr 1e-3 --optimizer muon "
-            "--ckpt-format torch_dist --save /nonexistent").split()
-    with pytest.raises(ArgumentsError) as err:
-        validate_args(parse_args(argv=argv))
-    assert str(err.value).startswith("--optimizer muon keeps its optimizer state in "
-                                     "--ckpt-format torch only") and "\n" not in str(err.value)
-    validate_args(parse_args(argv=argv + ["--no-save-optim"]))
+            "--max-position-embeddings 8 --micro-batch-size 1 --lr 1e-3 --optimizer dist_muon "
+            "--save /nonexistent").split()
+    for fmt in ("torch", "torch_dist"):
+        assert validate_args(parse_args(argv=argv + ["--ckpt-format", fmt])).optimizer == \
+            "dist_muon"
+    with pytest.raises(ArgumentsError, match="does not run with --use-distributed-optimizer"):
+        validate_args(parse_args(argv=argv + ["--use-distributed-optimizer"]))
+
+
+def test_dist_muon_on_one_rank_is_muon():
+    grads = grad_sets(tiny_gpt(), 2)
+    model = tiny_gpt()
+    want = run(model, build(model, muon_config()), grads)
+    model = tiny_gpt()
+    got = run(model, build(model, muon_config(optimizer="dist_muon")), grads)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
 
 
 def test_muon_flags_reach_the_config():

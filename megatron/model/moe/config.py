@@ -28,6 +28,7 @@ class MoEConfig:
     moe_router_score_function: str = "softmax"          # softmax | sigmoid
     moe_router_pre_softmax: bool = False                # softmax over all experts, then top-k
     moe_router_topk_scaling_factor: Optional[float] = None
+    moe_apply_probs_on_input: bool = False              # probability x input, not x output
     moe_router_num_groups: Optional[int] = None         # experts split into this many groups
     moe_router_group_topk: Optional[int] = None         # groups a token may choose from
     moe_router_enable_expert_bias: bool = False         # aux-loss-free balancing (sigmoid)
@@ -62,6 +63,8 @@ class MoEConfig:
         if not 1 <= topk <= experts:
             raise ConfigError(f"--moe-router-topk ({topk}) must be between 1 and --num-experts "
                               f"({experts})")
+        if self.moe_apply_probs_on_input and topk != 1:
+            raise ConfigError(f"--moe-apply-probs-on-input needs --moe-router-topk 1, got {topk}")
         self._check_choice("--moe-router-score-function", self.moe_router_score_function,
                            SCORE_FUNCTIONS)
         self._check_choice("--moe-router-load-balancing-type",

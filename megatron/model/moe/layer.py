@@ -36,6 +36,7 @@ from megatron.model.moe.experts import (GroupedMLP, SequentialMLP, SharedExpertM
                                         check_expert_tp)
 from megatron.model.moe.router import TopKRouter, expert_capacity
 from megatron.model.moe.tracker import MoELossTracker
+from megatron.model.recompute import OutputDiscardingCheckpoint, recomputed
 
 
 class MoELayer(MegatronModule):
@@ -95,6 +96,7 @@ class MoELayer(MegatronModule):
         if moe_config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, moe_config, layer_number, tp_group,
                                                   init_seed, sequence_parallel=sliced)
+        self._wrap_activations()
 
     def _capacity(self, num_tokens: int) -> Optional[int]:
         cfg = self.moe_config
@@ -107,19 +109,59 @@ class MoELayer(MegatronModule):
         """``[s, b, h]`` -> (``[s, b, h]``, None) (``s / tp`` with ``sequence_parallel``)."""
         seq_length, batch, hidden = hidden_states.shape
         probs, routing_map = self.router(hidden_states)                      # [s*b, E] each
-        probs = probs.to(hidden_states.dtype)        # a no-op unless --moe-router-dtype is set
         tokens = hidden_states.reshape(-1, hidden)                           # [s*b, h]
+        if self.moe_config.moe_apply_probs_on_input:
+            tokens, probs = _probs_on_input(tokens, probs, routing_map)
+        probs = probs.to(hidden_states.dtype)        # a no-op unless --moe-router-dtype is set
         rows, counts, handle = self.token_dispatcher.dispatch(
             tokens, probs, routing_map, self._capacity(tokens.size(0)))      # [N, h]
         if self.gather_over_expert_tp:
             group_rows, group_counts, rows_handle = gather_expert_rows(
                 rows, counts, self.expert_tp_group)                          # [N', h]
-            expert_output = return_own_rows(self.experts(group_rows, group_counts),
+            expert_output = return_own_rows(self._experts(group_rows, group_counts),
                                             rows_handle, self.expert_tp_group)   # [N, h]
         else:
-            expert_output = self.experts(rows, counts)                       # [N, h]
+            expert_output = self._experts(rows, counts)                      # [N, h]
         output = self.token_dispatcher.combine(expert_output, handle)        # [s*b, h]
         output = output.view(seq_length, batch, hidden)                      # [s, b, h]
         if self.shared_experts is not None:
-            output = output + self.shared_experts(hidden_states)
+            output = output + (recomputed(self.shared_experts, hidden_states)
+                               if self._recomputes_inside("shared_experts")
+                               else self.shared_experts(hidden_states))
         return output, None
+
+    def _experts(self, rows: torch.Tensor, counts) -> torch.Tensor:
+        """The experts on their rows; with --recompute-modules moe_act, the activations'
+        outputs are freed once used and recomputed in backward."""
+        output = self.experts(rows, counts)
+        if self.activation_checkpoint is not None and output.requires_grad:
+            self.activation_checkpoint.discard(output)
+        return output
+
+    def _recomputes_inside(self, module: str) -> bool:
+        """A part of this layer recomputed on its own (not when the whole layer is: ``moe``)."""
+        return self.config.recomputes(module) and not self.config.recomputes("moe")
+
+    def _wrap_activations(self) -> None:
+        """--recompute-modules moe_act: every expert module's activation through one
+        :class:`~megatron.model.recompute.OutputDiscardingCheckpoint`."""
+        self.activation_checkpoint = None
+        if not self._recomputes_inside("moe_act"):
+            return
+        for module in self.experts.modules():
+            if hasattr(module, "activation_func"):
+                if self.activation_checkpoint is None:
+                    self.activation_checkpoint = OutputDiscardingCheckpoint(
+                        module.activation_func)
+                module.activation_func = self.activation_checkpoint
+
+
+def _probs_on_input(tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor):
+    """``--moe-apply-probs-on-input``: each token ``[T, h]`` scaled by its one routing
+    probability (top-1; the product in the wider dtype, then cast back), and the combine's
+    probabilities made 1 where the token is routed, so the expert's output is not scaled
+    again."""
+    scale = probs.sum(dim=-1, keepdim=True)                                  # [T, 1]
+    wide = torch.promote_types(tokens.dtype, scale.dtype)
+    scaled = (tokens.to(wide) * scale.to(wide)).to(tokens.dtype)
+    return scaled, routing_map.to(probs.dtype)
