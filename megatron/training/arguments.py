@@ -200,6 +200,13 @@ def _add_training_args(parser):
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--rampup-batch-size", nargs="*", default=None,
                    help="start increment samples, e.g. 16 16 5000000")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None,
+                   help="global batch by consumed tokens: 'THRESHOLD:BATCH ...' with K/M/B/T "
+                        "suffixes, first threshold 0, e.g. '0:256 100B:512'; thresholds are "
+                        "tokens (divided by --seq-length into samples); needs --train-samples")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="run the global batch rounded down to a multiple of micro batch x "
+                        "data-parallel size instead of failing")
     g.add_argument("--recompute-activations", action="store_true",
                    help="shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-granularity", type=str, default=None,

@@ -38,7 +38,7 @@ from megatron.training import (memory_accounting, moe_logging, numerics, rerun, 
 from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
 from megatron.training.initialize import initialize_megatron
-from megatron.training.microbatches import NumMicroBatchesCalculator
+from megatron.training.microbatches import NumMicroBatchesCalculator, calculator_from_args
 from megatron.training.timers import Timers
 from megatron.training.train_state import TrainState
 from megatron.training.utils import print_rank_0
@@ -57,7 +57,7 @@ class TrainingRun:
         training / logging: the loop's and logging's typed configs (how long, when to evaluate
             and stop; what to log and how often).
         ckpt: the checkpoint options (:class:`~megatron.checkpoint.config.CheckpointConfig`).
-        calculator: micro-batches per step, following a batch-size ramp-up.
+        calculator: micro-batches per step, following a batch-size ramp-up or step schedule.
         timers / writer: the timers and the scalar writer (TensorBoard; None without one).
         train_state: the run's position and records (:class:`TrainState`).
         forward_step_func: the user's ``forward_step(data_iterator, model)``.
@@ -126,8 +126,7 @@ def parse_entry_flags(argv, extra_args_provider, args_defaults, before_validatio
             before_validation(args)
         validate_args(args)
         # Check the ramp-up now, not after the process groups and the model are built.
-        NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
-                                  args.data_parallel_size, args.rampup_batch_size)
+        calculator_from_args(args, args.data_parallel_size)
         return args
     except (ArgumentsError, ConfigError, checkpointing.CheckpointError) as err:
         _print_error_once(str(err))
@@ -292,13 +291,15 @@ def schedule_kwargs(model, args, pstate) -> dict:
 
 def eval_global_batch_size(args, calculator: NumMicroBatchesCalculator) -> int:
     """Samples per evaluation step: --eval-global-batch-size, else the training batch."""
-    return args.eval_global_batch_size or calculator.current_global_batch_size
+    return args.eval_global_batch_size or calculator.current_running_global_batch_size
 
 
 def _num_samples(args) -> List[int]:
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
     eval_runs = args.train_iters // args.eval_interval + 1
-    eval_batch = args.eval_global_batch_size or args.global_batch_size
+    # Evaluation runs the training batch of the moment; build enough for the largest.
+    steps = getattr(args, "step_batch_size_samples", None) or [(0, args.global_batch_size)]
+    eval_batch = args.eval_global_batch_size or max(batch for _, batch in steps)
     return [train_samples, eval_runs * args.eval_iters * eval_batch, args.eval_iters * eval_batch]
 
 
@@ -462,7 +463,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).
     loss_scale = training_log.to_float(optimizer.get_loss_scale())
     if ok:
-        scheduler.step(increment=calculator.current_global_batch_size)
+        scheduler.step(increment=calculator.current_running_global_batch_size)
     moe_losses = moe_logging.aux_loss_values(model, pstate, calculator.num_micro_batches,
                                              args.moe_per_layer_logging)
     if last_stage:
@@ -729,7 +730,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
                 report_memory(args, pstate, run.calculator)
-            batch = run.calculator.current_global_batch_size
+            batch = run.calculator.current_running_global_batch_size
             train_state.consumed_train_samples += batch
             stats.add(losses, skipped)
             train_state.train_loss_history.append((iteration, losses.get("lm loss")))
@@ -820,9 +821,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 
     tokenizer = build_tokenizer(args)
     if args.train_samples is not None:
-        args.train_iters = NumMicroBatchesCalculator(
-            args.global_batch_size, args.micro_batch_size, pstate.dp_size,
-            args.rampup_batch_size).iterations_for_samples(args.train_samples)
+        args.train_iters = calculator_from_args(args, pstate.dp_size).iterations_for_samples(
+            args.train_samples)
     if args.train_iters is None:
         raise SystemExit("pretrain: give --train-iters or --train-samples")
     # Also checks the model shape against the split once more.
@@ -847,8 +847,7 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     """pretrain() once the flags are checked and --save is locked: build the model, optimizer
     and data, load, then train and evaluate (or convert the loaded checkpoint)."""
     ckpt = configs.checkpoint
-    calculator = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
-                                           pstate.dp_size, args.rampup_batch_size)
+    calculator = calculator_from_args(args, pstate.dp_size)
     check_memory_at_startup(args, pstate, calculator)
     training_hooks.note_cpu_only_flags(args)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,
@@ -859,6 +858,10 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     if train_state.rerun is not None:
         train_state.rerun.load_state_dict(train_state.rerun_checkpoint)
     train_state.rerun_checkpoint = None
+    try:
+        calculator.check_reachable(train_state.consumed_train_samples, args.train_samples or 0)
+    except ArgumentsError as err:
+        raise SystemExit(str(err)) from None
     if ckpt.ckpt_convert_format is not None:
         convert_loaded_checkpoint(train_state, model, optimizer, scheduler, args, pstate, ckpt)
         return train_state

@@ -580,17 +580,48 @@ def _validate_model(args) -> None:
         _fail("--recompute-method needs --recompute-granularity full")
 
 
+def _validate_step_batch_size_schedule(args) -> None:
+    """Parse --step-batch-size-schedule into ``args.step_batch_size_samples`` (thresholds in
+    samples); the global batch becomes the schedule's last batch, as in Megatron."""
+    from megatron.training.microbatches import parse_step_batch_size_schedule
+
+    if args.rampup_batch_size is not None:
+        _fail("give only one of --step-batch-size-schedule and --rampup-batch-size")
+    if args.train_samples is None:
+        _fail("--step-batch-size-schedule needs --train-samples (the schedule counts "
+              "samples), not --train-iters")
+    args.step_batch_size_samples = parse_step_batch_size_schedule(
+        args.step_batch_size_schedule, args.seq_length)
+    final = args.step_batch_size_samples[-1][1]
+    if args.global_batch_size is not None and args.global_batch_size != final:
+        _note(args, f"--global-batch-size ({args.global_batch_size}) is replaced by the last "
+                    f"batch of --step-batch-size-schedule ({final})")
+    args.global_batch_size = final
+
+
 def _validate_batch_and_schedule(args) -> None:
     _require(args, "micro_batch_size")
     dp = args.data_parallel_size
+    if args.step_batch_size_schedule is not None:
+        _validate_step_batch_size_schedule(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
         _note(args, f"--global-batch-size not given; using micro batch x data-parallel size "
                     f"= {args.global_batch_size}")
-    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+    per_step = args.micro_batch_size * dp
+    if args.decrease_batch_size_if_needed:
+        if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
+            _fail("--decrease-batch-size-if-needed cannot be combined with "
+                  "--rampup-batch-size or --step-batch-size-schedule")
+        if args.global_batch_size < per_step:
+            _fail(f"--decrease-batch-size-if-needed: --global-batch-size "
+                  f"({args.global_batch_size}) is smaller than --micro-batch-size "
+                  f"({args.micro_batch_size}) x data-parallel size ({dp})")
+    elif (args.global_batch_size % per_step != 0
+          and args.step_batch_size_schedule is None):
         _fail(f"--global-batch-size ({args.global_batch_size}) must be divisible by "
               f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp})")
-    args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    args.num_micro_batches = args.global_batch_size // per_step
     if args.rampup_batch_size is not None:
         if len(args.rampup_batch_size) != 3:
             _fail("--rampup-batch-size takes 3 values: start increment ramp-samples, got "
