@@ -262,6 +262,13 @@ def _add_training_args(parser):
                    "collect every --manual-gc-interval iterations, at the same point on every rank")
     g.add_argument("--manual-gc-interval", type=int, default=0,
                    help="with --manual-gc: iterations between collections (0: only at the start)")
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                   dest="manual_gc_eval",
+                   help="with --manual-gc: no collection before and after each evaluation")
+    g.add_argument("--iterations-to-skip", nargs="+", type=int, default=[],
+                   help="iterations (as logged, from 1) whose batch is read and dropped: no "
+                        "forward, optimizer or LR step; also those a "
+                        "--result-rejected-tracker-filename file rejects")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
                    help="stop every rank before the optimizer step when a loss or (without "
                    "--fp16) a gradient holds an inf or nan, naming the iteration, rank and tensor")
@@ -552,6 +559,8 @@ def _add_validation_args(parser):
     g = parser.add_argument_group(title="validation")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--start-eval-at-iter", type=int, default=None,
+                   help="evaluate during training only from this iteration on")
 
 
 def _add_data_args(parser):

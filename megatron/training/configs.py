@@ -9,7 +9,7 @@ scheduler, MoE, and the training loop's and logging's own. The flag audit
 
 import argparse
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -40,6 +40,8 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     check_for_nan_in_loss_and_grad: bool = False
     skip_iterations_with_loss_spike: bool = False
+    start_eval_at_iter: Optional[int] = None
+    iterations_to_skip: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -302,7 +304,16 @@ def _training_config(args) -> TrainingConfig:
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         exit_signal_handler=args.exit_signal_handler,
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
-        skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike)
+        skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike,
+        start_eval_at_iter=args.start_eval_at_iter,
+        iterations_to_skip=_iterations_to_skip(args))
+
+
+def _iterations_to_skip(args) -> Tuple[int, ...]:
+    from megatron.training.rerun import tracker_iterations_to_skip
+
+    tracked = tracker_iterations_to_skip(args.result_rejected_tracker_filename)
+    return tuple(sorted(set(args.iterations_to_skip) | set(tracked)))
 
 
 def _logging_config(args) -> LoggingConfig:

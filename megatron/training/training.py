@@ -297,6 +297,8 @@ def eval_global_batch_size(args, calculator: NumMicroBatchesCalculator) -> int:
 def _num_samples(args) -> List[int]:
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
     eval_runs = args.train_iters // args.eval_interval + 1
+    if args.start_eval_at_iter is not None:  # Megatron's count; one run left for the final one
+        eval_runs = max(1, eval_runs - args.start_eval_at_iter // args.eval_interval)
     # Evaluation runs the training batch of the moment; build enough for the largest.
     steps = getattr(args, "step_batch_size_samples", None) or [(0, args.global_batch_size)]
     eval_batch = args.eval_global_batch_size or max(batch for _, batch in steps)
@@ -711,6 +713,10 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     try:
         while train_state.iteration < training.train_iters:
             run.calculator.update(train_state.consumed_train_samples)
+            if train_state.iteration + 1 in training.iterations_to_skip:
+                _skip_iteration(run, train_iterator)
+                start_iteration += train_state.iteration == start_iteration + 1
+                continue
             profiler.before_iteration()
             hang.phase(train_state.iteration + 1, "train-step")
             try:
@@ -738,9 +744,10 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             straggler.after_iteration(iteration, batch, run.writer)
             stats = _log_iteration(run, stats, losses, _learning_rate(run.optimizer), batch,
                                    loss_scale, grad_norm)
-            if (training.eval_interval and iteration % training.eval_interval == 0
-                    and train_state.do_valid and training.eval_iters > 0):
+            if _eval_due(training, iteration, train_state.do_valid):
+                manual_gc.before_eval()
                 evaluate_and_print(run, f"iteration {iteration}", valid_iterator)
+                manual_gc.after_eval()
             if run.saver is not None:
                 run.saver.poll()
             saved = False
@@ -767,6 +774,32 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
         if stop_signal is not None:
             stop_signal.release()
     return train_state.iteration
+
+
+def _eval_due(training: TrainingConfig, iteration: int, do_valid: bool) -> bool:
+    """Evaluate after this iteration: every --eval-interval, from --start-eval-at-iter on."""
+    start = training.start_eval_at_iter
+    return bool(training.eval_interval and iteration % training.eval_interval == 0
+                and do_valid and training.eval_iters > 0
+                and (start is None or iteration >= start))
+
+
+def _skip_iteration(run: TrainingRun, train_iterator) -> None:
+    """--iterations-to-skip: the iteration's micro-batches are read and dropped (no forward,
+    no optimizer or LR step, no log line), so the data after it is where it would have been;
+    the samples count as consumed and as skipped (Megatron's ``skipped_train_samples``)."""
+    state = run.train_state
+    iterators = train_iterator if isinstance(train_iterator, list) else [train_iterator]
+    for _ in range(run.calculator.num_micro_batches):
+        for it in iterators:
+            if it is not None:
+                next(it)
+    state.iteration += 1
+    batch = run.calculator.current_running_global_batch_size
+    state.consumed_train_samples += batch
+    state.skipped_train_samples += batch
+    print_rank_0(f"skipped iteration {state.iteration} (--iterations-to-skip): {batch} samples "
+                 "read and dropped")
 
 
 def _train_and_evaluate(run: TrainingRun, iterators) -> None:
