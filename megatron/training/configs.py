@@ -306,14 +306,16 @@ def _training_config(args) -> TrainingConfig:
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
         skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike,
         start_eval_at_iter=args.start_eval_at_iter,
-        iterations_to_skip=_iterations_to_skip(args))
+        iterations_to_skip=_iterations_to_skip(args.iterations_to_skip,
+                                               args.result_rejected_tracker_filename))
 
 
-def _iterations_to_skip(args) -> Tuple[int, ...]:
+def _iterations_to_skip(given, tracker_filename) -> Tuple[int, ...]:
+    """--iterations-to-skip and the iterations the tracker file rejects, as Megatron merges
+    them."""
     from megatron.training.rerun import tracker_iterations_to_skip
 
-    tracked = tracker_iterations_to_skip(args.result_rejected_tracker_filename)
-    return tuple(sorted(set(args.iterations_to_skip) | set(tracked)))
+    return tuple(sorted(set(given) | set(tracker_iterations_to_skip(tracker_filename))))
 
 
 def _logging_config(args) -> LoggingConfig:

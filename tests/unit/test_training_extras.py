@@ -53,9 +53,7 @@ def test_iterations_to_skip_config_merges_the_tracker(tmp_path):
 
     path = tmp_path / "tracker.txt"
     path.write_text(_line(0, 8, "second_rerun_reproducible"))
-    args = argparse.Namespace(iterations_to_skip=[3, 8, 1],
-                              result_rejected_tracker_filename=str(path))
-    assert _iterations_to_skip(args) == (1, 3, 8)
+    assert _iterations_to_skip([3, 8, 1], str(path)) == (1, 3, 8)
 
 
 @pytest.mark.parametrize("interval,start,eval_iters", [(2, None, 1), (2, 3, 1), (3, 7, 2),
