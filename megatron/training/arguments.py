@@ -364,6 +364,14 @@ def _add_checkpointing_args(parser):
                    "as --finetune does")
     g.add_argument("--ckpt-step", type=int, default=None)
     g.add_argument("--use-checkpoint-args", action="store_true")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args: also take the tensor, pipeline and expert "
+                        "parallel sizes from the checkpoint")
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
+                   "--disable-use-tokenizer-model-from-checkpoint-args", action="store_false",
+                   dest="use_tokenizer_model_from_checkpoint_args",
+                   help="with --use-checkpoint-args: keep this run's tokenizer flags instead of "
+                        "the checkpoint's --tokenizer-type, --tokenizer-model, --tiktoken-pattern")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
                    help="torch: one model_optim_rng.pt per (tensor, pipeline) rank; torch_dist: "
