@@ -364,6 +364,9 @@ def _add_checkpointing_args(parser):
                    "as --finetune does")
     g.add_argument("--ckpt-step", type=int, default=None)
     g.add_argument("--use-checkpoint-args", action="store_true")
+    g.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                   help="do not draw the initial weights (zeros until --load fills them): a "
+                        "faster start when a checkpoint is loaded anyway")
     g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
                    help="with --use-checkpoint-args: also take the tensor, pipeline and expert "
                         "parallel sizes from the checkpoint")

@@ -117,6 +117,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         swiglu=args.swiglu, openai_gelu=args.openai_gelu, squared_relu=args.squared_relu,
         apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         init_method_xavier_uniform=args.init_method_xavier_uniform,
+        perform_initialization=args.perform_initialization,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,

@@ -580,6 +580,12 @@ def _validate_model(args) -> None:
         _fail("--recompute-method needs --recompute-granularity full")
 
 
+def _note_no_initialization(args) -> None:
+    if not args.perform_initialization and not (args.load or args.pretrained_checkpoint):
+        _note(args, "--no-initialization without --load or --pretrained-checkpoint: the weights "
+                    "start as zeros")
+
+
 def _validate_step_batch_size_schedule(args) -> None:
     """Parse --step-batch-size-schedule into ``args.step_batch_size_samples`` (thresholds in
     samples); the global batch becomes the schedule's last batch, as in Megatron."""
@@ -895,6 +901,7 @@ def check_flags(args):
     _validate_mtp(args)
     _validate_loss(args)
     _validate_batch_and_schedule(args)
+    _note_no_initialization(args)
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_fim(args)
