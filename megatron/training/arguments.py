@@ -570,6 +570,8 @@ def _add_validation_args(parser):
     g = parser.add_argument_group(title="validation")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="micro-batch size of evaluation (default: --micro-batch-size)")
     g.add_argument("--start-eval-at-iter", type=int, default=None,
                    help="evaluate during training only from this iteration on")
 

@@ -263,18 +263,19 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     return chunks, optimizer, scheduler
 
 
-def pipeline_tensor_shape(args, pstate) -> tuple:
+def pipeline_tensor_shape(args, pstate, micro_batch_size: Optional[int] = None) -> tuple:
     """``(s, b, h)`` of the activations between pipeline stages (``s / cp`` with context
     parallelism, then ``/ tp`` with sequence parallelism, both as the layout has them); fixed,
-    so stages never exchange shapes."""
+    so stages never exchange shapes. ``b`` is --micro-batch-size unless given (evaluation's)."""
     seq = args.seq_length // pstate.cp_size
     if pstate.sequence_parallel:
         seq //= pstate.tp_size
-    return (seq, args.micro_batch_size, args.hidden_size)
+    return (seq, micro_batch_size or args.micro_batch_size, args.hidden_size)
 
 
-def schedule_kwargs(model, args, pstate) -> dict:
-    """Keywords of the forward/backward schedule beyond the common ones, for this layout."""
+def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None) -> dict:
+    """Keywords of the forward/backward schedule beyond the common ones, for this layout
+    (``micro_batch_size``: evaluation's, when it is not --micro-batch-size)."""
     per_token = {"calculate_per_token_loss": args.calculate_per_token_loss}
     if pstate.pp_size == 1:
         return {"no_sync_func": model[0].no_sync, **per_token}
@@ -285,7 +286,7 @@ def schedule_kwargs(model, args, pstate) -> dict:
         "no_sync_func": [chunk.no_sync for chunk in model],
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                             device.current_device()),
-        "tensor_shape": pipeline_tensor_shape(args, pstate),
+        "tensor_shape": pipeline_tensor_shape(args, pstate, micro_batch_size),
     }
 
 
@@ -315,9 +316,11 @@ def build_data_iterators(provider: Callable, args, pstate, train_state: TrainSta
     if pstate.tp_rank == 0:
         datasets = provider(_num_samples(args))
         consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples, 0]
+        eval_micro = args.eval_micro_batch_size or data.micro_batch_size
+        micro = [data.micro_batch_size, eval_micro, eval_micro]
         for i, (ds, start) in enumerate(zip(datasets, consumed)):
             loaders[i] = build_pretraining_data_loader(
-                ds, start, data.micro_batch_size, pstate.dp_rank, pstate.dp_size,
+                ds, start, micro[i], pstate.dp_rank, pstate.dp_size,
                 data.dataloader_type, data.num_workers, data.seed)
         flags = torch.tensor([int(ld is not None) for ld in loaders], dtype=torch.int64,
                              device=device.current_device())
@@ -483,13 +486,18 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
     batches = []
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
     batch = eval_global_batch_size(args, calculator)
+    micro = args.eval_micro_batch_size or args.micro_batch_size
+    if batch % (micro * pstate.dp_size):
+        raise SystemExit(f"evaluation batch {batch} is not divisible by --eval-micro-batch-size "
+                         f"or --micro-batch-size ({micro}) x data-parallel size "
+                         f"({pstate.dp_size}); set --eval-global-batch-size")
+    kwargs = schedule_kwargs(model, args, pstate, micro)
     with torch.no_grad():
         for _ in range(eval_iters):
             batches.append(schedule(forward_step_func=forward_step_func,
                                     data_iterator=data_iterator, model=model,
-                                    num_microbatches=batch // (
-                                        args.micro_batch_size * pstate.dp_size),
-                                    forward_only=True, **schedule_kwargs(model, args, pstate)))
+                                    num_microbatches=batch // (micro * pstate.dp_size),
+                                    forward_only=True, **kwargs))
             training_hooks.empty_unused_memory(args, 1)
             train_state.consumed_valid_samples += batch
     for chunk in model:

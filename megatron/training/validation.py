@@ -146,7 +146,7 @@ SIZE_FLAG_MINIMA = (
     ("context_parallel_size", 1), ("num_experts", 1), ("expert_model_parallel_size", 1),
     ("expert_tensor_parallel_size", 1), ("moe_ffn_hidden_size", 1), ("moe_router_topk", 1),
     ("moe_shared_expert_intermediate_size", 1), ("num_virtual_stages_per_pipeline_rank", 1),
-    ("eval_global_batch_size", 1), ("save_retain_interval", 1),
+    ("eval_global_batch_size", 1), ("eval_micro_batch_size", 1), ("save_retain_interval", 1),
     ("non_persistent_save_interval", 1), ("replication_jump", 1), ("replication_factor", 1),
     ("padded_vocab_size", 1),
 )
@@ -580,6 +580,24 @@ def _validate_model(args) -> None:
         _fail("--recompute-method needs --recompute-granularity full")
 
 
+def _validate_eval_batch(args) -> None:
+    """--eval-global-batch-size (else the training batch) splits into --eval-micro-batch-size
+    (else --micro-batch-size) x data-parallel micro-batches."""
+    micro, flag = args.eval_micro_batch_size, "--eval-micro-batch-size"
+    if micro is None:
+        micro, flag = args.micro_batch_size, "--micro-batch-size"
+    per_step = micro * args.data_parallel_size
+    eval_batch, batch_flag = args.eval_global_batch_size, "--eval-global-batch-size"
+    if eval_batch is None:
+        if (args.eval_micro_batch_size is None or args.rampup_batch_size is not None
+                or args.step_batch_size_schedule is not None):
+            return  # the training batch, checked with the training flags
+        eval_batch, batch_flag = args.global_batch_size, "--global-batch-size (evaluation's)"
+    if eval_batch % per_step:
+        _fail(f"{batch_flag} ({eval_batch}) must be divisible by {flag} ({micro}) x "
+              f"data-parallel size ({args.data_parallel_size})")
+
+
 def _note_no_initialization(args) -> None:
     if not args.perform_initialization and not (args.load or args.pretrained_checkpoint):
         _note(args, "--no-initialization without --load or --pretrained-checkpoint: the weights "
@@ -876,11 +894,7 @@ def _validate_run_extras(args) -> None:
     if padded is not None and padded % tp:
         _fail(f"--padded-vocab-size ({padded}) must be divisible by --tensor-model-parallel-size "
               f"({tp}): each rank holds an equal slice of the vocabulary")
-    eval_batch = args.eval_global_batch_size
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if eval_batch is not None and eval_batch % per_step:
-        _fail(f"--eval-global-batch-size ({eval_batch}) must be divisible by --micro-batch-size "
-              f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
+    _validate_eval_batch(args)
     for flag, value in (("--log-progress", args.log_progress),
                         ("--save-retain-interval", args.save_retain_interval)):
         if value and not args.save:

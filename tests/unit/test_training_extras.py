@@ -97,3 +97,34 @@ def test_num_samples_counts_megatrons_evaluations():
     assert _num_samples(args) == [80, 5 * 3 * 4, 12]
     args.start_eval_at_iter = 11
     assert _num_samples(args) == [80, (5 - 2) * 3 * 4, 12]
+
+
+def _validated(extra):
+    from megatron.training.arguments import parse_args, validate_args
+
+    flags = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+             "--seq-length", "16", "--max-position-embeddings", "16", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--train-iters", "4"] + extra
+    return validate_args(parse_args(argv=flags))
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--eval-micro-batch-size", "3"],
+     r"--global-batch-size \(evaluation's\) \(8\) must be divisible by --eval-micro-batch-size "
+     r"\(3\)"),
+    (["--eval-micro-batch-size", "4", "--eval-global-batch-size", "6"],
+     r"--eval-global-batch-size \(6\) must be divisible by --eval-micro-batch-size \(4\)"),
+    (["--eval-global-batch-size", "3"],
+     r"--eval-global-batch-size \(3\) must be divisible by --micro-batch-size \(2\)"),
+    (["--eval-micro-batch-size", "0"], "--eval-micro-batch-size"),
+])
+def test_eval_batch_checks(extra, message):
+    from megatron.training.arguments import ArgumentsError
+
+    with pytest.raises(ArgumentsError, match=message):
+        _validated(extra)
+
+
+def test_eval_micro_batch_accepted():
+    args = _validated(["--eval-micro-batch-size", "4", "--eval-global-batch-size", "12"])
+    assert args.eval_micro_batch_size == 4
