@@ -224,6 +224,10 @@ def _add_training_args(parser):
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM or SIGINT, save a checkpoint at the end of the iteration "
                    "on every rank and exit with status 0")
+    g.add_argument("--exit-signal-handler-for-dataloader", action="store_true",
+                   help="with --exit-signal-handler: data-loader workers note the exit signal "
+                        "instead of dying of it, so a signal sent to the whole process group "
+                        "leaves them alive while the checkpoint is saved")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--no-masked-softmax-fusion", action="store_false",
                    dest="masked_softmax_fusion")

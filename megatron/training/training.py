@@ -27,7 +27,8 @@ from megatron.core.distributed import (DistributedDataParallel, TorchFullySharde
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.config import DataConfig
-from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter
+from megatron.data.samplers import (build_pretraining_data_loader, cyclic_iter,
+                                    exit_signal_worker_init)
 from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
@@ -318,10 +319,12 @@ def build_data_iterators(provider: Callable, args, pstate, train_state: TrainSta
         consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples, 0]
         eval_micro = args.eval_micro_batch_size or data.micro_batch_size
         micro = [data.micro_batch_size, eval_micro, eval_micro]
+        init = (exit_signal_worker_init(args.exit_signal) if args.exit_signal_handler
+                and args.exit_signal_handler_for_dataloader else None)
         for i, (ds, start) in enumerate(zip(datasets, consumed)):
             loaders[i] = build_pretraining_data_loader(
                 ds, start, micro[i], pstate.dp_rank, pstate.dp_size,
-                data.dataloader_type, data.num_workers, data.seed)
+                data.dataloader_type, data.num_workers, data.seed, worker_init_fn=init)
         flags = torch.tensor([int(ld is not None) for ld in loaders], dtype=torch.int64,
                              device=device.current_device())
     if pstate.tp_size > 1:
