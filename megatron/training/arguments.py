@@ -597,6 +597,13 @@ def _add_data_args(parser):
                         "NullTokenizer)")
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false",
+                   dest="pad_vocab_size",
+                   help="keep the tokenizer's vocabulary size for the embedding table instead "
+                        "of rounding it up to --make-vocab-size-divisible-by x TP")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: do not add the tokenizer's own special tokens "
+                        "(a BOS, ...) when tokenizing")
     g.add_argument("--vocab-extra-ids", type=int, default=0)
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--encoder-seq-length", type=int, default=None)

@@ -151,6 +151,12 @@ OVERRIDE_ITERATION = ("starting from another iteration than the checkpoint's is 
                       "drop it")
 PRE_MCORE_014 = ("saving torch_dist checkpoints in the layout of Megatron-Core before 0.14 is "
                  "not built; drop it (checkpoints are written in today's layout)")
+HF_SLOW = ("Hugging Face's slow (Python) tokenizers are not built here; drop it (tokenizer.json "
+           "is read with the tokenizers library, which AutoTokenizer's fast tokenizers run)")
+REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a model folder "
+               "runs as code); drop it and give a tokenizer.json")
+NULL_PAD = ("the pad id of NullTokenizer only matters to Megatron's masking of pad tokens in "
+            "the GPT dataset's loss, which is not built yet; drop it")
 GPU_SNIFF = ("the periodic GPU self-test is not built yet; drop it (--rerun-mode "
              "validate_results and --check-weight-hash-across-dp-replicas-interval catch a "
              "faulty device's results)")
@@ -557,10 +563,10 @@ ROWS = (
      '--disable-tokenizer-sentencepiece-ignore-extra-whitespaces',
      'tokenizer_sentencepiece_ignore_extra_whitespaces', 'false', True, '', REFUSED,
      TOKENIZER_EXTRAS),
-    ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
+    ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, HF_SLOW),
     ('--tokenizer-hf-no-include-special-tokens', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--trust-remote-code', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--null-tokenizer-pad-id', '', 'int', -1, '', REFUSED, TOKENIZER_EXTRAS),
+    ('--trust-remote-code', '', 'true', False, '', REFUSED, REMOTE_CODE),
+    ('--null-tokenizer-pad-id', '', 'int', -1, '', REFUSED, NULL_PAD),
     ('--chat-template', '', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--use-gigatoken', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--adlr-autoresume', '', 'true', False, '', REFUSED, AUTORESUME),
