@@ -4,56 +4,9 @@ stepped (``--step-batch-size-schedule``)."""
 from typing import List, Optional, Tuple
 
 from megatron.training.arguments import ArgumentsError
+from megatron.training.validation import parse_step_batch_size_schedule
 
-_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
-
-
-def _schedule_number(text: str, entry: str) -> int:
-    """``250B`` -> 250e9: a number with an optional K/M/B/T suffix, as Megatron reads it."""
-    body, scale = text.strip().upper(), 1
-    if body[-1:] in _SUFFIXES:
-        body, scale = body[:-1], _SUFFIXES[body[-1]]
-    try:
-        return int(float(body) * scale)
-    except ValueError:
-        raise ArgumentsError(f"--step-batch-size-schedule: cannot read {text!r} in entry "
-                             f"{entry!r} (expected a number with an optional K, M, B or T "
-                             "suffix)") from None
-
-
-def parse_step_batch_size_schedule(text: str, seq_length: Optional[int]) -> List[Tuple[int, int]]:
-    """``"THRESHOLD:BATCH ..."`` (spaces or commas between entries) -> sorted
-    ``[(threshold_samples, global_batch), ...]``.
-
-    Thresholds count tokens when ``seq_length`` is given (Megatron passes the run's
-    ``--seq-length``) and are turned into samples by whole division; otherwise they count samples.
-    The first threshold must be 0 and thresholds must increase strictly after sorting.
-    """
-    entries = text.replace(",", " ").split()
-    if not entries:
-        raise ArgumentsError("--step-batch-size-schedule is empty; give THRESHOLD:BATCH pairs, "
-                             "e.g. '0:256 1B:512'")
-    schedule = []
-    for entry in entries:
-        if ":" not in entry:
-            raise ArgumentsError(f"--step-batch-size-schedule: entry {entry!r} is not "
-                                 "THRESHOLD:BATCH")
-        threshold, batch = (_schedule_number(part, entry) for part in entry.split(":", 1))
-        if seq_length:
-            threshold //= seq_length
-        if batch <= 0:
-            raise ArgumentsError(f"--step-batch-size-schedule: batch size of {entry!r} must "
-                                 "be > 0")
-        schedule.append((threshold, batch))
-    schedule.sort(key=lambda pair: pair[0])
-    if schedule[0][0] != 0:
-        raise ArgumentsError(f"--step-batch-size-schedule: the first threshold must be 0, "
-                             f"got {schedule[0][0]} samples")
-    for (before, _), (after, _) in zip(schedule, schedule[1:]):
-        if after <= before:
-            raise ArgumentsError(f"--step-batch-size-schedule: thresholds must increase "
-                                 f"strictly, got {before} then {after} samples")
-    return schedule
+__all__ = ["NumMicroBatchesCalculator", "calculator_from_args", "parse_step_batch_size_schedule"]
 
 
 class NumMicroBatchesCalculator:

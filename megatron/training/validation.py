@@ -10,6 +10,7 @@ pretrain_bert.py needs. :func:`check_flags` runs the steps in order (after
 
 import argparse
 import json
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -604,11 +605,59 @@ def _note_no_initialization(args) -> None:
                     "start as zeros")
 
 
+_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def _schedule_number(text: str, entry: str) -> int:
+    """``250B`` -> 250e9: a number with an optional K/M/B/T suffix, as Megatron reads it."""
+    body, scale = text.strip().upper(), 1
+    if body[-1:] in _SUFFIXES:
+        body, scale = body[:-1], _SUFFIXES[body[-1]]
+    try:
+        value = float(body)
+    except ValueError:
+        value = None
+    if value is None:
+        _fail(f"--step-batch-size-schedule: cannot read {text!r} in entry {entry!r} (expected "
+              "a number with an optional K, M, B or T suffix)")
+    return int(value * scale)
+
+
+def parse_step_batch_size_schedule(text: str, seq_length: Optional[int]) -> List[Tuple[int, int]]:
+    """``"THRESHOLD:BATCH ..."`` (spaces or commas between entries) -> sorted
+    ``[(threshold_samples, global_batch), ...]``.
+
+    Thresholds count tokens when ``seq_length`` is given (Megatron passes the run's
+    ``--seq-length``) and are turned into samples by whole division; otherwise they count samples.
+    The first threshold must be 0 and thresholds must increase strictly after sorting.
+    """
+    flag = "--step-batch-size-schedule"
+    entries = text.replace(",", " ").split()
+    if not entries:
+        _fail(f"{flag} is empty; give THRESHOLD:BATCH pairs, e.g. '0:256 1B:512'")
+    schedule = []
+    for entry in entries:
+        if ":" not in entry:
+            _fail(f"{flag}: entry {entry!r} is not THRESHOLD:BATCH")
+        threshold, batch = (_schedule_number(part, entry) for part in entry.split(":", 1))
+        if seq_length:
+            threshold //= seq_length
+        if batch <= 0:
+            _fail(f"{flag}: batch size of {entry!r} must be > 0")
+        schedule.append((threshold, batch))
+    schedule.sort(key=lambda pair: pair[0])
+    if schedule[0][0] != 0:
+        _fail(f"{flag}: the first threshold must be 0, got {schedule[0][0]} samples")
+    for (before, _), (after, _) in zip(schedule, schedule[1:]):
+        if after <= before:
+            _fail(f"{flag}: thresholds must increase strictly, got {before} then {after} "
+                  "samples")
+    return schedule
+
+
 def _validate_step_batch_size_schedule(args) -> None:
     """Parse --step-batch-size-schedule into ``args.step_batch_size_samples`` (thresholds in
     samples); the global batch becomes the schedule's last batch, as in Megatron."""
-    from megatron.training.microbatches import parse_step_batch_size_schedule
-
     if args.rampup_batch_size is not None:
         _fail("give only one of --step-batch-size-schedule and --rampup-batch-size")
     if args.train_samples is None:
