@@ -755,10 +755,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             straggler.after_iteration(iteration, batch, run.writer)
             stats = _log_iteration(run, stats, losses, _learning_rate(run.optimizer), batch,
                                    loss_scale, grad_norm)
-            if _eval_due(training, iteration, train_state.do_valid):
-                manual_gc.before_eval()
-                evaluate_and_print(run, f"iteration {iteration}", valid_iterator)
-                manual_gc.after_eval()
+            _evaluate_if_due(run, iteration, valid_iterator, manual_gc)
             if run.saver is not None:
                 run.saver.poll()
             saved = False
@@ -793,6 +790,14 @@ def _eval_due(training: TrainingConfig, iteration: int, do_valid: bool) -> bool:
     return bool(training.eval_interval and iteration % training.eval_interval == 0
                 and do_valid and training.eval_iters > 0
                 and (start is None or iteration >= start))
+
+
+def _evaluate_if_due(run: TrainingRun, iteration: int, valid_iterator,
+                     manual_gc: training_hooks.ManualGC) -> None:
+    if _eval_due(run.training, iteration, run.train_state.do_valid):
+        manual_gc.before_eval()
+        evaluate_and_print(run, f"iteration {iteration}", valid_iterator)
+        manual_gc.after_eval()
 
 
 def _skip_iteration(run: TrainingRun, train_iterator) -> None:

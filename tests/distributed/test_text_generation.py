@@ -13,8 +13,9 @@ Requests then run as the server runs them (rank 0 prepares a payload, every rank
 Checked: greedy output with and without the cache; token ids never in the padded vocabulary
 (the random padded rows would win argmax otherwise, which the test confirms); stop tokens;
 log-probs against log_softmax over the whole padded vocabulary (Megatron's normalisation) of an
-independent full forward (fp32, ~1e-7 relative apart; tolerance 2e-5); every rank of a layout returning the same result; and TP = 2, PP = 2 and
-CP = 2 returning the TP = 1 tokens (sampled ones too: same seed) with log-probs within 2e-5.
+independent full forward (fp32, ~1e-7 relative apart; tolerance 2e-5); every rank of a layout
+returning the same result; and TP = 2, PP = 2 and CP = 2 returning the TP = 1 tokens (sampled
+ones too: same seed) with log-probs within 2e-5.
 With ``--context-parallel-size 2`` the two ranks generate whole sequences as data-parallel
 replicas (``megatron/inference.py``); before that, the cache-less and scoring requests ran on a
 model that expected half of each sequence and failed.
