@@ -29,8 +29,9 @@ from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
                                         iteration_dir, load_state_file, rank_file_in, read_tracker,
                                         saved_sizes)
-from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, check_args, checkpoint_args,
-                                            megatron_args, refuse_torch_load)
+from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, MP_ARGS, TOKENIZER_MODEL_ARGS,
+                                            check_args, checkpoint_args, megatron_args,
+                                            refuse_torch_load)
 from megatron.checkpoint.state import set_rng_state_snapshot
 from megatron.training.train_state import TrainState
 
@@ -319,11 +320,21 @@ def _saved_args_in(load_dir: str, what: str) -> argparse.Namespace:
 
 
 def load_args_from_checkpoint(args) -> argparse.Namespace:
-    """--use-checkpoint-args: take the model-shape flags from the checkpoint in --load."""
+    """--use-checkpoint-args: take the model-shape flags from the checkpoint in --load, as
+    Megatron does: also the tokenizer (type, model file, tiktoken pattern) unless
+    --no-use-tokenizer-model-from-checkpoint-args, and the tensor, pipeline and expert parallel
+    sizes only with --use-mp-args-from-checkpoint-args."""
     if not args.load:
         raise CheckpointError("--use-checkpoint-args needs --load")
     saved = _saved_args_in(args.load, "--use-checkpoint-args")
-    for name in CHECKPOINT_ARGS:
+    names = list(CHECKPOINT_ARGS)
+    if args.use_tokenizer_model_from_checkpoint_args:
+        names += TOKENIZER_MODEL_ARGS
+    if args.use_mp_args_from_checkpoint_args:
+        names += MP_ARGS[:-1]
+        if args.num_layers_per_virtual_pipeline_stage is None:
+            names.append(MP_ARGS[-1])
+    for name in names:
         if hasattr(saved, name):
             setattr(args, name, getattr(saved, name))
     return args

@@ -35,7 +35,7 @@ _ARG_LABELS = {"bert_binary_head": "the BERT binary head (--bert-no-binary-head 
 # Also taken from the checkpoint with --use-checkpoint-args.
 CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_percent",
                                 "rotary_base", "apply_residual_connection_post_layernorm",
-                                "openai_gelu", "norm_epsilon", "tokenizer_type",
+                                "openai_gelu", "norm_epsilon",
                                 # Same shapes, different function: the weights mean nothing
                                 # without them.
                                 "apply_layernorm_1p", "squared_relu", "rotary_interleaved",
@@ -49,8 +49,13 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                 "qk_pos_emb_head_dim", "v_head_dim",
                                 "vocab_size", "null_tokenizer_eod_id",
-                                "make_vocab_size_divisible_by",
-                                "tensor_model_parallel_size", "pipeline_model_parallel_size")
+                                "make_vocab_size_divisible_by")
+# Taken too with --use-mp-args-from-checkpoint-args (Megatron's model-parallel set; the last only
+# when this run gives none).
+MP_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+           "expert_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
+# Taken too unless --no-use-tokenizer-model-from-checkpoint-args.
+TOKENIZER_MODEL_ARGS = ("tokenizer_type", "tokenizer_model", "tiktoken_pattern")
 
 
 def checkpoint_args(args, config: Optional[CheckpointConfig] = None,

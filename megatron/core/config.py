@@ -63,6 +63,7 @@ class TransformerConfig:
     apply_layernorm_1p: bool = False               # norm weight stored as gamma - 1 (zeros)
     qk_layernorm: bool = False                     # a norm over head_dim on query and key
     init_method_xavier_uniform: bool = False       # xavier-uniform instead of N(0, std^2)
+    perform_initialization: bool = True            # --no-initialization: weights not drawn
     add_bias_linear: bool = True                   # --disable-bias-linear sets False
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = False

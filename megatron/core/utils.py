@@ -51,10 +51,20 @@ def xavier_uniform_init_method() -> InitMethod:
     return init_
 
 
+def _no_initialization(tensor: torch.Tensor) -> torch.Tensor:
+    """Leave the weight as allocated, zeroed so that a forgotten load shows as a model that
+    predicts nothing rather than as garbage (nor a draw from the random generator)."""
+    with torch.no_grad():
+        return tensor.zero_()
+
+
 def get_init_method(config) -> InitMethod:
     """The initialiser of ``config`` (a TransformerConfig) for every weight that does not feed
     the residual stream directly: QKV, the first MLP layer, embeddings, the output layer and
-    heads."""
+    heads. With ``perform_initialization`` off (--no-initialization) nothing is drawn: the
+    weights wait for a checkpoint."""
+    if not config.perform_initialization:
+        return _no_initialization
     if config.init_method_xavier_uniform:
         return xavier_uniform_init_method()
     return init_method_normal(config.init_method_std)
@@ -72,6 +82,8 @@ def get_embedding_init_method(config) -> InitMethod:
 def get_output_layer_init_method(config) -> InitMethod:
     """The initialiser of the projections that feed the residual stream (attention ``dense``,
     ``dense_4h_to_h``): depth-scaled normal, or xavier uniform as for every other weight."""
+    if not config.perform_initialization:
+        return _no_initialization
     if config.init_method_xavier_uniform:
         return xavier_uniform_init_method()
     return scaled_init_method_normal(config.init_method_std, config.num_layers)

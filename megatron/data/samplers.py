@@ -8,7 +8,9 @@ start mid-run where a checkpoint's ``consumed_samples`` says, giving exactly the
 uninterrupted run would have given.
 """
 
-from typing import Iterable, Iterator, List, Optional
+import functools
+import signal
+from typing import Callable, Iterable, Iterator, List, Optional
 
 import torch
 
@@ -150,11 +152,35 @@ def cyclic_iter(iterable: Iterable) -> Iterator:
         yield from iterable
 
 
+def _note_exit_signal(signum, frame) -> None:
+    """A loader worker's handler of the run's exit signal: noted, not fatal (the training
+    process saves and stops, and then ends its workers)."""
+    global _EXIT_SIGNAL_RECEIVED
+    _EXIT_SIGNAL_RECEIVED = signum
+
+
+_EXIT_SIGNAL_RECEIVED = 0
+
+
+def _install_exit_signal_handler(exit_signal: int, worker_id: int) -> None:
+    del worker_id
+    signal.signal(exit_signal, _note_exit_signal)
+
+
+def exit_signal_worker_init(exit_signal: int) -> Callable[[int], None]:
+    """--exit-signal-handler-for-dataloader: the ``worker_init_fn`` that makes each loader
+    worker note ``exit_signal`` instead of dying of it, so a signal sent to the whole process
+    group (as schedulers do) leaves the workers alive while the run saves its checkpoint."""
+    return functools.partial(_install_exit_signal_handler, int(exit_signal))
+
+
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
                                   data_parallel_rank: int, data_parallel_size: int,
                                   dataloader_type: str = "single", num_workers: int = 2,
                                   seed: int = 1234, data_sharding: bool = True,
-                                  drop_last: bool = True) -> Optional[Iterable]:
+                                  drop_last: bool = True,
+                                  worker_init_fn: Optional[Callable[[int], None]] = None
+                                  ) -> Optional[Iterable]:
     """The DataLoader of one data-parallel rank, resuming after ``consumed_samples``.
 
     Args:
@@ -163,6 +189,7 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
             dataset is returned as it is: it is its own iterator of batches).
         num_workers: ``--num-workers``; workers stay alive between epochs when > 0.
         seed: seeds the loader's generator (the base seed of its workers).
+        worker_init_fn: run first in each worker (:func:`exit_signal_worker_init`).
     """
     if dataset is None:
         return None
@@ -185,4 +212,5 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     generator.manual_seed(seed)
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=batch_sampler, num_workers=num_workers,
-        pin_memory=device.is_cuda(), persistent_workers=num_workers > 0, generator=generator)
+        pin_memory=device.is_cuda(), persistent_workers=num_workers > 0, generator=generator,
+        worker_init_fn=worker_init_fn if num_workers > 0 else None)

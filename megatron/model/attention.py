@@ -117,7 +117,10 @@ class CoreAttention(MegatronModule):
             every_head = torch.empty(config.num_attention_heads,
                                      dtype=torch.promote_types(config.params_dtype,
                                                                torch.float32))
-            init_method_normal(config.init_method_std)(every_head)
+            if config.perform_initialization:
+                init_method_normal(config.init_method_std)(every_head)
+            else:
+                every_head.zero_()
             first = get_group_rank(tp_group) * self.num_heads
             self.softmax_offset = torch.nn.Parameter(
                 every_head[first:first + self.num_heads].to(config.params_dtype).clone())

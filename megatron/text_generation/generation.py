@@ -19,8 +19,9 @@ left-aligned, ``L`` = longest prompt + tokens to generate). Step by step, as in 
    The loop stops early once all are finished.
 
 Log-probabilities of every token after the first (prompt tokens included, as Megatron returns
-them) come from the unscaled logits, normalised over the tokenizer's vocabulary (padded ids
-masked, as in sampling).
+them) come from the unscaled logits normalised over the whole padded vocabulary, as Megatron's
+log_softmax over the gathered logits does: the padded ids, never sampled, still take their share
+of the probability mass, so a model whose padded rows are large scores every real token lower.
 """
 
 from dataclasses import dataclass
@@ -33,8 +34,8 @@ import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.text_generation.inference_params import InferenceParams
-from megatron.text_generation.sampling import (SamplingError, check_sampling_args,
-                                               mask_padded_vocab, sample, sampling_error_message)
+from megatron.text_generation.sampling import (SamplingError, check_sampling_args, sample,
+                                               sampling_error_message)
 
 
 class GenerationError(ValueError):
@@ -140,10 +141,10 @@ def _sample_or_verdict(new_tokens: torch.Tensor, logits: torch.Tensor, top_k: in
         new_tokens.fill_(-err.code)
 
 
-def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor,
-                     vocab_size: int) -> torch.Tensor:
-    """``log p(targets)`` from ``[b, s, V]`` logits and ``[b, s]`` ids -> ``[b, s]`` float32."""
-    log_probs = F.log_softmax(mask_padded_vocab(logits.float(), vocab_size), dim=-1)
+def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log p(targets)`` from ``[b, s, V_padded]`` logits and ``[b, s]`` ids -> ``[b, s]``
+    float32, normalised over all ``V_padded`` ids (Megatron's)."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
     return torch.gather(log_probs, 2, targets.unsqueeze(2)).squeeze(2)
 
 
@@ -176,7 +177,7 @@ def score_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, lengths: 
     log_probs = torch.empty(tokens.size(0), tokens.size(1) - 1, dtype=torch.float32,
                             device=tokens.device)
     if step.is_last:
-        log_probs.copy_(_token_log_probs(logits[:, :-1], tokens[:, 1:], vocab_size))
+        log_probs.copy_(_token_log_probs(logits[:, :-1], tokens[:, 1:]))
     return GenerationOutput(tokens, lengths.clone(), broadcast_from_last_stage(log_probs, pstate))
 
 
@@ -240,7 +241,7 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
         tokens[started, context] = new_tokens[started]
         if log_probs is not None and step.is_last:
             log_probs[:, prev:context] = _token_log_probs(
-                logits[:, prev - start:], tokens[:, prev + 1:context + 1], vocab_size)
+                logits[:, prev - start:], tokens[:, prev + 1:context + 1])
         prev = context
         just_finished = (new_tokens == stop_token) & started & ~finished
         out_lengths[just_finished] = context + 1

@@ -31,8 +31,11 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     tokens included); ``eod`` is the eos token named in the folder's config, else the first of
     ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``, ``[EOS]`` in the vocabulary."""
 
-    def __init__(self, pretrained_model_name_or_path: str):
+    def __init__(self, pretrained_model_name_or_path: str, include_special_tokens: bool = True):
         super().__init__("HuggingFace")
+        # --tokenizer-hf-no-include-special-tokens: the post-processor's tokens (a BOS, ...)
+        # are not added, as AutoTokenizer's add_special_tokens=False.
+        self._add_special = include_special_tokens
         from tokenizers import Tokenizer
 
         path = pretrained_model_name_or_path
@@ -71,13 +74,14 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         return self._inv_vocab
 
     def tokenize(self, text: str) -> List[int]:
-        return self._tokenizer.encode(text).ids
+        return self._tokenizer.encode(text, add_special_tokens=self._add_special).ids
 
     def tokenize_text(self, text: str) -> List[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
-        pieces = [e.ids for e in self._tokenizer.encode_batch(list(texts))]
+        pieces = [e.ids for e in self._tokenizer.encode_batch(
+            list(texts), add_special_tokens=self._add_special)]
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
         flat = np.fromiter((i for p in pieces for i in p), dtype=np.int64, count=int(lengths.sum()))
         return flat, lengths

@@ -153,7 +153,10 @@ def _create(args) -> MegatronTokenizer:
     if kind == "HuggingFaceTokenizer":
         from megatron.tokenizer.huggingface import HuggingFaceTokenizer
 
-        return HuggingFaceTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"))
+        return HuggingFaceTokenizer(
+            _require(args, "tokenizer_model", "--tokenizer-model"),
+            include_special_tokens=not getattr(args, "tokenizer_hf_no_include_special_tokens",
+                                               False))
     if kind == "TikTokenizer":
         from megatron.tokenizer.tiktoken_tokenizer import TikTokenizer
 
@@ -189,13 +192,21 @@ def build_tokenizer(args) -> MegatronTokenizer:
 
 
 def vocab_size_with_padding(orig_vocab_size: int, args) -> int:
-    """Round the vocabulary up to a multiple of make_vocab_size_divisible_by x TP.
+    """Round the vocabulary up to a multiple of make_vocab_size_divisible_by x TP (with
+    --no-pad-vocab-size: the tokenizer's size as it is, which TP must divide).
 
     The embedding table is split by rows over TP ranks, and each shard is kept a GPU-friendly
     multiple of ``--make-vocab-size-divisible-by``.
     """
+    tp = getattr(args, "tensor_model_parallel_size", 1) or 1
+    if not getattr(args, "pad_vocab_size", True):  # --no-pad-vocab-size
+        if orig_vocab_size % tp:
+            raise ValueError(f"--no-pad-vocab-size: the tokenizer's {orig_vocab_size} ids do not "
+                             f"split over --tensor-model-parallel-size {tp}; drop the flag (or "
+                             "give --padded-vocab-size)")
+        return orig_vocab_size
     divisible_by = getattr(args, "make_vocab_size_divisible_by", 128) or 1
-    multiple = divisible_by * (getattr(args, "tensor_model_parallel_size", 1) or 1)
+    multiple = divisible_by * tp
     after = -(-orig_vocab_size // multiple) * multiple
     if getattr(args, "rank", 0) == 0:
         print(f" > padded vocab (size: {orig_vocab_size}) with {after - orig_vocab_size} dummy "

@@ -217,6 +217,13 @@ def _add_training_args(parser):
     g.add_argument("--global-batch-size", type=int, default=None)
     g.add_argument("--rampup-batch-size", nargs="*", default=None,
                    help="start increment samples, e.g. 16 16 5000000")
+    g.add_argument("--step-batch-size-schedule", type=str, default=None,
+                   help="global batch by consumed tokens: 'THRESHOLD:BATCH ...' with K/M/B/T "
+                        "suffixes, first threshold 0, e.g. '0:256 100B:512'; thresholds are "
+                        "tokens (divided by --seq-length into samples); needs --train-samples")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="run the global batch rounded down to a multiple of micro batch x "
+                        "data-parallel size instead of failing")
     g.add_argument("--recompute-activations", action="store_true",
                    help="shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-granularity", type=str, default=None,
@@ -237,6 +244,10 @@ def _add_training_args(parser):
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM or SIGINT, save a checkpoint at the end of the iteration "
                    "on every rank and exit with status 0")
+    g.add_argument("--exit-signal-handler-for-dataloader", action="store_true",
+                   help="with --exit-signal-handler: data-loader workers note the exit signal "
+                        "instead of dying of it, so a signal sent to the whole process group "
+                        "leaves them alive while the checkpoint is saved")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--no-masked-softmax-fusion", action="store_false",
                    dest="masked_softmax_fusion")
@@ -275,6 +286,13 @@ def _add_training_args(parser):
                    "collect every --manual-gc-interval iterations, at the same point on every rank")
     g.add_argument("--manual-gc-interval", type=int, default=0,
                    help="with --manual-gc: iterations between collections (0: only at the start)")
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                   dest="manual_gc_eval",
+                   help="with --manual-gc: no collection before and after each evaluation")
+    g.add_argument("--iterations-to-skip", nargs="+", type=int, default=[],
+                   help="iterations (as logged, from 1) whose batch is read and dropped: no "
+                        "forward, optimizer or LR step; also those a "
+                        "--result-rejected-tracker-filename file rejects")
     g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
                    help="stop every rank before the optimizer step when a loss or (without "
                    "--fp16) a gradient holds an inf or nan, naming the iteration, rank and tensor")
@@ -372,6 +390,17 @@ def _add_checkpointing_args(parser):
                    "as --finetune does")
     g.add_argument("--ckpt-step", type=int, default=None)
     g.add_argument("--use-checkpoint-args", action="store_true")
+    g.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
+                   help="do not draw the initial weights (zeros until --load fills them): a "
+                        "faster start when a checkpoint is loaded anyway")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args: also take the tensor, pipeline and expert "
+                        "parallel sizes from the checkpoint")
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
+                   "--disable-use-tokenizer-model-from-checkpoint-args", action="store_false",
+                   dest="use_tokenizer_model_from_checkpoint_args",
+                   help="with --use-checkpoint-args: keep this run's tokenizer flags instead of "
+                        "the checkpoint's --tokenizer-type, --tokenizer-model, --tiktoken-pattern")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
                    help="torch: one model_optim_rng.pt per (tensor, pipeline) rank; torch_dist: "
@@ -573,6 +602,10 @@ def _add_validation_args(parser):
     g = parser.add_argument_group(title="validation")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="micro-batch size of evaluation (default: --micro-batch-size)")
+    g.add_argument("--start-eval-at-iter", type=int, default=None,
+                   help="evaluate during training only from this iteration on")
 
 
 def _add_data_args(parser):
@@ -592,6 +625,13 @@ def _add_data_args(parser):
                         "NullTokenizer)")
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
+    g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false",
+                   dest="pad_vocab_size",
+                   help="keep the tokenizer's vocabulary size for the embedding table instead "
+                        "of rounding it up to --make-vocab-size-divisible-by x TP")
+    g.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
+                   help="HuggingFaceTokenizer: do not add the tokenizer's own special tokens "
+                        "(a BOS, ...) when tokenizing")
     g.add_argument("--vocab-extra-ids", type=int, default=0)
     g.add_argument("--seq-length", type=int, default=None)
     g.add_argument("--encoder-seq-length", type=int, default=None)

@@ -9,7 +9,7 @@ scheduler, MoE, and the training loop's and logging's own. The flag audit
 
 import argparse
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -40,6 +40,8 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     check_for_nan_in_loss_and_grad: bool = False
     skip_iterations_with_loss_spike: bool = False
+    start_eval_at_iter: Optional[int] = None
+    iterations_to_skip: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -115,6 +117,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         swiglu=args.swiglu, openai_gelu=args.openai_gelu, squared_relu=args.squared_relu,
         apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         init_method_xavier_uniform=args.init_method_xavier_uniform,
+        perform_initialization=args.perform_initialization,
         add_bias_linear=args.add_bias_linear,
         add_qkv_bias=args.add_qkv_bias,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
@@ -306,7 +309,18 @@ def _training_config(args) -> TrainingConfig:
         exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
         exit_signal_handler=args.exit_signal_handler,
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
-        skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike)
+        skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike,
+        start_eval_at_iter=args.start_eval_at_iter,
+        iterations_to_skip=_iterations_to_skip(args.iterations_to_skip,
+                                               args.result_rejected_tracker_filename))
+
+
+def _iterations_to_skip(given, tracker_filename) -> Tuple[int, ...]:
+    """--iterations-to-skip and the iterations the tracker file rejects, as Megatron merges
+    them."""
+    from megatron.training.rerun import tracker_iterations_to_skip
+
+    return tuple(sorted(set(given) | set(tracker_iterations_to_skip(tracker_filename))))
 
 
 def _logging_config(args) -> LoggingConfig:

@@ -73,11 +73,13 @@ class IterationProfiler:
 class ManualGC:
     """--manual-gc: Python's automatic collector is off during training, and a full collection
     runs every --manual-gc-interval iterations (0: only once, at the start), so that every rank
-    collects at the same iteration instead of stalling the others at random points."""
+    collects at the same iteration instead of stalling the others at random points; and, as in
+    Megatron, around each evaluation in the loop unless --no-manual-gc-eval."""
 
     def __init__(self, args):
         self.enabled = bool(args.manual_gc)
         self.interval = args.manual_gc_interval
+        self.around_eval = self.enabled and args.manual_gc_eval
         self.was_enabled = gc.isenabled()
         if self.enabled:
             gc.disable()
@@ -86,6 +88,16 @@ class ManualGC:
     def after_iteration(self, iteration: int) -> None:
         if self.enabled and self.interval and iteration % self.interval == 0:
             gc.collect()
+
+    def before_eval(self) -> None:
+        """A full collection before an evaluation in the loop (off with --no-manual-gc-eval)."""
+        if self.around_eval:
+            gc.collect()
+
+    def after_eval(self) -> None:
+        """After it, only the youngest generation: what evaluation made and dropped."""
+        if self.around_eval:
+            gc.collect(generation=0)
 
     def close(self) -> None:
         if self.enabled and self.was_enabled:

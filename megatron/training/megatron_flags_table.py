@@ -142,6 +142,25 @@ MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not 
 EVAL_MICRO_BATCH = ("evaluation with its own micro-batch size is not built yet; drop it "
                     "(evaluation uses --micro-batch-size; --eval-global-batch-size works)")
 PARAM_GROUPS = "custom parameter groups are not built yet; drop it"
+VERIFY_INTEGRITY = ("Megatron-LM's checkpoint integrity verification is not built yet; drop it "
+                    "(every load here checks each key and shape, and the model-shape flags, "
+                    "before anything is copied, and a save is published only once complete)")
+LOAD_MAIN_PARAMS = ("taking the fp32 main parameters from a checkpoint whose optimizer state is "
+                    "not loaded is not built yet; drop it (with --no-load-optim the main "
+                    "parameters start from the loaded model weights)")
+OVERRIDE_ITERATION = ("starting from another iteration than the checkpoint's is not built yet; "
+                      "drop it")
+PRE_MCORE_014 = ("saving torch_dist checkpoints in the layout of Megatron-Core before 0.14 is "
+                 "not built; drop it (checkpoints are written in today's layout)")
+HF_SLOW = ("Hugging Face's slow (Python) tokenizers are not built here; drop it (tokenizer.json "
+           "is read with the tokenizers library, which AutoTokenizer's fast tokenizers run)")
+REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a model folder "
+               "runs as code); drop it and give a tokenizer.json")
+NULL_PAD = ("the pad id of NullTokenizer only matters to Megatron's masking of pad tokens in "
+            "the GPT dataset's loss, which is not built yet; drop it")
+GPU_SNIFF = ("the periodic GPU self-test is not built yet; drop it (--rerun-mode "
+             "validate_results and --check-weight-hash-across-dp-replicas-interval catch a "
+             "faulty device's results)")
 
 # (option strings, dest, action, default, choices, kind, reason); see the module docstring.
 ROWS = (
@@ -345,7 +364,7 @@ ROWS = (
     ('--nvtx-ranges', '', 'true', False, '', REFUSED, MEMORY_TOOLS),
     ('--step-batch-size-schedule', '', 'str', None, '', REFUSED, TRAINING_EXTRAS),
     ('--decrease-batch-size-if-needed', '', 'true', False, '', REFUSED, TRAINING_EXTRAS),
-    ('--gpu-sniff-test-interval', '', 'int', None, '', REFUSED, TRAINING_EXTRAS),
+    ('--gpu-sniff-test-interval', '', 'int', None, '', REFUSED, GPU_SNIFF),
     ('--train-sync-interval', '', 'int', None, '', NO_EFFECT, SCHEDULE),
     ('--exit-signal', '', 'signal', signal.SIGTERM, '', WORKS, None),
     ('--exit-signal-handler-for-dataloader', '', 'true', False, '', REFUSED, TRAINING_EXTRAS),
@@ -425,7 +444,7 @@ ROWS = (
     ('--save-wgrads-interval', '', 'int', None, '', REFUSED, DUMPS),
     ('--save-dgrads-interval', '', 'int', None, '', REFUSED, DUMPS),
     ('--save-retain-interval', '', 'int', None, '', WORKS, None),
-    ('--load-main-params-from-ckpt', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
+    ('--load-main-params-from-ckpt', '', 'true', False, '', REFUSED, LOAD_MAIN_PARAMS),
     ('--use-mp-args-from-checkpoint-args', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
     ('--no-use-tokenizer-model-from-checkpoint-args '
      '--disable-use-tokenizer-model-from-checkpoint-args',
@@ -450,14 +469,14 @@ ROWS = (
      'ckpt_load_validate_sharding_integrity', 'false', True, '', NO_EFFECT, CKPT_PERF),
     ('--no-strict-fsdp-dtensor-load --disable-strict-fsdp-dtensor-load',
      'strict_fsdp_dtensor_load', 'false', True, '', REFUSED, FSDP),
-    ('--dist-ckpt-save-pre-mcore-014', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
+    ('--dist-ckpt-save-pre-mcore-014', '', 'true', False, '', REFUSED, PRE_MCORE_014),
     ('--dist-ckpt-optim-fully-reshardable', '', 'true', False, '', NO_EFFECT, RESHARDABLE),
     ('--distrib-optim-fully-reshardable-mem-efficient', '',
      'true', False, '', NO_EFFECT, RESHARDABLE),
     ('--no-save-tokenizer-assets --disable-save-tokenizer-assets', 'save_tokenizer_assets',
      'false', True, '', NO_EFFECT, TOKENIZER_ASSETS),
-    ('--verify-integrity', '', 'true', False, '', REFUSED, NON_PERSISTENT),
-    ('--override-ckpt-iteration', '', 'int', None, '', REFUSED, CKPT_EXTRAS),
+    ('--verify-integrity', '', 'true', False, '', REFUSED, VERIFY_INTEGRITY),
+    ('--override-ckpt-iteration', '', 'int', None, '', REFUSED, OVERRIDE_ITERATION),
     ('--dist-ckpt-format', 'dist_ckpt_format_deprecated',
      'str', None, '', REFUSED, DIST_CKPT_FORMAT),
     ('--dist-ckpt-workers', '', 'int', 1, '', NO_EFFECT, CKPT_PERF),
@@ -538,10 +557,10 @@ ROWS = (
      '--disable-tokenizer-sentencepiece-ignore-extra-whitespaces',
      'tokenizer_sentencepiece_ignore_extra_whitespaces', 'false', True, '', REFUSED,
      TOKENIZER_EXTRAS),
-    ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
+    ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, HF_SLOW),
     ('--tokenizer-hf-no-include-special-tokens', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--trust-remote-code', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--null-tokenizer-pad-id', '', 'int', -1, '', REFUSED, TOKENIZER_EXTRAS),
+    ('--trust-remote-code', '', 'true', False, '', REFUSED, REMOTE_CODE),
+    ('--null-tokenizer-pad-id', '', 'int', -1, '', REFUSED, NULL_PAD),
     ('--chat-template', '', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--use-gigatoken', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--adlr-autoresume', '', 'true', False, '', REFUSED, AUTORESUME),

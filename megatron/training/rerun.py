@@ -32,6 +32,7 @@ import hashlib
 import math
 import os
 import random
+import re
 from enum import IntEnum
 from typing import Callable, Dict, List, Optional
 
@@ -467,6 +468,32 @@ def _message(machine: RerunStateMachine) -> str:
                                     ("spiky loss", machine.check_spiky_loss),
                                     ("large grads", machine.check_large_grads)) if on]
     return ", ".join(checks) or "error injection"
+
+
+def tracker_iterations_to_skip(path: Optional[str]) -> List[int]:
+    """Iterations a --result-rejected-tracker-filename file rejects, which a later run skips
+    (added to --iterations-to-skip), by Megatron's rule: a result reproduced on its second
+    re-run, or one rejected twice on the same rank and iteration with re-runs disabled. A
+    missing file (a first run) rejects nothing; a line of another form is passed over."""
+    if path is None or not os.path.exists(path):
+        return []
+    pattern = re.compile(r"ts=.+ node=.+ device=.+ jobID=.+ rank=(\d+) iteration=(\d+) "
+                         r"status=(\S+) ")
+    skip, seen = set(), set()
+    with open(path) as f:
+        for line in f:
+            match = pattern.search(line)
+            if match is None:
+                continue
+            rank, iteration = int(match[1]), int(match[2])
+            status = match[3].rsplit(".", 1)[-1].lower()  # "rerun_disabled" or its enum name
+            if status == "second_rerun_reproducible":
+                skip.add(iteration)
+            elif status == "rerun_disabled":
+                if (rank, iteration) in seen:
+                    skip.add(iteration)
+                seen.add((rank, iteration))
+    return sorted(skip)
 
 
 def build(args, rank: int) -> Optional[RerunStateMachine]:

@@ -23,6 +23,8 @@ class TrainState:
             a batch-size ramp-up follows them.
         consumed_valid_samples: validation samples read so far; the validation sampler resumes
             after them.
+        skipped_train_samples: training samples read and dropped by --iterations-to-skip
+            (included in ``consumed_train_samples``).
         loss_spike_history: the last ``--loss-spike-window`` losses of steps taken.
         train_loss_history: ``(iteration, lm loss)`` of every iteration this process ran (the
             loss is None on ranks that do not hold the last pipeline stage); not saved.
@@ -40,6 +42,7 @@ class TrainState:
     iteration: int = 0
     consumed_train_samples: int = 0
     consumed_valid_samples: int = 0
+    skipped_train_samples: int = 0
     loss_spike_history: List[float] = field(default_factory=list)
     train_loss_history: List[Tuple[int, Optional[float]]] = field(default_factory=list)
     exit_requested: bool = False
@@ -58,6 +61,7 @@ class TrainState:
         goes on)."""
         fields = {"consumed_train_samples": self.consumed_train_samples,
                   "consumed_valid_samples": self.consumed_valid_samples,
+                  "skipped_train_samples": self.skipped_train_samples,
                   "loss_spike_history": list(self.loss_spike_history)}
         if self.rerun_checkpoint is not None:  # a re-run from this checkpoint is pending
             fields["rerun_state_machine"] = self.rerun_checkpoint
@@ -68,5 +72,6 @@ class TrainState:
         it lacks: a file written before the field existed)."""
         self.consumed_train_samples = getattr(saved, "consumed_train_samples", 0) or 0
         self.consumed_valid_samples = getattr(saved, "consumed_valid_samples", 0) or 0
+        self.skipped_train_samples = getattr(saved, "skipped_train_samples", 0) or 0
         self.loss_spike_history = list(getattr(saved, "loss_spike_history", None) or [])
         self.rerun_checkpoint = getattr(saved, "rerun_state_machine", None)

@@ -27,7 +27,8 @@ from megatron.core.distributed import (DistributedDataParallel, TorchFullySharde
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.config import DataConfig
-from megatron.data.samplers import build_pretraining_data_loader, cyclic_iter
+from megatron.data.samplers import (build_pretraining_data_loader, cyclic_iter,
+                                    exit_signal_worker_init)
 from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
@@ -38,7 +39,7 @@ from megatron.training import (memory_accounting, moe_logging, numerics, rerun, 
 from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
 from megatron.training.initialize import initialize_megatron
-from megatron.training.microbatches import NumMicroBatchesCalculator
+from megatron.training.microbatches import NumMicroBatchesCalculator, calculator_from_args
 from megatron.training.timers import Timers
 from megatron.training.train_state import TrainState
 from megatron.training.utils import print_rank_0
@@ -57,7 +58,7 @@ class TrainingRun:
         training / logging: the loop's and logging's typed configs (how long, when to evaluate
             and stop; what to log and how often).
         ckpt: the checkpoint options (:class:`~megatron.checkpoint.config.CheckpointConfig`).
-        calculator: micro-batches per step, following a batch-size ramp-up.
+        calculator: micro-batches per step, following a batch-size ramp-up or step schedule.
         timers / writer: the timers and the scalar writer (TensorBoard; None without one).
         train_state: the run's position and records (:class:`TrainState`).
         forward_step_func: the user's ``forward_step(data_iterator, model)``.
@@ -126,8 +127,7 @@ def parse_entry_flags(argv, extra_args_provider, args_defaults, before_validatio
             before_validation(args)
         validate_args(args)
         # Check the ramp-up now, not after the process groups and the model are built.
-        NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
-                                  args.data_parallel_size, args.rampup_batch_size)
+        calculator_from_args(args, args.data_parallel_size)
         return args
     except (ArgumentsError, ConfigError, checkpointing.CheckpointError) as err:
         _print_error_once(str(err))
@@ -264,18 +264,19 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     return chunks, optimizer, scheduler
 
 
-def pipeline_tensor_shape(args, pstate) -> tuple:
+def pipeline_tensor_shape(args, pstate, micro_batch_size: Optional[int] = None) -> tuple:
     """``(s, b, h)`` of the activations between pipeline stages (``s / cp`` with context
     parallelism, then ``/ tp`` with sequence parallelism, both as the layout has them); fixed,
-    so stages never exchange shapes."""
+    so stages never exchange shapes. ``b`` is --micro-batch-size unless given (evaluation's)."""
     seq = args.seq_length // pstate.cp_size
     if pstate.sequence_parallel:
         seq //= pstate.tp_size
-    return (seq, args.micro_batch_size, args.hidden_size)
+    return (seq, micro_batch_size or args.micro_batch_size, args.hidden_size)
 
 
-def schedule_kwargs(model, args, pstate) -> dict:
-    """Keywords of the forward/backward schedule beyond the common ones, for this layout."""
+def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None) -> dict:
+    """Keywords of the forward/backward schedule beyond the common ones, for this layout
+    (``micro_batch_size``: evaluation's, when it is not --micro-batch-size)."""
     per_token = {"calculate_per_token_loss": args.calculate_per_token_loss}
     if pstate.pp_size == 1:
         return {"no_sync_func": model[0].no_sync, **per_token}
@@ -286,19 +287,23 @@ def schedule_kwargs(model, args, pstate) -> dict:
         "no_sync_func": [chunk.no_sync for chunk in model],
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                             device.current_device()),
-        "tensor_shape": pipeline_tensor_shape(args, pstate),
+        "tensor_shape": pipeline_tensor_shape(args, pstate, micro_batch_size),
     }
 
 
 def eval_global_batch_size(args, calculator: NumMicroBatchesCalculator) -> int:
     """Samples per evaluation step: --eval-global-batch-size, else the training batch."""
-    return args.eval_global_batch_size or calculator.current_global_batch_size
+    return args.eval_global_batch_size or calculator.current_running_global_batch_size
 
 
 def _num_samples(args) -> List[int]:
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
     eval_runs = args.train_iters // args.eval_interval + 1
-    eval_batch = args.eval_global_batch_size or args.global_batch_size
+    if args.start_eval_at_iter is not None:  # Megatron's count; one run left for the final one
+        eval_runs = max(1, eval_runs - args.start_eval_at_iter // args.eval_interval)
+    # Evaluation runs the training batch of the moment; build enough for the largest.
+    steps = getattr(args, "step_batch_size_samples", None) or [(0, args.global_batch_size)]
+    eval_batch = args.eval_global_batch_size or max(batch for _, batch in steps)
     return [train_samples, eval_runs * args.eval_iters * eval_batch, args.eval_iters * eval_batch]
 
 
@@ -312,10 +317,14 @@ def build_data_iterators(provider: Callable, args, pstate, train_state: TrainSta
     if pstate.tp_rank == 0:
         datasets = provider(_num_samples(args))
         consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples, 0]
+        eval_micro = args.eval_micro_batch_size or data.micro_batch_size
+        micro = [data.micro_batch_size, eval_micro, eval_micro]
+        init = (exit_signal_worker_init(args.exit_signal) if args.exit_signal_handler
+                and args.exit_signal_handler_for_dataloader else None)
         for i, (ds, start) in enumerate(zip(datasets, consumed)):
             loaders[i] = build_pretraining_data_loader(
-                ds, start, data.micro_batch_size, pstate.dp_rank, pstate.dp_size,
-                data.dataloader_type, data.num_workers, data.seed)
+                ds, start, micro[i], pstate.dp_rank, pstate.dp_size,
+                data.dataloader_type, data.num_workers, data.seed, worker_init_fn=init)
         flags = torch.tensor([int(ld is not None) for ld in loaders], dtype=torch.int64,
                              device=device.current_device())
     if pstate.tp_size > 1:
@@ -462,7 +471,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).
     loss_scale = training_log.to_float(optimizer.get_loss_scale())
     if ok:
-        scheduler.step(increment=calculator.current_global_batch_size)
+        scheduler.step(increment=calculator.current_running_global_batch_size)
     moe_losses = moe_logging.aux_loss_values(model, pstate, calculator.num_micro_batches,
                                              args.moe_per_layer_logging)
     if last_stage:
@@ -480,13 +489,18 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
     batches = []
     schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
     batch = eval_global_batch_size(args, calculator)
+    micro = args.eval_micro_batch_size or args.micro_batch_size
+    if batch % (micro * pstate.dp_size):
+        raise SystemExit(f"evaluation batch {batch} is not divisible by --eval-micro-batch-size "
+                         f"or --micro-batch-size ({micro}) x data-parallel size "
+                         f"({pstate.dp_size}); set --eval-global-batch-size")
+    kwargs = schedule_kwargs(model, args, pstate, micro)
     with torch.no_grad():
         for _ in range(eval_iters):
             batches.append(schedule(forward_step_func=forward_step_func,
                                     data_iterator=data_iterator, model=model,
-                                    num_microbatches=batch // (
-                                        args.micro_batch_size * pstate.dp_size),
-                                    forward_only=True, **schedule_kwargs(model, args, pstate)))
+                                    num_microbatches=batch // (micro * pstate.dp_size),
+                                    forward_only=True, **kwargs))
             training_hooks.empty_unused_memory(args, 1)
             train_state.consumed_valid_samples += batch
     for chunk in model:
@@ -710,6 +724,10 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     try:
         while train_state.iteration < training.train_iters:
             run.calculator.update(train_state.consumed_train_samples)
+            if train_state.iteration + 1 in training.iterations_to_skip:
+                _skip_iteration(run, train_iterator)
+                start_iteration += train_state.iteration == start_iteration + 1
+                continue
             profiler.before_iteration()
             hang.phase(train_state.iteration + 1, "train-step")
             try:
@@ -729,7 +747,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
                 report_memory(args, pstate, run.calculator)
-            batch = run.calculator.current_global_batch_size
+            batch = run.calculator.current_running_global_batch_size
             train_state.consumed_train_samples += batch
             stats.add(losses, skipped)
             train_state.train_loss_history.append((iteration, losses.get("lm loss")))
@@ -737,9 +755,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             straggler.after_iteration(iteration, batch, run.writer)
             stats = _log_iteration(run, stats, losses, _learning_rate(run.optimizer), batch,
                                    loss_scale, grad_norm)
-            if (training.eval_interval and iteration % training.eval_interval == 0
-                    and train_state.do_valid and training.eval_iters > 0):
-                evaluate_and_print(run, f"iteration {iteration}", valid_iterator)
+            _evaluate_if_due(run, iteration, valid_iterator, manual_gc)
             if run.saver is not None:
                 run.saver.poll()
             saved = False
@@ -766,6 +782,40 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
         if stop_signal is not None:
             stop_signal.release()
     return train_state.iteration
+
+
+def _eval_due(training: TrainingConfig, iteration: int, do_valid: bool) -> bool:
+    """Evaluate after this iteration: every --eval-interval, from --start-eval-at-iter on."""
+    start = training.start_eval_at_iter
+    return bool(training.eval_interval and iteration % training.eval_interval == 0
+                and do_valid and training.eval_iters > 0
+                and (start is None or iteration >= start))
+
+
+def _evaluate_if_due(run: TrainingRun, iteration: int, valid_iterator,
+                     manual_gc: training_hooks.ManualGC) -> None:
+    if _eval_due(run.training, iteration, run.train_state.do_valid):
+        manual_gc.before_eval()
+        evaluate_and_print(run, f"iteration {iteration}", valid_iterator)
+        manual_gc.after_eval()
+
+
+def _skip_iteration(run: TrainingRun, train_iterator) -> None:
+    """--iterations-to-skip: the iteration's micro-batches are read and dropped (no forward,
+    no optimizer or LR step, no log line), so the data after it is where it would have been;
+    the samples count as consumed and as skipped (Megatron's ``skipped_train_samples``)."""
+    state = run.train_state
+    iterators = train_iterator if isinstance(train_iterator, list) else [train_iterator]
+    for _ in range(run.calculator.num_micro_batches):
+        for it in iterators:
+            if it is not None:
+                next(it)
+    state.iteration += 1
+    batch = run.calculator.current_running_global_batch_size
+    state.consumed_train_samples += batch
+    state.skipped_train_samples += batch
+    print_rank_0(f"skipped iteration {state.iteration} (--iterations-to-skip): {batch} samples "
+                 "read and dropped")
 
 
 def _train_and_evaluate(run: TrainingRun, iterators) -> None:
@@ -820,9 +870,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 
     tokenizer = build_tokenizer(args)
     if args.train_samples is not None:
-        args.train_iters = NumMicroBatchesCalculator(
-            args.global_batch_size, args.micro_batch_size, pstate.dp_size,
-            args.rampup_batch_size).iterations_for_samples(args.train_samples)
+        args.train_iters = calculator_from_args(args, pstate.dp_size).iterations_for_samples(
+            args.train_samples)
     if args.train_iters is None:
         raise SystemExit("pretrain: give --train-iters or --train-samples")
     # Also checks the model shape against the split once more.
@@ -847,8 +896,7 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     """pretrain() once the flags are checked and --save is locked: build the model, optimizer
     and data, load, then train and evaluate (or convert the loaded checkpoint)."""
     ckpt = configs.checkpoint
-    calculator = NumMicroBatchesCalculator(args.global_batch_size, args.micro_batch_size,
-                                           pstate.dp_size, args.rampup_batch_size)
+    calculator = calculator_from_args(args, pstate.dp_size)
     check_memory_at_startup(args, pstate, calculator)
     training_hooks.note_cpu_only_flags(args)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,
@@ -859,6 +907,10 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     if train_state.rerun is not None:
         train_state.rerun.load_state_dict(train_state.rerun_checkpoint)
     train_state.rerun_checkpoint = None
+    try:
+        calculator.check_reachable(train_state.consumed_train_samples, args.train_samples or 0)
+    except ArgumentsError as err:
+        raise SystemExit(str(err)) from None
     if ckpt.ckpt_convert_format is not None:
         convert_loaded_checkpoint(train_state, model, optimizer, scheduler, args, pstate, ckpt)
         return train_state

@@ -10,6 +10,7 @@ pretrain_bert.py needs. :func:`check_flags` runs the steps in order (after
 
 import argparse
 import json
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -146,7 +147,7 @@ SIZE_FLAG_MINIMA = (
     ("context_parallel_size", 1), ("num_experts", 1), ("expert_model_parallel_size", 1),
     ("expert_tensor_parallel_size", 1), ("moe_ffn_hidden_size", 1), ("moe_router_topk", 1),
     ("moe_shared_expert_intermediate_size", 1), ("num_virtual_stages_per_pipeline_rank", 1),
-    ("eval_global_batch_size", 1), ("save_retain_interval", 1),
+    ("eval_global_batch_size", 1), ("eval_micro_batch_size", 1), ("save_retain_interval", 1),
     ("non_persistent_save_interval", 1), ("replication_jump", 1), ("replication_factor", 1),
     ("padded_vocab_size", 1),
 )
@@ -601,17 +602,120 @@ def _validate_model(args) -> None:
         _fail("--recompute-method needs --recompute-granularity full")
 
 
+def _validate_eval_batch(args) -> None:
+    """--eval-global-batch-size (else the training batch) splits into --eval-micro-batch-size
+    (else --micro-batch-size) x data-parallel micro-batches."""
+    micro, flag = args.eval_micro_batch_size, "--eval-micro-batch-size"
+    if micro is None:
+        micro, flag = args.micro_batch_size, "--micro-batch-size"
+    per_step = micro * args.data_parallel_size
+    eval_batch, batch_flag = args.eval_global_batch_size, "--eval-global-batch-size"
+    if eval_batch is None:
+        if (args.eval_micro_batch_size is None or args.rampup_batch_size is not None
+                or args.step_batch_size_schedule is not None):
+            return  # the training batch, checked with the training flags
+        eval_batch, batch_flag = args.global_batch_size, "--global-batch-size (evaluation's)"
+    if eval_batch % per_step:
+        _fail(f"{batch_flag} ({eval_batch}) must be divisible by {flag} ({micro}) x "
+              f"data-parallel size ({args.data_parallel_size})")
+
+
+def _note_no_initialization(args) -> None:
+    if not args.perform_initialization and not (args.load or args.pretrained_checkpoint):
+        _note(args, "--no-initialization without --load or --pretrained-checkpoint: the weights "
+                    "start as zeros")
+
+
+_SUFFIXES = {"K": 10 ** 3, "M": 10 ** 6, "B": 10 ** 9, "T": 10 ** 12}
+
+
+def _schedule_number(text: str, entry: str) -> int:
+    """``250B`` -> 250e9: a number with an optional K/M/B/T suffix, as Megatron reads it."""
+    body, scale = text.strip().upper(), 1
+    if body[-1:] in _SUFFIXES:
+        body, scale = body[:-1], _SUFFIXES[body[-1]]
+    try:
+        value = float(body)
+    except ValueError:
+        value = None
+    if value is None:
+        _fail(f"--step-batch-size-schedule: cannot read {text!r} in entry {entry!r} (expected "
+              "a number with an optional K, M, B or T suffix)")
+    return int(value * scale)
+
+
+def parse_step_batch_size_schedule(text: str, seq_length: Optional[int]) -> List[Tuple[int, int]]:
+    """``"THRESHOLD:BATCH ..."`` (spaces or commas between entries) -> sorted
+    ``[(threshold_samples, global_batch), ...]``.
+
+    Thresholds count tokens when ``seq_length`` is given (Megatron passes the run's
+    ``--seq-length``) and are turned into samples by whole division; otherwise they count samples.
+    The first threshold must be 0 and thresholds must increase strictly after sorting.
+    """
+    flag = "--step-batch-size-schedule"
+    entries = text.replace(",", " ").split()
+    if not entries:
+        _fail(f"{flag} is empty; give THRESHOLD:BATCH pairs, e.g. '0:256 1B:512'")
+    schedule = []
+    for entry in entries:
+        if ":" not in entry:
+            _fail(f"{flag}: entry {entry!r} is not THRESHOLD:BATCH")
+        threshold, batch = (_schedule_number(part, entry) for part in entry.split(":", 1))
+        if seq_length:
+            threshold //= seq_length
+        if batch <= 0:
+            _fail(f"{flag}: batch size of {entry!r} must be > 0")
+        schedule.append((threshold, batch))
+    schedule.sort(key=lambda pair: pair[0])
+    if schedule[0][0] != 0:
+        _fail(f"{flag}: the first threshold must be 0, got {schedule[0][0]} samples")
+    for (before, _), (after, _) in zip(schedule, schedule[1:]):
+        if after <= before:
+            _fail(f"{flag}: thresholds must increase strictly, got {before} then {after} "
+                  "samples")
+    return schedule
+
+
+def _validate_step_batch_size_schedule(args) -> None:
+    """Parse --step-batch-size-schedule into ``args.step_batch_size_samples`` (thresholds in
+    samples); the global batch becomes the schedule's last batch, as in Megatron."""
+    if args.rampup_batch_size is not None:
+        _fail("give only one of --step-batch-size-schedule and --rampup-batch-size")
+    if args.train_samples is None:
+        _fail("--step-batch-size-schedule needs --train-samples (the schedule counts "
+              "samples), not --train-iters")
+    args.step_batch_size_samples = parse_step_batch_size_schedule(
+        args.step_batch_size_schedule, args.seq_length)
+    final = args.step_batch_size_samples[-1][1]
+    if args.global_batch_size is not None and args.global_batch_size != final:
+        _note(args, f"--global-batch-size ({args.global_batch_size}) is replaced by the last "
+                    f"batch of --step-batch-size-schedule ({final})")
+    args.global_batch_size = final
+
+
 def _validate_batch_and_schedule(args) -> None:
     _require(args, "micro_batch_size")
     dp = args.data_parallel_size
+    if args.step_batch_size_schedule is not None:
+        _validate_step_batch_size_schedule(args)
     if args.global_batch_size is None:
         args.global_batch_size = args.micro_batch_size * dp
         _note(args, f"--global-batch-size not given; using micro batch x data-parallel size "
                     f"= {args.global_batch_size}")
-    if args.global_batch_size % (args.micro_batch_size * dp) != 0:
+    per_step = args.micro_batch_size * dp
+    if args.decrease_batch_size_if_needed:
+        if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
+            _fail("--decrease-batch-size-if-needed cannot be combined with "
+                  "--rampup-batch-size or --step-batch-size-schedule")
+        if args.global_batch_size < per_step:
+            _fail(f"--decrease-batch-size-if-needed: --global-batch-size "
+                  f"({args.global_batch_size}) is smaller than --micro-batch-size "
+                  f"({args.micro_batch_size}) x data-parallel size ({dp})")
+    elif (args.global_batch_size % per_step != 0
+          and args.step_batch_size_schedule is None):
         _fail(f"--global-batch-size ({args.global_batch_size}) must be divisible by "
               f"--micro-batch-size ({args.micro_batch_size}) x data-parallel size ({dp})")
-    args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * dp)
+    args.num_micro_batches = args.global_batch_size // per_step
     if args.rampup_batch_size is not None:
         if len(args.rampup_batch_size) != 3:
             _fail("--rampup-batch-size takes 3 values: start increment ramp-samples, got "
@@ -875,11 +979,7 @@ def _validate_run_extras(args) -> None:
     if padded is not None and padded % tp:
         _fail(f"--padded-vocab-size ({padded}) must be divisible by --tensor-model-parallel-size "
               f"({tp}): each rank holds an equal slice of the vocabulary")
-    eval_batch = args.eval_global_batch_size
-    per_step = args.micro_batch_size * args.data_parallel_size
-    if eval_batch is not None and eval_batch % per_step:
-        _fail(f"--eval-global-batch-size ({eval_batch}) must be divisible by --micro-batch-size "
-              f"({args.micro_batch_size}) x data-parallel size ({args.data_parallel_size})")
+    _validate_eval_batch(args)
     for flag, value in (("--log-progress", args.log_progress),
                         ("--save-retain-interval", args.save_retain_interval)):
         if value and not args.save:
@@ -900,6 +1000,7 @@ def check_flags(args):
     _validate_mtp(args)
     _validate_loss(args)
     _validate_batch_and_schedule(args)
+    _note_no_initialization(args)
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_fim(args)

@@ -12,9 +12,10 @@ split, and each run loads them into a model built from another seed (so the load
 Requests then run as the server runs them (rank 0 prepares a payload, every rank generates).
 Checked: greedy output with and without the cache; token ids never in the padded vocabulary
 (the random padded rows would win argmax otherwise, which the test confirms); stop tokens;
-log-probs against log_softmax of an independent full forward (fp32, ~1e-7 relative apart;
-tolerance 2e-5); every rank of a layout returning the same result; and TP = 2, PP = 2 and
-CP = 2 returning the TP = 1 tokens (sampled ones too: same seed) with log-probs within 2e-5.
+log-probs against log_softmax over the whole padded vocabulary (Megatron's normalisation) of an
+independent full forward (fp32, ~1e-7 relative apart; tolerance 2e-5); every rank of a layout
+returning the same result; and TP = 2, PP = 2 and CP = 2 returning the TP = 1 tokens (sampled
+ones too: same seed) with log-probs within 2e-5.
 With ``--context-parallel-size 2`` the two ranks generate whole sequences as data-parallel
 replicas (``megatron/inference.py``); before that, the cache-less and scoring requests ran on a
 model that expected half of each sequence and failed.
@@ -134,11 +135,12 @@ def _serve(model, pstate, tokenizer, body, use_kv_cache=True):
 
 
 def _independent_log_probs(model, ids):
-    """log p(ids[1:]) from one full forward of one sequence, over the real vocabulary."""
+    """log p(ids[1:]) from one full forward of one sequence, normalised as Megatron does:
+    over the whole padded vocabulary."""
     with torch.no_grad():
         x = torch.tensor([ids])
         logits = model(x, torch.arange(len(ids))[None], None)[0].double()   # [s, V_padded]
-    log_probs = torch.log_softmax(logits[:, :TOKENIZER_VOCAB], dim=-1)
+    log_probs = torch.log_softmax(logits, dim=-1)
     return [float(log_probs[t, ids[t + 1]]) for t in range(len(ids) - 1)], logits
 
 
@@ -204,7 +206,7 @@ def test_single_process_generation(single, config):
     assert greedy["tokens"] == out["greedy_no_cache"]["tokens"]
     for a, b in zip(greedy["logprobs"], out["greedy_no_cache"]["logprobs"]):
         assert a == pytest.approx(b, abs=LOGPROB_ATOL)
-    masked_mattered = False
+    masked_mattered = padded_mass_mattered = False
     for i, ids in enumerate(greedy["tokens"]):
         n = _prompt_len(i)
         assert ids[:n] == [int(t) for t in PROMPTS[i].split()]
@@ -216,7 +218,12 @@ def test_single_process_generation(single, config):
         for t in range(n - 1, len(ids) - 1):          # each generated token is the argmax
             assert ids[t + 1] == int(logits[t, :TOKENIZER_VOCAB].argmax())
             masked_mattered |= int(logits[t].argmax()) >= TOKENIZER_VOCAB
+        # Normalised over the tokenizer's ids alone, the scores would be visibly higher.
+        real = torch.log_softmax(logits[:, :TOKENIZER_VOCAB], dim=-1)
+        over_real = [float(real[t, ids[t + 1]]) for t in range(len(ids) - 1)]
+        padded_mass_mattered |= max(a - b for a, b in zip(over_real, want)) > 100 * LOGPROB_ATOL
     assert masked_mattered, "padded rows never won: the masking check proves nothing"
+    assert padded_mass_mattered, "padded rows hold no mass: the normalisation check proves nothing"
     # Scoring (tokens_to_generate = 0) gives the prompts' log-probs of the greedy run.
     for i, row in enumerate(out["score"]["logprobs"]):
         assert row == pytest.approx(greedy["logprobs"][i][:_prompt_len(i) - 1],

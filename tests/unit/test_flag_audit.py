@@ -48,6 +48,8 @@ ARGUMENTS_FILES = ("megatron/training/arguments.py", "megatron/training/validati
 DERIVED_IN_VALIDATION = {
     "encoder_num_layers": "sets --num-layers when that is not given",
     "encoder_seq_length": "sets --seq-length (and must agree with it)",
+    "step_batch_size_schedule": "parsed into step_batch_size_samples, which the micro-batch "
+                                "calculator reads",
     "batch_size": "sets --micro-batch-size (old name)",
     "warmup": "sets --lr-warmup-iters (old name)",
     "model_parallel_size": "sets --tensor-model-parallel-size (old name)",

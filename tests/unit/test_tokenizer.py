@@ -6,6 +6,7 @@ hand-computed WordPiece ids, and GPT-2's published ids for "Hello world".
 """
 
 import argparse
+import math
 import json
 import os
 
@@ -603,3 +604,53 @@ def test_tiktokenizer_bad_flags_are_named(tmp_path):
         build_tokenizer(tiktoken_args(path, vocab_size=258, tiktoken_num_special_tokens=2))
     with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
         build_tokenizer(tiktoken_args(str(tmp_path / "missing.json"), vocab_size=1256))
+
+
+def _megatron_padded(size, divisible_by, tp):
+    return int(math.ceil(size / (divisible_by * tp)) * divisible_by * tp)
+
+
+@pytest.mark.parametrize("size,tp", [(1000, 1), (1000, 2), (50257, 1), (129, 1)])
+def test_no_pad_vocab_size(size, tp):
+    from megatron.tokenizer import vocab_size_with_padding
+
+    padded = namespace(tensor_model_parallel_size=tp)
+    assert vocab_size_with_padding(size, padded) == _megatron_padded(size, 128, tp)
+    assert vocab_size_with_padding(size, namespace(tensor_model_parallel_size=tp,
+                                                   pad_vocab_size=False)) == size
+
+
+def test_no_pad_vocab_size_must_split_over_tp():
+    from megatron.tokenizer import vocab_size_with_padding
+
+    with pytest.raises(ValueError, match=r"--no-pad-vocab-size: the tokenizer's 129 ids do not "
+                                         r"split over --tensor-model-parallel-size 2"):
+        vocab_size_with_padding(129, namespace(tensor_model_parallel_size=2,
+                                               pad_vocab_size=False))
+
+
+def test_huggingface_without_its_special_tokens(tmp_path):
+    """A tokenizer.json whose post-processor adds a BOS: --tokenizer-hf-no-include-special-tokens
+    tokenizes as transformers' add_special_tokens=False does."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2, "<s>": 3, "</s>": 4},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 3)])
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    reference = PreTrainedTokenizerFast(tokenizer_file=str(path))
+    texts = ["a b c", "b b a"]
+    for flag in (False, True):
+        tokenizer = build_tokenizer(namespace(tokenizer_type="HuggingFaceTokenizer",
+                                              tokenizer_model=str(path),
+                                              tokenizer_hf_no_include_special_tokens=flag))
+        for text in texts:
+            assert tokenizer.tokenize(text) == reference(
+                text, add_special_tokens=not flag).input_ids
+        flat, offsets = tokenizer.tokenize_batch_flat(texts)
+        want = [reference(t, add_special_tokens=not flag).input_ids for t in texts]
+        assert flat.tolist() == [i for ids in want for i in ids]
+    assert reference("a", add_special_tokens=True).input_ids == [3, 0]  # the BOS is there
