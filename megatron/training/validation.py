@@ -62,8 +62,11 @@ def _validate_non_persistent(args) -> None:
     replication layout that fits the world (megatron/checkpoint/non_persistent.py)."""
     kind = args.non_persistent_ckpt_type
     if kind == "in_memory":
-        _fail("--non-persistent-ckpt-type in_memory is not built: a checkpoint held in memory "
-              "dies with the process, and recovery here restarts the processes; use local")
+        _fail("--non-persistent-ckpt-type in_memory is not implemented in Megatron-LM either: "
+              "its flag lists it as to be done (a local checkpoint that avoids serialization), "
+              "its argument check accepts only global and local, and its save raises "
+              "NotImplementedError for any other type; use local (with --replication for "
+              "copies on other nodes) or global")
     if args.non_persistent_save_interval is not None and kind is None:
         _fail("--non-persistent-save-interval needs --non-persistent-ckpt-type global or local")
     if (kind == "global" and args.non_persistent_save_interval is not None
