@@ -25,7 +25,10 @@ plain behaviour (stop at once, :mod:`megatron.training.numerics`).
 
 The machine's state is saved under Megatron's checkpoint key ``rerun_state_machine``
 (``mode``, ``state``, ``current_iteration`` and the per-rank ``sharded`` dict with Megatron's
-field names), only while a re-run from the checkpoint is pending, as Megatron does.
+field names), only while a re-run from the checkpoint is pending, as Megatron does. In the
+torch format it is a top-level entry of each rank file; in torch_dist it is laid out as
+Megatron-Core lays it out (:func:`megatron.checkpoint.torch_dist._rerun_shards`): the common
+part in ``common_state``, each rank's part in ``rerun_state_machine_state/shard_<rank>_<world>``.
 """
 
 import hashlib

@@ -286,22 +286,25 @@ def test_reproducible_results_exit_16_then_resume_tells_persistent_from_real(tmp
     assert "reproduced in place: rank 0 (node" in res["nan"]["err"] and "nan" in res["nan"]["err"]
 
 
-def _transient_body(corpus, save):
+def _transient_body(corpus, save, extra=()):
     runs = [("clean", _flags(corpus, 4), None),
             ("injected", _flags(corpus, 4, VALIDATE + [
-                "--error-injection-rate", "2", "--save", save]), None),
-            ("resumed", _flags(corpus, 4, VALIDATE + ["--load", save]), None)]
+                "--error-injection-rate", "2", "--save", save, *extra]), None),
+            ("resumed", _flags(corpus, 4, VALIDATE + ["--load", save, *extra]), None)]
     return _runs_body(runs)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("ckpt_format", ["torch", "torch_dist"])
 def test_two_ranks_transient_error_names_the_injected_rank_and_resumes_exactly(tmp_path,
-                                                                                corpus):
+                                                                                corpus,
+                                                                                ckpt_format):
     """Two data-parallel ranks, rate 2: at iteration 2 exactly one rank injects a transient
     error. Both ranks exit with 17; the message names that rank (and only it) as suspect; the
-    checkpoint of iteration 1 resumes to the clean run's losses bit for bit."""
+    checkpoint of iteration 1 (in either format) resumes to the clean run's losses bit for
+    bit."""
     save = str(tmp_path / "ckpt")
-    res = run_on_ranks(_transient_body, 2, corpus, save)
+    res = run_on_ranks(_transient_body, 2, corpus, save, ["--ckpt-format", ckpt_format])
     injected = [r for r in range(2) if "injecting a transient_error" in res[r]["injected"]["out"]]
     assert len(injected) == 1, [res[r]["injected"]["out"][-500:] for r in range(2)]
     suspect = injected[0]
@@ -365,3 +368,86 @@ def test_weight_hash_check_names_the_corrupted_replica(corpus):
             r"replicas \(--check-weight-hash-across-dp-replicas-interval\): "
             r"language_model\.encoder\.final_layernorm\.weight: rank 0 [0-9a-f]{12}, "
             r"rank 1 [0-9a-f]{12}", error), error
+
+
+@pytest.mark.slow
+def test_torch_dist_keeps_a_pending_rerun_in_megatron_cores_layout(tmp_path, corpus):
+    """One rank, --ckpt-format torch_dist: the exit-16 checkpoint holds the machine's state as
+    Megatron-Core writes it (``common_state``'s ``rerun_state_machine`` with its ``mode``,
+    ``state`` and ``current_iteration``, this rank's part in ``rerun_state_machine_state/
+    shard_0_1``, Megatron-Core's enum types), not inside ``args``; resumed, the step runs again
+    bit for bit (the tracker's first and re-run results are the same numbers) and the run ends
+    with the diagnosis."""
+    from megatron.checkpoint.dist.reader import DistCheckpointReader
+
+    save, tracker = str(tmp_path / "ckpt"), str(tmp_path / "tracker")
+    argv = _flags(corpus, 4, VALIDATE + [
+        "--error-injection-rate", "1", "--error-injection-type", "persistent_error",
+        "--ckpt-format", "torch_dist", "--save", save,
+        "--result-rejected-tracker-filename", tracker])
+    runs = [("first", argv, None), ("resumed", argv + ["--load", save], None)]
+    res = run_on_ranks(_runs_body, 1, runs)[0]
+    assert res["first"].get("code") == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE, res["first"]
+    reader = DistCheckpointReader(os.path.join(save, "iter_0000001"))
+    common = reader.common_state()
+    entry = common["rerun_state_machine"]
+    assert type(entry["state"]).qualname == "megatron.core.rerun_state_machine.RerunState"
+    assert entry["state"].value == 3 and entry["current_iteration"] == 2
+    assert type(entry["mode"]).qualname == "megatron.core.rerun_state_machine.RerunMode"
+    assert entry["mode"].value == "validate_results"
+    assert not hasattr(common["args"], "rerun_state_machine")
+    assert [k for k in reader.byte_keys() if k.startswith("rerun_state_machine_state/")] == [
+        "rerun_state_machine_state/shard_0_1"]
+    mine = reader.read_single_object("rerun_state_machine_state/shard_0_1")
+    assert mine["rerun_requested"] and mine["checkpoint_requested"]
+    assert len(mine["initial_result"]) == 3 and mine["suspicious_node"] == os.uname()[1]
+    injected = mine["error_injector_checkpoint"]["injected_error_type"]
+    assert type(injected).qualname == "megatron.core.rerun_state_machine.RerunDiagnostic"
+    assert injected.value == "persistent_error"
+    assert res["resumed"].get("code") == rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+    assert "a persistent fault of that node's device" in res["resumed"]["err"]
+    results = dict(re.findall(r"iteration=2 status=(\w+) result=(\[.*\]) message", open(
+        tracker).read()))
+    assert results["initial_run"] == results["second_rerun_not_reproducible"]
+    assert results["initial_run"] == repr(mine["initial_result"])
+
+
+MEGATRON_DIST = ("mcore_dist_tp1", "mcore_dist_tp1_trained", "mcore_dist_moe_ep1",
+                 "mcore_dist_dsv3_mtp")
+
+
+@pytest.mark.parametrize("name", MEGATRON_DIST)
+def test_megatron_written_rerun_entries_read_as_nothing_pending(name):
+    """Megatron-Core's files carry its machine's entry (``state`` NOT_RUNNING_YET, a fresh
+    ``rerun_state_machine_state/shard_0_1``): read through the safe reader, nothing is
+    pending, so a resumed run starts with a fresh machine."""
+    from megatron.checkpoint import torch_dist
+    from megatron.checkpoint.dist.reader import DistCheckpointReader
+    from tests.functional.test_megatron_written import fixture_dir
+
+    folder = fixture_dir(name)
+    iteration = open(os.path.join(folder, "latest_checkpointed_iteration.txt")).read().strip()
+    reader = DistCheckpointReader(os.path.join(folder, f"iter_{int(iteration):07d}"))
+    common = reader.common_state()
+    assert common["rerun_state_machine"]["state"].value == 0
+    assert "rerun_state_machine_state/shard_0_1" in reader.byte_keys()
+    assert torch_dist._rerun_entry(reader, common, common["args"], folder) is None
+
+
+@pytest.mark.slow
+def test_megatron_written_file_resumes_with_validation_on(tmp_path):
+    """Megatron-Core's trained file resumed with --rerun-mode validate_results (every check
+    on): its rerun entry loads and the run trains on from iteration 3 with the same losses,
+    bit for bit, as with validation off."""
+    from tests.functional.test_megatron_written import megatron_argv, writable_copy
+
+    name = "mcore_dist_tp1_trained"
+    base = megatron_argv(name) + [
+        "--device", "cpu", "--mock-data", "--exit-interval", "5", "--log-interval", "1",
+        "--num-workers", "0"]
+    runs = [("off", base + ["--load", writable_copy(name, tmp_path / "a")], None),
+            ("on", base + ["--load", writable_copy(name, tmp_path / "b")] + VALIDATE, None)]
+    res = run_on_ranks(_runs_body, 1, runs)[0]
+    assert len(res["off"]["losses"]) == 2, res["off"]
+    assert all(map(math.isfinite, res["off"]["losses"]))
+    assert repr(res["on"]["losses"]) == repr(res["off"]["losses"]), res["on"]
