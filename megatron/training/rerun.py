@@ -15,7 +15,14 @@ same RNG states. Each rank that rejected its result compares the two runs bit fo
   :data:`EXIT_CODE_RESUME_TO_DISAMBIGUATE` (16). Resumed (on another node), the step runs once
   more and is compared with the first result: a different value means the first device was
   persistently faulty, the same value a real numerical problem; either way the run stops with
-  exit code 17 and says which.
+  exit code 17 and says which. The checkpoint names the node and device that produced the
+  result (Megatron's ``suspicious_node`` / ``suspicious_device``); a run resumed on that same
+  node and device saves nothing and exits with 16 again, so the scheduler resumes the same
+  checkpoint elsewhere, as Megatron does.
+
+What a scheduler reads to place the next attempt is what Megatron writes: the exit code, and
+with --result-rejected-tracker-filename one line per event naming the node, device, job and
+rank (``status=first_rerun_not_reproducible``: a transient fault there, leave that node out).
 
 Rejections of the spike checks are not fatal: they are re-run and reported, and training goes
 on. ``--rerun-mode report_stats`` re-runs every step once and reports, every
@@ -36,7 +43,7 @@ import math
 import os
 import random
 from enum import IntEnum
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -225,6 +232,14 @@ def _reduce_any(flags: List[bool]) -> List[bool]:
     return [bool(v) for v in tensor.tolist()]
 
 
+def node_and_device() -> Tuple[str, int]:
+    """(node, device) of this rank, as Megatron records a suspect: the host name and the
+    accelerator's index (on CPU, the local rank)."""
+    dev = device.current_device()
+    index = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+    return os.uname()[1], index
+
+
 def _fmt(values: List[float]) -> str:
     return "[" + ", ".join(repr(v) for v in values) + "]"
 
@@ -245,6 +260,7 @@ class RerunStateMachine:
         self.rerun_requested = False
         self.initial_result: Optional[List[float]] = None
         self.suspicious_node: Optional[str] = None
+        self.suspicious_device: Optional[int] = None
         self.large_value_counts: Dict[str, int] = {}
         self.max_values: Dict[str, float] = {}
         self.stats = Stats()
@@ -359,7 +375,8 @@ class RerunStateMachine:
                 "Saving a checkpoint before this step's optimizer step and exiting with code "
                 f"{EXIT_CODE_FAILED_ON_RESULT_VALIDATION}; resume on other nodes"))
         self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
-        self.suspicious_node = os.uname()[1] if self.rerun_requested else None
+        self.suspicious_node, self.suspicious_device = (
+            node_and_device() if self.rerun_requested else (None, None))
         named = "; ".join(f"rank {r} (node {n}): {a}, re-run {b}"
                           for r, _, f, n, a, b in outcomes if f)
         raise RerunExit(EXIT_CODE_RESUME_TO_DISAMBIGUATE, True, (
@@ -369,6 +386,7 @@ class RerunStateMachine:
             "device fault from a real numerical problem"))
 
     def _rerun_from_checkpoint(self, body, iteration: int):
+        self._refuse_the_same_place(iteration)
         self.state = RerunState.RERUNNING_FROM_CHECKPOINT
         run = body()
         outcome = None
@@ -393,6 +411,27 @@ class RerunStateMachine:
             f"iteration {iteration}: result validation, re-run from the checkpoint: "
             + "; ".join(parts) + f". Exiting with code {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}"))
 
+    def _refuse_the_same_place(self, iteration: int) -> None:
+        """A rank that re-checks its own result on the node and device that produced it (the
+        scheduler gave the job the same place again) learns nothing: as Megatron does, every
+        rank exits with :data:`EXIT_CODE_RESUME_TO_DISAMBIGUATE` again and saves nothing, so
+        the same checkpoint is resumed once more, elsewhere."""
+        here = node_and_device()
+        same = self.rerun_requested and (self.suspicious_node, self.suspicious_device) == here
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.rank, here) if same else None)
+        named = [f"rank {r} (node {n}, device {d})" for r, (n, d) in
+                 (o for o in everyone if o is not None)]
+        if not named:
+            return
+        self.state = RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT
+        raise RerunExit(EXIT_CODE_RESUME_TO_DISAMBIGUATE, False, (
+            f"iteration {iteration}: result validation, re-run from the checkpoint: "
+            f"rescheduled on the node and device whose result it re-checks: "
+            f"{'; '.join(named)}. Nothing saved; exiting with code "
+            f"{EXIT_CODE_RESUME_TO_DISAMBIGUATE}: resume the same checkpoint again on other "
+            "nodes"))
+
     # ---- reports --------------------------------------------------------------------------
     def _track(self, status: str, values: List[float]) -> None:
         """--result-rejected-tracker-filename: one line per event, in Megatron's format."""
@@ -400,9 +439,10 @@ class RerunStateMachine:
             return
         import datetime
 
+        node, index = node_and_device()
         with open(self.tracker_filename, "a") as f:
-            f.write(f"ts={datetime.datetime.now()} node={os.uname()[1]} "
-                    f"device={device.current_device()} jobID={os.getenv('SLURM_JOBID', 'N/A')} rank={self.rank} "
+            f.write(f"ts={datetime.datetime.now()} node={node} device={index} "
+                    f"jobID={os.getenv('SLURM_JOBID', 'N/A')} rank={self.rank} "
                     f"iteration={self.current_iteration} status={status} result={_fmt(values)} "
                     f"message='{_message(self)}'\n")
 
@@ -424,7 +464,8 @@ class RerunStateMachine:
                 "restart_again_requested": False, "continue_requested": False,
                 "error_injector_checkpoint": self.injector.state_dict(),
                 "failed_validation_call": None, "initial_result": self.initial_result,
-                "suspicious_node": self.suspicious_node, "suspicious_device": None,
+                "suspicious_node": self.suspicious_node,
+                "suspicious_device": self.suspicious_device,
                 "data_iterator_checkpoints": None,
                 "large_value_counts": dict(self.large_value_counts),
                 "max_values": dict(self.max_values)}
@@ -459,6 +500,7 @@ class RerunStateMachine:
         self.initial_result = (None if sharded["initial_result"] is None
                                else [float(v) for v in sharded["initial_result"]])
         self.suspicious_node = sharded["suspicious_node"]
+        self.suspicious_device = sharded.get("suspicious_device")
         self.injector.load_state_dict(sharded["error_injector_checkpoint"])
         self.large_value_counts = dict(sharded.get("large_value_counts") or {})
         self.max_values = dict(sharded.get("max_values") or {})

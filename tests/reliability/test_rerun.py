@@ -100,6 +100,7 @@ def _state_round_trip_body(path):
     machine.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
     machine.current_iteration, machine.rerun_requested = 7, True
     machine.initial_result, machine.suspicious_node = [math.nan, 2.5], "node-a"
+    machine.suspicious_device = 3
     machine.injector.injected = "persistent_error"
     machine.max_values, machine.large_value_counts = {"loss": 3.0}, {"loss": 100}
     torch.save({"rerun_state_machine": machine.state_dict()}, path)
@@ -116,14 +117,14 @@ def _state_round_trip_body(path):
     disabled.load_state_dict(entry)
     return {"state": fresh.state, "iteration": fresh.current_iteration,
             "requested": fresh.rerun_requested, "initial": repr(fresh.initial_result),
-            "node": fresh.suspicious_node, "injector": fresh.injector.state_dict(),
+            "node": (fresh.suspicious_node, fresh.suspicious_device), "injector": fresh.injector.state_dict(),
             "max": fresh.max_values, "disabled_state": disabled.state}
 
 
 def test_state_round_trips_through_a_checkpoint_file(tmp_path):
     out = run_on_ranks(_state_round_trip_body, 1, str(tmp_path / "state.pt"))[0]
     assert out["state"] == RerunState.WILL_RERUN_FROM_CHECKPOINT and out["iteration"] == 7
-    assert out["requested"] and out["initial"] == "[nan, 2.5]" and out["node"] == "node-a"
+    assert out["requested"] and out["initial"] == "[nan, 2.5]" and out["node"] == ("node-a", 3)
     assert out["injector"] == {"error_injection_rate": 5, "error_injection_type":
                                "persistent_error", "injected_error_type": "persistent_error"}
     assert out["max"] == {"loss": 3.0}
@@ -244,9 +245,28 @@ def _nan_loss_patch(step):
     return undo
 
 
+def _elsewhere(then=None):
+    """A patch: this process runs on another node and device than the one that saved (the
+    scheduler moved the job), with ``then`` (another patch) applied too."""
+    return functools.partial(_elsewhere_patch, then)
+
+
+def _elsewhere_patch(then):
+    real = rerun.node_and_device
+    rerun.node_and_device = lambda: ("another-node", 7)
+    undo_then = then() if then is not None else None
+
+    def undo():
+        rerun.node_and_device = real
+        if undo_then is not None:
+            undo_then()
+    return undo
+
+
 def test_reproducible_results_exit_16_then_resume_tells_persistent_from_real(tmp_path, corpus):
     """One rank. Each case: a run exits with 16 at iteration 2 (saving iteration 1 with the
-    machine's state), then resumed from it exits with 17 and the diagnosis."""
+    machine's state), then resumed from it on another node exits with 17 and the
+    diagnosis."""
     runs = []
     for name, extra, patch in (
             ("persistent", ["--error-injection-rate", "1", "--error-injection-type",
@@ -260,7 +280,7 @@ def test_reproducible_results_exit_16_then_resume_tells_persistent_from_real(tmp
             "--save", save, "--result-rejected-tracker-filename", tracker])
         runs.append((name, argv, patch))
         runs.append((name + "_resumed", argv + ["--load", save],
-                     _nan_loss_at(1) if patch else None))
+                     _elsewhere(_nan_loss_at(1) if patch else None)))
     res = run_on_ranks(_runs_body, 1, runs)[0]
     for name in ("persistent", "correct", "nan"):
         first, resumed = res[name], res[name + "_resumed"]
@@ -303,8 +323,9 @@ def test_two_ranks_transient_error_names_the_injected_rank_and_resumes_exactly(t
     error. Both ranks exit with 17; the message names that rank (and only it) as suspect; the
     checkpoint of iteration 1 (in either format) resumes to the clean run's losses bit for
     bit."""
-    save = str(tmp_path / "ckpt")
-    res = run_on_ranks(_transient_body, 2, corpus, save, ["--ckpt-format", ckpt_format])
+    save, tracker = str(tmp_path / "ckpt"), str(tmp_path / "tracker")
+    res = run_on_ranks(_transient_body, 2, corpus, save, [
+        "--ckpt-format", ckpt_format, "--result-rejected-tracker-filename", tracker])
     injected = [r for r in range(2) if "injecting a transient_error" in res[r]["injected"]["out"]]
     assert len(injected) == 1, [res[r]["injected"]["out"][-500:] for r in range(2)]
     suspect = injected[0]
@@ -315,6 +336,13 @@ def test_two_ranks_transient_error_names_the_injected_rank_and_resumes_exactly(t
                      message), message
     assert f"rank {1 - suspect} (" not in message
     assert "(saved: iteration 1 in" in message
+    # What the scheduler reads to leave the suspect out: its node and device, in Megatron's
+    # tracker format (the device is the local rank on CPU).
+    lines = re.findall(r"node=(\S+) device=(\S+) jobID=\S+ rank=(\d) iteration=2 "
+                       r"status=(\w+)", open(tracker).read())
+    assert lines == [(os.uname()[1], str(suspect), str(suspect), "initial_run"),
+                     (os.uname()[1], str(suspect), str(suspect),
+                      "first_rerun_not_reproducible")]
     for r in range(2):
         assert len(res[r]["clean"]["losses"]) == 4
         assert repr(res[r]["resumed"]["losses"]) == repr(res[r]["clean"]["losses"][1:])
@@ -385,7 +413,7 @@ def test_torch_dist_keeps_a_pending_rerun_in_megatron_cores_layout(tmp_path, cor
         "--error-injection-rate", "1", "--error-injection-type", "persistent_error",
         "--ckpt-format", "torch_dist", "--save", save,
         "--result-rejected-tracker-filename", tracker])
-    runs = [("first", argv, None), ("resumed", argv + ["--load", save], None)]
+    runs = [("first", argv, None), ("resumed", argv + ["--load", save], _elsewhere())]
     res = run_on_ranks(_runs_body, 1, runs)[0]
     assert res["first"].get("code") == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE, res["first"]
     reader = DistCheckpointReader(os.path.join(save, "iter_0000001"))
@@ -400,7 +428,8 @@ def test_torch_dist_keeps_a_pending_rerun_in_megatron_cores_layout(tmp_path, cor
         "rerun_state_machine_state/shard_0_1"]
     mine = reader.read_single_object("rerun_state_machine_state/shard_0_1")
     assert mine["rerun_requested"] and mine["checkpoint_requested"]
-    assert len(mine["initial_result"]) == 3 and mine["suspicious_node"] == os.uname()[1]
+    assert len(mine["initial_result"]) == 3
+    assert (mine["suspicious_node"], mine["suspicious_device"]) == rerun.node_and_device()
     injected = mine["error_injector_checkpoint"]["injected_error_type"]
     assert type(injected).qualname == "megatron.core.rerun_state_machine.RerunDiagnostic"
     assert injected.value == "persistent_error"
@@ -451,3 +480,38 @@ def test_megatron_written_file_resumes_with_validation_on(tmp_path):
     assert len(res["off"]["losses"]) == 2, res["off"]
     assert all(map(math.isfinite, res["off"]["losses"]))
     assert repr(res["on"]["losses"]) == repr(res["off"]["losses"]), res["on"]
+
+
+@pytest.mark.slow
+def test_resumed_on_the_suspect_node_and_device_exits_16_again(tmp_path, corpus):
+    """Megatron's rescheduling rule. The exit-16 checkpoint names the node and device whose
+    result is to be re-checked (``suspicious_node``, ``suspicious_device``), and the tracker
+    file names them for the scheduler. Resumed on that same node and device, the run saves
+    nothing and exits with 16 again (the checkpoint and its pending state stay as they were);
+    resumed elsewhere, it gives the diagnosis (17)."""
+    save, tracker = str(tmp_path / "ckpt"), str(tmp_path / "tracker")
+    argv = _flags(corpus, 4, VALIDATE + [
+        "--error-injection-rate", "1", "--error-injection-type", "persistent_error",
+        "--save", save, "--result-rejected-tracker-filename", tracker])
+    runs = [("first", argv, None), ("same_place", argv + ["--load", save], None),
+            ("elsewhere", argv + ["--load", save], _elsewhere())]
+    res = run_on_ranks(_runs_body, 1, runs)[0]
+    node, device = rerun.node_and_device()
+    assert res["first"].get("code") == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE, res["first"]
+    entry = torch.load(os.path.join(save, "iter_0000001", "mp_rank_00", "model_optim_rng.pt"),
+                       weights_only=False)["rerun_state_machine"]
+    assert (entry["sharded"]["suspicious_node"], entry["sharded"]["suspicious_device"]) == (
+        node, device)
+    assert res["same_place"].get("code") == rerun.EXIT_CODE_RESUME_TO_DISAMBIGUATE
+    assert re.search(rf"iteration 2: .*rescheduled on the node and device whose result it "
+                     rf"re-checks: rank 0 \(node {re.escape(node)}, device {device}\)\. "
+                     rf"Nothing saved; exiting with code 16", res["same_place"]["err"]), res[
+                         "same_place"]["err"]
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "1"
+    assert res["elsewhere"].get("code") == rerun.EXIT_CODE_FAILED_ON_RESULT_VALIDATION
+    assert "a persistent fault of that node's device" in res["elsewhere"]["err"]
+    lines = re.findall(r"node=(\S+) device=(\S+) jobID=\S+ rank=0 iteration=2 status=(\w+)",
+                       open(tracker).read())
+    assert lines == [(node, str(device), "initial_run"),
+                     (node, str(device), "first_rerun_reproducible"),
+                     ("another-node", "7", "second_rerun_not_reproducible")]
