@@ -251,6 +251,10 @@ class RerunStateMachine:
                  check_nan: bool, check_spiky_loss: bool, check_large_grads: bool,
                  tracker_filename: Optional[str] = None):
         self.mode, self.injector, self.rank = mode, injector, rank
+        # Megatron's state_save_func / state_restore_func: what else a step's passes change
+        # (set by the training loop, see set_step_state).
+        self.state_save_func: Optional[Callable[[], object]] = None
+        self.state_restore_func: Optional[Callable[[object], None]] = None
         self.check_nan, self.check_spiky_loss = check_nan, check_spiky_loss
         self.check_large_grads = check_large_grads
         self.tracker_filename = tracker_filename
@@ -264,6 +268,23 @@ class RerunStateMachine:
         self.large_value_counts: Dict[str, int] = {}
         self.max_values: Dict[str, float] = {}
         self.stats = Stats()
+
+    def set_step_state(self, save: Callable[[], object],
+                       restore: Callable[[object], None]) -> None:
+        """What a step's forward and backward passes change besides the gradients and the
+        RNG states (e.g. the token counts of the routers, the auxiliary-loss sums): ``save()``
+        is taken before the first run and ``restore(saved)`` before every re-run, so a re-run
+        starts where the first run did."""
+        self.state_save_func, self.state_restore_func = save, restore
+
+    def _snapshot(self) -> dict:
+        return {"rng": rng_state_snapshot(),
+                "other": self.state_save_func() if self.state_save_func else None}
+
+    def _restore(self, snapshot: dict) -> None:
+        set_rng_state_snapshot(snapshot["rng"])
+        if self.state_restore_func is not None:
+            self.state_restore_func(snapshot["other"])
 
     @property
     def validates_grads(self) -> bool:
@@ -281,7 +302,7 @@ class RerunStateMachine:
             it.advance()
         if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT:
             return self._rerun_from_checkpoint(body, iteration)
-        snapshot = rng_state_snapshot()
+        snapshot = self._snapshot()
         self.current_iteration, self.state = iteration, RerunState.INITIAL_RUN
         first = body()
         if self.mode == "report_stats":
@@ -305,7 +326,7 @@ class RerunStateMachine:
         return self._decide_in_place(first, second, any_fatal, fatal, iteration, snapshot)
 
     def _again(self, body, snapshot, iterators) -> StepRun:
-        set_rng_state_snapshot(snapshot)
+        self._restore(snapshot)
         for it in iterators:
             it.rewind()
         self.state = RerunState.RERUNNING_IN_PLACE
@@ -363,7 +384,7 @@ class RerunStateMachine:
                           f"re-run {b}: {'reproducible' if same else 'not reproducible'}; "
                           "training goes on", flush=True)
             return self._done(second)
-        set_rng_state_snapshot(snapshot)  # a checkpoint now holds the step's starting RNG
+        self._restore(snapshot)  # a checkpoint now holds the step's starting state
         transient = [o for o in outcomes if o[2] and not o[1]]
         if transient:
             self._done(second)

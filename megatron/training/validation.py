@@ -639,13 +639,6 @@ def _validate_batch_and_schedule(args) -> None:
             and getattr(args, "use_torch_fsdp2", False)):
         _fail("--check-weight-hash-across-dp-replicas-interval compares whole replicas; with "
               "--use-torch-fsdp2 each rank holds a shard, so there is no replica to compare")
-    if args.rerun_mode != "disabled" and args.num_experts is not None:
-        _fail(f"--rerun-mode {args.rerun_mode} with --num-experts is not supported yet: a re-run "
-              "step would count its tokens per expert twice (aux-loss logging, expert-bias "
-              "updates); use --rerun-mode disabled")
-    if args.rerun_mode != "disabled" and getattr(args, "use_torch_fsdp2", False):
-        _fail(f"--rerun-mode {args.rerun_mode} with --use-torch-fsdp2 is not supported yet (the "
-              "re-run of a sharded step is not built); use --rerun-mode disabled")
 
 
 def _validate_masking(args) -> None:
