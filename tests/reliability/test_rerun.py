@@ -515,3 +515,34 @@ def test_resumed_on_the_suspect_node_and_device_exits_16_again(tmp_path, corpus)
     assert lines == [(node, str(device), "initial_run"),
                      (node, str(device), "first_rerun_reproducible"),
                      ("another-node", "7", "second_rerun_not_reproducible")]
+
+
+@pytest.mark.slow
+def test_torch_dist_pending_rerun_on_two_ranks_and_at_another_world_size(tmp_path, corpus):
+    """Two data-parallel ranks, rate 2 (one rank injects a persistent error at iteration 2):
+    each rank writes its own part (``shard_<rank>_2``), only the injecting rank's with the
+    re-run requested. Resumed on two ranks elsewhere, the diagnosis names that rank; resumed
+    on one rank, the pending state is ignored with a note (as Megatron does) and training goes
+    on from iteration 1."""
+    from megatron.checkpoint.dist.reader import DistCheckpointReader
+
+    save = str(tmp_path / "ckpt")
+    argv = _flags(corpus, 4, VALIDATE + [
+        "--error-injection-rate", "2", "--error-injection-type", "persistent_error",
+        "--ckpt-format", "torch_dist", "--save", save])
+    res = run_on_ranks(_runs_body, 2, [("first", argv, None),
+                                       ("resumed", argv + ["--load", save], _elsewhere())])
+    injected = [r for r in range(2) if "injecting a persistent_error" in res[r]["first"]["out"]]
+    assert len(injected) == 1 and [res[r]["first"].get("code") for r in range(2)] == [16, 16]
+    reader = DistCheckpointReader(os.path.join(save, "iter_0000001"))
+    keys = sorted(k for k in reader.byte_keys() if k.startswith("rerun_state_machine_state/"))
+    assert keys == ["rerun_state_machine_state/shard_0_2", "rerun_state_machine_state/shard_1_2"]
+    requested = [reader.read_single_object(k)["rerun_requested"] for k in keys]
+    assert requested == [r == injected[0] for r in range(2)]
+    assert [res[r]["resumed"].get("code") for r in range(2)] == [17, 17]
+    assert f"rank {injected[0]}: the result first seen on node" in res[0]["resumed"]["err"]
+    assert f"rank {1 - injected[0]}:" not in res[0]["resumed"]["err"]
+    one = run_on_ranks(_runs_body, 1, [("one", _flags(corpus, 4, VALIDATE + [
+        "--ckpt-format", "torch_dist", "--load", save]), None)])[0]["one"]
+    assert "holds a pending re-run (rerun_state_machine) saved at another world" in one["out"]
+    assert len(one["losses"]) == 3 and all(map(math.isfinite, one["losses"])), one

@@ -106,10 +106,15 @@ def _check(res, world, with_moe):
 
 
 @pytest.mark.slow
-def test_moe_rerun_replays_the_step_exactly(corpus):
-    """Two data-parallel ranks (the experts' tokens all-gathered over them), MoE with
-    aux-loss and z-loss logging and expert-bias balancing."""
-    _check(run_on_ranks(_body, 2, _clean_and_injected(corpus, MOE)), 2, True)
+@pytest.mark.parametrize("ep", [1, 2])
+def test_moe_rerun_replays_the_step_exactly(corpus, ep):
+    """Two data-parallel ranks, MoE with aux-loss and z-loss logging and expert-bias
+    balancing; with ``ep`` 2 each rank holds half the experts and the tokens travel by
+    all-to-all."""
+    extra = MOE + ["--expert-model-parallel-size", str(ep)]
+    if ep > 1:
+        extra += ["--moe-token-dispatcher-type", "alltoall"]
+    _check(run_on_ranks(_body, 2, _clean_and_injected(corpus, extra)), 2, True)
 
 
 @pytest.mark.slow
