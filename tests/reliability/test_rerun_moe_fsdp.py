@@ -121,3 +121,26 @@ def test_moe_rerun_replays_the_step_exactly(corpus, ep):
 def test_torch_fsdp2_rerun_replays_the_step_exactly(corpus):
     """Two ranks sharding a dense model with FSDP2."""
     _check(run_on_ranks(_body, 2, _clean_and_injected(corpus, FSDP)), 2, False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [MOE, FSDP], ids=["moe", "torch_fsdp2"])
+def test_transient_error_checkpoint_resumes_exactly(tmp_path, corpus, extra):
+    """The checkpoint an injected transient error saves (torch_dist: the weights, sharded
+    optimizer state and RNG before the step's optimizer step) resumes to the clean run's
+    losses bit for bit."""
+    save = str(tmp_path / "ckpt")
+    common = list(extra) + ["--ckpt-format", "torch_dist"]
+    runs = [("off", _flags(corpus, common)),
+            ("injected", _flags(corpus, common + VALIDATE + ["--error-injection-rate", "2",
+                                                            "--save", save])),
+            ("resumed", _flags(corpus, common + VALIDATE + ["--load", save]))]
+    res = run_on_ranks(_body, 2, runs)
+    for r in range(2):
+        assert res[r]["injected"].get("code") == 17, res[r]["injected"]["err"][-2000:]
+        assert "(saved: iteration 1 in" in res[0]["injected"]["err"]
+        assert repr(res[r]["resumed"]["losses"]) == repr(res[r]["off"]["losses"][1:]), r
+        assert res[r]["resumed"]["aux"] == res[r]["off"]["aux"][len(res[r]["off"]["aux"]) // 4:]
+        assert len(res[r]["resumed"]["biases"]) == len(res[r]["off"]["biases"])
+        assert all(a.equal(b) for a, b in zip(res[r]["resumed"]["biases"],
+                                              res[r]["off"]["biases"]))
