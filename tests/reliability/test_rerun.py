@@ -117,7 +117,8 @@ def _state_round_trip_body(path):
     disabled.load_state_dict(entry)
     return {"state": fresh.state, "iteration": fresh.current_iteration,
             "requested": fresh.rerun_requested, "initial": repr(fresh.initial_result),
-            "node": (fresh.suspicious_node, fresh.suspicious_device), "injector": fresh.injector.state_dict(),
+            "node": (fresh.suspicious_node, fresh.suspicious_device),
+            "injector": fresh.injector.state_dict(),
             "max": fresh.max_values, "disabled_state": disabled.state}
 
 
