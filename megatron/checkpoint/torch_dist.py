@@ -594,12 +594,15 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
                   f"{pstate.tp_size} x {pstate.pp_size} (saved at another layout); RNGs are "
                   "seeded from --seed", flush=True)
     if restore:
-        common = dict(common, **{RERUN_KEY: _rerun_entry(reader, common, args, iter_dir)})
+        common = dict(common, **{RERUN_KEY: _rerun_entry(reader, common, args, iter_dir,
+                                                         dist.get_rank(),
+                                                         dist.get_world_size())})
     return common
 
 
-def _rerun_entry(reader, common: dict, args, path: str) -> Optional[dict]:
-    """This rank's rerun state machine entry (``mode``, ``state``, ``current_iteration`` and
+def _rerun_entry(reader, common: dict, args, path: str, rank: int,
+                 world: int) -> Optional[dict]:
+    """Rank ``rank`` (of ``world``)'s rerun state machine entry (``mode``, ``state``, ``current_iteration`` and
     its own ``sharded`` part) when the checkpoint holds a pending re-run, in Megatron-Core's
     layout (:func:`_rerun_shards`); None when nothing is pending. As Megatron does, the state
     is ignored, with a note, when the world, tensor- or pipeline-parallel size changed."""
@@ -609,7 +612,6 @@ def _rerun_entry(reader, common: dict, args, path: str) -> Optional[dict]:
     state = saved.get("state")
     if int(getattr(state, "value", state) or 0) == 0:
         return None
-    rank, world = dist.get_rank(), dist.get_world_size()
     key = object_key(RERUN_SHARD_KEY, (rank,), (world,))
     old = common.get("args")
     same = all(getattr(old, name, None) == getattr(args, name) for name in (

@@ -461,7 +461,7 @@ def test_megatron_written_rerun_entries_read_as_nothing_pending(name):
     common = reader.common_state()
     assert common["rerun_state_machine"]["state"].value == 0
     assert "rerun_state_machine_state/shard_0_1" in reader.byte_keys()
-    assert torch_dist._rerun_entry(reader, common, common["args"], folder) is None
+    assert torch_dist._rerun_entry(reader, common, common["args"], folder, 0, 1) is None
 
 
 @pytest.mark.slow
@@ -547,3 +547,39 @@ def test_torch_dist_pending_rerun_on_two_ranks_and_at_another_world_size(tmp_pat
         "--ckpt-format", "torch_dist", "--load", save]), None)])[0]["one"]
     assert "holds a pending re-run (rerun_state_machine) saved at another world" in one["out"]
     assert len(one["losses"]) == 3 and all(map(math.isfinite, one["losses"])), one
+
+
+class _Reader:
+    """A torch_dist reader holding only rank 0's part of a one-rank pending re-run."""
+
+    def byte_keys(self):
+        return ["rerun_state_machine_state/shard_0_1"]
+
+    def read_single_object(self, key):
+        assert key == "rerun_state_machine_state/shard_0_1"
+        return {"rerun_requested": True, "initial_result": [1.0]}
+
+
+def test_torch_dist_rerun_entry_is_read_only_at_the_saved_layout(capsys):
+    """The pending state is this rank's part with the common fields, at the saved world, TP
+    and PP sizes; at another world, TP or PP size it is ignored with a note (Megatron's
+    rule)."""
+    import argparse
+
+    from megatron.checkpoint import torch_dist
+    from megatron.core.rerun_state_machine import RerunMode, RerunState
+
+    def sizes(tp, pp):
+        return argparse.Namespace(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+    common = {"args": sizes(1, 1), "rerun_state_machine": {
+        "mode": RerunMode.VALIDATE_RESULTS, "state": RerunState.WILL_RERUN_FROM_CHECKPOINT,
+        "current_iteration": 5}}
+    same = torch_dist._rerun_entry(_Reader(), common, sizes(1, 1), "ckpt", 0, 1)
+    assert same["mode"] == "validate_results" and same["current_iteration"] == 5
+    assert same["state"].value == 3 and same["sharded"]["initial_result"] == [1.0]
+    capsys.readouterr()
+    for args, world in ((sizes(2, 1), 1), (sizes(1, 2), 1), (sizes(1, 1), 2)):
+        assert torch_dist._rerun_entry(_Reader(), common, args, "ckpt", 0, world) is None
+    printed = capsys.readouterr().out
+    assert printed.count("holds a pending re-run (rerun_state_machine) saved at another") == 3

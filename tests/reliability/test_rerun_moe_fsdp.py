@@ -70,7 +70,8 @@ def _body(runs):
             global_vars.unset_global_variables()
             parallel_state.destroy_model_parallel()
         record["out"], record["err"] = out.getvalue(), err.getvalue()
-        record["aux"] = re.findall(r"(load_balancing_loss|z_loss): (\S+)", record["out"])
+        record["aux"] = re.findall(r"(load_balancing_loss|z_loss|mtp_1 loss): (\S+)",
+                                   record["out"])
         results[name] = record
     return results
 
@@ -95,7 +96,7 @@ def _check(res, world, with_moe):
             for a, b in zip(run["biases"], off["biases"]):
                 assert a.equal(b), name
     if with_moe:
-        assert len(res[-1]["off"]["aux"]) == 8 and res[-1]["off"]["biases"]
+        assert len(res[-1]["off"]["aux"]) >= 8 and res[-1]["off"]["biases"]
         assert any(b.abs().sum() > 0 for b in res[-1]["off"]["biases"])
     injected = [r for r in range(world) if "injecting a transient_error" in
                 res[r]["injected"]["out"]]
@@ -106,15 +107,19 @@ def _check(res, world, with_moe):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ep", [1, 2])
-def test_moe_rerun_replays_the_step_exactly(corpus, ep):
+@pytest.mark.parametrize("ep, mtp", [(1, False), (2, False), (1, True)])
+def test_moe_rerun_replays_the_step_exactly(corpus, ep, mtp):
     """Two data-parallel ranks, MoE with aux-loss and z-loss logging and expert-bias
     balancing; with ``ep`` 2 each rank holds half the experts and the tokens travel by
-    all-to-all."""
+    all-to-all; with ``mtp`` a multi-token-prediction layer logs its loss too."""
     extra = MOE + ["--expert-model-parallel-size", str(ep)]
     if ep > 1:
         extra += ["--moe-token-dispatcher-type", "alltoall"]
-    _check(run_on_ranks(_body, 2, _clean_and_injected(corpus, extra)), 2, True)
+    if mtp:
+        extra += ["--mtp-num-layers", "1", "--position-embedding-type", "rope"]
+    res = run_on_ranks(_body, 2, _clean_and_injected(corpus, extra))
+    _check(res, 2, True)
+    assert ("mtp_1 loss" in dict(res[-1]["off"]["aux"])) == mtp
 
 
 @pytest.mark.slow
