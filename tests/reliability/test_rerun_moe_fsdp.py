@@ -149,3 +149,37 @@ def test_transient_error_checkpoint_resumes_exactly(tmp_path, corpus, extra):
         assert len(res[r]["resumed"]["biases"]) == len(res[r]["off"]["biases"])
         assert all(a.equal(b) for a, b in zip(res[r]["resumed"]["biases"],
                                               res[r]["off"]["biases"]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [MOE, FSDP], ids=["moe", "torch_fsdp2"])
+def test_reproduced_error_reruns_from_the_checkpoint_bit_for_bit(tmp_path, corpus, extra):
+    """An injected persistent error (exit 16, torch_dist checkpoint with the pending state),
+    resumed on another node: the step's re-run from the checkpoint gives the first run's
+    losses and gradient norm bit for bit (the tracker's two result lines), and the diagnosis
+    names the injecting rank."""
+    save, tracker = str(tmp_path / "ckpt"), str(tmp_path / "tracker")
+    argv = _flags(corpus, list(extra) + VALIDATE + [
+        "--ckpt-format", "torch_dist", "--error-injection-rate", "2", "--error-injection-type",
+        "persistent_error", "--save", save, "--result-rejected-tracker-filename", tracker])
+    first = run_on_ranks(_body, 2, [("first", argv)])
+    assert [first[r]["first"].get("code") for r in range(2)] == [16, 16]
+    resumed = run_on_ranks(_resumed_elsewhere, 2, argv + ["--load", save])
+    assert [resumed[r]["resumed"].get("code") for r in range(2)] == [17, 17]
+    lines = re.findall(r"rank=(\d) iteration=2 status=(\w+) result=(\[.*\]) message",
+                       open(tracker).read())
+    ranks = {rank for rank, _, _ in lines}
+    assert len(ranks) == 1
+    results = {status: result for _, status, result in lines}
+    assert results["initial_run"] == results["second_rerun_not_reproducible"], lines
+    assert f"rank {ranks.pop()}: the result first seen on node" in resumed[0]["resumed"]["err"]
+
+
+def _resumed_elsewhere(argv):
+    from tests.reliability.test_rerun import _elsewhere_patch
+
+    undo = _elsewhere_patch(None)
+    try:
+        return _body([("resumed", argv)])
+    finally:
+        undo()
