@@ -602,10 +602,11 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
 
 def _rerun_entry(reader, common: dict, args, path: str, rank: int,
                  world: int) -> Optional[dict]:
-    """Rank ``rank`` (of ``world``)'s rerun state machine entry (``mode``, ``state``, ``current_iteration`` and
-    its own ``sharded`` part) when the checkpoint holds a pending re-run, in Megatron-Core's
-    layout (:func:`_rerun_shards`); None when nothing is pending. As Megatron does, the state
-    is ignored, with a note, when the world, tensor- or pipeline-parallel size changed."""
+    """The rerun state machine entry of rank ``rank`` of ``world`` (``mode``, ``state``,
+    ``current_iteration`` and its own ``sharded`` part) when the checkpoint holds a pending
+    re-run, in Megatron-Core's layout (:func:`_rerun_shards`); None when nothing is pending.
+    As Megatron does, the state is ignored, with a note, when the world, tensor- or
+    pipeline-parallel size changed."""
     saved = common.get(RERUN_KEY)
     if not isinstance(saved, dict):   # none, or this project's older files: inside args
         return getattr(common.get("args"), RERUN_KEY, None)
