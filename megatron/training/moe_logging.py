@@ -9,6 +9,10 @@ summed over pipeline stages (each holds its own layers) and averaged over data-p
 (each routed its own micro-batches), as the ``lm loss`` is. With ``--moe-per-layer-logging``
 each layer's value is also returned under ``moe/{name}_layer_{i}`` (``i`` 0-based, Megatron's
 TensorBoard name), which the console line leaves out.
+
+Since these sums (and the routers' token counts) change during a step's passes, this module
+also saves and restores that state for a re-run of the step (:func:`step_state`, used by
+``--rerun-mode``).
 """
 
 import copy
