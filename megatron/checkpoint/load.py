@@ -294,6 +294,7 @@ def _load_dist(iter_dir, iteration, release, model_chunks, optimizer, opt_param_
         iteration = 0
     elif train_state is not None:
         train_state.restore_from_saved_args(common.get("args"))
+        train_state.rerun_checkpoint = common.get("rerun_state_machine")
     if dist.get_rank() == 0:
         print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
               "(torch_dist)", flush=True)

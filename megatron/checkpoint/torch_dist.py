@@ -42,8 +42,11 @@ from megatron.checkpoint.publish import begin_save, crash_point, finish_save
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError
 from megatron.checkpoint.saved_args import check_args, plain_args
 from megatron.checkpoint.state import copy_to_cpu, rng_state_snapshot, set_rng_state_snapshot
+from megatron.core import rerun_state_machine as rerun_enums
 
 MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
+RERUN_KEY = "rerun_state_machine"
+RERUN_SHARD_KEY = "rerun_state_machine_state"
 # Megatron-Core's loader expects its rerun state machine's entry; this is a fresh machine's
 # state (nothing requested, no error injection), in plain values.
 _FRESH_RERUN_STATE = {"rerun_requested": False, "checkpoint_requested": False,
@@ -137,7 +140,9 @@ def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool):
 
 
 def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler) -> dict:
-    common = {"args": plain_args(args),
+    saved_args = plain_args(args)
+    vars(saved_args).pop(RERUN_KEY, None)   # saved under its own key (_rerun_shards)
+    common = {"args": saved_args,
               "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
               "num_floating_point_operations_so_far": 0,
               "content_metadata": dict(_CONTENT_METADATA)}
@@ -197,15 +202,40 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
     common = None
     if dist.get_rank() == 0:
         common = _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler)
+    items += _rerun_shards(args, common)
     if pstate.dp_rank == 0 and pstate.cp_rank == 0:  # global rank 0 is DP and CP rank 0
         items += common_objects(common, rng_states, pstate.pp_rank, pstate.pp_size,
                                 pstate.tp_rank, pstate.tp_size)
-    if common is not None:
-        items.append(ObjectShard(object_key("rerun_state_machine_state"),
-                                 dict(_FRESH_RERUN_STATE)))
     if args.transformer_impl == TRANSFORMER_ENGINE:
         items = _te_moe_norm_keys(items, trees, layouts)
     return items
+
+
+def _rerun_shards(args, common: Optional[dict]) -> list:
+    """The rerun state machine's entry in Megatron-Core's layout: while a re-run from this
+    checkpoint is pending (``args.rerun_state_machine``, see :class:`~megatron.training.
+    train_state.TrainState`), ``common_state`` holds its ``mode``, ``state`` and
+    ``current_iteration`` under ``rerun_state_machine`` and every rank writes its own part as
+    ``rerun_state_machine_state/shard_<rank>_<world>``, with Megatron-Core's enum types. With
+    nothing pending, global rank 0 writes a fresh machine's part (``common`` is its state)."""
+    entry = getattr(args, RERUN_KEY, None)
+    if entry is None:
+        return [] if common is None else [ObjectShard(object_key(RERUN_SHARD_KEY),
+                                                      dict(_FRESH_RERUN_STATE))]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if common is not None:
+        common[RERUN_KEY] = {"mode": rerun_enums.mode_for_checkpoint(entry["mode"]),
+                             "state": rerun_enums.RerunState(int(entry["state"])),
+                             "current_iteration": int(entry["current_iteration"])}
+    mine = dict(entry["sharded_by_rank"][rank])
+    injector = dict(mine["error_injector_checkpoint"])
+    injector["error_injection_type"] = rerun_enums.RerunDiagnostic(
+        injector["error_injection_type"])
+    if injector.get("injected_error_type") is not None:
+        injector["injected_error_type"] = rerun_enums.RerunDiagnostic(
+            injector["injected_error_type"])
+    mine["error_injector_checkpoint"] = injector
+    return [ObjectShard(object_key(RERUN_SHARD_KEY, (rank,), (world,)), mine)]
 
 
 def _te_moe_norm_keys(items: list, trees: List[dict], layouts: list) -> list:
@@ -621,7 +651,39 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
             print(f"NOTE: {iter_dir} has no RNG state for (tensor, pipeline) layout "
                   f"{pstate.tp_size} x {pstate.pp_size} (saved at another layout); RNGs are "
                   "seeded from --seed", flush=True)
+    if restore:
+        common = dict(common, **{RERUN_KEY: _rerun_entry(reader, common, args, iter_dir,
+                                                         dist.get_rank(),
+                                                         dist.get_world_size())})
     return common
+
+
+def _rerun_entry(reader, common: dict, args, path: str, rank: int,
+                 world: int) -> Optional[dict]:
+    """The rerun state machine entry of rank ``rank`` of ``world`` (``mode``, ``state``,
+    ``current_iteration`` and its own ``sharded`` part) when the checkpoint holds a pending
+    re-run, in Megatron-Core's layout (:func:`_rerun_shards`); None when nothing is pending.
+    As Megatron does, the state is ignored, with a note, when the world, tensor- or
+    pipeline-parallel size changed."""
+    saved = common.get(RERUN_KEY)
+    if not isinstance(saved, dict):   # none, or this project's older files: inside args
+        return getattr(common.get("args"), RERUN_KEY, None)
+    state = saved.get("state")
+    if int(getattr(state, "value", state) or 0) == 0:
+        return None
+    key = object_key(RERUN_SHARD_KEY, (rank,), (world,))
+    old = common.get("args")
+    same = all(getattr(old, name, None) == getattr(args, name) for name in (
+        "tensor_model_parallel_size", "pipeline_model_parallel_size"))
+    if key not in reader.byte_keys() or not same:
+        if rank == 0:
+            print(f"NOTE: {path} holds a pending re-run (rerun_state_machine) saved at another "
+                  "world, tensor- or pipeline-parallel size; it is ignored, as Megatron does",
+                  flush=True)
+        return None
+    return {"mode": rerun_enums.mode_from_checkpoint(saved.get("mode")), "state": state,
+            "current_iteration": saved["current_iteration"],
+            "sharded": reader.read_single_object(key)}
 
 
 __all__ = ["save_checkpoint", "start_async", "load_checkpoint",

@@ -447,8 +447,9 @@ def _add_checkpointing_args(parser):
                    help="global: a checkpoint in --non-persistent-global-ckpt-dir (default "
                    "SAVE/non_persistent), only the newest kept; local: every rank writes its own "
                    "state under --non-persistent-local-ckpt-dir (with --replication, copies on "
-                   "peer ranks of other nodes); in_memory is refused. --load resumes from the "
-                   "newest complete checkpoint, persistent or not")
+                   "peer ranks of other nodes); in_memory is refused, as Megatron-LM refuses "
+                   "it (listed there as to be done). --load resumes from the newest complete "
+                   "checkpoint, persistent or not")
     g.add_argument("--non-persistent-global-ckpt-dir", type=str, default=None)
     g.add_argument("--non-persistent-local-ckpt-dir", type=str, default=None)
     g.add_argument("--non-persistent-local-ckpt-algo", type=str, default="fully_parallel",

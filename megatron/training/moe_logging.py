@@ -9,8 +9,13 @@ summed over pipeline stages (each holds its own layers) and averaged over data-p
 (each routed its own micro-batches), as the ``lm loss`` is. With ``--moe-per-layer-logging``
 each layer's value is also returned under ``moe/{name}_layer_{i}`` (``i`` 0-based, Megatron's
 TensorBoard name), which the console line leaves out.
+
+Since these sums (and the routers' token counts) change during a step's passes, this module
+also saves and restores that state for a re-run of the step (:func:`step_state`, used by
+``--rerun-mode``).
 """
 
+import copy
 from typing import Dict, List
 
 import torch
@@ -109,3 +114,25 @@ def aux_loss_values(model_chunks, pstate, num_microbatches: int,
         name, _, layer = key.partition("_layer_")
         out[f"{PER_LAYER_PREFIX}{name}_layer_{int(layer) - 1}" if layer else key] = value
     return out
+
+
+def step_state(model_chunks) -> dict:
+    """What a training step's forward and backward passes change in the model besides the
+    gradients: every module buffer (the routers' token counts since the last expert-bias
+    update, among others) and the MoE and multi-token-prediction trackers' sums. A re-run of
+    the step (--rerun-mode) restores it first, so the step counts once."""
+    buffers = [[b.detach().clone() for b in chunk.buffers()] for chunk in model_chunks]
+    trackers = [copy.deepcopy(vars(t))
+                for t in model_trackers(model_chunks) + mtp_trackers(model_chunks)]
+    return {"buffers": buffers, "trackers": trackers}
+
+
+def restore_step_state(model_chunks, saved: dict) -> None:
+    """Put back what :func:`step_state` took."""
+    with torch.no_grad():
+        for chunk, values in zip(model_chunks, saved["buffers"]):
+            for buffer, value in zip(chunk.buffers(), values):
+                buffer.copy_(value)
+    for tracker, fields in zip(model_trackers(model_chunks) + mtp_trackers(model_chunks),
+                               saved["trackers"]):
+        vars(tracker).update(copy.deepcopy(fields))

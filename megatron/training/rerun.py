@@ -15,7 +15,14 @@ same RNG states. Each rank that rejected its result compares the two runs bit fo
   :data:`EXIT_CODE_RESUME_TO_DISAMBIGUATE` (16). Resumed (on another node), the step runs once
   more and is compared with the first result: a different value means the first device was
   persistently faulty, the same value a real numerical problem; either way the run stops with
-  exit code 17 and says which.
+  exit code 17 and says which. The checkpoint names the node and device that produced the
+  result (Megatron's ``suspicious_node`` / ``suspicious_device``); a run resumed on that same
+  node and device saves nothing and exits with 16 again, so the scheduler resumes the same
+  checkpoint elsewhere, as Megatron does.
+
+What a scheduler reads to place the next attempt is what Megatron writes: the exit code, and
+with --result-rejected-tracker-filename one line per event naming the node, device, job and
+rank (``status=first_rerun_not_reproducible``: a transient fault there, leave that node out).
 
 Rejections of the spike checks are not fatal: they are re-run and reported, and training goes
 on. ``--rerun-mode report_stats`` re-runs every step once and reports, every
@@ -25,7 +32,10 @@ plain behaviour (stop at once, :mod:`megatron.training.numerics`).
 
 The machine's state is saved under Megatron's checkpoint key ``rerun_state_machine``
 (``mode``, ``state``, ``current_iteration`` and the per-rank ``sharded`` dict with Megatron's
-field names), only while a re-run from the checkpoint is pending, as Megatron does.
+field names), only while a re-run from the checkpoint is pending, as Megatron does. In the
+torch format it is a top-level entry of each rank file; in torch_dist it is laid out as
+Megatron-Core lays it out (:func:`megatron.checkpoint.torch_dist._rerun_shards`): the common
+part in ``common_state``, each rank's part in ``rerun_state_machine_state/shard_<rank>_<world>``.
 """
 
 import hashlib
@@ -34,7 +44,7 @@ import os
 import random
 import re
 from enum import IntEnum
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -223,6 +233,14 @@ def _reduce_any(flags: List[bool]) -> List[bool]:
     return [bool(v) for v in tensor.tolist()]
 
 
+def node_and_device() -> Tuple[str, int]:
+    """(node, device) of this rank, as Megatron records a suspect: the host name and the
+    accelerator's index (on CPU, the local rank)."""
+    dev = device.current_device()
+    index = dev.index if dev.index is not None else int(os.environ.get("LOCAL_RANK", "0"))
+    return os.uname()[1], index
+
+
 def _fmt(values: List[float]) -> str:
     return "[" + ", ".join(repr(v) for v in values) + "]"
 
@@ -234,6 +252,10 @@ class RerunStateMachine:
                  check_nan: bool, check_spiky_loss: bool, check_large_grads: bool,
                  tracker_filename: Optional[str] = None):
         self.mode, self.injector, self.rank = mode, injector, rank
+        # Megatron's state_save_func / state_restore_func: what else a step's passes change
+        # (set by the training loop, see set_step_state).
+        self.state_save_func: Optional[Callable[[], object]] = None
+        self.state_restore_func: Optional[Callable[[object], None]] = None
         self.check_nan, self.check_spiky_loss = check_nan, check_spiky_loss
         self.check_large_grads = check_large_grads
         self.tracker_filename = tracker_filename
@@ -243,9 +265,27 @@ class RerunStateMachine:
         self.rerun_requested = False
         self.initial_result: Optional[List[float]] = None
         self.suspicious_node: Optional[str] = None
+        self.suspicious_device: Optional[int] = None
         self.large_value_counts: Dict[str, int] = {}
         self.max_values: Dict[str, float] = {}
         self.stats = Stats()
+
+    def set_step_state(self, save: Callable[[], object],
+                       restore: Callable[[object], None]) -> None:
+        """What a step's forward and backward passes change besides the gradients and the
+        RNG states (e.g. the token counts of the routers, the auxiliary-loss sums): ``save()``
+        is taken before the first run and ``restore(saved)`` before every re-run, so a re-run
+        starts where the first run did."""
+        self.state_save_func, self.state_restore_func = save, restore
+
+    def _snapshot(self) -> dict:
+        return {"rng": rng_state_snapshot(),
+                "other": self.state_save_func() if self.state_save_func else None}
+
+    def _restore(self, snapshot: dict) -> None:
+        set_rng_state_snapshot(snapshot["rng"])
+        if self.state_restore_func is not None:
+            self.state_restore_func(snapshot["other"])
 
     @property
     def validates_grads(self) -> bool:
@@ -263,7 +303,7 @@ class RerunStateMachine:
             it.advance()
         if self.state == RerunState.WILL_RERUN_FROM_CHECKPOINT:
             return self._rerun_from_checkpoint(body, iteration)
-        snapshot = rng_state_snapshot()
+        snapshot = self._snapshot()
         self.current_iteration, self.state = iteration, RerunState.INITIAL_RUN
         first = body()
         if self.mode == "report_stats":
@@ -287,7 +327,7 @@ class RerunStateMachine:
         return self._decide_in_place(first, second, any_fatal, fatal, iteration, snapshot)
 
     def _again(self, body, snapshot, iterators) -> StepRun:
-        set_rng_state_snapshot(snapshot)
+        self._restore(snapshot)
         for it in iterators:
             it.rewind()
         self.state = RerunState.RERUNNING_IN_PLACE
@@ -345,7 +385,7 @@ class RerunStateMachine:
                           f"re-run {b}: {'reproducible' if same else 'not reproducible'}; "
                           "training goes on", flush=True)
             return self._done(second)
-        set_rng_state_snapshot(snapshot)  # a checkpoint now holds the step's starting RNG
+        self._restore(snapshot)  # a checkpoint now holds the step's starting state
         transient = [o for o in outcomes if o[2] and not o[1]]
         if transient:
             self._done(second)
@@ -357,7 +397,8 @@ class RerunStateMachine:
                 "Saving a checkpoint before this step's optimizer step and exiting with code "
                 f"{EXIT_CODE_FAILED_ON_RESULT_VALIDATION}; resume on other nodes"))
         self.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
-        self.suspicious_node = os.uname()[1] if self.rerun_requested else None
+        self.suspicious_node, self.suspicious_device = (
+            node_and_device() if self.rerun_requested else (None, None))
         named = "; ".join(f"rank {r} (node {n}): {a}, re-run {b}"
                           for r, _, f, n, a, b in outcomes if f)
         raise RerunExit(EXIT_CODE_RESUME_TO_DISAMBIGUATE, True, (
@@ -367,6 +408,7 @@ class RerunStateMachine:
             "device fault from a real numerical problem"))
 
     def _rerun_from_checkpoint(self, body, iteration: int):
+        self._refuse_the_same_place(iteration)
         self.state = RerunState.RERUNNING_FROM_CHECKPOINT
         run = body()
         outcome = None
@@ -391,6 +433,27 @@ class RerunStateMachine:
             f"iteration {iteration}: result validation, re-run from the checkpoint: "
             + "; ".join(parts) + f". Exiting with code {EXIT_CODE_FAILED_ON_RESULT_VALIDATION}"))
 
+    def _refuse_the_same_place(self, iteration: int) -> None:
+        """A rank that re-checks its own result on the node and device that produced it (the
+        scheduler gave the job the same place again) learns nothing: as Megatron does, every
+        rank exits with :data:`EXIT_CODE_RESUME_TO_DISAMBIGUATE` again and saves nothing, so
+        the same checkpoint is resumed once more, elsewhere."""
+        here = node_and_device()
+        same = self.rerun_requested and (self.suspicious_node, self.suspicious_device) == here
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (self.rank, here) if same else None)
+        named = [f"rank {r} (node {n}, device {d})" for r, (n, d) in
+                 (o for o in everyone if o is not None)]
+        if not named:
+            return
+        self.state = RerunState.RERUNNING_AGAIN_FROM_CHECKPOINT
+        raise RerunExit(EXIT_CODE_RESUME_TO_DISAMBIGUATE, False, (
+            f"iteration {iteration}: result validation, re-run from the checkpoint: "
+            f"rescheduled on the node and device whose result it re-checks: "
+            f"{'; '.join(named)}. Nothing saved; exiting with code "
+            f"{EXIT_CODE_RESUME_TO_DISAMBIGUATE}: resume the same checkpoint again on other "
+            "nodes"))
+
     # ---- reports --------------------------------------------------------------------------
     def _track(self, status: str, values: List[float]) -> None:
         """--result-rejected-tracker-filename: one line per event, in Megatron's format."""
@@ -398,9 +461,10 @@ class RerunStateMachine:
             return
         import datetime
 
+        node, index = node_and_device()
         with open(self.tracker_filename, "a") as f:
-            f.write(f"ts={datetime.datetime.now()} node={os.uname()[1]} "
-                    f"device={device.current_device()} jobID={os.getenv('SLURM_JOBID', 'N/A')} rank={self.rank} "
+            f.write(f"ts={datetime.datetime.now()} node={node} device={index} "
+                    f"jobID={os.getenv('SLURM_JOBID', 'N/A')} rank={self.rank} "
                     f"iteration={self.current_iteration} status={status} result={_fmt(values)} "
                     f"message='{_message(self)}'\n")
 
@@ -422,7 +486,8 @@ class RerunStateMachine:
                 "restart_again_requested": False, "continue_requested": False,
                 "error_injector_checkpoint": self.injector.state_dict(),
                 "failed_validation_call": None, "initial_result": self.initial_result,
-                "suspicious_node": self.suspicious_node, "suspicious_device": None,
+                "suspicious_node": self.suspicious_node,
+                "suspicious_device": self.suspicious_device,
                 "data_iterator_checkpoints": None,
                 "large_value_counts": dict(self.large_value_counts),
                 "max_values": dict(self.max_values)}
@@ -457,6 +522,7 @@ class RerunStateMachine:
         self.initial_result = (None if sharded["initial_result"] is None
                                else [float(v) for v in sharded["initial_result"]])
         self.suspicious_node = sharded["suspicious_node"]
+        self.suspicious_device = sharded.get("suspicious_device")
         self.injector.load_state_dict(sharded["error_injector_checkpoint"])
         self.large_value_counts = dict(sharded.get("large_value_counts") or {})
         self.max_values = dict(sharded.get("max_values") or {})

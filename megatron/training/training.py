@@ -906,6 +906,9 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     train_state.rerun = rerun.build(args, args.rank)
     if train_state.rerun is not None:
         train_state.rerun.load_state_dict(train_state.rerun_checkpoint)
+        train_state.rerun.set_step_state(functools.partial(moe_logging.step_state, model),
+                                         functools.partial(moe_logging.restore_step_state,
+                                                           model))
     train_state.rerun_checkpoint = None
     try:
         calculator.check_reachable(train_state.consumed_train_samples, args.train_samples or 0)

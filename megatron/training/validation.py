@@ -63,8 +63,11 @@ def _validate_non_persistent(args) -> None:
     replication layout that fits the world (megatron/checkpoint/non_persistent.py)."""
     kind = args.non_persistent_ckpt_type
     if kind == "in_memory":
-        _fail("--non-persistent-ckpt-type in_memory is not built: a checkpoint held in memory "
-              "dies with the process, and recovery here restarts the processes; use local")
+        _fail("--non-persistent-ckpt-type in_memory is not implemented in Megatron-LM either: "
+              "its flag lists it as to be done (a local checkpoint that avoids serialization), "
+              "its argument check accepts only global and local, and its save raises "
+              "NotImplementedError for any other type; use local (with --replication for "
+              "copies on other nodes) or global")
     if args.non_persistent_save_interval is not None and kind is None:
         _fail("--non-persistent-save-interval needs --non-persistent-ckpt-type global or local")
     if (kind == "global" and args.non_persistent_save_interval is not None
@@ -761,13 +764,6 @@ def _validate_batch_and_schedule(args) -> None:
             and getattr(args, "use_torch_fsdp2", False)):
         _fail("--check-weight-hash-across-dp-replicas-interval compares whole replicas; with "
               "--use-torch-fsdp2 each rank holds a shard, so there is no replica to compare")
-    if args.rerun_mode != "disabled" and args.num_experts is not None:
-        _fail(f"--rerun-mode {args.rerun_mode} with --num-experts is not supported yet: a re-run "
-              "step would count its tokens per expert twice (aux-loss logging, expert-bias "
-              "updates); use --rerun-mode disabled")
-    if args.rerun_mode != "disabled" and getattr(args, "use_torch_fsdp2", False):
-        _fail(f"--rerun-mode {args.rerun_mode} with --use-torch-fsdp2 is not supported yet (the "
-              "re-run of a sharded step is not built); use --rerun-mode disabled")
 
 
 def _validate_masking(args) -> None:

@@ -124,7 +124,9 @@ def test_newest_complete_iteration_needs_every_rank_file_somewhere():
 
 @pytest.mark.parametrize("extra, message", [
     (["--non-persistent-ckpt-type", "in_memory"],
-     "--non-persistent-ckpt-type in_memory is not built: a checkpoint held in memory dies"),
+     "--non-persistent-ckpt-type in_memory is not implemented in Megatron-LM either: its "
+     "flag lists it as to be done (a local checkpoint that avoids serialization), its argument "
+     "check accepts only global and local, and its save raises NotImplementedError"),
     (["--non-persistent-save-interval", "2"],
      "--non-persistent-save-interval needs --non-persistent-ckpt-type global or local"),
     (["--non-persistent-save-interval", "2", "--non-persistent-ckpt-type", "global"],

@@ -166,10 +166,6 @@ def test_pad_vocab_size():
      r"--calculate-per-token-loss with --num-experts is not supported"),
     (["--mtp-num-layers", "1", "--calculate-per-token-loss"], 1,
      r"--calculate-per-token-loss with --mtp-num-layers is not supported"),
-    (["--num-experts", "4", "--no-bias-gelu-fusion", "--rerun-mode", "validate_results"], 1,
-     r"--rerun-mode validate_results with --num-experts is not supported yet"),
-    (["--use-torch-fsdp2", "--rerun-mode", "report_stats"], 2,
-     r"--rerun-mode report_stats with --use-torch-fsdp2 is not supported yet"),
 ])
 def test_validation_errors(extra, world, pattern):
     with pytest.raises(ArgumentsError, match=pattern):
