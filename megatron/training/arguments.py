@@ -351,10 +351,13 @@ def _add_checkpointing_args(parser):
     g.add_argument("--ckpt-step", type=int, default=None)
     g.add_argument("--use-checkpoint-args", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
-    g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
+    g.add_argument("--ckpt-format", type=str, default="torch",
+                   choices=["torch", "torch_dist", "fsdp_dtensor"],
                    help="torch: one model_optim_rng.pt per (tensor, pipeline) rank; torch_dist: "
                         "Megatron-Core's distributed checkpoint, every rank writing its own "
-                        "shards, loadable at any other parallel layout")
+                        "shards, loadable at any other parallel layout; fsdp_dtensor (fully "
+                        "sharded runs only): a DCP folder of FSDP's DTensor shards under "
+                        "Megatron-LM's keys for that format")
     g.add_argument("--use-dist-ckpt", action="store_true",
                    help="older spelling of --ckpt-format torch_dist")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",

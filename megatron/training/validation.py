@@ -49,6 +49,11 @@ def _validate_checkpoint_format(args) -> None:
               "convert --load to, and the folder to write it in)")
     if args.ckpt_convert_format is not None and not args.load:
         _fail("--ckpt-convert-format needs --load: the checkpoint to convert")
+    if args.ckpt_format == "fsdp_dtensor" and (args.save or args.load) \
+            and not args.use_torch_fsdp2:
+        from megatron.checkpoint.fsdp_dtensor import not_fully_sharded_error
+
+        _fail(not_fully_sharded_error("--ckpt-format fsdp_dtensor"))
     if args.num_experts is not None:   # after _validate_moe, which sets the expert-TP size
         try:
             build_checkpoint_config(args).check_expert_tensor_parallel(
