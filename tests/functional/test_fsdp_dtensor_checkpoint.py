@@ -77,3 +77,101 @@ def test_resume_is_bit_exact(corpus, tmp_path, fsdp):
         "__0_0.distcp", "__1_0.distcp"]
     assert not os.path.exists(os.path.join(iter_dir, "metadata.json"))
     assert _resume(corpus, save, fsdp) == straight[N:]
+
+
+@pytest.fixture(scope="module")
+def saved(corpus, tmp_path_factory):
+    """A DP=2 FSDP2 run (SwiGLU, untied output layer) saving fsdp_dtensor at iteration N, its
+    losses, and the same checkpoint converted under FSDP2 to the torch format."""
+    root = tmp_path_factory.mktemp("saved")
+    save, torch_dir = str(root / "fsdp_dtensor"), str(root / "torch")
+    straight = _straight(corpus, save, FSDP2)
+    run_on_ranks(run_pretrain, 2, _flags(corpus, FSDP2 + [
+        "--load", save, "--ckpt-step", str(N), "--ckpt-convert-format", "torch",
+        "--ckpt-convert-save", torch_dir]))
+    return save, torch_dir, straight
+
+
+def _dcp_entries(iter_dir, tmp_path):
+    """The folder as torch's own DCP reader sees it (our own file: its unpickling is fine)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = str(tmp_path / "flat.pt")
+    dcp_to_torch_save(iter_dir, out)
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow
+def test_keys_and_values_are_megatron_fsdp_dtensor_layout(saved, tmp_path):
+    save, torch_dir, _ = saved
+    flat = _dcp_entries(os.path.join(save, f"iter_{N:07d}"), tmp_path)
+    whole = torch.load(os.path.join(torch_dir, f"iter_{N:07d}", "mp_rank_00",
+                                    "model_optim_rng.pt"), weights_only=False)["model"]
+    lm = whole["language_model"]
+    layer = lm["encoder"]
+    ffn = layer["layers.0.mlp.dense_h_to_4h.weight"].shape[0] // 2
+    pairs = {
+        "embedding.word_embeddings.weight": lm["embedding"]["word_embeddings"]["weight"],
+        "decoder.layers.1.self_attention.linear_qkv.weight":
+            layer["layers.1.self_attention.query_key_value.weight"],
+        "decoder.layers.1.self_attention.linear_qkv.layer_norm_weight":
+            layer["layers.1.input_layernorm.weight"],
+        "decoder.layers.0.mlp.linear_fc1.weight_w": layer["layers.0.mlp.dense_h_to_4h.weight"][:ffn],
+        "decoder.layers.0.mlp.linear_fc1.weight_v": layer["layers.0.mlp.dense_h_to_4h.weight"][ffn:],
+        "decoder.layers.0.mlp.linear_fc2.weight": layer["layers.0.mlp.dense_4h_to_h.weight"],
+        "decoder.final_layernorm.weight": layer["final_layernorm.weight"],
+        "output_layer.weight": lm["output_layer"]["weight"],
+    }
+    for key, expected in pairs.items():
+        assert torch.equal(flat[f"model.module.{key}"], expected), key
+    state = "optimizer.state.module.module.module."
+    meta = "optimizer.param_to_group_meta.module.module.module."
+    model_keys = [k[len("model.module."):] for k in flat if k.startswith("model.module.")]
+    for key in model_keys:
+        for field in ("exp_avg", "exp_avg_sq", "step"):
+            assert f"{state}{key}.{field}" in flat, (key, field)
+        assert flat[f"{state}{key}.exp_avg"].shape == flat[f"model.module.{key}"].shape
+        assert f"{meta}{key}.lr" in flat and f"{meta}{key}.weight_decay" in flat
+    assert flat["iteration"] == N and flat["checkpoint_version"] == 3.0
+    assert flat["args"].ckpt_format == "fsdp_dtensor"
+    assert any(k.startswith("rng_state.(0, 0).1.") for k in flat)   # both DP ranks' states
+    assert "opt_param_scheduler.num_steps" in flat
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, extra", [
+    pytest.param(1, [], id="dp1"),
+    pytest.param(2, ["--tensor-model-parallel-size", "2"], id="tp2-dp1")])
+def test_loads_under_fsdp2_at_another_layout(corpus, saved, ranks, extra):
+    save, _, straight = saved
+    _close(_resume(corpus, save, FSDP2 + extra, ranks=ranks), straight[N:])
+
+
+@pytest.mark.slow
+def test_converted_under_fsdp2_it_resumes_without_fsdp(corpus, saved):
+    _, torch_dir, straight = saved
+    _close(_resume(corpus, torch_dir, [], fmt="torch"), straight[N:])
+
+
+@pytest.mark.slow
+def test_a_run_without_fsdp_refuses_it_in_one_line(corpus, saved):
+    save, _, _ = saved
+    with pytest.raises(AssertionError) as err:
+        _resume(corpus, save, [], fmt="torch")
+    line = [s for s in str(err.value).splitlines() if "fsdp_dtensor holds" in s]
+    assert line and "--ckpt-convert-format torch_dist" in line[0]
+
+
+@pytest.mark.slow
+def test_a_checkpoint_without_fsdp_continues_as_fsdp_dtensor(corpus, tmp_path):
+    """The reverse: torch_dist saved without FSDP, resumed under FSDP2 writing fsdp_dtensor,
+    and that checkpoint resumed again: the losses are the uninterrupted run's."""
+    first = str(tmp_path / "torch_dist")
+    out = run_on_ranks(run_pretrain, 2, _flags(corpus, ["--save", first, "--save-interval", "2"],
+                                               "torch_dist"))[-1]
+    straight = _losses(out)
+    second = str(tmp_path / "fsdp_dtensor")
+    out = run_on_ranks(run_pretrain, 2, _flags(corpus, FSDP2 + [
+        "--load", first, "--ckpt-step", "2", "--save", second, "--save-interval", str(N)]))[-1]
+    assert out["iteration"] == 2 * N
+    _close(_resume(corpus, second, FSDP2), straight[N:])
