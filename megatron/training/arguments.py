@@ -494,6 +494,9 @@ def _add_distributed_args(parser):
                    help="fully sharded data parallelism with PyTorch's FSDP2: every transformer "
                         "layer (and an untied embedding and output layer) sharded over the "
                         "data-parallel (x context-parallel) ranks, the optimizer on the shards")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="with FSDP2, build the model on the meta device and give each rank only "
+                        "its shards, with the weights an ordinary build gives")
     g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
                    dest="torch_fsdp2_reshard_after_forward",
                    help="with --use-torch-fsdp2, keep each layer's gathered parameters from its "

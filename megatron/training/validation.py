@@ -487,9 +487,22 @@ def _validate_megatron_fsdp(args) -> None:
               f"strategy optim) or drop it")
 
 
+def _validate_meta_device_init(args) -> None:
+    if not args.init_model_with_meta_device:
+        return
+    if not args.use_torch_fsdp2:
+        _fail("--init-model-with-meta-device needs a fully sharded run (--use-torch-fsdp2, or "
+              "--use-megatron-fsdp with --data-parallel-sharding-strategy optim_grads or "
+              "optim_grads_params): each rank materialises its FSDP shards; drop it otherwise")
+    if args.data_parallel_random_init:
+        _fail("--init-model-with-meta-device cannot be combined with --data-parallel-random-init "
+              "(there are no weights to broadcast before sharding); drop one")
+
+
 def _validate_torch_fsdp2(args) -> None:
     """--use-torch-fsdp2: FSDP2 owns the sharding and the gradient reduction; combinations it
     cannot serve (or that are not built on it yet) stop here in one line naming the flags."""
+    _validate_meta_device_init(args)
     if not args.use_torch_fsdp2:
         return
     name, instead = "--use-torch-fsdp2", "drop --use-torch-fsdp2"
