@@ -340,7 +340,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
     return os.path.join(args.save, checkpoint_dir_name(iteration))
 
 
-# -- loading -----------------------------------------------------------------------------------------
+# -- loading ----------------------------------------------------------------------------------
 
 def _nest(flat: Dict[str, Any]) -> Any:
     """The tree DCP flattened into ``flat`` (relative names), lists where every key of a level
