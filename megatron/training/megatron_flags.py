@@ -62,7 +62,6 @@ EXTRA_CHOICES = (
     ("--moe-router-load-balancing-type", "global_aux_loss", table.MODEL_VARIANT),
     ("--moe-router-load-balancing-type", "quantile_balancing", table.MODEL_VARIANT),
     ("--ckpt-format", "torch_dcp", "the torch_dcp format is not built yet; use torch_dist"),
-    ("--cp-comm-type", "a2a+p2p", table.CP_VARIANTS),
 )
 
 
