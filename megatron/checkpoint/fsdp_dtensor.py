@@ -382,9 +382,10 @@ def _read_entry(reader: DistCheckpointReader, key: str) -> Any:
     return reader.read(key)
 
 
-def _read_shard(reader, prefix: str, name: str, tensor: torch.Tensor, layout) -> torch.Tensor:
-    """This rank's shard of stored tensor(s) ``prefix + key`` for model tensor ``name``, in the
-    dtype and shape of ``tensor``'s local shard."""
+def _read_shard(reader, prefix, name: str, tensor: torch.Tensor, layout) -> torch.Tensor:
+    """This rank's shard of stored tensor(s) ``prefix + key`` (``prefix``: a string, or a
+    function of the key) for model tensor ``name``, in the dtype and shape of ``tensor``'s local
+    shard."""
     local = tensor.to_local()
     out = torch.empty(local.shape, dtype=local.dtype)
     covered = 0
@@ -402,13 +403,30 @@ def _read_shard(reader, prefix: str, name: str, tensor: torch.Tensor, layout) ->
     return out
 
 
-def _model_values(reader, named, layout) -> List[torch.Tensor]:
-    return [_read_shard(reader, MODEL_PREFIX, name, tensor, layout) for name, tensor in named]
+def _absent(reader, keys: List[str], strict: bool, missing: List[str]) -> bool:
+    """Whether any of ``keys`` is not in the checkpoint: an error naming it when ``strict``,
+    else noted in ``missing`` (the tensor then keeps its current value)."""
+    absent = [k for k in keys if k not in reader.metadata.state_dict_metadata]
+    if absent and strict:
+        raise DistCheckpointError(f"has no {absent[0]!r} (--no-strict-fsdp-dtensor-load loads "
+                                  "what is there and keeps the rest)")
+    missing += absent
+    return bool(absent)
 
 
-def _optimizer_state(reader, optimizer, named, layout) -> Tuple[dict, list]:
+def _model_values(reader, named, layout, strict: bool,
+                  missing: List[str]) -> List[Optional[torch.Tensor]]:
+    return [None if _absent(reader, [MODEL_PREFIX + k for k in stored_keys(name, t, layout)],
+                            strict, missing)
+            else _read_shard(reader, MODEL_PREFIX, name, t, layout) for name, t in named]
+
+
+def _optimizer_state(reader, optimizer, named, layout, strict: bool = True,
+                     missing: Optional[List[str]] = None) -> Tuple[dict, list]:
     """The inner torch optimizer's ``state`` (this rank's shards of the moments, as DTensors
-    laid out like their parameters) and each group's saved hyper-parameters."""
+    laid out like their parameters; a parameter whose moments are absent, when not ``strict``,
+    starts afresh) and each group's saved hyper-parameters."""
+    missing = [] if missing is None else missing
     inner = getattr(optimizer, "optimizer", optimizer)
     names = _param_names(named)
     state, metas = {}, []
@@ -417,10 +435,14 @@ def _optimizer_state(reader, optimizer, named, layout) -> Tuple[dict, list]:
         for param in group["params"]:
             name = names[id(param)]
             keys = stored_keys(name, param, layout)
+            if _absent(reader, [f"{STATE_PREFIX}{k}.{f}" for k in keys for f in MOMENTS],
+                       strict, missing):
+                continue
             entry = {}
             for field in MOMENTS:
                 local = _read_shard(reader, lambda k, f=field: f"{STATE_PREFIX}{k}.{f}", name,
-                                    param, layout).to(param.to_local().dtype)
+                                    param, layout).to(param.to_local().device,
+                                                      param.to_local().dtype)
                 entry[field] = DTensor.from_local(local, param.device_mesh, param.placements,
                                                   shape=param.shape, stride=param.stride())
             step_key = f"{STATE_PREFIX}{keys[0]}.step"
@@ -433,12 +455,13 @@ def _optimizer_state(reader, optimizer, named, layout) -> Tuple[dict, list]:
     return state, metas
 
 
-def _read_optimizer(reader, optimizer, named, layout, path: str) -> Tuple[dict, list, dict]:
+def _read_optimizer(reader, optimizer, named, layout, path: str, strict: bool,
+                    missing: List[str]) -> Tuple[dict, list, dict]:
     """The optimizer's state, its groups' saved hyper-parameters and the scheduler's state."""
     if not any(k.startswith(STATE_PREFIX) for k in reader.tensor_keys()):
         raise CheckpointError(f"{path}: has no optimizer state (saved with --no-save-optim?); "
                               "pass --no-load-optim or --finetune")
-    state, metas = _optimizer_state(reader, optimizer, named, layout)
+    state, metas = _optimizer_state(reader, optimizer, named, layout, strict, missing)
     schedule = read_tree(reader, "opt_param_scheduler")
     if schedule is None:
         raise CheckpointError(f"{path}: has no opt_param_scheduler state; pass "
@@ -459,6 +482,8 @@ def _apply_optimizer(optimizer, state: dict, metas: list) -> None:
 @torch.no_grad()
 def _copy_model(named, values) -> None:
     for (_, tensor), value in zip(named, values):
+        if value is None:
+            continue
         local = tensor.to_local()
         local.copy_(value.to(local.dtype))
 
@@ -487,14 +512,19 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     named = model_tensors(model_chunks)
     layout = layout_of(model_chunks, pstate)
     restore = not (args.finetune or release) and not weights_only
-    optim = None
+    optim, missing = None, []
+    strict = getattr(args, "strict_fsdp_dtensor_load", True)
     try:
-        values = _model_values(reader, named, layout)
+        values = _model_values(reader, named, layout, strict, missing)
         if restore and not args.no_load_optim:
-            optim = _read_optimizer(reader, optimizer, named, layout, iter_dir)
+            optim = _read_optimizer(reader, optimizer, named, layout, iter_dir, strict, missing)
         rng = read_tree(reader, rng_key(pstate)) if restore and not args.no_load_rng else None
     except (DistCheckpointError, UnsafeCheckpointError) as err:
         raise CheckpointError(f"{iter_dir}: does not fit this model: {err}") from None
+    if missing and dist.get_rank() == 0:
+        print(f"NOTE: {iter_dir}: {len(missing)} tensor(s) not in the checkpoint keep their "
+              f"current values (--no-strict-fsdp-dtensor-load): {', '.join(missing[:5])}"
+              f"{' ...' if len(missing) > 5 else ''}", flush=True)
     _copy_model(named, values)
     if optim is not None:
         _apply_optimizer(optimizer, optim[0], optim[1])

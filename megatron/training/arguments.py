@@ -363,6 +363,11 @@ def _add_checkpointing_args(parser):
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="accepted for Megatron's scripts, no effect here: loading always "
                         "detects the format of the checkpoint in --load")
+    g.add_argument("--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load",
+                   action="store_false", dest="strict_fsdp_dtensor_load",
+                   help="--ckpt-format fsdp_dtensor: load the tensors the checkpoint has and "
+                        "keep the current values of those it lacks (default: a missing tensor "
+                        "stops the load, naming it)")
     g.add_argument("--ckpt-convert-format", type=str, default=None,
                    choices=["torch", "torch_dist"],
                    help="after loading --load, save it in this format to --ckpt-convert-save "

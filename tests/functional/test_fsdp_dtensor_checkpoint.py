@@ -175,3 +175,37 @@ def test_a_checkpoint_without_fsdp_continues_as_fsdp_dtensor(corpus, tmp_path):
         "--load", first, "--ckpt-step", "2", "--save", second, "--save-interval", str(N)]))[-1]
     assert out["iteration"] == 2 * N
     _close(_resume(corpus, second, FSDP2), straight[N:])
+
+
+def _copy_without(src_root, dst_root, dropped):
+    """The checkpoint ``src_root`` rewritten (whole tensors, one writer) without key
+    ``dropped``."""
+    from megatron.checkpoint.dist import DistCheckpointReader, ObjectShard, TensorShard
+    from megatron.checkpoint.dist.writer import save_shards
+
+    name = f"iter_{N:07d}"
+    reader = DistCheckpointReader(os.path.join(src_root, name))
+    items = [TensorShard(k, reader.read(k), reader.shape(k), (0,) * len(reader.shape(k)))
+             for k in reader.tensor_keys() if k != dropped]
+    items += [ObjectShard(k, reader.read_object(k), listed=False) for k in reader.byte_keys()]
+    save_shards(os.path.join(dst_root, name), items, backend=False)
+    with open(os.path.join(dst_root, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(N))
+    return dst_root
+
+
+@pytest.mark.slow
+def test_a_missing_tensor_stops_the_load_unless_not_strict(corpus, saved, tmp_path, capfd):
+    save, _, straight = saved
+    dropped = "model.module.decoder.layers.1.self_attention.linear_proj.weight"
+    partial = _copy_without(save, str(tmp_path / "partial"), dropped)
+    with pytest.raises(AssertionError, match=f"has no '{dropped}'"):
+        _resume(corpus, partial, FSDP2)
+    capfd.readouterr()
+    losses = _resume(corpus, partial, FSDP2 + ["--no-strict-fsdp-dtensor-load"])
+    assert f"keep their current values (--no-strict-fsdp-dtensor-load): {dropped}" in \
+        capfd.readouterr().out
+    assert losses != straight[N:]   # that weight restarted from its initial value
+    # A rewritten folder with every key loads as the original (a check of the rewrite).
+    whole = _copy_without(save, str(tmp_path / "whole"), None)
+    assert _resume(corpus, whole, FSDP2) == straight[N:]
