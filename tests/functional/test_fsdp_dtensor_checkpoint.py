@@ -209,3 +209,15 @@ def test_a_missing_tensor_stops_the_load_unless_not_strict(corpus, saved, tmp_pa
     # A rewritten folder with every key loads as the original (a check of the rewrite).
     whole = _copy_without(save, str(tmp_path / "whole"), None)
     assert _resume(corpus, whole, FSDP2) == straight[N:]
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_writes_one_replica_and_resumes(corpus, tmp_path):
+    """HSDP (two replicas of DP 2 at DP 4): only replica 0 writes the shards (the tiling check
+    of the metadata would refuse a second copy); bit exact at the same layout, and it loads
+    under plain FSDP2 at DP 2."""
+    hsdp = MEGATRON_FSDP + ["--num-distributed-optimizer-instances", "2"]
+    save = str(tmp_path / "ckpt")
+    straight = _straight(corpus, save, hsdp, ranks=4)
+    assert _resume(corpus, save, hsdp, ranks=4) == straight[N:]
+    _close(_resume(corpus, save, FSDP2, ranks=2), straight[N:])
