@@ -13,7 +13,8 @@ from typing import Optional
 
 from megatron.core.config import ConfigError
 
-CHECKPOINT_FORMATS = ("torch", "torch_dist")
+CHECKPOINT_FORMATS = ("torch", "torch_dist", "fsdp_dtensor")
+CONVERT_FORMATS = ("torch", "torch_dist")   # --ckpt-convert-format: Megatron's choices
 
 
 def torch_format_expert_tp_error(tp_size: int, expert_tp_size: int, what: str,
@@ -45,7 +46,7 @@ class CheckpointConfig:
     pretrained_checkpoint: Optional[str] = None  # --pretrained-checkpoint
     ckpt_step: Optional[int] = None              # --ckpt-step: load this iteration
     exit_on_missing_checkpoint: bool = False     # --exit-on-missing-checkpoint
-    ckpt_format: str = "torch"                   # --ckpt-format torch | torch_dist
+    ckpt_format: str = "torch"                   # --ckpt-format torch|torch_dist|fsdp_dtensor
     async_save: bool = False                     # --async-save
     ckpt_convert_format: Optional[str] = None    # --ckpt-convert-format
     ckpt_convert_save: Optional[str] = None      # --ckpt-convert-save
@@ -59,11 +60,11 @@ class CheckpointConfig:
     replication_factor: int = 2                  # --replication-factor
 
     def __post_init__(self):
-        for flag, value in (("--ckpt-format", self.ckpt_format),
-                            ("--ckpt-convert-format", self.ckpt_convert_format)):
-            if value is not None and value not in CHECKPOINT_FORMATS:
-                raise ConfigError(f"{flag} must be one of {', '.join(CHECKPOINT_FORMATS)}, "
-                                  f"got {value!r}")
+        for flag, value, allowed in (
+                ("--ckpt-format", self.ckpt_format, CHECKPOINT_FORMATS),
+                ("--ckpt-convert-format", self.ckpt_convert_format, CONVERT_FORMATS)):
+            if value is not None and value not in allowed:
+                raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
         if (self.ckpt_convert_format is None) != (self.ckpt_convert_save is None):
             raise ConfigError("--ckpt-convert-format and --ckpt-convert-save go together (the "
                               "format to convert --load to, and the folder to write it in)")

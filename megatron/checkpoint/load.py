@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import experts, non_persistent, torch_dist
+from megatron.checkpoint import experts, fsdp_dtensor, non_persistent, torch_dist
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
@@ -198,6 +198,9 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
     if located is None:
         return 0
     path, iteration, release = located
+    if not isinstance(path, _EPReshard) and fsdp_dtensor.is_fsdp_dtensor_checkpoint(path):
+        return _load_fsdp_dtensor(path, iteration, release, model_chunks, optimizer,
+                                  opt_param_scheduler, args, pstate, train_state)
     if not isinstance(path, _EPReshard) and is_dist_checkpoint(path):
         return _load_dist(path, iteration, release, model_chunks, optimizer, opt_param_scheduler,
                           args, pstate, train_state)
@@ -301,6 +304,21 @@ def _load_dist(iter_dir, iteration, release, model_chunks, optimizer, opt_param_
     return iteration
 
 
+def _load_fsdp_dtensor(iter_dir, iteration, release, model_chunks, optimizer,
+                       opt_param_scheduler, args, pstate,
+                       train_state: Optional[TrainState]) -> int:
+    saved = fsdp_dtensor.load_checkpoint(iter_dir, iteration, release, model_chunks, optimizer,
+                                         opt_param_scheduler, args, pstate)
+    if args.finetune or release:
+        iteration = 0
+    elif train_state is not None:
+        train_state.restore_from_saved_args(saved)
+    if dist.get_rank() == 0:
+        print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
+              f"({fsdp_dtensor.FORMAT})", flush=True)
+    return iteration
+
+
 def _saved_args_in(load_dir: str, what: str) -> argparse.Namespace:
     """The args saved in the checkpoint ``load_dir``'s tracker names, in this project's
     conventions (:func:`megatron_args`); ``what`` names the flag that asked, for errors."""
@@ -309,7 +327,9 @@ def _saved_args_in(load_dir: str, what: str) -> argparse.Namespace:
         raise CheckpointError(f"{what}: no {TRACKER_FILENAME} in {load_dir}")
     iteration, release = tracked
     iter_dir = iteration_dir(load_dir, iteration, release)
-    if is_dist_checkpoint(iter_dir):
+    if fsdp_dtensor.is_fsdp_dtensor_checkpoint(iter_dir):
+        saved = megatron_args(fsdp_dtensor.saved_args(iter_dir))
+    elif is_dist_checkpoint(iter_dir):
         saved = megatron_args(torch_dist.saved_args(iter_dir))
     else:
         _, saved_pp, saved_ep = saved_sizes(iter_dir)
@@ -379,6 +399,13 @@ def load_model_weights(model_chunks, args, pstate) -> int:
         raise CheckpointError(f"--load {args.load}: no {TRACKER_FILENAME}; not a checkpoint "
                               "folder")
     path, iteration, release = _locate(args.load, args, pstate)
+    if not isinstance(path, _EPReshard) and fsdp_dtensor.is_fsdp_dtensor_checkpoint(path):
+        fsdp_dtensor.load_checkpoint(path, iteration, release, model_chunks, None, None, args,
+                                     pstate, weights_only=True)
+        if dist.get_rank() == 0:
+            print(f"  loaded model weights from {args.load} at iteration {iteration}",
+                  flush=True)
+        return iteration
     if not isinstance(path, _EPReshard) and is_dist_checkpoint(path):
         torch_dist.load_checkpoint(path, iteration, release, model_chunks, None, None, args,
                                    pstate, weights_only=True)

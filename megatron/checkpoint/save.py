@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import torch_dist
+from megatron.checkpoint import fsdp_dtensor, torch_dist
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.checkpoint.layout import my_file
 from megatron.checkpoint.publish import begin_save, finish_save
@@ -45,6 +45,9 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         config: checkpoint options to use instead of the flags of the same names in ``args``.
     """
     args = checkpoint_args(args, config, train_state)
+    if getattr(args, "ckpt_format", "torch") == fsdp_dtensor.FORMAT:
+        return fsdp_dtensor.save_checkpoint(iteration, model_chunks, optimizer,
+                                            opt_param_scheduler, args, pstate)
     if getattr(args, "ckpt_format", "torch") == "torch_dist":
         return torch_dist.save_checkpoint(iteration, model_chunks, optimizer,
                                           opt_param_scheduler, args, pstate)
@@ -76,6 +79,11 @@ class AsyncCheckpointSaver:
         """Start the save of ``iteration``, as :func:`save_checkpoint` takes its arguments."""
         self.wait()
         args = checkpoint_args(args, config, train_state)
+        if getattr(args, "ckpt_format", "torch") == fsdp_dtensor.FORMAT:
+            # Written in the foreground: each rank's shards are its own, nothing to gather.
+            save_checkpoint(iteration, model_chunks, optimizer, opt_param_scheduler, args,
+                            pstate)
+            return
         if getattr(args, "ckpt_format", "torch") == "torch_dist":
             self._in_flight = torch_dist.start_async(
                 iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)

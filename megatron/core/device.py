@@ -5,12 +5,14 @@ Everything else asks this module for the device and the backend; no other module
 on first use (CUDA when available, else CPU).
 """
 
+import contextlib
 import os
 from typing import Optional
 
 import torch
 
 _DEVICE: Optional[torch.device] = None
+_PLACEMENT: list = []   # stack of devices model tensors are placed on (placing_tensors_on)
 
 VALID_CHOICES = ("auto", "cpu", "cuda")
 
@@ -45,14 +47,32 @@ def configure(choice: str = "auto", local_rank: Optional[int] = None) -> torch.d
 
 
 def current_device() -> torch.device:
-    """The device model tensors and communication buffers live on."""
+    """The device model tensors and communication buffers live on (the meta device while a
+    model is built there: :func:`placing_tensors_on`)."""
+    if _PLACEMENT:
+        return _PLACEMENT[-1]
+    return _run_device()
+
+
+def _run_device() -> torch.device:
     if _DEVICE is None:
         configure("auto")
     return _DEVICE
 
 
+@contextlib.contextmanager
+def placing_tensors_on(place: Optional[torch.device]):
+    """Inside, :func:`current_device` answers ``place`` (None: the run's device), so a model
+    built here puts its tensors there; the RNG and backend stay the run's device's."""
+    _PLACEMENT.append(place if place is not None else _run_device())
+    try:
+        yield
+    finally:
+        _PLACEMENT.pop()
+
+
 def is_cuda() -> bool:
-    return current_device().type == "cuda"
+    return _run_device().type == "cuda"
 
 
 def backend() -> str:

@@ -6,7 +6,7 @@ import zlib
 
 import torch
 
-from megatron.core import device
+from megatron.core import device, meta_init
 
 
 def openai_gelu(x: torch.Tensor) -> torch.Tensor:
@@ -43,6 +43,6 @@ def init_rng(init_seed: int, piece: str):
     caller's random streams (data order, dropout) untouched.
     """
     devices = [torch.cuda.current_device()] if device.is_cuda() else []
-    with torch.random.fork_rng(devices=devices):
+    with torch.random.fork_rng(devices=devices), meta_init.piece(piece):
         device.manual_seed(piece_seed(init_seed, piece))
         yield

@@ -402,15 +402,23 @@ def _add_checkpointing_args(parser):
                    help="with --use-checkpoint-args: keep this run's tokenizer flags instead of "
                         "the checkpoint's --tokenizer-type, --tokenizer-model, --tiktoken-pattern")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
-    g.add_argument("--ckpt-format", type=str, default="torch", choices=["torch", "torch_dist"],
+    g.add_argument("--ckpt-format", type=str, default="torch",
+                   choices=["torch", "torch_dist", "fsdp_dtensor"],
                    help="torch: one model_optim_rng.pt per (tensor, pipeline) rank; torch_dist: "
                         "Megatron-Core's distributed checkpoint, every rank writing its own "
-                        "shards, loadable at any other parallel layout")
+                        "shards, loadable at any other parallel layout; fsdp_dtensor (fully "
+                        "sharded runs only): a DCP folder of FSDP's DTensor shards under "
+                        "Megatron-LM's keys for that format")
     g.add_argument("--use-dist-ckpt", action="store_true",
                    help="older spelling of --ckpt-format torch_dist")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",
                    help="accepted for Megatron's scripts, no effect here: loading always "
                         "detects the format of the checkpoint in --load")
+    g.add_argument("--no-strict-fsdp-dtensor-load", "--disable-strict-fsdp-dtensor-load",
+                   action="store_false", dest="strict_fsdp_dtensor_load",
+                   help="--ckpt-format fsdp_dtensor: load the tensors the checkpoint has and "
+                        "keep the current values of those it lacks (default: a missing tensor "
+                        "stops the load, naming it)")
     g.add_argument("--ckpt-convert-format", type=str, default=None,
                    choices=["torch", "torch_dist"],
                    help="after loading --load, save it in this format to --ckpt-convert-save "
@@ -543,6 +551,9 @@ def _add_distributed_args(parser):
                    help="fully sharded data parallelism with PyTorch's FSDP2: every transformer "
                         "layer (and an untied embedding and output layer) sharded over the "
                         "data-parallel (x context-parallel) ranks, the optimizer on the shards")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="with FSDP2, build the model on the meta device and give each rank only "
+                        "its shards, with the weights an ordinary build gives")
     g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
                    dest="torch_fsdp2_reshard_after_forward",
                    help="with --use-torch-fsdp2, keep each layer's gathered parameters from its "

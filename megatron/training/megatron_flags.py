@@ -62,9 +62,6 @@ EXTRA_CHOICES = (
     ("--moe-router-load-balancing-type", "global_aux_loss", table.MODEL_VARIANT),
     ("--moe-router-load-balancing-type", "quantile_balancing", table.MODEL_VARIANT),
     ("--ckpt-format", "torch_dcp", "the torch_dcp format is not built yet; use torch_dist"),
-    ("--ckpt-format", "fsdp_dtensor", "the fsdp_dtensor format is not built yet; use "
-                                      "torch_dist (with --use-megatron-fsdp it holds whole "
-                                      "tensors and loads at any data-parallel size)"),
 )
 
 

@@ -33,6 +33,7 @@ from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training import hooks as training_hooks
+from megatron.training import meta_device_init
 from megatron.training import log as training_log
 from megatron.training import (memory_accounting, moe_logging, numerics, rerun, save_extras,
                                stragglers, watchdog)
@@ -244,11 +245,18 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     """
     configs = _training_configs(configs or build_configs(args))
     ddp_config = configs.ddp
-    modules = [m.to(device.current_device()) for m in build_model_chunks(model_provider, pstate)]
+    build = functools.partial(build_model_chunks, model_provider, pstate)
+    on_meta = getattr(args, "init_model_with_meta_device", False)
+    if on_meta:
+        modules, pieces, rng = meta_device_init.build_on_meta(build)
+    else:
+        modules = [m.to(device.current_device()) for m in build()]
     n_params = sum(p.numel() for m in modules for p in m.parameters())
     print_rank_0(f" > number of parameters on (tensor, pipeline) model parallel rank "
                  f"({pstate.tp_rank}, {pstate.pp_rank}): {n_params}")
     chunks = [wrap_for_data_parallel(module, args, pstate, ddp_config) for module in modules]
+    if on_meta:
+        meta_device_init.materialise(modules, build, pieces, rng)
     fsdp2 = ddp_config.use_torch_fsdp2
     optimizer = get_megatron_optimizer(configs.optimizer, chunks,
                                        mp_group=pstate.model_parallel_group,

@@ -50,6 +50,11 @@ def _validate_checkpoint_format(args) -> None:
               "convert --load to, and the folder to write it in)")
     if args.ckpt_convert_format is not None and not args.load:
         _fail("--ckpt-convert-format needs --load: the checkpoint to convert")
+    if args.ckpt_format == "fsdp_dtensor" and (args.save or args.load) \
+            and not args.use_torch_fsdp2:
+        from megatron.checkpoint.fsdp_dtensor import not_fully_sharded_error
+
+        _fail(not_fully_sharded_error("--ckpt-format fsdp_dtensor"))
     if args.num_experts is not None:   # after _validate_moe, which sets the expert-TP size
         try:
             build_checkpoint_config(args).check_expert_tensor_parallel(
@@ -507,9 +512,22 @@ def _validate_megatron_fsdp(args) -> None:
               f"strategy optim) or drop it")
 
 
+def _validate_meta_device_init(args) -> None:
+    if not args.init_model_with_meta_device:
+        return
+    if not args.use_torch_fsdp2:
+        _fail("--init-model-with-meta-device needs a fully sharded run (--use-torch-fsdp2, or "
+              "--use-megatron-fsdp with --data-parallel-sharding-strategy optim_grads or "
+              "optim_grads_params): each rank materialises its FSDP shards; drop it otherwise")
+    if args.data_parallel_random_init:
+        _fail("--init-model-with-meta-device cannot be combined with --data-parallel-random-init "
+              "(there are no weights to broadcast before sharding); drop one")
+
+
 def _validate_torch_fsdp2(args) -> None:
     """--use-torch-fsdp2: FSDP2 owns the sharding and the gradient reduction; combinations it
     cannot serve (or that are not built on it yet) stop here in one line naming the flags."""
+    _validate_meta_device_init(args)
     if not args.use_torch_fsdp2:
         return
     name, instead = "--use-torch-fsdp2", "drop --use-torch-fsdp2"

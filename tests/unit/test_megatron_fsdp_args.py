@@ -132,11 +132,25 @@ def test_distributed_optimizer_instances_without_megatron_fsdp_are_refused():
     assert "needs --use-megatron-fsdp" in message
 
 
-def test_fsdp_dtensor_format_is_refused_with_what_to_use():
+@pytest.mark.parametrize("strategy", ["optim_grads", "optim_grads_params"])
+def test_fsdp_dtensor_format_is_accepted_when_fsdp2_shards_the_model(strategy):
+    args = _validated(MEGATRON_FSDP + ["--data-parallel-sharding-strategy", strategy,
+                                       "--ckpt-format", "fsdp_dtensor", "--save", "/tmp/x"])
+    assert args.ckpt_format == "fsdp_dtensor" and args.use_torch_fsdp2
+
+
+@pytest.mark.parametrize("extra", [
+    ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "no_shard"],
+    ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
+    []])
+@pytest.mark.parametrize("where", [["--save", "/tmp/x"], ["--load", "/tmp/x"]])
+def test_fsdp_dtensor_format_without_fsdp2_is_refused_with_what_to_use(extra, where):
     with pytest.raises((ArgumentsError, SystemExit)) as err:
-        _validated(MEGATRON_FSDP + ["--ckpt-format", "fsdp_dtensor"])
+        _validated(extra + ["--no-gradient-accumulation-fusion", "--ckpt-format",
+                            "fsdp_dtensor", *where])
     message = str(err.value)
-    assert "fsdp_dtensor" in message and "torch_dist" in message and "\n" not in message
+    assert "fsdp_dtensor" in message and "--ckpt-convert-format torch_dist" in message
+    assert "\n" not in message
 
 
 @pytest.mark.parametrize("strategy", ["optim", "optim_grads_params"])

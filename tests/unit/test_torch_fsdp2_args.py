@@ -66,3 +66,25 @@ def test_bf16_builds_fp32_weights_under_fsdp2_only():
         args.padded_vocab_size = 128
         configs = build_configs(args)
         assert configs.model.params_dtype == want and configs.model.bf16
+
+
+def test_meta_device_init_needs_a_fully_sharded_run():
+    message = _meta_refusal([])
+    assert "--init-model-with-meta-device needs a fully sharded run" in message
+    assert "\n" not in message
+
+
+def test_meta_device_init_refuses_data_parallel_random_init():
+    message = _meta_refusal(["--use-torch-fsdp2", "--data-parallel-random-init"])
+    assert "--data-parallel-random-init" in message and "\n" not in message
+
+
+def _meta_refusal(extra):
+    with pytest.raises((ArgumentsError, SystemExit)) as err:
+        _validated(extra + ["--init-model-with-meta-device"])
+    return str(err.value)
+
+
+def test_meta_device_init_is_accepted_with_fsdp2():
+    assert _validated(["--use-torch-fsdp2", "--init-model-with-meta-device"]) \
+        .init_model_with_meta_device

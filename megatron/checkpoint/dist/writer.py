@@ -60,10 +60,13 @@ class TensorShard:
 
 @dataclasses.dataclass
 class ObjectShard:
-    """A byte entry: ``obj`` stored under ``fqn`` (see :func:`keys.object_key`)."""
+    """A byte entry: ``obj`` stored under ``fqn`` (see :func:`keys.object_key`), as
+    Megatron-Core's ``torch.save([obj])``; ``listed=False``: as ``torch.save(obj)``, what
+    ``torch.distributed.checkpoint.save`` writes for a plain object."""
 
     fqn: str
     obj: Any
+    listed: bool = True
 
 
 @dataclasses.dataclass
@@ -123,12 +126,12 @@ class ShardWriter:
         self.records.append(Record(key, self.file, offset, length, global_offset,
                                    tuple(tensor.shape), global_shape, tensor.dtype))
 
-    def add_object(self, fqn: str, obj: Any) -> None:
-        """Store ``obj`` as the byte entry ``fqn``, as ``torch.save([obj])``. The common state
-        is also written to ``common.pt`` beside it: Megatron-Core releases up to 0.16 read it
-        from there, later ones from the byte entry."""
+    def add_object(self, fqn: str, obj: Any, listed: bool = True) -> None:
+        """Store ``obj`` as the byte entry ``fqn``, as ``torch.save([obj])`` (``listed=False``:
+        ``torch.save(obj)``). The common state is also written to ``common.pt`` beside it:
+        Megatron-Core releases up to 0.16 read it from there, later ones from the byte entry."""
         buf = io.BytesIO()
-        torch.save([obj], buf)
+        torch.save([obj] if listed else obj, buf)
         offset, length = self._append(buf.getbuffer())
         self.records.append(Record(fqn, self.file, offset, length))
         if fqn == COMMON_STATE_FQN:
@@ -142,7 +145,7 @@ class ShardWriter:
             if isinstance(item, TensorShard):
                 self.add_tensor(item.key, item.tensor, item.global_shape, item.global_offset)
             else:
-                self.add_object(item.fqn, item.obj)
+                self.add_object(item.fqn, item.obj, item.listed)
 
     def close(self) -> List[Record]:
         if not self._f.closed:
@@ -231,27 +234,30 @@ def _write_atomic(path: str, payload: bytes) -> None:
     os.replace(path + ".tmp", path)
 
 
-def write_metadata(path: str, records: Iterable[Record]) -> Metadata:
+def write_metadata(path: str, records: Iterable[Record], backend: bool = True) -> Metadata:
     """Write ``metadata.json`` and then ``.metadata`` (last, atomically) for ``records``; the
-    data files they name must already be complete (``ShardWriter.close``)."""
+    data files they name must already be complete (``ShardWriter.close``). ``backend=False``:
+    no ``metadata.json`` (a plain ``torch.distributed.checkpoint`` folder)."""
     import pickle
 
     metadata = build_metadata(records, checkpoint_id=path)
     for name in sorted({info.relative_path for info in metadata.storage_data.values()}):
         fsync_path(os.path.join(path, name))
-    backend = {"sharded_backend": BACKEND, "sharded_backend_version": BACKEND_VERSION}
-    _write_atomic(os.path.join(path, BACKEND_FILE), json.dumps(backend).encode())
+    if backend:
+        config = {"sharded_backend": BACKEND, "sharded_backend_version": BACKEND_VERSION}
+        _write_atomic(os.path.join(path, BACKEND_FILE), json.dumps(config).encode())
     _write_atomic(os.path.join(path, METADATA_FILE), pickle.dumps(metadata))
     fsync_path(path)
     return metadata
 
 
-def save_shards(path: str, items: Iterable, group=None) -> Optional[Metadata]:
+def save_shards(path: str, items: Iterable, group=None,
+                backend: bool = True) -> Optional[Metadata]:
     """Every rank of ``group`` (default: the whole job; None and no process group: this
     process alone) writes its ``items`` (:class:`TensorShard` / :class:`ObjectShard`) to its
     own data file in ``path``; rank 0 then writes the metadata. Collective: every rank must
     call it, with items that together tile every tensor once. Returns the metadata on rank 0
-    (None elsewhere).
+    (None elsewhere). ``backend``: as for :func:`write_metadata`.
 
     Raises:
         DistCheckpointWriteError: on every rank, when the records do not form a checkpoint
@@ -276,7 +282,7 @@ def save_shards(path: str, items: Iterable, group=None) -> Optional[Metadata]:
     if not distributed:
         if error:
             raise DistCheckpointWriteError(error)
-        return write_metadata(path, records)
+        return write_metadata(path, records, backend)
     gathered = [None] * dist.get_world_size(group) if rank == 0 else None
     dst = dist.get_global_rank(group, 0) if group is not None else 0
     dist.gather_object((records, error), gathered, dst=dst, group=group)
@@ -286,7 +292,7 @@ def save_shards(path: str, items: Iterable, group=None) -> Optional[Metadata]:
         errors = [e for _, e in gathered if e]
         if not errors:
             try:
-                metadata = write_metadata(path, [r for rs, _ in gathered for r in rs])
+                metadata = write_metadata(path, [r for rs, _ in gathered for r in rs], backend)
             except DistCheckpointWriteError as err:
                 errors.append(str(err))
         outcome = ["; ".join(errors) or None]

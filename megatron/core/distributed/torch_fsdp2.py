@@ -35,6 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from megatron.core import device
+
 # Attributes that say how a parameter is split, shared or grouped; kept across sharding.
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
                     "sequence_parallel", "sum_grad_over_tp", "shared", "allreduce",
@@ -158,6 +160,8 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
                       for name, p in module.named_parameters()}
         device_type = next(module.parameters()).device.type
+        if device_type == "meta":   # built on the meta device: allocated after sharding
+            device_type = device.current_device().type
         self.mesh, self._shard_group = _data_parallel_mesh(dp_group, device_type, replicas)
         if reduce_dtype is None and compute_dtype is not None:
             reduce_dtype = torch.float32

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parameter import Parameter
 
-from megatron.core import device
+from megatron.core import device, meta_init
 from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.tensor_parallel.mappings import (gather_along_first_dim,
                                                     gather_from_tensor_model_parallel_region,
@@ -87,6 +87,8 @@ def _initialize_affine_weight_cpu(weight: Parameter, full_shape: Tuple[int, int]
     tp_size = get_group_size(tp_group)
     tp_rank = get_group_rank(tp_group)
     set_tensor_model_parallel_attributes(weight, True, partition_dim, stride)
+    if weight.is_meta and meta_init.skips_draws():
+        return   # built on the meta device: the values come when the piece is materialised
     master_dtype = torch.promote_types(weight.dtype, torch.float32)
     master = torch.empty(full_shape, dtype=master_dtype, device="cpu", requires_grad=False)
     init_method(master)
