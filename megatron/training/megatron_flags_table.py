@@ -127,8 +127,6 @@ MEMORY_TOOLS = ("CUDA memory snapshots, NVTX ranges and extra profiler outputs a
 QK_CLIP = "QK-clip and attention-logit logging are not built yet; drop it"
 MODEL_VARIANT = "this model variant is not built yet; drop it"
 FORCE_BALANCE = "forced (random) router balancing is a benchmark switch, not built here; drop it"
-MOE_RECOMPUTE = ("recomputing MoE layers is not built yet; use --recompute-granularity full, or "
-                 "selective (core attention)")
 DUMPS = "dumping parameters, activations or gradients during training is not built yet; drop it"
 TRAINING_EXTRAS = "this training-loop option is not built yet; drop it"
 CKPT_EXTRAS = "this checkpoint-loading option is not built yet; drop it"
@@ -139,8 +137,6 @@ TOKENIZER_EXTRAS = ("this tokenizer option is not built yet; drop it (tokenizers
                     "--tokenizer-type, --tokenizer-model, --vocab-file and --merge-file)")
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
               "drop it and give local paths")
-EVAL_MICRO_BATCH = ("evaluation with its own micro-batch size is not built yet; drop it "
-                    "(evaluation uses --micro-batch-size; --eval-global-batch-size works)")
 PARAM_GROUPS = "custom parameter groups are not built yet; drop it"
 VERIFY_INTEGRITY = ("Megatron-LM's checkpoint integrity verification is not built yet; drop it "
                     "(every load here checks each key and shape, and the model-shape flags, "
@@ -169,7 +165,6 @@ ROWS = (
     ('--max-seqlen-per-dp-cp-rank', '', 'int', None, '', REFUSED, CP_VARIANTS),
     ('--hybrid-context-parallel', '', 'true', False, '', REFUSED, MAMBA),
     ('--expert-tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
-    ('--no-initialization', 'perform_initialization', 'false', True, '', REFUSED, CKPT_EXTRAS),
     ('--tp-comm-overlap', '', 'true', False, '', REFUSED, TP_OVERLAP),
     ('--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad', 'tp_comm_bulk_wgrad',
      'false', True, '', REFUSED, TP_OVERLAP),
@@ -232,7 +227,6 @@ ROWS = (
     ('--linear-value-head-dim', '', 'int', 128, '', REFUSED, ATTN_VARIANT),
     ('--linear-num-key-heads', '', 'int', 16, '', REFUSED, ATTN_VARIANT),
     ('--linear-num-value-heads', '', 'int', 32, '', REFUSED, ATTN_VARIANT),
-    ('--init-model-with-meta-device', '', 'true', False, '', REFUSED, FSDP),
     ('--use-mup', '', 'true', False, '', REFUSED, MUP),
     ('--mup-width-mult', '', 'float', 1.0, '', REFUSED, MUP),
     ('--mup-base-hidden-size', '', 'int', None, '', REFUSED, MUP),
@@ -362,16 +356,10 @@ ROWS = (
     ('--memory-snapshot-path', '', 'str', 'snapshot.pickle', '', REFUSED, MEMORY_TOOLS),
     ('--record-shapes', '', 'true', False, '', NO_EFFECT, PROFILER),
     ('--nvtx-ranges', '', 'true', False, '', REFUSED, MEMORY_TOOLS),
-    ('--step-batch-size-schedule', '', 'str', None, '', REFUSED, TRAINING_EXTRAS),
-    ('--decrease-batch-size-if-needed', '', 'true', False, '', REFUSED, TRAINING_EXTRAS),
     ('--gpu-sniff-test-interval', '', 'int', None, '', REFUSED, GPU_SNIFF),
     ('--train-sync-interval', '', 'int', None, '', NO_EFFECT, SCHEDULE),
     ('--exit-signal', '', 'signal', signal.SIGTERM, '', WORKS, None),
-    ('--exit-signal-handler-for-dataloader', '', 'true', False, '', REFUSED, TRAINING_EXTRAS),
     ('--exit-signal-handler-for-training', '', 'true', False, '', REFUSED, TRAINING_EXTRAS),
-    ('--no-manual-gc-eval --disable-manual-gc-eval', 'manual_gc_eval',
-     'false', True, '', REFUSED, TRAINING_EXTRAS),
-    ('--iterations-to-skip', '', 'int+', [], '', REFUSED, TRAINING_EXTRAS),
     ('--no-check-for-nan-in-loss-and-grad', 'check_for_nan_in_loss_and_grad',
      'false', True, '', WORKS, None),
     ('--tp-comm-overlap-cfg', '', 'str', None, '', REFUSED, TP_OVERLAP),
@@ -445,10 +433,6 @@ ROWS = (
     ('--save-dgrads-interval', '', 'int', None, '', REFUSED, DUMPS),
     ('--save-retain-interval', '', 'int', None, '', WORKS, None),
     ('--load-main-params-from-ckpt', '', 'true', False, '', REFUSED, LOAD_MAIN_PARAMS),
-    ('--use-mp-args-from-checkpoint-args', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
-    ('--no-use-tokenizer-model-from-checkpoint-args '
-     '--disable-use-tokenizer-model-from-checkpoint-args',
-     'use_tokenizer_model_from_checkpoint_args', 'false', True, '', REFUSED, CKPT_EXTRAS),
     ('--ckpt-convert-update-legacy-dist-opt-format', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
     ('--async-strategy', '', 'str', 'nvrx', 'nvrx|mcore', NO_EFFECT, ASYNC_CKPT),
     ('--use-persistent-ckpt-worker', '', 'true', False, '', NO_EFFECT, ASYNC_CKPT),
@@ -467,8 +451,6 @@ ROWS = (
     ('--ckpt-pg-tensors-cache-create', '', 'true', False, '', REFUSED, NON_PERSISTENT),
     ('--no-ckpt-load-validate-sharding-integrity --disable-ckpt-load-validate-sharding-integrity',
      'ckpt_load_validate_sharding_integrity', 'false', True, '', NO_EFFECT, CKPT_PERF),
-    ('--no-strict-fsdp-dtensor-load --disable-strict-fsdp-dtensor-load',
-     'strict_fsdp_dtensor_load', 'false', True, '', REFUSED, FSDP),
     ('--dist-ckpt-save-pre-mcore-014', '', 'true', False, '', REFUSED, PRE_MCORE_014),
     ('--dist-ckpt-optim-fully-reshardable', '', 'true', False, '', NO_EFFECT, RESHARDABLE),
     ('--distrib-optim-fully-reshardable-mem-efficient', '',
@@ -532,9 +514,7 @@ ROWS = (
     ('--keep-fp8-transpose-cache', '', 'true', False, '', REFUSED, FSDP),
     ('--enable-full-sharding-in-hsdp', '', 'true', False, '', REFUSED, FSDP),
     ('--fake-process-group', '', 'true', False, '', REFUSED, TESTING),
-    ('--start-eval-at-iter', '', 'int', None, '', REFUSED, TRAINING_EXTRAS),
     ('--eval-global-batch-size', '', 'int', None, '', WORKS, None),
-    ('--eval-micro-batch-size', '', 'int', None, '', REFUSED, EVAL_MICRO_BATCH),
     ('--test-mode', '', 'true', False, '', REFUSED, TESTING),
     ('--full-validation', '', 'true', False, '', REFUSED, DATA_EXTRAS),
     ('--multiple-validation-sets', '', 'true', False, '', REFUSED, DATA_EXTRAS),
@@ -549,8 +529,6 @@ ROWS = (
     ('--mid-level-dataset-surplus', '', 'float', 0.005, '', REFUSED, DATA_EXTRAS),
     ('--allow-ambiguous-pad-tokens', '', 'true', False, '', REFUSED, DATA_EXTRAS),
     ('--padded-vocab-size', '', 'int', None, '', WORKS, None),
-    ('--no-pad-vocab-size --disable-pad-vocab-size', 'pad_vocab_size',
-     'false', True, '', REFUSED, TOKENIZER_EXTRAS),
     ('--tokenizer-metadata', 'metadata_path', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--tokenizer-sentencepiece-legacy', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--no-tokenizer-sentencepiece-ignore-extra-whitespaces '
@@ -558,7 +536,6 @@ ROWS = (
      'tokenizer_sentencepiece_ignore_extra_whitespaces', 'false', True, '', REFUSED,
      TOKENIZER_EXTRAS),
     ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, HF_SLOW),
-    ('--tokenizer-hf-no-include-special-tokens', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--trust-remote-code', '', 'true', False, '', REFUSED, REMOTE_CODE),
     ('--null-tokenizer-pad-id', '', 'int', -1, '', REFUSED, NULL_PAD),
     ('--chat-template', '', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
