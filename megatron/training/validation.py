@@ -739,7 +739,7 @@ def _validate_moe(args) -> None:
               "(as in Megatron)")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
-    gelu = not (args.swiglu or args.squared_relu or args.openai_gelu)
+    gelu = not (args.swiglu or args.quick_geglu or args.squared_relu or args.openai_gelu)
     if gelu and args.bias_gelu_fusion:
         _fail("--num-experts: experts use exact (erf) GeLU, as Megatron-Core's do, and it "
               "refuses the fused tanh bias-GeLU with them; add --no-bias-gelu-fusion")

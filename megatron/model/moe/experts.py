@@ -4,7 +4,9 @@ Each expert is an MLP ``linear_fc2(act(linear_fc1(x)))`` with ``linear_fc1`` ``[
 ``linear_fc2`` ``[h, ffn]`` (Megatron-Core's names, so checkpoints map key for key:
 ``experts.local_experts.<i>.linear_fc1.weight`` is local expert ``i``). The activation is exact
 (erf) GeLU, as Megatron-Core's experts use; with ``--swiglu`` ``linear_fc1`` holds
-``[gate; value]`` (``2 ffn`` rows) and the activation is ``silu(gate) * value``;
+``[gate; value]`` (``2 ffn`` rows) and the activation is ``silu(gate) * value``
+(``--quick-geglu``: ``quick_gelu(gate) * value``, each with ``--glu-linear-offset`` and
+``--activation-func-clamp-value`` as :func:`megatron.model.utils.gated_linear_unit` applies them);
 ``--squared-relu`` and ``--openai-gelu`` select those activations instead. Biases only with
 ``add_bias_linear``.
 
@@ -35,16 +37,13 @@ from megatron.core.collectives import get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method, get_output_layer_init_method
 from megatron.model.moe.config import MoEConfig
-from megatron.model.utils import init_rng, openai_gelu, squared_relu
+from megatron.model.utils import glu_activation, init_rng, openai_gelu, squared_relu
 
 
 def expert_activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation on ``linear_fc1``'s output (for SwiGLU, ``[..., 2 f]`` -> ``[..., f]``)."""
-    if config.swiglu:
-        def swiglu(x):
-            gate, value = torch.chunk(x, 2, dim=-1)
-            return F.silu(gate) * value
-        return swiglu
+    if config.gated_linear_unit:
+        return glu_activation(config)
     if config.squared_relu:
         return squared_relu
     if config.openai_gelu:
@@ -53,7 +52,7 @@ def expert_activation(config: TransformerConfig) -> Callable[[torch.Tensor], tor
 
 
 def _fc1_size(config: TransformerConfig, ffn: int) -> int:
-    return 2 * ffn if config.swiglu else ffn
+    return 2 * ffn if config.gated_linear_unit else ffn
 
 
 class ExpertMLP(torch.nn.Module):
@@ -66,7 +65,7 @@ class ExpertMLP(torch.nn.Module):
             config.hidden_size, _fc1_size(config, ffn_hidden_size),
             init_method=get_init_method(config), tp_group=expert_tp_group, bias=bias,
             gather_output=False, params_dtype=config.params_dtype,
-            stride=2 if config.swiglu else 1)
+            stride=2 if config.gated_linear_unit else 1)
         self.activation_func = expert_activation(config)
         self.linear_fc2 = tensor_parallel.RowParallelLinear(
             ffn_hidden_size, config.hidden_size,
@@ -171,7 +170,7 @@ class SharedExpertMLP(torch.nn.Module):
             self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, _fc1_size(config, size), init_method=get_init_method(config),
                 tp_group=tp_group, bias=False, gather_output=False,
-                params_dtype=config.params_dtype, stride=2 if config.swiglu else 1,
+                params_dtype=config.params_dtype, stride=2 if config.gated_linear_unit else 1,
                 sequence_parallel=sequence_parallel)
             self.linear_fc2 = tensor_parallel.RowParallelLinear(
                 size, config.hidden_size, init_method=get_output_layer_init_method(config),
