@@ -44,8 +44,10 @@ embeddings_from_hf = hf_llama.embeddings_from_hf
 final_norm_from_hf = hf_llama.final_norm_from_hf
 output_layer_from_hf = hf_llama.output_layer_from_hf
 
-# Mixtral's objections that gpt-oss lifts: its quick GeGLU, its biases, its per-layer windows.
-_LIFTED = ("GeLU MLP without --swiglu", "linear biases", "--window-attn-skip-freq")
+# Mixtral's objections that gpt-oss lifts: its quick GeGLU, its biases, its per-layer windows,
+# its YaRN rotary.
+_LIFTED = ("GeLU MLP without --swiglu", "linear biases", "--window-attn-skip-freq",
+           "--position-embedding-type yarn")
 
 
 def is_gpt_oss(meta: ModelMeta) -> bool:
