@@ -289,3 +289,52 @@ def test_group_sizes_must_match_the_config_and_shared_experts_refuse_bias():
     with pytest.raises(ValueError, match="shared experts have no bias"):
         MoELayer(_config(add_bias_linear=True),
                  MoEConfig(num_moe_experts=4, moe_shared_expert_intermediate_size=4))
+
+
+# -- the fused bias-GeLU of Megatron-Core's SequentialMLP ---------------------------------------
+
+
+def _gelu_tanh(x):
+    """GeLU's tanh approximation with Megatron's constants, written out."""
+    return 0.5 * x * (1.0 + torch.tanh(0.79788456 * (x + 0.044715 * x ** 3)))
+
+
+def test_sequential_experts_with_bias_run_the_fused_tanh_bias_gelu():
+    """With biases and bias_gelu_fusion (Megatron's default) each expert computes
+    fc2(gelu_tanh(fc1 x + b1)) + b2, as Megatron-Core's SequentialMLP does; without biases
+    Megatron turns the fusion off and the experts keep exact GeLU; grouped experts refuse it."""
+    moe = MoEConfig(num_moe_experts=4, moe_ffn_hidden_size=FFN)
+    gen = torch.Generator().manual_seed(3)
+    rows = 3 * torch.randn(10, HIDDEN, generator=gen, dtype=torch.float64)
+    counts = [3, 0, 4, 3]
+    for bias, fusion, act in ((True, True, _gelu_tanh), (True, False, _gelu),
+                              (False, True, _gelu)):
+        experts = SequentialMLP(_config(add_bias_linear=bias, bias_gelu_fusion=fusion), moe, 1)
+        _perturb_biases(experts)
+        mine = rows.clone().requires_grad_()
+        out = experts(mine, counts)
+        grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        (out * grad).sum().backward()
+        params = {n: q.detach().clone().requires_grad_() for n, q in experts.named_parameters()}
+        ref_rows = rows.clone().requires_grad_()
+        pieces, start = [], 0
+        for e, n in enumerate(counts):
+            p = lambda name: params.get(f"local_experts.{e}.{name}")   # noqa: E731
+            h = ref_rows[start:start + n] @ p("linear_fc1.weight").t()
+            h = act(h if p("linear_fc1.bias") is None else h + p("linear_fc1.bias"))
+            y = h @ p("linear_fc2.weight").t()
+            pieces.append(y if p("linear_fc2.bias") is None else y + p("linear_fc2.bias"))
+            start += n
+        want = torch.cat(pieces)
+        (want * grad).sum().backward()
+        torch.testing.assert_close(out, want, **TOL)
+        torch.testing.assert_close(mine.grad, ref_rows.grad, **TOL)
+        for name, param in experts.named_parameters():
+            ref = params[name].grad
+            ref = torch.zeros_like(param) if ref is None else ref
+            torch.testing.assert_close(param.grad, ref, **TOL, msg=name)
+        # the two GeLUs differ by far more than the tolerance on these rows
+        assert (_gelu_tanh(rows) - _gelu(rows)).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="grouped experts have no fused bias-GeLU"):
+        GroupedMLP(_config(add_bias_linear=True), moe, 1)
+    GroupedMLP(_config(add_bias_linear=True, bias_gelu_fusion=False), moe, 1)
