@@ -33,7 +33,9 @@ def gated_linear_unit(x: torch.Tensor, gate_activation, linear_offset: float = 0
     if clamp_value is not None:
         gate = gate.clamp(max=clamp_value)
         linear = linear.clamp(min=-clamp_value, max=clamp_value)
-    return gate_activation(gate) * (linear + linear_offset)
+    if linear_offset:   # no copy of the linear half kept for backward when there is none
+        linear = linear + linear_offset
+    return gate_activation(gate) * linear
 
 
 def glu_activation(config):

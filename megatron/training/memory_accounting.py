@@ -83,13 +83,13 @@ def _norm_params(config: TransformerConfig, size: int = 0) -> int:
 
 def _moe_mlp_parameters(config: TransformerConfig, moe, tp_size: int) -> int:
     """An MoE layer's MLP on one tensor-parallel rank (expert TP = TP): the router ``E x h``
-    (whole on every rank), the fc1 and fc2 of each of this expert-parallel rank's experts
+    and, with biases, ``E`` (whole on every rank), the fc1 and fc2 of each of this expert-parallel rank's experts
     (split), and the shared expert (split; its gate ``1 x h`` whole)."""
     h, t, bias = config.hidden_size, tp_size, config.add_bias_linear
     ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
     inner = 2 * ffn if config.gated_linear_unit else ffn
     expert = inner * h // t + (inner // t if bias else 0) + h * ffn // t + (h if bias else 0)
-    count = moe.num_moe_experts * h + moe.num_local_experts * expert
+    count = moe.num_moe_experts * (h + (1 if bias else 0)) + moe.num_local_experts * expert
     shared = moe.moe_shared_expert_intermediate_size
     if shared is not None:
         count += (2 * shared if config.gated_linear_unit else shared) * h // t + h * shared // t
