@@ -240,6 +240,22 @@ def test_gpt_oss_through_megatron_tp2_ep2_and_torch_dist_comes_back_bit_for_bit(
     want, got = _safetensors(folder), _safetensors(back)
     assert sorted(got) == sorted(want)
     assert [k for k in want if not torch.equal(got[k], want[k])] == []
+    # Megatron-Core's keys and global shapes for the router and expert biases
+    from torch.distributed.checkpoint import FileSystemReader
+
+    iteration, release = checkpointing.read_tracker(dist)
+    folder_dist = os.path.dirname(checkpointing.checkpoint_file(dist, iteration, 0, 0, 1,
+                                                                 release))
+    while not os.path.exists(os.path.join(folder_dist, ".metadata")):
+        folder_dist = os.path.dirname(folder_dist)
+    shapes = {k: tuple(v.size) for k, v in
+              FileSystemReader(folder_dist).read_metadata().state_dict_metadata.items()
+              if hasattr(v, "size")}
+    prefix = "decoder.layers.mlp."
+    assert shapes[prefix + "router.bias"] == (2, EXPERTS)
+    assert shapes[prefix + "experts.experts.linear_fc1.bias"] == (2, EXPERTS, 2 * FFN)
+    assert shapes[prefix + "experts.experts.linear_fc2.bias"] == (2, EXPERTS, 32)
+    assert shapes["decoder.layers.self_attention.core_attention.softmax_offset"] == (2, 4)
     iteration, release = checkpointing.read_tracker(tp2)
     path = checkpointing.checkpoint_file(tp2, iteration, 1, 0, 1, release, ep_rank=1, ep_size=2)
     args = torch_load(path)["args"]
