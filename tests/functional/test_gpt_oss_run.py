@@ -41,3 +41,13 @@ def test_gpt_oss_trains_and_tp2_ep2_matches_one_process(corpus):
     parallel = _train(corpus, 4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                   "--expert-model-parallel-size", "2"])
     _check_parity(base, parallel)
+
+
+@pytest.mark.slow
+def test_moe_with_biases_trains_with_the_fused_bias_gelu(corpus):
+    """Megatron's default MoE flags (biases, bias-GeLU fusion) run: the loop over experts takes
+    the fused tanh bias-GeLU, and the model learns."""
+    flags = gpt_flags(corpus, ITERS, micro_batch=2, global_batch=8, dropout=0.0,
+                      extra=["--num-experts", "4", "--moe-router-topk", "2"])
+    losses = [loss for _, loss in run_on_ranks(run_pretrain, 1, flags)[-1]["losses"]]
+    assert len(losses) == ITERS and losses[-1] < losses[0] - 0.2, losses

@@ -177,6 +177,16 @@ def test_validation_errors(extra, world, pattern):
         validate_args(_args(BASE + extra, world_size=world))
 
 
+def test_moe_with_the_fused_bias_gelu_is_accepted_where_megatron_accepts_it():
+    """The loop over experts runs the fused bias-GeLU (with biases) or exact GeLU (without:
+    Megatron turns the fusion off); only grouped GEMM with biases refuses it."""
+    for extra in ([], ["--disable-bias-linear"], ["--disable-bias-linear", "--moe-grouped-gemm"],
+                  ["--moe-grouped-gemm", "--no-bias-gelu-fusion"]):
+        args = validate_args(_args(BASE + ["--num-experts", "4"] + extra, world_size=1))
+        assert args.num_experts == 4 and args.bias_gelu_fusion == ("--no-bias-gelu-fusion"
+                                                                   not in extra)
+
+
 # Every size, count and interval flag with the smallest value it accepts: 0 only where it means
 # something (no evaluation, no warmup, no workers, no manual GC, no extra ids).
 SIZE_FLAGS = [
