@@ -40,11 +40,13 @@ def get_batch(data_iterator, stage=None):
 
     TP rank 0 reads the batch and broadcasts it to the other tensor-parallel ranks. With pipeline
     parallelism a stage gets only what it uses, as in Megatron: the first (virtual) stage tokens,
-    position ids and the attention mask, the last labels, the loss mask and the attention mask;
-    the others are None. The attention mask is None (causal) unless ``--reset-attention-mask``
-    makes it depend on the data; a middle stage then reads the batch for the mask alone, and
-    otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk the batch is for
-    (:func:`megatron.training.training.model_stage`); None asks the parallel state (right without virtual stages).
+    position ids and the attention mask, the last labels, the loss mask and the attention mask
+    (and, with ``--mtp-num-layers``, the tokens and position ids too: multi-token prediction
+    runs there); the others are None. The attention mask is None (causal) unless
+    ``--reset-attention-mask`` makes it depend on the data; a middle stage then reads the batch
+    for the mask alone, and otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk
+    the batch is for (:func:`megatron.training.training.model_stage`); None asks the parallel
+    state (right without virtual stages).
 
     With context parallelism every rank of a cp group reads the same samples and keeps its own
     ``s / cp`` tokens of each (chunks ``r`` and ``2 cp - 1 - r``): tokens, labels, loss mask and
@@ -76,7 +78,7 @@ def get_batch(data_iterator, stage=None):
             pstate.cp_size, pstate.cp_rank)
         tokens, labels, loss_mask = local["tokens"], local["labels"], local["loss_mask"]
         attention_mask, position_ids = local["attention_mask"], local["position_ids"]
-    if not first:
+    if not (first or (last and args.mtp_num_layers)):
         tokens = position_ids = None
     if not last:
         labels = loss_mask = None

@@ -43,12 +43,13 @@ from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, 
 from megatron.checkpoint.publish import publish
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, stand_ins_in
 from megatron.convert import megatron_io
-from megatron.convert.megatron_layout import (SCHEDULER_KEY, expert_of, layer_tensor_names,
+from megatron.convert.megatron_layout import (MTP_LAYER, SCHEDULER_KEY, expert_of,
+                                              layer_tensor_names, mtp_tensor_shapes,
                                               split_tensor, tp_split_rule)
 # The legacy saver's target (sizes, vocabulary rows, args) and its per-piece placement rules,
 # shared so that both formats make the same checks and the same TP shards.
 from megatron.convert.megatron_save import (SaveTarget, check_tensors, embedding_writes,
-                                            final_writes)
+                                            final_writes, mtp_writes)
 from megatron.convert.target import staged_target
 from megatron.convert.schema import ConversionError, ModelMeta, Piece
 
@@ -212,6 +213,35 @@ def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int,
     return tensors
 
 
+def _mtp_depth(reader: DistCheckpointReader, meta: ModelMeta, depth: int,
+               prefix: str = "") -> Dict[str, torch.Tensor]:
+    """Multi-token prediction depth ``depth``: its own tensors under their names, its layer
+    as one layer of the per-layer layout under ``mtp.layers.K.transformer_layer.``."""
+    tensors = {}
+    per_layer_prefix = keys.per_layer_prefix(0)
+    for name in mtp_tensor_shapes(meta):
+        if not name.startswith(MTP_LAYER):
+            tensors[name] = _read(reader, f"{keys.MTP_PREFIX}{depth}.{name}", prefix)
+            continue
+        inner = name[len(MTP_LAYER):]
+        key = keys.mtp_layer_prefix(depth) + keys.layer_key(
+            inner, 0, mla=meta.multi_latent_attention)[len(per_layer_prefix):]
+        key = prefix + key
+        if meta.multi_latent_attention:
+            key = keys.stored_key(key, reader)
+        if key not in reader:
+            raise ConversionError(f"{reader.path}: no {key} in the checkpoint (its args say "
+                                  f"--mtp-num-layers {meta.mtp_num_layers})")
+        expert = expert_of(inner)
+        if expert is None:
+            tensors[name] = reader.read(key)
+            continue
+        shape = reader.shape(key)
+        tensor = reader.read(key, (expert[0],) + (0,) * (len(shape) - 1), (1,) + shape[1:])
+        tensors[name] = tensor.reshape(shape[1:])
+    return tensors
+
+
 def _read(reader: DistCheckpointReader, key: str, prefix: str = "") -> torch.Tensor:
     key = prefix + key
     if key not in reader:
@@ -256,6 +286,9 @@ def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
         if meta.untie_embeddings_and_output_weights:
             yield Piece("output_layer", {"weight": _read(reader, keys.OTHER_KEYS[_OUTPUT],
                                                          prefix)})
+        for depth in range(meta.mtp_num_layers):
+            yield Piece("mtp", _mtp_depth(reader, meta, depth, prefix), index=depth)
+            reader.clear_cache()
     except DistCheckpointError as err:
         raise ConversionError(str(err)) from None
 
@@ -321,6 +354,17 @@ def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
                 else None)))
 
 
+def _save_mtp(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
+    """One multi-token prediction depth on the last stage, and its byte entries."""
+    last = out.pp - 1
+    for tp_rank, pp_rank, path, tensor in mtp_writes(out.target, piece):
+        out.put(tp_rank, pp_rank, ".".join(path), tensor, prefix)
+    if not prefix:
+        moe = out.meta.num_experts if out.meta.is_moe_layer(out.meta.num_layers - 1) else None
+        out.writers[(0, last)].add(ObjectShard(fqn, None) for fqn in keys.mtp_extra_state_keys(
+            piece.index, range(moe) if moe else None, moe))
+
+
 def _save_final(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     for tp_rank, pp_rank, path, tensor in final_writes(out.target, piece):
         out.put(tp_rank, pp_rank, ".".join(path), tensor, prefix)
@@ -355,9 +399,10 @@ def _consume(pieces: Iterator[Piece], out: _DistTarget, prefix: str = "") -> Non
     target = out.target
     wanted = {"embeddings", "final_norm"} | ({"output_layer"} if not target.tied else set())
     wanted |= {("layer", i) for i in range(out.meta.num_layers)}
+    wanted |= {("mtp", k) for k in range(out.meta.mtp_num_layers)}
     seen = set()
     for piece in pieces:
-        key = ("layer", piece.index) if piece.kind == "layer" else piece.kind
+        key = (piece.kind, piece.index) if piece.kind in ("layer", "mtp") else piece.kind
         if key not in wanted and piece.kind != "output_layer":
             raise ConversionError(f"unexpected piece in the stream: {piece.kind}"
                                   + (f" {piece.index}" if piece.index is not None else ""))
@@ -368,11 +413,13 @@ def _consume(pieces: Iterator[Piece], out: _DistTarget, prefix: str = "") -> Non
             _save_embeddings(out, piece, prefix)
         elif piece.kind == "layer":
             _save_layer(out, piece, prefix)
+        elif piece.kind == "mtp":
+            _save_mtp(out, piece, prefix)
         else:
             _save_final(out, piece, prefix)
     missing = wanted - seen
     if missing:
-        names = sorted(k if isinstance(k, str) else f"layer {k[1]}" for k in missing)
+        names = sorted(k if isinstance(k, str) else f"{k[0]} {k[1]}" for k in missing)
         raise ConversionError(f"the stream ended without {', '.join(names[:5])}")
 
 

@@ -47,6 +47,7 @@ import torch
 from megatron.convert import (hf_bert, hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2,
                               hf_qwen2_moe, hf_qwen3, hf_qwen3_moe, hf_stablelm)
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
+from megatron.convert.megatron_layout import mtp_tensor_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
@@ -117,6 +118,10 @@ def family_for_meta(meta: ModelMeta):
     hf_gpt_oss.refuse_elsewhere(meta)
     if meta.multi_latent_attention and meta.model_type == "GPT":
         return _deepseek_v3_family(meta)
+    if meta.mtp_num_layers:
+        raise ConversionError(f"--mtp-num-layers {meta.mtp_num_layers}: of the Hugging Face "
+                              "architectures here only DeepSeek-V3 (--multi-latent-attention) "
+                              "holds multi-token prediction layers")
     _refuse_qk_layernorm(meta)
     _refuse_numerics_flags(meta)
     hf_mistral.check_attention(meta)
@@ -315,6 +320,8 @@ def _expected_pieces(meta: ModelMeta):
     if meta.model_type == "BERT":
         for kind, shapes in bert_head_shapes(meta, vocab):
             yield kind, None, shapes, ({"bias": vocab} if kind == "lm_head" else None)
+    for depth in range(meta.mtp_num_layers):
+        yield "mtp", depth, mtp_tensor_shapes(meta), None
 
 
 def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
@@ -322,8 +329,9 @@ def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
     """Check each piece against ``meta`` and hand its HF tensors to ``writer``."""
     to_hf = {"embeddings": family.embeddings_to_hf, "final_norm": family.final_norm_to_hf,
              "output_layer": family.output_layer_to_hf}
+    main = {}   # the main model's HF tables, which the MTP depths carry copies of
     for kind, index, shapes, min_rows in _expected_pieces(meta):
-        what = kind if index is None else f"layer {index}"
+        what = kind if index is None else f"{kind} {index}"
         piece = next(pieces, None)
         if piece is None:
             raise ConversionError(f"stream: ended before {what}")
@@ -334,8 +342,15 @@ def _convert_pieces(pieces: Iterator[Piece], meta: ModelMeta, family,
         if kind == "layer":
             writer.add(family.layer_to_hf(index, piece.tensors, meta), meta.params_dtype,
                        getattr(family, "KEEP_FLOAT32", ()))
+        elif kind == "mtp":
+            writer.add(family.mtp_to_hf(index, piece.tensors, meta, main), meta.params_dtype,
+                       getattr(family, "KEEP_FLOAT32", ()))
         elif kind in to_hf:
-            writer.add(to_hf[kind](piece.tensors, meta), meta.params_dtype)
+            tensors = to_hf[kind](piece.tensors, meta)
+            if meta.mtp_num_layers:
+                main.update(tensors)
+                main.setdefault("lm_head.weight", main.get("model.embed_tokens.weight"))
+            writer.add(tensors, meta.params_dtype)
         else:
             writer.add(family.head_to_hf(kind, piece.tensors, meta), meta.params_dtype)
     extra = next(pieces, None)
@@ -496,6 +511,14 @@ def load_hf(load_dir: str) -> Iterator[Piece]:
         meta = family.meta_from_config(config)
         meta = dataclasses.replace(meta, **detect_tokenizer(load_dir))
     _weight_map(load_dir)          # fail now, not at the first tensor
+    if hasattr(family, "mtp_depths_in"):
+        with contextlib.ExitStack() as stack:
+            depths = family.mtp_depths_in(_Weights(load_dir, stack), config, meta.num_layers)
+        if depths and not meta.is_moe_layer(meta.num_layers - 1):
+            raise config.unsupported("num_nextn_predict_layers", depths, "0 for a model whose "
+                                     "last layer is dense (our MTP layer is the last layer's "
+                                     "kind, DeepSeek's an MoE layer)")
+        meta = dataclasses.replace(meta, mtp_num_layers=depths)
     return _stream(load_dir, family, meta)
 
 
@@ -514,3 +537,5 @@ def _stream(folder: str, family, meta: ModelMeta) -> Iterator[Piece]:
         output = family.output_layer_from_hf(weights, meta)
         if output is not None:
             yield Piece("output_layer", output)
+        for depth in range(meta.mtp_num_layers):
+            yield Piece("mtp", family.mtp_from_hf(weights, depth, meta), index=depth)

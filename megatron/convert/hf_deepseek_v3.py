@@ -25,8 +25,15 @@ The router's weight and expert bias are written in float32, as transformers keep
 expert bias is float32 too; our router weight has the model's dtype, so a bfloat16 Megatron
 checkpoint rounds it).
 
-Multi-token prediction: transformers' model has none and skips the weights of layers past
-``num_hidden_layers``; so does the loader here, and the saver refuses ``--mtp-num-layers``.
+Multi-token prediction (``--mtp-num-layers``; ``num_nextn_predict_layers`` in config.json):
+DeepSeek's folders hold depth K as extra layer ``model.layers.{num_hidden_layers + K}.``: our
+``enorm`` / ``hnorm`` / ``eh_proj`` under the same names, our MTP ``final_layernorm`` as
+``shared_head.norm``, its transformer layer under the decoder layers' names (an MoE layer, as
+the last decoder layer is), plus copies of the input embedding (``embed_tokens``) and the
+output layer (``shared_head.head``), which our model shares with the main model: they are
+written from the main tensors and, when read, must equal them. transformers' model has no MTP
+and skips those weights; a folder whose config promises depths its weights lack (what
+transformers saves) imports without them.
 """
 
 import dataclasses
@@ -71,9 +78,9 @@ def unsupported_features(meta: ModelMeta) -> List[str]:
         problems.append("no --qk-layernorm (DeepSeek-V3 normalises its latents)")
     if meta.add_bias_linear or meta.add_qkv_bias:
         problems.append("linear biases (DeepSeek-V3 has none; train with --disable-bias-linear)")
-    if source.get("mtp_num_layers"):
-        problems.append(f"--mtp-num-layers {source['mtp_num_layers']} (transformers' "
-                        "DeepSeek-V3 has no multi-token prediction)")
+    if meta.mtp_num_layers and not meta.is_moe_layer(meta.num_layers - 1):
+        problems.append(f"--mtp-num-layers {meta.mtp_num_layers} after a dense last layer "
+                        "(DeepSeek-V3's MTP layers are MoE layers)")
     if meta.num_experts:
         problems += _moe_problems(meta)
     return problems
@@ -121,7 +128,7 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
         "n_group": meta.moe_router_num_groups or 1,
         "topk_group": meta.moe_router_group_topk or 1, "norm_topk_prob": True,
         "routed_scaling_factor": meta.moe_router_topk_scaling_factor or 1.0,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": meta.mtp_num_layers,
     })
     return config
 
@@ -132,13 +139,17 @@ def _swiglu_to_hf(prefix, fc1, fc2):
 
 def layer_to_hf(index: int, t: Dict[str, torch.Tensor], meta: ModelMeta) -> Dict[str, torch.Tensor]:
     """One canonical layer as ``model.layers.{index}.*``."""
-    p = f"model.layers.{index}."
+    return _layer_to_hf(f"model.layers.{index}.", t, meta, meta.is_moe_layer(index))
+
+
+def _layer_to_hf(p: str, t: Dict[str, torch.Tensor], meta: ModelMeta,
+                 moe: bool) -> Dict[str, torch.Tensor]:
     out = {p + "input_layernorm.weight": t["input_layernorm.weight"],
            p + "post_attention_layernorm.weight": t["post_attention_layernorm.weight"]}
     for ours, theirs in ATTENTION_NAMES.items():
         if "self_attention." + ours in t:
             out[p + "self_attn." + theirs] = t["self_attention." + ours]
-    if not meta.is_moe_layer(index):
+    if not moe:
         out.update(_swiglu_to_hf(p + "mlp.", t["mlp.dense_h_to_4h.weight"],
                                  t["mlp.dense_4h_to_h.weight"]))
         return out
@@ -214,15 +225,19 @@ def _swiglu_from_hf(weights, prefix: str, ffn: int, h: int):
 
 def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tensor]:
     """``model.layers.{index}.*`` as one canonical layer."""
+    return _layer_from_hf(weights, f"model.layers.{index}.", meta, meta.is_moe_layer(index))
+
+
+def _layer_from_hf(weights, p: str, meta: ModelMeta, moe: bool) -> Dict[str, torch.Tensor]:
     from megatron.convert.megatron_layout import mla_tensor_shapes
 
-    h, p = meta.hidden_size, f"model.layers.{index}."
+    h = meta.hidden_size
     out = {name: weights.get(p + name, (h,))
            for name in ("input_layernorm.weight", "post_attention_layernorm.weight")}
     for name, shape in mla_tensor_shapes(meta).items():
         ours = name[len("self_attention."):]
         out[name] = weights.get(p + "self_attn." + ATTENTION_NAMES[ours], shape)
-    if not meta.is_moe_layer(index):
+    if not moe:
         out["mlp.dense_h_to_4h.weight"], out["mlp.dense_4h_to_h.weight"] = _swiglu_from_hf(
             weights, p + "mlp.", meta.ffn_hidden_size, h)
         return out
@@ -236,4 +251,63 @@ def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tenso
     shared = "mlp.shared_experts."
     out[shared + "linear_fc1.weight"], out[shared + "linear_fc2.weight"] = _swiglu_from_hf(
         weights, p + "mlp.shared_experts.", meta.moe_shared_expert_intermediate_size, h)
+    return out
+
+
+# Our MTP depth's own tensors (an ``mtp`` piece) -> theirs, after ``model.layers.{L + K}.``.
+MTP_NAMES = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+             "eh_proj.weight": "eh_proj.weight",
+             "final_layernorm.weight": "shared_head.norm.weight"}
+# The copies of the main model's tables each depth carries: theirs -> the main model's key.
+MTP_SHARED = {"embed_tokens.weight": "model.embed_tokens.weight",
+              "shared_head.head.weight": "lm_head.weight"}
+_LAYER = "transformer_layer."
+
+
+def mtp_prefix(depth: int, meta: ModelMeta) -> str:
+    return f"model.layers.{meta.num_layers + depth}."
+
+
+def mtp_to_hf(depth: int, t: Dict[str, torch.Tensor], meta: ModelMeta,
+              main: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """MTP depth ``depth`` as DeepSeek stores it; ``main`` holds the main model's HF
+    ``model.embed_tokens.weight`` and ``lm_head.weight``, copied into the depth."""
+    p = mtp_prefix(depth, meta)
+    out = {p + theirs: t[ours] for ours, theirs in MTP_NAMES.items()}
+    layer = {name[len(_LAYER):]: tensor for name, tensor in t.items() if name.startswith(_LAYER)}
+    out.update(_layer_to_hf(p, layer, meta, moe=True))
+    out.update({p + theirs: main[key].clone() for theirs, key in MTP_SHARED.items()})
+    return out
+
+
+def mtp_depths_in(weights, config: ConfigView, num_layers: int) -> int:
+    """The MTP depths a folder holds: ``num_nextn_predict_layers`` when every depth's
+    ``eh_proj`` is there, 0 when none is (transformers' own folders); partial is refused."""
+    depths = config.get("num_nextn_predict_layers", 0) or 0
+    found = [weights.has(f"model.layers.{num_layers + k}.eh_proj.weight") for k in range(depths)]
+    if any(found) and not all(found):
+        raise config.unsupported("num_nextn_predict_layers", depths,
+                                 f"{sum(found)} (the depths whose eh_proj.weight the weights "
+                                 "hold)")
+    return depths if all(found) else 0
+
+
+def mtp_from_hf(weights, depth: int, meta: ModelMeta) -> Dict[str, torch.Tensor]:
+    """``model.layers.{L + K}.*`` as one canonical ``mtp`` piece; the depth's copies of the
+    embedding and output tables must equal the main model's (ours shares them)."""
+    from megatron.convert.schema import ConversionError
+
+    h, p = meta.hidden_size, mtp_prefix(depth, meta)
+    out = {ours: weights.get(p + theirs, (h, 2 * h) if ours == "eh_proj.weight" else (h,))
+           for ours, theirs in MTP_NAMES.items()}
+    out.update({_LAYER + name: tensor for name, tensor in
+                _layer_from_hf(weights, p, meta, moe=True).items()})
+    rows = (meta.vocab_size, h)
+    for theirs, key in MTP_SHARED.items():
+        if key == "lm_head.weight" and not meta.untie_embeddings_and_output_weights:
+            key = "model.embed_tokens.weight"
+        if weights.has(p + theirs) and not torch.equal(weights.get(p + theirs, rows),
+                                                      weights.get(key, rows)):
+            raise ConversionError(f"{weights.folder}: {p + theirs} differs from {key}; the "
+                                  "MTP layers here share the main model's tables")
     return out

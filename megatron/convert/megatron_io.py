@@ -64,7 +64,8 @@ from megatron.checkpoint.names import lookup_dotted
 from megatron.checkpoint.saved_args import megatron_args
 from megatron.convert.megatron_layout import (  # noqa: F401  (re-exported: the public rules)
     BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS, get_path, has_prefix, join_shards,
-    layer_tensor_names, layer_tensor_shapes, read_rank_file, split_tensor, tp_split_rule)
+    layer_tensor_names, layer_tensor_shapes, mtp_split_rule, mtp_tensor_shapes, read_rank_file,
+    split_tensor, tp_split_rule)
 from megatron.convert.megatron_save import save_megatron  # noqa: F401  (re-exported)
 from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
                                      bert_head_shapes)
@@ -302,6 +303,29 @@ class _Source:
         return out
 
 
+    def read_mtp(self, depth: int, names: Sequence[str], swiglu: bool) -> Dict[str, torch.Tensor]:
+        """All tensors of multi-token prediction depth ``depth`` (the last stage's last chunk,
+        under ``mtp``), joined over TP; experts from their expert rank's file."""
+        last, chunk = self.pp - 1, (self.vp or 1) - 1
+        per_rank = []
+        for tp_rank in range(self.tp):
+            tensors, trees = {}, {}
+            for name in names:
+                ep_rank, saved_name = self.expert_file(name)
+                if ep_rank not in trees:
+                    trees[ep_rank] = self._chunk_tree(tp_rank, last, chunk, ep_rank)
+                tree, path = trees[ep_rank]
+                tensors[name] = get_path({"model": tree}, [
+                    "model", "mtp", f"layers.{depth}.{saved_name}"], path)
+            per_rank.append(tensors)
+        out = {}
+        for name in names:
+            rule = mtp_split_rule(name, swiglu)
+            out[name] = (per_rank[0][name].clone() if rule is None else
+                         join_shards([shards[name] for shards in per_rank], *rule))
+        return out
+
+
 def _params_dtype(args) -> torch.dtype:
     dtype = getattr(args, "params_dtype", None)
     if isinstance(dtype, torch.dtype):
@@ -408,10 +432,6 @@ def _attention_fields(args, where: str) -> dict:
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
-    if getattr(args, "mtp_num_layers", None):
-        raise ConversionError(f"{src.file(0, 0)}: --mtp-num-layers {args.mtp_num_layers}: the "
-                              "multi-token prediction layers cannot be converted (load the "
-                              "checkpoint with the training's own --ckpt-format)")
     heads = args.num_attention_heads
     gqa = getattr(args, "group_query_attention", False)
     position = getattr(args, "position_embedding_type", "learned_absolute")
@@ -465,6 +485,7 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         bert_binary_head=src.binary_head, source_args=source_args,
         optimizer=getattr(src, "optimizer", None),
         optimizer_note=getattr(src, "optimizer_note", ""),
+        mtp_num_layers=getattr(args, "mtp_num_layers", None) or 0,
         **_moe_fields(args, src.file(0, 0)), **_mla_fields(args))
 
 
@@ -553,6 +574,9 @@ def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
             last, last_chunk, ["output_layer", "weight"], 0)})
     if meta.model_type == "BERT":
         yield from _read_bert_heads(src, meta)
+    names = list(mtp_tensor_shapes(meta)) if meta.mtp_num_layers else []
+    for depth in range(meta.mtp_num_layers):
+        yield Piece("mtp", src.read_mtp(depth, names, meta.swiglu), index=depth)
 
 
 def _read_bert_heads(src: _Source, meta: ModelMeta) -> Iterator[Piece]:

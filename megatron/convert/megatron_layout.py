@@ -151,6 +151,29 @@ _MLA_ROW_SPLIT = ("self_attention.linear_q_proj.weight", "self_attention.linear_
                   "self_attention.linear_kv_up_proj.weight")
 
 
+MTP_LAYER = "transformer_layer."
+
+
+def mtp_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
+    """Whole shape of every tensor of one multi-token prediction depth (an ``mtp`` piece),
+    in the model's state-dict order; its layer is the last decoder layer's kind."""
+    h = meta.hidden_size
+    norm = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
+    shapes = {f"{which}.{n}": (h,) for which in ("enorm", "hnorm") for n in norm}
+    shapes["eh_proj.weight"] = (h, 2 * h)
+    shapes.update({f"final_layernorm.{n}": (h,) for n in norm})
+    layer = layer_tensor_shapes(meta, meta.num_layers - 1)
+    shapes.update({MTP_LAYER + name: shape for name, shape in layer.items()})
+    return shapes
+
+
+def mtp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
+    """:func:`tp_split_rule` for a tensor of an ``mtp`` piece: ``eh_proj`` by rows."""
+    if name.startswith(MTP_LAYER):
+        return tp_split_rule(name[len(MTP_LAYER):], swiglu)
+    return (0, 1) if name == "eh_proj.weight" else None
+
+
 def tp_split_rule(name: str, swiglu: bool) -> Optional[Tuple[int, int]]:
     """``(dim, stride)`` a layer tensor is split along over TP ranks, None when replicated.
     Experts are split over expert-TP, which the converter keeps equal to TP: fc1 by rows (its

@@ -13,10 +13,11 @@ import torch
 from megatron.checkpoint import optimizer_state
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, checkpoint_file
 from megatron.checkpoint.publish import fsync_path, publish
-from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS,
-                                              expert_of, get_path, layer_tensor_names,
-                                              layer_tensor_shapes, read_rank_file, split_tensor,
-                                              tp_split_rule)
+from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, MTP_LAYER, SCHEDULER_KEY,
+                                              TOKENTYPE_KEYS, expert_of, get_path,
+                                              layer_tensor_names, layer_tensor_shapes,
+                                              mtp_split_rule, mtp_tensor_shapes, read_rank_file,
+                                              split_tensor, tp_split_rule)
 from megatron.convert.target import staged_target
 from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMeta, Piece,
                                      bert_head_shapes, fit_vocab_rows, padded_vocab_size)
@@ -40,6 +41,7 @@ class SaveTarget:
         self.names = [layer_tensor_names(meta, i) for i in range(meta.num_layers)]
         self.shapes = [layer_tensor_shapes(meta, i) for i in range(meta.num_layers)]
         self.tied = not meta.untie_embeddings_and_output_weights
+        self.mtp_shapes = mtp_tensor_shapes(meta) if meta.mtp_num_layers else {}
         self.heads = (dict(bert_head_shapes(meta, self.vocab_rows))
                       if meta.model_type == "BERT" else {})
 
@@ -135,11 +137,33 @@ class SaveTarget:
         if last and not self.tied:
             language_model["output_layer"] = {"weight": torch.empty(vocab_shard, dtype=dtype)}
         model = {"language_model": language_model}
-        if last and not first and self.tied:
+        if last and meta.mtp_num_layers:
+            model["mtp"] = self._mtp_skeleton()
+        if last and not first and self.head_copy:
             model["word_embeddings_for_head"] = {"weight": torch.empty(vocab_shard, dtype=dtype)}
         if last:
             self._add_bert_heads(model)
         return model
+
+    @property
+    def head_copy(self) -> bool:
+        """Whether a last stage without the embedding keeps ``word_embeddings_for_head``: for
+        the tied output layer, or for multi-token prediction's input embedding."""
+        return self.tied or bool(self.meta.mtp_num_layers)
+
+    def _mtp_skeleton(self) -> dict:
+        """The last stage's ``mtp`` tree (flat keys ``layers.K.<name>``), one TP rank's."""
+        tree = {}
+        for depth in range(self.meta.mtp_num_layers):
+            for name, shape in self.mtp_shapes.items():
+                expert = expert_of(name[len(MTP_LAYER):]) if name.startswith(MTP_LAYER) else None
+                if expert is not None and expert[0] >= self.local_experts():
+                    continue
+                dtype = (torch.float32 if name.endswith("mlp.router.expert_bias")
+                         else self.meta.params_dtype)
+                tree[f"layers.{depth}.{name}"] = torch.empty(
+                    self.shard_shape(shape, mtp_split_rule(name, self.meta.swiglu)), dtype=dtype)
+        return tree
 
     def _add_bert_heads(self, model: dict) -> None:
         """A BERT's pooler, LM head and binary head into a last stage's ``model`` tree (the
@@ -186,7 +210,7 @@ class SaveTarget:
             iteration=meta.iteration, consumed_train_samples=meta.consumed_train_samples,
             consumed_valid_samples=meta.consumed_valid_samples,
             window_size=meta.window_size, window_attn_skip_freq=meta.window_attn_skip_freq,
-            softmax_type=meta.softmax_type)
+            softmax_type=meta.softmax_type, mtp_num_layers=meta.mtp_num_layers or None)
         if meta.seq_length is not None:
             values["seq_length"] = meta.seq_length
         if meta.num_experts:
@@ -367,7 +391,7 @@ def embedding_writes(target: SaveTarget, piece: Piece) -> list:
     for tp_rank, shard in enumerate(_vocab_shards(target, word, "the word embeddings")):
         writes.append((tp_rank, 0, ("language_model", "embedding", "word_embeddings", "weight"),
                        shard))
-        if target.tied and target.pp > 1:
+        if target.head_copy and target.pp > 1:
             writes.append((tp_rank, target.pp - 1, ("word_embeddings_for_head", "weight"), shard))
     if "position_embeddings" in piece.tensors:
         for tp_rank in range(target.tp):
@@ -412,6 +436,19 @@ def _layer_writes(target: SaveTarget, piece: Piece) -> list:
     return writes
 
 
+def mtp_writes(target: SaveTarget, piece: Piece) -> list:
+    """One multi-token prediction depth, split over TP like a layer, on the last stage."""
+    check_tensors(f"MTP depth {piece.index}", piece.tensors, target.mtp_shapes)
+    writes = []
+    for name, tensor in piece.tensors.items():
+        rule = mtp_split_rule(name, target.meta.swiglu)
+        shards = ([tensor] * target.tp if rule is None
+                  else split_tensor(tensor, rule[0], rule[1], target.tp))
+        writes += [(tp_rank, target.pp - 1, ("mtp", f"layers.{piece.index}.{name}"), shard)
+                   for tp_rank, shard in enumerate(shards)]
+    return writes
+
+
 def final_writes(target: SaveTarget, piece: Piece) -> list:
     meta, last = target.meta, target.pp - 1
     if piece.kind == "final_norm":
@@ -435,9 +472,10 @@ def _consume(pieces: Iterator[Piece], target: SaveTarget, files: dict,
     :mod:`megatron.checkpoint.optimizer_state`); check that the stream is complete."""
     wanted = {"embeddings", "final_norm"} | ({"output_layer"} if not target.tied else set())
     wanted |= {("layer", i) for i in range(target.meta.num_layers)} | set(target.heads)
+    wanted |= {("mtp", k) for k in range(target.meta.mtp_num_layers)}
     seen = set()
     for piece in pieces:
-        key = ("layer", piece.index) if piece.kind == "layer" else piece.kind
+        key = (piece.kind, piece.index) if piece.kind in ("layer", "mtp") else piece.kind
         if key not in wanted and piece.kind != "output_layer":
             raise ConversionError(f"unexpected piece in the stream: {piece.kind}"
                                   + (f" {piece.index}" if piece.index is not None else ""))
@@ -448,11 +486,13 @@ def _consume(pieces: Iterator[Piece], target: SaveTarget, files: dict,
             writes = embedding_writes(target, piece)
         elif piece.kind == "layer":
             writes = _layer_writes(target, piece)
+        elif piece.kind == "mtp":
+            writes = mtp_writes(target, piece)
         elif piece.kind in target.heads:
             writes = _bert_head_writes(target, piece)
         else:
             writes = final_writes(target, piece)
-        what = piece.kind if piece.index is None else f"layer {piece.index}"
+        what = piece.kind if piece.index is None else f"{piece.kind} {piece.index}"
         if field is None:
             _write(target, files, writes, what)
         else:
@@ -460,7 +500,7 @@ def _consume(pieces: Iterator[Piece], target: SaveTarget, files: dict,
         del writes, piece
     missing = wanted - seen
     if missing:
-        names = sorted(str(k if isinstance(k, str) else f"layer {k[1]}") for k in missing)
+        names = sorted(str(k if isinstance(k, str) else f"{k[0]} {k[1]}") for k in missing)
         raise ConversionError(f"the stream ended without {', '.join(names[:5])}"
                               + (" ..." if len(names) > 5 else ""))
 

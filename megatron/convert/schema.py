@@ -11,6 +11,13 @@ The stream is, in order::
     Piece("layer", {...}, index=0) ... Piece("layer", {...}, index=L-1)
     Piece("final_norm", {"weight": [h], "bias": [h]?})
     Piece("output_layer", {"weight": [V_rows, h]})          (untied embeddings only)
+    Piece("mtp", {...}, index=0) ... Piece("mtp", {...}, index=K-1)  (``meta.mtp_num_layers``)
+
+An ``mtp`` piece is one multi-token prediction depth, named as in the model's ``mtp.layers.K``
+state: ``enorm.weight`` [h], ``hnorm.weight`` [h], ``eh_proj.weight`` [h, 2h] (columns:
+embedding half first), ``final_layernorm.weight`` [h] (and each norm's ``bias`` with
+LayerNorm), and ``transformer_layer.<layer tensor>`` for every tensor of a layer (the table
+below), MoE or dense as the last decoder layer is.
 
 A BERT (``meta.model_type == "BERT"``) has no output layer (its LM head is tied to the word
 embeddings); its embeddings piece carries ``"tokentype_embeddings": [T, h]`` when
@@ -171,6 +178,9 @@ class ModelMeta:
     # a list of one 0/1 per layer (what Megatron-LM's args hold, so a target's saved args
     # read back the same).
     moe_layer_freq: Union[int, List[int]] = 1
+    # --mtp-num-layers (0: none): multi-token prediction depths after the decoder, streamed as
+    # ``mtp`` pieces (see the module docstring).
+    mtp_num_layers: int = 0
     # The source's full argument namespace as a dict (Megatron sources only): a Megatron saver
     # starts from it so that flags unrelated to the shape (optimizer, data ...) survive.
     source_args: Optional[dict] = None

@@ -39,7 +39,8 @@ class TransformerConfig:
     normalization: str = "LayerNorm"               # LayerNorm | RMSNorm
     apply_residual_connection_post_layernorm: bool = False
     position_embedding_type: str = "learned_absolute"  # learned_absolute | rope | yarn | none
-    cp_comm_type: str = "p2p"                      # --cp-comm-type (with --context-parallel-size)
+    # --cp-comm-type (with --context-parallel-size): one type, or a tuple of one per layer
+    cp_comm_type: Union[str, Tuple[str, ...]] = "p2p"
     rotary_percent: float = 1.0
     rotary_base: int = 10000
     rotary_interleaved: bool = False               # rotate pairs (2i, 2i+1), not the halves
@@ -171,6 +172,12 @@ class TransformerConfig:
             raise ConfigError("--rotary-seq-len-interpolation-factor must be > 0, got "
                               f"{self.rotary_seq_len_interpolation_factor}")
         check_window_settings(self.window_size, self.window_attn_skip_freq, self.num_layers)
+        if not isinstance(self.cp_comm_type, str):
+            self.cp_comm_type = tuple(self.cp_comm_type)
+            if len(self.cp_comm_type) != self.num_layers:
+                raise ConfigError(
+                    f"--cp-comm-type takes one type, or one per layer: got "
+                    f"{len(self.cp_comm_type)} for --num-layers {self.num_layers}")
         if self.softmax_type not in SOFTMAX_TYPES:
             raise ConfigError(f"--softmax-type must be one of {', '.join(SOFTMAX_TYPES)}, got "
                               f"{self.softmax_type!r}")
@@ -178,6 +185,13 @@ class TransformerConfig:
             # The scores are multiplied back by the layer number inside the softmax, which must
             # therefore run in fp32 (as Megatron sets it).
             self.attention_softmax_in_fp32 = True
+
+    def layer_cp_comm_type(self, layer_number: int) -> str:
+        """The context-parallel exchange of 1-based ``layer_number`` (``--cp-comm-type``); a
+        layer after the last (multi-token prediction's) takes the last layer's."""
+        if isinstance(self.cp_comm_type, str):
+            return self.cp_comm_type
+        return self.cp_comm_type[min(layer_number, self.num_layers) - 1]
 
     def layer_window(self, layer_number: int) -> Optional[Tuple[int, int]]:
         """The ``(left, right)`` window of 1-based ``layer_number``, None for full attention.

@@ -12,7 +12,12 @@ which three methods provide (Megatron's ``--cp-comm-type``):
 * ``all_gather``: every rank gathers all key/value blocks at once, then the same computation;
 * ``a2a``: an all-to-all trades the sequence split for a head split (each rank gets the whole
   sequence for ``heads / cp`` heads), full attention runs locally, and a second all-to-all
-  trades back.
+  trades back;
+* ``a2a+p2p`` (Megatron's hierarchical context parallelism, ``--hierarchical-context-parallel-sizes
+  a n``): the cp group is cut into an inner all-to-all group of ``a`` neighbouring cp ranks and an
+  outer ring of ``n`` ranks (``cp = a n``). The all-to-all gives each rank ``heads / a`` heads of
+  its inner group's ``2 a`` chunks; their key/value blocks then travel around the outer ring as
+  in ``p2p``, and a second all-to-all trades back.
 
 Masks are causal by global token position (the chunk order is taken into account), or an
 explicit boolean mask (True = masked) over the local queries and all ``s`` keys (what
@@ -25,8 +30,9 @@ A softmax offset (attention sinks: one extra logit per head in the denominator) 
 partial result to merge: output zero, log-sum-exp the offset. Sliding windows need nothing here:
 the caller passes them as an explicit mask by global position (:func:`window_mask_rows`).
 
-Shapes follow the model: ``[s_local, b, heads, head_dim]`` in, ``[s_local, b, heads * head_dim]``
-out.
+Shapes follow the model: ``[s_local, b, heads, head_dim]`` in, ``[s_local, b, heads *
+value_head_dim]`` out; keys and values may have different head dims (multi-latent attention's
+keys carry the rotary part, its values do not).
 """
 
 import math
@@ -40,7 +46,7 @@ from megatron.core.collectives import (all_gather_into_tensor, get_group_rank,
                                        get_group_size)
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 
-COMM_TYPES = ("p2p", "all_gather", "a2a")
+COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 
 
 class ContextParallelError(ValueError):
@@ -136,8 +142,8 @@ def _merge(parts: List[Tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
 
 
 def _sink_part(offset: torch.Tensor, like: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The softmax offset ``[np]`` as a partial result for queries shaped like ``like``
-    ``[b, np, sq, hn]``: no output, log-sum-exp = the offset."""
+    """The softmax offset ``[np]`` as a partial result shaped like the output ``like``
+    ``[b, np, sq, hv]``: no output, log-sum-exp = the offset."""
     b, heads, sq, _ = like.shape
     lse = offset.to(like.dtype).view(1, heads, 1, 1).expand(b, heads, sq, 1)
     return torch.zeros_like(like), lse
@@ -166,29 +172,37 @@ def _causal_relation(q_pos: torch.Tensor, k_pos: torch.Tensor) -> str:
     return "some"
 
 
+def _halves(rows: int) -> List[Tuple[int, int]]:
+    """This rank's own two chunks of ``rows`` local tokens, as ``(start, stop)`` rows."""
+    half = rows // 2
+    return [(0, half), (half, 2 * half)]
+
+
 def _attend(q: torch.Tensor, q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             k_pos: torch.Tensor, k_chunks: Sequence[Tuple[int, int]],
-            mask: Optional[torch.Tensor], scale: float, dropout_p: float
+            mask: Optional[torch.Tensor], scale: float, dropout_p: float,
+            q_chunks: Optional[Sequence[Tuple[int, int]]] = None
             ) -> Tuple[List[Tuple[torch.Tensor, torch.Tensor]], bool]:
-    """The partial results of this rank's two query chunks over one set of key chunks
-    (``k_chunks``: ``(start, stop)`` rows of ``k``, each a contiguous position range).
+    """The partial results of the query chunks (``q_chunks``, default this rank's two halves)
+    over one set of key chunks (``k_chunks``); each chunk is ``(start, stop)`` rows holding a
+    contiguous position range.
 
     Causal (``mask`` None): pairs of chunks that cannot see each other are skipped and pairs
     that see each other whole need no mask. With an explicit mask every pair is computed.
     Returns the parts per query chunk (None where nothing was seen) and whether ``k`` was used.
     """
-    half = q.size(2) // 2
     parts, used = [], False
-    for c, rows in enumerate((slice(0, half), slice(half, 2 * half))):
+    for start, stop in (_halves(q.size(2)) if q_chunks is None else q_chunks):
+        rows = slice(start, stop)
         qc, qc_pos = q[:, :, rows], q_pos[rows]
         keep, needs_mask = [], False
-        for start, stop in k_chunks:
+        for k_start, k_stop in k_chunks:
             if mask is None:
-                relation = _causal_relation(qc_pos, k_pos[start:stop])
+                relation = _causal_relation(qc_pos, k_pos[k_start:k_stop])
                 if relation == "none":
                     continue
                 needs_mask |= relation == "some"
-            keep.append((start, stop))
+            keep.append((k_start, k_stop))
         if not keep:
             parts.append(None)
             continue
@@ -304,34 +318,37 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
                                attention_mask: Optional[torch.Tensor] = None,
                                softmax_scale: Optional[float] = None,
                                dropout_p: float = 0.0,
-                               softmax_offset: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               softmax_offset: Optional[torch.Tensor] = None,
+                               hierarchical_groups: Optional[Tuple[object, object]] = None
+                               ) -> torch.Tensor:
     """Attention of this rank's queries over the whole sequence.
 
     Args:
         query: ``[s_local, b, np, hn]``, this rank's tokens (:func:`chunk_positions` order).
-        key, value: ``[s_local, b, ng, hn]`` with ``np`` a multiple of ``ng`` (grouped-query
+        key: ``[s_local, b, ng, hn]`` with ``np`` a multiple of ``ng`` (grouped-query
             attention shares each key/value head among ``np / ng`` query heads).
+        value: ``[s_local, b, ng, hv]`` (``hv`` may differ from ``hn``).
         cp_group: the context-parallel group.
-        comm_type: ``p2p``, ``all_gather`` or ``a2a`` (see the module docstring).
+        comm_type: ``p2p``, ``all_gather``, ``a2a`` or ``a2a+p2p`` (see the module docstring).
         attention_mask: None for causal attention, else bool ``[b or 1, 1, s_local, s]``
             (True = masked; this rank's query rows, every key column in global order).
         softmax_scale: multiplies the scores; default ``1 / sqrt(hn)``.
         dropout_p: attention dropout on the probabilities (the caller's RNG stream).
         softmax_offset: ``[np]``, one extra logit per head in the softmax denominator, or None.
+        hierarchical_groups: for ``a2a+p2p``, the (inner all-to-all, outer ring) groups of
+            :func:`hierarchical_cp_groups`.
 
     Returns:
-        ``[s_local, b, np * hn]`` in the query's dtype.
+        ``[s_local, b, np * hv]`` in the query's dtype.
     """
     if comm_type not in COMM_TYPES:
         raise ContextParallelError(f"--cp-comm-type {comm_type!r}: expected one of "
                                    f"{', '.join(COMM_TYPES)}")
-    cp, rank = get_group_size(cp_group), get_group_rank(cp_group)
+    cp = get_group_size(cp_group)
     s_local, b, heads, hn = query.shape
     seq = s_local * cp
     check_sequence_length(seq, cp)
     scale = 1.0 / math.sqrt(hn) if softmax_scale is None else softmax_scale
-    q_pos = chunk_positions(seq, cp, rank, query.device)
-    chunk = seq // (2 * cp)
     if attention_mask is not None and (attention_mask.dim() != 4 or tuple(
             attention_mask.shape[-2:]) != (s_local, seq) or attention_mask.size(1) != 1):
         raise ContextParallelError(f"a context-parallel attention mask must be [b or 1, 1, "
@@ -341,55 +358,122 @@ def context_parallel_attention(query: torch.Tensor, key: torch.Tensor, value: to
         out = _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p,
                              softmax_offset)
         return out.to(query.dtype)
+    if comm_type == "a2a+p2p":
+        out = _hierarchical_attention(query, key, value, cp_group, hierarchical_groups,
+                                      attention_mask, scale, dropout_p, softmax_offset)
+        return out.to(query.dtype)
     q = _to_bhsd(query)
     key, value = _expand_groups(key, heads), _expand_groups(value, heads)
-    own_chunks = [(0, chunk), (chunk, 2 * chunk)]
-    results: List[List[Tuple[torch.Tensor, torch.Tensor]]] = [[], []]
+    # Keys and values travel as one tensor, side by side on the last dim.
+    kv = torch.cat([key, value], dim=-1)                                  # [s_l, b, np, hn+hv]
+    if comm_type == "all_gather":
+        kv = gather_from_sequence_parallel_region(kv, cp_group)           # [s, b, np, hn+hv]
+        ranks = [list(range(cp))]
+    else:
+        ranks = [[(get_group_rank(cp_group) - step) % cp] for step in range(cp)]
+    q_pos = chunk_positions(seq, cp, get_group_rank(cp_group), query.device)
+    results = _ring(q, q_pos, _halves(s_local), kv, hn, ranks, seq, cp,
+                    None if comm_type == "all_gather" else cp_group, attention_mask, scale,
+                    dropout_p)
+    out = _merge_chunks(results, q, _halves(s_local), value.size(-1), softmax_offset)
+    return out.permute(2, 0, 1, 3).reshape(s_local, b, -1).to(query.dtype)
 
-    def collect(parts):
+
+def _ring(q, q_pos, q_chunks, kv, hn, ranks, seq, cp, ring_group, mask, scale, dropout_p):
+    """The partial results of each query chunk over the key/value blocks of ``ranks`` (one
+    list of cp ranks per step: the block in hand holds their tokens, rank by rank); between
+    steps the block moves one rank along ``ring_group`` (None: a single step)."""
+    chunk = seq // (2 * cp)
+    results: List[List[Tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in q_chunks]
+    for step, sources in enumerate(ranks):
+        k_pos = torch.cat([chunk_positions(seq, cp, r, q.device) for r in sources])
+        k_chunks = [(i * chunk, (i + 1) * chunk) for i in range(2 * len(sources))]
+        parts, used = _attend(q, q_pos, _to_bhsd(kv[..., :hn]), _to_bhsd(kv[..., hn:]),
+                              k_pos, k_chunks, mask, scale, dropout_p, q_chunks)
+        # Every ring step's block must reach the backward on every rank (its gradient goes
+        # back along the ring): under the causal mask the later query chunks see each other
+        # rank's earlier key chunks whole, and an explicit mask computes every pair.
+        assert used or ring_group is None, "a ring step's key/value block went unused"
         for c, part in enumerate(parts):
             if part is not None:
                 results[c].append(part)
-
-    if comm_type == "all_gather":
-        kv = torch.stack([key, value])                                   # [2, s_l, b, np, hn]
-        kv = gather_from_sequence_parallel_region(kv.transpose(0, 1), cp_group).transpose(0, 1)
-        k_pos = torch.cat([chunk_positions(seq, cp, j, query.device) for j in range(cp)])
-        k_chunks = [(i * chunk, (i + 1) * chunk) for i in range(2 * cp)]
-        parts, _ = _attend(q, q_pos, _to_bhsd(kv[0]), _to_bhsd(kv[1]), k_pos, k_chunks,
-                           attention_mask, scale, dropout_p)
-        collect(parts)
-    else:
-        # Every ring step's block must reach the backward on every rank (its gradient goes
-        # back along the ring): under the causal mask the later query chunk sees each other
-        # rank's earlier key chunk whole, and an explicit mask computes every pair, so every
-        # block is used.
-        kv = torch.stack([key, value])
-        for step in range(cp):
-            source = (rank - step) % cp
-            k_pos = chunk_positions(seq, cp, source, query.device)
-            parts, used = _attend(q, q_pos, _to_bhsd(kv[0]), _to_bhsd(kv[1]), k_pos,
-                                  own_chunks, attention_mask, scale, dropout_p)
-            assert used, "a ring step's key/value block went unused"
-            collect(parts)
-            if step < cp - 1:
-                kv = _RingStep.apply(kv, cp_group)
-    out = _merge_chunks(results, q, chunk, softmax_offset)                # [b, np, s_l, hn]
-    return out.permute(2, 0, 1, 3).reshape(s_local, b, heads * hn).to(query.dtype)
+        if step < len(ranks) - 1:
+            kv = _RingStep.apply(kv, ring_group)
+    return results
 
 
-def _merge_chunks(results, q: torch.Tensor, chunk: int,
+def _merge_chunks(results, q: torch.Tensor, q_chunks, hv: int,
                   softmax_offset: Optional[torch.Tensor]) -> torch.Tensor:
-    """Each of the two query chunks' partial results (plus the softmax offset's term) merged,
-    the chunks side by side: ``[b, np, 2 chunk, hn]``; a chunk that saw nothing is zeros."""
+    """Each query chunk's partial results (plus the softmax offset's term) merged, the chunks
+    side by side: ``[b, np, sq, hv]``; a chunk that saw nothing is zeros."""
     outs = []
-    for c in range(2):
-        like = q[:, :, c * chunk:(c + 1) * chunk]
-        parts = list(results[c])
+    for (start, stop), parts in zip(q_chunks, results):
+        b, heads = q.shape[:2]
+        like = q.new_zeros(b, heads, stop - start, hv)
+        parts = list(parts)
         if softmax_offset is not None:
             parts.append(_sink_part(softmax_offset, like))
-        outs.append(_merge(parts) if parts else torch.zeros_like(like))
+        outs.append(_merge(parts) if parts else like)
     return torch.cat(outs, dim=2)
+
+
+def hierarchical_cp_groups(cp_ranks: Sequence[int], sizes: Sequence[int]
+                           ) -> Tuple[List[List[int]], List[List[int]]]:
+    """The inner (all-to-all) and outer (ring) groups of one cp group's global ranks, for
+    ``--hierarchical-context-parallel-sizes a n``: inner groups are ``a`` neighbouring cp
+    ranks, outer groups the cp ranks ``a`` apart. cp ranks ``[0, 1, 2, 3]`` with ``2 2``::
+
+        inner: [0, 1] [2, 3]        outer: [0, 2] [1, 3]
+    """
+    if len(sizes) != 2 or sizes[0] * sizes[1] != len(cp_ranks):
+        raise ContextParallelError(
+            f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: expected two "
+            f"sizes whose product is --context-parallel-size {len(cp_ranks)}")
+    inner, outer = sizes
+    return ([list(cp_ranks[o * inner:(o + 1) * inner]) for o in range(outer)],
+            [list(cp_ranks[j::inner]) for j in range(inner)])
+
+
+def _hierarchical_attention(query, key, value, cp_group, groups, attention_mask, scale,
+                            dropout_p, softmax_offset):
+    """``a2a+p2p``: all-to-all over the inner group, a ring over the outer group."""
+    if groups is None:
+        raise ContextParallelError("--cp-comm-type a2a+p2p needs "
+                                   "--hierarchical-context-parallel-sizes")
+    a2a_group, p2p_group = groups
+    cp, inner, outer = (get_group_size(g) for g in (cp_group, a2a_group, p2p_group))
+    s_local, b, heads, hn = query.shape
+    if inner * outer != cp or heads % inner:
+        raise ContextParallelError(
+            f"--cp-comm-type a2a+p2p: --hierarchical-context-parallel-sizes {inner} {outer} "
+            f"must multiply to --context-parallel-size {cp}, and the first must divide the "
+            f"{heads} attention heads of a tensor-parallel rank")
+    j, o = get_group_rank(a2a_group), get_group_rank(p2p_group)
+    seq = s_local * cp
+    if key.size(2) % inner:
+        key, value = _expand_groups(key, heads), _expand_groups(value, heads)
+    q = _SequenceToHeads.apply(query, a2a_group)                          # [a s_l, b, np/a, hn]
+    share = q.size(2)
+    k = _expand_groups(_SequenceToHeads.apply(key, a2a_group), share)
+    v = _expand_groups(_SequenceToHeads.apply(value, a2a_group), share)
+    kv = torch.cat([k, v], dim=-1)                                        # [a s_l, b, np/a, ..]
+
+    def members(outer_rank):
+        return [outer_rank * inner + i for i in range(inner)]
+
+    q_pos = torch.cat([chunk_positions(seq, cp, r, query.device) for r in members(o)])
+    chunk = seq // (2 * cp)
+    q_chunks = [(i * chunk, (i + 1) * chunk) for i in range(2 * inner)]
+    mask = None if attention_mask is None else _gather_mask_rows(attention_mask, a2a_group)
+    ranks = [members((o - step) % outer) for step in range(outer)]
+    qb = _to_bhsd(q)
+    results = _ring(qb, q_pos, q_chunks, kv, hn, ranks, seq, cp, p2p_group, mask, scale,
+                    dropout_p)
+    offset = None if softmax_offset is None else softmax_offset[j * share:(j + 1) * share]
+    out = _merge_chunks(results, qb, q_chunks, value.size(-1), offset)    # [b, np/a, a s_l, hv]
+    out = out.permute(2, 0, 1, 3).to(query.dtype).contiguous()            # [a s_l, b, np/a, hv]
+    out = _HeadsToSequence.apply(out, a2a_group)                          # [s_l, b, np, hv]
+    return out.reshape(s_local, b, -1)
 
 
 def _gather_mask_rows(mask: torch.Tensor, group) -> torch.Tensor:
@@ -433,11 +517,11 @@ def _a2a_attention(query, key, value, cp_group, attention_mask, scale, dropout_p
         share, rank = q.size(2), get_group_rank(cp_group)
         mine = softmax_offset[rank * share:(rank + 1) * share]
         out = _merge([(out, lse), _sink_part(mine, out)])
-    out = out.permute(2, 0, 1, 3).to(query.dtype)                        # [s, b, np/cp, hn]
-    out = _HeadsToSequence.apply(out.contiguous(), cp_group)             # [s_l, b, np, hn]
-    return out.reshape(s_local, b, heads * hn)
+    out = out.permute(2, 0, 1, 3).to(query.dtype)                        # [s, b, np/cp, hv]
+    out = _HeadsToSequence.apply(out.contiguous(), cp_group)             # [s_l, b, np, hv]
+    return out.reshape(s_local, b, -1)
 
 
 __all__ = ["COMM_TYPES", "ContextParallelError", "check_sequence_length", "chunk_positions",
            "split_for_cp_rank", "get_batch_on_this_cp_rank", "context_parallel_attention",
-           "window_mask_rows"]
+           "hierarchical_cp_groups", "window_mask_rows"]

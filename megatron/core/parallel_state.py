@@ -56,14 +56,24 @@ dp_rank))``, so the stages of one model copy sit on neighbouring ranks. World 8,
 
 The experts follow the same order (``etp-ep-pp-edp``), which keeps their pipeline groups equal to
 attention's only when ``expert_tp * ep = tp * cp``; other expert layouts are refused with it.
+
+**Hierarchical context parallelism** (``--hierarchical-context-parallel-sizes a n``, for
+``--cp-comm-type a2a+p2p``) cuts each context-parallel group into inner all-to-all groups of
+``a`` neighbouring cp ranks and outer rings of the cp ranks ``a`` apart. World 8, ``tp = 2``,
+``cp = 4``, sizes ``2 2`` (context-parallel groups ``[0, 2, 4, 6] [1, 3, 5, 7]``)::
+
+    cp all-to-all (inner) groups:   [0, 2] [4, 6] [1, 3] [5, 7]
+    cp ring (outer) groups:         [0, 4] [2, 6] [1, 5] [3, 7]
 """
 
 import dataclasses
 import datetime
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 import torch.distributed as dist
+
+from megatron.core.context_parallel import ContextParallelError, hierarchical_cp_groups
 
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -107,6 +117,9 @@ class RankLayout:
     expert_dp_groups: List[List[int]] = dataclasses.field(default_factory=list)
     expert_model_parallel_groups: List[List[int]] = dataclasses.field(default_factory=list)
     order: str = DEFAULT_ORDER
+    hierarchical_cp_sizes: Optional[Tuple[int, ...]] = None
+    cp_a2a_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    cp_p2p_groups: List[List[int]] = dataclasses.field(default_factory=list)
 
     def rank_coordinates(self, rank: int) -> dict:
         """``{"tp": .., "cp": .., "dp": .., "pp": ..}`` of a global rank."""
@@ -191,11 +204,14 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
                         cp_size: int = 1, ep_size: int = 1,
                         expert_tp_size: Optional[int] = None, vp_size: Optional[int] = None,
                         sequence_parallel: bool = False,
-                        order: str = DEFAULT_ORDER) -> RankLayout:
+                        order: str = DEFAULT_ORDER,
+                        hierarchical_cp_sizes: Optional[Sequence[int]] = None) -> RankLayout:
     """Megatron's rank assignment as plain lists, checked for consistency.
 
     ``order`` is Megatron's ``tp-cp-ep-dp-pp`` (the default) or ``tp-cp-ep-pp-dp``
     (``--use-tp-pp-dp-mapping``: the pipeline stage varies before the data-parallel rank).
+    ``hierarchical_cp_sizes``: ``--hierarchical-context-parallel-sizes`` (inner, outer), whose
+    product must be ``cp_size``.
     ``expert_tp_size`` defaults to ``tp_size`` (Megatron's default). Raises
     :class:`LayoutError` naming the flags when the degrees do not fit ``world_size``.
     """
@@ -225,6 +241,8 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
                              expert_tp_groups=groups(["tp"], expert),
                              expert_dp_groups=groups(["dp"], expert),
                              expert_model_parallel_groups=groups(["tp", "ep", "pp"], expert))
+    cp_groups = groups(["cp"])
+    hierarchical = _hierarchical_groups(cp_groups, hierarchical_cp_sizes)
     return RankLayout(
         world_size, tp_size, pp_size, dp_size, groups(["tp"]), groups(["dp"]), pp_groups,
         # tp x pp for each (cp, dp) position: the ranks that together hold one copy of the model.
@@ -233,9 +251,24 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
         [[g[0]] for g in pp_groups],
         cp_size=cp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
         expert_dp_size=expert_dp_size, vp_size=vp_size, sequence_parallel=sequence_parallel,
-        cp_groups=groups(["cp"]), dp_cp_groups=groups(["cp", "dp"]), order=order,
-        **expert_groups,
+        cp_groups=cp_groups, dp_cp_groups=groups(["cp", "dp"]), order=order,
+        **expert_groups, **hierarchical,
     )
+
+
+def _hierarchical_groups(cp_groups: List[List[int]], sizes: Optional[Sequence[int]]) -> dict:
+    """The RankLayout fields of hierarchical context parallelism (none without ``sizes``)."""
+    if sizes is None:
+        return {}
+    inner, outer = [], []
+    for ranks in cp_groups:
+        try:
+            a2a, p2p = hierarchical_cp_groups(ranks, list(sizes))
+        except ContextParallelError as err:
+            raise LayoutError(str(err)) from None
+        inner += a2a
+        outer += p2p
+    return dict(hierarchical_cp_sizes=tuple(sizes), cp_a2a_groups=inner, cp_p2p_groups=outer)
 
 
 @dataclass(frozen=True)
@@ -253,6 +286,8 @@ class ModelGroups:
         cp_group: the context-parallel group (None: whole sequences on this rank).
         ep_group: the expert-parallel group of the MoE layers (None: every expert here).
         expert_tp_group: the group each expert is split over (None: ``tp_group``).
+        hierarchical_cp_groups: (inner all-to-all, outer ring) subgroups of ``cp_group`` for
+            ``--cp-comm-type a2a+p2p``, or None.
     """
 
     tp_group: object = None
@@ -261,6 +296,7 @@ class ModelGroups:
     cp_group: object = None
     ep_group: object = None
     expert_tp_group: object = None
+    hierarchical_cp_groups: Optional[Tuple[object, object]] = None
 
     @classmethod
     def of(cls, pstate, sequence_parallel: Optional[bool] = None) -> "ModelGroups":
@@ -274,7 +310,8 @@ class ModelGroups:
                    sequence_parallel=sequence_parallel,
                    cp_group=getattr(pstate, "cp_group", None),
                    ep_group=getattr(pstate, "ep_group", None),
-                   expert_tp_group=getattr(pstate, "expert_tp_group", None))
+                   expert_tp_group=getattr(pstate, "expert_tp_group", None),
+                   hierarchical_cp_groups=getattr(pstate, "hierarchical_cp_groups", None))
 
 
 @dataclass
@@ -311,6 +348,7 @@ class ParallelState:
     dp_cp_ranks: List[int] = dataclasses.field(default_factory=list)
     expert_model_parallel_group: object = None
     expert_tp_ranks: List[int] = dataclasses.field(default_factory=list)
+    hierarchical_cp_groups: Optional[Tuple[object, object]] = None
 
     @property
     def tp_size(self) -> int:
@@ -398,6 +436,7 @@ def initialize_model_parallel(
     expert_tensor_parallel_size: Optional[int] = None,
     sequence_parallel: bool = False,
     order: str = DEFAULT_ORDER,
+    hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
 ) -> ParallelState:
     """Create every process group and remember this rank's ones.
 
@@ -405,7 +444,8 @@ def initialize_model_parallel(
     ``new_group`` is collective over the whole world even for groups a rank is not in.
     ``timeout`` (``--distributed-timeout-minutes``) bounds every collective of the new groups;
     without it they get torch's default (30 minutes on gloo), not the world group's.
-    ``order`` is the rank order of :func:`compute_rank_layout`.
+    ``order`` is the rank order of :func:`compute_rank_layout`;
+    ``hierarchical_context_parallel_sizes`` its ``hierarchical_cp_sizes``.
     """
     global _STATE
     if not dist.is_initialized():
@@ -422,7 +462,7 @@ def initialize_model_parallel(
         cp_size=context_parallel_size, ep_size=expert_model_parallel_size,
         expert_tp_size=expert_tensor_parallel_size,
         vp_size=virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-        order=order)
+        order=order, hierarchical_cp_sizes=hierarchical_context_parallel_sizes)
 
     def build(groups: List[List[int]]):
         mine = None
@@ -454,6 +494,9 @@ def initialize_model_parallel(
         expert_mp_group = (mp_group if layout.expert_model_parallel_groups
                            == layout.model_parallel_groups
                            else build(layout.expert_model_parallel_groups))
+    hierarchical = None
+    if layout.hierarchical_cp_sizes is not None:   # built last: other groups keep their order
+        hierarchical = (build(layout.cp_a2a_groups), build(layout.cp_p2p_groups))
     _STATE = ParallelState(
         layout=layout, rank=rank, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
         model_parallel_group=mp_group, embedding_group=emb_group,
@@ -469,6 +512,7 @@ def initialize_model_parallel(
         cp_ranks=_find(layout.cp_groups, rank), dp_cp_ranks=_find(layout.dp_cp_groups, rank),
         expert_model_parallel_group=expert_mp_group,
         expert_tp_ranks=_find(layout.expert_tp_groups, rank),
+        hierarchical_cp_groups=hierarchical,
     )
     return _STATE
 

@@ -10,7 +10,8 @@ row-parallel projection that sums the ranks' partial outputs.
 
 import contextlib
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +176,50 @@ class CoreAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(sq, b, -1)            # [sq, b, np*hv]
 
 
+@dataclass(frozen=True)
+class ContextParallelSetup:
+    """How one attention layer runs under context parallelism: the cp group, this layer's
+    ``--cp-comm-type`` and, for ``a2a+p2p``, the hierarchical subgroups."""
+
+    group: object
+    comm_type: str
+    hierarchical_groups: Optional[Tuple[object, object]] = None
+
+    @classmethod
+    def build(cls, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+              cp_group, hierarchical_cp_groups=None) -> Optional["ContextParallelSetup"]:
+        """None without context parallelism (a cp group of one rank)."""
+        if get_group_size(cp_group) == 1:
+            return None
+        if attn_mask_type != AttnMaskType.causal:
+            raise ValueError("--context-parallel-size > 1 supports causal self-attention "
+                             "(GPT) only")
+        comm_type = config.layer_cp_comm_type(layer_number)
+        if comm_type == "a2a+p2p" and hierarchical_cp_groups is None:
+            raise ConfigError(f"--cp-comm-type a2a+p2p (layer {layer_number}) needs "
+                              "--hierarchical-context-parallel-sizes")
+        return cls(cp_group, comm_type, hierarchical_cp_groups)
+
+    def attend(self, core_attention: CoreAttention, query, key, value, attention_mask,
+               training: bool, softmax_scale: float):
+        """This rank's queries over the whole sequence, with the layer's window (a mask by
+        global position), softmax offset and dropout (on the tensor-parallel RNG stream, as
+        in :class:`CoreAttention`): ``[s/cp, b, np * hv]``."""
+        dropout_p = core_attention.attention_dropout_p if training else 0.0
+        window = core_attention.window_size
+        if window is not None:
+            cp = get_group_size(self.group)
+            band = window_mask_rows(query.size(0) * cp, cp, get_group_rank(self.group),
+                                    window, device=query.device)         # [1, 1, s/cp, s]
+            attention_mask = band if attention_mask is None else attention_mask | band
+        with dropout_rng_context(dropout_p > 0):
+            return context_parallel_attention(
+                query, key, value, cp_group=self.group, comm_type=self.comm_type,
+                attention_mask=attention_mask, dropout_p=dropout_p, softmax_scale=softmax_scale,
+                softmax_offset=core_attention.softmax_offset,
+                hierarchical_groups=self.hierarchical_groups)
+
+
 class ParallelAttention(MegatronModule):
     """Self-attention: fused QKV projection, optional query/key norms (``--qk-layernorm``, named
     ``q_layernorm`` / ``k_layernorm`` as in Megatron-Core), optional rotary embedding, core
@@ -193,18 +238,19 @@ class ParallelAttention(MegatronModule):
         cp_group: the context-parallel group (None: whole sequences on this rank). With more
             than one rank, the input holds this rank's tokens of every sequence
             (:func:`~megatron.core.context_parallel.chunk_positions`) and core attention runs
-            over the whole sequence by ``config.cp_comm_type`` exchanges.
+            over the whole sequence by this layer's ``config.cp_comm_type`` exchanges.
+        hierarchical_cp_groups: the (inner all-to-all, outer ring) subgroups of ``cp_group``
+            for ``--cp-comm-type a2a+p2p``.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
                  sequence_parallel: bool, init_method, output_layer_init_method,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None,
+                 hierarchical_cp_groups=None):
         super().__init__(config)
-        self.cp_group = cp_group if get_group_size(cp_group) > 1 else None
-        self.cp_comm_type = config.cp_comm_type
-        if self.cp_group is not None and attn_mask_type != AttnMaskType.causal:
-            raise ValueError("--context-parallel-size > 1 supports causal self-attention "
-                             "(GPT) only")
+        self.cp = ContextParallelSetup.build(config, layer_number, attn_mask_type, cp_group,
+                                             hierarchical_cp_groups)
+        self.cp_group = None if self.cp is None else self.cp.group
         hn = config.kv_channels
         self.num_heads = divide(config.num_attention_heads, tp_size,
                                 "--num-attention-heads over --tensor-model-parallel-size")
@@ -294,21 +340,9 @@ class ParallelAttention(MegatronModule):
 
     def _context_parallel_attention(self, query, key, value, attention_mask):
         """This rank's queries ``[s/cp, b, np, hn]`` over the whole sequence's keys and values
-        (``[s/cp, b, ng, hn]`` each) -> ``[s/cp, b, np * hn]``; dropout on the tensor-parallel
-        RNG stream, as in :class:`CoreAttention`."""
-        dropout_p = self.config.attention_dropout if self.training else 0.0
-        window = self.core_attention.window_size
-        if window is not None:
-            cp = get_group_size(self.cp_group)
-            band = window_mask_rows(query.size(0) * cp, cp, get_group_rank(self.cp_group),
-                                    window, device=query.device)         # [1, 1, s/cp, s]
-            attention_mask = band if attention_mask is None else attention_mask | band
-        with dropout_rng_context(dropout_p > 0):
-            return context_parallel_attention(
-                query, key, value, cp_group=self.cp_group, comm_type=self.cp_comm_type,
-                attention_mask=attention_mask, dropout_p=dropout_p,
-                softmax_scale=1.0 / math.sqrt(self.hidden_size_per_head),
-                softmax_offset=self.core_attention.softmax_offset)
+        (``[s/cp, b, ng, hn]`` each) -> ``[s/cp, b, np * hn]``."""
+        return self.cp.attend(self.core_attention, query, key, value, attention_mask,
+                              self.training, 1.0 / math.sqrt(self.hidden_size_per_head))
 
     def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
         """Write this step's ``[s, b, ng, hn]`` keys and values into the layer's cache at

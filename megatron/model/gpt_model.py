@@ -38,7 +38,10 @@ class GPTModel(MegatronModule):
             its gradient scale and logs it).
         mtp_num_layers: ``--mtp-num-layers``: multi-token prediction depths after the last
             layer (:mod:`~megatron.model.multi_token_prediction`), in ``mtp``; their losses go
-            through ``mtp_tracker``. Needs one pipeline stage.
+            through ``mtp_tracker``. With pipeline parallelism they sit on the last stage, as
+            Megatron-Core places them; a last stage without the embedding then reads the
+            input tokens too and keeps ``word_embeddings_for_head`` even with untied
+            embeddings (a copy of the input table, kept in step like the tied one).
         mtp_loss_scaling_factor: ``--mtp-loss-scaling-factor``.
 
     With context parallelism (``pstate.cp_group`` of more than one rank) every ``[b, s]`` input
@@ -57,9 +60,11 @@ class GPTModel(MegatronModule):
                  mtp_loss_scaling_factor: float = 0.1):
         super().__init__(config)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
-        if mtp_num_layers and pstate.pp_size > 1:
-            raise ValueError("--mtp-num-layers with --pipeline-model-parallel-size > 1 is not "
-                             "supported (the MTP layers need the embedding on the last stage)")
+        if (mtp_num_layers and pstate.pp_size > 1
+                and config.position_embedding_type == "learned_absolute"):
+            raise ValueError("--mtp-num-layers with --pipeline-model-parallel-size > 1 needs "
+                             "--position-embedding-type rope, yarn or none (learned absolute "
+                             "positions would need a copy on the last stage)")
         groups = ModelGroups.of(pstate, sequence_parallel)
         self.tp_group = pstate.tp_group
         self.pre_process = pre_process
@@ -85,12 +90,15 @@ class GPTModel(MegatronModule):
             moe_config=moe_config, moe_tracker=self.moe_tracker)
         self.mtp = self.mtp_tracker = None
         self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
-        if mtp_num_layers:
+        # Which word-embedding tables the pipeline keeps in step over the first and last stage.
+        self.shares_embedding_over_stages = (self.share_embeddings_and_output_weights
+                                             or bool(mtp_num_layers))
+        if mtp_num_layers and post_process:
             self.mtp = MultiTokenPredictionBlock(config, groups, mtp_num_layers,
                                                  moe_config if self.moe_config else None,
                                                  self.moe_tracker, init_seed)
             self.mtp_tracker = MTPLossTracker(mtp_num_layers)
-        if self.share_embeddings_and_output_weights:
+        if self.shares_embedding_over_stages:
             tie_word_embeddings_over_stages(self, init_seed)
         # The training logits, written into the same storage every micro-batch (CPU only:
         # CUDA's caching allocator already reuses the block).
@@ -100,7 +108,7 @@ class GPTModel(MegatronModule):
         """The word-embedding table this stage uses (embedding, LM head, or both)."""
         if self.pre_process:
             return self.language_model.embedding.word_embeddings.weight
-        if not self.share_embeddings_and_output_weights:
+        if not hasattr(self, "word_embeddings_for_head"):
             raise RuntimeError("shared_embedding_or_output_weight() called on a stage without "
                                "an embedding while --untie-embeddings-and-output-weights is set")
         return self.word_embeddings_for_head.weight
@@ -184,7 +192,7 @@ class GPTModel(MegatronModule):
         if self.language_model.rotary_pos_emb is not None:
             rotary = self.language_model.rotary_pos_emb(hidden.size(0))          # [s, 1, 1, d]
         outputs = self.mtp(input_ids, position_ids, hidden, attention_mask, rotary,
-                           self.language_model.embedding)
+                           self._mtp_embedding)
         mask = (torch.ones_like(labels, dtype=torch.float32) if loss_mask is None
                 else loss_mask.float())
         total = 0.0
@@ -195,6 +203,19 @@ class GPTModel(MegatronModule):
             self.mtp_tracker.record(depth, value)
             total = total + value * (self.mtp_loss_scaling_factor / len(outputs))
         return attach_aux_loss(loss, total, self.mtp_tracker)
+
+    def _mtp_embedding(self, input_ids: torch.Tensor,
+                       position_ids: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[b, s]`` ids -> ``[s, b, h]``: the first stage's embedding, or on a last stage
+        without it the same computation on its copy of the table (no position table: refused
+        with pipeline parallelism)."""
+        if self.pre_process:
+            return self.language_model.embedding(input_ids, position_ids)
+        embedded = self.word_embeddings_for_head(input_ids)                  # [b, s, h]
+        embedded = embedded.transpose(0, 1).contiguous()                     # [s, b, h]
+        if self.config.fp32_residual_connection:
+            embedded = embedded.float()
+        return torch.nn.functional.dropout(embedded, self.config.hidden_dropout, self.training)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """``{"language_model": {...}, "word_embeddings_for_head": {"weight": ...}}`` as

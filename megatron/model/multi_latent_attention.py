@@ -19,6 +19,12 @@ down projections are replicated on every tensor-parallel rank and the up project
 heads. Under sequence parallelism each rank projects its own tokens down and the small latents
 are all-gathered; the replicated weights' gradients are then partial sums (marked
 ``sequence_parallel`` for the tensor-parallel all-reduce).
+
+Under context parallelism each rank projects its own tokens (chunks ``r`` and ``2 cp - 1 - r``)
+and rotates their position channels by their global positions (the angles the model hands in
+are already this rank's); the whole heads' keys ``[d + r]`` and values ``[dv]`` then go to
+:func:`~megatron.core.context_parallel.context_parallel_attention` by the layer's
+``--cp-comm-type``, as for standard attention.
 """
 
 import math
@@ -28,12 +34,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device, tensor_parallel
-from megatron.core.collectives import get_group_size
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
 from megatron.fused_kernels.softmax import causal_mask
-from megatron.model.attention import CoreAttention
+from megatron.model.attention import ContextParallelSetup, CoreAttention
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
@@ -84,11 +89,11 @@ class MultiLatentAttention(MegatronModule):
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
                  sequence_parallel: bool, init_method, output_layer_init_method,
-                 attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None):
+                 attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None,
+                 hierarchical_cp_groups=None):
         super().__init__(config)
-        if get_group_size(cp_group) > 1:
-            raise ConfigError("--multi-latent-attention does not support "
-                              "--context-parallel-size > 1 yet")
+        self.cp = ContextParallelSetup.build(config, layer_number, attn_mask_type, cp_group,
+                                             hierarchical_cp_groups)
         self.tp_group = tp_group
         self.sequence_parallel = sequence_parallel and tp_size > 1
         self.layer_number = layer_number
@@ -192,12 +197,17 @@ class MultiLatentAttention(MegatronModule):
             if attention_mask is None:   # query i sits at position offset + i
                 attention_mask = causal_mask(query.size(0), key.size(0),
                                              device=query.device)[None, None]
-        if self.checkpoint_core_attention and torch.is_grad_enabled():
-            context = tensor_parallel.checkpoint(
-                lambda q, k, v: self.core_attention(q, k, v, attention_mask), False,
-                query, key, value)
+        if self.cp is not None and inference_params is None:
+            def attend(q, k, v):                                         # -> [s/cp, b, np*dv]
+                return self.cp.attend(self.core_attention, q, k, v, attention_mask,
+                                      self.training, self.core_attention.softmax_scale)
         else:
-            context = self.core_attention(query, key, value, attention_mask)  # [s, b, np*dv]
+            def attend(q, k, v):                                         # -> [s, b, np*dv]
+                return self.core_attention(q, k, v, attention_mask)
+        if self.checkpoint_core_attention and torch.is_grad_enabled():
+            context = tensor_parallel.checkpoint(attend, False, query, key, value)
+        else:
+            context = attend(query, key, value)
         return self.linear_proj(context)
 
     def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):

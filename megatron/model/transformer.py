@@ -128,7 +128,8 @@ class ParallelTransformerLayer(MegatronModule):
                          else ParallelAttention)
         self.self_attention = attention_cls(config, layer_number, tp_group, tp_size,
                                             sequence_parallel, init_method, output_init,
-                                            self_attn_mask_type, cp_group=groups.cp_group)
+                                            self_attn_mask_type, cp_group=groups.cp_group,
+                                            hierarchical_cp_groups=groups.hierarchical_cp_groups)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.tp_group = tp_group
         self.moe_sequence_gather = self.moe_forward_only = False

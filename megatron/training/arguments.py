@@ -534,11 +534,17 @@ def _add_distributed_args(parser):
                    help="split every sequence over this many ranks (attention exchanges "
                         "keys and values; everything else runs on the local tokens)")
     g.add_argument("--cp-comm-type", nargs="+", default=["p2p"],
-                   choices=["p2p", "all_gather", "allgather", "a2a"],
+                   choices=["p2p", "all_gather", "allgather", "a2a", "a2a+p2p"],
                    help="context parallelism's exchange: a ring of key/value blocks (p2p), "
-                        "one all-gather of them (allgather, or all_gather), or all-to-all from a "
-                        "sequence split to a head split (a2a); one type for every layer (as "
-                        "Megatron, one value per layer is taken when all are the same)")
+                        "one all-gather of them (allgather, or all_gather), all-to-all from a "
+                        "sequence split to a head split (a2a), or all-to-all inside groups of "
+                        "neighbouring cp ranks with a ring between the groups (a2a+p2p, with "
+                        "--hierarchical-context-parallel-sizes); one type for every layer, or "
+                        "one per layer")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+                   help="for --cp-comm-type a2a+p2p: two sizes whose product is "
+                        "--context-parallel-size; the first many neighbouring cp ranks exchange "
+                        "by all-to-all, the second many such groups form the p2p ring")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
                    help="accepted for old scripts; the local (Megatron) implementation is used")

@@ -65,7 +65,6 @@ EXTRA_CHOICES = (
     ("--ckpt-format", "fsdp_dtensor", "the fsdp_dtensor format is not built yet; use "
                                       "torch_dist (with --use-megatron-fsdp it holds whole "
                                       "tensors and loads at any data-parallel size)"),
-    ("--cp-comm-type", "a2a+p2p", table.CP_VARIANTS),
 )
 
 

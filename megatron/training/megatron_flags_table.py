@@ -112,7 +112,7 @@ SPEC = ("custom module specs and YAML configs are not built here; the layers are
         "project's own; drop it and give the flags on the command line")
 VP_GROUP = ("the interleaved schedule here groups --pipeline-model-parallel-size micro-batches "
             "per virtual stage; drop it")
-CP_VARIANTS = ("hierarchical/hybrid context parallelism is not built yet; use "
+CP_VARIANTS = ("hybrid (per-sequence dynamic) context parallelism is not built yet; use "
                "--context-parallel-size with --cp-comm-type")
 WEIGHT_SHARDS = "sharded tensor-parallel weights are not built yet; drop it"
 UCC = "only the default communication backend is built here; drop it"
@@ -146,7 +146,6 @@ PARAM_GROUPS = "custom parameter groups are not built yet; drop it"
 ROWS = (
     ('--tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
     ('--pipeline-model-parallel-comm-backend', '', 'str', None, 'nccl|ucc', REFUSED, UCC),
-    ('--hierarchical-context-parallel-sizes', '', 'int+', None, '', REFUSED, CP_VARIANTS),
     ('--max-seqlen-per-dp-cp-rank', '', 'int', None, '', REFUSED, CP_VARIANTS),
     ('--hybrid-context-parallel', '', 'true', False, '', REFUSED, MAMBA),
     ('--expert-tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),

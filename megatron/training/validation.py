@@ -217,14 +217,17 @@ def _read_data_args_files(args) -> None:
 
 
 def _one_cp_comm_type(args) -> None:
-    """--cp-comm-type takes Megatron's list (one type, or one per layer); one type for all
-    layers is built, so the list becomes that type (Megatron's allgather is all_gather)."""
+    """--cp-comm-type takes Megatron's list: one type for every layer, or one per layer (kept
+    as a list; Megatron's allgather is all_gather; a list of one type becomes that type)."""
     given = args.cp_comm_type if isinstance(args.cp_comm_type, list) else [args.cp_comm_type]
-    types = sorted({"all_gather" if t == "allgather" else t for t in given})
-    if len(types) != 1:
-        _fail(f"--cp-comm-type {' '.join(given)} is not supported: a different exchange per "
-              f"layer is not built yet; use one of {', '.join(types)} for all layers")
-    args.cp_comm_type = types[0]
+    types = ["all_gather" if t == "allgather" else t for t in given]
+    if len(set(types)) == 1:
+        args.cp_comm_type = types[0]
+        return
+    if len(types) != args.num_layers:
+        _fail(f"--cp-comm-type {' '.join(given)}: give one type for every layer, or one per "
+              f"layer (--num-layers {args.num_layers}), not {len(types)}")
+    args.cp_comm_type = types
 
 
 def _attention_backend(args) -> None:
@@ -262,22 +265,40 @@ def _validate_surface(args) -> None:
 def _validate_context_parallel(args) -> None:
     """--context-parallel-size: the sequence, heads and masks must split over the cp ranks."""
     cp, tp = args.context_parallel_size, args.tensor_model_parallel_size
+    _hierarchical_cp_sizes(args)
     if cp == 1:
         return
-    if args.multi_latent_attention:
-        _fail(f"--multi-latent-attention with --context-parallel-size {cp} is not supported "
-              "yet: run MLA with --context-parallel-size 1")
     if args.seq_length % (2 * cp):
         _fail(f"--seq-length ({args.seq_length}) is not divisible by 2 x "
               f"--context-parallel-size ({cp}) = {2 * cp}: each sequence is cut into "
               f"{2 * cp} equal chunks")
-    if args.cp_comm_type == "a2a":
-        heads = args.num_attention_heads // tp
-        if heads % cp:
-            _fail(f"--cp-comm-type a2a splits the {heads} attention heads per tensor-parallel "
-                  f"rank (--num-attention-heads {args.num_attention_heads} / "
-                  f"--tensor-model-parallel-size {tp}) over --context-parallel-size {cp}; "
-                  "they must divide evenly (or use --cp-comm-type p2p or all_gather)")
+    types = [args.cp_comm_type] if isinstance(args.cp_comm_type, str) else args.cp_comm_type
+    heads = args.num_attention_heads // tp
+    inner = (args.hierarchical_context_parallel_sizes or [1])[0]
+    for comm_type, ways, flag in (
+            ("a2a", cp, f"--context-parallel-size {cp}"),
+            ("a2a+p2p", inner, f"the first --hierarchical-context-parallel-sizes {inner}")):
+        if comm_type in types and heads % ways:
+            _fail(f"--cp-comm-type {comm_type} splits the {heads} attention heads per "
+                  f"tensor-parallel rank (--num-attention-heads {args.num_attention_heads} / "
+                  f"--tensor-model-parallel-size {tp}) over {flag}; they must divide evenly "
+                  "(or use --cp-comm-type p2p or all_gather)")
+
+
+def _hierarchical_cp_sizes(args) -> None:
+    """--hierarchical-context-parallel-sizes: two sizes multiplying to
+    --context-parallel-size; --cp-comm-type a2a+p2p needs them."""
+    sizes, cp = args.hierarchical_context_parallel_sizes, args.context_parallel_size
+    types = [args.cp_comm_type] if isinstance(args.cp_comm_type, str) else args.cp_comm_type
+    if sizes is None:
+        if "a2a+p2p" in types and cp > 1:
+            _fail("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (the "
+                  "all-to-all and the p2p sizes, multiplying to --context-parallel-size "
+                  f"{cp})")
+        return
+    if len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+        _fail(f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))}: expected "
+              f"two sizes (all-to-all, p2p) whose product is --context-parallel-size {cp}")
 
 
 def _validate_parallel(args) -> None:
@@ -665,11 +686,14 @@ def _validate_mtp(args) -> None:
         _fail(f"--mtp-num-layers must be >= 1, got {depths}")
     if args.mtp_loss_scaling_factor < 0:
         _fail(f"--mtp-loss-scaling-factor must be >= 0, got {args.mtp_loss_scaling_factor}")
-    for flag, value, ok in (
-            ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size, 1),
-            ("--context-parallel-size", getattr(args, "context_parallel_size", 1), 1)):
-        if value != ok:
-            _fail(f"--mtp-num-layers with {flag} {value} is not supported (only {ok})")
+    cp = getattr(args, "context_parallel_size", 1)
+    if cp != 1:
+        _fail(f"--mtp-num-layers with --context-parallel-size {cp} is not supported (only 1)")
+    if args.pipeline_model_parallel_size > 1 and args.position_embedding_type == \
+            "learned_absolute":
+        _fail("--mtp-num-layers with --pipeline-model-parallel-size > 1 needs "
+              "--position-embedding-type rope, yarn or none (the MTP layers on the last stage "
+              "have no copy of the learned position table)")
     if args.sequence_parallel:
         _fail("--mtp-num-layers with --sequence-parallel is not supported")
 

@@ -1,7 +1,8 @@
 """Context-parallel attention (megatron/core/context_parallel.py) against naive full attention in
 fp64: outputs and the gradients of queries, keys and values at every rank's tokens, for the ring
-(p2p), all-gather and all-to-all exchanges, with and without grouped-query attention, causal and
-with an explicit mask that leaves whole rows (and, at cp 4, whole chunks) masked (all-to-all
+(p2p), all-gather, all-to-all and hierarchical (a2a+p2p) exchanges, with and without
+grouped-query attention, with value heads narrower than key heads (multi-latent attention),
+causal and with an explicit mask that leaves whole rows (and, at cp 4, whole chunks) masked (all-to-all
 gathers the mask's rows: it attends for queries other ranks hold).
 
 Every rank builds the whole sequence from fixed seeds, computes the reference itself, and compares
@@ -14,7 +15,8 @@ import torch.distributed as dist
 
 from megatron.core.context_parallel import (ContextParallelError, check_sequence_length,
                                             chunk_positions, context_parallel_attention,
-                                            get_batch_on_this_cp_rank, split_for_cp_rank)
+                                            get_batch_on_this_cp_rank, hierarchical_cp_groups,
+                                            split_for_cp_rank)
 from tests.multiprocess import run_on_ranks
 
 TOL = dict(rtol=0, atol=1e-10)
@@ -56,12 +58,13 @@ def _naive(q, k, v, mask):
     return out.reshape(q.size(0), q.size(1), -1)
 
 
-def _case(seq, batch, heads, groups, hn, masked_rows, seed):
+def _case(seq, batch, heads, groups, hn, masked_rows, seed, hv=None):
+    hv = hn if hv is None else hv
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(seq, batch, heads, hn, generator=gen, dtype=torch.float64)
     k = torch.randn(seq, batch, groups, hn, generator=gen, dtype=torch.float64)
-    v = torch.randn(seq, batch, groups, hn, generator=gen, dtype=torch.float64)
-    grad = torch.randn(seq, batch, heads * hn, generator=gen, dtype=torch.float64)
+    v = torch.randn(seq, batch, groups, hv, generator=gen, dtype=torch.float64)
+    grad = torch.randn(seq, batch, heads * hv, generator=gen, dtype=torch.float64)
     causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)[None, None].expand(batch, 1, seq,
                                                                               seq)
     mask = None
@@ -75,10 +78,10 @@ def _case(seq, batch, heads, groups, hn, masked_rows, seed):
     return q, k, v, grad, (causal if mask is None else mask), mask
 
 
-def _check(cp, comm_type, heads, groups, masked_rows, seed):
+def _check(cp, comm_type, heads, groups, masked_rows, seed, hv=None, hierarchical=None):
     rank = dist.get_rank()
     seq, batch, hn = 8 * cp, 2, 4
-    q, k, v, grad, full_mask, mask = _case(seq, batch, heads, groups, hn, masked_rows, seed)
+    q, k, v, grad, full_mask, mask = _case(seq, batch, heads, groups, hn, masked_rows, seed, hv)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = _naive(*leaves, full_mask)
     (ref * grad).sum().backward()
@@ -86,7 +89,7 @@ def _check(cp, comm_type, heads, groups, masked_rows, seed):
     local = [t[pos].detach().clone().requires_grad_() for t in (q, k, v)]
     local_mask = None if mask is None else mask[:, :, pos, :]
     out = context_parallel_attention(*local, cp_group=dist.group.WORLD, comm_type=comm_type,
-                                     attention_mask=local_mask)
+                                     attention_mask=local_mask, hierarchical_groups=hierarchical)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out, ref[pos].detach(), **TOL)
     (out * grad[pos]).sum().backward()
@@ -105,6 +108,8 @@ def _all_cases(cp):
             for masked_rows in (0, 4):
                 _check(cp, comm_type, heads, groups, masked_rows, seed=cases)
                 cases += 1
+        _check(cp, comm_type, 4, 4, 0, seed=cases, hv=3)   # value heads narrower than keys
+        cases += 1
     q = torch.zeros(8, 1, 4, 4)
     for comm_type in ("p2p", "a2a"):
         with pytest.raises(ContextParallelError, match=r"must be \[b or 1, 1, 8, %d\]" % (8 * cp)):
@@ -119,4 +124,54 @@ def _all_cases(cp):
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_attention_equals_full_attention(cp):
-    assert run_on_ranks(_all_cases, cp, cp) == [18] * cp
+    assert run_on_ranks(_all_cases, cp, cp) == [21] * cp
+
+
+def _my_groups(groups):
+    mine = None
+    for ranks in groups:
+        handle = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = handle
+    return mine
+
+
+def _hierarchical_cases(sizes):
+    cp = dist.get_world_size()
+    inner, outer = hierarchical_cp_groups(list(range(cp)), sizes)
+    groups = (_my_groups(inner), _my_groups(outer))
+    cases = 0
+    for heads, n_groups, hv in ((4, 4, None), (4, 2, 3), (8, 1, None)):
+        for masked_rows in (0, 4):
+            _check(cp, "a2a+p2p", heads, n_groups, masked_rows, seed=100 + cases, hv=hv,
+                   hierarchical=groups)
+            cases += 1
+    q = torch.zeros(8, 1, 4, 4)
+    with pytest.raises(ContextParallelError, match="needs --hierarchical-context-parallel-"):
+        context_parallel_attention(q, q, q, cp_group=dist.group.WORLD, comm_type="a2a+p2p")
+    return cases
+
+
+def test_hierarchical_groups_are_neighbours_inside_and_strided_outside():
+    assert hierarchical_cp_groups([0, 2, 4, 6], [2, 2]) == ([[0, 2], [4, 6]], [[0, 4], [2, 6]])
+    assert hierarchical_cp_groups(range(8), [2, 4])[1] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    with pytest.raises(ContextParallelError, match="2 3: expected two sizes whose product is "
+                                                   "--context-parallel-size 4"):
+        hierarchical_cp_groups([0, 1, 2, 3], [2, 3])
+
+
+@pytest.mark.parametrize("sizes", [[2, 2], [1, 4], [4, 1]])
+def test_a2a_plus_p2p_attention_equals_full_attention(sizes):
+    assert run_on_ranks(_hierarchical_cases, 4, sizes) == [6] * 4
+
+
+def test_cp_comm_type_is_one_type_or_one_per_layer():
+    from megatron.core.config import ConfigError
+    from tests.unit.test_gpt_model import make_config
+
+    config = make_config(num_layers=3, cp_comm_type=["a2a", "p2p", "a2a+p2p"])
+    assert [config.layer_cp_comm_type(n) for n in (1, 2, 3, 4)] == ["a2a", "p2p", "a2a+p2p",
+                                                                     "a2a+p2p"]
+    assert make_config(cp_comm_type="all_gather").layer_cp_comm_type(2) == "all_gather"
+    with pytest.raises(ConfigError, match="one per layer: got 2 for --num-layers 3"):
+        make_config(num_layers=3, cp_comm_type=["a2a", "p2p"])

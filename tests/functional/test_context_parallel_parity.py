@@ -176,3 +176,29 @@ def test_reset_attention_mask_all_gather_cp4_and_pipeline(corpus, baseline_reset
     # A middle pipeline stage reads the batch for the mask alone.
     reset_pp = _train(corpus, 1, extra=["--num-layers", "4", *RESET])
     _check(reset_pp, _train(corpus, 4, cp=2, pp=2, extra=RESET), "cp2 pp2 reset")
+
+
+HIERARCHICAL = ["--hierarchical-context-parallel-sizes", "2", "2"]
+
+
+@pytest.mark.slow
+def test_cp4_hierarchical_a2a_p2p_matches_one_process_and_the_ring(corpus, baseline):
+    # CP 4 = 2 x 2: all-to-all inside cp ranks {0, 1} and {2, 3}, a ring between the pairs.
+    hierarchical = _train(corpus, 4, cp=4, comm="a2a+p2p", extra=HIERARCHICAL)
+    _check(baseline, hierarchical, "cp4 a2a+p2p 2x2")
+    ring = _train(corpus, 4, cp=4, comm="p2p")
+    for step, (a, b) in enumerate(zip(_losses(ring), _losses(hierarchical)), start=1):
+        assert abs(a - b) <= ATOL, ("a2a+p2p against p2p", step, _losses(ring),
+                                    _losses(hierarchical))
+
+
+@pytest.mark.slow
+def test_cp4_hierarchical_with_gqa_rope_reset_masks_and_per_layer_types(
+        corpus, baseline_gqa_rope, baseline_reset, baseline):
+    _check(baseline_gqa_rope, _train(corpus, 4, cp=4, comm="a2a+p2p", model=GQA_ROPE,
+                                     extra=HIERARCHICAL), "cp4 a2a+p2p gqa rope")
+    _check(baseline_reset, _train(corpus, 4, cp=4, comm="a2a+p2p", extra=HIERARCHICAL + RESET),
+           "cp4 a2a+p2p reset mask/positions")
+    # One --cp-comm-type per layer (Megatron's list): layer 1 by all-to-all, layer 2 by a2a+p2p.
+    _check(baseline, _train(corpus, 4, cp=4, comm="a2a", extra=[
+        "--cp-comm-type", "a2a", "a2a+p2p", *HIERARCHICAL]), "cp4 per-layer a2a, a2a+p2p")

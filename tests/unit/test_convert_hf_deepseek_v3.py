@@ -46,8 +46,8 @@ def hf_folder(tmp_path, name="hf", q_lora_rank=12, **overrides):
     return folder, model
 
 
-def our_model(meta):
-    """Our GPTModel for an imported ``meta``."""
+def our_model(meta, mtp_num_layers=None):
+    """Our GPTModel for an imported ``meta`` (with ``mtp_num_layers`` MTP depths)."""
     from megatron.core.config import TransformerConfig
     from megatron.model import GPTModel
     from megatron.model.moe.config import MoEConfig
@@ -75,7 +75,8 @@ def our_model(meta):
     pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,
                                    virtual_pp_size=None, virtual_pp_rank=None)
     return GPTModel(cfg, pstate, parallel_output=False,
-                    moe_config=moe if meta.num_experts else None).eval()
+                    moe_config=moe if meta.num_experts else None,
+                    mtp_num_layers=mtp_num_layers).eval()
 
 
 def _yarn(meta):
@@ -238,25 +239,31 @@ def test_config_values_our_flags_cannot_express_are_refused_by_key(tmp_path, ove
         next(load_hf(str(tmp_path / "hf")))
 
 
-def test_multi_token_prediction_weights_in_a_folder_are_skipped_as_transformers_does(tmp_path):
-    """DeepSeek's own folders hold the MTP layer as ``model.layers.{num_hidden_layers}.*``,
-    which transformers' model does not have; the import skips it too."""
+def test_a_folder_without_the_mtp_weights_its_config_promises_imports_without_them(tmp_path):
+    """transformers saves ``num_nextn_predict_layers`` but no MTP weights: such a folder
+    imports as the main model; one holding part of a depth names the missing tensor."""
     from safetensors.torch import save_file
 
-    folder, _ = hf_folder(tmp_path)
+    folder, _ = hf_folder(tmp_path, num_nextn_predict_layers=1)
+    pieces = list(load_hf(folder))
+    assert pieces[0].meta.mtp_num_layers == 0
+    assert [p.kind for p in pieces].count("mtp") == 0
     tensors = _safetensors(folder)
     tensors["model.layers.3.eh_proj.weight"] = torch.ones(32, 64)
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    pieces = list(load_hf(folder))
-    assert [p.index for p in pieces if p.kind == "layer"] == [0, 1, 2]
+    with pytest.raises(ConversionError, match=r"model\.layers\.3\.enorm\.weight"):
+        list(load_hf(folder))
 
 
-def test_megatron_checkpoint_with_multi_token_prediction_is_refused_in_one_line(tmp_path, capsys):
+def test_megatron_mtp_checkpoint_without_latent_attention_is_refused_for_hf(tmp_path, capsys):
+    """Megatron's DeepSeek-V3-style file has plain attention: no Hugging Face architecture
+    here holds its MTP layer, so the HF saver refuses it in one line."""
     from tests.functional.test_megatron_written import fixture_dir
     from tools.checkpoint.convert import main
 
     with pytest.raises(SystemExit):
-        main(["--model-type", "GPT", "--load-dir", fixture_dir("mcore_dist_dsv3_mtp"),
+        main(["--model-type", "GPT", "--saver", "hf", "--allow-no-tokenizer",
+              "--true-vocab-size", "256", "--load-dir", fixture_dir("mcore_dist_dsv3_mtp"),
               "--save-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err.strip()
     assert "--mtp-num-layers 1" in err and len(err.splitlines()) == 1

@@ -198,9 +198,12 @@ def test_cp_comm_type_takes_megatrons_list_and_spelling():
 
     assert validated("allgather").cp_comm_type == "all_gather"
     assert validated("a2a", "a2a").cp_comm_type == "a2a"   # one per layer, all the same
-    with pytest.raises(ArgumentsError, match="^--cp-comm-type p2p a2a is not supported"):
-        validated("p2p", "a2a")
-    with pytest.raises(ArgumentsError, match=r"^--cp-comm-type a2a\+p2p is not supported"):
+    assert validated("p2p", "allgather").cp_comm_type == ["p2p", "all_gather"]  # per layer
+    with pytest.raises(ArgumentsError, match="^--cp-comm-type p2p a2a p2p: give one type for "
+                                             "every layer, or one per layer"):
+        validated("p2p", "a2a", "p2p")
+    with pytest.raises(ArgumentsError, match=r"^--cp-comm-type a2a\+p2p needs "
+                                             "--hierarchical-context-parallel-sizes"):
         validated("a2a+p2p")
 
 

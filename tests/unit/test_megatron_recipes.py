@@ -167,7 +167,7 @@ BERT_340M = """
 FP8 = {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"}
 # Flags that work here but whose combination with the recipe's layout is refused by validation
 # (one line naming the flag): flag -> what it cannot be combined with yet.
-REFUSED_IN_COMBINATION = {"--mtp-num-layers": "pipeline parallelism"}
+REFUSED_IN_COMBINATION = {"--mtp-num-layers": "sequence parallelism"}
 
 # name -> (recipe, world size, the flags it may be refused on, pretrain_bert's flags?)
 RECIPES = {

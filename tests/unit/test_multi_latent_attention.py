@@ -265,18 +265,39 @@ def test_mla_under_rope_takes_yarn_as_megatron_core_does():
     assert mla_softmax_scale(config) == pytest.approx(m * m / math.sqrt(192), rel=1e-15)
 
 
-def test_mla_with_context_parallelism_is_refused_before_any_group_exists():
-    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+def _cp_args(*extra, cp=4):
+    from megatron.training.arguments import parse_args, validate_args
 
-    args = parse_args(argv=["--multi-latent-attention", "--context-parallel-size", "2",
+    args = parse_args(argv=["--multi-latent-attention", "--context-parallel-size", str(cp),
                             "--num-layers", "2", "--hidden-size", "32",
                             "--num-attention-heads", "4", "--seq-length", "16",
                             "--max-position-embeddings", "16", "--micro-batch-size", "1",
-                            "--position-embedding-type", "rope"])
-    args.world_size = 2
-    with pytest.raises(ArgumentsError, match="^--multi-latent-attention with "
-                                             "--context-parallel-size 2 is not supported"):
-        validate_args(args)
+                            "--position-embedding-type", "rope", *extra])
+    args.world_size = cp
+    return validate_args(args) or args
+
+
+def test_mla_with_context_parallelism_validates_and_bad_cp_flags_name_themselves():
+    from megatron.training.arguments import ArgumentsError
+
+    assert _cp_args("--cp-comm-type", "all_gather").cp_comm_type == "all_gather"
+    args = _cp_args("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                    "2", "2")
+    assert (args.cp_comm_type, args.hierarchical_context_parallel_sizes) == ("a2a+p2p", [2, 2])
+    assert _cp_args("--cp-comm-type", "p2p", "allgather").cp_comm_type == ["p2p", "all_gather"]
+    with pytest.raises(ArgumentsError, match="^--cp-comm-type a2a\\+p2p needs "
+                                             "--hierarchical-context-parallel-sizes"):
+        _cp_args("--cp-comm-type", "a2a+p2p")
+    with pytest.raises(ArgumentsError, match="^--hierarchical-context-parallel-sizes 2 4: "
+                                             "expected two sizes .* --context-parallel-size 4"):
+        _cp_args("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "2", "4")
+    with pytest.raises(ArgumentsError, match="^--cp-comm-type p2p a2a p2p: give one type for "
+                                             "every layer, or one per layer \\(--num-layers 2"):
+        _cp_args("--cp-comm-type", "p2p", "a2a", "p2p")
+    with pytest.raises(ArgumentsError, match="a2a\\+p2p splits the 4 attention heads .* over "
+                                             "the first --hierarchical-context-parallel-sizes 8"):
+        _cp_args("--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes", "8", "1",
+                 cp=8)
 
 
 def test_mla_selective_recompute_gives_the_same_gradients():

@@ -36,6 +36,20 @@ def test_megatron_documented_context_parallel_example():
     assert layout.cp_groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
 
 
+def test_world8_tp2_cp4_hierarchical_2x2():
+    # The module docstring's hierarchical table: inner all-to-all groups of neighbouring cp
+    # ranks, outer rings of the cp ranks two apart, inside each context-parallel group.
+    layout = ps.compute_rank_layout(8, 2, cp_size=4, hierarchical_cp_sizes=[2, 2])
+    assert layout.cp_groups == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.cp_a2a_groups == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert layout.cp_p2p_groups == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert layout.hierarchical_cp_sizes == (2, 2)
+    assert _covers_world(layout.cp_a2a_groups, 8) and _covers_world(layout.cp_p2p_groups, 8)
+    assert ps.compute_rank_layout(8, 2, cp_size=4).cp_a2a_groups == []
+    with pytest.raises(ps.LayoutError, match="--hierarchical-context-parallel-sizes 2 3"):
+        ps.compute_rank_layout(8, 2, cp_size=4, hierarchical_cp_sizes=[2, 3])
+
+
 def test_world16_tp2_cp2_pp2():
     # rank = tp + 2 (cp + 2 (dp + 2 pp)): the module docstring's worked example.
     layout = ps.compute_rank_layout(16, 2, 2, cp_size=2)

@@ -23,7 +23,8 @@ language_model.embedding.position_embeddings...    embedding.position_embeddings
 language_model.encoder.final_layernorm.{w,b}       decoder.final_layernorm.{weight,bias}
 language_model.output_layer.weight                 output_layer.weight (untied only)
 word_embeddings_for_head.weight                    embedding.word_embeddings.weight (read
-                                                   only: tied, so never stored twice)
+                                                   only: a copy of the first stage's table,
+                                                   tied or for MTP, never stored twice)
 =================================================  ==========================================
 
 Mixture-of-experts layers (``--num-experts``). In a chunk's state (``--ckpt-format torch``

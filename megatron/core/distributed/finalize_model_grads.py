@@ -73,9 +73,9 @@ def _find_shared_embedding_weight(chunk: torch.nn.Module) -> Optional[torch.nn.P
     while module is not None:
         method = getattr(module, "shared_embedding_or_output_weight", None)
         if method is not None:
-            if not getattr(module, "share_embeddings_and_output_weights", True):
-                return None
-            return method()
+            shared = getattr(module, "shares_embedding_over_stages",
+                             getattr(module, "share_embeddings_and_output_weights", True))
+            return method() if shared else None
         module = getattr(module, "module", None)
     return None
 
@@ -146,7 +146,10 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
     (first stage) or the output-layer weight (last stage) when they are tied, and None when they
     are not (a module attribute ``share_embeddings_and_output_weights = False`` also means untied).
     Both stages must agree, since the sum is a collective over the embedding group. A chunk
-    without the method is treated as untied.
+    without the method is treated as untied. A module attribute
+    ``shares_embedding_over_stages`` overrides ``share_embeddings_and_output_weights``: a model
+    with untied weights whose last stage keeps a copy of the input table (multi-token
+    prediction) sets it True and returns that copy there.
     """
     for chunk in model_chunks:
         finish = getattr(chunk, "finish_grad_sync", None)

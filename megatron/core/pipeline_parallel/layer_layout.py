@@ -79,8 +79,8 @@ def layout_stage_counts(text: str, pp_size: int, num_layers: int,
 
     Checks what Megatron checks: the stages fill every pipeline rank equally, the embedding
     opens the first stage and the loss closes the last, once each, and the ``t`` count is
-    ``--num-layers``. MTP layers (``m``) are refused: this project does not build them with
-    pipeline parallelism.
+    ``--num-layers``. MTP layers (``m``) in a layout are refused: without a layout,
+    ``--mtp-num-layers`` places them on the last stage.
     """
     stages = parse_pipeline_layout(text)
     if len(stages) % pp_size:
@@ -89,7 +89,8 @@ def layout_stage_counts(text: str, pp_size: int, num_layers: int,
     flat = "".join(stages)
     if "m" in flat:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: MTP layers ('m') in a pipeline layout are "
-                          "not built")
+                          "not built (without a layout, --mtp-num-layers puts them on the last "
+                          "stage)")
     if flat.count("E") != 1 or not stages[0].startswith("E"):
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: the embedding 'E' must appear once, first "
                           "in the first stage")
