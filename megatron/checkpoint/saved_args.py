@@ -39,6 +39,8 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 # Same shapes, different function: the weights mean nothing
                                 # without them.
                                 "apply_layernorm_1p", "squared_relu", "rotary_interleaved",
+                                "quick_geglu", "glu_linear_offset",
+                                "activation_func_clamp_value",
                                 "rotary_seq_len_interpolation_factor",
                                 "use_rope_scaling", "rope_scaling_factor",
                                 "rotary_scaling_factor", "yarn_original_max_position_embeddings",

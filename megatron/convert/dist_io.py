@@ -309,7 +309,8 @@ class _DistTarget:
     def layout(self, tp_rank: int, pp_rank: int) -> keys.ChunkLayout:
         return keys.ChunkLayout(num_layers=self.meta.num_layers,
                                 layer_offset=pp_rank * self.target.per_stage,
-                                tp_rank=tp_rank, tp_size=self.tp, swiglu=self.meta.swiglu,
+                                tp_rank=tp_rank, tp_size=self.tp,
+                                swiglu=self.meta.gated_linear_unit,
                                 num_experts=self.meta.num_experts,
                                 per_layer=_per_layer(self.meta),
                                 mla=self.meta.multi_latent_attention)
@@ -337,7 +338,7 @@ def _save_layer(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     check_tensors(f"layer {piece.index}", piece.tensors, target.shapes[piece.index])
     pp_rank, local = target.stage_of(piece.index)
     for name, tensor in piece.tensors.items():
-        rule = tp_split_rule(name, out.meta.swiglu)
+        rule = tp_split_rule(name, out.meta.gated_linear_unit)
         shards = ([tensor] * out.tp if rule is None
                   else split_tensor(tensor, rule[0], rule[1], out.tp))
         for tp_rank, shard in enumerate(shards):

@@ -20,6 +20,9 @@ layer at a time. These architectures are written and read:
   (:mod:`megatron.convert.hf_mixtral`), with a gated shared expert ``Qwen2MoeForCausalLM``
   (:mod:`megatron.convert.hf_qwen2_moe`), with ``--qk-layernorm`` ``Qwen3MoeForCausalLM``
   (:mod:`megatron.convert.hf_qwen3_moe`);
+- for mixture-of-experts models with ``--quick-geglu`` (gpt-oss's clamped, offset experts,
+  biases, attention sinks and alternating windows), ``GptOssForCausalLM``
+  (:mod:`megatron.convert.hf_gpt_oss`);
 - for ``--multi-latent-attention`` models (dense, or MoE with DeepSeek's sigmoid router, expert
   bias and dense first layers), ``DeepseekV3ForCausalLM`` (:mod:`megatron.convert.hf_deepseek_v3`);
 - for BERT, ``BertForPreTraining`` / ``MegatronBertForPreTraining`` (or ``*ForMaskedLM`` without
@@ -49,7 +52,7 @@ from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, p
                                            write_tokenizer)
 from megatron.convert.schema import ConversionError, ModelMeta, Piece, bert_head_shapes
 from megatron.convert.target import staged_target
-from megatron.convert import hf_deepseek_v3, hf_mistral
+from megatron.convert import hf_deepseek_v3, hf_gpt_oss, hf_mistral
 
 _FAMILIES = {**{family.MODEL_TYPE: family
                 for family in (hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2, hf_qwen2_moe,
@@ -59,7 +62,7 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 DEFAULT_MAX_SHARD_SIZE = 2 * 1024 ** 3
 _FAMILIES.update({hf_mistral.MODEL_TYPE: hf_mistral,
-                  hf_mistral.GPT_OSS.MODEL_TYPE: hf_mistral.GPT_OSS,
+                  hf_gpt_oss.MODEL_TYPE: hf_gpt_oss,
                   hf_deepseek_v3.MODEL_TYPE: hf_deepseek_v3})
 
 
@@ -110,6 +113,9 @@ def _refuse_family_gaps(meta: ModelMeta, family) -> None:
 def family_for_meta(meta: ModelMeta):
     """The architecture module that writes ``meta``'s model, or a ConversionError listing every
     feature (with its flag) that stands in the way."""
+    if meta.model_type == "GPT" and hf_gpt_oss.is_gpt_oss(meta):
+        return _gpt_oss_family(meta)
+    hf_gpt_oss.refuse_elsewhere(meta)
     if meta.multi_latent_attention and meta.model_type == "GPT":
         return _deepseek_v3_family(meta)
     if meta.mtp_num_layers:
@@ -154,6 +160,21 @@ def family_for_meta(meta: ModelMeta):
     if problems:
         raise ConversionError(f"{family.ARCHITECTURE} (the Hugging Face architecture for "
                               f"{chosen_by}) cannot express: " + "; ".join(problems))
+    return family
+
+
+def _gpt_oss_family(meta: ModelMeta):
+    """gpt-oss for an MoE model with --quick-geglu, or what stands in the way."""
+    _refuse_numerics_flags(meta)
+    family = hf_gpt_oss
+    _refuse_family_gaps(meta, family)
+    problems = family.unsupported_features(meta)
+    if meta.multi_latent_attention:
+        problems.insert(0, "--multi-latent-attention (gpt-oss has grouped-query attention)")
+    if problems:
+        raise ConversionError(f"{family.ARCHITECTURE} (the Hugging Face architecture for "
+                              f"--num-experts {meta.num_experts} --quick-geglu) cannot "
+                              "express: " + "; ".join(problems))
     return family
 
 

@@ -25,25 +25,6 @@ MODEL_TYPE = "mistral"
 ARCHITECTURE = "MistralForCausalLM"
 
 
-class RefusedFamily:
-    """A Hugging Face architecture registered only to be refused at import in one line that
-    says what is missing."""
-
-    def __init__(self, model_type: str, reason: str):
-        self.MODEL_TYPE = model_type
-        self.reason = reason
-
-    def meta_from_config(self, config: ConfigView) -> ModelMeta:
-        raise ConversionError(f"{config.path}: model_type {self.MODEL_TYPE!r}: {self.reason}")
-
-
-GPT_OSS = RefusedFamily(
-    "gpt_oss", "GptOssForCausalLM cannot be imported: its router and expert biases and clamped "
-    "SwiGLU (--quick-geglu, --glu-linear-offset, --activation-func-clamp-value) are not "
-    "implemented here (its attention sinks, --softmax-type learnable, alternating windows, "
-    "--window-size with --window-attn-skip-freq 2, and YaRN rope scaling are)")
-
-
 def windowed(meta: ModelMeta) -> bool:
     """Whether ``meta``'s model limits how far back any layer looks."""
     return meta.window_size is not None and meta.window_size[0] >= 0
@@ -54,8 +35,9 @@ def check_attention(meta: ModelMeta) -> None:
     has one) and a window on a model that would be written as neither Mistral nor Mixtral."""
     if meta.softmax_type != "vanilla":
         raise ConversionError(f"--softmax-type {meta.softmax_type}: no Hugging Face "
-                              "architecture written here has attention sinks (gpt-oss is not "
-                              "supported); convert it to Megatron checkpoints only")
+                              "architecture written here but GptOssForCausalLM has attention "
+                              "sinks (an MoE model with --quick-geglu); convert it to Megatron "
+                              "checkpoints only")
     if windowed(meta) and (meta.model_type != "GPT" or meta.position_embedding_type != "rope"
                            or meta.moe_shared_expert_intermediate_size
                            or (not meta.num_experts and meta.normalization != "RMSNorm")):

@@ -465,6 +465,9 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         normalization=getattr(args, "normalization", "LayerNorm"),
         norm_epsilon=epsilon if epsilon is not None else 1e-5,
         swiglu=getattr(args, "swiglu", False), openai_gelu=getattr(args, "openai_gelu", False),
+        quick_geglu=getattr(args, "quick_geglu", False),
+        glu_linear_offset=getattr(args, "glu_linear_offset", 0.0),
+        activation_func_clamp_value=getattr(args, "activation_func_clamp_value", None),
         add_bias_linear=getattr(args, "add_bias_linear", True),
         add_qkv_bias=getattr(args, "add_qkv_bias", False),
         untie_embeddings_and_output_weights=getattr(
@@ -562,7 +565,8 @@ def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
 
     _refuse_shared_expert_gate(src, meta)
     for index in range(meta.num_layers):
-        yield Piece("layer", src.read_layer(index, layer_tensor_names(meta, index), meta.swiglu),
+        yield Piece("layer", src.read_layer(index, layer_tensor_names(meta, index),
+                                      meta.gated_linear_unit),
                     index=index)
 
     last, last_chunk = src.pp - 1, (src.vp or 1) - 1

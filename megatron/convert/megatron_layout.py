@@ -93,6 +93,7 @@ def mla_tensor_shapes(meta: ModelMeta) -> Dict[str, Tuple[int, ...]]:
 def _mlp_tensor_names(meta: ModelMeta, index: int, names: list) -> List[str]:
     if meta.is_moe_layer(index):
         names.append((_ROUTER, True))
+        names.append(("mlp.router.bias", meta.add_bias_linear))
         names.append(("mlp.router.expert_bias", meta.moe_router_enable_expert_bias))
         for expert in range(meta.num_experts):
             names += [(f"{_EXPERT}.{expert}.linear_fc1.weight", True),
@@ -121,12 +122,12 @@ def layer_tensor_shapes(meta: ModelMeta, index: int = 0) -> Dict[str, Tuple[int,
     """Whole (unsplit) shape of every tensor of global layer ``index``."""
     h, ffn = meta.hidden_size, meta.ffn_hidden_size
     qkv = (meta.num_attention_heads + 2 * meta.num_query_groups) * meta.kv_channels
-    h_to_4h = 2 * ffn if meta.swiglu else ffn
+    h_to_4h = 2 * ffn if meta.gated_linear_unit else ffn
     moe_ffn = meta.expert_ffn_size
-    fc1 = 2 * moe_ffn if meta.swiglu else moe_ffn
+    fc1 = 2 * moe_ffn if meta.gated_linear_unit else moe_ffn
     shared = meta.moe_shared_expert_intermediate_size or 0
     shapes = {_ROUTER: (meta.num_experts or 0, h),
-              f"{_SHARED}.linear_fc1.weight": (2 * shared if meta.swiglu else shared, h),
+              f"{_SHARED}.linear_fc1.weight": (2 * shared if meta.gated_linear_unit else shared, h),
               f"{_SHARED}.linear_fc2.weight": (h, shared), f"{_SHARED}.gate_weight": (1, h)}
     for expert in range(meta.num_experts or 0):
         shapes.update({f"{_EXPERT}.{expert}.linear_fc1.weight": (fc1, h),
@@ -139,7 +140,7 @@ def layer_tensor_shapes(meta: ModelMeta, index: int = 0) -> Dict[str, Tuple[int,
     # --qk-layernorm's norms are over one head and replicated on every TP rank.
     shapes.update({f"{norm}.{kind}": (meta.kv_channels,) for norm in (_Q_NORM, _K_NORM)
                    for kind in ("weight", "bias")})
-    shapes["mlp.router.expert_bias"] = (meta.num_experts or 0,)
+    shapes["mlp.router.expert_bias"] = shapes["mlp.router.bias"] = (meta.num_experts or 0,)
     if meta.multi_latent_attention:
         shapes.update(mla_tensor_shapes(meta))
     return {name: shapes.get(name, (h,)) for name in layer_tensor_names(meta, index)}

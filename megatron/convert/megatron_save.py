@@ -125,7 +125,7 @@ class SaveTarget:
                 if expert is not None and expert[0] >= self.local_experts():
                     continue   # each expert rank's file numbers its experts 0 .. E/ep - 1
                 shape = self.shard_shape(self.shapes[index][name],
-                                         tp_split_rule(name, meta.swiglu))
+                                         tp_split_rule(name, meta.gated_linear_unit))
                 # The router's expert bias stays float32 whatever the weights' dtype.
                 encoder[f"layers.{local}.{name}"] = torch.empty(shape, dtype=(
                     torch.float32 if name == "mlp.router.expert_bias" else dtype))
@@ -192,7 +192,9 @@ class SaveTarget:
             rotary_percent=meta.rotary_percent, rotary_base=meta.rotary_base,
             qk_layernorm=meta.qk_layernorm, **meta.rope_scaling_fields,
             normalization=meta.normalization, norm_epsilon=meta.norm_epsilon,
-            swiglu=meta.swiglu, openai_gelu=meta.openai_gelu,
+            swiglu=meta.swiglu, openai_gelu=meta.openai_gelu, quick_geglu=meta.quick_geglu,
+            glu_linear_offset=meta.glu_linear_offset,
+            activation_func_clamp_value=meta.activation_func_clamp_value,
             add_bias_linear=meta.add_bias_linear, add_qkv_bias=meta.add_qkv_bias,
             untie_embeddings_and_output_weights=meta.untie_embeddings_and_output_weights,
             apply_residual_connection_post_layernorm=meta.apply_residual_connection_post_layernorm,
@@ -425,7 +427,7 @@ def _layer_writes(target: SaveTarget, piece: Piece) -> list:
     pp_rank, local = target.stage_of(piece.index)
     writes = []
     for name, tensor in piece.tensors.items():
-        rule = tp_split_rule(name, target.meta.swiglu)
+        rule = tp_split_rule(name, target.meta.gated_linear_unit)
         shards = ([tensor] * target.tp if rule is None
                   else split_tensor(tensor, rule[0], rule[1], target.tp))
         for tp_rank, shard in enumerate(shards):

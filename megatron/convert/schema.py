@@ -119,6 +119,10 @@ class ModelMeta:
     norm_epsilon: float = 1e-5
     swiglu: bool = False
     openai_gelu: bool = False
+    # --quick-geglu, --glu-linear-offset, --activation-func-clamp-value (gpt-oss's MLP).
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
     add_bias_linear: bool = True
     add_qkv_bias: bool = False
     untie_embeddings_and_output_weights: bool = False
@@ -190,6 +194,11 @@ class ModelMeta:
     def rope_scaling_fields(self) -> Dict[str, object]:
         """The rotary rescaling fields above, by name (= the flags' dests)."""
         return {name: getattr(self, name) for name in ROPE_SCALING_FIELDS}
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Whether fc1 holds ``[gate; linear]`` halves (SwiGLU or quick GeGLU)."""
+        return self.swiglu or self.quick_geglu
 
     @property
     def group_query_attention(self) -> bool:

@@ -60,6 +60,13 @@ class TransformerConfig:
     swiglu: bool = False
     openai_gelu: bool = False
     squared_relu: bool = False                     # MLP activation relu(x)^2
+    # --quick-geglu: a gated unit like SwiGLU with x * sigmoid(1.702 x) on the gate half.
+    # --glu-linear-offset is added to the linear half of a gated unit; with
+    # --activation-func-clamp-value v the gate is clamped to <= v and the linear half to [-v, v]
+    # before the activation (gpt-oss's MLP: quick GeGLU, offset 1, clamp 7).
+    quick_geglu: bool = False
+    glu_linear_offset: float = 0.0
+    activation_func_clamp_value: Optional[float] = None
     apply_layernorm_1p: bool = False               # norm weight stored as gamma - 1 (zeros)
     qk_layernorm: bool = False                     # a norm over head_dim on query and key
     init_method_xavier_uniform: bool = False       # xavier-uniform instead of N(0, std^2)
@@ -118,6 +125,11 @@ class TransformerConfig:
     no_rope_freq: Optional[Union[int, Tuple[int, ...]]] = None
     # --embedding-init-method-std: N(0, std^2) for the embedding tables (None: as other weights).
     embedding_init_method_std: Optional[float] = None
+
+    @property
+    def gated_linear_unit(self) -> bool:
+        """Whether the MLP's first projection holds ``[gate; linear]`` halves (2 ffn rows)."""
+        return self.swiglu or self.quick_geglu
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -291,6 +303,19 @@ def numerics_flag_conflict(flags) -> Optional[str]:
         return "--squared-relu cannot be combined with --swiglu (one MLP activation)"
     if flags.squared_relu and flags.openai_gelu:
         return "--squared-relu cannot be combined with --openai-gelu (one MLP activation)"
+    quick = getattr(flags, "quick_geglu", False)
+    for other, name in ((flags.swiglu, "--swiglu"), (flags.squared_relu, "--squared-relu"),
+                        (flags.openai_gelu, "--openai-gelu")):
+        if quick and other:
+            return f"--quick-geglu cannot be combined with {name} (one MLP activation)"
+    gated = flags.swiglu or quick
+    offset = getattr(flags, "glu_linear_offset", 0.0)
+    clamp = getattr(flags, "activation_func_clamp_value", None)
+    if not gated and (offset or clamp is not None):
+        flag = "--glu-linear-offset" if offset else "--activation-func-clamp-value"
+        return f"{flag} applies to a gated MLP only; add --swiglu or --quick-geglu"
+    if clamp is not None and not clamp > 0:
+        return f"--activation-func-clamp-value must be > 0, got {clamp}"
     return None
 
 

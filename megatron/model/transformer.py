@@ -30,11 +30,15 @@ from megatron.model.module import MegatronModule
 from megatron.model.moe import MoEConfig, MoELayer, MoELossTracker
 from megatron.model.norms import get_norm
 from megatron.model.recompute import OutputDiscardingCheckpoint, recomputed
-from megatron.model.utils import init_rng, openai_gelu, squared_relu
+from megatron.model.utils import (glu_activation, init_rng, openai_gelu, plain_swiglu,
+                                  squared_relu)
 
 
 def _bias_activation(config: TransformerConfig) -> Callable:
     """``(input, bias or None) -> activation(input + bias)`` as the flags select it."""
+    if config.gated_linear_unit and not plain_swiglu(config):
+        glu = glu_activation(config)
+        return lambda x, bias: glu(x if bias is None else x + bias)
     if config.swiglu:
         fused = config.bias_swiglu_fusion
         return bias_swiglu_impl if fused else bias_swiglu_unfused
@@ -47,10 +51,10 @@ def _bias_activation(config: TransformerConfig) -> Callable:
 
 
 class ParallelMLP(MegatronModule):
-    """``dense_h_to_4h`` (column-parallel), GeLU, squared ReLU or SwiGLU, ``dense_4h_to_h``
-    (row-parallel).
+    """``dense_h_to_4h`` (column-parallel), GeLU, squared ReLU, SwiGLU or quick GeGLU,
+    ``dense_4h_to_h`` (row-parallel).
 
-    With SwiGLU ``dense_h_to_4h`` has ``2 * ffn`` outputs: the full weight is ``[gate; value]``
+    With a gated unit (SwiGLU, quick GeGLU) ``dense_h_to_4h`` has ``2 * ffn`` outputs: the full weight is ``[gate; value]``
     and is split with stride 2, so each rank holds ``[gate_r; value_r]`` and the model is the same
     under any tensor-parallel size.
     """
@@ -60,10 +64,11 @@ class ParallelMLP(MegatronModule):
         super().__init__(config)
         ffn = config.ffn_hidden_size
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, 2 * ffn if config.swiglu else ffn, init_method=init_method,
+            config.hidden_size, 2 * ffn if config.gated_linear_unit else ffn,
+            init_method=init_method,
             tp_group=tp_group, bias=config.add_bias_linear, gather_output=False,
             skip_bias_add=True, sequence_parallel=sequence_parallel,
-            params_dtype=config.params_dtype, stride=2 if config.swiglu else 1)
+            params_dtype=config.params_dtype, stride=2 if config.gated_linear_unit else 1)
         self.activation_func = _bias_activation(config)
         self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
             ffn, config.hidden_size, init_method=output_layer_init_method, tp_group=tp_group,

@@ -19,6 +19,39 @@ def squared_relu(x: torch.Tensor) -> torch.Tensor:
     return torch.pow(torch.nn.functional.relu(x), 2)
 
 
+def quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    """``x * sigmoid(1.702 x)``, the gate activation of ``--quick-geglu``."""
+    return x * torch.sigmoid(1.702 * x)
+
+
+def gated_linear_unit(x: torch.Tensor, gate_activation, linear_offset: float = 0.0,
+                      clamp_value=None) -> torch.Tensor:
+    """``act(gate) * (linear + linear_offset)`` for ``x = [..., gate | linear]`` (``[..., 2 f]``
+    -> ``[..., f]``); with ``clamp_value`` v the gate is first clamped to at most v and the
+    linear half to ``[-v, v]`` (``--activation-func-clamp-value``)."""
+    gate, linear = torch.chunk(x, 2, dim=-1)
+    if clamp_value is not None:
+        gate = gate.clamp(max=clamp_value)
+        linear = linear.clamp(min=-clamp_value, max=clamp_value)
+    if linear_offset:   # no copy of the linear half kept for backward when there is none
+        linear = linear + linear_offset
+    return gate_activation(gate) * linear
+
+
+def glu_activation(config):
+    """The gated unit ``config`` selects (``--swiglu`` or ``--quick-geglu``, with
+    ``--glu-linear-offset`` / ``--activation-func-clamp-value``), as ``[..., 2 f] -> [..., f]``."""
+    gate = quick_gelu if config.quick_geglu else torch.nn.functional.silu
+    offset, clamp = config.glu_linear_offset, config.activation_func_clamp_value
+    return lambda x: gated_linear_unit(x, gate, offset, clamp)
+
+
+def plain_swiglu(config) -> bool:
+    """Whether ``config``'s MLP is SwiGLU without offset or clamp (the fused kernel's case)."""
+    return (config.swiglu and not config.glu_linear_offset
+            and config.activation_func_clamp_value is None)
+
+
 def erf_gelu(x: torch.Tensor) -> torch.Tensor:
     """Exact GeLU through erf."""
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))

@@ -85,6 +85,13 @@ def _add_network_size_args(parser):
     g.add_argument("--openai-gelu", action="store_true")
     g.add_argument("--squared-relu", action="store_true", help="MLP activation relu(x)^2")
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--quick-geglu", action="store_true",
+                   help="gated MLP with x * sigmoid(1.702 x) on the gate half (gpt-oss)")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="added to the linear half of a gated MLP unit (gpt-oss: 1)")
+    g.add_argument("--activation-func-clamp-value", type=float, default=None,
+                   help="clamp a gated unit's gate to <= v and its linear half to [-v, v] "
+                   "before the activation (gpt-oss: 7)")
     g.add_argument("--onnx-safe", type=bool, required=False)
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")

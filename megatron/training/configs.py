@@ -115,6 +115,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
         yarn_mscale=args.mscale, yarn_mscale_all_dim=args.mscale_all_dim,
         yarn_correction_range_round_to_int=args.yarn_correction_range_round_to_int,
         swiglu=args.swiglu, openai_gelu=args.openai_gelu, squared_relu=args.squared_relu,
+        quick_geglu=args.quick_geglu, glu_linear_offset=args.glu_linear_offset,
+        activation_func_clamp_value=args.activation_func_clamp_value,
         apply_layernorm_1p=args.apply_layernorm_1p, qk_layernorm=args.qk_layernorm,
         init_method_xavier_uniform=args.init_method_xavier_uniform,
         perform_initialization=args.perform_initialization,

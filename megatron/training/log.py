@@ -25,7 +25,7 @@ def num_floating_point_operations(args, batch_size: int) -> float:
     s, h, layers = args.seq_length, args.hidden_size, args.num_layers
     kv_ratio = args.num_query_groups / args.num_attention_heads
     q_proj_ratio = args.kv_channels * args.num_attention_heads / h
-    gated = 1.5 if args.swiglu else 1.0
+    gated = 1.5 if args.swiglu or getattr(args, "quick_geglu", False) else 1.0
     mlp_sizes = args.ffn_hidden_size * layers
     if getattr(args, "num_experts", None) is not None:
         freq = args.moe_layer_freq

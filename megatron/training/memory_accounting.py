@@ -83,16 +83,16 @@ def _norm_params(config: TransformerConfig, size: int = 0) -> int:
 
 def _moe_mlp_parameters(config: TransformerConfig, moe, tp_size: int) -> int:
     """An MoE layer's MLP on one tensor-parallel rank (expert TP = TP): the router ``E x h``
-    (whole on every rank), the fc1 and fc2 of each of this expert-parallel rank's experts
+    and, with biases, ``E`` (whole on every rank), the fc1 and fc2 of each of this expert-parallel rank's experts
     (split), and the shared expert (split; its gate ``1 x h`` whole)."""
     h, t, bias = config.hidden_size, tp_size, config.add_bias_linear
     ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
-    inner = 2 * ffn if config.swiglu else ffn
+    inner = 2 * ffn if config.gated_linear_unit else ffn
     expert = inner * h // t + (inner // t if bias else 0) + h * ffn // t + (h if bias else 0)
-    count = moe.num_moe_experts * h + moe.num_local_experts * expert
+    count = moe.num_moe_experts * (h + (1 if bias else 0)) + moe.num_local_experts * expert
     shared = moe.moe_shared_expert_intermediate_size
     if shared is not None:
-        count += (2 * shared if config.swiglu else shared) * h // t + h * shared // t
+        count += (2 * shared if config.gated_linear_unit else shared) * h // t + h * shared // t
         count += h if moe.moe_shared_expert_gate else 0
     return count
 
@@ -103,7 +103,7 @@ def layer_parameters(config: TransformerConfig, tp_size: int, moe=None) -> int:
     h, t = config.hidden_size, tp_size
     q = config.num_attention_heads * config.kv_channels
     qkv = q + 2 * config.num_query_groups * config.kv_channels
-    inner = 2 * config.ffn_hidden_size if config.swiglu else config.ffn_hidden_size
+    inner = 2 * config.ffn_hidden_size if config.gated_linear_unit else config.ffn_hidden_size
     bias = config.add_bias_linear
     count = 2 * _norm_params(config)
     if config.qk_layernorm:
@@ -188,7 +188,7 @@ def layer_activation_bytes(config: TransformerConfig, micro_batch_size: int, tp_
     s_full = config.seq_length
     s = s_full / cp_size                                     # this rank's tokens
     sbh = s * b * h
-    inner = (3 if config.swiglu else 2) * e * s * b * config.ffn_hidden_size
+    inner = (3 if config.gated_linear_unit else 2) * e * s * b * config.ffn_hidden_size
     replicated = sbh * (4 * e + 2)
     split = sbh * 4 * e + inner
     scores = 0.0
@@ -225,7 +225,7 @@ def moe_mlp_activation_bytes(config: TransformerConfig, moe, micro_batch_size: i
     rows = k * tokens
     expert_rows = etp * rows if own_tokens else rows
     ffn = (moe.moe_ffn_hidden_size or config.ffn_hidden_size) / etp
-    inner = 4 if config.swiglu else 2
+    inner = 4 if config.gated_linear_unit else 2
     total = (tokens * h * e + (expert_rows + 2 * rows) * h * e + inner * expert_rows * ffn * e
              + 12 * (tokens * k + rows))
     if moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss") and \
@@ -244,7 +244,7 @@ def _layer_bytes(config, moe, number: int, dense: float, b: int, t: int, sp: boo
     if moe is None or not moe.is_moe_layer(number):
         return dense
     sbh = config.seq_length / cp * b * config.hidden_size
-    dense_mlp = (e * sbh + (3 if config.swiglu else 2) * e * sbh / config.hidden_size
+    dense_mlp = (e * sbh + (3 if config.gated_linear_unit else 2) * e * sbh / config.hidden_size
                  * config.ffn_hidden_size) / t                # fc1 input, inner activations
     return dense - dense_mlp + moe_mlp_activation_bytes(config, moe, b, t, e, cp)
 

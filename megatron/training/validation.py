@@ -881,10 +881,12 @@ def _validate_moe(args) -> None:
               "(as in Megatron)")
     if args.moe_ffn_hidden_size is None:
         args.moe_ffn_hidden_size = args.ffn_hidden_size
-    gelu = not (args.swiglu or args.squared_relu or args.openai_gelu)
-    if gelu and args.bias_gelu_fusion:
-        _fail("--num-experts: experts use exact (erf) GeLU, as Megatron-Core's do, and it "
-              "refuses the fused tanh bias-GeLU with them; add --no-bias-gelu-fusion")
+    gelu = not (args.swiglu or args.quick_geglu or args.squared_relu or args.openai_gelu)
+    if gelu and args.bias_gelu_fusion and args.add_bias_linear and args.moe_grouped_gemm:
+        # The loop over experts runs the fused bias-GeLU as Megatron-Core's SequentialMLP does
+        # (without biases Megatron turns the fusion off: exact GeLU); its grouped experts don't.
+        _fail("--moe-grouped-gemm: the grouped experts have no fused bias-GeLU (Megatron-Core "
+              "refuses it with GeLU experts); add --no-bias-gelu-fusion")
     freq = args.moe_layer_freq
     if isinstance(freq, int) and freq < 1:
         _fail(f"--moe-layer-freq must be >= 1, got {freq}")

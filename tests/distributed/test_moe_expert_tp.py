@@ -103,10 +103,11 @@ def _case(layout, groups, dispatcher, forced, moe_kwargs, config_kwargs):
             index = int(name.split(".")[2])
             global_name = name.replace(f"local_experts.{index}.",
                                        f"local_experts.{ep_rank * local + index}.")
-            want = _shard(ref_grads[global_name], name, etp_rank, etp, config.swiglu)
+            want = _shard(ref_grads[global_name], name, etp_rank, etp,
+                          config.gated_linear_unit)
         elif name.startswith("shared_experts.linear_fc"):
             collectives.all_reduce(grad_sum, groups["dp_groups"])
-            want = _shard(ref_grads[name], name, tp_rank, tp, config.swiglu)
+            want = _shard(ref_grads[name], name, tp_rank, tp, config.gated_linear_unit)
         else:                  # the router and the shared expert's gate: every rank's part
             collectives.all_reduce(grad_sum, dist.group.WORLD)
             want = ref_grads[name]

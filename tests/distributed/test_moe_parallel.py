@@ -26,6 +26,8 @@ from tests.multiprocess import run_on_ranks
 TOL = dict(rtol=0, atol=1e-12)
 SEQ, BATCH, HIDDEN, FFN, EXPERTS = 4, 3, 8, 12, 4
 
+GPT_OSS_MLP = dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.7,
+                   add_bias_linear=True)
 CASES = [
     ("allgather", False, dict(moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.01), {}),
     ("alltoall", False, dict(moe_aux_loss_coeff=0.05, moe_z_loss_coeff=0.01,
@@ -36,6 +38,9 @@ CASES = [
                             moe_pad_expert_input_to_capacity=True), {}),
     ("allgather", False, dict(moe_expert_capacity_factor=0.8, moe_token_drop_policy="position",
                               moe_pad_expert_input_to_capacity=True, moe_grouped_gemm=True), {}),
+    # gpt-oss's experts: quick GeGLU, clamped, linear half + 1, router and expert biases.
+    ("alltoall", False, dict(moe_aux_loss_coeff=0.05), GPT_OSS_MLP),
+    ("allgather", False, dict(moe_grouped_gemm=True), GPT_OSS_MLP),
     ("alltoall", False, dict(moe_router_score_function="sigmoid",
                              moe_router_load_balancing_type="seq_aux_loss",
                              moe_aux_loss_coeff=0.1, moe_shared_expert_intermediate_size=6,
@@ -59,13 +64,14 @@ def _layer(config, moe_kwargs, forced, **groups):
     etp, etp_rank = collectives.get_group_size(etp_group), collectives.get_group_rank(etp_group)
     with torch.no_grad():
         for name, param in layer.named_parameters():
-            if name.endswith("bias"):  # biases start at zero: the same random full bias of
+            if name.startswith("experts.") and name.endswith("bias"):
+                # expert biases start at zero: the same random full bias of
                 index = int(name.split(".")[2])  # each global expert, split as its weight
                 gen = torch.Generator().manual_seed(1000 + 2 * (first + index)
                                                     + ("fc2" in name))
                 rows = param.numel() * (1 if "fc2" in name else etp)
                 full = torch.randn(rows, generator=gen, dtype=param.dtype)
-                param.copy_(_shard(full, name, etp_rank, etp, config.swiglu))
+                param.copy_(_shard(full, name, etp_rank, etp, config.gated_linear_unit))
         if forced:  # with _batch(forced=True) every token prefers experts 0, then 1
             layer.router.weight.zero_()
             layer.router.weight[:, 0] = torch.tensor([10.0, 9.0, -10.0, -10.0])
@@ -136,7 +142,8 @@ def _expert_parallel_cases(ep_group, ep_rank, ep_size, etp_group=None, etp_rank=
         layer = _layer(config, kwargs, forced, ep_group=ep_group, expert_tp_group=etp_group)
         run = _run(layer, ep_rank, forced)
         ref = _reference(config, kwargs, forced, ep_size)
-        _check(layer, ref, run, ep_rank, ep_size, etp_rank, etp, config.swiglu, ep_group)
+        _check(layer, ref, run, ep_rank, ep_size, etp_rank, etp, config.gated_linear_unit,
+               ep_group)
         if forced and not moe_kwargs.get("moe_pad_expert_input_to_capacity"):
             routed = layer.router.eval()(_batch(ep_rank, forced)[0])[1]
             assert routed[:, 2:].sum() == 0 and routed[:, :2].all()

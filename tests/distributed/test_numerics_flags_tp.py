@@ -27,7 +27,12 @@ FLAGS = dict(init_method_xavier_uniform=True, qk_layernorm=True, apply_layernorm
              squared_relu=True, position_embedding_type="rope", rotary_interleaved=True,
              rotary_seq_len_interpolation_factor=2, untie_embeddings_and_output_weights=True)
 VARIANTS = {"flags": (FLAGS, False), "flags_sp": (FLAGS, True),
-            "flags_rms_sp": (dict(FLAGS, normalization="RMSNorm", apply_layernorm_1p=False), True)}
+            "flags_rms_sp": (dict(FLAGS, normalization="RMSNorm", apply_layernorm_1p=False), True),
+            # gpt-oss's gated MLP: [gate; linear] split with stride 2, clamped, linear half
+            # + 1 (in place of --squared-relu).
+            "quick_geglu_sp": (dict(FLAGS, squared_relu=False, quick_geglu=True,
+                                    glu_linear_offset=1.0, activation_func_clamp_value=0.1),
+                               True)}
 
 
 def _perturb_norms(model):

@@ -145,7 +145,8 @@ def test_pad_vocab_size():
     (["--num-experts", "4", "--no-bias-gelu-fusion", "--context-parallel-size", "2",
       "--moe-expert-capacity-factor", "1.0"], 2,
      r"--moe-expert-capacity-factor with --context-parallel-size 2"),
-    (["--num-experts", "4"], 1, r"--num-experts: experts use exact \(erf\) GeLU"),
+    (["--num-experts", "4", "--moe-grouped-gemm"], 1,
+     r"--moe-grouped-gemm: the grouped experts have no fused bias-GeLU"),
     (["--num-experts", "4", "--no-bias-gelu-fusion", "--tensor-model-parallel-size", "2",
       "--sequence-parallel", "--expert-tensor-parallel-size", "1",
       "--moe-router-load-balancing-type", "sinkhorn"], 2,
@@ -170,6 +171,16 @@ def test_pad_vocab_size():
 def test_validation_errors(extra, world, pattern):
     with pytest.raises(ArgumentsError, match=pattern):
         validate_args(_args(BASE + extra, world_size=world))
+
+
+def test_moe_with_the_fused_bias_gelu_is_accepted_where_megatron_accepts_it():
+    """The loop over experts runs the fused bias-GeLU (with biases) or exact GeLU (without:
+    Megatron turns the fusion off); only grouped GEMM with biases refuses it."""
+    for extra in ([], ["--disable-bias-linear"], ["--disable-bias-linear", "--moe-grouped-gemm"],
+                  ["--moe-grouped-gemm", "--no-bias-gelu-fusion"]):
+        args = validate_args(_args(BASE + ["--num-experts", "4"] + extra, world_size=1))
+        assert args.num_experts == 4 and args.bias_gelu_fusion == ("--no-bias-gelu-fusion"
+                                                                   not in extra)
 
 
 # Every size, count and interval flag with the smallest value it accepts: 0 only where it means

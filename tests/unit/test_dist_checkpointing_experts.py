@@ -42,6 +42,7 @@ def _whole(swiglu: bool) -> Dict[str, torch.Tensor]:
         prefix = LAYER.format(layer)
         whole[prefix + "input_layernorm.weight"] = torch.randn(H, generator=gen)
         whole[prefix + "mlp.router.weight"] = torch.randn(EXPERTS, H, generator=gen)
+        whole[prefix + "mlp.router.bias"] = torch.randn(EXPERTS, generator=gen)
         whole[prefix + "mlp.shared_experts.linear_fc1.weight"] = torch.randn(
             rows * SHARED_FFN, H, generator=gen)
         whole[prefix + "mlp.shared_experts.linear_fc2.weight"] = torch.randn(
@@ -81,6 +82,7 @@ def _local(whole: Dict[str, torch.Tensor], rank: Rank) -> dict:
         tp, tp_rank, swiglu = layout.tp_size, layout.tp_rank, layout.swiglu
         state[dst + "input_layernorm.weight"] = whole[src + "input_layernorm.weight"]
         state[dst + "mlp.router.weight"] = whole[src + "mlp.router.weight"]
+        state[dst + "mlp.router.bias"] = whole[src + "mlp.router.bias"]
         state[dst + "mlp.shared_experts.linear_fc1.weight"] = _rows(
             whole[src + "mlp.shared_experts.linear_fc1.weight"], tp_rank, tp, swiglu)
         state[dst + "mlp.shared_experts.linear_fc2.weight"] = whole[
@@ -134,6 +136,7 @@ GLOBAL_KEYS = {  # Megatron-Core key -> (legacy inner name, an expert's?)
     "decoder.layers.self_attention.linear_qkv.layer_norm_weight": ("input_layernorm.weight",
                                                                    False),
     "decoder.layers.mlp.router.weight": ("mlp.router.weight", False),
+    "decoder.layers.mlp.router.bias": ("mlp.router.bias", False),   # with --add-bias-linear
     "decoder.layers.mlp.shared_experts.linear_fc1.weight":
         ("mlp.shared_experts.linear_fc1.weight", False),
     "decoder.layers.mlp.shared_experts.linear_fc2.weight":

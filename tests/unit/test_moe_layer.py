@@ -43,16 +43,26 @@ def _gelu(x):
     return x * 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
-def _expert(x, p, prefix, swiglu):
+def _activate(h, config):
+    """The expert activation of ``config`` on one token's fc1 output, written out."""
+    if not (config.swiglu or config.quick_geglu):
+        return _gelu(h)
+    gate, value = h[: h.numel() // 2], h[h.numel() // 2:]
+    limit = config.activation_func_clamp_value
+    if limit is not None:
+        gate = torch.where(gate > limit, torch.full_like(gate, limit), gate)
+        value = torch.where(value > limit, torch.full_like(value, limit), value)
+        value = torch.where(value < -limit, torch.full_like(value, -limit), value)
+    slope = 1.702 if config.quick_geglu else 1.0
+    return gate / (1.0 + torch.exp(-slope * gate)) * (value + config.glu_linear_offset)
+
+
+def _expert(x, p, prefix, config):
     """One expert on one token, from the parameter dict ``p``."""
     h = p[f"{prefix}.linear_fc1.weight"] @ x
     if f"{prefix}.linear_fc1.bias" in p:
         h = h + p[f"{prefix}.linear_fc1.bias"]
-    if swiglu:
-        gate, value = h[: h.numel() // 2], h[h.numel() // 2:]
-        h = gate * torch.sigmoid(gate) * value
-    else:
-        h = _gelu(h)
+    h = _activate(h, config)
     y = p[f"{prefix}.linear_fc2.weight"] @ h
     if f"{prefix}.linear_fc2.bias" in p:
         y = y + p[f"{prefix}.linear_fc2.bias"]
@@ -73,12 +83,14 @@ def _choose(logits_row, moe):
     return order, probs * (moe.moe_router_topk_scaling_factor or 1.0)
 
 
-def naive_moe(x, p, moe, swiglu, shared_gate=False):
+def naive_moe(x, p, moe, config, shared_gate=False):
     """Output ``[s, b, h]`` and the auxiliary part of the objective (coefficients applied)."""
     s, b, h = x.shape
     tokens = x.reshape(-1, h)
     experts, k = moe.num_moe_experts, moe.moe_router_topk
     logits = tokens @ p["router.weight"].t()                                     # [T, E]
+    if "router.bias" in p:
+        logits = logits + p["router.bias"]
     choices = [_choose(logits[t], moe) for t in range(tokens.size(0))]
     kept = [[True] * k for _ in choices]
     if moe.moe_expert_capacity_factor is not None:
@@ -96,9 +108,9 @@ def naive_moe(x, p, moe, swiglu, shared_gate=False):
         for j, e in enumerate(order):
             if kept[t][j]:
                 out = out + probs[j] * _expert(tokens[t], p, f"experts.local_experts.{e}",
-                                               swiglu)
+                                               config)
         if "shared_experts.linear_fc1.weight" in p:
-            shared = _expert(tokens[t], p, "shared_experts", swiglu)
+            shared = _expert(tokens[t], p, "shared_experts", config)
             if shared_gate:
                 shared = shared * torch.sigmoid(p["shared_experts.gate_weight"][0] @ tokens[t])
             out = out + shared
@@ -162,6 +174,18 @@ CASES = {
              moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.1,
              moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall"),
         dict(swiglu=True, add_bias_linear=True)),
+    # gpt-oss's experts: quick GeGLU, linear half + 1, clamped (the clamp must bite: the
+    # fc1 outputs here are of order one), biases in the router and the experts.
+    "quick_geglu_offset_clamp_bias": (
+        dict(moe_aux_loss_coeff=0.05),
+        dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.7,
+             add_bias_linear=True)),
+    "quick_geglu_offset_clamp_bias_grouped": (
+        dict(moe_grouped_gemm=True, moe_token_dispatcher_type="alltoall"),
+        dict(quick_geglu=True, glu_linear_offset=1.0, activation_func_clamp_value=0.7,
+             add_bias_linear=True)),
+    "swiglu_clamp_bias": (dict(), dict(swiglu=True, activation_func_clamp_value=0.5,
+                                       add_bias_linear=True)),
     "pre_softmax_top3_capacity_probs_padded": (
         dict(num_moe_experts=6, moe_router_topk=3, moe_router_pre_softmax=True,
              moe_aux_loss_coeff=0.02, moe_expert_capacity_factor=0.8,
@@ -194,13 +218,21 @@ def test_layer_equals_the_naive_reference(case):
 
     params = {n: q.detach().clone().requires_grad_() for n, q in layer.named_parameters()}
     ref_x = x.clone().requires_grad_()
-    ref_out, aux = naive_moe(ref_x, params, moe, config.swiglu, moe.moe_shared_expert_gate)
+    ref_out, aux = naive_moe(ref_x, params, moe, config, moe.moe_shared_expert_gate)
     ((ref_out * grad).sum() + tracker.backward_scale * aux).backward()
 
     torch.testing.assert_close(out.detach(), ref_out.detach(), **TOL)
     torch.testing.assert_close(mine.grad, ref_x.grad, **TOL)
     for name, param in layer.named_parameters():
-        torch.testing.assert_close(param.grad, params[name].grad, **TOL, msg=name)
+        want = params[name].grad   # None: an expert no token chose
+        want = torch.zeros_like(param) if want is None else want
+        torch.testing.assert_close(param.grad, want, **TOL, msg=name)
+    limit = config.activation_func_clamp_value
+    if limit is not None:   # the clamp must bite on both halves
+        fc1 = layer.experts.local_experts[0].linear_fc1
+        h = fc1(x.view(-1, HIDDEN))[0].detach()
+        gate, value = h.chunk(2, dim=-1)
+        assert (gate > limit).any() and (value.abs() > limit).any(), case
     if moe.moe_expert_capacity_factor is not None:  # the case must actually drop something
         probs, routing_map = layer.router.eval()(x)
         assert routing_map.sum() < moe.moe_router_topk * SEQ * BATCH, case
@@ -242,7 +274,7 @@ def test_parameter_names_are_megatron_cores():
                      "shared_experts.linear_fc2.weight"]
     layer = MoELayer(_config(swiglu=True, add_bias_linear=True), MoEConfig(num_moe_experts=2))
     shapes = {n: tuple(q.shape) for n, q in layer.named_parameters()}
-    assert shapes["router.weight"] == (2, HIDDEN)
+    assert shapes["router.weight"] == (2, HIDDEN) and shapes["router.bias"] == (2,)
     assert shapes["experts.local_experts.1.linear_fc1.weight"] == (2 * FFN, HIDDEN)
     assert shapes["experts.local_experts.1.linear_fc2.weight"] == (HIDDEN, FFN)
     assert shapes["experts.local_experts.1.linear_fc2.bias"] == (HIDDEN,)
@@ -257,3 +289,52 @@ def test_group_sizes_must_match_the_config_and_shared_experts_refuse_bias():
     with pytest.raises(ValueError, match="shared experts have no bias"):
         MoELayer(_config(add_bias_linear=True),
                  MoEConfig(num_moe_experts=4, moe_shared_expert_intermediate_size=4))
+
+
+# -- the fused bias-GeLU of Megatron-Core's SequentialMLP ---------------------------------------
+
+
+def _gelu_tanh(x):
+    """GeLU's tanh approximation with Megatron's constants, written out."""
+    return 0.5 * x * (1.0 + torch.tanh(0.79788456 * (x + 0.044715 * x ** 3)))
+
+
+def test_sequential_experts_with_bias_run_the_fused_tanh_bias_gelu():
+    """With biases and bias_gelu_fusion (Megatron's default) each expert computes
+    fc2(gelu_tanh(fc1 x + b1)) + b2, as Megatron-Core's SequentialMLP does; without biases
+    Megatron turns the fusion off and the experts keep exact GeLU; grouped experts refuse it."""
+    moe = MoEConfig(num_moe_experts=4, moe_ffn_hidden_size=FFN)
+    gen = torch.Generator().manual_seed(3)
+    rows = 3 * torch.randn(10, HIDDEN, generator=gen, dtype=torch.float64)
+    counts = [3, 0, 4, 3]
+    for bias, fusion, act in ((True, True, _gelu_tanh), (True, False, _gelu),
+                              (False, True, _gelu)):
+        experts = SequentialMLP(_config(add_bias_linear=bias, bias_gelu_fusion=fusion), moe, 1)
+        _perturb_biases(experts)
+        mine = rows.clone().requires_grad_()
+        out = experts(mine, counts)
+        grad = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+        (out * grad).sum().backward()
+        params = {n: q.detach().clone().requires_grad_() for n, q in experts.named_parameters()}
+        ref_rows = rows.clone().requires_grad_()
+        pieces, start = [], 0
+        for e, n in enumerate(counts):
+            p = lambda name: params.get(f"local_experts.{e}.{name}")   # noqa: E731
+            h = ref_rows[start:start + n] @ p("linear_fc1.weight").t()
+            h = act(h if p("linear_fc1.bias") is None else h + p("linear_fc1.bias"))
+            y = h @ p("linear_fc2.weight").t()
+            pieces.append(y if p("linear_fc2.bias") is None else y + p("linear_fc2.bias"))
+            start += n
+        want = torch.cat(pieces)
+        (want * grad).sum().backward()
+        torch.testing.assert_close(out, want, **TOL)
+        torch.testing.assert_close(mine.grad, ref_rows.grad, **TOL)
+        for name, param in experts.named_parameters():
+            ref = params[name].grad
+            ref = torch.zeros_like(param) if ref is None else ref
+            torch.testing.assert_close(param.grad, ref, **TOL, msg=name)
+        # the two GeLUs differ by far more than the tolerance on these rows
+        assert (_gelu_tanh(rows) - _gelu(rows)).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="grouped experts have no fused bias-GeLU"):
+        GroupedMLP(_config(add_bias_linear=True), moe, 1)
+    GroupedMLP(_config(add_bias_linear=True, bias_gelu_fusion=False), moe, 1)

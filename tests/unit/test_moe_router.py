@@ -243,6 +243,8 @@ def test_input_jitter_multiplies_the_router_input_in_training_only():
     router = _router(num_moe_experts=HIDDEN, moe_input_jitter_eps=0.1)
     with torch.no_grad():
         router.weight.copy_(torch.eye(HIDDEN, dtype=torch.float64))
+        if router.bias is not None:
+            router.bias.zero_()
     x = torch.rand(SEQ, BATCH, HIDDEN, dtype=torch.float64) + 0.5
     ratio = router.train().gating(x) / x
     assert ((ratio >= 0.9) & (ratio <= 1.1)).all() and (ratio - 1).abs().max() > 0.05

@@ -39,6 +39,8 @@ In ``torch_dist``:
 
 =================================================  ==========================================
 ...layers.N.mlp.router.weight                      decoder.layers.mlp.router.weight [L, E, h]
+...layers.N.mlp.router.bias                        decoder.layers.mlp.router.bias [L, E]
+                                                   (with ``--add-bias-linear``)
 ...layers.N.mlp.router.expert_bias                 decoder.layers.mlp.router.expert_bias
                                                    [L, E] (fp32 buffer, with
                                                    ``--moe-router-enable-expert-bias``)
@@ -144,7 +146,7 @@ _SWIGLU_SPLIT = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
 _LAYER_NAME = re.compile(r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)")
 
 # Mixture-of-experts layer tensors (the legacy name is Megatron-Core's module name).
-_MOE_KEYS = ("mlp.router.weight", "mlp.router.expert_bias",
+_MOE_KEYS = ("mlp.router.weight", "mlp.router.bias", "mlp.router.expert_bias",
              "mlp.shared_experts.linear_fc1.weight",
              "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")

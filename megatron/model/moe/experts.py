@@ -3,8 +3,13 @@
 Each expert is an MLP ``linear_fc2(act(linear_fc1(x)))`` with ``linear_fc1`` ``[ffn, h]`` and
 ``linear_fc2`` ``[h, ffn]`` (Megatron-Core's names, so checkpoints map key for key:
 ``experts.local_experts.<i>.linear_fc1.weight`` is local expert ``i``). The activation is exact
-(erf) GeLU, as Megatron-Core's experts use; with ``--swiglu`` ``linear_fc1`` holds
-``[gate; value]`` (``2 ffn`` rows) and the activation is ``silu(gate) * value``;
+(erf) GeLU, as Megatron-Core's experts use without biases or with ``--no-bias-gelu-fusion``
+(with biases and the fusion, Megatron's default, the loop over experts runs the fused
+tanh-approximation bias-GeLU as Megatron-Core's SequentialMLP does; the grouped experts refuse
+it, as Megatron-Core's do); with ``--swiglu`` ``linear_fc1`` holds
+``[gate; value]`` (``2 ffn`` rows) and the activation is ``silu(gate) * value``
+(``--quick-geglu``: ``quick_gelu(gate) * value``, each with ``--glu-linear-offset`` and
+``--activation-func-clamp-value`` as :func:`megatron.model.utils.gated_linear_unit` applies them);
 ``--squared-relu`` and ``--openai-gelu`` select those activations instead. Biases only with
 ``add_bias_linear``.
 
@@ -34,17 +39,15 @@ from megatron.core import device, tensor_parallel
 from megatron.core.collectives import get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method, get_output_layer_init_method
+from megatron.fused_kernels.bias_gelu import bias_gelu_impl
 from megatron.model.moe.config import MoEConfig
-from megatron.model.utils import init_rng, openai_gelu, squared_relu
+from megatron.model.utils import glu_activation, init_rng, openai_gelu, squared_relu
 
 
 def expert_activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
     """The activation on ``linear_fc1``'s output (for SwiGLU, ``[..., 2 f]`` -> ``[..., f]``)."""
-    if config.swiglu:
-        def swiglu(x):
-            gate, value = torch.chunk(x, 2, dim=-1)
-            return F.silu(gate) * value
-        return swiglu
+    if config.gated_linear_unit:
+        return glu_activation(config)
     if config.squared_relu:
         return squared_relu
     if config.openai_gelu:
@@ -52,8 +55,19 @@ def expert_activation(config: TransformerConfig) -> Callable[[torch.Tensor], tor
     return F.gelu
 
 
+def expert_bias_gelu(config: TransformerConfig, bias: bool) -> bool:
+    """Whether experts with ``bias`` run Megatron's fused bias-GeLU (tanh approximation).
+
+    As in Megatron-Core's SequentialMLP: a GeLU expert with biases and ``bias_gelu_fusion``
+    computes ``gelu_tanh(x W^T + b)``; without biases Megatron turns the fusion off and the
+    expert computes exact (erf) GeLU, as it does with ``--no-bias-gelu-fusion``. Its grouped
+    experts refuse the fusion (:class:`GroupedMLP` does too)."""
+    gelu = not (config.gated_linear_unit or config.squared_relu or config.openai_gelu)
+    return gelu and bias and config.bias_gelu_fusion
+
+
 def _fc1_size(config: TransformerConfig, ffn: int) -> int:
-    return 2 * ffn if config.swiglu else ffn
+    return 2 * ffn if config.gated_linear_unit else ffn
 
 
 class ExpertMLP(torch.nn.Module):
@@ -62,11 +76,12 @@ class ExpertMLP(torch.nn.Module):
     def __init__(self, config: TransformerConfig, ffn_hidden_size: int, expert_tp_group,
                  bias: bool):
         super().__init__()
+        self.bias_gelu = expert_bias_gelu(config, bias)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, _fc1_size(config, ffn_hidden_size),
             init_method=get_init_method(config), tp_group=expert_tp_group, bias=bias,
             gather_output=False, params_dtype=config.params_dtype,
-            stride=2 if config.swiglu else 1)
+            stride=2 if config.gated_linear_unit else 1, skip_bias_add=self.bias_gelu)
         self.activation_func = expert_activation(config)
         self.linear_fc2 = tensor_parallel.RowParallelLinear(
             ffn_hidden_size, config.hidden_size,
@@ -74,8 +89,12 @@ class ExpertMLP(torch.nn.Module):
             bias=bias, input_is_parallel=True, params_dtype=config.params_dtype)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        intermediate, _ = self.linear_fc1(rows)                  # [n, (2) ffn / etp]
-        output, _ = self.linear_fc2(self.activation_func(intermediate))       # [n, h]
+        intermediate, bias = self.linear_fc1(rows)               # [n, (2) ffn / etp]
+        if self.bias_gelu:
+            intermediate = bias_gelu_impl(intermediate, bias)    # [n, ffn / etp]
+        else:
+            intermediate = self.activation_func(intermediate)
+        output, _ = self.linear_fc2(intermediate)                # [n, h]
         return output
 
 
@@ -119,6 +138,12 @@ class SequentialMLP(torch.nn.Module):
 class GroupedMLP(SequentialMLP):
     """The local experts as batched matmuls over ``[experts, max rows, h]``; the same
     parameters (and checkpoint keys) as :class:`SequentialMLP`, the same result."""
+
+    def __init__(self, config: TransformerConfig, moe_config: MoEConfig, *args, **kwargs):
+        if expert_bias_gelu(config, config.add_bias_linear):
+            raise ValueError("--moe-grouped-gemm: the grouped experts have no fused bias-GeLU "
+                             "(Megatron-Core refuses it); add --no-bias-gelu-fusion")
+        super().__init__(config, moe_config, *args, **kwargs)
 
     def _stacked(self, name: str, attr: str) -> Optional[torch.Tensor]:
         tensors = [getattr(getattr(e, name), attr) for e in self.local_experts]
@@ -171,7 +196,7 @@ class SharedExpertMLP(torch.nn.Module):
             self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, _fc1_size(config, size), init_method=get_init_method(config),
                 tp_group=tp_group, bias=False, gather_output=False,
-                params_dtype=config.params_dtype, stride=2 if config.swiglu else 1,
+                params_dtype=config.params_dtype, stride=2 if config.gated_linear_unit else 1,
                 sequence_parallel=sequence_parallel)
             self.linear_fc2 = tensor_parallel.RowParallelLinear(
                 size, config.hidden_size, init_method=get_output_layer_init_method(config),

@@ -1,6 +1,8 @@
 """The router of a mixture-of-experts layer: which experts each token goes to, with what weight.
 
-``logits = x W^T`` with ``W`` ``[num_experts, h]`` (no bias). The probabilities:
+``logits = x W^T + b`` with ``W`` ``[num_experts, h]`` and, with ``add_bias_linear`` (as in
+Megatron-Core; gpt-oss's router has one), a trained bias ``b`` ``[num_experts]``
+(``router.bias``). The probabilities:
 
 * softmax (default): the top-k logits, then a softmax over those k, so a token's weights sum
   to 1 over its chosen experts; with ``--moe-router-pre-softmax`` a softmax over all experts,
@@ -288,12 +290,18 @@ class TopKRouter(torch.nn.Module):
         self.topk = moe_config.moe_router_topk
         master_dtype = torch.promote_types(config.params_dtype, torch.float32)
         master = torch.empty(self.num_experts, config.hidden_size, dtype=master_dtype)
+        bias = master.new_empty(self.num_experts) if config.add_bias_linear else None
         with init_rng(init_seed, f"layer.{layer_number - 1}.mlp.router"):
             get_init_method(config)(master)
+            if bias is not None:   # drawn after the weight, which stays what it was
+                torch.nn.init.normal_(bias, mean=0.0, std=config.init_method_std)
         self.weight = torch.nn.Parameter(master.to(device=device.current_device(),
                                                    dtype=config.params_dtype))
-        if self.sp_size > 1:
-            self.weight.sequence_parallel = True
+        self.bias = None if bias is None else torch.nn.Parameter(
+            bias.to(device=device.current_device(), dtype=config.params_dtype))
+        for param in (self.weight, self.bias):
+            if param is not None and self.sp_size > 1:
+                param.sequence_parallel = True
         self.router_dtype = ROUTER_DTYPES.get(moe_config.moe_router_dtype)
         if moe_config.moe_router_enable_expert_bias:
             # Megatron-Core's buffers: the bias is saved (``...router.expert_bias``), the token
@@ -325,7 +333,9 @@ class TopKRouter(torch.nn.Module):
             hidden_states = hidden_states * noise
         if self.router_dtype is not None:
             hidden_states = hidden_states.to(self.router_dtype)
-        return torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype))
+        bias = None if self.bias is None else self.bias.to(hidden_states.dtype)
+        return torch.nn.functional.linear(hidden_states, self.weight.to(hidden_states.dtype),
+                                          bias)
 
     def _losses_on(self) -> bool:
         return self.training and torch.is_grad_enabled()
