@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .clip_grads import is_expert_parallel
 from .config import OptimizerConfig
 from .distrib_optimizer import DistributedOptimizer
+from .lion import Lion
 from .muon import build_muon, mark_qkv_weights, split_muon_groups
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer, FullyShardedOptimizer,
@@ -77,7 +78,7 @@ def _is_qk_norm(name: str) -> bool:
 
 def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[dict],
                            sharded: bool = False) -> torch.optim.Optimizer:
-    """AdamW (fused when the kernels load) or SGD; ``sharded``: over FSDP2's DTensor
+    """AdamW (fused when the kernels load), Lion or SGD; ``sharded``: over FSDP2's DTensor
     parameters, which the fused kernel does not take, so torch's own AdamW."""
     if config.optimizer == "adam":
         # Megatron's Adam decouples weight decay from the gradient (AdamW). The fused
@@ -92,6 +93,9 @@ def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[dict],
             adam_cls = FusedAdamW
         return adam_cls(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    if config.optimizer == "lion":
+        return Lion(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                    betas=(config.lion_beta1, config.lion_beta2))
     return torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                            momentum=config.sgd_momentum)
 

@@ -165,6 +165,10 @@ def _add_regularization_args(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-08)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--lion-beta1", type=float, default=0.95,
+                   help="Lion: weight of the momentum in the sign of the update")
+    g.add_argument("--lion-beta2", type=float, default=0.98,
+                   help="Lion: decay of the momentum (exp_avg)")
     # Muon (--optimizer muon): megatron/optimizer/muon.py says what each does.
     g.add_argument("--muon-momentum", type=float, default=0.9,
                    help="Muon's momentum coefficient")
@@ -237,7 +241,7 @@ def _add_training_args(parser):
                    "say with --transformer-impl local, by sequence length with "
                    "transformer_engine (megatron/model/attention_backend.py)")
     g.add_argument("--optimizer", type=str, default="adam",
-                   choices=["adam", "sgd", "muon", "dist_muon"])
+                   choices=["adam", "sgd", "muon", "dist_muon", "lion"])
     g.add_argument("--dataloader-type", type=str, default=None,
                    choices=["single", "cyclic", "external"])
     g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",
