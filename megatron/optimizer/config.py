@@ -60,6 +60,13 @@ class OptimizerConfig:
     muon_use_syrk: bool = False
     muon_extra_scale_factor: float = 1.0
     muon_scalar_optimizer: str = "adam"
+    # --optimizer-cpu-offload and its companions: see megatron/optimizer/cpu_offload.py
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True             # --no-pin-cpu-grads
+    pin_cpu_params: bool = True            # --no-pin-cpu-params
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "sgd", "lion", "muon", "dist_muon"):
@@ -72,6 +79,15 @@ class OptimizerConfig:
         self._check_loss_scaling()
         if self.optimizer in ("muon", "dist_muon"):
             self._check_muon()
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1], got "
+                              f"{self.optimizer_offload_fraction}")
+        if self.optimizer_cpu_offload and self.optimizer in ("muon", "dist_muon"):
+            raise ConfigError("--optimizer-cpu-offload steps adam, sgd or lion on the host; "
+                              f"--optimizer {self.optimizer} is not offloaded, drop the flag")
 
     def _check_muon(self) -> None:
         from .muon import check_muon_settings

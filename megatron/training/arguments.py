@@ -242,6 +242,21 @@ def _add_training_args(parser):
                    "transformer_engine (megatron/model/attention_backend.py)")
     g.add_argument("--optimizer", type=str, default="adam",
                    choices=["adam", "sgd", "muon", "dist_muon", "lion"])
+    # megatron/optimizer/cpu_offload.py says what each does.
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep optimizer state on the host and step it there")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="share of the parameters (by elements, in order) stepped on the host")
+    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true",
+                   help="with --optimizer-cpu-offload: torch's optimizer, not the fused one, "
+                   "for the device part too")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="with --optimizer-cpu-offload: asynchronous gradient and parameter "
+                   "copies, the device part stepping meanwhile")
+    g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads",
+                   help="with --optimizer-cpu-offload: pageable host gradient buffers")
+    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params",
+                   help="with --optimizer-cpu-offload: pageable host parameter copies")
     g.add_argument("--dataloader-type", type=str, default=None,
                    choices=["single", "cyclic", "external"])
     g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",

@@ -264,7 +264,12 @@ def _optimizer_config(args) -> Optional[OptimizerConfig]:
         muon_num_ns_steps=args.muon_num_ns_steps, muon_tp_mode=args.muon_tp_mode,
         muon_use_syrk=args.muon_use_syrk,
         muon_extra_scale_factor=args.muon_extra_scale_factor,
-        muon_scalar_optimizer=args.muon_scalar_optimizer)
+        muon_scalar_optimizer=args.muon_scalar_optimizer,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+        use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+        pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params)
 
 
 def _scheduler_config(args) -> Optional[SchedulerConfig]:
