@@ -78,6 +78,10 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None    # full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: Optional[int] = None
+    # --cpu-offloading-num-layers: the first N layers keep what they save for backward on the
+    # host (megatron/model/activation_offload.py); 0: off.
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_retain_pinned_cpu_buffers: bool = False
     first_pipeline_num_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
     last_pipeline_num_layers: Optional[int] = None   # --decoder-last-pipeline-num-layers
     pipeline_model_parallel_layout: Optional[str] = None  # every stage written out
@@ -150,6 +154,9 @@ class TransformerConfig:
                                   f">= 1, got {self.recompute_num_layers}")
         elif self.recompute_granularity == "selective" and self.recompute_method is not None:
             raise ConfigError("--recompute-method applies only to --recompute-granularity full")
+        if not 0 <= self.cpu_offloading_num_layers < self.num_layers:
+            raise ConfigError(f"--cpu-offloading-num-layers must be in [0, --num-layers="
+                              f"{self.num_layers}), got {self.cpu_offloading_num_layers}")
         if self.fp16 and self.bf16:
             raise ConfigError("--fp16 and --bf16 cannot both be given")
         problem = numerics_flag_conflict(self)

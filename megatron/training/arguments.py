@@ -211,6 +211,11 @@ def _add_training_args(parser):
     g.add_argument("--distribute-saved-activations", action="store_true")
     g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--cpu-offloading-num-layers", type=int, default=0,
+                   help="the first N layers keep the activations they save for backward in "
+                   "host memory (megatron/model/activation_offload.py)")
+    g.add_argument("--cpu-offloading-retain-pinned-cpu-buffers", action="store_true",
+                   help="with --cpu-offloading-num-layers: reuse the pinned host buffers")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="old spelling of --recompute-granularity full --recompute-method uniform")
     g.add_argument("--train-iters", type=int, default=None)

@@ -131,6 +131,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
         use_flash_attn=args.use_flash_attn, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        cpu_offloading_num_layers=args.cpu_offloading_num_layers,
+        cpu_offloading_retain_pinned_cpu_buffers=args.cpu_offloading_retain_pinned_cpu_buffers,
         first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,

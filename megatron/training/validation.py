@@ -868,6 +868,21 @@ def _validate_optimizer_offload(args) -> None:
                     "copies of the parameters, with the same results)")
 
 
+def _validate_activation_offload(args) -> None:
+    n = args.cpu_offloading_num_layers
+    if n is None or not 0 <= n < args.num_layers:
+        _fail(f"--cpu-offloading-num-layers must be in [0, --num-layers={args.num_layers}), "
+              f"got {n}")
+    if n == 0:
+        if args.cpu_offloading_retain_pinned_cpu_buffers:
+            _note(args, "--cpu-offloading-retain-pinned-cpu-buffers has no effect without "
+                        "--cpu-offloading-num-layers")
+        return
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        _note(args, f"--cpu-offloading-num-layers {n} on a CPU run: the activations already "
+                    "live in host memory, so there is nothing to offload")
+
+
 def _validate_run_extras(args) -> None:
     """Megatron flags of the run around the model: selective recompute's modules, weight decay
     of the q/k norms, evaluation batches, progress log and checkpoint retention."""
@@ -919,4 +934,5 @@ def check_flags(args):
     _validate_torch_fsdp2(args)
     _validate_muon(args)
     _validate_optimizer_offload(args)
+    _validate_activation_offload(args)
     return args
