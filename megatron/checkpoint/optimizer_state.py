@@ -24,6 +24,8 @@ import torch
 from megatron.checkpoint.names import dotted_names, lookup_dotted
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# The per-element state each optimizer keeps, by --optimizer (Lion keeps Adam's first moment).
+STATE_FIELDS = {"adam": MOMENTS, "lion": ("exp_avg",)}
 MAIN = "main"          # view: the fp32 main copy of each parameter
 GroupKey = Tuple[float, float]
 # Megatron's order of its param groups, by (wd_mult, lr_mult): decayed first.

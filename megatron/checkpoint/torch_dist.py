@@ -459,6 +459,12 @@ def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tu
     return groups
 
 
+def _state_fields(args) -> Tuple[str, ...]:
+    """The optimizer state fields this run reads: Adam's two moments, or Lion's one."""
+    return optimizer_state.STATE_FIELDS.get(getattr(args, "optimizer", "adam"),
+                                            optimizer_state.MOMENTS)
+
+
 def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path) -> None:
     saved = common.get("optimizer")
     if not isinstance(saved, dict) or "param_groups" not in saved:
@@ -484,16 +490,18 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
         all_hparams.append(hparams)
     if hasattr(optimizer, "load_local_param_state"):  # the distributed optimizer
         _load_distributed(reader, optimizer, trees, layouts, groups, all_hparams, step,
-                          main_present, saved.get("grad_scaler"), path)
+                          main_present, saved.get("grad_scaler"), path,
+                          _state_fields(args))
         return
+    fields = _state_fields(args)
     state, param_groups, mains, index = {}, [], [], 0
     try:
         for hparams, members in zip(all_hparams, groups):
             ids, main_row = [], []
             for chunk, name, _ in members:
                 like = _local_param(trees[chunk], name)
-                entry = {"step": torch.tensor(float(step))}
-                for field in optimizer_state.MOMENTS:
+                entry = {"step": torch.tensor(float(step))} if "exp_avg_sq" in fields else {}
+                for field in fields:
                     entry[field] = read_local(reader, name, like.float(), layouts[chunk],
                                               f"{OPTIMIZER_STATE_PREFIX}{field}.")
                 state[index] = entry
@@ -572,7 +580,8 @@ def _local_param(tree: dict, name: str) -> torch.Tensor:
 
 
 def _load_distributed(reader, optimizer, trees, layouts, groups, all_hparams, step: int,
-                      main_present: bool, grad_scaler, path: str) -> None:
+                      main_present: bool, grad_scaler, path: str,
+                      fields: Tuple[str, ...] = optimizer_state.MOMENTS) -> None:
     """The distributed optimizer reads, for each of its pieces, only the band of rows that
     holds it (about 1/DP of each parameter's state), at any saved layout."""
 
@@ -583,7 +592,7 @@ def _load_distributed(reader, optimizer, trees, layouts, groups, all_hparams, st
         cut = slice(start - rows[0] * inner, end - rows[0] * inner)
         values = {field: read_local_rows(reader, name, shape, rows, layouts[chunk],
                                          f"{OPTIMIZER_STATE_PREFIX}{field}.").reshape(-1)[cut]
-                  for field in optimizer_state.MOMENTS}
+                  for field in fields}
         if main_present:
             values["param"] = read_local_rows(reader, name, shape, rows, layouts[chunk],
                                               MAIN_PREFIX).reshape(-1)[cut]

@@ -91,6 +91,10 @@ class TransformerConfig:
     # With selective recomputation, what is recomputed (--recompute-modules): see
     # RECOMPUTE_MODULES; Megatron-Core's default is core attention alone.
     recompute_modules: Tuple[str, ...] = ("core_attn",)
+    # --cpu-offloading-num-layers: the first N layers keep what they save for backward on the
+    # host (megatron/model/activation_offload.py); 0: off.
+    cpu_offloading_num_layers: int = 0
+    cpu_offloading_retain_pinned_cpu_buffers: bool = False
     first_pipeline_num_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
     last_pipeline_num_layers: Optional[int] = None   # --decoder-last-pipeline-num-layers
     pipeline_model_parallel_layout: Optional[str] = None  # every stage written out
@@ -182,6 +186,9 @@ class TransformerConfig:
         if unknown:
             raise ConfigError(f"--recompute-modules {' '.join(unknown)}: not built; choose from "
                               f"{', '.join(RECOMPUTE_MODULES)}")
+        if not 0 <= self.cpu_offloading_num_layers < self.num_layers:
+            raise ConfigError(f"--cpu-offloading-num-layers must be in [0, --num-layers="
+                              f"{self.num_layers}), got {self.cpu_offloading_num_layers}")
         if self.fp16 and self.bf16:
             raise ConfigError("--fp16 and --bf16 cannot both be given")
         problem = numerics_flag_conflict(self)

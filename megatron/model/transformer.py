@@ -10,6 +10,7 @@ Each layer is built inside an RNG fork seeded from its global layer number
 stage builds it.
 """
 
+import contextlib
 from typing import Callable, Optional, Tuple
 
 import torch
@@ -23,6 +24,7 @@ from megatron.core.utils import get_init_method, get_output_layer_init_method
 from megatron.fused_kernels.bias_dropout_add import get_bias_dropout_add_func
 from megatron.fused_kernels.bias_gelu import bias_gelu_impl, bias_gelu_unfused
 from megatron.fused_kernels.swiglu import bias_swiglu_impl, bias_swiglu_unfused
+from megatron.model.activation_offload import HostActivationStash
 from megatron.model.attention import ParallelAttention, dropout_rng_context
 from megatron.model.multi_latent_attention import MultiLatentAttention
 from megatron.model.enums import AttnMaskType
@@ -286,6 +288,8 @@ class ParallelTransformer(MegatronModule):
                     config, layer_offset + i + 1, groups, self_attn_mask_type, moe_config,
                     moe_tracker, init_seed))
         self.layers = torch.nn.ModuleList(layers)
+        self.activation_stash = HostActivationStash(
+            retain_buffers=config.cpu_offloading_retain_pinned_cpu_buffers)
         if post_process:
             with init_rng(init_seed, "final_norm"):
                 self.final_layernorm = get_norm(config, groups.sequence_parallel)
@@ -301,9 +305,18 @@ class ParallelTransformer(MegatronModule):
     def _run_layers(self, start: int, end: int, hidden_states, attention_mask, rotary_pos_emb,
                     inference_params=None):
         for layer in self.layers[start:end]:
-            hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb,
-                                  inference_params=inference_params)
+            with self._offload_context(layer, inference_params):
+                hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb,
+                                      inference_params=inference_params)
         return hidden_states
+
+    def _offload_context(self, layer, inference_params):
+        """The host stash for a layer among the first ``--cpu-offloading-num-layers`` (global
+        numbering) while training, else nothing."""
+        if (layer.layer_number > self.config.cpu_offloading_num_layers
+                or inference_params is not None or not torch.is_grad_enabled()):
+            return contextlib.nullcontext()
+        return self.activation_stash
 
     def _checkpointed_forward(self, hidden_states, attention_mask, rotary_pos_emb):
         """Full recomputation: keep only the inputs of checkpointed chunks of layers.

@@ -14,6 +14,8 @@ import torch.distributed as dist
 from .clip_grads import is_expert_parallel
 from .config import OptimizerConfig
 from .distrib_optimizer import DistributedOptimizer
+from .cpu_offload import HybridDeviceOptimizer
+from .lion import Lion
 from .muon import build_muon, mark_qkv_weights, split_muon_groups
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer, FullyShardedOptimizer,
@@ -77,7 +79,25 @@ def _is_qk_norm(name: str) -> bool:
 
 def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[dict],
                            sharded: bool = False) -> torch.optim.Optimizer:
-    """AdamW (fused when the kernels load) or SGD; ``sharded``: over FSDP2's DTensor
+    """The optimizer :func:`_build_one_optimizer` gives, wrapped with
+    ``--optimizer-cpu-offload`` in a :class:`HybridDeviceOptimizer` that builds its host and
+    device parts the same way (torch's own AdamW for both with
+    ``--use-torch-optimizer-for-cpu-offload``)."""
+    if not config.optimizer_cpu_offload:
+        return _build_one_optimizer(config, param_groups, sharded)
+    if sharded:
+        raise ConfigError("--optimizer-cpu-offload does not run with --use-torch-fsdp2 "
+                          "(its parameters are sharded DTensors); drop one of the two")
+    torch_only = config.use_torch_optimizer_for_cpu_offload
+    return HybridDeviceOptimizer(
+        param_groups, lambda groups, on_host: _build_one_optimizer(config, groups, torch_only),
+        offload_fraction=config.optimizer_offload_fraction, pin_grads=config.pin_cpu_grads,
+        pin_params=config.pin_cpu_params, overlap=config.overlap_cpu_optimizer_d2h_h2d)
+
+
+def _build_one_optimizer(config: OptimizerConfig, param_groups: List[dict],
+                         sharded: bool = False) -> torch.optim.Optimizer:
+    """AdamW (fused when the kernels load), Lion or SGD; ``sharded``: over FSDP2's DTensor
     parameters, which the fused kernel does not take, so torch's own AdamW."""
     if config.optimizer == "adam":
         # Megatron's Adam decouples weight decay from the gradient (AdamW). The fused
@@ -92,6 +112,9 @@ def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[dict],
             adam_cls = FusedAdamW
         return adam_cls(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps)
+    if config.optimizer == "lion":
+        return Lion(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                    betas=(config.lion_beta1, config.lion_beta2))
     return torch.optim.SGD(param_groups, lr=config.lr, weight_decay=config.weight_decay,
                            momentum=config.sgd_momentum)
 

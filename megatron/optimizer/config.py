@@ -21,7 +21,7 @@ _DTYPE_FOR_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class OptimizerConfig:
     """Optimizer, mixed precision and loss-scaling settings (Megatron flag names in comments)."""
 
-    optimizer: str = "adam"                # --optimizer adam | sgd | muon | dist_muon
+    optimizer: str = "adam"                # --optimizer adam | sgd | lion | muon | dist_muon
     lr: Optional[float] = None             # --lr (the scheduler's max_lr; required)
     min_lr: float = 0.0                    # --min-lr
     # --decoupled-lr / --decoupled-min-lr: max and min lr of the word embeddings and the output
@@ -33,6 +33,8 @@ class OptimizerConfig:
     adam_beta2: float = 0.999              # --adam-beta2
     adam_eps: float = 1e-8                 # --adam-eps
     sgd_momentum: float = 0.9              # --sgd-momentum
+    lion_beta1: float = 0.95               # --lion-beta1 (megatron/optimizer/lion.py)
+    lion_beta2: float = 0.98               # --lion-beta2
     clip_grad: float = 1.0                 # --clip-grad (0 disables clipping)
     fp16: bool = False                     # --fp16
     bf16: bool = False                     # --bf16
@@ -58,10 +60,17 @@ class OptimizerConfig:
     muon_use_syrk: bool = False
     muon_extra_scale_factor: float = 1.0
     muon_scalar_optimizer: str = "adam"
+    # --optimizer-cpu-offload and its companions: see megatron/optimizer/cpu_offload.py
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    use_torch_optimizer_for_cpu_offload: bool = False
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    pin_cpu_grads: bool = True             # --no-pin-cpu-grads
+    pin_cpu_params: bool = True            # --no-pin-cpu-params
 
     def __post_init__(self):
-        if self.optimizer not in ("adam", "sgd", "muon", "dist_muon"):
-            raise ConfigError(f"--optimizer must be adam, sgd, muon or dist_muon, got "
+        if self.optimizer not in ("adam", "sgd", "lion", "muon", "dist_muon"):
+            raise ConfigError(f"--optimizer must be adam, sgd, lion, muon or dist_muon, got "
                               f"{self.optimizer!r}")
         if self.lr is None:
             raise ConfigError("--lr must be given (the peak learning rate), got None")
@@ -70,6 +79,15 @@ class OptimizerConfig:
         self._check_loss_scaling()
         if self.optimizer in ("muon", "dist_muon"):
             self._check_muon()
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        if not 0.0 <= self.optimizer_offload_fraction <= 1.0:
+            raise ConfigError(f"--optimizer-offload-fraction must be in [0, 1], got "
+                              f"{self.optimizer_offload_fraction}")
+        if self.optimizer_cpu_offload and self.optimizer in ("muon", "dist_muon"):
+            raise ConfigError("--optimizer-cpu-offload steps adam, sgd or lion on the host; "
+                              f"--optimizer {self.optimizer} is not offloaded, drop the flag")
 
     def _check_muon(self) -> None:
         from .muon import check_muon_settings
@@ -90,7 +108,8 @@ class OptimizerConfig:
                                   f"[0, --decoupled-lr={self.decoupled_lr}], got {low}")
         if self.weight_decay < 0.0:
             raise ConfigError(f"--weight-decay must be >= 0, got {self.weight_decay}")
-        for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+        for flag, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2),
+                            ("--lion-beta1", self.lion_beta1), ("--lion-beta2", self.lion_beta2)):
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"{flag} must be in [0, 1), got {value}")
         if self.adam_eps <= 0.0:

@@ -520,6 +520,8 @@ class DistributedOptimizer(MegatronOptimizer):
     def _state_keys(self) -> Tuple[str, ...]:
         if self.config.optimizer == "adam":
             return ("exp_avg", "exp_avg_sq")
+        if self.config.optimizer == "lion":
+            return ("exp_avg",)
         return ("momentum_buffer",) if self.config.sgd_momentum > 0 else ()
 
     def state_dict(self) -> dict:

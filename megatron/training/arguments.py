@@ -189,6 +189,10 @@ def _add_regularization_args(parser):
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-08)
     g.add_argument("--sgd-momentum", type=float, default=0.9)
+    g.add_argument("--lion-beta1", type=float, default=0.95,
+                   help="Lion: weight of the momentum in the sign of the update")
+    g.add_argument("--lion-beta2", type=float, default=0.98,
+                   help="Lion: decay of the momentum (exp_avg)")
     # Muon (--optimizer muon): megatron/optimizer/muon.py says what each does.
     g.add_argument("--muon-momentum", type=float, default=0.9,
                    help="Muon's momentum coefficient")
@@ -241,6 +245,11 @@ def _add_training_args(parser):
     g.add_argument("--moe-layer-recompute", action="store_true",
                    help="older spelling of --recompute-granularity selective with moe added to "
                    "--recompute-modules (each MoE layer recomputed in backward)")
+    g.add_argument("--cpu-offloading-num-layers", type=int, default=0,
+                   help="the first N layers keep the activations they save for backward in "
+                   "host memory (megatron/model/activation_offload.py)")
+    g.add_argument("--cpu-offloading-retain-pinned-cpu-buffers", action="store_true",
+                   help="with --cpu-offloading-num-layers: reuse the pinned host buffers")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="old spelling of --recompute-granularity full --recompute-method uniform")
     g.add_argument("--train-iters", type=int, default=None)
@@ -275,7 +284,22 @@ def _add_training_args(parser):
                    "say with --transformer-impl local, by sequence length with "
                    "transformer_engine (megatron/model/attention_backend.py)")
     g.add_argument("--optimizer", type=str, default="adam",
-                   choices=["adam", "sgd", "muon", "dist_muon"])
+                   choices=["adam", "sgd", "muon", "dist_muon", "lion"])
+    # megatron/optimizer/cpu_offload.py says what each does.
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="keep optimizer state on the host and step it there")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="share of the parameters (by elements, in order) stepped on the host")
+    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true",
+                   help="with --optimizer-cpu-offload: torch's optimizer, not the fused one, "
+                   "for the device part too")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="with --optimizer-cpu-offload: asynchronous gradient and parameter "
+                   "copies, the device part stepping meanwhile")
+    g.add_argument("--no-pin-cpu-grads", action="store_false", dest="pin_cpu_grads",
+                   help="with --optimizer-cpu-offload: pageable host gradient buffers")
+    g.add_argument("--no-pin-cpu-params", action="store_false", dest="pin_cpu_params",
+                   help="with --optimizer-cpu-offload: pageable host parameter copies")
     g.add_argument("--dataloader-type", type=str, default=None,
                    choices=["single", "cyclic", "external"])
     g.add_argument("--no-async-tensor-model-parallel-allreduce", action="store_false",

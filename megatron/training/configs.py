@@ -137,6 +137,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
+        cpu_offloading_num_layers=args.cpu_offloading_num_layers,
+        cpu_offloading_retain_pinned_cpu_buffers=args.cpu_offloading_retain_pinned_cpu_buffers,
         first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         pipeline_model_parallel_layout=args.pipeline_model_parallel_layout,
@@ -257,7 +259,8 @@ def _optimizer_config(args) -> Optional[OptimizerConfig]:
         optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr,
         decoupled_lr=args.decoupled_lr, decoupled_min_lr=args.decoupled_min_lr,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad,
+        adam_eps=args.adam_eps, sgd_momentum=args.sgd_momentum,
+        lion_beta1=args.lion_beta1, lion_beta2=args.lion_beta2, clip_grad=args.clip_grad,
         fp16=args.fp16, bf16=args.bf16, params_dtype=args.params_dtype,
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
         min_loss_scale=args.min_loss_scale, loss_scale_window=int(args.loss_scale_window),
@@ -272,7 +275,12 @@ def _optimizer_config(args) -> Optional[OptimizerConfig]:
         muon_num_ns_steps=args.muon_num_ns_steps, muon_tp_mode=args.muon_tp_mode,
         muon_use_syrk=args.muon_use_syrk,
         muon_extra_scale_factor=args.muon_extra_scale_factor,
-        muon_scalar_optimizer=args.muon_scalar_optimizer)
+        muon_scalar_optimizer=args.muon_scalar_optimizer,
+        optimizer_cpu_offload=args.optimizer_cpu_offload,
+        optimizer_offload_fraction=args.optimizer_offload_fraction,
+        use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload,
+        overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
+        pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params)
 
 
 def _scheduler_config(args) -> Optional[SchedulerConfig]:

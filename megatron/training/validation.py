@@ -985,6 +985,47 @@ def _validate_recompute_modules(args) -> None:
               f"{', '.join(RECOMPUTE_MODULES)}, or use --recompute-granularity full")
 
 
+def _validate_optimizer_offload(args) -> None:
+    if not args.optimizer_cpu_offload:
+        given = [flag for flag, on in (
+            ("--use-torch-optimizer-for-cpu-offload", args.use_torch_optimizer_for_cpu_offload),
+            ("--overlap-cpu-optimizer-d2h-h2d", args.overlap_cpu_optimizer_d2h_h2d),
+            ("--no-pin-cpu-grads", not args.pin_cpu_grads),
+            ("--no-pin-cpu-params", not args.pin_cpu_params),
+            ("--optimizer-offload-fraction", args.optimizer_offload_fraction != 1.0)) if on]
+        if given:
+            _note(args, f"{', '.join(given)} has no effect without --optimizer-cpu-offload")
+        return
+    if args.optimizer in ("muon", "dist_muon"):
+        _fail(f"--optimizer-cpu-offload steps adam, sgd or lion on the host; --optimizer "
+              f"{args.optimizer} is not offloaded, drop the flag")
+    if args.use_torch_fsdp2:
+        _fail("--optimizer-cpu-offload does not run with --use-torch-fsdp2 (its parameters are "
+              "sharded DTensors); drop one of the two")
+    if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
+        _fail(f"--optimizer-offload-fraction must be in [0, 1], got "
+              f"{args.optimizer_offload_fraction}")
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        _note(args, "--optimizer-cpu-offload on a CPU run: the optimizer state already lives in "
+                    "host memory, so offloading saves nothing (the host step still runs, on "
+                    "copies of the parameters, with the same results)")
+
+
+def _validate_activation_offload(args) -> None:
+    n = args.cpu_offloading_num_layers
+    if n is None or not 0 <= n < args.num_layers:
+        _fail(f"--cpu-offloading-num-layers must be in [0, --num-layers={args.num_layers}), "
+              f"got {n}")
+    if n == 0:
+        if args.cpu_offloading_retain_pinned_cpu_buffers:
+            _note(args, "--cpu-offloading-retain-pinned-cpu-buffers has no effect without "
+                        "--cpu-offloading-num-layers")
+        return
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        _note(args, f"--cpu-offloading-num-layers {n} on a CPU run: the activations already "
+                    "live in host memory, so there is nothing to offload")
+
+
 def _validate_run_extras(args) -> None:
     """Megatron flags of the run around the model: selective recompute's modules, weight decay
     of the q/k norms, evaluation batches, progress log and checkpoint retention."""
@@ -1024,4 +1065,6 @@ def check_flags(args):
     _validate_non_persistent(args)
     _validate_torch_fsdp2(args)
     _validate_muon(args)
+    _validate_optimizer_offload(args)
+    _validate_activation_offload(args)
     return args

@@ -172,7 +172,7 @@ def test_types_follow_megatron():
 
 
 def test_a_refused_value_of_a_widened_choice_stops_in_one_line():
-    for flags, flag in ((["--optimizer", "lion"], "--optimizer lion"),
+    for flags, flag in ((["--optimizer", "soap"], "--optimizer soap"),
                         (["--position-embedding-type", "mrope"], "--position-embedding-type mrope"),
                         (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type")):
         with pytest.raises(ArgumentsError) as err:

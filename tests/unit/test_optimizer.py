@@ -75,7 +75,7 @@ def _adamw_fp64(params, grad_sets, decay_flags, lr=LR, wd=WD, b1=0.9, b2=0.999, 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(lr=None), r"--lr must be given"),
     (dict(lr=1e-3, min_lr=1e-2), r"--min-lr must be in \[0, --lr=0.001\], got 0.01"),
-    (dict(lr=1e-3, optimizer="lamb"), r"--optimizer must be adam, sgd, muon or dist_muon, got 'lamb'"),
+    (dict(lr=1e-3, optimizer="lamb"), r"--optimizer must be adam, sgd, lion, muon or dist_muon, got 'lamb'"),
     (dict(lr=1e-3, fp16=True, bf16=True), r"--fp16 and --bf16"),
     (dict(lr=1e-3, adam_beta2=1.0), r"--adam-beta2 must be in \[0, 1\), got 1.0"),
     (dict(lr=1e-3, clip_grad=-1.0), r"--clip-grad must be >= 0"),
