@@ -99,10 +99,9 @@ TELEMETRY = ("this tracing/telemetry integration is not built here; drop it (use
 DISTILL = "saving or distilling from teacher logits is not built yet; drop it"
 FLEX = ("the flex token dispatcher (DeepEP, HybridEP, NCCL EP) is not built here; use "
         "--moe-token-dispatcher-type alltoall")
-OPT_OFFLOAD = "optimizer CPU offload is not built yet; use --use-distributed-optimizer"
-ACT_OFFLOAD = ("activation offloading is not built yet; use --recompute-granularity to save "
-               "activation memory")
-OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd or muon"
+ACT_OFFLOAD = ("fine-grained activation offloading (per module, MoE paged stash) is not built "
+               "yet; use --cpu-offloading-num-layers or --recompute-granularity")
+OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd, lion or muon"
 MUP = "muP parametrisation is not built yet; drop it"
 ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not built yet; drop "
                 "it")
@@ -193,8 +192,6 @@ ROWS = (
     ('--microbatch-group-size-per-virtual-pipeline-stage', 'microbatch_group_size_per_vp_stage',
      'int', None, '', REFUSED, VP_GROUP),
     ('--mtp-standalone', '', 'true', False, '', REFUSED, MTP),
-    ('--cpu-offloading-num-layers', '', 'int', 0, '', REFUSED, ACT_OFFLOAD),
-    ('--cpu-offloading-retain-pinned-cpu-buffers', '', 'true', False, '', REFUSED, ACT_OFFLOAD),
     ('--mtp-use-repeated-layer', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-detach-heads', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hsm', '', 'true', False, '', REFUSED, MTP),
@@ -343,8 +340,6 @@ ROWS = (
     ('--relative-attention-num-buckets', '', 'int', 32, '', REFUSED, T5),
     ('--relative-attention-max-distance', '', 'int', 128, '', REFUSED, T5),
     ('--apply-wd-to-qk-layernorm', '', 'true', False, '', WORKS, None),
-    ('--lion-beta1', '', 'float', 0.95, '', REFUSED, OPTIMIZERS),
-    ('--lion-beta2', '', 'float', 0.98, '', REFUSED, OPTIMIZERS),
     ('--no-weight-decay-cond-type', '', 'str', None, 'apply_wd_to_qk_layernorm', WORKS, None),
     ('--pytorch-profiler-collect-shapes', '', 'true', False, '', NO_EFFECT, PROFILER),
     ('--pytorch-profiler-collect-callstack', '', 'true', False, '', NO_EFFECT, PROFILER),
@@ -362,14 +357,8 @@ ROWS = (
     ('--tp-comm-overlap-cfg', '', 'str', None, '', REFUSED, TP_OVERLAP),
     ('--no-rope-fusion', 'apply_rope_fusion', 'false', True, '', NO_EFFECT, FUSION),
     ('--rope-type', '', 'str', None, 'rope|yarn', REFUSED, ROPE_SCALING),
-    ('--optimizer-cpu-offload', '', 'true', False, '', REFUSED, OPT_OFFLOAD),
     ('--optimizer-cuda-graph', '', 'true', False, '', REFUSED, CUDA_GRAPH),
-    ('--optimizer-offload-fraction', '', 'float', 1.0, '', REFUSED, OPT_OFFLOAD),
-    ('--use-torch-optimizer-for-cpu-offload', '', 'true', False, '', REFUSED, OPT_OFFLOAD),
-    ('--overlap-cpu-optimizer-d2h-h2d', '', 'true', False, '', REFUSED, OPT_OFFLOAD),
     ('--dump-param-to-param-group-map', '', 'str', None, '', REFUSED, PARAM_GROUPS),
-    ('--no-pin-cpu-grads', 'pin_cpu_grads', 'false', True, '', REFUSED, OPT_OFFLOAD),
-    ('--no-pin-cpu-params', 'pin_cpu_params', 'false', True, '', REFUSED, OPT_OFFLOAD),
     ('--perform-rl-step', '', 'true', False, '', REFUSED, RL),
     ('--rl-prompts-per-eval', '', 'int', 32, '', REFUSED, RL),
     ('--grpo-prompts-per-step', '', 'int', 32, '', REFUSED, RL),

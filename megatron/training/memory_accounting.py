@@ -168,7 +168,8 @@ def bytes_per_parameter(params_dtype: torch.dtype, grad_dtype: torch.dtype,
     elif optimizer == "lion":
         states = 4  # its momentum, fp32
     else:
-        raise ValueError(f"--optimizer must be adam, sgd, lion, muon or dist_muon, got {optimizer!r}")
+        raise ValueError(f"--optimizer must be adam, sgd, lion, muon or dist_muon, got "
+                         f"{optimizer!r}")
     if fully_sharded:
         return (4 + 4 + states) / dp_size + (4 if accumulates else 0)
     weight = torch.tensor([], dtype=params_dtype).element_size()
