@@ -191,6 +191,8 @@ def cpu_description() -> str:
                     break
     except OSError:
         pass
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
     from megatron.fused_kernels import loader
 
     found = [f for f in VECTOR_FLAGS if f in flags] or ["none found"]
