@@ -8,7 +8,11 @@ trained by:
   --tokenizer-type NullTokenizer --vocab-size V-1``: the null tokenizer adds its end-of-document
   id, so the model's vocabulary is exactly V, with no padding); the time per iteration is read
   from its log line ``elapsed time per iteration (ms)``;
-- ``ours-sdpa``: the same with ``--use-flash-attn`` (``scaled_dot_product_attention``);
+- ``ours-sdpa``: the same with ``--attention-backend flash`` (``scaled_dot_product_attention``,
+  its CPU flash kernel, instead of the explicit body with the fused masked softmax);
+- ``ours-bf16``: ``ours`` with ``--bf16`` (bf16 weights and activations, fp32 main weights and
+  gradient reduction; oneDNN's bf16 GEMMs use AVX512_BF16 / AMX where the CPU has them), set
+  beside fp32 (not in the default list: a different precision);
 - ``hf``: ``transformers``' ``GPT2LMHeadModel`` (its default attention, SDPA) in a plain PyTorch
   loop: forward, ``F.cross_entropy`` over the ``[b*s, V]`` logits, backward,
   ``clip_grad_norm_``, ``torch.optim.AdamW`` (torch's default, ``foreach``);
@@ -34,7 +38,7 @@ of another checkout (to measure a change side by side).
 Run::
 
     python benchmarks/bench_peers.py [--repeats 3] [--iters 6] [--warmup 2] [--threads 2]
-        [--contenders ours,ours-sdpa,hf,nanogpt] [--profile] [--baseline-root DIR]
+        [--contenders ours,ours-sdpa,hf,nanogpt[,ours-bf16]] [--profile] [--baseline-root DIR]
 """
 
 import argparse
@@ -54,6 +58,18 @@ ITER_RE = re.compile(r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([
                      r"lm loss: ([\d.E+-]+)")
 RESULT_TAG = "BENCH_PEERS_RESULT "
 ALL_CONTENDERS = ("ours", "ours-sdpa", "hf", "nanogpt")
+# pretrain_gpt.py contenders: (checkout: "ours" or "base", extra flags).
+OURS_VARIANTS = {"ours": ("ours", []),
+                 "ours-sdpa": ("ours", ["--attention-backend", "flash"]),
+                 "ours-bf16": ("ours", ["--bf16"]),
+                 "base": ("base", []),
+                 "base-sdpa": ("base", ["--attention-backend", "flash"])}
+# What the CPU-speed targets ask: ours at >= 90% of the fp32 GEMM rate, >= 1.15x each peer.
+TARGET_GEMM_SHARE = 0.90
+TARGET_RATIO = 1.15
+# /proc/cpuinfo flags worth naming: the vector extensions torch's kernels and ours may use.
+VECTOR_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+                "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,7 +89,7 @@ def _child_env(a) -> dict:
     return env
 
 
-def ours_flags(a, sdpa: bool) -> list:
+def ours_flags(a, extra: list) -> list:
     """``pretrain_gpt.py`` flags of the benchmarked configuration."""
     flags = (f"--num-layers {a.layers} --hidden-size {a.hidden} --num-attention-heads {a.heads} "
              f"--seq-length {a.seq} --max-position-embeddings {a.seq} "
@@ -84,18 +100,18 @@ def ours_flags(a, sdpa: bool) -> list:
              f"--tokenizer-type NullTokenizer --vocab-size {a.vocab - 1} "
              f"--make-vocab-size-divisible-by 1 --hidden-dropout 0 --attention-dropout 0 "
              f"--device cpu --seed 1234 --num-workers 0").split()
-    return flags + (["--use-flash-attn"] if sdpa else []) + a.ours_extra.split()
+    return flags + list(extra) + a.ours_extra.split()
 
 
-def _run_ours(a, root: str, sdpa: bool, profile: bool) -> dict:
+def _run_ours(a, root: str, extra: list, profile: bool) -> dict:
     env = _child_env(a)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0",
                WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     if profile:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "profile-ours",
-               "--child-root", root, "--warmup", str(a.warmup), "--"] + ours_flags(a, sdpa)
+               "--child-root", root, "--warmup", str(a.warmup), "--"] + ours_flags(a, extra)
     else:
-        cmd = [sys.executable, os.path.join(root, "pretrain_gpt.py")] + ours_flags(a, sdpa)
+        cmd = [sys.executable, os.path.join(root, "pretrain_gpt.py")] + ours_flags(a, extra)
     proc = subprocess.Popen(cmd, env=env, cwd=root, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     lines, rows, cpu = [], [], [_cpu_seconds(proc.pid)]
@@ -152,11 +168,36 @@ def _parse_child_result(stdout: str) -> dict:
 
 def run_contender(a, name: str) -> dict:
     """One fresh process of contender ``name``; its per-iteration times (ms) and losses."""
-    if name in ("ours", "ours-sdpa"):
-        return _run_ours(a, ROOT, name == "ours-sdpa", a.profile_now)
-    if name in ("base", "base-sdpa"):
-        return _run_ours(a, a.baseline_root, name == "base-sdpa", a.profile_now)
+    if name in OURS_VARIANTS:
+        checkout, extra = OURS_VARIANTS[name]
+        root = ROOT if checkout == "ours" else a.baseline_root
+        return _run_ours(a, root, extra, a.profile_now)
     return _run_child(a, name, a.profile_now)
+
+
+def cpu_description() -> str:
+    """The CPU's model name, its vector extensions (from /proc/cpuinfo) and the SIMD clone our
+    fused CPU bodies run on it."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                if flags and model:
+                    break
+    except OSError:
+        pass
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from megatron.fused_kernels import loader
+
+    found = [f for f in VECTOR_FLAGS if f in flags] or ["none found"]
+    return (f"CPU: {model} | vector extensions: {' '.join(found)} | "
+            f"fused CPU bodies: {loader.cpu_isa() or 'not loaded'} clone")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,9 +469,10 @@ def print_table(a, results: dict, gemm: list) -> None:
     tokens = a.micro_batch * a.seq
     mm_rate = statistics.median(g["mm2048_gflops"] for g in gemm)
     mix_rate = statistics.median(g["model_gemm_gflops"] for g in gemm)
+    rounds = ", ".join("%.0f/%.0f" % (g["mm2048_gflops"], g["model_gemm_gflops"]) for g in gemm)
     print(f"\nfp32 GEMM rate ({a.threads} threads, median of {len(gemm)} rounds): torch.mm "
           f"2048^3 {mm_rate:.1f} GFLOP/s; this model's GEMM mix {mix_rate:.1f} GFLOP/s "
-          f"(rounds: {', '.join('%.0f/%.0f' % (g['mm2048_gflops'], g['model_gemm_gflops']) for g in gemm)})")
+          f"(rounds: {rounds})")
     print(f"model FLOPs per iteration (Megatron's count): {flops / 1e9:.1f} GFLOP; "
           f"{tokens} tokens per iteration\n")
     print("| contender | ms/iter | tokens/s | model GFLOP/s | of mm 2048 | of model GEMM mix | "
@@ -446,13 +488,19 @@ def print_table(a, results: dict, gemm: list) -> None:
               f"{rate / mm_rate:.1%} | {rate / mix_rate:.1%} | {cpu[name]:.0f} | "
               f"{', '.join('%.0f' % statistics.median(r['times_ms']) for r in runs)} | "
               f"{losses[0]:.3f} -> {losses[-1]:.3f} |")
+    for name in ("ours", "ours-sdpa"):
+        if name in med:
+            share = flops / (med[name] / 1000.0) / 1e9 / mix_rate
+            print(f"\n{name}: {share:.1%} of this model's fp32 GEMM mix rate (target >= "
+                  f"{TARGET_GEMM_SHARE:.0%}: {'met' if share >= TARGET_GEMM_SHARE else 'not met'})")
     print("\nCPU ms/iter: user + system CPU time of the process (all threads) per timed iteration; "
           "less sensitive to other load than wall time.")
     print("\n| ratio (tokens/s) | wall | CPU time | target |")
     print("|---|---|---|---|")
-    targets = {("ours", "hf"): 1.5, ("ours", "nanogpt"): 1.3, ("ours-sdpa", "hf"): 1.5,
-               ("ours-sdpa", "nanogpt"): 1.3, ("ours", "base"): None,
-               ("ours-sdpa", "base-sdpa"): None}
+    targets = {("ours", "hf"): TARGET_RATIO, ("ours", "nanogpt"): TARGET_RATIO,
+               ("ours-sdpa", "hf"): TARGET_RATIO, ("ours-sdpa", "nanogpt"): TARGET_RATIO,
+               ("ours-sdpa", "ours"): None, ("ours-bf16", "ours"): None,
+               ("ours", "base"): None, ("ours-sdpa", "base-sdpa"): None}
     for (x, y), target in targets.items():
         if x in med and y in med:
             value = med[y] / med[x]
@@ -469,8 +517,8 @@ def print_profiles(profiles: dict) -> None:
     print("| category | " + " | ".join(profiles) + " |")
     print("|---|" + "---|" * len(profiles))
     for cat in cats:
-        cells = [f"{p['categories'].get(cat, 0.0):.0f} ({p['categories'].get(cat, 0.0) / p['wall_ms']:.0%})"
-                 for p in profiles.values()]
+        spent = [p["categories"].get(cat, 0.0) for p in profiles.values()]
+        cells = [f"{ms:.0f} ({ms / p['wall_ms']:.0%})" for ms, p in zip(spent, profiles.values())]
         print(f"| {cat} | " + " | ".join(cells) + " |")
     cells = []
     for p in profiles.values():
@@ -494,11 +542,12 @@ def main(a) -> None:
     print(f"# {datetime.datetime.now().isoformat(timespec='seconds')} | "
           f"{platform.processor() or platform.machine()} | {os.cpu_count()} cores | "
           f"torch {torch.__version__} | load average at start {_load()}")
+    print("# " + cpu_description())
     print("# python " + " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]))
     print(f"# {a.layers} layers, h {a.hidden}, {a.heads} heads, s {a.seq}, b {a.micro_batch}, "
           f"V {a.vocab}, fp32, {a.threads} threads per process, {a.warmup} warm-up + "
           f"{a.iters} timed iterations per run, {a.repeats} rounds")
-    print("# ours: python pretrain_gpt.py " + " ".join(ours_flags(a, False)))
+    print("# ours: python pretrain_gpt.py " + " ".join(ours_flags(a, [])))
     results = {name: [] for name in contenders}
     gemm, profiles = [], {}
     a.profile_now = False

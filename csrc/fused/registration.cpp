@@ -7,14 +7,18 @@
 namespace megatron_fused {
 
 // Bumped whenever a schema or an op's meaning changes, so that Python refuses a stale build.
-constexpr int64_t kVersion = 1;
+constexpr int64_t kVersion = 2;
 
 int64_t version() { return kVersion; }
+
+// cpu_convert.cpp: the SIMD clone the CPU bodies run (0 baseline, 1 x86-64-v3, 2 x86-64-v4).
+int64_t cpu_isa_level_op();
 
 }  // namespace megatron_fused
 
 TORCH_LIBRARY(megatron_fused, m) {
   m.def("version() -> int", &megatron_fused::version);
+  m.def("cpu_isa_level() -> int", &megatron_fused::cpu_isa_level_op);
   m.def("scaled_masked_softmax_fwd(Tensor input, Tensor? mask, float scale) -> Tensor");
   m.def("scaled_masked_softmax_bwd(Tensor grad_output, Tensor output, Tensor? mask, "
         "float scale) -> Tensor");

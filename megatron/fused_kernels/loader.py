@@ -16,7 +16,9 @@ build folder is removed while we hold ours, for the same reason.
 
 Environment: ``MEGATRON_FUSED_KERNELS=0`` disables the compiled kernels;
 ``MEGATRON_FUSED_PREBUILT=0`` skips step 1 and ``MEGATRON_FUSED_JIT=0`` step 2;
-``MEGATRON_FUSED_CACHE`` moves the cache. Loading is not trusting: each op's compiled body is
+``MEGATRON_FUSED_CACHE`` moves the cache; ``MEGATRON_FUSED_CPU_ISA`` (``baseline``,
+``x86-64-v3`` or ``x86-64-v4``) caps the SIMD clone the CPU bodies run (:func:`cpu_isa`).
+Loading is not trusting: each op's compiled body is
 checked against its reference at its first use on a device type and dtype (:mod:`.selfcheck`);
 ``MEGATRON_KERNEL_SELFCHECK=0`` skips that check.
 
@@ -34,13 +36,13 @@ import warnings
 from typing import Iterator, List, Optional
 
 # Must equal kVersion in csrc/fused/registration.cpp.
-EXPECTED_VERSION = 1
+EXPECTED_VERSION = 2
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CSRC_DIR = os.path.join(_ROOT, "csrc", "fused")
 
 # -fno-trapping-math / -fno-math-errno change no finite result; GCC needs them to vectorise the
-# float selects. -ffp-contract=off keeps the AVX2 and baseline builds bit-identical.
+# float selects. -ffp-contract=off keeps the AVX-512, AVX2 and baseline clones bit-identical.
 CPU_CFLAGS = ["-O3", "-fopenmp", "-fno-trapping-math", "-fno-math-errno", "-ffp-contract=off"]
 CPU_LDFLAGS = ["-fopenmp"]
 CUDA_CFLAGS = ["-O3", "-lineinfo"]
@@ -167,8 +169,30 @@ def jit_build(verbose: bool = False) -> None:
         )
 
 
+CPU_ISA_LEVELS = ("baseline", "x86-64-v3", "x86-64-v4")
+
+
+def requested_cpu_isa() -> Optional[str]:
+    """``MEGATRON_FUSED_CPU_ISA`` if set (checked: a typo must not silently run another clone)."""
+    value = os.environ.get("MEGATRON_FUSED_CPU_ISA")
+    if value is None or value == "":
+        return None
+    if value not in CPU_ISA_LEVELS:
+        raise ValueError(f"MEGATRON_FUSED_CPU_ISA={value!r} is not one of "
+                         f"{', '.join(CPU_ISA_LEVELS)}")
+    return value
+
+
+def cpu_isa() -> Optional[str]:
+    """The SIMD clone the loaded CPU bodies run (one of CPU_ISA_LEVELS), None if not loaded."""
+    if load() is None:
+        return None
+    return CPU_ISA_LEVELS[int(_ops_namespace().cpu_isa_level())]
+
+
 def _try_load() -> Optional[str]:
     """Make the ops available; returns the reason for failure, or None."""
+    requested_cpu_isa()
     if os.environ.get("MEGATRON_FUSED_KERNELS", "1") == "0":
         return "disabled by MEGATRON_FUSED_KERNELS=0"
     if _registered_version() is None:

@@ -34,19 +34,17 @@ class AttentionBackendError(ValueError):
 
 def auto_backend(transformer_impl: str, seq_length: int, softmax_type: str,
                  use_flash_attn: bool, masked_softmax_fusion: bool) -> str:
-    """The backend ``auto`` picks.
+    """The backend ``auto`` picks: the measured rule (``AUTO_FLASH_MIN_SEQ``).
 
-    As in Megatron, ``auto`` is TransformerEngine's choice: with ``--transformer-impl local``
-    attention runs as the other flags say (``--use-flash-attn``, else the fused softmax unless
-    ``--no-masked-softmax-fusion``), so runs without the flag keep their numbers. With
-    ``transformer_engine``: ``flash`` when ``--use-flash-attn`` is given, or when the layers
-    have no softmax offset and ``seq_length >= AUTO_FLASH_MIN_SEQ``; otherwise the explicit body
-    the softmax flags select."""
+    ``flash`` when ``--use-flash-attn`` is given, or when the layers have no softmax offset and
+    ``seq_length >= AUTO_FLASH_MIN_SEQ`` (where scaled_dot_product_attention is the faster path
+    on CPU as on GPU); otherwise the explicit body the softmax flags select (the fused masked
+    softmax unless ``--no-masked-softmax-fusion``). The same for both ``--transformer-impl``
+    values: they run the same layers here."""
+    del transformer_impl
     explicit = "fused" if masked_softmax_fusion else "unfused"
     if use_flash_attn:
         return "flash"
-    if transformer_impl != "transformer_engine":
-        return explicit
     if softmax_type == "vanilla" and seq_length >= AUTO_FLASH_MIN_SEQ:
         return "flash"
     return explicit

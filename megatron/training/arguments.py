@@ -280,9 +280,9 @@ def _add_training_args(parser):
                    default=megatron_flags.AttnBackend.auto,
                    choices=list(megatron_flags.AttnBackend),
                    help="flash: scaled_dot_product_attention; fused: the scaled masked softmax "
-                   "kernel; unfused / local: the plain explicit body; auto: as the other flags "
-                   "say with --transformer-impl local, by sequence length with "
-                   "transformer_engine (megatron/model/attention_backend.py)")
+                   "kernel; unfused / local: the plain explicit body; auto: flash from "
+                   "AUTO_FLASH_MIN_SEQ tokens, else as the other flags say "
+                   "(megatron/model/attention_backend.py)")
     g.add_argument("--optimizer", type=str, default="adam",
                    choices=["adam", "sgd", "muon", "dist_muon", "lion"])
     # megatron/optimizer/cpu_offload.py says what each does.

@@ -101,12 +101,12 @@ def _install_fused_kernels(args) -> None:
 
     The --no-*-fusion flags still select the plain torch compositions inside the model.
     """
-    from megatron.fused_kernels import ops
+    from megatron.fused_kernels import loader, ops
 
     loaded = ops.install()
     if args.rank == 0:
-        print(f"> fused kernels: {'compiled' if loaded else 'pure-torch references'}",
-              flush=True)
+        what = f"compiled (CPU clone {loader.cpu_isa()})" if loaded else "pure-torch references"
+        print(f"> fused kernels: {what}", flush=True)
 
 
 def _error_text(exc: BaseException) -> str:

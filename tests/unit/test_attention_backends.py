@@ -132,6 +132,10 @@ def test_contradicting_flags_are_refused_in_one_line(flags, named):
       "--seq-length", str(AUTO_FLASH_MIN_SEQ), "--max-position-embeddings",
       str(AUTO_FLASH_MIN_SEQ)], True, True),
     (["--transformer-impl", "local", "--seq-length", str(AUTO_FLASH_MIN_SEQ),
+      "--max-position-embeddings", str(AUTO_FLASH_MIN_SEQ)], True, True),
+    (["--seq-length", str(AUTO_FLASH_MIN_SEQ - 1), "--max-position-embeddings",
+      str(AUTO_FLASH_MIN_SEQ)], False, True),
+    (["--attention-backend", "fused", "--seq-length", str(AUTO_FLASH_MIN_SEQ),
       "--max-position-embeddings", str(AUTO_FLASH_MIN_SEQ)], False, True),
 ])
 def test_the_backend_sets_the_switches_the_attention_reads(flags, flash, fusion):

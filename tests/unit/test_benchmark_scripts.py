@@ -64,15 +64,20 @@ def test_bench_peers_tiny_run_prints_every_contender():
     pytest.importorskip("transformers")
     out = _run(["benchmarks/bench_peers.py", "--layers", "1", "--hidden", "64", "--heads", "2",
                 "--seq", "32", "--vocab", "256", "--micro-batch", "2", "--iters", "2",
-                "--warmup", "1", "--repeats", "1", "--threads", "1"], timeout=300)
-    for name in ("ours", "ours-sdpa", "hf", "nanogpt"):
+                "--warmup", "1", "--repeats", "1", "--threads", "1",
+                "--contenders", "ours,ours-sdpa,hf,nanogpt,ours-bf16"], timeout=400)
+    for name in ("ours", "ours-sdpa", "hf", "nanogpt", "ours-bf16"):
         row = re.search(rf"^\| {re.escape(name)} \| (\d+) \| (\d+) \| ([\d.]+) \|", out, re.M)
         assert row, out
         assert int(row.group(2)) > 0
     # CPU time is counted in clock ticks: this tiny run may show none (n/a).
     assert re.search(r"^\| ours / hf \| [\d.]+x \| ([\d.]+x|n/a) \| "
-                     r">= 1.5x: (met|not met) \|$", out, re.M), out
-    assert "this model's GEMM mix" in out
+                     r">= 1.15x: (met|not met) \|$", out, re.M), out
+    assert re.search(r"^\| ours-bf16 / ours \| [\d.]+x \|", out, re.M), out
+    assert re.search(r"^ours: [\d.]+% of this model's fp32 GEMM mix rate \(target >= 90%: "
+                     r"(met|not met)\)$", out, re.M), out
+    assert re.search(r"vector extensions: .*\| fused CPU bodies: (baseline|x86-64-v3|x86-64-v4) "
+                     r"clone", out), out
 
 
 @pytest.mark.slow

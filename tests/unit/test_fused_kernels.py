@@ -528,6 +528,70 @@ def test_outputs_and_grads_bitwise_deterministic_across_runs_and_threads():
         assert torch.equal(a, b) and torch.equal(a, c)
 
 
+def _clone_outputs():
+    """Every CPU body's outputs and gradients in float32 and bfloat16, plus fused AdamW steps,
+    on rows long enough to fill the 16 lanes many times and with ragged tails."""
+    results = _all_ops_once()
+    torch.manual_seed(5)
+    x = torch.randn(6, 3, 203, 203).bfloat16().requires_grad_(True)
+    w, b = torch.randn(203).bfloat16(), torch.randn(203).bfloat16()
+    logits = torch.randn(40, 1001).bfloat16().requires_grad_(True)
+    target = torch.randint(0, 1001, (40,))
+    outs = [ops.scaled_upper_triang_masked_softmax(x.view(18, 203, 203), 0.7),
+            ops.layer_norm(x, w, b, 1e-5), ops.rms_norm(x, w, 1e-5), ops.bias_gelu(x, b),
+            ops.vocab_parallel_cross_entropy(logits, target, None, 0.1)]
+    sum(o.float().sum() * (i + 1) for i, o in enumerate(outs)).backward()
+    results += [o.detach() for o in outs] + [x.grad, logits.grad]
+    params = [torch.randn(1037, requires_grad=True), torch.randn(17, 33, requires_grad=True)]
+    opt = FusedAdamW(params, lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return results + [p.detach() for p in params]
+
+
+def _outputs_under_cpu_isa(level, tmp_path):
+    """(the clone the library reports, the outputs) of a fresh process capped at ``level``."""
+    out = tmp_path / f"{level or 'native'}.pt"
+    script = textwrap.dedent(f"""
+        import torch
+        from megatron.fused_kernels import loader
+        from tests.unit.test_fused_kernels import _clone_outputs
+        torch.save({{"isa": loader.cpu_isa(), "outs": _clone_outputs()}}, {str(out)!r})
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    env.pop("MEGATRON_FUSED_CPU_ISA", None)
+    if level is not None:
+        env["MEGATRON_FUSED_CPU_ISA"] = level
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, cwd=root)
+    saved = torch.load(out)
+    return saved["isa"], saved["outs"]
+
+
+def test_every_simd_clone_the_cpu_runs_gives_bitwise_equal_results(tmp_path):
+    """The x86-64-v4 (AVX-512), x86-64-v3 (AVX2) and baseline clones of every CPU body agree
+    bit for bit. This process runs the widest clone allowed here; each narrower one runs in its
+    own process (the choice is made once per process) and must report the clone asked for, so a
+    silent fallback cannot pass."""
+    native = loader.cpu_isa()
+    assert native in loader.CPU_ISA_LEVELS
+    reference = _clone_outputs()
+    for level in loader.CPU_ISA_LEVELS[:loader.CPU_ISA_LEVELS.index(native)]:
+        isa, outs = _outputs_under_cpu_isa(level, tmp_path)
+        assert isa == level
+        assert len(outs) == len(reference)
+        for i, (a, b) in enumerate(zip(outs, reference)):
+            assert torch.equal(a, b), f"{level}: output {i} differs from the {native} clone"
+
+
+def test_unknown_cpu_isa_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("MEGATRON_FUSED_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="MEGATRON_FUSED_CPU_ISA='avx512'"):
+        loader.requested_cpu_isa()
+
+
 # ---- fallback, install, loader --------------------------------------------------------------
 
 

@@ -60,15 +60,17 @@ MEGATRON_INLINE void adamw_loop(float* __restrict p, const float* __restrict g,
   }
 }
 
-MEGATRON_SIMD_CLONES
-void adamw_chunk(float* p, const float* g, float* m, float* v, float* vmax, int64_t n,
-                 const AdamScalars& s) {
+MEGATRON_INLINE void adamw_chunk_body(float* p, const float* g, float* m, float* v, float* vmax,
+                                      int64_t n, const AdamScalars& s) {
   if (s.amsgrad) {
     adamw_loop<true>(p, g, m, v, vmax, n, s);
   } else {
     adamw_loop<false>(p, g, m, v, vmax, n, s);
   }
 }
+MEGATRON_SIMD_FN(adamw_chunk, (float* p, const float* g, float* m, float* v, float* vmax, int64_t n,
+                               const AdamScalars& s),
+                 (p, g, m, v, vmax, n, s))
 
 struct Chunk {
   int64_t tensor, start, length;

@@ -21,8 +21,8 @@
 namespace megatron_fused {
 namespace {
 
-MEGATRON_SIMD_CLONES
-void philox_fill(uint32_t* out, uint64_t counter0, int64_t count, uint64_t key) {
+MEGATRON_INLINE void philox_fill_body(uint32_t* out, uint64_t counter0, int64_t count,
+                                      uint64_t key) {
   for (int64_t i = 0; i < count; ++i) {
     const Philox4 r = philox4x32_10(counter0 + static_cast<uint64_t>(i), key);
     out[4 * i + 0] = r.v[0];
@@ -31,6 +31,8 @@ void philox_fill(uint32_t* out, uint64_t counter0, int64_t count, uint64_t key) 
     out[4 * i + 3] = r.v[3];
   }
 }
+MEGATRON_SIMD_FN(philox_fill, (uint32_t* out, uint64_t counter0, int64_t count, uint64_t key),
+                 (out, counter0, count, key))
 
 // Random words of elements [e0, e0 + n), in buf; returns a pointer to the word of e0.
 const uint32_t* element_words(int64_t e0, int64_t n, uint64_t seed, uint64_t offset,
@@ -41,25 +43,33 @@ const uint32_t* element_words(int64_t e0, int64_t n, uint64_t seed, uint64_t off
   return buf.data() + (e0 - 4 * k0);
 }
 
-MEGATRON_SIMD_CLONES
-void dropout_add_row(const float* x, const float* b, const float* res, const uint32_t* words,
-                     float* out, int64_t n, uint32_t threshold, float scale) {
+MEGATRON_INLINE void dropout_add_row_body(const float* x, const float* b, const float* res,
+                                          const uint32_t* words, float* out, int64_t n,
+                                          uint32_t threshold, float scale) {
   for (int64_t j = 0; j < n; ++j) {
     const float v = b != nullptr ? x[j] + b[j] : x[j];
     out[j] = res[j] + (words[j] >= threshold ? v * scale : 0.0f);
   }
 }
+MEGATRON_SIMD_FN(dropout_add_row, (const float* x, const float* b, const float* res,
+                                   const uint32_t* words, float* out, int64_t n, uint32_t threshold,
+                                   float scale),
+                 (x, b, res, words, out, n, threshold, scale))
 
-MEGATRON_SIMD_CLONES
-void add_row(const float* x, const float* b, const float* res, float* out, int64_t n) {
+MEGATRON_INLINE void add_row_body(const float* x, const float* b, const float* res, float* out,
+                                  int64_t n) {
   for (int64_t j = 0; j < n; ++j) out[j] = res[j] + (b != nullptr ? x[j] + b[j] : x[j]);
 }
+MEGATRON_SIMD_FN(add_row, (const float* x, const float* b, const float* res, float* out, int64_t n),
+                 (x, b, res, out, n))
 
-MEGATRON_SIMD_CLONES
-void dropout_grad_row(const float* g, const uint32_t* words, float* dx, int64_t n,
-                      uint32_t threshold, float scale) {
+MEGATRON_INLINE void dropout_grad_row_body(const float* g, const uint32_t* words, float* dx,
+                                           int64_t n, uint32_t threshold, float scale) {
   for (int64_t j = 0; j < n; ++j) dx[j] = words[j] >= threshold ? g[j] * scale : 0.0f;
 }
+MEGATRON_SIMD_FN(dropout_grad_row, (const float* g, const uint32_t* words, float* dx, int64_t n,
+                                    uint32_t threshold, float scale),
+                 (g, words, dx, n, threshold, scale))
 
 struct DropoutParams {
   uint32_t threshold;

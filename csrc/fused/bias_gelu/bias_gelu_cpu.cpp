@@ -19,18 +19,18 @@ constexpr float kSqrt2OverPi = 0.79788456f;
 constexpr float kCubic = 0.044715f;
 constexpr float kDerivCubic = 3.0f * 0.044715f * 0.79788456f;
 
-MEGATRON_SIMD_CLONES
-void gelu_row_fwd(const float* x, const float* b, float* y, int64_t n) {
+MEGATRON_INLINE void gelu_row_fwd_body(const float* x, const float* b, float* y, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     const float v = b != nullptr ? x[j] + b[j] : x[j];
     const float t = tanh_f(kSqrt2OverPi * v * (1.0f + kCubic * v * v));
     y[j] = v * 0.5f * (1.0f + t);
   }
 }
+MEGATRON_SIMD_FN(gelu_row_fwd, (const float* x, const float* b, float* y, int64_t n),
+                 (x, b, y, n))
 
-MEGATRON_SIMD_CLONES
-void gelu_row_bwd(const float* g, const float* x, const float* b, float* dx, float* gb,
-                  int64_t n) {
+MEGATRON_INLINE void gelu_row_bwd_body(const float* g, const float* x, const float* b, float* dx,
+                                       float* gb, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     const float v = b != nullptr ? x[j] + b[j] : x[j];
     const float t = tanh_f(kSqrt2OverPi * v * (1.0f + kCubic * v * v));
@@ -40,6 +40,9 @@ void gelu_row_bwd(const float* g, const float* x, const float* b, float* dx, flo
   }
   if (gb != nullptr) add_into(gb, dx, n);
 }
+MEGATRON_SIMD_FN(gelu_row_bwd, (const float* g, const float* x, const float* b, float* dx,
+                                float* gb, int64_t n),
+                 (g, x, b, dx, gb, n))
 
 int64_t row_length(const at::Tensor& x, const std::optional<at::Tensor>& bias, const char* op) {
   TORCH_CHECK(x.dim() >= 1, "megatron_fused::", op, ": input must have at least one dim");

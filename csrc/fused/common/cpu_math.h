@@ -3,12 +3,15 @@
 // Everything is written so that GCC auto-vectorises the loops that call it: straight-line code,
 // selects instead of branches, bit casts through memcpy. The build adds -fno-trapping-math and
 // -fno-math-errno (they change no finite result) which GCC needs to if-convert float selects.
-// Hot loops live in functions marked MEGATRON_SIMD_CLONES: GCC compiles them twice (x86-64-v3,
-// i.e. AVX2 + FMA, and the baseline x86-64) and picks one at load time from the CPU's feature
-// bits, so the binary runs on any x86-64 CPU. ("arch=haswell" would not do: GCC dispatches it
-// on the CPU model, so AMD and later Intel CPUs would get the baseline.) Reductions use
-// MEGATRON_LANES independent accumulators combined in a fixed order and -ffp-contract=off keeps
-// multiply-adds unfused, so every clone, thread count and run gives bit-identical results.
+// Hot loops are written once as an always-inline body and compiled three times by
+// MEGATRON_SIMD_FN: for x86-64-v4 (AVX-512 with 512-bit vectors), x86-64-v3 (AVX2 + FMA) and
+// the baseline x86-64. A call runs the widest clone the CPU supports (cpu_isa_level()), so the
+// binary runs on any x86-64 CPU; MEGATRON_FUSED_CPU_ISA=baseline|x86-64-v3|x86-64-v4 caps the
+// choice (the determinism tests run every clone the machine supports through it). The clones
+// target arch levels, not CPU models: GCC enables exactly the level's features, so AMD and later
+// Intel CPUs get the clone their feature bits allow. Reductions use MEGATRON_LANES independent
+// accumulators combined in a fixed order and -ffp-contract=off keeps multiply-adds unfused, so
+// every clone, thread count and run gives bit-identical results.
 #pragma once
 
 #include <cmath>
@@ -17,12 +20,11 @@
 
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11 && defined(__x86_64__) && \
     !defined(MEGATRON_FUSED_NO_CLONES)
-// `used`: without it GCC 12 may drop the clones of a function with internal linkage and call
-// the baseline body directly.
-#define MEGATRON_SIMD_CLONES \
-  __attribute__((target_clones("arch=x86-64-v3", "default"), used))
+#define MEGATRON_HAVE_ISA_CLONES 1
+#define MEGATRON_TARGET_V4 __attribute__((target("arch=x86-64-v4,prefer-vector-width=512")))
+#define MEGATRON_TARGET_V3 __attribute__((target("arch=x86-64-v3")))
 #else
-#define MEGATRON_SIMD_CLONES
+#define MEGATRON_HAVE_ISA_CLONES 0
 #endif
 
 #if defined(__GNUC__)
@@ -32,6 +34,37 @@
 #endif
 
 namespace megatron_fused {
+
+// The clone a MEGATRON_SIMD_FN call runs: 0 baseline x86-64, 1 x86-64-v3, 2 x86-64-v4. Chosen
+// once per process from the CPU's feature bits and MEGATRON_FUSED_CPU_ISA (cpu_convert.cpp).
+int cpu_isa_level();
+
+// Defines `void name params` calling name##_body (a MEGATRON_INLINE function) in the clone for
+// this CPU. Every clone does the same float operations in the same order, so the choice changes
+// speed only, never a bit of the result.
+#if MEGATRON_HAVE_ISA_CLONES
+#define MEGATRON_SIMD_FN(name, params, args)                   \
+  MEGATRON_TARGET_V4 static void name##_x86_64_v4 params {     \
+    name##_body args;                                         \
+  }                                                           \
+  MEGATRON_TARGET_V3 static void name##_x86_64_v3 params {     \
+    name##_body args;                                         \
+  }                                                           \
+  static void name##_x86_64 params { name##_body args; }       \
+  void name params {                                          \
+    const int level = cpu_isa_level();                        \
+    if (level == 2) {                                         \
+      name##_x86_64_v4 args;                                  \
+    } else if (level == 1) {                                  \
+      name##_x86_64_v3 args;                                  \
+    } else {                                                  \
+      name##_x86_64 args;                                     \
+    }                                                         \
+  }
+#else
+#define MEGATRON_SIMD_FN(name, params, args) \
+  void name params { name##_body args; }
+#endif
 
 // Independent accumulators per reduction; fixed, so results never depend on the vector width.
 constexpr int MEGATRON_LANES = 16;

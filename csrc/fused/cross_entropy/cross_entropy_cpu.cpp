@@ -27,8 +27,8 @@ MEGATRON_INLINE float lanes_exp_sum(const float* x, int64_t n, float m) {
 }
 
 // max and sum of x in one pass (both cheap), then the sum of exponentials.
-MEGATRON_SIMD_CLONES
-void ce_row_stats(const float* x, int64_t n, float* max_out, float* sumexp_out, float* sum_out) {
+MEGATRON_INLINE void ce_row_stats_body(const float* x, int64_t n, float* max_out, float* sumexp_out,
+                                       float* sum_out) {
   float acc_max[MEGATRON_LANES], acc_sum[MEGATRON_LANES] = {0.0f};
   for (int k = 0; k < MEGATRON_LANES; ++k) acc_max[k] = -INFINITY;
   int64_t j = 0;
@@ -48,12 +48,18 @@ void ce_row_stats(const float* x, int64_t n, float* max_out, float* sumexp_out, 
   *sum_out = s;
   *sumexp_out = lanes_exp_sum(x, n, m);
 }
+MEGATRON_SIMD_FN(ce_row_stats, (const float* x, int64_t n, float* max_out, float* sumexp_out,
+                                float* sum_out),
+                 (x, n, max_out, sumexp_out, sum_out))
 
 // dx may alias x (element j is read before it is written).
-MEGATRON_SIMD_CLONES
-void ce_row_grad(const float* x, float* dx, int64_t n, float lse, float uniform, float g) {
+MEGATRON_INLINE void ce_row_grad_body(const float* x, float* dx, int64_t n, float lse,
+                                      float uniform, float g) {
   for (int64_t j = 0; j < n; ++j) dx[j] = (exp_f(x[j] - lse) - uniform) * g;
 }
+MEGATRON_SIMD_FN(ce_row_grad, (const float* x, float* dx, int64_t n, float lse, float uniform,
+                               float g),
+                 (x, dx, n, lse, uniform, g))
 
 void check_ce_args(const at::Tensor& logits, const at::Tensor& target, const char* op) {
   TORCH_CHECK(logits.dim() >= 1 && target.numel() * logits.size(-1) == logits.numel(),

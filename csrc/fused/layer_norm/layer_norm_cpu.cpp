@@ -18,9 +18,9 @@
 namespace megatron_fused {
 namespace {
 
-MEGATRON_SIMD_CLONES
-void norm_row_fwd(const float* x, const float* w, const float* b, float* y, int64_t n, float eps,
-                  bool rms, float* mean_out, float* rstd_out) {
+MEGATRON_INLINE void norm_row_fwd_body(const float* x, const float* w, const float* b, float* y,
+                                       int64_t n, float eps, bool rms, float* mean_out,
+                                       float* rstd_out) {
   float mean = 0.0f, rstd;
   if (rms) {
     rstd = 1.0f / std::sqrt(lanes_dot(x, x, n) / static_cast<float>(n) + eps);
@@ -37,11 +37,14 @@ void norm_row_fwd(const float* x, const float* w, const float* b, float* y, int6
   *mean_out = mean;
   *rstd_out = rstd;
 }
+MEGATRON_SIMD_FN(norm_row_fwd, (const float* x, const float* w, const float* b, float* y, int64_t n,
+                                float eps, bool rms, float* mean_out, float* rstd_out),
+                 (x, w, b, y, n, eps, rms, mean_out, rstd_out))
 
 // dx for one row, and dy * xhat, dy added into the per-block sums gw, gb (gb may be null).
-MEGATRON_SIMD_CLONES
-void norm_row_bwd(const float* g, const float* x, const float* w, float mean, float rstd,
-                  int64_t n, bool rms, float* dx, float* gw, float* gb) {
+MEGATRON_INLINE void norm_row_bwd_body(const float* g, const float* x, const float* w, float mean,
+                                       float rstd, int64_t n, bool rms, float* dx, float* gw,
+                                       float* gb) {
   float acc_dxh[MEGATRON_LANES] = {0.0f}, acc_dxh_xhat[MEGATRON_LANES] = {0.0f};
   int64_t j = 0;
   for (; j + MEGATRON_LANES <= n; j += MEGATRON_LANES)
@@ -71,6 +74,9 @@ void norm_row_bwd(const float* g, const float* x, const float* w, float mean, fl
   }
   if (gb != nullptr) add_into(gb, g, n);
 }
+MEGATRON_SIMD_FN(norm_row_bwd, (const float* g, const float* x, const float* w, float mean,
+                                float rstd, int64_t n, bool rms, float* dx, float* gw, float* gb),
+                 (g, x, w, mean, rstd, n, rms, dx, gw, gb))
 
 // Calls f(Tx{}, To{}) for the supported (input, output) dtype pairs.
 template <typename F>

@@ -15,8 +15,8 @@ namespace {
 constexpr float kMasked = -10000.0f;
 
 // Softmax of one row; mask may be null (no masking). y may not alias x.
-MEGATRON_SIMD_CLONES
-void masked_row_fwd(const float* x, const bool* mask, float* y, int64_t n, float scale) {
+MEGATRON_INLINE void masked_row_fwd_body(const float* x, const bool* mask, float* y, int64_t n,
+                                         float scale) {
   if (mask != nullptr) {
     for (int64_t j = 0; j < n; ++j) y[j] = mask[j] ? kMasked : x[j] * scale;
   } else {
@@ -26,10 +26,13 @@ void masked_row_fwd(const float* x, const bool* mask, float* y, int64_t n, float
   const float inv = 1.0f / exp_shift_sum(y, n, m);
   for (int64_t j = 0; j < n; ++j) y[j] *= inv;
 }
+MEGATRON_SIMD_FN(masked_row_fwd, (const float* x, const bool* mask, float* y, int64_t n,
+                                  float scale),
+                 (x, mask, y, n, scale))
 
 // Causal row: the first `visible` keys are unmasked, the other n - visible hold -10000.
-MEGATRON_SIMD_CLONES
-void causal_row_fwd(const float* x, float* y, int64_t n, int64_t visible, float scale) {
+MEGATRON_INLINE void causal_row_fwd_body(const float* x, float* y, int64_t n, int64_t visible,
+                                         float scale) {
   for (int64_t j = 0; j < visible; ++j) y[j] = x[j] * scale;
   const int64_t hidden = n - visible;
   float m = lanes_max(y, visible);
@@ -41,11 +44,13 @@ void causal_row_fwd(const float* x, float* y, int64_t n, int64_t visible, float 
   const float y_masked = e_masked * inv;
   for (int64_t j = visible; j < n; ++j) y[j] = y_masked;
 }
+MEGATRON_SIMD_FN(causal_row_fwd, (const float* x, float* y, int64_t n, int64_t visible,
+                                  float scale),
+                 (x, y, n, visible, scale))
 
 // dx[j] = masked(j) ? 0 : scale * y[j] * (dy[j] - dot); masked(j) is mask[j], or j >= visible.
-MEGATRON_SIMD_CLONES
-void row_bwd(const float* dy, const float* y, const bool* mask, int64_t visible, float* dx,
-             int64_t n, float scale) {
+MEGATRON_INLINE void row_bwd_body(const float* dy, const float* y, const bool* mask,
+                                  int64_t visible, float* dx, int64_t n, float scale) {
   const float dot = lanes_dot(dy, y, n);
   if (mask != nullptr) {
     for (int64_t j = 0; j < n; ++j) dx[j] = mask[j] ? 0.0f : (y[j] * (dy[j] - dot)) * scale;
@@ -54,6 +59,9 @@ void row_bwd(const float* dy, const float* y, const bool* mask, int64_t visible,
     for (int64_t j = visible; j < n; ++j) dx[j] = 0.0f;
   }
 }
+MEGATRON_SIMD_FN(row_bwd, (const float* dy, const float* y, const bool* mask, int64_t visible,
+                           float* dx, int64_t n, float scale),
+                 (dy, y, mask, visible, dx, n, scale))
 
 // Maps a row index of x (all dims but the last) to the offset of its mask row.
 struct MaskRows {
