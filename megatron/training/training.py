@@ -210,6 +210,11 @@ def fsdp2_units(module: torch.nn.Module) -> List[torch.nn.Module]:
 FSDP2_REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def fsdp2_compute_dtype(args) -> Optional[torch.dtype]:
+    """The dtype FSDP2 gathers the fp32 shards in for forward and backward (None: fp32)."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
+
+
 def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
     """``module`` wrapped for data parallelism over ``pstate.dp_cp_group``: sharded by FSDP2
     with --use-torch-fsdp2 (or --use-megatron-fsdp's optim_grads / optim_grads_params), else
@@ -218,7 +223,7 @@ def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
         return TorchFullyShardedDataParallel(
             module, dp_group=pstate.dp_cp_group, units=fsdp2_units(module),
             reshard_after_forward=ddp_config.torch_fsdp2_reshard_after_forward,
-            compute_dtype=torch.bfloat16 if args.bf16 else None,
+            compute_dtype=fsdp2_compute_dtype(args),
             reduce_dtype=FSDP2_REDUCE_DTYPES[ddp_config.torch_fsdp2_reduce_dtype],
             replicas=ddp_config.torch_fsdp2_replicas,
             broadcast_first=args.data_parallel_random_init)

@@ -502,8 +502,6 @@ def _validate_torch_fsdp2(args) -> None:
          f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
          "pipeline parallelism is not supported with FSDP2 here; use "
          "--pipeline-model-parallel-size 1"),
-        (args.fp16, "--fp16",
-         "not built yet (FSDP2 here trains in fp32, or bf16 on fp32 main weights); use --bf16"),
         (args.num_experts is not None, "--num-experts",
          f"not built yet (mixture of experts under FSDP2); {instead}"),
         (args.mtp_num_layers is not None, "--mtp-num-layers",

@@ -123,10 +123,12 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         reshard_after_forward: free each unit's gathered parameters after its forward and
             gather them again for backward (``--torch-fsdp2-no-reshard-after-forward`` turns
             it off: more memory, one all-gather fewer per unit).
-        compute_dtype: with bf16 (``--bf16``), the parameters stay fp32 shards (the main
-            weights) and FSDP2's mixed-precision policy gathers them as bf16 for forward and
-            backward and reduces gradients in fp32. Checkpoints then hold the weights in bf16,
-            as a bf16 model's (the fp32 values go with the optimizer state). None: compute in
+        compute_dtype: with bf16 or fp16 (``--bf16`` / ``--fp16``), the parameters stay fp32
+            shards (the main weights) and FSDP2's mixed-precision policy gathers them in that
+            dtype for forward and backward and reduces gradients in fp32 (with fp16 they are
+            still multiplied by the loss scale; the optimizer unscales them). Checkpoints then
+            hold the weights in that dtype, as a half-precision model's (the fp32 values go
+            with the optimizer state). None: compute in
             the parameters' dtype.
         broadcast_first: copy rank 0's weights to the group before sharding
             (``--data-parallel-random-init``).
