@@ -498,10 +498,6 @@ def _validate_torch_fsdp2(args) -> None:
          "micro-batch's backward); drop --overlap-grad-reduce"),
         (args.overlap_param_gather, "--overlap-param-gather",
          "FSDP2 gathers each layer's parameters itself; drop --overlap-param-gather"),
-        (args.pipeline_model_parallel_size > 1,
-         f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
-         "pipeline parallelism is not supported with FSDP2 here; use "
-         "--pipeline-model-parallel-size 1"),
         (args.num_experts is not None, "--num-experts",
          f"not built yet (mixture of experts under FSDP2); {instead}"),
         (args.mtp_num_layers is not None, "--mtp-num-layers",

@@ -36,7 +36,7 @@ def test_flags_fill_the_ddp_config():
 @pytest.mark.parametrize("extra, named", [
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
+    (["--num-experts", "2", "--no-bias-gelu-fusion"], "--num-experts"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
 ])
 def test_refused_combinations_name_both_flags(extra, named):

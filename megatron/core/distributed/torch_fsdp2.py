@@ -14,6 +14,10 @@ does:
   so they accumulate unsharded gradients locally, and the last micro-batch's backward runs one
   reduce-scatter per unit (averaged over the mesh, as the grad-buffer wrapper averages over
   the data-parallel group);
+* with pipeline parallelism each model chunk (each virtual stage's too) is a wrapper of its
+  own over its stage's data-parallel group, and the schedule keeps a chunk's :meth:`no_sync`
+  open until that chunk's last backward, so the in-flight micro-batches of 1F1B accumulate
+  unsharded and each unit still reduce-scatters once per step;
 * afterwards each ``param.grad`` is a ``DTensor``: this rank's shard of the averaged gradient;
   nothing is left for :meth:`finish_grad_sync` to do;
 * checkpoints see whole tensors: :meth:`state_dict_for_save_checkpoint` gathers each sharded
