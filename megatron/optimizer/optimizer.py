@@ -148,7 +148,11 @@ class MegatronOptimizer(ABC):
         self.expert_model_parallel_group = expert_model_parallel_group
         self.expert_tp_rank = tp_rank if expert_tp_rank is None else expert_tp_rank
         # False with the default expert layout: the experts then count as dense parameters.
-        self.experts_apart = experts_apart(model_parallel_group, expert_model_parallel_group)
+        # Also under FSDP2, where the shard group (data x context parallel) holds every
+        # expert-parallel x expert-data-parallel position: summed over it and then over the
+        # model-parallel group, each expert shard counts once.
+        self.experts_apart = (grad_shard_group is None and experts_apart(
+            model_parallel_group, expert_model_parallel_group))
         self.use_main_grad = use_main_grad
 
     # -- gradients -------------------------------------------------------------------------

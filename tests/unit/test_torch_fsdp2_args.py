@@ -36,7 +36,8 @@ def test_flags_fill_the_ddp_config():
 @pytest.mark.parametrize("extra, named", [
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (["--num-experts", "2", "--no-bias-gelu-fusion"], "--num-experts"),
+    (["--num-experts", "2", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2"],
+     "--expert-tensor-parallel-size 2"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
 ])
 def test_refused_combinations_name_both_flags(extra, named):
@@ -73,3 +74,18 @@ def test_half_precision_builds_fp32_weights_under_fsdp2_only(half):
             half == "--fp16")
         assert fsdp2_compute_dtype(args) == dtype
     assert fsdp2_compute_dtype(_validated(["--use-torch-fsdp2"])) is None
+
+
+def test_experts_under_hybrid_sharding_are_refused_in_one_line():
+    with pytest.raises(ArgumentsError) as err:
+        _validated(["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2",
+                    "--num-experts", "2", "--no-bias-gelu-fusion"], world_size=4)
+    message = str(err.value)
+    assert "--num-distributed-optimizer-instances 2" in message and "\n" not in message
+    assert "--num-experts" in message
+
+
+def test_experts_validate_under_fsdp2():
+    args = _validated(["--use-torch-fsdp2", "--num-experts", "2", "--no-bias-gelu-fusion",
+                       "--expert-model-parallel-size", "2"], world_size=4)
+    assert args.use_torch_fsdp2 and args.expert_tensor_parallel_size == 1
