@@ -372,10 +372,8 @@ class Probe:
 
             def pack(tensor):
                 storage = tensor.untyped_storage()
-                if storage.data_ptr() in self.param_storages:
-                    # A weight itself: backward may read its attributes (main_grad).
-                    return tensor
-                storages[storage.data_ptr()] = storage.nbytes()
+                if storage.data_ptr() not in self.param_storages:
+                    storages[storage.data_ptr()] = storage.nbytes()
                 # A detached alias: the same storage, but no reference back to its grad_fn.
                 return tensor.detach()
 

@@ -6,8 +6,9 @@ The training loop talks to one of two classes with Megatron's method names:
   on the model parameters directly.
 * :class:`FullyShardedOptimizer` for an fp32 model sharded by FSDP2 (``--use-torch-fsdp2``):
   parameters, gradients and moments are ``DTensor`` shards; norms sum the shards over the
-  data-parallel group; checkpoints hold whole tensors, gathered on save and re-sharded on load,
-  so optimizer state moves freely between runs with and without FSDP2.
+  data-parallel group; with ``--fp16`` a loss scaler unscales the shards and every rank skips
+  an overflowing step; checkpoints hold whole tensors, gathered on save and re-sharded on
+  load, so optimizer state moves freely between runs with and without FSDP2.
 * :class:`Float16OptimizerWithFloat16Params` for a model held in fp16 or bf16: every half-precision
   parameter gets an fp32 "main" copy that the torch optimizer updates. Each step copies the model
   gradients into fp32 main gradients, unscales them and checks them for inf/nan (fp16), clips
