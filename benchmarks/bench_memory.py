@@ -7,7 +7,8 @@ its two parts:
 
 * **weights + gradients + optimizer state**: the level after the first optimizer step (Adam's
   moments exist from then on; no activation is alive between iterations), minus the level just
-  before the model was built, minus what building the data iterators added;
+  before the model was built, minus what building the data iterators added, minus the
+  output layer's logits storage kept between iterations on CPU (activation memory);
 * **activations**: the peak during the forward/backward schedule of each later iteration, minus
   the memory just before that schedule started (the largest over the iterations is reported).
 
@@ -42,6 +43,7 @@ the embedding's own backward adds to it), which the formula leaves out.
 Run::
 
     python benchmarks/bench_memory.py [--layouts tp2 pp2 dp2 dp2-distopt ...]
+    python benchmarks/bench_memory.py --layouts fsdp-dp1 fsdp-dp2 fsdp-dp4
         [--probes rss tensors] [--train-iters 3]
 """
 
@@ -96,6 +98,11 @@ LAYOUTS: Dict[str, Layout] = {
     "dp2-bf16": Layout(2, ("--bf16",), 4, "DP=2, bf16, m=2"),
     "dp2-bf16-distopt": Layout(2, ("--bf16", "--use-distributed-optimizer"), 4,
                                "DP=2, bf16, distributed optimizer, m=2"),
+    # FSDP2: one micro-batch per rank, so no whole gradient waits between micro-batches and
+    # the level after the step is the sharded weights, gradients and moments alone.
+    "fsdp-dp1": Layout(1, ("--use-torch-fsdp2",), 1, "FSDP2 DP=1, m=1"),
+    "fsdp-dp2": Layout(2, ("--use-torch-fsdp2",), 2, "FSDP2 DP=2, m=1"),
+    "fsdp-dp4": Layout(4, ("--use-torch-fsdp2",), 4, "FSDP2 DP=4, m=1"),
 }
 DEFAULT_LAYOUTS = ["tp2", "pp2", "dp2", "dp2-distopt", "tp2-selective", "dp2-full",
                    "dp2-bf16-distopt"]
@@ -169,6 +176,20 @@ def peak_rss_mb() -> float:
 
 
 # ------------------------------------------------------------------------- tensors
+
+def kept_logits_mb() -> float:
+    """MiB of the output layer's logits storage kept between iterations on CPU
+    (:class:`~megatron.core.tensor_parallel.layers.ReusableOutputBuffer`): activation memory
+    held on purpose, not weights, gradients or optimizer state."""
+    from megatron.core.tensor_parallel.layers import ReusableOutputBuffer
+
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, ReusableOutputBuffer) and obj._storage is not None:
+            storage = obj._storage.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values()) / MB
+
 
 def python_tensor_mb() -> float:
     """MiB of the distinct storages of every CPU tensor object alive in Python.
@@ -266,6 +287,7 @@ class Probe:
     trace: Optional[AllocationTrace] = None
     levels: Dict[str, float] = field(default_factory=dict)
     rss_at: Dict[str, float] = field(default_factory=dict)
+    kept: Dict[str, float] = field(default_factory=dict)
     peaks: Dict[int, float] = field(default_factory=dict)
     peak_reset_ok: bool = True
     iteration: int = 0
@@ -278,6 +300,7 @@ class Probe:
         level of memory (anonymous resident set, or tensors alive in Python)."""
         if level:
             time.sleep(SETTLE_S)
+            self.kept[name] = kept_logits_mb()
         if self.kind == "rss":
             status = rss_mb()
             self.levels[name], self.rss_at[name] = status["anon"], status["total"]
@@ -300,7 +323,9 @@ class Probe:
             model, optimizer, scheduler = setup(*args, **kwargs)
             params = [p for chunk in model for p in chunk.parameters()]
             self.num_parameters = sum(p.numel() for p in params)
-            self.param_storages = {p.untyped_storage().data_ptr() for p in params}
+            # (an FSDP2 parameter is a DTensor: its storage is its local shard's)
+            self.param_storages = {getattr(p, "_local_tensor", p).untyped_storage().data_ptr()
+                                   for p in params}
             return model, optimizer, scheduler
 
         def build_data_wrapper(*args, **kwargs):
@@ -371,7 +396,9 @@ class Probe:
             acts = [float("nan")]
         level = self.levels
         data = level["data_end"] - level["data_start"]
-        return {"weights_opt": level["static_1"] - level["before_model"] - data,
+        # The logits storage the output layer keeps from iteration 1 on is activation memory.
+        return {"weights_opt": level["static_1"] - level["before_model"] - data
+                - self.kept["static_1"],
                 "activations": max(acts), "activations_min": min(acts), "data": data,
                 "drift": level[f"static_{self.train_iters}"] - level["static_1"]}
 

@@ -156,13 +156,11 @@ def _check_expert_groups(model_chunks, param_groups: List[dict], mp_group,
 
 def _fully_sharded_optimizer(config: OptimizerConfig, param_groups: List[dict], kwargs: dict,
                              grad_shard_group) -> MegatronOptimizer:
-    """The optimizer over FSDP2's sharded fp32 parameters (with --bf16 too: FSDP2 computes in
-    bf16 from them)."""
-    if config.fp16 or config.loss_scale is not None:
-        raise ConfigError("--use-torch-fsdp2 steps on fp32 parameters without a loss scaler; "
-                          "drop --fp16 / --loss-scale")
+    """The optimizer over FSDP2's sharded fp32 parameters (with --bf16 / --fp16 too: FSDP2
+    computes in half precision from them; --fp16 adds the loss scaler)."""
     inner = _build_torch_optimizer(config, param_groups, sharded=True)
-    return FullyShardedOptimizer(inner, config, half=config.bf16,
+    return FullyShardedOptimizer(inner, config, half=config.bf16 or config.fp16,
+                                 grad_scaler=build_grad_scaler(config),
                                  grad_shard_group=grad_shard_group, **kwargs)
 
 

@@ -6,8 +6,9 @@ The training loop talks to one of two classes with Megatron's method names:
   on the model parameters directly.
 * :class:`FullyShardedOptimizer` for an fp32 model sharded by FSDP2 (``--use-torch-fsdp2``):
   parameters, gradients and moments are ``DTensor`` shards; norms sum the shards over the
-  data-parallel group; checkpoints hold whole tensors, gathered on save and re-sharded on load,
-  so optimizer state moves freely between runs with and without FSDP2.
+  data-parallel group; with ``--fp16`` a loss scaler unscales the shards and every rank skips
+  an overflowing step; checkpoints hold whole tensors, gathered on save and re-sharded on
+  load, so optimizer state moves freely between runs with and without FSDP2.
 * :class:`Float16OptimizerWithFloat16Params` for a model held in fp16 or bf16: every half-precision
   parameter gets an fp32 "main" copy that the torch optimizer updates. Each step copies the model
   gradients into fp32 main gradients, unscales them and checks them for inf/nan (fp16), clips
@@ -148,7 +149,11 @@ class MegatronOptimizer(ABC):
         self.expert_model_parallel_group = expert_model_parallel_group
         self.expert_tp_rank = tp_rank if expert_tp_rank is None else expert_tp_rank
         # False with the default expert layout: the experts then count as dense parameters.
-        self.experts_apart = experts_apart(model_parallel_group, expert_model_parallel_group)
+        # Also under FSDP2, where the shard group (data x context parallel) holds every
+        # expert-parallel x expert-data-parallel position: summed over it and then over the
+        # model-parallel group, each expert shard counts once.
+        self.experts_apart = (grad_shard_group is None and experts_apart(
+            model_parallel_group, expert_model_parallel_group))
         self.use_main_grad = use_main_grad
 
     # -- gradients -------------------------------------------------------------------------
@@ -500,16 +505,40 @@ class FullyShardedOptimizer(FP32Optimizer):
     Args:
         optimizer / config / **kwargs: as for :class:`FP32Optimizer`; ``grad_shard_group`` is
             the group the parameters are sharded over.
-        half: the model computes in bf16 (``--bf16``, FSDP2's mixed-precision policy): the
-            state dict then takes the mixed-precision optimizer's layout (``optimizer`` and
-            ``fp32_from_fp16_params``), so a checkpoint moves between runs with and without
-            FSDP2 and a resume continues from the exact fp32 weights.
+        half: the model computes in bf16 or fp16 (``--bf16`` / ``--fp16``, FSDP2's
+            mixed-precision policy): the state dict then takes the mixed-precision optimizer's
+            layout (``optimizer``, ``grad_scaler`` and ``fp32_from_fp16_params``), so a
+            checkpoint moves between runs with and without FSDP2 and a resume continues from
+            the exact fp32 weights.
+        grad_scaler: the loss scaler (``--fp16``, or ``--loss-scale``). The sharded gradients
+            arrive scaled; each step unscales them and checks them for inf/nan, the flag
+            reduced over the shard group and the model-parallel groups, so every rank skips
+            the same step and the scaler moves alike everywhere. None: no scaling.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
-                 half: bool = False, **kwargs):
+                 half: bool = False, grad_scaler: Optional[MegatronGradScaler] = None,
+                 **kwargs):
         super().__init__(optimizer, config, **kwargs)
+        if config.fp16 and grad_scaler is None:
+            raise ValueError("--fp16 needs a loss scaler (dynamic, or --loss-scale)")
         self.half = half
+        self.grad_scaler = grad_scaler
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale if self.grad_scaler is None else self.grad_scaler.scale
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        if self.grad_scaler is None:
+            return super().step()
+        grads = [p.grad for p in self.get_parameters() if p.grad is not None]
+        found_inf = self._unscale_and_check_for_nan(grads, self.grad_scaler.inv_scale)
+        self.grad_scaler.update(found_inf)
+        if found_inf:
+            return False, None, None
+        grad_norm, num_zeros_in_grad = self._step_with_ready_grads()
+        return True, grad_norm, num_zeros_in_grad
 
     def state_dict(self) -> dict:
         """Whole tensors, in the layout of the optimizer a run without FSDP2 would have
@@ -519,15 +548,25 @@ class FullyShardedOptimizer(FP32Optimizer):
             return inner
         mains = [[gather_full(p.detach()) for p in group["params"]]
                  for group in self.optimizer.param_groups]
-        return {"optimizer": inner, "fp32_from_fp16_params": mains}
+        state = {"optimizer": inner}
+        if self.grad_scaler is not None:
+            state["grad_scaler"] = self.grad_scaler.state_dict()
+        state["fp32_from_fp16_params"] = mains
+        return state
 
     def load_state_dict(self, state_dict: dict) -> None:
         _reject_distributed_state(state_dict)
         mains = state_dict.get("fp32_from_fp16_params", state_dict.get("fp32_from_fp16"))
+        scaler = state_dict.get("grad_scaler")
         if "state" not in state_dict and "optimizer" in state_dict:
             state_dict = state_dict["optimizer"]
         state_dict = _in_torch_layout(state_dict, self.optimizer)
         self.optimizer.load_state_dict(self._sharded(state_dict))
+        if self.grad_scaler is not None and scaler is not None:
+            self.grad_scaler.load_state_dict(scaler)
+        elif self.config.fp16:
+            logger.warning("optimizer checkpoint has no grad scaler state; "
+                           "keeping the current loss scale")
         if mains is not None:
             self._load_main_params(mains)
         elif self.half:

@@ -171,7 +171,9 @@ def calc_params_l2_norm(model_chunks, pstate) -> float:
               if param_counts_here(p, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank)]
     # Parameters sharded by FSDP2: the shards' squares are summed over their group too.
     shard_group = getattr(model_chunks[0], "shard_group", None) if model_chunks else None
-    if not experts_apart(mp_group, expert_group):
+    # Under FSDP2 the shard group spans the experts' parallel positions (see
+    # FullyShardedOptimizer): experts are summed with the rest.
+    if shard_group is not None or not experts_apart(mp_group, expert_group):
         return get_grad_norm_fp32([p.detach() for p in params], 2.0,
                                   model_parallel_group=mp_group, shard_group=shard_group)
     return get_grad_norm_fp32([p.detach() for p in params if not is_expert_parallel(p)], 2.0,

@@ -208,7 +208,20 @@ def fsdp2_units(module: torch.nn.Module) -> List[torch.nn.Module]:
     return units
 
 
+def fsdp2_expert_units(module: torch.nn.Module) -> List[torch.nn.Module]:
+    """The mixture-of-experts layers' expert modules (every local expert of one layer), which
+    FSDP2 shards over the expert-data-parallel group."""
+    from megatron.model.moe.experts import SequentialMLP
+
+    return [m for m in module.modules() if isinstance(m, SequentialMLP)]
+
+
 FSDP2_REDUCE_DTYPES = {None: None, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def fsdp2_compute_dtype(args) -> Optional[torch.dtype]:
+    """The dtype FSDP2 gathers the fp32 shards in for forward and backward (None: fp32)."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None
 
 
 def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
@@ -219,10 +232,11 @@ def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
         return TorchFullyShardedDataParallel(
             module, dp_group=pstate.dp_cp_group, units=fsdp2_units(module),
             reshard_after_forward=ddp_config.torch_fsdp2_reshard_after_forward,
-            compute_dtype=torch.bfloat16 if args.bf16 else None,
+            compute_dtype=fsdp2_compute_dtype(args),
             reduce_dtype=FSDP2_REDUCE_DTYPES[ddp_config.torch_fsdp2_reduce_dtype],
             replicas=ddp_config.torch_fsdp2_replicas,
-            broadcast_first=args.data_parallel_random_init)
+            broadcast_first=args.data_parallel_random_init,
+            expert_units=fsdp2_expert_units(module), expert_dp_group=pstate.expert_dp_group)
     ddp = DistributedDataParallel(
         module, dp_group=pstate.dp_cp_group,
         accumulate_allreduce_grads_in_fp32=ddp_config.grad_reduce_in_fp32,

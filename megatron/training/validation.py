@@ -541,14 +541,17 @@ def _validate_torch_fsdp2(args) -> None:
          "micro-batch's backward); drop --overlap-grad-reduce"),
         (args.overlap_param_gather, "--overlap-param-gather",
          "FSDP2 gathers each layer's parameters itself; drop --overlap-param-gather"),
-        (args.pipeline_model_parallel_size > 1,
-         f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}",
-         "pipeline parallelism is not supported with FSDP2 here; use "
-         "--pipeline-model-parallel-size 1"),
-        (args.fp16, "--fp16",
-         "not built yet (FSDP2 here trains in fp32, or bf16 on fp32 main weights); use --bf16"),
-        (args.num_experts is not None, "--num-experts",
-         f"not built yet (mixture of experts under FSDP2); {instead}"),
+        (args.num_experts is not None
+         and args.expert_tensor_parallel_size != args.tensor_model_parallel_size,
+         f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}",
+         "the experts' norms are summed over the data x context parallel group, which "
+         "holds every expert position only when expert TP equals --tensor-model-parallel-"
+         f"size {args.tensor_model_parallel_size}; drop --expert-tensor-parallel-size"),
+        (args.num_experts is not None and args.num_distributed_optimizer_instances != 1,
+         f"--num-experts with --num-distributed-optimizer-instances "
+         f"{args.num_distributed_optimizer_instances}",
+         "hybrid sharding of the experts is not built; drop --num-distributed-optimizer-"
+         "instances"),
         (args.mtp_num_layers is not None, "--mtp-num-layers",
          f"not built yet (multi-token prediction under FSDP2); {instead}"),
         (args.calculate_per_token_loss, "--calculate-per-token-loss",

@@ -428,3 +428,40 @@ def test_load_rejects_mismatched_main_params():
                                                for g in state["fp32_from_fp16_params"]])
     with pytest.raises(ValueError, match=r"param 0 has shape \(5,\)"):
         opt.load_state_dict(state)
+
+
+def test_fully_sharded_fp16_unscales_skips_on_overflow_and_saves_the_scaler():
+    """The FSDP2 optimizer with a loss scaler (--use-torch-fsdp2 --fp16), on one rank's fp32
+    shards (plain tensors here: the unscale, the skip and the scaler are the same code): an
+    inf or nan skips the step, leaves weights and moments untouched and halves the scale
+    (--hysteresis 1); finite scaled gradients step as torch's AdamW on the unscaled ones."""
+    from megatron.optimizer.builder import _build_torch_optimizer, build_grad_scaler
+    from megatron.optimizer.optimizer import FullyShardedOptimizer
+
+    config = _config(fp16=True, initial_loss_scale=256.0, hysteresis=1)
+    model, ref_model = Tiny(), Tiny()
+    ref_model.load_state_dict(model.state_dict())
+    opt = FullyShardedOptimizer(
+        _build_torch_optimizer(config, get_param_groups([model], config), sharded=True),
+        config, half=True, grad_scaler=build_grad_scaler(config))
+    ref_opt = torch.optim.AdamW(get_param_groups([ref_model], config), lr=LR)
+    grads = _grad_sets(model, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    poisoned = [g * 256.0 for g in grads[0]]
+    poisoned[1].view(-1)[0] = float("inf")
+    _set_grads(model, poisoned)
+    assert opt.step() == (False, None, None)
+    assert opt.get_loss_scale().item() == 128.0 and not opt.optimizer.state
+    assert all(torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    for g in grads[1:]:
+        opt.zero_grad()
+        _set_grads(model, [x * 128.0 for x in g])
+        for r, x in zip(ref_model.parameters(), g):
+            r.grad = x.clone()
+        assert opt.step()[0]
+        ref_opt.step()
+    for p, r in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1.2e-7, atol=1e-10)
+    state = opt.state_dict()
+    assert state["grad_scaler"]["scale"].item() == 128.0
+    assert set(state) == {"optimizer", "grad_scaler", "fp32_from_fp16_params"}

@@ -36,8 +36,9 @@ def test_flags_fill_the_ddp_config():
 @pytest.mark.parametrize("extra, named", [
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
-    (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2"),
-    (["--fp16"], "--fp16"),
+    (["--num-experts", "2", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2"],
+     "--expert-tensor-parallel-size 2"),
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
 ])
 def test_refused_combinations_name_both_flags(extra, named):
     with pytest.raises(ArgumentsError) as err:
@@ -54,18 +55,40 @@ def test_megatron_fsdp_with_torch_fsdp2_is_refused_in_one_line():
     assert "\n" not in message
 
 
-def test_bf16_builds_fp32_weights_under_fsdp2_only():
-    """FSDP2's shards are the fp32 main weights (bf16 is its compute dtype); without FSDP2 a
-    bf16 model holds bf16 weights."""
+@pytest.mark.parametrize("half", ["--bf16", "--fp16"])
+def test_half_precision_builds_fp32_weights_under_fsdp2_only(half):
+    """FSDP2's shards are the fp32 main weights (bf16 / fp16 is its compute dtype); without
+    FSDP2 a half-precision model holds half-precision weights."""
     import torch
 
     from megatron.training.configs import build_configs
+    from megatron.training.training import fsdp2_compute_dtype
 
-    for fsdp, want in ((["--use-torch-fsdp2"], torch.float32), ([], torch.bfloat16)):
-        args = _validated(fsdp + ["--bf16"])
+    dtype = torch.bfloat16 if half == "--bf16" else torch.float16
+    for fsdp, want in ((["--use-torch-fsdp2"], torch.float32), ([], dtype)):
+        args = _validated(fsdp + [half])
         args.padded_vocab_size = 128
         configs = build_configs(args)
-        assert configs.model.params_dtype == want and configs.model.bf16
+        assert configs.model.params_dtype == want
+        assert configs.model.bf16 == (half == "--bf16") and configs.model.fp16 == (
+            half == "--fp16")
+        assert fsdp2_compute_dtype(args) == dtype
+    assert fsdp2_compute_dtype(_validated(["--use-torch-fsdp2"])) is None
+
+
+def test_experts_under_hybrid_sharding_are_refused_in_one_line():
+    with pytest.raises(ArgumentsError) as err:
+        _validated(["--use-megatron-fsdp", "--num-distributed-optimizer-instances", "2",
+                    "--num-experts", "2", "--no-bias-gelu-fusion"], world_size=4)
+    message = str(err.value)
+    assert "--num-distributed-optimizer-instances 2" in message and "\n" not in message
+    assert "--num-experts" in message
+
+
+def test_experts_validate_under_fsdp2():
+    args = _validated(["--use-torch-fsdp2", "--num-experts", "2", "--no-bias-gelu-fusion",
+                       "--expert-model-parallel-size", "2"], world_size=4)
+    assert args.use_torch_fsdp2 and args.expert_tensor_parallel_size == 1
 
 
 def test_meta_device_init_needs_a_fully_sharded_run():

@@ -14,6 +14,10 @@ does:
   so they accumulate unsharded gradients locally, and the last micro-batch's backward runs one
   reduce-scatter per unit (averaged over the mesh, as the grad-buffer wrapper averages over
   the data-parallel group);
+* with pipeline parallelism each model chunk (each virtual stage's too) is a wrapper of its
+  own over its stage's data-parallel group, and the schedule keeps a chunk's :meth:`no_sync`
+  open until that chunk's last backward, so the in-flight micro-batches of 1F1B accumulate
+  unsharded and each unit still reduce-scatters once per step;
 * afterwards each ``param.grad`` is a ``DTensor``: this rank's shard of the averaged gradient;
   nothing is left for :meth:`finish_grad_sync` to do;
 * checkpoints see whole tensors: :meth:`state_dict_for_save_checkpoint` gathers each sharded
@@ -111,6 +115,15 @@ def _data_parallel_mesh(dp_group, device_type: str, replicas: int):
     return mesh, shard
 
 
+def _broadcast_from_first(module, dp_group, expert_units, expert_dp_group) -> None:
+    """Copy the first rank's weights over ``dp_group``; the experts' over
+    ``expert_dp_group`` (the ranks of one expert-parallel position hold the same experts)."""
+    experts = {id(p) for unit in expert_units for p in unit.parameters()}
+    for param in module.parameters():
+        group = expert_dp_group if id(param) in experts else dp_group
+        dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
+
+
 class TorchFullyShardedDataParallel(torch.nn.Module):
     """Shard ``module`` over ``dp_group`` with FSDP2.
 
@@ -125,10 +138,12 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         reshard_after_forward: free each unit's gathered parameters after its forward and
             gather them again for backward (``--torch-fsdp2-no-reshard-after-forward`` turns
             it off: more memory, one all-gather fewer per unit).
-        compute_dtype: with bf16 (``--bf16``), the parameters stay fp32 shards (the main
-            weights) and FSDP2's mixed-precision policy gathers them as bf16 for forward and
-            backward and reduces gradients in fp32. Checkpoints then hold the weights in bf16,
-            as a bf16 model's (the fp32 values go with the optimizer state). None: compute in
+        compute_dtype: with bf16 or fp16 (``--bf16`` / ``--fp16``), the parameters stay fp32
+            shards (the main weights) and FSDP2's mixed-precision policy gathers them in that
+            dtype for forward and backward and reduces gradients in fp32 (with fp16 they are
+            still multiplied by the loss scale; the optimizer unscales them). Checkpoints then
+            hold the weights in that dtype, as a half-precision model's (the fp32 values go
+            with the optimizer state). None: compute in
             the parameters' dtype.
         broadcast_first: copy rank 0's weights to the group before sharding
             (``--data-parallel-random-init``).
@@ -139,24 +154,35 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             consecutive ranks; each parameter is sharded within a replica and replicated
             across them (a two-dimensional mesh, FSDP2's HSDP: reduce-scatter within, then
             all-reduce across). 1: shard over the whole group.
+        expert_units: the mixture-of-experts layers' expert modules (their parameters are
+            marked ``allreduce = False``), sharded as units of their own over
+            ``expert_dp_group`` before the units that hold them. Every rank's tokens reach
+            an expert through the dispatcher, so its gradient is summed over the
+            expert-data-parallel ranks and divided by the size of ``dp_group`` (as the
+            grad-buffer wrapper does), not averaged over its own mesh.
+        expert_dp_group: the expert-data-parallel group (``ParallelState.expert_dp_group``);
+            required with ``expert_units``.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
                  units: Sequence[torch.nn.Module] = (), reshard_after_forward: bool = True,
                  compute_dtype: Optional[torch.dtype] = None, broadcast_first: bool = False,
-                 reduce_dtype: Optional[torch.dtype] = None, replicas: int = 1):
+                 reduce_dtype: Optional[torch.dtype] = None, replicas: int = 1,
+                 expert_units: Sequence[torch.nn.Module] = (), expert_dp_group=None):
         super().__init__()
         if dp_group is None:
             raise ValueError("TorchFullyShardedDataParallel needs dp_group=<the data-parallel "
                              "process group> (ParallelState.dp_cp_group), got None")
+        if expert_units and (expert_dp_group is None or replicas != 1):
+            raise ValueError("TorchFullyShardedDataParallel: expert_units need "
+                             "expert_dp_group=<ParallelState.expert_dp_group> and replicas=1 "
+                             f"(got {expert_dp_group}, {replicas})")
         self.module = module
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group)
         self.compute_dtype = compute_dtype
         if broadcast_first:
-            src = dist.get_global_rank(dp_group, 0)
-            for param in module.parameters():
-                dist.broadcast(param.data, src=src, group=dp_group)
+            _broadcast_from_first(module, dp_group, expert_units, expert_dp_group)
         attributes = {name: {a: getattr(p, a) for a in PARAM_ATTRIBUTES if hasattr(p, a)}
                       for name, p in module.named_parameters()}
         device_type = next(module.parameters()).device.type
@@ -166,11 +192,19 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         if reduce_dtype is None and compute_dtype is not None:
             reduce_dtype = torch.float32
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
-        kwargs = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward,
-                      mp_policy=policy)
+        kwargs = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        if expert_units:
+            expert_mesh = DeviceMesh.from_group(expert_dp_group, device_type)
+            for unit in expert_units:
+                fully_shard(unit, mesh=expert_mesh, **kwargs)
+                unit.set_gradient_divide_factor(float(self.dp_size))
+                if expert_mesh.size() > 1:
+                    # A plain sum, then the division (gloo has no pre-multiplied sum). Not on
+                    # one rank: FSDP2 then divides while copying and would divide again.
+                    unit.set_force_sum_reduction_for_comms(True)
         for unit in units:
-            fully_shard(unit, **kwargs)
-        fully_shard(module, **kwargs)
+            fully_shard(unit, mesh=self.mesh, **kwargs)
+        fully_shard(module, mesh=self.mesh, **kwargs)
         for name, param in module.named_parameters():
             for attr, value in attributes.get(name, {}).items():
                 setattr(param, attr, value)
