@@ -5,11 +5,13 @@ The same GPT (default: 6 layers, hidden 512, 8 heads, sequence 512, micro-batch 
 trained by:
 
 - ``ours``: a real ``pretrain_gpt.py`` process (one rank, no launcher; ``--mock-data
-  --tokenizer-type NullTokenizer --vocab-size V-1``: the null tokenizer adds its end-of-document
-  id, so the model's vocabulary is exactly V, with no padding); the time per iteration is read
+  --tokenizer-type NullTokenizer --vocab-size V --make-vocab-size-divisible-by 1``: the model's
+  vocabulary is exactly V, with no padding); the time per iteration is read
   from its log line ``elapsed time per iteration (ms)``;
 - ``ours-sdpa``: the same with ``--attention-backend flash`` (``scaled_dot_product_attention``,
   its CPU flash kernel, instead of the explicit body with the fused masked softmax);
+- ``ours-fused``: ``ours`` with ``--attention-backend fused`` (the explicit body with the fused
+  masked softmax, what ``auto`` picks below 256 tokens), to show what the rule gains;
 - ``ours-bf16``: ``ours`` with ``--bf16`` (bf16 weights and activations, fp32 main weights and
   gradient reduction; oneDNN's bf16 GEMMs use AVX512_BF16 / AMX where the CPU has them), set
   beside fp32 (not in the default list: a different precision);
@@ -38,7 +40,8 @@ of another checkout (to measure a change side by side).
 Run::
 
     python benchmarks/bench_peers.py [--repeats 3] [--iters 6] [--warmup 2] [--threads 2]
-        [--contenders ours,ours-sdpa,hf,nanogpt[,ours-bf16]] [--profile] [--baseline-root DIR]
+        [--contenders ours,ours-sdpa,hf,nanogpt[,ours-fused,ours-bf16]] [--profile]
+        [--baseline-root DIR]
 """
 
 import argparse
@@ -61,6 +64,7 @@ ALL_CONTENDERS = ("ours", "ours-sdpa", "hf", "nanogpt")
 # pretrain_gpt.py contenders: (checkout: "ours" or "base", extra flags).
 OURS_VARIANTS = {"ours": ("ours", []),
                  "ours-sdpa": ("ours", ["--attention-backend", "flash"]),
+                 "ours-fused": ("ours", ["--attention-backend", "fused"]),
                  "ours-bf16": ("ours", ["--bf16"]),
                  "base": ("base", []),
                  "base-sdpa": ("base", ["--attention-backend", "flash"])}
@@ -97,7 +101,7 @@ def ours_flags(a, extra: list) -> list:
              f"--train-iters {a.warmup + a.iters} --lr 1e-4 --min-lr 1e-4 "
              f"--lr-decay-style constant --weight-decay 0.01 --clip-grad 1.0 --log-interval 1 "
              f"--eval-iters 0 --eval-interval 100000 --mock-data "
-             f"--tokenizer-type NullTokenizer --vocab-size {a.vocab - 1} "
+             f"--tokenizer-type NullTokenizer --vocab-size {a.vocab} "
              f"--make-vocab-size-divisible-by 1 --hidden-dropout 0 --attention-dropout 0 "
              f"--device cpu --seed 1234 --num-workers 0").split()
     return flags + list(extra) + a.ours_extra.split()
@@ -499,7 +503,8 @@ def print_table(a, results: dict, gemm: list) -> None:
     print("|---|---|---|---|")
     targets = {("ours", "hf"): TARGET_RATIO, ("ours", "nanogpt"): TARGET_RATIO,
                ("ours-sdpa", "hf"): TARGET_RATIO, ("ours-sdpa", "nanogpt"): TARGET_RATIO,
-               ("ours-sdpa", "ours"): None, ("ours-bf16", "ours"): None,
+               ("ours-sdpa", "ours"): None, ("ours", "ours-fused"): None,
+               ("ours-bf16", "ours"): None,
                ("ours", "base"): None, ("ours-sdpa", "base-sdpa"): None}
     for (x, y), target in targets.items():
         if x in med and y in med:

@@ -161,7 +161,7 @@ class _TiedLM(torch.nn.Module):
         return parallel_lm_logits(x, self.embedding.weight, self.tp_group, False)  # [s, b, V/tp]
 
 
-def _tied_grads_on_rank(fused: bool, tied: bool):
+def _tied_grads_on_rank(fused: bool, tied: bool, detaching_hooks: bool = False):
     state = ps.initialize_model_parallel(dist.get_world_size(), 1)
     tp, rank = state.tp_size, state.tp_rank
     model = _TiedLM(state.tp_group, tied)
@@ -178,9 +178,13 @@ def _tied_grads_on_rank(fused: bool, tied: bool):
         return grads
 
     layers.EmbeddingWithGradAccumulation.backward = staticmethod(recording)
+    # Saved-tensor hooks that hand back detached aliases (as activation offloading and memory
+    # probes do): attributes of the saved tensors, such as main_grad, are lost through them.
+    hooks = (torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t)
+             if detaching_hooks else contextlib.nullcontext())
     try:
         for micro in range(MICRO):
-            with ddp.no_sync() if micro < MICRO - 1 else contextlib.nullcontext():
+            with ddp.no_sync() if micro < MICRO - 1 else contextlib.nullcontext(), hooks:
                 (ddp(_ids(micro)).float() ** 2).sum().backward()
     finally:
         layers.EmbeddingWithGradAccumulation.backward = staticmethod(original)
@@ -204,11 +208,12 @@ def test_tied_embedding_and_output_layer_accumulate_into_main_grad(fused):
         assert out["weight_grads"] == ([False] * MICRO if fused else [])
 
 
-def test_fused_embedding_alone_matches_float64_autograd():
+@pytest.mark.parametrize("detaching_hooks", [False, True])
+def test_fused_embedding_alone_matches_float64_autograd(detaching_hooks):
     w = _embedding_weight().requires_grad_(True)
     for micro in range(MICRO):
         (torch.tanh(torch.nn.functional.embedding(_ids(micro), w)) ** 2).sum().backward()
-    out = run_on_ranks(_tied_grads_on_rank, 1, True, False)[0]
+    out = run_on_ranks(_tied_grads_on_rank, 1, True, False, detaching_hooks)[0]
     torch.testing.assert_close(out["grad"], w.grad, rtol=1e-5, atol=1e-5)
     # Alone, the lookup hands autograd the placeholder that makes the hook run.
     assert out["weight_grads"] == [True] * MICRO

@@ -484,12 +484,15 @@ class EmbeddingWithGradAccumulation(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight):
-        ctx.save_for_backward(ids, weight)
+        ctx.save_for_backward(ids)
+        # The parameter itself, not a saved tensor: backward reads its main_grad, which a
+        # saved-tensor hook (activation offloading, memory probes) would hand back without.
+        ctx.weight = weight
         return F.embedding(ids, weight)                               # [..., h]
 
     @staticmethod
     def backward(ctx, grad_output):
-        ids, weight = ctx.saved_tensors
+        (ids,), weight = ctx.saved_tensors, ctx.weight
         main_grad = weight.main_grad                                  # [V/tp, h]
         rows = grad_output.reshape(-1, grad_output.size(-1))          # [n, h]
         main_grad.index_add_(0, ids.reshape(-1), rows.to(main_grad.dtype))
