@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 
-# Samples built per blended dataset beyond its share, so the blend never runs one dry.
+# Samples built per blended dataset beyond its share, so the blend never runs one dry
+# (``--mid-level-dataset-surplus``'s default).
 BLEND_SURPLUS = 0.005
 
 
@@ -121,9 +122,17 @@ def normalize_weights(weights: Sequence[float]) -> List[float]:
     return (w / np.sum(w)).tolist()
 
 
-def blend_num_samples(normalized_weights: Sequence[float], total: int) -> List[int]:
-    """Samples asked of each blended dataset: ``ceil(ceil(total * w) * 1.005)``; FORMATS.md 4."""
-    return [int(math.ceil(math.ceil(total * w) * (1 + BLEND_SURPLUS))) for w in normalized_weights]
+def blend_num_samples(normalized_weights: Sequence[float], total: int,
+                      surplus: float = BLEND_SURPLUS) -> List[int]:
+    """Samples asked of each blended dataset: ``ceil(ceil(total * w) * (1 + surplus))``, with
+    ``surplus`` from ``--mid-level-dataset-surplus`` (default 0.005); FORMATS.md 4."""
+    return [int(math.ceil(math.ceil(total * w) * (1 + surplus))) for w in normalized_weights]
+
+
+def check_blend_surplus(surplus: float) -> None:
+    """Reject a ``--mid-level-dataset-surplus`` that is negative or not finite."""
+    if not (math.isfinite(surplus) and surplus >= 0):
+        raise DataError(f"--mid-level-dataset-surplus must be a finite number >= 0, got {surplus}")
 
 
 def build_splits(num_samples: Sequence[int], data_path, per_split_paths: Sequence,

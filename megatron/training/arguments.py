@@ -695,6 +695,9 @@ def _add_data_args(parser):
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)
+    g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                   help="each dataset of a weighted blend is built with this fraction more "
+                        "samples than its share ceil(N x weight), so the blend never runs it dry")
     g.add_argument("--data-impl", type=str, default=None,
                    choices=["mmap", "lazy", "cached", "infer"],
                    help="accepted for old scripts and ignored: only the mmap format exists")

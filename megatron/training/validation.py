@@ -10,6 +10,7 @@ pretrain_bert.py needs. :func:`check_flags` runs the steps in order (after
 
 import argparse
 import json
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -946,6 +947,13 @@ def _validate_fim(args) -> None:
         _fail("--fim-data permutes the text of --data-path samples; --mock-data has no text")
 
 
+def _validate_blend_surplus(args) -> None:
+    """--mid-level-dataset-surplus is a fraction of extra samples: finite and >= 0."""
+    surplus = args.mid_level_dataset_surplus
+    if not (math.isfinite(surplus) and surplus >= 0):
+        _fail(f"--mid-level-dataset-surplus must be a finite number >= 0, got {surplus}")
+
+
 def _validate_muon(args) -> None:
     if args.optimizer not in ("muon", "dist_muon"):
         return
@@ -1061,6 +1069,7 @@ def check_flags(args):
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_fim(args)
+    _validate_blend_surplus(args)
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
     _validate_torch_fsdp2(args)
