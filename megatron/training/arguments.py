@@ -410,6 +410,18 @@ def _add_checkpointing_args(parser):
     g = parser.add_argument_group(title="checkpointing")
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    for what, where in (("params", "every parameter after the optimizer step, in "
+                         "SAVE/params/iter_N/mp_rank_*.pth"),
+                        ("activations", "the inputs and outputs of the linear, embedding and "
+                         "router modules, in SAVE/activations/iter_N/mp_rank_*.pth"),
+                        ("tokens-per-expert", "each MoE layer's tokens per local expert, "
+                         "appended to SAVE/tokens_per_expert/rank<R>.jsonl"),
+                        ("wgrads", "every parameter's reduced gradient, in "
+                         "SAVE/wgrads/iter_N/mp_rank_*.pth"),
+                        ("dgrads", "the gradients of the linear modules' inputs and outputs, in "
+                         "SAVE/dgrads/iter_N/mp_rank_*.pth")):
+        g.add_argument(f"--save-{what}-interval", type=int, default=None,
+                       help=f"every N iterations, save {where} (debugging)")
     g.add_argument("--no-save-optim", action="store_true", default=None)
     g.add_argument("--no-save-rng", action="store_true", default=None)
     g.add_argument("--load", type=str, default=None)

@@ -158,8 +158,13 @@ SIZE_FLAG_MINIMA = (
     ("moe_shared_expert_intermediate_size", 1), ("num_virtual_stages_per_pipeline_rank", 1),
     ("eval_global_batch_size", 1), ("eval_micro_batch_size", 1), ("save_retain_interval", 1),
     ("non_persistent_save_interval", 1), ("replication_jump", 1), ("replication_factor", 1),
-    ("padded_vocab_size", 1),
+    ("padded_vocab_size", 1), ("save_params_interval", 1), ("save_activations_interval", 1),
+    ("save_tokens_per_expert_interval", 1), ("save_wgrads_interval", 1),
+    ("save_dgrads_interval", 1),
 )
+DUMP_INTERVAL_FLAGS = ("save_params_interval", "save_activations_interval",
+                       "save_tokens_per_expert_interval", "save_wgrads_interval",
+                       "save_dgrads_interval")
 
 
 def _validate_sizes(args) -> None:
@@ -1049,6 +1054,22 @@ def _validate_run_extras(args) -> None:
                         ("--save-retain-interval", args.save_retain_interval)):
         if value and not args.save:
             _fail(f"{flag} works in the --save folder; give --save")
+    _validate_dumps(args)
+
+
+def _validate_dumps(args) -> None:
+    """The --save-*-interval dumps write into --save; a reduced gradient is whole only where
+    no rank holds just its shard of it."""
+    for name in DUMP_INTERVAL_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not args.save:
+            _fail(f"--{name.replace('_', '-')} writes into the --save folder; give --save")
+    if args.save_wgrads_interval is not None:
+        for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                         ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False))):
+            if on:
+                _fail(f"--save-wgrads-interval with {flag}: each data-parallel rank holds only "
+                      "its shard of the reduced gradients; drop one of them")
 
 
 def check_flags(args):
