@@ -315,6 +315,44 @@ def _build_and_save(cache_dir, kind, base, text, paths, build) -> None:
 # ------------------------------------------------------------------------- masks of a batch
 
 
+def _token_id(tokenizer, name: str) -> Optional[int]:
+    try:
+        value = getattr(tokenizer, name)
+    except (AttributeError, NotImplementedError, KeyError, ValueError):
+        return None
+    return None if value is None else int(value)
+
+
+def pad_token_id(tokenizer, allow_ambiguous_pad_tokens: bool = False) -> Optional[int]:
+    """The id whose labels the GPT batch masks as padding, as Megatron-Core's datasets choose it:
+    the tokenizer's pad id; None (nothing masked) when it has none, or when that id is also one
+    of its other special tokens (its ``special_tokens_dict`` without ``pad_token``, else its eos
+    and eod), unless ``--allow-ambiguous-pad-tokens`` keeps it anyway."""
+    pad = _token_id(tokenizer, "pad")
+    if pad is None:
+        return None
+    specials = getattr(tokenizer, "special_tokens_dict", None)
+    if isinstance(specials, dict) and specials:
+        others = [int(v) for k, v in specials.items() if k != "pad_token"]
+    else:
+        others = [i for i in (_token_id(tokenizer, "eos"), _token_id(tokenizer, "eod"))
+                  if i is not None]
+    if pad in others and not allow_ambiguous_pad_tokens:
+        return None
+    return pad
+
+
+def mask_pad_tokens(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                    pad: Optional[int]) -> None:
+    """In place, as Megatron-Core's GPT dataset: labels equal to ``pad`` get loss weight 0, and
+    ``pad`` in tokens and labels becomes 0 (an id the embedding holds)."""
+    if pad is None:
+        return
+    loss_mask[labels == pad] = 0.0
+    tokens[tokens == pad] = 0
+    labels[labels == pad] = 0
+
+
 def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_position_ids: bool,
                                     reset_attention_mask: bool, eod_mask_loss: bool
                                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -707,6 +707,10 @@ def _add_data_args(parser):
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)
+    g.add_argument("--allow-ambiguous-pad-tokens", action="store_true",
+                   help="GPT: mask the loss of labels equal to the tokenizer's pad id even when "
+                        "that id is also its eos/eod (or another special) token; without it such "
+                        "a pad id masks nothing")
     g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
                    help="each dataset of a weighted blend is built with this fraction more "
                         "samples than its share ceil(N x weight), so the blend never runs it dry")
