@@ -9,7 +9,8 @@ from megatron.training import global_vars
 from megatron.core import device, tensor_parallel
 from megatron.core.config import TransformerConfig
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
-from megatron.data.dataset_utils import get_ltor_masks_and_position_ids
+from megatron.data.dataset_utils import (get_ltor_masks_and_position_ids, mask_pad_tokens,
+                                         pad_token_id)
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
 from megatron.model import GPTModel
 from megatron.training.training import model_stage, pretrain, print_rank_0
@@ -67,6 +68,8 @@ def get_batch(data_iterator, stage=None):
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask,
         args.eod_mask_loss)
+    mask_pad_tokens(tokens, labels, loss_mask,
+                    pad_token_id(tokenizer, args.allow_ambiguous_pad_tokens))
     if not args.reset_attention_mask:
         # The mask is exactly causal: None says so, and attention then uses its causal kernels
         # (upper-triangular softmax, SDPA's is_causal), which skip the masked half.
@@ -156,7 +159,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         data_cache_path=data.data_cache_path, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         mock=data.mock_data, vocab_size=tokenizer.vocab_size,
-        mmap_bin_files=data.mmap_bin_files, fim=resolve_fim_config(data.fim, tokenizer))
+        mmap_bin_files=data.mmap_bin_files, fim=resolve_fim_config(data.fim, tokenizer),
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,

@@ -75,6 +75,8 @@ class BertDatasetConfig:
         max_ngrams: longest run of candidate words masked together; n is drawn with probability
             proportional to 1/n (Megatron's ``pretrain_bert.py`` uses 3).
         mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory.
+        mid_level_dataset_surplus: ``--mid-level-dataset-surplus``: each dataset of a weighted
+            blend is built with this fraction more samples than its share.
     """
 
     seed: int
@@ -87,8 +89,10 @@ class BertDatasetConfig:
     whole_word_masking: bool = True
     max_ngrams: int = 1
     mmap_bin_files: bool = True
+    mid_level_dataset_surplus: float = dataset_utils.BLEND_SURPLUS
 
     def __post_init__(self) -> None:
+        dataset_utils.check_blend_surplus(self.mid_level_dataset_surplus)
         if self.seq_length < NUM_SPECIAL_TOKENS + 2:
             raise DataError(f"--seq-length must be at least {NUM_SPECIAL_TOKENS + 2} for BERT "
                             f"([CLS], two [SEP] and two tokens), got {self.seq_length}")
@@ -581,7 +585,8 @@ def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]]
     if not present or num_samples <= 0:
         return None
     normalized = dataset_utils.normalize_weights([w for _, w in present])
-    per_dataset = dataset_utils.blend_num_samples(normalized, num_samples)
+    per_dataset = dataset_utils.blend_num_samples(normalized, num_samples,
+                                                  config.mid_level_dataset_surplus)
     parts = [BertDataset(name, p, opened[p], documents[p][index], n, config, tokenizer)
              for (p, _), n in zip(present, per_dataset)]
     size = sum(math.ceil(num_samples * w) for w in normalized)

@@ -53,4 +53,5 @@ class DataConfig:
     dataloader_type: str = "single"              # --dataloader-type single | cyclic | external
     num_workers: int = 2                         # --num-workers
     mmap_bin_files: bool = True                  # False with --no-mmap-bin-files
+    mid_level_dataset_surplus: float = 0.005     # --mid-level-dataset-surplus: blend headroom
     fim: FIMFlags = field(default_factory=FIMFlags)  # --fim-data and its flags (GPT only)

@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 
-# Samples built per blended dataset beyond its share, so the blend never runs one dry.
+# Samples built per blended dataset beyond its share, so the blend never runs one dry
+# (``--mid-level-dataset-surplus``'s default).
 BLEND_SURPLUS = 0.005
 
 
@@ -121,9 +122,17 @@ def normalize_weights(weights: Sequence[float]) -> List[float]:
     return (w / np.sum(w)).tolist()
 
 
-def blend_num_samples(normalized_weights: Sequence[float], total: int) -> List[int]:
-    """Samples asked of each blended dataset: ``ceil(ceil(total * w) * 1.005)``; FORMATS.md 4."""
-    return [int(math.ceil(math.ceil(total * w) * (1 + BLEND_SURPLUS))) for w in normalized_weights]
+def blend_num_samples(normalized_weights: Sequence[float], total: int,
+                      surplus: float = BLEND_SURPLUS) -> List[int]:
+    """Samples asked of each blended dataset: ``ceil(ceil(total * w) * (1 + surplus))``, with
+    ``surplus`` from ``--mid-level-dataset-surplus`` (default 0.005); FORMATS.md 4."""
+    return [int(math.ceil(math.ceil(total * w) * (1 + surplus))) for w in normalized_weights]
+
+
+def check_blend_surplus(surplus: float) -> None:
+    """Reject a ``--mid-level-dataset-surplus`` that is negative or not finite."""
+    if not (math.isfinite(surplus) and surplus >= 0):
+        raise DataError(f"--mid-level-dataset-surplus must be a finite number >= 0, got {surplus}")
 
 
 def build_splits(num_samples: Sequence[int], data_path, per_split_paths: Sequence,
@@ -304,6 +313,44 @@ def _build_and_save(cache_dir, kind, base, text, paths, build) -> None:
 
 
 # ------------------------------------------------------------------------- masks of a batch
+
+
+def _token_id(tokenizer, name: str) -> Optional[int]:
+    try:
+        value = getattr(tokenizer, name)
+    except (AttributeError, NotImplementedError, KeyError, ValueError):
+        return None
+    return None if value is None else int(value)
+
+
+def pad_token_id(tokenizer, allow_ambiguous_pad_tokens: bool = False) -> Optional[int]:
+    """The id whose labels the GPT batch masks as padding, as Megatron-Core's datasets choose it:
+    the tokenizer's pad id; None (nothing masked) when it has none, or when that id is also one
+    of its other special tokens (its ``special_tokens_dict`` without ``pad_token``, else its eos
+    and eod), unless ``--allow-ambiguous-pad-tokens`` keeps it anyway."""
+    pad = _token_id(tokenizer, "pad")
+    if pad is None:
+        return None
+    specials = getattr(tokenizer, "special_tokens_dict", None)
+    if isinstance(specials, dict) and specials:
+        others = [int(v) for k, v in specials.items() if k != "pad_token"]
+    else:
+        others = [i for i in (_token_id(tokenizer, "eos"), _token_id(tokenizer, "eod"))
+                  if i is not None]
+    if pad in others and not allow_ambiguous_pad_tokens:
+        return None
+    return pad
+
+
+def mask_pad_tokens(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                    pad: Optional[int]) -> None:
+    """In place, as Megatron-Core's GPT dataset: labels equal to ``pad`` get loss weight 0, and
+    ``pad`` in tokens and labels becomes 0 (an id the embedding holds)."""
+    if pad is None:
+        return
+    loss_mask[labels == pad] = 0.0
+    tokens[tokens == pad] = 0
+    labels[labels == pad] = 0
 
 
 def get_ltor_masks_and_position_ids(data: torch.Tensor, eod_token: int, reset_position_ids: bool,

@@ -52,6 +52,8 @@ class GPTDatasetConfig:
         vocab_size: vocabulary of the synthetic tokens (needed only with ``mock``).
         mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory
             instead of memory-mapping it (the same tokens).
+        mid_level_dataset_surplus: ``--mid-level-dataset-surplus``: each dataset of a weighted
+            blend is built with this fraction more samples than its share.
         fim: with ``--fim-data``, the resolved
             :class:`~megatron.data.fim_dataset.FIMConfig`: each split's datasets are then
             :class:`GPTFIMDataset` (same indices and cache).
@@ -68,8 +70,10 @@ class GPTDatasetConfig:
     mmap_bin_files: bool = True
     vocab_size: Optional[int] = None
     fim: Optional[fim_dataset.FIMConfig] = None
+    mid_level_dataset_surplus: float = dataset_utils.BLEND_SURPLUS
 
     def __post_init__(self) -> None:
+        dataset_utils.check_blend_surplus(self.mid_level_dataset_surplus)
         if self.seq_length <= 0:
             raise DataError(f"--seq-length must be > 0, got {self.seq_length}")
         dataset_utils.parse_split(self.split)  # reject a bad --split before any file is read
@@ -251,7 +255,8 @@ def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]]
     if not present or num_samples <= 0:
         return None
     normalized = dataset_utils.normalize_weights([w for _, w in present])
-    per_dataset = dataset_utils.blend_num_samples(normalized, num_samples)
+    per_dataset = dataset_utils.blend_num_samples(normalized, num_samples,
+                                                  config.mid_level_dataset_surplus)
     parts = [_gpt_dataset(name, p, opened[p], documents[p][index], n, config)
              for (p, _), n in zip(present, per_dataset)]
     # The blend's length: each dataset's share rounded up (at least the samples wanted).
@@ -300,7 +305,8 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig,
         config: seed, sequence length, ``--split``, cache folder, mock flag.
         data_path: ``--data-path``: one prefix, or ``W1 PREFIX1 W2 PREFIX2 ...``; each prefix is
             split by ``--split``. With weights, each split blends the prefixes' splits and each
-            dataset is asked for ``ceil(ceil(total * w) * 1.005)`` samples (FORMATS.md 4).
+            dataset is asked for ``ceil(ceil(total * w) * (1 + surplus))`` samples
+            (FORMATS.md 4; surplus: ``config.mid_level_dataset_surplus``, default 0.005).
         train_valid_test_num_samples: samples wanted per split
             (:func:`~megatron.data.dataset_utils.get_train_valid_test_num_samples`).
         train_data_path / valid_data_path / test_data_path: ``--train-data-path`` etc.: used

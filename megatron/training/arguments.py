@@ -410,6 +410,18 @@ def _add_checkpointing_args(parser):
     g = parser.add_argument_group(title="checkpointing")
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    for what, where in (("params", "every parameter after the optimizer step, in "
+                         "SAVE/params/iter_N/mp_rank_*.pth"),
+                        ("activations", "the inputs and outputs of the linear, embedding and "
+                         "router modules, in SAVE/activations/iter_N/mp_rank_*.pth"),
+                        ("tokens-per-expert", "each MoE layer's tokens per local expert, "
+                         "appended to SAVE/tokens_per_expert/rank<R>.jsonl"),
+                        ("wgrads", "every parameter's reduced gradient, in "
+                         "SAVE/wgrads/iter_N/mp_rank_*.pth"),
+                        ("dgrads", "the gradients of the linear modules' inputs and outputs, in "
+                         "SAVE/dgrads/iter_N/mp_rank_*.pth")):
+        g.add_argument(f"--save-{what}-interval", type=int, default=None,
+                       help=f"every N iterations, save {where} (debugging)")
     g.add_argument("--no-save-optim", action="store_true", default=None)
     g.add_argument("--no-save-rng", action="store_true", default=None)
     g.add_argument("--load", type=str, default=None)
@@ -695,6 +707,13 @@ def _add_data_args(parser):
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)
+    g.add_argument("--allow-ambiguous-pad-tokens", action="store_true",
+                   help="GPT: mask the loss of labels equal to the tokenizer's pad id even when "
+                        "that id is also its eos/eod (or another special) token; without it such "
+                        "a pad id masks nothing")
+    g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
+                   help="each dataset of a weighted blend is built with this fraction more "
+                        "samples than its share ceil(N x weight), so the blend never runs it dry")
     g.add_argument("--data-impl", type=str, default=None,
                    choices=["mmap", "lazy", "cached", "infer"],
                    help="accepted for old scripts and ignored: only the mmap format exists")

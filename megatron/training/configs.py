@@ -240,7 +240,8 @@ def build_data_config(args) -> DataConfig:
         reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dataloader_type=args.dataloader_type, num_workers=args.num_workers,
-        mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args))
+        mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args),
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
 
 
 def _fim_flags(args) -> FIMFlags:

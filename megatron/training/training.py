@@ -39,6 +39,7 @@ from megatron.training import (memory_accounting, moe_logging, numerics, rerun, 
                                stragglers, watchdog)
 from megatron.training.arguments import ArgumentsError, build_configs, parse_args, validate_args
 from megatron.training.configs import Configs, LoggingConfig, TrainingConfig
+from megatron.training.dumps import IterationDumps
 from megatron.training.initialize import initialize_megatron
 from megatron.training.microbatches import NumMicroBatchesCalculator, calculator_from_args
 from megatron.training.timers import Timers
@@ -472,13 +473,20 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
         numerics.stop_if_not_finite(findings, iteration, args, pstate,
                                     reduced=check and not args.fp16 and args.overlap_grad_reduce)
 
-    if machine is None:
-        step = body()
-        logged = step.logged
-        if check:
-            stop_plainly(step.findings)
-    else:
-        logged = machine.run_step(body, data_iterator, iteration, stop_plainly)
+    dumps = IterationDumps(args, iteration)
+    dumps.before_passes(model)
+    try:
+        if machine is None:
+            step = body()
+            logged = step.logged
+            if check:
+                stop_plainly(step.findings)
+        else:
+            logged = machine.run_step(body, data_iterator, iteration, stop_plainly)
+    except BaseException:
+        dumps.cancel()
+        raise
+    dumps.after_passes(model, pstate)
     last_stage = pstate.is_last_stage(ignore_virtual=True)
     losses = training_log.reduce_logged([logged], pstate.dp_cp_group) if last_stage else {}
     if args.skip_iterations_with_loss_spike and numerics.skip_for_loss_spike(
@@ -488,6 +496,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
         timers("optimizer", log_level=1).start()
         ok, grad_norm, _ = optimizer.step()
         timers("optimizer", log_level=1).stop()
+    dumps.after_step(model, pstate)
     moe_logging.update_expert_biases(model, pstate)
     training_hooks.empty_unused_memory(args, 2)
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).

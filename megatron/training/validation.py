@@ -10,6 +10,7 @@ pretrain_bert.py needs. :func:`check_flags` runs the steps in order (after
 
 import argparse
 import json
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -157,8 +158,13 @@ SIZE_FLAG_MINIMA = (
     ("moe_shared_expert_intermediate_size", 1), ("num_virtual_stages_per_pipeline_rank", 1),
     ("eval_global_batch_size", 1), ("eval_micro_batch_size", 1), ("save_retain_interval", 1),
     ("non_persistent_save_interval", 1), ("replication_jump", 1), ("replication_factor", 1),
-    ("padded_vocab_size", 1),
+    ("padded_vocab_size", 1), ("save_params_interval", 1), ("save_activations_interval", 1),
+    ("save_tokens_per_expert_interval", 1), ("save_wgrads_interval", 1),
+    ("save_dgrads_interval", 1),
 )
+DUMP_INTERVAL_FLAGS = ("save_params_interval", "save_activations_interval",
+                       "save_tokens_per_expert_interval", "save_wgrads_interval",
+                       "save_dgrads_interval")
 
 
 def _validate_sizes(args) -> None:
@@ -949,6 +955,13 @@ def _validate_fim(args) -> None:
         _fail("--fim-data permutes the text of --data-path samples; --mock-data has no text")
 
 
+def _validate_blend_surplus(args) -> None:
+    """--mid-level-dataset-surplus is a fraction of extra samples: finite and >= 0."""
+    surplus = args.mid_level_dataset_surplus
+    if not (math.isfinite(surplus) and surplus >= 0):
+        _fail(f"--mid-level-dataset-surplus must be a finite number >= 0, got {surplus}")
+
+
 def _validate_muon(args) -> None:
     if args.optimizer not in ("muon", "dist_muon"):
         return
@@ -1044,6 +1057,22 @@ def _validate_run_extras(args) -> None:
                         ("--save-retain-interval", args.save_retain_interval)):
         if value and not args.save:
             _fail(f"{flag} works in the --save folder; give --save")
+    _validate_dumps(args)
+
+
+def _validate_dumps(args) -> None:
+    """The --save-*-interval dumps write into --save; a reduced gradient is whole only where
+    no rank holds just its shard of it."""
+    for name in DUMP_INTERVAL_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not args.save:
+            _fail(f"--{name.replace('_', '-')} writes into the --save folder; give --save")
+    if args.save_wgrads_interval is not None:
+        for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                         ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False))):
+            if on:
+                _fail(f"--save-wgrads-interval with {flag}: each data-parallel rank holds only "
+                      "its shard of the reduced gradients; drop one of them")
 
 
 def check_flags(args):
@@ -1064,6 +1093,7 @@ def check_flags(args):
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_fim(args)
+    _validate_blend_surplus(args)
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
     _validate_torch_fsdp2(args)

@@ -167,6 +167,8 @@ def test_pad_vocab_size():
      r"--calculate-per-token-loss with --num-experts is not supported"),
     (["--mtp-num-layers", "1", "--calculate-per-token-loss"], 1,
      r"--calculate-per-token-loss with --mtp-num-layers is not supported"),
+    (["--mid-level-dataset-surplus", "-0.01"], 1,
+     r"--mid-level-dataset-surplus must be a finite number >= 0, got -0.01"),
 ])
 def test_validation_errors(extra, world, pattern):
     with pytest.raises(ArgumentsError, match=pattern):

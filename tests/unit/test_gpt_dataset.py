@@ -1,6 +1,7 @@
 """GPT dataset: splits, samples against a brute-force token walk, the index cache (including the
 rank-0 build that other ranks wait for), blends, mock data, and the batch masks."""
 
+import math
 import os
 import pickle
 
@@ -293,6 +294,37 @@ def test_weighted_blend_asks_each_dataset_for_its_share(tmp_path):
         d, k = int(train.dataset_index[i]), int(train.dataset_sample_index[i])
         np.testing.assert_array_equal(train[i]["text"], want[d][k])
     assert np.bincount(train.dataset_index, minlength=2).tolist() == [10, 30]
+
+
+def test_mid_level_dataset_surplus_sets_each_blended_datasets_size(tmp_path):
+    """--mid-level-dataset-surplus replaces the 0.005 of ceil(ceil(N * w) * (1 + surplus)); the
+    blend itself still draws sum(ceil(N * w)) samples, the same ones as with the default."""
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    docs_a, docs_b = random_docs(6, 30), random_docs(7, 50)
+    write_dataset(a, docs_a)
+    write_dataset(b, docs_b)
+    built = {}
+    for surplus in (0.005, 0.5, 0.0):
+        cfg = GPTDatasetConfig(seed=3, seq_length=5, split="90,10,0",
+                               data_cache_path=str(tmp_path / "c"),
+                               mid_level_dataset_surplus=surplus)
+        built[surplus] = build_train_valid_test_datasets(cfg, ["1", a, "3", b], [40, 8, 4])[0]
+        want = [math.ceil(math.ceil(40 * w) * (1 + surplus)) for w in (0.25, 0.75)]
+        assert [d.num_samples for d in built[surplus].datasets] == want
+        assert len(built[surplus]) == 40
+    assert [d.num_samples for d in built[0.5].datasets] == [15, 45]
+    want = [expected_samples(docs_a, np.arange(27), 15, 5, 3),
+            expected_samples(docs_b, np.arange(45), 45, 5, 3)]
+    for d, dataset in enumerate(built[0.5].datasets):
+        assert_samples(dataset, want[d])
+    # The blend's choice of dataset is the same; only the buffers behind it grow.
+    for surplus in (0.5, 0.0):
+        np.testing.assert_array_equal(built[surplus].dataset_index, built[0.005].dataset_index)
+        np.testing.assert_array_equal(built[surplus].dataset_sample_index,
+                                      built[0.005].dataset_sample_index)
+    for bad in (-0.1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="--mid-level-dataset-surplus"):
+            GPTDatasetConfig(seed=3, seq_length=5, mid_level_dataset_surplus=bad)
 
 
 def test_explicit_split_paths_use_whole_datasets(tmp_path):
