@@ -79,6 +79,16 @@ def update_expert_biases(model_chunks, pstate) -> None:
     update_expert_biases_of(list(_unwrapped(model_chunks)), groups)
 
 
+def reset_global_aux_loss(model_chunks) -> None:
+    """After each step: the routers' ``global_aux_loss`` running averages start again (as
+    Megatron-Core resets them when it finalises a step's gradients)."""
+    for chunk in _unwrapped(model_chunks):
+        for module in chunk.modules():
+            reset = getattr(module, "reset_global_aux_loss_tracker", None)
+            if reset is not None:
+                reset()
+
+
 def aux_loss_values(model_chunks, pstate, num_microbatches: int,
                     per_layer: bool = False) -> Dict[str, float]:
     """The logged auxiliary losses of this iteration (every rank must call it; the trackers are
