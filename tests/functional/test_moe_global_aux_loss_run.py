@@ -39,3 +39,12 @@ def test_context_parallel_follows_one_process(corpus, tmp_path):
         # Printed with 7 significant digits; the layouts sum the same terms in another order.
         assert loss_cp == pytest.approx(loss, rel=1e-4)
         assert balance_cp == pytest.approx(balance, rel=1e-4)
+
+
+@pytest.mark.slow
+def test_data_parallel_run_counts_over_both_ranks(corpus, tmp_path):
+    """DP 2 trains and logs the loss of the global micro-batches (~1 when balanced); its value
+    against Megatron-Core's formula is the unit test's."""
+    two = _logged(corpus, tmp_path, 2, ())
+    assert len(two) == 4 and all(0.9 < balance < 2.0 for _, balance in two), two
+    assert two[-1][0] < two[0][0], two
