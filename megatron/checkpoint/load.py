@@ -29,6 +29,8 @@ from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
                                         iteration_dir, load_state_file, rank_file_in, read_tracker,
                                         saved_sizes)
+from megatron.checkpoint.router_bias import (fill_zero_router_bias, note_zero_router_bias,
+                                           optimizer_refusal)
 from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, MP_ARGS, TOKENIZER_MODEL_ARGS,
                                             check_args, checkpoint_args, megatron_args,
                                             refuse_torch_load)
@@ -102,19 +104,23 @@ def _shapes(tree, prefix="") -> Dict[str, tuple]:
     return out
 
 
-def _check_model_state(model_chunks, state: dict, path: str) -> List[dict]:
-    """Every chunk's saved tensors, checked against the model's keys and shapes."""
+def _check_model_state(model_chunks, state: dict, path: str) -> Tuple[List[dict], List[str]]:
+    """Every chunk's saved tensors, checked against the model's keys and shapes, and the router
+    biases an older checkpoint lacks, filled with zeros (:mod:`megatron.checkpoint.router_bias`)."""
     if len(model_chunks) == 1:
         saved = [state.get("model")]
     else:
         saved = [state.get(f"model{i}") for i in range(len(model_chunks))]
+    filled = []
     for i, (chunk, tree) in enumerate(zip(model_chunks, saved)):
         if tree is None:
             raise CheckpointError(f"{path}: no model state for model chunk {i}")
         if not isinstance(tree, dict):
             raise CheckpointError(f"{path}: the model state of chunk {i} is a "
                                   f"{type(tree).__name__}, not a dict of tensors")
-        want = _shapes(chunk.state_dict_for_save_checkpoint())
+        template = chunk.state_dict_for_save_checkpoint()
+        filled += fill_zero_router_bias(template, tree)
+        want = _shapes(template)
         have = _shapes(tree)
         missing = sorted(set(want) - set(have))
         extra = sorted(set(have) - set(want))
@@ -130,7 +136,8 @@ def _check_model_state(model_chunks, state: dict, path: str) -> List[dict]:
                     f"{k}: checkpoint {have[k]} vs model {want[k]}" for k in wrong[:5]))
             raise CheckpointError(f"{path}: model state does not fit the model: "
                                   + "; ".join(detail))
-    return saved
+    note_zero_router_bias(path, filled)
+    return saved, filled
 
 
 def _converted_parts(state: dict, path: str, restore_training: bool, args) -> Tuple[bool, bool]:
@@ -250,9 +257,11 @@ def _apply_rank_state(state: dict, path: str, iteration: int, release: bool, mod
     saved_args = state.get("args")
     refuse_torch_load(args, pstate, saved_args, path)
     check_args(saved_args, args, path)
-    trees = _check_model_state(model_chunks, state, path)
+    trees, filled = _check_model_state(model_chunks, state, path)
     restore_training = not (args.finetune or release)
     load_optim, load_rng = _converted_parts(state, path, restore_training, args)
+    if load_optim and filled:
+        raise CheckpointError(optimizer_refusal(path, filled))
     if load_optim:
         for key in ("optimizer", "opt_param_scheduler"):
             if key not in state:
@@ -416,7 +425,7 @@ def load_model_weights(model_chunks, args, pstate) -> int:
     state, path = _read_rank_state(path, model_chunks, args, pstate)
     refuse_torch_load(args, pstate, state.get("args"), path)
     check_args(state.get("args"), args, path)
-    trees = _check_model_state(model_chunks, state, path)
+    trees, _ = _check_model_state(model_chunks, state, path)
     for chunk, tree in zip(model_chunks, trees):
         chunk.load_state_dict(tree, strict=True)
     if dist.get_rank() == 0:

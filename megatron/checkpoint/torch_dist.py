@@ -39,6 +39,8 @@ from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, TRANSFORMER_E
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, CheckpointError, checkpoint_dir_name
 from megatron.checkpoint.names import dotted_names
 from megatron.checkpoint.publish import begin_save, crash_point, finish_save
+from megatron.checkpoint.router_bias import (is_router_bias, note_zero_router_bias,
+                                           optimizer_refusal)
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError
 from megatron.checkpoint.saved_args import check_args, plain_args
 from megatron.checkpoint.state import copy_to_cpu, rng_state_snapshot, set_rng_state_snapshot
@@ -427,12 +429,28 @@ def _report(message: str, names: List[str], action: str, strictness: str,
         print(f"NOTE: {text}{outcome} (--dist-ckpt-strictness {strictness})", flush=True)
 
 
-def _load_model(reader, model_chunks, layouts, path: str, keep: List[frozenset]) -> None:
+def _absent_router_biases(reader, model_chunks, layouts) -> List[frozenset]:
+    """Per chunk, the router biases (dotted names) an older checkpoint lacks: they load as
+    zeros (:mod:`megatron.checkpoint.router_bias`)."""
+    from megatron.checkpoint.dist.keys import placements, stored_key
+
+    absent = []
+    for chunk, layout in zip(model_chunks, layouts):
+        tree = chunk.state_dict_for_save_checkpoint()
+        absent.append(frozenset(
+            name for name in dotted_names(tree) if is_router_bias(name)
+            and any(stored_key(p.key, reader) not in reader for p in placements(
+                name, tuple(_local_param(tree, name).shape), layout))))
+    return absent
+
+
+def _load_model(reader, model_chunks, layouts, path: str, keep: List[frozenset],
+                zero: List[frozenset]) -> None:
     loaded = []
     try:
-        for chunk, layout, kept in zip(model_chunks, layouts, keep):
+        for chunk, layout, kept, zeros in zip(model_chunks, layouts, keep, zero):
             loaded.append(load_model_state(reader, chunk.state_dict_for_save_checkpoint(),
-                                           layout, kept))
+                                           layout, kept, zeros))
     except (DistCheckpointError, UnsafeCheckpointError, ValueError) as err:
         raise CheckpointError(f"{path}: model state does not fit the model: "
                                             f"{err}") from None
@@ -637,10 +655,15 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     _check_vocab(common.get("args"), args, iter_dir)
     layouts = _layouts(model_chunks, _model_config(model_chunks), pstate)
     keep = _check_strictness(reader, model_chunks, layouts, args, iter_dir)
-    _load_model(reader, model_chunks, layouts, iter_dir, keep)
+    zero = _absent_router_biases(reader, model_chunks, layouts)
+    filled = sorted(set().union(*zero))
+    note_zero_router_bias(iter_dir, filled)
+    _load_model(reader, model_chunks, layouts, iter_dir, keep, zero)
     if weights_only:
         return common
     restore = not (args.finetune or release)
+    if restore and not args.no_load_optim and filled:
+        raise CheckpointError(optimizer_refusal(iter_dir, filled))
     if restore and not args.no_load_optim:
         _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, iter_dir)
         if "opt_param_scheduler" not in common:

@@ -41,6 +41,7 @@ from megatron.checkpoint.dist.writer import (DistCheckpointWriteError, ObjectSha
                                              write_metadata)
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, read_tracker
 from megatron.checkpoint.publish import publish
+from megatron.checkpoint.router_bias import is_router_bias, note_zero_router_bias_once
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, stand_ins_in
 from megatron.convert import megatron_io
 from megatron.convert.megatron_layout import (MTP_LAYER, SCHEDULER_KEY, expert_of,
@@ -192,6 +193,10 @@ def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int,
                                       mla=meta.multi_latent_attention)
         if meta.multi_latent_attention:
             key = keys.stored_key(key, reader)
+        if key not in reader and is_router_bias(name):
+            note_zero_router_bias_once(reader.path, key)
+            tensors[name] = torch.zeros(meta.num_experts, dtype=_router_dtype(reader, key))
+            continue
         if key not in reader:
             raise _layout_error(reader, key, meta)
         shape = reader.shape(key)
@@ -229,6 +234,10 @@ def _mtp_depth(reader: DistCheckpointReader, meta: ModelMeta, depth: int,
         key = prefix + key
         if meta.multi_latent_attention:
             key = keys.stored_key(key, reader)
+        if key not in reader and is_router_bias(inner):
+            note_zero_router_bias_once(reader.path, key)
+            tensors[name] = torch.zeros(meta.num_experts, dtype=_router_dtype(reader, key))
+            continue
         if key not in reader:
             raise ConversionError(f"{reader.path}: no {key} in the checkpoint (its args say "
                                   f"--mtp-num-layers {meta.mtp_num_layers})")
@@ -240,6 +249,11 @@ def _mtp_depth(reader: DistCheckpointReader, meta: ModelMeta, depth: int,
         tensor = reader.read(key, (expert[0],) + (0,) * (len(shape) - 1), (1,) + shape[1:])
         tensors[name] = tensor.reshape(shape[1:])
     return tensors
+
+
+def _router_dtype(reader: DistCheckpointReader, bias_key: str) -> torch.dtype:
+    """The dtype of the router weight beside ``bias_key``."""
+    return reader.dtype(bias_key[:-len("bias")] + "weight")
 
 
 def _read(reader: DistCheckpointReader, key: str, prefix: str = "") -> torch.Tensor:

@@ -62,6 +62,7 @@ from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, check
                                         checkpoint_file, read_tracker, saved_sizes)
 from megatron.checkpoint.names import lookup_dotted
 from megatron.checkpoint.saved_args import megatron_args
+from megatron.checkpoint.router_bias import is_router_bias, note_zero_router_bias_once
 from megatron.convert.megatron_layout import (  # noqa: F401  (re-exported: the public rules)
     BERT_HEAD_KEYS, SCHEDULER_KEY, TOKENTYPE_KEYS, get_path, has_prefix, join_shards,
     layer_tensor_names, layer_tensor_shapes, mtp_split_rule, mtp_tensor_shapes, read_rank_file,
@@ -291,7 +292,7 @@ class _Source:
                 language_model, path = self._language_model(tp_rank, pp_rank, chunk, ep_rank)
                 encoder = _encoder(language_model, path)
                 for name, saved_name in pairs:
-                    tensors[name] = get_path(encoder, [f"layers.{local}.{saved_name}"], path)
+                    tensors[name] = _layer_tensor(encoder, f"layers.{local}.{saved_name}", path)
             per_rank.append(tensors)
         out = {}
         for name in names:
@@ -315,8 +316,8 @@ class _Source:
                 if ep_rank not in trees:
                     trees[ep_rank] = self._chunk_tree(tp_rank, last, chunk, ep_rank)
                 tree, path = trees[ep_rank]
-                tensors[name] = get_path({"model": tree}, [
-                    "model", "mtp", f"layers.{depth}.{saved_name}"], path)
+                tensors[name] = _layer_tensor(get_path({"model": tree}, ["model", "mtp"], path),
+                                              f"layers.{depth}.{saved_name}", path)
             per_rank.append(tensors)
         out = {}
         for name in names:
@@ -324,6 +325,16 @@ class _Source:
             out[name] = (per_rank[0][name].clone() if rule is None else
                          join_shards([shards[name] for shards in per_rank], *rule))
         return out
+
+
+def _layer_tensor(tree: dict, key: str, path: str) -> torch.Tensor:
+    """``tree[key]``; a router bias an older checkpoint lacks reads as zeros, the router of
+    those versions (:mod:`megatron.checkpoint.router_bias`)."""
+    if key not in tree and is_router_bias(key):
+        weight = get_path(tree, [key[:-len("bias")] + "weight"], path)
+        note_zero_router_bias_once(path, key)
+        return torch.zeros(weight.shape[0], dtype=weight.dtype)
+    return get_path(tree, [key], path)
 
 
 def _params_dtype(args) -> torch.dtype:

@@ -288,6 +288,8 @@ class ModelGroups:
         expert_tp_group: the group each expert is split over (None: ``tp_group``).
         hierarchical_cp_groups: (inner all-to-all, outer ring) subgroups of ``cp_group`` for
             ``--cp-comm-type a2a+p2p``, or None.
+        dp_group: the data-parallel group (without context parallelism; None: one rank), over
+            which ``--moe-router-load-balancing-type global_aux_loss`` counts token choices.
     """
 
     tp_group: object = None
@@ -297,6 +299,7 @@ class ModelGroups:
     ep_group: object = None
     expert_tp_group: object = None
     hierarchical_cp_groups: Optional[Tuple[object, object]] = None
+    dp_group: object = None
 
     @classmethod
     def of(cls, pstate, sequence_parallel: Optional[bool] = None) -> "ModelGroups":
@@ -311,7 +314,8 @@ class ModelGroups:
                    cp_group=getattr(pstate, "cp_group", None),
                    ep_group=getattr(pstate, "ep_group", None),
                    expert_tp_group=getattr(pstate, "expert_tp_group", None),
-                   hierarchical_cp_groups=getattr(pstate, "hierarchical_cp_groups", None))
+                   hierarchical_cp_groups=getattr(pstate, "hierarchical_cp_groups", None),
+                   dp_group=getattr(pstate, "dp_group", None))
 
 
 @dataclass

@@ -147,7 +147,7 @@ class ParallelTransformerLayer(MegatronModule):
             self.mlp = MoELayer(config, moe_config, layer_number, ep_group=groups.ep_group,
                                 expert_tp_group=expert_tp_group, tp_group=tp_group,
                                 tracker=moe_tracker, init_seed=init_seed,
-                                cp_group=groups.cp_group,
+                                cp_group=groups.cp_group, dp_group=groups.dp_group,
                                 expert_tp_shares_tokens=shares_tokens,
                                 sequence_parallel=sequence_parallel and not shares_tokens)
             self.moe_sequence_gather = sequence_parallel and tp_size > 1 and shares_tokens

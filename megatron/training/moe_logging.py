@@ -4,9 +4,10 @@ Before each step the loop sets every MoE tracker's gradient scale to the factor 
 is scaled by in the schedule: ``1 / num_microbatches`` times the fp16 loss scale (1 without
 fp16), so the load-balancing and z losses reach the gradients exactly as if they had been
 added to the loss. After the step it collects the logged values under Megatron's names
-(``load_balancing_loss``, ``z_loss``: the mean over MoE layers of the per-micro-batch mean),
-summed over pipeline stages (each holds its own layers) and averaged over data-parallel ranks
-(each routed its own micro-batches), as the ``lm loss`` is. With ``--moe-per-layer-logging``
+(``load_balancing_loss``, ``global_load_balancing_loss``, ``z_loss``: the mean over MoE layers
+of the per-micro-batch mean), summed over pipeline stages (each holds its own layers) and
+averaged over data-parallel ranks (each routed its own micro-batches), as the ``lm loss`` is;
+and it restarts the routers' ``global_aux_loss`` running averages. With ``--moe-per-layer-logging``
 each layer's value is also returned under ``moe/{name}_layer_{i}`` (``i`` 0-based, Megatron's
 TensorBoard name), which the console line leaves out.
 
@@ -77,6 +78,16 @@ def update_expert_biases(model_chunks, pstate) -> None:
     the token choices of the step, counted over data x context x tensor-parallel ranks."""
     groups = (getattr(pstate, "dp_cp_group", pstate.dp_group), pstate.tp_group)
     update_expert_biases_of(list(_unwrapped(model_chunks)), groups)
+
+
+def reset_global_aux_loss(model_chunks) -> None:
+    """After each step: the routers' ``global_aux_loss`` running averages start again (as
+    Megatron-Core resets them when it finalises a step's gradients)."""
+    for chunk in _unwrapped(model_chunks):
+        for module in chunk.modules():
+            reset = getattr(module, "reset_global_aux_loss_tracker", None)
+            if reset is not None:
+                reset()
 
 
 def aux_loss_values(model_chunks, pstate, num_microbatches: int,

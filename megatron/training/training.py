@@ -498,6 +498,7 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
         timers("optimizer", log_level=1).stop()
     dumps.after_step(model, pstate)
     moe_logging.update_expert_biases(model, pstate)
+    moe_logging.reset_global_aux_loss(model)
     training_hooks.empty_unused_memory(args, 2)
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).
     loss_scale = training_log.to_float(optimizer.get_loss_scale())

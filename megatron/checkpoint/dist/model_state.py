@@ -387,15 +387,19 @@ def read_local(reader: DistCheckpointReader, name: str, like: torch.Tensor,
 
 
 def load_model_state(reader: DistCheckpointReader, template: dict,
-                     layout: ChunkLayout, keep: frozenset = frozenset()) -> dict:
+                     layout: ChunkLayout, keep: frozenset = frozenset(),
+                     zero: frozenset = frozenset()) -> dict:
     """``template`` (a chunk's state, nested as saved) with every tensor replaced by the
     checkpoint's values at ``layout``: ready for ``chunk.load_state_dict``. Tensors named in
-    ``keep`` (dotted names the checkpoint lacks) keep the template's values."""
+    ``keep`` (dotted names the checkpoint lacks) keep the template's values, those in ``zero``
+    become zeros."""
 
     def fill(node, prefix):
         if isinstance(node, dict):
             return {k: fill(v, f"{prefix}{k}.") for k, v in node.items()}
         if isinstance(node, torch.Tensor):
+            if prefix[:-1] in zero:
+                return torch.zeros_like(node)
             if prefix[:-1] in keep:
                 return node.detach().clone()
             return read_local(reader, prefix[:-1], node, layout)

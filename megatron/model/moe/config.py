@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 from megatron.core.config import ConfigError
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "sinkhorn", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
 ROUTER_DTYPES = ("fp32", "fp64")
 DISPATCHER_TYPES = ("allgather", "alltoall")
 DROP_POLICIES = ("probs", "position")
@@ -34,7 +34,7 @@ class MoEConfig:
     moe_router_enable_expert_bias: bool = False         # aux-loss-free balancing (sigmoid)
     moe_router_bias_update_rate: float = 1e-3
     moe_router_dtype: Optional[str] = None              # None (the input's) | fp32 | fp64
-    moe_router_load_balancing_type: str = "aux_loss"    # aux_loss | seq_aux_loss | sinkhorn | none
+    moe_router_load_balancing_type: str = "aux_loss"    # one of LOAD_BALANCING_TYPES
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_input_jitter_eps: Optional[float] = None

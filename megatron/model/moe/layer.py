@@ -56,6 +56,7 @@ class MoELayer(MegatronModule):
         init_seed: the model's initialisation seed.
         cp_group: the context-parallel group: the router's load-balancing loss covers the
             whole sequence (see :class:`~megatron.model.moe.router.TopKRouter`).
+        dp_group: the data-parallel group, over which ``global_aux_loss`` counts (ditto).
         expert_tp_shares_tokens: whether the ranks of ``expert_tp_group`` hold the same tokens
             (False: each its own; see the module docstring).
         sequence_parallel: the input is this rank's sequence slice over ``tp_group``; needs
@@ -66,7 +67,7 @@ class MoELayer(MegatronModule):
                  *, ep_group=None, expert_tp_group=None, tp_group=None,
                  tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
                  cp_group=None, expert_tp_shares_tokens: bool = True,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, dp_group=None):
         super().__init__(config)
         if moe_config.num_moe_experts is None:
             raise ValueError("MoELayer needs --num-experts")
@@ -86,7 +87,8 @@ class MoELayer(MegatronModule):
         self.gather_over_expert_tp = (not expert_tp_shares_tokens
                                       and get_group_size(expert_tp_group) > 1)
         self.router = TopKRouter(config, moe_config, layer_number, tracker, init_seed,
-                                 cp_group=cp_group, sp_group=tp_group if sliced else None)
+                                 cp_group=cp_group, sp_group=tp_group if sliced else None,
+                                 dp_group=dp_group)
         self.token_dispatcher = build_token_dispatcher(moe_config.moe_token_dispatcher_type,
                                                        moe_config.num_moe_experts, ep_group)
         experts_class = GroupedMLP if moe_config.moe_grouped_gemm else SequentialMLP

@@ -21,7 +21,11 @@ The chosen experts are listed in descending score order. Load balancing
 (``--moe-router-load-balancing-type``): ``aux_loss`` adds the Switch-Transformer loss
 ``E * sum_e f_e P_e`` (f_e: share of the token choices routed to expert e, P_e: mean over tokens
 of e's score over all experts), ``seq_aux_loss`` the same per sequence averaged over sequences,
-``sinkhorn`` picks experts from Sinkhorn-balanced logits while training, ``none`` nothing.
+``global_aux_loss`` (Megatron-Core's global load balancing) the same ``f_e`` counted over every
+data x context (x sequence-slicing tensor) parallel rank and averaged over the step's
+micro-batches so far (:func:`global_load_balancing_loss`, logged as
+``global_load_balancing_loss``), ``sinkhorn`` picks experts from Sinkhorn-balanced logits
+while training, ``none`` nothing.
 ``--moe-z-loss-coeff`` adds ``mean_t logsumexp(logits_t)^2``. Both losses are computed only in
 training with gradients on, and reach the gradients through
 :func:`~megatron.model.moe.tracker.attach_aux_loss`.
@@ -162,6 +166,24 @@ def _switch_share(scores: torch.Tensor, counts: torch.Tensor, topk: int,
         num_experts / (topk * total * total))
 
 
+def global_load_balancing_loss(scores: torch.Tensor, mean_counts: torch.Tensor, topk: int,
+                               num_ranks: int) -> torch.Tensor:
+    """One rank's term of Megatron-Core's ``global_aux_loss`` (before its coefficient):
+    ``E / (k N^2) * sum_e S_e c_e`` with ``S_e`` this rank's scores of expert e summed over its
+    ``T`` tokens, ``c_e`` the token choices of expert e counted over all ``num_ranks`` ranks of
+    the data x context (x sequence-slicing tensor) parallel group and averaged over the
+    micro-batches of the step so far, and ``N = T * num_ranks``. The sum of the terms over the
+    group is the switch loss of the whole global micro-batch.
+
+    Megatron-Core attaches each rank's term as it is, and data-parallel ranks average their
+    gradients: at DP size d the loss's gradient is 1/d of the one-process run's over the same
+    tokens (the value logged, the sum of the terms, does not change). That is its definition
+    and is kept here, so a launch configuration trains as under Megatron-LM; it is not
+    layout-invariant over DP (context parallelism is, as for ``aux_loss``).
+    """
+    return _switch_share(scores, mean_counts, topk, num_ranks * scores.size(0))
+
+
 def _sequence_loss_share(scores: torch.Tensor, counts: torch.Tensor, seq_length: int,
                          batch: int, topk: int) -> torch.Tensor:
     """This rank's share of :func:`sequence_load_balancing_loss`: its tokens' scores
@@ -264,8 +286,10 @@ class TopKRouter(torch.nn.Module):
 
     def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int,
                  tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
-                 cp_group=None, sp_group=None):
+                 cp_group=None, sp_group=None, dp_group=None):
         super().__init__()
+        self.dp_group = dp_group
+        self.dp_size = get_group_size(dp_group)
         self.cp_group = cp_group
         self.cp_size = get_group_size(cp_group)
         self.sp_group = sp_group
@@ -313,6 +337,36 @@ class TopKRouter(torch.nn.Module):
                 persistent=False)
         else:
             self.expert_bias = None
+        if (moe_config.moe_router_load_balancing_type == "global_aux_loss"
+                and moe_config.moe_aux_loss_coeff):
+            # Megatron-Core's running sums of a step (not saved): the token choices counted
+            # over the global micro-batches so far, and how many there were.
+            self.register_buffer("global_tokens_per_expert", torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device.current_device()),
+                persistent=False)
+            self.register_buffer("ga_steps", torch.zeros(
+                (), dtype=torch.float32, device=device.current_device()), persistent=False)
+        else:
+            self.global_tokens_per_expert = None
+
+    def reset_global_aux_loss_tracker(self) -> None:
+        """Start a new step's running average of ``global_aux_loss`` (after each step)."""
+        if self.global_tokens_per_expert is not None:
+            self.global_tokens_per_expert.zero_()
+            self.ga_steps.zero_()
+
+    def _global_loss_share(self, scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This rank's ``global_aux_loss`` term (:func:`global_load_balancing_loss`); the running
+        average takes this micro-batch's counts over the whole group."""
+        counts = self._count_over_sequence(counts.to(torch.float32))
+        if self.dp_size > 1:
+            all_reduce(counts, self.dp_group)
+        with torch.no_grad():
+            self.global_tokens_per_expert += counts
+            self.ga_steps += 1
+        mean_counts = self.global_tokens_per_expert / self.ga_steps
+        ranks = self.dp_size * self.cp_size * self.sp_size
+        return global_load_balancing_loss(scores, mean_counts, self.topk, ranks)
 
     def _apply(self, fn, *args, **kwargs):
         """``.to()``, ``.half()``...: the expert bias and its counts stay float32 (a bf16 bias
@@ -370,14 +424,22 @@ class TopKRouter(torch.nn.Module):
                                   batch: int) -> torch.Tensor:
         cfg = self.moe_config
         kind = cfg.moe_router_load_balancing_type
-        if kind not in ("aux_loss", "seq_aux_loss") or not cfg.moe_aux_loss_coeff or (
-                not self._losses_on()):
+        if kind not in ("aux_loss", "seq_aux_loss", "global_aux_loss") or (
+                not cfg.moe_aux_loss_coeff) or not self._losses_on():
             return probs
         scores = scores_for_aux_loss(logits, cfg.moe_router_score_function)
         cp, ranks = self.cp_size, self.cp_size * self.sp_size
-        if kind == "aux_loss":
+        if kind != "seq_aux_loss":
             counts = torch.zeros(self.num_experts, dtype=torch.long, device=logits.device)
             counts.scatter_add_(0, indices.flatten(), torch.ones_like(indices.flatten()))
+        if kind == "global_aux_loss":
+            # Logged: the sum of the group's terms, which the logging's mean over data x
+            # context-parallel ranks recovers from each rank's term times dp x cp.
+            value = self._global_loss_share(scores, counts)
+            self._record("global_load_balancing_loss",
+                         self.dp_size * cp * self._over_sequence_group(value))
+            return attach_aux_loss(probs, cp * value * cfg.moe_aux_loss_coeff, self.tracker)
+        if kind == "aux_loss":
             if ranks > 1:
                 counts = self._count_over_sequence(counts)
                 value = cp * _switch_share(scores, counts, self.topk, ranks * scores.size(0))
