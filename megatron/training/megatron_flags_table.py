@@ -126,7 +126,6 @@ MEMORY_TOOLS = ("CUDA memory snapshots, NVTX ranges and extra profiler outputs a
 QK_CLIP = "QK-clip and attention-logit logging are not built yet; drop it"
 MODEL_VARIANT = "this model variant is not built yet; drop it"
 FORCE_BALANCE = "forced (random) router balancing is a benchmark switch, not built here; drop it"
-DUMPS = "dumping parameters, activations or gradients during training is not built yet; drop it"
 TRAINING_EXTRAS = "this training-loop option is not built yet; drop it"
 CKPT_EXTRAS = "this checkpoint-loading option is not built yet; drop it"
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
@@ -412,11 +411,6 @@ ROWS = (
     ('--te-rng-tracker', '', 'true', False, '', REFUSED, TE),
     ('--inference-rng-tracker', '', 'true', False, '', REFUSED, INFERENCE),
     ('--freeze-all-layers', '', 'true', False, '', REFUSED, MODEL_VARIANT),
-    ('--save-params-interval', '', 'int', None, '', REFUSED, DUMPS),
-    ('--save-activations-interval', '', 'int', None, '', REFUSED, DUMPS),
-    ('--save-tokens-per-expert-interval', '', 'int', None, '', REFUSED, DUMPS),
-    ('--save-wgrads-interval', '', 'int', None, '', REFUSED, DUMPS),
-    ('--save-dgrads-interval', '', 'int', None, '', REFUSED, DUMPS),
     ('--save-retain-interval', '', 'int', None, '', WORKS, None),
     ('--load-main-params-from-ckpt', '', 'true', False, '', REFUSED, LOAD_MAIN_PARAMS),
     ('--ckpt-convert-update-legacy-dist-opt-format', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
@@ -512,8 +506,6 @@ ROWS = (
     ('--no-mmap-bin-files', 'mmap_bin_files', 'false', True, '', WORKS, None),
     ('--dataloader-inter-document-masking', '', 'true', False, '', REFUSED, DATA_EXTRAS),
     ('--object-storage-cache-path', '', 'str', None, '', REFUSED, DATA_EXTRAS),
-    ('--mid-level-dataset-surplus', '', 'float', 0.005, '', REFUSED, DATA_EXTRAS),
-    ('--allow-ambiguous-pad-tokens', '', 'true', False, '', REFUSED, DATA_EXTRAS),
     ('--padded-vocab-size', '', 'int', None, '', WORKS, None),
     ('--tokenizer-metadata', 'metadata_path', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--tokenizer-sentencepiece-legacy', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
