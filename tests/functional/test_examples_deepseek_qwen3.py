@@ -52,7 +52,7 @@ def logged(log):
     out = {}
     for match in map(LINE.search, log.splitlines()):
         if match:
-            fields = (f.split(": ") for f in match[2].split(" | ") if ": " in f)
+            fields = (f.split(": ") for f in match[2].split("|") if ": " in f)
             out[int(match[1])] = {k.strip(): v.strip() for k, v in fields}
     return out
 
