@@ -31,7 +31,9 @@
 #
 # The world size NPROC (2) must be a multiple of TP x EP; EP=2 (default) deals the experts over
 # the 2 ranks, which are also data-parallel 2 for the rest of the model; TP=2 EP=1 splits the
-# layers instead (and adds --sequence-parallel, which Megatron requires with MoE).
+# layers instead (and adds --sequence-parallel, which Megatron requires with MoE); multi-token
+# prediction is not built with sequence parallelism here, so TP > 1 needs MTP_NUM_LAYERS=0
+# (which drops the MTP flags).
 # Left out on CPU: --bf16, fp8 and the fused kernels of the recipe (BF16=1 adds --bf16).
 #
 # The corpus is this machine's Python standard library as JSONL (tools/build_stdlib_corpus.py);
@@ -86,6 +88,10 @@ CORPUS="${CORPUS:-$OUT/stdlib.jsonl}"
 if [ "$DENSE_LAYERS" -ge "$NUM_LAYERS" ]; then
   echo "DENSE_LAYERS=$DENSE_LAYERS must be below NUM_LAYERS=$NUM_LAYERS" >&2; exit 2
 fi
+if [ "$TP" -gt 1 ] && [ "$MTP_NUM_LAYERS" -gt 0 ]; then
+  echo "TP=$TP needs MTP_NUM_LAYERS=0: multi-token prediction (--mtp-num-layers) is not built" \
+    "with --sequence-parallel, which MoE needs at TP > 1" >&2; exit 2
+fi
 mkdir -p "$OUT/data"
 cd "$ROOT"
 
@@ -138,6 +144,8 @@ MOE_ARGS=(
   --moe-router-topk-scaling-factor "$TOPK_SCALING" --moe-router-dtype fp32
   --moe-router-load-balancing-type seq_aux_loss --moe-aux-loss-coeff "$AUX_LOSS_COEFF"
   --moe-token-dispatcher-type alltoall --moe-grouped-gemm
+)
+[ "$MTP_NUM_LAYERS" -gt 0 ] && MOE_ARGS+=(
   --mtp-num-layers "$MTP_NUM_LAYERS" --mtp-loss-scaling-factor "$MTP_LOSS_SCALING"
 )
 TRAIN_ARGS=(
