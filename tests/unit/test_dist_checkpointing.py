@@ -451,7 +451,8 @@ def _gpt_chunks(pp, vp, **config):
 @pytest.mark.parametrize("config", [{}, {"untie_embeddings_and_output_weights": True,
                                          "swiglu": True, "normalization": "RMSNorm",
                                          "add_bias_linear": False, "ffn_hidden_size": 24},
-                                    {"softmax_type": "learnable", "window_size": (2, 0)}])
+                                    {"softmax_type": "learnable", "window_size": (2, 0)},
+                                    {"qk_layernorm": True, "normalization": "RMSNorm"}])
 def test_gpt_model_saved_whole_loads_into_interleaved_pipeline_chunks(tmp_path, config):
     (whole, layout), = _gpt_chunks(1, None, **config)
     with torch.no_grad():
@@ -465,6 +466,11 @@ def test_gpt_model_saved_whole_loads_into_interleaved_pipeline_chunks(tmp_path, 
         offsets = reader.read("decoder.layers.self_attention.core_attention.softmax_offset")
         assert torch.equal(offsets[3], saved[
             "language_model.encoder.layers.3.self_attention.core_attention.softmax_offset"])
+    if config.get("qk_layernorm"):   # Megatron-Core's keys, [layers, head size], replicated
+        for which in "qk":
+            norms = reader.read(f"decoder.layers.self_attention.{which}_layernorm.weight")
+            assert norms.shape == (4, 4) and torch.equal(norms[2], saved[
+                f"language_model.encoder.layers.2.self_attention.{which}_layernorm.weight"])
     chunks = _gpt_chunks(2, 2, **config)
     items = []
     for chunk, layout in chunks:

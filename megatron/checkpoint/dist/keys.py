@@ -113,6 +113,11 @@ LAYER_KEYS = {
     "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
     # --softmax-type learnable: one offset per head, split over TP like the heads.
     "self_attention.core_attention.softmax_offset": "self_attention.core_attention.softmax_offset",
+    # --qk-layernorm: one norm over the head size, shared by every head (replicated over TP).
+    "self_attention.q_layernorm.weight": "self_attention.q_layernorm.weight",
+    "self_attention.q_layernorm.bias": "self_attention.q_layernorm.bias",
+    "self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
+    "self_attention.k_layernorm.bias": "self_attention.k_layernorm.bias",
 }
 
 # Legacy name outside the layers -> Megatron-Core key.
