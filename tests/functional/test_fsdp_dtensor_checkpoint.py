@@ -268,3 +268,33 @@ def test_converted_at_tp2_trains_as_the_fsdp_dtensor_loaded_under_fsdp2(corpus, 
     assert len(a) == len(b) == 2 * N
     for x, y in zip(a, b):
         assert abs(x - y) <= REL_TOL * abs(y), (a, b)
+
+
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm",
+         "--disable-bias-linear"]
+
+
+@pytest.mark.slow
+def test_converted_to_hugging_face_as_the_fsdp2_runs_own_conversion(corpus, tmp_path):
+    """--saver hf writes the same Hugging Face (Llama) weights from an fsdp_dtensor folder as
+    from the torch checkpoint the FSDP2 run itself wrote of it (--ckpt-convert-format)."""
+    from safetensors.torch import load_file
+
+    from tools.checkpoint.convert import main
+
+    save, torch_dir = str(tmp_path / "fsdp_dtensor"), str(tmp_path / "torch")
+    _straight(corpus, save, FSDP2 + LLAMA)
+    run_on_ranks(run_pretrain, 2, _flags(corpus, FSDP2 + LLAMA + [
+        "--load", save, "--ckpt-step", str(N), "--ckpt-convert-format", "torch",
+        "--ckpt-convert-save", torch_dir]))
+    weights = []
+    for src, name in ((save, "from_fsdp"), (torch_dir, "from_torch")):
+        out = str(tmp_path / name)
+        assert main(["--model-type", "GPT", "--load-dir", src, "--save-dir", out,
+                     "--ckpt-step", str(N), "--saver", "hf", "--allow-no-tokenizer"]) == 0
+        files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+        weights.append({k: t for f in files for k, t in load_file(os.path.join(out, f)).items()})
+    assert weights[0].keys() == weights[1].keys()
+    assert any("gate_proj" in key for key in weights[0])
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key
