@@ -5,7 +5,8 @@
 with :class:`megatron.checkpoint.dist.DistCheckpointReader`: the model's description comes
 from ``common_state``'s ``args`` (Megatron's field names and conventions, read by the same rules
 as a legacy checkpoint's args), the tensors are read by global key, a layer at a time, so the
-saved TP / PP layout does not matter.
+saved TP / PP layout does not matter. An ``fsdp_dtensor`` folder is read the same way through
+the per-layer view of :mod:`megatron.convert.fsdp_io` (weights only).
 
 :func:`save_dist` writes the stream as a ``torch_dist`` folder at a target TP x PP (even
 split, no virtual stages), as the target's ranks would: one data file per target rank
