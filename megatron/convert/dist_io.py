@@ -5,7 +5,8 @@
 with :class:`megatron.checkpoint.dist.DistCheckpointReader`: the model's description comes
 from ``common_state``'s ``args`` (Megatron's field names and conventions, read by the same rules
 as a legacy checkpoint's args), the tensors are read by global key, a layer at a time, so the
-saved TP / PP layout does not matter.
+saved TP / PP layout does not matter. An ``fsdp_dtensor`` folder is read the same way through
+the per-layer view of :mod:`megatron.convert.fsdp_io` (weights only).
 
 :func:`save_dist` writes the stream as a ``torch_dist`` folder at a target TP x PP (even
 split, no virtual stages), as the target's ranks would: one data file per target rank
@@ -37,6 +38,7 @@ from megatron.checkpoint.dist import keys
 from megatron.checkpoint.dist.model_state import tensor_shards
 from megatron.checkpoint.dist.reader import (DistCheckpointError, DistCheckpointReader,
                                              is_dist_checkpoint)
+from megatron.checkpoint.fsdp_dtensor import is_fsdp_dtensor_checkpoint
 from megatron.checkpoint.dist.writer import (DistCheckpointWriteError, ObjectShard, ShardWriter,
                                              write_metadata)
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, read_tracker
@@ -91,6 +93,11 @@ def _open(load_dir: str, ckpt_step: Optional[int]):
     iter_dir = find_dist_checkpoint(load_dir, ckpt_step)
     if iter_dir is None:
         raise ConversionError(f"--load-dir {load_dir}: no torch_dist iteration folder")
+    if is_fsdp_dtensor_checkpoint(iter_dir):
+        from megatron.convert.fsdp_io import open_fsdp
+
+        view, common = open_fsdp(iter_dir)
+        return view, common, iteration_dir(load_dir, ckpt_step)
     try:
         reader = DistCheckpointReader(iter_dir)
         common = reader.common_state()
@@ -120,6 +127,12 @@ def _meta(reader: DistCheckpointReader, common: dict, iteration: int, release: b
     meta.source_args = _plain(meta.source_args)
     meta.source_args["ckpt_format"] = "torch_dist"
     return meta
+
+
+def _fsdp_source(reader) -> bool:
+    """Whether ``reader`` is the view of an fsdp_dtensor folder (per-layer keys, no optimizer
+    carried)."""
+    return getattr(reader, "per_layer", False)
 
 
 def _plain(source_args: dict) -> dict:
@@ -187,7 +200,7 @@ def _layout_error(reader: DistCheckpointReader, key: str, meta: ModelMeta) -> Co
 def _layer(reader: DistCheckpointReader, meta: ModelMeta, index: int,
            prefix: str = "") -> Dict[str, torch.Tensor]:
     tensors = {}
-    per_layer = _per_layer(meta)
+    per_layer = _per_layer(meta) or _fsdp_source(reader)
     for name in layer_tensor_names(meta, index):
         key = prefix + keys.layer_key(name, index if per_layer else None,
                                       mla=meta.multi_latent_attention)
@@ -278,6 +291,8 @@ def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
     reader, common, (_, iteration, release) = _open(load_dir, ckpt_step)
     meta = _meta(reader, common, iteration, release, true_vocab_size)
     meta.optimizer, meta.optimizer_note = _optimizer_meta(reader, common)
+    if _fsdp_source(reader):
+        meta.optimizer_note = "the optimizer state of an fsdp_dtensor source is not carried"
     prefix = _view_prefix(reader, view)
     yield Piece("meta", meta=meta)
     try:

@@ -221,3 +221,80 @@ def test_hybrid_sharding_writes_one_replica_and_resumes(corpus, tmp_path):
     straight = _straight(corpus, save, hsdp, ranks=4)
     assert _resume(corpus, save, hsdp, ranks=4) == straight[N:]
     _close(_resume(corpus, save, FSDP2, ranks=2), straight[N:])
+
+
+# -- tools/checkpoint/convert.py reads the format ----------------------------------------------
+
+def _stream(load_dir, step=None):
+    from megatron.convert.dist_io import find_dist_checkpoint, load_dist
+    from megatron.convert.megatron_io import load_megatron
+
+    if find_dist_checkpoint(load_dir, step) is not None:
+        return list(load_dist(load_dir, step))
+    return list(load_megatron(load_dir, step))
+
+
+@pytest.mark.slow
+def test_converter_reads_the_weights_the_fsdp2_run_converts(saved):
+    """The converter's stream of the fsdp_dtensor folder equals its stream of the torch
+    checkpoint the FSDP2 run itself wrote with --ckpt-convert-format (SwiGLU halves joined)."""
+    save, torch_dir, _ = saved
+    got, want = _stream(save, N), _stream(torch_dir, N)
+    assert [(p.kind, p.index) for p in got] == [(p.kind, p.index) for p in want]
+    assert got[0].meta.swiglu and got[0].meta.num_layers == want[0].meta.num_layers
+    for a, b in zip(got[1:], want[1:]):
+        assert sorted(a.tensors) == sorted(b.tensors), a.kind
+        for name in a.tensors:
+            assert torch.equal(a.tensors[name], b.tensors[name]), (a.kind, a.index, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_converted_at_tp2_trains_as_the_fsdp_dtensor_loaded_under_fsdp2(corpus, saved,
+                                                                        tmp_path, fmt):
+    """Converted to TP=2 by tools/checkpoint/convert.py, the checkpoint fine-tunes (fresh
+    optimizer) as the fsdp_dtensor folder loaded under FSDP2 does."""
+    from tools.checkpoint.convert import main
+
+    save, _, _ = saved
+    target = str(tmp_path / fmt)
+    assert main(["--model-type", "GPT", "--load-dir", save, "--save-dir", target,
+                 "--ckpt-step", str(N), "--target-tensor-parallel-size", "2", "--target-ckpt-format", fmt]) == 0
+    want = run_on_ranks(run_pretrain, 2, _flags(corpus, FSDP2 + [
+        "--load", save, "--ckpt-step", str(N), "--finetune"]))
+    got = run_on_ranks(run_pretrain, 2, _flags(corpus, [
+        "--load", target, "--tensor-model-parallel-size", "2", "--finetune"], fmt=fmt))
+    a, b = _losses(got[-1]), _losses(want[-1])
+    assert len(a) == len(b) == 2 * N
+    for x, y in zip(a, b):
+        assert abs(x - y) <= REL_TOL * abs(y), (a, b)
+
+
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm",
+         "--disable-bias-linear"]
+
+
+@pytest.mark.slow
+def test_converted_to_hugging_face_as_the_fsdp2_runs_own_conversion(corpus, tmp_path):
+    """--saver hf writes the same Hugging Face (Llama) weights from an fsdp_dtensor folder as
+    from the torch checkpoint the FSDP2 run itself wrote of it (--ckpt-convert-format)."""
+    from safetensors.torch import load_file
+
+    from tools.checkpoint.convert import main
+
+    save, torch_dir = str(tmp_path / "fsdp_dtensor"), str(tmp_path / "torch")
+    _straight(corpus, save, FSDP2 + LLAMA)
+    run_on_ranks(run_pretrain, 2, _flags(corpus, FSDP2 + LLAMA + [
+        "--load", save, "--ckpt-step", str(N), "--ckpt-convert-format", "torch",
+        "--ckpt-convert-save", torch_dir]))
+    weights = []
+    for src, name in ((save, "from_fsdp"), (torch_dir, "from_torch")):
+        out = str(tmp_path / name)
+        assert main(["--model-type", "GPT", "--load-dir", src, "--save-dir", out,
+                     "--ckpt-step", str(N), "--saver", "hf", "--allow-no-tokenizer"]) == 0
+        files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+        weights.append({k: t for f in files for k, t in load_file(os.path.join(out, f)).items()})
+    assert weights[0].keys() == weights[1].keys()
+    assert any("gate_proj" in key for key in weights[0])
+    for key in weights[0]:
+        assert torch.equal(weights[0][key], weights[1][key]), key

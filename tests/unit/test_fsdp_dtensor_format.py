@@ -72,3 +72,52 @@ def test_byte_entry_that_would_run_code_is_refused(tmp_path):
     path = _write(tmp_path / "iter_0000001", [ObjectShard("args", _RunsCode(), listed=False)])
     with pytest.raises(CheckpointError, match=r"iter_0000001: byte entry .args.: refusing .*system"):
         fsdp_dtensor.saved_args(path)
+
+
+# -- the converter's view of the folder --------------------------------------------------------
+
+FC1 = "decoder.layers.1.mlp.linear_fc1.weight"
+
+
+def _halves_folder(tmp_path, args):
+    """A folder as two FSDP ranks write a SwiGLU fc1: each half stored in two row chunks."""
+    w, v = torch.arange(24.).reshape(4, 6), -torch.arange(24.).reshape(4, 6)
+    items = [ObjectShard("args", args, listed=False)]
+    for name, half in (("weight_w", w), ("weight_v", v)):
+        for start in (0, 2):
+            items.append(TensorShard(f"model.module.decoder.layers.1.mlp.linear_fc1.{name}",
+                                     half[start:start + 2].clone(), (4, 6), (start, 0)))
+    items.append(TensorShard("model.module.decoder.final_layernorm.weight", torch.ones(6),
+                             (6,), (0,)))
+    items.append(TensorShard("optimizer.state.module.module.module.decoder.final_layernorm."
+                             "weight.exp_avg", torch.ones(6), (6,), (0,)))
+    return _write(tmp_path / "iter_0000002", items), w, v
+
+
+def test_converter_view_joins_swiglu_halves_under_torch_dist_keys(tmp_path):
+    from megatron.convert.fsdp_io import open_fsdp
+
+    path, w, v = _halves_folder(tmp_path, argparse.Namespace(num_layers=2, num_experts=None))
+    view, common = open_fsdp(path)
+    assert common["args"].num_layers == 2
+    assert view.tensor_keys() == ["decoder.final_layernorm.weight", FC1]
+    assert FC1 in view and FC1 + "_w" not in view
+    assert view.shape(FC1) == (8, 6)
+    assert torch.equal(view.read(FC1), torch.cat([w, v]))
+    assert torch.equal(view.read(FC1, (3, 2), (2, 3)), torch.cat([w, v])[3:5, 2:5])
+
+
+def test_converter_refuses_a_mixture_of_experts_in_one_line(tmp_path, capsys):
+    from tools.checkpoint.convert import main
+
+    _halves_folder(tmp_path / "ckpt", argparse.Namespace(num_layers=2, num_experts=4))
+    with open(tmp_path / "ckpt" / "latest_checkpointed_iteration.txt", "w") as f:
+        f.write("2")
+    with pytest.raises(SystemExit) as exit_:
+        main(["--model-type", "GPT", "--load-dir", str(tmp_path / "ckpt"),
+              "--save-dir", str(tmp_path / "out")])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "a mixture of experts (--num-experts 4)" in err and "cannot be converted" in err
+    assert not os.path.exists(tmp_path / "out")
