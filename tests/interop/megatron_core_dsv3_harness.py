@@ -112,7 +112,7 @@ def _outputs(model, ref: dict) -> dict:
     with torch.no_grad():
         model(ref["tokens"], ref["position_ids"], None, labels=ref["labels"])
         logits = heads[-1].transpose(0, 1).float()  # the main head runs after the MTP heads
-        MTPLossLoggingHelper.clean_loss_in_tracker()
+        MTPLossLoggingHelper.tracker.pop("values", None)  # what training logged before
         model.train()
         model(ref["tokens"], ref["position_ids"], None, labels=ref["labels"])
     hook.remove()

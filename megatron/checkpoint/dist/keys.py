@@ -407,11 +407,15 @@ def _mtp_placements(name: str, local_shape: Tuple[int, ...],
 
 
 def mtp_extra_state_keys(depth: int, experts: Optional[range] = None,
-                         num_experts: Optional[int] = None, dense: bool = True) -> List[str]:
+                         num_experts: Optional[int] = None, dense: bool = True,
+                         shared_expert: bool = False,
+                         attention_modules: Optional[Tuple[str, ...]] = None) -> List[str]:
     """The byte entries of MTP depth ``depth``'s linear modules: its ``eh_proj`` and its
-    transformer layer's (as one layer of the per-layer layout)."""
+    transformer layer's (as one layer of the per-layer layout; ``shared_expert`` and
+    ``attention_modules`` as for :func:`extra_state_keys`)."""
     own = [object_key(f"{MTP_PREFIX}{depth}.eh_proj._extra_state")] if dense else []
-    layer = extra_state_keys(0, 1, experts, num_experts, dense=dense, per_layer=True)
+    layer = extra_state_keys(0, 1, experts, num_experts, shared_expert, dense=dense,
+                             per_layer=True, attention_modules=attention_modules)
     return own + [mtp_layer_prefix(depth) + key[len(per_layer_prefix(0)):] for key in layer]
 
 
