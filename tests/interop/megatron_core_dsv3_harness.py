@@ -61,10 +61,40 @@ def _config(arch: dict):
         **kwargs, multi_latent_attention=True, q_lora_rank=arch["q_lora_rank"],
         kv_lora_rank=arch["kv_lora_rank"], qk_head_dim=arch["qk_head_dim"],
         qk_pos_emb_head_dim=arch["qk_pos_emb_head_dim"], v_head_dim=arch["v_head_dim"],
-        rope_type="rope", rotary_base=10000)
+        qk_layernorm=True, rope_type="rope", rotary_base=10000)
 
 
-def _model(arch: dict):
+class StandInCoreAttention(torch.nn.Module):
+    """Causal softmax attention for multi-latent attention's local spec. megatron-core 0.16.1
+    cannot build that spec: its ``MLASelfAttention`` passes ``k_channels`` and ``v_channels``
+    to the core attention, which only TransformerEngine's accepts (the local one fails with
+    ``TypeError: DotProductAttention.__init__() got an unexpected keyword argument
+    'k_channels'``). This stands in for it: query and key ``[s, b, n, dq]``, value
+    ``[s, b, n, dv]`` -> ``[s, b, n dv]``, scaled by the ``softmax_scale`` MLA hands it, in
+    plain torch; it holds no parameters, so the model's state is Megatron-Core's own."""
+
+    def __init__(self, softmax_scale: float, **_):
+        super().__init__()
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query, key, value, attention_mask=None, **_):
+        s = query.size(0)
+        scores = torch.einsum("sbnd,tbnd->bnst", query, key) * self.softmax_scale
+        future = torch.ones(s, s, dtype=torch.bool, device=query.device).triu(1)
+        probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+        out = torch.einsum("bnst,tbnd->sbnd", probs, value)                  # [s, b, n, dv]
+        return out.reshape(s, out.size(1), -1)
+
+
+# The names Megatron-Core's TransformerEngine MLA spec gives the norms its local spec keeps
+# as modules (its fused LayerNorm-linear modules hold them), the names this project writes.
+TE_MLA_NORM_NAMES = {"self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+                     "self_attention.kv_layernorm.":
+                         "self_attention.linear_kv_up_proj.layer_norm_",
+                     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+
+
+def _model(arch: dict, te_names: bool = False):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_decoder_block_spec,
                                                           get_gpt_mtp_block_spec)
@@ -72,6 +102,11 @@ def _model(arch: dict):
     config = _config(arch)
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                        normalization="RMSNorm")
+    if arch.get("mla"):
+        for spec in block.layer_specs:
+            spec.submodules.self_attention.submodules.core_attention = StandInCoreAttention
+            if te_names:
+                spec.submodules.sharded_state_dict_keys_map = dict(TE_MLA_NORM_NAMES)
     mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
     return GPTModel(config, block, vocab_size=arch["padded_vocab_size"],
                     max_sequence_length=arch["seq_length"], position_embedding_type="rope",
@@ -118,7 +153,39 @@ def _outputs(model, ref: dict) -> dict:
     hook.remove()
     mtp_loss = MTPLossLoggingHelper.tracker["values"].clone()
     biases = {name: router.expert_bias.detach().clone() for name, router in _routers(model)}
-    return {"logits": logits, "mtp_loss": mtp_loss, "expert_bias": biases}
+    return {"logits": logits, "mtp_loss": mtp_loss, "expert_bias": biases,
+            "sharded": _sharded_keys(model)}
+
+
+def _sharded_keys(model) -> dict:
+    """The model's own ``sharded_state_dict``: ``{tensor key: global shape}`` and, under
+    ``"objects"``, the byte entries' keys as the file stores them."""
+    from megatron.core.dist_checkpointing.mapping import (ShardedObject, ShardedTensor,
+                                                          apply_factories)
+    from megatron.core.dist_checkpointing.utils import extract_sharded_base
+
+    found, objects = {}, set()
+    state = model.sharded_state_dict()
+    apply_factories(state)  # SwiGLU's fc1: the gate and value halves of one global tensor
+    sharded, _ = extract_sharded_base(state)
+    for item in _leaves(sharded):
+        if isinstance(item, ShardedTensor):
+            found[item.key] = tuple(item.global_shape)
+        elif isinstance(item, ShardedObject):
+            objects.add(item.unique_key)
+    found["objects"] = sorted(objects)
+    return found
+
+
+def _leaves(tree):
+    if isinstance(tree, dict):
+        for value in tree.values():
+            yield from _leaves(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from _leaves(value)
+    else:
+        yield tree
 
 
 def _args_namespace(arch: dict) -> argparse.Namespace:
@@ -158,15 +225,22 @@ def _load(model, ckpt: str) -> None:
         raise SystemExit(f"{ckpt}: missing {missing}, unexpected {unexpected}")
 
 
-def _no_transformer_engine_gemm() -> None:
+def _no_transformer_engine_names() -> None:
     """megatron-core 0.16.1's router GEMM tests ``te_general_gemm is not None``, but when
     TransformerEngine is missing its ``moe_utils`` never defines that name (the import that
     would fails first), so the router raises ``NameError: name 'te_general_gemm' is not
     defined`` on the CPU. Defining it as None selects the router's own torch GEMM path."""
+    from megatron.core.transformer import multi_latent_attention
     from megatron.core.transformer.moe import moe_utils
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Likewise its multi-latent attention believes TransformerEngine present (the import of
+    # Megatron-Core's TransformerEngine extension succeeds, its classes stubbed by a
+    # MagicMock), and ``isinstance(self.linear_proj, TELinear)`` raises "isinstance() arg 2
+    # must be a type, a tuple of types, or a union".
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
 
 
 def main() -> None:
@@ -177,14 +251,16 @@ def main() -> None:
     from megatron_core_harness import _host_only  # beside this file
 
     _host_only()
-    _no_transformer_engine_gemm()
+    _no_transformer_engine_names()
     parallel_state.initialize_model_parallel(1, 1)
     # dropout 0: no random numbers are drawn in the forward, so no CUDA RNG is needed
     mcore_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
     with open(arch_file) as f:
         arch = json.load(f)
     torch.manual_seed(arch["seed"])
-    model = _model(arch)
+    # Loading an MLA file written here: the local spec under the TransformerEngine spec's
+    # norm names (the local spec itself cannot read them, see TE_MLA_NORM_NAMES).
+    model = _model(arch, te_names=mode == "load")
     ref = torch.load(inputs, weights_only=True)
     if mode == "save":
         _train(model, ref, arch["train_steps"], arch["lr"])

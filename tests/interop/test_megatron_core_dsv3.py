@@ -16,7 +16,7 @@ expert, and one multi-token prediction layer built from Megatron-Core's MTP bloc
 
 The reference in both directions is Megatron-Core's own forward (``megatron_core_dsv3_harness``),
 in a process where this project is not importable. Megatron-Core 0.16.1 needs one shim on a
-machine without TransformerEngine, described in the harness (``_no_transformer_engine_gemm``).
+machine without TransformerEngine, described in the harness (``_no_transformer_engine_names``).
 """
 
 import json
@@ -40,6 +40,9 @@ ARCH = {"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidde
         "group_topk": 2, "topk_scaling_factor": 2.5, "shared_expert_size": 32,
         "mtp_loss_scaling_factor": 0.1, "seq_length": 16, "vocab_size": 200,
         "padded_vocab_size": 256, "seed": 7, "train_steps": 3, "lr": 0.05}
+# The same with multi-latent attention (a low-rank query, q/kv norms, plain rope).
+MLA_ARCH = dict(ARCH, mla=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
+                qk_pos_emb_head_dim=8, v_head_dim=16)
 # fp32 on both sides; the sums run in different orders (fused QKV vs. separate, experts
 # gathered differently), so agreement is to rounding, not bit for bit.
 ATOL = 1e-4
@@ -47,7 +50,13 @@ ATOL = 1e-4
 
 def our_argv(arch: dict) -> list:
     """This project's flags for ``arch``."""
-    return [
+    mla = []
+    if arch.get("mla"):
+        mla = ["--multi-latent-attention", "--qk-layernorm"] + [
+            f"--{name.replace('_', '-')}={arch[name]}" for name in (
+                "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                "v_head_dim")]
+    return mla + [
         "--num-layers", str(arch["num_layers"]), "--hidden-size", str(arch["hidden_size"]),
         "--num-attention-heads", str(arch["num_attention_heads"]),
         "--ffn-hidden-size", str(arch["ffn_hidden_size"]),
@@ -86,12 +95,12 @@ def _inputs(path) -> str:
     return str(path)
 
 
-def _megatron_core(python, mode: str, inputs: str, ckpt, out) -> dict:
+def _megatron_core(python, mode: str, inputs: str, ckpt, out, arch: dict = ARCH) -> dict:
     """Run the harness from a folder outside the checkout (only Megatron-Core's ``megatron``
     package is importable there); returns what it wrote."""
     cwd = pathlib.Path(out).parent
     arch_file = cwd / "arch.json"
-    arch_file.write_text(json.dumps(ARCH))
+    arch_file.write_text(json.dumps(arch))
     torchrun = pathlib.Path(python).with_name("torchrun")
     cmd = [str(torchrun), "--standalone", "--nproc_per_node", "1", str(HARNESS), mode,
            str(arch_file), inputs, str(ckpt), str(out)]
@@ -149,28 +158,49 @@ def _assert_same(ours: dict, theirs: dict) -> None:
         assert bool((steps != 0).any()), name
 
 
-def test_a_dsv3_checkpoint_megatron_core_trains_and_saves_loads_here(mcore_python, tmp_path):
+@pytest.mark.parametrize("arch", [ARCH, MLA_ARCH], ids=["attention", "mla"])
+def test_a_dsv3_checkpoint_megatron_core_trains_and_saves_loads_here(mcore_python, tmp_path,
+                                                                     arch):
+    """With MLA, Megatron-Core's core attention is the harness's stand-in (see
+    ``StandInCoreAttention``): everything else of its MLA (projections, norms, rope, the
+    split into heads) is its own."""
     inputs = _inputs(tmp_path / "inputs.pt")
     saved = tmp_path / "saved_by_megatron_core"
-    theirs = _megatron_core(mcore_python, "save", inputs, saved, tmp_path / "mcore.pt")
-    argv = our_argv(ARCH) + ["--load", str(saved)]
+    theirs = _megatron_core(mcore_python, "save", inputs, saved, tmp_path / "mcore.pt", arch)
+    argv = our_argv(arch) + ["--load", str(saved)]
     ours = run_on_ranks(_outputs_after_load, 1, argv, inputs)[0]
     assert ours["iteration"] == ARCH["train_steps"]
     _assert_same(ours, theirs)
 
 
-def test_a_dsv3_checkpoint_trained_here_loads_in_megatron_core(mcore_python, tmp_path):
+@pytest.mark.parametrize("arch", [ARCH, MLA_ARCH], ids=["attention", "mla"])
+def test_a_dsv3_checkpoint_trained_here_loads_in_megatron_core(mcore_python, tmp_path, arch):
+    """Also the file's keys: every tensor key and global shape, and every byte entry, are
+    those of Megatron-Core's own ``sharded_state_dict`` of the model. With MLA, Megatron-Core
+    runs its local spec (core attention stood in for, as above) under the norm names of its
+    TransformerEngine spec, which this project writes (``TE_MLA_NORM_NAMES`` in the harness):
+    the local spec alone names ``q_layernorm``, ``kv_layernorm`` and ``pre_mlp_layernorm``
+    as modules and so cannot read a file of the TransformerEngine spec."""
+    from megatron.checkpoint.dist import DistCheckpointReader
+
     inputs = _inputs(tmp_path / "inputs.pt")
     saved = tmp_path / "saved_here"
-    steps = str(ARCH["train_steps"])
-    run_on_ranks(run_pretrain, 1, our_argv(ARCH) + [
+    steps = str(arch["train_steps"])
+    run_on_ranks(run_pretrain, 1, our_argv(arch) + [
         "--train-iters", steps, "--save", str(saved), "--save-interval", steps,
         "--mock-data", "--eval-iters", "0", "--num-workers", "0", "--lr", "1e-2",
         "--no-save-optim"])
-    ours = run_on_ranks(_outputs_after_load, 1, our_argv(ARCH) + ["--load", str(saved)],
+    ours = run_on_ranks(_outputs_after_load, 1, our_argv(arch) + ["--load", str(saved)],
                         inputs)[0]
     cwd = tmp_path / "mcore"
     cwd.mkdir()
-    theirs = _megatron_core(mcore_python, "load", inputs,
-                            saved / f"iter_{ARCH['train_steps']:07d}", cwd / "mcore.pt")
+    iter_dir = saved / f"iter_{arch['train_steps']:07d}"
+    theirs = _megatron_core(mcore_python, "load", inputs, iter_dir, cwd / "mcore.pt", arch)
     _assert_same(ours, theirs)
+    reader = DistCheckpointReader(str(iter_dir))
+    sharded = dict(theirs["sharded"])
+    objects = set(sharded.pop("objects"))
+    assert {k: tuple(reader.shape(k)) for k in reader.tensor_keys()} == sharded
+    run_state = {"common_state/shard_0_1", "rerun_state_machine_state/shard_0_1",
+                 "rng_state/shard_0.0_1.1"}
+    assert set(reader.byte_keys()) == objects | run_state

@@ -597,8 +597,9 @@ def fused_norm_aliases(saved_keys) -> dict:
     """``{fused key: saved key}`` for every unfused layer-norm tensor key among ``saved_keys``
     (model keys, or optimizer ones under a prefix) whose layer has a standard fused-QKV
     attention (``<layer>self_attention.linear_qkv.weight`` saved under the same prefix), so
-    that a file with either spelling loads. Layers without one (multi-latent attention keeps
-    a separate ``input_layernorm``) are left alone."""
+    that a file with either spelling loads. A multi-latent attention layer keeps a separate
+    ``input_layernorm`` in every spec, so only its ``pre_mlp_layernorm`` is renamed (which
+    Megatron-Core's local MLA spec writes unfused, its TransformerEngine spec fused)."""
     saved = set(saved_keys)
     aliases = {}
     for key in saved:
@@ -606,7 +607,9 @@ def fused_norm_aliases(saved_keys) -> dict:
         if not match:
             continue
         layer, module, field = match.groups()
-        if f"{layer}self_attention.linear_qkv.weight" not in saved:
+        mla = (module == "pre_mlp_layernorm"
+               and f"{layer}self_attention.linear_kv_down_proj.weight" in saved)
+        if f"{layer}self_attention.linear_qkv.weight" not in saved and not mla:
             continue
         fused = f"{layer}{_UNFUSED_NORMS[module]}{field}"
         if fused not in saved:
