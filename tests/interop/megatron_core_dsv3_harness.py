@@ -17,7 +17,13 @@ Megatron-Core's gradient finalisation does, then save torch_dist into
 SAVE_ROOT/iter_<steps> with a tracker file, and write to OUT what it computes on INPUTS
 afterwards. ``load``: build the model, load CKPT_DIR, write the same to OUT. What it writes:
 ``logits`` [b, s, V] (main head, eval mode), ``mtp_loss`` [depths] (the per-depth losses Megatron
-logs, from a training-mode forward), ``expert_bias`` {torch_dist key prefix: tensor}.
+logs, from a training-mode forward), ``expert_bias`` {router module name: tensor}, ``sharded``
+(the keys and global shapes of the model's own ``sharded_state_dict``).
+
+Megatron-Core 0.16.1 on a machine without TransformerEngine needs two names defined
+(:func:`_no_transformer_engine_names`), and its MLA a core attention that accepts MLA's
+channel counts (:class:`StandInCoreAttention`); in ``load`` mode its MLA layers take the
+TransformerEngine spec's norm names (``TE_MLA_NORM_NAMES``).
 """
 
 import argparse

@@ -20,7 +20,6 @@ machine without TransformerEngine, described in the harness (``_no_transformer_e
 """
 
 import json
-import os
 import pathlib
 import subprocess
 
