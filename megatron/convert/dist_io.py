@@ -391,7 +391,10 @@ def _save_mtp(out: _DistTarget, piece: Piece, prefix: str = "") -> None:
     if not prefix:
         moe = out.meta.num_experts if out.meta.is_moe_layer(out.meta.num_layers - 1) else None
         out.writers[(0, last)].add(ObjectShard(fqn, None) for fqn in keys.mtp_extra_state_keys(
-            piece.index, range(moe) if moe else None, moe))
+            piece.index, range(moe) if moe else None, moe,
+            shared_expert=bool(moe and out.meta.moe_shared_expert_intermediate_size),
+            attention_modules=(keys.mla_attention_modules(piece.tensors)
+                               if out.meta.multi_latent_attention else None)))
 
 
 def _save_final(out: _DistTarget, piece: Piece, prefix: str = "") -> None:

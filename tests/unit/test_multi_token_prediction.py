@@ -118,3 +118,27 @@ def test_state_names_map_to_megatron_core_keys():
     assert keys["mtp.layers.0.transformer_layer.mlp.linear_fc1.layer_norm_weight"] == (16,)
     assert keys["decoder.layers.self_attention.linear_qkv.weight"] == (2, 48, 16)
     assert "mtp.layers.0.eh_proj._extra_state/shard_0_1" in mtp_extra_state_keys(0)
+
+
+def test_mtp_extra_state_entries_are_those_megatron_core_writes_with_a_shared_expert():
+    """An MTP layer with 8 routed experts and a shared expert: the byte entries are exactly
+    those megatron-core 0.16.1 wrote for its own such model (the file of
+    ``tests/interop/test_megatron_core_dsv3.py``); the shared expert's two were once missing,
+    and Megatron-Core refused the file ("Missing key in checkpoint state_dict")."""
+    from megatron.checkpoint.dist import ChunkLayout, extra_state_objects
+
+    layer = "mtp.layers.0.transformer_layer."
+    names = [f"{layer}mlp.router.weight", f"{layer}mlp.shared_experts.linear_fc1.weight",
+             f"{layer}mlp.shared_experts.linear_fc2.weight", f"{layer}input_layernorm.weight"]
+    names += [f"{layer}mlp.experts.local_experts.{e}.linear_fc{i}.weight"
+              for e in range(8) for i in (1, 2)]
+    layout = ChunkLayout(num_layers=3, swiglu=True, num_experts=8, per_layer=True)
+    got = {item.fqn for item in extra_state_objects(layout, 0, names)}
+    written = {"mtp.layers.0.eh_proj._extra_state/shard_0_1",
+               f"{layer}mlp.shared_experts.linear_fc1._extra_state/shard_0_1",
+               f"{layer}mlp.shared_experts.linear_fc2._extra_state/shard_0_1",
+               f"{layer}self_attention.linear_proj._extra_state/shard_0_1",
+               f"{layer}self_attention.linear_qkv._extra_state/shard_0_1"}
+    written |= {f"{layer}mlp.experts.experts.linear_fc{i}._extra_state/shard_{e}_8"
+                for e in range(8) for i in (1, 2)}
+    assert got == written

@@ -412,11 +412,15 @@ def _mtp_placements(name: str, local_shape: Tuple[int, ...],
 
 
 def mtp_extra_state_keys(depth: int, experts: Optional[range] = None,
-                         num_experts: Optional[int] = None, dense: bool = True) -> List[str]:
+                         num_experts: Optional[int] = None, dense: bool = True,
+                         shared_expert: bool = False,
+                         attention_modules: Optional[Tuple[str, ...]] = None) -> List[str]:
     """The byte entries of MTP depth ``depth``'s linear modules: its ``eh_proj`` and its
-    transformer layer's (as one layer of the per-layer layout)."""
+    transformer layer's (as one layer of the per-layer layout; ``shared_expert`` and
+    ``attention_modules`` as for :func:`extra_state_keys`)."""
     own = [object_key(f"{MTP_PREFIX}{depth}.eh_proj._extra_state")] if dense else []
-    layer = extra_state_keys(0, 1, experts, num_experts, dense=dense, per_layer=True)
+    layer = extra_state_keys(0, 1, experts, num_experts, shared_expert, dense=dense,
+                             per_layer=True, attention_modules=attention_modules)
     return own + [mtp_layer_prefix(depth) + key[len(per_layer_prefix(0)):] for key in layer]
 
 
@@ -598,8 +602,9 @@ def fused_norm_aliases(saved_keys) -> dict:
     """``{fused key: saved key}`` for every unfused layer-norm tensor key among ``saved_keys``
     (model keys, or optimizer ones under a prefix) whose layer has a standard fused-QKV
     attention (``<layer>self_attention.linear_qkv.weight`` saved under the same prefix), so
-    that a file with either spelling loads. Layers without one (multi-latent attention keeps
-    a separate ``input_layernorm``) are left alone."""
+    that a file with either spelling loads. A multi-latent attention layer keeps a separate
+    ``input_layernorm`` in every spec, so only its ``pre_mlp_layernorm`` is renamed (which
+    Megatron-Core's local MLA spec writes unfused, its TransformerEngine spec fused)."""
     saved = set(saved_keys)
     aliases = {}
     for key in saved:
@@ -607,7 +612,9 @@ def fused_norm_aliases(saved_keys) -> dict:
         if not match:
             continue
         layer, module, field = match.groups()
-        if f"{layer}self_attention.linear_qkv.weight" not in saved:
+        mla = (module == "pre_mlp_layernorm"
+               and f"{layer}self_attention.linear_kv_down_proj.weight" in saved)
+        if f"{layer}self_attention.linear_qkv.weight" not in saved and not mla:
             continue
         fused = f"{layer}{_UNFUSED_NORMS[module]}{field}"
         if fused not in saved:

@@ -309,7 +309,12 @@ def _mtp_extra_state_objects(layout: ChunkLayout, names: List[str],
     depths = sorted({int(n.split(".")[2]) for n in names if n.startswith(MTP_PREFIX)})
     for depth in depths:
         layer = f"{MTP_PREFIX}{depth}.transformer_layer.mlp."
-        experts = None
+        experts, shared = None, any(n.startswith(f"{layer}shared_experts.") for n in names)
+        attention = None
+        if layout.mla:
+            attention = mla_attention_modules(
+                [n for n in names
+                 if n.startswith(f"{MTP_PREFIX}{depth}.transformer_layer.self_attention.")])
         if f"{layer}router.weight" in names:
             local = {n.split(".local_experts.")[1].split(".")[0] for n in names
                      if n.startswith(f"{layer}experts.local_experts.")}
@@ -319,7 +324,8 @@ def _mtp_extra_state_objects(layout: ChunkLayout, names: List[str],
         elif not layout.writes_replicated:
             continue
         items += [ObjectShard(fqn, value) for fqn in mtp_extra_state_keys(
-            depth, experts, layout.num_experts, dense=layout.writes_replicated)]
+            depth, experts, layout.num_experts, dense=layout.writes_replicated,
+            shared_expert=shared, attention_modules=attention)]
     return items
 
 
