@@ -168,8 +168,11 @@ class RotaryEmbedding(torch.nn.Module):
             if rope_scaling_factor is not None:
                 inv_freq = llama3_scaled_inv_freq(inv_freq, rope_scaling_factor)
         # A plain float64 attribute, not a buffer: derived from the config (nothing to save) and
-        # never cast to half precision by ``model.half()``, which would bend the angles.
-        self.inv_freq = inv_freq.to(device.current_device())
+        # never cast to half precision by ``model.half()``, which would bend the angles. Being
+        # no model state, it stays on the run's device when the model is built on the meta
+        # device (--init-model-with-meta-device fills only parameters and buffers).
+        with device.placing_tensors_on(None):
+            self.inv_freq = inv_freq.to(device.current_device())
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         """Angles ``[s, 1, 1, dim]``: each of the ``dim / 2`` frequencies written twice, as

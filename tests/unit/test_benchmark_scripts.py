@@ -212,3 +212,40 @@ def test_bench_mla_quick_run_prints_every_contender():
         assert int(cells[2].replace(",", "")) == want[kind], out      # KV cache B/token
     assert rows["mla"][4] == str(latent) and rows["mha"][4] == "-", out
     assert "not the latent" in out
+
+
+def test_bench_fsdp_counts_each_storage_once():
+    """Parameters, gradients (``grad`` or a shared ``main_grad`` buffer) and Adam's state, each
+    storage once, against the sizes written out by hand."""
+    from bench_fsdp import held_bytes
+
+    first, second = torch.nn.Linear(4, 3), torch.nn.Linear(3, 2, bias=False)
+    buffer = torch.zeros(4 * 3 + 3 + 3 * 2)             # one gradient buffer, viewed per param
+    offset = 0
+    for param in (*first.parameters(), *second.parameters()):
+        param.main_grad = buffer[offset:offset + param.numel()].view_as(param)
+        offset += param.numel()
+    optimizer = torch.optim.Adam([*first.parameters(), *second.parameters()])
+    (second(first(torch.randn(5, 4)))).sum().backward()
+    optimizer.step()
+    held = held_bytes([first, second], optimizer)
+    params = (12 + 3 + 6) * 4
+    assert held["params"] == params
+    assert held["grads"] == params + buffer.numel() * 4     # .grad of each, and the buffer
+    # exp_avg and exp_avg_sq per parameter, and its step (a 0-dim fp32 tensor)
+    assert held["optimizer"] == 2 * params + 3 * 4
+
+
+@pytest.mark.slow
+def test_bench_fsdp_quick_run_meets_the_memory_target():
+    out = _run(["benchmarks/bench_fsdp.py", "--quick"], timeout=900)
+    for kind in ("FSDP2", "plain DP"):
+        for dp in (1, 2):
+            row = re.search(rf"^\| {kind} \| {dp} \| (?:[\d.]+ \| ){{5}}([\d.]+) \| ([\d.]+) \|",
+                            out, re.M)
+            assert row, out
+            assert abs(float(row[1]) - 1) <= 0.10, row[0]      # held / accounting
+            # FSDP2 holds 1/DP of DP 1's bytes; plain DP the same bytes on every rank
+            assert float(row[2]) == pytest.approx(1.0 if kind == "FSDP2" else dp, rel=0.1)
+    assert re.search(r"^\| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.M), out
+    assert "meets the target" in out, out

@@ -209,3 +209,17 @@ def test_cached_decoding_gives_the_full_forward_logits(overrides):
             steps.append(model(ids[:, i:i + 1], pos[:, i:i + 1], None, inference_params=cache))
             cache.sequence_len_offset += 1
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-5)
+
+
+def test_rope_angles_stay_real_in_a_meta_device_build():
+    """--init-model-with-meta-device fills only parameters and buffers afterwards: the angle
+    table (config-derived, no model state) must be real and the same as an ordinary build's."""
+    from megatron.core import meta_init
+
+    with meta_init.building(real=None):
+        meta_built = RotaryEmbedding(16, rotary_base=500000, rope_scaling_factor=8.0)
+    ordinary = RotaryEmbedding(16, rotary_base=500000, rope_scaling_factor=8.0)
+    assert not meta_built.inv_freq.is_meta
+    assert torch.equal(meta_built(12), ordinary(12))
+    reference = reference_llama3(16, 500000, 8.0)
+    torch.testing.assert_close(ordinary.inv_freq, torch.tensor(reference, dtype=torch.float64))
