@@ -9,16 +9,15 @@
 # of Megatron-LM's Megatron-FSDP Llama 3 8B recipe (examples/megatron_fsdp/): --use-megatron-fsdp
 # --data-parallel-sharding-strategy optim_grads_params (parameters, gradients and optimizer
 # state sharded: ZeRO-3, run here on PyTorch's FSDP2), --init-model-with-meta-device (each rank
-# materialises only its own shards), --no-gradient-accumulation-fusion, --ckpt-format
+# materialises only its own shards), --no-gradient-accumulation-fusion, --overlap-grad-reduce
+# and --overlap-param-gather (what FSDP2 always does: a note says so), --ckpt-format
 # fsdp_dtensor (each rank saves its shards) and --bf16 (bf16 compute on fp32 main weights).
 # FSDP=torch2 trains with --use-torch-fsdp2 instead (the same sharding, PyTorch's own flag);
 # SHARDING_STRATEGY=optim_grads keeps each layer's parameters gathered between forward and
 # backward (ZeRO-2), optim shards only the optimizer state (the distributed optimizer).
-# Left out of the recipe: --calculate-per-token-loss, --overlap-grad-reduce and
-# --overlap-param-gather (FSDP2 reduces and gathers per layer itself; per-token loss is not
-# built on it yet), --use-nccl-ub and --fsdp-double-buffer (CUDA buffers), fp8. BF16=0 trains
-# in fp32. Every size can be overridden from the environment (the comments give Llama 3 8B's);
-# a tiny smoke run:
+# Left out of the recipe: --calculate-per-token-loss (not built on FSDP2 yet), --use-nccl-ub
+# and --fsdp-double-buffer (CUDA buffers), fp8. BF16=0 trains in fp32. Every size can be
+# overridden from the environment (the comments give Llama 3 8B's); a tiny smoke run:
 #
 #   TRAIN_ITERS=20 NUM_LAYERS=2 HIDDEN_SIZE=64 SEQ_LENGTH=64 LOG_INTERVAL=1 \
 #     bash examples/pretrain_llama3_fsdp_cpu.sh /tmp/llama3_fsdp
@@ -124,7 +123,7 @@ if [ "$FSDP" = torch2 ] || [ "$SHARDING_STRATEGY" != optim ]; then
 fi
 PARALLEL_ARGS=(
   --tensor-model-parallel-size 1 "${FSDP_ARGS[@]}" --no-gradient-accumulation-fusion
-  --device "$DEVICE"
+  --overlap-grad-reduce --overlap-param-gather --device "$DEVICE"
 )
 DATA_ARGS=(
   --data-path "$OUT/data/stdlib_content_document" --split 99,1,0

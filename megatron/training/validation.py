@@ -344,7 +344,7 @@ def _validate_parallel(args) -> None:
     if args.ffn_hidden_size % tp != 0:
         _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
               f"--tensor-model-parallel-size ({tp})")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
+    if args.overlap_param_gather and not (args.use_distributed_optimizer or args.use_torch_fsdp2):
         _fail("--overlap-param-gather needs --use-distributed-optimizer")
     if args.distributed_backend == "nccl" and not torch.cuda.is_available():
         args.distributed_backend = "gloo"
@@ -512,7 +512,7 @@ def _validate_megatron_fsdp(args) -> None:
     # Megatron-FSDP's launch scripts pass --use-distributed-optimizer with every strategy;
     # the strategy decides here what is sharded.
     args.use_distributed_optimizer = distributed
-    if not distributed and args.overlap_param_gather:
+    if not distributed and not on_fsdp2 and args.overlap_param_gather:
         _fail(f"{_megatron_fsdp_flag(args)} cannot be combined with --overlap-param-gather: "
               f"it overlaps the distributed optimizer's gather (use --data-parallel-sharding-"
               f"strategy optim) or drop it")
@@ -530,6 +530,19 @@ def _validate_meta_device_init(args) -> None:
               "(there are no weights to broadcast before sharding); drop one")
 
 
+def _fsdp2_overlaps_already(args, name: str) -> None:
+    """--overlap-grad-reduce / --overlap-param-gather (in Megatron's FSDP recipes) ask for what
+    FSDP2 always does: one reduce-scatter per layer as the last micro-batch's backward reaches
+    it, and each layer's all-gather prefetched; one note, and the DDP-wrapper switches off."""
+    given = [flag for flag, on in (("--overlap-grad-reduce", args.overlap_grad_reduce),
+                                   ("--overlap-param-gather", args.overlap_param_gather)) if on]
+    if given:
+        _note(args, f"{' and '.join(given)} with {name}: FSDP2 already overlaps each layer's "
+                    "gradient reduce-scatter with backward and prefetches its parameter "
+                    "all-gather; no effect here")
+    args.overlap_grad_reduce = args.overlap_param_gather = False
+
+
 def _validate_torch_fsdp2(args) -> None:
     """--use-torch-fsdp2: FSDP2 owns the sharding and the gradient reduction; combinations it
     cannot serve (or that are not built on it yet) stop here in one line naming the flags."""
@@ -542,11 +555,6 @@ def _validate_torch_fsdp2(args) -> None:
     refused = [
         (args.use_distributed_optimizer, "--use-distributed-optimizer",
          "FSDP2 already shards the optimizer state; drop --use-distributed-optimizer"),
-        (args.overlap_grad_reduce, "--overlap-grad-reduce",
-         "FSDP2 owns the gradient reduction (one reduce-scatter per layer in the last "
-         "micro-batch's backward); drop --overlap-grad-reduce"),
-        (args.overlap_param_gather, "--overlap-param-gather",
-         "FSDP2 gathers each layer's parameters itself; drop --overlap-param-gather"),
         (args.num_experts is not None
          and args.expert_tensor_parallel_size != args.tensor_model_parallel_size,
          f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}",
@@ -567,6 +575,7 @@ def _validate_torch_fsdp2(args) -> None:
     for bad, flag, why in refused:
         if bad:
             _fail(f"{name} cannot be combined with {flag}: {why}")
+    _fsdp2_overlaps_already(args, name)
     replicas, dp_cp = args.num_distributed_optimizer_instances, \
         args.data_parallel_size * args.context_parallel_size
     if dp_cp % replicas:

@@ -84,8 +84,6 @@ def test_without_megatron_fsdp_the_reduce_dtype_is_fsdp2s_default():
     (["--outer-dp-sharding-strategy", "optim"], "--outer-dp-sharding-strategy optim"),
     (["--num-experts", "2", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2"],
      "optim_grads_params"),
-    (["--data-parallel-sharding-strategy", "optim_grads", "--overlap-grad-reduce"],
-     "--data-parallel-sharding-strategy optim_grads"),
     (["--data-parallel-sharding-strategy", "no_shard", "--overlap-param-gather"],
      "--overlap-param-gather"),
 ])

@@ -35,7 +35,6 @@ def test_flags_fill_the_ddp_config():
 
 @pytest.mark.parametrize("extra, named", [
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
-    (["--overlap-grad-reduce"], "--overlap-grad-reduce"),
     (["--num-experts", "2", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2"],
      "--expert-tensor-parallel-size 2"),
     (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
@@ -111,3 +110,26 @@ def _meta_refusal(extra):
 def test_meta_device_init_is_accepted_with_fsdp2():
     assert _validated(["--use-torch-fsdp2", "--init-model-with-meta-device"]) \
         .init_model_with_meta_device
+
+
+def test_overlap_flags_of_megatrons_fsdp_recipes_are_accepted_with_one_note(capsys):
+    """FSDP2 always overlaps the reduce-scatter and prefetches the all-gather: the recipes'
+    --overlap-grad-reduce / --overlap-param-gather are notes, and the DDP wrapper's switches
+    stay off under FSDP2."""
+    args = _validated(["--use-torch-fsdp2", "--overlap-grad-reduce", "--overlap-param-gather"])
+    assert args.use_torch_fsdp2
+    assert not args.overlap_grad_reduce and not args.overlap_param_gather
+    notes = [line for line in capsys.readouterr().out.splitlines() if "FSDP2 already" in line]
+    assert len(notes) == 1
+    assert "--overlap-grad-reduce and --overlap-param-gather" in notes[0]
+
+
+def test_megatron_fsdp_recipe_flags_validate_on_fsdp2(capsys):
+    """Megatron-LM's FSDP recipe line: optim_grads_params with --use-distributed-optimizer and
+    both overlap flags runs on FSDP2 (one note for the overlap flags)."""
+    args = _validated(["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                       "optim_grads_params", "--use-distributed-optimizer",
+                       "--overlap-grad-reduce", "--overlap-param-gather"])
+    assert args.use_torch_fsdp2 and not args.use_distributed_optimizer
+    assert not args.overlap_grad_reduce and not args.overlap_param_gather
+    assert "FSDP2 already overlaps" in capsys.readouterr().out
