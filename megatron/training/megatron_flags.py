@@ -53,7 +53,7 @@ EXTRA_CHOICES = (
     ("--position-embedding-type", "relative", table.T5),
     ("--transformer-impl", "inference_optimized", table.INFERENCE),
     *(("--optimizer", name, table.OPTIMIZERS)
-      for name in ("lion", "soap", "adaptive_muon")),
+      for name in ("soap", "adaptive_muon")),
     ("--tokenizer-type", "MultimodalTokenizer", table.VISION),
     ("--tokenizer-type", "NullMultimodalTokenizer", table.VISION),
     ("--tokenizer-type", "SFTTokenizer", table.SFT),

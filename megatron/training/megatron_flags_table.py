@@ -66,8 +66,8 @@ AVERAGE = ("gradients are averaged over the data-parallel group by scaling each 
 BARRIER = "the timers here never add a barrier; --timing-log-level 1 timers are not synchronised"
 
 # What to do instead of a refused flag.
-ROPE_SCALING = ("RoPE scaling (Llama-3.x scaling, YaRN) is not built yet; drop it (plain RoPE "
-                "with --rotary-base is used)")
+ROPE_SCALING = ("a per-attention-kind rope switch is not built; drop it and choose with "
+                "--position-embedding-type rope|yarn (multi-latent attention takes YaRN)")
 MTP = ("this option of multi-token prediction (standalone MTP stages, a repeated MTP layer, "
        "detached heads, hybrid patterns) is not built yet; drop it (--mtp-num-layers works)")
 MLA = ("this option of multi-latent attention (caching the compressed latents, fusing the down "
