@@ -343,11 +343,11 @@ def profile_call(fn):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
         result = fn()
         wall = (time.perf_counter() - start) * 1000.0
-    by_cat, by_op = {}, {}
+    by_cat, by_op, by_gemm = {}, {}, {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CPU:
             continue
@@ -359,8 +359,14 @@ def profile_call(fn):
         cat = _category(ev.name, ancestors)
         by_cat[cat] = by_cat.get(cat, 0.0) + self_ms
         by_op[ev.name] = by_op.get(ev.name, 0.0) + self_ms
+        if cat == "GEMM":
+            shapes = "x".join(str(list(s)) for s in (ev.input_shapes or []) if s)
+            key = f"{ev.name} {shapes}"
+            count, total = by_gemm.get(key, (0, 0.0))
+            by_gemm[key] = (count + 1, total + self_ms)
     top = sorted(by_op.items(), key=lambda kv: -kv[1])[:12]
-    return {"wall_ms": wall, "categories": by_cat, "top_ops": top}, result
+    gemms = sorted(((k, c, ms) for k, (c, ms) in by_gemm.items()), key=lambda r: -r[2])[:16]
+    return {"wall_ms": wall, "categories": by_cat, "top_ops": top, "top_gemms": gemms}, result
 
 
 def profile_ours(a, root: str, flags: list) -> None:
@@ -535,6 +541,10 @@ def print_profiles(profiles: dict) -> None:
     for name, p in profiles.items():
         print(f"\ntop ops of {name} (self ms): " +
               ", ".join(f"{op} {ms:.0f}" for op, ms in p["top_ops"]))
+    for name, p in profiles.items():
+        print(f"\nGEMMs of {name} by operand shapes (calls, self ms):\n")
+        for key, count, ms in p.get("top_gemms", []):
+            print(f"- {key}: {count} calls, {ms:.0f} ms")
 
 
 def main(a) -> None:
