@@ -49,7 +49,7 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "apply_query_key_layer_scaling",
                                 "window_size", "window_attn_skip_freq", "softmax_type",
                                 "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                                "qk_pos_emb_head_dim", "v_head_dim",
+                                "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
                                 "vocab_size", "null_tokenizer_eod_id",
                                 "make_vocab_size_divisible_by")
 # Taken too with --use-mp-args-from-checkpoint-args (Megatron's model-parallel set; the last only

@@ -47,6 +47,7 @@ import torch
 from megatron.convert import (hf_bert, hf_gpt2, hf_llama, hf_mixtral, hf_neox, hf_qwen2,
                               hf_qwen2_moe, hf_qwen3, hf_qwen3_moe, hf_stablelm)
 from megatron.convert.hf_common import ConfigView, canonical_layer_shapes
+from megatron.model.rotary_pos_embedding import yarn_get_mscale
 from megatron.convert.megatron_layout import mtp_tensor_shapes
 from megatron.convert.hf_tokenizer import (detect_tokenizer, detect_wordpiece, plan_tokenizer,
                                            write_tokenizer)
@@ -186,6 +187,11 @@ def _deepseek_v3_family(meta: ModelMeta):
     problems = family.unsupported_features(meta)
     if meta.position_embedding_type not in ("rope", "yarn"):
         problems.insert(0, f"--position-embedding-type {meta.position_embedding_type}")
+    elif meta.position_embedding_type == "rope" and yarn_get_mscale(
+            meta.rotary_scaling_factor, meta.mscale_all_dim) != 1.0:
+        problems.insert(0, f"--rope-type rope with --rotary-scaling-factor "
+                        f"{meta.rotary_scaling_factor} and --mscale-all-dim "
+                        f"{meta.mscale_all_dim} (a YaRN softmax scale over a plain rotary)")
     if problems:
         raise ConversionError(f"{family.ARCHITECTURE} (the Hugging Face architecture for "
                               "--multi-latent-attention) cannot express: " + "; ".join(problems))

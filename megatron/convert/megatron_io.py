@@ -453,8 +453,9 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     position = getattr(args, "position_embedding_type", "learned_absolute")
     if getattr(args, "use_rotary_position_embeddings", False):
         position = "rope"
-    if getattr(args, "multi_latent_attention", False) and position == "rope":
-        position = "yarn"   # what the training runs (megatron.training.configs)
+    if getattr(args, "multi_latent_attention", False) and position in ("rope", "yarn"):
+        # What the training runs (megatron.training.configs): --rope-type, YaRN when unset.
+        position = getattr(args, "rope_type", None) or "yarn"
     epsilon = getattr(args, "norm_epsilon", None) or getattr(args, "layernorm_epsilon", None)
     padded = args.padded_vocab_size
     # In this project's conventions, without Megatron's own classes (the target writes them).

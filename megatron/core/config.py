@@ -120,6 +120,9 @@ class TransformerConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # --rope-type: rope or yarn for MLA's rotary channels (None: yarn); standard attention
+    # accepts only rope (its YaRN is --position-embedding-type yarn), as in Megatron-Core.
+    rope_type: Optional[str] = None
     # Attention variants of Megatron-Core: --qk-l2-norm (query and key scaled to unit RMS over
     # head_dim, no weight: Llama 4), --attention-output-gate (a sigmoid gate per head channel,
     # its rows in the QKV projection: Qwen3-Next), --no-rope-freq (layers without rotary
@@ -376,6 +379,12 @@ def mla_conflict(config: TransformerConfig) -> Optional[str]:
     if config.rotary_percent != 1.0:
         return "--multi-latent-attention rotates all --qk-pos-emb-head-dim channels: drop " \
             f"--rotary-percent {config.rotary_percent}"
+    for flag, on in (("--use-rope-scaling", config.use_rope_scaling),
+                     ("--rotary-seq-len-interpolation-factor",
+                      config.rotary_seq_len_interpolation_factor not in (None, 1, 1.0))):
+        if on:
+            return (f"{flag} does not apply to multi-latent attention's rotary channels (plain "
+                    "rope or YaRN, chosen by --rope-type): drop it")
     sizes = [("--kv-lora-rank", config.kv_lora_rank), ("--qk-head-dim", config.qk_head_dim),
              ("--qk-pos-emb-head-dim", config.qk_pos_emb_head_dim),
              ("--v-head-dim", config.v_head_dim)]
@@ -393,6 +402,10 @@ def mla_conflict(config: TransformerConfig) -> Optional[str]:
 def attention_variant_conflict(config: TransformerConfig) -> Optional[str]:
     """Why --qk-l2-norm, --attention-output-gate, --no-rope-freq or
     --embedding-init-method-std cannot be built as given (None: they can)."""
+    if config.rope_type not in (None, "rope") and not config.multi_latent_attention:
+        return (f"--rope-type {config.rope_type} applies to --multi-latent-attention only; "
+                "standard attention takes --rope-type rope (for YaRN use "
+                "--position-embedding-type yarn)")
     if config.multi_latent_attention:
         for flag, on in (("--qk-l2-norm", config.qk_l2_norm),
                          ("--attention-output-gate", config.attention_output_gate)):

@@ -47,12 +47,11 @@ from megatron.model.rotary_pos_embedding import (YarnSettings, apply_rotary_pos_
 
 
 def mla_softmax_scale(config: TransformerConfig) -> float:
-    """``m^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)``, ``m`` YaRN's all-dim mscale (1
-    without YaRN)."""
-    mscale = 1.0
-    if config.position_embedding_type == "yarn":
-        yarn = YarnSettings.from_config(config)
-        mscale = yarn_get_mscale(yarn.scaling_factor, yarn.mscale_all_dim)
+    """``m^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim)``, ``m`` YaRN's all-dim mscale of
+    ``--rotary-scaling-factor`` and ``--mscale-all-dim`` (1 at factor 1), whichever rotary
+    ``--rope-type`` picks, as Megatron-Core computes it."""
+    yarn = YarnSettings.from_config(config)
+    mscale = yarn_get_mscale(yarn.scaling_factor, yarn.mscale_all_dim)
     return mscale * mscale / math.sqrt(config.qk_head_dim + config.qk_pos_emb_head_dim)
 
 

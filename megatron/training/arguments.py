@@ -151,6 +151,10 @@ def _add_mla_args(g):
     g.add_argument("--qk-pos-emb-head-dim", type=int, default=64,
                    help="MLA: per-head query/key rotary channels (the key's shared by heads)")
     g.add_argument("--v-head-dim", type=int, default=128, help="MLA: per-head value channels")
+    g.add_argument("--rope-type", type=str, default=None, choices=["rope", "yarn"],
+                   help="MLA: the rotary of the --qk-pos-emb-head-dim channels, plain rope or "
+                        "YaRN (unset: yarn, Megatron-Core's MLA default); standard attention "
+                        "takes only rope here (choose YaRN with --position-embedding-type)")
 
 
 def _add_yarn_args(g):

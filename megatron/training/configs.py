@@ -80,11 +80,11 @@ class Configs:
 
 def _position_embedding_type(args) -> str:
     """``--position-embedding-type``, except that multi-latent attention's rotary positions are
-    YaRN's (Megatron-Core's MLA default with ``--rope-type`` unset) under ``rope``: the
-    DeepSeek recipes set ``--rotary-scaling-factor``, ``--mscale`` and ``--mscale-all-dim``
-    beside ``--position-embedding-type rope``. At the default factor 1 YaRN is plain rope."""
-    if args.multi_latent_attention and args.position_embedding_type == "rope":
-        return "yarn"
+    chosen by ``--rope-type`` (unset: YaRN, Megatron-Core's MLA default): the DeepSeek recipes
+    set ``--rotary-scaling-factor``, ``--mscale`` and ``--mscale-all-dim`` beside
+    ``--position-embedding-type rope``. At the default factor 1 YaRN is plain rope."""
+    if args.multi_latent_attention and args.position_embedding_type in ("rope", "yarn"):
+        return args.rope_type or "yarn"
     return args.position_embedding_type
 
 
@@ -149,6 +149,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         softmax_type=args.softmax_type,
         multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,
+        rope_type=args.rope_type,
         kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
         qk_l2_norm=args.qk_l2_norm, attention_output_gate=args.attention_output_gate,

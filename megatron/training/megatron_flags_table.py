@@ -66,8 +66,6 @@ AVERAGE = ("gradients are averaged over the data-parallel group by scaling each 
 BARRIER = "the timers here never add a barrier; --timing-log-level 1 timers are not synchronised"
 
 # What to do instead of a refused flag.
-ROPE_SCALING = ("a per-attention-kind rope switch is not built; drop it and choose with "
-                "--position-embedding-type rope|yarn (multi-latent attention takes YaRN)")
 MTP = ("this option of multi-token prediction (standalone MTP stages, a repeated MTP layer, "
        "detached heads, hybrid patterns) is not built yet; drop it (--mtp-num-layers works)")
 MLA = ("this option of multi-latent attention (caching the compressed latents, fusing the down "
@@ -355,7 +353,6 @@ ROWS = (
      'false', True, '', WORKS, None),
     ('--tp-comm-overlap-cfg', '', 'str', None, '', REFUSED, TP_OVERLAP),
     ('--no-rope-fusion', 'apply_rope_fusion', 'false', True, '', NO_EFFECT, FUSION),
-    ('--rope-type', '', 'str', None, 'rope|yarn', REFUSED, ROPE_SCALING),
     ('--optimizer-cuda-graph', '', 'true', False, '', REFUSED, CUDA_GRAPH),
     ('--dump-param-to-param-group-map', '', 'str', None, '', REFUSED, PARAM_GROUPS),
     ('--perform-rl-step', '', 'true', False, '', REFUSED, RL),

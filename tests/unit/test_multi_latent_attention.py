@@ -265,6 +265,67 @@ def test_mla_under_rope_takes_yarn_as_megatron_core_does():
     assert mla_softmax_scale(config) == pytest.approx(m * m / math.sqrt(192), rel=1e-15)
 
 
+def test_mla_rope_type_rope_rotates_plainly_and_keeps_the_yarn_softmax_scale():
+    """--rope-type rope: MLA's rotary channels turn by plain rope frequencies, no cos/sin
+    concentration, while the softmax scale keeps YaRN's all-dim mscale of
+    --rotary-scaling-factor and --mscale-all-dim squared (as Megatron-Core computes it)."""
+    from megatron.training.configs import _position_embedding_type
+
+    words = ["--multi-latent-attention", "--position-embedding-type", "rope",
+             "--rotary-scaling-factor", "4", "--mscale", "0.9", "--mscale-all-dim", "0.7"]
+    assert _position_embedding_type(build_parser().parse_args(words + ["--rope-type", "rope"])) \
+        == "rope"
+    assert _position_embedding_type(build_parser().parse_args(words + ["--rope-type", "yarn"])) \
+        == "yarn"
+    config = _config(position_embedding_type="rope", rope_type="rope",
+                     yarn_rotary_scaling_factor=4.0, yarn_mscale=0.9, yarn_mscale_all_dim=0.7,
+                     q_lora_rank=12)
+    module = _module(config)
+    x = torch.randn(5, 1, H, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    out, _ = module(x, None, build_rotary_embedding(config)(5))
+    m = 0.1 * 0.7 * math.log(4.0) + 1
+    inv_freq = [10000 ** (-2 * i / R) for i in range(R // 2)]
+    want = _naive_mla(module, x, inv_freq, m * m / math.sqrt(D + R))
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+
+
+def test_rope_type_is_refused_where_megatron_core_refuses_it():
+    with pytest.raises(ConfigError, match="--rope-type yarn applies to --multi-latent-attention"):
+        _config(multi_latent_attention=False, rope_type="yarn", qk_layernorm=False)
+    _config(multi_latent_attention=False, rope_type="rope", qk_layernorm=False)
+    with pytest.raises(ConfigError, match="--use-rope-scaling does not apply"):
+        _config(use_rope_scaling=True)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--rope-type", "llama3"])
+
+
+def test_converter_takes_mla_rope_type_and_refuses_what_deepseek_v3_cannot_hold():
+    import types
+
+    from megatron.convert import hf, megatron_io
+    from megatron.convert.schema import ConversionError
+
+    base = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "16",
+            "--qk-head-dim", "8", "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6",
+            "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+            "--disable-bias-linear", "--qk-layernorm", "--untie-embeddings-and-output-weights",
+            "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+            "--rope-type", "rope"]
+
+    def meta(*extra):
+        args = build_parser().parse_args(base + list(extra))
+        args.padded_vocab_size, args.seq_length = 64, 16
+        source = types.SimpleNamespace(args=args, file=lambda *_: "ckpt/iter_0000001",
+                                       scheduler=None, release=True, bert=False,
+                                       num_tokentypes=0, binary_head=False)
+        return megatron_io._meta_from_args(source, 64)
+
+    assert meta().position_embedding_type == "rope"
+    assert hf.family_for_meta(meta()).ARCHITECTURE == "DeepseekV3ForCausalLM"
+    with pytest.raises(ConversionError, match="--rope-type rope with --rotary-scaling-factor"):
+        hf.family_for_meta(meta("--rotary-scaling-factor", "4", "--mscale-all-dim", "1"))
+
+
 def _cp_args(*extra, cp=4):
     from megatron.training.arguments import parse_args, validate_args
 
