@@ -827,6 +827,29 @@ def _add_profiling_args(parser):
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="with --profile: write a torch profiler trace (Chrome trace json) into "
                    "--tensorboard-dir")
+    g.add_argument("--pytorch-profiler-collect-chakra", action="store_true",
+                   help="with --profile --use-pytorch-profiler: also record torch's execution "
+                   "trace (Chakra's input) into --tensorboard-dir/../chakra/rank-<R>.json.gz")
+    g.add_argument("--nvtx-ranges", action="store_true",
+                   help="with --profile on GPUs: NVTX ranges for each profiled iteration and "
+                   "each timed phase inside it (forward-backward, optimizer, ...), for nsys; "
+                   "no effect on CPU")
+    g.add_argument("--record-memory-history", action="store_true",
+                   help="GPUs: record the CUDA caching allocator's history from the model's "
+                   "construction on; the last rank writes a snapshot to --memory-snapshot-path "
+                   "at every --log-interval, and any rank that runs out of memory to "
+                   "oom_rank-<R>_<path>")
+    g.add_argument("--memory-snapshot-path", type=str, default="snapshot.pickle",
+                   help="with --record-memory-history: where the snapshot goes "
+                   "(torch.cuda.memory._snapshot(), pickled; open it at pytorch.org/memory_viz)")
+    g.add_argument("--log-memory-interval", type=int, default=None,
+                   help="every N iterations (a multiple of --log-interval), each data-parallel "
+                   "rank 0 prints its memory: allocated, max allocated, reserved and max "
+                   "reserved MB (the CUDA allocator's; on CPU the process's resident set and "
+                   "its peak)")
+    g.add_argument("--log-device-memory-used", action="store_true",
+                   help="with --log-memory-interval: also the device's whole used memory, "
+                   "other processes included (on CPU the machine's: MemTotal - MemAvailable)")
 
 
 def _add_moe_args(parser):

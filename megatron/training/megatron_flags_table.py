@@ -119,8 +119,6 @@ GRAD_PRECISION = ("gradients are reduced in fp32 here with --bf16 (as "
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
 TIMEOUTS = ("the NCCL flight recorder and a second timeout after start-up are not built here; "
             "use --distributed-timeout-minutes")
-MEMORY_TOOLS = ("CUDA memory snapshots, NVTX ranges and extra profiler outputs are not built "
-                "yet; use --log-memory-to-tensorboard or --profile --use-pytorch-profiler")
 QK_CLIP = "QK-clip and attention-logit logging are not built yet; drop it"
 MODEL_VARIANT = "this model variant is not built yet; drop it"
 FORCE_BALANCE = "forced (random) router balancing is a benchmark switch, not built here; drop it"
@@ -340,11 +338,7 @@ ROWS = (
     ('--no-weight-decay-cond-type', '', 'str', None, 'apply_wd_to_qk_layernorm', WORKS, None),
     ('--pytorch-profiler-collect-shapes', '', 'true', False, '', NO_EFFECT, PROFILER),
     ('--pytorch-profiler-collect-callstack', '', 'true', False, '', NO_EFFECT, PROFILER),
-    ('--pytorch-profiler-collect-chakra', '', 'true', False, '', REFUSED, MEMORY_TOOLS),
-    ('--record-memory-history', '', 'true', False, '', REFUSED, MEMORY_TOOLS),
-    ('--memory-snapshot-path', '', 'str', 'snapshot.pickle', '', REFUSED, MEMORY_TOOLS),
     ('--record-shapes', '', 'true', False, '', NO_EFFECT, PROFILER),
-    ('--nvtx-ranges', '', 'true', False, '', REFUSED, MEMORY_TOOLS),
     ('--gpu-sniff-test-interval', '', 'int', None, '', REFUSED, GPU_SNIFF),
     ('--train-sync-interval', '', 'int', None, '', NO_EFFECT, SCHEDULE),
     ('--exit-signal', '', 'signal', signal.SIGTERM, '', WORKS, None),
@@ -565,8 +559,6 @@ ROWS = (
     ('--heterogeneous-layers-config-path', '', 'str', None, '', REFUSED, HETERO),
     ('--heterogeneous-layers-config-encoded-json', '', 'str', None, '', REFUSED, HETERO),
     ('--log-progress', '', 'true', False, '', WORKS, None),
-    ('--log-memory-interval', '', 'int', None, '', REFUSED, MEMORY_TOOLS),
-    ('--log-device-memory-used', '', 'true', False, '', REFUSED, MEMORY_TOOLS),
     ('--log-max-attention-logit', '', 'true', False, '', REFUSED, QK_CLIP),
     ('--no-barrier-with-level-1-timing', 'barrier_with_L1_time',
      'false', True, '', NO_EFFECT, BARRIER),

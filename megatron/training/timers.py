@@ -10,9 +10,11 @@ from megatron.core import device
 
 
 class _Timer:
-    def __init__(self):
+    def __init__(self, name: str = "", owner=None):
         self.elapsed_s = 0.0
         self._start = None
+        self.name, self.owner = name, owner
+        self._nvtx_open = False
 
     def start(self, barrier_group=None):
         if self._start is not None:
@@ -20,6 +22,9 @@ class _Timer:
         if barrier_group is not None:
             dist.barrier(group=barrier_group)
         device.synchronize()
+        if self.owner is not None and self.owner.nvtx:
+            torch.cuda.nvtx.range_push(self.name)        # --nvtx-ranges, while profiling
+            self._nvtx_open = True
         self._start = time.perf_counter()
 
     def stop(self):
@@ -28,6 +33,9 @@ class _Timer:
         device.synchronize()
         self.elapsed_s += time.perf_counter() - self._start
         self._start = None
+        if self._nvtx_open:
+            torch.cuda.nvtx.range_pop()
+            self._nvtx_open = False
 
     def elapsed(self, reset: bool = True) -> float:
         running = self._start is not None
@@ -60,11 +68,16 @@ class Timers:
         self.log_option = log_option
         self._timers: Dict[str, _Timer] = {}
         self._null = _NullTimer()
+        # Set by the profiler (--nvtx-ranges) while it profiles: timed phases become NVTX ranges.
+        self.nvtx = False
 
     def __call__(self, name: str, log_level: int = 0):
         if log_level > self.log_level:
             return self._null
-        return self._timers.setdefault(name, _Timer())
+        timer = self._timers.get(name)
+        if timer is None:
+            timer = self._timers[name] = _Timer(name, self)
+        return timer
 
     def seconds(self, name: str):
         """Seconds ``name`` has accumulated since it was last reset, leaving it running and

@@ -745,7 +745,8 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     start_time = time.time()
     stats = training_log.IntervalStats()
     start_iteration = train_state.iteration
-    profiler = training_hooks.IterationProfiler(args, args.rank)
+    profiler = training_hooks.IterationProfiler(args, args.rank, run.timers)
+    memory_tools = training_hooks.MemoryTools(args, pstate.dp_rank)
     manual_gc = training_hooks.ManualGC(args)
     straggler = stragglers.build(args, run.timers, lambda batch: (
         training_log.num_floating_point_operations(args, batch)))
@@ -779,6 +780,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
                 report_memory(args, pstate, run.calculator)
+            memory_tools.after_iteration(iteration)
             batch = run.calculator.current_running_global_batch_size
             train_state.consumed_train_samples += batch
             stats.add(losses, skipped)
@@ -931,6 +933,7 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     calculator = calculator_from_args(args, pstate.dp_size)
     check_memory_at_startup(args, pstate, calculator)
     training_hooks.note_cpu_only_flags(args)
+    training_hooks.start_memory_history(args)
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,
                                                             configs=configs)
     train_state = TrainState()

@@ -274,7 +274,34 @@ def _validate_surface(args) -> None:
                   f"--profile-step-start ({args.profile_step_start}) >= 0")
         if args.use_pytorch_profiler and not args.tensorboard_dir:
             _fail("--use-pytorch-profiler writes its trace into --tensorboard-dir; give one")
+    _validate_memory_tools(args)
     _read_data_args_files(args)
+
+
+def _on_cpu(args) -> bool:
+    return args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+
+
+def _validate_memory_tools(args) -> None:
+    """--log-memory-interval, --record-memory-history, --nvtx-ranges and
+    --pytorch-profiler-collect-chakra."""
+    interval = args.log_memory_interval
+    if interval is not None and (interval <= 0 or interval % args.log_interval):
+        _fail(f"--log-memory-interval ({interval}) must be a positive multiple of "
+              f"--log-interval ({args.log_interval})")
+    if args.log_device_memory_used and interval is None:
+        _note(args, "--log-device-memory-used adds to the --log-memory-interval report; "
+                    "without --log-memory-interval it has no effect")
+    if args.record_memory_history and _on_cpu(args):
+        _fail("--record-memory-history records the CUDA caching allocator's history and this "
+              "run is on CPU; drop it (--log-memory-interval reports the process's memory)")
+    if args.nvtx_ranges and (not args.profile or _on_cpu(args)):
+        _note(args, "--nvtx-ranges marks the profiled iterations for nsys on GPUs; "
+                    + ("on CPU" if args.profile else "without --profile") + " it has no effect")
+    if args.pytorch_profiler_collect_chakra and not (args.profile
+                                                     and args.use_pytorch_profiler):
+        _note(args, "--pytorch-profiler-collect-chakra records with --profile "
+                    "--use-pytorch-profiler; without them it has no effect")
 
 
 def _validate_context_parallel(args) -> None:

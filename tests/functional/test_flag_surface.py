@@ -1,6 +1,7 @@
 """The training-loop flags of Megatron's surface, end to end on one CPU rank: --log-params-norm,
 --log-throughput, --log-timers-to-tensorboard and --log-memory-to-tensorboard (console line and
-TensorBoard scalars), --profile with --use-pytorch-profiler (a trace json with op events),
+TensorBoard scalars), --profile with --use-pytorch-profiler (a trace json with op events) and
+--pytorch-profiler-collect-chakra, --log-memory-interval with --log-device-memory-used,
 --manual-gc, --empty-unused-memory-level and --pretrained-checkpoint.
 
 All runs share one spawned process (each pretrain() is set up from scratch).
@@ -85,7 +86,9 @@ def runs(tmp_path_factory):
                             os.path.join(root, "logged")], {}),
         ("profile", base + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
                             "--profile-step-end", "3", "--tensorboard-dir",
-                            os.path.join(root, "prof")], {}),
+                            os.path.join(root, "prof"), "--pytorch-profiler-collect-chakra",
+                            "--nvtx-ranges", "--log-memory-interval", "2",
+                            "--log-device-memory-used"], {}),
         ("nsys_on_cpu", base + ["--profile"], {}),
         ("plain", base, {}),
         ("manual_gc", base + ["--manual-gc", "--manual-gc-interval", "2",
@@ -189,6 +192,36 @@ def test_pytorch_profiler_trace_has_op_events(runs):
     assert steps == ["ProfilerStep#1", "ProfilerStep#2"]
     # The profiled run trains as the plain one does.
     assert runs["profile"]["losses"] == runs["plain"]["losses"]
+
+
+def test_chakra_execution_trace_is_written_where_megatron_writes_it(runs):
+    """--pytorch-profiler-collect-chakra: <--tensorboard-dir>/../chakra/rank-0.json.gz, torch's
+    execution trace (a graph of the recorded ops) of the profiled iterations."""
+    with gzip.open(os.path.join(runs["root"], "chakra", "rank-0.json.gz"), "rt") as f:
+        trace = json.load(f)
+    names = [node["name"] for node in trace["nodes"]]
+    assert "aten::mm" in names and len(names) > 100
+    notes = [ln for ln in runs["profile"]["stdout"].splitlines() if "--nvtx-ranges" in ln]
+    assert len(notes) == 1 and "on CPU it has no effect" in notes[0]
+
+
+def test_log_memory_interval_reports_every_second_iteration(runs):
+    """Megatron's memory line after iterations 2 and 4 (--log-memory-interval 2): on CPU the
+    resident set (allocated, reserved) and its peak, and the machine's used memory."""
+    pattern = re.compile(r"^\[Rank 0\] \(after (\d+) iterations\) memory \(MB\) \| "
+                         r"allocated: ([\d.]+) \| max allocated: ([\d.]+) \| reserved: "
+                         r"([\d.]+) \| max reserved: ([\d.]+) \| total device memory used: "
+                         r"([\d.]+)$")
+    found = [pattern.match(ln) for ln in runs["profile"]["stdout"].splitlines()]
+    found = [m for m in found if m]
+    assert [int(m.group(1)) for m in found] == [2, 4]
+    with open("/proc/meminfo") as f:
+        total_mb = int(f.readline().split()[1]) / 1024
+    for m in found:
+        allocated, peak, reserved, peak_reserved, used = map(float, m.groups()[1:])
+        assert 10 < allocated <= peak < total_mb and (reserved, peak_reserved) == (allocated, peak)
+        assert allocated < used < total_mb
+    assert not [ln for ln in runs["plain"]["stdout"].splitlines() if "memory (MB) |" in ln]
 
 
 def test_profile_without_pytorch_profiler_notes_no_effect_on_cpu(runs):
