@@ -95,6 +95,14 @@ class TransformerConfig:
     # host (megatron/model/activation_offload.py); 0: off.
     cpu_offloading_num_layers: int = 0
     cpu_offloading_retain_pinned_cpu_buffers: bool = False
+    # --fine-grained-activation-offloading: the modules of --offload-modules keep the saved
+    # tensors of at least --min-offloaded-tensor-size elements in host memory
+    # (megatron/model/fine_grained_offload.py, with its choice of groups).
+    fine_grained_activation_offloading: bool = False
+    offload_modules: Tuple[str, ...] = ()
+    min_offloaded_tensor_size: int = 1048576
+    delta_offload_bytes_across_pp_ranks: int = 0
+    activation_offload_fraction: float = 1.0
     first_pipeline_num_layers: Optional[int] = None  # --decoder-first-pipeline-num-layers
     last_pipeline_num_layers: Optional[int] = None   # --decoder-last-pipeline-num-layers
     pipeline_model_parallel_layout: Optional[str] = None  # every stage written out

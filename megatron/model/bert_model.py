@@ -166,6 +166,9 @@ class BertModel(MegatronModule):
                         config.hidden_size, 2, get_init_method(config),
                         config.params_dtype)
         tie_word_embeddings_over_stages(self, init_seed)
+        from megatron.model import fine_grained_offload
+        self.activation_offload = fine_grained_offload.install(
+            self, self.language_model.encoder.layers, config, pstate.pp_rank)
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The word-embedding table this stage uses (embedding, LM head, or both)."""

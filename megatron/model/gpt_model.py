@@ -100,6 +100,12 @@ class GPTModel(MegatronModule):
             self.mtp_tracker = MTPLossTracker(mtp_num_layers)
         if self.shares_embedding_over_stages:
             tie_word_embeddings_over_stages(self, init_seed)
+        from megatron.model import fine_grained_offload
+        layers = list(self.language_model.encoder.layers)
+        if self.mtp is not None:
+            layers += [mtp_layer.transformer_layer for mtp_layer in self.mtp.layers]
+        self.activation_offload = fine_grained_offload.install(self, layers, config,
+                                                               pstate.pp_rank)
         # The training logits, written into the same storage every micro-batch (CPU only:
         # CUDA's caching allocator already reuses the block).
         self._logits_buffer = tensor_parallel.ReusableOutputBuffer() if post_process else None

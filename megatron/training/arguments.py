@@ -254,6 +254,19 @@ def _add_training_args(parser):
                    "host memory (megatron/model/activation_offload.py)")
     g.add_argument("--cpu-offloading-retain-pinned-cpu-buffers", action="store_true",
                    help="with --cpu-offloading-num-layers: reuse the pinned host buffers")
+    g.add_argument("--fine-grained-activation-offloading", action="store_true",
+                   help="the modules of --offload-modules keep what they save for backward in "
+                   "host memory (megatron/model/fine_grained_offload.py; nothing to move on CPU)")
+    g.add_argument("--offload-modules", nargs="*", type=str, default=[],
+                   help="with --fine-grained-activation-offloading: any of attn_norm, "
+                   "qkv_linear, core_attn, attn_proj, mlp_norm, expert_fc1, moe_act")
+    g.add_argument("--min-offloaded-tensor-size", type=int, default=1048576,
+                   help="saved tensors with fewer elements stay on the device")
+    g.add_argument("--delta-offload-bytes-across-pp-ranks", type=int, default=0,
+                   help="pipeline rank r keeps r x this many bytes of its first groups on the "
+                   "device (later ranks hold fewer micro-batches in flight)")
+    g.add_argument("--activation-offload-fraction", type=float, default=1.0,
+                   help="the share of the eligible groups that offload (the last ones stay)")
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="old spelling of --recompute-granularity full --recompute-method uniform")
     g.add_argument("--train-iters", type=int, default=None)

@@ -97,8 +97,10 @@ TELEMETRY = ("this tracing/telemetry integration is not built here; drop it (use
 DISTILL = "saving or distilling from teacher logits is not built yet; drop it"
 FLEX = ("the flex token dispatcher (DeepEP, HybridEP, NCCL EP) is not built here; use "
         "--moe-token-dispatcher-type alltoall")
-ACT_OFFLOAD = ("fine-grained activation offloading (per module, MoE paged stash) is not built "
-               "yet; use --cpu-offloading-num-layers or --recompute-granularity")
+ACT_OFFLOAD = ("the MoE paged stash of expert activations is not built yet; use "
+               "--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act")
+INFLIGHT = ("offload copies here finish before the forward goes on, so no offload is ever in "
+            "flight for a cap to limit")
 OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd, lion or muon"
 MUP = "muP parametrisation is not built yet; drop it"
 ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not built yet; drop "
@@ -321,17 +323,13 @@ ROWS = (
     ('--gdp-num-chunk-states-to-recompute', '', 'int', 2, '', REFUSED, MAMBA),
     ('--mlp-chunks-for-prefill', '', 'int', 1, '', REFUSED, INFERENCE),
     ('--mlp-chunks-for-training', '', 'int', 1, '', REFUSED, MODEL_VARIANT),
-    ('--fine-grained-activation-offloading', '', 'true', False, '', REFUSED, ACT_OFFLOAD),
-    ('--offload-modules', '', 'str+', [], '', REFUSED, ACT_OFFLOAD),
-    ('--min-offloaded-tensor-size', '', 'int', 1048576, '', REFUSED, ACT_OFFLOAD),
     ('--delay-offload-until-cuda-graph', '', 'true', False, '', REFUSED, CUDA_GRAPH),
-    ('--delta-offload-bytes-across-pp-ranks', '', 'int', 0, '', REFUSED, ACT_OFFLOAD),
-    ('--activation-offload-fraction', '', 'float', 1.0, '', REFUSED, ACT_OFFLOAD),
     ('--moe-paged-stash', '', 'true', False, '', REFUSED, ACT_OFFLOAD),
     ('--moe-paged-stash-page-size', '', 'int', 64, '', REFUSED, ACT_OFFLOAD),
     ('--moe-paged-stash-buffer-size-factor-cuda', '', 'float', 1.1, '', REFUSED, ACT_OFFLOAD),
     ('--moe-paged-stash-buffer-size-factor-cpu', '', 'float', 0.0, '', REFUSED, ACT_OFFLOAD),
-    ('--fine-grained-offloading-max-inflight-offloads', '', 'int', None, '', REFUSED, ACT_OFFLOAD),
+    ('--fine-grained-offloading-max-inflight-offloads', '', 'int', None, '', NO_EFFECT,
+     INFLIGHT),
     ('--relative-attention-num-buckets', '', 'int', 32, '', REFUSED, T5),
     ('--relative-attention-max-distance', '', 'int', 128, '', REFUSED, T5),
     ('--apply-wd-to-qk-layernorm', '', 'true', False, '', WORKS, None),

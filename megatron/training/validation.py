@@ -1063,7 +1063,41 @@ def _validate_optimizer_offload(args) -> None:
                     "copies of the parameters, with the same results)")
 
 
+def _validate_fine_grained_offload(args) -> None:
+    from megatron.model.fine_grained_offload import OFFLOAD_MODULES
+
+    modules = list(args.offload_modules or [])
+    if not args.fine_grained_activation_offloading:
+        if modules:
+            _fail("--offload-modules needs --fine-grained-activation-offloading")
+        return
+    unknown = [m for m in modules if m not in OFFLOAD_MODULES]
+    if unknown or not modules:
+        _fail(f"--offload-modules: give one or more of {', '.join(OFFLOAD_MODULES)} with "
+              f"--fine-grained-activation-offloading (got {' '.join(modules) or 'none'})")
+    if args.cpu_offloading_num_layers:
+        _fail("--fine-grained-activation-offloading and --cpu-offloading-num-layers both "
+              "offload activations; use one")
+    if not 0.0 <= args.activation_offload_fraction <= 1.0:
+        _fail(f"--activation-offload-fraction must be in [0, 1], got "
+              f"{args.activation_offload_fraction}")
+    if args.min_offloaded_tensor_size < 0 or args.delta_offload_bytes_across_pp_ranks < 0:
+        _fail("--min-offloaded-tensor-size and --delta-offload-bytes-across-pp-ranks must be "
+              ">= 0")
+    for module, flag, on in (
+            ("core_attn", "--context-parallel-size > 1", args.context_parallel_size > 1),
+            ("qkv_linear", "--multi-latent-attention", args.multi_latent_attention),
+            ("expert_fc1", "--moe-grouped-gemm", args.moe_grouped_gemm)):
+        if module in modules and on:
+            _fail(f"--offload-modules {module} is not built with {flag} (that path has no "
+                  f"{module} module to hook); drop it from --offload-modules")
+    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+        _note(args, "--fine-grained-activation-offloading on a CPU run: the activations already "
+                    "live in host memory, so there is nothing to offload")
+
+
 def _validate_activation_offload(args) -> None:
+    _validate_fine_grained_offload(args)
     n = args.cpu_offloading_num_layers
     if n is None or not 0 <= n < args.num_layers:
         _fail(f"--cpu-offloading-num-layers must be in [0, --num-layers={args.num_layers}), "
