@@ -324,13 +324,25 @@ def stage_profile(run: Run, stage: Stage) -> None:
     board = os.path.join(run.logs, "profile_trace")
     flags = megatron_flags(shape, run.dry_run, 0.1)[:-2]   # pretrain() adds --device
     flags += ["--profile", "--use-pytorch-profiler", "--profile-step-start", "3",
-              "--profile-step-end", "5", "--tensorboard-dir", board]
+              "--profile-step-end", "5", "--tensorboard-dir", board,
+              "--pytorch-profiler-collect-chakra", "--log-memory-interval", "1",
+              "--log-device-memory-used"]
+    snapshot = os.path.join(run.logs, "memory_snapshot.pickle")
+    if not run.dry_run:     # the CUDA allocator's history: GPU only
+        flags += ["--record-memory-history", "--memory-snapshot-path", snapshot]
     result = pretrain(run, "profile", flags, run.left())
     if not result.ok:
         raise StageError(result.why())
     top = top_kernels(board, "cpu_op" if run.dry_run else "kernel")
-    stage.details = {"top": top}
+    memory = [line for line in result.text.splitlines() if " memory (MB) | " in line]
+    stage.details = {"top": top, "memory": memory[-1:],
+                     "chakra": os.path.exists(os.path.join(run.logs, "chakra", "rank-0.json.gz")),
+                     "snapshot_bytes": (os.path.getsize(snapshot) if os.path.exists(snapshot)
+                                        else None)}
     stage.summary = "; ".join(f"{name[:48]} {share:.0%}" for name, share in top[:5])
+    if not memory or not stage.details["chakra"] or (
+            not run.dry_run and not stage.details["snapshot_bytes"]):
+        raise StageError(f"memory report / chakra trace / snapshot missing: {stage.details}")
 
 
 def top_kernels(folder: str, category: str, count: int = 10):
