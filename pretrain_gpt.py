@@ -12,6 +12,7 @@ from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.dataset_utils import (get_ltor_masks_and_position_ids, mask_pad_tokens,
                                          pad_token_id)
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
+from megatron.data.sft_dataset import sft_attention_mask
 from megatron.model import GPTModel
 from megatron.training.training import model_stage, pretrain, print_rank_0
 
@@ -101,13 +102,7 @@ def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers
                                           data, torch.int64, pstate.tp_group, src)
     loss_mask = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32,
                                                pstate.tp_group, src)["loss_mask"]
-    segments = ints["segment_ids"]                                  # [b, s]
-    attention_mask = None
-    if bool((segments != segments[:, :1]).any()):
-        s = segments.shape[1]
-        causal = torch.ones((s, s), dtype=torch.bool, device=segments.device).tril()
-        same = segments.unsqueeze(2) == segments.unsqueeze(1)       # [b, s, s]
-        attention_mask = ~(same & causal).unsqueeze(1)              # [b, 1, s, s] True: masked
+    attention_mask = sft_attention_mask(ints["segment_ids"])
     tokens, position_ids = ints["tokens"], ints["position_ids"]
     labels = ints["labels"]
     if not (first or (last and mtp_num_layers)):

@@ -122,6 +122,18 @@ def pack_conversations(conversations: Sequence[Sequence[dict]], tokenizer,
             "segment_ids": np.array(segments[:-1], dtype=np.int64)}
 
 
+def sft_attention_mask(segment_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """The attention mask of a batch of packed samples, ``[b, 1, s, s]`` bool, True where a
+    query may NOT see a key: causal within each conversation (``segment_ids`` ``[b, s]``), none
+    across them. None (plain causal attention) when every sample holds one conversation."""
+    if not bool((segment_ids != segment_ids[:, :1]).any()):
+        return None
+    s = segment_ids.shape[1]
+    causal = torch.ones((s, s), dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)      # [b, s, s]
+    return ~(same & causal).unsqueeze(1)                             # [b, 1, s, s]
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """``num_samples`` packed samples of one split (``lines``) of one JSONL file."""
 

@@ -187,3 +187,72 @@ def test_unknown_prompt_format_and_missing_pad_token_are_refused(tokenizer_dir, 
     bare.save(str(tmp_path / "tokenizer.json"))
     with pytest.raises(ValueError, match="'<SPECIAL_233>' is not a token"):
         SFTTokenizer(str(tmp_path), "nemotron-h-aligned")
+
+
+def test_a_packed_conversation_is_computed_as_if_alone(tokenizer_dir):
+    """Logits of the second conversation of a pack (its own positions, the segment mask) equal
+    those of the conversation run alone from position 0 (float64; ~1e-15 apart in order only);
+    without the mask, it would see the first conversation."""
+    import torch
+
+    from megatron.data.sft_dataset import sft_attention_mask
+    from megatron.model import GPTModel
+    from tests.unit.test_gpt_model import make_config, single_process_state
+
+    tok = SFTTokenizer(tokenizer_dir, "nemotron-h-aligned")
+    first, second = CONVERSATION[:3], [CONVERSATION[0]] + CONVERSATION[3:]
+    seq = 96
+    packed = pack_conversations([first, second], tok, seq)
+    n = int((packed["segment_ids"] == 0).sum())
+    alone = pack_conversations([second], tok, seq - n)
+    assert sft_attention_mask(torch.from_numpy(alone["segment_ids"])[None]) is None
+    model = GPTModel(make_config(padded_vocab_size=384, max_position_embeddings=seq,
+                                 seq_length=seq, position_embedding_type="rope"),
+                     single_process_state(), init_seed=3)
+
+    def logits(sample, masked=True):
+        ids = torch.from_numpy(sample["tokens"])[None]
+        pos = torch.from_numpy(sample["position_ids"])[None]
+        mask = sft_attention_mask(torch.from_numpy(sample["segment_ids"])[None]) if masked \
+            else None
+        with torch.no_grad():
+            return model(ids, pos, mask)[0]                  # [s, vocab]
+
+    want = logits(alone)
+    assert want.shape == (seq - n, 384)
+    torch.testing.assert_close(logits(packed)[n:], want, rtol=0, atol=1e-12)
+    assert not torch.allclose(logits(packed, masked=False)[n:], want, atol=1e-6)
+
+
+SMALL = """--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16
+--max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 2 --lr 1e-3
+--train-iters 1 --data-path chat.jsonl""".split()
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    (["--sft", "--tokenizer-type", "NullTokenizer", "--vocab-size", "8"],
+     "--sft tokenizes conversations with --tokenizer-type SFTTokenizer"),
+    (["--tokenizer-type", "SFTTokenizer", "--sft-tokenizer-prompt-format", "chatml"],
+     "--sft-tokenizer-prompt-format 'chatml' is not built"),
+    (["--sft", "--tokenizer-type", "SFTTokenizer", "--mock-data"], "--sft cannot be combined "
+     "with --mock-data"),
+    (["--sft", "--tokenizer-type", "SFTTokenizer", "--reset-attention-mask"],
+     "--sft cannot be combined with --reset-attention-mask"),
+    (["--sft", "--tokenizer-type", "SFTTokenizer", "--context-parallel-size", "2"],
+     "--sft with --context-parallel-size 2 is not built"),
+])
+def test_sft_flags_that_cannot_work_are_refused(extra, pattern):
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+    args = parse_args(argv=SMALL + extra)
+    args.world_size = 2
+    with pytest.raises(ArgumentsError, match=pattern):
+        validate_args(args)
+
+
+def test_sft_flags_parse_with_megatron_defaults():
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(argv=SMALL + ["--tokenizer-type", "SFTTokenizer"])
+    assert args.sft is False and args.sft_tokenizer_prompt_format == "nemotron-h-aligned"
+    assert parse_args(argv=SMALL + ["--sft"]).sft is True
