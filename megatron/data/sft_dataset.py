@@ -54,6 +54,11 @@ def _check_messages(messages, where: str) -> None:
 def read_conversations_jsonl(path: str) -> List[list]:
     """The ``"messages"`` list of every line of ``path``; a bad line raises a
     :class:`DataError` naming the file and line (blank lines are skipped)."""
+    return [messages for _, messages in _read_numbered(path)]
+
+
+def _read_numbered(path: str) -> List[tuple]:
+    """(line number, ``"messages"``) of every non-blank line of ``path``."""
     out = []
     try:
         f = open(path, encoding="utf-8")
@@ -71,7 +76,7 @@ def read_conversations_jsonl(path: str) -> List[list]:
             if not isinstance(record, dict) or "messages" not in record:
                 raise DataError(f"{where}: a line must be a JSON object with a \"messages\" key")
             _check_messages(record["messages"], where)
-            out.append(record["messages"])
+            out.append((number, record["messages"]))
     return out
 
 
@@ -135,9 +140,10 @@ def sft_attention_mask(segment_ids: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """``num_samples`` packed samples of one split (``lines``) of one JSONL file."""
+    """``num_samples`` packed samples of one split of one JSONL file: ``lines`` are its
+    (line number, messages) pairs."""
 
-    def __init__(self, name: str, path: str, lines: Sequence[list], num_samples: int,
+    def __init__(self, name: str, path: str, lines: Sequence[tuple], num_samples: int,
                  seq_length: int, tokenizer):
         if not lines:
             raise DataError(f"the {name} split of {path} holds no lines")
@@ -151,17 +157,17 @@ class SFTDataset(torch.utils.data.Dataset):
         if not 0 <= idx < self.num_samples:
             raise IndexError(f"sample {idx} out of range for the {self.num_samples} samples of "
                              f"{self.name}")
-        line = idx % len(self.lines)
+        number, messages = self.lines[idx % len(self.lines)]
         try:
-            return pack_conversations(split_conversations(self.lines[line]), self.tokenizer,
+            return pack_conversations(split_conversations(messages), self.tokenizer,
                                       self.seq_length)
         except ValueError as e:
-            raise DataError(f"{self.path}: {self.name} line {line} of the split: {e}") from None
+            raise DataError(f"{self.path}:{number}: {e}") from None
 
 
 def _split_datasets(path: str, split: Optional[str], num_samples: Sequence[int], seq_length,
                     tokenizer, only: Optional[int]) -> List[Optional[SFTDataset]]:
-    lines = read_conversations_jsonl(path)
+    lines = _read_numbered(path)
     if not lines:
         raise DataError(f"--data-path {path!r}: the SFT JSONL file holds no lines")
     bounds = ([None] * 3 if only is not None else dataset_utils.split_bounds(split, len(lines)))

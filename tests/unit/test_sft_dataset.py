@@ -256,3 +256,24 @@ def test_sft_flags_parse_with_megatron_defaults():
     args = parse_args(argv=SMALL + ["--tokenizer-type", "SFTTokenizer"])
     assert args.sft is False and args.sft_tokenizer_prompt_format == "nemotron-h-aligned"
     assert parse_args(argv=SMALL + ["--sft"]).sft is True
+
+
+def test_a_turn_that_tokenizes_across_its_boundary_is_refused_naming_the_line(tmp_path):
+    """A tokenizer without the format's markers as special tokens merges a turn's last text
+    with the next turn's first: the sample is refused naming file and line, not mis-masked."""
+    folder = tmp_path / "tok"
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(["<|endoftext|>", "<SPECIAL_233>", "a", "b", "ab"])}
+    word = Tokenizer(models.BPE(vocab, [("a", "b")]))
+    word.pre_tokenizer = pre_tokenizers.Whitespace()
+    os.makedirs(folder)
+    word.save(str(folder / "tokenizer.json"))
+    tok = SFTTokenizer(str(folder), "nemotron-h-aligned")
+    tok._format = type(tok._format)(lambda role, content: content, "<SPECIAL_233>", 0)
+    line = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant",
+                                                            "content": "b"}]}
+    path = _write_jsonl(tmp_path / "chat.jsonl", [GOOD, json.dumps(line)])
+    train, _, _ = build_sft_datasets([path], [2, 0, 0], 8, "1", tok)
+    with pytest.raises(DataError, match=f"{path}:2: the user turn starting at token 0"):
+        train[1]
