@@ -84,6 +84,19 @@ def test_two_data_parallel_ranks_give_the_one_process_losses(setup):
     assert two == pytest.approx(one, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2"]])
+def test_tensor_and_pipeline_splits_give_the_one_process_losses(setup, layout):
+    """TP rank 1 receives the packed batch (and its segment mask) by broadcast; with PP the last
+    stage reads labels and loss mask, both stages the mask. Float sums in another order only.
+    The vocabulary is padded to 512 in both (300 tokens; 256 x TP 2 divides 512)."""
+    pad = ["--make-vocab-size-divisible-by", "256"]
+    one = _losses(run_on_ranks(run_pretrain, 1, flags(setup, iters=3, extra=pad))[0])
+    split = _losses(run_on_ranks(run_pretrain, 2, flags(setup, iters=3, extra=pad + layout))[-1])
+    assert split == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
 def _one_line_error(argv):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
