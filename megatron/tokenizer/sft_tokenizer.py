@@ -11,7 +11,7 @@ Formats built here (their role markers are Megatron-LM's):
 ``nemotron-h-aligned`` (the default)::
 
     <SPECIAL_10>System\\n{system}\\n
-    <SPECIAL_11>User\\n{user}\\n<SPECIAL_11>Assistant\\n     (the assistant header ends the user turn)
+    <SPECIAL_11>User\\n{user}\\n<SPECIAL_11>Assistant\\n   (the user turn ends with the header)
     {assistant}\\n
 
     padding ``<SPECIAL_233>``

@@ -10,7 +10,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from tests.functional.gpt_runs import run_pretrain
 from tests.multiprocess import run_on_ranks
@@ -69,7 +68,8 @@ def test_sft_trains_and_resumes_bit_for_bit(setup, tmp_path):
         "--save", save, "--save-interval", str(N)]))[0]
     losses = _losses(straight)
     assert len(losses) == 2 * N and sum(losses[N:]) / N < sum(losses[:N]) / N - 0.2, losses
-    resumed = run_on_ranks(run_pretrain, 1, flags(setup, extra=["--load", save, "--ckpt-step", str(N)]))[0]
+    load = ["--load", save, "--ckpt-step", str(N)]
+    resumed = run_on_ranks(run_pretrain, 1, flags(setup, extra=load))[0]
     assert [i for i, _ in resumed["losses"]] == list(range(N + 1, 2 * N + 1))
     assert _losses(resumed) == losses[N:]
 

@@ -9,7 +9,6 @@ a small byte-level BPE trained here, so nothing is downloaded.
 import json
 import os
 
-import numpy as np
 import pytest
 
 from megatron.data.dataset_utils import DataError
