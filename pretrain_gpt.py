@@ -12,6 +12,7 @@ from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.dataset_utils import (get_ltor_masks_and_position_ids, mask_pad_tokens,
                                          pad_token_id)
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
+from megatron.data.sft_dataset import sft_attention_mask
 from megatron.model import GPTModel
 from megatron.training.training import model_stage, pretrain, print_rank_0
 
@@ -58,6 +59,8 @@ def get_batch(data_iterator, stage=None):
     pstate = global_vars.get_parallel_state()
     first, last = stage if stage is not None else (pstate.is_first_stage(),
                                                    pstate.is_last_stage())
+    if args.sft:
+        return get_sft_batch(data_iterator, pstate, first, last, args.mtp_num_layers)
     if not (first or last or args.reset_attention_mask):
         return None, None, None, None, None
     data = next(data_iterator) if data_iterator is not None else None
@@ -82,6 +85,27 @@ def get_batch(data_iterator, stage=None):
         tokens, labels, loss_mask = local["tokens"], local["labels"], local["loss_mask"]
         attention_mask, position_ids = local["attention_mask"], local["position_ids"]
     if not (first or (last and args.mtp_num_layers)):
+        tokens = position_ids = None
+    if not last:
+        labels = loss_mask = None
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers):
+    """get_batch with --sft: the packed sample's own tokens, labels, loss mask and position ids
+    (megatron/data/sft_dataset.py). Each conversation of a pack attends only to itself; a batch
+    whose samples each hold one conversation gets None (plain causal attention). Every stage
+    reads the batch, since the attention mask depends on it."""
+    data = next(data_iterator) if data_iterator is not None else None
+    src = pstate.tp_ranks[0]
+    ints = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids", "segment_ids"],
+                                          data, torch.int64, pstate.tp_group, src)
+    loss_mask = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32,
+                                               pstate.tp_group, src)["loss_mask"]
+    attention_mask = sft_attention_mask(ints["segment_ids"])
+    tokens, position_ids = ints["tokens"], ints["position_ids"]
+    labels = ints["labels"]
+    if not (first or (last and mtp_num_layers)):
         tokens = position_ids = None
     if not last:
         labels = loss_mask = None
@@ -152,8 +176,16 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     from megatron.data.fim_dataset import resolve_fim_config
     from megatron.training.arguments import build_data_config
 
-    data = build_data_config(global_vars.get_args())
+    args = global_vars.get_args()
+    data = build_data_config(args)
     tokenizer = global_vars.get_tokenizer()
+    if args.sft:
+        from megatron.data.sft_dataset import build_sft_datasets
+
+        print_rank_0("> building train, validation, and test SFT datasets for GPT ...")
+        return build_sft_datasets(
+            data.data_path, train_val_test_num_samples, data.seq_length, data.split, tokenizer,
+            (data.train_data_path, data.valid_data_path, data.test_data_path))
     config = GPTDatasetConfig(
         seed=data.seed, seq_length=data.seq_length, split=data.split,
         data_cache_path=data.data_cache_path, reset_position_ids=data.reset_position_ids,

@@ -22,7 +22,7 @@ _NULL_TOKEN_ID = re.compile(r"[+-]?[0-9]{1,18}")
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
+                   "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer", "SFTTokenizer")
 
 
 class NullTokenizer(MegatronTokenizer):
@@ -157,6 +157,11 @@ def _create(args) -> MegatronTokenizer:
             _require(args, "tokenizer_model", "--tokenizer-model"),
             include_special_tokens=not getattr(args, "tokenizer_hf_no_include_special_tokens",
                                                False))
+    if kind == "SFTTokenizer":
+        from megatron.tokenizer.sft_tokenizer import SFTTokenizer
+
+        return SFTTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"),
+                            getattr(args, "sft_tokenizer_prompt_format", "nemotron-h-aligned"))
     if kind == "TikTokenizer":
         from megatron.tokenizer.tiktoken_tokenizer import TikTokenizer
 

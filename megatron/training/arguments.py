@@ -29,7 +29,7 @@ from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert
 TOKENIZER_TYPES = [
     "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer",
-    "NullTokenizer",
+    "NullTokenizer", "SFTTokenizer",
 ]
 
 
@@ -718,6 +718,7 @@ def _add_data_args(parser):
     g.add_argument("--tokenizer-model", type=str, default=None)
     _add_tiktoken_args(g)
     _add_fim_args(g)
+    _add_sft_args(g)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -758,6 +759,17 @@ def _add_tiktoken_args(g):
                    nargs="+", default=None, dest="special_tokens",
                    help="TikTokenizer: the first special tokens, in id order (must include "
                    "<unk> <s> </s>; default <unk> <s> </s> <mask> <pad> <cls> <sep>)")
+
+
+def _add_sft_args(g):
+    """Supervised fine-tuning on JSONL conversations (megatron/data/sft_dataset.py)."""
+    g.add_argument("--sft", action="store_true",
+                   help="GPT: --data-path files are JSONL conversations ({\"messages\": [...]}), "
+                   "packed to --seq-length with loss on the assistant turns only; needs "
+                   "--tokenizer-type SFTTokenizer")
+    g.add_argument("--sft-tokenizer-prompt-format", type=str, default="nemotron-h-aligned",
+                   help="SFTTokenizer: how turns are written (nemotron-h-aligned or "
+                   "nemotron-nano-v2)")
 
 
 def _add_fim_args(g):

@@ -991,6 +991,31 @@ def _validate_fim(args) -> None:
         _fail("--fim-data permutes the text of --data-path samples; --mock-data has no text")
 
 
+def _validate_sft(args) -> None:
+    """--sft packs JSONL conversations for SFTTokenizer; the variants Megatron's SFT dataset
+    refuses are refused here too, one line each."""
+    if args.tokenizer_type == "SFTTokenizer":
+        from megatron.tokenizer.sft_tokenizer import PROMPT_FORMATS
+
+        if args.sft_tokenizer_prompt_format not in PROMPT_FORMATS:
+            _fail(f"--sft-tokenizer-prompt-format {args.sft_tokenizer_prompt_format!r} is not "
+                  f"built; choose one of {', '.join(PROMPT_FORMATS)}")
+    if not args.sft:
+        return
+    if args.tokenizer_type != "SFTTokenizer":
+        _fail(f"--sft tokenizes conversations with --tokenizer-type SFTTokenizer, got "
+              f"--tokenizer-type {args.tokenizer_type}")
+    for flag, given in (("--mock-data", args.mock_data), ("--fim-data", args.fim_data),
+                        ("--reset-position-ids", args.reset_position_ids),
+                        ("--reset-attention-mask", args.reset_attention_mask)):
+        if given:
+            _fail(f"--sft cannot be combined with {flag} (an SFT sample sets its own positions "
+                  "and attention per conversation)")
+    if args.context_parallel_size != 1:
+        _fail(f"--sft with --context-parallel-size {args.context_parallel_size} is not built "
+              "yet; use --context-parallel-size 1")
+
+
 def _validate_blend_surplus(args) -> None:
     """--mid-level-dataset-surplus is a fraction of extra samples: finite and >= 0."""
     surplus = args.mid_level_dataset_surplus
@@ -1163,6 +1188,7 @@ def check_flags(args):
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_fim(args)
+    _validate_sft(args)
     _validate_blend_surplus(args)
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
