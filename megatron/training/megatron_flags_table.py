@@ -87,7 +87,6 @@ VISION = "vision and multimodal models are not built here; drop it"
 BIENCODER = "ICT/REALM biencoder retrieval models are not built here; drop it"
 MAMBA = "Mamba and hybrid (attention/SSM) models are not built here; drop it"
 T5 = "relative position buckets belong to T5, which is not built here; drop it"
-SFT = "supervised fine-tuning data and prompt formats are not built yet; drop it"
 RESILIENCY = ("NVIDIA's resiliency packages (fault tolerance, in-process restart, fault "
               "injection) are not part of this project; drop it (use --exit-signal-handler and "
               "restart with --load)")
@@ -692,8 +691,6 @@ ROWS = (
     ('--ft-num-warmup-iters', '', 'int', 5, '', REFUSED, RESILIENCY),
     ('--enable-msc', '', 'true', False, '', REFUSED, MSC_ENABLE),
     ('--disable-msc', 'disable_msc_deprecated', 'true', False, '', NO_EFFECT, MSC),
-    ('--sft', '', 'true', False, '', REFUSED, SFT),
-    ('--sft-tokenizer-prompt-format', '', 'str', 'nemotron-h-aligned', '', REFUSED, SFT),
     ('--fault-injector-ranks', '', 'int+', None, '', REFUSED, RESILIENCY),
     ('--fault-injector-num-ranks', '', 'int', None, '', REFUSED, RESILIENCY),
     ('--fault-injector-fault-types', '', 'str+', None, '', REFUSED, RESILIENCY),
