@@ -414,7 +414,7 @@ def build_chunk_data_iterators(provider: Callable, args, pstate, train_state: Tr
                  for _ in range(pstate.virtual_pp_size)]
     merged = [list(split) for split in zip(*per_chunk)]
     if isinstance(merged[1][0], validation_sets.ValidationSets):
-        merged[1] = validation_sets.merge_chunks(merged[1])
+        merged[1] = validation_sets.merge_chunks(merged[1], pstate.pp_size)
     return tuple(merged)
 
 

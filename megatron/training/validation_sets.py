@@ -88,9 +88,17 @@ def as_set_list(valid, count: int) -> list:
     return datasets
 
 
-def merge_chunks(per_chunk: Sequence[ValidationSets]) -> ValidationSets:
+def merge_chunks(per_chunk: Sequence[ValidationSets], pp_size: int) -> ValidationSets:
     """One :class:`ValidationSets` from one per virtual pipeline chunk: each set's iterator
-    becomes the list of the chunks' iterators."""
+    becomes the list of the chunks' iterators. The interleaved schedule runs a multiple of
+    ``pp_size`` micro-batches, so with --full-validation each set's block count must be one
+    (its last, shorter step included)."""
     first = per_chunk[0]
+    for suffix, blocks in zip(first.suffixes, first.blocks or ()):
+        if blocks % pp_size:
+            raise DataError(f"--full-validation with virtual pipeline stages: validation set "
+                            f"'validation{suffix}' makes {blocks} micro-batches, not a multiple "
+                            f"of --pipeline-model-parallel-size ({pp_size}), which the "
+                            f"interleaved schedule needs; change the micro batch or the data")
     iterators = [[sets.iterators[k] for sets in per_chunk] for k in range(len(first.suffixes))]
     return ValidationSets(first.suffixes, iterators, first.blocks)

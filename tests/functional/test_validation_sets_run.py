@@ -120,3 +120,20 @@ def test_two_data_parallel_ranks_log_the_losses_of_one_process(corpora):
     printed_one = [float(v) for _, _, v, _ in _eval_lines(one["stdout"])]
     printed_two = [float(v) for _, _, v, _ in _eval_lines(two[0]["run"]["stdout"])]
     assert printed_two == pytest.approx(printed_one, rel=1e-5) and len(printed_one) == 6  # 2 sets x 3 evaluations
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2"]])
+def test_tensor_and_pipeline_parallel_full_validation_match_one_process(corpora, layout):
+    """Tensor-parallel rank 1 receives the step counts by broadcast; the last pipeline stage
+    logs; both read the same blocks as one process."""
+    sets = [corpora["wiki"], corpora["code"]]
+    extra = ["--full-validation", "--multiple-validation-sets"]
+    one = run_on_ranks(_runs, 1, {"run": _flags(corpora, sets, extra, dropout=0.0)})[0]["run"]
+    two = run_on_ranks(_runs, 2, {"run": _flags(corpora, sets, extra + layout, dropout=0.0)})
+    last = two[-1]["run"]
+    assert last["consumed_valid"] == one["consumed_valid"] > 0
+    for name in ("validation-0", "validation-1"):
+        assert last["per_set"][name]["lm loss"] == pytest.approx(
+            one["per_set"][name]["lm loss"], rel=1e-5)

@@ -254,3 +254,11 @@ def test_full_pass_steps_and_too_small_sets():
         validation_sets.count_blocks([list(range(3))], 2, 2, ["-code"])
     with pytest.raises(DataError, match="returned 1 validation set"):
         validation_sets.as_set_list(["one"], 2)
+
+
+def test_virtual_pipeline_needs_whole_interleaved_steps():
+    chunk = validation_sets.ValidationSets(["-0", "-1"], ["it0", "it1"], [8, 6])
+    merged = validation_sets.merge_chunks([chunk, chunk], pp_size=2)
+    assert merged.iterators == [["it0", "it0"], ["it1", "it1"]] and merged.blocks == [8, 6]
+    with pytest.raises(DataError, match="'validation-1' makes 6 micro-batches.*\\(4\\)"):
+        validation_sets.merge_chunks([chunk, chunk], pp_size=4)
