@@ -64,11 +64,15 @@ def full_pass_steps(blocks: int, per_step: int) -> List[int]:
 
 def count_blocks(datasets: Sequence, micro_batch_size: int, dp_size: int,
                  suffixes: Sequence[str]) -> List[int]:
-    """Each validation set's ``mbs x dp`` blocks; a set too small for one block is refused."""
+    """Each validation set's ``mbs x dp`` blocks (0 for no data: nothing to evaluate); a set
+    too small for one block is refused."""
     per_block = micro_batch_size * dp_size
     blocks = []
     for dataset, suffix in zip(datasets, suffixes):
-        size = 0 if dataset is None else len(dataset)
+        if dataset is None:
+            blocks.append(0)
+            continue
+        size = len(dataset)
         if size < per_block:
             raise DataError(f"--full-validation: validation set 'validation{suffix}' has {size} "
                             f"samples, fewer than one evaluation micro batch "

@@ -252,6 +252,7 @@ def test_full_pass_steps_and_too_small_sets():
     with pytest.raises(DataError, match="validation-code.*3 samples.*\\(2\\) x data-parallel "
                                         "size \\(2\\)"):
         validation_sets.count_blocks([list(range(3))], 2, 2, ["-code"])
+    assert validation_sets.count_blocks([None, list(range(9))], 2, 2, ["", ""]) == [0, 2]
     with pytest.raises(DataError, match="returned 1 validation set"):
         validation_sets.as_set_list(["one"], 2)
 
