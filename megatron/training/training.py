@@ -944,7 +944,9 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 
     Args:
         train_valid_test_dataset_provider: ``provider([train, valid, test] sample counts)`` ->
-            three datasets (any may be None).
+            three datasets (any may be None). With --full-validation the valid count is None
+            (one epoch of the validation data, as Megatron asks); with
+            --multiple-validation-sets the valid entry may be a list, one dataset per set.
         model_provider: ``model_provider(pre_process, post_process)`` -> this stage's model.
         model_type: accepted for Megatron compatibility (encoder-or-decoder models only).
         forward_step_func: ``forward_step(data_iterator, model)`` -> (output, loss_func).
