@@ -197,7 +197,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     return build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,
         train_data_path=data.train_data_path, valid_data_path=data.valid_data_path,
-        test_data_path=data.test_data_path)
+        test_data_path=data.test_data_path,
+        multiple_validation_sets=data.multiple_validation_sets)
 
 
 if __name__ == "__main__":

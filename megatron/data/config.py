@@ -55,3 +55,4 @@ class DataConfig:
     mmap_bin_files: bool = True                  # False with --no-mmap-bin-files
     mid_level_dataset_surplus: float = 0.005     # --mid-level-dataset-surplus: blend headroom
     fim: FIMFlags = field(default_factory=FIMFlags)  # --fim-data and its flags (GPT only)
+    multiple_validation_sets: bool = False       # --multiple-validation-sets: one set a prefix

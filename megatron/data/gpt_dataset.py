@@ -238,9 +238,14 @@ def _gpt_dataset(name, prefix, indexed, docs, num_samples, config: GPTDatasetCon
 def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]],
                  documents: Dict[str, List[Optional[np.ndarray]]],
                  opened: Dict[str, IndexedDataset],
-                 num_samples: int, config: GPTDatasetConfig):
-    """One split: a GPTDataset for one unweighted prefix, else a blend of the prefixes' splits."""
+                 num_samples: int, config: GPTDatasetConfig, one_epoch: bool = False):
+    """One split: a GPTDataset for one unweighted prefix, else a blend of the prefixes' splits.
+    ``one_epoch`` (``--full-validation``): the split's samples of exactly one epoch."""
     name = dataset_utils.SPLIT_NAMES[index]
+    if one_epoch and weights is not None:
+        raise DataError(f"--full-validation reads the {name} data whole, once; a weighted blend "
+                         f"({len(prefixes)} prefixes) has no such end: give one prefix, or "
+                         f"unweighted --valid-data-path prefixes with --multiple-validation-sets")
     if weights is None:
         prefix = prefixes[0]
         docs = documents[prefix][index]
@@ -272,11 +277,13 @@ def _check_train_not_empty(prefixes, documents, opened, split) -> None:
 
 
 def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetConfig,
-                      flag: str, only: Optional[int] = None) -> List:
+                      flag: str, only: Optional[int] = None,
+                      one_epoch: Sequence[bool] = (False, False, False)) -> List:
     prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
     opened = {p: _open_indexed_dataset(p, flag, config.mmap_bin_files) for p in prefixes}
     whole = only is not None
-    if (num_samples[only] if whole else max(num_samples)) > 0:
+    wanted = [n > 0 or e for n, e in zip(num_samples, one_epoch)]
+    if wanted[only] if whole else any(wanted):
         for p in prefixes:
             dataset_utils.check_has_documents(p, len(opened[p]), flag)
     documents = {p: _split_documents(opened[p], config.split, whole) for p in prefixes}
@@ -289,7 +296,7 @@ def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetC
     out: List = [None, None, None]
     for i in splits:
         out[i] = _build_split(i, prefixes, weights, documents, opened, int(num_samples[i]),
-                              config)
+                              config, one_epoch[i])
     return out
 
 
@@ -298,7 +305,8 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig,
                                     train_valid_test_num_samples: Sequence[int],
                                     train_data_path: Union[str, Sequence[str], None] = None,
                                     valid_data_path: Union[str, Sequence[str], None] = None,
-                                    test_data_path: Union[str, Sequence[str], None] = None):
+                                    test_data_path: Union[str, Sequence[str], None] = None,
+                                    multiple_validation_sets: bool = False):
     """The (train, valid, test) datasets, each possibly None.
 
     Args:
@@ -308,18 +316,50 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig,
             dataset is asked for ``ceil(ceil(total * w) * (1 + surplus))`` samples
             (FORMATS.md 4; surplus: ``config.mid_level_dataset_surplus``, default 0.005).
         train_valid_test_num_samples: samples wanted per split
-            (:func:`~megatron.data.dataset_utils.get_train_valid_test_num_samples`).
+            (:func:`~megatron.data.dataset_utils.get_train_valid_test_num_samples`); None
+            (``--full-validation``'s valid count) asks for the split's samples of one epoch.
         train_data_path / valid_data_path / test_data_path: ``--train-data-path`` etc.: used
             whole for that split instead of ``--data-path`` and ``--split``.
+        multiple_validation_sets: ``--multiple-validation-sets``: the valid split is a list of
+            datasets, one per (unweighted) ``--valid-data-path`` prefix, each built as if that
+            prefix were the only one.
     """
-    num_samples = [int(n) for n in train_valid_test_num_samples]
-    if len(num_samples) != 3:
-        raise DataError(f"need train, valid and test sample counts, got {num_samples}")
+    if len(train_valid_test_num_samples) != 3:
+        raise DataError(f"need train, valid and test sample counts, "
+                         f"got {list(train_valid_test_num_samples)}")
+    one_epoch = [n is None for n in train_valid_test_num_samples]
+    num_samples = [0 if n is None else int(n) for n in train_valid_test_num_samples]
+    if config.mock and any(one_epoch):
+        raise DataError("--full-validation reads the validation data whole, once; --mock-data "
+                         "has no end: give --data-path or --valid-data-path")
+    if multiple_validation_sets and valid_data_path:
+        return _with_validation_sets(config, data_path, num_samples, one_epoch,
+                                     (train_data_path, valid_data_path, test_data_path))
     if config.mock:
         return tuple(
             MockGPTDataset(n, config.seq_length, config.vocab_size, config.seed + i) if n > 0
             else None for i, n in enumerate(num_samples))
     return dataset_utils.build_splits(
         num_samples, data_path, (train_data_path, valid_data_path, test_data_path),
-        lambda path, flag, only: _build_from_blend(path, num_samples, config, flag, only=only),
+        lambda path, flag, only: _build_from_blend(path, num_samples, config, flag, only=only,
+                                                   one_epoch=one_epoch),
         ", or --mock-data")
+
+
+def _with_validation_sets(config: GPTDatasetConfig, data_path, num_samples: List[int],
+                          one_epoch: List[bool], per_split_paths: Sequence) -> tuple:
+    """Train and test as usual; valid as one dataset per ``--valid-data-path`` prefix."""
+    train_path, valid_path, test_path = per_split_paths
+    if data_path:
+        raise DataError("--data-path cannot be combined with --train-data-path, "
+                        "--valid-data-path or --test-data-path")
+    train = test = None
+    if train_path or test_path:
+        train, _, test = dataset_utils.build_splits(
+            num_samples, None, (train_path, None, test_path),
+            lambda path, flag, only: _build_from_blend(path, num_samples, config, flag,
+                                                       only=only))
+    valid = [_build_from_blend(prefix, num_samples, config, "--valid-data-path", only=1,
+                               one_epoch=one_epoch)[1]
+             for prefix in dataset_utils.parse_prefix_list(valid_path, "--valid-data-path")]
+    return train, valid, test

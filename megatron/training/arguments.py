@@ -678,6 +678,16 @@ def _add_validation_args(parser):
                    help="micro-batch size of evaluation (default: --micro-batch-size)")
     g.add_argument("--start-eval-at-iter", type=int, default=None,
                    help="evaluate during training only from this iteration on")
+    g.add_argument("--full-validation", action="store_true",
+                   help="each evaluation reads the whole validation set once (GPT data), "
+                        "instead of --eval-iters batches")
+    g.add_argument("--multiple-validation-sets", action="store_true",
+                   help="each prefix of --valid-data-path (given without weights) is its own "
+                        "validation set, evaluated and logged on its own; needs "
+                        "--full-validation (or --skip-train)")
+    g.add_argument("--validation-set-names", nargs="+", type=str, default=None,
+                   help="with --multiple-validation-sets: one name per validation set, logged "
+                        "as 'validation-NAME' instead of 'validation-INDEX'")
 
 
 def _add_data_args(parser):

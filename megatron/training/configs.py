@@ -42,6 +42,9 @@ class TrainingConfig:
     skip_iterations_with_loss_spike: bool = False
     start_eval_at_iter: Optional[int] = None
     iterations_to_skip: Tuple[int, ...] = ()
+    full_validation: bool = False
+    multiple_validation_sets: bool = False
+    validation_set_names: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -247,7 +250,8 @@ def build_data_config(args) -> DataConfig:
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dataloader_type=args.dataloader_type, num_workers=args.num_workers,
         mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args),
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        multiple_validation_sets=args.multiple_validation_sets)
 
 
 def _fim_flags(args) -> FIMFlags:
@@ -328,6 +332,9 @@ def _training_config(args) -> TrainingConfig:
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
         skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike,
         start_eval_at_iter=args.start_eval_at_iter,
+        full_validation=args.full_validation,
+        multiple_validation_sets=args.multiple_validation_sets,
+        validation_set_names=tuple(args.validation_set_names or ()),
         iterations_to_skip=_iterations_to_skip(args.iterations_to_skip,
                                                args.result_rejected_tracker_filename))
 

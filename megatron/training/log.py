@@ -205,8 +205,10 @@ def memory_stats() -> Dict[str, float]:
             "mem-max-allocated-bytes": max(peak, rss)}
 
 
-def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
-    parts = [f" validation loss at {prefix}"]
+def format_eval_line(prefix: str, losses: Dict[str, float], suffix: str = "") -> str:
+    """Megatron's validation line between dashes; ``suffix`` names one of several validation
+    sets (``-0``, ``-NAME``: ``validation-NAME loss at ...``)."""
+    parts = [f" validation{suffix} loss at {prefix}"]
     for key, value in losses.items():
         parts.append(f"{key} value: {value:.6E}")
         parts.append(f"{key} PPL: {math.exp(min(20.0, value)):.6E}")
@@ -215,17 +217,21 @@ def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
     return f"{bar}\n{line}\n{bar}"
 
 
-def write_eval_scalars(writer, args, train_state: TrainState, losses: Dict[str, float]) -> None:
+def write_eval_scalars(writer, args, train_state: TrainState, losses: Dict[str, float],
+                       suffix: str = "") -> None:
+    """Megatron's validation scalars (``lm loss validation``, or ``lm loss validation-NAME``
+    for one of several sets)."""
     if writer is None:
         return
     iteration, samples = train_state.iteration, train_state.consumed_train_samples
+    name = f"validation{suffix}"
     for key, value in losses.items():
-        writer.add_scalar(f"{key} validation", value, iteration)
-        writer.add_scalar(f"{key} validation vs samples", value, samples)
+        writer.add_scalar(f"{key} {name}", value, iteration)
+        writer.add_scalar(f"{key} {name} vs samples", value, samples)
         if args.log_validation_ppl_to_tensorboard:
             ppl = math.exp(min(20.0, value))
-            writer.add_scalar(f"{key} validation ppl", ppl, iteration)
-            writer.add_scalar(f"{key} validation ppl vs samples", ppl, samples)
+            writer.add_scalar(f"{key} {name} ppl", ppl, iteration)
+            writer.add_scalar(f"{key} {name} ppl vs samples", ppl, samples)
 
 
 def make_tensorboard_writer(args):

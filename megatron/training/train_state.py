@@ -32,7 +32,11 @@ class TrainState:
             --exit-duration-in-mins); the end-of-training evaluation is then skipped.
         do_train, do_valid, do_test: whether each split has data (agreed over tensor-parallel
             ranks).
-        final_valid_losses, final_test_losses: the end-of-training evaluations, when run.
+        final_valid_losses, final_test_losses: the end-of-training evaluations, when run
+            (the first validation set's with --multiple-validation-sets).
+        valid_losses_per_set: with --full-validation or --multiple-validation-sets, the
+            latest evaluation's losses of each set, by its logged name
+            (``validation-0``, ``validation-NAME``, or ``validation``); not saved.
         rerun: the run's :class:`~megatron.training.rerun.RerunStateMachine` (None: results
             are not validated).
         rerun_checkpoint: the machine's checkpoint entry (Megatron's key
@@ -51,6 +55,7 @@ class TrainState:
     do_test: bool = False
     final_valid_losses: Optional[Dict[str, float]] = None
     final_test_losses: Optional[Dict[str, float]] = None
+    valid_losses_per_set: Optional[Dict[str, Dict[str, float]]] = None
     rerun: Optional[object] = None
     rerun_checkpoint: Optional[dict] = None
 

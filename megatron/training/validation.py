@@ -974,6 +974,52 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     if args.calculate_per_token_loss:
         _fail("--calculate-per-token-loss: BERT's loss function returns per-micro-batch means "
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")
+    for flag in ("full_validation", "multiple_validation_sets"):
+        if getattr(args, flag):
+            _fail(f"--{flag.replace('_', '-')} works with GPT datasets only (as in Megatron-LM); "
+                  "BERT evaluates --eval-iters batches of one validation set")
+
+
+def validation_set_count(args) -> int:
+    """Validation sets a run evaluates: one per --valid-data-path prefix with
+    --multiple-validation-sets (prefixes without weights), else one."""
+    if not (args.multiple_validation_sets and args.valid_data_path):
+        return 1
+    numbers = [v for v in args.valid_data_path if _is_number(v)]
+    if numbers:
+        _fail(f"--multiple-validation-sets takes --valid-data-path prefixes without weights "
+              f"(each prefix is one validation set); got the weight(s) {numbers}")
+    return len(args.valid_data_path)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _validate_validation_sets(args) -> None:
+    """--full-validation, --multiple-validation-sets and --validation-set-names fit together
+    and with the data flags."""
+    names = args.validation_set_names
+    if args.full_validation and args.mock_data:
+        _fail("--full-validation reads the validation data whole, once; --mock-data has no "
+              "end: give --data-path or --valid-data-path")
+    if args.multiple_validation_sets and not (args.full_validation or args.skip_train):
+        _fail("--multiple-validation-sets needs --full-validation (or --skip-train): each set "
+              "is read from its start, as in Megatron-LM")
+    count = validation_set_count(args)
+    if names is None:
+        return
+    if not args.multiple_validation_sets:
+        _fail(f"--validation-set-names {' '.join(names)} needs --multiple-validation-sets")
+    if len(names) != count:
+        _fail(f"--validation-set-names gives {len(names)} name(s) ({' '.join(names)}) for "
+              f"{count} validation set(s) (--valid-data-path prefixes); give one name per set")
+    if len(set(names)) != len(names):
+        _fail(f"--validation-set-names {' '.join(names)}: each set needs its own name")
 
 
 def _validate_fim(args) -> None:
@@ -1196,4 +1242,5 @@ def check_flags(args):
     _validate_muon(args)
     _validate_optimizer_offload(args)
     _validate_activation_offload(args)
+    _validate_validation_sets(args)
     return args
