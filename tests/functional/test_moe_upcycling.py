@@ -50,12 +50,12 @@ def dense(corpus, tmp_path_factory):
     ``act``, made once per module."""
     made = {}
 
-    def get(act=()):
-        if act not in made:
+    def get(act=(), fmt="torch"):
+        if (act, fmt) not in made:
             save = str(tmp_path_factory.mktemp("dense") / "save")
-            _run(_flags(corpus, 3, 64, list(act) + ["--save", save]))
-            made[act] = save
-        return made[act]
+            _run(_flags(corpus, 3, 64, list(act) + ["--save", save, "--ckpt-format", fmt]))
+            made[act, fmt] = save
+        return made[act, fmt]
     return get
 
 
@@ -161,3 +161,44 @@ def test_ep2_upcycling_equals_one_process(corpus, dense, tmp_path, fmt):
                 local, rest = tail.split(".", 1)
                 key = f"{head}.local_experts.{2 * ep_rank + int(local)}.{rest}"
             assert torch.equal(value, whole[key]), key
+
+
+def _tp_shard(full, rank, stride, dim):
+    """Rank ``rank`` of 2's share: ``stride`` interleaved blocks along ``dim``."""
+    blocks = full.chunk(2 * stride, dim=dim)
+    return torch.cat([blocks[rank + 2 * j] for j in range(stride)], dim=dim)
+
+
+def test_tp2_upcycling_equals_one_process(corpus, dense, tmp_path):
+    """TP 2 (sequence parallel), SwiGLU, granularity 2, from a torch_dist dense checkpoint:
+    each rank's expert shards are the one-process experts' shards ([gate_r; value_r] rows of
+    linear_fc1, columns r of linear_fc2), and the losses agree."""
+    act = ("--swiglu",)
+    load = dense(act, "torch_dist")     # any layout loads it; the MoE runs save torch files
+    one_dir, two_dir = str(tmp_path / "one"), str(tmp_path / "tp2")
+    one = _upcycle(corpus, load, one_dir, iters=3, granularity=2, act=act)
+    two = _upcycle(corpus, load, two_dir, iters=3, granularity=2, act=act, world=2,
+                   extra=["--tensor-model-parallel-size", "2", "--sequence-parallel"])
+    for (i, a), (j, b) in zip(one["losses"], two["losses"]):
+        assert i == j and abs(a - b) <= 1e-4 * a, (one["losses"], two["losses"])
+    whole = _model(one_dir)
+    for rank in range(2):
+        part = _model(two_dir, rank_dir=f"mp_rank_{rank:02d}")
+        for layer in range(2):
+            for e in range(4):
+                key = f"layers.{layer}.mlp.experts.local_experts.{e}"
+                assert torch.equal(part[key + ".linear_fc1.weight"],
+                                   _tp_shard(whole[key + ".linear_fc1.weight"], rank, 2, 0))
+                assert torch.equal(part[key + ".linear_fc2.weight"],
+                                   _tp_shard(whole[key + ".linear_fc2.weight"], rank, 1, 1))
+
+
+def test_pp2_upcycling_equals_one_process(corpus, dense, tmp_path):
+    """PP 2: each stage upcycles its own layers from the torch_dist dense checkpoint."""
+    load = dense((), "torch_dist")
+    one = _upcycle(corpus, load, str(tmp_path / "one"), iters=3)
+    two = _upcycle(corpus, load, str(tmp_path / "pp2"), iters=3, world=2,
+                   extra=["--pipeline-model-parallel-size", "2"])
+    assert [i for i, _ in two["losses"]] == [2, 3]
+    for (i, a), (j, b) in zip(one["losses"], two["losses"]):
+        assert i == j and abs(a - b) <= 1e-4 * a, (one["losses"], two["losses"])
