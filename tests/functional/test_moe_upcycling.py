@@ -202,3 +202,21 @@ def test_pp2_upcycling_equals_one_process(corpus, dense, tmp_path):
     assert [i for i, _ in two["losses"]] == [2, 3]
     for (i, a), (j, b) in zip(one["losses"], two["losses"]):
         assert i == j and abs(a - b) <= 1e-4 * a, (one["losses"], two["losses"])
+
+
+@pytest.mark.parametrize("world,extra", [
+    (2, ["--use-distributed-optimizer"]),
+    (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+         "--expert-tensor-parallel-size", "1", "--ckpt-format", "torch_dist"]),
+    (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--no-bias-gelu-fusion",
+         "--disable-bias-linear", "--swiglu"]),
+], ids=["dp2-distopt", "tp2-etp1", "ep2-grouped-gemm-swiglu"])
+def test_other_layouts_start_from_the_dense_loss(corpus, dense, tmp_path, world, extra):
+    """Granularity 1: under each layout the first step's loss is the dense model's (the
+    1-process --finetune run from the torch_dist dense checkpoint)."""
+    act = tuple(a for a in extra if a in ("--swiglu", "--disable-bias-linear",
+                                           "--no-bias-gelu-fusion"))
+    load = dense(act, "torch_dist")
+    want = _dense_first_loss(corpus, load, act)
+    got = _upcycle(corpus, load, str(tmp_path / "moe"), world=world, extra=extra)
+    assert abs(got["losses"][0][1] - want) <= 1e-4 * want, (got["losses"], want)
