@@ -934,6 +934,13 @@ def _add_moe_args(parser):
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="also log load_balancing_loss / z_loss of each MoE layer (TensorBoard)")
+    g.add_argument("--moe-use-upcycling", action="store_true",
+                   help="first run of an upcycled MoE: load the dense checkpoint in --load, "
+                   "copy each dense MLP into the experts, save the MoE model to --save at "
+                   "iteration 1 and train on; later runs drop this flag and --load --save")
+    g.add_argument("--moe-upcycling-granularity", type=int, default=1,
+                   help="with --moe-use-upcycling: split the dense FFN into this many expert "
+                   "pieces (the dense FFN is --ffn-hidden-size x this)")
 
 
 def _add_mtp_args(parser):

@@ -33,7 +33,7 @@ from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training import hooks as training_hooks
-from megatron.training import meta_device_init
+from megatron.training import meta_device_init, upcycling
 from megatron.training import log as training_log
 from megatron.training import (memory_accounting, moe_logging, numerics, rerun, save_extras,
                                stragglers, watchdog)
@@ -274,6 +274,8 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     chunks = [wrap_for_data_parallel(module, args, pstate, ddp_config) for module in modules]
     if on_meta:
         meta_device_init.materialise(modules, build, pieces, rng)
+    if args.moe_use_upcycling:
+        upcycling.upcycle_from_dense(modules, build, args, pstate)
     fsdp2 = ddp_config.use_torch_fsdp2
     optimizer = get_megatron_optimizer(configs.optimizer, chunks,
                                        mp_group=pstate.model_parallel_group,
@@ -632,6 +634,16 @@ def load_or_finetune(model, optimizer, scheduler, args, pstate, train_state: Tra
     return checkpointing.load_checkpoint(
         model, optimizer, scheduler, args, pstate, train_state=train_state,
         config=dataclasses.replace(ckpt, load=pretrained, finetune=True))
+
+
+def save_upcycled(model, optimizer, scheduler, args, pstate, train_state: TrainState,
+                  ckpt: CheckpointConfig) -> None:
+    """--moe-use-upcycling: the upcycled model is iteration 1, saved to --save at once (as
+    Megatron does); training continues from it."""
+    train_state.iteration = 1
+    checkpointing.save_checkpoint(train_state.iteration, model, optimizer, scheduler, args,
+                                  pstate, train_state=train_state, config=ckpt)
+    print_rank_0(f"upcycled checkpoint saved to {ckpt.save}")
 
 
 def convert_loaded_checkpoint(train_state: TrainState, model, optimizer, scheduler, args, pstate,
@@ -1000,7 +1012,10 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,
                                                             configs=configs)
     train_state = TrainState()
-    load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+    if args.moe_use_upcycling:
+        save_upcycled(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+    else:
+        load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
     train_state.rerun = rerun.build(args, args.rank)
     if train_state.rerun is not None:
         train_state.rerun.load_state_dict(train_state.rerun_checkpoint)

@@ -943,6 +943,41 @@ def _validate_moe(args) -> None:
     build_moe_config(args)
 
 
+def _validate_upcycling(args) -> None:
+    """--moe-use-upcycling: an MoE model whose experts are cut from a dense checkpoint's MLPs."""
+    granularity = args.moe_upcycling_granularity
+    if granularity < 1:
+        _fail(f"--moe-upcycling-granularity must be >= 1, got {granularity}")
+    if not args.moe_use_upcycling:
+        return
+    if args.num_experts is None:
+        _fail("--moe-use-upcycling needs --num-experts (the MoE model to make)")
+    if args.save is None:
+        _fail("--moe-use-upcycling needs --save (where the upcycled checkpoint goes)")
+    if args.load is None:
+        _fail("--moe-use-upcycling needs --load (the dense checkpoint)")
+    if args.num_experts % granularity:
+        _fail(f"--num-experts ({args.num_experts}) must be a multiple of "
+              f"--moe-upcycling-granularity ({granularity})")
+    if args.moe_ffn_hidden_size != args.ffn_hidden_size:
+        _fail(f"--moe-use-upcycling: --moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must "
+              f"equal --ffn-hidden-size ({args.ffn_hidden_size}); the dense FFN is "
+              "--ffn-hidden-size x --moe-upcycling-granularity")
+    if args.ffn_hidden_size % args.expert_tensor_parallel_size:
+        _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+              f"--expert-tensor-parallel-size ({args.expert_tensor_parallel_size})")
+    freq = args.moe_layer_freq
+    all_moe = freq == 1 if isinstance(freq, int) else all(freq)
+    if granularity > 1 and not all_moe:
+        _fail(f"--moe-upcycling-granularity {granularity} with dense layers in --moe-layer-freq: "
+              "their MLPs would be --ffn-hidden-size, the dense checkpoint's are "
+              f"{granularity}x larger; upcycle every layer or use granularity 1")
+    if args.use_torch_fsdp2:
+        _fail("--moe-use-upcycling with FSDP2 (--use-torch-fsdp2 / --use-megatron-fsdp): the "
+              "experts are filled from full dense weights, which the sharded parameters do not "
+              "hold; upcycle without FSDP2")
+
+
 def validate_bert_args(args: argparse.Namespace) -> None:
     """What pretrain_bert.py needs beyond :func:`validate_args`.
 
@@ -1227,6 +1262,7 @@ def check_flags(args):
     _validate_model(args)
     _validate_parallel(args)
     _validate_moe(args)
+    _validate_upcycling(args)
     _validate_mtp(args)
     _validate_loss(args)
     _validate_batch_and_schedule(args)
