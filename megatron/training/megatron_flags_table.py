@@ -106,7 +106,6 @@ ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not
                 "it")
 MHC = "hyper-connections are not built yet; drop it"
 HETERO = "heterogeneous (per-layer) architectures are not built yet; drop it"
-UPCYCLING = "dense-to-MoE upcycling is not built yet; drop it"
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
 VP_GROUP = ("the interleaved schedule here groups --pipeline-model-parallel-size micro-batches "
@@ -545,8 +544,6 @@ ROWS = (
     ('--dino-warmup-teacher-temp', '', 'float', 0.04, '', REFUSED, VISION),
     ('--dino-teacher-temp', '', 'float', 0.07, '', REFUSED, VISION),
     ('--dino-warmup-teacher-temp-epochs', '', 'int', 30, '', REFUSED, VISION),
-    ('--moe-use-upcycling', '', 'true', False, '', REFUSED, UPCYCLING),
-    ('--moe-upcycling-granularity', '', 'int', 1, '', REFUSED, UPCYCLING),
     ('--cache-mla-latents', '', 'true', False, '', REFUSED, MLA),
     ('--mla-down-proj-fusion', '', 'true', False, '', REFUSED, MLA),
     ('--linear-attention-freq', '', 'layer_pattern', None, '', REFUSED, ATTN_VARIANT),
