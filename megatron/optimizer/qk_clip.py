@@ -47,20 +47,22 @@ def reduce_max_logits(layers, dp_cp_group) -> Optional[torch.Tensor]:
     if collectives.get_group_size(dp_cp_group) > 1:
         torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX,
                                      group=dp_cp_group)
-    for layer, part in zip([lay for lay, m in zip(layers, maxima) if m is not None],
-                           torch.split(flat, [m.numel() for m in present])):
-        layer.core_attention.current_max_attn_logits = part
+    parts = iter(torch.split(flat, [m.numel() for m in present]))
+    for layer, own in zip(layers, maxima):
+        if own is not None:
+            layer.core_attention.current_max_attn_logits = next(parts)
     return flat
 
 
 def _model_max(flat: Optional[torch.Tensor], model_parallel_group) -> Tuple[float, bool]:
-    """The largest value of the whole model (0 on a model without attention logits, as
-    Megatron starts its maximum) and whether any value, on any rank, is nan or +inf."""
+    """The largest value of the whole model, not below 0 (Megatron starts its maximum at 0,
+    which is also what a stage without attention layers holds), and whether any value, on any
+    rank, is nan or +inf."""
     stats = torch.zeros(2, dtype=torch.float32,
                         device=device.current_device() if flat is None else flat.device)
     if flat is not None:
         bad = torch.isnan(flat) | torch.isposinf(flat)
-        stats[0] = flat.masked_fill(bad, float("-inf")).max()
+        stats[0] = flat.masked_fill(bad, float("-inf")).max().clamp(min=0.0)
         stats[1] = bad.any().float()
     if collectives.get_group_size(model_parallel_group) > 1:
         torch.distributed.all_reduce(stats, op=torch.distributed.ReduceOp.MAX,

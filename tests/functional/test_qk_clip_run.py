@@ -4,8 +4,8 @@
 - the clip (a threshold under the logits these tiny models reach) changes the losses from the
   second step on (it scales weights after the first) and two runs with one seed agree exactly;
 - tensor parallelism (standard attention with grouped queries, and multi-latent attention)
-  gives the one-process losses and logged maxima: each rank clips its own heads, and the
-  logged value is the whole model's;
+  and pipeline parallelism give the one-process losses and logged maxima: each rank clips its
+  own heads and layers, and the logged value is the whole model's;
 - the distributed optimizer clips its main-weight shards as the replicated one clips whole
   weights;
 - a run resumed from a checkpoint continues bit for bit (the clip keeps no state across steps).
@@ -60,11 +60,13 @@ def test_logging_changes_nothing_and_the_clip_changes_losses_from_the_second_ste
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model", [GQA, MLA], ids=["gqa", "mla"])
-def test_tensor_parallel_clip_equals_one_process(corpus, capfd, model):
-    one, one_logged = _run(corpus, 1, 4, model + CLIP + ["--log-max-attention-logit"], capfd)
-    two, two_logged = _run(corpus, 2, 4, model + CLIP + ["--log-max-attention-logit"], capfd,
-                           tp=2)
+@pytest.mark.parametrize("model,tp,pp", [(GQA, 2, 1), (MLA, 2, 1), (GQA, 1, 2)],
+                         ids=["gqa-tp2", "mla-tp2", "gqa-pp2"])
+def test_model_parallel_clip_equals_one_process(corpus, capfd, model, tp, pp):
+    flags = model + CLIP + ["--log-max-attention-logit"]
+    one, one_logged = _run(corpus, 1, 4, flags, capfd)
+    two, two_logged = _run(corpus, 2, 4, flags + ["--pipeline-model-parallel-size", str(pp)],
+                           capfd, tp=tp)
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
     assert len(two_logged) == len(one_logged) == 4
     torch.testing.assert_close(torch.tensor(two_logged), torch.tensor(one_logged), rtol=1e-3,

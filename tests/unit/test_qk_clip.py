@@ -61,7 +61,8 @@ def _qk_fp64(attn, x):
     per = HEADS // groups
     rows = (per + 2) * HN
     q_rows = [r for g in range(groups) for r in range(g * rows, g * rows + per * HN)]
-    k_rows = [r for g in range(groups) for r in range(g * rows + per * HN, g * rows + (per + 1) * HN)]
+    k_rows = [r for g in range(groups)
+              for r in range(g * rows + per * HN, g * rows + (per + 1) * HN)]
     s, b, _ = x.shape
     q = (x.double() @ w[q_rows].T + bias[q_rows]).view(s, b, HEADS, HN)
     k = (x.double() @ w[k_rows].T + bias[k_rows]).view(s, b, groups, HN)
