@@ -81,6 +81,11 @@ class CoreAttention(MegatronModule):
     over tensor-parallel ranks like the heads); scaled_dot_product_attention has no such term,
     so those layers always take the explicit body.
 
+    With ``--qk-clip`` or ``--log-max-attention-logit`` a training forward also keeps each
+    head's largest unmasked logit in ``current_max_attn_logits`` (read off the explicit body's
+    scores; computed apart, in blocks, for scaled_dot_product_attention, which never
+    materialises them), for :mod:`megatron.optimizer.qk_clip`.
+
     Args:
         config: the transformer config.
         layer_number: 1-based global layer number (query-key layer scaling divides by it; the
@@ -207,10 +212,10 @@ class CoreAttention(MegatronModule):
         sq, sk = logits.shape[-2:]
         if attention_mask is None and self.attn_mask_type == AttnMaskType.causal:
             attention_mask = causal_mask(sq, sk, device=logits.device)[None, None]
-        logits = logits.detach().float()
-        if attention_mask is not None:
+        logits = logits.detach()
+        if attention_mask is not None:                   # one copy of the scores, in their dtype
             logits = logits.masked_fill(attention_mask, float("-inf"))
-        batch_max = logits.amax(dim=(0, 2, 3)) * coeff                    # [np]
+        batch_max = logits.amax(dim=(0, 2, 3)).float() * coeff            # [np]
         if self.current_max_attn_logits is None:
             self.current_max_attn_logits = batch_max
         else:
