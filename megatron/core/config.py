@@ -140,6 +140,19 @@ class TransformerConfig:
     no_rope_freq: Optional[Union[int, Tuple[int, ...]]] = None
     # --embedding-init-method-std: N(0, std^2) for the embedding tables (None: as other weights).
     embedding_init_method_std: Optional[float] = None
+    # QK-clip (--qk-clip): after each optimizer step, the query and key weights of heads whose
+    # largest pre-softmax logit exceeded --qk-clip-threshold are scaled down (eta^alpha on the
+    # query side, eta^(1 - alpha) on the key side, eta = threshold / max logit).
+    # --log-max-attention-logit tracks and logs that maximum without clipping.
+    qk_clip: bool = False
+    qk_clip_alpha: float = 0.5
+    qk_clip_threshold: float = 100.0
+    log_max_attention_logit: bool = False
+
+    @property
+    def tracks_max_attention_logit(self) -> bool:
+        """Whether attention records each head's largest logit during training forwards."""
+        return self.qk_clip or self.log_max_attention_logit
 
     @property
     def gated_linear_unit(self) -> bool:
@@ -219,6 +232,10 @@ class TransformerConfig:
         if self.softmax_type not in SOFTMAX_TYPES:
             raise ConfigError(f"--softmax-type must be one of {', '.join(SOFTMAX_TYPES)}, got "
                               f"{self.softmax_type!r}")
+        if self.qk_clip and not 0.0 <= self.qk_clip_alpha <= 1.0:
+            raise ConfigError(f"--qk-clip-alpha must lie in [0, 1], got {self.qk_clip_alpha}")
+        if self.qk_clip and not self.qk_clip_threshold > 0:
+            raise ConfigError(f"--qk-clip-threshold must be > 0, got {self.qk_clip_threshold}")
         if self.apply_query_key_layer_scaling:
             # The scores are multiplied back by the layer number inside the softmax, which must
             # therefore run in fp32 (as Megatron sets it).

@@ -75,6 +75,15 @@ def _add_network_size_args(parser):
     g.add_argument("--qk-l2-norm", action="store_true",
                    help="scale query and key to unit RMS over head_dim (no weight), before "
                    "rotary; replaces --qk-layernorm (Llama 4)")
+    g.add_argument("--qk-clip", action="store_true",
+                   help="QK-clip: after each optimizer step, scale down the query and key "
+                   "weights of heads whose largest attention logit of the step exceeded "
+                   "--qk-clip-threshold")
+    g.add_argument("--qk-clip-alpha", type=float, default=0.5,
+                   help="the share of QK-clip's factor eta = threshold / max logit taken by "
+                   "the query weights (eta^alpha; the key weights take eta^(1 - alpha))")
+    g.add_argument("--qk-clip-threshold", type=float, default=100,
+                   help="the largest attention logit QK-clip lets a head keep")
     g.add_argument("--attention-output-gate", action="store_true",
                    help="gate each head's attention output by sigmoid of a projection of the "
                    "layer input, projected with the queries (Qwen3-Next)")
@@ -810,6 +819,9 @@ def _add_logging_args(parser):
                    help="L2 norm of all parameters (each counted once) in the log line "
                    "(params norm) and TensorBoard (params-norm)")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--log-max-attention-logit", action="store_true",
+                   help="the largest pre-softmax attention logit of each step in the log line "
+                   "(max attention logit) and TensorBoard (max_attention_logit)")
     g.add_argument("--log-throughput", action="store_true",
                    help="model TFLOP/s per device in the log line and TensorBoard (throughput)")
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])

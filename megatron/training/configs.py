@@ -162,6 +162,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
         qk_l2_norm=args.qk_l2_norm, attention_output_gate=args.attention_output_gate,
         no_rope_freq=args.no_rope_freq, embedding_init_method_std=args.embedding_init_method_std,
+        qk_clip=args.qk_clip, qk_clip_alpha=args.qk_clip_alpha,
+        qk_clip_threshold=args.qk_clip_threshold,
+        log_max_attention_logit=args.log_max_attention_logit,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),

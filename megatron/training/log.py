@@ -91,7 +91,8 @@ def format_log_line(args, train_state: TrainState, stats: IntervalStats, learnin
                     batch_size: int, loss_scale: float, grad_norm: Optional[float],
                     params_norm: Optional[float] = None) -> str:
     """Megatron's console line at ``train_state``'s iteration; ``params_norm`` with
-    --log-params-norm, and the model TFLOP/s field with --log-throughput."""
+    --log-params-norm, the model TFLOP/s field with --log-throughput, and the last step's
+    largest attention logit with --qk-clip or --log-max-attention-logit."""
     per_iter_s = seconds_per_iteration(stats)
     tokens_per_s = batch_size * args.seq_length / per_iter_s / args.world_size
     parts = [f" iteration {train_state.iteration:8d}/{args.train_iters:8d}",
@@ -113,6 +114,9 @@ def format_log_line(args, train_state: TrainState, stats: IntervalStats, learnin
         parts.append(f"grad norm: {grad_norm:.3f}")
     if params_norm is not None:
         parts.append(f"params norm: {params_norm:.3f}")
+    max_logit = getattr(train_state, "max_attention_logit", None)
+    if max_logit is not None:
+        parts.append(f"max attention logit: {max_logit:.3f}")
     parts.append(f"number of skipped iterations: {stats.skipped:3d}")
     parts.append(f"number of nan iterations: {stats.nan:3d}")
     return " | ".join(parts) + " |"
@@ -143,6 +147,8 @@ def write_train_scalars(writer, args, train_state: TrainState, loss_dict: Dict[s
     if params_norm is not None:
         writer.add_scalar("params-norm", params_norm, iteration)
         writer.add_scalar("params-norm vs samples", params_norm, samples)
+    if args.log_max_attention_logit and train_state.max_attention_logit is not None:
+        writer.add_scalar("max_attention_logit", train_state.max_attention_logit, iteration)
     if args.log_world_size_to_tensorboard:
         writer.add_scalar("world-size", args.world_size, iteration)
     if args.log_memory_to_tensorboard:

@@ -119,7 +119,6 @@ GRAD_PRECISION = ("gradients are reduced in fp32 here with --bf16 (as "
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
 TIMEOUTS = ("the NCCL flight recorder and a second timeout after start-up are not built here; "
             "use --distributed-timeout-minutes")
-QK_CLIP = "QK-clip and attention-logit logging are not built yet; drop it"
 MODEL_VARIANT = "this model variant is not built yet; drop it"
 FORCE_BALANCE = "forced (random) router balancing is a benchmark switch, not built here; drop it"
 TRAINING_EXTRAS = "this training-loop option is not built yet; drop it"
@@ -192,9 +191,6 @@ ROWS = (
     ('--mtp-hsm', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hybrid-override-pattern', '', 'str', None, '', REFUSED, MTP),
     ('--flash-attention-version', '', 'int', None, '2|3|4', NO_EFFECT, ATTN_BACKEND),
-    ('--qk-clip', '', 'true', False, '', REFUSED, QK_CLIP),
-    ('--qk-clip-alpha', '', 'float', 0.5, '', REFUSED, QK_CLIP),
-    ('--qk-clip-threshold', '', 'float', 100, '', REFUSED, QK_CLIP),
     ('--experimental-attention-variant', '',
      'str', None, 'gdn|gdn2|dsa|gated_delta_net', REFUSED, ATTN_VARIANT),
     ('--dsa-indexer-n-heads', '', 'int', None, '', REFUSED, ATTN_VARIANT),
@@ -550,7 +546,6 @@ ROWS = (
     ('--heterogeneous-layers-config-path', '', 'str', None, '', REFUSED, HETERO),
     ('--heterogeneous-layers-config-encoded-json', '', 'str', None, '', REFUSED, HETERO),
     ('--log-progress', '', 'true', False, '', WORKS, None),
-    ('--log-max-attention-logit', '', 'true', False, '', REFUSED, QK_CLIP),
     ('--no-barrier-with-level-1-timing', 'barrier_with_L1_time',
      'false', True, '', NO_EFFECT, BARRIER),
     ('--wandb-entity', '', 'str', None, '', WORKS, None),

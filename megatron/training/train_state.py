@@ -41,6 +41,8 @@ class TrainState:
             are not validated).
         rerun_checkpoint: the machine's checkpoint entry (Megatron's key
             ``rerun_state_machine``): set before a save the machine asks for, read after a load.
+        max_attention_logit: the model's largest attention logit of the last step, with
+            --qk-clip or --log-max-attention-logit (None without them); not saved.
     """
 
     iteration: int = 0
@@ -58,6 +60,7 @@ class TrainState:
     valid_losses_per_set: Optional[Dict[str, Dict[str, float]]] = None
     rerun: Optional[object] = None
     rerun_checkpoint: Optional[dict] = None
+    max_attention_logit: Optional[float] = None
 
     def saved_args_fields(self) -> Dict[str, object]:
         """What a checkpoint's ``args`` namespace records of this run: Megatron's two counters,

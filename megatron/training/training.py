@@ -29,7 +29,7 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.config import DataConfig
 from megatron.data.samplers import (build_pretraining_data_loader, cyclic_iter,
                                     exit_signal_worker_init)
-from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
+from megatron.optimizer import SchedulerConfig, get_megatron_optimizer, qk_clip
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training import hooks as training_hooks
@@ -538,6 +538,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
         timers("optimizer", log_level=1).start()
         ok, grad_norm, _ = optimizer.step()
         timers("optimizer", log_level=1).stop()
+    if args.qk_clip or args.log_max_attention_logit:
+        # Also after a skipped step, which resets the maxima without clipping.
+        max_logit = qk_clip.finish_step(
+            model, optimizer, pstate, clip_weights=args.qk_clip and ok,
+            threshold=args.qk_clip_threshold, alpha=args.qk_clip_alpha)
+        if train_state is not None:
+            train_state.max_attention_logit = max_logit
     dumps.after_step(model, pstate)
     moe_logging.update_expert_biases(model, pstate)
     moe_logging.reset_global_aux_loss(model)

@@ -1202,6 +1202,33 @@ def _validate_fine_grained_offload(args) -> None:
                     "live in host memory, so there is nothing to offload")
 
 
+def _validate_qk_clip(args) -> None:
+    """--qk-clip / --log-max-attention-logit: the combinations whose logits are not seen or
+    whose weights cannot be scaled here are refused."""
+    if not (args.qk_clip or args.log_max_attention_logit):
+        if args.qk_clip_alpha != 0.5 or args.qk_clip_threshold != 100:
+            _note(args, "--qk-clip-alpha and --qk-clip-threshold have no effect without "
+                        "--qk-clip")
+        return
+    flag = "--qk-clip" if args.qk_clip else "--log-max-attention-logit"
+    if args.context_parallel_size > 1:
+        _fail(f"{flag} does not run with --context-parallel-size "
+              f"{args.context_parallel_size}: context-parallel attention never materialises "
+              "the logits here; drop one of the two")
+    if not args.qk_clip:
+        return
+    if args.use_torch_fsdp2:
+        _fail("--qk-clip does not run with FSDP (--use-torch-fsdp2 / --use-megatron-fsdp): the "
+              "sharded weights cannot be scaled by rows here; drop one of the two")
+    if args.optimizer_cpu_offload:
+        _fail("--qk-clip does not run with --optimizer-cpu-offload (the host keeps its own "
+              "copies of the weights); drop one of the two")
+    if not 0.0 <= args.qk_clip_alpha <= 1.0:
+        _fail(f"--qk-clip-alpha must lie in [0, 1], got {args.qk_clip_alpha}")
+    if not args.qk_clip_threshold > 0:
+        _fail(f"--qk-clip-threshold must be > 0, got {args.qk_clip_threshold}")
+
+
 def _validate_activation_offload(args) -> None:
     _validate_fine_grained_offload(args)
     n = args.cpu_offloading_num_layers
@@ -1279,4 +1306,5 @@ def check_flags(args):
     _validate_optimizer_offload(args)
     _validate_activation_offload(args)
     _validate_validation_sets(args)
+    _validate_qk_clip(args)
     return args
