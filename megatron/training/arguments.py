@@ -678,6 +678,9 @@ def _add_data_args(parser):
                         "(Megatron-Core's tokenizers). Without it, the end-of-document id is "
                         "--vocab-size itself and the vocabulary one larger (Megatron's legacy "
                         "NullTokenizer)")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer: the pad id; GPT labels equal to it get loss weight 0 "
+                        "(-1, the default: no pad token). Choose an id the data does not hold")
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
     g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false",
