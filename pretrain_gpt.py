@@ -160,7 +160,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         mock=data.mock_data, vocab_size=tokenizer.vocab_size,
         mmap_bin_files=data.mmap_bin_files, fim=resolve_fim_config(data.fim, tokenizer),
-        mid_level_dataset_surplus=data.mid_level_dataset_surplus)
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus,
+        per_dataset_sequences_path=data.per_dataset_sequences_path)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,

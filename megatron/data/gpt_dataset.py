@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron.data import dataset_utils, fim_dataset, index_builders
+from megatron.data import dataset_utils, fim_dataset, index_builders, sequences_per_dataset
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.mock_dataset import MockGPTDataset
@@ -49,7 +49,8 @@ class GPTDatasetConfig:
             same names, used by
             :func:`~megatron.data.dataset_utils.get_ltor_masks_and_position_ids`.
         mock: ``--mock-data``; synthetic tokens instead of files.
-        vocab_size: vocabulary of the synthetic tokens (needed only with ``mock``).
+        vocab_size: the tokenizer's vocabulary size: of the synthetic tokens with ``mock``; with
+            ``per_dataset_sequences_path`` it gives the token dtype.
         mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory
             instead of memory-mapping it (the same tokens).
         mid_level_dataset_surplus: ``--mid-level-dataset-surplus``: each dataset of a weighted
@@ -57,6 +58,9 @@ class GPTDatasetConfig:
         fim: with ``--fim-data``, the resolved
             :class:`~megatron.data.fim_dataset.FIMConfig`: each split's datasets are then
             :class:`GPTFIMDataset` (same indices and cache).
+        per_dataset_sequences_path: ``--per-dataset-sequences-path``: a JSON file of each
+            prefix's sequence and document counts, used instead of reading the ``.idx`` headers
+            (:mod:`megatron.data.sequences_per_dataset`); the samples are the same.
     """
 
     seed: int = 1234
@@ -71,6 +75,7 @@ class GPTDatasetConfig:
     vocab_size: Optional[int] = None
     fim: Optional[fim_dataset.FIMConfig] = None
     mid_level_dataset_surplus: float = dataset_utils.BLEND_SURPLUS
+    per_dataset_sequences_path: Optional[str] = None
 
     def __post_init__(self) -> None:
         dataset_utils.check_blend_surplus(self.mid_level_dataset_surplus)
@@ -205,13 +210,24 @@ class GPTFIMDataset(GPTDataset):
 # ------------------------------------------------------------------------ building the splits
 
 
-def _open_indexed_dataset(prefix: str, flag: str, mmap: bool = True) -> IndexedDataset:
+def _open_indexed_dataset(prefix: str, flag: str, mmap: bool = True,
+                          config: Optional[GPTDatasetConfig] = None,
+                          table: Optional[dict] = None) -> IndexedDataset:
+    """The indexed dataset of ``prefix``; with ``table`` (the loaded
+    ``--per-dataset-sequences-path``), opened from its counts instead of its header."""
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         raise FileNotFoundError(f"{flag}: data prefix {prefix!r} does not exist (missing "
                                 f"{', '.join(missing)}); expected PREFIX.bin and PREFIX.idx as "
                                 f"written by tools/preprocess_data.py")
-    return IndexedDataset(prefix, mmap=mmap)
+    if table is None:
+        return IndexedDataset(prefix, mmap=mmap)
+    path = config.per_dataset_sequences_path
+    return IndexedDataset(prefix, mmap=mmap,
+                          sequences_per_dataset=sequences_per_dataset.counts_for(table, path,
+                                                                                 prefix),
+                          dtype_code=sequences_per_dataset.token_dtype_code(config.vocab_size),
+                          source=f"{sequences_per_dataset.FLAG} {path}")
 
 
 def _split_documents(indexed, split: str, whole: bool) -> List[Optional[np.ndarray]]:
@@ -274,7 +290,10 @@ def _check_train_not_empty(prefixes, documents, opened, split) -> None:
 def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetConfig,
                       flag: str, only: Optional[int] = None) -> List:
     prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
-    opened = {p: _open_indexed_dataset(p, flag, config.mmap_bin_files) for p in prefixes}
+    table = (sequences_per_dataset.load(config.per_dataset_sequences_path)
+             if config.per_dataset_sequences_path else None)
+    opened = {p: _open_indexed_dataset(p, flag, config.mmap_bin_files, config, table)
+              for p in prefixes}
     whole = only is not None
     if (num_samples[only] if whole else max(num_samples)) > 0:
         for p in prefixes:

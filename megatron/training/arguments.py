@@ -671,6 +671,10 @@ def _add_data_args(parser):
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--per-dataset-sequences-path", type=str, default=None,
+                   help="a JSON file {prefix: [sequences, document entries]} (written by "
+                        "tools/build_sequences_per_dataset.py): each data prefix is opened from "
+                        "these counts instead of reading its .idx header (GPT)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--null-tokenizer-eod-id", type=int, default=None,

@@ -241,7 +241,8 @@ def build_data_config(args) -> DataConfig:
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dataloader_type=args.dataloader_type, num_workers=args.num_workers,
         mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args),
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        per_dataset_sequences_path=args.per_dataset_sequences_path)
 
 
 def _fim_flags(args) -> FIMFlags:
