@@ -671,6 +671,10 @@ def _add_data_args(parser):
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--phase-transition-iterations", type=str, default=None,
+                   help="comma-separated iterations (e.g. 1000,3000) where training saves a "
+                        "checkpoint and exits, to be restarted with the next phase's data "
+                        "flags; each phase's train data starts at its own first sample")
     g.add_argument("--per-dataset-sequences-path", type=str, default=None,
                    help="a JSON file {prefix: [sequences, document entries]} (written by "
                         "tools/build_sequences_per_dataset.py): each data prefix is opened from "

@@ -42,6 +42,7 @@ class TrainingConfig:
     skip_iterations_with_loss_spike: bool = False
     start_eval_at_iter: Optional[int] = None
     iterations_to_skip: Tuple[int, ...] = ()
+    phase_transition_iterations: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -324,7 +325,8 @@ def _training_config(args) -> TrainingConfig:
         skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike,
         start_eval_at_iter=args.start_eval_at_iter,
         iterations_to_skip=_iterations_to_skip(args.iterations_to_skip,
-                                               args.result_rejected_tracker_filename))
+                                               args.result_rejected_tracker_filename),
+        phase_transition_iterations=tuple(args.phase_transition_iterations or ()))
 
 
 def _iterations_to_skip(given, tracker_filename) -> Tuple[int, ...]:

@@ -949,6 +949,24 @@ def validate_bert_args(args: argparse.Namespace) -> None:
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")
 
 
+def _validate_phase_transitions(args) -> None:
+    """--phase-transition-iterations: Megatron's "t1,t2,..." as sorted iterations; phases are
+    counted in iterations x a constant global batch."""
+    from megatron.training import phases
+
+    try:
+        args.phase_transition_iterations = phases.parse(args.phase_transition_iterations)
+    except ValueError as err:
+        _fail(str(err))
+    if args.phase_transition_iterations is None:
+        return
+    for flag, value in (("--rampup-batch-size", args.rampup_batch_size),
+                        ("--step-batch-size-schedule", args.step_batch_size_schedule)):
+        if value is not None:
+            _fail(f"{phases.FLAG} needs a constant global batch size (phases are counted in "
+                  f"iterations x batch); drop {flag}")
+
+
 def _validate_fim(args) -> None:
     """--fim-data: rates are probabilities; fragments need their rate; files, not mock data."""
     if not args.fim_data:
@@ -1098,6 +1116,7 @@ def check_flags(args):
     _validate_mtp(args)
     _validate_loss(args)
     _validate_batch_and_schedule(args)
+    _validate_phase_transitions(args)
     _note_no_initialization(args)
     _validate_run_extras(args)
     _validate_masking(args)
