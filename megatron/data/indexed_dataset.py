@@ -571,6 +571,13 @@ class IndexedDataset:
 MMapIndexedDataset = IndexedDataset
 
 
+def header_counts(path_prefix: str) -> tuple:
+    """``(N, D)`` of ``PREFIX.idx``: its numbers of sequences and of document-index entries, read
+    from its (checked) header alone."""
+    header = _read_header(get_idx_path(path_prefix))
+    return header["sequences"], header["documents"]
+
+
 def _read_header(idx_path: str) -> dict:
     """Parse and check the 34-byte header of ``idx_path``."""
     if not os.path.exists(idx_path):

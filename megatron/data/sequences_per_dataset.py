@@ -67,10 +67,6 @@ def counts_for(table: Dict[str, Tuple[int, int]], path: str, prefix: str) -> Tup
 
 def build(prefixes: Sequence[str]) -> Dict[str, Tuple[int, int]]:
     """The file's content for ``prefixes``, read from their ``.idx`` headers."""
-    from megatron.data.indexed_dataset import _read_header, get_idx_path
+    from megatron.data.indexed_dataset import header_counts
 
-    out = {}
-    for prefix in prefixes:
-        header = _read_header(get_idx_path(prefix))
-        out[prefix] = (header["sequences"], header["documents"])
-    return out
+    return {prefix: header_counts(prefix) for prefix in prefixes}
