@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron.data import dataset_utils, fim_dataset, index_builders, sequences_per_dataset
+from megatron.data import (dataset_utils, document_masks, fim_dataset, index_builders,
+                           sequences_per_dataset)
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.mock_dataset import MockGPTDataset
@@ -61,6 +62,8 @@ class GPTDatasetConfig:
         per_dataset_sequences_path: ``--per-dataset-sequences-path``: a JSON file of each
             prefix's sequence and document counts, used instead of reading the ``.idx`` headers
             (:mod:`megatron.data.sequences_per_dataset`); the samples are the same.
+        inter_document_masking: ``--dataloader-inter-document-masking``: samples also carry
+            ``cu_seqlens``, their document boundaries (:mod:`megatron.data.document_masks`).
     """
 
     seed: int = 1234
@@ -76,6 +79,7 @@ class GPTDatasetConfig:
     fim: Optional[fim_dataset.FIMConfig] = None
     mid_level_dataset_surplus: float = dataset_utils.BLEND_SURPLUS
     per_dataset_sequences_path: Optional[str] = None
+    inter_document_masking: bool = False
 
     def __post_init__(self) -> None:
         dataset_utils.check_blend_surplus(self.mid_level_dataset_surplus)
@@ -110,6 +114,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.documents = np.asarray(documents, dtype=np.int32)
         self.num_samples = int(num_samples)
         self.seq_length = int(config.seq_length)
+        self.inter_document_masking = bool(config.inter_document_masking)
         if self.documents.size == 0:
             raise DataError(f"{name} split of {path_prefix} has no documents")
         sizes = indexed_dataset.sequence_lengths
@@ -172,7 +177,8 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.sample_idx.shape[0] - 1
 
-    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+    def _parts(self, idx: int) -> List[np.ndarray]:
+        """The token runs of sample ``idx``, one per document it draws from, in order."""
         n = len(self)
         if not -n <= idx < n:
             raise IndexError(f"sample {idx} out of range for the {n} samples of {self.name}")
@@ -181,14 +187,21 @@ class GPTDataset(torch.utils.data.Dataset):
         last_pos, last_offset = (int(x) for x in self.sample_idx[built + 1])
         read = self.indexed_dataset.get
         if first_pos == last_pos:
-            text = read(int(self.doc_idx[first_pos]), offset=first_offset,
-                        length=last_offset - first_offset + 1)
-        else:
-            parts = [read(int(self.doc_idx[first_pos]), offset=first_offset)]
-            parts += [read(int(self.doc_idx[p])) for p in range(first_pos + 1, last_pos)]
-            parts.append(read(int(self.doc_idx[last_pos]), length=last_offset + 1))
-            text = np.concatenate(parts)
-        return {"text": np.array(text, dtype=np.int64)}
+            return [read(int(self.doc_idx[first_pos]), offset=first_offset,
+                         length=last_offset - first_offset + 1)]
+        parts = [read(int(self.doc_idx[first_pos]), offset=first_offset)]
+        parts += [read(int(self.doc_idx[p])) for p in range(first_pos + 1, last_pos)]
+        parts.append(read(int(self.doc_idx[last_pos]), length=last_offset + 1))
+        return parts
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        parts = self._parts(idx)
+        text = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        sample = {"text": np.array(text, dtype=np.int64)}
+        if self.inter_document_masking:
+            sample["cu_seqlens"] = document_masks.document_cu_seqlens(
+                [len(p) for p in parts], self.seq_length)
+        return sample
 
 
 class GPTFIMDataset(GPTDataset):

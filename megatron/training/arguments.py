@@ -715,6 +715,9 @@ def _add_data_args(parser):
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--dataloader-inter-document-masking", action="store_true",
+                   help="GPT: each token attends only to the earlier tokens of its own document "
+                        "of the sample, and positions restart at 0 with every document")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)

@@ -243,7 +243,8 @@ def build_data_config(args) -> DataConfig:
         dataloader_type=args.dataloader_type, num_workers=args.num_workers,
         mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args),
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        per_dataset_sequences_path=args.per_dataset_sequences_path)
+        per_dataset_sequences_path=args.per_dataset_sequences_path,
+        dataloader_inter_document_masking=args.dataloader_inter_document_masking)
 
 
 def _fim_flags(args) -> FIMFlags:

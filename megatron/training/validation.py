@@ -967,6 +967,16 @@ def _validate_phase_transitions(args) -> None:
                   f"iterations x batch); drop {flag}")
 
 
+def _validate_inter_document_masking(args) -> None:
+    """--dataloader-inter-document-masking needs documents: the indexed datasets' samples."""
+    if not args.dataloader_inter_document_masking:
+        return
+    for flag, on in (("--mock-data", args.mock_data), ("--fim-data", args.fim_data)):
+        if on:
+            _fail(f"--dataloader-inter-document-masking takes the document boundaries of "
+                  f"--data-path samples; {flag} samples have none that it keeps")
+
+
 def _validate_fim(args) -> None:
     """--fim-data: rates are probabilities; fragments need their rate; files, not mock data."""
     if not args.fim_data:
@@ -1121,6 +1131,7 @@ def check_flags(args):
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_fim(args)
+    _validate_inter_document_masking(args)
     _validate_blend_surplus(args)
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
