@@ -11,6 +11,7 @@ from megatron.core.config import TransformerConfig
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.dataset_utils import (get_ltor_masks_and_position_ids, mask_pad_tokens,
                                          pad_token_id)
+from megatron.data.document_masks import inter_document_masks
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
 from megatron.data.sft_dataset import sft_attention_mask
 from megatron.model import GPTModel
@@ -45,8 +46,11 @@ def get_batch(data_iterator, stage=None):
     position ids and the attention mask, the last labels, the loss mask and the attention mask
     (and, with ``--mtp-num-layers``, the tokens and position ids too: multi-token prediction
     runs there); the others are None. The attention mask is None (causal) unless
-    ``--reset-attention-mask`` makes it depend on the data; a middle stage then reads the batch
-    for the mask alone, and otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk
+    ``--reset-attention-mask`` or ``--dataloader-inter-document-masking`` makes it depend on the
+    data; a middle stage then reads the batch for the mask alone, and otherwise reads nothing.
+    With ``--dataloader-inter-document-masking`` the samples' ``cu_seqlens`` give each token the
+    positions of its own document and keep its attention inside it
+    (:mod:`megatron.data.document_masks`). ``stage`` is ``(first, last)`` of the chunk
     the batch is for (:func:`megatron.training.training.model_stage`); None asks the parallel
     state (right without virtual stages).
 
@@ -61,19 +65,24 @@ def get_batch(data_iterator, stage=None):
                                                    pstate.is_last_stage())
     if args.sft:
         return get_sft_batch(data_iterator, pstate, first, last, args.mtp_num_layers)
-    if not (first or last or args.reset_attention_mask):
+    documents = args.dataloader_inter_document_masking
+    if not (first or last or args.reset_attention_mask or documents):
         return None, None, None, None, None
     data = next(data_iterator) if data_iterator is not None else None
-    text = tensor_parallel.broadcast_data(["text"], data, torch.int64, pstate.tp_group,
-                                          pstate.tp_ranks[0])["text"].long()
+    keys = ["text", "cu_seqlens"] if documents else ["text"]
+    batch = tensor_parallel.broadcast_data(keys, data, torch.int64, pstate.tp_group,
+                                           pstate.tp_ranks[0])
+    text = batch["text"].long()
     tokens = text[:, :-1].contiguous()    # [b, s]
     labels = text[:, 1:].contiguous()     # [b, s]
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask,
         args.eod_mask_loss)
+    if documents:
+        attention_mask, position_ids = inter_document_masks(batch["cu_seqlens"], tokens.shape[1])
     mask_pad_tokens(tokens, labels, loss_mask,
                     pad_token_id(tokenizer, args.allow_ambiguous_pad_tokens))
-    if not args.reset_attention_mask:
+    if not (args.reset_attention_mask or documents):
         # The mask is exactly causal: None says so, and attention then uses its causal kernels
         # (upper-triangular softmax, SDPA's is_causal), which skip the masked half.
         attention_mask = None
@@ -192,7 +201,9 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         mock=data.mock_data, vocab_size=tokenizer.vocab_size,
         mmap_bin_files=data.mmap_bin_files, fim=resolve_fim_config(data.fim, tokenizer),
-        mid_level_dataset_surplus=data.mid_level_dataset_surplus)
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus,
+        per_dataset_sequences_path=data.per_dataset_sequences_path,
+        inter_document_masking=data.dataloader_inter_document_masking)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,

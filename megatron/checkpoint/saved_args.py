@@ -189,3 +189,16 @@ def check_args(saved, args, path: str, ignore=()) -> None:
     if diffs:
         raise CheckpointError(f"{path}: the model shape differs from the flags: "
                               + "; ".join(diffs))
+    _check_phase_batch(saved, args, path)
+
+
+def _check_phase_batch(saved, args, path: str) -> None:
+    """With --phase-transition-iterations, phases are iterations x the global batch: a
+    checkpoint written with another batch size would put the phase boundaries elsewhere."""
+    if not getattr(args, "phase_transition_iterations", None):
+        return
+    before = getattr(saved, "global_batch_size", None)
+    if before is not None and before != args.global_batch_size:
+        raise CheckpointError(f"{path}: --phase-transition-iterations needs the global batch "
+                              f"size the checkpoint was trained with ({before}); the flags "
+                              f"give --global-batch-size {args.global_batch_size}")

@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron.data import dataset_utils, fim_dataset, index_builders
+from megatron.data import (dataset_utils, document_masks, fim_dataset, index_builders,
+                           sequences_per_dataset)
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.mock_dataset import MockGPTDataset
@@ -49,7 +50,8 @@ class GPTDatasetConfig:
             same names, used by
             :func:`~megatron.data.dataset_utils.get_ltor_masks_and_position_ids`.
         mock: ``--mock-data``; synthetic tokens instead of files.
-        vocab_size: vocabulary of the synthetic tokens (needed only with ``mock``).
+        vocab_size: the tokenizer's vocabulary size: of the synthetic tokens with ``mock``; with
+            ``per_dataset_sequences_path`` it gives the token dtype.
         mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory
             instead of memory-mapping it (the same tokens).
         mid_level_dataset_surplus: ``--mid-level-dataset-surplus``: each dataset of a weighted
@@ -57,6 +59,11 @@ class GPTDatasetConfig:
         fim: with ``--fim-data``, the resolved
             :class:`~megatron.data.fim_dataset.FIMConfig`: each split's datasets are then
             :class:`GPTFIMDataset` (same indices and cache).
+        per_dataset_sequences_path: ``--per-dataset-sequences-path``: a JSON file of each
+            prefix's sequence and document counts, used instead of reading the ``.idx`` headers
+            (:mod:`megatron.data.sequences_per_dataset`); the samples are the same.
+        inter_document_masking: ``--dataloader-inter-document-masking``: samples also carry
+            ``cu_seqlens``, their document boundaries (:mod:`megatron.data.document_masks`).
     """
 
     seed: int = 1234
@@ -71,6 +78,8 @@ class GPTDatasetConfig:
     vocab_size: Optional[int] = None
     fim: Optional[fim_dataset.FIMConfig] = None
     mid_level_dataset_surplus: float = dataset_utils.BLEND_SURPLUS
+    per_dataset_sequences_path: Optional[str] = None
+    inter_document_masking: bool = False
 
     def __post_init__(self) -> None:
         dataset_utils.check_blend_surplus(self.mid_level_dataset_surplus)
@@ -105,6 +114,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.documents = np.asarray(documents, dtype=np.int32)
         self.num_samples = int(num_samples)
         self.seq_length = int(config.seq_length)
+        self.inter_document_masking = bool(config.inter_document_masking)
         if self.documents.size == 0:
             raise DataError(f"{name} split of {path_prefix} has no documents")
         sizes = indexed_dataset.sequence_lengths
@@ -167,7 +177,8 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.sample_idx.shape[0] - 1
 
-    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+    def _parts(self, idx: int) -> List[np.ndarray]:
+        """The token runs of sample ``idx``, one per document it draws from, in order."""
         n = len(self)
         if not -n <= idx < n:
             raise IndexError(f"sample {idx} out of range for the {n} samples of {self.name}")
@@ -176,14 +187,21 @@ class GPTDataset(torch.utils.data.Dataset):
         last_pos, last_offset = (int(x) for x in self.sample_idx[built + 1])
         read = self.indexed_dataset.get
         if first_pos == last_pos:
-            text = read(int(self.doc_idx[first_pos]), offset=first_offset,
-                        length=last_offset - first_offset + 1)
-        else:
-            parts = [read(int(self.doc_idx[first_pos]), offset=first_offset)]
-            parts += [read(int(self.doc_idx[p])) for p in range(first_pos + 1, last_pos)]
-            parts.append(read(int(self.doc_idx[last_pos]), length=last_offset + 1))
-            text = np.concatenate(parts)
-        return {"text": np.array(text, dtype=np.int64)}
+            return [read(int(self.doc_idx[first_pos]), offset=first_offset,
+                         length=last_offset - first_offset + 1)]
+        parts = [read(int(self.doc_idx[first_pos]), offset=first_offset)]
+        parts += [read(int(self.doc_idx[p])) for p in range(first_pos + 1, last_pos)]
+        parts.append(read(int(self.doc_idx[last_pos]), length=last_offset + 1))
+        return parts
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        parts = self._parts(idx)
+        text = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        sample = {"text": np.array(text, dtype=np.int64)}
+        if self.inter_document_masking:
+            sample["cu_seqlens"] = document_masks.document_cu_seqlens(
+                [len(p) for p in parts], self.seq_length)
+        return sample
 
 
 class GPTFIMDataset(GPTDataset):
@@ -205,13 +223,24 @@ class GPTFIMDataset(GPTDataset):
 # ------------------------------------------------------------------------ building the splits
 
 
-def _open_indexed_dataset(prefix: str, flag: str, mmap: bool = True) -> IndexedDataset:
+def _open_indexed_dataset(prefix: str, flag: str, mmap: bool = True,
+                          config: Optional[GPTDatasetConfig] = None,
+                          table: Optional[dict] = None) -> IndexedDataset:
+    """The indexed dataset of ``prefix``; with ``table`` (the loaded
+    ``--per-dataset-sequences-path``), opened from its counts instead of its header."""
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         raise FileNotFoundError(f"{flag}: data prefix {prefix!r} does not exist (missing "
                                 f"{', '.join(missing)}); expected PREFIX.bin and PREFIX.idx as "
                                 f"written by tools/preprocess_data.py")
-    return IndexedDataset(prefix, mmap=mmap)
+    if table is None:
+        return IndexedDataset(prefix, mmap=mmap)
+    path = config.per_dataset_sequences_path
+    return IndexedDataset(prefix, mmap=mmap,
+                          sequences_per_dataset=sequences_per_dataset.counts_for(table, path,
+                                                                                 prefix),
+                          dtype_code=sequences_per_dataset.token_dtype_code(config.vocab_size),
+                          source=f"{sequences_per_dataset.FLAG} {path}")
 
 
 def _split_documents(indexed, split: str, whole: bool) -> List[Optional[np.ndarray]]:
@@ -280,7 +309,10 @@ def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetC
                       flag: str, only: Optional[int] = None,
                       one_epoch: Sequence[bool] = (False, False, False)) -> List:
     prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
-    opened = {p: _open_indexed_dataset(p, flag, config.mmap_bin_files) for p in prefixes}
+    table = (sequences_per_dataset.load(config.per_dataset_sequences_path)
+             if config.per_dataset_sequences_path else None)
+    opened = {p: _open_indexed_dataset(p, flag, config.mmap_bin_files, config, table)
+              for p in prefixes}
     whole = only is not None
     wanted = [n > 0 or e for n, e in zip(num_samples, one_epoch)]
     if wanted[only] if whole else any(wanted):

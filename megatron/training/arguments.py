@@ -707,6 +707,14 @@ def _add_data_args(parser):
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--phase-transition-iterations", type=str, default=None,
+                   help="comma-separated iterations (e.g. 1000,3000) where training saves a "
+                        "checkpoint and exits, to be restarted with the next phase's data "
+                        "flags; each phase's train data starts at its own first sample")
+    g.add_argument("--per-dataset-sequences-path", type=str, default=None,
+                   help="a JSON file {prefix: [sequences, document entries]} (written by "
+                        "tools/build_sequences_per_dataset.py): each data prefix is opened from "
+                        "these counts instead of reading its .idx header (GPT)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--null-tokenizer-eod-id", type=int, default=None,
@@ -714,6 +722,9 @@ def _add_data_args(parser):
                         "(Megatron-Core's tokenizers). Without it, the end-of-document id is "
                         "--vocab-size itself and the vocabulary one larger (Megatron's legacy "
                         "NullTokenizer)")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer: the pad id; GPT labels equal to it get loss weight 0 "
+                        "(-1, the default: no pad token). Choose an id the data does not hold")
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
     g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false",
@@ -741,6 +752,9 @@ def _add_data_args(parser):
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--dataloader-inter-document-masking", action="store_true",
+                   help="GPT: each token attends only to the earlier tokens of its own document "
+                        "of the sample, and positions restart at 0 with every document")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)

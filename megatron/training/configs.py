@@ -45,6 +45,7 @@ class TrainingConfig:
     full_validation: bool = False
     multiple_validation_sets: bool = False
     validation_set_names: Tuple[str, ...] = ()
+    phase_transition_iterations: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,9 @@ def build_data_config(args) -> DataConfig:
         dataloader_type=args.dataloader_type, num_workers=args.num_workers,
         mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args),
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
-        multiple_validation_sets=args.multiple_validation_sets)
+        multiple_validation_sets=args.multiple_validation_sets,
+        per_dataset_sequences_path=args.per_dataset_sequences_path,
+        dataloader_inter_document_masking=args.dataloader_inter_document_masking)
 
 
 def _fim_flags(args) -> FIMFlags:
@@ -339,7 +342,8 @@ def _training_config(args) -> TrainingConfig:
         multiple_validation_sets=args.multiple_validation_sets,
         validation_set_names=tuple(args.validation_set_names or ()),
         iterations_to_skip=_iterations_to_skip(args.iterations_to_skip,
-                                               args.result_rejected_tracker_filename))
+                                               args.result_rejected_tracker_filename),
+        phase_transition_iterations=tuple(args.phase_transition_iterations or ()))
 
 
 def _iterations_to_skip(given, tracker_filename) -> Tuple[int, ...]:

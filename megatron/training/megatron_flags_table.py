@@ -124,8 +124,6 @@ FORCE_BALANCE = "forced (random) router balancing is a benchmark switch, not bui
 TRAINING_EXTRAS = "this training-loop option is not built yet; drop it"
 CKPT_EXTRAS = "this checkpoint-loading option is not built yet; drop it"
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
-DATA_EXTRAS = ("this dataset option is not built yet; drop it (give validation data with "
-               "--valid-data-path)")
 TOKENIZER_EXTRAS = ("this tokenizer option is not built yet; drop it (tokenizers are built from "
                     "--tokenizer-type, --tokenizer-model, --vocab-file and --merge-file)")
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
@@ -145,8 +143,6 @@ HF_SLOW = ("Hugging Face's slow (Python) tokenizers are not built here; drop it 
            "is read with the tokenizers library, which AutoTokenizer's fast tokenizers run)")
 REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a model folder "
                "runs as code); drop it and give a tokenizer.json")
-NULL_PAD = ("the pad id of NullTokenizer only matters to Megatron's masking of pad tokens in "
-            "the GPT dataset's loss, which is not built yet; drop it")
 GPU_SNIFF = ("the periodic GPU self-test is not built yet; drop it (--rerun-mode "
              "validate_results and --check-weight-hash-across-dp-replicas-interval catch a "
              "faulty device's results)")
@@ -479,13 +475,10 @@ ROWS = (
     ('--fake-process-group', '', 'true', False, '', REFUSED, TESTING),
     ('--eval-global-batch-size', '', 'int', None, '', WORKS, None),
     ('--test-mode', '', 'true', False, '', REFUSED, TESTING),
-    ('--phase-transition-iterations', '', 'int+', None, '', REFUSED, DATA_EXTRAS),
-    ('--per-dataset-sequences-path', '', 'str', None, '', REFUSED, DATA_EXTRAS),
     ('--dataloader-fast-cache-load', '', 'true', False, '', NO_EFFECT, DATA_CACHE),
     ('--dataloader-defer-npy-index-mmap', '', 'true', False, '', NO_EFFECT, DATA_CACHE),
     ('--no-mmap-bin-files', 'mmap_bin_files', 'false', True, '', WORKS, None),
-    ('--dataloader-inter-document-masking', '', 'true', False, '', REFUSED, DATA_EXTRAS),
-    ('--object-storage-cache-path', '', 'str', None, '', REFUSED, DATA_EXTRAS),
+    ('--object-storage-cache-path', '', 'str', None, '', REFUSED, MSC_ENABLE),
     ('--padded-vocab-size', '', 'int', None, '', WORKS, None),
     ('--tokenizer-metadata', 'metadata_path', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--tokenizer-sentencepiece-legacy', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
@@ -495,7 +488,6 @@ ROWS = (
      TOKENIZER_EXTRAS),
     ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, HF_SLOW),
     ('--trust-remote-code', '', 'true', False, '', REFUSED, REMOTE_CODE),
-    ('--null-tokenizer-pad-id', '', 'int', -1, '', REFUSED, NULL_PAD),
     ('--chat-template', '', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--use-gigatoken', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--adlr-autoresume', '', 'true', False, '', REFUSED, AUTORESUME),

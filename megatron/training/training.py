@@ -33,7 +33,7 @@ from megatron.optimizer import SchedulerConfig, get_megatron_optimizer, qk_clip
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training import hooks as training_hooks
-from megatron.training import meta_device_init, upcycling
+from megatron.training import meta_device_init, phases, upcycling
 from megatron.training import log as training_log
 from megatron.training import (memory_accounting, moe_logging, numerics, rerun, save_extras,
                                stragglers, watchdog)
@@ -323,8 +323,12 @@ def eval_global_batch_size(args, calculator: NumMicroBatchesCalculator) -> int:
     return args.eval_global_batch_size or calculator.current_running_global_batch_size
 
 
-def _num_samples(args) -> List[int]:
+def _num_samples(args, iteration: int = 0) -> List[int]:
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
+    transitions = getattr(args, "phase_transition_iterations", None)
+    if transitions:  # the train dataset of the current phase alone
+        train_samples = phases.phase_train_samples(iteration, transitions,
+                                                   args.global_batch_size, train_samples)
     eval_runs = args.train_iters // args.eval_interval + 1
     if args.start_eval_at_iter is not None:  # Megatron's count; one run left for the final one
         eval_runs = max(1, eval_runs - args.start_eval_at_iter // args.eval_interval)
@@ -334,6 +338,15 @@ def _num_samples(args) -> List[int]:
     # --full-validation: the validation data's one epoch, whatever its size (Megatron's None).
     valid = None if args.full_validation else eval_runs * args.eval_iters * eval_batch
     return [train_samples, valid, args.eval_iters * eval_batch]
+
+
+def _train_loader_start(args, train_state: TrainState) -> int:
+    """Samples the train loader skips: all consumed, or, with phases, those of this phase."""
+    if args.phase_transition_iterations:
+        return phases.phase_consumed_samples(train_state.iteration,
+                                             args.phase_transition_iterations,
+                                             args.global_batch_size)
+    return train_state.consumed_train_samples
 
 
 def build_data_iterators(provider: Callable, args, pstate, train_state: TrainState,
@@ -348,7 +361,7 @@ def build_data_iterators(provider: Callable, args, pstate, train_state: TrainSta
     loaders, valid_loaders = [None, None, None], [None] * count
     flags = torch.zeros(3 + count, dtype=torch.int64, device=device.current_device())
     if pstate.tp_rank == 0:
-        datasets = list(provider(_num_samples(args)))
+        datasets = list(provider(_num_samples(args, train_state.iteration)))
         valid = validation_sets.as_set_list(datasets[1], count)
         eval_micro = args.eval_micro_batch_size or data.micro_batch_size
         init = (exit_signal_worker_init(args.exit_signal) if args.exit_signal_handler
@@ -359,7 +372,7 @@ def build_data_iterators(provider: Callable, args, pstate, train_state: TrainSta
                 ds, start, micro, pstate.dp_rank, pstate.dp_size,
                 kind, data.num_workers, data.seed, worker_init_fn=init)
 
-        loaders[0] = loader(datasets[0], train_state.consumed_train_samples,
+        loaders[0] = loader(datasets[0], _train_loader_start(args, train_state),
                             data.micro_batch_size)
         # Each set is read from its start with the flags on; a full pass in order.
         valid_start = 0 if sets else train_state.consumed_valid_samples
@@ -708,6 +721,9 @@ def _should_exit(iteration, training: TrainingConfig, start_time, stop_signal) -
         return f"received {received}"
     if training.exit_interval and iteration % training.exit_interval == 0:
         return f"reached --exit-interval {training.exit_interval}"
+    transition = phases.exit_reason(iteration, training.phase_transition_iterations)
+    if transition is not None:
+        return transition
     if training.exit_duration_in_mins:
         minutes = torch.tensor([(time.time() - start_time) / 60.0], dtype=torch.float64,
                                device=device.current_device())

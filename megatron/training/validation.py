@@ -1057,6 +1057,34 @@ def _validate_validation_sets(args) -> None:
         _fail(f"--validation-set-names {' '.join(names)}: each set needs its own name")
 
 
+def _validate_phase_transitions(args) -> None:
+    """--phase-transition-iterations: Megatron's "t1,t2,..." as sorted iterations; phases are
+    counted in iterations x a constant global batch."""
+    from megatron.training import phases
+
+    try:
+        args.phase_transition_iterations = phases.parse(args.phase_transition_iterations)
+    except ValueError as err:
+        _fail(str(err))
+    if args.phase_transition_iterations is None:
+        return
+    for flag, value in (("--rampup-batch-size", args.rampup_batch_size),
+                        ("--step-batch-size-schedule", args.step_batch_size_schedule)):
+        if value is not None:
+            _fail(f"{phases.FLAG} needs a constant global batch size (phases are counted in "
+                  f"iterations x batch); drop {flag}")
+
+
+def _validate_inter_document_masking(args) -> None:
+    """--dataloader-inter-document-masking needs documents: the indexed datasets' samples."""
+    if not args.dataloader_inter_document_masking:
+        return
+    for flag, on in (("--mock-data", args.mock_data), ("--fim-data", args.fim_data)):
+        if on:
+            _fail(f"--dataloader-inter-document-masking takes the document boundaries of "
+                  f"--data-path samples; {flag} samples have none that it keeps")
+
+
 def _validate_fim(args) -> None:
     """--fim-data: rates are probabilities; fragments need their rate; files, not mock data."""
     if not args.fim_data:
@@ -1293,11 +1321,13 @@ def check_flags(args):
     _validate_mtp(args)
     _validate_loss(args)
     _validate_batch_and_schedule(args)
+    _validate_phase_transitions(args)
     _note_no_initialization(args)
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_fim(args)
     _validate_sft(args)
+    _validate_inter_document_masking(args)
     _validate_blend_surplus(args)
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
