@@ -856,9 +856,14 @@ def _add_moe_args(parser):
                    help="compute the router's logits and probabilities in this precision")
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
                    choices=LOAD_BALANCING_TYPES,
-                   help="one type (Megatron takes several, each with its --moe-aux-loss-coeff; "
-                   "one is built here)")
-    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+                   help="one balancing type, or several (aux_loss, seq_aux_loss, global_aux_loss "
+                   "together), each with its own --moe-aux-loss-coeff")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                   help="the balancing loss's coefficient; one per "
+                   "--moe-router-load-balancing-type when several are given")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="benchmark switch: route by random normal logits instead of the "
+                   "router's, so every expert gets about the same load")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=DISPATCHER_TYPES)
