@@ -237,3 +237,16 @@ def test_forced_logits_pass_the_gradient_straight_through():
     assert not torch.equal(out, logits)
     (out * upstream).sum().backward()
     assert torch.equal(logits.grad, upstream)
+
+
+def test_the_converter_exports_the_aux_loss_coefficient_of_a_list():
+    from megatron.convert.hf_mixtral import router_aux_loss_coef
+
+    assert router_aux_loss_coef({"moe_aux_loss_coeff": 0.01}) == 0.01
+    assert router_aux_loss_coef({}) == 0.0
+    assert router_aux_loss_coef({"moe_router_load_balancing_type": ["global_aux_loss",
+                                                                    "aux_loss"],
+                                 "moe_aux_loss_coeff": [1e-4, 1e-3]}) == 1e-3
+    assert router_aux_loss_coef({"moe_router_load_balancing_type": ["seq_aux_loss",
+                                                                    "global_aux_loss"],
+                                 "moe_aux_loss_coeff": [1e-4, 1e-3]}) == 0.0
