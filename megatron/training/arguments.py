@@ -876,7 +876,7 @@ def _add_moe_args(parser):
                    help="scale the shared expert's output per token by sigmoid(x . gate_weight)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true",
-                   help="also log load_balancing_loss / z_loss of each MoE layer (TensorBoard)")
+                   help="also log each MoE layer's balancing and z losses (TensorBoard)")
 
 
 def _add_mtp_args(parser):
