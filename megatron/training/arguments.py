@@ -944,9 +944,14 @@ def _add_moe_args(parser):
                    help="compute the router's logits and probabilities in this precision")
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
                    choices=LOAD_BALANCING_TYPES,
-                   help="one type (Megatron takes several, each with its --moe-aux-loss-coeff; "
-                   "one is built here)")
-    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+                   help="one balancing type, or several (aux_loss, seq_aux_loss, global_aux_loss "
+                   "together), each with its own --moe-aux-loss-coeff")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                   help="the balancing loss's coefficient; one per "
+                   "--moe-router-load-balancing-type when several are given")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="benchmark switch: route by random normal logits instead of the "
+                   "router's, so every expert gets about the same load")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=DISPATCHER_TYPES)
@@ -959,7 +964,7 @@ def _add_moe_args(parser):
                    help="scale the shared expert's output per token by sigmoid(x . gate_weight)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true",
-                   help="also log load_balancing_loss / z_loss of each MoE layer (TensorBoard)")
+                   help="also log each MoE layer's balancing and z losses (TensorBoard)")
     g.add_argument("--moe-use-upcycling", action="store_true",
                    help="first run of an upcycled MoE: load the dense checkpoint in --load, "
                    "copy each dense MLP into the experts, save the MoE model to --save at "

@@ -205,7 +205,8 @@ def build_moe_config(args) -> Optional[MoEConfig]:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=(args.expert_tensor_parallel_size
                                      or args.tensor_model_parallel_size),
-        moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging)
+        moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing)
 
 
 def _ddp_config(args) -> DistributedDataParallelConfig:

@@ -120,7 +120,6 @@ TESTING = "Megatron's test harness switches are not part of this project; drop i
 TIMEOUTS = ("the NCCL flight recorder and a second timeout after start-up are not built here; "
             "use --distributed-timeout-minutes")
 MODEL_VARIANT = "this model variant is not built yet; drop it"
-FORCE_BALANCE = "forced (random) router balancing is a benchmark switch, not built here; drop it"
 TRAINING_EXTRAS = "this training-loop option is not built yet; drop it"
 CKPT_EXTRAS = "this checkpoint-loading option is not built yet; drop it"
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
@@ -246,7 +245,6 @@ ROWS = (
     ('--moe-router-padding-for-quantization', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-padding-for-fp8', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-quantile-balancing-ema', '', 'float', 0.0, '', REFUSED, MODEL_VARIANT),
-    ('--moe-router-force-load-balancing', '', 'true', False, '', REFUSED, FORCE_BALANCE),
     ('--moe-router-force-biased', '', 'float', None, '', REFUSED, MODEL_VARIANT),
     ('--use-grouped-gemm-for-dense-mlp', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--moe-use-grouped-tensor', '', 'true', False, '', REFUSED, MODEL_VARIANT),

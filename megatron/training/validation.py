@@ -870,26 +870,34 @@ def _validate_loss(args) -> None:
               "multi-token-prediction loss is scaled as a per-micro-batch mean; drop one of them")
 
 
-def _one_load_balancing(args) -> None:
-    """--moe-router-load-balancing-type / --moe-aux-loss-coeff take Megatron's lists (several
-    balancing losses, one coefficient each); one loss is built, so one-element lists become
-    their value."""
+def _load_balancing_lists(args) -> None:
+    """--moe-router-load-balancing-type / --moe-aux-loss-coeff take Megatron's lists: one
+    element becomes its value (as Megatron does); several types need as many coefficients, each
+    type once, and sinkhorn alone."""
     types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
-    if isinstance(types, list):
-        if len(types) != 1:
-            _fail(f"--moe-router-load-balancing-type {' '.join(types)} is not supported: "
-                  "combining several balancing losses is not built yet; use one of them")
-        args.moe_router_load_balancing_type = types[0]
-    if isinstance(coeffs, list):
-        if len(coeffs) != 1:
-            _fail(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per "
-                  "balancing loss, and one loss is built here; give one value")
-        args.moe_aux_loss_coeff = coeffs[0]
+    if isinstance(types, list) and len(types) == 1:
+        types = args.moe_router_load_balancing_type = types[0]
+    if isinstance(coeffs, list) and len(coeffs) == 1:
+        coeffs = args.moe_aux_loss_coeff = coeffs[0]
+    given = coeffs if isinstance(coeffs, list) else [coeffs]
+    if isinstance(types, str):
+        if len(given) != 1:
+            _fail(f"--moe-aux-loss-coeff {' '.join(map(str, given))}: one coefficient per "
+                  f"--moe-router-load-balancing-type, which names one type ({types})")
+        return
+    if len(given) != len(types):
+        _fail(f"--moe-router-load-balancing-type {' '.join(types)} needs one "
+              f"--moe-aux-loss-coeff per type, got {' '.join(map(str, given))}")
+    if len(set(types)) != len(types):
+        _fail(f"--moe-router-load-balancing-type {' '.join(types)} names a type twice")
+    if "sinkhorn" in types:
+        _fail(f"--moe-router-load-balancing-type {' '.join(types)}: sinkhorn routes by itself "
+              "and does not combine with other types")
 
 
 def _validate_moe(args) -> None:
     """Megatron's checks of the MoE flags."""
-    _one_load_balancing(args)
+    _load_balancing_lists(args)
     ep = args.expert_model_parallel_size
     if args.num_experts is None:
         if ep != 1:
