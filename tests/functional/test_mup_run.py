@@ -1,0 +1,58 @@
+"""pretrain_gpt end to end with ``--use-mup``.
+
+* Width multiplier 1, both multipliers 1 and ``--mup-attn-scale-power 0.5``: the losses are the
+  standard run's, bit for bit (the same weights, the same groups, the same attention scale).
+* At width multiplier 2 with every multiplier set, tensor parallelism 2 gives the one-process
+  losses: TP sums the row-parallel outputs and the vocab-parallel loss in another order
+  (fp32, measured 4e-8 relative); 1e-5 leaves room for that, far below a multiplier applied twice or
+  not at all on one rank (percents).
+* The distributed optimizer (DP 2) gives the replicated optimizer's losses, and a run resumed
+  from a checkpoint continues bit for bit: the scaled lr and eps of each group come back with
+  it (a resume that loses the optimizer state is checked to differ).
+"""
+
+import pytest
+
+from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
+from tests.multiprocess import run_on_ranks
+
+N = 3  # iterations before the checkpoint, and after it
+MUP = ["--use-mup", "--mup-base-hidden-size", "16", "--mup-embedding-mult", "2.0",
+       "--mup-base-head-dim", "4", "--mup-attn-scale-power", "1.0"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_counting_corpus(str(tmp_path_factory.mktemp("corpus") / "count_document"))
+
+
+def _losses(corpus, ranks, extra, tp=1):
+    argv = gpt_flags(corpus, 2 * N, tp=tp, dropout=0.0, lr=2e-3, extra=list(extra))
+    return [loss for _, loss in run_on_ranks(run_pretrain, ranks, argv)[-1]["losses"]]
+
+
+@pytest.mark.slow
+def test_width_one_mup_run_is_the_plain_run_bit_for_bit(corpus):
+    plain = _losses(corpus, 1, [])
+    assert _losses(corpus, 1, ["--use-mup", "--mup-attn-scale-power", "0.5"]) == plain
+    # The default muP attention (1 / head_dim) is another run.
+    assert _losses(corpus, 1, ["--use-mup"]) != plain
+
+
+@pytest.mark.slow
+def test_mup_run_with_tp2_matches_one_process(corpus):
+    one = _losses(corpus, 1, MUP)
+    assert one != _losses(corpus, 1, [])
+    assert _losses(corpus, 2, MUP, tp=2) == pytest.approx(one, rel=1e-5)
+
+
+@pytest.mark.slow
+def test_mup_distributed_optimizer_matches_and_resumes_bit_for_bit(corpus, tmp_path):
+    replicated = _losses(corpus, 2, MUP)
+    save = str(tmp_path / "ckpt")
+    dist_flags = MUP + ["--use-distributed-optimizer"]
+    straight = _losses(corpus, 2, dist_flags + ["--save", save, "--save-interval", str(N)])
+    assert straight == replicated
+    load = ["--load", save, "--ckpt-step", str(N)]
+    assert _losses(corpus, 2, dist_flags + load) == straight[N:]
+    assert _losses(corpus, 2, dist_flags + load + ["--no-load-optim"])[1:] != straight[N + 1:]
