@@ -18,6 +18,8 @@ import math
 import pytest
 import torch
 
+from megatron.convert.hf import family_for_meta
+from megatron.convert.schema import ConversionError, ModelMeta
 from megatron.core.config import ConfigError
 from megatron.core.mup import attention_scale, mup_group_overrides
 from megatron.model import GPTModel
@@ -324,3 +326,14 @@ def test_bert_refuses_mup():
     args.tokenizer_type = "BertWordPieceLowerCase"
     with pytest.raises(ArgumentsError, match="--use-mup"):
         validate_bert_args(args)
+
+
+def test_hf_export_refuses_a_mup_checkpoint_in_one_line():
+    """No transformers class written here has muP's multipliers."""
+    meta = ModelMeta(num_layers=2, hidden_size=32, ffn_hidden_size=128, num_attention_heads=4,
+                     num_query_groups=4, kv_channels=8, max_position_embeddings=16,
+                     vocab_size=100, padded_vocab_size=128, source_args={"use_mup": True})
+    with pytest.raises(ConversionError, match="^--use-mup: ") as err:
+        family_for_meta(meta)
+    assert "\n" not in str(err.value)
+    family_for_meta(ModelMeta(**{**meta.__dict__, "source_args": {"use_mup": False}}))
