@@ -217,9 +217,9 @@ class GPTModel(MegatronModule):
             return self.language_model.embedding(input_ids, position_ids)
         embedded = self.word_embeddings_for_head(input_ids)                  # [b, s, h]
         embedded = embedded.transpose(0, 1).contiguous()                     # [s, b, h]
+        embedded = scale_embedding_output(embedded, self.config)
         if self.config.fp32_residual_connection:
             embedded = embedded.float()
-        embedded = scale_embedding_output(embedded, self.config)
         return torch.nn.functional.dropout(embedded, self.config.hidden_dropout, self.training)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):

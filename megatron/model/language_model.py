@@ -162,9 +162,9 @@ class Embedding(MegatronModule):
             raise ValueError("token-type ids were given but the embedding has no token-type "
                              "table (num_tokentypes is 0)")
         embeddings = embeddings.transpose(0, 1).contiguous()                 # [s, b, h]
+        embeddings = scale_embedding_output(embeddings, self.config)
         if self.config.fp32_residual_connection:
             embeddings = embeddings.float()
-        embeddings = scale_embedding_output(embeddings, self.config)
         if not self.sequence_parallel:
             return self.embedding_dropout(embeddings)
         embeddings = tensor_parallel.scatter_to_sequence_parallel_region(
