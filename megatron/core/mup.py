@@ -15,7 +15,8 @@ A model tuned at a base hidden size ``h0`` is trained at ``h`` with ``w = h / h0
   matrix-like parameters by ``w``; SGD multiplies the lr of vector-like ones (embeddings,
   biases, norms) by ``w``; Lion divides the lr of matrix-like ones by ``w``. With
   ``--decoupled-lr`` the embedding and output parameters keep their own lr. At ``w == 1``
-  nothing changes in the optimizer.
+  nothing changes in the optimizer. Weight-decay multipliers are not touched (Adam's
+  decoupled decay is multiplied by the group's lr, so it follows the scaled lr).
 
 With ``w == 1``, both multipliers 1 and ``--mup-attn-scale-power 0.5``, a muP run is the
 standard run.

@@ -2,10 +2,10 @@
 
 * Width multiplier 1, both multipliers 1 and ``--mup-attn-scale-power 0.5``: the losses are the
   standard run's, bit for bit (the same weights, the same groups, the same attention scale).
-* At width multiplier 2 with every multiplier set, tensor parallelism 2 gives the one-process
-  losses: TP sums the row-parallel outputs and the vocab-parallel loss in another order
-  (fp32, measured 4e-8 relative); 1e-5 leaves room for that, far below a multiplier applied twice or
-  not at all on one rank (percents).
+* At width multiplier 2 with every multiplier set, tensor parallelism 2 (and pipeline
+  parallelism 2) gives the one-process losses: TP sums the row-parallel outputs and the
+  vocab-parallel loss in another order (fp32, measured 4e-8 relative); 1e-5 leaves room for
+  that, far below a multiplier applied twice or not at all on one rank (percents).
 * The distributed optimizer (DP 2) gives the replicated optimizer's losses, and a run resumed
   from a checkpoint continues bit for bit: the scaled lr and eps of each group come back with
   it (a resume that loses the optimizer state is checked to differ).
@@ -40,10 +40,14 @@ def test_width_one_mup_run_is_the_plain_run_bit_for_bit(corpus):
 
 
 @pytest.mark.slow
-def test_mup_run_with_tp2_matches_one_process(corpus):
+def test_mup_run_with_tp2_or_pp2_matches_one_process(corpus):
+    """PP 2 also checks the last stage's copy of the tied table: it must be grouped as the
+    first stage's embedding (vector-like), or the two copies would step apart."""
     one = _losses(corpus, 1, MUP)
     assert one != _losses(corpus, 1, [])
     assert _losses(corpus, 2, MUP, tp=2) == pytest.approx(one, rel=1e-5)
+    pp = _losses(corpus, 2, MUP + ["--pipeline-model-parallel-size", "2"])
+    assert pp == pytest.approx(one, rel=1e-5)
 
 
 @pytest.mark.slow
