@@ -8,11 +8,14 @@
   that, far below a multiplier applied twice or not at all on one rank (percents).
 * The distributed optimizer (DP 2) gives the replicated optimizer's losses, and a run resumed
   from a checkpoint continues bit for bit: the scaled lr and eps of each group come back with
-  it (a resume that loses the optimizer state is checked to differ).
+  it (a resume that loses the optimizer state is checked to differ); --use-checkpoint-args
+  takes the muP flags from it.
 """
 
 import pytest
 
+from megatron.training import checkpointing
+from megatron.training.arguments import parse_args
 from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
 from tests.multiprocess import run_on_ranks
 
@@ -60,3 +63,8 @@ def test_mup_distributed_optimizer_matches_and_resumes_bit_for_bit(corpus, tmp_p
     load = ["--load", save, "--ckpt-step", str(N)]
     assert _losses(corpus, 2, dist_flags + load) == straight[N:]
     assert _losses(corpus, 2, dist_flags + load + ["--no-load-optim"])[1:] != straight[N + 1:]
+    # --use-checkpoint-args takes the muP flags: the weights mean nothing without them.
+    args = parse_args(argv=["--load", save, "--use-checkpoint-args"])
+    checkpointing.load_args_from_checkpoint(args)
+    assert (args.use_mup, args.mup_base_hidden_size, args.mup_embedding_mult,
+            args.mup_base_head_dim, args.mup_attn_scale_power) == (True, 16, 2.0, 4, 1.0)
