@@ -51,7 +51,10 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                 "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
                                 "vocab_size", "null_tokenizer_eod_id",
-                                "make_vocab_size_divisible_by")
+                                "make_vocab_size_divisible_by",
+                                "use_mup", "mup_width_mult", "mup_base_hidden_size",
+                                "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
+                                "mup_attn_scale_power")
 # Taken too with --use-mp-args-from-checkpoint-args (Megatron's model-parallel set; the last only
 # when this run gives none).
 MP_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",

@@ -12,6 +12,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from megatron.core.mup import (mup_flag_problem, mup_model_conflict, resolve_output_mult,
+                               resolve_width_mult)
+
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 # --recompute-modules built here (Megatron-Core's names); mla_up_proj is not.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
@@ -154,6 +157,32 @@ class TransformerConfig:
         """Whether attention records each head's largest logit during training forwards."""
         return self.qk_clip or self.log_max_attention_logit
 
+    # Maximal update parametrization (--use-mup and --mup-*; megatron/core/mup.py). After
+    # __post_init__, mup_width_mult is the resolved width multiplier and mup_output_mult the
+    # logit multiplier in effect.
+    use_mup: bool = False
+    mup_width_mult: float = 1.0
+    mup_base_hidden_size: Optional[int] = None
+    mup_embedding_mult: float = 1.0
+    mup_output_mult: float = 1.0
+    mup_base_head_dim: Optional[float] = None
+    mup_attn_scale_power: float = 1.0
+
+    def _resolve_mup(self) -> Optional[str]:
+        """Check the muP settings and resolve the width and logit multipliers (None: fine)."""
+        problem = mup_flag_problem(self.use_mup, self.hidden_size, self.mup_width_mult,
+                                   self.mup_base_hidden_size, self.mup_embedding_mult,
+                                   self.mup_output_mult, self.mup_base_head_dim,
+                                   self.mup_attn_scale_power) or mup_model_conflict(
+                                       self.use_mup, self.multi_latent_attention,
+                                       self.init_method_xavier_uniform)
+        if problem is None and self.use_mup:
+            self.mup_width_mult = resolve_width_mult(self.hidden_size, self.mup_width_mult,
+                                                     self.mup_base_hidden_size)
+            self.mup_output_mult = resolve_output_mult(self.mup_output_mult,
+                                                       self.mup_width_mult)
+        return problem
+
     @property
     def gated_linear_unit(self) -> bool:
         """Whether the MLP's first projection holds ``[gate; linear]`` halves (2 ffn rows)."""
@@ -186,7 +215,7 @@ class TransformerConfig:
             raise ConfigError("--position-embedding-type must be learned_absolute, rope, yarn or "
                               f"none, got {self.position_embedding_type!r}")
         problem = (rope_variant_conflict(self) or mla_conflict(self)
-                   or attention_variant_conflict(self))
+                   or attention_variant_conflict(self) or self._resolve_mup())
         if problem is not None:
             raise ConfigError(problem)
         if (self.position_embedding_type == "learned_absolute"

@@ -24,6 +24,7 @@ from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.context_parallel import context_parallel_attention, window_mask_rows
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.mup import attention_scale as mup_attention_scale
 from megatron.core.utils import init_method_normal
 from megatron.fused_kernels.softmax import (FusedScaleMaskSoftmax, attention_mask_func,
                                             causal_mask, sliding_window_mask)
@@ -116,6 +117,9 @@ class CoreAttention(MegatronModule):
                               else softmax_scale)
         self.norm_factor = (math.sqrt(self.hidden_size_per_head) if softmax_scale is None
                             else 1.0 / softmax_scale)
+        if config.use_mup and softmax_scale is None:
+            self.softmax_scale, self.norm_factor = mup_attention_scale(
+                self.hidden_size_per_head, config.mup_base_head_dim, config.mup_attn_scale_power)
         softmax_in_fp32 = config.attention_softmax_in_fp32
         if config.apply_query_key_layer_scaling:
             # Scores are divided by the layer number before the half-precision matmul output
@@ -465,7 +469,7 @@ class ParallelAttention(MegatronModule):
         """This rank's queries ``[s/cp, b, np, hn]`` over the whole sequence's keys and values
         (``[s/cp, b, ng, hn]`` each) -> ``[s/cp, b, np * hn]``."""
         return self.cp.attend(self.core_attention, query, key, value, attention_mask,
-                              self.training, 1.0 / math.sqrt(self.hidden_size_per_head))
+                              self.training, self.core_attention.softmax_scale)
 
     def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
         """Write this step's ``[s, b, ng, hn]`` keys and values into the layer's cache at

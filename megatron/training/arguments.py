@@ -404,6 +404,27 @@ def _add_initialization_args(parser):
     g.add_argument("--init-method-xavier-uniform", action="store_true")
     g.add_argument("--embedding-init-method-std", type=float, default=None,
                    help="N(0, std^2) for the embedding tables (default: as other weights)")
+    _add_mup_args(g)
+
+
+def _add_mup_args(g):
+    """Maximal update parametrization (megatron/core/mup.py says what each scales)."""
+    g.add_argument("--use-mup", action="store_true",
+                   help="muP: width-scaled init, per-group lr/eps, embedding, logit and "
+                   "attention multipliers")
+    g.add_argument("--mup-width-mult", type=float, default=1.0,
+                   help="hidden size / base hidden size (derived from --mup-base-hidden-size "
+                   "when that is given)")
+    g.add_argument("--mup-base-hidden-size", type=int, default=None,
+                   help="hidden size of the tuned base model (default: --hidden-size)")
+    g.add_argument("--mup-embedding-mult", type=float, default=1.0,
+                   help="multiplier of the embedding output")
+    g.add_argument("--mup-output-mult", type=float, default=1.0,
+                   help="multiplier of the output logits (left at 1.0: 1 / width mult)")
+    g.add_argument("--mup-base-head-dim", type=int, default=None,
+                   help="attention scale sqrt(this) / kv_channels^power (default: 1 / ...)")
+    g.add_argument("--mup-attn-scale-power", type=float, default=1.0,
+                   help="power of kv_channels in the attention scale (0.5: standard)")
 
 
 def _add_learning_rate_args(parser):

@@ -15,6 +15,7 @@ import torch
 
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.config import TransformerConfig
+from megatron.core.mup import resolve_width_mult
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.data.config import DataConfig, FIMFlags
 from megatron.model.moe.config import MoEConfig
@@ -166,6 +167,10 @@ def build_configs(args: argparse.Namespace) -> Configs:
         qk_clip=args.qk_clip, qk_clip_alpha=args.qk_clip_alpha,
         qk_clip_threshold=args.qk_clip_threshold,
         log_max_attention_logit=args.log_max_attention_logit,
+        use_mup=args.use_mup, mup_width_mult=args.mup_width_mult,
+        mup_base_hidden_size=args.mup_base_hidden_size,
+        mup_embedding_mult=args.mup_embedding_mult, mup_output_mult=args.mup_output_mult,
+        mup_base_head_dim=args.mup_base_head_dim, mup_attn_scale_power=args.mup_attn_scale_power,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),
@@ -298,7 +303,10 @@ def _optimizer_config(args) -> Optional[OptimizerConfig]:
         optimizer_offload_fraction=args.optimizer_offload_fraction,
         use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
-        pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params)
+        pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params,
+        use_mup=args.use_mup,
+        mup_width_mult=(resolve_width_mult(args.hidden_size, args.mup_width_mult,
+                                           args.mup_base_hidden_size) if args.use_mup else 1.0))
 
 
 def _scheduler_config(args) -> Optional[SchedulerConfig]:

@@ -101,7 +101,6 @@ ACT_OFFLOAD = ("the MoE paged stash of expert activations is not built yet; use 
 INFLIGHT = ("offload copies here finish before the forward goes on, so no offload is ever in "
             "flight for a cap to limit")
 OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd, lion or muon"
-MUP = "muP parametrisation is not built yet; drop it"
 ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not built yet; drop "
                 "it")
 MHC = "hyper-connections are not built yet; drop it"
@@ -208,13 +207,6 @@ ROWS = (
     ('--linear-value-head-dim', '', 'int', 128, '', REFUSED, ATTN_VARIANT),
     ('--linear-num-key-heads', '', 'int', 16, '', REFUSED, ATTN_VARIANT),
     ('--linear-num-value-heads', '', 'int', 32, '', REFUSED, ATTN_VARIANT),
-    ('--use-mup', '', 'true', False, '', REFUSED, MUP),
-    ('--mup-width-mult', '', 'float', 1.0, '', REFUSED, MUP),
-    ('--mup-base-hidden-size', '', 'int', None, '', REFUSED, MUP),
-    ('--mup-embedding-mult', '', 'float', 1.0, '', REFUSED, MUP),
-    ('--mup-output-mult', '', 'float', 1.0, '', REFUSED, MUP),
-    ('--mup-base-head-dim', '', 'int', None, '', REFUSED, MUP),
-    ('--mup-attn-scale-power', '', 'float', 1.0, '', REFUSED, MUP),
     ('--disable-bf16-reduced-precision-matmul', '', 'true', False, '', WORKS, None),
     ('--use-fused-weighted-squared-relu', '', 'true', False, '', NO_EFFECT, FUSION),
     ('--fused-residual-rmsnorm', '', 'true', False, '', NO_EFFECT, FUSION),

@@ -801,8 +801,10 @@ def _log_iteration(run: TrainingRun, stats, losses, lr, batch, loss_scale,
 
 
 def _learning_rate(optimizer) -> float:
-    """The logged learning rate: the first param group's not under --decoupled-lr."""
-    return next((g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr")),
+    """The logged learning rate: the first param group's not under --decoupled-lr nor scaled
+    by --use-mup."""
+    return next((g["lr"] for g in optimizer.param_groups
+                 if not g.get("is_decoupled_lr") and "mup_lr_factor" not in g),
                 optimizer.param_groups[0]["lr"])
 
 

@@ -17,6 +17,7 @@ import torch
 
 from megatron.core.config import (ConfigError, check_window_settings, numerics_flag_conflict,
                                   pipeline_layer_counts)
+from megatron.core.mup import mup_flag_problem, mup_model_conflict, mup_optimizer_conflict
 from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutError,
                                           check_degrees)
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
@@ -668,6 +669,19 @@ def _validate_model(args) -> None:
         _fail("--recompute-method needs --recompute-granularity full")
 
 
+def _validate_mup(args) -> None:
+    """--use-mup and --mup-* (megatron/core/mup.py), before any model or group exists."""
+    problem = (mup_flag_problem(args.use_mup, args.hidden_size, args.mup_width_mult,
+                                args.mup_base_hidden_size, args.mup_embedding_mult,
+                                args.mup_output_mult, args.mup_base_head_dim,
+                                args.mup_attn_scale_power)
+               or mup_model_conflict(args.use_mup, args.multi_latent_attention,
+                                     args.init_method_xavier_uniform)
+               or mup_optimizer_conflict(args.use_mup, args.optimizer))
+    if problem is not None:
+        _fail(problem)
+
+
 def _validate_eval_batch(args) -> None:
     """--eval-global-batch-size (else the training batch) splits into --eval-micro-batch-size
     (else --micro-batch-size) x data-parallel micro-batches."""
@@ -1014,6 +1028,8 @@ def validate_bert_args(args: argparse.Namespace) -> None:
         _fail(f"--context-parallel-size {args.context_parallel_size}: BERT's bidirectional "
               "attention over padded sequences has no context-parallel split here (it is "
               "causal GPT attention only); use --context-parallel-size 1")
+    if args.use_mup:
+        _fail("--use-mup is built for GPT (pretrain_gpt.py); BERT's heads are not scaled")
     if args.calculate_per_token_loss:
         _fail("--calculate-per-token-loss: BERT's loss function returns per-micro-batch means "
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")
@@ -1323,6 +1339,7 @@ def check_flags(args):
     _validate_watchdogs(args)
     _apply_old_spellings(args)
     _validate_model(args)
+    _validate_mup(args)
     _validate_parallel(args)
     _validate_moe(args)
     _validate_upcycling(args)
