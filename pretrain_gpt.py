@@ -11,7 +11,9 @@ from megatron.core.config import TransformerConfig
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.data.dataset_utils import (get_ltor_masks_and_position_ids, mask_pad_tokens,
                                          pad_token_id)
+from megatron.data.document_masks import inter_document_masks
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
+from megatron.data.sft_dataset import sft_attention_mask
 from megatron.model import GPTModel
 from megatron.training.training import model_stage, pretrain, print_rank_0
 
@@ -44,8 +46,11 @@ def get_batch(data_iterator, stage=None):
     position ids and the attention mask, the last labels, the loss mask and the attention mask
     (and, with ``--mtp-num-layers``, the tokens and position ids too: multi-token prediction
     runs there); the others are None. The attention mask is None (causal) unless
-    ``--reset-attention-mask`` makes it depend on the data; a middle stage then reads the batch
-    for the mask alone, and otherwise reads nothing. ``stage`` is ``(first, last)`` of the chunk
+    ``--reset-attention-mask`` or ``--dataloader-inter-document-masking`` makes it depend on the
+    data; a middle stage then reads the batch for the mask alone, and otherwise reads nothing.
+    With ``--dataloader-inter-document-masking`` the samples' ``cu_seqlens`` give each token the
+    positions of its own document and keep its attention inside it
+    (:mod:`megatron.data.document_masks`). ``stage`` is ``(first, last)`` of the chunk
     the batch is for (:func:`megatron.training.training.model_stage`); None asks the parallel
     state (right without virtual stages).
 
@@ -58,19 +63,26 @@ def get_batch(data_iterator, stage=None):
     pstate = global_vars.get_parallel_state()
     first, last = stage if stage is not None else (pstate.is_first_stage(),
                                                    pstate.is_last_stage())
-    if not (first or last or args.reset_attention_mask):
+    if args.sft:
+        return get_sft_batch(data_iterator, pstate, first, last, args.mtp_num_layers)
+    documents = args.dataloader_inter_document_masking
+    if not (first or last or args.reset_attention_mask or documents):
         return None, None, None, None, None
     data = next(data_iterator) if data_iterator is not None else None
-    text = tensor_parallel.broadcast_data(["text"], data, torch.int64, pstate.tp_group,
-                                          pstate.tp_ranks[0])["text"].long()
+    keys = ["text", "cu_seqlens"] if documents else ["text"]
+    batch = tensor_parallel.broadcast_data(keys, data, torch.int64, pstate.tp_group,
+                                           pstate.tp_ranks[0])
+    text = batch["text"].long()
     tokens = text[:, :-1].contiguous()    # [b, s]
     labels = text[:, 1:].contiguous()     # [b, s]
     attention_mask, loss_mask, position_ids = get_ltor_masks_and_position_ids(
         tokens, tokenizer.eod, args.reset_position_ids, args.reset_attention_mask,
         args.eod_mask_loss)
+    if documents:
+        attention_mask, position_ids = inter_document_masks(batch["cu_seqlens"], tokens.shape[1])
     mask_pad_tokens(tokens, labels, loss_mask,
                     pad_token_id(tokenizer, args.allow_ambiguous_pad_tokens))
-    if not args.reset_attention_mask:
+    if not (args.reset_attention_mask or documents):
         # The mask is exactly causal: None says so, and attention then uses its causal kernels
         # (upper-triangular softmax, SDPA's is_causal), which skip the masked half.
         attention_mask = None
@@ -82,6 +94,27 @@ def get_batch(data_iterator, stage=None):
         tokens, labels, loss_mask = local["tokens"], local["labels"], local["loss_mask"]
         attention_mask, position_ids = local["attention_mask"], local["position_ids"]
     if not (first or (last and args.mtp_num_layers)):
+        tokens = position_ids = None
+    if not last:
+        labels = loss_mask = None
+    return tokens, labels, loss_mask, attention_mask, position_ids
+
+
+def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers):
+    """get_batch with --sft: the packed sample's own tokens, labels, loss mask and position ids
+    (megatron/data/sft_dataset.py). Each conversation of a pack attends only to itself; a batch
+    whose samples each hold one conversation gets None (plain causal attention). Every stage
+    reads the batch, since the attention mask depends on it."""
+    data = next(data_iterator) if data_iterator is not None else None
+    src = pstate.tp_ranks[0]
+    ints = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids", "segment_ids"],
+                                          data, torch.int64, pstate.tp_group, src)
+    loss_mask = tensor_parallel.broadcast_data(["loss_mask"], data, torch.float32,
+                                               pstate.tp_group, src)["loss_mask"]
+    attention_mask = sft_attention_mask(ints["segment_ids"])
+    tokens, position_ids = ints["tokens"], ints["position_ids"]
+    labels = ints["labels"]
+    if not (first or (last and mtp_num_layers)):
         tokens = position_ids = None
     if not last:
         labels = loss_mask = None
@@ -152,20 +185,31 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
     from megatron.data.fim_dataset import resolve_fim_config
     from megatron.training.arguments import build_data_config
 
-    data = build_data_config(global_vars.get_args())
+    args = global_vars.get_args()
+    data = build_data_config(args)
     tokenizer = global_vars.get_tokenizer()
+    if args.sft:
+        from megatron.data.sft_dataset import build_sft_datasets
+
+        print_rank_0("> building train, validation, and test SFT datasets for GPT ...")
+        return build_sft_datasets(
+            data.data_path, train_val_test_num_samples, data.seq_length, data.split, tokenizer,
+            (data.train_data_path, data.valid_data_path, data.test_data_path))
     config = GPTDatasetConfig(
         seed=data.seed, seq_length=data.seq_length, split=data.split,
         data_cache_path=data.data_cache_path, reset_position_ids=data.reset_position_ids,
         reset_attention_mask=data.reset_attention_mask, eod_mask_loss=data.eod_mask_loss,
         mock=data.mock_data, vocab_size=tokenizer.vocab_size,
         mmap_bin_files=data.mmap_bin_files, fim=resolve_fim_config(data.fim, tokenizer),
-        mid_level_dataset_surplus=data.mid_level_dataset_surplus)
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus,
+        per_dataset_sequences_path=data.per_dataset_sequences_path,
+        inter_document_masking=data.dataloader_inter_document_masking)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     return build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,
         train_data_path=data.train_data_path, valid_data_path=data.valid_data_path,
-        test_data_path=data.test_data_path)
+        test_data_path=data.test_data_path,
+        multiple_validation_sets=data.multiple_validation_sets)
 
 
 if __name__ == "__main__":

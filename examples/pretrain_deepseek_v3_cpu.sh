@@ -16,7 +16,7 @@
 #     towards equal loads (--moe-router-enable-expert-bias), group-limited top-k (the experts in
 #     --moe-router-num-groups groups, tokens may use only the best --moe-router-group-topk),
 #     weights rescaled by --moe-router-topk-scaling-factor, and a small sequence-level
-#     balancing loss (seq_aux_loss);
+#     balancing loss (seq_aux_loss, logged as seq_load_balancing_loss);
 #   - shared experts every token passes through (--moe-shared-expert-intermediate-size);
 #   - dense first layers: --moe-layer-freq "([0]*K+[1]*(N-K))" (DENSE_LAYERS=K) makes the first
 #     K layers plain SwiGLU MLPs of --ffn-hidden-size;

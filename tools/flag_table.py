@@ -41,11 +41,16 @@ def _wrap(text: str) -> str:
 def flag_table() -> str:
     """The README section's text between its markers."""
     names: Dict[str, str] = {}
+    refused = set()
     for action in arguments.build_parser()._actions:
         if action.option_strings:
             names.setdefault(action.dest, action.option_strings[0])
+        for value in getattr(action, "refused_choices", {}):
+            refused.update((option, value) for option in action.option_strings)
+    # A value the flag's own choices came to hold is built, whatever EXTRA_CHOICES still says.
     values = [_wrap(f"- `{option} {value}`: {reason}.")
-              for option, value, reason in megatron_flags.EXTRA_CHOICES]
+              for option, value, reason in megatron_flags.EXTRA_CHOICES
+              if (option, value) in refused]
     lines = [
         BEGIN,
         _wrap(f"**No effect here** ({len(arguments.NO_EFFECT_FLAGS)} flags: accepted, `--help` "

@@ -51,7 +51,10 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                 "qk_pos_emb_head_dim", "v_head_dim", "rope_type",
                                 "vocab_size", "null_tokenizer_eod_id",
-                                "make_vocab_size_divisible_by")
+                                "make_vocab_size_divisible_by",
+                                "use_mup", "mup_width_mult", "mup_base_hidden_size",
+                                "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
+                                "mup_attn_scale_power")
 # Taken too with --use-mp-args-from-checkpoint-args (Megatron's model-parallel set; the last only
 # when this run gives none).
 MP_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -189,3 +192,16 @@ def check_args(saved, args, path: str, ignore=()) -> None:
     if diffs:
         raise CheckpointError(f"{path}: the model shape differs from the flags: "
                               + "; ".join(diffs))
+    _check_phase_batch(saved, args, path)
+
+
+def _check_phase_batch(saved, args, path: str) -> None:
+    """With --phase-transition-iterations, phases are iterations x the global batch: a
+    checkpoint written with another batch size would put the phase boundaries elsewhere."""
+    if not getattr(args, "phase_transition_iterations", None):
+        return
+    before = getattr(saved, "global_batch_size", None)
+    if before is not None and before != args.global_batch_size:
+        raise CheckpointError(f"{path}: --phase-transition-iterations needs the global batch "
+                              f"size the checkpoint was trained with ({before}); the flags "
+                              f"give --global-batch-size {args.global_batch_size}")

@@ -76,6 +76,7 @@ _NUMERICS_WITHOUT_HF_EQUIVALENT = (
     ("apply_layernorm_1p", "--apply-layernorm-1p"),
     ("squared_relu", "--squared-relu"), ("rotary_interleaved", "--rotary-interleaved"),
     ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
+    ("use_mup", "--use-mup"),   # embedding, logit and attention multipliers
 )
 
 

@@ -109,7 +109,7 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
         "swiglu_alpha": QUICK_GELU_ALPHA, "swiglu_limit": meta.activation_func_clamp_value,
         "attention_dropout": source.get("attention_dropout", 0.0),
         "initializer_range": source.get("init_method_std", 0.02),
-        "router_aux_loss_coef": source.get("moe_aux_loss_coeff", 0.0) or 0.0,
+        "router_aux_loss_coef": hf_mixtral.router_aux_loss_coef(source),
         "output_router_logits": False,
         "tie_word_embeddings": not meta.untie_embeddings_and_output_weights,
         "use_cache": True, "bos_token_id": bos_id, "eos_token_id": eos_id,

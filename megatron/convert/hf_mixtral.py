@@ -97,7 +97,7 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "intermediate_size": meta.expert_ffn_size,
         "num_local_experts": meta.num_experts, "num_experts_per_tok": meta.moe_router_topk,
-        "router_aux_loss_coef": source.get("moe_aux_loss_coeff", 0.0) or 0.0,
+        "router_aux_loss_coef": router_aux_loss_coef(source),
         "router_jitter_noise": 0.0, "output_router_logits": False,
         "sliding_window": hf_mistral.sliding_window(meta),
     })
@@ -150,3 +150,16 @@ def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tenso
                                                      weights.get(e + "w3.weight", (ffn, h))])
         out[ours + "linear_fc2.weight"] = weights.get(e + "w2.weight", (h, ffn))
     return out
+
+
+def router_aux_loss_coef(source_args: dict) -> float:
+    """transformers' ``router_aux_loss_coef`` from a run's saved args: its coefficient, or with
+    several balancing types (Megatron's lists) the one of ``aux_loss`` (the loss transformers
+    computes), 0 without it."""
+    coeff = source_args.get("moe_aux_loss_coeff", 0.0) or 0.0
+    types = source_args.get("moe_router_load_balancing_type")
+    if not isinstance(coeff, (list, tuple)):
+        return coeff
+    if isinstance(types, (list, tuple)) and "aux_loss" in types:
+        return coeff[list(types).index("aux_loss")]
+    return 0.0

@@ -12,6 +12,9 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from megatron.core.mup import (mup_flag_problem, mup_model_conflict, resolve_output_mult,
+                               resolve_width_mult)
+
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 # --recompute-modules built here (Megatron-Core's names); mla_up_proj is not.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
@@ -140,6 +143,45 @@ class TransformerConfig:
     no_rope_freq: Optional[Union[int, Tuple[int, ...]]] = None
     # --embedding-init-method-std: N(0, std^2) for the embedding tables (None: as other weights).
     embedding_init_method_std: Optional[float] = None
+    # QK-clip (--qk-clip): after each optimizer step, the query and key weights of heads whose
+    # largest pre-softmax logit exceeded --qk-clip-threshold are scaled down (eta^alpha on the
+    # query side, eta^(1 - alpha) on the key side, eta = threshold / max logit).
+    # --log-max-attention-logit tracks and logs that maximum without clipping.
+    qk_clip: bool = False
+    qk_clip_alpha: float = 0.5
+    qk_clip_threshold: float = 100.0
+    log_max_attention_logit: bool = False
+
+    @property
+    def tracks_max_attention_logit(self) -> bool:
+        """Whether attention records each head's largest logit during training forwards."""
+        return self.qk_clip or self.log_max_attention_logit
+
+    # Maximal update parametrization (--use-mup and --mup-*; megatron/core/mup.py). After
+    # __post_init__, mup_width_mult is the resolved width multiplier and mup_output_mult the
+    # logit multiplier in effect.
+    use_mup: bool = False
+    mup_width_mult: float = 1.0
+    mup_base_hidden_size: Optional[int] = None
+    mup_embedding_mult: float = 1.0
+    mup_output_mult: float = 1.0
+    mup_base_head_dim: Optional[float] = None
+    mup_attn_scale_power: float = 1.0
+
+    def _resolve_mup(self) -> Optional[str]:
+        """Check the muP settings and resolve the width and logit multipliers (None: fine)."""
+        problem = mup_flag_problem(self.use_mup, self.hidden_size, self.mup_width_mult,
+                                   self.mup_base_hidden_size, self.mup_embedding_mult,
+                                   self.mup_output_mult, self.mup_base_head_dim,
+                                   self.mup_attn_scale_power) or mup_model_conflict(
+                                       self.use_mup, self.multi_latent_attention,
+                                       self.init_method_xavier_uniform)
+        if problem is None and self.use_mup:
+            self.mup_width_mult = resolve_width_mult(self.hidden_size, self.mup_width_mult,
+                                                     self.mup_base_hidden_size)
+            self.mup_output_mult = resolve_output_mult(self.mup_output_mult,
+                                                       self.mup_width_mult)
+        return problem
 
     @property
     def gated_linear_unit(self) -> bool:
@@ -173,7 +215,7 @@ class TransformerConfig:
             raise ConfigError("--position-embedding-type must be learned_absolute, rope, yarn or "
                               f"none, got {self.position_embedding_type!r}")
         problem = (rope_variant_conflict(self) or mla_conflict(self)
-                   or attention_variant_conflict(self))
+                   or attention_variant_conflict(self) or self._resolve_mup())
         if problem is not None:
             raise ConfigError(problem)
         if (self.position_embedding_type == "learned_absolute"
@@ -219,6 +261,10 @@ class TransformerConfig:
         if self.softmax_type not in SOFTMAX_TYPES:
             raise ConfigError(f"--softmax-type must be one of {', '.join(SOFTMAX_TYPES)}, got "
                               f"{self.softmax_type!r}")
+        if self.qk_clip and not 0.0 <= self.qk_clip_alpha <= 1.0:
+            raise ConfigError(f"--qk-clip-alpha must lie in [0, 1], got {self.qk_clip_alpha}")
+        if self.qk_clip and not self.qk_clip_threshold > 0:
+            raise ConfigError(f"--qk-clip-threshold must be > 0, got {self.qk_clip_threshold}")
         if self.apply_query_key_layer_scaling:
             # The scores are multiplied back by the layer number inside the softmax, which must
             # therefore run in fp32 (as Megatron sets it).

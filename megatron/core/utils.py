@@ -67,15 +67,26 @@ def get_init_method(config) -> InitMethod:
         return _no_initialization
     if config.init_method_xavier_uniform:
         return xavier_uniform_init_method()
-    return init_method_normal(config.init_method_std)
+    return init_method_normal(config.init_method_std / _mup_width_root(config))
+
+
+def _mup_width_root(config) -> float:
+    """``sqrt(width_mult)`` under --use-mup (the hidden weights' std divisor), else 1."""
+    width_mult = getattr(config, "mup_width_mult", 1.0)
+    if not getattr(config, "use_mup", False) or width_mult == 1.0:
+        return 1.0
+    return math.sqrt(width_mult)
 
 
 def get_embedding_init_method(config) -> InitMethod:
     """The initialiser of the embedding tables: N(0, --embedding-init-method-std^2) when that
-    is set, else :func:`get_init_method`'s (Megatron-Core's ``embedding_init_method``)."""
+    is set, else :func:`get_init_method`'s (Megatron-Core's ``embedding_init_method``); under
+    --use-mup N(0, --init-method-std^2), not width-scaled (also an untied output layer's)."""
     std = getattr(config, "embedding_init_method_std", None)
     if std is not None:
         return init_method_normal(std)
+    if getattr(config, "use_mup", False) and config.perform_initialization:
+        return init_method_normal(config.init_method_std)
     return get_init_method(config)
 
 
@@ -86,4 +97,5 @@ def get_output_layer_init_method(config) -> InitMethod:
         return _no_initialization
     if config.init_method_xavier_uniform:
         return xavier_uniform_init_method()
-    return scaled_init_method_normal(config.init_method_std, config.num_layers)
+    return scaled_init_method_normal(config.init_method_std / _mup_width_root(config),
+                                     config.num_layers)

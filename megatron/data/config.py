@@ -54,4 +54,7 @@ class DataConfig:
     num_workers: int = 2                         # --num-workers
     mmap_bin_files: bool = True                  # False with --no-mmap-bin-files
     mid_level_dataset_surplus: float = 0.005     # --mid-level-dataset-surplus: blend headroom
+    per_dataset_sequences_path: Optional[str] = None  # --per-dataset-sequences-path (GPT)
+    dataloader_inter_document_masking: bool = False  # GPT samples carry document boundaries
     fim: FIMFlags = field(default_factory=FIMFlags)  # --fim-data and its flags (GPT only)
+    multiple_validation_sets: bool = False       # --multiple-validation-sets: one set a prefix

@@ -116,6 +116,22 @@ def parse_data_path(data_path: Union[str, Sequence[str], None],
     return prefixes, weights
 
 
+def parse_prefix_list(data_path: Union[str, Sequence[str], None], flag: str) -> List[str]:
+    """``PREFIX1 PREFIX2 ...`` without weights (``--multiple-validation-sets``: one validation
+    set per prefix); a weighted list is refused, naming ``flag``."""
+    if data_path is None or len(data_path) == 0:
+        raise DataError(f"{flag} is empty")
+    items = [data_path] if isinstance(data_path, str) else [str(x).strip() for x in data_path]
+    for item in items:
+        try:
+            float(item)
+        except ValueError:
+            continue
+        raise DataError(f"{flag} with --multiple-validation-sets takes prefixes without weights "
+                        f"(one validation set each), got the number {item!r} in {items}")
+    return items
+
+
 def normalize_weights(weights: Sequence[float]) -> List[float]:
     """Weights divided by their sum in float64."""
     w = np.array(weights, dtype=np.float64)

@@ -23,7 +23,8 @@ from typing import Dict, List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron.data import dataset_utils, fim_dataset, index_builders
+from megatron.data import (dataset_utils, document_masks, fim_dataset, index_builders,
+                           sequences_per_dataset)
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.indexed_dataset import IndexedDataset
 from megatron.data.mock_dataset import MockGPTDataset
@@ -49,7 +50,8 @@ class GPTDatasetConfig:
             same names, used by
             :func:`~megatron.data.dataset_utils.get_ltor_masks_and_position_ids`.
         mock: ``--mock-data``; synthetic tokens instead of files.
-        vocab_size: vocabulary of the synthetic tokens (needed only with ``mock``).
+        vocab_size: the tokenizer's vocabulary size: of the synthetic tokens with ``mock``; with
+            ``per_dataset_sequences_path`` it gives the token dtype.
         mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory
             instead of memory-mapping it (the same tokens).
         mid_level_dataset_surplus: ``--mid-level-dataset-surplus``: each dataset of a weighted
@@ -57,6 +59,11 @@ class GPTDatasetConfig:
         fim: with ``--fim-data``, the resolved
             :class:`~megatron.data.fim_dataset.FIMConfig`: each split's datasets are then
             :class:`GPTFIMDataset` (same indices and cache).
+        per_dataset_sequences_path: ``--per-dataset-sequences-path``: a JSON file of each
+            prefix's sequence and document counts, used instead of reading the ``.idx`` headers
+            (:mod:`megatron.data.sequences_per_dataset`); the samples are the same.
+        inter_document_masking: ``--dataloader-inter-document-masking``: samples also carry
+            ``cu_seqlens``, their document boundaries (:mod:`megatron.data.document_masks`).
     """
 
     seed: int = 1234
@@ -71,6 +78,8 @@ class GPTDatasetConfig:
     vocab_size: Optional[int] = None
     fim: Optional[fim_dataset.FIMConfig] = None
     mid_level_dataset_surplus: float = dataset_utils.BLEND_SURPLUS
+    per_dataset_sequences_path: Optional[str] = None
+    inter_document_masking: bool = False
 
     def __post_init__(self) -> None:
         dataset_utils.check_blend_surplus(self.mid_level_dataset_surplus)
@@ -105,6 +114,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.documents = np.asarray(documents, dtype=np.int32)
         self.num_samples = int(num_samples)
         self.seq_length = int(config.seq_length)
+        self.inter_document_masking = bool(config.inter_document_masking)
         if self.documents.size == 0:
             raise DataError(f"{name} split of {path_prefix} has no documents")
         sizes = indexed_dataset.sequence_lengths
@@ -167,7 +177,8 @@ class GPTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.sample_idx.shape[0] - 1
 
-    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+    def _parts(self, idx: int) -> List[np.ndarray]:
+        """The token runs of sample ``idx``, one per document it draws from, in order."""
         n = len(self)
         if not -n <= idx < n:
             raise IndexError(f"sample {idx} out of range for the {n} samples of {self.name}")
@@ -176,14 +187,21 @@ class GPTDataset(torch.utils.data.Dataset):
         last_pos, last_offset = (int(x) for x in self.sample_idx[built + 1])
         read = self.indexed_dataset.get
         if first_pos == last_pos:
-            text = read(int(self.doc_idx[first_pos]), offset=first_offset,
-                        length=last_offset - first_offset + 1)
-        else:
-            parts = [read(int(self.doc_idx[first_pos]), offset=first_offset)]
-            parts += [read(int(self.doc_idx[p])) for p in range(first_pos + 1, last_pos)]
-            parts.append(read(int(self.doc_idx[last_pos]), length=last_offset + 1))
-            text = np.concatenate(parts)
-        return {"text": np.array(text, dtype=np.int64)}
+            return [read(int(self.doc_idx[first_pos]), offset=first_offset,
+                         length=last_offset - first_offset + 1)]
+        parts = [read(int(self.doc_idx[first_pos]), offset=first_offset)]
+        parts += [read(int(self.doc_idx[p])) for p in range(first_pos + 1, last_pos)]
+        parts.append(read(int(self.doc_idx[last_pos]), length=last_offset + 1))
+        return parts
+
+    def __getitem__(self, idx: int) -> Dict[str, np.ndarray]:
+        parts = self._parts(idx)
+        text = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        sample = {"text": np.array(text, dtype=np.int64)}
+        if self.inter_document_masking:
+            sample["cu_seqlens"] = document_masks.document_cu_seqlens(
+                [len(p) for p in parts], self.seq_length)
+        return sample
 
 
 class GPTFIMDataset(GPTDataset):
@@ -205,13 +223,24 @@ class GPTFIMDataset(GPTDataset):
 # ------------------------------------------------------------------------ building the splits
 
 
-def _open_indexed_dataset(prefix: str, flag: str, mmap: bool = True) -> IndexedDataset:
+def _open_indexed_dataset(prefix: str, flag: str, mmap: bool = True,
+                          config: Optional[GPTDatasetConfig] = None,
+                          table: Optional[dict] = None) -> IndexedDataset:
+    """The indexed dataset of ``prefix``; with ``table`` (the loaded
+    ``--per-dataset-sequences-path``), opened from its counts instead of its header."""
     missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     if missing:
         raise FileNotFoundError(f"{flag}: data prefix {prefix!r} does not exist (missing "
                                 f"{', '.join(missing)}); expected PREFIX.bin and PREFIX.idx as "
                                 f"written by tools/preprocess_data.py")
-    return IndexedDataset(prefix, mmap=mmap)
+    if table is None:
+        return IndexedDataset(prefix, mmap=mmap)
+    path = config.per_dataset_sequences_path
+    return IndexedDataset(prefix, mmap=mmap,
+                          sequences_per_dataset=sequences_per_dataset.counts_for(table, path,
+                                                                                 prefix),
+                          dtype_code=sequences_per_dataset.token_dtype_code(config.vocab_size),
+                          source=f"{sequences_per_dataset.FLAG} {path}")
 
 
 def _split_documents(indexed, split: str, whole: bool) -> List[Optional[np.ndarray]]:
@@ -238,9 +267,14 @@ def _gpt_dataset(name, prefix, indexed, docs, num_samples, config: GPTDatasetCon
 def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]],
                  documents: Dict[str, List[Optional[np.ndarray]]],
                  opened: Dict[str, IndexedDataset],
-                 num_samples: int, config: GPTDatasetConfig):
-    """One split: a GPTDataset for one unweighted prefix, else a blend of the prefixes' splits."""
+                 num_samples: int, config: GPTDatasetConfig, one_epoch: bool = False):
+    """One split: a GPTDataset for one unweighted prefix, else a blend of the prefixes' splits.
+    ``one_epoch`` (``--full-validation``): the split's samples of exactly one epoch."""
     name = dataset_utils.SPLIT_NAMES[index]
+    if one_epoch and weights is not None:
+        raise DataError(f"--full-validation reads the {name} data whole, once; a weighted blend "
+                         f"({len(prefixes)} prefixes) has no such end: give one prefix, or "
+                         f"unweighted --valid-data-path prefixes with --multiple-validation-sets")
     if weights is None:
         prefix = prefixes[0]
         docs = documents[prefix][index]
@@ -272,11 +306,16 @@ def _check_train_not_empty(prefixes, documents, opened, split) -> None:
 
 
 def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetConfig,
-                      flag: str, only: Optional[int] = None) -> List:
+                      flag: str, only: Optional[int] = None,
+                      one_epoch: Sequence[bool] = (False, False, False)) -> List:
     prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
-    opened = {p: _open_indexed_dataset(p, flag, config.mmap_bin_files) for p in prefixes}
+    table = (sequences_per_dataset.load(config.per_dataset_sequences_path)
+             if config.per_dataset_sequences_path else None)
+    opened = {p: _open_indexed_dataset(p, flag, config.mmap_bin_files, config, table)
+              for p in prefixes}
     whole = only is not None
-    if (num_samples[only] if whole else max(num_samples)) > 0:
+    wanted = [n > 0 or e for n, e in zip(num_samples, one_epoch)]
+    if wanted[only] if whole else any(wanted):
         for p in prefixes:
             dataset_utils.check_has_documents(p, len(opened[p]), flag)
     documents = {p: _split_documents(opened[p], config.split, whole) for p in prefixes}
@@ -289,7 +328,7 @@ def _build_from_blend(data_path, num_samples: Sequence[int], config: GPTDatasetC
     out: List = [None, None, None]
     for i in splits:
         out[i] = _build_split(i, prefixes, weights, documents, opened, int(num_samples[i]),
-                              config)
+                              config, one_epoch[i])
     return out
 
 
@@ -298,7 +337,8 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig,
                                     train_valid_test_num_samples: Sequence[int],
                                     train_data_path: Union[str, Sequence[str], None] = None,
                                     valid_data_path: Union[str, Sequence[str], None] = None,
-                                    test_data_path: Union[str, Sequence[str], None] = None):
+                                    test_data_path: Union[str, Sequence[str], None] = None,
+                                    multiple_validation_sets: bool = False):
     """The (train, valid, test) datasets, each possibly None.
 
     Args:
@@ -308,18 +348,50 @@ def build_train_valid_test_datasets(config: GPTDatasetConfig,
             dataset is asked for ``ceil(ceil(total * w) * (1 + surplus))`` samples
             (FORMATS.md 4; surplus: ``config.mid_level_dataset_surplus``, default 0.005).
         train_valid_test_num_samples: samples wanted per split
-            (:func:`~megatron.data.dataset_utils.get_train_valid_test_num_samples`).
+            (:func:`~megatron.data.dataset_utils.get_train_valid_test_num_samples`); None
+            (``--full-validation``'s valid count) asks for the split's samples of one epoch.
         train_data_path / valid_data_path / test_data_path: ``--train-data-path`` etc.: used
             whole for that split instead of ``--data-path`` and ``--split``.
+        multiple_validation_sets: ``--multiple-validation-sets``: the valid split is a list of
+            datasets, one per (unweighted) ``--valid-data-path`` prefix, each built as if that
+            prefix were the only one.
     """
-    num_samples = [int(n) for n in train_valid_test_num_samples]
-    if len(num_samples) != 3:
-        raise DataError(f"need train, valid and test sample counts, got {num_samples}")
+    if len(train_valid_test_num_samples) != 3:
+        raise DataError(f"need train, valid and test sample counts, "
+                         f"got {list(train_valid_test_num_samples)}")
+    one_epoch = [n is None for n in train_valid_test_num_samples]
+    num_samples = [0 if n is None else int(n) for n in train_valid_test_num_samples]
+    if config.mock and any(one_epoch):
+        raise DataError("--full-validation reads the validation data whole, once; --mock-data "
+                         "has no end: give --data-path or --valid-data-path")
+    if multiple_validation_sets and valid_data_path:
+        return _with_validation_sets(config, data_path, num_samples, one_epoch,
+                                     (train_data_path, valid_data_path, test_data_path))
     if config.mock:
         return tuple(
             MockGPTDataset(n, config.seq_length, config.vocab_size, config.seed + i) if n > 0
             else None for i, n in enumerate(num_samples))
     return dataset_utils.build_splits(
         num_samples, data_path, (train_data_path, valid_data_path, test_data_path),
-        lambda path, flag, only: _build_from_blend(path, num_samples, config, flag, only=only),
+        lambda path, flag, only: _build_from_blend(path, num_samples, config, flag, only=only,
+                                                   one_epoch=one_epoch),
         ", or --mock-data")
+
+
+def _with_validation_sets(config: GPTDatasetConfig, data_path, num_samples: List[int],
+                          one_epoch: List[bool], per_split_paths: Sequence) -> tuple:
+    """Train and test as usual; valid as one dataset per ``--valid-data-path`` prefix."""
+    train_path, valid_path, test_path = per_split_paths
+    if data_path:
+        raise DataError("--data-path cannot be combined with --train-data-path, "
+                        "--valid-data-path or --test-data-path")
+    train = test = None
+    if train_path or test_path:
+        train, _, test = dataset_utils.build_splits(
+            num_samples, None, (train_path, None, test_path),
+            lambda path, flag, only: _build_from_blend(path, num_samples, config, flag,
+                                                       only=only))
+    valid = [_build_from_blend(prefix, num_samples, config, "--valid-data-path", only=1,
+                               one_epoch=one_epoch)[1]
+             for prefix in dataset_utils.parse_prefix_list(valid_path, "--valid-data-path")]
+    return train, valid, test

@@ -370,20 +370,45 @@ class IndexedDataset:
         path_prefix: the path without ``.bin``/``.idx``.
         multimodal: expect the per-sequence mode bytes after the document indices.
         mmap: memory-map ``.bin`` (default); False reads it into memory.
+        sequences_per_dataset: ``(N, D)``, the sequence and document-index counts, given instead
+            of reading the header (Megatron's ``--per-dataset-sequences-path`` fast path); needs
+            ``dtype_code``. The index is then checked only where it costs no read of its
+            columns: its file size, the first and last document index, and the byte size of
+            ``.bin`` against the last sequence (a wrong count or dtype fails there).
+        dtype_code: the token dtype code (FORMATS.md 1) that goes with ``sequences_per_dataset``.
+        source: what gave ``sequences_per_dataset``, for error messages.
     """
 
-    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True):
+    def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
+                 sequences_per_dataset: Optional[Sequence[int]] = None,
+                 dtype_code: Optional[int] = None, source: str = "the given counts"):
         self._path_prefix = path_prefix
         self._multimodal = multimodal
         self._mmap = mmap
+        self._counts = None if sequences_per_dataset is None else (
+            int(sequences_per_dataset[0]), int(sequences_per_dataset[1]))
+        self._dtype_code = dtype_code
+        self._source = source
+        if self._counts is not None and dtype_code is None:
+            raise IndexedDatasetError(f"{path_prefix}: sequence counts from {source} need the "
+                                      "token dtype code too")
         self._open()
 
     # -- opening and validation --------------------------------------------------------------
 
+    def _header_counts(self, idx_path: str):
+        """(dtype code, N, D, where they came from): read from the header, or as given."""
+        if self._counts is None:
+            header = _read_header(idx_path)
+            return header["code"], header["sequences"], header["documents"], "its header"
+        if not os.path.isfile(idx_path):
+            raise IndexedDatasetError(f"{idx_path}: index file is missing")
+        n, d = self._counts
+        return self._dtype_code, n, d, self._source
+
     def _open(self) -> None:
         idx_path, bin_path = get_idx_path(self._path_prefix), get_bin_path(self._path_prefix)
-        header = _read_header(idx_path)
-        code, n, d = header["code"], header["sequences"], header["documents"]
+        code, n, d, origin = self._header_counts(idx_path)
         self._dtype = DType.dtype_from_code(code)
         itemsize = np.dtype(self._dtype).itemsize
         base = HEADER_SIZE + 12 * n + 8 * d
@@ -394,9 +419,9 @@ class IndexedDataset:
             has_modes = False
         else:
             raise IndexedDatasetError(
-                f"{idx_path}: file is {size} bytes, but its header (N={n} sequences, D={d} "
+                f"{idx_path}: file is {size} bytes, but {origin} (N={n} sequences, D={d} "
                 f"document entries) needs exactly {base} bytes ({base + n} with sequence modes); "
-                "the file is truncated or not an index")
+                "the counts do not belong to this file, or it is truncated or not an index")
         if self._multimodal and not has_modes:
             raise IndexedDatasetError(
                 f"{idx_path}: opened as multimodal but holds no sequence modes")
@@ -409,8 +434,12 @@ class IndexedDataset:
                                                offset=HEADER_SIZE + 12 * n)
         self._sequence_modes = (np.frombuffer(buffer, dtype=np.int8, count=n, offset=base)
                                 if has_modes else None)
-        _check_index(idx_path, self._sequence_lengths, self._sequence_pointers,
-                     self._document_indices, itemsize)
+        if self._counts is None:
+            _check_index(idx_path, self._sequence_lengths, self._sequence_pointers,
+                         self._document_indices, itemsize)
+        else:
+            _check_index_ends(idx_path, self._sequence_lengths, self._sequence_pointers,
+                              self._document_indices, itemsize, origin)
         if not os.path.exists(bin_path):
             raise IndexedDatasetError(
                 f"{bin_path}: data file is missing (its index {idx_path} exists)")
@@ -423,7 +452,9 @@ class IndexedDataset:
             raise IndexedDatasetError(
                 f"{bin_path}: file is {actual} bytes, but {idx_path} describes {expected} bytes "
                 f"({n} sequences of {np.dtype(self._dtype).name}); the pair does not belong "
-                "together or one of them is truncated")
+                "together or one of them is truncated"
+                + ("" if self._counts is None else
+                   f" (or the counts and token dtype from {origin} are not this dataset's)"))
         if actual == 0:
             self._bin_buffer = np.zeros(0, dtype=np.uint8)
         elif self._mmap:
@@ -440,12 +471,16 @@ class IndexedDataset:
 
     def __getstate__(self):
         return {"path_prefix": self._path_prefix, "multimodal": self._multimodal,
-                "mmap": self._mmap}
+                "mmap": self._mmap, "counts": self._counts, "dtype_code": self._dtype_code,
+                "source": self._source}
 
     def __setstate__(self, state) -> None:
         self._path_prefix = state["path_prefix"]
         self._multimodal = state["multimodal"]
         self._mmap = state["mmap"]
+        self._counts = state.get("counts")
+        self._dtype_code = state.get("dtype_code")
+        self._source = state.get("source", "the given counts")
         self._open()
 
     # -- access ------------------------------------------------------------------------------
@@ -536,6 +571,13 @@ class IndexedDataset:
 MMapIndexedDataset = IndexedDataset
 
 
+def header_counts(path_prefix: str) -> tuple:
+    """``(N, D)`` of ``PREFIX.idx``: its numbers of sequences and of document-index entries, read
+    from its (checked) header alone."""
+    header = _read_header(get_idx_path(path_prefix))
+    return header["sequences"], header["documents"]
+
+
 def _read_header(idx_path: str) -> dict:
     """Parse and check the 34-byte header of ``idx_path``."""
     if not os.path.exists(idx_path):
@@ -600,3 +642,20 @@ def _check_index(idx_path: str, lengths: np.ndarray, pointers: np.ndarray,
                 f"{idx_path}: sequence {at} points to byte {int(pointers[at])}, but the lengths "
                 f"before it put it at byte {int(starts[at - start])}")
         expected_next = int(ends[-1])
+
+
+def _check_index_ends(idx_path: str, lengths: np.ndarray, pointers: np.ndarray,
+                      document_indices: np.ndarray, itemsize: int, origin: str) -> None:
+    """The checks of :func:`_check_index` that read no more than a few entries: counts that
+    are not the file's (or a wrong dtype) put these entries out of place."""
+    n, d = len(lengths), len(document_indices)
+    if d < 1 or int(document_indices[0]) != 0 or int(document_indices[-1]) != n:
+        seen = [int(document_indices[0]), int(document_indices[-1])] if d else []
+        raise IndexedDatasetError(
+            f"{idx_path}: with N={n}, D={d} from {origin}, the first and last document "
+            f"indices are {seen}, expected [0, {n}]; the counts are not this file's")
+    if n > 1 and int(pointers[1]) != int(lengths[0]) * itemsize:
+        raise IndexedDatasetError(
+            f"{idx_path}: sequence 1 points to byte {int(pointers[1])}, but sequence 0 holds "
+            f"{int(lengths[0])} tokens of {itemsize} bytes; the token dtype from {origin} is "
+            "not this file's")

@@ -24,6 +24,7 @@ from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.context_parallel import context_parallel_attention, window_mask_rows
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
+from megatron.core.mup import attention_scale as mup_attention_scale
 from megatron.core.utils import init_method_normal
 from megatron.fused_kernels.softmax import (FusedScaleMaskSoftmax, attention_mask_func,
                                             causal_mask, sliding_window_mask)
@@ -31,6 +32,11 @@ from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import L2Norm, get_norm
 from megatron.model.rotary_pos_embedding import apply_rotary_pos_emb, rotary_attention_scale
+
+
+# Elements of one block of logits computed apart from scaled_dot_product_attention for
+# --qk-clip / --log-max-attention-logit (16 Mi fp32 values: 64 MiB).
+MAX_LOGIT_BLOCK_ELEMENTS = 1 << 24
 
 
 def dropout_rng_context(active: bool):
@@ -42,6 +48,22 @@ def dropout_rng_context(active: bool):
     if not active:
         return contextlib.nullcontext()
     return tensor_parallel.get_cuda_rng_tracker().fork()
+
+
+def qk_clip_eta(max_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """QK-clip's ``eta = min(1, threshold / max logit)`` per entry (1 where the maximum is
+    at or under the threshold, so a head whose logits are all negative is left alone), in
+    fp64: the factors are rounded once, to the dtype of the weight they scale."""
+    max_logits = max_logits.double()
+    return torch.where(max_logits > threshold, threshold / max_logits,
+                       torch.ones_like(max_logits))
+
+
+def head_row_factors(columns) -> torch.Tensor:
+    """One factor per output row of a projection whose rows are ordered per head (or query
+    group): ``columns`` lists ``(factor [n], rows)`` in the order of each head's rows, and the
+    result is ``[n * sum(rows)]``."""
+    return torch.cat([f[:, None].expand(-1, rows) for f, rows in columns], dim=1).reshape(-1)
 
 
 class CoreAttention(MegatronModule):
@@ -59,6 +81,11 @@ class CoreAttention(MegatronModule):
     softmax denominator (``softmax_offset``: zeros, or a parameter of this rank's heads, split
     over tensor-parallel ranks like the heads); scaled_dot_product_attention has no such term,
     so those layers always take the explicit body.
+
+    With ``--qk-clip`` or ``--log-max-attention-logit`` a training forward also keeps each
+    head's largest unmasked logit in ``current_max_attn_logits`` (read off the explicit body's
+    scores; computed apart, in blocks, for scaled_dot_product_attention, which never
+    materialises them), for :mod:`megatron.optimizer.qk_clip`.
 
     Args:
         config: the transformer config.
@@ -90,6 +117,9 @@ class CoreAttention(MegatronModule):
                               else softmax_scale)
         self.norm_factor = (math.sqrt(self.hidden_size_per_head) if softmax_scale is None
                             else 1.0 / softmax_scale)
+        if config.use_mup and softmax_scale is None:
+            self.softmax_scale, self.norm_factor = mup_attention_scale(
+                self.hidden_size_per_head, config.mup_base_head_dim, config.mup_attn_scale_power)
         softmax_in_fp32 = config.attention_softmax_in_fp32
         if config.apply_query_key_layer_scaling:
             # Scores are divided by the layer number before the half-precision matmul output
@@ -102,6 +132,12 @@ class CoreAttention(MegatronModule):
             attention_mask_func, softmax_in_fp32, coeff)
         self.attention_dropout = torch.nn.Dropout(config.attention_dropout)
         self._make_softmax_offset(config, tp_group)
+        # --qk-clip / --log-max-attention-logit: each head's largest logit over the training
+        # forwards since the last optimizer step (``[num_heads]`` fp32, Megatron-Core's name);
+        # not a buffer: it is never saved, and the step that reads it resets it to None.
+        self.track_max_logits = config.tracks_max_attention_logit
+        self.layer_scaling_coeff = coeff or 1
+        self.current_max_attn_logits: Optional[torch.Tensor] = None
 
     def _make_softmax_offset(self, config: TransformerConfig, tp_group) -> None:
         """``softmax_offset`` ``[num_heads]`` (Megatron-Core's name): absent for vanilla, a
@@ -158,6 +194,11 @@ class CoreAttention(MegatronModule):
         scores = torch.baddbmm(
             torch.empty(b * np_, sq, sk, dtype=query.dtype, device=query.device), q, k,
             beta=0.0, alpha=1.0 / self.norm_factor)                      # [b*np, sq, sk]
+        if self.track_max_logits and self.training:
+            # Query-key layer scaling divided the scores by its coefficient; the logit is
+            # the product (the softmax multiplies it back).
+            self._record_max_logits(scores.view(b, np_, sq, sk), attention_mask,
+                                    self.layer_scaling_coeff)
         probs = self.scale_mask_softmax(scores.view(b, np_, sq, sk), attention_mask,
                                         self.softmax_offset)
         with dropout_rng_context(self.training and self.attention_dropout_p > 0):
@@ -168,7 +209,45 @@ class CoreAttention(MegatronModule):
         context = context.view(b, np_, sq, hv).permute(2, 0, 1, 3)       # [sq, b, np, hv]
         return context.reshape(sq, b, np_ * hv)                          # [sq, b, np*hv]
 
+    def _record_max_logits(self, logits: torch.Tensor, attention_mask: Optional[torch.Tensor],
+                           coeff: float = 1) -> None:
+        """Fold the largest unmasked entry of each head of ``logits`` ``[b, np, sq, sk]``
+        (times ``coeff``) into ``current_max_attn_logits``."""
+        sq, sk = logits.shape[-2:]
+        if attention_mask is None and self.attn_mask_type == AttnMaskType.causal:
+            attention_mask = causal_mask(sq, sk, device=logits.device)[None, None]
+        logits = logits.detach()
+        if attention_mask is not None:                   # one copy of the scores, in their dtype
+            logits = logits.masked_fill(attention_mask, float("-inf"))
+        batch_max = logits.amax(dim=(0, 2, 3)).float() * coeff            # [np]
+        if self.current_max_attn_logits is None:
+            self.current_max_attn_logits = batch_max
+        else:
+            self.current_max_attn_logits = torch.maximum(self.current_max_attn_logits,
+                                                         batch_max)
+
+    @torch.no_grad()
+    def _record_max_logits_apart(self, query: torch.Tensor, key: torch.Tensor,
+                                 attention_mask: Optional[torch.Tensor]) -> None:
+        """The logits scaled_dot_product_attention never materialises, computed for the
+        maximum alone: ``[b, np, rows, sk]`` blocks of query rows (fp32), so memory stays
+        bounded on long sequences. ``query`` ``[sq, b, np, hn]``, ``key`` ``[sk, b, np, hn]``."""
+        sq, sk = query.size(0), key.size(0)
+        if attention_mask is None and self.attn_mask_type == AttnMaskType.causal:
+            attention_mask = causal_mask(sq, sk, device=query.device)[None, None]
+        q = query.permute(1, 2, 0, 3).float()                            # [b, np, sq, hn]
+        k = key.permute(1, 2, 3, 0).float()                              # [b, np, hn, sk]
+        rows = max(1, MAX_LOGIT_BLOCK_ELEMENTS // max(1, sk * q.size(0) * q.size(1)))
+        for start in range(0, sq, rows):
+            block = torch.matmul(q[:, :, start:start + rows], k) * self.softmax_scale
+            mask = attention_mask
+            if mask is not None and mask.size(-2) > 1:     # else broadcast over query rows
+                mask = mask[..., start:start + rows, :]
+            self._record_max_logits(block, mask)
+
     def _sdpa_forward(self, query, key, value, attention_mask):
+        if self.track_max_logits and self.training:
+            self._record_max_logits_apart(query, key, attention_mask)
         sq, b, np_, hn = query.shape
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))   # [b, np, s, hn]
         is_causal = attention_mask is None and self.attn_mask_type == AttnMaskType.causal
@@ -298,6 +377,27 @@ class ParallelAttention(MegatronModule):
                 # gradients are partial sums, added over the TP group before the step.
                 param.sum_grad_over_tp = True
 
+    def qk_clip_row_factors(self, threshold: float, alpha: float):
+        """``[(query_key_value.weight, factor per row)]`` for QK-clip, or ``[]`` when no head
+        of this rank exceeded ``threshold`` since the last step.
+
+        As Megatron-Core: one ``eta`` per query group, from the largest logit of the group's
+        heads (they share its key); the group's query rows are scaled by ``eta ** alpha``, its
+        key rows by ``eta ** (1 - alpha)``; gate and value rows, and biases, are untouched.
+        """
+        maxima = self.core_attention.current_max_attn_logits
+        if maxima is None:
+            return []
+        group_max = maxima.view(self.num_groups, self.heads_per_group).amax(dim=1)   # [ng]
+        if not bool((group_max > threshold).any()):
+            return []
+        eta = qk_clip_eta(group_max, threshold)
+        ones, hn = torch.ones_like(eta), self.hidden_size_per_head
+        gate_rows = self.heads_per_group * hn if self.output_gate else 0
+        factors = head_row_factors([(eta.pow(alpha), self.heads_per_group * hn),
+                                    (ones, gate_rows), (eta.pow(1.0 - alpha), hn), (ones, hn)])
+        return [(self.query_key_value.weight, factors)]
+
     def split_qkv(self, mixed: torch.Tensor):
         """``[s, b, groups * (heads_per_group (x2 with the gate) + 2) * hn]`` -> query
         ``[s, b, np, hn]``, key and value ``[s, b, groups, hn]``, gate ``[s, b, np * hn]``
@@ -369,7 +469,7 @@ class ParallelAttention(MegatronModule):
         """This rank's queries ``[s/cp, b, np, hn]`` over the whole sequence's keys and values
         (``[s/cp, b, ng, hn]`` each) -> ``[s/cp, b, np * hn]``."""
         return self.cp.attend(self.core_attention, query, key, value, attention_mask,
-                              self.training, 1.0 / math.sqrt(self.hidden_size_per_head))
+                              self.training, self.core_attention.softmax_scale)
 
     def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
         """Write this step's ``[s, b, ng, hn]`` keys and values into the layer's cache at

@@ -9,6 +9,7 @@ from megatron.core.config import TransformerConfig
 from megatron.core.parallel_state import ModelGroups
 from megatron.fused_kernels import ops as fused_ops
 from megatron.model.language_model import (TransformerLanguageModel, parallel_lm_logits,
+                                           scale_embedding_output,
                                            tie_word_embeddings_over_stages)
 from megatron.model.module import MegatronModule
 from megatron.model.moe import MoEConfig, MoELossTracker, attach_aux_loss
@@ -170,10 +171,13 @@ class GPTModel(MegatronModule):
     def _head(self, hidden: torch.Tensor, buffer=None) -> torch.Tensor:
         """``[s, b, h]`` -> logits ``[s, b, V/tp]``."""
         if self.share_embeddings_and_output_weights:
-            return parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
-                                      self.tp_group, self.sequence_parallel,
-                                      output_buffer=buffer)
-        logits, _ = self.language_model.output_layer(hidden, output_buffer=buffer)
+            logits = parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
+                                        self.tp_group, self.sequence_parallel,
+                                        output_buffer=buffer)
+        else:
+            logits, _ = self.language_model.output_layer(hidden, output_buffer=buffer)
+        if self.config.use_mup and self.config.mup_output_mult != 1.0:
+            logits = logits * self.config.mup_output_mult                  # --mup-output-mult
         return logits
 
     def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -219,6 +223,7 @@ class GPTModel(MegatronModule):
             return self.language_model.embedding(input_ids, position_ids)
         embedded = self.word_embeddings_for_head(input_ids)                  # [b, s, h]
         embedded = embedded.transpose(0, 1).contiguous()                     # [s, b, h]
+        embedded = scale_embedding_output(embedded, self.config)
         if self.config.fp32_residual_connection:
             embedded = embedded.float()
         return torch.nn.functional.dropout(embedded, self.config.hidden_dropout, self.training)

@@ -51,6 +51,13 @@ def parallel_lm_logits(input_: torch.Tensor, word_embeddings_weight: torch.Tenso
         sequence_parallel, output_buffer)                                   # [s, b, V/tp]
 
 
+def scale_embedding_output(embeddings: torch.Tensor, config: TransformerConfig) -> torch.Tensor:
+    """The embedding output times --mup-embedding-mult under --use-mup (untouched at 1)."""
+    if config.use_mup and config.mup_embedding_mult != 1.0:
+        return embeddings * config.mup_embedding_mult
+    return embeddings
+
+
 def build_word_embeddings(config: TransformerConfig, tp_group):
     """The vocab-parallel word embedding table (built first inside the ``embedding`` seed, so a
     second call under the same seed reproduces it exactly).
@@ -155,6 +162,7 @@ class Embedding(MegatronModule):
             raise ValueError("token-type ids were given but the embedding has no token-type "
                              "table (num_tokentypes is 0)")
         embeddings = embeddings.transpose(0, 1).contiguous()                 # [s, b, h]
+        embeddings = scale_embedding_output(embeddings, self.config)
         if self.config.fp32_residual_connection:
             embeddings = embeddings.float()
         if not self.sequence_parallel:
@@ -268,7 +276,8 @@ class TransformerLanguageModel(MegatronModule):
             with init_rng(init_seed, "output_layer"):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
                     config.hidden_size, config.padded_vocab_size,
-                    init_method=get_init_method(config), tp_group=tp_group,
+                    init_method=(get_embedding_init_method(config) if config.use_mup
+                                 else get_init_method(config)), tp_group=tp_group,
                     bias=False, gather_output=False, sequence_parallel=sequence_parallel,
                     params_dtype=config.params_dtype)
             self.output_layer.weight.is_embedding_or_output_parameter = True

@@ -38,7 +38,8 @@ from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
 from megatron.fused_kernels.softmax import causal_mask
-from megatron.model.attention import ContextParallelSetup, CoreAttention
+from megatron.model.attention import (ContextParallelSetup, CoreAttention, head_row_factors,
+                                      qk_clip_eta)
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
@@ -136,6 +137,27 @@ class MultiLatentAttention(MegatronModule):
         self.rotary_interleaved = config.rotary_interleaved
         self.rotary_mscale = rotary_attention_scale(config)
         self.checkpoint_core_attention = config.recomputes("core_attn")
+
+    def qk_clip_row_factors(self, threshold: float, alpha: float):
+        """``[(query weight, factor per row), (linear_kv_up_proj.weight, factor per row)]``
+        for QK-clip, or ``[]`` when no head of this rank exceeded ``threshold``.
+
+        As Megatron-Core: per head ``eta``, the query's no-position rows scaled by
+        ``eta ** alpha`` and its rotary rows by ``eta`` (the rotary key is shared by all heads
+        and stays as it is), the key rows of ``linear_kv_up_proj`` by ``eta ** (1 - alpha)``,
+        the value rows untouched.
+        """
+        maxima = self.core_attention.current_max_attn_logits
+        if maxima is None or not bool((maxima > threshold).any()):
+            return []
+        eta = qk_clip_eta(maxima, threshold)                               # [np]
+        d, r = self.qk_head_dim, self.pos_dim
+        query = (self.linear_q_proj if hasattr(self, "linear_q_proj")
+                 else self.linear_q_up_proj).weight
+        return [(query, head_row_factors([(eta.pow(alpha), d), (eta, r)])),
+                (self.linear_kv_up_proj.weight,
+                 head_row_factors([(eta.pow(1.0 - alpha), d),
+                                   (torch.ones_like(eta), self.v_head_dim)]))]
 
     def _down(self, proj: ReplicatedLinear, hidden_states: torch.Tensor) -> torch.Tensor:
         """A replicated down projection of ``[s(/tp), b, h]`` -> ``[s, b, rank]`` (this rank's

@@ -6,7 +6,7 @@
 needs the other.
 """
 
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScal
 from .optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer, FullyShardedOptimizer,
                         MegatronOptimizer)
 from megatron.core.config import ConfigError
+from megatron.core.mup import mup_group_overrides
 
 ParamCond = Callable[[str, torch.nn.Parameter], bool]
 
@@ -42,9 +43,14 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
     own, and every group carries ``max_lr`` / ``min_lr`` (``--decoupled-lr`` /
     ``--decoupled-min-lr``, else ``--min-lr``, for those; ``--lr`` / ``--min-lr`` for the rest)
     and ``is_decoupled_lr``, which the scheduler follows with the same schedule shape.
+
+    With ``config.use_mup`` (``--use-mup``) parameters are further grouped by
+    :func:`~megatron.core.mup.mup_group_overrides`: a group whose lr it scales carries the
+    scaled ``max_lr`` / ``min_lr`` and ``mup_lr_factor``, one whose Adam ``eps`` it scales
+    its own ``eps``.
     """
     decoupled = config.decoupled_lr is not None
-    by_key: Dict[Tuple[float, float, bool], List[torch.nn.Parameter]] = {}
+    by_key: Dict[tuple, List[torch.nn.Parameter]] = {}
     for chunk in model_chunks:
         for name, param in chunk.named_parameters():
             if not param.requires_grad:
@@ -58,19 +64,31 @@ def get_param_groups(model_chunks: Sequence[torch.nn.Module], config: OptimizerC
             scale_lr = scale_lr_cond(name, param) if scale_lr_cond is not None else False
             own_lr = decoupled and getattr(param, "is_embedding_or_output_parameter", False)
             key = (0.0 if no_wd else 1.0, float(lr_mult) if scale_lr else 1.0, own_lr)
+            if config.use_mup:
+                key += mup_group_overrides(config.optimizer, config.mup_width_mult, decoupled,
+                                           param, name)
             by_key.setdefault(key, []).append(param)
-    groups = []
-    for (wd_mult, group_lr_mult, own_lr), params in by_key.items():
-        max_lr = config.decoupled_lr if own_lr else config.lr
-        group = {"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
-                 "lr": max_lr * group_lr_mult, "weight_decay": config.weight_decay * wd_mult}
-        if decoupled:
-            min_lr = config.min_lr
-            if own_lr and config.decoupled_min_lr is not None:
-                min_lr = config.decoupled_min_lr
-            group.update(max_lr=max_lr, min_lr=min_lr, is_decoupled_lr=own_lr)
-        groups.append(group)
-    return groups
+    return [_param_group(config, key, params) for key, params in by_key.items()]
+
+
+def _param_group(config: OptimizerConfig, key: tuple, params: List[torch.nn.Parameter]) -> dict:
+    """One group's hyper-parameters from its key ``(wd_mult, lr_mult, own_lr[, mup lr
+    factor, mup eps factor])``."""
+    wd_mult, group_lr_mult, own_lr = key[:3]
+    mup_lr, mup_eps = key[3:] if len(key) > 3 else (1.0, 1.0)
+    max_lr = (config.decoupled_lr if own_lr else config.lr) * mup_lr
+    group = {"params": params, "wd_mult": wd_mult, "lr_mult": group_lr_mult,
+             "lr": max_lr * group_lr_mult, "weight_decay": config.weight_decay * wd_mult}
+    if config.decoupled_lr is not None or mup_lr != 1.0:
+        min_lr = config.min_lr
+        if own_lr and config.decoupled_min_lr is not None:
+            min_lr = config.decoupled_min_lr
+        group.update(max_lr=max_lr, min_lr=min_lr * mup_lr, is_decoupled_lr=own_lr)
+    if mup_lr != 1.0:
+        group["mup_lr_factor"] = mup_lr
+    if mup_eps != 1.0:
+        group["eps"] = config.adam_eps * mup_eps
+    return group
 
 
 def _is_qk_norm(name: str) -> bool:

@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from megatron.core.config import ConfigError
+from megatron.core.mup import mup_optimizer_conflict
 
 _DTYPE_FOR_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -67,11 +68,20 @@ class OptimizerConfig:
     overlap_cpu_optimizer_d2h_h2d: bool = False
     pin_cpu_grads: bool = True             # --no-pin-cpu-grads
     pin_cpu_params: bool = True            # --no-pin-cpu-params
+    # --use-mup: per-group lr (and Adam eps) scaled by the resolved width multiplier
+    # (megatron/core/mup.py, mup_group_overrides)
+    use_mup: bool = False
+    mup_width_mult: float = 1.0
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "sgd", "lion", "muon", "dist_muon"):
             raise ConfigError(f"--optimizer must be adam, sgd, lion, muon or dist_muon, got "
                               f"{self.optimizer!r}")
+        problem = mup_optimizer_conflict(self.use_mup, self.optimizer)
+        if problem is None and self.use_mup and not self.mup_width_mult > 0:
+            problem = f"--mup-width-mult must be > 0, got {self.mup_width_mult}"
+        if problem is not None:
+            raise ConfigError(problem)
         if self.lr is None:
             raise ConfigError("--lr must be given (the peak learning rate), got None")
         self._check_learning_rates()

@@ -437,6 +437,26 @@ class DistributedOptimizer(MegatronOptimizer):
             self.finish_param_sync()
         return True, grad_norm, num_zeros_in_grad
 
+    @torch.no_grad()
+    def scale_param_rows(self, factors) -> None:
+        """As :meth:`MegatronOptimizer.scale_param_rows`: each rank scales the rows of its
+        main pieces (a piece may start and end inside a row), then the model weights are
+        gathered again from the main pieces, so every replica holds the same values."""
+        self.finish_param_sync()
+        shards = {id(piece.model_param): (piece, main) for piece, main in self._shards()}
+        for param, factor in factors:
+            if id(param) not in shards:
+                continue                                  # no piece of it on this rank
+            piece, main = shards[id(param)]
+            row_size = param[0].numel()
+            rows = torch.arange(piece.param_start, piece.param_end,
+                                device=main.device) // row_size
+            main.mul_(factor.to(device=main.device, dtype=main.dtype)[rows])
+        self._copy_main_params_to_model_params()
+        self.start_param_sync()
+        if not self.overlap_param_gather:
+            self.finish_param_sync()
+
     def _copy_main_params_to_model_params(self) -> None:
         for piece, main in self._shards():
             if piece.model_param.dtype != torch.float32:  # fp32 mains are the model's storage

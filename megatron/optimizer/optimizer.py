@@ -111,6 +111,12 @@ def copy_parallel_attributes(source: torch.Tensor, destination: torch.Tensor) ->
             setattr(destination, name, getattr(source, name))
 
 
+def scale_rows_(tensor: torch.Tensor, factor: torch.Tensor) -> None:
+    """``tensor[i] *= factor[i]`` in place for every row ``i`` (``tensor`` ``[rows, ...]``)."""
+    shape = (-1,) + (1,) * (tensor.dim() - 1)
+    tensor.mul_(factor.to(device=tensor.device, dtype=tensor.dtype).view(shape))
+
+
 class MegatronOptimizer(ABC):
     """What the training loop sees: step, zero_grad, loss scale, state dicts, param groups.
 
@@ -279,6 +285,17 @@ class MegatronOptimizer(ABC):
     def reload_model_params(self) -> None:
         """Refresh main params from the model's params (after loading model weights alone)."""
 
+    @torch.no_grad()
+    def scale_param_rows(self, factors) -> None:
+        """Multiply rows of model parameters by per-row factors after a step (QK-clip).
+
+        ``factors``: ``(model param [rows, ...], factor [rows] fp32)`` pairs. The main weight
+        is scaled in fp32 and the model weight follows it, so both stay as one step would
+        leave them. This wrapper's parameters are the main weights themselves.
+        """
+        for param, factor in factors:
+            scale_rows_(param.data, factor)
+
     @abstractmethod
     def state_dict(self) -> dict:
         ...
@@ -432,6 +449,19 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
                 main_param.data.copy_(model_param.data)
+
+    @torch.no_grad()
+    def scale_param_rows(self, factors) -> None:
+        mains = {id(model): main for model_group, main_group in
+                 zip(self.float16_groups, self.fp32_from_float16_groups)
+                 for model, main in zip(model_group, main_group)}
+        for param, factor in factors:
+            main = mains.get(id(param))
+            if main is None:                       # an fp32 parameter is its own main weight
+                scale_rows_(param.data, factor)
+            else:
+                scale_rows_(main.data, factor)
+                param.data.copy_(main.data)
 
     @torch.no_grad()
     def step(self) -> StepResult:

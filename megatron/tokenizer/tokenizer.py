@@ -4,7 +4,7 @@
 ``merge_file``, ``tokenizer_model``, ``vocab_size``, ``vocab_extra_ids``,
 ``make_vocab_size_divisible_by``, ``tensor_model_parallel_size`` and ``rank``; for TikTokenizer
 also ``tiktoken_pattern``, ``tiktoken_num_special_tokens`` and ``special_tokens``; for
-NullTokenizer ``null_tokenizer_eod_id``.
+NullTokenizer ``null_tokenizer_eod_id`` and ``null_tokenizer_pad_id``.
 """
 
 import importlib.util
@@ -22,7 +22,7 @@ _NULL_TOKEN_ID = re.compile(r"[+-]?[0-9]{1,18}")
 
 TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer",
                    "SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer",
-                   "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer")
+                   "HuggingFaceTokenizer", "TikTokenizer", "NullTokenizer", "SFTTokenizer")
 
 
 class NullTokenizer(MegatronTokenizer):
@@ -34,9 +34,14 @@ class NullTokenizer(MegatronTokenizer):
     the change): the data ids are 0..V-1 and the end of document is appended as V, so the
     vocabulary holds V + 1 ids. A checkpoint's saved args say which one it was written with
     (:func:`megatron.checkpoint.saved_args.megatron_args`).
+
+    ``pad_id`` (``--null-tokenizer-pad-id``, default -1: no pad token, since no data id is
+    negative) is the id the GPT batch treats as padding: labels equal to it get loss weight 0
+    (:func:`megatron.data.dataset_utils.pad_token_id`; an id equal to the end of document masks
+    nothing unless ``--allow-ambiguous-pad-tokens``).
     """
 
-    def __init__(self, vocab_size: int, eod_id: Optional[int] = None):
+    def __init__(self, vocab_size: int, eod_id: Optional[int] = None, pad_id: int = -1):
         super().__init__("Null")
         vocab_size = int(vocab_size)
         if vocab_size < 1:
@@ -47,6 +52,7 @@ class NullTokenizer(MegatronTokenizer):
                              f"vocabulary of --vocab-size {vocab_size} (0..{vocab_size - 1}, or "
                              f"{vocab_size} to append the end of document as one more id)")
         self._eod_id = eod_id
+        self._pad_id = int(pad_id)
         self._vocab_size = vocab_size + 1 if eod_id == vocab_size else vocab_size
 
     @property
@@ -86,6 +92,10 @@ class NullTokenizer(MegatronTokenizer):
     def eos(self) -> int:
         return self._eod_id
 
+    @property
+    def pad(self) -> int:
+        return self._pad_id
+
     # Megatron's NullTokenizer answers -1 for the BERT ids rather than failing.
     @property
     def cls(self) -> int:
@@ -98,6 +108,11 @@ class NullTokenizer(MegatronTokenizer):
     @property
     def mask(self) -> int:
         return -1
+
+
+def _null_pad_id(args) -> int:
+    pad = getattr(args, "null_tokenizer_pad_id", None)
+    return -1 if pad is None else int(pad)
 
 
 def gpt2_vocab_files() -> Tuple[str, str]:
@@ -157,6 +172,11 @@ def _create(args) -> MegatronTokenizer:
             _require(args, "tokenizer_model", "--tokenizer-model"),
             include_special_tokens=not getattr(args, "tokenizer_hf_no_include_special_tokens",
                                                False))
+    if kind == "SFTTokenizer":
+        from megatron.tokenizer.sft_tokenizer import SFTTokenizer
+
+        return SFTTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"),
+                            getattr(args, "sft_tokenizer_prompt_format", "nemotron-h-aligned"))
     if kind == "TikTokenizer":
         from megatron.tokenizer.tiktoken_tokenizer import TikTokenizer
 
@@ -170,7 +190,8 @@ def _create(args) -> MegatronTokenizer:
                             special_tokens=getattr(args, "special_tokens", None))
     if kind == "NullTokenizer":
         tokenizer = NullTokenizer(_require(args, "vocab_size", "--vocab-size", must_exist=False),
-                                  getattr(args, "null_tokenizer_eod_id", None))
+                                  getattr(args, "null_tokenizer_eod_id", None),
+                                  _null_pad_id(args))
         # Saved with every checkpoint, so a later load knows which convention wrote it.
         args.null_tokenizer_eod_id = tokenizer.eod
         return tokenizer

@@ -29,7 +29,7 @@ from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert
 TOKENIZER_TYPES = [
     "BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer", "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer", "Llama2Tokenizer", "HuggingFaceTokenizer", "TikTokenizer",
-    "NullTokenizer",
+    "NullTokenizer", "SFTTokenizer",
 ]
 
 
@@ -75,6 +75,15 @@ def _add_network_size_args(parser):
     g.add_argument("--qk-l2-norm", action="store_true",
                    help="scale query and key to unit RMS over head_dim (no weight), before "
                    "rotary; replaces --qk-layernorm (Llama 4)")
+    g.add_argument("--qk-clip", action="store_true",
+                   help="QK-clip: after each optimizer step, scale down the query and key "
+                   "weights of heads whose largest attention logit of the step exceeded "
+                   "--qk-clip-threshold")
+    g.add_argument("--qk-clip-alpha", type=float, default=0.5,
+                   help="the share of QK-clip's factor eta = threshold / max logit taken by "
+                   "the query weights (eta^alpha; the key weights take eta^(1 - alpha))")
+    g.add_argument("--qk-clip-threshold", type=float, default=100,
+                   help="the largest attention logit QK-clip lets a head keep")
     g.add_argument("--attention-output-gate", action="store_true",
                    help="gate each head's attention output by sigmoid of a projection of the "
                    "layer input, projected with the queries (Qwen3-Next)")
@@ -395,6 +404,27 @@ def _add_initialization_args(parser):
     g.add_argument("--init-method-xavier-uniform", action="store_true")
     g.add_argument("--embedding-init-method-std", type=float, default=None,
                    help="N(0, std^2) for the embedding tables (default: as other weights)")
+    _add_mup_args(g)
+
+
+def _add_mup_args(g):
+    """Maximal update parametrization (megatron/core/mup.py says what each scales)."""
+    g.add_argument("--use-mup", action="store_true",
+                   help="muP: width-scaled init, per-group lr/eps, embedding, logit and "
+                   "attention multipliers")
+    g.add_argument("--mup-width-mult", type=float, default=1.0,
+                   help="hidden size / base hidden size (derived from --mup-base-hidden-size "
+                   "when that is given)")
+    g.add_argument("--mup-base-hidden-size", type=int, default=None,
+                   help="hidden size of the tuned base model (default: --hidden-size)")
+    g.add_argument("--mup-embedding-mult", type=float, default=1.0,
+                   help="multiplier of the embedding output")
+    g.add_argument("--mup-output-mult", type=float, default=1.0,
+                   help="multiplier of the output logits (left at 1.0: 1 / width mult)")
+    g.add_argument("--mup-base-head-dim", type=int, default=None,
+                   help="attention scale sqrt(this) / kv_channels^power (default: 1 / ...)")
+    g.add_argument("--mup-attn-scale-power", type=float, default=1.0,
+                   help="power of kv_channels in the attention scale (0.5: standard)")
 
 
 def _add_learning_rate_args(parser):
@@ -678,6 +708,16 @@ def _add_validation_args(parser):
                    help="micro-batch size of evaluation (default: --micro-batch-size)")
     g.add_argument("--start-eval-at-iter", type=int, default=None,
                    help="evaluate during training only from this iteration on")
+    g.add_argument("--full-validation", action="store_true",
+                   help="each evaluation reads the whole validation set once (GPT data), "
+                        "instead of --eval-iters batches")
+    g.add_argument("--multiple-validation-sets", action="store_true",
+                   help="each prefix of --valid-data-path (given without weights) is its own "
+                        "validation set, evaluated and logged on its own; needs "
+                        "--full-validation (or --skip-train)")
+    g.add_argument("--validation-set-names", nargs="+", type=str, default=None,
+                   help="with --multiple-validation-sets: one name per validation set, logged "
+                        "as 'validation-NAME' instead of 'validation-INDEX'")
 
 
 def _add_data_args(parser):
@@ -688,6 +728,14 @@ def _add_data_args(parser):
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
     g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--phase-transition-iterations", type=str, default=None,
+                   help="comma-separated iterations (e.g. 1000,3000) where training saves a "
+                        "checkpoint and exits, to be restarted with the next phase's data "
+                        "flags; each phase's train data starts at its own first sample")
+    g.add_argument("--per-dataset-sequences-path", type=str, default=None,
+                   help="a JSON file {prefix: [sequences, document entries]} (written by "
+                        "tools/build_sequences_per_dataset.py): each data prefix is opened from "
+                        "these counts instead of reading its .idx header (GPT)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--vocab-size", type=int, default=None)
     g.add_argument("--null-tokenizer-eod-id", type=int, default=None,
@@ -695,6 +743,9 @@ def _add_data_args(parser):
                         "(Megatron-Core's tokenizers). Without it, the end-of-document id is "
                         "--vocab-size itself and the vocabulary one larger (Megatron's legacy "
                         "NullTokenizer)")
+    g.add_argument("--null-tokenizer-pad-id", type=int, default=-1,
+                   help="NullTokenizer: the pad id; GPT labels equal to it get loss weight 0 "
+                        "(-1, the default: no pad token). Choose an id the data does not hold")
     g.add_argument("--vocab-file", type=str, default=None)
     g.add_argument("--merge-file", type=str, default=None)
     g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", action="store_false",
@@ -718,9 +769,13 @@ def _add_data_args(parser):
     g.add_argument("--tokenizer-model", type=str, default=None)
     _add_tiktoken_args(g)
     _add_fim_args(g)
+    _add_sft_args(g)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--dataloader-inter-document-masking", action="store_true",
+                   help="GPT: each token attends only to the earlier tokens of its own document "
+                        "of the sample, and positions restart at 0 with every document")
     g.add_argument("--no-create-attention-mask-in-dataloader", action="store_false",
                    dest="create_attention_mask_in_dataloader")
     g.add_argument("--num-dataset-builder-threads", type=int, default=1)
@@ -760,6 +815,17 @@ def _add_tiktoken_args(g):
                    "<unk> <s> </s>; default <unk> <s> </s> <mask> <pad> <cls> <sep>)")
 
 
+def _add_sft_args(g):
+    """Supervised fine-tuning on JSONL conversations (megatron/data/sft_dataset.py)."""
+    g.add_argument("--sft", action="store_true",
+                   help="GPT: --data-path files are JSONL conversations ({\"messages\": [...]}), "
+                   "packed to --seq-length with loss on the assistant turns only; needs "
+                   "--tokenizer-type SFTTokenizer")
+    g.add_argument("--sft-tokenizer-prompt-format", type=str, default="nemotron-h-aligned",
+                   help="SFTTokenizer: how turns are written (nemotron-h-aligned or "
+                   "nemotron-nano-v2)")
+
+
 def _add_fim_args(g):
     """Fill-in-the-middle GPT samples (megatron/data/fim_dataset.py)."""
     g.add_argument("--fim-data", action="store_true",
@@ -788,6 +854,9 @@ def _add_logging_args(parser):
                    help="L2 norm of all parameters (each counted once) in the log line "
                    "(params norm) and TensorBoard (params-norm)")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
+    g.add_argument("--log-max-attention-logit", action="store_true",
+                   help="the largest pre-softmax attention logit of each step in the log line "
+                   "(max attention logit) and TensorBoard (max_attention_logit)")
     g.add_argument("--log-throughput", action="store_true",
                    help="model TFLOP/s per device in the log line and TensorBoard (throughput)")
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
@@ -896,9 +965,14 @@ def _add_moe_args(parser):
                    help="compute the router's logits and probabilities in this precision")
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
                    choices=LOAD_BALANCING_TYPES,
-                   help="one type (Megatron takes several, each with its --moe-aux-loss-coeff; "
-                   "one is built here)")
-    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0)
+                   help="one balancing type, or several (aux_loss, seq_aux_loss, global_aux_loss "
+                   "together), each with its own --moe-aux-loss-coeff")
+    g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                   help="the balancing loss's coefficient; one per "
+                   "--moe-router-load-balancing-type when several are given")
+    g.add_argument("--moe-router-force-load-balancing", action="store_true",
+                   help="benchmark switch: route by random normal logits instead of the "
+                   "router's, so every expert gets about the same load")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=DISPATCHER_TYPES)
@@ -911,7 +985,14 @@ def _add_moe_args(parser):
                    help="scale the shared expert's output per token by sigmoid(x . gate_weight)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
     g.add_argument("--moe-per-layer-logging", action="store_true",
-                   help="also log load_balancing_loss / z_loss of each MoE layer (TensorBoard)")
+                   help="also log each MoE layer's balancing and z losses (TensorBoard)")
+    g.add_argument("--moe-use-upcycling", action="store_true",
+                   help="first run of an upcycled MoE: load the dense checkpoint in --load, "
+                   "copy each dense MLP into the experts, save the MoE model to --save at "
+                   "iteration 1 and train on; later runs drop this flag and --load --save")
+    g.add_argument("--moe-upcycling-granularity", type=int, default=1,
+                   help="with --moe-use-upcycling: split the dense FFN into this many expert "
+                   "pieces (the dense FFN is --ffn-hidden-size x this)")
 
 
 def _add_mtp_args(parser):

@@ -15,6 +15,7 @@ import torch
 
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.config import TransformerConfig
+from megatron.core.mup import resolve_width_mult
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.data.config import DataConfig, FIMFlags
 from megatron.model.moe.config import MoEConfig
@@ -42,6 +43,10 @@ class TrainingConfig:
     skip_iterations_with_loss_spike: bool = False
     start_eval_at_iter: Optional[int] = None
     iterations_to_skip: Tuple[int, ...] = ()
+    full_validation: bool = False
+    multiple_validation_sets: bool = False
+    validation_set_names: Tuple[str, ...] = ()
+    phase_transition_iterations: Tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -159,6 +164,13 @@ def build_configs(args: argparse.Namespace) -> Configs:
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
         qk_l2_norm=args.qk_l2_norm, attention_output_gate=args.attention_output_gate,
         no_rope_freq=args.no_rope_freq, embedding_init_method_std=args.embedding_init_method_std,
+        qk_clip=args.qk_clip, qk_clip_alpha=args.qk_clip_alpha,
+        qk_clip_threshold=args.qk_clip_threshold,
+        log_max_attention_logit=args.log_max_attention_logit,
+        use_mup=args.use_mup, mup_width_mult=args.mup_width_mult,
+        mup_base_hidden_size=args.mup_base_hidden_size,
+        mup_embedding_mult=args.mup_embedding_mult, mup_output_mult=args.mup_output_mult,
+        mup_base_head_dim=args.mup_base_head_dim, mup_attn_scale_power=args.mup_attn_scale_power,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),
@@ -198,7 +210,8 @@ def build_moe_config(args) -> Optional[MoEConfig]:
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=(args.expert_tensor_parallel_size
                                      or args.tensor_model_parallel_size),
-        moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging)
+        moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging,
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing)
 
 
 def _ddp_config(args) -> DistributedDataParallelConfig:
@@ -247,7 +260,10 @@ def build_data_config(args) -> DataConfig:
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dataloader_type=args.dataloader_type, num_workers=args.num_workers,
         mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args),
-        mid_level_dataset_surplus=args.mid_level_dataset_surplus)
+        mid_level_dataset_surplus=args.mid_level_dataset_surplus,
+        multiple_validation_sets=args.multiple_validation_sets,
+        per_dataset_sequences_path=args.per_dataset_sequences_path,
+        dataloader_inter_document_masking=args.dataloader_inter_document_masking)
 
 
 def _fim_flags(args) -> FIMFlags:
@@ -287,7 +303,10 @@ def _optimizer_config(args) -> Optional[OptimizerConfig]:
         optimizer_offload_fraction=args.optimizer_offload_fraction,
         use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
-        pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params)
+        pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params,
+        use_mup=args.use_mup,
+        mup_width_mult=(resolve_width_mult(args.hidden_size, args.mup_width_mult,
+                                           args.mup_base_hidden_size) if args.use_mup else 1.0))
 
 
 def _scheduler_config(args) -> Optional[SchedulerConfig]:
@@ -328,8 +347,12 @@ def _training_config(args) -> TrainingConfig:
         check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
         skip_iterations_with_loss_spike=args.skip_iterations_with_loss_spike,
         start_eval_at_iter=args.start_eval_at_iter,
+        full_validation=args.full_validation,
+        multiple_validation_sets=args.multiple_validation_sets,
+        validation_set_names=tuple(args.validation_set_names or ()),
         iterations_to_skip=_iterations_to_skip(args.iterations_to_skip,
-                                               args.result_rejected_tracker_filename))
+                                               args.result_rejected_tracker_filename),
+        phase_transition_iterations=tuple(args.phase_transition_iterations or ()))
 
 
 def _iterations_to_skip(given, tracker_filename) -> Tuple[int, ...]:

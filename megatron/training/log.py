@@ -91,7 +91,8 @@ def format_log_line(args, train_state: TrainState, stats: IntervalStats, learnin
                     batch_size: int, loss_scale: float, grad_norm: Optional[float],
                     params_norm: Optional[float] = None) -> str:
     """Megatron's console line at ``train_state``'s iteration; ``params_norm`` with
-    --log-params-norm, and the model TFLOP/s field with --log-throughput."""
+    --log-params-norm, the model TFLOP/s field with --log-throughput, and the last step's
+    largest attention logit with --qk-clip or --log-max-attention-logit."""
     per_iter_s = seconds_per_iteration(stats)
     tokens_per_s = batch_size * args.seq_length / per_iter_s / args.world_size
     parts = [f" iteration {train_state.iteration:8d}/{args.train_iters:8d}",
@@ -113,6 +114,9 @@ def format_log_line(args, train_state: TrainState, stats: IntervalStats, learnin
         parts.append(f"grad norm: {grad_norm:.3f}")
     if params_norm is not None:
         parts.append(f"params norm: {params_norm:.3f}")
+    max_logit = getattr(train_state, "max_attention_logit", None)
+    if max_logit is not None:
+        parts.append(f"max attention logit: {max_logit:.3f}")
     parts.append(f"number of skipped iterations: {stats.skipped:3d}")
     parts.append(f"number of nan iterations: {stats.nan:3d}")
     return " | ".join(parts) + " |"
@@ -143,6 +147,8 @@ def write_train_scalars(writer, args, train_state: TrainState, loss_dict: Dict[s
     if params_norm is not None:
         writer.add_scalar("params-norm", params_norm, iteration)
         writer.add_scalar("params-norm vs samples", params_norm, samples)
+    if args.log_max_attention_logit and train_state.max_attention_logit is not None:
+        writer.add_scalar("max_attention_logit", train_state.max_attention_logit, iteration)
     if args.log_world_size_to_tensorboard:
         writer.add_scalar("world-size", args.world_size, iteration)
     if args.log_memory_to_tensorboard:
@@ -205,8 +211,10 @@ def memory_stats() -> Dict[str, float]:
             "mem-max-allocated-bytes": max(peak, rss)}
 
 
-def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
-    parts = [f" validation loss at {prefix}"]
+def format_eval_line(prefix: str, losses: Dict[str, float], suffix: str = "") -> str:
+    """Megatron's validation line between dashes; ``suffix`` names one of several validation
+    sets (``-0``, ``-NAME``: ``validation-NAME loss at ...``)."""
+    parts = [f" validation{suffix} loss at {prefix}"]
     for key, value in losses.items():
         parts.append(f"{key} value: {value:.6E}")
         parts.append(f"{key} PPL: {math.exp(min(20.0, value)):.6E}")
@@ -215,17 +223,21 @@ def format_eval_line(prefix: str, losses: Dict[str, float]) -> str:
     return f"{bar}\n{line}\n{bar}"
 
 
-def write_eval_scalars(writer, args, train_state: TrainState, losses: Dict[str, float]) -> None:
+def write_eval_scalars(writer, args, train_state: TrainState, losses: Dict[str, float],
+                       suffix: str = "") -> None:
+    """Megatron's validation scalars (``lm loss validation``, or ``lm loss validation-NAME``
+    for one of several sets)."""
     if writer is None:
         return
     iteration, samples = train_state.iteration, train_state.consumed_train_samples
+    name = f"validation{suffix}"
     for key, value in losses.items():
-        writer.add_scalar(f"{key} validation", value, iteration)
-        writer.add_scalar(f"{key} validation vs samples", value, samples)
+        writer.add_scalar(f"{key} {name}", value, iteration)
+        writer.add_scalar(f"{key} {name} vs samples", value, samples)
         if args.log_validation_ppl_to_tensorboard:
             ppl = math.exp(min(20.0, value))
-            writer.add_scalar(f"{key} validation ppl", ppl, iteration)
-            writer.add_scalar(f"{key} validation ppl vs samples", ppl, samples)
+            writer.add_scalar(f"{key} {name} ppl", ppl, iteration)
+            writer.add_scalar(f"{key} {name} ppl vs samples", ppl, samples)
 
 
 def make_tensorboard_writer(args):

@@ -56,8 +56,6 @@ EXTRA_CHOICES = (
       for name in ("soap", "adaptive_muon")),
     ("--tokenizer-type", "MultimodalTokenizer", table.VISION),
     ("--tokenizer-type", "NullMultimodalTokenizer", table.VISION),
-    ("--tokenizer-type", "SFTTokenizer", table.SFT),
-    ("--moe-router-score-function", "sqrtsoftplus", table.MODEL_VARIANT),
     ("--moe-token-dispatcher-type", "flex", table.FLEX),
     ("--moe-router-load-balancing-type", "quantile_balancing", table.MODEL_VARIANT),
     ("--ckpt-format", "torch_dcp", "the torch_dcp format is not built yet; use torch_dist"),

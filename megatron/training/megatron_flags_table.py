@@ -87,7 +87,6 @@ VISION = "vision and multimodal models are not built here; drop it"
 BIENCODER = "ICT/REALM biencoder retrieval models are not built here; drop it"
 MAMBA = "Mamba and hybrid (attention/SSM) models are not built here; drop it"
 T5 = "relative position buckets belong to T5, which is not built here; drop it"
-SFT = "supervised fine-tuning data and prompt formats are not built yet; drop it"
 RESILIENCY = ("NVIDIA's resiliency packages (fault tolerance, in-process restart, fault "
               "injection) are not part of this project; drop it (use --exit-signal-handler and "
               "restart with --load)")
@@ -102,12 +101,10 @@ ACT_OFFLOAD = ("the MoE paged stash of expert activations is not built yet; use 
 INFLIGHT = ("offload copies here finish before the forward goes on, so no offload is ever in "
             "flight for a cap to limit")
 OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd, lion or muon"
-MUP = "muP parametrisation is not built yet; drop it"
 ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not built yet; drop "
                 "it")
 MHC = "hyper-connections are not built yet; drop it"
 HETERO = "heterogeneous (per-layer) architectures are not built yet; drop it"
-UPCYCLING = "dense-to-MoE upcycling is not built yet; drop it"
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
 VP_GROUP = ("the interleaved schedule here groups --pipeline-model-parallel-size micro-batches "
@@ -121,14 +118,10 @@ GRAD_PRECISION = ("gradients are reduced in fp32 here with --bf16 (as "
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
 TIMEOUTS = ("the NCCL flight recorder and a second timeout after start-up are not built here; "
             "use --distributed-timeout-minutes")
-QK_CLIP = "QK-clip and attention-logit logging are not built yet; drop it"
 MODEL_VARIANT = "this model variant is not built yet; drop it"
-FORCE_BALANCE = "forced (random) router balancing is a benchmark switch, not built here; drop it"
 TRAINING_EXTRAS = "this training-loop option is not built yet; drop it"
 CKPT_EXTRAS = "this checkpoint-loading option is not built yet; drop it"
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
-DATA_EXTRAS = ("this dataset option is not built yet; drop it (give validation data with "
-               "--valid-data-path)")
 TOKENIZER_EXTRAS = ("this tokenizer option is not built yet; drop it (tokenizers are built from "
                     "--tokenizer-type, --tokenizer-model, --vocab-file and --merge-file)")
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
@@ -148,8 +141,6 @@ HF_SLOW = ("Hugging Face's slow (Python) tokenizers are not built here; drop it 
            "is read with the tokenizers library, which AutoTokenizer's fast tokenizers run)")
 REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a model folder "
                "runs as code); drop it and give a tokenizer.json")
-NULL_PAD = ("the pad id of NullTokenizer only matters to Megatron's masking of pad tokens in "
-            "the GPT dataset's loss, which is not built yet; drop it")
 GPU_SNIFF = ("the periodic GPU self-test is not built yet; drop it (--rerun-mode "
              "validate_results and --check-weight-hash-across-dp-replicas-interval catch a "
              "faulty device's results)")
@@ -194,9 +185,6 @@ ROWS = (
     ('--mtp-hsm', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hybrid-override-pattern', '', 'str', None, '', REFUSED, MTP),
     ('--flash-attention-version', '', 'int', None, '2|3|4', NO_EFFECT, ATTN_BACKEND),
-    ('--qk-clip', '', 'true', False, '', REFUSED, QK_CLIP),
-    ('--qk-clip-alpha', '', 'float', 0.5, '', REFUSED, QK_CLIP),
-    ('--qk-clip-threshold', '', 'float', 100, '', REFUSED, QK_CLIP),
     ('--experimental-attention-variant', '',
      'str', None, 'gdn|gdn2|dsa|gated_delta_net', REFUSED, ATTN_VARIANT),
     ('--dsa-indexer-n-heads', '', 'int', None, '', REFUSED, ATTN_VARIANT),
@@ -219,13 +207,6 @@ ROWS = (
     ('--linear-value-head-dim', '', 'int', 128, '', REFUSED, ATTN_VARIANT),
     ('--linear-num-key-heads', '', 'int', 16, '', REFUSED, ATTN_VARIANT),
     ('--linear-num-value-heads', '', 'int', 32, '', REFUSED, ATTN_VARIANT),
-    ('--use-mup', '', 'true', False, '', REFUSED, MUP),
-    ('--mup-width-mult', '', 'float', 1.0, '', REFUSED, MUP),
-    ('--mup-base-hidden-size', '', 'int', None, '', REFUSED, MUP),
-    ('--mup-embedding-mult', '', 'float', 1.0, '', REFUSED, MUP),
-    ('--mup-output-mult', '', 'float', 1.0, '', REFUSED, MUP),
-    ('--mup-base-head-dim', '', 'int', None, '', REFUSED, MUP),
-    ('--mup-attn-scale-power', '', 'float', 1.0, '', REFUSED, MUP),
     ('--disable-bf16-reduced-precision-matmul', '', 'true', False, '', WORKS, None),
     ('--use-fused-weighted-squared-relu', '', 'true', False, '', NO_EFFECT, FUSION),
     ('--fused-residual-rmsnorm', '', 'true', False, '', NO_EFFECT, FUSION),
@@ -256,7 +237,6 @@ ROWS = (
     ('--moe-router-padding-for-quantization', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-padding-for-fp8', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-quantile-balancing-ema', '', 'float', 0.0, '', REFUSED, MODEL_VARIANT),
-    ('--moe-router-force-load-balancing', '', 'true', False, '', REFUSED, FORCE_BALANCE),
     ('--moe-router-force-biased', '', 'float', None, '', REFUSED, MODEL_VARIANT),
     ('--use-grouped-gemm-for-dense-mlp', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--moe-use-grouped-tensor', '', 'true', False, '', REFUSED, MODEL_VARIANT),
@@ -485,16 +465,10 @@ ROWS = (
     ('--fake-process-group', '', 'true', False, '', REFUSED, TESTING),
     ('--eval-global-batch-size', '', 'int', None, '', WORKS, None),
     ('--test-mode', '', 'true', False, '', REFUSED, TESTING),
-    ('--full-validation', '', 'true', False, '', REFUSED, DATA_EXTRAS),
-    ('--multiple-validation-sets', '', 'true', False, '', REFUSED, DATA_EXTRAS),
-    ('--validation-set-names', '', 'str+', None, '', REFUSED, DATA_EXTRAS),
-    ('--phase-transition-iterations', '', 'int+', None, '', REFUSED, DATA_EXTRAS),
-    ('--per-dataset-sequences-path', '', 'str', None, '', REFUSED, DATA_EXTRAS),
     ('--dataloader-fast-cache-load', '', 'true', False, '', NO_EFFECT, DATA_CACHE),
     ('--dataloader-defer-npy-index-mmap', '', 'true', False, '', NO_EFFECT, DATA_CACHE),
     ('--no-mmap-bin-files', 'mmap_bin_files', 'false', True, '', WORKS, None),
-    ('--dataloader-inter-document-masking', '', 'true', False, '', REFUSED, DATA_EXTRAS),
-    ('--object-storage-cache-path', '', 'str', None, '', REFUSED, DATA_EXTRAS),
+    ('--object-storage-cache-path', '', 'str', None, '', REFUSED, MSC_ENABLE),
     ('--padded-vocab-size', '', 'int', None, '', WORKS, None),
     ('--tokenizer-metadata', 'metadata_path', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--tokenizer-sentencepiece-legacy', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
@@ -504,7 +478,6 @@ ROWS = (
      TOKENIZER_EXTRAS),
     ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, HF_SLOW),
     ('--trust-remote-code', '', 'true', False, '', REFUSED, REMOTE_CODE),
-    ('--null-tokenizer-pad-id', '', 'int', -1, '', REFUSED, NULL_PAD),
     ('--chat-template', '', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
     ('--use-gigatoken', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--adlr-autoresume', '', 'true', False, '', REFUSED, AUTORESUME),
@@ -549,15 +522,12 @@ ROWS = (
     ('--dino-warmup-teacher-temp', '', 'float', 0.04, '', REFUSED, VISION),
     ('--dino-teacher-temp', '', 'float', 0.07, '', REFUSED, VISION),
     ('--dino-warmup-teacher-temp-epochs', '', 'int', 30, '', REFUSED, VISION),
-    ('--moe-use-upcycling', '', 'true', False, '', REFUSED, UPCYCLING),
-    ('--moe-upcycling-granularity', '', 'int', 1, '', REFUSED, UPCYCLING),
     ('--cache-mla-latents', '', 'true', False, '', REFUSED, MLA),
     ('--mla-down-proj-fusion', '', 'true', False, '', REFUSED, MLA),
     ('--linear-attention-freq', '', 'layer_pattern', None, '', REFUSED, ATTN_VARIANT),
     ('--heterogeneous-layers-config-path', '', 'str', None, '', REFUSED, HETERO),
     ('--heterogeneous-layers-config-encoded-json', '', 'str', None, '', REFUSED, HETERO),
     ('--log-progress', '', 'true', False, '', WORKS, None),
-    ('--log-max-attention-logit', '', 'true', False, '', REFUSED, QK_CLIP),
     ('--no-barrier-with-level-1-timing', 'barrier_with_L1_time',
      'false', True, '', NO_EFFECT, BARRIER),
     ('--wandb-entity', '', 'str', None, '', WORKS, None),
@@ -692,8 +662,6 @@ ROWS = (
     ('--ft-num-warmup-iters', '', 'int', 5, '', REFUSED, RESILIENCY),
     ('--enable-msc', '', 'true', False, '', REFUSED, MSC_ENABLE),
     ('--disable-msc', 'disable_msc_deprecated', 'true', False, '', NO_EFFECT, MSC),
-    ('--sft', '', 'true', False, '', REFUSED, SFT),
-    ('--sft-tokenizer-prompt-format', '', 'str', 'nemotron-h-aligned', '', REFUSED, SFT),
     ('--fault-injector-ranks', '', 'int+', None, '', REFUSED, RESILIENCY),
     ('--fault-injector-num-ranks', '', 'int', None, '', REFUSED, RESILIENCY),
     ('--fault-injector-fault-types', '', 'str+', None, '', REFUSED, RESILIENCY),

@@ -52,6 +52,7 @@ import torch
 from megatron.core import device
 from megatron.core.config import TransformerConfig
 from megatron.core.pipeline_parallel.schedules import pipeline_order
+from megatron.model.moe.config import AUX_LOSS_NAMES
 from megatron.model.transformer import get_num_layers_and_offset
 
 MB = 1024 * 1024
@@ -231,8 +232,7 @@ def moe_mlp_activation_bytes(config: TransformerConfig, moe, micro_batch_size: i
     inner = 4 if config.gated_linear_unit else 2
     total = (tokens * h * e + (expert_rows + 2 * rows) * h * e + inner * expert_rows * ffn * e
              + 12 * (tokens * k + rows))
-    if moe.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss", "global_aux_loss") and \
-            moe.moe_aux_loss_coeff:
+    if any(moe.aux_loss_coeff(kind) for kind in AUX_LOSS_NAMES):
         total += 4 * tokens * experts
     if moe.moe_z_loss_coeff:
         total += 4 * tokens * experts

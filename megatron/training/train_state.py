@@ -32,11 +32,17 @@ class TrainState:
             --exit-duration-in-mins); the end-of-training evaluation is then skipped.
         do_train, do_valid, do_test: whether each split has data (agreed over tensor-parallel
             ranks).
-        final_valid_losses, final_test_losses: the end-of-training evaluations, when run.
+        final_valid_losses, final_test_losses: the end-of-training evaluations, when run
+            (the first validation set's with --multiple-validation-sets).
+        valid_losses_per_set: with --full-validation or --multiple-validation-sets, the
+            latest evaluation's losses of each set, by its logged name
+            (``validation-0``, ``validation-NAME``, or ``validation``); not saved.
         rerun: the run's :class:`~megatron.training.rerun.RerunStateMachine` (None: results
             are not validated).
         rerun_checkpoint: the machine's checkpoint entry (Megatron's key
             ``rerun_state_machine``): set before a save the machine asks for, read after a load.
+        max_attention_logit: the model's largest attention logit of the last step, with
+            --qk-clip or --log-max-attention-logit (None without them); not saved.
     """
 
     iteration: int = 0
@@ -51,8 +57,10 @@ class TrainState:
     do_test: bool = False
     final_valid_losses: Optional[Dict[str, float]] = None
     final_test_losses: Optional[Dict[str, float]] = None
+    valid_losses_per_set: Optional[Dict[str, Dict[str, float]]] = None
     rerun: Optional[object] = None
     rerun_checkpoint: Optional[dict] = None
+    max_attention_logit: Optional[float] = None
 
     def saved_args_fields(self) -> Dict[str, object]:
         """What a checkpoint's ``args`` namespace records of this run: Megatron's two counters,

@@ -29,11 +29,11 @@ from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.data.config import DataConfig
 from megatron.data.samplers import (build_pretraining_data_loader, cyclic_iter,
                                     exit_signal_worker_init)
-from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
+from megatron.optimizer import SchedulerConfig, get_megatron_optimizer, qk_clip
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, global_vars
 from megatron.training import hooks as training_hooks
-from megatron.training import meta_device_init
+from megatron.training import meta_device_init, phases, upcycling
 from megatron.training import log as training_log
 from megatron.training import (memory_accounting, moe_logging, numerics, rerun, save_extras,
                                stragglers, watchdog)
@@ -45,6 +45,8 @@ from megatron.training.microbatches import NumMicroBatchesCalculator, calculator
 from megatron.training.timers import Timers
 from megatron.training.train_state import TrainState
 from megatron.training.utils import print_rank_0
+from megatron.training import validation_sets
+from megatron.training.validation import validation_set_count
 
 
 @dataclasses.dataclass
@@ -272,6 +274,8 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
     chunks = [wrap_for_data_parallel(module, args, pstate, ddp_config) for module in modules]
     if on_meta:
         meta_device_init.materialise(modules, build, pieces, rng)
+    if args.moe_use_upcycling:
+        upcycling.upcycle_from_dense(modules, build, args, pstate)
     fsdp2 = ddp_config.use_torch_fsdp2
     optimizer = get_megatron_optimizer(configs.optimizer, chunks,
                                        mp_group=pstate.model_parallel_group,
@@ -319,15 +323,30 @@ def eval_global_batch_size(args, calculator: NumMicroBatchesCalculator) -> int:
     return args.eval_global_batch_size or calculator.current_running_global_batch_size
 
 
-def _num_samples(args) -> List[int]:
+def _num_samples(args, iteration: int = 0) -> List[int]:
     train_samples = args.train_samples or args.train_iters * args.global_batch_size
+    transitions = getattr(args, "phase_transition_iterations", None)
+    if transitions:  # the train dataset of the current phase alone
+        train_samples = phases.phase_train_samples(iteration, transitions,
+                                                   args.global_batch_size, train_samples)
     eval_runs = args.train_iters // args.eval_interval + 1
     if args.start_eval_at_iter is not None:  # Megatron's count; one run left for the final one
         eval_runs = max(1, eval_runs - args.start_eval_at_iter // args.eval_interval)
     # Evaluation runs the training batch of the moment; build enough for the largest.
     steps = getattr(args, "step_batch_size_samples", None) or [(0, args.global_batch_size)]
     eval_batch = args.eval_global_batch_size or max(batch for _, batch in steps)
-    return [train_samples, eval_runs * args.eval_iters * eval_batch, args.eval_iters * eval_batch]
+    # --full-validation: the validation data's one epoch, whatever its size (Megatron's None).
+    valid = None if args.full_validation else eval_runs * args.eval_iters * eval_batch
+    return [train_samples, valid, args.eval_iters * eval_batch]
+
+
+def _train_loader_start(args, train_state: TrainState) -> int:
+    """Samples the train loader skips: all consumed, or, with phases, those of this phase."""
+    if args.phase_transition_iterations:
+        return phases.phase_consumed_samples(train_state.iteration,
+                                             args.phase_transition_iterations,
+                                             args.global_batch_size)
+    return train_state.consumed_train_samples
 
 
 def build_data_iterators(provider: Callable, args, pstate, train_state: TrainState,
@@ -335,25 +354,42 @@ def build_data_iterators(provider: Callable, args, pstate, train_state: TrainSta
     """Train/valid/test iterators on TP rank 0 (other TP ranks receive batches by broadcast),
     each starting after the samples ``train_state`` has consumed; notes in ``train_state``
     which splits have data."""
-    loaders = [None, None, None]
-    flags = torch.zeros(3, dtype=torch.int64, device=device.current_device())
+    sets = args.full_validation or args.multiple_validation_sets
+    count = validation_set_count(args)
+    suffixes = validation_sets.set_suffixes(count, args.multiple_validation_sets,
+                                            args.validation_set_names or ())
+    loaders, valid_loaders = [None, None, None], [None] * count
+    flags = torch.zeros(3 + count, dtype=torch.int64, device=device.current_device())
     if pstate.tp_rank == 0:
-        datasets = provider(_num_samples(args))
-        consumed = [train_state.consumed_train_samples, train_state.consumed_valid_samples, 0]
+        datasets = list(provider(_num_samples(args, train_state.iteration)))
+        valid = validation_sets.as_set_list(datasets[1], count)
         eval_micro = args.eval_micro_batch_size or data.micro_batch_size
-        micro = [data.micro_batch_size, eval_micro, eval_micro]
         init = (exit_signal_worker_init(args.exit_signal) if args.exit_signal_handler
                 and args.exit_signal_handler_for_dataloader else None)
-        for i, (ds, start) in enumerate(zip(datasets, consumed)):
-            loaders[i] = build_pretraining_data_loader(
-                ds, start, micro[i], pstate.dp_rank, pstate.dp_size,
-                data.dataloader_type, data.num_workers, data.seed, worker_init_fn=init)
-        flags = torch.tensor([int(ld is not None) for ld in loaders], dtype=torch.int64,
-                             device=device.current_device())
+
+        def loader(ds, start, micro, kind=data.dataloader_type):
+            return build_pretraining_data_loader(
+                ds, start, micro, pstate.dp_rank, pstate.dp_size,
+                kind, data.num_workers, data.seed, worker_init_fn=init)
+
+        loaders[0] = loader(datasets[0], _train_loader_start(args, train_state),
+                            data.micro_batch_size)
+        # Each set is read from its start with the flags on; a full pass in order.
+        valid_start = 0 if sets else train_state.consumed_valid_samples
+        valid_kind = "single" if args.full_validation else data.dataloader_type
+        valid_loaders = [loader(ds, valid_start, eval_micro, valid_kind) for ds in valid]
+        loaders[2] = loader(datasets[2], 0, eval_micro)
+        blocks = (validation_sets.count_blocks(valid, eval_micro, pstate.dp_size, suffixes)
+                  if args.full_validation else [0] * count)
+        flags = torch.tensor([int(loaders[0] is not None),
+                              int(any(ld is not None for ld in valid_loaders)),
+                              int(loaders[2] is not None)] + blocks,
+                             dtype=torch.int64, device=device.current_device())
     if pstate.tp_size > 1:
         dist.broadcast(flags, pstate.tp_ranks[0], group=pstate.tp_group)
+    flags = flags.tolist()
     train_state.do_train, train_state.do_valid, train_state.do_test = (
-        bool(x) for x in flags.tolist())
+        bool(x) for x in flags[:3])
 
     def make(loader, cyclic):
         if loader is None:
@@ -361,7 +397,23 @@ def build_data_iterators(provider: Callable, args, pstate, train_state: TrainSta
         return iter(cyclic_iter(loader)) if cyclic else iter(loader)
 
     cyclic_train = data.dataloader_type == "cyclic"
-    return (make(loaders[0], cyclic_train), make(loaders[1], True), make(loaders[2], True))
+    valid_its = [make(ld, True) for ld in valid_loaders]
+    if sets:
+        _print_validation_sets(suffixes, flags[3:], args, pstate)
+        valid_its = validation_sets.ValidationSets(
+            suffixes, valid_its, flags[3:] if args.full_validation else None)
+    else:
+        valid_its = valid_its[0]
+    return make(loaders[0], cyclic_train), valid_its, make(loaders[2], True)
+
+
+def _print_validation_sets(suffixes, blocks, args, pstate) -> None:
+    if not args.full_validation:
+        print_rank_0("validation sets: " + ", ".join(f"validation{s}" for s in suffixes))
+        return
+    micro = (args.eval_micro_batch_size or args.micro_batch_size) * pstate.dp_size
+    print_rank_0("full validation sets (samples read per evaluation): " + ", ".join(
+        f"validation{s}: {b * micro}" for s, b in zip(suffixes, blocks)))
 
 
 def build_chunk_data_iterators(provider: Callable, args, pstate, train_state: TrainState,
@@ -375,7 +427,10 @@ def build_chunk_data_iterators(provider: Callable, args, pstate, train_state: Tr
         return build_data_iterators(provider, args, pstate, train_state, data)
     per_chunk = [build_data_iterators(provider, args, pstate, train_state, data)
                  for _ in range(pstate.virtual_pp_size)]
-    return tuple(list(split) for split in zip(*per_chunk))
+    merged = [list(split) for split in zip(*per_chunk)]
+    if isinstance(merged[1][0], validation_sets.ValidationSets):
+        merged[1] = validation_sets.merge_chunks(merged[1], pstate.pp_size)
+    return tuple(merged)
 
 
 class _StopSignal:
@@ -496,6 +551,13 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
         timers("optimizer", log_level=1).start()
         ok, grad_norm, _ = optimizer.step()
         timers("optimizer", log_level=1).stop()
+    if args.qk_clip or args.log_max_attention_logit:
+        # Also after a skipped step, which resets the maxima without clipping.
+        max_logit = qk_clip.finish_step(
+            model, optimizer, pstate, clip_weights=args.qk_clip and ok,
+            threshold=args.qk_clip_threshold, alpha=args.qk_clip_alpha)
+        if train_state is not None:
+            train_state.max_attention_logit = max_logit
     dumps.after_step(model, pstate)
     moe_logging.update_expert_biases(model, pstate)
     moe_logging.reset_global_aux_loss(model)
@@ -513,9 +575,12 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
 
 
 def evaluate(forward_step_func, data_iterator, model, args, pstate,
-             calculator: NumMicroBatchesCalculator, eval_iters: int, train_state: TrainState):
+             calculator: NumMicroBatchesCalculator, eval_iters: int, train_state: TrainState,
+             full_pass_blocks: Optional[int] = None):
     """Average of each logged loss over ``eval_iters`` global batches, dropout off; the samples
-    read count in ``train_state.consumed_valid_samples``."""
+    read count in ``train_state.consumed_valid_samples``. ``full_pass_blocks``
+    (--full-validation): read that many micro batch x data-parallel blocks instead, in steps of
+    the usual micro-batch count and one shorter last step."""
     for chunk in model:
         chunk.eval()
     batches = []
@@ -527,14 +592,17 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
                          f"or --micro-batch-size ({micro}) x data-parallel size "
                          f"({pstate.dp_size}); set --eval-global-batch-size")
     kwargs = schedule_kwargs(model, args, pstate, micro)
+    per_step = batch // (micro * pstate.dp_size)
+    steps = ([per_step] * eval_iters if full_pass_blocks is None
+             else validation_sets.full_pass_steps(full_pass_blocks, per_step))
     with torch.no_grad():
-        for _ in range(eval_iters):
+        for num_microbatches in steps:
             batches.append(schedule(forward_step_func=forward_step_func,
                                     data_iterator=data_iterator, model=model,
-                                    num_microbatches=batch // (micro * pstate.dp_size),
+                                    num_microbatches=num_microbatches,
                                     forward_only=True, **kwargs))
             training_hooks.empty_unused_memory(args, 1)
-            train_state.consumed_valid_samples += batch
+            train_state.consumed_valid_samples += num_microbatches * micro * pstate.dp_size
     for chunk in model:
         chunk.train()
     return training_log.reduce_logged(batches, pstate.dp_cp_group)
@@ -542,13 +610,28 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
 
 def evaluate_and_print(run: TrainingRun, prefix: str, data_iterator):
     """Evaluate --eval-iters batches of ``data_iterator``, print Megatron's validation line and
-    write the scalars; returns the losses."""
+    write the scalars; returns the losses. For :class:`validation_sets.ValidationSets`, each
+    set in turn, under its own name; returns the first set's losses."""
+    if not isinstance(data_iterator, validation_sets.ValidationSets):
+        return _evaluate_one(run, prefix, data_iterator, "", None)
+    sets = data_iterator
+    every = [_evaluate_one(run, prefix, it, suffix, None if sets.blocks is None
+                           else sets.blocks[k])
+             for k, (it, suffix) in enumerate(zip(sets.iterators, sets.suffixes))]
+    run.train_state.valid_losses_per_set = {
+        f"validation{suffix}": losses for suffix, losses in zip(sets.suffixes, every)}
+    return every[0]
+
+
+def _evaluate_one(run: TrainingRun, prefix: str, data_iterator, suffix: str,
+                  full_pass_blocks: Optional[int]):
     losses = evaluate(run.forward_step_func, data_iterator, run.model, run.args, run.pstate,
-                      run.calculator, run.training.eval_iters, run.train_state)
+                      run.calculator, run.training.eval_iters, run.train_state,
+                      full_pass_blocks)
     pstate = run.pstate
     if pstate.is_last_stage(ignore_virtual=True) and pstate.tp_rank == 0 and pstate.dp_rank == 0:
-        print(training_log.format_eval_line(prefix, losses), flush=True)
-    training_log.write_eval_scalars(run.writer, run.args, run.train_state, losses)
+        print(training_log.format_eval_line(prefix, losses, suffix), flush=True)
+    training_log.write_eval_scalars(run.writer, run.args, run.train_state, losses, suffix)
     return losses
 
 
@@ -571,6 +654,16 @@ def load_or_finetune(model, optimizer, scheduler, args, pstate, train_state: Tra
     return checkpointing.load_checkpoint(
         model, optimizer, scheduler, args, pstate, train_state=train_state,
         config=dataclasses.replace(ckpt, load=pretrained, finetune=True))
+
+
+def save_upcycled(model, optimizer, scheduler, args, pstate, train_state: TrainState,
+                  ckpt: CheckpointConfig) -> None:
+    """--moe-use-upcycling: the upcycled model is iteration 1, saved to --save at once (as
+    Megatron does); training continues from it."""
+    train_state.iteration = 1
+    checkpointing.save_checkpoint(train_state.iteration, model, optimizer, scheduler, args,
+                                  pstate, train_state=train_state, config=ckpt)
+    print_rank_0(f"upcycled checkpoint saved to {ckpt.save}")
 
 
 def convert_loaded_checkpoint(train_state: TrainState, model, optimizer, scheduler, args, pstate,
@@ -628,6 +721,9 @@ def _should_exit(iteration, training: TrainingConfig, start_time, stop_signal) -
         return f"received {received}"
     if training.exit_interval and iteration % training.exit_interval == 0:
         return f"reached --exit-interval {training.exit_interval}"
+    transition = phases.exit_reason(iteration, training.phase_transition_iterations)
+    if transition is not None:
+        return transition
     if training.exit_duration_in_mins:
         minutes = torch.tensor([(time.time() - start_time) / 60.0], dtype=torch.float64,
                                device=device.current_device())
@@ -705,8 +801,10 @@ def _log_iteration(run: TrainingRun, stats, losses, lr, batch, loss_scale,
 
 
 def _learning_rate(optimizer) -> float:
-    """The logged learning rate: the first param group's not under --decoupled-lr."""
-    return next((g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr")),
+    """The logged learning rate: the first param group's not under --decoupled-lr nor scaled
+    by --use-mup."""
+    return next((g["lr"] for g in optimizer.param_groups
+                 if not g.get("is_decoupled_lr") and "mup_lr_factor" not in g),
                 optimizer.param_groups[0]["lr"])
 
 
@@ -822,7 +920,7 @@ def _eval_due(training: TrainingConfig, iteration: int, do_valid: bool) -> bool:
     """Evaluate after this iteration: every --eval-interval, from --start-eval-at-iter on."""
     start = training.start_eval_at_iter
     return bool(training.eval_interval and iteration % training.eval_interval == 0
-                and do_valid and training.eval_iters > 0
+                and do_valid and (training.eval_iters > 0 or training.full_validation)
                 and (start is None or iteration >= start))
 
 
@@ -867,12 +965,12 @@ def _train_and_evaluate(run: TrainingRun, iterators) -> None:
             _save(run)
         if run.saver is not None:
             run.saver.wait()
-    if train_state.exit_requested or training.eval_iters <= 0:
+    if train_state.exit_requested:
         return
-    if train_state.do_valid:
+    if train_state.do_valid and (training.eval_iters > 0 or training.full_validation):
         train_state.final_valid_losses = evaluate_and_print(
             run, "the end of training for val data", valid_it)
-    if train_state.do_test:
+    if train_state.do_test and training.eval_iters > 0:
         train_state.final_test_losses = evaluate_and_print(
             run, "the end of training for test data", test_it)
 
@@ -885,7 +983,9 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
 
     Args:
         train_valid_test_dataset_provider: ``provider([train, valid, test] sample counts)`` ->
-            three datasets (any may be None).
+            three datasets (any may be None). With --full-validation the valid count is None
+            (one epoch of the validation data, as Megatron asks); with
+            --multiple-validation-sets the valid entry may be a list, one dataset per set.
         model_provider: ``model_provider(pre_process, post_process)`` -> this stage's model.
         model_type: accepted for Megatron compatibility (encoder-or-decoder models only).
         forward_step_func: ``forward_step(data_iterator, model)`` -> (output, loss_func).
@@ -937,7 +1037,10 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,
                                                             configs=configs)
     train_state = TrainState()
-    load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+    if args.moe_use_upcycling:
+        save_upcycled(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+    else:
+        load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
     train_state.rerun = rerun.build(args, args.rank)
     if train_state.rerun is not None:
         train_state.rerun.load_state_dict(train_state.rerun_checkpoint)

@@ -17,6 +17,7 @@ import torch
 
 from megatron.core.config import (ConfigError, check_window_settings, numerics_flag_conflict,
                                   pipeline_layer_counts)
+from megatron.core.mup import mup_flag_problem, mup_model_conflict, mup_optimizer_conflict
 from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutError,
                                           check_degrees)
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
@@ -668,6 +669,19 @@ def _validate_model(args) -> None:
         _fail("--recompute-method needs --recompute-granularity full")
 
 
+def _validate_mup(args) -> None:
+    """--use-mup and --mup-* (megatron/core/mup.py), before any model or group exists."""
+    problem = (mup_flag_problem(args.use_mup, args.hidden_size, args.mup_width_mult,
+                                args.mup_base_hidden_size, args.mup_embedding_mult,
+                                args.mup_output_mult, args.mup_base_head_dim,
+                                args.mup_attn_scale_power)
+               or mup_model_conflict(args.use_mup, args.multi_latent_attention,
+                                     args.init_method_xavier_uniform)
+               or mup_optimizer_conflict(args.use_mup, args.optimizer))
+    if problem is not None:
+        _fail(problem)
+
+
 def _validate_eval_batch(args) -> None:
     """--eval-global-batch-size (else the training batch) splits into --eval-micro-batch-size
     (else --micro-batch-size) x data-parallel micro-batches."""
@@ -870,26 +884,34 @@ def _validate_loss(args) -> None:
               "multi-token-prediction loss is scaled as a per-micro-batch mean; drop one of them")
 
 
-def _one_load_balancing(args) -> None:
-    """--moe-router-load-balancing-type / --moe-aux-loss-coeff take Megatron's lists (several
-    balancing losses, one coefficient each); one loss is built, so one-element lists become
-    their value."""
+def _load_balancing_lists(args) -> None:
+    """--moe-router-load-balancing-type / --moe-aux-loss-coeff take Megatron's lists: one
+    element becomes its value (as Megatron does); several types need as many coefficients, each
+    type once, and sinkhorn alone."""
     types, coeffs = args.moe_router_load_balancing_type, args.moe_aux_loss_coeff
-    if isinstance(types, list):
-        if len(types) != 1:
-            _fail(f"--moe-router-load-balancing-type {' '.join(types)} is not supported: "
-                  "combining several balancing losses is not built yet; use one of them")
-        args.moe_router_load_balancing_type = types[0]
-    if isinstance(coeffs, list):
-        if len(coeffs) != 1:
-            _fail(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one coefficient per "
-                  "balancing loss, and one loss is built here; give one value")
-        args.moe_aux_loss_coeff = coeffs[0]
+    if isinstance(types, list) and len(types) == 1:
+        types = args.moe_router_load_balancing_type = types[0]
+    if isinstance(coeffs, list) and len(coeffs) == 1:
+        coeffs = args.moe_aux_loss_coeff = coeffs[0]
+    given = coeffs if isinstance(coeffs, list) else [coeffs]
+    if isinstance(types, str):
+        if len(given) != 1:
+            _fail(f"--moe-aux-loss-coeff {' '.join(map(str, given))}: one coefficient per "
+                  f"--moe-router-load-balancing-type, which names one type ({types})")
+        return
+    if len(given) != len(types):
+        _fail(f"--moe-router-load-balancing-type {' '.join(types)} needs one "
+              f"--moe-aux-loss-coeff per type, got {' '.join(map(str, given))}")
+    if len(set(types)) != len(types):
+        _fail(f"--moe-router-load-balancing-type {' '.join(types)} names a type twice")
+    if "sinkhorn" in types:
+        _fail(f"--moe-router-load-balancing-type {' '.join(types)}: sinkhorn routes by itself "
+              "and does not combine with other types")
 
 
 def _validate_moe(args) -> None:
     """Megatron's checks of the MoE flags."""
-    _one_load_balancing(args)
+    _load_balancing_lists(args)
     ep = args.expert_model_parallel_size
     if args.num_experts is None:
         if ep != 1:
@@ -943,6 +965,41 @@ def _validate_moe(args) -> None:
     build_moe_config(args)
 
 
+def _validate_upcycling(args) -> None:
+    """--moe-use-upcycling: an MoE model whose experts are cut from a dense checkpoint's MLPs."""
+    granularity = args.moe_upcycling_granularity
+    if granularity < 1:
+        _fail(f"--moe-upcycling-granularity must be >= 1, got {granularity}")
+    if not args.moe_use_upcycling:
+        return
+    if args.num_experts is None:
+        _fail("--moe-use-upcycling needs --num-experts (the MoE model to make)")
+    if args.save is None:
+        _fail("--moe-use-upcycling needs --save (where the upcycled checkpoint goes)")
+    if args.load is None:
+        _fail("--moe-use-upcycling needs --load (the dense checkpoint)")
+    if args.num_experts % granularity:
+        _fail(f"--num-experts ({args.num_experts}) must be a multiple of "
+              f"--moe-upcycling-granularity ({granularity})")
+    if args.moe_ffn_hidden_size != args.ffn_hidden_size:
+        _fail(f"--moe-use-upcycling: --moe-ffn-hidden-size ({args.moe_ffn_hidden_size}) must "
+              f"equal --ffn-hidden-size ({args.ffn_hidden_size}); the dense FFN is "
+              "--ffn-hidden-size x --moe-upcycling-granularity")
+    if args.ffn_hidden_size % args.expert_tensor_parallel_size:
+        _fail(f"--ffn-hidden-size ({args.ffn_hidden_size}) must be divisible by "
+              f"--expert-tensor-parallel-size ({args.expert_tensor_parallel_size})")
+    freq = args.moe_layer_freq
+    all_moe = freq == 1 if isinstance(freq, int) else all(freq)
+    if granularity > 1 and not all_moe:
+        _fail(f"--moe-upcycling-granularity {granularity} with dense layers in --moe-layer-freq: "
+              "their MLPs would be --ffn-hidden-size, the dense checkpoint's are "
+              f"{granularity}x larger; upcycle every layer or use granularity 1")
+    if args.use_torch_fsdp2:
+        _fail("--moe-use-upcycling with FSDP2 (--use-torch-fsdp2 / --use-megatron-fsdp): the "
+              "experts are filled from full dense weights, which the sharded parameters do not "
+              "hold; upcycle without FSDP2")
+
+
 def validate_bert_args(args: argparse.Namespace) -> None:
     """What pretrain_bert.py needs beyond :func:`validate_args`.
 
@@ -971,9 +1028,85 @@ def validate_bert_args(args: argparse.Namespace) -> None:
         _fail(f"--context-parallel-size {args.context_parallel_size}: BERT's bidirectional "
               "attention over padded sequences has no context-parallel split here (it is "
               "causal GPT attention only); use --context-parallel-size 1")
+    if args.use_mup:
+        _fail("--use-mup is built for GPT (pretrain_gpt.py); BERT's heads are not scaled")
     if args.calculate_per_token_loss:
         _fail("--calculate-per-token-loss: BERT's loss function returns per-micro-batch means "
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")
+    for flag in ("full_validation", "multiple_validation_sets"):
+        if getattr(args, flag):
+            _fail(f"--{flag.replace('_', '-')} works with GPT datasets only (as in Megatron-LM); "
+                  "BERT evaluates --eval-iters batches of one validation set")
+
+
+def validation_set_count(args) -> int:
+    """Validation sets a run evaluates: one per --valid-data-path prefix with
+    --multiple-validation-sets (prefixes without weights), else one."""
+    if not (args.multiple_validation_sets and args.valid_data_path):
+        return 1
+    numbers = [v for v in args.valid_data_path if _is_number(v)]
+    if numbers:
+        _fail(f"--multiple-validation-sets takes --valid-data-path prefixes without weights "
+              f"(each prefix is one validation set); got the weight(s) {numbers}")
+    return len(args.valid_data_path)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _validate_validation_sets(args) -> None:
+    """--full-validation, --multiple-validation-sets and --validation-set-names fit together
+    and with the data flags."""
+    names = args.validation_set_names
+    if args.full_validation and args.mock_data:
+        _fail("--full-validation reads the validation data whole, once; --mock-data has no "
+              "end: give --data-path or --valid-data-path")
+    if args.multiple_validation_sets and not (args.full_validation or args.skip_train):
+        _fail("--multiple-validation-sets needs --full-validation (or --skip-train): each set "
+              "is read from its start, as in Megatron-LM")
+    count = validation_set_count(args)
+    if names is None:
+        return
+    if not args.multiple_validation_sets:
+        _fail(f"--validation-set-names {' '.join(names)} needs --multiple-validation-sets")
+    if len(names) != count:
+        _fail(f"--validation-set-names gives {len(names)} name(s) ({' '.join(names)}) for "
+              f"{count} validation set(s) (--valid-data-path prefixes); give one name per set")
+    if len(set(names)) != len(names):
+        _fail(f"--validation-set-names {' '.join(names)}: each set needs its own name")
+
+
+def _validate_phase_transitions(args) -> None:
+    """--phase-transition-iterations: Megatron's "t1,t2,..." as sorted iterations; phases are
+    counted in iterations x a constant global batch."""
+    from megatron.training import phases
+
+    try:
+        args.phase_transition_iterations = phases.parse(args.phase_transition_iterations)
+    except ValueError as err:
+        _fail(str(err))
+    if args.phase_transition_iterations is None:
+        return
+    for flag, value in (("--rampup-batch-size", args.rampup_batch_size),
+                        ("--step-batch-size-schedule", args.step_batch_size_schedule)):
+        if value is not None:
+            _fail(f"{phases.FLAG} needs a constant global batch size (phases are counted in "
+                  f"iterations x batch); drop {flag}")
+
+
+def _validate_inter_document_masking(args) -> None:
+    """--dataloader-inter-document-masking needs documents: the indexed datasets' samples."""
+    if not args.dataloader_inter_document_masking:
+        return
+    for flag, on in (("--mock-data", args.mock_data), ("--fim-data", args.fim_data)):
+        if on:
+            _fail(f"--dataloader-inter-document-masking takes the document boundaries of "
+                  f"--data-path samples; {flag} samples have none that it keeps")
 
 
 def _validate_fim(args) -> None:
@@ -989,6 +1122,31 @@ def _validate_fim(args) -> None:
               "that each fragment is permuted)")
     if args.mock_data:
         _fail("--fim-data permutes the text of --data-path samples; --mock-data has no text")
+
+
+def _validate_sft(args) -> None:
+    """--sft packs JSONL conversations for SFTTokenizer; the variants Megatron's SFT dataset
+    refuses are refused here too, one line each."""
+    if args.tokenizer_type == "SFTTokenizer":
+        from megatron.tokenizer.sft_tokenizer import PROMPT_FORMATS
+
+        if args.sft_tokenizer_prompt_format not in PROMPT_FORMATS:
+            _fail(f"--sft-tokenizer-prompt-format {args.sft_tokenizer_prompt_format!r} is not "
+                  f"built; choose one of {', '.join(PROMPT_FORMATS)}")
+    if not args.sft:
+        return
+    if args.tokenizer_type != "SFTTokenizer":
+        _fail(f"--sft tokenizes conversations with --tokenizer-type SFTTokenizer, got "
+              f"--tokenizer-type {args.tokenizer_type}")
+    for flag, given in (("--mock-data", args.mock_data), ("--fim-data", args.fim_data),
+                        ("--reset-position-ids", args.reset_position_ids),
+                        ("--reset-attention-mask", args.reset_attention_mask)):
+        if given:
+            _fail(f"--sft cannot be combined with {flag} (an SFT sample sets its own positions "
+                  "and attention per conversation)")
+    if args.context_parallel_size != 1:
+        _fail(f"--sft with --context-parallel-size {args.context_parallel_size} is not built "
+              "yet; use --context-parallel-size 1")
 
 
 def _validate_blend_surplus(args) -> None:
@@ -1096,6 +1254,33 @@ def _validate_fine_grained_offload(args) -> None:
                     "live in host memory, so there is nothing to offload")
 
 
+def _validate_qk_clip(args) -> None:
+    """--qk-clip / --log-max-attention-logit: the combinations whose logits are not seen or
+    whose weights cannot be scaled here are refused."""
+    if not (args.qk_clip or args.log_max_attention_logit):
+        if args.qk_clip_alpha != 0.5 or args.qk_clip_threshold != 100:
+            _note(args, "--qk-clip-alpha and --qk-clip-threshold have no effect without "
+                        "--qk-clip")
+        return
+    flag = "--qk-clip" if args.qk_clip else "--log-max-attention-logit"
+    if args.context_parallel_size > 1:
+        _fail(f"{flag} does not run with --context-parallel-size "
+              f"{args.context_parallel_size}: context-parallel attention never materialises "
+              "the logits here; drop one of the two")
+    if not args.qk_clip:
+        return
+    if args.use_torch_fsdp2:
+        _fail("--qk-clip does not run with FSDP (--use-torch-fsdp2 / --use-megatron-fsdp): the "
+              "sharded weights cannot be scaled by rows here; drop one of the two")
+    if args.optimizer_cpu_offload:
+        _fail("--qk-clip does not run with --optimizer-cpu-offload (the host keeps its own "
+              "copies of the weights); drop one of the two")
+    if not 0.0 <= args.qk_clip_alpha <= 1.0:
+        _fail(f"--qk-clip-alpha must lie in [0, 1], got {args.qk_clip_alpha}")
+    if not args.qk_clip_threshold > 0:
+        _fail(f"--qk-clip-threshold must be > 0, got {args.qk_clip_threshold}")
+
+
 def _validate_activation_offload(args) -> None:
     _validate_fine_grained_offload(args)
     n = args.cpu_offloading_num_layers
@@ -1154,15 +1339,20 @@ def check_flags(args):
     _validate_watchdogs(args)
     _apply_old_spellings(args)
     _validate_model(args)
+    _validate_mup(args)
     _validate_parallel(args)
     _validate_moe(args)
+    _validate_upcycling(args)
     _validate_mtp(args)
     _validate_loss(args)
     _validate_batch_and_schedule(args)
+    _validate_phase_transitions(args)
     _note_no_initialization(args)
     _validate_run_extras(args)
     _validate_masking(args)
     _validate_fim(args)
+    _validate_sft(args)
+    _validate_inter_document_masking(args)
     _validate_blend_surplus(args)
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
@@ -1170,4 +1360,6 @@ def check_flags(args):
     _validate_muon(args)
     _validate_optimizer_offload(args)
     _validate_activation_offload(args)
+    _validate_validation_sets(args)
+    _validate_qk_clip(args)
     return args

@@ -1,6 +1,6 @@
 """``examples/pretrain_deepseek_v3_cpu.sh`` and ``examples/pretrain_qwen3_cpu.sh`` (dense and
 MOE=1) run end to end on 2 CPU processes on the standard library's text: the loss falls, the
-logged auxiliary losses appear (``mtp_1 loss`` and ``load_balancing_loss`` for DeepSeek-V3,
+logged auxiliary losses appear (``mtp_1 loss`` and ``seq_load_balancing_loss`` for DeepSeek-V3,
 ``load_balancing_loss`` for Qwen3-MoE), torch_dist checkpoints are written, and a rerun that
 resumes from the middle checkpoint gives the losses of the run that never stopped.
 
@@ -90,7 +90,7 @@ def _check_trains_and_resumes(script, out_dir, corpus, extra_losses, **env):
 @pytest.mark.slow
 def test_deepseek_v3_example_trains_at_ep2_logs_mtp_and_resumes(tmp_path, corpus):
     log = _check_trains_and_resumes("pretrain_deepseek_v3_cpu.sh", tmp_path / "dsv3", corpus,
-                                    ("mtp_1 loss", "load_balancing_loss"))
+                                    ("mtp_1 loss", "seq_load_balancing_loss"))
     assert "data-parallel 2" in log, log[-3000:]
     # The MTP head learns too: its (unscaled) loss falls like the main one.
     mtp = [float(v["mtp_1 loss"]) for _, v in sorted(logged(log).items())]

@@ -215,8 +215,13 @@ def test_load_balancing_takes_megatrons_one_element_lists():
     assert args.moe_aux_loss_coeff == 1e-3
     args = validate_args(parse_args(argv=moe))
     assert (args.moe_router_load_balancing_type, args.moe_aux_loss_coeff) == ("aux_loss", 0.0)
+    args = validate_args(parse_args(argv=moe + ["--moe-router-load-balancing-type", "aux_loss",
+                                                "seq_aux_loss", "--moe-aux-loss-coeff", "1e-3",
+                                                "1e-4"]))
+    assert args.moe_router_load_balancing_type == ["aux_loss", "seq_aux_loss"]
+    assert args.moe_aux_loss_coeff == [1e-3, 1e-4]
     with pytest.raises(ArgumentsError, match="^--moe-router-load-balancing-type aux_loss "
-                                             "seq_aux_loss is not supported"):
+                                             "seq_aux_loss needs one --moe-aux-loss-coeff"):
         validate_args(parse_args(argv=moe + ["--moe-router-load-balancing-type", "aux_loss",
                                              "seq_aux_loss"]))
 

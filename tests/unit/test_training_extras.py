@@ -93,10 +93,13 @@ def test_num_samples_counts_megatrons_evaluations():
 
     args = argparse.Namespace(train_samples=None, train_iters=20, global_batch_size=4,
                               eval_interval=5, eval_iters=3, eval_global_batch_size=None,
-                              start_eval_at_iter=None)
+                              start_eval_at_iter=None, full_validation=False)
     assert _num_samples(args) == [80, 5 * 3 * 4, 12]
     args.start_eval_at_iter = 11
     assert _num_samples(args) == [80, (5 - 2) * 3 * 4, 12]
+    # --full-validation asks for the validation data's one epoch (Megatron's None).
+    args.full_validation = True
+    assert _num_samples(args) == [80, None, 12]
 
 
 def _validated(extra):

@@ -12,8 +12,11 @@ from typing import Optional, Tuple, Union
 
 from megatron.core.config import ConfigError
 
-SCORE_FUNCTIONS = ("softmax", "sigmoid")
+SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+# The balancing losses, in the order a router attaches them, and the names they are logged under.
+AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                  "global_aux_loss": "global_load_balancing_loss"}
 ROUTER_DTYPES = ("fp32", "fp64")
 DISPATCHER_TYPES = ("allgather", "alltoall")
 DROP_POLICIES = ("probs", "position")
@@ -25,7 +28,7 @@ class MoEConfig:
 
     num_moe_experts: Optional[int] = None              # --num-experts
     moe_router_topk: int = 2
-    moe_router_score_function: str = "softmax"          # softmax | sigmoid
+    moe_router_score_function: str = "softmax"          # softmax | sigmoid | sqrtsoftplus
     moe_router_pre_softmax: bool = False                # softmax over all experts, then top-k
     moe_router_topk_scaling_factor: Optional[float] = None
     moe_apply_probs_on_input: bool = False              # probability x input, not x output
@@ -34,8 +37,9 @@ class MoEConfig:
     moe_router_enable_expert_bias: bool = False         # aux-loss-free balancing (sigmoid)
     moe_router_bias_update_rate: float = 1e-3
     moe_router_dtype: Optional[str] = None              # None (the input's) | fp32 | fp64
-    moe_router_load_balancing_type: str = "aux_loss"    # one of LOAD_BALANCING_TYPES
-    moe_aux_loss_coeff: float = 0.0
+    # One of LOAD_BALANCING_TYPES, or several (a list) with one --moe-aux-loss-coeff each.
+    moe_router_load_balancing_type: Union[str, Tuple[str, ...]] = "aux_loss"
+    moe_aux_loss_coeff: Union[float, Tuple[float, ...]] = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_input_jitter_eps: Optional[float] = None
     moe_token_dispatcher_type: str = "allgather"        # allgather | alltoall
@@ -49,9 +53,13 @@ class MoEConfig:
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None   # default: --tensor-model-parallel-size
     moe_per_layer_logging: bool = False
+    moe_router_force_load_balancing: bool = False       # benchmark: random router logits
     moe_layer_freq: Union[int, Tuple[int, ...]] = 1     # every N-th layer, or one 0/1 per layer
 
     def __post_init__(self):
+        for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.moe_expert_capacity_factor is not None and self.moe_expert_capacity_factor < 0:
             # Megatron's convention: a negative factor means no capacity limit.
             object.__setattr__(self, "moe_expert_capacity_factor", None)
@@ -67,8 +75,7 @@ class MoEConfig:
             raise ConfigError(f"--moe-apply-probs-on-input needs --moe-router-topk 1, got {topk}")
         self._check_choice("--moe-router-score-function", self.moe_router_score_function,
                            SCORE_FUNCTIONS)
-        self._check_choice("--moe-router-load-balancing-type",
-                           self.moe_router_load_balancing_type, LOAD_BALANCING_TYPES)
+        self._check_load_balancing_types()
         self._check_choice("--moe-token-dispatcher-type", self.moe_token_dispatcher_type,
                            DISPATCHER_TYPES)
         self._check_choice("--moe-token-drop-policy", self.moe_token_drop_policy,
@@ -90,10 +97,50 @@ class MoEConfig:
         if value not in choices:
             raise ConfigError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
 
+    def _check_load_balancing_types(self) -> None:
+        types, coeffs = self.moe_router_load_balancing_type, self.moe_aux_loss_coeff
+        for kind in self.load_balancing_types:
+            self._check_choice("--moe-router-load-balancing-type", kind, LOAD_BALANCING_TYPES)
+        if isinstance(types, str):
+            if isinstance(coeffs, tuple):
+                raise ConfigError(f"--moe-aux-loss-coeff {' '.join(map(str, coeffs))}: one "
+                                  "coefficient per --moe-router-load-balancing-type, which "
+                                  f"names one type ({types})")
+            return
+        given = coeffs if isinstance(coeffs, tuple) else (coeffs,)
+        if len(given) != len(types):
+            raise ConfigError(f"--moe-router-load-balancing-type {' '.join(types)} needs one "
+                              f"--moe-aux-loss-coeff per type, got {' '.join(map(str, given))}")
+        if len(set(types)) != len(types):
+            raise ConfigError(f"--moe-router-load-balancing-type {' '.join(types)} names a type "
+                              "twice")
+        if "sinkhorn" in types and len(types) > 1:
+            raise ConfigError(f"--moe-router-load-balancing-type {' '.join(types)}: sinkhorn "
+                              "routes by itself and does not combine with other types")
+
+    @property
+    def load_balancing_types(self) -> Tuple[str, ...]:
+        """The balancing types as a tuple (one or several)."""
+        types = self.moe_router_load_balancing_type
+        return (types,) if isinstance(types, str) else tuple(types)
+
+    @property
+    def uses_sinkhorn(self) -> bool:
+        return "sinkhorn" in self.load_balancing_types
+
+    def aux_loss_coeff(self, kind: str) -> float:
+        """The coefficient of balancing loss ``kind`` (0 when it is not one of the types)."""
+        types, coeffs = self.load_balancing_types, self.moe_aux_loss_coeff
+        if kind not in types:
+            return 0.0
+        return coeffs[types.index(kind)] if isinstance(coeffs, tuple) else coeffs
+
     def _check_losses(self) -> None:
-        if self.moe_aux_loss_coeff < 0:
-            raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {self.moe_aux_loss_coeff}")
-        if self.moe_router_load_balancing_type == "sinkhorn" and self.moe_aux_loss_coeff:
+        coeffs = self.moe_aux_loss_coeff
+        for coeff in coeffs if isinstance(coeffs, tuple) else (coeffs,):
+            if coeff < 0:
+                raise ConfigError(f"--moe-aux-loss-coeff must be >= 0, got {coeff}")
+        if self.uses_sinkhorn and self.aux_loss_coeff("sinkhorn"):
             raise ConfigError("--moe-router-load-balancing-type sinkhorn balances by itself; "
                               f"--moe-aux-loss-coeff must be 0, got {self.moe_aux_loss_coeff}")
         if self.moe_z_loss_coeff is not None and self.moe_z_loss_coeff < 0:
@@ -122,12 +169,12 @@ class MoEConfig:
                 raise ConfigError(f"--moe-router-topk ({topk}) must be a multiple of "
                                   f"--moe-router-group-topk ({group_topk}) and at most "
                                   f"{experts // groups} per group")
-            if self.moe_router_load_balancing_type == "sinkhorn":
+            if self.uses_sinkhorn:
                 raise ConfigError("--moe-router-num-groups works with the top-k routers, not "
                                   "--moe-router-load-balancing-type sinkhorn")
-        if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+        if self.moe_router_enable_expert_bias and self.moe_router_score_function == "softmax":
             raise ConfigError("--moe-router-enable-expert-bias needs "
-                              "--moe-router-score-function sigmoid, got "
+                              "--moe-router-score-function sigmoid or sqrtsoftplus, got "
                               f"{self.moe_router_score_function}")
         if self.moe_router_enable_expert_bias and self.moe_router_bias_update_rate < 0:
             raise ConfigError("--moe-router-bias-update-rate must be >= 0, got "
@@ -145,7 +192,7 @@ class MoEConfig:
         if factor == 0:
             raise ConfigError("--moe-expert-capacity-factor must be > 0 (or negative for no "
                               "limit), got 0")
-        if self.moe_router_load_balancing_type == "sinkhorn":
+        if self.uses_sinkhorn:
             raise ConfigError("--moe-expert-capacity-factor works with "
                               "--moe-router-load-balancing-type aux_loss, seq_aux_loss or none, "
                               "not sinkhorn")

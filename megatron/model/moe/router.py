@@ -8,24 +8,28 @@ Megatron-Core; gpt-oss's router has one), a trained bias ``b`` ``[num_experts]``
   to 1 over its chosen experts; with ``--moe-router-pre-softmax`` a softmax over all experts,
   then the top-k of those probabilities (which sum to less than 1);
 * sigmoid: the top-k of ``sigmoid(logits)``, divided by their sum when k > 1;
+* sqrtsoftplus (DeepSeek-V4): the same with ``sqrt(softplus(logits))`` as the scores;
 * ``--moe-router-topk-scaling-factor`` multiplies the result.
 
 ``--moe-router-num-groups G --moe-router-group-topk g`` limits each token to the experts of its
-best g of G groups (DeepSeek-V3). ``--moe-router-enable-expert-bias`` (sigmoid only) adds a
-per-expert bias to the scores to choose the experts, not to weigh them; the bias is not
-trained but moved by ``--moe-router-bias-update-rate`` after each step towards equal load
-(:func:`update_expert_biases`). ``--moe-router-dtype fp32|fp64`` computes the router's logits
-and probabilities in that precision.
+best g of G groups (DeepSeek-V3). ``--moe-router-enable-expert-bias`` (sigmoid or
+sqrtsoftplus) adds a per-expert bias to the scores to choose the experts, not to weigh them; the
+bias is not trained but moved by ``--moe-router-bias-update-rate`` after each step towards
+equal load (:func:`update_expert_biases`). ``--moe-router-dtype fp32|fp64`` computes the
+router's logits and probabilities in that precision.
 
 The chosen experts are listed in descending score order. Load balancing
 (``--moe-router-load-balancing-type``): ``aux_loss`` adds the Switch-Transformer loss
 ``E * sum_e f_e P_e`` (f_e: share of the token choices routed to expert e, P_e: mean over tokens
-of e's score over all experts), ``seq_aux_loss`` the same per sequence averaged over sequences,
+of e's score over all experts; logged as ``load_balancing_loss``), ``seq_aux_loss`` the same per
+sequence averaged over sequences (``seq_load_balancing_loss``),
 ``global_aux_loss`` (Megatron-Core's global load balancing) the same ``f_e`` counted over every
 data x context (x sequence-slicing tensor) parallel rank and averaged over the step's
 micro-batches so far (:func:`global_load_balancing_loss`, logged as
 ``global_load_balancing_loss``), ``sinkhorn`` picks experts from Sinkhorn-balanced logits
-while training, ``none`` nothing.
+while training, ``none`` nothing. Several of the three losses may be given at once
+(``--moe-router-load-balancing-type aux_loss global_aux_loss --moe-aux-loss-coeff 1e-3 1e-4``):
+each is attached with its own coefficient and logged under its own name.
 ``--moe-z-loss-coeff`` adds ``mean_t logsumexp(logits_t)^2``. Both losses are computed only in
 training with gradients on, and reach the gradients through
 :func:`~megatron.model.moe.tracker.attach_aux_loss`.
@@ -44,7 +48,7 @@ from megatron.core import device
 from megatron.core.collectives import all_reduce, get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method
-from megatron.model.moe.config import MoEConfig
+from megatron.model.moe.config import AUX_LOSS_NAMES, MoEConfig
 from megatron.model.moe.tracker import MoELossTracker, attach_aux_loss
 from megatron.model.utils import init_rng
 
@@ -97,8 +101,8 @@ def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax
         else:
             top, indices = _topk(logits, topk, num_groups, group_topk)
             probs = torch.softmax(top, dim=-1, dtype=dtype)
-    elif score_function == "sigmoid":
-        scores = torch.sigmoid(logits.to(dtype))
+    elif score_function in ("sigmoid", "sqrtsoftplus"):
+        scores = _pointwise_scores(logits.to(dtype), score_function)
         if expert_bias is None:
             probs, indices = _topk(scores, topk, num_groups, group_topk)
         else:
@@ -107,20 +111,28 @@ def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax
         if topk > 1:
             probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
     else:
-        raise ValueError(f"--moe-router-score-function must be softmax or sigmoid, "
-                         f"got {score_function!r}")
+        raise ValueError(f"--moe-router-score-function must be softmax, sigmoid or "
+                         f"sqrtsoftplus, got {score_function!r}")
     if scaling_factor:
         probs = probs * scaling_factor
     return probs.to(logits.dtype), indices
 
 
+def _pointwise_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
+    """Each expert's score on its own: ``sigmoid(x)``, or ``sqrt(softplus(x))`` (sqrtsoftplus,
+    DeepSeek-V4's score: positive, unbounded, close to ``sqrt(x)`` for large ``x``)."""
+    if score_function == "sigmoid":
+        return torch.sigmoid(logits)
+    return torch.nn.functional.softplus(logits).sqrt()
+
+
 def scores_for_aux_loss(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     """Every expert's score of every token, ``[T, E]``, each row summing to 1: the softmax of the
-    logits, or their sigmoid divided by its row sum. Float32 or wider."""
+    logits, or their sigmoid (sqrtsoftplus) divided by its row sum. Float32 or wider."""
     dtype = _score_dtype(logits)
     if score_function == "softmax":
         return torch.softmax(logits, dim=-1, dtype=dtype)
-    scores = torch.sigmoid(logits.to(dtype))
+    scores = _pointwise_scores(logits.to(dtype), score_function)
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
@@ -299,7 +311,7 @@ class TopKRouter(torch.nn.Module):
                                          "--expert-tensor-parallel-size other than TP")):
             if size == 1:
                 continue
-            if moe_config.moe_router_load_balancing_type == "sinkhorn":
+            if moe_config.uses_sinkhorn:
                 raise ValueError("--moe-router-load-balancing-type sinkhorn balances the tokens "
                                  f"of one rank; with {why} it would route differently from one "
                                  "rank: use aux_loss, seq_aux_loss or none")
@@ -337,8 +349,7 @@ class TopKRouter(torch.nn.Module):
                 persistent=False)
         else:
             self.expert_bias = None
-        if (moe_config.moe_router_load_balancing_type == "global_aux_loss"
-                and moe_config.moe_aux_loss_coeff):
+        if moe_config.aux_loss_coeff("global_aux_loss"):
             # Megatron-Core's running sums of a step (not saved): the token choices counted
             # over the global micro-batches so far, and how many there were.
             self.register_buffer("global_tokens_per_expert", torch.zeros(
@@ -422,41 +433,58 @@ class TopKRouter(torch.nn.Module):
     def _with_load_balancing_loss(self, probs: torch.Tensor, logits: torch.Tensor,
                                   indices: torch.Tensor, seq_length: int,
                                   batch: int) -> torch.Tensor:
+        """``probs`` with each balancing loss of ``--moe-router-load-balancing-type`` that has a
+        non-zero coefficient attached (aux_loss, seq_aux_loss, global_aux_loss, in this order,
+        as Megatron-Core attaches them), each logged under its own name."""
         cfg = self.moe_config
-        kind = cfg.moe_router_load_balancing_type
-        if kind not in ("aux_loss", "seq_aux_loss", "global_aux_loss") or (
-                not cfg.moe_aux_loss_coeff) or not self._losses_on():
+        kinds = [kind for kind in AUX_LOSS_NAMES if cfg.aux_loss_coeff(kind)]
+        if not kinds or not self._losses_on():
             return probs
         scores = scores_for_aux_loss(logits, cfg.moe_router_score_function)
-        cp, ranks = self.cp_size, self.cp_size * self.sp_size
-        if kind != "seq_aux_loss":
-            counts = torch.zeros(self.num_experts, dtype=torch.long, device=logits.device)
-            counts.scatter_add_(0, indices.flatten(), torch.ones_like(indices.flatten()))
-        if kind == "global_aux_loss":
-            # Logged: the sum of the group's terms, which the logging's mean over data x
-            # context-parallel ranks recovers from each rank's term times dp x cp.
-            value = self._global_loss_share(scores, counts)
-            self._record("global_load_balancing_loss",
-                         self.dp_size * cp * self._over_sequence_group(value))
-            return attach_aux_loss(probs, cp * value * cfg.moe_aux_loss_coeff, self.tracker)
-        if kind == "aux_loss":
-            if ranks > 1:
-                counts = self._count_over_sequence(counts)
-                value = cp * _switch_share(scores, counts, self.topk, ranks * scores.size(0))
+        for kind in kinds:
+            coeff = cfg.aux_loss_coeff(kind)
+            if kind == "global_aux_loss":
+                counts = self._choice_counts(indices)
+                # Logged: the sum of the group's terms, which the logging's mean over data x
+                # context-parallel ranks recovers from each rank's term times dp x cp.
+                value = self._global_loss_share(scores, counts)
+                self._record(AUX_LOSS_NAMES[kind],
+                             self.dp_size * self.cp_size * self._over_sequence_group(value))
+                probs = attach_aux_loss(probs, self.cp_size * value * coeff, self.tracker)
+                continue
+            if kind == "aux_loss":
+                value = self._switch_loss(scores, indices)
             else:
-                value = switch_load_balancing_loss(scores, counts, self.topk)
-        else:
-            _, chosen = _scatter_to_experts(probs.detach(), indices, self.num_experts)
-            if ranks > 1:
-                chosen = chosen.view(seq_length, batch, self.num_experts).sum(dim=0)  # [b, E]
-                chosen = self._count_over_sequence(chosen)
-                value = cp * _sequence_loss_share(scores, chosen, seq_length * ranks, batch,
-                                                  self.topk)
-            else:
-                value = sequence_load_balancing_loss(scores, chosen, seq_length, batch,
-                                                     self.topk)
-        self._record("load_balancing_loss", self._over_sequence_group(value))
-        return attach_aux_loss(probs, value * cfg.moe_aux_loss_coeff, self.tracker)
+                value = self._sequence_loss(scores, probs, indices, seq_length, batch)
+            self._record(AUX_LOSS_NAMES[kind], self._over_sequence_group(value))
+            probs = attach_aux_loss(probs, value * coeff, self.tracker)
+        return probs
+
+    def _choice_counts(self, indices: torch.Tensor) -> torch.Tensor:
+        """``[E]``: how many of this rank's token choices picked each expert."""
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=indices.device)
+        return counts.scatter_add_(0, indices.flatten(), torch.ones_like(indices.flatten()))
+
+    def _switch_loss(self, scores: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """This rank's ``aux_loss`` value (its share times cp when the sequence is split)."""
+        counts = self._choice_counts(indices)
+        ranks = self.cp_size * self.sp_size
+        if ranks == 1:
+            return switch_load_balancing_loss(scores, counts, self.topk)
+        counts = self._count_over_sequence(counts)
+        return self.cp_size * _switch_share(scores, counts, self.topk, ranks * scores.size(0))
+
+    def _sequence_loss(self, scores: torch.Tensor, probs: torch.Tensor, indices: torch.Tensor,
+                       seq_length: int, batch: int) -> torch.Tensor:
+        """This rank's ``seq_aux_loss`` value (its share times cp when the sequence is split)."""
+        _, chosen = _scatter_to_experts(probs.detach(), indices, self.num_experts)
+        ranks = self.cp_size * self.sp_size
+        if ranks == 1:
+            return sequence_load_balancing_loss(scores, chosen, seq_length, batch, self.topk)
+        chosen = chosen.view(seq_length, batch, self.num_experts).sum(dim=0)        # [b, E]
+        chosen = self._count_over_sequence(chosen)
+        return self.cp_size * _sequence_loss_share(scores, chosen, seq_length * ranks, batch,
+                                                   self.topk)
 
     def _sinkhorn_routing(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         dtype = _score_dtype(logits)
@@ -477,7 +505,7 @@ class TopKRouter(torch.nn.Module):
         cfg = self.moe_config
         seq_length, batch = logits.shape[:2]
         logits = self._with_z_loss(logits.reshape(-1, self.num_experts))      # [T, E]
-        if cfg.moe_router_load_balancing_type == "sinkhorn":
+        if cfg.uses_sinkhorn:
             probs, indices = self._sinkhorn_routing(logits)
         else:
             probs, indices = topk_routing(logits, self.topk, cfg.moe_router_score_function,
@@ -499,7 +527,33 @@ class TopKRouter(torch.nn.Module):
         return probs, routing_map
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        return self.route(self.gating(hidden_states))
+        logits = self.gating(hidden_states)
+        if self.moe_config.moe_router_force_load_balancing:
+            logits = random_logits(logits)
+        return self.route(logits)
+
+
+class _RandomLogits(torch.autograd.Function):
+    """Forward: standard normal draws of the logits' shape and dtype, from the device's default
+    generator. Backward: the gradient passes to the logits unchanged (straight through)."""
+
+    @staticmethod
+    def forward(ctx, logits):
+        return torch.empty_like(logits).normal_()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        return grad_output
+
+
+def random_logits(logits: torch.Tensor) -> torch.Tensor:
+    """``--moe-router-force-load-balancing`` (a benchmark switch, as in Megatron-Core): the
+    router's logits replaced by standard normal draws, so that every expert receives about the
+    same number of tokens whatever the model learned; the router still gets gradients, through
+    the draws as if they were its logits. The draws come from the default generator (saved in
+    checkpoints, replayed by activation recomputation); each rank draws for its own tokens,
+    so routing depends on the parallel layout."""
+    return _RandomLogits.apply(logits)
 
 
 def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor,

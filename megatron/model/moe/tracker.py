@@ -1,6 +1,6 @@
 """The auxiliary losses of mixture-of-experts layers: how they reach the gradients, and the
-values logged under Megatron's names (``load_balancing_loss``, ``global_load_balancing_loss``,
-``z_loss``).
+values logged under Megatron's names (``load_balancing_loss``, ``seq_load_balancing_loss``,
+``global_load_balancing_loss``, ``z_loss``).
 
 An auxiliary loss is not returned by the model: each router attaches it to one of its own
 activations with :func:`attach_aux_loss`, an identity whose backward also starts the loss's
@@ -20,7 +20,8 @@ import torch
 
 from megatron.core.collectives import all_reduce
 
-LOSS_NAMES = ("load_balancing_loss", "global_load_balancing_loss", "z_loss")
+LOSS_NAMES = ("load_balancing_loss", "seq_load_balancing_loss", "global_load_balancing_loss",
+              "z_loss")
 
 
 class MoELossTracker:
