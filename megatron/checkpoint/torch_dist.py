@@ -278,7 +278,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         crash_point("after_file")
     except DistCheckpointWriteError as err:
         error = str(err)
-    finish_save(args.save, iteration, error)
+    finish_save(args.save, iteration, error, getattr(args, "verify_integrity", False))
     return os.path.join(args.save, checkpoint_dir_name(iteration))
 
 
@@ -302,6 +302,7 @@ class AsyncDistSave:
     def __init__(self, iteration: int, save_dir: str, iter_dir: str, items: list):
         self.iteration, self.save_dir, self.iter_dir = iteration, save_dir, iter_dir
         self.items, self.records, self.error = items, [], ""
+        self.integrity = False  # --verify-integrity: a manifest is written before publishing
         self.thread = threading.Thread(target=self._write, daemon=True,
                                        name=f"torch-dist-writer-{iteration}")
 
@@ -332,7 +333,7 @@ class AsyncDistSave:
                 except DistCheckpointWriteError as err:
                     errors.append(str(err))
             error = "; ".join(errors)
-        finish_save(self.save_dir, self.iteration, error)
+        finish_save(self.save_dir, self.iteration, error, self.integrity)
 
 
 def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,

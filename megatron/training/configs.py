@@ -225,7 +225,9 @@ def build_checkpoint_config(args) -> CheckpointConfig:
         non_persistent_global_ckpt_dir=args.non_persistent_global_ckpt_dir,
         non_persistent_local_ckpt_dir=args.non_persistent_local_ckpt_dir,
         replication=args.replication, replication_jump=args.replication_jump,
-        replication_factor=args.replication_factor)
+        replication_factor=args.replication_factor, verify_integrity=args.verify_integrity,
+        override_ckpt_iteration=args.override_ckpt_iteration,
+        load_main_params_from_ckpt=args.load_main_params_from_ckpt)
 
 
 def build_data_config(args) -> DataConfig:
