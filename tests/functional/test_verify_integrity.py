@@ -11,6 +11,8 @@ import pytest
 from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
 from tests.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.slow  # spawned training runs, about half a minute in all
+
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
