@@ -573,6 +573,39 @@ def load_or_finetune(model, optimizer, scheduler, args, pstate, train_state: Tra
         config=dataclasses.replace(ckpt, load=pretrained, finetune=True))
 
 
+def samples_after(iterations: int, calculator: NumMicroBatchesCalculator) -> int:
+    """Training samples consumed by ``iterations`` iterations from the start, following the
+    batch-size ramp (--rampup-batch-size, --step-batch-size-schedule) when there is one."""
+    if calculator.rampup is None and calculator.step_schedule is None:
+        calculator.update(0)
+        return iterations * calculator.current_running_global_batch_size
+    samples = 0
+    for _ in range(iterations):
+        calculator.update(samples, check=False)
+        samples += calculator.current_running_global_batch_size
+    return samples
+
+
+def override_checkpoint_iteration(train_state: TrainState, scheduler,
+                                  calculator: NumMicroBatchesCalculator,
+                                  ckpt: CheckpointConfig) -> None:
+    """--override-ckpt-iteration N: whatever --load held, the run goes on as from iteration N:
+    the iteration counter, the consumed training samples (the sampler's position) and the
+    learning-rate / weight-decay schedule's position are those of N iterations."""
+    n = ckpt.override_ckpt_iteration
+    if n is None:
+        return
+    samples = samples_after(n, calculator)
+    train_state.iteration = n
+    train_state.consumed_train_samples = samples
+    train_state.skipped_train_samples = min(train_state.skipped_train_samples, samples)
+    scheduler.num_steps = 0
+    scheduler.step(samples)
+    calculator.update(samples)
+    print_rank_0(f"--override-ckpt-iteration: continuing from iteration {n} ({samples} "
+                 "consumed samples, the schedule at the same point)")
+
+
 def convert_loaded_checkpoint(train_state: TrainState, model, optimizer, scheduler, args, pstate,
                               ckpt: CheckpointConfig) -> None:
     """--ckpt-convert-format / --ckpt-convert-save: write what --load held in that format to
@@ -935,6 +968,7 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
                                                             configs=configs)
     train_state = TrainState()
     load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+    override_checkpoint_iteration(train_state, scheduler, calculator, ckpt)
     train_state.rerun = rerun.build(args, args.rank)
     if train_state.rerun is not None:
         train_state.rerun.load_state_dict(train_state.rerun_checkpoint)
