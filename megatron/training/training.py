@@ -31,7 +31,7 @@ from megatron.data.samplers import (build_pretraining_data_loader, cyclic_iter,
                                     exit_signal_worker_init)
 from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.training import checkpointing, global_vars
+from megatron.training import checkpointing, freeze, global_vars
 from megatron.training import hooks as training_hooks
 from megatron.training import meta_device_init
 from megatron.training import log as training_log
@@ -421,10 +421,13 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
     moe_logging.set_aux_loss_scale(model, optimizer.get_loss_scale(),
                                    calculator.num_micro_batches)
     timers("forward-backward", log_level=1).start()
-    logged = schedule(forward_step_func=watch or forward_step_func, data_iterator=data_iterator,
-                      model=model, num_microbatches=calculator.num_micro_batches,
-                      forward_only=False, grad_scale_func=optimizer.scale_loss,
-                      **schedule_kwargs(model, args, pstate))
+    context, forward_only = freeze.grad_context(args)
+    with context:
+        logged = schedule(forward_step_func=watch or forward_step_func,
+                          data_iterator=data_iterator, model=model,
+                          num_microbatches=calculator.num_micro_batches,
+                          forward_only=forward_only, grad_scale_func=optimizer.scale_loss,
+                          **schedule_kwargs(model, args, pstate))
     timers("forward-backward", log_level=1).stop()
     training_hooks.empty_unused_memory(args, 1)
     findings = numerics.loss_findings(watch) if check else []
@@ -433,6 +436,9 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
     sumsq = machine is not None and machine.validates_grads
     grad_sumsq = (numerics.local_grad_sumsq(model)
                   if sumsq and not args.overlap_grad_reduce else None)
+    if forward_only:  # --freeze-all-layers: no gradients to reduce
+        losses = [float(v) for v in watch.losses] if machine is not None else []
+        return rerun.StepRun(logged, findings, losses, grad_sumsq)
     finalize_model_grads(model, tp_group=pstate.tp_group, embedding_group=pstate.embedding_group,
                          is_first_stage=pstate.is_first_stage(ignore_virtual=True),
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
@@ -492,12 +498,15 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     if args.skip_iterations_with_loss_spike and numerics.skip_for_loss_spike(
             losses, iteration, args, pstate, train_state.loss_spike_history):
         ok, grad_norm = False, None
+    elif args.freeze_all_layers:
+        ok, grad_norm = True, None  # nothing to update; the schedule still advances
     else:
         timers("optimizer", log_level=1).start()
         ok, grad_norm, _ = optimizer.step()
         timers("optimizer", log_level=1).stop()
     dumps.after_step(model, pstate)
-    moe_logging.update_expert_biases(model, pstate)
+    if not args.freeze_all_layers:
+        moe_logging.update_expert_biases(model, pstate)
     moe_logging.reset_global_aux_loss(model)
     training_hooks.empty_unused_memory(args, 2)
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).
@@ -818,7 +827,8 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             train_state.train_loss_history.append((iteration, losses.get("lm loss")))
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
             straggler.after_iteration(iteration, batch, run.writer)
-            stats = _log_iteration(run, stats, losses, _learning_rate(run.optimizer), batch,
+            lr = 0.0 if run.args.freeze_all_layers else _learning_rate(run.optimizer)
+            stats = _log_iteration(run, stats, losses, lr, batch,
                                    loss_scale, grad_norm)
             _evaluate_if_due(run, iteration, valid_iterator, manual_gc)
             if run.saver is not None:
@@ -967,6 +977,8 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,
                                                             configs=configs)
     train_state = TrainState()
+    if args.freeze_all_layers:
+        freeze.freeze_all_model_chunks(model)
     load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
     override_checkpoint_iteration(train_state, scheduler, calculator, ckpt)
     train_state.rerun = rerun.build(args, args.rank)
