@@ -34,7 +34,7 @@ from megatron.checkpoint.router_bias import (fill_zero_router_bias, note_zero_ro
 from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, MP_ARGS, TOKENIZER_MODEL_ARGS,
                                             check_args, checkpoint_args, megatron_args,
                                             refuse_torch_load)
-from megatron.checkpoint.state import set_rng_state_snapshot
+from megatron.checkpoint.state import main_values_of, set_rng_state_snapshot
 from megatron.training.train_state import TrainState
 
 CONVERSION_TOOL = "tools/checkpoint/convert.py"
@@ -280,8 +280,10 @@ def _apply_rank_state(state: dict, path: str, iteration: int, release: bool, mod
         optimizer.load_state_dict(state["optimizer"])
         opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
-        # Fresh optimizer over the loaded weights (fp32 main copies must follow the model).
-        optimizer.reload_model_params()
+        # Fresh optimizer over the loaded weights (fp32 main copies must follow the model, or
+        # with --load-main-params-from-ckpt take the checkpoint's values themselves).
+        optimizer.reload_model_params(
+            main_values_of(model_chunks, trees) if args.load_main_params_from_ckpt else None)
         if (restore_training and not args.no_load_optim and "conversion" in state
                 and "opt_param_scheduler" in state):
             # A converted checkpoint keeps the learning-rate schedule's position.

@@ -43,7 +43,8 @@ from megatron.checkpoint.router_bias import (is_router_bias, note_zero_router_bi
                                            optimizer_refusal)
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError
 from megatron.checkpoint.saved_args import check_args, plain_args
-from megatron.checkpoint.state import copy_to_cpu, rng_state_snapshot, set_rng_state_snapshot
+from megatron.checkpoint.state import (copy_to_cpu, main_values_of, rng_state_snapshot,
+                                      set_rng_state_snapshot)
 from megatron.core import rerun_state_machine as rerun_enums
 
 MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
@@ -445,18 +446,32 @@ def _absent_router_biases(reader, model_chunks, layouts) -> List[frozenset]:
     return absent
 
 
+def _as_fp32(tree):
+    """``tree`` with every floating tensor replaced by an fp32 copy (a template to read the
+    checkpoint's values into without rounding them to the model's half precision)."""
+    if isinstance(tree, dict):
+        return {k: _as_fp32(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor) and tree.is_floating_point():
+        return tree.detach().to(torch.float32)
+    return tree
+
+
 def _load_model(reader, model_chunks, layouts, path: str, keep: List[frozenset],
-                zero: List[frozenset]) -> None:
+                zero: List[frozenset], wide: bool = False) -> List[dict]:
+    """Load every chunk's tensors; returns the states read (in fp32 with ``wide``:
+    --load-main-params-from-ckpt keeps them for the main params)."""
     loaded = []
     try:
         for chunk, layout, kept, zeros in zip(model_chunks, layouts, keep, zero):
-            loaded.append(load_model_state(reader, chunk.state_dict_for_save_checkpoint(),
+            template = chunk.state_dict_for_save_checkpoint()
+            loaded.append(load_model_state(reader, _as_fp32(template) if wide else template,
                                            layout, kept, zeros))
     except (DistCheckpointError, UnsafeCheckpointError, ValueError) as err:
         raise CheckpointError(f"{path}: model state does not fit the model: "
                                             f"{err}") from None
     for chunk, state in zip(model_chunks, loaded):
         chunk.load_state_dict(state, strict=True)
+    return loaded
 
 
 def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tuple]]]:
@@ -659,10 +674,13 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     zero = _absent_router_biases(reader, model_chunks, layouts)
     filled = sorted(set().union(*zero))
     note_zero_router_bias(iter_dir, filled)
-    _load_model(reader, model_chunks, layouts, iter_dir, keep, zero)
+    restore = not (args.finetune or release)
+    wide = (not weights_only and optimizer is not None
+            and getattr(args, "load_main_params_from_ckpt", False)
+            and not (restore and not args.no_load_optim))
+    loaded = _load_model(reader, model_chunks, layouts, iter_dir, keep, zero, wide)
     if weights_only:
         return common
-    restore = not (args.finetune or release)
     if restore and not args.no_load_optim and filled:
         raise CheckpointError(optimizer_refusal(iter_dir, filled))
     if restore and not args.no_load_optim:
@@ -672,7 +690,7 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
                                                 " pass --no-load-optim or --finetune")
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     elif optimizer is not None:
-        optimizer.reload_model_params()
+        optimizer.reload_model_params(main_values_of(model_chunks, loaded) if wide else None)
     if restore and not args.no_load_rng:
         key = (f"rng_state/shard_{pstate.pp_rank}.{pstate.tp_rank}_"
                f"{pstate.pp_size}.{pstate.tp_size}")
