@@ -31,7 +31,7 @@ from megatron.data.samplers import (build_pretraining_data_loader, cyclic_iter,
                                     exit_signal_worker_init)
 from megatron.optimizer import SchedulerConfig, get_megatron_optimizer
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.training import checkpointing, freeze, global_vars
+from megatron.training import checkpointing, exit_handler, freeze, global_vars
 from megatron.training import hooks as training_hooks
 from megatron.training import meta_device_init
 from megatron.training import log as training_log
@@ -958,10 +958,13 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                                      tensorboard_writer=writer.tensorboard if writer else None,
                                      parallel_state=pstate)
     lock = checkpointing.lock_save_dir(ckpt.save, args.rank) if ckpt.save else None
+    handler = exit_handler.install(args)
     try:
         return _build_and_run(train_valid_test_dataset_provider, model_provider,
                               forward_step_func, args, pstate, configs, timers, writer)
     finally:
+        if handler is not None:
+            handler.release()
         if lock is not None:
             lock.release()
 
@@ -998,6 +1001,7 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     iterators = build_chunk_data_iterators(train_valid_test_dataset_provider, args, pstate,
                                            train_state, configs.data)
     saver = checkpointing.AsyncCheckpointSaver() if ckpt.async_save and ckpt.save else None
+    exit_handler.watch_saver(saver)
     run = TrainingRun(args=args, pstate=pstate, training=configs.training,
                       logging=configs.logging, ckpt=ckpt, calculator=calculator, timers=timers,
                       writer=writer, train_state=train_state,
