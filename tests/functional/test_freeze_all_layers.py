@@ -49,3 +49,18 @@ def test_frozen_run_keeps_every_weight(corpus, tmp_path):
     assert (it3, it4, ref3) == (3, 4, 3)
     assert loss3 == ref_loss3
     assert loss4 != ref_loss4  # the unfrozen run has taken a step by then
+
+
+def test_frozen_pipeline_run_matches_one_process(corpus):
+    """Two pipeline stages, frozen: the forward-only schedule gives the single process's losses
+    (float tolerance: the stages split the same computation), and every iteration's loss is
+    the initial weights' loss on its batch, so the first equals the unfrozen run's first."""
+    flags = gpt_flags(corpus, 3, dropout=0.0, extra=["--freeze-all-layers"])
+    one = run_on_ranks(run_pretrain, 1, flags)[0]["losses"]
+    two = run_on_ranks(run_pretrain, 2, flags + ["--pipeline-model-parallel-size", "2"])
+    last = two[1]["losses"]
+    assert [i for i, _ in last] == [1, 2, 3]
+    for (_, a), (_, b) in zip(one, last):
+        assert a == pytest.approx(b, rel=1e-5)
+    free = run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 3, dropout=0.0))[0]["losses"]
+    assert one[0][1] == free[0][1]
