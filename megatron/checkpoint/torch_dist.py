@@ -675,9 +675,10 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     filled = sorted(set().union(*zero))
     note_zero_router_bias(iter_dir, filled)
     restore = not (args.finetune or release)
-    wide = (not weights_only and optimizer is not None
-            and getattr(args, "load_main_params_from_ckpt", False)
-            and not (restore and not args.no_load_optim))
+    # --load-main-params-from-ckpt: a fresh optimizer's main params take the values read.
+    fresh_optimizer = optimizer is not None and not (restore and not args.no_load_optim)
+    wide = (not weights_only and fresh_optimizer
+            and getattr(args, "load_main_params_from_ckpt", False))
     loaded = _load_model(reader, model_chunks, layouts, iter_dir, keep, zero, wide)
     if weights_only:
         return common
