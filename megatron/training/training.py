@@ -746,8 +746,11 @@ def _log_iteration(run: TrainingRun, stats, losses, lr, batch, loss_scale,
     return training_log.IntervalStats()
 
 
-def _learning_rate(optimizer) -> float:
-    """The logged learning rate: the first param group's not under --decoupled-lr."""
+def _learning_rate(optimizer, frozen: bool = False) -> float:
+    """The logged learning rate: the first param group's not under --decoupled-lr; 0 for a
+    --freeze-all-layers run (nothing is updated), as Megatron logs it."""
+    if frozen:
+        return 0.0
     return next((g["lr"] for g in optimizer.param_groups if not g.get("is_decoupled_lr")),
                 optimizer.param_groups[0]["lr"])
 
@@ -827,9 +830,8 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             train_state.train_loss_history.append((iteration, losses.get("lm loss")))
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
             straggler.after_iteration(iteration, batch, run.writer)
-            lr = 0.0 if run.args.freeze_all_layers else _learning_rate(run.optimizer)
-            stats = _log_iteration(run, stats, losses, lr, batch,
-                                   loss_scale, grad_norm)
+            lr = _learning_rate(run.optimizer, run.args.freeze_all_layers)
+            stats = _log_iteration(run, stats, losses, lr, batch, loss_scale, grad_norm)
             _evaluate_if_due(run, iteration, valid_iterator, manual_gc)
             if run.saver is not None:
                 run.saver.poll()
