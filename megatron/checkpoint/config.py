@@ -58,6 +58,9 @@ class CheckpointConfig:
     replication: bool = False                    # --replication
     replication_jump: Optional[int] = None       # --replication-jump
     replication_factor: int = 2                  # --replication-factor
+    verify_integrity: bool = False               # --verify-integrity: integrity.json per save
+    override_ckpt_iteration: Optional[int] = None  # --override-ckpt-iteration
+    load_main_params_from_ckpt: bool = False     # --load-main-params-from-ckpt
 
     def __post_init__(self):
         for flag, value, allowed in (
@@ -65,6 +68,13 @@ class CheckpointConfig:
                 ("--ckpt-convert-format", self.ckpt_convert_format, CONVERT_FORMATS)):
             if value is not None and value not in allowed:
                 raise ConfigError(f"{flag} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.load_main_params_from_ckpt and not (self.no_load_optim or self.finetune):
+            raise ConfigError("--load-main-params-from-ckpt takes the fp32 main parameters from "
+                              "the checkpoint's weights when its optimizer state is not loaded: "
+                              "add --no-load-optim (or --finetune)")
+        if self.override_ckpt_iteration is not None and self.override_ckpt_iteration < 0:
+            raise ConfigError(f"--override-ckpt-iteration must be >= 0, got "
+                              f"{self.override_ckpt_iteration}")
         if (self.ckpt_convert_format is None) != (self.ckpt_convert_save is None):
             raise ConfigError("--ckpt-convert-format and --ckpt-convert-save go together (the "
                               "format to convert --load to, and the folder to write it in)")

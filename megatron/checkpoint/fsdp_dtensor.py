@@ -336,7 +336,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         crash_point("after_file")
     except DistCheckpointWriteError as err:
         error = str(err)
-    finish_save(args.save, iteration, error)
+    finish_save(args.save, iteration, error, getattr(args, "verify_integrity", False))
     return os.path.join(args.save, checkpoint_dir_name(iteration))
 
 

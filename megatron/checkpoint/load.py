@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import experts, fsdp_dtensor, non_persistent, torch_dist
+from megatron.checkpoint import experts, fsdp_dtensor, integrity, non_persistent, torch_dist
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
@@ -34,7 +34,7 @@ from megatron.checkpoint.router_bias import (fill_zero_router_bias, note_zero_ro
 from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, MP_ARGS, TOKENIZER_MODEL_ARGS,
                                             check_args, checkpoint_args, megatron_args,
                                             refuse_torch_load)
-from megatron.checkpoint.state import set_rng_state_snapshot
+from megatron.checkpoint.state import main_values_of, set_rng_state_snapshot
 from megatron.training.train_state import TrainState
 
 CONVERSION_TOOL = "tools/checkpoint/convert.py"
@@ -55,6 +55,8 @@ def _locate(load_dir: str, args, pstate) -> Optional[Tuple[str, int, bool]]:
     iter_dir = iteration_dir(load_dir, iteration, release)
     if not os.path.isdir(iter_dir):
         raise CheckpointError(f"{iter_dir}: missing (named by {TRACKER_FILENAME} or --ckpt-step)")
+    if getattr(args, "verify_integrity", False):
+        integrity.verify(iter_dir)
     if is_dist_checkpoint(iter_dir):
         return iter_dir, iteration, release  # torch_dist: any saved layout loads
     refuse_torch_load(args, pstate, None, iter_dir)
@@ -278,8 +280,10 @@ def _apply_rank_state(state: dict, path: str, iteration: int, release: bool, mod
         optimizer.load_state_dict(state["optimizer"])
         opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
-        # Fresh optimizer over the loaded weights (fp32 main copies must follow the model).
-        optimizer.reload_model_params()
+        # Fresh optimizer over the loaded weights (fp32 main copies must follow the model, or
+        # with --load-main-params-from-ckpt take the checkpoint's values themselves).
+        optimizer.reload_model_params(
+            main_values_of(model_chunks, trees) if args.load_main_params_from_ckpt else None)
         if (restore_training and not args.no_load_optim and "conversion" in state
                 and "opt_param_scheduler" in state):
             # A converted checkpoint keeps the learning-rate schedule's position.
@@ -328,14 +332,17 @@ def _load_fsdp_dtensor(iter_dir, iteration, release, model_chunks, optimizer,
     return iteration
 
 
-def _saved_args_in(load_dir: str, what: str) -> argparse.Namespace:
+def _saved_args_in(load_dir: str, what: str, verify: bool = False) -> argparse.Namespace:
     """The args saved in the checkpoint ``load_dir``'s tracker names, in this project's
-    conventions (:func:`megatron_args`); ``what`` names the flag that asked, for errors."""
+    conventions (:func:`megatron_args`); ``what`` names the flag that asked, for errors;
+    ``verify`` (--verify-integrity) checks the folder's files first."""
     tracked = read_tracker(load_dir)
     if tracked is None:
         raise CheckpointError(f"{what}: no {TRACKER_FILENAME} in {load_dir}")
     iteration, release = tracked
     iter_dir = iteration_dir(load_dir, iteration, release)
+    if verify and os.path.isdir(iter_dir):
+        integrity.verify(iter_dir)
     if fsdp_dtensor.is_fsdp_dtensor_checkpoint(iter_dir):
         saved = megatron_args(fsdp_dtensor.saved_args(iter_dir))
     elif is_dist_checkpoint(iter_dir):
@@ -356,7 +363,8 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
     sizes only with --use-mp-args-from-checkpoint-args."""
     if not args.load:
         raise CheckpointError("--use-checkpoint-args needs --load")
-    saved = _saved_args_in(args.load, "--use-checkpoint-args")
+    saved = _saved_args_in(args.load, "--use-checkpoint-args",
+                           getattr(args, "verify_integrity", False))
     names = list(CHECKPOINT_ARGS)
     if args.use_tokenizer_model_from_checkpoint_args:
         names += TOKENIZER_MODEL_ARGS
@@ -389,7 +397,7 @@ def null_tokenizer_eod_from_checkpoint(args) -> argparse.Namespace:
     if not found:
         return args
     folder, flag = found[0]
-    saved = _saved_args_in(folder, f"{flag} {folder}")
+    saved = _saved_args_in(folder, f"{flag} {folder}", getattr(args, "verify_integrity", False))
     if (getattr(saved, "tokenizer_type", None) == "NullTokenizer"
             and getattr(saved, "vocab_size", None) == args.vocab_size):
         args.null_tokenizer_eod_id = getattr(saved, "null_tokenizer_eod_id", None)

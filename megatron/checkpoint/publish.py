@@ -22,6 +22,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint.integrity import write_manifest
 from megatron.checkpoint.layout import (REPLACED_SUFFIX, STAGING_PREFIX, TRACKER_FILENAME,
                                         CheckpointError, checkpoint_dir_name)
 from megatron.core import device
@@ -209,10 +210,13 @@ def publish(staging: str, save_dir: str, name: str, label: str) -> str:
     return final_dir
 
 
-def publish_iteration(save_dir: str, iteration: int) -> None:
-    """Rank 0: publish the staged save of ``iteration`` (:func:`publish`) and say so."""
-    publish(staging_root(save_dir, iteration), save_dir, checkpoint_dir_name(iteration),
-            str(iteration))
+def publish_iteration(save_dir: str, iteration: int, integrity: bool = False) -> None:
+    """Rank 0: publish the staged save of ``iteration`` (:func:`publish`) and say so; with
+    ``integrity`` (--verify-integrity) first write its manifest into the staged folder."""
+    staging = staging_root(save_dir, iteration)
+    if integrity:
+        write_manifest(os.path.join(staging, checkpoint_dir_name(iteration)))
+    publish(staging, save_dir, checkpoint_dir_name(iteration), str(iteration))
     print(f"  successfully saved checkpoint at iteration {iteration:7d} to {save_dir}",
           flush=True)
 
@@ -227,8 +231,9 @@ def raise_if_failed(error: str, what: str) -> None:
     raise CheckpointError(f"{what} failed: {detail}")
 
 
-def finish_save(save_dir: str, iteration: int, error: str) -> None:
-    """Collective: publish the staged save if every rank's file was written, else raise."""
+def finish_save(save_dir: str, iteration: int, error: str, integrity: bool = False) -> None:
+    """Collective: publish the staged save if every rank's file was written, else raise;
+    ``integrity``: write the --verify-integrity manifest first."""
     try:
         raise_if_failed(error, f"saving iteration {iteration} to {save_dir}")
     except CheckpointError:
@@ -238,7 +243,7 @@ def finish_save(save_dir: str, iteration: int, error: str) -> None:
     publish_error = ""
     if dist.get_rank() == 0:
         try:
-            publish_iteration(save_dir, iteration)
+            publish_iteration(save_dir, iteration, integrity)
         except OSError as err:
             publish_error = f"{err.filename}: {err.strerror}"
     raise_if_failed(publish_error, f"publishing iteration {iteration} in {save_dir}")

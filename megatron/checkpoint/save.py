@@ -87,6 +87,7 @@ class AsyncCheckpointSaver:
         if getattr(args, "ckpt_format", "torch") == "torch_dist":
             self._in_flight = torch_dist.start_async(
                 iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
+            self._in_flight.integrity = getattr(args, "verify_integrity", False)
             if dist.get_rank() == 0:
                 print(f"  saving checkpoint at iteration {iteration:7d} to {args.save} in the "
                       "background (torch_dist)", flush=True)
@@ -96,6 +97,7 @@ class AsyncCheckpointSaver:
         state = collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args,
                                pstate)
         job = TorchWriteJob(iteration, args.save)
+        job.integrity = getattr(args, "verify_integrity", False)
         if state is not None:
             path = my_file(tmp_root, iteration, pstate)
             # Daemon: a process that dies leaves a staging folder, which the next start removes.
@@ -130,4 +132,4 @@ class AsyncCheckpointSaver:
         if hasattr(job, "finish"):  # a torch_dist save gathers its records, then publishes
             job.finish()
             return
-        finish_save(job.save_dir, job.iteration, job.error)
+        finish_save(job.save_dir, job.iteration, job.error, job.integrity)

@@ -9,12 +9,13 @@ changes the originals. Both checkpoint formats use them.
 import argparse
 import copy
 import random
-from typing import Optional
+from typing import Dict, List, Optional
 
 import numpy as np
 import torch
 
 from megatron.core import device
+from megatron.model.module import flatten_state_dict
 
 
 def rng_state_snapshot() -> dict:
@@ -66,3 +67,18 @@ def copy_to_cpu(obj, memo: Optional[dict] = None):
     if isinstance(obj, argparse.Namespace):
         return argparse.Namespace(**{k: copy_to_cpu(v, memo) for k, v in vars(obj).items()})
     return copy.deepcopy(obj)
+
+
+def main_values_of(model_chunks, trees: List[dict]) -> Dict[int, torch.Tensor]:
+    """--load-main-params-from-ckpt: each model parameter's tensor in the checkpoint's model
+    ``trees`` (one per chunk, nested as saved), keyed by ``id(parameter)``, at the precision
+    the checkpoint holds it."""
+    values = {}
+    for chunk, tree in zip(model_chunks, trees):
+        params = flatten_state_dict(chunk.state_dict_for_save_checkpoint(keep_vars=True))
+        saved = flatten_state_dict(tree)
+        for name, param in params.items():
+            if isinstance(param, torch.nn.Parameter) and isinstance(saved.get(name),
+                                                                    torch.Tensor):
+                values[id(param)] = saved[name]
+    return values

@@ -43,7 +43,8 @@ from megatron.checkpoint.router_bias import (is_router_bias, note_zero_router_bi
                                            optimizer_refusal)
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError
 from megatron.checkpoint.saved_args import check_args, plain_args
-from megatron.checkpoint.state import copy_to_cpu, rng_state_snapshot, set_rng_state_snapshot
+from megatron.checkpoint.state import (copy_to_cpu, main_values_of, rng_state_snapshot,
+                                      set_rng_state_snapshot)
 from megatron.core import rerun_state_machine as rerun_enums
 
 MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
@@ -278,7 +279,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         crash_point("after_file")
     except DistCheckpointWriteError as err:
         error = str(err)
-    finish_save(args.save, iteration, error)
+    finish_save(args.save, iteration, error, getattr(args, "verify_integrity", False))
     return os.path.join(args.save, checkpoint_dir_name(iteration))
 
 
@@ -302,6 +303,7 @@ class AsyncDistSave:
     def __init__(self, iteration: int, save_dir: str, iter_dir: str, items: list):
         self.iteration, self.save_dir, self.iter_dir = iteration, save_dir, iter_dir
         self.items, self.records, self.error = items, [], ""
+        self.integrity = False  # --verify-integrity: a manifest is written before publishing
         self.thread = threading.Thread(target=self._write, daemon=True,
                                        name=f"torch-dist-writer-{iteration}")
 
@@ -332,7 +334,7 @@ class AsyncDistSave:
                 except DistCheckpointWriteError as err:
                     errors.append(str(err))
             error = "; ".join(errors)
-        finish_save(self.save_dir, self.iteration, error)
+        finish_save(self.save_dir, self.iteration, error, self.integrity)
 
 
 def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
@@ -444,18 +446,32 @@ def _absent_router_biases(reader, model_chunks, layouts) -> List[frozenset]:
     return absent
 
 
+def _as_fp32(tree):
+    """``tree`` with every floating tensor replaced by an fp32 copy (a template to read the
+    checkpoint's values into without rounding them to the model's half precision)."""
+    if isinstance(tree, dict):
+        return {k: _as_fp32(v) for k, v in tree.items()}
+    if isinstance(tree, torch.Tensor) and tree.is_floating_point():
+        return tree.detach().to(torch.float32)
+    return tree
+
+
 def _load_model(reader, model_chunks, layouts, path: str, keep: List[frozenset],
-                zero: List[frozenset]) -> None:
+                zero: List[frozenset], wide: bool = False) -> List[dict]:
+    """Load every chunk's tensors; returns the states read (in fp32 with ``wide``:
+    --load-main-params-from-ckpt keeps them for the main params)."""
     loaded = []
     try:
         for chunk, layout, kept, zeros in zip(model_chunks, layouts, keep, zero):
-            loaded.append(load_model_state(reader, chunk.state_dict_for_save_checkpoint(),
+            template = chunk.state_dict_for_save_checkpoint()
+            loaded.append(load_model_state(reader, _as_fp32(template) if wide else template,
                                            layout, kept, zeros))
     except (DistCheckpointError, UnsafeCheckpointError, ValueError) as err:
         raise CheckpointError(f"{path}: model state does not fit the model: "
                                             f"{err}") from None
     for chunk, state in zip(model_chunks, loaded):
         chunk.load_state_dict(state, strict=True)
+    return loaded
 
 
 def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tuple]]]:
@@ -658,10 +674,14 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
     zero = _absent_router_biases(reader, model_chunks, layouts)
     filled = sorted(set().union(*zero))
     note_zero_router_bias(iter_dir, filled)
-    _load_model(reader, model_chunks, layouts, iter_dir, keep, zero)
+    restore = not (args.finetune or release)
+    # --load-main-params-from-ckpt: a fresh optimizer's main params take the values read.
+    fresh_optimizer = optimizer is not None and not (restore and not args.no_load_optim)
+    wide = (not weights_only and fresh_optimizer
+            and getattr(args, "load_main_params_from_ckpt", False))
+    loaded = _load_model(reader, model_chunks, layouts, iter_dir, keep, zero, wide)
     if weights_only:
         return common
-    restore = not (args.finetune or release)
     if restore and not args.no_load_optim and filled:
         raise CheckpointError(optimizer_refusal(iter_dir, filled))
     if restore and not args.no_load_optim:
@@ -671,7 +691,7 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
                                                 " pass --no-load-optim or --finetune")
         opt_param_scheduler.load_state_dict(common["opt_param_scheduler"])
     elif optimizer is not None:
-        optimizer.reload_model_params()
+        optimizer.reload_model_params(main_values_of(model_chunks, loaded) if wide else None)
     if restore and not args.no_load_rng:
         key = (f"rng_state/shard_{pstate.pp_rank}.{pstate.tp_rank}_"
                f"{pstate.pp_size}.{pstate.tp_size}")

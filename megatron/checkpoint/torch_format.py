@@ -97,7 +97,7 @@ def save_torch_checkpoint(iteration: int, model_chunks, optimizer, opt_param_sch
     error = ""
     if state is not None:
         error = write_state(state, my_file(tmp_root, iteration, pstate))
-    finish_save(args.save, iteration, error)
+    finish_save(args.save, iteration, error, getattr(args, "verify_integrity", False))
     return os.path.join(args.save, checkpoint_dir_name(iteration))
 
 
@@ -109,6 +109,7 @@ class TorchWriteJob:
         self.save_dir = save_dir
         self.thread: Optional[threading.Thread] = None
         self.error = ""
+        self.integrity = False  # --verify-integrity: a manifest is written before publishing
 
     def write(self, state: dict, path: str) -> None:
         try:

@@ -112,6 +112,8 @@ class TransformerConfig:
     account_for_embedding_in_pipeline_split: bool = False
     account_for_loss_in_pipeline_split: bool = False
     fp16_lm_cross_entropy: bool = False
+    # --output-logit-dtype: the output layer's product in this dtype (None: the hidden states').
+    logit_dtype: Optional[torch.dtype] = None
     # The chunked cross entropy kernel, its backward written into the logits' storage.
     cross_entropy_loss_fusion: bool = True
     # Sliding-window attention: (left, right) keys a query sees besides itself, -1 = no limit on

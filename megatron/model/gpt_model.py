@@ -169,13 +169,33 @@ class GPTModel(MegatronModule):
         return loss
 
     def _head(self, hidden: torch.Tensor, buffer=None) -> torch.Tensor:
-        """``[s, b, h]`` -> logits ``[s, b, V/tp]``."""
+        """``[s, b, h]`` -> logits ``[s, b, V/tp]``, in ``--output-logit-dtype`` when given.
+
+        A wider logit dtype than the hidden states' (fp32 in a bf16 run) forms the product of
+        the half-precision values with an fp32 sum and keeps it unrounded, as a GEMM with an
+        fp32 output does (each product of two bf16 values is exact in fp32); a narrower one
+        rounds the product."""
+        dtype = self.config.logit_dtype
+        if dtype is None or dtype == hidden.dtype:
+            return self._head_in(hidden, None, buffer)
+        if dtype.itemsize > hidden.dtype.itemsize:
+            return self._head_in(hidden.to(dtype), dtype, None)
+        return self._head_in(hidden, None, None).to(dtype)
+
+    def _head_in(self, hidden: torch.Tensor, dtype: Optional[torch.dtype],
+                 buffer) -> torch.Tensor:
+        """The output layer's product with the weight cast to ``dtype`` (None: as stored)."""
         if self.share_embeddings_and_output_weights:
-            logits = parallel_lm_logits(hidden, self.shared_embedding_or_output_weight(),
+            weight = self.shared_embedding_or_output_weight()
+            logits = parallel_lm_logits(hidden, weight if dtype is None else weight.to(dtype),
                                         self.tp_group, self.sequence_parallel,
                                         output_buffer=buffer)
         else:
-            logits, _ = self.language_model.output_layer(hidden, output_buffer=buffer)
+            layer = self.language_model.output_layer
+            if dtype is not None:
+                logits, _ = layer(hidden, weight=layer.weight.to(dtype))
+            else:
+                logits, _ = layer(hidden, output_buffer=buffer)
         if self.config.use_mup and self.config.mup_output_mult != 1.0:
             logits = logits * self.config.mup_output_mult                  # --mup-output-mult
         return logits

@@ -74,7 +74,8 @@ from .clip_grads import (clip_grads_with_norm_fp32, get_grads_for_norm, is_exper
                          param_counts_here)
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
-from .optimizer import MegatronOptimizer, StepResult, copy_parallel_attributes
+from .optimizer import (MainValues, MegatronOptimizer, StepResult, copy_parallel_attributes,
+                        main_value)
 from megatron.core import collectives, device
 from megatron.core.config import ConfigError
 
@@ -464,11 +465,12 @@ class DistributedOptimizer(MegatronOptimizer):
                 flat[piece.param_start:piece.param_end].copy_(main)
 
     @torch.no_grad()
-    def reload_model_params(self) -> None:
+    def reload_model_params(self, main_values: Optional[MainValues] = None) -> None:
         self.finish_param_sync()
         for piece, main in self._shards():
             if piece.model_param.dtype != torch.float32:
-                main.copy_(piece.model_param.detach().view(-1)[piece.param_start:piece.param_end])
+                source = main_value(piece.model_param, main_values)
+                main.copy_(source.reshape(-1)[piece.param_start:piece.param_end])
 
     # -- parameter all-gather ----------------------------------------------------------------
 

@@ -28,7 +28,7 @@ They are copied onto the fp32 main parameters so the norm treats both alike.
 
 import logging
 from abc import ABC, abstractmethod
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,20 @@ _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_str
                         "sequence_parallel", "shared", "allreduce", "muon_qkv_split")
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
+# --load-main-params-from-ckpt: id(model parameter) -> the checkpoint's tensor for it.
+MainValues = Dict[int, torch.Tensor]
+
+
+def main_value(model_param: torch.Tensor, main_values: Optional[MainValues]) -> torch.Tensor:
+    """What a main param of ``model_param`` reloads from: the checkpoint's tensor for it, in
+    fp32, when ``main_values`` holds one, else the model's own value."""
+    source = None if main_values is None else main_values.get(id(model_param))
+    if source is None:
+        return model_param.detach()
+    if tuple(source.shape) != tuple(model_param.shape):
+        raise ValueError(f"--load-main-params-from-ckpt: the checkpoint's tensor has shape "
+                         f"{tuple(source.shape)}, the parameter {tuple(model_param.shape)}")
+    return source.detach().to(device=model_param.device, dtype=torch.float32)
 
 
 def _zero_grad_group_helper(group: Sequence[torch.Tensor], set_to_none: bool) -> None:
@@ -282,8 +296,15 @@ class MegatronOptimizer(ABC):
         """
 
     @abstractmethod
-    def reload_model_params(self) -> None:
-        """Refresh main params from the model's params (after loading model weights alone)."""
+    def reload_model_params(self, main_values: Optional[MainValues] = None) -> None:
+        """Refresh main params from the model's params (after loading model weights alone).
+
+        Args:
+            main_values: --load-main-params-from-ckpt: maps a model parameter to the tensor the
+                checkpoint holds for it (its full local shape, any float dtype); the main param
+                takes that value in fp32 instead of the model's (possibly rounded) copy.
+                Parameters it lacks take the model's value.
+        """
 
     @torch.no_grad()
     def scale_param_rows(self, factors) -> None:
@@ -350,8 +371,8 @@ class FP32Optimizer(MegatronOptimizer):
         grad_norm, num_zeros_in_grad = self._step_with_ready_grads()
         return True, grad_norm, num_zeros_in_grad
 
-    def reload_model_params(self) -> None:
-        pass
+    def reload_model_params(self, main_values: Optional[MainValues] = None) -> None:
+        pass  # fp32 params are their own main params: loading the model loaded them
 
     def state_dict(self) -> dict:
         return self.optimizer.state_dict()
@@ -445,10 +466,10 @@ class Float16OptimizerWithFloat16Params(MegatronOptimizer):
             for model_param, main_param in zip(model_group, main_group):
                 model_param.data.copy_(main_param.data)
 
-    def reload_model_params(self) -> None:
+    def reload_model_params(self, main_values: Optional[MainValues] = None) -> None:
         for model_group, main_group in zip(self.float16_groups, self.fp32_from_float16_groups):
             for model_param, main_param in zip(model_group, main_group):
-                main_param.data.copy_(model_param.data)
+                main_param.data.copy_(main_value(model_param, main_values))
 
     @torch.no_grad()
     def scale_param_rows(self, factors) -> None:

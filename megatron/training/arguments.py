@@ -290,6 +290,15 @@ def _add_training_args(parser):
                    help="with --exit-signal-handler: data-loader workers note the exit signal "
                         "instead of dying of it, so a signal sent to the whole process group "
                         "leaves them alive while the checkpoint is saved")
+    g.add_argument("--exit-signal-handler-for-training", action="store_true",
+                   help="on SIGINT or SIGTERM anywhere in pretrain, finish a checkpoint save "
+                        "in flight (--async-save), leave the process group and exit with "
+                        "status 0 in one line instead of a traceback (no new checkpoint: that "
+                        "is --exit-signal-handler)")
+    g.add_argument("--freeze-all-layers", action="store_true",
+                   help="no parameter is trained: every step runs the forward pass only (no "
+                        "backward, no optimizer step, no MoE expert-bias update) and logs "
+                        "learning rate 0; the schedule and the data position still advance")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--no-masked-softmax-fusion", action="store_false",
                    dest="masked_softmax_fusion")
@@ -479,6 +488,19 @@ def _add_checkpointing_args(parser):
                    help="when --load holds no checkpoint, start from this checkpoint's weights "
                    "as --finetune does")
     g.add_argument("--ckpt-step", type=int, default=None)
+    g.add_argument("--override-ckpt-iteration", type=int, default=None,
+                   help="after loading --load, continue as from this iteration: the iteration "
+                        "counter, the consumed samples (N x the global batch size) and the "
+                        "learning-rate schedule's position follow N, whatever the checkpoint "
+                        "recorded")
+    g.add_argument("--load-main-params-from-ckpt", action="store_true",
+                   help="--bf16/--fp16 with the optimizer state not loaded (--no-load-optim, "
+                        "--finetune): the fp32 main parameters take the checkpoint's values "
+                        "at the precision it holds them, not the model's rounded copy")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="saving writes integrity.json (SHA-256 of every file) into each "
+                        "checkpoint folder; loading re-hashes the files and stops, naming each "
+                        "file that differs or is missing")
     g.add_argument("--use-checkpoint-args", action="store_true")
     g.add_argument("--no-initialization", action="store_false", dest="perform_initialization",
                    help="do not draw the initial weights (zeros until --load fills them): a "
@@ -581,6 +603,11 @@ def _add_mixed_precision_args(parser):
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--fp16-lm-cross-entropy", action="store_true")
+    g.add_argument("--output-logit-dtype", type=str, default=None, dest="logit_dtype",
+                   choices=["bf16", "fp32"],
+                   help="precision of the output layer's product (the logits): fp32 keeps the "
+                        "full-precision sum of a bf16/fp16 run's half-precision matmul, bf16 "
+                        "rounds it (default: the model's dtype)")
 
 
 def _add_distributed_args(parser):

@@ -21,6 +21,9 @@ from megatron.data.config import DataConfig, FIMFlags
 from megatron.model.moe.config import MoEConfig
 from megatron.optimizer.config import OptimizerConfig, SchedulerConfig
 
+# --output-logit-dtype choices -> torch dtypes.
+LOGIT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
 
 @dataclass(frozen=True)
 class TrainingConfig:
@@ -155,6 +158,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         account_for_embedding_in_pipeline_split=args.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=args.account_for_loss_in_pipeline_split,
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        logit_dtype=LOGIT_DTYPES.get(getattr(args, "logit_dtype", None)),
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
         window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         softmax_type=args.softmax_type,
@@ -244,7 +248,9 @@ def build_checkpoint_config(args) -> CheckpointConfig:
         non_persistent_global_ckpt_dir=args.non_persistent_global_ckpt_dir,
         non_persistent_local_ckpt_dir=args.non_persistent_local_ckpt_dir,
         replication=args.replication, replication_jump=args.replication_jump,
-        replication_factor=args.replication_factor)
+        replication_factor=args.replication_factor, verify_integrity=args.verify_integrity,
+        override_ckpt_iteration=args.override_ckpt_iteration,
+        load_main_params_from_ckpt=args.load_main_params_from_ckpt)
 
 
 def build_data_config(args) -> DataConfig:

@@ -119,22 +119,14 @@ TESTING = "Megatron's test harness switches are not part of this project; drop i
 TIMEOUTS = ("the NCCL flight recorder and a second timeout after start-up are not built here; "
             "use --distributed-timeout-minutes")
 MODEL_VARIANT = "this model variant is not built yet; drop it"
-TRAINING_EXTRAS = "this training-loop option is not built yet; drop it"
-CKPT_EXTRAS = "this checkpoint-loading option is not built yet; drop it"
+CKPT_EXTRAS = ("it changes how Megatron reads a legacy distrib_optim.pt, a file this project "
+               "neither writes nor reads; drop it")
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
 TOKENIZER_EXTRAS = ("this tokenizer option is not built yet; drop it (tokenizers are built from "
                     "--tokenizer-type, --tokenizer-model, --vocab-file and --merge-file)")
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
               "drop it and give local paths")
 PARAM_GROUPS = "custom parameter groups are not built yet; drop it"
-VERIFY_INTEGRITY = ("Megatron-LM's checkpoint integrity verification is not built yet; drop it "
-                    "(every load here checks each key and shape, and the model-shape flags, "
-                    "before anything is copied, and a save is published only once complete)")
-LOAD_MAIN_PARAMS = ("taking the fp32 main parameters from a checkpoint whose optimizer state is "
-                    "not loaded is not built yet; drop it (with --no-load-optim the main "
-                    "parameters start from the loaded model weights)")
-OVERRIDE_ITERATION = ("starting from another iteration than the checkpoint's is not built yet; "
-                      "drop it")
 PRE_MCORE_014 = ("saving torch_dist checkpoints in the layout of Megatron-Core before 0.14 is "
                  "not built; drop it (checkpoints are written in today's layout)")
 HF_SLOW = ("Hugging Face's slow (Python) tokenizers are not built here; drop it (tokenizer.json "
@@ -320,7 +312,6 @@ ROWS = (
     ('--gpu-sniff-test-interval', '', 'int', None, '', REFUSED, GPU_SNIFF),
     ('--train-sync-interval', '', 'int', None, '', NO_EFFECT, SCHEDULE),
     ('--exit-signal', '', 'signal', signal.SIGTERM, '', WORKS, None),
-    ('--exit-signal-handler-for-training', '', 'true', False, '', REFUSED, TRAINING_EXTRAS),
     ('--no-check-for-nan-in-loss-and-grad', 'check_for_nan_in_loss_and_grad',
      'false', True, '', WORKS, None),
     ('--tp-comm-overlap-cfg', '', 'str', None, '', REFUSED, TP_OVERLAP),
@@ -379,9 +370,7 @@ ROWS = (
     ('--rl-inference-parsers', '', 'str+', [], '', REFUSED, RL),
     ('--te-rng-tracker', '', 'true', False, '', REFUSED, TE),
     ('--inference-rng-tracker', '', 'true', False, '', REFUSED, INFERENCE),
-    ('--freeze-all-layers', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--save-retain-interval', '', 'int', None, '', WORKS, None),
-    ('--load-main-params-from-ckpt', '', 'true', False, '', REFUSED, LOAD_MAIN_PARAMS),
     ('--ckpt-convert-update-legacy-dist-opt-format', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
     ('--async-strategy', '', 'str', 'nvrx', 'nvrx|mcore', NO_EFFECT, ASYNC_CKPT),
     ('--use-persistent-ckpt-worker', '', 'true', False, '', NO_EFFECT, ASYNC_CKPT),
@@ -406,14 +395,11 @@ ROWS = (
      'true', False, '', NO_EFFECT, RESHARDABLE),
     ('--no-save-tokenizer-assets --disable-save-tokenizer-assets', 'save_tokenizer_assets',
      'false', True, '', NO_EFFECT, TOKENIZER_ASSETS),
-    ('--verify-integrity', '', 'true', False, '', REFUSED, VERIFY_INTEGRITY),
-    ('--override-ckpt-iteration', '', 'int', None, '', REFUSED, OVERRIDE_ITERATION),
     ('--dist-ckpt-format', 'dist_ckpt_format_deprecated',
      'str', None, '', REFUSED, DIST_CKPT_FORMAT),
     ('--dist-ckpt-workers', '', 'int', 1, '', NO_EFFECT, CKPT_PERF),
     ('--ckpt-drop-redundant-extra-state', '', 'true', False, '', NO_EFFECT, CKPT_PERF),
     ('--grad-reduce-in-bf16', '', 'true', False, '', REFUSED, GRAD_PRECISION),
-    ('--output-logit-dtype', 'logit_dtype', 'str', None, 'bf16|fp32', REFUSED, MODEL_VARIANT),
     ('--reuse-grad-buf-for-mxfp8-param-ag', '', 'true', False, '', REFUSED, FP8),
     ('--mamba-training-ssm-states-dtype', '', 'str', None, 'fp32|bf16', REFUSED, MAMBA),
     ('--no-align-grad-reduce --disable-align-grad-reduce', 'align_grad_reduce',

@@ -31,7 +31,7 @@ from megatron.data.samplers import (build_pretraining_data_loader, cyclic_iter,
                                     exit_signal_worker_init)
 from megatron.optimizer import SchedulerConfig, get_megatron_optimizer, qk_clip
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.training import checkpointing, global_vars
+from megatron.training import checkpointing, exit_handler, freeze, global_vars
 from megatron.training import hooks as training_hooks
 from megatron.training import meta_device_init, phases, upcycling
 from megatron.training import log as training_log
@@ -476,10 +476,13 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
     moe_logging.set_aux_loss_scale(model, optimizer.get_loss_scale(),
                                    calculator.num_micro_batches)
     timers("forward-backward", log_level=1).start()
-    logged = schedule(forward_step_func=watch or forward_step_func, data_iterator=data_iterator,
-                      model=model, num_microbatches=calculator.num_micro_batches,
-                      forward_only=False, grad_scale_func=optimizer.scale_loss,
-                      **schedule_kwargs(model, args, pstate))
+    context, forward_only = freeze.grad_context(args)
+    with context:
+        logged = schedule(forward_step_func=watch or forward_step_func,
+                          data_iterator=data_iterator, model=model,
+                          num_microbatches=calculator.num_micro_batches,
+                          forward_only=forward_only, grad_scale_func=optimizer.scale_loss,
+                          **schedule_kwargs(model, args, pstate))
     timers("forward-backward", log_level=1).stop()
     training_hooks.empty_unused_memory(args, 1)
     findings = numerics.loss_findings(watch) if check else []
@@ -488,6 +491,9 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
     sumsq = machine is not None and machine.validates_grads
     grad_sumsq = (numerics.local_grad_sumsq(model)
                   if sumsq and not args.overlap_grad_reduce else None)
+    if forward_only:  # --freeze-all-layers: no gradients to reduce
+        losses = [float(v) for v in watch.losses] if machine is not None else []
+        return rerun.StepRun(logged, findings, losses, grad_sumsq)
     finalize_model_grads(model, tp_group=pstate.tp_group, embedding_group=pstate.embedding_group,
                          is_first_stage=pstate.is_first_stage(ignore_virtual=True),
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
@@ -547,6 +553,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     if args.skip_iterations_with_loss_spike and numerics.skip_for_loss_spike(
             losses, iteration, args, pstate, train_state.loss_spike_history):
         ok, grad_norm = False, None
+    elif args.freeze_all_layers:
+        ok, grad_norm = True, None  # nothing to update; the schedule still advances
     else:
         timers("optimizer", log_level=1).start()
         ok, grad_norm, _ = optimizer.step()
@@ -559,7 +567,8 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
         if train_state is not None:
             train_state.max_attention_logit = max_logit
     dumps.after_step(model, pstate)
-    moe_logging.update_expert_biases(model, pstate)
+    if not args.freeze_all_layers:
+        moe_logging.update_expert_biases(model, pstate)
     moe_logging.reset_global_aux_loss(model)
     training_hooks.empty_unused_memory(args, 2)
     # As Megatron logs it: the scale after this step's update (backed off on an overflow).
@@ -664,6 +673,39 @@ def save_upcycled(model, optimizer, scheduler, args, pstate, train_state: TrainS
     checkpointing.save_checkpoint(train_state.iteration, model, optimizer, scheduler, args,
                                   pstate, train_state=train_state, config=ckpt)
     print_rank_0(f"upcycled checkpoint saved to {ckpt.save}")
+
+
+def samples_after(iterations: int, calculator: NumMicroBatchesCalculator) -> int:
+    """Training samples consumed by ``iterations`` iterations from the start, following the
+    batch-size ramp (--rampup-batch-size, --step-batch-size-schedule) when there is one."""
+    if calculator.rampup is None and calculator.step_schedule is None:
+        calculator.update(0)
+        return iterations * calculator.current_running_global_batch_size
+    samples = 0
+    for _ in range(iterations):
+        calculator.update(samples, check=False)
+        samples += calculator.current_running_global_batch_size
+    return samples
+
+
+def override_checkpoint_iteration(train_state: TrainState, scheduler,
+                                  calculator: NumMicroBatchesCalculator,
+                                  ckpt: CheckpointConfig) -> None:
+    """--override-ckpt-iteration N: whatever --load held, the run goes on as from iteration N:
+    the iteration counter, the consumed training samples (the sampler's position) and the
+    learning-rate / weight-decay schedule's position are those of N iterations."""
+    n = ckpt.override_ckpt_iteration
+    if n is None:
+        return
+    samples = samples_after(n, calculator)
+    train_state.iteration = n
+    train_state.consumed_train_samples = samples
+    train_state.skipped_train_samples = min(train_state.skipped_train_samples, samples)
+    scheduler.num_steps = 0
+    scheduler.step(samples)
+    calculator.update(samples)
+    print_rank_0(f"--override-ckpt-iteration: continuing from iteration {n} ({samples} "
+                 "consumed samples, the schedule at the same point)")
 
 
 def convert_loaded_checkpoint(train_state: TrainState, model, optimizer, scheduler, args, pstate,
@@ -800,9 +842,11 @@ def _log_iteration(run: TrainingRun, stats, losses, lr, batch, loss_scale,
     return training_log.IntervalStats()
 
 
-def _learning_rate(optimizer) -> float:
+def _learning_rate(optimizer, frozen: bool = False) -> float:
     """The logged learning rate: the first param group's not under --decoupled-lr nor scaled
-    by --use-mup."""
+    by --use-mup; 0 for a --freeze-all-layers run (nothing is updated), as Megatron logs it."""
+    if frozen:
+        return 0.0
     return next((g["lr"] for g in optimizer.param_groups
                  if not g.get("is_decoupled_lr") and "mup_lr_factor" not in g),
                 optimizer.param_groups[0]["lr"])
@@ -885,8 +929,8 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             train_state.train_loss_history.append((iteration, losses.get("lm loss")))
             grad_norm = None if grad_norm is None else training_log.to_float(grad_norm)
             straggler.after_iteration(iteration, batch, run.writer)
-            stats = _log_iteration(run, stats, losses, _learning_rate(run.optimizer), batch,
-                                   loss_scale, grad_norm)
+            lr = _learning_rate(run.optimizer, run.args.freeze_all_layers)
+            stats = _log_iteration(run, stats, losses, lr, batch, loss_scale, grad_norm)
             _evaluate_if_due(run, iteration, valid_iterator, manual_gc)
             if run.saver is not None:
                 run.saver.poll()
@@ -1017,10 +1061,13 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
                                      tensorboard_writer=writer.tensorboard if writer else None,
                                      parallel_state=pstate)
     lock = checkpointing.lock_save_dir(ckpt.save, args.rank) if ckpt.save else None
+    handler = exit_handler.install(args)
     try:
         return _build_and_run(train_valid_test_dataset_provider, model_provider,
                               forward_step_func, args, pstate, configs, timers, writer)
     finally:
+        if handler is not None:
+            handler.release()
         if lock is not None:
             lock.release()
 
@@ -1037,10 +1084,13 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     model, optimizer, scheduler = setup_model_and_optimizer(model_provider, args, pstate,
                                                             configs=configs)
     train_state = TrainState()
+    if args.freeze_all_layers:
+        freeze.freeze_all_model_chunks(model)
     if args.moe_use_upcycling:
         save_upcycled(model, optimizer, scheduler, args, pstate, train_state, ckpt)
     else:
         load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+        override_checkpoint_iteration(train_state, scheduler, calculator, ckpt)
     train_state.rerun = rerun.build(args, args.rank)
     if train_state.rerun is not None:
         train_state.rerun.load_state_dict(train_state.rerun_checkpoint)
@@ -1058,6 +1108,7 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     iterators = build_chunk_data_iterators(train_valid_test_dataset_provider, args, pstate,
                                            train_state, configs.data)
     saver = checkpointing.AsyncCheckpointSaver() if ckpt.async_save and ckpt.save else None
+    exit_handler.watch_saver(saver)
     run = TrainingRun(args=args, pstate=pstate, training=configs.training,
                       logging=configs.logging, ckpt=ckpt, calculator=calculator, timers=timers,
                       writer=writer, train_state=train_state,
