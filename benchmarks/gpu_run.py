@@ -42,7 +42,7 @@ import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, List, Optional
+from typing import Callable, Dict, List, Optional
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), os.path.pardir))
 PARITY_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)),
@@ -224,11 +224,36 @@ def stage_parity(run: Run, stage: Stage, record: bool = False) -> None:
         raise StageError(f"{PARITY_FILE} was recorded with other flags: rerun "
                          "benchmarks/gpu_run.py --record-cpu-losses on a CPU machine")
     gap = max(abs(a - b) for a, b in zip(got, recorded["losses"]))
-    stage.details = {"device": got, "cpu": recorded["losses"], "max_abs_diff": gap}
+    offload = _offload_losses(run)
+    stage.details = {"device": got, "cpu": recorded["losses"], "max_abs_diff": gap,
+                     "offload": offload}
+    same = all(losses == got for losses in offload.values())
     stage.summary = (f"6 losses, max |{run.device()} - recorded cpu| = {gap:.2e} "
-                     f"(limit {PARITY_ATOL:g})")
-    if gap > PARITY_ATOL:
+                     f"(limit {PARITY_ATOL:g}); activation offloading "
+                     f"{'gives the same losses' if same else 'CHANGES the losses'}")
+    if gap > PARITY_ATOL or not same:
         raise StageError(stage.summary)
+
+
+# Activation offloading moves saved tensors to the host and back: on the device the losses must
+# be the plain run's bit for bit (on the CPU of a dry run nothing moves).
+OFFLOAD_FLAGS = {
+    "layer": ["--cpu-offloading-num-layers", "1"],
+    "modules": ["--fine-grained-activation-offloading", "--offload-modules", "attn_norm",
+                "qkv_linear", "core_attn", "attn_proj", "mlp_norm",
+                "--min-offloaded-tensor-size", "1"],
+}
+
+
+def _offload_losses(run: Run) -> Dict[str, List[float]]:
+    out = {}
+    for name, extra in OFFLOAD_FLAGS.items():
+        result = pretrain(run, f"parity_offload_{name}", PARITY_FLAGS + extra, 180,
+                          NVIDIA_TF32_OVERRIDE="0")
+        out[name] = losses_of(result.text)
+        if not result.ok or len(out[name]) != 6:
+            raise StageError(f"offload {name}: {result.why()}")
+    return out
 
 
 def _record_cpu_losses(losses: List[float]) -> None:
@@ -384,7 +409,7 @@ def stages(record: bool):
         ("env", stage_env, 1),
         ("build", stage_build, 60),
         ("kernels", stage_kernels, 30),
-        ("parity", lambda run, st: stage_parity(run, st, record), 30),
+        ("parity", lambda run, st: stage_parity(run, st, record), 60),
         ("bf16", stage_bf16, 60),
         ("mfu", stage_mfu, 90),
         ("recompute", lambda run, st: stage_mfu(run, st, ["megatron-1.3b-selective"]), 60),

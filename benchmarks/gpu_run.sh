@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU run, about 8 minutes on one H100 / H200 with the build (benchmarks/gpu_run.py
-# lists its stages): build the CUDA bodies, kernel tests, GPU-vs-CPU parity, a bf16 run that
+# lists its stages): build the CUDA bodies, kernel tests, GPU-vs-CPU parity (and activation
+# offloading there, which must keep the losses), a bf16 run that
 # trains, MFU at 124M and 1.3B beside transformers, then selective recompute and a profile if
 # time remains. Needs Python with a CUDA torch, nvcc and ninja; nothing is fetched.
 #
