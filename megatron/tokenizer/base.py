@@ -1,7 +1,7 @@
 """The interface every tokenizer offers, with Megatron's attribute names."""
 
 import abc
-from typing import Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -14,6 +14,10 @@ class MegatronTokenizer(abc.ABC):
     ``bos``, ``eos``) raise ``NotImplementedError`` unless the tokenizer defines them, so a model
     that needs one it lacks fails at once, naming the tokenizer.
     """
+
+    # The Jinja template apply_chat_template uses by default (set by build_tokenizer from a
+    # --tokenizer-metadata file, the tokenizer's own files or --chat-template).
+    chat_template: Optional[str] = None
 
     def __init__(self, name: str):
         self.name = name
@@ -57,6 +61,36 @@ class MegatronTokenizer(abc.ABC):
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
         flat = np.fromiter((i for p in pieces for i in p), dtype=np.int64, count=int(lengths.sum()))
         return flat, lengths
+
+    def apply_chat_template(self, conversation: List[Dict[str, Any]],
+                            chat_template: Optional[str] = None, tokenize: bool = True,
+                            truncation: bool = False, max_length: Optional[int] = None,
+                            add_generation_prompt: bool = False) -> Union[str, List[int]]:
+        """Render ``conversation`` (``[{"role": ..., "content": ...}, ...]``) with a Jinja chat
+        template, as Megatron-Core's tokenizers do: the template sees ``messages`` and
+        ``add_generation_prompt`` (and :meth:`chat_template_variables`); with ``tokenize`` the
+        text's ids (:meth:`tokenize_text`, no begin/end tokens added), cut to ``max_length``
+        with ``truncation``.
+        """
+        template = chat_template or self.chat_template
+        if not template:
+            raise ValueError(f"the {self.name} tokenizer has no chat template: give "
+                             "--chat-template, or a --tokenizer-metadata file with 'chat_template'")
+        if truncation and not max_length:
+            raise ValueError("apply_chat_template: truncation needs max_length")
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        text = _compile_jinja_template(template).render(
+            messages=conversation, add_generation_prompt=add_generation_prompt,
+            **self.chat_template_variables())
+        if not tokenize:
+            return text
+        ids = self.tokenize_text(text)
+        return ids[:max_length] if truncation else ids
+
+    def chat_template_variables(self) -> Dict[str, str]:
+        """Further names a chat template may use (a Hugging Face tokenizer's special tokens)."""
+        return {}
 
     def _missing(self, what: str):
         raise NotImplementedError(f"the {self.name} tokenizer has no {what} token")

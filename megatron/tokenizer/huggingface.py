@@ -50,6 +50,29 @@ class HuggingFaceTokenizer(MegatronTokenizer):
         self._vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._eos_token = self._find_eos(folder)
+        self._config = self._read_config(folder)
+        template = self._config.get("chat_template")
+        self.chat_template = template if isinstance(template, str) else None
+
+    @staticmethod
+    def _read_config(folder: str) -> Dict:
+        """The folder's tokenizer_config.json (empty when there is none)."""
+        path = os.path.join(folder, "tokenizer_config.json")
+        if not os.path.isfile(path):
+            return {}
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+        if not isinstance(config, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        return config
+
+    def chat_template_variables(self) -> Dict[str, str]:
+        """The special tokens of tokenizer_config.json (``bos_token``, ``eos_token``, ...), which
+        transformers' apply_chat_template hands to the template."""
+        names = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
+        found = {n: _token_text(self._config.get(n)) for n in names}
+        return {n: t for n, t in found.items() if t is not None}
 
     def _find_eos(self, folder: str) -> Optional[str]:
         for name in ("tokenizer_config.json", "special_tokens_map.json"):

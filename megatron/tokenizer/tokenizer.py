@@ -4,7 +4,10 @@
 ``merge_file``, ``tokenizer_model``, ``vocab_size``, ``vocab_extra_ids``,
 ``make_vocab_size_divisible_by``, ``tensor_model_parallel_size`` and ``rank``; for TikTokenizer
 also ``tiktoken_pattern``, ``tiktoken_num_special_tokens`` and ``special_tokens``; for
-NullTokenizer ``null_tokenizer_eod_id`` and ``null_tokenizer_pad_id``.
+NullTokenizer ``null_tokenizer_eod_id`` and ``null_tokenizer_pad_id``; for the SentencePiece types
+``tokenizer_sentencepiece_legacy``, ``special_tokens`` and
+``tokenizer_sentencepiece_ignore_extra_whitespaces``; for every type ``metadata_path`` and
+``chat_template``.
 """
 
 import importlib.util
@@ -159,12 +162,13 @@ def _create(args) -> MegatronTokenizer:
         from megatron.tokenizer.sentencepiece_tokenizer import SentencePieceTokenizer
 
         return SentencePieceTokenizer(_require(args, "tokenizer_model", "--tokenizer-model"),
-                                      vocab_extra_ids=extra_ids)
+                                      vocab_extra_ids=extra_ids, **_sentencepiece_options(args))
     if kind in ("GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         from megatron.tokenizer import sentencepiece_tokenizer
 
         return getattr(sentencepiece_tokenizer, kind)(
-            _require(args, "tokenizer_model", "--tokenizer-model"))
+            _require(args, "tokenizer_model", "--tokenizer-model"),
+            **_sentencepiece_options(args))
     if kind == "HuggingFaceTokenizer":
         from megatron.tokenizer.huggingface import HuggingFaceTokenizer
 
@@ -199,6 +203,27 @@ def _create(args) -> MegatronTokenizer:
                               f"{', '.join(TOKENIZER_TYPES)}")
 
 
+def _sentencepiece_options(args) -> dict:
+    """Megatron-Core's SentencePiece wrapper options from the flags."""
+    return dict(legacy=bool(getattr(args, "tokenizer_sentencepiece_legacy", False)),
+                special_tokens=getattr(args, "special_tokens", None),
+                ignore_extra_whitespaces=getattr(
+                    args, "tokenizer_sentencepiece_ignore_extra_whitespaces", True))
+
+
+def _set_chat_template(args, tokenizer: MegatronTokenizer) -> None:
+    """The template of --tokenizer-metadata, else the tokenizer's own, else --chat-template."""
+    from megatron.tokenizer.metadata import read_metadata, resolve_chat_template
+
+    path = getattr(args, "metadata_path", None)
+    if path is not None and args.tokenizer_type == "NullTokenizer":
+        # As Megatron-Core: NullTokenizer is built before any metadata file is read.
+        path = None
+    metadata = read_metadata(path, args.tokenizer_type) if path is not None else None
+    tokenizer.chat_template = resolve_chat_template(metadata, tokenizer.chat_template,
+                                                    getattr(args, "chat_template", None))
+
+
 def build_tokenizer(args) -> MegatronTokenizer:
     """Build the tokenizer ``args.tokenizer_type`` names and set ``args.padded_vocab_size``.
 
@@ -207,6 +232,7 @@ def build_tokenizer(args) -> MegatronTokenizer:
     if getattr(args, "rank", 0) == 0:
         print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
     tokenizer = _create(args)
+    _set_chat_template(args, tokenizer)
     if getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)
     return tokenizer

@@ -23,6 +23,7 @@ from megatron.model.moe.config import (DISPATCHER_TYPES, DROP_POLICIES, LOAD_BAL
 from megatron.training.configs import (Configs, build_configs,  # noqa: F401  (re-exported)
                                        build_data_config)
 from megatron.training import flag_registry, megatron_flags
+from megatron.tokenizer.flags import add_tokenizer_option_args
 from megatron.training.validation import (  # noqa: F401  (BERT_*, validate_bert_args re-exported)
     BERT_TOKENIZER_TYPES, ArgumentsError, check_flags, validate_bert_args)
 
@@ -795,6 +796,8 @@ def _add_data_args(parser):
     g.add_argument("--tokenizer-type", type=str, default=None, choices=TOKENIZER_TYPES)
     g.add_argument("--tokenizer-model", type=str, default=None)
     _add_tiktoken_args(g)
+    add_tokenizer_option_args(g)
+    g.add_argument("--use-gigatoken", action="store_true")
     _add_fim_args(g)
     _add_sft_args(g)
     g.add_argument("--reset-position-ids", action="store_true")
