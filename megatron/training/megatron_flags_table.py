@@ -122,8 +122,6 @@ MODEL_VARIANT = "this model variant is not built yet; drop it"
 CKPT_EXTRAS = ("it changes how Megatron reads a legacy distrib_optim.pt, a file this project "
                "neither writes nor reads; drop it")
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
-TOKENIZER_EXTRAS = ("this tokenizer option is not built yet; drop it (tokenizers are built from "
-                    "--tokenizer-type, --tokenizer-model, --vocab-file and --merge-file)")
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
               "drop it and give local paths")
 PARAM_GROUPS = "custom parameter groups are not built yet; drop it"
@@ -456,16 +454,8 @@ ROWS = (
     ('--no-mmap-bin-files', 'mmap_bin_files', 'false', True, '', WORKS, None),
     ('--object-storage-cache-path', '', 'str', None, '', REFUSED, MSC_ENABLE),
     ('--padded-vocab-size', '', 'int', None, '', WORKS, None),
-    ('--tokenizer-metadata', 'metadata_path', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--tokenizer-sentencepiece-legacy', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--no-tokenizer-sentencepiece-ignore-extra-whitespaces '
-     '--disable-tokenizer-sentencepiece-ignore-extra-whitespaces',
-     'tokenizer_sentencepiece_ignore_extra_whitespaces', 'false', True, '', REFUSED,
-     TOKENIZER_EXTRAS),
     ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, HF_SLOW),
     ('--trust-remote-code', '', 'true', False, '', REFUSED, REMOTE_CODE),
-    ('--chat-template', '', 'str', None, '', REFUSED, TOKENIZER_EXTRAS),
-    ('--use-gigatoken', '', 'true', False, '', REFUSED, TOKENIZER_EXTRAS),
     ('--adlr-autoresume', '', 'true', False, '', REFUSED, AUTORESUME),
     ('--adlr-autoresume-interval', '', 'int', 1000, '', REFUSED, AUTORESUME),
     ('--ict-head-size', '', 'int', None, '', REFUSED, BIENCODER),
