@@ -162,3 +162,16 @@ def test_flags_reach_the_config():
         "--moe-router-quantile-balancing-ema", "0.9"])
     cfg = build_moe_config(args)
     assert cfg.uses_quantile_balancing and cfg.moe_router_quantile_balancing_ema == 0.9
+
+
+def test_the_converter_refuses_a_quantile_balancing_checkpoint_in_one_line():
+    from types import SimpleNamespace
+
+    from megatron.convert.megatron_io import _moe_fields
+    from megatron.convert.schema import ConversionError
+
+    args = SimpleNamespace(num_experts=4, moe_router_load_balancing_type=["quantile_balancing"])
+    with pytest.raises(ConversionError, match="qb_beta"):
+        _moe_fields(args, "ckpt/iter_0000001")
+    args.moe_router_load_balancing_type = ["aux_loss"]
+    assert _moe_fields(args, "ckpt/iter_0000001")["num_experts"] == 4
