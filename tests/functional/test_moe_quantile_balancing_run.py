@@ -26,6 +26,9 @@ QB = ("--moe-router-load-balancing-type", "quantile_balancing", "--moe-aux-loss-
                         "alltoall"), id="ep2-alltoall"),
     pytest.param(1, 2, ("--context-parallel-size", "2"), id="cp2"),
     pytest.param(2, 1, (), id="tp2-sp"),
+    # Recomputation routes each layer again, with the same bias: the same losses.
+    pytest.param(1, 1, ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                        "--recompute-num-layers", "1"), id="recompute"),
 ])
 def test_quantile_balancing_matches_one_process(corpus, tmp_path, tp, dp, extra):
     base = _train_logged(corpus, str(tmp_path / "one"), extra=QB)
