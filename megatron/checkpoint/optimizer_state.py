@@ -42,11 +42,12 @@ def group_key(name: str, shape) -> GroupKey:
 
 
 # Model state entries that are buffers, not parameters: the optimizer holds nothing for them.
-BUFFER_SUFFIXES = (".expert_bias",)
+BUFFER_SUFFIXES = (".expert_bias", ".qb_beta")
 
 
 def is_buffer_name(name: str) -> bool:
-    """Whether the dotted state name ``name`` is a buffer (a router's expert bias)."""
+    """Whether the dotted state name ``name`` is a buffer (a router's expert or quantile
+    bias)."""
     return name.endswith(BUFFER_SUFFIXES)
 
 

@@ -403,6 +403,11 @@ def _moe_fields(args, where: str) -> dict:
     experts = getattr(args, "num_experts", None)
     if not experts:
         return {}
+    balancing = getattr(args, "moe_router_load_balancing_type", None) or ()
+    if "quantile_balancing" in ([balancing] if isinstance(balancing, str) else balancing):
+        raise ConversionError(f"{where}: a --moe-router-load-balancing-type quantile_balancing "
+                              "checkpoint routes by its mlp.router.qb_beta, which the converter "
+                              "does not carry (no Hugging Face model has it): not built")
     return dict(num_experts=experts, moe_layer_freq=_moe_layer_freq(args, where),
                 moe_router_topk=getattr(args, "moe_router_topk", 2),
                 moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),

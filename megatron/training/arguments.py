@@ -996,7 +996,11 @@ def _add_moe_args(parser):
     g.add_argument("--moe-router-load-balancing-type", nargs="+", default="aux_loss",
                    choices=LOAD_BALANCING_TYPES,
                    help="one balancing type, or several (aux_loss, seq_aux_loss, global_aux_loss "
-                   "together), each with its own --moe-aux-loss-coeff")
+                   "together), each with its own --moe-aux-loss-coeff; quantile_balancing: a "
+                   "per-expert bias set after each step from token-choice quantiles")
+    g.add_argument("--moe-router-quantile-balancing-ema", type=float, default=0.0,
+                   help="quantile_balancing: the weight of the old bias when the step's "
+                   "quantile bias updates it (0: replaced)")
     g.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
                    help="the balancing loss's coefficient; one per "
                    "--moe-router-load-balancing-type when several are given")

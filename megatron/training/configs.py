@@ -202,6 +202,7 @@ def build_moe_config(args) -> Optional[MoEConfig]:
         moe_router_dtype=args.moe_router_dtype,
         moe_router_load_balancing_type=args.moe_router_load_balancing_type,
         moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_router_quantile_balancing_ema=args.moe_router_quantile_balancing_ema,
         moe_input_jitter_eps=args.moe_input_jitter_eps,
         moe_token_dispatcher_type=args.moe_token_dispatcher_type,
         moe_grouped_gemm=args.moe_grouped_gemm,

@@ -24,6 +24,7 @@ import torch
 
 from megatron.core.collectives import all_reduce, get_group_size
 from megatron.model.moe.router import update_expert_biases as update_expert_biases_of
+from megatron.model.moe.router import update_quantile_biases
 from megatron.model.moe.tracker import LOSS_NAMES, MoELossTracker
 
 PER_LAYER_PREFIX = "moe/"
@@ -76,9 +77,13 @@ def mtp_loss_values(model_chunks, pstate, num_microbatches: int) -> Dict[str, fl
 
 def update_expert_biases(model_chunks, pstate) -> None:
     """Aux-loss-free balancing after the optimizer step: every router's expert bias moves by
-    the token choices of the step, counted over data x context x tensor-parallel ranks."""
+    the token choices of the step, counted over data x context x tensor-parallel ranks; every
+    quantile-balancing router's bias is set from the step's batch biases."""
     groups = (getattr(pstate, "dp_cp_group", pstate.dp_group), pstate.tp_group)
     update_expert_biases_of(list(_unwrapped(model_chunks)), groups)
+    # Quantile balancing: the micro-batches' batch biases are whole-sequence values already,
+    # so only the data x context-parallel ranks average them (as Megatron-Core).
+    update_quantile_biases(list(_unwrapped(model_chunks)), groups[0])
 
 
 def reset_global_aux_loss(model_chunks) -> None:

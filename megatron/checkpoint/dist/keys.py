@@ -44,6 +44,8 @@ In ``torch_dist``:
 ...layers.N.mlp.router.expert_bias                 decoder.layers.mlp.router.expert_bias
                                                    [L, E] (fp32 buffer, with
                                                    ``--moe-router-enable-expert-bias``)
+...layers.N.mlp.router.qb_beta                     decoder.layers.mlp.router.qb_beta [L, E]
+                                                   (fp32 buffer, with quantile_balancing)
 ...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
 linear_fc1.{weight,bias}                           linear_fc1.{weight,bias} [L, E, ffn, h]
 ...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
@@ -152,6 +154,7 @@ _LAYER_NAME = re.compile(r"language_model\.(?:encoder|transformer)\.layers\.(\d+
 
 # Mixture-of-experts layer tensors (the legacy name is Megatron-Core's module name).
 _MOE_KEYS = ("mlp.router.weight", "mlp.router.bias", "mlp.router.expert_bias",
+             "mlp.router.qb_beta",
              "mlp.shared_experts.linear_fc1.weight",
              "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")

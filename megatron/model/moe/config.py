@@ -13,7 +13,8 @@ from typing import Optional, Tuple, Union
 from megatron.core.config import ConfigError
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid", "sqrtsoftplus")
-LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                        "quantile_balancing", "none")
 # The balancing losses, in the order a router attaches them, and the names they are logged under.
 AUX_LOSS_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                   "global_aux_loss": "global_load_balancing_loss"}
@@ -40,6 +41,7 @@ class MoEConfig:
     # One of LOAD_BALANCING_TYPES, or several (a list) with one --moe-aux-loss-coeff each.
     moe_router_load_balancing_type: Union[str, Tuple[str, ...]] = "aux_loss"
     moe_aux_loss_coeff: Union[float, Tuple[float, ...]] = 0.0
+    moe_router_quantile_balancing_ema: float = 0.0      # quantile_balancing: old bias's weight
     moe_z_loss_coeff: Optional[float] = None
     moe_input_jitter_eps: Optional[float] = None
     moe_token_dispatcher_type: str = "allgather"        # allgather | alltoall
@@ -128,6 +130,10 @@ class MoEConfig:
     def uses_sinkhorn(self) -> bool:
         return "sinkhorn" in self.load_balancing_types
 
+    @property
+    def uses_quantile_balancing(self) -> bool:
+        return "quantile_balancing" in self.load_balancing_types
+
     def aux_loss_coeff(self, kind: str) -> float:
         """The coefficient of balancing loss ``kind`` (0 when it is not one of the types)."""
         types, coeffs = self.load_balancing_types, self.moe_aux_loss_coeff
@@ -181,6 +187,30 @@ class MoEConfig:
                               f"{self.moe_router_bias_update_rate}")
         if self.moe_router_dtype is not None:
             self._check_choice("--moe-router-dtype", self.moe_router_dtype, ROUTER_DTYPES)
+        if self.uses_quantile_balancing:
+            self._check_quantile_balancing()
+
+    def _check_quantile_balancing(self) -> None:
+        """Megatron-Core's conditions on ``quantile_balancing``, and the combinations not built."""
+        kind = "--moe-router-load-balancing-type quantile_balancing"
+        losses = [k for k in AUX_LOSS_NAMES if self.aux_loss_coeff(k)]
+        if losses:
+            raise ConfigError(f"{kind} balances through its per-expert bias; the balancing "
+                              f"losses must be off, but {', '.join(losses)} has a non-zero "
+                              "--moe-aux-loss-coeff: set it to 0")
+        if self.moe_router_num_groups is not None:
+            raise ConfigError(f"{kind} does not support group-limited routing "
+                              "(--moe-router-num-groups), as in Megatron-Core")
+        if self.moe_router_enable_expert_bias:
+            raise ConfigError(f"{kind} with --moe-router-enable-expert-bias is not built: "
+                              "use one of the two per-expert biases")
+        if self.moe_router_topk >= self.num_moe_experts:
+            raise ConfigError(f"{kind} needs --moe-router-topk ({self.moe_router_topk}) below "
+                              f"--num-experts ({self.num_moe_experts})")
+        ema = self.moe_router_quantile_balancing_ema
+        if not 0.0 <= ema <= 1.0:
+            raise ConfigError(f"--moe-router-quantile-balancing-ema must be in [0, 1], "
+                              f"got {ema}")
 
     def _check_capacity(self) -> None:
         factor = self.moe_expert_capacity_factor

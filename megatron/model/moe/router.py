@@ -45,7 +45,7 @@ from typing import Optional, Tuple
 import torch
 
 from megatron.core import device
-from megatron.core.collectives import all_reduce, get_group_size
+from megatron.core.collectives import all_gather_into_tensor, all_reduce, get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method
 from megatron.model.moe.config import AUX_LOSS_NAMES, MoEConfig
@@ -116,6 +116,53 @@ def topk_routing(logits: torch.Tensor, topk: int, score_function: str = "softmax
     if scaling_factor:
         probs = probs * scaling_factor
     return probs.to(logits.dtype), indices
+
+
+def probs_of_chosen(logits: torch.Tensor, indices: torch.Tensor, score_function: str = "softmax",
+                    pre_softmax: bool = False, scaling_factor: Optional[float] = None
+                    ) -> torch.Tensor:
+    """The probabilities ``[T, k]`` of experts ``indices [T, k]`` chosen by other means than
+    the top-k of the scores (quantile balancing), as :func:`topk_routing` weighs its own
+    choice: softmax over the chosen logits (over all of them with ``pre_softmax``), or the
+    chosen sigmoid / sqrtsoftplus scores divided by their sum when k > 1; times
+    ``scaling_factor``."""
+    dtype = _score_dtype(logits)
+    if score_function == "softmax":
+        if pre_softmax:
+            probs = torch.gather(torch.softmax(logits, dim=-1, dtype=dtype), 1, indices)
+        else:
+            probs = torch.softmax(torch.gather(logits, 1, indices), dim=-1, dtype=dtype)
+    else:
+        probs = torch.gather(_pointwise_scores(logits.to(dtype), score_function), 1, indices)
+        if indices.size(1) > 1:
+            probs = probs / (probs.sum(dim=-1, keepdim=True) + 1e-20)
+    if scaling_factor:
+        probs = probs * scaling_factor
+    return probs.to(logits.dtype)
+
+
+def quantile_choice(logits: torch.Tensor, topk: int,
+                    beta: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Quantile balancing (Megatron-Core's dual update): ``logits [T, E]`` (float32), the
+    per-expert bias ``beta [E]`` -> (each token's experts ``[T, k]``: the top k of
+    ``logits - beta``; this batch's bias ``[E]``). Token t's threshold ``a_t`` is its
+    (k+1)-th largest ``logits - beta``; expert e's new bias is the ``(T k // E + 1)``-th
+    largest of ``logits[:, e] - a`` over the tokens, the value that would let about
+    ``T k / E`` tokens (the balanced load) choose e."""
+    num_tokens, num_experts = logits.shape
+    top = torch.topk(logits - beta, topk + 1, dim=1)
+    target = num_tokens * topk // num_experts
+    threshold = top.values[:, -1:]
+    batch_beta = torch.topk(logits - threshold, target + 1, dim=0).values[-1]
+    return top.indices[:, :-1], batch_beta
+
+
+def updated_quantile_bias(beta: torch.Tensor, batch_beta: torch.Tensor,
+                          ema: float) -> torch.Tensor:
+    """The bias after a step: ``ema * beta + (1 - ema) * batch_beta`` (``batch_beta``: the
+    step's mean batch bias), shifted to mean zero over the experts (last dimension)."""
+    new = ema * beta + (1.0 - ema) * batch_beta
+    return new - new.mean(dim=-1, keepdim=True)
 
 
 def _pointwise_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
@@ -349,6 +396,18 @@ class TopKRouter(torch.nn.Module):
                 persistent=False)
         else:
             self.expert_bias = None
+        if moe_config.uses_quantile_balancing:
+            # Megatron-Core's buffers: the bias is saved (``...router.qb_beta``); the batch
+            # biases summed since the last update and their number are not.
+            self.register_buffer("qb_beta", torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device.current_device()))
+            self.register_buffer("qb_beta_accum", torch.zeros(
+                self.num_experts, dtype=torch.float32, device=device.current_device()),
+                persistent=False)
+            self.register_buffer("qb_beta_count", torch.zeros(
+                (), dtype=torch.long, device=device.current_device()), persistent=False)
+        else:
+            self.qb_beta = None
         if moe_config.aux_loss_coeff("global_aux_loss"):
             # Megatron-Core's running sums of a step (not saved): the token choices counted
             # over the global micro-batches so far, and how many there were.
@@ -380,10 +439,11 @@ class TopKRouter(torch.nn.Module):
         return global_load_balancing_loss(scores, mean_counts, self.topk, ranks)
 
     def _apply(self, fn, *args, **kwargs):
-        """``.to()``, ``.half()``...: the expert bias and its counts stay float32 (a bf16 bias
-        could not take small update steps, and the checkpoint keeps it in float32)."""
+        """``.to()``, ``.half()``...: the expert and quantile biases and their sums stay float32
+        (a bf16 bias could not take small update steps, and the checkpoint keeps it in
+        float32)."""
         module = super()._apply(fn, *args, **kwargs)
-        for name in ("expert_bias", "local_tokens_per_expert"):
+        for name in ("expert_bias", "local_tokens_per_expert", "qb_beta", "qb_beta_accum"):
             buffer = self._buffers.get(name)
             if buffer is not None and buffer.dtype != torch.float32:
                 self._buffers[name] = buffer.float()
@@ -500,6 +560,30 @@ class TopKRouter(torch.nn.Module):
             indices = torch.topk(scores, self.topk, dim=-1).indices
         return torch.gather(scores, 1, indices).to(logits.dtype), indices
 
+    def _quantile_indices(self, logits: torch.Tensor) -> torch.Tensor:
+        """Quantile balancing: each token's experts, the top k of ``logits - qb_beta``; in
+        training with gradients on, this micro-batch's batch bias (over the whole sequence:
+        the logits gathered over the context- and sequence-splitting ranks) is added to
+        ``qb_beta_accum`` (:func:`update_quantile_biases` uses it after the step)."""
+        accumulate = self._losses_on()
+        with torch.no_grad():
+            local = logits.detach().float()
+            beta = self.qb_beta.float()
+            if not accumulate:
+                return torch.topk(local - beta, self.topk, dim=1).indices
+            full = local
+            for size, group in ((self.cp_size, self.cp_group), (self.sp_size, self.sp_group)):
+                if size > 1:
+                    gathered = full.new_empty(size * full.size(0), full.size(1))
+                    all_gather_into_tensor(gathered, full.contiguous(), group)
+                    full = gathered
+            indices, batch_beta = quantile_choice(full, self.topk, beta)
+            self.qb_beta_accum += batch_beta
+            self.qb_beta_count += 1
+            if full is not local:   # a token's choice depends on its own row only
+                indices = torch.topk(local - beta, self.topk, dim=1).indices
+            return indices
+
     def route(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[s, b, E]`` -> (probabilities ``[s*b, E]``, routing map ``[s*b, E]``)."""
         cfg = self.moe_config
@@ -507,6 +591,11 @@ class TopKRouter(torch.nn.Module):
         logits = self._with_z_loss(logits.reshape(-1, self.num_experts))      # [T, E]
         if cfg.uses_sinkhorn:
             probs, indices = self._sinkhorn_routing(logits)
+        elif cfg.uses_quantile_balancing:
+            indices = self._quantile_indices(logits)
+            probs = probs_of_chosen(logits, indices, cfg.moe_router_score_function,
+                                    cfg.moe_router_pre_softmax,
+                                    cfg.moe_router_topk_scaling_factor)
         else:
             probs, indices = topk_routing(logits, self.topk, cfg.moe_router_score_function,
                                           cfg.moe_router_pre_softmax,
@@ -587,4 +676,29 @@ def update_expert_biases(modules, groups=()) -> int:
             rate = router.moe_config.moe_router_bias_update_rate
             router.expert_bias.copy_(updated_expert_bias(router.expert_bias, count, rate))
             router.local_tokens_per_expert.zero_()
+    return len(routers)
+
+
+def update_quantile_biases(modules, group=None) -> int:
+    """After a step (Megatron-Core does it as it finalises the gradients): every router in
+    training with quantile balancing in ``modules`` sets ``qb_beta`` from the mean of the batch
+    biases of its micro-batches (:func:`quantile_choice`), averaged over ``group`` (the data x
+    context-parallel ranks), by :func:`updated_quantile_bias`, and resets the sums. One
+    all-reduce for all the routers. Returns the number of routers updated."""
+    routers = [m for module in modules for m in module.modules()
+               if isinstance(m, TopKRouter) and m.qb_beta is not None and m.training]
+    if not routers:
+        return 0
+    means = torch.stack([r.qb_beta_accum / r.qb_beta_count.clamp(min=1).float()
+                         for r in routers])                                   # [R, E]
+    size = get_group_size(group)
+    if size > 1:
+        all_reduce(means, group)
+        means = means / size
+    with torch.no_grad():
+        for router, mean in zip(routers, means):
+            ema = router.moe_config.moe_router_quantile_balancing_ema
+            router.qb_beta.copy_(updated_quantile_bias(router.qb_beta, mean, ema))
+            router.qb_beta_accum.zero_()
+            router.qb_beta_count.zero_()
     return len(routers)
