@@ -164,12 +164,13 @@ class GatedDeltaNet(MegatronModule):
         init = _sectioned_init(lambda w: torch.nn.init.uniform_(w, -bound, bound),
                                sections, tp_size)
         init(full)
-        self.conv1d = torch.nn.Conv1d(channels // tp_size, channels // tp_size, kernel,
-                                      groups=channels // tp_size, padding=kernel - 1,
-                                      bias=False, dtype=config.params_dtype,
-                                      device=device.current_device())
-        with torch.no_grad():
-            self.conv1d.weight.copy_(self._local_rows(full, tp_size, tp_group))
+        local = channels // tp_size
+        # Built on the meta device so that it draws nothing from the generator (the draws must
+        # not depend on the split); the weight is this rank's rows of the full one above.
+        self.conv1d = torch.nn.Conv1d(local, local, kernel, groups=local, padding=kernel - 1,
+                                      bias=False, device="meta")
+        self.conv1d.weight = torch.nn.Parameter(self._local_rows(full, tp_size, tp_group).to(
+            dtype=config.params_dtype, device=device.current_device()))
         set_tensor_model_parallel_attributes(self.conv1d.weight, True, 0, 1)
 
     def _build_decay(self, config, nv: int, tp_size: int, tp_group) -> None:

@@ -88,7 +88,7 @@ class ParallelMLP(MegatronModule):
 
 def is_linear_attention_layer(config: TransformerConfig, layer_number: int) -> bool:
     """Whether the 1-based global ``layer_number`` is a gated delta net layer."""
-    if not is_gdn(config.experimental_attention_variant):
+    if not is_gdn(config.experimental_attention_variant) or layer_number > config.num_layers:
         return False
     pattern = linear_attention_pattern(config.linear_attention_freq, config.num_layers)
     return pattern[layer_number - 1] == 1
