@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.utils import get_init_method, get_output_layer_init_method
-from megatron.model.gated_delta_net import GatedDeltaNet, linear_attention_pattern
+from megatron.model.gated_delta_net import GatedDeltaNet, is_gdn, linear_attention_pattern
 
 H, NK, NV, DK, DV, KERNEL = 32, 2, 4, 8, 6, 4
 
@@ -124,6 +124,7 @@ def test_layer_matches_fp64_naive_recurrence():
 
 
 def test_linear_attention_pattern_follows_megatron_rule():
+    assert is_gdn("gdn") and is_gdn("gated_delta_net") and not is_gdn("gdn2")
     assert linear_attention_pattern(4, 8) == [1, 1, 1, 0, 1, 1, 1, 0]
     assert linear_attention_pattern(1, 3) == [0, 0, 0]
     assert linear_attention_pattern((1, 0, 1), 3) == [1, 0, 1]
