@@ -146,3 +146,16 @@ def test_bad_settings_name_the_flag(kw, match):
         TransformerConfig(num_layers=4, hidden_size=H, num_attention_heads=4,
                           padded_vocab_size=64, max_position_embeddings=32, seq_length=16,
                           swiglu=True, **base)
+
+
+def test_conversion_refuses_gdn_checkpoints():
+    """A converter would join in_proj's sectioned TP shards as replicated tensors: refused."""
+    import argparse
+    import types
+
+    from megatron.convert.megatron_io import ConversionError, _meta_from_args
+
+    args = argparse.Namespace(experimental_attention_variant="gdn", num_layers=4)
+    src = types.SimpleNamespace(args=args, file=lambda *ranks: "mp_rank_00/model_optim_rng.pt")
+    with pytest.raises(ConversionError, match="--experimental-attention-variant: this"):
+        _meta_from_args(src, None)
