@@ -58,3 +58,12 @@ def test_gdn_refusals_name_the_flag(corpus, monkeypatch):
         args = parse_args(argv=gpt_flags(corpus, 2, extra=GDN + extra))
         with pytest.raises(ArgumentsError, match=match):
             validate_args(args)
+
+
+@pytest.mark.slow
+def test_gdn_pp2_follows_single_process(corpus):
+    four = ["--num-layers", "4", "--linear-attention-freq", "2"]   # linear, full, linear, full
+    single = _losses(corpus, iters=N, extra=four)
+    split = _losses(corpus, ranks=2, iters=N,
+                    extra=four + ["--pipeline-model-parallel-size", "2"])
+    assert split == pytest.approx(single, rel=1e-5)
