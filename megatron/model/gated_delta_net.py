@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron.core import device, tensor_parallel
+from megatron.core.collectives import get_group_rank
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.utils import divide
@@ -153,7 +154,7 @@ class GatedDeltaNet(MegatronModule):
             params_dtype=config.params_dtype)
 
     def _local_rows(self, full: torch.Tensor, tp_size: int, tp_group) -> torch.Tensor:
-        rank = tp_group.rank() if tp_group is not None and tp_size > 1 else 0
+        rank = get_group_rank(tp_group) if tp_size > 1 else 0
         return torch.chunk(full, tp_size, dim=0)[rank]
 
     def _build_conv(self, config, sections: List[int], tp_size: int, tp_group) -> None:
