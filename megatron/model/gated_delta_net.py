@@ -208,6 +208,6 @@ class GatedDeltaNet(MegatronModule):
                                beta.to(work).sigmoid())               # [b, s, H, dv]
         normed = self.out_norm(out)
         gate = self.act(z.reshape(b, s, self.nv_local, self.dv).to(work))
-        gated = (normed.to(work) * gate).to(hidden_states.dtype)
+        gated = (normed.to(work) * gate).to(projected.dtype)
         gated = gated.reshape(b, s, vd).transpose(0, 1).contiguous()  # [s, b, V / tp]
         return self.out_proj(gated)                                   # ([s, b, h], None)
