@@ -448,7 +448,8 @@ def _attention_fields(args, where: str) -> dict:
 
 def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
     args = src.args
-    for flag in ("qk_l2_norm", "attention_output_gate", "no_rope_freq"):
+    for flag in ("qk_l2_norm", "attention_output_gate", "no_rope_freq",
+                 "experimental_attention_variant"):
         if getattr(args, flag, None):
             raise ConversionError(f"{src.file(0, 0)}: --{flag.replace('_', '-')}: this "
                                   "attention variant has no converter target (load the "

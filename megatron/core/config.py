@@ -154,6 +154,17 @@ class TransformerConfig:
     qk_clip_threshold: float = 100.0
     log_max_attention_logit: bool = False
 
+    # Gated delta net linear attention (--experimental-attention-variant gdn, Qwen3-Next):
+    # which layers (--linear-attention-freq: an int N = every N-th layer keeps standard
+    # attention, or one 1 (linear) / 0 (standard) per layer) and its head sizes.
+    experimental_attention_variant: Optional[str] = None
+    linear_attention_freq: Optional[Union[int, Tuple[int, ...]]] = None
+    linear_conv_kernel_dim: int = 4
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+
     @property
     def tracks_max_attention_logit(self) -> bool:
         """Whether attention records each head's largest logit during training forwards."""
@@ -217,7 +228,8 @@ class TransformerConfig:
             raise ConfigError("--position-embedding-type must be learned_absolute, rope, yarn or "
                               f"none, got {self.position_embedding_type!r}")
         problem = (rope_variant_conflict(self) or mla_conflict(self)
-                   or attention_variant_conflict(self) or self._resolve_mup())
+                   or attention_variant_conflict(self) or gdn_conflict(self)
+                   or self._resolve_mup())
         if problem is not None:
             raise ConfigError(problem)
         if (self.position_embedding_type == "learned_absolute"
@@ -517,4 +529,34 @@ def rope_variant_conflict(config: TransformerConfig) -> Optional[str]:
         value = getattr(config, name)
         if value is not None and value <= 0:
             return f"{flag} must be > 0, got {value}"
+    return None
+
+
+def gdn_conflict(config: TransformerConfig) -> Optional[str]:
+    """Why --experimental-attention-variant and the --linear-* flags cannot be built as given
+    (None: they can)."""
+    variant = config.experimental_attention_variant
+    if variant is None:
+        return None
+    if variant not in ("gdn", "gated_delta_net"):
+        return f"--experimental-attention-variant {variant}: not built yet (gdn is)"
+    if config.multi_latent_attention:
+        return "--experimental-attention-variant gdn with --multi-latent-attention: not built"
+    nk, nv = config.linear_num_key_heads, config.linear_num_value_heads
+    sizes = (nk, nv, config.linear_key_head_dim, config.linear_value_head_dim,
+             config.linear_conv_kernel_dim)
+    if min(sizes) < 1:
+        return f"the --linear-* sizes must be >= 1, got {sizes}"
+    if nv % nk:
+        return (f"--linear-num-value-heads ({nv}) must be a multiple of "
+                f"--linear-num-key-heads ({nk})")
+    freq = config.linear_attention_freq
+    if freq is None:
+        return ("--experimental-attention-variant gdn needs --linear-attention-freq (an int N: "
+                "every N-th layer keeps standard attention; or a 0/1 list, 1 = linear)")
+    if isinstance(freq, int):
+        return None if freq >= 1 else f"--linear-attention-freq {freq}: must be >= 1"
+    if len(freq) != config.num_layers or any(v not in (0, 1) for v in freq):
+        return (f"--linear-attention-freq: a list needs one 1 (linear) or 0 per layer "
+                f"(--num-layers {config.num_layers}), got {list(freq)}")
     return None

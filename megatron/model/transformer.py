@@ -26,6 +26,7 @@ from megatron.fused_kernels.bias_gelu import bias_gelu_impl, bias_gelu_unfused
 from megatron.fused_kernels.swiglu import bias_swiglu_impl, bias_swiglu_unfused
 from megatron.model.activation_offload import HostActivationStash
 from megatron.model.attention import ParallelAttention, dropout_rng_context
+from megatron.model.gated_delta_net import GatedDeltaNet, is_gdn, linear_attention_pattern
 from megatron.model.multi_latent_attention import MultiLatentAttention
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
@@ -85,6 +86,14 @@ class ParallelMLP(MegatronModule):
         return self.dense_4h_to_h(intermediate)
 
 
+def is_linear_attention_layer(config: TransformerConfig, layer_number: int) -> bool:
+    """Whether the 1-based global ``layer_number`` is a gated delta net layer."""
+    if not is_gdn(config.experimental_attention_variant) or layer_number > config.num_layers:
+        return False
+    pattern = linear_attention_pattern(config.linear_attention_freq, config.num_layers)
+    return pattern[layer_number - 1] == 1
+
+
 class ParallelTransformerLayer(MegatronModule):
     """norm -> self-attention -> bias-dropout-add -> norm -> MLP -> bias-dropout-add.
 
@@ -127,12 +136,16 @@ class ParallelTransformerLayer(MegatronModule):
         init_method = get_init_method(config)
         output_init = get_output_layer_init_method(config)
         self.input_layernorm = get_norm(config, sequence_parallel)
-        attention_cls = (MultiLatentAttention if config.multi_latent_attention
-                         else ParallelAttention)
-        self.self_attention = attention_cls(config, layer_number, tp_group, tp_size,
-                                            sequence_parallel, init_method, output_init,
-                                            self_attn_mask_type, cp_group=groups.cp_group,
-                                            hierarchical_cp_groups=groups.hierarchical_cp_groups)
+        if is_linear_attention_layer(config, layer_number):
+            self.self_attention = GatedDeltaNet(config, layer_number, tp_group, tp_size,
+                                                sequence_parallel, init_method, output_init)
+        else:
+            attention_cls = (MultiLatentAttention if config.multi_latent_attention
+                             else ParallelAttention)
+            self.self_attention = attention_cls(
+                config, layer_number, tp_group, tp_size, sequence_parallel, init_method,
+                output_init, self_attn_mask_type, cp_group=groups.cp_group,
+                hierarchical_cp_groups=groups.hierarchical_cp_groups)
         self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.tp_group = tp_group
         self.moe_sequence_gather = self.moe_forward_only = False

@@ -62,6 +62,7 @@ def _add_network_size_args(parser):
                    help="the factor of --use-rope-scaling")
     _add_yarn_args(g)
     _add_mla_args(g)
+    _add_gdn_args(g)
     g.add_argument("--no-position-embedding", action="store_false",
                    dest="add_position_embedding")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -146,6 +147,33 @@ def parse_no_rope_freq(text: str):
         return parse_moe_layer_freq(text, flag="--no-rope-freq")
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def parse_linear_attention_freq(text: str):
+    """``--linear-attention-freq``: an int N or a 0/1 list, read as --moe-layer-freq is."""
+    try:
+        return parse_moe_layer_freq(text, flag="--linear-attention-freq")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _add_gdn_args(g):
+    """Gated delta net linear attention (Qwen3-Next's linear layers)."""
+    g.add_argument("--experimental-attention-variant", default=None,
+                   choices=["gdn", "gdn2", "dsa", "gated_delta_net"],
+                   help="gdn (or its older spelling gated_delta_net): gated delta net linear "
+                   "attention on the layers --linear-attention-freq picks; gdn2 and dsa are "
+                   "refused (not built yet)")
+    g.add_argument("--linear-attention-freq", type=parse_linear_attention_freq, default=None,
+                   help="with gdn: N = every N-th layer (N, 2N, ...) keeps standard attention "
+                   "and the others are linear, or a list with one 1 (linear) / 0 per layer")
+    g.add_argument("--linear-conv-kernel-dim", type=int, default=4,
+                   help="kernel of the causal depthwise convolution over query, key and value")
+    g.add_argument("--linear-key-head-dim", type=int, default=128)
+    g.add_argument("--linear-value-head-dim", type=int, default=128)
+    g.add_argument("--linear-num-key-heads", type=int, default=16)
+    g.add_argument("--linear-num-value-heads", type=int, default=32,
+                   help="a multiple of --linear-num-key-heads")
 
 
 def _add_mla_args(g):

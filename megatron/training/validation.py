@@ -669,6 +669,25 @@ def _validate_model(args) -> None:
         _fail("--recompute-method needs --recompute-granularity full")
 
 
+def _validate_gdn(args) -> None:
+    """--experimental-attention-variant: gdn (or gated_delta_net) is built; what it is not built
+    with is refused here, naming the flag."""
+    variant = args.experimental_attention_variant
+    if variant is None:
+        return
+    if variant not in ("gdn", "gated_delta_net"):
+        _fail(f"--experimental-attention-variant {variant}: not built yet (gdn is)")
+    for flag, on in (
+            ("--context-parallel-size > 1", args.context_parallel_size > 1),
+            ("--reset-attention-mask (packed documents)", args.reset_attention_mask),
+            ("--mtp-num-layers", bool(args.mtp_num_layers)),
+            ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False)),
+            (f"--ckpt-format {args.ckpt_format}",
+             args.ckpt_format != "torch" and bool(args.save or args.load))):
+        if on:
+            _fail(f"--experimental-attention-variant gdn with {flag}: not built yet")
+
+
 def _validate_mup(args) -> None:
     """--use-mup and --mup-* (megatron/core/mup.py), before any model or group exists."""
     problem = (mup_flag_problem(args.use_mup, args.hidden_size, args.mup_width_mult,
@@ -1340,6 +1359,7 @@ def check_flags(args):
     _apply_old_spellings(args)
     _validate_model(args)
     _validate_mup(args)
+    _validate_gdn(args)
     _validate_parallel(args)
     _validate_moe(args)
     _validate_upcycling(args)
