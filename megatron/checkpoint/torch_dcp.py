@@ -373,7 +373,7 @@ def load_checkpoint(iter_dir: str, iteration: int, release: bool, model_chunks, 
                 raise CheckpointError(f"{iter_dir}: has no RNG state (saved with "
                                       "--no-save-rng?); pass --no-load-rng")
     except (DistCheckpointError, UnsafeCheckpointError) as err:
-        raise CheckpointError(f"{iter_dir}: does not fit this model: {err}") from None
+        raise CheckpointError(f"{iter_dir}: {err}") from None
     with torch.no_grad():
         for (_, tensor), value in zip(named, values):
             tensor.to_local().copy_(value)

@@ -149,3 +149,52 @@ def test_loads_at_another_data_parallel_size_with_equal_weights(corpus, saved, t
     resumed = _resume(corpus, save, FSDP2, ranks=1)
     for x, y in zip(resumed, straight[N:]):
         assert abs(x - y) <= REL_TOL * abs(y), (resumed, straight)
+
+
+def _copy(save, dst):
+    import shutil
+
+    shutil.copytree(save, dst)
+    return dst
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", ["missing", "truncated", "garbled"])
+def test_a_damaged_shard_file_is_named(corpus, saved, tmp_path, damage):
+    save = _copy(saved[0], str(tmp_path / "ckpt"))
+    victim = os.path.join(_iter_dir(save), "__1_0.distcp")
+    if damage == "missing":
+        os.remove(victim)
+    else:
+        size = os.path.getsize(victim)
+        with open(victim, "r+b") as f:
+            if damage == "truncated":
+                f.truncate(size // 2)
+            else:
+                f.write(b"\xff" * size)
+    with pytest.raises(AssertionError) as err:
+        _resume(corpus, save, FSDP2)
+    lines = [line for line in str(err.value).splitlines() if victim in line]
+    assert lines, str(err.value)[-2000:]
+    assert "CheckpointError" in lines[0], lines[0]
+
+
+@pytest.mark.slow
+def test_converter_reads_the_weights(saved, tmp_path, corpus):
+    """tools/checkpoint/convert.py's stream of the torch_dcp folder equals its stream of the
+    torch checkpoint the FSDP2 run itself writes with --ckpt-convert-format."""
+    from megatron.convert.dist_io import load_dist
+    from megatron.convert.megatron_io import load_megatron
+
+    save, _ = saved
+    converted = str(tmp_path / "torch")
+    run_on_ranks(run_pretrain, 2, _flags(corpus, FSDP2 + [
+        "--load", save, "--ckpt-step", str(N), "--ckpt-convert-format", "torch",
+        "--ckpt-convert-save", converted]))
+    got, want = list(load_dist(save, N)), list(load_megatron(converted, N))
+    assert [(p.kind, p.index) for p in got] == [(p.kind, p.index) for p in want]
+    assert got[0].meta.swiglu and got[0].meta.num_layers == want[0].meta.num_layers
+    for a, b in zip(got[1:], want[1:]):
+        assert sorted(a.tensors) == sorted(b.tensors), a.kind
+        for name in a.tensors:
+            assert torch.equal(a.tensors[name], b.tensors[name]), (a.kind, a.index, name)
