@@ -198,3 +198,21 @@ def test_converter_reads_the_weights(saved, tmp_path, corpus):
         assert sorted(a.tensors) == sorted(b.tensors), a.kind
         for name in a.tensors:
             assert torch.equal(a.tensors[name], b.tensors[name]), (a.kind, a.index, name)
+
+
+@pytest.mark.slow
+def test_bf16_resume_is_bit_exact_with_the_mixed_precision_layout(corpus, tmp_path):
+    """With --bf16 the optimizer entry takes Megatron's mixed-precision layout (the torch
+    optimizer's dict under ``optimizer.optimizer``, the fp32 weights under
+    ``optimizer.fp32_from_fp16_params``, the model's tensors in bf16) and the resume is exact."""
+    save = str(tmp_path / "ckpt")
+    extra = FSDP2 + ["--bf16"]
+    out = run_on_ranks(run_pretrain, 2, _flags(corpus, extra + [
+        "--save", save, "--save-interval", str(N)]))[-1]
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(_iter_dir(save)).read_metadata().state_dict_metadata
+    assert "optimizer.optimizer.state.0.exp_avg" in meta
+    assert "optimizer.fp32_from_fp16_params.0.0" in meta
+    assert meta["model.output_layer.weight"].properties.dtype == torch.bfloat16
+    assert _resume(corpus, save, extra) == _losses(out)[N:]
