@@ -13,7 +13,7 @@ from typing import Optional
 
 from megatron.core.config import ConfigError
 
-CHECKPOINT_FORMATS = ("torch", "torch_dist", "fsdp_dtensor")
+CHECKPOINT_FORMATS = ("torch", "torch_dist", "fsdp_dtensor", "torch_dcp")
 CONVERT_FORMATS = ("torch", "torch_dist")   # --ckpt-convert-format: Megatron's choices
 
 
@@ -46,7 +46,7 @@ class CheckpointConfig:
     pretrained_checkpoint: Optional[str] = None  # --pretrained-checkpoint
     ckpt_step: Optional[int] = None              # --ckpt-step: load this iteration
     exit_on_missing_checkpoint: bool = False     # --exit-on-missing-checkpoint
-    ckpt_format: str = "torch"                   # --ckpt-format torch|torch_dist|fsdp_dtensor
+    ckpt_format: str = "torch"                   # --ckpt-format, one of CHECKPOINT_FORMATS
     async_save: bool = False                     # --async-save
     ckpt_convert_format: Optional[str] = None    # --ckpt-convert-format
     ckpt_convert_save: Optional[str] = None      # --ckpt-convert-save

@@ -150,18 +150,22 @@ def _swiglu_half(key: str, half: int) -> str:
     return f"{key}_{'wv'[half]}"
 
 
-def pieces(name: str, tensor: torch.Tensor, layout) -> List[Piece]:
+def pieces(name: str, tensor: torch.Tensor, layout, swiglu_halves: bool = True,
+           fmt: str = FORMAT) -> List[Piece]:
     """Where this rank's shard of the model tensor ``name`` (a dotted name of the chunk's
-    state, a DTensor over the FSDP mesh whose global shape is the TP slice) is stored."""
+    state, a DTensor over the FSDP mesh whose global shape is the TP slice) is stored.
+    ``swiglu_halves=False``: a SwiGLU fc1 stays one tensor (``torch_dcp``); ``fmt`` names the
+    format in errors."""
     start, count, first = _shard_rows(tensor)
     try:
         places = placements(name, tuple(tensor.shape), layout)
     except KeyMappingError as err:
-        raise CheckpointError(f"--ckpt-format {FORMAT}: {err}") from None
+        raise CheckpointError(f"--ckpt-format {fmt}: {err}") from None
     if any(p.stacked for p in places):
-        raise CheckpointError(f"--ckpt-format {FORMAT}: {name}: expert tensors are not built "
+        raise CheckpointError(f"--ckpt-format {fmt}: {name}: expert tensors are not built "
                               "in this format yet; use --ckpt-format torch_dist")
-    split = len(places) == 2   # a SwiGLU fc1: Megatron-LM stores its halves apart
+    # A SwiGLU fc1: Megatron-LM's fsdp_dtensor stores its halves apart.
+    split = len(places) == 2 and swiglu_halves
     out = []
     for half, place in enumerate(places):
         r0, r1 = place.local_rows or (0, tensor.shape[0])

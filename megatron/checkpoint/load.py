@@ -5,7 +5,8 @@
 (``--use-checkpoint-args``). A ``torch``-format folder saved at this run's tensor and pipeline
 sizes loads rank file by rank file, one saved at another expert-parallel size through
 :mod:`megatron.checkpoint.experts`; a ``torch_dist`` folder loads at any layout through
-:mod:`megatron.checkpoint.torch_dist`.
+:mod:`megatron.checkpoint.torch_dist`; ``fsdp_dtensor`` and ``torch_dcp`` folders load into fully
+sharded runs (:mod:`megatron.checkpoint.fsdp_dtensor`, :mod:`megatron.checkpoint.torch_dcp`).
 
 Reading: ``torch.load(weights_only=True)`` with a short allow-list of plain types and
 Megatron-LM's own classes read as inert stand-ins (:mod:`megatron.checkpoint.safe_unpickle`), so a
@@ -23,7 +24,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import experts, fsdp_dtensor, integrity, non_persistent, torch_dist
+from megatron.checkpoint import (experts, fsdp_dtensor, integrity, non_persistent, torch_dcp,
+                                 torch_dist)
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
@@ -207,6 +209,9 @@ def _load(model_chunks, optimizer, opt_param_scheduler, args, pstate,
     if located is None:
         return 0
     path, iteration, release = located
+    if not isinstance(path, _EPReshard) and torch_dcp.is_torch_dcp_checkpoint(path):
+        return _load_torch_dcp(path, iteration, release, model_chunks, optimizer,
+                               opt_param_scheduler, args, pstate, train_state)
     if not isinstance(path, _EPReshard) and fsdp_dtensor.is_fsdp_dtensor_checkpoint(path):
         return _load_fsdp_dtensor(path, iteration, release, model_chunks, optimizer,
                                   opt_param_scheduler, args, pstate, train_state)
@@ -332,6 +337,20 @@ def _load_fsdp_dtensor(iter_dir, iteration, release, model_chunks, optimizer,
     return iteration
 
 
+def _load_torch_dcp(iter_dir, iteration, release, model_chunks, optimizer, opt_param_scheduler,
+                    args, pstate, train_state: Optional[TrainState]) -> int:
+    saved = torch_dcp.load_checkpoint(iter_dir, iteration, release, model_chunks, optimizer,
+                                      opt_param_scheduler, args, pstate)
+    if args.finetune or release:
+        iteration = 0
+    elif train_state is not None:
+        train_state.restore_from_saved_args(saved)
+    if dist.get_rank() == 0:
+        print(f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
+              f"({torch_dcp.FORMAT})", flush=True)
+    return iteration
+
+
 def _saved_args_in(load_dir: str, what: str, verify: bool = False) -> argparse.Namespace:
     """The args saved in the checkpoint ``load_dir``'s tracker names, in this project's
     conventions (:func:`megatron_args`); ``what`` names the flag that asked, for errors;
@@ -416,6 +435,13 @@ def load_model_weights(model_chunks, args, pstate) -> int:
         raise CheckpointError(f"--load {args.load}: no {TRACKER_FILENAME}; not a checkpoint "
                               "folder")
     path, iteration, release = _locate(args.load, args, pstate)
+    if not isinstance(path, _EPReshard) and torch_dcp.is_torch_dcp_checkpoint(path):
+        torch_dcp.load_checkpoint(path, iteration, release, model_chunks, None, None, args,
+                                  pstate, weights_only=True)
+        if dist.get_rank() == 0:
+            print(f"  loaded model weights from {args.load} at iteration {iteration}",
+                  flush=True)
+        return iteration
     if not isinstance(path, _EPReshard) and fsdp_dtensor.is_fsdp_dtensor_checkpoint(path):
         fsdp_dtensor.load_checkpoint(path, iteration, release, model_chunks, None, None, args,
                                      pstate, weights_only=True)

@@ -1,7 +1,8 @@
 """Save a checkpoint in either format, in the foreground or in the background.
 
-:func:`save_checkpoint` writes ``--ckpt-format torch`` (:mod:`megatron.checkpoint.torch_format`)
-or ``torch_dist`` (:mod:`megatron.checkpoint.torch_dist`); both stage the files and publish them
+:func:`save_checkpoint` writes ``--ckpt-format torch`` (:mod:`megatron.checkpoint.torch_format`),
+``torch_dist`` (:mod:`megatron.checkpoint.torch_dist`), ``fsdp_dtensor`` or ``torch_dcp``
+(:mod:`megatron.checkpoint.fsdp_dtensor`, :mod:`megatron.checkpoint.torch_dcp`); all stage the files and publish them
 atomically (:mod:`megatron.checkpoint.publish`).
 
 ``--async-save`` (:class:`AsyncCheckpointSaver`): at the iteration boundary every rank copies its
@@ -20,7 +21,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import fsdp_dtensor, torch_dist
+from megatron.checkpoint import fsdp_dtensor, torch_dcp, torch_dist
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.checkpoint.layout import my_file
 from megatron.checkpoint.publish import begin_save, finish_save
@@ -45,6 +46,9 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         config: checkpoint options to use instead of the flags of the same names in ``args``.
     """
     args = checkpoint_args(args, config, train_state)
+    if getattr(args, "ckpt_format", "torch") == torch_dcp.FORMAT:
+        return torch_dcp.save_checkpoint(iteration, model_chunks, optimizer,
+                                         opt_param_scheduler, args, pstate)
     if getattr(args, "ckpt_format", "torch") == fsdp_dtensor.FORMAT:
         return fsdp_dtensor.save_checkpoint(iteration, model_chunks, optimizer,
                                             opt_param_scheduler, args, pstate)
@@ -79,7 +83,7 @@ class AsyncCheckpointSaver:
         """Start the save of ``iteration``, as :func:`save_checkpoint` takes its arguments."""
         self.wait()
         args = checkpoint_args(args, config, train_state)
-        if getattr(args, "ckpt_format", "torch") == fsdp_dtensor.FORMAT:
+        if getattr(args, "ckpt_format", "torch") in (fsdp_dtensor.FORMAT, torch_dcp.FORMAT):
             # Written in the foreground: each rank's shards are its own, nothing to gather.
             save_checkpoint(iteration, model_chunks, optimizer, opt_param_scheduler, args,
                             pstate)

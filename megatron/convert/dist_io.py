@@ -5,8 +5,8 @@
 with :class:`megatron.checkpoint.dist.DistCheckpointReader`: the model's description comes
 from ``common_state``'s ``args`` (Megatron's field names and conventions, read by the same rules
 as a legacy checkpoint's args), the tensors are read by global key, a layer at a time, so the
-saved TP / PP layout does not matter. An ``fsdp_dtensor`` folder is read the same way through
-the per-layer view of :mod:`megatron.convert.fsdp_io` (weights only).
+saved TP / PP layout does not matter. An ``fsdp_dtensor`` or ``torch_dcp`` folder is read the
+same way through the per-layer view of :mod:`megatron.convert.fsdp_io` (weights only).
 
 :func:`save_dist` writes the stream as a ``torch_dist`` folder at a target TP x PP (even
 split, no virtual stages), as the target's ranks would: one data file per target rank
@@ -96,7 +96,10 @@ def _open(load_dir: str, ckpt_step: Optional[int]):
     if is_fsdp_dtensor_checkpoint(iter_dir):
         from megatron.convert.fsdp_io import open_fsdp
 
-        view, common = open_fsdp(iter_dir)
+        from megatron.checkpoint.torch_dcp import FORMAT, is_torch_dcp_checkpoint
+
+        view, common = open_fsdp(iter_dir, FORMAT if is_torch_dcp_checkpoint(iter_dir)
+                                 else "fsdp_dtensor")
         return view, common, iteration_dir(load_dir, ckpt_step)
     try:
         reader = DistCheckpointReader(iter_dir)
@@ -292,7 +295,8 @@ def load_dist(load_dir: str, ckpt_step: Optional[int] = None, *,
     meta = _meta(reader, common, iteration, release, true_vocab_size)
     meta.optimizer, meta.optimizer_note = _optimizer_meta(reader, common)
     if _fsdp_source(reader):
-        meta.optimizer_note = "the optimizer state of an fsdp_dtensor source is not carried"
+        meta.optimizer_note = ("the optimizer state of an fsdp_dtensor or torch_dcp source is "
+                               "not carried")
     prefix = _view_prefix(reader, view)
     yield Piece("meta", meta=meta)
     try:

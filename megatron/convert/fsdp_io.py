@@ -9,6 +9,9 @@ back into one tensor, so :func:`megatron.convert.dist_io.load_dist` streams it a
 ``torch_dist`` folder. The model comes from the ``args`` byte entry; the optimizer and RNG
 states are not carried (the target starts a fresh optimizer), and a mixture of experts, which
 the format does not hold, is refused.
+
+A ``torch_dcp`` folder (``--ckpt-format torch_dcp``) is read the same way with its own prefix
+``model.`` (its fc1 is stored whole, so nothing is joined).
 """
 
 from typing import List, Optional, Sequence
@@ -24,15 +27,16 @@ _HALVES = ("_w", "_v")
 
 
 class FsdpView:
-    """The model weights of an fsdp_dtensor folder under Megatron-Core's per-layer keys."""
+    """The model weights of an fsdp_dtensor (or, with ``prefix`` ``model.``, torch_dcp) folder
+    under Megatron-Core's per-layer keys."""
 
     per_layer = True
 
-    def __init__(self, reader: DistCheckpointReader):
+    def __init__(self, reader: DistCheckpointReader, prefix: str = fsdp_dtensor.MODEL_PREFIX):
         self.reader = reader
         self.path = reader.path
-        stored = [k[len(fsdp_dtensor.MODEL_PREFIX):] for k in reader.tensor_keys()
-                  if k.startswith(fsdp_dtensor.MODEL_PREFIX)]
+        self.prefix = prefix
+        stored = [k[len(prefix):] for k in reader.tensor_keys() if k.startswith(prefix)]
         joined = {k[:-2] for k in stored if k.endswith(_HALVES)
                   and k[:-2] + _HALVES[0] in stored and k[:-2] + _HALVES[1] in stored}
         self._split = joined
@@ -46,9 +50,9 @@ class FsdpView:
 
     def _stored(self, key: str) -> List[str]:
         if key not in self._keys:
-            raise DistCheckpointError(f"{self.path}: no {fsdp_dtensor.MODEL_PREFIX}{key!r}")
+            raise DistCheckpointError(f"{self.path}: no {self.prefix}{key!r}")
         halves = _HALVES if key in self._split else ("",)
-        return [fsdp_dtensor.MODEL_PREFIX + key + half for half in halves]
+        return [self.prefix + key + half for half in halves]
 
     def shape(self, key: str):
         shapes = [tuple(self.reader.shape(k)) for k in self._stored(key)]
@@ -66,9 +70,9 @@ class FsdpView:
         self.reader.clear_cache()
 
 
-def open_fsdp(iter_dir: str):
-    """The view of ``iter_dir`` and its saved state as a ``common_state`` dict (``args``,
-    ``iteration``, ``opt_param_scheduler``)."""
+def open_fsdp(iter_dir: str, fmt: str = fsdp_dtensor.FORMAT):
+    """The view of ``iter_dir`` (``fmt``: ``fsdp_dtensor`` or ``torch_dcp``) and its saved
+    state as a ``common_state`` dict (``args``, ``iteration``, ``opt_param_scheduler``)."""
     try:
         reader = DistCheckpointReader(iter_dir)
         common = {"args": fsdp_dtensor.saved_args(iter_dir)}
@@ -77,9 +81,10 @@ def open_fsdp(iter_dir: str):
     except (DistCheckpointError, UnsafeCheckpointError, OSError) as err:
         raise ConversionError(str(err)) from None
     if common["args"] is None:
-        raise ConversionError(f"{iter_dir}: an fsdp_dtensor folder without its 'args' entry")
+        raise ConversionError(f"{iter_dir}: an {fmt} folder without its 'args' entry")
     if getattr(common["args"], "num_experts", None):
         raise ConversionError(f"{iter_dir}: a mixture of experts (--num-experts "
-                              f"{common['args'].num_experts}); the fsdp_dtensor format does not "
+                              f"{common['args'].num_experts}); the {fmt} format does not "
                               "hold expert tensors, so it cannot be converted")
-    return FsdpView(reader), {k: v for k, v in common.items() if v is not None}
+    prefix = "model." if fmt == "torch_dcp" else fsdp_dtensor.MODEL_PREFIX
+    return FsdpView(reader, prefix), {k: v for k, v in common.items() if v is not None}

@@ -544,12 +544,14 @@ def _add_checkpointing_args(parser):
                         "the checkpoint's --tokenizer-type, --tokenizer-model, --tiktoken-pattern")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-format", type=str, default="torch",
-                   choices=["torch", "torch_dist", "fsdp_dtensor"],
+                   choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
                    help="torch: one model_optim_rng.pt per (tensor, pipeline) rank; torch_dist: "
                         "Megatron-Core's distributed checkpoint, every rank writing its own "
                         "shards, loadable at any other parallel layout; fsdp_dtensor (fully "
                         "sharded runs only): a DCP folder of FSDP's DTensor shards under "
-                        "Megatron-LM's keys for that format")
+                        "Megatron-LM's keys for that format; torch_dcp (--use-torch-fsdp2 with "
+                        "tensor and pipeline size 1): a DCP folder of Megatron-LM's torch-format "
+                        "state dict with the FSDP2 model's DTensor shards")
     g.add_argument("--use-dist-ckpt", action="store_true",
                    help="older spelling of --ckpt-format torch_dist")
     g.add_argument("--auto-detect-ckpt-format", action="store_true",

@@ -57,6 +57,13 @@ def _validate_checkpoint_format(args) -> None:
         from megatron.checkpoint.fsdp_dtensor import not_fully_sharded_error
 
         _fail(not_fully_sharded_error("--ckpt-format fsdp_dtensor"))
+    if args.ckpt_format == "torch_dcp":
+        from megatron.checkpoint.torch_dcp import layout_error
+
+        error = layout_error("--ckpt-format torch_dcp", getattr(args, "use_torch_fsdp2", False),
+                             args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+        if error:
+            _fail(error)
     if args.num_experts is not None:   # after _validate_moe, which sets the expert-TP size
         try:
             build_checkpoint_config(args).check_expert_tensor_parallel(

@@ -214,12 +214,14 @@ class DistCheckpointReader:
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         what = f"chunk {list(offsets)} of {key!r}"
-        data = self._item_bytes(MetadataIndex(key, torch.Size(offsets)), what)
+        index = MetadataIndex(key, torch.Size(offsets))
+        data = self._item_bytes(index, what)
         try:
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - any failure is reported with the item
             first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
-            raise DistCheckpointError(f"{self.path}: {what} cannot be read ({first})") from None
+            file = os.path.join(self.path, self._storage[index].relative_path)
+            raise DistCheckpointError(f"{file}: {what} cannot be read ({first})") from None
         if (not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(sizes)
                 or tensor.dtype != dtype):
             got = (f"{tuple(tensor.shape)} {tensor.dtype}" if isinstance(tensor, torch.Tensor)
