@@ -57,7 +57,6 @@ EXTRA_CHOICES = (
     ("--tokenizer-type", "MultimodalTokenizer", table.VISION),
     ("--tokenizer-type", "NullMultimodalTokenizer", table.VISION),
     ("--moe-token-dispatcher-type", "flex", table.FLEX),
-    ("--ckpt-format", "torch_dcp", "the torch_dcp format is not built yet; use torch_dist"),
 )
 
 
