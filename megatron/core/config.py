@@ -8,7 +8,7 @@ created.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -151,6 +151,9 @@ class TransformerConfig:
     qk_clip_alpha: float = 0.5
     qk_clip_threshold: float = 100.0
     log_max_attention_logit: bool = False
+    # --heterogeneous-layers-config-path / -encoded-json: one BlockConfig per layer
+    # (megatron.core.heterogeneous), None for a model whose layers are all alike.
+    heterogeneous_blocks: Optional[Tuple[Any, ...]] = None
 
     @property
     def tracks_max_attention_logit(self) -> bool:

@@ -15,6 +15,7 @@ import torch
 
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.config import TransformerConfig
+from megatron.core.heterogeneous import parse_block_configs
 from megatron.core.mup import resolve_width_mult
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.data.config import DataConfig, FIMFlags
@@ -91,6 +92,18 @@ def _position_embedding_type(args) -> str:
     if args.multi_latent_attention and args.position_embedding_type in ("rope", "yarn"):
         return args.rope_type or "yarn"
     return args.position_embedding_type
+
+
+def heterogeneous_blocks(args) -> Optional[tuple]:
+    """The per-layer blocks of ``--heterogeneous-layers-config-encoded-json`` (validation
+    fills it from ``--heterogeneous-layers-config-path``), or None."""
+    text = getattr(args, "heterogeneous_layers_config_encoded_json", None)
+    if not text:
+        return None
+    source = (args.heterogeneous_layers_config_path
+              or "--heterogeneous-layers-config-encoded-json")
+    return parse_block_configs(text, source, args.num_layers, args.num_attention_heads,
+                               args.hidden_size)
 
 
 def build_configs(args: argparse.Namespace) -> Configs:
@@ -171,6 +184,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         mup_base_hidden_size=args.mup_base_hidden_size,
         mup_embedding_mult=args.mup_embedding_mult, mup_output_mult=args.mup_output_mult,
         mup_base_head_dim=args.mup_base_head_dim, mup_attn_scale_power=args.mup_attn_scale_power,
+        heterogeneous_blocks=heterogeneous_blocks(args),
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),
