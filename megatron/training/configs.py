@@ -94,16 +94,13 @@ def _position_embedding_type(args) -> str:
     return args.position_embedding_type
 
 
-def heterogeneous_blocks(args) -> Optional[tuple]:
-    """The per-layer blocks of ``--heterogeneous-layers-config-encoded-json`` (validation
-    fills it from ``--heterogeneous-layers-config-path``), or None."""
-    text = getattr(args, "heterogeneous_layers_config_encoded_json", None)
+def heterogeneous_blocks(text: Optional[str], path: Optional[str], args) -> Optional[tuple]:
+    """The per-layer blocks of the JSON ``text`` (``--heterogeneous-layers-config-encoded-json``,
+    which validation fills from the file ``path``), or None; errors name ``path`` or the flag."""
     if not text:
         return None
-    source = (args.heterogeneous_layers_config_path
-              or "--heterogeneous-layers-config-encoded-json")
-    return parse_block_configs(text, source, args.num_layers, args.num_attention_heads,
-                               args.hidden_size)
+    return parse_block_configs(text, path or "--heterogeneous-layers-config-encoded-json",
+                               args.num_layers, args.num_attention_heads, args.hidden_size)
 
 
 def build_configs(args: argparse.Namespace) -> Configs:
@@ -184,7 +181,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
         mup_base_hidden_size=args.mup_base_hidden_size,
         mup_embedding_mult=args.mup_embedding_mult, mup_output_mult=args.mup_output_mult,
         mup_base_head_dim=args.mup_base_head_dim, mup_attn_scale_power=args.mup_attn_scale_power,
-        heterogeneous_blocks=heterogeneous_blocks(args),
+        heterogeneous_blocks=heterogeneous_blocks(
+            args.heterogeneous_layers_config_encoded_json,
+            args.heterogeneous_layers_config_path, args),
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),

@@ -870,7 +870,7 @@ def _read_heterogeneous_config(args) -> None:
     if not args.heterogeneous_layers_config_encoded_json:
         return
     try:
-        blocks = heterogeneous_blocks(args)
+        blocks = heterogeneous_blocks(args.heterogeneous_layers_config_encoded_json, path, args)
         check_blocks_splittable(blocks, args.tensor_model_parallel_size, args.hidden_size)
     except ConfigError as err:
         _fail(str(err))

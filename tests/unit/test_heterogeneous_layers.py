@@ -217,3 +217,80 @@ def test_parse_errors_name_the_file_and_the_key():
         check_blocks_splittable(_blocks([{"attention": {}, "ffn": {"ffn_hidden_size": 48}}], 1),
                                 32, HIDDEN * 32)
     check_blocks_splittable(_blocks(BLOCKS[:3], 3), 2, HIDDEN)
+
+
+# --- torch_dist: per-layer keys (layers differ in shape), written out by hand ----------------
+
+def _tp_piece(name, tensor, tp_rank, tp):
+    """This TP rank's piece of a whole tensor of the model above (no SwiGLU)."""
+    rows = ("query_key_value.weight", "query_key_value.bias", "dense_h_to_4h.weight",
+            "dense_h_to_4h.bias", "word_embeddings.weight", "self_attention.weight",
+            "self_attention.bias", "mlp.weight", "mlp.bias")
+    if name.endswith(rows):
+        return tensor.chunk(tp)[tp_rank].clone()
+    if name.endswith(("dense.weight", "dense_4h_to_h.weight")):
+        return tensor.chunk(tp, dim=1)[tp_rank].clone()
+    return tensor.clone()
+
+
+def _save_dist(path, whole, blocks, tp):
+    from megatron.checkpoint.dist import (ChunkLayout, ShardWriter, extra_state_objects,
+                                             model_shards, write_metadata)
+    records = []
+    for tp_rank in range(tp):
+        layout = ChunkLayout(num_layers=len(blocks), tp_rank=tp_rank, tp_size=tp,
+                             per_layer=True, blocks=blocks)
+        local = {n: _tp_piece(n, t, tp_rank, tp) for n, t in whole.items()}
+        writer = ShardWriter(path, tp_rank)
+        writer.add(model_shards(local, layout))
+        writer.add(extra_state_objects(layout, len(blocks), list(local)))
+        records += writer.close()
+    write_metadata(path, records)
+
+
+def test_torch_dist_keys_are_per_layer_and_load_at_another_tp(tmp_path):
+    from megatron.checkpoint.dist import ChunkLayout, DistCheckpointReader, load_model_state
+    from megatron.checkpoint.dist.model_state import chunk_layout
+
+    blocks = _blocks(BLOCKS[:3], 3)
+    config = make_config(num_layers=3, heterogeneous_blocks=blocks)
+    assert chunk_layout(config, single_process_state()).per_layer
+    model = GPTModel(config, single_process_state())
+    whole = {n: t.detach() for n, t in model.named_parameters()}
+    _save_dist(str(tmp_path), whole, blocks, tp=2)
+    reader = DistCheckpointReader(str(tmp_path))
+    hn, d = HIDDEN // HEADS, "decoder.layers."
+    shapes = {k: tuple(reader.shape(k)) for k in reader.tensor_keys() if k.startswith(d)}
+    assert shapes == {
+        d + "0.self_attention.linear_qkv.layer_norm_weight": (HIDDEN,),
+        d + "0.self_attention.linear_qkv.layer_norm_bias": (HIDDEN,),
+        d + "0.self_attention.linear_qkv.weight": ((HEADS + 4) * hn, HIDDEN),
+        d + "0.self_attention.linear_qkv.bias": ((HEADS + 4) * hn,),
+        d + "0.self_attention.linear_proj.weight": (HIDDEN, HIDDEN),
+        d + "0.self_attention.linear_proj.bias": (HIDDEN,),
+        d + "0.mlp.linear_fc1.layer_norm_weight": (HIDDEN,),
+        d + "0.mlp.linear_fc1.layer_norm_bias": (HIDDEN,),
+        d + "0.mlp.linear_fc1.weight": (48, HIDDEN), d + "0.mlp.linear_fc1.bias": (48,),
+        d + "0.mlp.linear_fc2.weight": (HIDDEN, 48), d + "0.mlp.linear_fc2.bias": (HIDDEN,),
+        d + "1.mlp.layer_norm_weight": (HIDDEN,), d + "1.mlp.layer_norm_bias": (HIDDEN,),
+        d + "1.mlp.weight": (HIDDEN, HIDDEN), d + "1.mlp.bias": (HIDDEN,),
+        d + "2.self_attention.layer_norm_weight": (HIDDEN,),
+        d + "2.self_attention.layer_norm_bias": (HIDDEN,),
+        d + "2.self_attention.weight": (HIDDEN, HIDDEN), d + "2.self_attention.bias": (HIDDEN,),
+        d + "2.mlp.linear_fc1.layer_norm_weight": (HIDDEN,),
+        d + "2.mlp.linear_fc1.layer_norm_bias": (HIDDEN,),
+        d + "2.mlp.linear_fc1.weight": (256, HIDDEN), d + "2.mlp.linear_fc1.bias": (256,),
+        d + "2.mlp.linear_fc2.weight": (HIDDEN, 256), d + "2.mlp.linear_fc2.bias": (HIDDEN,)}
+    torch.testing.assert_close(reader.read(d + "2.self_attention.weight"),
+                               whole["language_model.encoder.layers.2.self_attention.weight"],
+                               rtol=0, atol=0)
+    assert set(reader.byte_keys()) == {
+        d + f"{k}._extra_state/shard_0_1" for k in (
+            "0.self_attention.linear_proj", "0.self_attention.linear_qkv", "0.mlp.linear_fc1",
+            "0.mlp.linear_fc2", "1.mlp", "2.self_attention", "2.mlp.linear_fc1",
+            "2.mlp.linear_fc2")}
+    layout = ChunkLayout(num_layers=3, per_layer=True, blocks=blocks)
+    loaded = load_model_state(reader, {k: torch.zeros_like(v) for k, v in whole.items()},
+                              layout)
+    for name, tensor in whole.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
