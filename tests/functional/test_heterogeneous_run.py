@@ -65,7 +65,7 @@ def test_trains_and_tp2_equals_one_process(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_resume_is_bit_identical(tmp_path, fmt):
+def test_resume_is_bit_identical(tmp_path, fmt, capsys):
     corpus = write_counting_corpus(str(tmp_path / "count_document"))
     config = _config(tmp_path)
     save = str(tmp_path / "ckpt")
@@ -73,12 +73,24 @@ def test_resume_is_bit_identical(tmp_path, fmt):
     full = _run(_flags(corpus, config, 6, ckpt))
     with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("3")
+    _converter_refuses(save, tmp_path, capsys)
     os.remove(config)   # the resumed run reads the config from the checkpoint's arguments
     flags = _flags(corpus, config, 6, ["--ckpt-format", fmt, "--load", save,
                                        "--use-checkpoint-args"])
     at = flags.index("--heterogeneous-layers-config-path")
     resumed = _run(flags[:at] + flags[at + 2:])
     assert resumed["losses"] == full["losses"][3:]
+
+
+def _converter_refuses(save, tmp_path, capsys):
+    from tools.checkpoint.convert import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model-type", "GPT", "--load-dir", save, "--save-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 1
+    assert "--heterogeneous-layers-config-path: the converter does not know per-layer " \
+        "shapes" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_a_bad_config_names_the_file_and_the_key(tmp_path, capsys):
