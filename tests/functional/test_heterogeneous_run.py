@@ -114,3 +114,15 @@ def test_a_bad_config_names_the_file_and_the_key(tmp_path, capsys):
         parse_and_validate(_flags("unused", _config(tmp_path), 1, ["--num-experts", "2"]),
                            prog="pretrain_gpt.py")
     assert "is not built with --num-experts" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_pp2_equals_one_process(tmp_path):
+    """Stages hold layers of different shapes; the blocks follow the global layer number."""
+    corpus = write_counting_corpus(str(tmp_path / "count_document"))
+    config = _config(tmp_path)
+    one = _run(_flags(corpus, config, 4))
+    two = _run(_flags(corpus, config, 4, ["--pipeline-model-parallel-size", "2"]), tp=2)
+    torch.testing.assert_close(torch.tensor([loss for _, loss in two["losses"]]),
+                               torch.tensor([loss for _, loss in one["losses"]]),
+                               rtol=1e-5, atol=1e-5)
