@@ -8,7 +8,7 @@ created.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
@@ -153,6 +153,9 @@ class TransformerConfig:
     qk_clip_alpha: float = 0.5
     qk_clip_threshold: float = 100.0
     log_max_attention_logit: bool = False
+    # --heterogeneous-layers-config-path / -encoded-json: one BlockConfig per layer
+    # (megatron.core.heterogeneous), None for a model whose layers are all alike.
+    heterogeneous_blocks: Optional[Tuple[Any, ...]] = None
 
     # Gated delta net linear attention (--experimental-attention-variant gdn, Qwen3-Next):
     # which layers (--linear-attention-freq: an int N = every N-th layer keeps standard

@@ -18,6 +18,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.collectives import get_group_size
 from megatron.core.config import ConfigError, TransformerConfig
+from megatron.core.heterogeneous import BlockConfig, layer_config
 from megatron.core.pipeline_parallel.layer_layout import stage_layer_counts, stage_offset
 from megatron.core.parallel_state import ModelGroups
 from megatron.core.utils import get_init_method, get_output_layer_init_method
@@ -27,6 +28,7 @@ from megatron.fused_kernels.swiglu import bias_swiglu_impl, bias_swiglu_unfused
 from megatron.model.activation_offload import HostActivationStash
 from megatron.model.attention import ParallelAttention, dropout_rng_context
 from megatron.model.gated_delta_net import GatedDeltaNet, is_gdn, linear_attention_pattern
+from megatron.model.linear_replacement import LinearReplacement
 from megatron.model.multi_latent_attention import MultiLatentAttention
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
@@ -119,12 +121,15 @@ class ParallelTransformerLayer(MegatronModule):
         moe_config: the MoE settings (None: dense MLPs).
         moe_tracker: the model's auxiliary-loss tracker, shared by its MoE layers.
         init_seed: the model's initialisation seed (the MoE layer's own seeds derive from it).
+        block: this layer's block of a heterogeneous model (:mod:`megatron.core.heterogeneous`;
+            ``config`` then already holds its query groups and MLP size), or None.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, groups: ModelGroups,
                  self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  moe_config: Optional[MoEConfig] = None,
-                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
+                 block: Optional[BlockConfig] = None):
         super().__init__(config)
         tp_group, tp_size = groups.tp_group, groups.tp_size
         sequence_parallel = groups.sequence_parallel
@@ -135,8 +140,20 @@ class ParallelTransformerLayer(MegatronModule):
             config.apply_residual_connection_post_layernorm)
         init_method = get_init_method(config)
         output_init = get_output_layer_init_method(config)
-        self.input_layernorm = get_norm(config, sequence_parallel)
-        if is_linear_attention_layer(config, layer_number):
+        self.block = block
+        attention, mlp = ((block.attention, block.mlp) if block is not None
+                          else (None, None))
+        # A no-op half has neither norm nor module: the layer's input passes it unchanged.
+        self.attention_no_op = attention is not None and attention.no_op
+        self.mlp_no_op = mlp is not None and mlp.no_op
+        if not self.attention_no_op:
+            self.input_layernorm = get_norm(config, sequence_parallel)
+        if self.attention_no_op:
+            self.self_attention = None
+        elif attention is not None and attention.replace_with_linear:
+            self.self_attention = LinearReplacement(config, tp_group, sequence_parallel,
+                                                    init_method)
+        elif is_linear_attention_layer(config, layer_number):
             self.self_attention = GatedDeltaNet(config, layer_number, tp_group, tp_size,
                                                 sequence_parallel, init_method, output_init)
         else:
@@ -146,10 +163,15 @@ class ParallelTransformerLayer(MegatronModule):
                 config, layer_number, tp_group, tp_size, sequence_parallel, init_method,
                 output_init, self_attn_mask_type, cp_group=groups.cp_group,
                 hierarchical_cp_groups=groups.hierarchical_cp_groups)
-        self.post_attention_layernorm = get_norm(config, sequence_parallel)
+        if not self.mlp_no_op:
+            self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.tp_group = tp_group
         self.moe_sequence_gather = self.moe_forward_only = False
-        if moe_config is not None and moe_config.is_moe_layer(layer_number):
+        if self.mlp_no_op:
+            self.mlp = None
+        elif mlp is not None and mlp.replace_with_linear:
+            self.mlp = LinearReplacement(config, tp_group, sequence_parallel, init_method)
+        elif moe_config is not None and moe_config.is_moe_layer(layer_number):
             expert_tp_group = tp_group if groups.expert_tp_group is None else groups.expert_tp_group
             # Both groups are blocks of consecutive ranks: the same size means the same group.
             shares_tokens = get_group_size(expert_tp_group) == tp_size
@@ -167,7 +189,7 @@ class ParallelTransformerLayer(MegatronModule):
         else:
             self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
         # --recompute-modules: the MLP or MoE block whole; the two norms' outputs.
-        self.recompute_mlp = config.recomputes(
+        self.recompute_mlp = self.mlp is not None and config.recomputes(
             "moe" if isinstance(self.mlp, MoELayer) else "mlp")
         self.norm_checkpoints = None
         if config.recomputes("layernorm"):
@@ -182,7 +204,8 @@ class ParallelTransformerLayer(MegatronModule):
     def _norm(self, which: int, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.norm_checkpoints is not None:
             return self.norm_checkpoints[which](hidden_states)
-        return (self.input_layernorm, self.post_attention_layernorm)[which](hidden_states)
+        norm = self.post_attention_layernorm if which else self.input_layernorm
+        return norm(hidden_states)
 
     def _discard_norm(self, which: int, hook_tensor: torch.Tensor) -> None:
         if self.norm_checkpoints is not None:
@@ -218,12 +241,18 @@ class ParallelTransformerLayer(MegatronModule):
         ``inference_params``: the key/value cache of a generation (see
         :meth:`ParallelAttention.forward`), or None.
         """
-        ln_output = self._norm(0, hidden_states)
-        attn_output, attn_bias = self.self_attention(ln_output, attention_mask, rotary_pos_emb,
-                                                     inference_params=inference_params)
-        residual = ln_output if self.apply_residual_connection_post_layernorm else hidden_states
-        ln_input = self._bias_dropout_add(attn_output, attn_bias, residual)
-        self._discard_norm(0, ln_input)
+        ln_input = hidden_states
+        if not self.attention_no_op:
+            ln_output = self._norm(0, hidden_states)
+            attn_output, attn_bias = self.self_attention(ln_output, attention_mask,
+                                                         rotary_pos_emb,
+                                                         inference_params=inference_params)
+            residual = (ln_output if self.apply_residual_connection_post_layernorm
+                        else hidden_states)
+            ln_input = self._bias_dropout_add(attn_output, attn_bias, residual)
+            self._discard_norm(0, ln_input)
+        if self.mlp_no_op:
+            return ln_input
         ln_output = self._norm(1, ln_input)
         mlp_output, mlp_bias = self._mlp(ln_output)
         residual = ln_output if self.apply_residual_connection_post_layernorm else ln_input
@@ -295,11 +324,14 @@ class ParallelTransformer(MegatronModule):
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
         layers = []
+        blocks = config.heterogeneous_blocks
         for i in range(num_layers):
+            number = layer_offset + i + 1
             with init_rng(init_seed, f"layer.{layer_offset + i}"):
                 layers.append(ParallelTransformerLayer(
-                    config, layer_offset + i + 1, groups, self_attn_mask_type, moe_config,
-                    moe_tracker, init_seed))
+                    layer_config(config, blocks, number), number, groups, self_attn_mask_type,
+                    moe_config, moe_tracker, init_seed,
+                    block=blocks[number - 1] if blocks else None))
         self.layers = torch.nn.ModuleList(layers)
         self.activation_stash = HostActivationStash(
             retain_buffers=config.cpu_offloading_retain_pinned_cpu_buffers)

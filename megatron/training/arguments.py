@@ -115,6 +115,13 @@ def _add_network_size_args(parser):
     g.add_argument("--window-attn-skip-freq", type=parse_window_attn_skip_freq, default=None,
                    help="layers that keep full attention: N = every N-th layer (N, 2N, ...), "
                    "or a list with one 1 (window) / 0 (full) per layer, e.g. \"[1,1,1,0]*3\"")
+    g.add_argument("--heterogeneous-layers-config-path", type=str, default=None,
+                   help="a JSON file (Hugging Face style, e.g. a Llama-Nemotron config.json) "
+                   "whose \"block_configs\" give each layer's attention and MLP: no_op, "
+                   "replace_with_linear, query groups, MLP size")
+    g.add_argument("--heterogeneous-layers-config-encoded-json", type=str, default=None,
+                   help="the same config as a JSON string (read from the file when that is "
+                   "given; saved with the checkpoint's arguments)")
     g.add_argument("--softmax-type", default="vanilla", choices=list(SOFTMAX_TYPES),
                    help="off-by-one: an extra zero logit per head in the attention softmax; "
                    "learnable: that logit a learned per-head parameter (attention sinks)")

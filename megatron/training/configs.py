@@ -15,6 +15,7 @@ import torch
 
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.config import TransformerConfig
+from megatron.core.heterogeneous import parse_block_configs
 from megatron.core.mup import resolve_width_mult
 from megatron.core.distributed.distributed_data_parallel_config import DistributedDataParallelConfig
 from megatron.data.config import DataConfig, FIMFlags
@@ -94,6 +95,15 @@ def _position_embedding_type(args) -> str:
     if args.multi_latent_attention and args.position_embedding_type in ("rope", "yarn"):
         return args.rope_type or "yarn"
     return args.position_embedding_type
+
+
+def heterogeneous_blocks(text: Optional[str], path: Optional[str], args) -> Optional[tuple]:
+    """The per-layer blocks of the JSON ``text`` (``--heterogeneous-layers-config-encoded-json``,
+    which validation fills from the file ``path``), or None; errors name ``path`` or the flag."""
+    if not text:
+        return None
+    return parse_block_configs(text, path or "--heterogeneous-layers-config-encoded-json",
+                               args.num_layers, args.num_attention_heads, args.hidden_size)
 
 
 def build_configs(args: argparse.Namespace) -> Configs:
@@ -183,6 +193,9 @@ def build_configs(args: argparse.Namespace) -> Configs:
         mup_base_hidden_size=args.mup_base_hidden_size,
         mup_embedding_mult=args.mup_embedding_mult, mup_output_mult=args.mup_output_mult,
         mup_base_head_dim=args.mup_base_head_dim, mup_attn_scale_power=args.mup_attn_scale_power,
+        heterogeneous_blocks=heterogeneous_blocks(
+            args.heterogeneous_layers_config_encoded_json,
+            args.heterogeneous_layers_config_path, args),
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),

@@ -104,7 +104,6 @@ OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd, lion o
 ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not built yet; drop "
                 "it")
 MHC = "hyper-connections are not built yet; drop it"
-HETERO = "heterogeneous (per-layer) architectures are not built yet; drop it"
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
 VP_GROUP = ("the interleaved schedule here groups --pipeline-model-parallel-size micro-batches "
@@ -492,8 +491,6 @@ ROWS = (
     ('--dino-warmup-teacher-temp-epochs', '', 'int', 30, '', REFUSED, VISION),
     ('--cache-mla-latents', '', 'true', False, '', REFUSED, MLA),
     ('--mla-down-proj-fusion', '', 'true', False, '', REFUSED, MLA),
-    ('--heterogeneous-layers-config-path', '', 'str', None, '', REFUSED, HETERO),
-    ('--heterogeneous-layers-config-encoded-json', '', 'str', None, '', REFUSED, HETERO),
     ('--log-progress', '', 'true', False, '', WORKS, None),
     ('--no-barrier-with-level-1-timing', 'barrier_with_L1_time',
      'false', True, '', NO_EFFECT, BARRIER),

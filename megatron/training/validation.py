@@ -22,7 +22,9 @@ from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutE
                                           check_degrees)
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
                                                           layout_stage_counts)
-from megatron.training.configs import build_checkpoint_config, build_moe_config
+from megatron.core.heterogeneous import check_blocks_splittable
+from megatron.training.configs import (build_checkpoint_config, build_moe_config,
+                                       heterogeneous_blocks)
 
 
 class ArgumentsError(ValueError):
@@ -880,6 +882,35 @@ def _validate_masking(args) -> None:
 BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
+def _read_heterogeneous_config(args) -> None:
+    """Fill ``--heterogeneous-layers-config-encoded-json`` from the file (as Megatron does, so
+    the config travels with the checkpoint's arguments), parse it once and refuse what a
+    heterogeneous model is not built with."""
+    path = args.heterogeneous_layers_config_path
+    if not args.heterogeneous_layers_config_encoded_json and path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                args.heterogeneous_layers_config_encoded_json = f.read()
+        except OSError as err:
+            _fail(f"--heterogeneous-layers-config-path {path}: cannot read it ({err.strerror})")
+    if not args.heterogeneous_layers_config_encoded_json:
+        return
+    try:
+        blocks = heterogeneous_blocks(args.heterogeneous_layers_config_encoded_json, path, args)
+        check_blocks_splittable(blocks, args.tensor_model_parallel_size, args.hidden_size)
+    except ConfigError as err:
+        _fail(str(err))
+    refused = [flag for flag, on in (
+        ("--num-experts", args.num_experts is not None),
+        ("--multi-latent-attention", args.multi_latent_attention),
+        ("--mtp-num-layers", args.mtp_num_layers is not None),
+        ("--recompute-modules layernorm", "layernorm" in (args.recompute_modules or ())),
+        ("--experimental-attention-variant", args.experimental_attention_variant is not None),
+    ) if on]
+    if refused:
+        _fail(f"--heterogeneous-layers-config-path is not built with {', '.join(refused)}")
+
+
 def _validate_mtp(args) -> None:
     """Multi-token prediction: the layouts it is built for."""
     depths = args.mtp_num_layers
@@ -1369,6 +1400,7 @@ def check_flags(args):
     _validate_gdn(args)
     _validate_parallel(args)
     _validate_moe(args)
+    _read_heterogeneous_config(args)
     _validate_upcycling(args)
     _validate_mtp(args)
     _validate_loss(args)

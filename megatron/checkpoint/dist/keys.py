@@ -151,6 +151,7 @@ _SPLIT_DIM = {
 }
 _SWIGLU_SPLIT = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
 _LAYER_NAME = re.compile(r"language_model\.(?:encoder|transformer)\.layers\.(\d+)\.(.+)")
+LAYER_NAME = _LAYER_NAME   # a chunk's layer tensor name: (local layer number, name in the layer)
 
 # Mixture-of-experts layer tensors (the legacy name is Megatron-Core's module name).
 _MOE_KEYS = ("mlp.router.weight", "mlp.router.bias", "mlp.router.expert_bias",
@@ -279,6 +280,8 @@ class ChunkLayout:
             block, :func:`per_layer_keys`); False: every layer tensor stacked over
             ``num_layers``.
         mla: the layers are multi-latent attention ones (``MLA_LAYER_KEYS``).
+        blocks: a heterogeneous model's blocks, one per global layer
+            (:mod:`megatron.core.heterogeneous`; with ``per_layer``), None otherwise.
     """
 
     num_layers: int
@@ -294,6 +297,7 @@ class ChunkLayout:
     expert_tp_size: Optional[int] = None
     per_layer: bool = False
     mla: bool = False
+    blocks: Optional[tuple] = None
 
     def __post_init__(self):
         if self.expert_tp_size is None:
@@ -448,12 +452,69 @@ def mcore_key(name: str, mla: bool = False) -> Tuple[str, Optional[int]]:
                           "layers, final norm, output layer) are stored in torch_dist")
 
 
+# --- Heterogeneous blocks (--heterogeneous-layers-config-path) ---------------------------------
+# Layers differ in shape, so they are stored per layer (``decoder.layers.<g>.``), as
+# Megatron-Core does for a heterogeneous block. A ``replace_with_linear`` half is one
+# column-parallel linear module named after the half it replaces, its norm fused into it as in
+# Megatron-Core's heterogeneous layer specs:
+#   ...layers.N.self_attention.{weight,bias}       decoder.layers.<g>.self_attention.{weight,bias}
+#   ...layers.N.input_layernorm.{weight,bias}      decoder.layers.<g>.self_attention.layer_norm_*
+#   ...layers.N.mlp.{weight,bias}                  decoder.layers.<g>.mlp.{weight,bias}
+#   ...layers.N.post_attention_layernorm.*         decoder.layers.<g>.mlp.layer_norm_*
+# (weight and bias split by rows over TP, norms replicated). A no-op half has no tensors.
+_REPLACED_NORM = {"self_attention": "input_layernorm", "mlp": "post_attention_layernorm"}
+
+
+def _replaced_halves(block) -> Tuple[str, ...]:
+    return tuple(half for half, part in (("self_attention", block.attention),
+                                         ("mlp", block.mlp)) if part.replace_with_linear)
+
+
+def _linear_replacement_placements(name: str, local_shape: Tuple[int, ...],
+                                   layout: ChunkLayout) -> Optional[List[Placement]]:
+    """The placement of a linear replacement's tensor (or its norm's), or None."""
+    match = _LAYER_NAME.fullmatch(name) if layout.blocks else None
+    if not match:
+        return None
+    global_layer, inner = layout.layer_offset + int(match.group(1)), match.group(2)
+    if not 0 <= global_layer < len(layout.blocks):
+        raise KeyMappingError(f"{name}: global layer {global_layer} is outside the model's "
+                              f"{len(layout.blocks)} blocks")
+    for half in _replaced_halves(layout.blocks[global_layer]):
+        module, field = inner.rsplit(".", 1) if "." in inner else (inner, "")
+        shape, offset = list(local_shape), [0] * len(local_shape)
+        if module == half:
+            shape[0], offset[0] = local_shape[0] * layout.tp_size, local_shape[0] * layout.tp_rank
+            key, written = f"{half}.{field}", layout.writes_split
+        elif module == _REPLACED_NORM[half]:
+            key, written = f"{half}.layer_norm_{field}", layout.writes_replicated
+        else:
+            continue
+        return [Placement(per_layer_prefix(global_layer) + key, tuple(shape), tuple(offset),
+                          None, 0, written)]
+    return None
+
+
+def heterogeneous_extra_state_modules(block) -> Tuple[str, ...]:
+    """The linear modules (with an extra-state entry) of a heterogeneous layer."""
+    modules = []
+    for half, part, standard in (("self_attention", block.attention, EXTRA_STATE_MODULES[:2]),
+                                 ("mlp", block.mlp, EXTRA_STATE_MODULES[2:])):
+        if not part.no_op:
+            modules += [half] if part.replace_with_linear else list(standard)
+    return tuple(modules)
+# --- end of heterogeneous blocks -------------------------------------------------------------
+
+
 def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> List[Placement]:
     """Where the local tensor ``name`` (a legacy dotted name of the chunk's state) of shape
     ``local_shape`` sits in the checkpoint, as one piece (two for SwiGLU's fc1)."""
     mtp = _mtp_placements(name, tuple(local_shape), layout)
     if mtp is not None:
         return mtp
+    replacement = _linear_replacement_placements(name, tuple(local_shape), layout)
+    if replacement is not None:
+        return replacement
     key, local_layer = mcore_key(name, layout.mla)
     inner = name if local_layer is None else _LAYER_NAME.fullmatch(name).group(2)
     local_shape = tuple(local_shape)

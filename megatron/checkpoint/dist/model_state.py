@@ -29,7 +29,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, ChunkLayout, Placement,
-                                           MTP_PREFIX, extra_state_keys, is_expert_key,
+                                           LAYER_NAME, MTP_PREFIX, extra_state_keys,
+                                           heterogeneous_extra_state_modules, is_expert_key,
+                                           per_layer_prefix,
                                            is_per_layer_key, mla_attention_modules,
                                            mtp_extra_state_keys, object_key, per_layer_keys,
                                            placements, stored_key)
@@ -56,6 +58,7 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
     per_layer_keys`), as in Megatron-Core."""
     from megatron.model.transformer import get_num_layers_and_offset
 
+    blocks = getattr(config, "heterogeneous_blocks", None)
     vp_size = getattr(pstate, "virtual_pp_size", None)
     _, offset = get_num_layers_and_offset(config, pstate.pp_size, pstate.pp_rank, vp_size,
                                           vp_rank if vp_size is not None else None)
@@ -78,8 +81,9 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
                        num_experts=num_experts,
                        expert_offset=expert_offset, expert_dp_rank=expert_dp_rank,
                        expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size,
-                       per_layer=bool(num_experts) and per_layer_keys(moe_layer_freq),
-                       mla=getattr(config, "multi_latent_attention", False))
+                       per_layer=(bool(num_experts) and per_layer_keys(moe_layer_freq)
+                                  or bool(blocks)),
+                       mla=getattr(config, "multi_latent_attention", False), blocks=blocks)
 
 
 def _lead(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
@@ -278,6 +282,8 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
     if not dense and not layout.writes_expert_replicated:
         return []
     names = names or []
+    if layout.blocks:
+        return _heterogeneous_extra_state_objects(layout, names, value)
     items = []
     for local in range(num_local_layers):
         experts, shared = None, False
@@ -300,6 +306,20 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
             layout.layer_offset + local, layout.num_layers, experts, layout.num_experts,
             shared, dense=dense, per_layer=layout.per_layer, attention_modules=attention)]
     return items + _mtp_extra_state_objects(layout, names, value)
+
+
+def _heterogeneous_extra_state_objects(layout: ChunkLayout, names: List[str],
+                                       value) -> List[ObjectShard]:
+    """Per-layer extra-state entries of the linear modules each heterogeneous layer of the
+    chunk has (a layer with both halves no-op has none, and no tensors either)."""
+    local_layers = sorted({int(m.group(1)) for m in map(LAYER_NAME.fullmatch, names) if m})
+    items = []
+    for local in local_layers:
+        number = layout.layer_offset + local
+        items += [ObjectShard(object_key(f"{per_layer_prefix(number)}{module}._extra_state"),
+                              value)
+                  for module in heterogeneous_extra_state_modules(layout.blocks[number])]
+    return items
 
 
 def _mtp_extra_state_objects(layout: ChunkLayout, names: List[str],
