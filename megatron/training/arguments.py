@@ -1009,11 +1009,8 @@ def _add_mtp_args(parser):
                    help="the MTP loss trains only the MTP layers: the main model's hidden "
                    "state, the embedding and the output weight reach them detached; their "
                    "gradients are clipped by a norm of their own")
-    g.add_argument("--mtp-standalone", action="store_true",
-                   help="MTP layers on a pipeline stage of their own (refused: MTP layers "
-                   "run on the last stage here)")
-    g.add_argument("--mtp-hsm", action="store_true",
-                   help="MTP hidden-state mixing (refused: not built)")
+    g.add_argument("--mtp-standalone", action="store_true")
+    g.add_argument("--mtp-hsm", action="store_true")
 
 
 ARG_GROUP_BUILDERS = [

@@ -857,7 +857,6 @@ BERT_TOKENIZER_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase")
 def _validate_mtp(args) -> None:
     """Multi-token prediction: the layouts it is built for."""
     depths = args.mtp_num_layers
-    _refuse_mtp_options(args)
     if depths is None:
         for flag in ("mtp_use_repeated_layer", "mtp_detach_heads"):
             if getattr(args, flag, False):
@@ -877,20 +876,6 @@ def _validate_mtp(args) -> None:
               "have no copy of the learned position table)")
     if args.sequence_parallel:
         _fail("--mtp-num-layers with --sequence-parallel is not supported")
-
-
-def _refuse_mtp_options(args) -> None:
-    """The multi-token-prediction options that are not built, each with its reason."""
-    if getattr(args, "mtp_standalone", False):
-        _fail("--mtp-standalone is not supported: MTP layers run on the last pipeline stage "
-              "beside the loss here; a stage of their own needs 'm' in "
-              "--pipeline-model-parallel-layout and a [(1+K)s, b, h] hand-over to the loss "
-              "stage, neither built; drop --mtp-standalone")
-    if getattr(args, "mtp_hsm", False):
-        _fail("--mtp-hsm is not supported: hidden-state mixing feeds each MTP depth a "
-              "per-token random pick from the earlier depths' hidden states, drawn from "
-              "Megatron-Core's per-replica CUDA RNG tracker stream; that stream is not "
-              "reproduced here, so a run could not match Megatron's; drop --mtp-hsm")
 
 
 def _validate_loss(args) -> None:

@@ -191,5 +191,5 @@ def test_options_need_mtp_layers(flag):
 @pytest.mark.parametrize("flag, reason", [("--mtp-standalone", "stage"),
                                           ("--mtp-hsm", "hidden-state mixing")])
 def test_unbuilt_options_are_refused_with_their_reason(flag, reason):
-    with pytest.raises(ArgumentsError, match=f"{flag} is not supported: .*{reason}"):
+    with pytest.raises(ArgumentsError, match=f"{flag} True is not supported: .*{reason}"):
         _validate([flag, "--mtp-num-layers", "2"])
