@@ -188,6 +188,11 @@ def test_options_need_mtp_layers(flag):
     assert getattr(args, flag[2:].replace("-", "_")) is True
 
 
+def test_detached_heads_are_refused_with_fsdp():
+    with pytest.raises(ArgumentsError, match="--mtp-detach-heads with fully sharded"):
+        _validate(["--mtp-detach-heads", "--mtp-num-layers", "1", "--use-torch-fsdp2"])
+
+
 @pytest.mark.parametrize("flag, reason", [("--mtp-standalone", "stage"),
                                           ("--mtp-hsm", "hidden-state mixing")])
 def test_unbuilt_options_are_refused_with_their_reason(flag, reason):
