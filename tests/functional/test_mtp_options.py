@@ -7,7 +7,8 @@ import pytest
 
 from tests.functional.test_mtp_pipeline import ITERS, _assert_parity, _run, corpus  # noqa: F401
 
-OPTIONS = ["--mtp-use-repeated-layer", "--mtp-detach-heads", "--untie-embeddings-and-output-weights"]
+OPTIONS = ["--mtp-use-repeated-layer", "--mtp-detach-heads",
+           "--untie-embeddings-and-output-weights"]
 
 
 @pytest.mark.slow

@@ -96,7 +96,8 @@ def test_repeated_layer_is_one_layer_applied_k_times():
     # Tolerances: the model takes each depth's loss in fp32 (as for fp16/bf16 training).
     assert logged == {f"mtp_{k + 1} loss": pytest.approx(float(v.detach()), rel=1e-6)
                       for k, v in enumerate(mtp_losses)}
-    assert len(set(round(float(v.detach()), 6) for v in mtp_losses)) == 3    # three different depths
+    # three different depths
+    assert len(set(round(float(v.detach()), 6) for v in mtp_losses)) == 3
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-9, msg=name)
@@ -157,7 +158,8 @@ def test_tagged_parameters_are_clipped_by_their_own_norm():
     for p, scale in zip(params, (1.0, 2.0, 3.0, 0.1)):
         p.grad = torch.randn(p.shape, generator=gen) * scale
     before = [p.grad.double().clone() for p in params]
-    optimizer = FP32Optimizer(torch.optim.SGD(params, lr=0.0), OptimizerConfig(lr=0.0, clip_grad=1.0))
+    optimizer = FP32Optimizer(torch.optim.SGD(params, lr=0.0),
+                              OptimizerConfig(lr=0.0, clip_grad=1.0))
     norm = optimizer.clip_grad_norm(1.0)
     main = torch.cat([g.flatten() for g in before[:2]]).norm()
     mtp = torch.cat([g.flatten() for g in before[2:]]).norm()
