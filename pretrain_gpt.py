@@ -35,7 +35,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     return GPTModel(config, pstate, pre_process=pre_process,
                     post_process=post_process, parallel_output=True, init_seed=args.seed,
                     moe_config=configs.moe, mtp_num_layers=args.mtp_num_layers,
-                    mtp_loss_scaling_factor=args.mtp_loss_scaling_factor)
+                    mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+                    mtp_use_repeated_layer=args.mtp_use_repeated_layer,
+                    mtp_detach_heads=args.mtp_detach_heads)
 
 
 def get_batch(data_iterator, stage=None):

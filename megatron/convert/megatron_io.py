@@ -458,6 +458,10 @@ def _meta_from_args(src: _Source, true_vocab_size: Optional[int]) -> ModelMeta:
         raise ConversionError(f"{src.file(0, 0)}: --heterogeneous-layers-config-path: the "
                               "converter does not know per-layer shapes yet (load the "
                               "checkpoint with the training's own --ckpt-format)")
+    if getattr(args, "mtp_use_repeated_layer", False):
+        raise ConversionError(f"{src.file(0, 0)}: --mtp-use-repeated-layer: one MTP layer "
+                              "(mtp.layers.0) shared by every depth has no converter target "
+                              "(load the checkpoint with the training's own --ckpt-format)")
     heads = args.num_attention_heads
     gqa = getattr(args, "group_query_attention", False)
     position = getattr(args, "position_embedding_type", "learned_absolute")

@@ -44,6 +44,9 @@ class GPTModel(MegatronModule):
             input tokens too and keeps ``word_embeddings_for_head`` even with untied
             embeddings (a copy of the input table, kept in step like the tied one).
         mtp_loss_scaling_factor: ``--mtp-loss-scaling-factor``.
+        mtp_use_repeated_layer / mtp_detach_heads: ``--mtp-use-repeated-layer``,
+            ``--mtp-detach-heads`` (see :class:`MultiTokenPredictionBlock`); detached heads
+            also read a detached output weight.
 
     With context parallelism (``pstate.cp_group`` of more than one rank) every ``[b, s]`` input
     holds this rank's ``s / cp`` tokens of each sequence and the loss is per local token.
@@ -58,7 +61,8 @@ class GPTModel(MegatronModule):
                  post_process: bool = True, parallel_output: bool = True,
                  init_seed: int = 1234, sequence_parallel: Optional[bool] = None,
                  moe_config: Optional[MoEConfig] = None, mtp_num_layers: Optional[int] = None,
-                 mtp_loss_scaling_factor: float = 0.1):
+                 mtp_loss_scaling_factor: float = 0.1, mtp_use_repeated_layer: bool = False,
+                 mtp_detach_heads: bool = False):
         super().__init__(config)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
         if (mtp_num_layers and pstate.pp_size > 1
@@ -97,7 +101,9 @@ class GPTModel(MegatronModule):
         if mtp_num_layers and post_process:
             self.mtp = MultiTokenPredictionBlock(config, groups, mtp_num_layers,
                                                  moe_config if self.moe_config else None,
-                                                 self.moe_tracker, init_seed)
+                                                 self.moe_tracker, init_seed,
+                                                 repeated_layer=mtp_use_repeated_layer,
+                                                 detach_heads=mtp_detach_heads)
             self.mtp_tracker = MTPLossTracker(mtp_num_layers)
         if self.shares_embedding_over_stages:
             tie_word_embeddings_over_stages(self, init_seed)
@@ -168,8 +174,10 @@ class GPTModel(MegatronModule):
                                        labels, loss_mask)
         return loss
 
-    def _head(self, hidden: torch.Tensor, buffer=None) -> torch.Tensor:
-        """``[s, b, h]`` -> logits ``[s, b, V/tp]``, in ``--output-logit-dtype`` when given.
+    def _head(self, hidden: torch.Tensor, buffer=None, detach_weight: bool = False
+              ) -> torch.Tensor:
+        """``[s, b, h]`` -> logits ``[s, b, V/tp]``, in ``--output-logit-dtype`` when given;
+        ``detach_weight``: no gradient reaches the output weight (detached MTP heads).
 
         A wider logit dtype than the hidden states' (fp32 in a bf16 run) forms the product of
         the half-precision values with an fp32 sum and keeps it unrounded, as a GEMM with an
@@ -177,25 +185,26 @@ class GPTModel(MegatronModule):
         rounds the product."""
         dtype = self.config.logit_dtype
         if dtype is None or dtype == hidden.dtype:
-            return self._head_in(hidden, None, buffer)
+            return self._head_in(hidden, None, buffer, detach_weight)
         if dtype.itemsize > hidden.dtype.itemsize:
-            return self._head_in(hidden.to(dtype), dtype, None)
-        return self._head_in(hidden, None, None).to(dtype)
+            return self._head_in(hidden.to(dtype), dtype, None, detach_weight)
+        return self._head_in(hidden, None, None, detach_weight).to(dtype)
 
-    def _head_in(self, hidden: torch.Tensor, dtype: Optional[torch.dtype],
-                 buffer) -> torch.Tensor:
+    def _head_in(self, hidden: torch.Tensor, dtype: Optional[torch.dtype], buffer,
+                 detach_weight: bool = False) -> torch.Tensor:
         """The output layer's product with the weight cast to ``dtype`` (None: as stored)."""
         if self.share_embeddings_and_output_weights:
             weight = self.shared_embedding_or_output_weight()
+            weight = weight.detach() if detach_weight else weight
             logits = parallel_lm_logits(hidden, weight if dtype is None else weight.to(dtype),
                                         self.tp_group, self.sequence_parallel,
                                         output_buffer=buffer)
         else:
             layer = self.language_model.output_layer
+            weight = layer.weight.detach() if detach_weight else None
             if dtype is not None:
-                logits, _ = layer(hidden, weight=layer.weight.to(dtype))
-            else:
-                logits, _ = layer(hidden, output_buffer=buffer)
+                weight = (layer.weight if weight is None else weight).to(dtype)
+            logits, _ = layer(hidden, weight=weight, output_buffer=buffer)
         if self.config.use_mup and self.config.mup_output_mult != 1.0:
             logits = logits * self.config.mup_output_mult                  # --mup-output-mult
         return logits
@@ -228,7 +237,8 @@ class GPTModel(MegatronModule):
         total = 0.0
         for depth, output in enumerate(outputs):
             labels, mask = roll_left(labels), roll_left(mask)
-            per_token = self._per_token_loss(self._head(output), labels)         # [b, s]
+            logits = self._head(output, detach_weight=self.mtp.detach_heads)      # [s, b, V/tp]
+            per_token = self._per_token_loss(logits, labels)                      # [b, s]
             value = (per_token.float() * mask).sum() / mask.sum()
             self.mtp_tracker.record(depth, value)
             total = total + value * (self.mtp_loss_scaling_factor / len(outputs))

@@ -15,6 +15,13 @@ auxiliary losses it is not added to the returned loss: it is attached to it
 (:func:`~megatron.model.moe.tracker.attach_aux_loss`), so it reaches the gradients with the
 main loss's scale (``backward_scale`` of :class:`MTPLossTracker`) and the logged ``lm loss``
 stays the main head's. The unscaled per-depth values are logged as ``mtp_{K+1} loss``.
+
+``--mtp-use-repeated-layer``: one depth's module (``mtp.layers.0``) is built and applied
+``--mtp-num-layers`` times, each application feeding the next, as Megatron-Core does.
+``--mtp-detach-heads``: the MTP heads train on their loss without moving the main model: the
+main model's hidden state and the shifted tokens' embedding enter them detached, and their
+logits use a detached copy of the output weight; only the MTP layers' own parameters receive
+the MTP loss's gradient (and are clipped by a gradient norm of their own).
 """
 
 import dataclasses
@@ -32,6 +39,11 @@ from megatron.model.moe import MoEConfig, MoELossTracker
 from megatron.model.norms import get_norm
 from megatron.model.transformer import ParallelTransformerLayer
 from megatron.model.utils import init_rng
+
+
+# The gradient-norm group of detached MTP heads' parameters (Megatron-Core's name): the
+# optimizer clips them by their own norm and leaves them out of the logged one.
+MTP_GRAD_NORM_GROUP = "mtp"
 
 
 def roll_left(tensor: torch.Tensor) -> torch.Tensor:
@@ -113,19 +125,33 @@ class MultiTokenPredictionLayer(MegatronModule):
 
 
 class MultiTokenPredictionBlock(MegatronModule):
-    """``--mtp-num-layers`` depths, run one after the other (module name ``layers``)."""
+    """``--mtp-num-layers`` depths, run one after the other (module name ``layers``).
+
+    Args:
+        repeated_layer: ``--mtp-use-repeated-layer``: build one depth and apply it
+            ``num_depths`` times.
+        detach_heads: ``--mtp-detach-heads``: the main model's hidden state and the embedded
+            tokens enter detached; the parameters are tagged ``grad_norm_group = "mtp"``.
+    """
 
     def __init__(self, config: TransformerConfig, groups: ModelGroups, num_depths: int,
                  moe_config: Optional[MoEConfig] = None,
-                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
+                 moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
+                 repeated_layer: bool = False, detach_heads: bool = False):
         super().__init__(config)
+        self.num_depths = num_depths
+        self.repeated_layer = repeated_layer
+        self.detach_heads = detach_heads
         if groups.sequence_parallel or get_group_size(groups.cp_group) > 1:
             raise ValueError("--mtp-num-layers is not supported with --sequence-parallel or "
                              "--context-parallel-size > 1")
         layer_moe = mtp_moe_config(moe_config, config.num_layers)
         self.layers = torch.nn.ModuleList(
             MultiTokenPredictionLayer(config, groups, k, layer_moe, moe_tracker, init_seed)
-            for k in range(num_depths))
+            for k in range(1 if repeated_layer else num_depths))
+        if detach_heads:
+            for param in self.parameters():
+                param.grad_norm_group = MTP_GRAD_NORM_GROUP
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
                 hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
@@ -133,11 +159,16 @@ class MultiTokenPredictionBlock(MegatronModule):
         """Each depth's output ``[s, b, h]``; ``input_ids`` / ``position_ids`` ``[b, s]`` are
         the main model's, ``embedding`` its embedding module."""
         outputs = []
-        for layer in self.layers:
+        if self.detach_heads:
+            hidden_states = hidden_states.detach()
+        for depth in range(self.num_depths):
+            layer = self.layers[0 if self.repeated_layer else depth]
             input_ids = roll_left(input_ids)
             if position_ids is not None:
                 position_ids = roll_left(position_ids)
             embedded = embedding(input_ids, position_ids)                    # [s, b, h]
+            if self.detach_heads:
+                embedded = embedded.detach()
             hidden_states = layer(hidden_states, embedded, attention_mask, rotary_pos_emb)
             outputs.append(hidden_states)
         return outputs

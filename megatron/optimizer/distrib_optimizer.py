@@ -75,7 +75,7 @@ from .clip_grads import (clip_grads_with_norm_fp32, get_grads_for_norm, is_exper
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
 from .optimizer import (MainValues, MegatronOptimizer, StepResult, copy_parallel_attributes,
-                        main_value)
+                        in_separate_norm_group, main_value, split_by_norm_group)
 from megatron.core import collectives, device
 from megatron.core.config import ConfigError
 
@@ -372,21 +372,33 @@ class DistributedOptimizer(MegatronOptimizer):
             total += torch.stack(norms).pow(2.0).sum().to(total.device)
         return total
 
-    def get_grad_norm(self) -> float:
-        """The 2-norm of the whole model's gradient, from every rank's shard."""
+    def get_grad_norm(self, tagged: bool = False) -> float:
+        """The 2-norm of the whole model's gradient, from every rank's shard; of the
+        parameters in a separate norm group (``tagged``) or of the others."""
+        keep = ((lambda m: in_separate_norm_group(m) == tagged)
+                if self.has_separate_norm_group() else (lambda m: True))
         if not self.experts_apart:
-            total = self._square_sum(self.get_parameters())
+            total = self._square_sum([m for m in self.get_parameters() if keep(m)])
             self._all_reduce_dp_then_mp(total, dist.ReduceOp.SUM)
             return float(total.item()) ** 0.5
-        total = self._all_reduce_dp_then_mp(self._square_sum(self._expert_mains(False)),
-                                            dist.ReduceOp.SUM)
+        dense = [m for m in self._expert_mains(False) if keep(m)]
+        total = self._all_reduce_dp_then_mp(self._square_sum(dense), dist.ReduceOp.SUM)
         experts = self._all_reduce_expert_dp_then_expert_mp(
-            self._square_sum(self._expert_mains(True)), dist.ReduceOp.SUM)
+            self._square_sum([m for m in self._expert_mains(True) if keep(m)]),
+            dist.ReduceOp.SUM)
         return float((total + experts).item()) ** 0.5
+
+    def _reduce_any(self, flag: torch.Tensor) -> torch.Tensor:
+        return self._all_reduce_dp_then_mp(flag, dist.ReduceOp.MAX)
 
     def clip_grad_norm(self, clip_grad: float) -> float:
         grad_norm = self.get_grad_norm()
-        clip_grads_with_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+        if not self.has_separate_norm_group():
+            clip_grads_with_norm_fp32(self.get_parameters(), clip_grad, grad_norm)
+            return grad_norm
+        untagged, tagged = split_by_norm_group(self.get_parameters())
+        clip_grads_with_norm_fp32(untagged, clip_grad, grad_norm)
+        clip_grads_with_norm_fp32(tagged, clip_grad, self.get_grad_norm(tagged=True))
         return grad_norm
 
     def _zero_count(self, mains: List[torch.Tensor]) -> torch.Tensor:

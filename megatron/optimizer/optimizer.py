@@ -39,14 +39,15 @@ from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart, g
                          is_expert_parallel)
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
-from megatron.core import device
+from megatron.core import collectives, device
 from megatron.core.distributed.torch_fsdp2 import gather_full, local_tensor, shard_like
 
 logger = logging.getLogger(__name__)
 
 # Attributes that say how a parameter is split or shared; main params inherit them.
 _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
-                        "sequence_parallel", "shared", "allreduce", "muon_qkv_split")
+                        "sequence_parallel", "shared", "allreduce", "muon_qkv_split",
+                        "grad_norm_group")
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
 # --load-main-params-from-ckpt: id(model parameter) -> the checkpoint's tensor for it.
@@ -63,6 +64,19 @@ def main_value(model_param: torch.Tensor, main_values: Optional[MainValues]) -> 
         raise ValueError(f"--load-main-params-from-ckpt: the checkpoint's tensor has shape "
                          f"{tuple(source.shape)}, the parameter {tuple(model_param.shape)}")
     return source.detach().to(device=model_param.device, dtype=torch.float32)
+
+
+def in_separate_norm_group(param: torch.Tensor) -> bool:
+    """True for a parameter tagged ``grad_norm_group`` (Megatron-Core's ``"mtp"``, on detached
+    MTP heads): it is clipped by its own group's norm and left out of the logged norm."""
+    return getattr(param, "grad_norm_group", None) is not None
+
+
+def split_by_norm_group(params: Sequence[torch.Tensor]
+                        ) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+    """``(untagged, tagged)``: see :func:`in_separate_norm_group`."""
+    return ([p for p in params if not in_separate_norm_group(p)],
+            [p for p in params if in_separate_norm_group(p)])
 
 
 def _zero_grad_group_helper(group: Sequence[torch.Tensor], set_to_none: bool) -> None:
@@ -199,11 +213,36 @@ class MegatronOptimizer(ABC):
         return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank,
                                   expert_tp_rank=self.expert_tp_rank)
 
+    def _reduce_any(self, flag: torch.Tensor) -> torch.Tensor:
+        """Max of ``flag`` over every rank holding a part of this model's parameters."""
+        return collectives.all_reduce(flag, self.model_parallel_group, op=dist.ReduceOp.MAX)
+
+    def has_separate_norm_group(self) -> bool:
+        """True when any rank's parameters carry a ``grad_norm_group`` (asked once, over
+        every rank, so all of them take the same collectives)."""
+        if getattr(self, "_has_separate_norm_group", None) is None:
+            local = any(in_separate_norm_group(p) for p in self.get_parameters())
+            flag = torch.tensor([float(local)], device=device.current_device())
+            self._has_separate_norm_group = bool(self._reduce_any(flag).item())
+        return self._has_separate_norm_group
+
     def clip_grad_norm(self, clip_grad: float) -> float:
-        """Clip the main gradients to ``clip_grad``; return the norm before clipping."""
+        """Clip the main gradients to ``clip_grad``; return the norm before clipping. Tagged
+        parameters (:func:`in_separate_norm_group`) are clipped by their own norm, which the
+        returned one leaves out."""
         params = self.get_parameters()
+        if not self.has_separate_norm_group():
+            return self._clip_grad_norm(params, clip_grad)
+        untagged, tagged = split_by_norm_group(params)
+        grad_norm = self._clip_grad_norm(untagged, clip_grad)
+        self._clip_grad_norm(tagged, clip_grad)
+        return grad_norm
+
+    def _clip_grad_norm(self, params: List[torch.Tensor], clip_grad: float) -> float:
         if not self.experts_apart:
-            return clip_grad_norm_fp32(params, self.get_main_grads_for_grad_norm(), clip_grad,
+            grads = get_grads_for_norm(params, tp_rank=self.tp_rank,
+                                       expert_tp_rank=self.expert_tp_rank)
+            return clip_grad_norm_fp32(params, grads, clip_grad,
                                        model_parallel_group=self.model_parallel_group,
                                        shard_group=self.grad_shard_group)
         dense = [p for p in params if not is_expert_parallel(p)]

@@ -1073,6 +1073,15 @@ def _add_mtp_args(parser):
                    "depth K predicts the token K + 2 places ahead")
     g.add_argument("--mtp-loss-scaling-factor", type=float, default=0.1,
                    help="the MTP losses' weight: their mean over depths is multiplied by it")
+    g.add_argument("--mtp-use-repeated-layer", action="store_true",
+                   help="build one MTP layer (mtp.layers.0) and apply it --mtp-num-layers "
+                   "times instead of one layer per depth")
+    g.add_argument("--mtp-detach-heads", action="store_true",
+                   help="the MTP loss trains only the MTP layers: the main model's hidden "
+                   "state, the embedding and the output weight reach them detached; their "
+                   "gradients are clipped by a norm of their own")
+    g.add_argument("--mtp-standalone", action="store_true")
+    g.add_argument("--mtp-hsm", action="store_true")
 
 
 ARG_GROUP_BUILDERS = [

@@ -66,8 +66,8 @@ AVERAGE = ("gradients are averaged over the data-parallel group by scaling each 
 BARRIER = "the timers here never add a barrier; --timing-log-level 1 timers are not synchronised"
 
 # What to do instead of a refused flag.
-MTP = ("this option of multi-token prediction (standalone MTP stages, a repeated MTP layer, "
-       "detached heads, hybrid patterns) is not built yet; drop it (--mtp-num-layers works)")
+MTP = ("it gives the layer pattern of MTP layers in hybrid (Mamba) models, which are not built "
+       "here; drop it (--mtp-num-layers works)")
 MLA = ("this option of multi-latent attention (caching the compressed latents, fusing the down "
        "projections) is not built; --multi-latent-attention runs without it: drop it")
 FSDP = ("this knob of Megatron's own FSDP runtime has no counterpart here (--use-megatron-fsdp "
@@ -168,10 +168,6 @@ ROWS = (
      'true', False, '', NO_EFFECT, SCHEDULE),
     ('--microbatch-group-size-per-virtual-pipeline-stage', 'microbatch_group_size_per_vp_stage',
      'int', None, '', REFUSED, VP_GROUP),
-    ('--mtp-standalone', '', 'true', False, '', REFUSED, MTP),
-    ('--mtp-use-repeated-layer', '', 'true', False, '', REFUSED, MTP),
-    ('--mtp-detach-heads', '', 'true', False, '', REFUSED, MTP),
-    ('--mtp-hsm', '', 'true', False, '', REFUSED, MTP),
     ('--mtp-hybrid-override-pattern', '', 'str', None, '', REFUSED, MTP),
     ('--flash-attention-version', '', 'int', None, '2|3|4', NO_EFFECT, ATTN_BACKEND),
     ('--dsa-indexer-n-heads', '', 'int', None, '', REFUSED, ATTN_VARIANT),

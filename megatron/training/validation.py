@@ -915,9 +915,17 @@ def _validate_mtp(args) -> None:
     """Multi-token prediction: the layouts it is built for."""
     depths = args.mtp_num_layers
     if depths is None:
+        for flag in ("mtp_use_repeated_layer", "mtp_detach_heads"):
+            if getattr(args, flag, False):
+                _fail(f"--{flag.replace('_', '-')} needs --mtp-num-layers")
         return
     if depths < 1:
         _fail(f"--mtp-num-layers must be >= 1, got {depths}")
+    if args.mtp_detach_heads and (getattr(args, "use_torch_fsdp2", False)
+                                  or getattr(args, "use_megatron_fsdp", False)):
+        _fail("--mtp-detach-heads with fully sharded data parallelism is not supported (the "
+              "MTP layers' separate gradient norm is not kept on sharded parameters, as in "
+              "Megatron-Core); use --use-distributed-optimizer")
     if args.mtp_loss_scaling_factor < 0:
         _fail(f"--mtp-loss-scaling-factor must be >= 0, got {args.mtp_loss_scaling_factor}")
     cp = getattr(args, "context_parallel_size", 1)
