@@ -171,6 +171,11 @@ def build_configs(args: argparse.Namespace) -> Configs:
         mup_base_hidden_size=args.mup_base_hidden_size,
         mup_embedding_mult=args.mup_embedding_mult, mup_output_mult=args.mup_output_mult,
         mup_base_head_dim=args.mup_base_head_dim, mup_attn_scale_power=args.mup_attn_scale_power,
+        enable_mhc_connections=args.enable_mhc_connections,
+        mhc_num_residual_streams=args.mhc_num_residual_streams,
+        mhc_sinkhorn_iterations=args.mhc_sinkhorn_iterations,
+        mhc_init_gating_factor=args.mhc_init_gating_factor,
+        mhc_recompute_layer_num=args.mhc_recompute_layer_num,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),
