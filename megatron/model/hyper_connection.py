@@ -102,17 +102,20 @@ class HyperConnection(torch.nn.Module):
 
     def compute_mappings(self, x: torch.Tensor):
         """``[s, b, n*h]`` -> ``H_pre [s, b, n]``, ``H_post [s, b, n]``, ``H_res [s, b, n, n]``,
-        computed in fp32 and returned in ``x``'s dtype."""
+        computed in fp32 (fp64 for an fp64 model) and returned in ``x``'s dtype."""
         n = self.n
-        x32 = x.float()
-        proj = x32 @ self.mapping_proj.weight.float().t()                   # [s, b, n^2+2n]
+        dtype = torch.promote_types(x.dtype, torch.float32)    # fp32 at least (fp64 stays)
+        x32 = x.to(dtype)
+        proj = x32 @ self.mapping_proj.weight.to(dtype).t()                 # [s, b, n^2+2n]
         r = 1.0 / (x32.norm(dim=-1, keepdim=True) / math.sqrt(x.shape[-1]) + NORM_EPS)
-        alpha = torch.cat([self.alpha_pre.float().expand(n), self.alpha_post.float().expand(n),
-                           self.alpha_res.float().expand(n * n)])
-        h = r * proj * alpha + self.bias.float()
+        alpha = torch.cat([self.alpha_pre.to(dtype).expand(n),
+                           self.alpha_post.to(dtype).expand(n),
+                           self.alpha_res.to(dtype).expand(n * n)])
+        h = r * proj * alpha + self.bias.to(dtype)
         h_pre = torch.sigmoid(h[..., :n]) + H_PRE_EPS
         h_post = torch.sigmoid(h[..., n:2 * n]) * 2
-        h_res = sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations)
+        h_res = sinkhorn_knopp(h[..., 2 * n:].unflatten(-1, (n, n)), self.sinkhorn_iterations,
+                               SINKHORN_EPS)
         return h_pre.to(x.dtype), h_post.to(x.dtype), h_res.to(x.dtype)
 
     def aggregate(self, x: torch.Tensor, h_pre: torch.Tensor) -> torch.Tensor:
