@@ -35,7 +35,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from megatron.core.tensor_parallel.random import _rng_restore, _rng_snapshot
+from megatron.core.tensor_parallel.random import rng_restore, rng_snapshot
 
 # The small constants of Megatron-Core's mHC (Sinkhorn, the RMS factor, H_pre's floor).
 SINKHORN_EPS = 1e-6
@@ -169,16 +169,16 @@ class _Record:
     def __init__(self, group, function: Callable, inputs: Tuple[torch.Tensor, ...]):
         self.group, self.function = group, function
         self.inputs = tuple(x.detach() for x in inputs)
-        self.rng = _rng_snapshot()
+        self.rng = rng_snapshot()
         self.output, self.recomputed = None, None
 
     def recompute(self) -> None:
-        current = _rng_snapshot()
-        _rng_restore(self.rng)
+        current = rng_snapshot()
+        rng_restore(self.rng)
         with torch.enable_grad():
             inputs = tuple(x.requires_grad_(True) for x in self.inputs)
             output = self.function(*inputs)
-        _rng_restore(current)
+        rng_restore(current)
         storage = self.output.untyped_storage()
         if storage.size() == 0:
             # Storage to storage: tensors saved for backward see the values again without a
