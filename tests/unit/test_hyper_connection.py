@@ -279,3 +279,43 @@ def test_bad_settings_are_refused():
     with pytest.raises(ConfigError, match="mhc and mlp"):
         make_config(enable_mhc_connections=True, recompute_granularity="selective",
                     recompute_modules=("mhc", "mlp"))
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    (["--mtp-num-layers", "1"], r"--enable-mhc-connections cannot be combined with "
+                                r"--mtp-num-layers"),
+    (["--fp32-residual-connection"], r"cannot be combined with --fp32-residual-connection"),
+    (["--mhc-num-residual-streams", "0"], r"--mhc-num-residual-streams must be >= 1, got 0"),
+    (["--mhc-recompute-layer-num", "0"], r"--mhc-recompute-layer-num must be >= 1, got 0"),
+])
+def test_flags_refuse_what_is_not_built(extra, pattern):
+    from megatron.training.arguments import ArgumentsError, validate_args
+    from tests.unit.test_arguments import BASE, _args
+
+    with pytest.raises(ArgumentsError, match=pattern):
+        validate_args(_args(BASE + ["--enable-mhc-connections"] + extra))
+    with pytest.raises(ArgumentsError, match="--recompute-modules mhc needs"):
+        validate_args(_args(BASE + ["--recompute-granularity", "selective",
+                                    "--recompute-modules", "mhc"]))
+
+
+def test_flags_reach_the_model_config():
+    from megatron.training.arguments import build_configs, validate_args
+    from tests.unit.test_arguments import BASE, _args
+
+    args = validate_args(_args(BASE + [
+        "--enable-mhc-connections", "--mhc-num-residual-streams", "2",
+        "--mhc-sinkhorn-iterations", "5", "--mhc-init-gating-factor", "0.1",
+        "--recompute-granularity", "selective", "--recompute-modules", "mhc",
+        "--mhc-recompute-layer-num", "3"]))
+    args.padded_vocab_size = 1024
+    model = build_configs(args).model
+    assert (model.enable_mhc_connections, model.mhc_num_residual_streams,
+            model.mhc_sinkhorn_iterations, model.mhc_init_gating_factor,
+            model.mhc_recompute_layer_num) == (True, 2, 5, 0.1, 3)
+    assert model.recomputes("mhc") and model.residual_stream_size == 2 * model.hidden_size
+    args = validate_args(_args(BASE))
+    args.padded_vocab_size = 1024
+    defaults = build_configs(args).model
+    assert not defaults.enable_mhc_connections
+    assert defaults.residual_stream_size == defaults.hidden_size
