@@ -54,7 +54,9 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "make_vocab_size_divisible_by",
                                 "use_mup", "mup_width_mult", "mup_base_hidden_size",
                                 "mup_embedding_mult", "mup_output_mult", "mup_base_head_dim",
-                                "mup_attn_scale_power")
+                                "mup_attn_scale_power",
+                                "enable_mhc_connections", "mhc_num_residual_streams",
+                                "mhc_sinkhorn_iterations")
 # Taken too with --use-mp-args-from-checkpoint-args (Megatron's model-parallel set; the last only
 # when this run gives none).
 MP_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
