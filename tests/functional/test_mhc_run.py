@@ -1,8 +1,8 @@
 """pretrain_gpt end to end with ``--enable-mhc-connections``: a tiny GPT with 3 residual streams
 learns, the same seed gives the same losses, a run resumed from a checkpoint (torch and
 torch_dist) continues bit for bit, and tensor parallelism with sequence parallelism (TP 2),
-pipeline parallelism (PP 2, the streams passed between stages) and the 'mhc' selective
-recompute give the single-process run.
+pipeline parallelism (PP 2, the streams passed between stages), context parallelism (CP 2) and
+the 'mhc' selective recompute give the single-process run.
 
 Parallel tolerances are the feature's promise: losses within 1e-4 and gradient norms within 1e-3
 of one process (split sums only reorder fp32 rounding); recomputation is bit for bit.
@@ -72,12 +72,14 @@ def _check(base, out, what, exact=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "cp2"])
 def test_mhc_parallel_layouts_match_one_process(corpus, baseline, layout):
     if layout == "tp2_sp":
         out = _train(corpus, 2, tp=2, extra=["--sequence-parallel"])
-    else:
+    elif layout == "pp2":
         out = _train(corpus, 2, extra=["--pipeline-model-parallel-size", "2"])
+    else:
+        out = _train(corpus, 2, extra=["--context-parallel-size", "2"])
     _check(baseline, out, layout)
 
 

@@ -215,16 +215,21 @@ def test_one_stream_with_identity_gates_is_the_plain_residual_model(monkeypatch,
     assert abs(loss_and_grads(model, batch)[0] - want[0]) > 1e-3
 
 
-@pytest.mark.parametrize("group", [None, 1])
+@pytest.mark.parametrize("group", [None, 1, "full"])
 def test_recompute_gives_identical_gradients(group):
     """--recompute-modules mhc: the reads and writes are freed after use and recomputed in
-    backward, dropout masks replayed; gradients equal the stored run's bit for bit."""
+    backward, dropout masks replayed; gradients equal the stored run's bit for bit. Full
+    recomputation of layers carries the n streams through its checkpoints just as well."""
     kw = dict(num_layers=2, enable_mhc_connections=True, mhc_num_residual_streams=3,
               mhc_sinkhorn_iterations=3, hidden_dropout=0.2)
     base = GPTModel(make_config(**kw), single_process_state())
-    recomputed = GPTModel(make_config(**kw, recompute_granularity="selective",
-                                      recompute_modules=("mhc", "core_attn"),
-                                      mhc_recompute_layer_num=group), single_process_state())
+    if group == "full":
+        how = dict(recompute_granularity="full", recompute_method="uniform",
+                   recompute_num_layers=1)
+    else:
+        how = dict(recompute_granularity="selective", recompute_modules=("mhc", "core_attn"),
+                   mhc_recompute_layer_num=group)
+    recomputed = GPTModel(make_config(**kw, **how), single_process_state())
     recomputed.load_state_dict(base.state_dict())
     randomise_gates(base)
     randomise_gates(recomputed)
@@ -319,3 +324,24 @@ def test_flags_reach_the_model_config():
     defaults = build_configs(args).model
     assert not defaults.enable_mhc_connections
     assert defaults.residual_stream_size == defaults.hidden_size
+
+
+def test_cached_decoding_gives_the_full_forward_logits():
+    """The reads and writes are per token, so a key/value-cached generation step sees what the
+    full forward computes at that position."""
+    from megatron.text_generation.inference_params import InferenceParams
+
+    model = GPTModel(make_config(enable_mhc_connections=True, mhc_num_residual_streams=2,
+                                 mhc_sinkhorn_iterations=3), single_process_state())
+    randomise_gates(model)
+    ids, pos, _ = make_batch()
+    seq = ids.shape[1]
+    with torch.no_grad():
+        full = model(ids, pos, None)
+        cache, prompt = InferenceParams(2, seq), seq - 3
+        steps = [model(ids[:, :prompt], pos[:, :prompt], None, inference_params=cache)]
+        cache.sequence_len_offset = prompt
+        for i in range(prompt, seq):
+            steps.append(model(ids[:, i:i + 1], pos[:, i:i + 1], None, inference_params=cache))
+            cache.sequence_len_offset += 1
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
