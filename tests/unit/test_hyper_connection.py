@@ -345,3 +345,16 @@ def test_cached_decoding_gives_the_full_forward_logits():
             steps.append(model(ids[:, i:i + 1], pos[:, i:i + 1], None, inference_params=cache))
             cache.sequence_len_offset += 1
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-12)
+
+
+def test_hugging_face_export_refuses_an_mhc_checkpoint():
+    import types as _types
+
+    from megatron.convert import hf
+    from megatron.convert.schema import ConversionError
+
+    hf._refuse_numerics_flags(_types.SimpleNamespace(source_args={"enable_mhc_connections":
+                                                                  False}))
+    with pytest.raises(ConversionError, match="--enable-mhc-connections"):
+        hf._refuse_numerics_flags(_types.SimpleNamespace(source_args={
+            "enable_mhc_connections": True}))
