@@ -415,6 +415,8 @@ class ParallelTransformer(MegatronModule):
                 inference_params=None) -> torch.Tensor:
         """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> same shape.
 
+        With hyper-connections the first stage widens its input to ``[s, b, n*h]``, stages
+        pass that on, and the last stage averages the streams back before the final norm.
         ``inference_params``: the key/value cache of a generation, or None. Generation keeps
         no activations for backward, so it never recomputes.
         """

@@ -72,12 +72,17 @@ def _check(base, out, what, exact=False):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2_sp", "pp2", "cp2", "pp2_recompute"])
 def test_mhc_parallel_layouts_match_one_process(corpus, baseline, layout):
     if layout == "tp2_sp":
         out = _train(corpus, 2, tp=2, extra=["--sequence-parallel"])
     elif layout == "pp2":
         out = _train(corpus, 2, extra=["--pipeline-model-parallel-size", "2"])
+    elif layout == "pp2_recompute":
+        # A stage's output is where backward starts: its recompute hook must fire there too.
+        out = _train(corpus, 2, extra=["--pipeline-model-parallel-size", "2",
+                                       "--recompute-granularity", "selective",
+                                       "--recompute-modules", "mhc"])
     else:
         out = _train(corpus, 2, extra=["--context-parallel-size", "2"])
     _check(baseline, out, layout)
