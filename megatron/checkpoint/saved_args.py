@@ -58,7 +58,9 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 # The per-layer blocks: the JSON travels in the saved
                                 # arguments, so the file need not exist any more.
                                 "heterogeneous_layers_config_path",
-                                "heterogeneous_layers_config_encoded_json")
+                                "heterogeneous_layers_config_encoded_json",
+                                "enable_mhc_connections", "mhc_num_residual_streams",
+                                "mhc_sinkhorn_iterations")
 # Taken too with --use-mp-args-from-checkpoint-args (Megatron's model-parallel set; the last only
 # when this run gives none).
 MP_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",

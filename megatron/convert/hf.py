@@ -77,6 +77,7 @@ _NUMERICS_WITHOUT_HF_EQUIVALENT = (
     ("squared_relu", "--squared-relu"), ("rotary_interleaved", "--rotary-interleaved"),
     ("rotary_seq_len_interpolation_factor", "--rotary-seq-len-interpolation-factor"),
     ("use_mup", "--use-mup"),   # embedding, logit and attention multipliers
+    ("enable_mhc_connections", "--enable-mhc-connections"),   # residual streams
 )
 
 

@@ -17,7 +17,29 @@ from megatron.core.mup import (mup_flag_problem, mup_model_conflict, resolve_out
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 # --recompute-modules built here (Megatron-Core's names); mla_up_proj is not.
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts")
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts", "mhc")
+
+
+def mhc_conflict(config) -> Optional[str]:
+    """Why the hyper-connection settings cannot run (None: they can, or are off)."""
+    if config.enable_mhc_connections:
+        if config.mhc_num_residual_streams < 1:
+            return ("--mhc-num-residual-streams must be >= 1, got "
+                    f"{config.mhc_num_residual_streams}")
+        if config.mhc_sinkhorn_iterations < 1:
+            return ("--mhc-sinkhorn-iterations must be >= 1, got "
+                    f"{config.mhc_sinkhorn_iterations}")
+        if config.apply_residual_connection_post_layernorm or config.fp32_residual_connection:
+            return ("--enable-mhc-connections cannot be combined with "
+                    "--apply-residual-connection-post-layernorm or --fp32-residual-connection")
+    elif "mhc" in config.recompute_modules and config.recompute_granularity == "selective":
+        return "--recompute-modules mhc needs --enable-mhc-connections"
+    if config.recompute_granularity == "selective" and "mhc" in config.recompute_modules:
+        if "mlp" in config.recompute_modules:
+            return "--recompute-modules mhc and mlp cannot be used together"
+    if config.mhc_recompute_layer_num is not None and config.mhc_recompute_layer_num < 1:
+        return f"--mhc-recompute-layer-num must be >= 1, got {config.mhc_recompute_layer_num}"
+    return None
 
 
 class ConfigError(ValueError):
@@ -183,6 +205,24 @@ class TransformerConfig:
     mup_output_mult: float = 1.0
     mup_base_head_dim: Optional[float] = None
     mup_attn_scale_power: float = 1.0
+    # Manifold-constrained hyper-connections (--enable-mhc-connections;
+    # megatron/model/hyper_connection.py): n residual streams mixed by per-token matrices, the
+    # residual one projected onto doubly stochastic matrices by Sinkhorn-Knopp iterations.
+    # --mhc-recompute-layer-num: layers per recompute group of the 'mhc' recompute module
+    # (None: all layers of a pipeline stage form one group).
+    enable_mhc_connections: bool = False
+    mhc_num_residual_streams: int = 4
+    mhc_sinkhorn_iterations: int = 20
+    mhc_init_gating_factor: float = 0.01
+    mhc_recompute_layer_num: Optional[int] = None
+
+    @property
+    def residual_stream_size(self) -> int:
+        """Width of the activations between layers and pipeline stages: ``n * h`` with
+        hyper-connections, else ``h``."""
+        if self.enable_mhc_connections:
+            return self.mhc_num_residual_streams * self.hidden_size
+        return self.hidden_size
 
     def _resolve_mup(self) -> Optional[str]:
         """Check the muP settings and resolve the width and logit multipliers (None: fine)."""
@@ -232,7 +272,7 @@ class TransformerConfig:
                               f"none, got {self.position_embedding_type!r}")
         problem = (rope_variant_conflict(self) or mla_conflict(self)
                    or attention_variant_conflict(self) or gdn_conflict(self)
-                   or self._resolve_mup())
+                   or self._resolve_mup() or mhc_conflict(self))
         if problem is not None:
             raise ConfigError(problem)
         if (self.position_embedding_type == "learned_absolute"

@@ -31,6 +31,8 @@ from megatron.model.gated_delta_net import GatedDeltaNet, is_gdn, linear_attenti
 from megatron.model.linear_replacement import LinearReplacement
 from megatron.model.multi_latent_attention import MultiLatentAttention
 from megatron.model.enums import AttnMaskType
+from megatron.model.hyper_connection import (HyperConnection, MHCRecomputeGroup,
+                                             contract_streams, expand_streams)
 from megatron.model.module import MegatronModule
 from megatron.model.moe import MoEConfig, MoELayer, MoELossTracker
 from megatron.model.norms import get_norm
@@ -123,13 +125,16 @@ class ParallelTransformerLayer(MegatronModule):
         init_seed: the model's initialisation seed (the MoE layer's own seeds derive from it).
         block: this layer's block of a heterogeneous model (:mod:`megatron.core.heterogeneous`;
             ``config`` then already holds its query groups and MLP size), or None.
+        hyper_connections: read and write ``--mhc-num-residual-streams`` residual streams
+            through ``self_attention_hyper_connection`` and ``mlp_hyper_connection``
+            (:mod:`megatron.model.hyper_connection`); the layer maps ``[s, b, n*h]`` to itself.
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, groups: ModelGroups,
                  self_attn_mask_type: AttnMaskType = AttnMaskType.causal,
                  moe_config: Optional[MoEConfig] = None,
                  moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
-                 block: Optional[BlockConfig] = None):
+                 block: Optional[BlockConfig] = None, hyper_connections: bool = False):
         super().__init__(config)
         tp_group, tp_size = groups.tp_group, groups.tp_size
         sequence_parallel = groups.sequence_parallel
@@ -195,6 +200,16 @@ class ParallelTransformerLayer(MegatronModule):
         if config.recomputes("layernorm"):
             self.norm_checkpoints = (OutputDiscardingCheckpoint(self.input_layernorm),
                                      OutputDiscardingCheckpoint(self.post_attention_layernorm))
+        self.hyper_connections = hyper_connections
+        if hyper_connections:
+            # Built last, so the other weights draw what they draw without hyper-connections.
+            def site():
+                return HyperConnection(config.hidden_size, config.mhc_num_residual_streams,
+                                       config.mhc_sinkhorn_iterations,
+                                       config.mhc_init_gating_factor, config.params_dtype,
+                                       sequence_parallel)
+            self.self_attention_hyper_connection = site()
+            self.mlp_hyper_connection = site()
 
     def _run_mlp(self, hidden_states: torch.Tensor):
         if self.recompute_mlp:
@@ -235,12 +250,19 @@ class ParallelTransformerLayer(MegatronModule):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 rotary_pos_emb: Optional[torch.Tensor] = None,
-                inference_params=None) -> torch.Tensor:
-        """``[s, b, h]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism).
+                inference_params=None, mhc_group: Optional[MHCRecomputeGroup] = None,
+                mhc_group_end: bool = False) -> torch.Tensor:
+        """``[s, b, h]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism);
+        ``[s, b, n*h]`` with hyper-connections.
 
         ``inference_params``: the key/value cache of a generation (see
-        :meth:`ParallelAttention.forward`), or None.
+        :meth:`ParallelAttention.forward`), or None. ``mhc_group``: the recompute group of the
+        hyper-connections' reads and writes (``--recompute-modules mhc``), closed by this
+        layer's last write when ``mhc_group_end``.
         """
+        if self.hyper_connections:
+            return self._forward_mhc(hidden_states, attention_mask, rotary_pos_emb,
+                                     inference_params, mhc_group, mhc_group_end)
         ln_input = hidden_states
         if not self.attention_no_op:
             ln_output = self._norm(0, hidden_states)
@@ -258,6 +280,36 @@ class ParallelTransformerLayer(MegatronModule):
         residual = ln_output if self.apply_residual_connection_post_layernorm else ln_input
         output = self._bias_dropout_add(mlp_output, mlp_bias, residual)
         self._discard_norm(1, output)
+        return output
+
+    def _mhc_site(self, which: int, hidden_states, sublayer: Callable, group, last: bool):
+        """Read the streams, norm, run ``sublayer``, write the streams back."""
+        hc = (self.self_attention_hyper_connection, self.mlp_hyper_connection)[which]
+        h_pre, h_post, h_res = hc.compute_mappings(hidden_states)
+        if group is None:
+            layer_input = hc.aggregate(hidden_states, h_pre)                 # [s, b, h]
+        else:
+            layer_input = group(hc.aggregate, hidden_states, h_pre)
+        ln_output = self._norm(which, layer_input)
+        out, bias = sublayer(ln_output)
+        bda = self._bias_dropout_add
+
+        def write(h_res, residual, h_post, out, *bias):
+            return hc.combine(h_res, residual, h_post, out, bias[0] if bias else None, bda)
+        args = (h_res, hidden_states, h_post, out) + (() if bias is None else (bias,))
+        output = write(*args) if group is None or last else group(write, *args)
+        self._discard_norm(which, output)
+        return output                                                        # [s, b, n*h]
+
+    def _forward_mhc(self, hidden_states, attention_mask, rotary_pos_emb, inference_params,
+                     group, group_end):
+        def attention(ln_output):
+            return self.self_attention(ln_output, attention_mask, rotary_pos_emb,
+                                       inference_params=inference_params)
+        hidden_states = self._mhc_site(0, hidden_states, attention, group, False)
+        output = self._mhc_site(1, hidden_states, self._mlp, group, group_end)
+        if group is not None and group_end:
+            group.close(output)
         return output
 
 
@@ -331,7 +383,8 @@ class ParallelTransformer(MegatronModule):
                 layers.append(ParallelTransformerLayer(
                     layer_config(config, blocks, number), number, groups, self_attn_mask_type,
                     moe_config, moe_tracker, init_seed,
-                    block=blocks[number - 1] if blocks else None))
+                    block=blocks[number - 1] if blocks else None,
+                    hyper_connections=config.enable_mhc_connections))
         self.layers = torch.nn.ModuleList(layers)
         self.activation_stash = HostActivationStash(
             retain_buffers=config.cpu_offloading_retain_pinned_cpu_buffers)
@@ -349,10 +402,22 @@ class ParallelTransformer(MegatronModule):
 
     def _run_layers(self, start: int, end: int, hidden_states, attention_mask, rotary_pos_emb,
                     inference_params=None):
-        for layer in self.layers[start:end]:
+        recompute_mhc = (self.config.enable_mhc_connections and self.config.recomputes("mhc")
+                         and torch.is_grad_enabled() and inference_params is None)
+        size = self.config.mhc_recompute_layer_num or self.num_layers
+        group = None
+        for i in range(start, end):
+            layer = self.layers[i]
+            kwargs = {}
+            if recompute_mhc:
+                group = group or MHCRecomputeGroup()
+                end_of_group = (i + 1) % size == 0 or i == self.num_layers - 1
+                kwargs = {"mhc_group": group, "mhc_group_end": end_of_group}
             with self._offload_context(layer, inference_params):
                 hidden_states = layer(hidden_states, attention_mask, rotary_pos_emb,
-                                      inference_params=inference_params)
+                                      inference_params=inference_params, **kwargs)
+            if kwargs and kwargs["mhc_group_end"]:
+                group = None
         return hidden_states
 
     def _offload_context(self, layer, inference_params):
@@ -395,11 +460,15 @@ class ParallelTransformer(MegatronModule):
                 inference_params=None) -> torch.Tensor:
         """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> same shape.
 
+        With hyper-connections the first stage widens its input to ``[s, b, n*h]``, stages
+        pass that on, and the last stage averages the streams back before the final norm.
         ``inference_params``: the key/value cache of a generation, or None. Generation keeps
         no activations for backward, so it never recomputes.
         """
         if not self.pre_process:
             hidden_states = self.input_tensor
+        elif self.config.enable_mhc_connections:
+            hidden_states = expand_streams(hidden_states, self.config.mhc_num_residual_streams)
         if (self.recompute_granularity == "full" and torch.is_grad_enabled()
                 and inference_params is None):
             hidden_states = self._checkpointed_forward(hidden_states, attention_mask,
@@ -408,5 +477,8 @@ class ParallelTransformer(MegatronModule):
             hidden_states = self._run_layers(0, self.num_layers, hidden_states, attention_mask,
                                              rotary_pos_emb, inference_params)
         if self.post_process:
+            if self.config.enable_mhc_connections:
+                hidden_states = contract_streams(hidden_states,
+                                                 self.config.mhc_num_residual_streams)
             hidden_states = self.final_layernorm(hidden_states)
         return hidden_states

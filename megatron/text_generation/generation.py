@@ -89,7 +89,7 @@ class ForwardStep:
         self.is_last = pstate.pp_rank == pstate.pp_size - 1
         param = next(model.parameters())
         dtype = torch.float32 if gpt.config.fp32_residual_connection else param.dtype
-        self.hidden_size = gpt.config.hidden_size
+        self.hidden_size = gpt.config.residual_stream_size
         self.communicator = None
         if pstate.pp_size > 1:
             self.communicator = P2PCommunicator.from_parallel_state(pstate, dtype, param.device)

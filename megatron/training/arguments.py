@@ -63,6 +63,7 @@ def _add_network_size_args(parser):
     _add_yarn_args(g)
     _add_mla_args(g)
     _add_gdn_args(g)
+    _add_mhc_args(g)
     g.add_argument("--no-position-embedding", action="store_false",
                    dest="add_position_embedding")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -200,6 +201,22 @@ def _add_mla_args(g):
                    help="MLA: the rotary of the --qk-pos-emb-head-dim channels, plain rope or "
                         "YaRN (unset: yarn, Megatron-Core's MLA default); standard attention "
                         "takes only rope here (choose YaRN with --position-embedding-type)")
+
+
+def _add_mhc_args(g):
+    """Manifold-constrained hyper-connections (megatron/model/hyper_connection.py)."""
+    g.add_argument("--enable-mhc-connections", action="store_true", default=False,
+                   help="mHC: n residual streams mixed per token by learned matrices, the "
+                        "residual one projected onto doubly stochastic matrices (GPT)")
+    g.add_argument("--mhc-num-residual-streams", type=int, default=4,
+                   help="mHC: number of residual streams n")
+    g.add_argument("--mhc-sinkhorn-iterations", type=int, default=20,
+                   help="mHC: Sinkhorn-Knopp iterations of the residual mixing matrix")
+    g.add_argument("--mhc-init-gating-factor", type=float, default=0.01,
+                   help="mHC: initial value of the alpha gates of the dynamic mappings")
+    g.add_argument("--mhc-recompute-layer-num", type=int, default=None,
+                   help="mHC: layers per recompute group of --recompute-modules mhc (default: "
+                        "all layers of a pipeline stage)")
 
 
 def _add_yarn_args(g):

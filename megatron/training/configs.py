@@ -196,6 +196,11 @@ def build_configs(args: argparse.Namespace) -> Configs:
         heterogeneous_blocks=heterogeneous_blocks(
             args.heterogeneous_layers_config_encoded_json,
             args.heterogeneous_layers_config_path, args),
+        enable_mhc_connections=args.enable_mhc_connections,
+        mhc_num_residual_streams=args.mhc_num_residual_streams,
+        mhc_sinkhorn_iterations=args.mhc_sinkhorn_iterations,
+        mhc_init_gating_factor=args.mhc_init_gating_factor,
+        mhc_recompute_layer_num=args.mhc_recompute_layer_num,
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),

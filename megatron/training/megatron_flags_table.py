@@ -103,7 +103,6 @@ INFLIGHT = ("offload copies here finish before the forward goes on, so no offloa
 OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd, lion or muon"
 ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not built yet; drop "
                 "it")
-MHC = "hyper-connections are not built yet; drop it"
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
 VP_GROUP = ("the interleaved schedule here groups --pipeline-model-parallel-size micro-batches "
@@ -246,11 +245,6 @@ ROWS = (
     ('--cuda-graph-impl', '',
      'str', 'none', 'none|local|transformer_engine|full_iteration', REFUSED, CUDA_GRAPH),
     ('--inference-cuda-graph-scope', '', 'str', None, 'none|layer|block', REFUSED, INFERENCE),
-    ('--enable-mhc-connections', '', 'true', False, '', REFUSED, MHC),
-    ('--mhc-num-residual-streams', '', 'int', 4, '', REFUSED, MHC),
-    ('--mhc-sinkhorn-iterations', '', 'int', 20, '', REFUSED, MHC),
-    ('--mhc-init-gating-factor', '', 'float', 0.01, '', REFUSED, MHC),
-    ('--mhc-recompute-layer-num', '', 'int', None, '', REFUSED, MHC),
     ('--no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding',
      'clone_scatter_output_in_embedding', 'false', True, '', NO_EFFECT, CLONE_SCATTER),
     ('--config-logger-dir', '', 'str', '', '', REFUSED, TELEMETRY),

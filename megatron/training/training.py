@@ -298,7 +298,9 @@ def pipeline_tensor_shape(args, pstate, micro_batch_size: Optional[int] = None) 
     seq = args.seq_length // pstate.cp_size
     if pstate.sequence_parallel:
         seq //= pstate.tp_size
-    return (seq, micro_batch_size or args.micro_batch_size, args.hidden_size)
+    # Hyper-connections pass their n residual streams between stages.
+    streams = args.mhc_num_residual_streams if args.enable_mhc_connections else 1
+    return (seq, micro_batch_size or args.micro_batch_size, streams * args.hidden_size)
 
 
 def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None) -> dict:

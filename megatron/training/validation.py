@@ -710,6 +710,38 @@ def _validate_mup(args) -> None:
         _fail(problem)
 
 
+def _validate_mhc(args) -> None:
+    """--enable-mhc-connections and --mhc-* (megatron/model/hyper_connection.py)."""
+    selective_mhc = (args.recompute_granularity == "selective"
+                     and "mhc" in (args.recompute_modules or ()))
+    if args.mhc_recompute_layer_num is not None and not selective_mhc:
+        _note(args, "--mhc-recompute-layer-num has no effect without --recompute-granularity "
+                    "selective --recompute-modules mhc")
+    if selective_mhc and not args.enable_mhc_connections:
+        _fail("--recompute-modules mhc needs --enable-mhc-connections")
+    if selective_mhc and "mlp" in args.recompute_modules:
+        _fail("--recompute-modules mhc and mlp cannot be used together (as in Megatron-Core)")
+    if not args.enable_mhc_connections:
+        return
+    for flag, given in (("--mtp-num-layers", args.mtp_num_layers is not None),
+                        ("--apply-residual-connection-post-layernorm",
+                         args.apply_residual_connection_post_layernorm),
+                        ("--fp32-residual-connection", args.fp32_residual_connection),
+                        ("--heterogeneous-layers-config-path",
+                         bool(args.heterogeneous_layers_config_path
+                              or args.heterogeneous_layers_config_encoded_json)),
+                        ("--experimental-attention-variant",
+                         args.experimental_attention_variant is not None)):
+        if given:
+            _fail(f"--enable-mhc-connections cannot be combined with {flag} (not built)")
+    for flag, value in (("--mhc-num-residual-streams", args.mhc_num_residual_streams),
+                        ("--mhc-sinkhorn-iterations", args.mhc_sinkhorn_iterations)):
+        if value < 1:
+            _fail(f"{flag} must be >= 1, got {value}")
+    if args.mhc_recompute_layer_num is not None and args.mhc_recompute_layer_num < 1:
+        _fail(f"--mhc-recompute-layer-num must be >= 1, got {args.mhc_recompute_layer_num}")
+
+
 def _validate_eval_batch(args) -> None:
     """--eval-global-batch-size (else the training batch) splits into --eval-micro-batch-size
     (else --micro-batch-size) x data-parallel micro-batches."""
@@ -1074,6 +1106,8 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     Raises:
         ArgumentsError: naming the flag, the value seen and what BERT takes.
     """
+    if args.enable_mhc_connections:
+        _fail("--enable-mhc-connections is built for GPT only (pretrain_gpt.py), not BERT")
     if args.tokenizer_type not in BERT_TOKENIZER_TYPES:
         _fail(f"--tokenizer-type {args.tokenizer_type} cannot make BERT samples (they need the "
               "WordPiece [CLS], [SEP], [MASK] and [PAD] tokens); use --tokenizer-type "
@@ -1406,6 +1440,7 @@ def check_flags(args):
     _validate_model(args)
     _validate_mup(args)
     _validate_gdn(args)
+    _validate_mhc(args)
     _validate_parallel(args)
     _validate_moe(args)
     _read_heterogeneous_config(args)

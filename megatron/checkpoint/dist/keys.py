@@ -121,6 +121,12 @@ LAYER_KEYS = {
     "self_attention.k_layernorm.weight": "self_attention.k_layernorm.weight",
     "self_attention.k_layernorm.bias": "self_attention.k_layernorm.bias",
 }
+# --enable-mhc-connections: the hyper-connection mappings keep Megatron-Core's names
+# (replicated over TP).
+LAYER_KEYS.update({f"{site}.{name}": f"{site}.{name}"
+                   for site in ("self_attention_hyper_connection", "mlp_hyper_connection")
+                   for name in ("mapping_proj.weight", "alpha_pre", "alpha_post", "alpha_res",
+                                "bias")})
 
 # Legacy name outside the layers -> Megatron-Core key.
 OTHER_KEYS = {

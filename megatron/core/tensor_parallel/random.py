@@ -133,6 +133,17 @@ def _rng_restore(snapshot) -> None:
     get_cuda_rng_tracker().set_states(tracker_states)
 
 
+def rng_snapshot():
+    """The host, device and tracker RNG states, for code that runs a computation again with
+    the random numbers it drew the first time (see :func:`rng_restore`)."""
+    return _rng_snapshot()
+
+
+def rng_restore(snapshot) -> None:
+    """Set the RNG states of a :func:`rng_snapshot`."""
+    _rng_restore(snapshot)
+
+
 class CheckpointFunction(torch.autograd.Function):
     """Run ``function`` without keeping its activations; recompute them in backward.
 
