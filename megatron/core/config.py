@@ -151,6 +151,20 @@ class TransformerConfig:
     qk_clip_alpha: float = 0.5
     qk_clip_threshold: float = 100.0
     log_max_attention_logit: bool = False
+    # DeepSeek sparse attention (--experimental-attention-variant dsa, megatron/model/dsa.py):
+    # an indexer of --dsa-indexer-n-heads heads of --dsa-indexer-head-dim picks each query's
+    # --dsa-indexer-topk keys for multi-latent attention.
+    experimental_attention_variant: Optional[str] = None
+    dsa_indexer_n_heads: Optional[int] = None
+    dsa_indexer_head_dim: Optional[int] = None
+    dsa_indexer_topk: Optional[int] = None
+    dsa_indexer_loss_coeff: Optional[float] = None
+    dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_rope_interleaved: bool = False
+    dsa_indexer_rotate_activation: bool = True
+    dsa_indexer_scoring_relu: bool = True
+    dsa_indexer_k_norm_epsilon: Optional[float] = None
+    dsa_indexer_k_norm_fp32: bool = False
 
     @property
     def tracks_max_attention_logit(self) -> bool:

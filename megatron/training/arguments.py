@@ -61,6 +61,7 @@ def _add_network_size_args(parser):
                    help="the factor of --use-rope-scaling")
     _add_yarn_args(g)
     _add_mla_args(g)
+    _add_dsa_args(g)
     g.add_argument("--no-position-embedding", action="store_false",
                    dest="add_position_embedding")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -164,6 +165,43 @@ def _add_mla_args(g):
                    help="MLA: the rotary of the --qk-pos-emb-head-dim channels, plain rope or "
                         "YaRN (unset: yarn, Megatron-Core's MLA default); standard attention "
                         "takes only rope here (choose YaRN with --position-embedding-type)")
+
+
+def _add_dsa_args(g):
+    """DeepSeek sparse attention (DeepSeek-V3.2) for MLA, with Megatron-Core's names and
+    defaults (megatron/model/dsa.py)."""
+    g.add_argument("--experimental-attention-variant", type=str, default=None,
+                   choices=["gdn", "gdn2", "dsa", "gated_delta_net"],
+                   help="dsa: DeepSeek sparse attention over MLA (the others are not built)")
+    g.add_argument("--dsa-indexer-n-heads", type=int, default=None,
+                   help="DSA: the indexer's heads")
+    g.add_argument("--dsa-indexer-head-dim", type=int, default=None,
+                   help="DSA: the indexer's head dim (a power of two with the rotation)")
+    g.add_argument("--dsa-indexer-topk", type=int, default=None,
+                   help="DSA: keys each query attends to")
+    g.add_argument("--dsa-indexer-topk-freq", type=int, default=1,
+                   help="DSA: a layer in every N computes its top-k (only 1 is built)")
+    g.add_argument("--dsa-indexer-skip-topk-offset", type=int, default=0,
+                   help="DSA: layers before the top-k sharing starts (with --dsa-indexer-topk-freq)")
+    g.add_argument("--dsa-indexer-loss-coeff", type=float, default=None,
+                   help="DSA: coefficient of the indexer's KL loss (unset or 0: no loss)")
+    g.add_argument("--dsa-indexer-use-sparse-loss", action="store_true", default=False,
+                   help="DSA: the indexer loss over the chosen keys only")
+    g.add_argument("--dsa-kernel-backend", type=str, default="none",
+                   choices=["none", "tilelang", "cudnn"],
+                   help="DSA kernels (only none, plain PyTorch, is built)")
+    g.add_argument("--dsa-indexer-rope-interleaved", action="store_true", default=False,
+                   help="DSA: the indexer's rotary channels as neighbouring pairs, as MLA's")
+    g.add_argument("--no-dsa-indexer-rotate-activation", "--disable-dsa-indexer-rotate-activation",
+                   action="store_false", dest="dsa_indexer_rotate_activation", default=True,
+                   help="DSA: no Hadamard rotation of the indexer's queries and keys")
+    g.add_argument("--no-dsa-indexer-scoring-relu", "--disable-dsa-indexer-scoring-relu",
+                   action="store_false", dest="dsa_indexer_scoring_relu", default=True,
+                   help="DSA: no ReLU on the indexer's query-key products")
+    g.add_argument("--dsa-indexer-k-norm-epsilon", type=float, default=None,
+                   help="DSA: epsilon of the indexer's key LayerNorm (unset: --norm-epsilon)")
+    g.add_argument("--dsa-indexer-k-norm-fp32", action="store_true", default=False,
+                   help="DSA: the indexer's key LayerNorm in fp32")
 
 
 def _add_yarn_args(g):

@@ -1330,6 +1330,62 @@ def _validate_dumps(args) -> None:
                       "its shard of the reduced gradients; drop one of them")
 
 
+def _dsa_refusals(args):
+    """What DSA does not support here, as (condition, message) pairs."""
+    return [
+        (args.dsa_kernel_backend != "none",
+         f"--dsa-kernel-backend {args.dsa_kernel_backend}: its GPU kernels are not built; "
+         "only none (plain PyTorch) runs"),
+        (args.dsa_indexer_topk_freq != 1,
+         f"--dsa-indexer-topk-freq {args.dsa_indexer_topk_freq}: sharing top-k across layers "
+         "is not built yet (only 1)"),
+        (not args.multi_latent_attention,
+         "--experimental-attention-variant dsa needs --multi-latent-attention"),
+        (args.context_parallel_size > 1,
+         "--experimental-attention-variant dsa: context parallelism is not built yet"),
+        (args.softmax_type != "vanilla",
+         f"--experimental-attention-variant dsa: --softmax-type {args.softmax_type} is not "
+         "built yet (only vanilla)"),
+        (args.window_size is not None,
+         "--experimental-attention-variant dsa: --window-size is not built yet"),
+        (args.qk_clip or args.log_max_attention_logit,
+         "--experimental-attention-variant dsa: --qk-clip / --log-max-attention-logit are "
+         "not built yet"),
+        (args.recompute_granularity == "selective"
+         and "core_attn" in (args.recompute_modules or ["core_attn"]),
+         "--experimental-attention-variant dsa: recomputing core_attn is not built yet"),
+    ]
+
+
+def _validate_dsa(args) -> None:
+    """``--experimental-attention-variant dsa`` and its ``--dsa-*`` flags."""
+    variant = args.experimental_attention_variant
+    if variant is None:
+        return
+    if variant != "dsa":
+        _fail(f"--experimental-attention-variant {variant}: not built yet (only dsa)")
+    _require(args, "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+    for condition, message in _dsa_refusals(args):
+        if condition:
+            _fail(message)
+    for flag, value in (("--dsa-indexer-n-heads", args.dsa_indexer_n_heads),
+                        ("--dsa-indexer-topk", args.dsa_indexer_topk)):
+        if value < 1:
+            _fail(f"{flag} must be at least 1, got {value}")
+    if args.dsa_indexer_head_dim < args.qk_pos_emb_head_dim:
+        _fail(f"--dsa-indexer-head-dim ({args.dsa_indexer_head_dim}) must hold the "
+              f"--qk-pos-emb-head-dim ({args.qk_pos_emb_head_dim}) rotary channels")
+    dim = args.dsa_indexer_head_dim
+    if args.dsa_indexer_rotate_activation and dim & (dim - 1):
+        _fail(f"--dsa-indexer-head-dim ({dim}) must be a power of two for the Hadamard "
+              "rotation, or pass --no-dsa-indexer-rotate-activation")
+    if args.dsa_indexer_skip_topk_offset < 0:
+        _fail(f"--dsa-indexer-skip-topk-offset must be >= 0, got "
+              f"{args.dsa_indexer_skip_topk_offset}")
+    if (args.dsa_indexer_loss_coeff or 0.0) < 0:
+        _fail(f"--dsa-indexer-loss-coeff must be >= 0, got {args.dsa_indexer_loss_coeff}")
+
+
 def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
@@ -1362,4 +1418,5 @@ def check_flags(args):
     _validate_activation_offload(args)
     _validate_validation_sets(args)
     _validate_qk_clip(args)
+    _validate_dsa(args)
     return args
