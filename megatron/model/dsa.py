@@ -128,14 +128,19 @@ class DSAIndexer(torch.nn.Module):
         return q, k, weights
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or wider if it is (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
                  masked: torch.Tensor, use_relu: bool = True) -> torch.Tensor:
-    """``[b, sq, sk]`` fp32 scores ``sum_j w[t, j] act(q[t, j] . k[s])``, ``-inf`` where
+    """``[b, sq, sk]`` fp32 (fp64 for fp64 inputs) scores ``sum_j w[t, j] act(q[t, j] . k[s])``, ``-inf`` where
     ``masked`` (bool, broadcastable to ``[b, sq, sk]``) is True."""
-    dots = torch.einsum("sbhd,tbd->bsht", q.float(), k.float())          # [b, sq, H, sk]
+    dots = torch.einsum("sbhd,tbd->bsht", _wide(q), _wide(k))          # [b, sq, H, sk]
     if use_relu:
         dots = torch.relu(dots)
-    scores = (dots * weights.float().permute(1, 0, 2).unsqueeze(-1)).sum(dim=2)
+    scores = (dots * _wide(weights).permute(1, 0, 2).unsqueeze(-1)).sum(dim=2)
     return scores.masked_fill(masked, float("-inf"))
 
 
@@ -152,10 +157,10 @@ def select_topk(scores: torch.Tensor, topk: int) -> Tuple[torch.Tensor, torch.Te
 def sparse_attention(query, key, value, allowed: torch.Tensor, softmax_scale: float):
     """Attention of ``query`` ``[sq, b, np, d]`` on ``key``/``value`` ``[sk, b, np, *]`` where
     ``allowed`` ``[b, sq, sk]`` is True: -> ``[sq, b, np * dv]``, in fp32 then cast back."""
-    scores = torch.einsum("sbnd,tbnd->bnst", query.float(), key.float()) * softmax_scale
+    scores = torch.einsum("sbnd,tbnd->bnst", _wide(query), _wide(key)) * softmax_scale
     scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)                # empty rows -> 0
-    context = torch.einsum("bnst,tbnd->sbnd", probs, value.float()).to(value.dtype)
+    context = torch.einsum("bnst,tbnd->sbnd", probs, _wide(value)).to(value.dtype)
     sq, b = context.shape[:2]
     return context.reshape(sq, b, -1)
 
@@ -170,7 +175,7 @@ def indexer_kl_loss(scores: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ``tp_group``, renormalised. ``scores`` ``[b, sq, sk]`` carries the indexer's gradient."""
     keep = valid & chosen if sparse else valid                            # [b, sq, sk]
     with torch.no_grad():
-        logits = torch.einsum("sbnd,tbnd->bnst", query.float(), key.float()) * softmax_scale
+        logits = torch.einsum("sbnd,tbnd->bnst", _wide(query), _wide(key)) * softmax_scale
         logits = logits.masked_fill(~keep.unsqueeze(1), float("-inf"))
         target = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=1)  # [b, sq, sk]
         if tp_group is not None:

@@ -1395,6 +1395,7 @@ def check_flags(args):
     _validate_watchdogs(args)
     _apply_old_spellings(args)
     _validate_model(args)
+    _validate_dsa(args)
     _validate_mup(args)
     _validate_parallel(args)
     _validate_moe(args)
@@ -1418,5 +1419,4 @@ def check_flags(args):
     _validate_activation_offload(args)
     _validate_validation_sets(args)
     _validate_qk_clip(args)
-    _validate_dsa(args)
     return args
