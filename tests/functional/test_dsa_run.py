@@ -69,9 +69,20 @@ def _flat_keys(state, prefix=""):
 def test_dsa_tp2_with_sequence_parallelism_matches_one_process(tmp_path):
     corpus = write_counting_corpus(str(tmp_path / "count_document"))
     one = _logged(corpus, tmp_path, "one", 3)
-    two = _logged(corpus, tmp_path, "two", 3, world=2, extra=["--sequence-parallel"])
+    save = str(tmp_path / "dist")
+    two = _logged(corpus, tmp_path, "two", 3, world=2,
+                  extra=["--sequence-parallel", "--ckpt-format", "torch_dist", "--save", save,
+                         "--save-interval", "3"])
     # Printed with 7 significant digits; the head sums run in another order over two ranks.
     torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
+    from megatron.checkpoint.dist import DistCheckpointReader
+    from tests.functional.test_convert_dist import _iter_dir
+    reader = DistCheckpointReader(_iter_dir(save))
+    indexer = "decoder.layers.self_attention.core_attention.indexer."
+    assert reader.shape(indexer + "linear_wq_b.weight") == (2, 4 * 8, 12)
+    assert reader.shape(indexer + "linear_wk.weight") == (2, 8, 32)
+    assert reader.shape(indexer + "k_norm.bias") == (2, 8)
+    assert reader.shape(indexer + "linear_weights_proj.weight") == (2, 4, 32)
 
 
 @pytest.mark.slow
