@@ -91,3 +91,14 @@ def test_dsa_gpt_forward_backward_runs_in_one_process(tmp_path):
     corpus = write_counting_corpus(str(tmp_path / "count_document"), num_docs=40)
     lm, indexer = _logged(corpus, tmp_path, "quick", 2)
     assert len(lm) == 2 and all(v > 0 for v in indexer)
+
+
+@pytest.mark.slow
+def test_dsa_pp2_matches_one_process(tmp_path):
+    corpus = write_counting_corpus(str(tmp_path / "count_document"))
+    one = _logged(corpus, tmp_path, "one", 3)
+    two = _logged(corpus, tmp_path, "pp2", 3, world=2,
+                  extra=["--pipeline-model-parallel-size", "2",
+                         "--tensor-model-parallel-size", "1"])
+    # The indexer loss of layer 1 (first stage) reaches the log line of the last stage.
+    torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-5, atol=1e-5)
