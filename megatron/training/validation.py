@@ -1351,6 +1351,9 @@ def _dsa_refusals(args):
         (args.qk_clip or args.log_max_attention_logit,
          "--experimental-attention-variant dsa: --qk-clip / --log-max-attention-logit are "
          "not built yet"),
+        (args.calculate_per_token_loss,
+         "--experimental-attention-variant dsa: --calculate-per-token-loss (the indexer loss "
+         "summed per token) is not built yet"),
         (args.recompute_granularity == "selective"
          and "core_attn" in (args.recompute_modules or ["core_attn"]),
          "--experimental-attention-variant dsa: recomputing core_attn is not built yet"),

@@ -360,6 +360,8 @@ def test_dsa_flags_parse_with_megatron_names_and_defaults():
     (["--dsa-indexer-head-dim", "12"], "power of two"),
     (["--dsa-indexer-head-dim", "2"], "--qk-pos-emb-head-dim"),
     (["--dsa-indexer-topk", "0"], "--dsa-indexer-topk must be at least 1"),
+    (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
+    (["--recompute-activations"], "recomputing core_attn"),
 ])
 def test_dsa_refuses_what_is_not_built(extra, message):
     from megatron.training.arguments import ArgumentsError
