@@ -49,6 +49,11 @@ INDEXER_LOSS_NAME = "indexer loss"
 _EPS = 1e-10
 
 
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in fp32, or wider if it is (fp64 stays fp64)."""
+    return t.to(torch.promote_types(t.dtype, torch.float32))
+
+
 def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
     """``x H / sqrt(n)`` over the last dim ``n`` (a power of two), ``H`` Sylvester's Hadamard
     matrix (``H_1 = [1]``, ``H_2n = [[H, H], [H, -H]]``), by the fast butterfly."""
@@ -57,7 +62,7 @@ def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"--dsa-indexer-head-dim must be a power of two for the Hadamard "
                          f"rotation (got {n}); or pass --no-dsa-indexer-rotate-activation")
     shape = x.shape
-    y = x.reshape(-1, n)
+    y = _wide(x).reshape(-1, n)                     # sums in fp32 even for bf16 inputs
     h = 1
     while h < n:
         y = y.view(-1, n // (2 * h), 2, h)
@@ -126,11 +131,6 @@ class DSAIndexer(torch.nn.Module):
             q, k = hadamard_rotate(q), hadamard_rotate(k)
         weights = self.linear_weights_proj(x) * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         return q, k, weights
-
-
-def _wide(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in fp32, or wider if it is (fp64 stays fp64)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,

@@ -126,7 +126,7 @@ def _topk_mask(scores, k):
 
 
 def test_hadamard_rotation_is_the_normalised_sylvester_matrix():
-    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    x = torch.randn(3, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(hadamard_rotate(x), x @ _hadamard(16), rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="--dsa-indexer-head-dim must be a power of two"):
         hadamard_rotate(torch.zeros(2, 12))
@@ -377,3 +377,21 @@ def test_dsa_needs_mla_its_sizes_and_refuses_other_variants():
         _validated(BASE + DSA[:-2])
     with pytest.raises(ArgumentsError, match="gdn: not built yet"):
         _validated(BASE + ["--experimental-attention-variant", "gdn"])
+
+
+def test_without_q_lora_rank_the_indexer_queries_come_from_the_hidden_states():
+    config = _config(q_lora_rank=None, qk_layernorm=False, dsa_indexer_loss_coeff=0.5)
+    module = _module(config).train()
+    assert module.core_attention.indexer.linear_wq_b.weight.shape == (IH * ID, H)
+    x = _x()
+    out, _ = module(x, None, build_rotary_embedding(config)(S))
+    out.sum().backward()
+    assert module.core_attention.indexer.linear_wq_b.weight.grad.abs().sum() > 0
+
+
+def test_bf16_hadamard_sums_in_fp32():
+    x = torch.randn(4, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    got = hadamard_rotate(x.to(torch.bfloat16))
+    assert got.dtype == torch.bfloat16
+    want = (x.to(torch.bfloat16).double() @ _hadamard(64)).to(torch.bfloat16)
+    assert torch.equal(got, want)
