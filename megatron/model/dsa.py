@@ -30,7 +30,6 @@ keys. The loss is attached to the attention output (its gradient starts with the
 scale) and logged as ``indexer loss``.
 """
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -135,8 +134,8 @@ class DSAIndexer(torch.nn.Module):
 
 def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
                  masked: torch.Tensor, use_relu: bool = True) -> torch.Tensor:
-    """``[b, sq, sk]`` fp32 (fp64 for fp64 inputs) scores ``sum_j w[t, j] act(q[t, j] . k[s])``, ``-inf`` where
-    ``masked`` (bool, broadcastable to ``[b, sq, sk]``) is True."""
+    """``[b, sq, sk]`` scores ``sum_j w[t, j] act(q[t, j] . k[s])`` in fp32 (fp64 for fp64
+    inputs), ``-inf`` where ``masked`` (bool, broadcastable to ``[b, sq, sk]``) is True."""
     dots = torch.einsum("sbhd,tbd->bsht", _wide(q), _wide(k))          # [b, sq, H, sk]
     if use_relu:
         dots = torch.relu(dots)

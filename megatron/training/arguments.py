@@ -182,7 +182,7 @@ def _add_dsa_args(g):
     g.add_argument("--dsa-indexer-topk-freq", type=int, default=1,
                    help="DSA: a layer in every N computes its top-k (only 1 is built)")
     g.add_argument("--dsa-indexer-skip-topk-offset", type=int, default=0,
-                   help="DSA: layers before the top-k sharing starts (with --dsa-indexer-topk-freq)")
+                   help="DSA: layers before top-k sharing starts (with --dsa-indexer-topk-freq)")
     g.add_argument("--dsa-indexer-loss-coeff", type=float, default=None,
                    help="DSA: coefficient of the indexer's KL loss (unset or 0: no loss)")
     g.add_argument("--dsa-indexer-use-sparse-loss", action="store_true", default=False,

@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
+from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
 from tests.functional.test_moe_training import _run_logged
 from tests.multiprocess import run_on_ranks
 

@@ -364,13 +364,11 @@ def test_dsa_flags_parse_with_megatron_names_and_defaults():
     (["--recompute-activations"], "recomputing core_attn"),
 ])
 def test_dsa_refuses_what_is_not_built(extra, message):
-    from megatron.training.arguments import ArgumentsError
     with pytest.raises(ArgumentsError, match=message):
         _validated(BASE + DSA + extra)
 
 
 def test_dsa_needs_mla_its_sizes_and_refuses_other_variants():
-    from megatron.training.arguments import ArgumentsError
     with pytest.raises(ArgumentsError, match="needs --multi-latent-attention"):
         _validated([a for a in BASE if a != "--multi-latent-attention"] + DSA)
     with pytest.raises(ArgumentsError, match="--dsa-indexer-topk"):
