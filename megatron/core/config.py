@@ -179,7 +179,8 @@ class TransformerConfig:
     # (megatron.core.heterogeneous), None for a model whose layers are all alike.
     heterogeneous_blocks: Optional[Tuple[Any, ...]] = None
 
-    # Gated delta net linear attention (--experimental-attention-variant gdn, Qwen3-Next):
+    # --experimental-attention-variant: gdn (gated delta net linear attention, Qwen3-Next) or
+    # dsa (below). Gated delta net:
     # which layers (--linear-attention-freq: an int N = every N-th layer keeps standard
     # attention, or one 1 (linear) / 0 (standard) per layer) and its head sizes.
     experimental_attention_variant: Optional[str] = None
@@ -189,6 +190,19 @@ class TransformerConfig:
     linear_value_head_dim: int = 128
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
+    # DeepSeek sparse attention (--experimental-attention-variant dsa, megatron/model/dsa.py):
+    # an indexer of --dsa-indexer-n-heads heads of --dsa-indexer-head-dim picks each query's
+    # --dsa-indexer-topk keys for multi-latent attention.
+    dsa_indexer_n_heads: Optional[int] = None
+    dsa_indexer_head_dim: Optional[int] = None
+    dsa_indexer_topk: Optional[int] = None
+    dsa_indexer_loss_coeff: Optional[float] = None
+    dsa_indexer_use_sparse_loss: bool = False
+    dsa_indexer_rope_interleaved: bool = False
+    dsa_indexer_rotate_activation: bool = True
+    dsa_indexer_scoring_relu: bool = True
+    dsa_indexer_k_norm_epsilon: Optional[float] = None
+    dsa_indexer_k_norm_fp32: bool = False
 
     @property
     def tracks_max_attention_logit(self) -> bool:
@@ -581,8 +595,10 @@ def gdn_conflict(config: TransformerConfig) -> Optional[str]:
     variant = config.experimental_attention_variant
     if variant is None:
         return None
+    if variant == "dsa":
+        return None                 # megatron.model.dsa; checked with the --dsa-* flags
     if variant not in ("gdn", "gated_delta_net"):
-        return f"--experimental-attention-variant {variant}: not built yet (gdn is)"
+        return f"--experimental-attention-variant {variant}: not built yet (gdn and dsa are)"
     if config.multi_latent_attention:
         return "--experimental-attention-variant gdn with --multi-latent-attention: not built"
     nk, nv = config.linear_num_key_heads, config.linear_num_value_heads

@@ -8,6 +8,7 @@ from megatron.core import tensor_parallel
 from megatron.core.config import TransformerConfig
 from megatron.core.parallel_state import ModelGroups
 from megatron.fused_kernels import ops as fused_ops
+from megatron.model.dsa import attach_dsa_tracker
 from megatron.model.language_model import (TransformerLanguageModel, parallel_lm_logits,
                                            scale_embedding_output,
                                            tie_word_embeddings_over_stages)
@@ -107,6 +108,7 @@ class GPTModel(MegatronModule):
             self.mtp_tracker = MTPLossTracker(mtp_num_layers)
         if self.shares_embedding_over_stages:
             tie_word_embeddings_over_stages(self, init_seed)
+        self.dsa_tracker = attach_dsa_tracker(self, config.num_layers + (mtp_num_layers or 0))
         from megatron.model import fine_grained_offload
         layers = list(self.language_model.encoder.layers)
         if self.mtp is not None:

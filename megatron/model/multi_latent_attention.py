@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel.utils import divide
 from megatron.fused_kernels.softmax import causal_mask
 from megatron.model.attention import (ContextParallelSetup, CoreAttention, head_row_factors,
                                       qk_clip_eta)
+from megatron.model.dsa import DSAttention
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
@@ -128,8 +129,15 @@ class MultiLatentAttention(MegatronModule):
             self.kv_layernorm = get_norm(config, hidden_size=self.kv_lora_rank)
         self.linear_kv_up_proj = up(self.kv_lora_rank,
                                     heads * (self.qk_head_dim + self.v_head_dim))
-        self.core_attention = CoreAttention(config, layer_number, self.num_heads, attn_mask_type,
-                                            tp_group, softmax_scale=mla_softmax_scale(config))
+        self.dsa = config.experimental_attention_variant == "dsa"
+        if self.dsa:
+            self.core_attention = DSAttention(config, layer_number, init_method,
+                                              mla_softmax_scale(config),
+                                              rotary_attention_scale(config), tp_group, tp_size)
+        else:
+            self.core_attention = CoreAttention(config, layer_number, self.num_heads,
+                                                attn_mask_type, tp_group,
+                                                softmax_scale=mla_softmax_scale(config))
         self.linear_proj = tensor_parallel.RowParallelLinear(
             heads * self.v_head_dim, config.hidden_size, init_method=output_layer_init_method,
             tp_group=tp_group, bias=config.add_bias_linear, input_is_parallel=True,
@@ -176,14 +184,28 @@ class MultiLatentAttention(MegatronModule):
         return apply_rotary_pos_emb(t, rotary_pos_emb, self.rotary_interleaved,
                                     self.rotary_mscale)
 
+    def _whole(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The detached hidden states of the whole sequence (gathered under sequence
+        parallelism), for the indexer."""
+        x = hidden_states.detach()
+        if self.sequence_parallel:
+            x = tensor_parallel.gather_from_sequence_parallel_region(
+                x, self.tp_group, tensor_parallel_output_grad=False)
+        return x
+
     def _query(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[s(/tp), b, h]`` -> ``[s, b, np, d + r]`` before rotation."""
+        """``[s(/tp), b, h]`` -> ``[s, b, np, d + r]`` before rotation. Under DSA keeps the
+        indexer's inputs: the whole sequence's hidden states and query latent."""
         if hasattr(self, "linear_q_proj"):
             query, _ = self.linear_q_proj(hidden_states)
+            if self.dsa:
+                self._dsa_inputs = (self._whole(hidden_states),) * 2
         else:
             latent = self._down(self.linear_q_down_proj, hidden_states)     # [s, b, q]
             if self.q_layernorm is not None:
                 latent = self.q_layernorm(latent)
+            if self.dsa:
+                self._dsa_inputs = (self._whole(hidden_states), latent)
             query, _ = self.linear_q_up_proj(latent)
         s, b = query.shape[:2]
         return query.view(s, b, self.num_heads, self.qk_head_dim + self.pos_dim)
@@ -214,6 +236,9 @@ class MultiLatentAttention(MegatronModule):
         key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads, -1)), dim=-1)
         value = value.contiguous()
         if inference_params is not None:
+            if self.dsa:
+                raise ConfigError("--experimental-attention-variant dsa: generation with a "
+                                  "key/value cache is not built yet")
             key, value = self._update_kv_cache(key, value, inference_params)
             if attention_mask is None:   # query i sits at position offset + i
                 attention_mask = causal_mask(query.size(0), key.size(0),
@@ -222,6 +247,12 @@ class MultiLatentAttention(MegatronModule):
             def attend(q, k, v):                                         # -> [s/cp, b, np*dv]
                 return self.cp.attend(self.core_attention, q, k, v, attention_mask,
                                       self.training, self.core_attention.softmax_scale)
+        elif self.dsa:
+            x, qr = self._dsa_inputs
+            self._dsa_inputs = None
+
+            def attend(q, k, v):                                         # -> [s, b, np*dv]
+                return self.core_attention(q, k, v, attention_mask, x, qr, rotary_pos_emb)
         else:
             def attend(q, k, v):                                         # -> [s, b, np*dv]
                 return self.core_attention(q, k, v, attention_mask)

@@ -64,6 +64,7 @@ def _add_network_size_args(parser):
     _add_mla_args(g)
     _add_gdn_args(g)
     _add_mhc_args(g)
+    _add_dsa_args(g)
     g.add_argument("--no-position-embedding", action="store_false",
                    dest="add_position_embedding")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -170,8 +171,8 @@ def _add_gdn_args(g):
     g.add_argument("--experimental-attention-variant", default=None,
                    choices=["gdn", "gdn2", "dsa", "gated_delta_net"],
                    help="gdn (or its older spelling gated_delta_net): gated delta net linear "
-                   "attention on the layers --linear-attention-freq picks; gdn2 and dsa are "
-                   "refused (not built yet)")
+                   "attention on the layers --linear-attention-freq picks; dsa: DeepSeek "
+                   "sparse attention over MLA (--dsa-*); gdn2 is refused (not built yet)")
     g.add_argument("--linear-attention-freq", type=parse_linear_attention_freq, default=None,
                    help="with gdn: N = every N-th layer (N, 2N, ...) keeps standard attention "
                    "and the others are linear, or a list with one 1 (linear) / 0 per layer")
@@ -217,6 +218,40 @@ def _add_mhc_args(g):
     g.add_argument("--mhc-recompute-layer-num", type=int, default=None,
                    help="mHC: layers per recompute group of --recompute-modules mhc (default: "
                         "all layers of a pipeline stage)")
+
+
+def _add_dsa_args(g):
+    """DeepSeek sparse attention (DeepSeek-V3.2) for MLA, with Megatron-Core's names and
+    defaults (megatron/model/dsa.py)."""
+    g.add_argument("--dsa-indexer-n-heads", type=int, default=None,
+                   help="DSA: the indexer's heads")
+    g.add_argument("--dsa-indexer-head-dim", type=int, default=None,
+                   help="DSA: the indexer's head dim (a power of two with the rotation)")
+    g.add_argument("--dsa-indexer-topk", type=int, default=None,
+                   help="DSA: keys each query attends to")
+    g.add_argument("--dsa-indexer-topk-freq", type=int, default=1,
+                   help="DSA: a layer in every N computes its top-k (only 1 is built)")
+    g.add_argument("--dsa-indexer-skip-topk-offset", type=int, default=0,
+                   help="DSA: layers before top-k sharing starts (with --dsa-indexer-topk-freq)")
+    g.add_argument("--dsa-indexer-loss-coeff", type=float, default=None,
+                   help="DSA: coefficient of the indexer's KL loss (unset or 0: no loss)")
+    g.add_argument("--dsa-indexer-use-sparse-loss", action="store_true", default=False,
+                   help="DSA: the indexer loss over the chosen keys only")
+    g.add_argument("--dsa-kernel-backend", type=str, default="none",
+                   choices=["none", "tilelang", "cudnn"],
+                   help="DSA kernels (only none, plain PyTorch, is built)")
+    g.add_argument("--dsa-indexer-rope-interleaved", action="store_true", default=False,
+                   help="DSA: the indexer's rotary channels as neighbouring pairs, as MLA's")
+    g.add_argument("--no-dsa-indexer-rotate-activation", "--disable-dsa-indexer-rotate-activation",
+                   action="store_false", dest="dsa_indexer_rotate_activation", default=True,
+                   help="DSA: no Hadamard rotation of the indexer's queries and keys")
+    g.add_argument("--no-dsa-indexer-scoring-relu", "--disable-dsa-indexer-scoring-relu",
+                   action="store_false", dest="dsa_indexer_scoring_relu", default=True,
+                   help="DSA: no ReLU on the indexer's query-key products")
+    g.add_argument("--dsa-indexer-k-norm-epsilon", type=float, default=None,
+                   help="DSA: epsilon of the indexer's key LayerNorm (unset: --norm-epsilon)")
+    g.add_argument("--dsa-indexer-k-norm-fp32", action="store_true", default=False,
+                   help="DSA: the indexer's key LayerNorm in fp32")
 
 
 def _add_yarn_args(g):

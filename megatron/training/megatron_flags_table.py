@@ -101,8 +101,6 @@ ACT_OFFLOAD = ("the MoE paged stash of expert activations is not built yet; use 
 INFLIGHT = ("offload copies here finish before the forward goes on, so no offload is ever in "
             "flight for a cap to limit")
 OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd, lion or muon"
-ATTN_VARIANT = ("linear/sparse attention variants (gated delta net, DSA) are not built yet; drop "
-                "it")
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
 VP_GROUP = ("the interleaved schedule here groups --pipeline-model-parallel-size micro-batches "
@@ -169,21 +167,6 @@ ROWS = (
      'int', None, '', REFUSED, VP_GROUP),
     ('--mtp-hybrid-override-pattern', '', 'str', None, '', REFUSED, MTP),
     ('--flash-attention-version', '', 'int', None, '2|3|4', NO_EFFECT, ATTN_BACKEND),
-    ('--dsa-indexer-n-heads', '', 'int', None, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-head-dim', '', 'int', None, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-topk', '', 'int', None, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-topk-freq', '', 'int', 1, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-skip-topk-offset', '', 'int', 0, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-loss-coeff', '', 'float', None, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-use-sparse-loss', '', 'true', False, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-kernel-backend', '', 'str', 'none', 'none|tilelang|cudnn', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-rope-interleaved', '', 'true', False, '', REFUSED, ATTN_VARIANT),
-    ('--no-dsa-indexer-rotate-activation --disable-dsa-indexer-rotate-activation',
-     'dsa_indexer_rotate_activation', 'false', True, '', REFUSED, ATTN_VARIANT),
-    ('--no-dsa-indexer-scoring-relu --disable-dsa-indexer-scoring-relu',
-     'dsa_indexer_scoring_relu', 'false', True, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-k-norm-epsilon', '', 'float', None, '', REFUSED, ATTN_VARIANT),
-    ('--dsa-indexer-k-norm-fp32', '', 'true', False, '', REFUSED, ATTN_VARIANT),
     ('--disable-bf16-reduced-precision-matmul', '', 'true', False, '', WORKS, None),
     ('--use-fused-weighted-squared-relu', '', 'true', False, '', NO_EFFECT, FUSION),
     ('--fused-residual-rmsnorm', '', 'true', False, '', NO_EFFECT, FUSION),

@@ -23,6 +23,7 @@ from typing import Dict, List
 import torch
 
 from megatron.core.collectives import all_reduce, get_group_size
+from megatron.model.dsa import INDEXER_LOSS_NAME
 from megatron.model.moe.router import update_expert_biases as update_expert_biases_of
 from megatron.model.moe.router import update_quantile_biases
 from megatron.model.moe.tracker import LOSS_NAMES, MoELossTracker
@@ -57,11 +58,18 @@ def mtp_trackers(model_chunks):
             if getattr(m, "mtp_tracker", None) is not None]
 
 
+def dsa_trackers(model_chunks):
+    """The DSA indexer-loss trackers of the (wrapped) model chunks."""
+    return [m.dsa_tracker for m in _unwrapped(model_chunks)
+            if getattr(m, "dsa_tracker", None) is not None]
+
+
 def set_aux_loss_scale(model_chunks, loss_scale: torch.Tensor, num_microbatches: int) -> None:
-    """The gradient the auxiliary losses (MoE, and multi-token prediction) start backward with:
-    ``loss_scale / num_microbatches``, the factor of the main loss's gradient."""
+    """The gradient the auxiliary losses (MoE, multi-token prediction, DSA's indexer) start
+    backward with: ``loss_scale / num_microbatches``, the factor of the main loss's gradient."""
     scale = float(loss_scale) / num_microbatches
-    for tracker in model_trackers(model_chunks) + mtp_trackers(model_chunks):
+    for tracker in (model_trackers(model_chunks) + mtp_trackers(model_chunks)
+                    + dsa_trackers(model_chunks)):
         tracker.backward_scale = scale
 
 
@@ -73,6 +81,29 @@ def mtp_loss_values(model_chunks, pstate, num_microbatches: int) -> Dict[str, fl
     for tracker in mtp_trackers(model_chunks):
         out.update(tracker.report(num_microbatches, dp_group))
     return out
+
+
+def indexer_loss_values(model_chunks, pstate, num_microbatches: int) -> Dict[str, float]:
+    """``indexer loss`` of this iteration (DSA, with its coefficient): the mean over the
+    indexer layers of the per-micro-batch mean, summed over pipeline stages and averaged over
+    data-parallel ranks, as Megatron-Core logs it (every rank must call it; the trackers are
+    cleared)."""
+    # Every indexer layer records in training when the loss is on, so every rank either has
+    # values or none.
+    filled = [t for t in dsa_trackers(model_chunks) if INDEXER_LOSS_NAME in t.values]
+    if not filled:
+        return {}
+    merged = MoELossTracker(filled[0].num_layers)
+    merged.values[INDEXER_LOSS_NAME] = sum(t.values[INDEXER_LOSS_NAME] for t in filled)
+    merged.recorded[INDEXER_LOSS_NAME] = torch.stack(
+        [t.recorded[INDEXER_LOSS_NAME] for t in filled]).amax(dim=0)
+    for tracker in filled:
+        tracker.clear()
+    merged.all_reduce(pstate.pp_group)
+    dp_group = getattr(pstate, "dp_cp_group", pstate.dp_group)
+    all_reduce(merged.values[INDEXER_LOSS_NAME], dp_group)
+    merged.values[INDEXER_LOSS_NAME] /= get_group_size(dp_group)
+    return merged.report(num_microbatches)
 
 
 def update_expert_biases(model_chunks, pstate) -> None:

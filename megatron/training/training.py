@@ -582,6 +582,9 @@ def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, ar
     if last_stage:
         losses.update(moe_losses)
         losses.update(moe_logging.mtp_loss_values(model, pstate, calculator.num_micro_batches))
+    indexer_losses = moe_logging.indexer_loss_values(model, pstate, calculator.num_micro_batches)
+    if last_stage:
+        losses.update(indexer_losses)
     return losses, not ok, grad_norm, loss_scale
 
 

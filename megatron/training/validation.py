@@ -684,8 +684,10 @@ def _validate_gdn(args) -> None:
     variant = args.experimental_attention_variant
     if variant is None:
         return
+    if variant == "dsa":
+        return                      # _validate_dsa
     if variant not in ("gdn", "gated_delta_net"):
-        _fail(f"--experimental-attention-variant {variant}: not built yet (gdn is)")
+        _fail(f"--experimental-attention-variant {variant}: not built yet (gdn and dsa are)")
     for flag, on in (
             ("--context-parallel-size > 1", args.context_parallel_size > 1),
             ("--reset-attention-mask (packed documents)", args.reset_attention_mask),
@@ -1429,6 +1431,65 @@ def _validate_dumps(args) -> None:
                       "its shard of the reduced gradients; drop one of them")
 
 
+def _dsa_refusals(args):
+    """What DSA does not support here, as (condition, message) pairs."""
+    return [
+        (args.dsa_kernel_backend != "none",
+         f"--dsa-kernel-backend {args.dsa_kernel_backend}: its GPU kernels are not built; "
+         "only none (plain PyTorch) runs"),
+        (args.dsa_indexer_topk_freq != 1,
+         f"--dsa-indexer-topk-freq {args.dsa_indexer_topk_freq}: sharing top-k across layers "
+         "is not built yet (only 1)"),
+        (not args.multi_latent_attention,
+         "--experimental-attention-variant dsa needs --multi-latent-attention"),
+        (args.context_parallel_size > 1,
+         "--experimental-attention-variant dsa: context parallelism is not built yet"),
+        (args.softmax_type != "vanilla",
+         f"--experimental-attention-variant dsa: --softmax-type {args.softmax_type} is not "
+         "built yet (only vanilla)"),
+        (args.window_size is not None,
+         "--experimental-attention-variant dsa: --window-size is not built yet"),
+        (args.qk_clip or args.log_max_attention_logit,
+         "--experimental-attention-variant dsa: --qk-clip / --log-max-attention-logit are "
+         "not built yet"),
+        (args.calculate_per_token_loss,
+         "--experimental-attention-variant dsa: --calculate-per-token-loss (the indexer loss "
+         "summed per token) is not built yet"),
+        (args.recompute_granularity == "selective"
+         and "core_attn" in (args.recompute_modules or ["core_attn"]),
+         "--experimental-attention-variant dsa: recomputing core_attn is not built yet"),
+    ]
+
+
+def _validate_dsa(args) -> None:
+    """``--experimental-attention-variant dsa`` and its ``--dsa-*`` flags."""
+    variant = args.experimental_attention_variant
+    if variant is None:
+        return
+    if variant != "dsa":
+        return                      # _validate_gdn
+    _require(args, "dsa_indexer_n_heads", "dsa_indexer_head_dim", "dsa_indexer_topk")
+    for condition, message in _dsa_refusals(args):
+        if condition:
+            _fail(message)
+    for flag, value in (("--dsa-indexer-n-heads", args.dsa_indexer_n_heads),
+                        ("--dsa-indexer-topk", args.dsa_indexer_topk)):
+        if value < 1:
+            _fail(f"{flag} must be at least 1, got {value}")
+    if args.dsa_indexer_head_dim < args.qk_pos_emb_head_dim:
+        _fail(f"--dsa-indexer-head-dim ({args.dsa_indexer_head_dim}) must hold the "
+              f"--qk-pos-emb-head-dim ({args.qk_pos_emb_head_dim}) rotary channels")
+    dim = args.dsa_indexer_head_dim
+    if args.dsa_indexer_rotate_activation and dim & (dim - 1):
+        _fail(f"--dsa-indexer-head-dim ({dim}) must be a power of two for the Hadamard "
+              "rotation, or pass --no-dsa-indexer-rotate-activation")
+    if args.dsa_indexer_skip_topk_offset < 0:
+        _fail(f"--dsa-indexer-skip-topk-offset must be >= 0, got "
+              f"{args.dsa_indexer_skip_topk_offset}")
+    if (args.dsa_indexer_loss_coeff or 0.0) < 0:
+        _fail(f"--dsa-indexer-loss-coeff must be >= 0, got {args.dsa_indexer_loss_coeff}")
+
+
 def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
@@ -1438,6 +1499,7 @@ def check_flags(args):
     _validate_watchdogs(args)
     _apply_old_spellings(args)
     _validate_model(args)
+    _validate_dsa(args)
     _validate_mup(args)
     _validate_gdn(args)
     _validate_mhc(args)

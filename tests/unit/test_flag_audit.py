@@ -64,6 +64,10 @@ DERIVED_IN_VALIDATION = {
     "attention_backend": "sets --use-flash-attn and --masked-softmax-fusion, which choose the "
                          "attention body (megatron/model/attention_backend.py)",
     "data_args_path": "its file's contents become --data-path",
+    "dsa_kernel_backend": "none (plain PyTorch) runs; tilelang and cudnn are refused",
+    "dsa_indexer_topk_freq": "1 (every DSA layer picks its own keys) runs; others are refused",
+    "dsa_indexer_skip_topk_offset": "checked >= 0; with --dsa-indexer-topk-freq 1 (all that "
+                                    "runs) it changes nothing, as in Megatron-Core",
     "per_split_data_args_path": "its JSON becomes --train/--valid/--test-data-path",
     "recompute_modules": "core_attn is what selective recompute does; other modules refused",
     "no_weight_decay_cond_type": "apply_wd_to_qk_layernorm sets --apply-wd-to-qk-layernorm",

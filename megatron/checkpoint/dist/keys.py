@@ -200,6 +200,13 @@ MLA_LAYER_KEYS.update({
     "self_attention.linear_proj.weight": "self_attention.linear_proj.weight",
     "self_attention.linear_proj.bias": "self_attention.linear_proj.bias",
 })
+# DSA's indexer (--experimental-attention-variant dsa) sits inside MLA's core attention under
+# the same names as in Megatron-Core; all of it is replicated.
+_DSA_INDEXER = "self_attention.core_attention.indexer."
+_DSA_LINEARS = ("linear_wq_b", "linear_wk", "linear_weights_proj")
+MLA_LAYER_KEYS.update({f"{_DSA_INDEXER}{m}": f"{_DSA_INDEXER}{m}" for m in (
+    "linear_wq_b.weight", "linear_wk.weight", "k_norm.weight", "k_norm.bias",
+    "linear_weights_proj.weight")})
 _MLA_SPLIT_DIM = {"self_attention.linear_q_proj.weight": 0,
                   "self_attention.linear_q_up_proj.weight": 0,
                   "self_attention.linear_kv_up_proj.weight": 0,
@@ -216,7 +223,9 @@ def mla_attention_modules(names) -> Tuple[str, ...]:
     """The MLA linear modules (with extra state) among a layer's legacy tensor names."""
     present = tuple(f"self_attention.{m}" for m in _MLA_LINEARS
                     if any(f"self_attention.{m}." in n for n in names))
-    return ("self_attention.linear_proj",) + present
+    indexer = tuple(f"{_DSA_INDEXER}{m}" for m in _DSA_LINEARS
+                    if any(f"{_DSA_INDEXER}{m}." in n for n in names))
+    return ("self_attention.linear_proj",) + present + indexer
 
 
 def stored_key(key: str, present) -> str:
