@@ -24,7 +24,7 @@ RUN = ["--load", "ckpt", "--use-checkpoint-args", "--num-layers", "2",
 
 
 def _loaded(monkeypatch, extra):
-    monkeypatch.setattr(ckpt_load, "_saved_args_in", lambda folder, flag: SAVED)
+    monkeypatch.setattr(ckpt_load, "_saved_args_in", lambda folder, flag, verify=False: SAVED)
     return ckpt_load.load_args_from_checkpoint(parse_args(argv=RUN + extra))
 
 

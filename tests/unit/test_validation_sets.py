@@ -78,7 +78,8 @@ def test_bert_refuses_full_validation():
         tokenizer_type="BertWordPieceLowerCase", position_embedding_type="learned_absolute",
         use_rotary_position_embeddings=False, add_position_embedding=True,
         untie_embeddings_and_output_weights=False, mock_data=False, context_parallel_size=1,
-        calculate_per_token_loss=False, full_validation=True, multiple_validation_sets=False)
+        calculate_per_token_loss=False, full_validation=True, multiple_validation_sets=False,
+        enable_mhc_connections=False, use_mup=False)
     with pytest.raises(arguments.ArgumentsError, match="GPT datasets only"):
         arguments.validate_bert_args(args)
 
