@@ -318,6 +318,11 @@ class DistributedOptimizer(MegatronOptimizer):
     def _copy_model_grads_to_main_grads(self) -> None:
         for piece, main in self._shards():
             grad = self.grad_buffers[piece.buffer_key].data[piece.buffer_start:piece.buffer_end]
+            own = getattr(piece.model_param, "main_grad", None)
+            if own is not None and own.dtype != grad.dtype:
+                # An fp32 main_grad of its own (fp32 local accumulation): it holds the reduced
+                # slice and whatever was summed into it after the data-parallel reduction.
+                grad = own.view(-1)[piece.param_start:piece.param_end]
             main.grad = grad if grad.dtype == torch.float32 else grad.float()
             piece.model_param.grad = None
 

@@ -692,6 +692,10 @@ def _add_mixed_precision_args(parser):
                    help="older spelling of the default (no query-key layer scaling)")
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16, keep the gradient buffers (main_grad) in bf16: micro-batch "
+                        "accumulation and the data-parallel reduction round to bf16 (the "
+                        "default with --bf16 is fp32, as --accumulate-allreduce-grads-in-fp32)")
     g.add_argument("--fp16-lm-cross-entropy", action="store_true")
     g.add_argument("--output-logit-dtype", type=str, default=None, dest="logit_dtype",
                    choices=["bf16", "fp32"],
@@ -741,6 +745,16 @@ def _add_distributed_args(parser):
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--no-delay-grad-reduce", action="store_false", dest="delay_grad_reduce")
     g.add_argument("--ddp-bucket-size", type=int, default=None)
+    g.add_argument("--ddp-reduce-scatter-with-fp32-accumulation", action="store_true",
+                   help="with --use-distributed-optimizer, reduce-scatter gradients as an "
+                        "all-to-all of the buffer's dtype whose pieces each rank sums in fp32, "
+                        "rounding once into its shard")
+    g.add_argument("--ddp-param-name-patterns-for-fp32-local-accumulation", nargs="+", type=str,
+                   default=[], metavar="PATTERN",
+                   help="parameters whose name matches one of these shell patterns (fnmatch; "
+                        "'all' matches every one) accumulate micro-batch gradients in a "
+                        "separate fp32 main_grad while the buffer stays half precision; the "
+                        "sum is rounded into the buffer just before the data-parallel reduction")
     g.add_argument("--overlap-param-gather", action="store_true")
     g.add_argument("--delay-param-gather", action="store_true")
     g.add_argument("--no-scatter-gather-tensors-in-pipeline", action="store_false",

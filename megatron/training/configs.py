@@ -260,6 +260,9 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,
+        reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
+        param_name_patterns_for_fp32_local_accumulation=tuple(
+            args.ddp_param_name_patterns_for_fp32_local_accumulation),
         bucket_size=args.ddp_bucket_size,
         gradient_accumulation_fusion=args.gradient_accumulation_fusion,
         calculate_per_token_loss=args.calculate_per_token_loss,

@@ -246,6 +246,9 @@ def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
         overlap_grad_reduce=ddp_config.overlap_grad_reduce,
         bucket_size=ddp_config.bucket_size,
         use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        reduce_scatter_with_fp32_accumulation=ddp_config.reduce_scatter_with_fp32_accumulation,
+        fp32_local_accumulation_patterns=(
+            ddp_config.param_name_patterns_for_fp32_local_accumulation),
         gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion,
         expert_dp_group=pstate.expert_dp_group,
         calculate_per_token_loss=ddp_config.calculate_per_token_loss)

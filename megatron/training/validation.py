@@ -580,6 +580,30 @@ def _fsdp2_overlaps_already(args, name: str) -> None:
     args.overlap_grad_reduce = args.overlap_param_gather = False
 
 
+def _validate_grad_precision(args) -> None:
+    """--grad-reduce-in-bf16 and the grad-buffer wrapper's two refinements of a half-precision
+    gradient buffer; runs after _validate_model has settled the buffers' dtype."""
+    patterns = args.ddp_param_name_patterns_for_fp32_local_accumulation
+    fp32_rs = args.ddp_reduce_scatter_with_fp32_accumulation
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        _fail("--grad-reduce-in-bf16 needs --bf16 (it keeps a bf16 run's gradient buffers in "
+              "bf16); add --bf16 or drop it")
+    used = [flag for flag, on in (("--grad-reduce-in-bf16", args.grad_reduce_in_bf16),
+                                  ("--ddp-reduce-scatter-with-fp32-accumulation", fp32_rs),
+                                  ("--ddp-param-name-patterns-for-fp32-local-accumulation",
+                                   bool(patterns))) if on]
+    if used and args.use_torch_fsdp2:
+        _fail(f"{used[0]} is built for the grad-buffer wrapper, not with FSDP2 "
+              "(--use-torch-fsdp2 / --use-megatron-fsdp); use --megatron-fsdp-grad-comm-dtype")
+    if fp32_rs and not args.use_distributed_optimizer:
+        _fail("--ddp-reduce-scatter-with-fp32-accumulation needs --use-distributed-optimizer "
+              "(without it gradients are all-reduced, not reduce-scattered)")
+    if patterns and (args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16)):
+        _fail("--ddp-param-name-patterns-for-fp32-local-accumulation: the gradient buffers are "
+              "already fp32 here; it applies to bf16 buffers (--bf16 --grad-reduce-in-bf16) or "
+              "fp16 ones (--fp16 without --accumulate-allreduce-grads-in-fp32)")
+
+
 def _validate_torch_fsdp2(args) -> None:
     """--use-torch-fsdp2: FSDP2 owns the sharding and the gradient reduction; combinations it
     cannot serve (or that are not built on it yet) stop here in one line naming the flags."""
@@ -663,7 +687,12 @@ def _validate_model(args) -> None:
         _fail("--rotary-seq-len-interpolation-factor must be >= 1, got "
               f"{args.rotary_seq_len_interpolation_factor}")
     args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
-    if args.bf16 and not args.accumulate_allreduce_grads_in_fp32:
+    if args.bf16 and args.grad_reduce_in_bf16:
+        if args.accumulate_allreduce_grads_in_fp32:
+            _note(args, "--grad-reduce-in-bf16 overrides --accumulate-allreduce-grads-in-fp32: "
+                        "gradients are accumulated and reduced in bf16")
+        args.accumulate_allreduce_grads_in_fp32 = False
+    elif args.bf16 and not args.accumulate_allreduce_grads_in_fp32:
         # As in Megatron: bf16 gradients are reduced and accumulated in fp32.
         args.accumulate_allreduce_grads_in_fp32 = True
     if args.recompute_granularity == "full":
@@ -1521,6 +1550,7 @@ def check_flags(args):
     _validate_checkpoint_format(args)
     _validate_non_persistent(args)
     _validate_torch_fsdp2(args)
+    _validate_grad_precision(args)
     _validate_muon(args)
     _validate_optimizer_offload(args)
     _validate_activation_offload(args)

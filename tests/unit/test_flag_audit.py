@@ -51,6 +51,8 @@ DERIVED_IN_VALIDATION = {
     "step_batch_size_schedule": "parsed into step_batch_size_samples, which the micro-batch "
                                 "calculator reads",
     "batch_size": "sets --micro-batch-size (old name)",
+    "grad_reduce_in_bf16": "with --bf16 turns --accumulate-allreduce-grads-in-fp32 off, so the "
+                           "grad buffers are bf16; refused without --bf16",
     "warmup": "sets --lr-warmup-iters (old name)",
     "model_parallel_size": "sets --tensor-model-parallel-size (old name)",
     "recompute_activations": "sets --recompute-granularity selective",

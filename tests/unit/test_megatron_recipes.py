@@ -171,7 +171,7 @@ REFUSED_IN_COMBINATION = {"--mtp-num-layers": "sequence parallelism"}
 
 # name -> (recipe, world size, the flags it may be refused on, pretrain_bert's flags?)
 RECIPES = {
-    "llama3_8b": (LLAMA3_8B, 8, FP8 | {"--grad-reduce-in-bf16"}, False),
+    "llama3_8b": (LLAMA3_8B, 8, FP8, False),
     "llama3_70b": (LLAMA3_70B, 64, set(), False),
     "mixtral_8x7b": (MIXTRAL_8X7B, 64, set(), False),
     "deepseek_v3": (DEEPSEEK_V3, 256, {

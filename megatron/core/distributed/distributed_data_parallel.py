@@ -2,7 +2,8 @@
 
 What the optimizer sees: every trainable parameter ``p`` has ``p.main_grad``, a view into one
 contiguous buffer per gradient dtype (fp32 with ``accumulate_allreduce_grads_in_fp32``, else the
-parameter's dtype). Backward adds each micro-batch's gradient into ``main_grad`` and sets
+parameter's dtype: bf16 under ``--bf16 --grad-reduce-in-bf16``), or an fp32 tensor of its own for
+the parameters named by ``fp32_local_accumulation_patterns`` (see :mod:`.grad_buffer`). Backward adds each micro-batch's gradient into ``main_grad`` and sets
 ``p.grad`` to None (a post-accumulate-grad hook, so ``p.grad`` never outlives one backward).
 After :meth:`DistributedDataParallel.finish_grad_sync`, ``main_grad`` holds the gradient summed over
 micro-batches and averaged over the data-parallel group (with ``use_distributed_optimizer``, only
@@ -23,8 +24,9 @@ last micro-batch as soon as all of that bucket's gradients are in, so communicat
 rest of backward; ``finish_grad_sync`` then only waits.
 """
 
+import fnmatch
 from contextlib import contextmanager
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,6 +36,11 @@ from megatron.core.distributed.grad_buffer import GradBuffer
 # Megatron's default when overlapping: large enough that collectives are bandwidth-bound.
 DEFAULT_BUCKET_SIZE = 40_000_000
 DEFAULT_BUCKET_SIZE_PER_DP_RANK = 1_000_000
+
+
+def _matches_any(name: str, patterns: Sequence[str]) -> bool:
+    """Whether a parameter name matches one of the fnmatch ``patterns`` (``'all'``: any)."""
+    return any(pattern == "all" or fnmatch.fnmatch(name, pattern) for pattern in patterns)
 
 
 def _same_ranks(group_a, group_b) -> bool:
@@ -75,6 +82,14 @@ class DistributedDataParallel(torch.nn.Module):
         calculate_per_token_loss: sum gradients over the groups instead of averaging
             (``--calculate-per-token-loss``): the losses are sums over tokens, and
             :meth:`scale_gradients` divides by the step's token count afterwards.
+        reduce_scatter_with_fp32_accumulation: with ``use_distributed_optimizer``, each
+            rank sums the pieces of its shard in fp32 and rounds once
+            (``--ddp-reduce-scatter-with-fp32-accumulation``).
+        fp32_local_accumulation_patterns: parameters whose name (as ``module`` names it)
+            matches one of these fnmatch patterns, or any with ``'all'``, accumulate
+            micro-batches in an fp32 ``main_grad`` of their own when their buffer is half
+            precision (``--ddp-param-name-patterns-for-fp32-local-accumulation``);
+            :attr:`fp32_local_param_names` lists them.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
@@ -82,7 +97,9 @@ class DistributedDataParallel(torch.nn.Module):
                  overlap_grad_reduce: bool = False, bucket_size: Optional[int] = None,
                  use_distributed_optimizer: bool = False,
                  gradient_accumulation_fusion: bool = False, expert_dp_group=None,
-                 calculate_per_token_loss: bool = False):
+                 calculate_per_token_loss: bool = False,
+                 reduce_scatter_with_fp32_accumulation: bool = False,
+                 fp32_local_accumulation_patterns: Sequence[str] = ()):
         super().__init__()
         if dp_group is None:
             raise ValueError("DistributedDataParallel needs dp_group=<the data-parallel process "
@@ -102,6 +119,11 @@ class DistributedDataParallel(torch.nn.Module):
         self.bucket_size = bucket_size
 
         self._param_names = {p: name for name, p in module.named_parameters()}
+        self.fp32_local_param_names = [
+            name for p, name in self._param_names.items()
+            if p.requires_grad and _matches_any(name, fp32_local_accumulation_patterns)]
+        fp32_local = [p for p, name in self._param_names.items()
+                      if name in self.fp32_local_param_names]
         # Reverse order: backward produces the last layers' gradients first.
         by_dtype: Dict[torch.dtype, list] = {}
         expert_by_dtype: Dict[torch.dtype, list] = {}
@@ -121,7 +143,9 @@ class DistributedDataParallel(torch.nn.Module):
             for dtype, params in grouped.items():
                 buffer = GradBuffer(params, dtype, group, bucket_size, overlap_grad_reduce,
                                     use_distributed_optimizer,
-                                    average_over=1 if calculate_per_token_loss else self.dp_size)
+                                    average_over=1 if calculate_per_token_loss else self.dp_size,
+                                    fp32_accumulation=reduce_scatter_with_fp32_accumulation,
+                                    fp32_local_params=fp32_local)
                 buffers[dtype] = buffer
                 for param in params:
                     self.param_to_grad_buffer[param] = buffer
@@ -194,7 +218,7 @@ class DistributedDataParallel(torch.nn.Module):
     def scale_gradients(self, factor: float) -> None:
         """Multiply every ``main_grad`` by ``factor`` (after :meth:`finish_grad_sync`)."""
         for buffer in self.all_grad_buffers():
-            buffer.data.mul_(factor)
+            buffer.scale(factor)
 
     def zero_grad_buffer(self) -> None:
         """Zero every ``main_grad`` and forget the previous step's reduction; call before a step."""

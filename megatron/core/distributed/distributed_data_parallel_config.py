@@ -1,7 +1,7 @@
 """The data-parallel wrapper's typed config (Megatron-Core's field names, flags in comments)."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron.core.config import ConfigError
 
@@ -17,6 +17,12 @@ class DistributedDataParallelConfig:
     # overlaps the next forward (the optimizer takes it from here).
     overlap_param_gather: bool = False
     use_distributed_optimizer: bool = False    # --use-distributed-optimizer
+    # --ddp-reduce-scatter-with-fp32-accumulation: the distributed optimizer's reduce-scatter
+    # is an all-to-all in the buffer's dtype, summed in fp32 by each rank, rounded once.
+    reduce_scatter_with_fp32_accumulation: bool = False
+    # --ddp-param-name-patterns-for-fp32-local-accumulation: parameters whose name matches
+    # (fnmatch, or 'all') accumulate micro-batches in an fp32 main_grad of their own.
+    param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
     bucket_size: Optional[int] = None          # --ddp-bucket-size, in elements
     # --no-gradient-accumulation-fusion sets False: weight gradients are added into the
     # fp32 main_grad buffer by the fused kernel (Megatron-Core keeps this flag in the
@@ -43,3 +49,7 @@ class DistributedDataParallelConfig:
             raise ConfigError(f"--ddp-bucket-size must be >= 1 (elements), got {self.bucket_size}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
             raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
+        if self.reduce_scatter_with_fp32_accumulation and not self.use_distributed_optimizer:
+            raise ConfigError("--ddp-reduce-scatter-with-fp32-accumulation needs "
+                              "--use-distributed-optimizer (only its reduction is a "
+                              "reduce-scatter)")

@@ -22,6 +22,15 @@ each parameter marked ``shared_embedding`` (a word embedding tied across pipelin
 of its own, so the first and last stage shard it identically and the embedding all-reduce that
 follows the data-parallel reduction adds matching, reduced slices.
 
+Half-precision buffers (``--grad-reduce-in-bf16``, or fp16 parameters without
+``--accumulate-allreduce-grads-in-fp32``) have two refinements. A parameter listed in
+``fp32_local_params`` gets ``main_grad`` as an fp32 tensor of its own: micro-batches accumulate
+there, the sum is rounded into its slice of the buffer just before the bucket's reduction, and the
+reduced slice is copied back afterwards (the slice stays at ``main_grad_copy_in_grad_buffer``).
+``reduce_scatter_with_fp32_accumulation`` makes the distributed optimizer's reduce-scatter an
+all-to-all in the buffer's dtype after which each rank sums the dp-size pieces of its shard in
+fp32 and rounds once, instead of the backend rounding every partial sum.
+
 Buckets are always launched in index order, on every rank, whatever order their gradients complete
 in: collectives on one group must be issued in the same order on all ranks, and this makes that
 hold even if backward visited parameters in a different order on different ranks.
@@ -120,6 +129,38 @@ def _reduce_scatter(shard: torch.Tensor, data: torch.Tensor, group, async_op: bo
     return None
 
 
+class _Fp32AccumulatedReduceScatter:
+    """A reduce-scatter done as an all-to-all plus a local fp32 sum; ``wait()`` completes it.
+
+    After the all-to-all, ``received`` holds ``[dp size, shard numel]``: row ``i`` is rank
+    ``i``'s copy of this rank's shard, in the buffer's dtype. Their fp32 sum, rounded once to the
+    buffer's dtype, is written into ``shard``.
+    """
+
+    def __init__(self, shard: torch.Tensor, data: torch.Tensor, group, async_op: bool):
+        self.shard = shard
+        self.received = torch.empty_like(data)  # [dp size * shard numel]
+        self.handle = dist.all_to_all_single(self.received, data, group=group, async_op=async_op)
+
+    def wait(self) -> None:
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        pieces = self.received.view(-1, self.shard.numel())      # [dp size, shard numel]
+        self.shard.copy_(pieces.sum(dim=0, dtype=torch.float32))
+
+
+def _reduce_scatter_fp32_accumulated(shard: torch.Tensor, data: torch.Tensor, group,
+                                     async_op: bool):
+    """Like :func:`_reduce_scatter`, summing in fp32 whatever the buffer's dtype; returns the
+    handle to wait on when asynchronous."""
+    work = _Fp32AccumulatedReduceScatter(shard, data, group, async_op)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 class Bucket:
     """Parameters whose gradients are reduced together, and the slice of the buffer they share.
 
@@ -135,11 +176,17 @@ class Bucket:
         average_over: the sum over ``dp_group`` is divided by this (default: its size). Expert
             gradients are summed over the expert-data-parallel group but averaged over the
             data x context-parallel ranks, whose losses they carry.
+        fp32_accumulation: with ``use_distributed_optimizer``, sum the shards in fp32
+            (:func:`_reduce_scatter_fp32_accumulated`).
+        fp32_main_grads: ``(fp32 main_grad, its slice of data)`` of the parameters that
+            accumulate locally in fp32: copied in before the reduction, back after it.
     """
 
     def __init__(self, index: int, params: List[torch.nn.Parameter], data: torch.Tensor,
                  offset: int, dp_group, overlap_grad_reduce: bool,
-                 use_distributed_optimizer: bool = False, average_over: Optional[int] = None):
+                 use_distributed_optimizer: bool = False, average_over: Optional[int] = None,
+                 fp32_accumulation: bool = False,
+                 fp32_main_grads: Sequence[Tuple[torch.Tensor, torch.Tensor]] = ()):
         self.index = index
         self.params = list(params)
         self.data = data
@@ -150,6 +197,8 @@ class Bucket:
         self.average_over = self.dp_size if average_over is None else average_over
         self.overlap_grad_reduce = overlap_grad_reduce
         self.use_distributed_optimizer = use_distributed_optimizer
+        self.fp32_accumulation = fp32_accumulation
+        self.fp32_main_grads = list(fp32_main_grads)
         if use_distributed_optimizer and data.numel() % self.dp_size != 0:
             raise ValueError(f"bucket {index} holds {data.numel()} elements, not a multiple of the "
                              f"data-parallel size {self.dp_size}; a distributed optimizer cannot "
@@ -190,13 +239,17 @@ class Bucket:
         if self.communication_issued:
             return
         self.communication_issued = True
+        for main_grad, in_buffer in self.fp32_main_grads:
+            in_buffer.copy_(main_grad)
         if self.average_over != 1:
             self.data.div_(self.average_over)
         if self.dp_size == 1:
             return
         if self.use_distributed_optimizer:
             start, end = self.shard_range()
-            self.communication_handle = _reduce_scatter(
+            reduce_scatter = (_reduce_scatter_fp32_accumulated if self.fp32_accumulation
+                              else _reduce_scatter)
+            self.communication_handle = reduce_scatter(
                 self.data[start:end], self.data, self.dp_group, self.overlap_grad_reduce)
         else:
             self.communication_handle = dist.all_reduce(
@@ -208,6 +261,8 @@ class Bucket:
         if self.communication_handle is not None:
             self.communication_handle.wait()
             self.communication_handle = None
+        for main_grad, in_buffer in self.fp32_main_grads:
+            main_grad.copy_(in_buffer)
 
 
 class GradBuffer:
@@ -227,11 +282,17 @@ class GradBuffer:
             ``shared_embedding`` get a bucket each.
         average_over: what each bucket's sum is divided by (default: the dp group's size);
             see :class:`Bucket`.
+        fp32_accumulation: with ``use_distributed_optimizer``, each bucket's reduce-scatter
+            sums in fp32 (``--ddp-reduce-scatter-with-fp32-accumulation``).
+        fp32_local_params: parameters whose ``main_grad`` is an fp32 tensor of their own when
+            ``dtype`` is not fp32 (``--ddp-param-name-patterns-for-fp32-local-accumulation``).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], dtype: torch.dtype, dp_group,
                  bucket_size: Optional[int], overlap_grad_reduce: bool,
-                 use_distributed_optimizer: bool = False, average_over: Optional[int] = None):
+                 use_distributed_optimizer: bool = False, average_over: Optional[int] = None,
+                 fp32_accumulation: bool = False,
+                 fp32_local_params: Sequence[torch.nn.Parameter] = ()):
         self.params = list(params)
         if not self.params:
             raise ValueError("a GradBuffer needs at least one parameter")
@@ -265,24 +326,41 @@ class GradBuffer:
         self.param_to_bucket: Dict[torch.nn.Parameter, Bucket] = {}
         # param -> (start, end, bucket index): what a distributed optimizer needs to shard.
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
+        local = set(fp32_local_params) if dtype != torch.float32 else set()
+        self.fp32_main_grads: List[torch.Tensor] = []
         for index, ((start, end), members) in enumerate(zip(layout.bucket_ranges,
                                                             layout.bucket_params)):
-            bucket_params = [self.params[i] for i in members]
-            bucket = Bucket(index, bucket_params, self.data[start:end], start, dp_group,
-                            overlap_grad_reduce, use_distributed_optimizer, average_over)
-            self.buckets.append(bucket)
+            pairs = []
             for i in members:
                 param = self.params[i]
                 p_start, p_end = layout.param_ranges[i]
                 param.main_grad = self.data[p_start:p_end].view(param.shape)
-                self.param_to_bucket[param] = bucket
                 self.param_index_map[param] = (p_start, p_end, index)
+                if param in local:
+                    param.main_grad_copy_in_grad_buffer = param.main_grad
+                    param.main_grad = torch.zeros_like(param.main_grad, dtype=torch.float32)
+                    pairs.append((param.main_grad, param.main_grad_copy_in_grad_buffer))
+                    self.fp32_main_grads.append(param.main_grad)
+            bucket = Bucket(index, [self.params[i] for i in members], self.data[start:end],
+                            start, dp_group, overlap_grad_reduce, use_distributed_optimizer,
+                            average_over, fp32_accumulation, pairs)
+            self.buckets.append(bucket)
+            for i in members:
+                self.param_to_bucket[self.params[i]] = bucket
         self._next_bucket = 0  # every bucket before this one has been launched
 
     def reset(self) -> None:
         """Zero the buffer (every ``main_grad``) and forget the last reduction."""
         self.data.zero_()
+        for main_grad in self.fp32_main_grads:
+            main_grad.zero_()
         self._reset_communication()
+
+    def scale(self, factor: float) -> None:
+        """Multiply every gradient this buffer holds by ``factor`` (after the reduction)."""
+        self.data.mul_(factor)
+        for main_grad in self.fp32_main_grads:
+            main_grad.mul_(factor)
 
     def _reset_communication(self) -> None:
         for bucket in self.buckets:
