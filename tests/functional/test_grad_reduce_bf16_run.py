@@ -68,8 +68,24 @@ def _losses(out):
 
 
 @pytest.fixture(scope="module")
-def fp32_buffers(corpus):
-    return _run(_flags(corpus, ["--bf16"]))
+def fp32_buffers(corpus, tmp_path_factory):
+    """The default --bf16 run (fp32 buffers) with the distributed optimizer, checkpointed at N."""
+    save = str(tmp_path_factory.mktemp("fp32_buffers") / "ckpt")
+    out = _run(_flags(corpus, ["--bf16", "--use-distributed-optimizer", "--save", save,
+                               "--save-interval", str(N)]))
+    out["save"] = save
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_fp32_buffers_resumes_with_bf16_buffers(corpus, fp32_buffers):
+    """The buffers' dtype is not part of the checkpoint: switching it on resume continues the
+    run, with losses near those of continuing in fp32."""
+    flags = VARIANTS["distributed"] + ["--load", fp32_buffers["save"], "--ckpt-step", str(N)]
+    resumed = _run(_flags(corpus, flags))
+    assert resumed["dtypes"] == {"torch.bfloat16"}
+    reference = _losses(fp32_buffers)[N:]
+    assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(_losses(resumed), reference))
 
 
 @pytest.mark.slow
