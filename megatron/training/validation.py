@@ -23,6 +23,7 @@ from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutE
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
                                                           layout_stage_counts)
 from megatron.core.heterogeneous import check_blocks_splittable
+from megatron.training.distillation.checks import validate_distillation_args
 from megatron.training.configs import (build_checkpoint_config, build_moe_config,
                                        heterogeneous_blocks)
 
@@ -1526,4 +1527,5 @@ def check_flags(args):
     _validate_activation_offload(args)
     _validate_validation_sets(args)
     _validate_qk_clip(args)
+    validate_distillation_args(args)
     return args
