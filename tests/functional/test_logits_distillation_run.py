@@ -168,3 +168,71 @@ def test_kd_loss_is_the_fp64_formula_and_alpha_zero_is_plain_training(corpus, tm
     one = run_on_ranks(run_pretrain, 1, _flags(corpus, 3, ["--logits-load-dir", folder]))
     assert zero[0]["losses"] == plain
     assert one[0]["losses"][1:] != plain[1:]
+
+
+@pytest.fixture(scope="module")
+def teacher_dir(corpus, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("teacher") / "logits")
+    _teacher(corpus, folder, ["--init-method-std", "0.1"])
+    return folder
+
+
+def test_two_data_parallel_ranks_match_one_process(corpus, teacher_dir, tmp_path):
+    """The teacher files two DP ranks write equal the one-process files bit for bit (same
+    micro-batches, same sample keys), and a DP 2 student follows the one-process losses."""
+    folder = str(tmp_path / "teacher_dp2")
+    _teacher(corpus, folder, ["--init-method-std", "0.1"], ranks=2)
+    one, two = _saved(teacher_dir), _saved(folder)
+    assert one.keys() == two.keys() and len(one) == 16
+    for index in one:
+        assert torch.equal(one[index]["logprobs"], two[index]["logprobs"])
+        assert torch.equal(one[index]["token_ids"], two[index]["token_ids"])
+    flags = _flags(corpus, 4, ["--logits-load-dir", teacher_dir, "--logits-load-kd-loss-alpha",
+                               "0.5"])
+    single = run_on_ranks(run_pretrain, 1, flags)[0]["losses"]
+    double = run_on_ranks(run_pretrain, 2, flags)[0]["losses"]
+    assert [i for i, _ in double] == [1, 2, 3, 4]
+    for (_, a), (_, b) in zip(single, double):
+        assert a == pytest.approx(b, rel=1e-5)  # DP reduces gradients in another order
+
+
+def test_resume_is_bit_for_bit(corpus, teacher_dir, tmp_path):
+    save = str(tmp_path / "ckpt")
+    extra = ["--logits-load-dir", teacher_dir, "--logits-load-kd-loss-alpha", "0.5"]
+    full = run_on_ranks(run_pretrain, 1, _flags(corpus, 4, extra))[0]["losses"]
+    run_on_ranks(run_pretrain, 1, _flags(corpus, 4, extra + ["--save", save,
+                                                             "--exit-interval", "2"]))
+    resumed = run_on_ranks(run_pretrain, 1, _flags(corpus, 4, extra + ["--load", save]))
+    assert resumed[0]["losses"] == full[2:]
+
+
+def _remove_one_sample(teacher_dir, tmp_path):
+    """A copy of the teacher folder without sample 5's file; (folder, that file's path)."""
+    import shutil
+    folder = str(tmp_path / "holes")
+    shutil.copytree(teacher_dir, folder)
+    path = logits_files.sample_path(folder, 5)
+    os.remove(path)
+    return folder, path
+
+
+def test_missing_or_corrupt_file_is_refused_with_its_name(corpus, teacher_dir, tmp_path):
+    folder, path = _remove_one_sample(teacher_dir, tmp_path)
+    flags = _flags(corpus, 2, ["--logits-load-dir", folder])
+    with pytest.raises(AssertionError, match=r"LogitsFileError.*" + path):
+        run_on_ranks(run_pretrain, 1, flags)
+    with open(path, "wb") as f:
+        f.write(b"not a torch file")
+    with pytest.raises(AssertionError, match=path + " is corrupt"):
+        run_on_ranks(run_pretrain, 1, flags)
+
+
+def test_ignore_errors_trains_that_micro_batch_on_the_lm_loss(corpus, teacher_dir, tmp_path):
+    folder, _ = _remove_one_sample(teacher_dir, tmp_path)
+    got = run_on_ranks(run_recording, 1, _flags(corpus, 2, [
+        "--logits-load-dir", folder, "--logits-load-ignore-errors"]))[0]["records"]
+    hit = [r for r in got if 5 in r["index"]]
+    rest = [r for r in got if 5 not in r["index"]]
+    assert len(hit) == 1 and len(rest) == 3
+    assert hit[0]["loss"] == pytest.approx(hit[0]["logged"]["lm loss"], rel=1e-6)
+    assert all(abs(r["loss"] - r["logged"]["lm loss"]) > 1e-3 for r in rest)
