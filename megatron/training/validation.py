@@ -23,7 +23,7 @@ from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutE
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
                                                           layout_stage_counts)
 from megatron.core.heterogeneous import check_blocks_splittable
-from megatron.training.distillation.checks import validate_distillation_args
+from megatron.training.distillation.checks import distillation_flags_problem
 from megatron.training.configs import (build_checkpoint_config, build_moe_config,
                                        heterogeneous_blocks)
 
@@ -1491,6 +1491,12 @@ def _validate_dsa(args) -> None:
         _fail(f"--dsa-indexer-loss-coeff must be >= 0, got {args.dsa_indexer_loss_coeff}")
 
 
+def _validate_distillation(args) -> None:
+    problem = distillation_flags_problem(args)
+    if problem:
+        _fail(problem)
+
+
 def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
@@ -1527,5 +1533,5 @@ def check_flags(args):
     _validate_activation_offload(args)
     _validate_validation_sets(args)
     _validate_qk_clip(args)
-    validate_distillation_args(args)
+    _validate_distillation(args)
     return args

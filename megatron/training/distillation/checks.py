@@ -4,14 +4,25 @@
 DEFAULT_TOP_K = 128
 
 
+class _Refused(Exception):
+    pass
+
+
 def _refuse(message: str):
-    from megatron.training.validation import ArgumentsError
-    raise ArgumentsError(message)
+    raise _Refused(message)
 
 
-def validate_distillation_args(args) -> None:
-    """Refuse impossible distillation flag values and layouts this code does not build; fill
-    in --logits-save-top-k (128) when saving without it."""
+def distillation_flags_problem(args):
+    """What is wrong with the distillation flags (one line naming them), or None; fills in
+    --logits-save-top-k (128) when saving without it. ``validate_args`` raises the line."""
+    try:
+        _check(args)
+    except _Refused as problem:
+        return str(problem)
+    return None
+
+
+def _check(args) -> None:
     saving, loading = args.logits_save_dir is not None, args.logits_load_dir is not None
     if not saving:
         for flag, dest in (("--logits-save-top-k", "logits_save_top_k"),
