@@ -236,3 +236,27 @@ def test_ignore_errors_trains_that_micro_batch_on_the_lm_loss(corpus, teacher_di
     assert len(hit) == 1 and len(rest) == 3
     assert hit[0]["loss"] == pytest.approx(hit[0]["logged"]["lm loss"], rel=1e-6)
     assert all(abs(r["loss"] - r["logged"]["lm loss"]) > 1e-3 for r in rest)
+
+
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"],
+                                    ["--pipeline-model-parallel-size", "2"]])
+def test_model_parallel_layouts_match_one_process(corpus, teacher_dir, tmp_path, layout):
+    """A teacher split over two ranks saves the one-process top-K (the vocabulary gathered
+    from the tensor-parallel halves), and a student split the same way follows the one-process
+    losses (float tolerance: the split sums in another order)."""
+    folder = str(tmp_path / "teacher_split")
+    _teacher(corpus, folder, ["--init-method-std", "0.1"] + layout, ranks=2)
+    one, two = _saved(teacher_dir), _saved(folder)
+    assert one.keys() == two.keys()
+    for index in one:
+        torch.testing.assert_close(one[index]["logprobs"].float(),
+                                   two[index]["logprobs"].float(), rtol=0, atol=2e-3)
+        same = (one[index]["token_ids"] == two[index]["token_ids"]).float().mean()
+        assert same > 0.95  # near-ties may swap places
+    flags = _flags(corpus, 3, ["--logits-load-dir", teacher_dir, "--logits-load-kd-loss-alpha",
+                               "0.5"])
+    single = run_on_ranks(run_pretrain, 1, flags)[0]["losses"]
+    split = run_on_ranks(run_pretrain, 2, flags + layout)[-1]["losses"]
+    assert len(split) == 3
+    for (_, a), (_, b) in zip(single, split):
+        assert a == pytest.approx(b, rel=1e-5)
