@@ -1132,6 +1132,10 @@ def validate_bert_args(args: argparse.Namespace) -> None:
               "causal GPT attention only); use --context-parallel-size 1")
     if args.use_mup:
         _fail("--use-mup is built for GPT (pretrain_gpt.py); BERT's heads are not scaled")
+    for flag in ("logits_save_dir", "logits_load_dir"):
+        if getattr(args, flag, None) is not None:
+            _fail(f"--{flag.replace('_', '-')}: offline distillation is built for GPT "
+                  "(pretrain_gpt.py) only, not BERT")
     if args.calculate_per_token_loss:
         _fail("--calculate-per-token-loss: BERT's loss function returns per-micro-batch means "
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+from megatron.training.arguments import (ArgumentsError, parse_args, validate_args,
+                                         validate_bert_args)
 from megatron.training.distillation import logits_files
 from megatron.training.distillation.kd_loss import topk_forward_kl
 from megatron.training.distillation.logits_files import LogitsFileError
@@ -137,3 +138,14 @@ def test_save_top_k_defaults_to_megatrons_128_and_msc_depth_is_a_noted_no_op(cap
     args = _validated("--logits-load-dir e --logits-load-msc-prefetch-depth 5")
     assert args.logits_load_msc_prefetch_depth == 5
     assert "--logits-load-msc-prefetch-depth has no effect here" in capsys.readouterr().out
+
+
+def test_bert_refuses_the_distillation_flags(tmp_path):
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b"]))
+    args = parse_args(argv=[a for a in BASE if a != "--mock-data"] + [
+        "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(vocab),
+        "--data-path", "x", "--logits-load-dir", "e"])
+    with pytest.raises(ArgumentsError, match="--logits-load-dir: offline distillation is "
+                                             "built for GPT"):
+        validate_bert_args(validate_args(args))
