@@ -149,3 +149,25 @@ def test_bert_refuses_the_distillation_flags(tmp_path):
     with pytest.raises(ArgumentsError, match="--logits-load-dir: offline distillation is "
                                              "built for GPT"):
         validate_bert_args(validate_args(args))
+
+
+class Items(torch.utils.data.Dataset):
+    name = "items"
+
+    def __len__(self):
+        return 3
+
+    def __getitem__(self, idx):
+        return {"text": torch.tensor([idx, idx + 1])}
+
+
+def test_datasets_carry_their_sample_index_and_survive_pickling():
+    import pickle
+
+    from megatron.training.distillation import with_sample_index
+
+    train, valid, test = with_sample_index((Items(), [Items(), Items()], None))
+    assert len(train) == 3 and train.name == "items" and test is None
+    assert int(train[2]["sample_index"]) == 2 and train[2]["text"].tolist() == [2, 3]
+    assert len(valid) == 2 and int(valid[1][1]["sample_index"]) == 1
+    assert int(pickle.loads(pickle.dumps(train))[1]["sample_index"]) == 1
