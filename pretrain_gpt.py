@@ -15,6 +15,7 @@ from megatron.data.document_masks import inter_document_masks
 from megatron.data.gpt_dataset import GPTDatasetConfig, build_train_valid_test_datasets
 from megatron.data.sft_dataset import sft_attention_mask
 from megatron.model import GPTModel
+from megatron.training import distillation
 from megatron.training.training import model_stage, pretrain, print_rank_0
 
 
@@ -32,15 +33,19 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
     if vp_stage is not None:
         pstate = pstate.for_virtual_stage(vp_stage)
     # Sequence and context parallelism come with the parallel state (the layout).
-    return GPTModel(config, pstate, pre_process=pre_process,
-                    post_process=post_process, parallel_output=True, init_seed=args.seed,
-                    moe_config=configs.moe, mtp_num_layers=args.mtp_num_layers,
-                    mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
-                    mtp_use_repeated_layer=args.mtp_use_repeated_layer,
-                    mtp_detach_heads=args.mtp_detach_heads)
+    model = GPTModel(config, pstate, pre_process=pre_process,
+                     post_process=post_process, parallel_output=True, init_seed=args.seed,
+                     moe_config=configs.moe, mtp_num_layers=args.mtp_num_layers,
+                     mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
+                     mtp_use_repeated_layer=args.mtp_use_repeated_layer,
+                     mtp_detach_heads=args.mtp_detach_heads)
+    kd = distillation.setup(args, global_vars.get_parallel_state())
+    if kd is not None:
+        kd.attach(model)
+    return model
 
 
-def get_batch(data_iterator, stage=None):
+def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
     """Tokens, labels, loss mask, attention mask and position ids of one micro-batch.
 
     TP rank 0 reads the batch and broadcasts it to the other tensor-parallel ranks. With pipeline
@@ -59,6 +64,9 @@ def get_batch(data_iterator, stage=None):
     With context parallelism every rank of a cp group reads the same samples and keeps its own
     ``s / cp`` tokens of each (chunks ``r`` and ``2 cp - 1 - r``): tokens, labels, loss mask and
     position ids alike, and the attention mask's rows of those tokens.
+
+    ``with_sample_index`` (offline distillation): a sixth value, the samples' dataset indices
+    ``[b]`` on the last stage (None elsewhere).
     """
     args = global_vars.get_args()
     tokenizer = global_vars.get_tokenizer()
@@ -69,9 +77,10 @@ def get_batch(data_iterator, stage=None):
         return get_sft_batch(data_iterator, pstate, first, last, args.mtp_num_layers)
     documents = args.dataloader_inter_document_masking
     if not (first or last or args.reset_attention_mask or documents):
-        return None, None, None, None, None
+        return (None,) * (6 if with_sample_index else 5)
     data = next(data_iterator) if data_iterator is not None else None
     keys = ["text", "cu_seqlens"] if documents else ["text"]
+    keys += ["sample_index"] if with_sample_index else []
     batch = tensor_parallel.broadcast_data(keys, data, torch.int64, pstate.tp_group,
                                            pstate.tp_ranks[0])
     text = batch["text"].long()
@@ -99,6 +108,9 @@ def get_batch(data_iterator, stage=None):
         tokens = position_ids = None
     if not last:
         labels = loss_mask = None
+    if with_sample_index:
+        index = batch["sample_index"] if last else None
+        return tokens, labels, loss_mask, attention_mask, position_ids, index
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
@@ -168,7 +180,9 @@ def forward_step(data_iterator, model):
     # With virtual stages the chunk tells which stage it is; otherwise the parallel state does
     # (and get_batch keeps Megatron's one-argument call).
     stage = (model_stage(model),) if global_vars.get_parallel_state().virtual_pp_size else ()
-    tokens, labels, loss_mask, attention_mask, position_ids = get_batch(data_iterator, *stage)
+    kd = distillation.setup(global_vars.get_args(), global_vars.get_parallel_state())
+    batch = get_batch(data_iterator, *stage, with_sample_index=kd is not None)
+    tokens, labels, loss_mask, attention_mask, position_ids = batch[:5]
     timers("batch-generator", log_level=2).stop()
     dev = device.current_device()
 
@@ -179,7 +193,10 @@ def forward_step(data_iterator, model):
     extra = {"loss_mask": to_device(loss_mask)} if global_vars.get_args().mtp_num_layers else {}
     output_tensor = model(to_device(tokens), to_device(position_ids), to_device(attention_mask),
                           labels=to_device(labels), **extra)
-    return output_tensor, partial(loss_func, to_device(loss_mask))
+    lm_loss = partial(loss_func, to_device(loss_mask))
+    if kd is not None:  # teacher logits saved, or the distillation term mixed in
+        return output_tensor, partial(kd.loss_func, lm_loss, to_device(loss_mask), batch[5])
+    return output_tensor, lm_loss
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples):
@@ -207,11 +224,14 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         per_dataset_sequences_path=data.per_dataset_sequences_path,
         inter_document_masking=data.dataloader_inter_document_masking)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
-    return build_train_valid_test_datasets(
+    datasets = build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,
         train_data_path=data.train_data_path, valid_data_path=data.valid_data_path,
         test_data_path=data.test_data_path,
         multiple_validation_sets=data.multiple_validation_sets)
+    if args.logits_save_dir is not None or args.logits_load_dir is not None:
+        datasets = distillation.with_sample_index(datasets)  # the teacher files' key
+    return datasets
 
 
 if __name__ == "__main__":

@@ -19,9 +19,10 @@ def user_error_types() -> tuple:
     from megatron.data.indexed_dataset import IndexedDatasetError
     from megatron.training.arguments import ArgumentsError
     from megatron.training.checkpointing import CheckpointError
+    from megatron.training.distillation.logits_files import LogitsFileError
 
     return (ArgumentsError, ConfigError, CheckpointError, ConversionError, DataError,
-            IndexedDatasetError, FileNotFoundError, NotADirectoryError, PermissionError)
+            IndexedDatasetError, LogitsFileError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 @contextlib.contextmanager

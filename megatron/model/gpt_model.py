@@ -118,6 +118,9 @@ class GPTModel(MegatronModule):
         # The training logits, written into the same storage every micro-batch (CPU only:
         # CUDA's caching allocator already reuses the block).
         self._logits_buffer = tensor_parallel.ReusableOutputBuffer() if post_process else None
+        # Called with each training forward's logits [s, b, V/tp] before the loss (offline
+        # distillation sets it); with ``keeps_logits`` the logits must outlive the loss.
+        self.logits_observer = None
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The word-embedding table this stage uses (embedding, LM head, or both)."""
@@ -160,17 +163,21 @@ class GPTModel(MegatronModule):
                                      inference_params=inference_params)
         if not self.post_process:
             return hidden
+        observer = self.logits_observer if labels is not None and self.training else None
+        keep = observer is not None and observer.keeps_logits
         # Logits that only feed the loss are dead after the output layer's backward.
         buffer = (self._logits_buffer if labels is not None and torch.is_grad_enabled()
-                  and hidden.device.type == "cpu" else None)
+                  and hidden.device.type == "cpu" and not keep else None)
         logits = self._head(hidden, buffer)                                  # [s, b, V/tp]
+        if observer is not None:
+            observer(logits)
         if labels is None:
             logits = logits.transpose(0, 1).contiguous()                         # [b, s, V/tp]
             if not self.parallel_output:
                 logits = tensor_parallel.gather_from_tensor_model_parallel_region(
                     logits, self.tp_group)                                       # [b, s, V]
             return logits
-        loss = self._per_token_loss(logits, labels)                              # [b, s]
+        loss = self._per_token_loss(logits, labels, inplace=not keep)            # [b, s]
         if self.mtp is not None and self.training and torch.is_grad_enabled():
             loss = self._with_mtp_loss(loss, hidden, input_ids, position_ids, attention_mask,
                                        labels, loss_mask)
@@ -211,8 +218,10 @@ class GPTModel(MegatronModule):
             logits = logits * self.config.mup_output_mult                  # --mup-output-mult
         return logits
 
-    def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Logits ``[s, b, V/tp]`` and labels ``[b, s]`` -> cross entropy ``[b, s]``."""
+    def _per_token_loss(self, logits: torch.Tensor, labels: torch.Tensor,
+                        inplace: bool = True) -> torch.Tensor:
+        """Logits ``[s, b, V/tp]`` and labels ``[b, s]`` -> cross entropy ``[b, s]``;
+        ``inplace``: the fused kernel's backward may overwrite the logits."""
         if not self.fp16_lm_cross_entropy and logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()
         target = labels.transpose(0, 1).contiguous()                             # [s, b]
@@ -220,7 +229,7 @@ class GPTModel(MegatronModule):
             # The logits feed nothing but the loss, so the backward may overwrite them with
             # their gradient: no second [s, b, V/tp] tensor (pure torch if no kernels load).
             loss = fused_ops.vocab_parallel_cross_entropy(logits, target, self.tp_group,
-                                                          inplace_backward=True)   # [s, b]
+                                                          inplace_backward=inplace)  # [s, b]
         else:
             loss = tensor_parallel.vocab_parallel_cross_entropy(logits, target,
                                                                 self.tp_group)  # [s, b]

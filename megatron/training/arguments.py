@@ -1150,11 +1150,42 @@ def _add_mtp_args(parser):
     g.add_argument("--mtp-hsm", action="store_true")
 
 
+def _add_distillation_args(parser):
+    g = parser.add_argument_group(title="offline knowledge distillation")
+    g.add_argument("--logits-save-top-k", type=int, default=None,
+                   help="log-probabilities saved per token by --logits-save-dir (default 128)")
+    g.add_argument("--logits-save-top-p", type=float, default=None,
+                   help="after the top-K, keep only the smallest prefix whose probability "
+                   "reaches this (0 < p <= 1)")
+    g.add_argument("--logits-save-top-p-min-k", type=int, default=1,
+                   help="entries kept per token under --logits-save-top-p whatever their mass")
+    g.add_argument("--logits-save-dir", type=str, default=None,
+                   help="folder where each train sample's top-K teacher log-probabilities "
+                   "and token ids are written, one file per sample index")
+    g.add_argument("--logits-save-dtype", type=str, default="fp16",
+                   choices=["fp16", "bf16", "fp32"],
+                   help="dtype of the saved log-probabilities")
+    g.add_argument("--logits-load-dir", type=str, default=None,
+                   help="folder of saved teacher log-probabilities: train on (1 - alpha) LM "
+                   "loss + alpha KL(teacher || student)")
+    g.add_argument("--logits-load-decode-threads", type=int, default=4,
+                   help="threads reading teacher files")
+    g.add_argument("--logits-load-prefetch-factor", type=int, default=3,
+                   help="micro-batches of teacher files read ahead")
+    g.add_argument("--logits-load-msc-prefetch-depth", type=int, default=2)
+    g.add_argument("--logits-load-kd-loss-alpha", type=float, default=1.0,
+                   help="alpha, the distillation term's weight")
+    g.add_argument("--logits-load-ignore-errors", action="store_true",
+                   help="a missing or corrupt teacher file: warn and train that micro-batch "
+                   "on the LM loss alone instead of stopping")
+
+
 ARG_GROUP_BUILDERS = [
     _add_network_size_args, _add_regularization_args, _add_training_args,
     _add_initialization_args, _add_learning_rate_args, _add_checkpointing_args,
     _add_mixed_precision_args, _add_distributed_args, _add_validation_args, _add_data_args,
     _add_logging_args, _add_profiling_args, _add_moe_args, _add_mtp_args,
+    _add_distillation_args,
 ]
 
 

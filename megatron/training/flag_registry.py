@@ -49,6 +49,10 @@ NO_EFFECT_FLAGS = {
     "non_persistent_local_ckpt_algo": "a local non-persistent checkpoint is always each rank's "
                                       "whole state, written atomically; both algorithms load "
                                       "back the same state",
+    "logits_load_msc_prefetch_depth": "it sets how many whole teacher shards are fetched ahead "
+                                      "from object storage through the Multi-Storage Client "
+                                      "(msc://), which is never used here; local folders are "
+                                      "read with --logits-load-prefetch-factor",
     "moe_shared_expert_overlap": "a scheduling optimisation (the shared expert runs while tokens "
                                  "travel between expert-parallel ranks); the shared expert is "
                                  "computed after the routed experts, with the same numbers",

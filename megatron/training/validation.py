@@ -23,6 +23,7 @@ from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutE
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
                                                           layout_stage_counts)
 from megatron.core.heterogeneous import check_blocks_splittable
+from megatron.training.distillation.checks import distillation_flags_problem
 from megatron.training.configs import (build_checkpoint_config, build_moe_config,
                                        heterogeneous_blocks)
 
@@ -1160,6 +1161,10 @@ def validate_bert_args(args: argparse.Namespace) -> None:
               "causal GPT attention only); use --context-parallel-size 1")
     if args.use_mup:
         _fail("--use-mup is built for GPT (pretrain_gpt.py); BERT's heads are not scaled")
+    for flag in ("logits_save_dir", "logits_load_dir"):
+        if getattr(args, flag, None) is not None:
+            _fail(f"--{flag.replace('_', '-')}: offline distillation is built for GPT "
+                  "(pretrain_gpt.py) only, not BERT")
     if args.calculate_per_token_loss:
         _fail("--calculate-per-token-loss: BERT's loss function returns per-micro-batch means "
               "(its masked-LM and sentence-order losses), not token sums; drop the flag")
@@ -1519,6 +1524,12 @@ def _validate_dsa(args) -> None:
         _fail(f"--dsa-indexer-loss-coeff must be >= 0, got {args.dsa_indexer_loss_coeff}")
 
 
+def _validate_distillation(args) -> None:
+    problem = distillation_flags_problem(args)
+    if problem:
+        _fail(problem)
+
+
 def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
@@ -1556,4 +1567,5 @@ def check_flags(args):
     _validate_activation_offload(args)
     _validate_validation_sets(args)
     _validate_qk_clip(args)
+    _validate_distillation(args)
     return args
