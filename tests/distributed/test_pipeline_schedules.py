@@ -518,3 +518,36 @@ def test_grouping_gives_the_default_groupings_gradients_and_forward_only_losses(
 def test_group_size_outside_megatrons_limits_is_refused(m, g, match):
     with pytest.raises(ValueError, match=match):
         run_pipeline(2, m, v=2, group_size=g)
+
+
+def _real_grouped_body(m, v, g):
+    import torch.distributed as dist
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(p)))
+    chunks = [FakeDDP(ToyChunk(c * p + rank, pre_process=(c == 0 and rank == 0)))
+              for c in range(v)]
+    comm = p2p.P2PCommunicator(pp_group=group, pp_ranks=list(range(p)), pp_rank=rank,
+                               dtype=torch.float64, device="cpu")
+
+    def step(it, model):
+        _, x, target = next(it)
+        return model(x), lambda o: (((o - target) ** 2).mean(), {"loss": o.detach()})
+    losses = forward_backward_pipelining_with_interleaving(
+        forward_step_func=step, data_iterator=[iter(_batches(m)) for _ in chunks],
+        model=chunks, num_microbatches=m, no_sync_func=[c.no_sync for c in chunks],
+        communicator=comm, tensor_shape=SHAPE, microbatch_group_size_per_vp_stage=g)
+    return len(losses), [(c.module.weight.grad, c.module.bias.grad) for c in chunks]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p,m,v,g", [(2, 5, 2, 3), (3, 7, 2, 4)])
+def test_grouped_interleaving_over_gloo_matches_one_process(p, m, v, g):
+    out = run_on_ranks(_real_grouped_body, p, m, v, g)
+    _, ref = reference(p, m, v)
+    for r in range(p):
+        count, grads = out[r]
+        assert count == (m if r == p - 1 else 0)
+        for c, (wg, bg) in enumerate(grads):
+            torch.testing.assert_close(wg, ref[c * p + r][0], rtol=0, atol=1e-12)
+            torch.testing.assert_close(bg, ref[c * p + r][1], rtol=0, atol=1e-12)
