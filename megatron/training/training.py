@@ -911,7 +911,6 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     forward_step_func = straggler.timed(run.forward_step_func)
     if train_state.rerun is not None:
         train_iterator = rerun.wrap_iterators(train_iterator)
-    sniff_test.sniff_test_if_due(args, pstate)
     try:
         while train_state.iteration < training.train_iters:
             run.calculator.update(train_state.consumed_train_samples)
@@ -938,8 +937,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
                 report_memory(args, pstate, run.calculator)
-            distributed_controls.timeout_after_init(args, iteration, start_iteration)
-            sniff_test.sniff_test_if_due(args, pstate, iteration)
+            _run_controls(args, pstate, iteration, start_iteration)
             memory_tools.after_iteration(iteration)
             batch = run.calculator.current_running_global_batch_size
             train_state.consumed_train_samples += batch
@@ -976,6 +974,13 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
         if stop_signal is not None:
             stop_signal.release()
     return train_state.iteration
+
+
+def _run_controls(args, pstate, iteration: int, start_iteration: int) -> None:
+    """After an iteration: the process groups' timeout after start-up and the device
+    self-test, when their flags ask for them."""
+    distributed_controls.timeout_after_init(args, iteration, start_iteration)
+    sniff_test.sniff_test_if_due(args, pstate, iteration)
 
 
 def _eval_due(training: TrainingConfig, iteration: int, do_valid: bool) -> bool:
@@ -1021,6 +1026,7 @@ def _train_and_evaluate(run: TrainingRun, iterators) -> None:
     if not training.skip_train and train_state.do_train and left:
         print_rank_0(f"training from iteration {train_state.iteration} to "
                      f"{training.train_iters} ...")
+        sniff_test.sniff_test_if_due(run.args, run.pstate)  # the start-up self-test
         train(run, train_it, valid_it)
         if (ckpt.save and train_state.iteration % (ckpt.save_interval or sys.maxsize) != 0
                 and not train_state.exit_requested):

@@ -14,7 +14,6 @@ from tests.multiprocess import run_on_ranks
 
 
 def _sniff_body(slow_rank):
-    import torch
     import torch.distributed as dist
 
     from megatron.core import parallel_state

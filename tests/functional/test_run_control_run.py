@@ -85,3 +85,28 @@ def test_controls_leave_the_losses_bit_identical(corpus, tmp_path, capsys):
     assert distributed_controls.group_timeout(dist.group.WORLD) == \
         datetime.timedelta(seconds=123)
     assert param_group_map.read_param_to_param_group_map(str(tmp_path / "map"))
+
+
+def _map_body(flags, path):
+    _setup(flags)
+    return param_group_map.read_param_to_param_group_map(path)
+
+
+@pytest.mark.slow
+def test_param_group_map_over_pipeline_stages_numbers_layers_globally(corpus, tmp_path):
+    from tests.multiprocess import run_on_ranks
+
+    path = str(tmp_path / "pgmap")
+    flags = gpt_flags(corpus, 2, extra=["--dump-param-to-param-group-map", path,
+                                        "--num-layers", "4", "--pipeline-model-parallel-size",
+                                        "2", "--decoupled-lr", "1e-3"])
+    written = run_on_ranks(_map_body, 2, flags, path)[0]
+    for layer in range(4):
+        assert f"module.decoder.layers.{layer}.self_attention.linear_qkv.weight" in written
+    # The embedding (stage 0) and the output layer (stage 1) have --decoupled-lr groups of
+    # their own; the shared settings mean one index, whichever rank holds the parameter.
+    embedding = written["module.embedding.word_embeddings.weight"]
+    layers = {written[f"module.decoder.layers.{i}.self_attention.linear_qkv.weight"]
+              for i in range(4)}
+    assert len(layers) == 1 and embedding not in layers
+    assert written.get("module.output_layer.weight", embedding) == embedding

@@ -6,13 +6,11 @@ import argparse
 import datetime
 import math
 import statistics
-import warnings
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from megatron.training import distributed_controls, initialize, param_group_map, sniff_test
+from megatron.training import distributed_controls, initialize, sniff_test
 from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 
 BASE = ("--num-layers 4 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
@@ -39,7 +37,8 @@ def test_flags_parse_with_megatrons_defaults():
 
 def test_flight_recorder_environment_from_the_flags(tmp_path):
     args = _args("--flight-recorder-dump-path", str(tmp_path / "fr_"),
-                 "--flight-recorder-trace-buffer-size", "512", "--no-flight-recorder-dump-on-timeout",
+                 "--flight-recorder-trace-buffer-size", "512",
+                 "--no-flight-recorder-dump-on-timeout",
                  "--flight-recorder-include-stack-trace",
                  "--disable-flight-recorder-include-only-active")
     env = {"UNRELATED": "1"}
