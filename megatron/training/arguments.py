@@ -831,6 +831,47 @@ def _add_distributed_args(parser):
                    help="where to run: CUDA + NCCL when GPUs are present (auto), else CPU + gloo")
 
 
+def _add_run_control_args(parser):
+    """Start-up and run-time controls of the process groups and the device."""
+    g = parser.add_argument_group(title="run control")
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None,
+                   dest="microbatch_group_size_per_vp_stage",
+                   help="interleaved pipeline schedule: micro-batches each model chunk runs "
+                   "before the next chunk starts (default: --pipeline-model-parallel-size); "
+                   "between that and the micro-batches per step")
+    g.add_argument("--distributed-timeout-seconds-after-init", type=int, default=None,
+                   help="after the first iteration of the run, every process group's timeout "
+                   "becomes this many seconds (start-up keeps --distributed-timeout-minutes)")
+    g.add_argument("--dump-param-to-param-group-map", type=str, default=None,
+                   help="folder to write, as a torch.distributed.checkpoint, each parameter's "
+                   "global name mapped to the index of its optimizer parameter group")
+    g.add_argument("--gpu-sniff-test-interval", type=int, default=None,
+                   help="at start-up and every N iterations, time matrix multiplies and "
+                   "collectives on every rank's device and report the ranks that lag the others")
+    g.add_argument("--flight-recorder-dump-path", type=str, default=None,
+                   help="NCCL flight recorder: per-rank dump file prefix (a folder gets "
+                   "'_dump_' appended); sets TORCH_FR_DUMP_TEMP_FILE and the other "
+                   "flight-recorder variables before the process group starts")
+    g.add_argument("--flight-recorder-trace-buffer-size", type=int, default=2000,
+                   help="NCCL flight recorder entries (TORCH_NCCL_TRACE_BUFFER_SIZE)")
+    g.add_argument("--no-flight-recorder-dump-on-timeout",
+                   "--disable-flight-recorder-dump-on-timeout", action="store_false",
+                   dest="flight_recorder_dump_on_timeout",
+                   help="no flight recorder dump on a collective timeout "
+                   "(TORCH_NCCL_DUMP_ON_TIMEOUT=0)")
+    g.add_argument("--flight-recorder-include-stack-trace", action="store_true",
+                   help="flight recorder entries carry stack traces (TORCH_INCLUDE_STACK_TRACE)")
+    g.add_argument("--no-flight-recorder-include-only-active",
+                   "--disable-flight-recorder-include-only-active", action="store_false",
+                   dest="flight_recorder_include_only_active",
+                   help="dump finished collectives too (TORCH_INCLUDE_ONLY_ACTIVE=0)")
+    g.add_argument("--no-flight-recorder-extra-dump-on-exec",
+                   "--disable-flight-recorder-extra-dump-on-exec", action="store_false",
+                   dest="flight_recorder_extra_dump_on_exec",
+                   help="no extra flight recorder dump when the watchdog ends the process "
+                   "(TORCH_NCCL_EXTRA_DUMP_ON_EXEC=0)")
+
+
 def _add_validation_args(parser):
     g = parser.add_argument_group(title="validation")
     g.add_argument("--eval-iters", type=int, default=100)
@@ -1186,6 +1227,7 @@ ARG_GROUP_BUILDERS = [
     _add_mixed_precision_args, _add_distributed_args, _add_validation_args, _add_data_args,
     _add_logging_args, _add_profiling_args, _add_moe_args, _add_mtp_args,
     _add_distillation_args,
+    _add_run_control_args,
 ]
 
 

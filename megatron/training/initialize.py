@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron.core import device, node_layout, parallel_state
 from megatron.training.determinism import configure_deterministic_mode
+from megatron.training.distributed_controls import apply_flight_recorder_environment
 
 # Every rank's place (node, host, addresses), read by the report on a lost peer.
 _PLACES = None
@@ -46,6 +47,7 @@ def _init_process_group(args) -> None:
         print(f"NOTE: using the {backend} backend on {device.current_device().type} "
               f"(--distributed-backend {args.distributed_backend} was given)", flush=True)
     args.distributed_backend = backend
+    apply_flight_recorder_environment(args)  # read by torch when the group is created
     timeout = datetime.timedelta(minutes=args.distributed_timeout_minutes)
     if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend, rank=args.rank, world_size=args.world_size,

@@ -284,9 +284,12 @@ def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int
                              num_microbatches: int, tp_size: int = 1, pp_size: int = 1,
                              pp_rank: int = 0, vp_size: Optional[int] = None,
                              sequence_parallel: bool = False, element_bytes: int = 2,
-                             cp_size: int = 1, moe=None) -> float:
+                             cp_size: int = 1, moe=None,
+                             microbatch_group_size: Optional[int] = None) -> float:
     """Peak activation bytes of this rank over one step of its pipeline schedule (``moe``: the
-    MoE config of an MoE model, whose MoE layers count :func:`moe_mlp_activation_bytes`)."""
+    MoE config of an MoE model, whose MoE layers count :func:`moe_mlp_activation_bytes`;
+    ``microbatch_group_size``: the interleaved schedule's
+    --microbatch-group-size-per-virtual-pipeline-stage)."""
     s, b, h, t = config.seq_length / cp_size, micro_batch_size, config.hidden_size, tp_size
     per_layer = layer_activation_bytes(config, b, t, sequence_parallel, element_bytes, cp_size)
     sbh_local = s * b * h / (t if sequence_parallel else 1)
@@ -311,7 +314,8 @@ def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int
             kept += 2 * element_bytes * sbh_local + 4 * s * b * config.padded_vocab_size / t
         unit.append(kept)
     alive = peak = 0.0
-    for kind, chunk, _ in pipeline_order(pp_size, pp_rank, num_microbatches, vp_size):
+    for kind, chunk, _ in pipeline_order(pp_size, pp_rank, num_microbatches, vp_size,
+                                         group_size=microbatch_group_size if vp_size else None):
         alive += unit[chunk] if kind == "F" else -unit[chunk]
         peak = max(peak, alive)
     return peak + workspace
@@ -343,7 +347,8 @@ def estimate_memory(args, pp_rank: int, num_microbatches: int,
             tp_size=tp, pp_size=pp, pp_rank=pp_rank, vp_size=vp,
             sequence_parallel=args.sequence_parallel,
             element_bytes=torch.tensor([], dtype=act_dtype).element_size(), cp_size=cp,
-            moe=configs.moe))
+            moe=configs.moe,
+            microbatch_group_size=getattr(args, "microbatch_group_size_per_vp_stage", None)))
 
 
 def measured_peak_bytes() -> Tuple[float, str]:

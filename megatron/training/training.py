@@ -33,7 +33,8 @@ from megatron.optimizer import SchedulerConfig, get_megatron_optimizer, qk_clip
 from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, exit_handler, freeze, global_vars
 from megatron.training import hooks as training_hooks
-from megatron.training import meta_device_init, phases, upcycling
+from megatron.training import distributed_controls, meta_device_init, phases, upcycling
+from megatron.training import param_group_map, sniff_test
 from megatron.training import log as training_log
 from megatron.training import (memory_accounting, moe_logging, numerics, rerun, save_extras,
                                stragglers, watchdog)
@@ -290,6 +291,7 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
                                        expert_tp_group=pstate.expert_tp_group,
                                        grad_shard_group=chunks[0].shard_group if fsdp2
                                        else None)
+    param_group_map.dump_param_to_param_group_map(args, chunks, configs.optimizer, pstate)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler
 
@@ -320,7 +322,15 @@ def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None)
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                             device.current_device()),
         "tensor_shape": pipeline_tensor_shape(args, pstate, micro_batch_size),
+        **_microbatch_groups(args, pstate),
     }
+
+
+def _microbatch_groups(args, pstate) -> dict:
+    """--microbatch-group-size-per-virtual-pipeline-stage, for the interleaved schedule only."""
+    if pstate.virtual_pp_size is None or args.microbatch_group_size_per_vp_stage is None:
+        return {}
+    return {"microbatch_group_size_per_vp_stage": args.microbatch_group_size_per_vp_stage}
 
 
 def eval_global_batch_size(args, calculator: NumMicroBatchesCalculator) -> int:
@@ -930,6 +940,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             manual_gc.after_iteration(iteration)
             if iteration == start_iteration + 1:
                 report_memory(args, pstate, run.calculator)
+            _run_controls(args, pstate, iteration, start_iteration)
             memory_tools.after_iteration(iteration)
             batch = run.calculator.current_running_global_batch_size
             train_state.consumed_train_samples += batch
@@ -966,6 +977,13 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
         if stop_signal is not None:
             stop_signal.release()
     return train_state.iteration
+
+
+def _run_controls(args, pstate, iteration: int, start_iteration: int) -> None:
+    """After an iteration: the process groups' timeout after start-up and the device
+    self-test, when their flags ask for them."""
+    distributed_controls.timeout_after_init(args, iteration, start_iteration)
+    sniff_test.sniff_test_if_due(args, pstate, iteration)
 
 
 def _eval_due(training: TrainingConfig, iteration: int, do_valid: bool) -> bool:
@@ -1011,6 +1029,7 @@ def _train_and_evaluate(run: TrainingRun, iterators) -> None:
     if not training.skip_train and train_state.do_train and left:
         print_rank_0(f"training from iteration {train_state.iteration} to "
                      f"{training.train_iters} ...")
+        sniff_test.sniff_test_if_due(run.args, run.pstate)  # the start-up self-test
         train(run, train_it, valid_it)
         if (ckpt.save and train_state.iteration % (ckpt.save_interval or sys.maxsize) != 0
                 and not train_state.exit_requested):

@@ -153,6 +153,8 @@ SIZE_FLAG_MINIMA = (
     ("max_position_embeddings", 1), ("rotary_base", 1), ("make_vocab_size_divisible_by", 1),
     ("vocab_size", 1), ("vocab_extra_ids", 0), ("seq_length", 1), ("encoder_seq_length", 1),
     ("micro_batch_size", 1), ("batch_size", 1), ("global_batch_size", 1),
+    ("microbatch_group_size_per_vp_stage", 1), ("gpu_sniff_test_interval", 1),
+    ("distributed_timeout_seconds_after_init", 1), ("flight_recorder_trace_buffer_size", 0),
     ("recompute_num_layers", 1), ("train_iters", 1), ("train_samples", 1),
     ("lr_decay_iters", 1), ("lr_decay_samples", 1), ("lr_wsd_decay_iters", 1),
     ("lr_wsd_decay_samples", 1), ("lr_warmup_iters", 0), ("lr_warmup_samples", 0),
@@ -865,6 +867,22 @@ def _validate_step_batch_size_schedule(args) -> None:
     args.global_batch_size = final
 
 
+def _validate_microbatch_groups(args) -> None:
+    """--microbatch-group-size-per-virtual-pipeline-stage: at least the pipeline size, and only
+    read by the interleaved schedule. The micro-batch count is checked by the schedule itself,
+    each step (a batch-size ramp-up changes it)."""
+    group = args.microbatch_group_size_per_vp_stage
+    if group is None:
+        return
+    if args.virtual_pipeline_model_parallel_size is None:
+        _note(args, "--microbatch-group-size-per-virtual-pipeline-stage only shapes the "
+                    "interleaved pipeline schedule; without virtual pipeline stages it has no "
+                    "effect")
+    elif group < args.pipeline_model_parallel_size:
+        _fail(f"--microbatch-group-size-per-virtual-pipeline-stage ({group}) must be at least "
+              f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})")
+
+
 def _validate_batch_and_schedule(args) -> None:
     _require(args, "micro_batch_size")
     dp = args.data_parallel_size
@@ -1550,6 +1568,7 @@ def check_flags(args):
     _validate_mtp(args)
     _validate_loss(args)
     _validate_batch_and_schedule(args)
+    _validate_microbatch_groups(args)
     _validate_phase_transitions(args)
     _note_no_initialization(args)
     _validate_run_extras(args)

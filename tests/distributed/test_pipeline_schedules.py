@@ -191,8 +191,10 @@ class Stage:
         return out, loss_func
 
 
-def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0):
-    """All stages as threads; returns the Stage objects after the schedule finished."""
+def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0,
+                 group_size=None):
+    """All stages as threads; returns the Stage objects after the schedule finished
+    (``group_size``: the interleaved schedule's micro-batches per chunk group)."""
     wire = _Wire()
     stages = [Stage(wire, p, r, v or 1, m, seed) for r in range(p)]
     schedule = get_forward_backward_func(p, v)
@@ -200,13 +202,14 @@ def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0)
     def body(st):
         st.shared_no_sync = shared_no_sync
         no_sync = st.chunks[0].no_sync if shared_no_sync else [c.no_sync for c in st.chunks]
+        extra = {} if group_size is None else {"microbatch_group_size_per_vp_stage": group_size}
         try:
             torch.set_grad_enabled(not forward_only)  # grad mode is per thread
             st.losses = schedule(
                 forward_step_func=st.forward_step, data_iterator=st.iterators,
                 model=st.chunks, num_microbatches=m, forward_only=forward_only,
                 no_sync_func=no_sync, communicator=st.comm, tensor_shape=SHAPE,
-                set_virtual_pp_rank=st.set_chunk)
+                set_virtual_pp_rank=st.set_chunk, **extra)
         except BaseException as err:  # noqa: BLE001 - re-raised in the main thread
             st.error = err
 
@@ -449,3 +452,102 @@ def test_schedules_over_gloo_match_sequential_model():
             for c, (wg, bg) in enumerate(grads):
                 torch.testing.assert_close(wg, ref[c * p + r][0], rtol=0, atol=1e-12)
                 torch.testing.assert_close(bg, ref[c * p + r][1], rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------- micro-batch groups
+
+def _naive_table(m, v, g):
+    """Each (micro-batch, chunk) sorted by (group, chunk, micro-batch)."""
+    return sorted(((i, c) for i in range(m) for c in range(v)),
+                  key=lambda t: (t[0] // g, t[1], t[0]))
+
+
+def test_schedule_table_matches_megatrons_documented_example_and_a_naive_table():
+    # Megatron-Core's example, PP 2, N 3, M 5, VP 2: micro-batches 0 1 2 0 1 2 3 4 3 4 on
+    # chunks 0 0 0 1 1 1 0 0 1 1.
+    table = schedules.get_schedule_table(5, 2, 3)
+    assert [mb for mb, _ in table] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+    assert [c for _, c in table] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
+    for m, v, g in [(4, 2, 2), (8, 2, 4), (7, 3, 3), (9, 2, 4), (6, 3, 6), (10, 4, 3)]:
+        assert schedules.get_schedule_table(m, v, g) == _naive_table(m, v, g), (m, v, g)
+
+
+def test_grouped_order_p2_v2_m5_g3_by_hand():
+    stages = run_pipeline(2, 5, v=2, group_size=3)
+    assert _computations(stages[0].log) == _split(
+        "F0.0 F0.1 F0.2 F1.0 F1.1 F1.2 B1.0 F0.3 B1.1 F0.4 B1.2 F1.3 B0.0 F1.4 B0.1 "
+        "B0.2 B1.3 B1.4 B0.3 B0.4")
+    assert _computations(stages[1].log) == _split(
+        "F0.0 F0.1 F0.2 F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F0.3 B0.0 F0.4 B0.1 F1.3 B0.2 "
+        "F1.4 B1.3 B1.4 B0.3 B0.4")
+    _check_against_reference(stages, 2, 5, 2)
+
+
+@pytest.mark.parametrize("p,m,v,g", [(2, 4, 2, 4), (2, 6, 3, 4), (3, 7, 2, 4), (3, 4, 2, 4),
+                                     (2, 9, 2, 3), (4, 8, 2, 8), (3, 9, 3, 3)])
+def test_grouped_schedules_match_one_process_and_pipeline_order(p, m, v, g):
+    stages = run_pipeline(p, m, v, group_size=g)
+    _check_against_reference(stages, p, m, v)
+    for st in stages:
+        want = [f"{kind}{c}.{mb}" for kind, c, mb in pipeline_order(p, st.r, m, v, group_size=g)]
+        assert _computations(st.log) == want
+        warmup = schedules.interleaved_num_warmup(p, st.r, m, v, group_size=g)
+        assert st.max_alive == min(warmup + 1, m * v), (st.r, st.max_alive)
+
+
+def test_grouping_gives_the_default_groupings_gradients_and_forward_only_losses():
+    default = run_pipeline(2, 8, 2)
+    grouped = run_pipeline(2, 8, 2, group_size=4)
+    for a, b in zip(default, grouped):
+        for ca, cb in zip(a.chunks, b.chunks):
+            torch.testing.assert_close(ca.module.weight.grad, cb.module.weight.grad,
+                                       rtol=0, atol=1e-12)
+    assert [float(d["loss"]) for d in grouped[-1].losses] == \
+        [float(d["loss"]) for d in default[-1].losses]
+    evaluated = run_pipeline(2, 5, 2, forward_only=True, group_size=3)
+    assert [float(d["loss"]) for d in evaluated[-1].losses] == \
+        pytest.approx(reference(2, 5, 2)[0], abs=1e-12)
+
+
+@pytest.mark.parametrize("m,g,match", [
+    (4, 1, r"\(1\) must lie between --pipeline-model-parallel-size \(2\) and the number of "
+           r"micro-batches \(4\)"),
+    (4, 5, r"\(5\) must lie between"),
+    (7, 3, r"leaves 1 after whole groups .* \(3\); that remainder must be 0 or at least"),
+])
+def test_group_size_outside_megatrons_limits_is_refused(m, g, match):
+    with pytest.raises(ValueError, match=match):
+        run_pipeline(2, m, v=2, group_size=g)
+
+
+def _real_grouped_body(m, v, g):
+    import torch.distributed as dist
+
+    rank, p = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(p)))
+    chunks = [FakeDDP(ToyChunk(c * p + rank, pre_process=(c == 0 and rank == 0)))
+              for c in range(v)]
+    comm = p2p.P2PCommunicator(pp_group=group, pp_ranks=list(range(p)), pp_rank=rank,
+                               dtype=torch.float64, device="cpu")
+
+    def step(it, model):
+        _, x, target = next(it)
+        return model(x), lambda o: (((o - target) ** 2).mean(), {"loss": o.detach()})
+    losses = forward_backward_pipelining_with_interleaving(
+        forward_step_func=step, data_iterator=[iter(_batches(m)) for _ in chunks],
+        model=chunks, num_microbatches=m, no_sync_func=[c.no_sync for c in chunks],
+        communicator=comm, tensor_shape=SHAPE, microbatch_group_size_per_vp_stage=g)
+    return len(losses), [(c.module.weight.grad, c.module.bias.grad) for c in chunks]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("p,m,v,g", [(2, 5, 2, 3), (3, 7, 2, 4)])
+def test_grouped_interleaving_over_gloo_matches_one_process(p, m, v, g):
+    out = run_on_ranks(_real_grouped_body, p, m, v, g)
+    _, ref = reference(p, m, v)
+    for r in range(p):
+        count, grads = out[r]
+        assert count == (m if r == p - 1 else 0)
+        for c, (wg, bg) in enumerate(grads):
+            torch.testing.assert_close(wg, ref[c * p + r][0], rtol=0, atol=1e-12)
+            torch.testing.assert_close(bg, ref[c * p + r][1], rtol=0, atol=1e-12)

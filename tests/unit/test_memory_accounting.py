@@ -281,3 +281,13 @@ def test_moe_layers_replace_the_dense_mlp_in_the_stage_total():
     # Layers 1 and 3 of 4 are MoE layers (--moe-layer-freq 2).
     assert total == pytest.approx(dense_total + 2 * (moe_layer - dense_layer), rel=1e-12)
     assert total != dense_total
+
+
+def test_interleaved_groups_of_all_micro_batches_keep_more_alive():
+    cfg = config(num_layers=8, recompute_granularity="selective")
+    got = ma.activation_bytes_on_rank(cfg, micro_batch_size=B, num_microbatches=4, pp_size=2,
+                                      vp_size=2, microbatch_group_size=4)
+    # --microbatch-group-size-per-virtual-pipeline-stage 4: stage 0 warms up with
+    # 2 (p - 1) + (v - 1) 4 = 6 forwards, F0.0 F0.1 F0.2 F0.3 F1.0 F1.1, then F1.2 before B1.0:
+    # 7 chunks of 2 layers alive, chunk 0's 4 micro-batches with the embedding's inputs.
+    assert got == pytest.approx(7 * 2 * 34 * SBH + 4 * (8 * S * B + SBH))

@@ -48,10 +48,12 @@ Three schedules, chosen by :func:`get_forward_backward_func`:
 
 * :func:`forward_backward_pipelining_with_interleaving`: each rank holds ``v`` model chunks
   (virtual stages); the layers are dealt round-robin, so chunk ``c`` of stage ``r`` is virtual
-  stage ``c * p + r``. Forwards go through the chunks in groups of ``p`` micro-batches (``m``
-  must be a multiple of ``p``), which cuts the bubble to ``(p - 1) / (m v)`` for ``v`` times
-  more messages. Stage ``r`` runs ``min(2 (p - r - 1) + (v - 1) p, m v)`` warm-up forwards (all
-  of them when ``m == p``), then alternates, then drains. For ``p = 2``, ``v = 2``, ``m = 4``
+  stage ``c * p + r``. Forwards go through the chunks in groups of ``g`` micro-batches
+  (``--microbatch-group-size-per-virtual-pipeline-stage``, by default ``p``, and then ``m``
+  must be a multiple of ``p``; :func:`get_schedule_table`), which cuts the bubble to
+  ``(p - 1) / (m v)`` for ``v`` times more messages. Stage ``r`` runs
+  ``min(2 (p - r - 1) + (v - 1) g, m v)`` warm-up forwards (all of them when ``m == p``), then
+  alternates, then drains. For ``p = 2``, ``v = 2``, ``m = 4``
   (``Fc.i``: chunk ``c``, micro-batch ``i``)::
 
     stage 0: F0.0 F0.1 F1.0 F1.1 | F0.2 B1.0 F0.3 B1.1 F1.2 B0.0 F1.3 B0.1 | B1.2 B1.3 B0.2 B0.3
@@ -417,77 +419,135 @@ def forward_backward_pipelining_without_interleaving(
 
 # ---------------------------------------------------------------------- interleaved
 
-def get_model_chunk_id(k: int, forward: bool, pp_size: int, vp_size: int) -> int:
-    """The chunk that runs the ``k``-th forward (or backward) of a stage.
+def get_schedule_table(num_microbatches: int, vp_size: int,
+                       group_size: int) -> List[Tuple[int, int]]:
+    """``(micro-batch, chunk)`` of each forward of a stage, in order (Megatron's schedule table).
 
-    Forwards go through groups of ``pp_size`` micro-batches per chunk: chunk 0 for ``k`` in
-    ``[0, p)``, chunk 1 for ``[p, 2p)``, ... then back to chunk 0; backwards visit the chunks in
-    reverse.
+    The micro-batches are cut into groups of ``group_size``
+    (``--microbatch-group-size-per-virtual-pipeline-stage``); each group goes through chunk 0,
+    then chunk 1, ... before the next group starts; the last group may be shorter. For
+    ``m = 5``, ``v = 2``, ``group_size = 3``::
+
+        forward k    0 1 2 3 4 5 6 7 8 9
+        micro-batch  0 1 2 0 1 2 3 4 3 4
+        chunk        0 0 0 1 1 1 0 0 1 1
+
+    The ``k``-th backward runs the same micro-batch on chunk ``v - 1 - chunk``.
     """
-    chunk = (k % (pp_size * vp_size)) // pp_size
-    return chunk if forward else vp_size - 1 - chunk
+    bounds = list(range(0, num_microbatches, group_size)) + [num_microbatches]
+    return [(mb, chunk) for first, stop in zip(bounds, bounds[1:])
+            for chunk in range(vp_size) for mb in range(first, stop)]
 
 
-def get_microbatch_id(k: int, pp_size: int, vp_size: int) -> int:
-    """The micro-batch (within its chunk) of a stage's ``k``-th forward or backward."""
-    return (k // (pp_size * vp_size)) * pp_size + k % pp_size
+def check_microbatch_group_size(group_size: int, pp_size: int, num_microbatches: int) -> None:
+    """Megatron's limits on the group size: ``p <= group_size <= m``, and the micro-batches left
+    over after whole groups (``m mod group_size``) either none or at least ``p``, since fewer
+    would leave stages waiting on each other."""
+    flag = "--microbatch-group-size-per-virtual-pipeline-stage"
+    if not pp_size <= group_size <= num_microbatches:
+        raise ValueError(
+            f"{flag} ({group_size}) must lie between --pipeline-model-parallel-size ({pp_size}) "
+            f"and the number of micro-batches ({num_microbatches})")
+    tail = num_microbatches % group_size
+    if 0 < tail < pp_size:
+        raise ValueError(
+            f"the number of micro-batches ({num_microbatches}) leaves {tail} after whole groups "
+            f"of {flag} ({group_size}); that remainder must be 0 or at least "
+            f"--pipeline-model-parallel-size ({pp_size})")
 
 
 def interleaved_num_warmup(pp_size: int, pp_rank: int, num_microbatches: int, vp_size: int,
-                           forward_only: bool = False) -> int:
-    """Forwards a stage runs before its first backward under the interleaved schedule."""
+                           forward_only: bool = False, group_size: Optional[int] = None) -> int:
+    """Forwards a stage runs before its first backward under the interleaved schedule
+    (``group_size``: micro-batches per chunk group, ``pp_size`` when None)."""
     total = num_microbatches * vp_size
     if forward_only or num_microbatches == pp_size:
         return total
-    return min((pp_size - pp_rank - 1) * 2 + (vp_size - 1) * pp_size, total)
+    group_size = pp_size if group_size is None else group_size
+    return min((pp_size - pp_rank - 1) * 2 + (vp_size - 1) * group_size, total)
 
 
 @dataclass
 class _InterleavedState:
-    """Per-chunk queues: received inputs, outputs kept for backward, received gradients."""
+    """Per-chunk queues (received inputs, outputs kept for backward, received gradients), the
+    schedule table and how many inputs of each chunk were already released."""
 
     input_tensors: List[list]
     output_tensors: List[list]
     output_tensor_grads: List[list]
+    table: List[Tuple[int, int]] = field(default_factory=list)
+    released: List[int] = field(default_factory=list)
+
+    def chunk(self, k: int, forward: bool) -> int:
+        """The chunk of the ``k``-th forward or backward (``k`` taken modulo the step)."""
+        chunk = self.table[k % len(self.table)][1]
+        return chunk if forward else len(self.input_tensors) - 1 - chunk
+
+
+def _interleaved_state(vp_size: int, table: List[Tuple[int, int]]) -> _InterleavedState:
+    return _InterleavedState([[] for _ in range(vp_size)], [[] for _ in range(vp_size)],
+                             [[] for _ in range(vp_size)], table, [0] * vp_size)
 
 
 def _interleaved_forward(run: _Run, st: _InterleavedState, k: int) -> torch.Tensor:
-    p, v = run.comm.pp_size, len(run.chunks)
-    chunk = get_model_chunk_id(k, True, p, v)
+    mb, chunk = st.table[k]
     if run.is_first_virtual(chunk) and len(st.input_tensors[chunk]) == len(
             st.output_tensors[chunk]):
         st.input_tensors[chunk].append(None)
-    output_tensor = run.forward(chunk, st.input_tensors[chunk][-1])
+    # With groups larger than p, the first stage receives inputs of a chunk ahead of use.
+    output_tensor = run.forward(chunk, st.input_tensors[chunk][mb - st.released[chunk]])
     st.output_tensors[chunk].append(output_tensor)
     if run.forward_only:
-        st.input_tensors[chunk].pop()
+        st.input_tensors[chunk].pop(0)
+        st.released[chunk] += 1
         st.output_tensors[chunk].pop()
     return output_tensor
 
 
 def _interleaved_backward(run: _Run, st: _InterleavedState, k: int) -> Optional[torch.Tensor]:
-    p, v = run.comm.pp_size, len(run.chunks)
-    chunk = get_model_chunk_id(k, False, p, v)
+    chunk = st.chunk(k, False)
     if run.is_last_virtual(chunk) and not st.output_tensor_grads[chunk]:
         st.output_tensor_grads[chunk].append(None)
     input_tensor = st.input_tensors[chunk].pop(0)
+    st.released[chunk] += 1
     output_tensor = st.output_tensors[chunk].pop(0)
     output_tensor_grad = st.output_tensor_grads[chunk].pop(0)
     return run.backward(chunk, input_tensor, output_tensor, output_tensor_grad)
+
+
+def _interleaved_recv_chunk(run: _Run, st: _InterleavedState, k: int,
+                            forward: bool) -> Tuple[bool, int]:
+    """Whether a tensor arrives after the ``k``-th forward (backward), and for which chunk.
+
+    On the first stage the next input of chunk ``c > 0`` is the output of the last stage's chunk
+    ``c - 1`` for the forward ``p - 1`` steps back; on the last stage the next gradient of chunk
+    ``c < v - 1`` is the first stage's input gradient of chunk ``c + 1``, likewise. Elsewhere it
+    belongs to the next forward (backward).
+    """
+    p, v = run.comm.pp_size, len(run.chunks)
+    leading = run.comm.is_first_stage if forward else run.comm.is_last_stage
+    if not leading:
+        return True, st.chunk(k + 1, forward)
+    if k < p - 1:
+        return False, st.chunk(k + 1, forward)
+    chunk = st.chunk(k - (p - 1), forward)
+    if chunk == (v - 1 if forward else 0):
+        return False, chunk
+    return True, chunk + 1 if forward else chunk - 1
 
 
 def _interleaved_warmup(run: _Run, st: _InterleavedState, num_warmup: int,
                         all_warmup: bool) -> None:
     """Forwards through the chunks; the last one also receives the first gradient."""
     comm, shape = run.comm, run.tensor_shape
-    p, v = comm.pp_size, len(run.chunks)
-    total = run.num_microbatches * v
+    v = len(run.chunks)
+    total = len(st.table)
     st.input_tensors[0].append(comm.recv_forward(shape))
     for k in range(num_warmup):
-        chunk = get_model_chunk_id(k, True, p, v)
+        chunk = st.chunk(k, True)
         output_tensor = _interleaved_forward(run, st, k)
-        next_chunk = get_model_chunk_id(k + 1, True, p, v)
-        recv_prev = not (comm.is_first_stage and next_chunk == 0) and k != total - 1
+        recv_prev, next_chunk = _interleaved_recv_chunk(run, st, k, True)
+        recv_prev = recv_prev and k != total - 1
         to_send = None if run.is_last_virtual(chunk) else output_tensor
         if k == num_warmup - 1 and not run.forward_only and not all_warmup:
             input_tensor, output_tensor_grad = comm.send_forward_backward_recv_forward_backward(
@@ -495,52 +555,25 @@ def _interleaved_warmup(run: _Run, st: _InterleavedState, num_warmup: int,
             st.output_tensor_grads[v - 1].append(output_tensor_grad)
         else:
             input_tensor = comm.send_forward_recv_forward(to_send, recv_prev, shape)
-        st.input_tensors[next_chunk].append(input_tensor)
+        if recv_prev:
+            st.input_tensors[next_chunk].append(input_tensor)
         if not run.forward_only:
             deallocate_output_tensor(to_send)
-
-
-def _interleaved_next_chunks(run: _Run, forward_k: int, backward_k: int
-                             ) -> Tuple[int, bool, int, bool]:
-    """Which chunk the next received activation / gradient belongs to, and whether one comes.
-
-    On the first stage the next input of chunk ``c > 0`` is the output of the last stage's chunk
-    ``c - 1`` for the forward ``p - 1`` steps back; on the last stage the next gradient of chunk
-    ``c < v - 1`` is the first stage's input gradient of chunk ``c + 1``, likewise.
-    """
-    p, v = run.comm.pp_size, len(run.chunks)
-    recv_prev, recv_next = True, True
-    if run.comm.is_first_stage:
-        next_forward = get_model_chunk_id(forward_k - (p - 1), True, p, v)
-        if next_forward == v - 1:
-            recv_prev = False
-        next_forward += 1
-    else:
-        next_forward = get_model_chunk_id(forward_k + 1, True, p, v)
-    if run.comm.is_last_stage:
-        next_backward = get_model_chunk_id(backward_k - (p - 1), False, p, v)
-        if next_backward == 0:
-            recv_next = False
-        next_backward -= 1
-    else:
-        next_backward = get_model_chunk_id(backward_k + 1, False, p, v)
-    return next_forward, recv_prev, next_backward, recv_next
 
 
 def _interleaved_steady(run: _Run, st: _InterleavedState, num_warmup: int,
                         num_steady: int) -> None:
     """One forward and one backward per step, then one exchange in all four directions."""
-    p, v = run.comm.pp_size, len(run.chunks)
     for i in range(num_steady):
         forward_k, backward_k = i + num_warmup, i
         output_tensor = _interleaved_forward(run, st, forward_k)
         input_tensor_grad = _interleaved_backward(run, st, backward_k)
-        if run.is_last_virtual(get_model_chunk_id(forward_k, True, p, v)):
+        if run.is_last_virtual(st.chunk(forward_k, True)):
             output_tensor = None
-        if run.is_first_virtual(get_model_chunk_id(backward_k, False, p, v)):
+        if run.is_first_virtual(st.chunk(backward_k, False)):
             input_tensor_grad = None
-        next_forward, recv_prev, next_backward, recv_next = _interleaved_next_chunks(
-            run, forward_k, backward_k)
+        recv_prev, next_forward = _interleaved_recv_chunk(run, st, forward_k, True)
+        recv_next, next_backward = _interleaved_recv_chunk(run, st, backward_k, False)
         if i == num_steady - 1:
             recv_prev = False
         input_tensor, output_tensor_grad = run.comm.send_forward_backward_recv_forward_backward(
@@ -558,16 +591,30 @@ def _interleaved_cooldown(run: _Run, st: _InterleavedState, num_steady: int,
     if run.forward_only:
         return
     comm, shape = run.comm, run.tensor_shape
-    p, v = comm.pp_size, len(run.chunks)
-    total = run.num_microbatches * v
+    v = len(run.chunks)
+    total = len(st.table)
     if all_warmup:
         st.output_tensor_grads[v - 1].append(comm.recv_backward(shape))
     for k in range(num_steady, total):
         input_tensor_grad = _interleaved_backward(run, st, k)
-        next_chunk = get_model_chunk_id(k + 1, False, p, v)
-        recv_next = not (comm.is_last_stage and next_chunk == v - 1) and k != total - 1
-        st.output_tensor_grads[next_chunk].append(
-            comm.send_backward_recv_backward(input_tensor_grad, recv_next, shape))
+        recv_next, next_chunk = _interleaved_recv_chunk(run, st, k, False)
+        recv_next = recv_next and k != total - 1
+        output_tensor_grad = comm.send_backward_recv_backward(input_tensor_grad, recv_next, shape)
+        if recv_next:
+            st.output_tensor_grads[next_chunk].append(output_tensor_grad)
+
+
+def _group_size(group_size: Optional[int], pp_size: int, num_microbatches: int) -> int:
+    if group_size is None:
+        if num_microbatches % pp_size != 0:
+            raise ValueError(
+                f"the interleaved pipeline schedule needs the number of micro-batches "
+                f"(--global-batch-size / (--micro-batch-size x data-parallel size) = "
+                f"{num_microbatches}) to be a multiple of --pipeline-model-parallel-size "
+                f"({pp_size}), or --microbatch-group-size-per-virtual-pipeline-stage")
+        return pp_size
+    check_microbatch_group_size(group_size, pp_size, num_microbatches)
+    return group_size
 
 
 def forward_backward_pipelining_with_interleaving(
@@ -577,7 +624,8 @@ def forward_backward_pipelining_with_interleaving(
         communicator: Optional[P2PCommunicator] = None,
         tensor_shape: Optional[Sequence[int]] = None,
         set_virtual_pp_rank: Optional[Callable[[int], None]] = None,
-        calculate_per_token_loss: bool = False) -> MicroBatchLosses:
+        calculate_per_token_loss: bool = False,
+        microbatch_group_size_per_vp_stage: Optional[int] = None) -> MicroBatchLosses:
     """The interleaved 1F1B schedule over ``len(model)`` chunks per rank.
 
     Args are those of :func:`forward_backward_pipelining_without_interleaving`, except:
@@ -587,20 +635,17 @@ def forward_backward_pipelining_with_interleaving(
             one callable for all.
         set_virtual_pp_rank: called with the chunk index before each forward and backward, so
             the forward step function can ask the parallel state which virtual stage it is on.
+        microbatch_group_size_per_vp_stage: micro-batches each chunk runs before the next chunk
+            starts (:func:`get_schedule_table`); None: the pipeline size.
     """
     run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
                     grad_scale_func, no_sync_func, communicator, tensor_shape,
                     set_virtual_pp_rank, calculate_per_token_loss)
     p, v, m = communicator.pp_size, len(run.chunks), num_microbatches
-    if m % p != 0:
-        raise ValueError(
-            f"the interleaved pipeline schedule needs the number of micro-batches "
-            f"(--global-batch-size / (--micro-batch-size x data-parallel size) = {m}) to be a "
-            f"multiple of --pipeline-model-parallel-size ({p})")
-    num_warmup = interleaved_num_warmup(p, communicator.pp_rank, m, v, forward_only)
-    all_warmup = m == p and not forward_only
-    st = _InterleavedState([[] for _ in range(v)], [[] for _ in range(v)],
-                           [[] for _ in range(v)])
+    group_size = _group_size(microbatch_group_size_per_vp_stage, p, m)
+    num_warmup = interleaved_num_warmup(p, communicator.pp_rank, m, v, forward_only, group_size)
+    all_warmup = num_warmup >= m * v and not forward_only
+    st = _interleaved_state(v, get_schedule_table(m, v, group_size))
     try:
         with run.grad_sync:
             _interleaved_warmup(run, st, num_warmup, all_warmup)
@@ -614,34 +659,30 @@ def forward_backward_pipelining_with_interleaving(
 
 # ---------------------------------------------------------------------- order and choice
 
-def _order_entry(kind: str, k: int, pp_size: int,
-                 vp_size: Optional[int]) -> Tuple[str, int, int]:
-    if vp_size is None:
-        return kind, 0, k
-    return (kind, get_model_chunk_id(k, kind == "F", pp_size, vp_size),
-            get_microbatch_id(k, pp_size, vp_size))
-
-
 def pipeline_order(pp_size: int, pp_rank: int, num_microbatches: int,
-                   vp_size: Optional[int] = None,
-                   forward_only: bool = False) -> List[Tuple[str, int, int]]:
-    """``("F" | "B", chunk, micro-batch)`` in the order the schedule runs them on ``pp_rank``."""
+                   vp_size: Optional[int] = None, forward_only: bool = False,
+                   group_size: Optional[int] = None) -> List[Tuple[str, int, int]]:
+    """``("F" | "B", chunk, micro-batch)`` in the order the schedule runs them on ``pp_rank``
+    (``group_size``: --microbatch-group-size-per-virtual-pipeline-stage, with ``vp_size``)."""
     m = num_microbatches
     if pp_size == 1:
         kinds = "F" if forward_only else "FB"
         return [(kind, 0, i) for i in range(m) for kind in kinds]
-    total = m * (vp_size or 1)
+    v = vp_size or 1
+    table = ([(i, 0) for i in range(m)] if vp_size is None else
+             get_schedule_table(m, v, _group_size(group_size, pp_size, m)))
     if forward_only:
-        num_warmup = total
+        num_warmup = m * v
     elif vp_size is None:
         num_warmup = min(pp_size - pp_rank - 1, m)
     else:
-        num_warmup = interleaved_num_warmup(pp_size, pp_rank, m, vp_size)
+        num_warmup = interleaved_num_warmup(pp_size, pp_rank, m, v, group_size=group_size)
     steps = [("F", k) for k in range(num_warmup)]
-    for i in range(total - num_warmup):
+    for i in range(m * v - num_warmup):
         steps += [("F", num_warmup + i), ("B", i)]
-    steps += [("B", k) for k in range(total - num_warmup, total)]
-    return [_order_entry(kind, k, pp_size, vp_size) for kind, k in steps]
+    steps += [("B", k) for k in range(m * v - num_warmup, m * v)]
+    return [(kind, table[k][1] if kind == "F" else v - 1 - table[k][1], table[k][0])
+            for kind, k in steps]
 
 
 def get_forward_backward_func(pipeline_model_parallel_size: int = 1,
