@@ -158,3 +158,89 @@ def test_glu_interleave_must_divide_the_ffn():
         MoELayer(_config(), _moe(moe_mlp_glu_interleave_size=5))
     with pytest.raises(ConfigError, match="--moe-shared-expert-glu-interleave-size needs"):
         _moe(moe_shared_expert_glu_interleave_size=2)
+
+
+# -- routing replay ----------------------------------------------------------------------------
+
+from megatron.model.moe.router_replay import (RouterReplayAction, clear_replay_data,  # noqa: E402
+                                              get_recorded_data, router_replays,
+                                              set_replay_data, set_router_replay_action)
+
+
+def _two_layers(**moe):
+    return torch.nn.ModuleList([MoELayer(_config(), _moe(moe_enable_routing_replay=True, **moe),
+                                         layer_number=i + 1) for i in range(2)])
+
+
+def _chosen(routing_map):
+    return routing_map.nonzero()[:, 1].view(routing_map.size(0), -1)
+
+
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_replay_reproduces_recorded_routing(score):
+    layers = _two_layers(moe_router_score_function=score, moe_router_topk_scaling_factor=1.5)
+    x = _input(3)
+    assert len(router_replays([layers])) == 2
+    set_router_replay_action([layers], RouterReplayAction.RECORD)
+    maps = [layer.router(x)[1] for layer in layers]
+    recorded = get_recorded_data([layers])
+    for routing_map, ids in zip(maps, recorded):
+        assert torch.equal(_chosen(routing_map), ids.sort(dim=-1).values)
+    with torch.no_grad():                       # the routers now prefer other experts
+        for layer in layers:
+            layer.router.weight.copy_(torch.randn_like(layer.router.weight))
+    set_router_replay_action([layers], None)
+    assert any(not torch.equal(layer.router(x)[1], m) for layer, m in zip(layers, maps))
+    set_replay_data([layers], recorded)
+    set_router_replay_action([layers], RouterReplayAction.REPLAY_FORWARD)
+    for layer, routing_map, ids in zip(layers, maps, recorded):
+        x_req = x.detach().clone().requires_grad_()
+        probs, replayed_map = layer.router(x_req)
+        assert torch.equal(replayed_map, routing_map)
+        # the replayed experts' weights under the new logits, written out
+        logits = x_req.reshape(-1, HIDDEN) @ layer.router.weight.t()
+        chosen = torch.gather(logits, 1, ids)
+        if score == "softmax":
+            want = torch.softmax(chosen, dim=-1)
+        else:
+            s = torch.sigmoid(chosen)
+            want = s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+        want = torch.zeros_like(logits).scatter(1, ids, 1.5 * want)
+        torch.testing.assert_close(probs, want, **TOL)
+        assert torch.autograd.grad(probs.sum() * 0 + (probs ** 2).sum(),
+                                   layer.router.weight)[0].abs().sum() > 0
+
+
+def test_replay_backward_pops_in_order_and_errors_are_clear():
+    layers = _two_layers()
+    layer = layers[0]
+    tokens = SEQ * BATCH
+    first = torch.tensor([[0, 1]] * tokens)
+    second = torch.tensor([[2, 3]] * tokens)
+    set_replay_data([layers], [first, first])
+    set_replay_data([layers], [second, second])
+    set_router_replay_action([layers], RouterReplayAction.REPLAY_BACKWARD)
+    x = _input(4)
+    assert torch.equal(_chosen(layer.router(x)[1]), first)
+    assert torch.equal(_chosen(layer.router(x)[1]), second)
+    with pytest.raises(RuntimeError, match="replay_backward with no replayed forward"):
+        layer.router(x)
+    clear_replay_data([layers])
+    set_router_replay_action([layers], RouterReplayAction.REPLAY_FORWARD)
+    with pytest.raises(RuntimeError, match="no expert ids set"):
+        layer.router(x)
+    with pytest.raises(ValueError, match=r"2 routers"):
+        set_replay_data([layers], [first])
+    set_replay_data([layers], [first[:3], first])
+    with pytest.raises(ValueError, match=r"shape \(3, 2\)"):
+        layer.router(x)
+    with pytest.raises(ConfigError, match="--moe-enable-routing-replay"):
+        _moe(moe_enable_routing_replay=True, moe_router_load_balancing_type="sinkhorn")
+
+
+def test_replay_flag_alone_changes_nothing():
+    plain = MoELayer(_config(), _moe())
+    replaying = MoELayer(_config(), _moe(moe_enable_routing_replay=True))
+    x = _input(5)
+    assert torch.equal(plain(x)[0], replaying(x)[0])
+    assert plain.router.router_replay is None

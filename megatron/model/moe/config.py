@@ -193,6 +193,11 @@ class MoEConfig:
             self._check_choice("--moe-router-dtype", self.moe_router_dtype, ROUTER_DTYPES)
         if self.uses_quantile_balancing:
             self._check_quantile_balancing()
+        if self.moe_enable_routing_replay and (self.uses_sinkhorn
+                                               or self.uses_quantile_balancing):
+            raise ConfigError("--moe-enable-routing-replay replays top-k routing; "
+                              "--moe-router-load-balancing-type sinkhorn and quantile_balancing "
+                              "choose by other rules")
 
     def _check_quantile_balancing(self) -> None:
         """Megatron-Core's conditions on ``quantile_balancing``, and the combinations not built."""
