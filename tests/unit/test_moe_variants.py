@@ -244,3 +244,13 @@ def test_replay_flag_alone_changes_nothing():
     x = _input(5)
     assert torch.equal(plain(x)[0], replaying(x)[0])
     assert plain.router.router_replay is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_memory_accounting_counts_the_latent_layer(bias):
+    from megatron.training.memory_accounting import _moe_mlp_parameters
+
+    config = _config(add_bias_linear=bias, swiglu=not bias)
+    moe = _moe(moe_latent_size=LATENT)
+    layer = MoELayer(config, moe)
+    assert _moe_mlp_parameters(config, moe, 1) == sum(p.numel() for p in layer.parameters())
