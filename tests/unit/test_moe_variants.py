@@ -254,3 +254,36 @@ def test_memory_accounting_counts_the_latent_layer(bias):
     moe = _moe(moe_latent_size=LATENT)
     layer = MoELayer(config, moe)
     assert _moe_mlp_parameters(config, moe, 1) == sum(p.numel() for p in layer.parameters())
+
+
+@pytest.mark.parametrize("flag", ["moe_latent_size", "moe_mlp_glu_interleave_size",
+                                  "moe_shared_expert_glu_interleave_size"])
+def test_the_converter_refuses_the_variants_in_one_line(flag):
+    from types import SimpleNamespace
+
+    from megatron.convert.megatron_io import _moe_fields
+    from megatron.convert.schema import ConversionError
+
+    args = SimpleNamespace(num_experts=4, **{flag: 4})
+    with pytest.raises(ConversionError, match="--" + flag.replace("_", "-")):
+        _moe_fields(args, "ckpt/iter_0000001")
+
+
+def test_flags_reach_the_configs():
+    from megatron.training.arguments import build_configs, validate_args
+    from megatron.tokenizer import build_tokenizer
+    from tests.unit.test_arguments import BASE, _args
+
+    args = validate_args(_args(BASE + [
+        "--vocab-size", "64", "--tokenizer-type", "NullTokenizer", "--num-experts", "4",
+        "--swiglu", "--disable-bias-linear", "--moe-latent-size", "8",
+        "--moe-mlp-glu-interleave-size", "4", "--moe-shared-expert-intermediate-size", "8",
+        "--moe-shared-expert-glu-interleave-size", "2", "--moe-enable-routing-replay",
+        "--mlp-chunks-for-training", "3"]))
+    build_tokenizer(args)
+    configs = build_configs(args)
+    moe = configs.moe
+    assert (moe.moe_latent_size, moe.moe_mlp_glu_interleave_size,
+            moe.moe_shared_expert_glu_interleave_size, moe.moe_enable_routing_replay) == \
+        (8, 4, 2, True)
+    assert configs.model.mlp_chunks_for_training == 3
