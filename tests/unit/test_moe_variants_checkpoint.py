@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from megatron.checkpoint.dist import (ChunkLayout, DistCheckpointReader, chunk_layout,
-                                      load_model_state, model_shards, placements, save_shards)
+                                      extra_state_objects, load_model_state, model_shards,
+                                      placements, save_shards)
 from megatron.checkpoint.dist.keys import glu_interleaved_names
 from megatron.core.config import TransformerConfig
 from megatron.model.gpt_model import GPTModel
@@ -81,3 +82,17 @@ def test_interleaved_fc1_is_one_contiguous_piece_per_rank(interleaved):
         else:   # SwiGLU: gate rows then value rows, each rank's half of each
             half = FFN // 2
             assert offsets == [(rank * half, (0, half)), (FFN + rank * half, (half, FFN))]
+
+
+def test_latent_projections_have_extra_state_entries():
+    """Megatron-Core's projections are TransformerEngine linears: one extra-state entry each
+    per layer, beside the shared expert's and the experts'."""
+    model, layout = _model(1)
+    names = list(flatten_state_dict(model.state_dict_for_save_checkpoint()))
+    fqns = {item.fqn for item in extra_state_objects(layout, LAYERS, names)}
+    for proj in ("fc1_latent_proj", "fc2_latent_proj"):
+        for layer in range(LAYERS):
+            assert f"decoder.layers.mlp.{proj}._extra_state/shard_{layer}_{LAYERS}" in fqns
+    plain = [n for n in names if "latent_proj" not in n]
+    assert not any("latent_proj" in item.fqn
+                   for item in extra_state_objects(layout, LAYERS, plain))

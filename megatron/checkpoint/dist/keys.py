@@ -641,8 +641,10 @@ def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] 
 def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range] = None,
                      num_experts: Optional[int] = None, shared_expert: bool = False,
                      dense: bool = True, per_layer: bool = False,
-                     attention_modules: Optional[Tuple[str, ...]] = None) -> List[str]:
-    """The byte entries of one layer's linear modules' extra state. For an MoE layer
+                     attention_modules: Optional[Tuple[str, ...]] = None,
+                     latent: bool = False) -> List[str]:
+    """The byte entries of one layer's linear modules' extra state (``latent``: an MoE layer's
+    ``fc{1,2}_latent_proj`` too, TransformerEngine linears in Megatron-Core). For an MoE layer
     (``experts``: the global numbers of this rank's experts, of ``num_experts``) the MLP's are
     one per expert, ``decoder.layers.mlp.experts.experts.linear_fc{1,2}._extra_state/
     shard_<layer>.<expert>_<L>.<E>`` (as Megatron-Core writes them), and the shared expert's;
@@ -660,7 +662,8 @@ def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range
     else:
         modules = attention + (
             ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-            if shared_expert else ())
+            if shared_expert else ()) + (
+            ("mlp.fc1_latent_proj", "mlp.fc2_latent_proj") if latent else ())
     if per_layer:
         prefix, layer_offset, layer_shape = per_layer_prefix(global_layer), (), ()
     else:

@@ -11,7 +11,10 @@ it, as Megatron-Core's do); with ``--swiglu`` ``linear_fc1`` holds
 (``--quick-geglu``: ``quick_gelu(gate) * value``, each with ``--glu-linear-offset`` and
 ``--activation-func-clamp-value`` as :func:`megatron.model.utils.gated_linear_unit` applies them);
 ``--squared-relu`` and ``--openai-gelu`` select those activations instead. Biases only with
-``add_bias_linear``.
+``add_bias_linear``. With ``--moe-mlp-glu-interleave-size`` N (the shared expert:
+``--moe-shared-expert-glu-interleave-size``) a gated fc1 holds its rows in blocks
+``[gate (N); value (N)]`` instead of two halves, and is split over TP in whole blocks; with
+``--moe-latent-size`` the experts take and give latent-width rows.
 
 Expert tensor parallelism (``--expert-tensor-parallel-size``, over the explicit
 ``expert_tp_group``): ``linear_fc1`` is split by rows (SwiGLU: each rank holds
