@@ -35,7 +35,8 @@ from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       object_key, optimizer_state_shards, range_shards, read_local,
                                       read_local_rows, save_shards, tensor_shards, write_metadata)
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, TRANSFORMER_ENGINE,
-                                           extra_state_value, te_moe_norm_key)
+                                           extra_state_value, glu_interleaved_names,
+                                           te_moe_norm_key)
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, CheckpointError, checkpoint_dir_name
 from megatron.checkpoint.names import dotted_names
 from megatron.checkpoint.publish import begin_save, crash_point, finish_save
@@ -80,7 +81,9 @@ def _layouts(model_chunks, config, pstate) -> list:
     vp = pstate.virtual_pp_size
     moe = _moe_config(model_chunks)
     experts, freq = (moe.num_moe_experts, moe.moe_layer_freq) if moe is not None else (None, 1)
-    return [chunk_layout(config, pstate, i if vp is not None else None, experts, freq)
+    interleaved = glu_interleaved_names(moe)
+    return [dataclasses.replace(chunk_layout(config, pstate, i if vp is not None else None,
+                                             experts, freq), glu_interleaved=interleaved)
             for i in range(len(model_chunks))]
 
 

@@ -408,6 +408,11 @@ def _moe_fields(args, where: str) -> dict:
         raise ConversionError(f"{where}: a --moe-router-load-balancing-type quantile_balancing "
                               "checkpoint routes by its mlp.router.qb_beta, which the converter "
                               "does not carry (no Hugging Face model has it): not built")
+    for flag in ("moe_latent_size", "moe_mlp_glu_interleave_size",
+                 "moe_shared_expert_glu_interleave_size"):
+        if getattr(args, flag, None) is not None:
+            raise ConversionError(f"{where}: a --{flag.replace('_', '-')} checkpoint is not "
+                                  "converted (its layout is not carried): not built")
     return dict(num_experts=experts, moe_layer_freq=_moe_layer_freq(args, where),
                 moe_router_topk=getattr(args, "moe_router_topk", 2),
                 moe_ffn_hidden_size=getattr(args, "moe_ffn_hidden_size", None),

@@ -116,6 +116,9 @@ class TransformerConfig:
     # With selective recomputation, what is recomputed (--recompute-modules): see
     # RECOMPUTE_MODULES; Megatron-Core's default is core attention alone.
     recompute_modules: Tuple[str, ...] = ("core_attn",)
+    # --mlp-chunks-for-training: in training, the MLP (or MoE) block runs on this many pieces
+    # of the sequence one after the other (less peak memory, the same function).
+    mlp_chunks_for_training: int = 1
     # --cpu-offloading-num-layers: the first N layers keep what they save for backward on the
     # host (megatron/model/activation_offload.py); 0: off.
     cpu_offloading_num_layers: int = 0
@@ -294,6 +297,9 @@ class TransformerConfig:
             raise ConfigError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                 f"({self.max_position_embeddings})")
+        if self.mlp_chunks_for_training < 1:
+            raise ConfigError(f"--mlp-chunks-for-training must be >= 1, got "
+                              f"{self.mlp_chunks_for_training}")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError("--recompute-granularity must be full or selective, "
                               f"got {self.recompute_granularity!r}")

@@ -214,6 +214,12 @@ class ParallelTransformerLayer(MegatronModule):
     def _run_mlp(self, hidden_states: torch.Tensor):
         if self.recompute_mlp:
             return recomputed(self.mlp, hidden_states)
+        chunks = min(self.config.mlp_chunks_for_training, hidden_states.size(0))
+        if chunks > 1 and self.training:
+            # --mlp-chunks-for-training, as Megatron-Core: pieces of the sequence dimension in
+            # turn, the outputs concatenated, the bias (one vector) taken from the first.
+            outputs = [self.mlp(piece) for piece in hidden_states.chunk(chunks, dim=0)]
+            return torch.cat([out for out, _ in outputs], dim=0), outputs[0][1]
         return self.mlp(hidden_states)
 
     def _norm(self, which: int, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -341,6 +341,9 @@ def _add_training_args(parser):
     g.add_argument("--recompute-granularity", type=str, default=None,
                    choices=["full", "selective"])
     g.add_argument("--distribute-saved-activations", action="store_true")
+    g.add_argument("--mlp-chunks-for-training", type=int, default=1,
+                   help="in training, run each MLP / MoE block on this many pieces of the "
+                   "sequence in turn (less peak memory; not with its recomputation)")
     g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--moe-layer-recompute", action="store_true",
@@ -1151,6 +1154,9 @@ def _add_moe_args(parser):
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="benchmark switch: route by random normal logits instead of the "
                    "router's, so every expert gets about the same load")
+    g.add_argument("--moe-enable-routing-replay", action="store_true",
+                   help="give each router a record / replay of its top-k experts (set by the "
+                   "caller, e.g. to train on the routing of a rollout); no effect until used")
     g.add_argument("--moe-z-loss-coeff", type=float, default=None)
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=DISPATCHER_TYPES)
@@ -1162,6 +1168,15 @@ def _add_moe_args(parser):
     g.add_argument("--moe-shared-expert-gate", action="store_true",
                    help="scale the shared expert's output per token by sigmoid(x . gate_weight)")
     g.add_argument("--moe-shared-expert-overlap", action="store_true")
+    g.add_argument("--moe-latent-size", type=int, default=None,
+                   help="project each token to this width before the routed experts and back "
+                   "after (fc1_latent_proj / fc2_latent_proj); router and shared expert see the "
+                   "hidden state")
+    g.add_argument("--moe-mlp-glu-interleave-size", type=int, default=None,
+                   help="with a gated unit (--swiglu): the experts' fc1 rows come in blocks of "
+                   "N gate rows then N value rows, not in two halves")
+    g.add_argument("--moe-shared-expert-glu-interleave-size", type=int, default=None,
+                   help="the same for the shared expert's fc1")
     g.add_argument("--moe-per-layer-logging", action="store_true",
                    help="also log each MoE layer's balancing and z losses (TensorBoard)")
     g.add_argument("--moe-use-upcycling", action="store_true",

@@ -155,6 +155,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
+        mlp_chunks_for_training=args.mlp_chunks_for_training,
         cpu_offloading_num_layers=args.cpu_offloading_num_layers,
         cpu_offloading_retain_pinned_cpu_buffers=args.cpu_offloading_retain_pinned_cpu_buffers,
         fine_grained_activation_offloading=args.fine_grained_activation_offloading,
@@ -251,7 +252,11 @@ def build_moe_config(args) -> Optional[MoEConfig]:
         expert_tensor_parallel_size=(args.expert_tensor_parallel_size
                                      or args.tensor_model_parallel_size),
         moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging,
-        moe_router_force_load_balancing=args.moe_router_force_load_balancing)
+        moe_router_force_load_balancing=args.moe_router_force_load_balancing,
+        moe_latent_size=args.moe_latent_size,
+        moe_mlp_glu_interleave_size=args.moe_mlp_glu_interleave_size,
+        moe_shared_expert_glu_interleave_size=args.moe_shared_expert_glu_interleave_size,
+        moe_enable_routing_replay=args.moe_enable_routing_replay)
 
 
 def _ddp_config(args) -> DistributedDataParallelConfig:

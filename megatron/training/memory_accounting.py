@@ -89,8 +89,12 @@ def _moe_mlp_parameters(config: TransformerConfig, moe, tp_size: int) -> int:
     h, t, bias = config.hidden_size, tp_size, config.add_bias_linear
     ffn = moe.moe_ffn_hidden_size or config.ffn_hidden_size
     inner = 2 * ffn if config.gated_linear_unit else ffn
-    expert = inner * h // t + (inner // t if bias else 0) + h * ffn // t + (h if bias else 0)
+    width = getattr(moe, "moe_latent_size", None) or h    # the experts' input and output
+    expert = (inner * width // t + (inner // t if bias else 0) + width * ffn // t
+              + (width if bias else 0))
     count = moe.num_moe_experts * (h + (1 if bias else 0)) + moe.num_local_experts * expert
+    if width != h:   # --moe-latent-size: the two projections, whole on every rank
+        count += 2 * h * width + ((width + h) if bias else 0)
     shared = moe.moe_shared_expert_intermediate_size
     if shared is not None:
         count += (2 * shared if config.gated_linear_unit else shared) * h // t + h * shared // t

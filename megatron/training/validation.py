@@ -1141,6 +1141,11 @@ def _validate_upcycling(args) -> None:
         _fail(f"--moe-upcycling-granularity {granularity} with dense layers in --moe-layer-freq: "
               "their MLPs would be --ffn-hidden-size, the dense checkpoint's are "
               f"{granularity}x larger; upcycle every layer or use granularity 1")
+    for flag in ("moe_latent_size", "moe_mlp_glu_interleave_size",
+                 "moe_shared_expert_glu_interleave_size"):
+        if getattr(args, flag, None) is not None:
+            _fail(f"--moe-use-upcycling with --{flag.replace('_', '-')}: the dense MLPs have "
+                  "the hidden width and fc1 in two halves; upcycle without it")
     if args.use_torch_fsdp2:
         _fail("--moe-use-upcycling with FSDP2 (--use-torch-fsdp2 / --use-megatron-fsdp): the "
               "experts are filled from full dense weights, which the sharded parameters do not "

@@ -168,6 +168,7 @@ def test_upcycling_flags_parse():
     (UPCYCLE + ["--moe-upcycling-granularity", "2", "--moe-layer-freq", "2"],
      "--moe-upcycling-granularity 2 with dense layers in --moe-layer-freq"),
     (UPCYCLE + ["--use-torch-fsdp2"], "--moe-use-upcycling with FSDP2"),
+    (UPCYCLE + ["--moe-latent-size", "8"], "--moe-use-upcycling with --moe-latent-size"),
 ])
 def test_refused_combinations_are_named_in_one_line(argv, message):
     with pytest.raises(ArgumentsError, match=message) as err:

@@ -51,7 +51,17 @@ linear_fc1.{weight,bias}                           linear_fc1.{weight,bias} [L, 
 ...layers.N.mlp.experts.local_experts.J.           decoder.layers.mlp.experts.experts.
 linear_fc2.{weight,bias}                           linear_fc2.{weight,bias} [L, E, h, ffn]
 ...layers.N.mlp.shared_experts.linear_fc{1,2}...   decoder.layers.mlp.shared_experts.(same)
+...layers.N.mlp.fc{1,2}_latent_proj.{weight,bias}  decoder.layers.mlp.fc{1,2}_latent_proj.(same)
+                                                   [L, latent, h] / [L, h, latent], replicated
+                                                   (with ``--moe-latent-size``)
 =================================================  ==========================================
+
+With ``--moe-mlp-glu-interleave-size`` (``--moe-shared-expert-glu-interleave-size``) the fc1
+tensor is stored as the whole interleaved weight, each (expert-)TP rank's rows a contiguous run
+of whole blocks, so a file loads at any (expert-)TP size. At size 1 these are Megatron-Core's
+bytes; at a larger size Megatron-Core cuts each rank's interleaved rows in two halves as for
+SwiGLU, which orders the blocks by that size: such a file of its is read correctly only at
+(expert-)TP 1 saves.
 
 Expert tensors are stacked on the layer axis, then on the GLOBAL expert axis
 (``ChunkLayout.expert_offset + J``), whatever the expert-parallel size. Expert tensor
@@ -163,7 +173,10 @@ LAYER_NAME = _LAYER_NAME   # a chunk's layer tensor name: (local layer number, n
 _MOE_KEYS = ("mlp.router.weight", "mlp.router.bias", "mlp.router.expert_bias",
              "mlp.router.qb_beta",
              "mlp.shared_experts.linear_fc1.weight",
-             "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight")
+             "mlp.shared_experts.linear_fc2.weight", "mlp.shared_experts.gate_weight",
+             # --moe-latent-size: whole on every tensor-parallel rank (replicated)
+             "mlp.fc1_latent_proj.weight", "mlp.fc1_latent_proj.bias",
+             "mlp.fc2_latent_proj.weight", "mlp.fc2_latent_proj.bias")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
 _EXPERT_PREFIX = "mlp.experts.experts."
 # The keys of the routed experts' tensors (split by the expert-TP layout).
@@ -297,6 +310,9 @@ class ChunkLayout:
         mla: the layers are multi-latent attention ones (``MLA_LAYER_KEYS``).
         blocks: a heterogeneous model's blocks, one per global layer
             (:mod:`megatron.core.heterogeneous`; with ``per_layer``), None otherwise.
+        glu_interleaved: the MoE fc1 tensors (names in the layer, as in ``_MOE_SPLIT_DIM``)
+            whose rows are GLU-interleaved (:func:`glu_interleaved_names`): split into
+            contiguous rows, not in SwiGLU halves.
     """
 
     num_layers: int
@@ -313,6 +329,7 @@ class ChunkLayout:
     per_layer: bool = False
     mla: bool = False
     blocks: Optional[tuple] = None
+    glu_interleaved: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.expert_tp_size is None:
@@ -556,7 +573,8 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
     if name == "word_embeddings_for_head.weight":
         written = False
     pieces = []
-    if dim is not None and layout.swiglu and inner in swiglu_split:
+    if (dim is not None and layout.swiglu and inner in swiglu_split
+            and inner not in layout.glu_interleaved):
         if local_shape[0] % 2:
             raise KeyMappingError(f"{name}: a SwiGLU fc1 needs an even number of rows, has "
                                   f"{local_shape[0]}")
@@ -600,6 +618,18 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
             for off, rows in pieces]
 
 
+def glu_interleaved_names(moe_config) -> Tuple[str, ...]:
+    """The MoE fc1 tensors an ``MoEConfig`` lays out GLU-interleaved."""
+    names: Tuple[str, ...] = ()
+    if moe_config is None:
+        return names
+    if moe_config.moe_mlp_glu_interleave_size is not None:
+        names += ("linear_fc1.weight", "linear_fc1.bias")
+    if moe_config.moe_shared_expert_glu_interleave_size is not None:
+        names += ("mlp.shared_experts.linear_fc1.weight",)
+    return names
+
+
 def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] = (1,)) -> str:
     """The storage name of a byte entry (Megatron-Core's sharded object): ``key/shard_<offset>_
     <shape>``, each joined with dots: ``common_state/shard_0_1``, ``rng_state/shard_0.1_1.2``."""
@@ -611,8 +641,10 @@ def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] 
 def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range] = None,
                      num_experts: Optional[int] = None, shared_expert: bool = False,
                      dense: bool = True, per_layer: bool = False,
-                     attention_modules: Optional[Tuple[str, ...]] = None) -> List[str]:
-    """The byte entries of one layer's linear modules' extra state. For an MoE layer
+                     attention_modules: Optional[Tuple[str, ...]] = None,
+                     latent: bool = False) -> List[str]:
+    """The byte entries of one layer's linear modules' extra state (``latent``: an MoE layer's
+    ``fc{1,2}_latent_proj`` too, TransformerEngine linears in Megatron-Core). For an MoE layer
     (``experts``: the global numbers of this rank's experts, of ``num_experts``) the MLP's are
     one per expert, ``decoder.layers.mlp.experts.experts.linear_fc{1,2}._extra_state/
     shard_<layer>.<expert>_<L>.<E>`` (as Megatron-Core writes them), and the shared expert's;
@@ -630,7 +662,8 @@ def extra_state_keys(global_layer: int, num_layers: int, experts: Optional[range
     else:
         modules = attention + (
             ("mlp.shared_experts.linear_fc1", "mlp.shared_experts.linear_fc2")
-            if shared_expert else ())
+            if shared_expert else ()) + (
+            ("mlp.fc1_latent_proj", "mlp.fc2_latent_proj") if latent else ())
     if per_layer:
         prefix, layer_offset, layer_shape = per_layer_prefix(global_layer), (), ()
     else:

@@ -286,12 +286,13 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
         return _heterogeneous_extra_state_objects(layout, names, value)
     items = []
     for local in range(num_local_layers):
-        experts, shared = None, False
+        experts, shared, latent = None, False, False
         if any(n.endswith(f"layers.{local}.mlp.router.weight") for n in names):
             local_experts = {n.split(".local_experts.")[1].split(".")[0] for n in names
                              if f"layers.{local}.mlp.experts.local_experts." in n}
             experts = range(layout.expert_offset, layout.expert_offset + len(local_experts))
             shared = any(f"layers.{local}.mlp.shared_experts." in n for n in names)
+            latent = any(f"layers.{local}.mlp.fc1_latent_proj." in n for n in names)
         if experts is None and not dense:
             continue
         if not layout.writes_expert_replicated:
@@ -304,7 +305,8 @@ def extra_state_objects(layout: ChunkLayout, num_local_layers: int,
                  "self_attention.linear_kv_up_proj."])
         items += [ObjectShard(fqn, value) for fqn in extra_state_keys(
             layout.layer_offset + local, layout.num_layers, experts, layout.num_experts,
-            shared, dense=dense, per_layer=layout.per_layer, attention_modules=attention)]
+            shared, dense=dense, per_layer=layout.per_layer, attention_modules=attention,
+            latent=latent)]
     return items + _mtp_extra_state_objects(layout, names, value)
 
 

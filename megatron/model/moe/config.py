@@ -57,6 +57,10 @@ class MoEConfig:
     moe_per_layer_logging: bool = False
     moe_router_force_load_balancing: bool = False       # benchmark: random router logits
     moe_layer_freq: Union[int, Tuple[int, ...]] = 1     # every N-th layer, or one 0/1 per layer
+    moe_latent_size: Optional[int] = None               # routed experts work in this width
+    moe_mlp_glu_interleave_size: Optional[int] = None   # experts' fc1: gate/value in N-row blocks
+    moe_shared_expert_glu_interleave_size: Optional[int] = None   # the same, shared expert
+    moe_enable_routing_replay: bool = False             # routers record / replay their choice
 
     def __post_init__(self):
         for name in ("moe_router_load_balancing_type", "moe_aux_loss_coeff"):
@@ -189,6 +193,11 @@ class MoEConfig:
             self._check_choice("--moe-router-dtype", self.moe_router_dtype, ROUTER_DTYPES)
         if self.uses_quantile_balancing:
             self._check_quantile_balancing()
+        if self.moe_enable_routing_replay and (self.uses_sinkhorn
+                                               or self.uses_quantile_balancing):
+            raise ConfigError("--moe-enable-routing-replay replays top-k routing; "
+                              "--moe-router-load-balancing-type sinkhorn and quantile_balancing "
+                              "choose by other rules")
 
     def _check_quantile_balancing(self) -> None:
         """Megatron-Core's conditions on ``quantile_balancing``, and the combinations not built."""
@@ -235,6 +244,17 @@ class MoEConfig:
                 raise ConfigError(f"{flag} must be >= 1, got {value}")
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
             raise ConfigError("--moe-shared-expert-gate needs "
+                              "--moe-shared-expert-intermediate-size")
+        if self.moe_latent_size is not None and self.moe_latent_size < 1:
+            raise ConfigError(f"--moe-latent-size must be >= 1, got {self.moe_latent_size}")
+        for flag, value in (("--moe-mlp-glu-interleave-size", self.moe_mlp_glu_interleave_size),
+                            ("--moe-shared-expert-glu-interleave-size",
+                             self.moe_shared_expert_glu_interleave_size)):
+            if value is not None and value < 1:
+                raise ConfigError(f"{flag} must be >= 1, got {value}")
+        if (self.moe_shared_expert_glu_interleave_size is not None
+                and self.moe_shared_expert_intermediate_size is None):
+            raise ConfigError("--moe-shared-expert-glu-interleave-size needs "
                               "--moe-shared-expert-intermediate-size")
 
     def is_moe_layer(self, layer_number: int) -> bool:

@@ -11,7 +11,10 @@ it, as Megatron-Core's do); with ``--swiglu`` ``linear_fc1`` holds
 (``--quick-geglu``: ``quick_gelu(gate) * value``, each with ``--glu-linear-offset`` and
 ``--activation-func-clamp-value`` as :func:`megatron.model.utils.gated_linear_unit` applies them);
 ``--squared-relu`` and ``--openai-gelu`` select those activations instead. Biases only with
-``add_bias_linear``.
+``add_bias_linear``. With ``--moe-mlp-glu-interleave-size`` N (the shared expert:
+``--moe-shared-expert-glu-interleave-size``) a gated fc1 holds its rows in blocks
+``[gate (N); value (N)]`` instead of two halves, and is split over TP in whole blocks; with
+``--moe-latent-size`` the experts take and give latent-width rows.
 
 Expert tensor parallelism (``--expert-tensor-parallel-size``, over the explicit
 ``expert_tp_group``): ``linear_fc1`` is split by rows (SwiGLU: each rank holds
@@ -44,10 +47,27 @@ from megatron.model.moe.config import MoEConfig
 from megatron.model.utils import glu_activation, init_rng, openai_gelu, squared_relu
 
 
-def expert_activation(config: TransformerConfig) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The activation on ``linear_fc1``'s output (for SwiGLU, ``[..., 2 f]`` -> ``[..., f]``)."""
+def remove_glu_interleaving(x: torch.Tensor, interleave_size: int) -> torch.Tensor:
+    """``[..., 2 f]`` laid out in blocks ``[gate (N) | value (N)] * (f / N)`` -> the usual
+    ``[gate (f) | value (f)]`` (``--moe-mlp-glu-interleave-size`` N, as Megatron-Core lays out
+    the fc1 output of its experts for fused grouped kernels)."""
+    width = x.size(-1)
+    if width % (2 * interleave_size):
+        raise ValueError(f"GLU interleave size {interleave_size}: the fc1 output width {width} "
+                         f"is not a whole number of [gate | value] blocks of {interleave_size}")
+    blocks = x.reshape(*x.shape[:-1], width // (2 * interleave_size), 2, interleave_size)
+    return blocks.transpose(-3, -2).reshape(x.shape)
+
+
+def expert_activation(config: TransformerConfig, glu_interleave_size: Optional[int] = None
+                      ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The activation on ``linear_fc1``'s output (for SwiGLU, ``[..., 2 f]`` -> ``[..., f]``;
+    with ``glu_interleave_size`` the gate and value rows come in interleaved blocks)."""
     if config.gated_linear_unit:
-        return glu_activation(config)
+        glu = glu_activation(config)
+        if glu_interleave_size is None:
+            return glu
+        return lambda x: glu(remove_glu_interleaving(x, glu_interleave_size))
     if config.squared_relu:
         return squared_relu
     if config.openai_gelu:
@@ -70,21 +90,37 @@ def _fc1_size(config: TransformerConfig, ffn: int) -> int:
     return 2 * ffn if config.gated_linear_unit else ffn
 
 
+def _fc1_stride(config: TransformerConfig, glu_interleave_size: Optional[int]) -> int:
+    """How fc1's rows split over tensor-parallel ranks: ``[gate_r; value_r]`` (stride 2) for a
+    gated unit in two halves; whole contiguous runs of blocks when interleaved (each rank's
+    rows are then themselves interleaved, as Megatron-Core keeps them)."""
+    return 2 if config.gated_linear_unit and glu_interleave_size is None else 1
+
+
+def check_glu_interleave(flag: str, interleave: Optional[int], ffn: int, tp_size: int) -> None:
+    """Each tensor-parallel rank's share of the FFN must be whole interleave blocks."""
+    if interleave is not None and (ffn % tp_size or (ffn // tp_size) % interleave):
+        raise ValueError(f"{flag} {interleave}: each of the {tp_size} tensor-parallel ranks' "
+                         f"share of the FFN size {ffn} must be a multiple of it")
+
+
 class ExpertMLP(torch.nn.Module):
     """One expert: ``[n, h]`` rows -> ``[n, h]``; split over ``expert_tp_group``."""
 
     def __init__(self, config: TransformerConfig, ffn_hidden_size: int, expert_tp_group,
-                 bias: bool):
+                 bias: bool, glu_interleave_size: Optional[int] = None,
+                 input_size: Optional[int] = None):
         super().__init__()
+        input_size = input_size or config.hidden_size
         self.bias_gelu = expert_bias_gelu(config, bias)
         self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
-            config.hidden_size, _fc1_size(config, ffn_hidden_size),
+            input_size, _fc1_size(config, ffn_hidden_size),
             init_method=get_init_method(config), tp_group=expert_tp_group, bias=bias,
             gather_output=False, params_dtype=config.params_dtype,
-            stride=2 if config.gated_linear_unit else 1, skip_bias_add=self.bias_gelu)
-        self.activation_func = expert_activation(config)
+            stride=_fc1_stride(config, glu_interleave_size), skip_bias_add=self.bias_gelu)
+        self.activation_func = expert_activation(config, glu_interleave_size)
         self.linear_fc2 = tensor_parallel.RowParallelLinear(
-            ffn_hidden_size, config.hidden_size,
+            ffn_hidden_size, input_size,
             init_method=get_output_layer_init_method(config), tp_group=expert_tp_group,
             bias=bias, input_is_parallel=True, params_dtype=config.params_dtype)
 
@@ -117,13 +153,17 @@ class SequentialMLP(torch.nn.Module):
         super().__init__()
         self.num_local_experts = moe_config.num_moe_experts // ep_size
         self.expert_tp_group = expert_tp_group
-        self.activation_func = expert_activation(config)
+        interleave = moe_config.moe_mlp_glu_interleave_size if config.gated_linear_unit else None
+        self.activation_func = expert_activation(config, interleave)
         ffn = moe_config.moe_ffn_hidden_size or config.ffn_hidden_size
+        check_glu_interleave("--moe-mlp-glu-interleave-size", interleave, ffn,
+                             get_group_size(expert_tp_group))
         first = ep_rank * self.num_local_experts
         experts = []
         for i in range(self.num_local_experts):
             with init_rng(init_seed, f"layer.{layer_number - 1}.mlp.experts.{first + i}"):
-                experts.append(ExpertMLP(config, ffn, expert_tp_group, config.add_bias_linear))
+                experts.append(ExpertMLP(config, ffn, expert_tp_group, config.add_bias_linear,
+                                         interleave, moe_config.moe_latent_size))
         self.local_experts = torch.nn.ModuleList(experts)
         for param in self.parameters():
             param.allreduce = False
@@ -192,11 +232,15 @@ class SharedExpertMLP(torch.nn.Module):
             raise ValueError("--moe-shared-expert-intermediate-size: shared experts have no "
                              "bias; add --disable-bias-linear")
         size = moe_config.moe_shared_expert_intermediate_size
+        interleave = (moe_config.moe_shared_expert_glu_interleave_size
+                      if config.gated_linear_unit else None)
+        check_glu_interleave("--moe-shared-expert-glu-interleave-size", interleave, size,
+                             get_group_size(tp_group))
         with init_rng(init_seed, f"layer.{layer_number - 1}.mlp.shared_experts"):
             self.linear_fc1 = tensor_parallel.ColumnParallelLinear(
                 config.hidden_size, _fc1_size(config, size), init_method=get_init_method(config),
                 tp_group=tp_group, bias=False, gather_output=False,
-                params_dtype=config.params_dtype, stride=2 if config.gated_linear_unit else 1,
+                params_dtype=config.params_dtype, stride=_fc1_stride(config, interleave),
                 sequence_parallel=sequence_parallel)
             self.linear_fc2 = tensor_parallel.RowParallelLinear(
                 size, config.hidden_size, init_method=get_output_layer_init_method(config),
@@ -212,7 +256,7 @@ class SharedExpertMLP(torch.nn.Module):
                     self.gate_weight.sequence_parallel = True
             else:
                 self.gate_weight = None
-        self.activation_func = expert_activation(config)
+        self.activation_func = expert_activation(config, interleave)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[s, b, h]`` -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism)."""

@@ -4,8 +4,8 @@ router -> token dispatcher -> experts -> combine (+ shared expert). ``forward`` 
 returns ``[s, b, h]`` and, like :class:`~megatron.model.transformer.ParallelMLP`, returns
 ``(output, None)`` (the bias, if any, is inside each expert). Submodule names follow
 Megatron-Core's ``MoELayer`` (``router.weight``, ``experts.local_experts.<i>.linear_fc1.weight``,
-``shared_experts.linear_fc1.weight``, ``shared_experts.gate_weight``), so checkpoint keys map
-one to one.
+``shared_experts.linear_fc1.weight``, ``shared_experts.gate_weight``, with ``--moe-latent-size``
+``fc1_latent_proj.weight`` / ``fc2_latent_proj.weight``), so checkpoint keys map one to one.
 
 Process groups are passed explicitly: ``ep_group`` (expert parallelism: the experts are split
 over its ranks, tokens travel between them), ``expert_tp_group`` (each expert split over its
@@ -32,8 +32,10 @@ from megatron.model.module import MegatronModule
 from megatron.model.moe.config import MoEConfig
 from megatron.model.moe.dispatcher import build_token_dispatcher
 from megatron.model.moe.expert_tp import gather_expert_rows, return_own_rows
+from megatron.core.utils import get_init_method, get_output_layer_init_method
 from megatron.model.moe.experts import (GroupedMLP, SequentialMLP, SharedExpertMLP,
                                         check_expert_tp)
+from megatron.model.moe.latent import LatentProjection
 from megatron.model.moe.router import TopKRouter, expert_capacity
 from megatron.model.moe.tracker import MoELossTracker
 from megatron.model.recompute import OutputDiscardingCheckpoint, recomputed
@@ -98,7 +100,24 @@ class MoELayer(MegatronModule):
         if moe_config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, moe_config, layer_number, tp_group,
                                                   init_seed, sequence_parallel=sliced)
+        self._build_latent_projections(config, init_seed, sliced)
         self._wrap_activations()
+
+    def _build_latent_projections(self, config: TransformerConfig, init_seed: int,
+                                  sequence_parallel: bool) -> None:
+        """``--moe-latent-size``: ``fc1_latent_proj`` / ``fc2_latent_proj`` around the routed
+        experts (:mod:`~megatron.model.moe.latent`)."""
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        latent = self.moe_config.moe_latent_size
+        if latent is None:
+            return
+        piece = f"layer.{self.layer_number - 1}.mlp"
+        self.fc1_latent_proj = LatentProjection(
+            config, config.hidden_size, latent, get_init_method(config),
+            f"{piece}.fc1_latent_proj", init_seed, sequence_parallel)
+        self.fc2_latent_proj = LatentProjection(
+            config, latent, config.hidden_size, get_output_layer_init_method(config),
+            f"{piece}.fc2_latent_proj", init_seed, sequence_parallel)
 
     def _capacity(self, num_tokens: int) -> Optional[int]:
         cfg = self.moe_config
@@ -112,6 +131,8 @@ class MoELayer(MegatronModule):
         seq_length, batch, hidden = hidden_states.shape
         probs, routing_map = self.router(hidden_states)                      # [s*b, E] each
         tokens = hidden_states.reshape(-1, hidden)                           # [s*b, h]
+        if self.fc1_latent_proj is not None:
+            tokens = self.fc1_latent_proj(tokens)                            # [s*b, latent]
         if self.moe_config.moe_apply_probs_on_input:
             tokens, probs = _probs_on_input(tokens, probs, routing_map)
         probs = probs.to(hidden_states.dtype)        # a no-op unless --moe-router-dtype is set
@@ -124,7 +145,9 @@ class MoELayer(MegatronModule):
                                             rows_handle, self.expert_tp_group)   # [N, h]
         else:
             expert_output = self._experts(rows, counts)                      # [N, h]
-        output = self.token_dispatcher.combine(expert_output, handle)        # [s*b, h]
+        output = self.token_dispatcher.combine(expert_output, handle)        # [s*b, h|latent]
+        if self.fc2_latent_proj is not None:
+            output = self.fc2_latent_proj(output)                            # [s*b, h]
         output = output.view(seq_length, batch, hidden)                      # [s, b, h]
         if self.shared_experts is not None:
             output = output + (recomputed(self.shared_experts, hidden_states)

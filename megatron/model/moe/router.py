@@ -50,6 +50,7 @@ from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method
 from megatron.model.moe.config import AUX_LOSS_NAMES, MoEConfig
 from megatron.model.moe.tracker import MoELossTracker, attach_aux_loss
+from megatron.model.moe.router_replay import RouterReplay
 from megatron.model.utils import init_rng
 
 SINKHORN_TOLERANCE = 1e-4
@@ -368,6 +369,7 @@ class TopKRouter(torch.nn.Module):
                                  "than one rank: drop the flag")
         self.moe_config = moe_config
         self.layer_number = layer_number
+        self.router_replay = RouterReplay() if moe_config.moe_enable_routing_replay else None
         self.tracker = tracker
         self.num_experts = moe_config.num_moe_experts
         self.topk = moe_config.moe_router_topk
@@ -584,6 +586,25 @@ class TopKRouter(torch.nn.Module):
                 indices = torch.topk(local - beta, self.topk, dim=1).indices
             return indices
 
+    def _topk_or_replayed(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Top-k routing, or with ``--moe-enable-routing-replay`` the experts replayed
+        (:mod:`~megatron.model.moe.router_replay`) weighed under these logits."""
+        cfg, replay = self.moe_config, self.router_replay
+        indices = None if replay is None else replay.replayed_indices(
+            logits.size(0), self.topk, self.num_experts, logits.device)
+        if indices is not None:
+            return probs_of_chosen(logits, indices, cfg.moe_router_score_function,
+                                   cfg.moe_router_pre_softmax,
+                                   cfg.moe_router_topk_scaling_factor), indices
+        probs, indices = topk_routing(logits, self.topk, cfg.moe_router_score_function,
+                                      cfg.moe_router_pre_softmax,
+                                      cfg.moe_router_topk_scaling_factor,
+                                      cfg.moe_router_num_groups, cfg.moe_router_group_topk,
+                                      self.expert_bias)
+        if replay is not None:
+            replay.record(indices)
+        return probs, indices
+
     def route(self, logits: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[s, b, E]`` -> (probabilities ``[s*b, E]``, routing map ``[s*b, E]``)."""
         cfg = self.moe_config
@@ -597,11 +618,7 @@ class TopKRouter(torch.nn.Module):
                                     cfg.moe_router_pre_softmax,
                                     cfg.moe_router_topk_scaling_factor)
         else:
-            probs, indices = topk_routing(logits, self.topk, cfg.moe_router_score_function,
-                                          cfg.moe_router_pre_softmax,
-                                          cfg.moe_router_topk_scaling_factor,
-                                          cfg.moe_router_num_groups, cfg.moe_router_group_topk,
-                                          self.expert_bias)                   # [T, k]
+            probs, indices = self._topk_or_replayed(logits)                  # [T, k]
             probs = self._with_load_balancing_loss(probs, logits, indices, seq_length, batch)
         probs, routing_map = _scatter_to_experts(probs, indices, self.num_experts)
         if cfg.drops_tokens:
