@@ -1257,6 +1257,18 @@ def _validate_blend_surplus(args) -> None:
         _fail(f"--mid-level-dataset-surplus must be a finite number >= 0, got {surplus}")
 
 
+def _validate_emerging_optimizers(args) -> None:
+    """--optimizer soap / adaptive_muon (megatron/optimizer/emerging.py)."""
+    from megatron.optimizer.emerging import EMERGING_OPTIMIZERS, check_emerging_args
+
+    if args.optimizer not in EMERGING_OPTIMIZERS:
+        return
+    try:
+        check_emerging_args(args)
+    except ConfigError as err:
+        _fail(str(err))
+
+
 def _validate_muon(args) -> None:
     if args.optimizer not in ("muon", "dist_muon"):
         return
@@ -1522,6 +1534,7 @@ def check_flags(args):
     _validate_non_persistent(args)
     _validate_torch_fsdp2(args)
     _validate_muon(args)
+    _validate_emerging_optimizers(args)
     _validate_optimizer_offload(args)
     _validate_activation_offload(args)
     _validate_validation_sets(args)
