@@ -249,3 +249,42 @@ def test_settings_out_of_range_are_refused_in_one_line(change, message):
 def test_soap_refuses_a_one_dimensional_weight():
     with pytest.raises(ValueError, match="2-D"):
         SOAP([{"params": [torch.nn.Parameter(torch.ones(3))], "use_muon": True}], lr=LR)
+
+
+ARGV = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
+        "--max-position-embeddings 8 --micro-batch-size 1 --lr 1e-3").split()
+
+
+@pytest.mark.parametrize("optimizer", ["soap", "adaptive_muon"])
+def test_flags_validate_and_the_distributed_optimizer_keeps_whole_gradients(optimizer):
+    """--use-distributed-optimizer with these is Megatron-Core's layer-wise deal: the optimizer
+    config keeps the flag, the gradient buffers all-reduce (no element sharding)."""
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.configs import build_configs
+
+    args = validate_args(parse_args(argv=ARGV + ["--optimizer", optimizer,
+                                                 "--use-distributed-optimizer"]))
+    args.padded_vocab_size = 128
+    configs = build_configs(args)
+    assert configs.optimizer.optimizer == optimizer
+    assert configs.optimizer.use_distributed_optimizer
+    assert not configs.ddp.use_distributed_optimizer
+    adam = validate_args(parse_args(argv=ARGV + ["--use-distributed-optimizer"]))
+    adam.padded_vocab_size = 128
+    assert build_configs(adam).ddp.use_distributed_optimizer
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist with --optimizer soap is not "
+                                      "built"),
+    (["--use-torch-fsdp2"], "--optimizer soap does not run with --use-torch-fsdp2"),
+    (["--use-distributed-optimizer", "--overlap-param-gather"],
+     "--overlap-param-gather with --optimizer soap"),
+    (["--fp16"], "--optimizer soap does not run with --fp16"),
+])
+def test_combinations_not_built_are_refused_in_one_line(extra, message):
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+    with pytest.raises(ArgumentsError) as err:
+        validate_args(parse_args(argv=ARGV + ["--optimizer", "soap", *extra]))
+    assert message in str(err.value) and "\n" not in str(err.value).strip()
