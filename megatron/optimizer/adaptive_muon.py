@@ -35,7 +35,7 @@ import torch
 from megatron.core.config import ConfigError
 
 from .muon import Muon, gather_shards, own_shard
-from .soap import share_state_from_owner
+from .soap import check_matrix_state, share_state_from_owner
 
 MOMENT2_METHODS = ("adamuon", "normuon")
 
@@ -89,6 +89,10 @@ class AdaptiveMuon(Muon):
 
     def _share_state(self, p: torch.Tensor, use_muon: bool, owner: int) -> None:
         share_state_from_owner(self, p, owner)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        check_matrix_state(self, ("momentum_buffer", "moment2_buffer"), "adaptive_muon")
 
 
 def normalize_by_moment2(orth: torch.Tensor, moment2: torch.Tensor, method: str, beta2: float,

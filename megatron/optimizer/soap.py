@@ -43,7 +43,7 @@ builds it from its ``OptimizerConfig``):
 """
 
 from dataclasses import dataclass
-from typing import List
+from typing import Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -79,8 +79,9 @@ class SOAP(Muon):
     """
 
     def __init__(self, params, *, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999),
-                 eps: float = 1e-8, settings: SoapSettings = SoapSettings(), tp_group=None,
+                 eps: float = 1e-8, settings: Optional[SoapSettings] = None, tp_group=None,
                  expert_tp_group=None, dp_group=None):
+        settings = settings or SoapSettings()
         check_soap_settings(settings.shampoo_beta, settings.precondition_frequency)
         self.settings = settings
         self.tp_group, self.expert_tp_group = tp_group, expert_tp_group
@@ -113,6 +114,28 @@ class SOAP(Muon):
 
     def _share_state(self, p: torch.Tensor, use_muon: bool, owner: int) -> None:
         share_state_from_owner(self, p, owner)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        check_matrix_state(self, SOAP_FIELDS, "soap")
+
+
+SOAP_FIELDS = ("step", "exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")
+
+
+def check_matrix_state(optimizer, fields: Iterable[str], name: str) -> None:
+    """Refuse a loaded state whose matrix weights do not carry exactly ``fields`` (a checkpoint
+    of another optimizer), naming what was found."""
+    for group in optimizer.param_groups:
+        if not group["use_muon"]:
+            continue
+        for p in group["params"]:
+            found = set(optimizer.state.get(p, {}))
+            if found and found != set(fields):
+                raise ValueError(f"the loaded optimizer state of a {tuple(p.shape)} weight has "
+                                 f"fields {sorted(found)}, --optimizer {name} keeps "
+                                 f"{sorted(fields)}: the checkpoint was saved with another "
+                                 f"--optimizer (load it with --no-load-optim)")
 
 
 def share_state_from_owner(optimizer, p: torch.Tensor, owner: int) -> None:

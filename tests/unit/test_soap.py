@@ -288,3 +288,15 @@ def test_combinations_not_built_are_refused_in_one_line(extra, message):
     with pytest.raises(ArgumentsError) as err:
         validate_args(parse_args(argv=ARGV + ["--optimizer", "soap", *extra]))
     assert message in str(err.value) and "\n" not in str(err.value).strip()
+
+
+def test_loading_another_optimizers_state_is_refused_naming_the_fields():
+    model = tiny_gpt()
+    grads = grad_sets(model, 1)
+    muon = build(model, OptimizerConfig(optimizer="muon", lr=LR, clip_grad=0.0))
+    run(model, muon, grads)
+    for config, kept in ((soap_config(), "Q_L"), (OptimizerConfig(
+            optimizer="adaptive_muon", lr=LR, clip_grad=0.0), "moment2_buffer")):
+        with pytest.raises(ValueError, match=rf"fields \['momentum_buffer'\].*{kept}.*"
+                                             r"--no-load-optim"):
+            build(tiny_gpt(), config).load_state_dict(copy.deepcopy(muon.state_dict()))
