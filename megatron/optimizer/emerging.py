@@ -37,11 +37,15 @@ def check_emerging_settings(settings) -> None:
         from .muon import check_muon_settings
 
         check_muon_settings(settings)
-    if hasattr(settings, "soap_shampoo_beta"):
-        from .adaptive_muon import check_moment2_settings
+    if not hasattr(settings, "soap_shampoo_beta"):
+        return
+    if name == "soap":
         from .soap import check_soap_settings
 
         check_soap_settings(settings.soap_shampoo_beta, settings.soap_precondition_frequency)
+    else:
+        from .adaptive_muon import check_moment2_settings
+
         check_moment2_settings(settings.adaptive_muon_moment2_method,
                                settings.adaptive_muon_beta2, settings.adaptive_muon_eps)
 

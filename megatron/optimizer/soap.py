@@ -74,7 +74,10 @@ class SOAP(Muon):
 
     Args:
         params: param groups; each with ``use_muon`` (default False).
-        settings: :class:`SoapSettings`.
+        lr, weight_decay: the groups' defaults (the scheduler sets them).
+        betas: SOAP's inner Adam betas, and the AdamW part's.
+        eps: the AdamW part's (SOAP's own is ``settings.eps``).
+        settings: :class:`SoapSettings` (default: Megatron-Core's).
         tp_group / expert_tp_group / dp_group: as :class:`~megatron.optimizer.muon.Muon`'s.
     """
 
