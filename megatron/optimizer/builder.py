@@ -16,6 +16,7 @@ from .config import OptimizerConfig
 from .distrib_optimizer import DistributedOptimizer
 from .cpu_offload import HybridDeviceOptimizer
 from .lion import Lion
+from .emerging import EMERGING_OPTIMIZERS, build_emerging
 from .muon import build_muon, mark_qkv_weights, split_muon_groups
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer, FullyShardedOptimizer,
@@ -240,7 +241,7 @@ def get_megatron_optimizer(config: OptimizerConfig,
     tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
     _check_expert_groups(model_chunks, param_groups, mp_group, expert_model_parallel_group,
                          expert_tp_rank)
-    if config.use_distributed_optimizer:
+    if config.use_distributed_optimizer and config.optimizer not in EMERGING_OPTIMIZERS:
         scaler = build_grad_scaler(config) if config.fp16 or config.bf16 else None
         return DistributedOptimizer(
             config, model_chunks, param_groups,
@@ -262,6 +263,9 @@ def get_megatron_optimizer(config: OptimizerConfig,
         inner = build_muon(config, split_muon_groups(param_groups), tp_group=tp_group,
                            expert_tp_group=expert_tp_group or tp_group,
                            dp_group=_model_dp_group(model_chunks, dp_group))
+    elif config.optimizer in EMERGING_OPTIMIZERS:
+        inner = _build_emerging(config, model_chunks, param_groups, grad_shard_group, tp_group,
+                                expert_tp_group, dp_group)
     elif grad_shard_group is not None:
         return _fully_sharded_optimizer(config, param_groups, kwargs, grad_shard_group)
     else:
@@ -270,6 +274,20 @@ def get_megatron_optimizer(config: OptimizerConfig,
         return Float16OptimizerWithFloat16Params(inner, config, build_grad_scaler(config),
                                                  **kwargs)
     return FP32Optimizer(inner, config, **kwargs)
+
+
+def _build_emerging(config, model_chunks, param_groups, grad_shard_group, tp_group,
+                    expert_tp_group, dp_group):
+    """``--optimizer soap`` / ``adaptive_muon`` (megatron/optimizer/emerging.py); with
+    ``--use-distributed-optimizer`` they deal whole weights over ``dp_group`` themselves."""
+    if grad_shard_group is not None:
+        raise ConfigError(f"--optimizer {config.optimizer} does not run with --use-torch-fsdp2 "
+                          "(it needs each weight matrix whole); use --optimizer adam")
+    if config.optimizer == "adaptive_muon" and config.muon_split_qkv:
+        mark_qkv_weights(model_chunks)
+    return build_emerging(config, split_muon_groups(param_groups), tp_group=tp_group,
+                          expert_tp_group=expert_tp_group or tp_group,
+                          dp_group=_model_dp_group(model_chunks, dp_group))
 
 
 def _model_dp_group(model_chunks, dp_group):

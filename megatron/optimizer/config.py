@@ -22,7 +22,7 @@ _DTYPE_FOR_PRECISION = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class OptimizerConfig:
     """Optimizer, mixed precision and loss-scaling settings (Megatron flag names in comments)."""
 
-    optimizer: str = "adam"                # --optimizer adam | sgd | lion | muon | dist_muon
+    optimizer: str = "adam"  # --optimizer adam, sgd, lion, muon, dist_muon, soap, adaptive_muon
     lr: Optional[float] = None             # --lr (the scheduler's max_lr; required)
     min_lr: float = 0.0                    # --min-lr
     # --decoupled-lr / --decoupled-min-lr: max and min lr of the word embeddings and the output
@@ -61,6 +61,14 @@ class OptimizerConfig:
     muon_use_syrk: bool = False
     muon_extra_scale_factor: float = 1.0
     muon_scalar_optimizer: str = "adam"
+    # --optimizer soap / adaptive_muon (megatron/optimizer/soap.py, adaptive_muon.py): Megatron-
+    # Core's config fields of these names and defaults; no command-line flag sets them.
+    soap_shampoo_beta: float = 0.95
+    soap_precondition_frequency: int = 1
+    soap_use_kl_shampoo: bool = True
+    adaptive_muon_moment2_method: str = "adamuon"
+    adaptive_muon_beta2: float = 0.95
+    adaptive_muon_eps: float = 1e-8
     # --optimizer-cpu-offload and its companions: see megatron/optimizer/cpu_offload.py
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
@@ -74,9 +82,10 @@ class OptimizerConfig:
     mup_width_mult: float = 1.0
 
     def __post_init__(self):
-        if self.optimizer not in ("adam", "sgd", "lion", "muon", "dist_muon"):
-            raise ConfigError(f"--optimizer must be adam, sgd, lion, muon or dist_muon, got "
-                              f"{self.optimizer!r}")
+        if self.optimizer not in ("adam", "sgd", "lion", "muon", "dist_muon", "soap",
+                                  "adaptive_muon"):
+            raise ConfigError(f"--optimizer must be adam, sgd, lion, muon, dist_muon, soap or "
+                              f"adaptive_muon, got {self.optimizer!r}")
         problem = mup_optimizer_conflict(self.use_mup, self.optimizer)
         if problem is None and self.use_mup and not self.mup_width_mult > 0:
             problem = f"--mup-width-mult must be > 0, got {self.mup_width_mult}"
@@ -89,6 +98,10 @@ class OptimizerConfig:
         self._check_loss_scaling()
         if self.optimizer in ("muon", "dist_muon"):
             self._check_muon()
+        if self.optimizer in ("soap", "adaptive_muon"):
+            from .emerging import check_emerging_settings
+
+            check_emerging_settings(self)
         self._check_offload()
 
     def _check_offload(self) -> None:

@@ -288,19 +288,25 @@ class Muon(torch.optim.Optimizer):
     def orthogonalize(self, p: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
         """The scaled, orthogonalised ``update`` of parameter ``p`` (this rank's piece)."""
         group, dim = self._shard_group(p)
+        full = gather_shards(update, group, dim)
+        return own_shard(self.orthogonalize_full(p, full), group, dim)
+
+    def orthogonalize_full(self, p: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """The scaled, orthogonalised update of ``p``'s whole matrix ``full`` (the fused
+        query/key/value weight as its three parts, with ``muon_qkv_split``)."""
         split = getattr(p, "muon_qkv_split", None)
         if split is None:
-            return self._orthogonalize_matrix(update, group, dim)
+            return self._orthogonalize_matrix(full)
         rows = sum(split)
-        if update.size(0) % rows:
-            raise ValueError(f"--muon-split-qkv: {update.size(0)} rows are not whole query "
+        if full.size(0) % rows:
+            raise ValueError(f"--muon-split-qkv: {full.size(0)} rows are not whole query "
                              f"groups of {split}")
-        cols = update.size(1)
-        per_group = update.view(update.size(0) // rows, rows, cols)
-        parts = [self._orthogonalize_matrix(part.reshape(-1, cols), group, dim)
+        cols = full.size(1)
+        per_group = full.view(full.size(0) // rows, rows, cols)
+        parts = [self._orthogonalize_matrix(part.reshape(-1, cols))
                  .view(per_group.size(0), -1, cols)
                  for part in torch.split(per_group, list(split), dim=1)]
-        return torch.cat(parts, dim=1).view_as(update)
+        return torch.cat(parts, dim=1).view_as(full)
 
     def _shard_group(self, p: torch.Tensor):
         """(group, dim) a tensor-parallel shard of ``p`` is cut along, or (None, None)."""
@@ -312,18 +318,26 @@ class Muon(torch.optim.Optimizer):
             return None, None
         return group, dim
 
-    def _orthogonalize_matrix(self, local: torch.Tensor, group, dim) -> torch.Tensor:
-        if group is None:
-            full = local
-        else:
-            pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(pieces, local.contiguous(), group=group)
-            full = torch.cat(pieces, dim=dim)
+    def _orthogonalize_matrix(self, full: torch.Tensor) -> torch.Tensor:
         scale = muon_scale(full.size(0), full.size(1), self.scale_mode) * self.extra_scale_factor
-        out = newton_schulz(full, self.coefficients, self.bf16) * scale
-        if group is None:
-            return out
-        return out.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
+        return newton_schulz(full, self.coefficients, self.bf16) * scale
+
+
+def gather_shards(local: torch.Tensor, group, dim) -> torch.Tensor:
+    """The whole matrix of which ``local`` is this rank's piece along ``dim`` of ``group``
+    (``local`` itself when ``group`` is None)."""
+    if group is None:
+        return local
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    return torch.cat(pieces, dim=dim)
+
+
+def own_shard(full: torch.Tensor, group, dim) -> torch.Tensor:
+    """This rank's piece of ``full`` along ``dim`` of ``group`` (``full`` when None)."""
+    if group is None:
+        return full
+    return full.chunk(dist.get_world_size(group), dim=dim)[dist.get_rank(group)]
 
 
 def check_muon_settings(settings) -> None:
@@ -340,7 +354,7 @@ def check_muon_settings(settings) -> None:
     if settings.muon_scalar_optimizer != "adam":
         raise ConfigError(f"--muon-scalar-optimizer {settings.muon_scalar_optimizer} is not "
                           "built; use adam")
-    if settings.use_distributed_optimizer:
+    if settings.use_distributed_optimizer and settings.optimizer in ("muon", "dist_muon"):
         raise ConfigError("--optimizer muon does not run with --use-distributed-optimizer "
                           "(Muon needs each weight matrix whole); drop the flag")
     if settings.fp16:

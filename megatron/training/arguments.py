@@ -410,7 +410,8 @@ def _add_training_args(parser):
                    "AUTO_FLASH_MIN_SEQ tokens, else as the other flags say "
                    "(megatron/model/attention_backend.py)")
     g.add_argument("--optimizer", type=str, default="adam",
-                   choices=["adam", "sgd", "muon", "dist_muon", "lion"])
+                   choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"],
+                   help="soap and adaptive_muon: megatron/optimizer/soap.py, adaptive_muon.py")
     # megatron/optimizer/cpu_offload.py says what each does.
     g.add_argument("--optimizer-cpu-offload", action="store_true",
                    help="keep optimizer state on the host and step it there")

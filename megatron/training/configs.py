@@ -21,6 +21,7 @@ from megatron.core.distributed.distributed_data_parallel_config import Distribut
 from megatron.data.config import DataConfig, FIMFlags
 from megatron.model.moe.config import MoEConfig
 from megatron.optimizer.config import OptimizerConfig, SchedulerConfig
+from megatron.optimizer.emerging import uses_element_sharding
 
 # --output-logit-dtype choices -> torch dtypes.
 LOGIT_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -264,7 +265,8 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
-        use_distributed_optimizer=args.use_distributed_optimizer,
+        use_distributed_optimizer=uses_element_sharding(args.optimizer,
+                                                        args.use_distributed_optimizer),
         reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
         param_name_patterns_for_fp32_local_accumulation=tuple(
             args.ddp_param_name_patterns_for_fp32_local_accumulation),

@@ -168,13 +168,19 @@ def bytes_per_parameter(params_dtype: torch.dtype, grad_dtype: torch.dtype,
         # Muon keeps one fp32 buffer per weight matrix and Adam's two for the rest: Adam's
         # 8 bytes bound it from above. dist_muon deals whole parameters' state over DP.
         states = 8 / dp_size if optimizer == "dist_muon" else 8
+    elif optimizer in ("soap", "adaptive_muon"):
+        # Two fp32 moments per element (adamuon's second moment is per element too); SOAP's
+        # Kronecker factors and bases (4 (m^2 + n^2) per m x n matrix) are not counted.
+        # --use-distributed-optimizer deals whole parameters' state over DP.
+        states = 8 / dp_size if use_distributed_optimizer else 8
+        use_distributed_optimizer = False
     elif optimizer == "sgd":
         states = 4 if sgd_momentum else 0
     elif optimizer == "lion":
         states = 4  # its momentum, fp32
     else:
-        raise ValueError(f"--optimizer must be adam, sgd, lion, muon or dist_muon, got "
-                         f"{optimizer!r}")
+        raise ValueError(f"--optimizer must be adam, sgd, lion, muon, dist_muon, soap or "
+                         f"adaptive_muon, got {optimizer!r}")
     if fully_sharded:
         return (4 + 4 + states) / dp_size + (4 if accumulates else 0)
     weight = torch.tensor([], dtype=params_dtype).element_size()

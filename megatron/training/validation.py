@@ -601,6 +601,10 @@ def _validate_grad_precision(args) -> None:
     if fp32_rs and not args.use_distributed_optimizer:
         _fail("--ddp-reduce-scatter-with-fp32-accumulation needs --use-distributed-optimizer "
               "(without it gradients are all-reduced, not reduce-scattered)")
+    if fp32_rs and args.optimizer in ("soap", "adaptive_muon"):
+        _fail(f"--ddp-reduce-scatter-with-fp32-accumulation with --optimizer {args.optimizer}: "
+              "that optimizer deals whole weights over the data-parallel ranks, so gradients "
+              "are all-reduced, not reduce-scattered; drop the flag")
     if patterns and (args.accumulate_allreduce_grads_in_fp32 or not (args.bf16 or args.fp16)):
         _fail("--ddp-param-name-patterns-for-fp32-local-accumulation: the gradient buffers are "
               "already fp32 here; it applies to bf16 buffers (--bf16 --grad-reduce-in-bf16) or "
@@ -1314,6 +1318,18 @@ def _validate_blend_surplus(args) -> None:
         _fail(f"--mid-level-dataset-surplus must be a finite number >= 0, got {surplus}")
 
 
+def _validate_emerging_optimizers(args) -> None:
+    """--optimizer soap / adaptive_muon (megatron/optimizer/emerging.py)."""
+    from megatron.optimizer.emerging import EMERGING_OPTIMIZERS, check_emerging_args
+
+    if args.optimizer not in EMERGING_OPTIMIZERS:
+        return
+    try:
+        check_emerging_args(args)
+    except ConfigError as err:
+        _fail(str(err))
+
+
 def _validate_muon(args) -> None:
     if args.optimizer not in ("muon", "dist_muon"):
         return
@@ -1587,6 +1603,7 @@ def check_flags(args):
     _validate_torch_fsdp2(args)
     _validate_grad_precision(args)
     _validate_muon(args)
+    _validate_emerging_optimizers(args)
     _validate_optimizer_offload(args)
     _validate_activation_offload(args)
     _validate_validation_sets(args)

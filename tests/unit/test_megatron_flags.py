@@ -172,7 +172,8 @@ def test_types_follow_megatron():
 
 
 def test_a_refused_value_of_a_widened_choice_stops_in_one_line():
-    for flags, flag in ((["--optimizer", "soap"], "--optimizer soap"),
+    for flags, flag in ((["--position-embedding-type", "relative"],
+                         "--position-embedding-type relative"),
                         (["--position-embedding-type", "mrope"], "--position-embedding-type mrope"),
                         (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type")):
         with pytest.raises(ArgumentsError) as err:

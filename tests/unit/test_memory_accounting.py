@@ -88,7 +88,13 @@ def test_bytes_per_parameter():
     assert ma.bytes_per_parameter(f32, f32, "sgd", 0.0) == 8
     # Muon: one fp32 buffer per matrix, Adam's two for the rest; bounded by Adam's 8.
     assert ma.bytes_per_parameter(bf16, f32, "muon") == 18
-    with pytest.raises(ValueError, match="--optimizer must be adam, sgd, lion, muon or dist_muon, got 'lamb'"):
+    # soap / adaptive_muon: two fp32 moments; the layer-wise deal splits them over DP, not the
+    # bf16 run's fp32 main copy.
+    assert ma.bytes_per_parameter(bf16, f32, "soap") == 18
+    assert ma.bytes_per_parameter(bf16, f32, "adaptive_muon", use_distributed_optimizer=True,
+                                  dp_size=4) == 2 + 4 + 4 + 8 / 4
+    with pytest.raises(ValueError, match="--optimizer must be adam, sgd, lion, muon, dist_muon, "
+                                         "soap or adaptive_muon, got 'lamb'"):
         ma.bytes_per_parameter(f32, f32, "lamb")
     # --use-torch-fsdp2: fp32 weight 4 + fp32 grad 4 + Adam 8, all sharded (bf16 is only the
     # compute dtype); accumulating over micro-batches keeps the whole fp32 gradient too.
