@@ -7,7 +7,7 @@ contract in plain PyTorch:
   moments are stored in that dtype. Each step reads them back to fp32, computes the whole AdamW
   update in fp32 (the operations of ``torch.optim.AdamW``), and rounds them on store.
 - ``--main-params-dtype`` (fp32 | fp16): the master copy of the weights is held at that
-  precision; after each update it is rounded through fp16 and back. Its storage stays the fp32
+  precision; before the first update and after each one it is rounded through fp16 and back. Its storage stays the fp32
   main piece of the distributed optimizer, so checkpoints and resume see exactly the values the
   next step starts from.
 - ``--main-grads-dtype`` (fp32 | bf16): the gradients the optimizer reads are bf16 values
@@ -160,6 +160,7 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             state["step"] = torch.tensor(0.0)
             for name in STATE_NAMES:
                 self.set_unscaled_state(param, name, torch.zeros_like(param))
+            self._round_master(param)  # the master starts as its fp16 copy, as in TE
         state["step"] += 1
         step = float(state["step"])
         grad = param.grad.to(self.main_grads_dtype).to(torch.float32)
@@ -175,5 +176,9 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         param.addcdiv_(exp_avg, denom, value=-step_size)
         self.set_unscaled_state(param, "exp_avg", exp_avg)
         self.set_unscaled_state(param, "exp_avg_sq", exp_avg_sq)
+        self._round_master(param)
+
+    def _round_master(self, param: torch.Tensor) -> None:
+        """Hold ``param`` at ``--main-params-dtype`` precision (fp16 scaled per tensor)."""
         if self.main_params_dtype != torch.float32:
             param.copy_(dequantize(*quantize(param, self.main_params_dtype)))

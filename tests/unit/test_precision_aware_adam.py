@@ -50,7 +50,7 @@ def _grads(step, params, scale=1.0):
 def _reference(dtypes, grad_scale=1.0):
     """torch.optim.AdamW on fp32 copies, the moments rounded to storage between steps."""
     exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, main_grads_dtype = dtypes
-    params = [p.clone() for p in _params()]
+    params = [_ref_round(p, main_params_dtype) for p in _params()]
     moments = [[torch.zeros_like(p), torch.zeros_like(p)] for p in params]
     for step in range(1, STEPS + 1):
         grads = _grads(step, params, grad_scale)
@@ -66,8 +66,7 @@ def _reference(dtypes, grad_scale=1.0):
             opt.step()
             moments[i] = [_ref_round(opt.state[q]["exp_avg"], exp_avg_dtype),
                           _ref_round(opt.state[q]["exp_avg_sq"], exp_avg_sq_dtype)]
-            new = q.detach().clone()
-            params[i] = _ref_round(new, main_params_dtype) if main_params_dtype == "fp16" else new
+            params[i] = _ref_round(q.detach(), main_params_dtype)
     return params, moments
 
 
