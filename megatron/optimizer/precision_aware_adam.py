@@ -1,36 +1,45 @@
-"""Precision-aware AdamW (``--use-precision-aware-optimizer``): Adam's state kept in narrower dtypes.
+"""Precision-aware AdamW (``--use-precision-aware-optimizer``): Adam's state in narrow dtypes.
 
 Megatron-LM hands these flags to TransformerEngine's fused Adam; this is the same storage
 contract in plain PyTorch:
 
-- ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` (fp32 | bf16 | fp16): the first and second
+- ``--exp-avg-dtype`` / ``--exp-avg-sq-dtype`` (fp32 | bf16 | fp16 | fp8): the first and second
   moments are stored in that dtype. Each step reads them back to fp32, computes the whole AdamW
   update in fp32 (the operations of ``torch.optim.AdamW``), and rounds them on store.
 - ``--main-params-dtype`` (fp32 | fp16): the master copy of the weights is held at that
-  precision; before the first update and after each one it is rounded through fp16 and back. Its storage stays the fp32
-  main piece of the distributed optimizer, so checkpoints and resume see exactly the values the
-  next step starts from.
+  precision; before the first update and after each one it is rounded through fp16 and back.
+  Its storage stays the fp32 main piece of the distributed optimizer, so checkpoints and resume
+  see exactly the values the next step starts from.
 - ``--main-grads-dtype`` (fp32 | bf16): the gradients the optimizer reads are bf16 values
   (rounded here; the data-parallel gradient buffer and its reduction keep their own dtype).
 
-bf16 is a plain round-to-nearest cast. fp16 is scaled per tensor as TransformerEngine does:
-``scale = amax / (fp16 max / 2)``, stored ``fp16(x * (1 / scale))`` (0 where ``scale`` is 0),
-read back ``fp16 * scale``, so a tensor of tiny values keeps its digits. fp8 moments (which
-need TransformerEngine's Float8 tensors) are refused by :func:`precision_aware_conflict`.
+bf16 is a plain round-to-nearest cast. fp16 and fp8 are scaled per tensor as
+TransformerEngine does, so a tensor of tiny values keeps its digits: fp16 with
+``scale = amax / (fp16 max / 2)``, stored ``fp16(x * (1 / scale))``, read back
+``fp16 * scale``; fp8 (E4M3, TransformerEngine's Float8 tensor for Megatron's ``fp8``) with
+``scale = amax / 448``, stored ``e4m3(x * (1 / scale))`` saturated to +-448, read back
+``e4m3 * (1 / (1 / scale))``, its scale-inverse. A tensor of zeros (or below 1e-38, where
+``1 / scale`` overflows) is stored as zeros with scale 0 in both, where TransformerEngine's fp8
+cast would multiply by infinity.
 
 Checkpoints hold the moments unscaled in fp32 (Megatron's layout: TransformerEngine's
 ``state_dict`` unscales them too); bf16 moments come back bit for bit, fp16 ones get their
 per-tensor scale recomputed from the saved values, as TransformerEngine does on load.
+
+Megatron converts these flags to torch dtypes (``fp8`` to ``torch.uint8``); here they stay the
+flag strings.
 """
 
 from typing import Dict, Optional
 
 import torch
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp8": torch.float8_e4m3fn}
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
 # Half the largest fp16 value: TransformerEngine's headroom for fp16 optimizer state.
 FP16_RANGE = torch.finfo(torch.float16).max / 2.0
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 
 
 def precision_aware_conflict(use_precision_aware_optimizer: bool, optimizer: str,
@@ -38,7 +47,7 @@ def precision_aware_conflict(use_precision_aware_optimizer: bool, optimizer: str
                              main_params_dtype: str, exp_avg_dtype: str,
                              exp_avg_sq_dtype: str) -> Optional[str]:
     """One line naming the flags when these settings cannot run together, else None
-    (Megatron-Core's ``OptimizerConfig`` rules, plus the fp8 moments this build refuses)."""
+    (Megatron-Core's ``OptimizerConfig`` rules)."""
     dtypes = (("--main-grads-dtype", main_grads_dtype), ("--main-params-dtype", main_params_dtype),
               ("--exp-avg-dtype", exp_avg_dtype), ("--exp-avg-sq-dtype", exp_avg_sq_dtype))
     if not use_precision_aware_optimizer:
@@ -52,23 +61,26 @@ def precision_aware_conflict(use_precision_aware_optimizer: bool, optimizer: str
                 f"--optimizer {optimizer}")
     if not use_distributed_optimizer:
         return "--use-precision-aware-optimizer needs --use-distributed-optimizer (as in Megatron)"
-    fp8 = [flag for flag, value in dtypes if value == "fp8"]
-    if fp8:
-        return (f"{' and '.join(fp8)} fp8 needs TransformerEngine's Float8 tensors, which this "
-                "build does not use; choose fp32, bf16 or fp16")
     return None
 
 
 def quantize(value: torch.Tensor, dtype: torch.dtype):
-    """``(stored, scale)`` for fp32 ``value`` kept in ``dtype``; ``scale`` is None unless fp16."""
+    """``(stored, scale)`` for fp32 ``value`` kept in ``dtype``; ``scale`` (``[1]``, what the
+    stored values are multiplied by to read them) is None for fp32 and bf16."""
     if dtype == torch.float32:
         return value.clone(), None
     if dtype == torch.bfloat16:
         return value.to(torch.bfloat16), None
     amax = value.abs().max() if value.numel() else value.new_zeros(())
-    scale = (amax.to(torch.float32) / FP16_RANGE).reshape(1)  # [1]
-    rscale = torch.where(scale > 0, scale.reciprocal(), torch.zeros_like(scale))
-    return (value * rscale).to(torch.float16), scale
+    limit = FP16_RANGE if dtype == torch.float16 else FP8_MAX
+    scale = (amax.to(torch.float32) / limit).reshape(1)  # [1]
+    rscale = scale.reciprocal()
+    rscale = torch.where((scale > 0) & rscale.isfinite(), rscale, torch.zeros_like(scale))
+    scaled = value * rscale
+    if dtype == torch.float16:
+        return scaled.to(torch.float16), scale
+    scale_inv = torch.where(rscale > 0, rscale.reciprocal(), torch.zeros_like(rscale))
+    return scaled.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale_inv
 
 
 def dequantize(stored: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Tensor:
@@ -129,12 +141,19 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             state[name + "_scale"] = scale
 
     def load_state_dict(self, state_dict: Dict) -> None:
-        """torch's loading, then every moment put back in its storage dtype."""
+        """torch's loading (which casts every state tensor to fp32), then every moment put back
+        in its storage dtype: exactly as saved when that dtype is this run's, else re-stored
+        from its fp32 value."""
         super().load_state_dict(state_dict)
         for param, state in self.state.items():
             for name in STATE_NAMES:
-                if name in state and name + "_scale" not in state:
-                    self.set_unscaled_state(param, name, state[name].float())
+                if name not in state:
+                    continue
+                dtype, scale = self.state_dtypes[name], state.get(name + "_scale")
+                if scale is not None and state[name].dtype != dtype:
+                    state[name] = state[name].to(dtype)  # values of that dtype: exact
+                elif scale is not None or state[name].dtype != dtype:
+                    self.set_unscaled_state(param, name, dequantize(state[name], scale))
 
     # -- the step ----------------------------------------------------------------------------
 

@@ -766,10 +766,10 @@ def _add_distributed_args(parser):
                         "weights (fp16 scaled per tensor)")
     g.add_argument("--exp-avg-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
                    help="with --use-precision-aware-optimizer: the storage dtype of Adam's "
-                        "first moment (fp8 is refused: it needs TransformerEngine)")
+                        "first moment (fp16 and fp8 E4M3 scaled per tensor)")
     g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
                    help="with --use-precision-aware-optimizer: the storage dtype of Adam's "
-                        "second moment (fp8 is refused: it needs TransformerEngine)")
+                        "second moment (fp16 and fp8 E4M3 scaled per tensor)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="fully sharded data parallelism with PyTorch's FSDP2: every transformer "
                         "layer (and an untied embedding and output layer) sharded over the "

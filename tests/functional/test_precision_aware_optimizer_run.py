@@ -8,9 +8,9 @@ checkpoint holds, so resume is compared with ``==``. Across DP sizes the bf16 mo
 gradients in another order (ranks vs a larger micro-batch), and a moment that such a difference
 tips to the neighbouring bf16 value moves its element by one bf16 ulp: measured 1.1e-5 relative
 in the loss at most, 1e-4 allowed, while losing the optimizer state at the checkpoint moves it by
-3e-3. fp16 moments get their per-tensor scale recomputed from the saved values on load (as
-TransformerEngine does), which can move a moment by one fp32 ulp: those resumes are compared to
-1e-6 (measured: identical), not asserted bit for bit.
+3e-3. fp16 and fp8 moments get their per-tensor scale recomputed from the saved values on load
+(as TransformerEngine does), which can move a moment by one fp32 ulp: those resumes are compared
+to 1e-6 (measured: identical), not asserted bit for bit.
 """
 
 import pytest
@@ -74,11 +74,14 @@ def test_two_data_parallel_ranks_match_one_process_and_reshard(corpus, tmp_path)
 
 
 @pytest.mark.slow
-def test_fp16_moments_and_master_resume(corpus, tmp_path):
+@pytest.mark.parametrize("moments", [("fp16", "fp16"), ("fp8", "fp16"), ("bf16", "fp8")],
+                         ids=["fp16", "fp8-fp16", "bf16-fp8"])
+def test_scaled_moments_and_fp16_master_resume(corpus, tmp_path, moments):
     flags = ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
-             "--exp-avg-dtype", "fp16", "--exp-avg-sq-dtype", "fp16",
+             "--exp-avg-dtype", moments[0], "--exp-avg-sq-dtype", moments[1],
              "--main-params-dtype", "fp16"]
     save = str(tmp_path / "ckpt")
     straight = _losses(_run(corpus, 1, flags + ["--save", save, "--save-interval", str(N)]))
+    assert sum(straight[N:]) / N < sum(straight[:N]) / N - 0.1, straight
     resumed = _losses(_run(corpus, 1, flags + ["--load", save, "--ckpt-step", str(N)]))
     assert resumed == pytest.approx(straight[N:], rel=1e-6)

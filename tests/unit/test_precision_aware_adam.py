@@ -33,8 +33,12 @@ def _ref_round(value: torch.Tensor, dtype: str) -> torch.Tensor:
     amax = float(value.abs().max())
     if amax == 0.0:
         return torch.zeros_like(value)
-    scale = torch.tensor([amax], dtype=torch.float32) / HALF_FP16_MAX
-    return (value * (1.0 / scale)).half().float() * scale
+    if dtype == "fp16":
+        scale = torch.tensor([amax], dtype=torch.float32) / HALF_FP16_MAX
+        return (value * (1.0 / scale)).half().float() * scale
+    scale = torch.tensor([amax], dtype=torch.float32) / 448.0  # E4M3's largest value
+    scaled = torch.clamp(value * (1.0 / scale), -448.0, 448.0)
+    return scaled.to(torch.float8_e4m3fn).float() * (1.0 / (1.0 / scale))
 
 
 def _params(seed=0):
@@ -86,7 +90,8 @@ def _ours(dtypes, grad_scale=1.0):
 
 COMBOS = [("fp32", "fp32", "fp32", "fp32"), ("bf16", "bf16", "fp32", "fp32"),
           ("fp16", "fp16", "fp32", "fp32"), ("bf16", "fp32", "fp32", "bf16"),
-          ("fp32", "fp16", "fp16", "fp32"), ("bf16", "bf16", "fp16", "bf16")]
+          ("fp32", "fp16", "fp16", "fp32"), ("bf16", "bf16", "fp16", "bf16"),
+          ("fp8", "fp8", "fp32", "fp32"), ("fp8", "bf16", "fp16", "bf16")]
 
 
 @pytest.mark.parametrize("dtypes", COMBOS, ids=["-".join(c) for c in COMBOS])
@@ -106,6 +111,20 @@ def test_state_is_stored_in_the_narrow_dtypes():
     assert state["exp_avg_sq"].dtype == torch.float16
     assert state["exp_avg_sq_scale"].shape == (1,)
     assert float(state["exp_avg_sq"].float().abs().max()) == HALF_FP16_MAX  # amax fills range
+
+
+def test_fp8_state_is_e4m3_scaled_to_its_range():
+    params, opt = _ours(("fp8", "fp8", "fp32", "fp32"))
+    state = opt.state[params[0]]
+    assert state["exp_avg"].dtype == torch.float8_e4m3fn
+    assert float(state["exp_avg"].float().abs().max()) == 448.0
+    assert (opt.unscaled_state(params[1], "exp_avg_sq") > 0).any()
+
+
+def test_a_tensor_of_zeros_is_stored_as_zeros():
+    params, opt = _ours(("fp8", "fp16", "fp32", "fp32"), grad_scale=0.0)
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt.unscaled_state(params[0], name), torch.zeros(5, 7))
 
 
 def test_fp16_scaling_keeps_moments_below_fp16_range():
@@ -161,14 +180,18 @@ def test_bf16_moments_follow_fp64_adam_with_rounded_moments():
     assert unrounded.median() > 1e-5, unrounded.median()
 
 
-def test_checkpoint_round_trip_is_exact_for_bf16_moments():
-    params, opt = _ours(("bf16", "bf16", "fp32", "bf16"))
+@pytest.mark.parametrize("dtypes", [("bf16", "bf16", "fp32", "bf16"),
+                                    ("fp16", "fp8", "fp16", "fp32")], ids=["bf16", "fp16-fp8"])
+def test_state_dict_round_trip_continues_bit_for_bit(dtypes):
+    """The optimizer's own state_dict keeps the stored values and their scales."""
+    params, opt = _ours(dtypes)
     saved = copy.deepcopy(opt.state_dict())  # as from a file: no tensor shared with ``opt``
-    assert saved["state"][0]["exp_avg"].dtype == torch.bfloat16
+    assert saved["state"][0]["exp_avg"].dtype == opt.state_dtypes["exp_avg"]
     twin_params = [p.clone() for p in params]
-    twin = PrecisionAwareAdamW(twin_params, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16",
-                               main_grads_dtype="bf16", **HYPER)
+    twin = PrecisionAwareAdamW(twin_params, exp_avg_dtype=dtypes[0], exp_avg_sq_dtype=dtypes[1],
+                               main_params_dtype=dtypes[2], main_grads_dtype=dtypes[3], **HYPER)
     twin.load_state_dict(saved)
+    assert twin.state[twin_params[0]]["exp_avg_sq"].dtype == opt.state_dtypes["exp_avg_sq"]
     for step in (STEPS + 1, STEPS + 2):
         for group in (params, twin_params):
             for p, g in zip(group, _grads(step, group)):
@@ -184,8 +207,9 @@ def test_checkpoint_round_trip_is_exact_for_bf16_moments():
     (["--use-precision-aware-optimizer"], "needs --use-distributed-optimizer"),
     (["--use-precision-aware-optimizer", "--use-distributed-optimizer", "--optimizer", "sgd"],
      "--optimizer adam only, got --optimizer sgd"),
-    (["--use-precision-aware-optimizer", "--use-distributed-optimizer", "--exp-avg-dtype", "fp8"],
-     "--exp-avg-dtype fp8 needs TransformerEngine"),
+    (["--exp-avg-sq-dtype", "fp8"], "--exp-avg-sq-dtype fp8 needs --use-precision-aware"),
+    (["--use-precision-aware-optimizer", "--use-distributed-optimizer",
+      "--optimizer-cpu-offload"], "with --optimizer-cpu-offload is not built"),
     (["--use-precision-aware-optimizer", "--use-distributed-optimizer", "--bf16",
       "--accumulate-allreduce-grads-in-fp32", "--main-grads-dtype", "bf16"],
      "--main-grads-dtype bf16 cannot be used with --accumulate-allreduce-grads-in-fp32"),
