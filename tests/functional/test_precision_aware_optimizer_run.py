@@ -85,3 +85,14 @@ def test_scaled_moments_and_fp16_master_resume(corpus, tmp_path, moments):
     assert sum(straight[N:]) / N < sum(straight[:N]) / N - 0.1, straight
     resumed = _losses(_run(corpus, 1, flags + ["--load", save, "--ckpt-step", str(N)]))
     assert resumed == pytest.approx(straight[N:], rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("precision", [[], ["--bf16"]], ids=["fp32", "bf16"])
+def test_fp32_state_is_the_default_optimizer_bit_for_bit(corpus, precision):
+    """Every dtype fp32: the same fp32 AdamW arithmetic as the default (fused) optimizer, so the
+    same losses, bit for bit (measured: identical, fp32 and bf16 models)."""
+    default = _losses(_run(corpus, 1, precision + ["--use-distributed-optimizer"]))
+    aware = _losses(_run(corpus, 1, precision + ["--use-distributed-optimizer",
+                                                 "--use-precision-aware-optimizer"]))
+    assert aware == default
