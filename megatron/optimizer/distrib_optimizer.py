@@ -61,6 +61,9 @@ expert-DP, and ``param_state`` holds the dense parameters and this EP rank's loc
 
 ``param_state[g][i]`` belongs to the i-th parameter of param group ``g`` (the order of
 :func:`~megatron.optimizer.builder.get_param_groups`); its tensors have the parameter's shape.
+With ``--use-precision-aware-optimizer`` the torch optimizer keeps the moments narrow
+(:mod:`~megatron.optimizer.precision_aware_adam`); they are read out and saved unscaled in fp32
+all the same, and stored narrow again on load.
 """
 
 import logging
