@@ -97,8 +97,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
 
     Args:
         params, lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``.
-        exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, main_grads_dtype: flag values
-            (``"fp32"``, ``"bf16"``, ``"fp16"``).
+        exp_avg_dtype, exp_avg_sq_dtype: ``"fp32"``, ``"bf16"``, ``"fp16"`` or ``"fp8"``.
+        main_params_dtype: ``"fp32"`` or ``"fp16"``; main_grads_dtype: ``"fp32"`` or ``"bf16"``.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
@@ -129,8 +129,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         return dequantize(state[name], state.get(name + "_scale"))
 
     def set_unscaled_state(self, param: torch.Tensor, name: str, value: torch.Tensor) -> None:
-        """Store fp32 ``value`` as ``param``'s ``name`` in its storage dtype (a new scale for
-        fp16)."""
+        """Store fp32 ``value`` as ``param``'s ``name`` in its storage dtype (with a new scale
+        for fp16 and fp8)."""
         stored, scale = quantize(value.to(param.device, torch.float32).reshape(param.shape),
                                  self.state_dtypes[name])
         state = self.state[param]
