@@ -17,6 +17,7 @@ from .distrib_optimizer import DistributedOptimizer
 from .cpu_offload import HybridDeviceOptimizer
 from .lion import Lion
 from .emerging import EMERGING_OPTIMIZERS, build_emerging
+from .precision_aware_adam import PrecisionAwareAdamW
 from .muon import build_muon, mark_qkv_weights, split_muon_groups
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler, MegatronGradScaler
 from .optimizer import (Float16OptimizerWithFloat16Params, FP32Optimizer, FullyShardedOptimizer,
@@ -116,8 +117,15 @@ def _build_torch_optimizer(config: OptimizerConfig, param_groups: List[dict],
 
 def _build_one_optimizer(config: OptimizerConfig, param_groups: List[dict],
                          sharded: bool = False) -> torch.optim.Optimizer:
-    """AdamW (fused when the kernels load), Lion or SGD; ``sharded``: over FSDP2's DTensor
+    """AdamW (fused when the kernels load; :class:`PrecisionAwareAdamW` with
+    ``--use-precision-aware-optimizer``), Lion or SGD; ``sharded``: over FSDP2's DTensor
     parameters, which the fused kernel does not take, so torch's own AdamW."""
+    if config.optimizer == "adam" and config.use_precision_aware_optimizer:
+        return PrecisionAwareAdamW(
+            param_groups, lr=config.lr, weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
+            exp_avg_dtype=config.exp_avg_dtype, exp_avg_sq_dtype=config.exp_avg_sq_dtype,
+            main_params_dtype=config.main_params_dtype, main_grads_dtype=config.main_grads_dtype)
     if config.optimizer == "adam":
         # Megatron's Adam decouples weight decay from the gradient (AdamW). The fused
         # multi-tensor step is used when the compiled kernels load; its state_dict is

@@ -80,6 +80,13 @@ class OptimizerConfig:
     # (megatron/core/mup.py, mup_group_overrides)
     use_mup: bool = False
     mup_width_mult: float = 1.0
+    # --use-precision-aware-optimizer and the dtypes it reads ("fp32", "bf16", "fp16"):
+    # see megatron/optimizer/precision_aware_adam.py
+    use_precision_aware_optimizer: bool = False
+    main_grads_dtype: str = "fp32"
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
 
     def __post_init__(self):
         if self.optimizer not in ("adam", "sgd", "lion", "muon", "dist_muon", "soap",
@@ -103,6 +110,20 @@ class OptimizerConfig:
 
             check_emerging_settings(self)
         self._check_offload()
+        self._check_precision_aware()
+
+    def _check_precision_aware(self) -> None:
+        from .precision_aware_adam import precision_aware_conflict
+
+        problem = precision_aware_conflict(
+            self.use_precision_aware_optimizer, self.optimizer, self.use_distributed_optimizer,
+            self.main_grads_dtype, self.main_params_dtype, self.exp_avg_dtype,
+            self.exp_avg_sq_dtype)
+        if problem is None and self.use_precision_aware_optimizer and self.optimizer_cpu_offload:
+            problem = ("--use-precision-aware-optimizer with --optimizer-cpu-offload is not "
+                       "built; drop one of the two")
+        if problem is not None:
+            raise ConfigError(problem)
 
     def _check_offload(self) -> None:
         if not 0.0 <= self.optimizer_offload_fraction <= 1.0:

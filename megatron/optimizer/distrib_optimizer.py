@@ -61,6 +61,9 @@ expert-DP, and ``param_state`` holds the dense parameters and this EP rank's loc
 
 ``param_state[g][i]`` belongs to the i-th parameter of param group ``g`` (the order of
 :func:`~megatron.optimizer.builder.get_param_groups`); its tensors have the parameter's shape.
+With ``--use-precision-aware-optimizer`` the torch optimizer keeps the moments narrow
+(:mod:`~megatron.optimizer.precision_aware_adam`); they are read out and saved unscaled in fp32
+all the same, and stored narrow again on load.
 """
 
 import logging
@@ -316,6 +319,9 @@ class DistributedOptimizer(MegatronOptimizer):
     # -- gradients ---------------------------------------------------------------------------
 
     def _copy_model_grads_to_main_grads(self) -> None:
+        # --main-grads-dtype bf16: the optimizer (norm, clipping, step) sees bf16 values of the
+        # reduced gradients, whatever dtype the gradient buffer reduced them in.
+        narrow = self.config.main_grads_dtype == "bf16"
         for piece, main in self._shards():
             grad = self.grad_buffers[piece.buffer_key].data[piece.buffer_start:piece.buffer_end]
             own = getattr(piece.model_param, "main_grad", None)
@@ -323,6 +329,8 @@ class DistributedOptimizer(MegatronOptimizer):
                 # An fp32 main_grad of its own (fp32 local accumulation): it holds the reduced
                 # slice and whatever was summed into it after the data-parallel reduction.
                 grad = own.view(-1)[piece.param_start:piece.param_end]
+            if narrow:
+                grad = grad.to(torch.bfloat16)
             main.grad = grad if grad.dtype == torch.float32 else grad.float()
             piece.model_param.grad = None
 
@@ -556,6 +564,14 @@ class DistributedOptimizer(MegatronOptimizer):
 
     # -- checkpoints -------------------------------------------------------------------------
 
+    def _state_value(self, main: torch.Tensor, name: str) -> Optional[torch.Tensor]:
+        """``name`` of ``main``'s optimizer state as fp32 values (a precision-aware optimizer
+        keeps it narrower); None before the first step."""
+        unscaled = getattr(self.optimizer, "unscaled_state", None)
+        if unscaled is not None:
+            return unscaled(main, name)
+        return self.optimizer.state.get(main, {}).get(name)
+
     def _state_keys(self) -> Tuple[str, ...]:
         if self.config.optimizer == "adam":
             return ("exp_avg", "exp_avg_sq")
@@ -605,11 +621,10 @@ class DistributedOptimizer(MegatronOptimizer):
                     row.append(None)
                     continue
                 piece, main = mine[param]
-                state = self.optimizer.state.get(main, {})
                 entry = {"start": piece.param_start, "end": piece.param_end,
                          "param": main.detach()}
                 for name in self._state_keys():
-                    value = state.get(name)
+                    value = self._state_value(main, name)
                     entry[name] = (value.detach() if value is not None
                                    else torch.zeros_like(main, dtype=torch.float32))
                 row.append(entry)
@@ -649,9 +664,8 @@ class DistributedOptimizer(MegatronOptimizer):
         for piece, main in self._shards():
             if piece.buffer_key != key or piece.bucket_index != bucket.index:
                 continue
-            state = self.optimizer.state.get(main, {})
             for row, name in enumerate(names):
-                value = main if name == "param" else state.get(name)
+                value = main if name == "param" else self._state_value(main, name)
                 if value is not None:
                     local[row, piece.buffer_start - base:piece.buffer_end - base] = value
         return local
@@ -756,8 +770,13 @@ class DistributedOptimizer(MegatronOptimizer):
         state.clear()
         if step == 0:
             return
+        narrow = getattr(self.optimizer, "set_unscaled_state", None)
         for name in self._state_keys():
-            state[name] = values[name].reshape(-1).to(main.device, torch.float32).clone()
+            value = values[name].reshape(-1).to(main.device, torch.float32)
+            if narrow is not None:
+                narrow(main, name, value)
+            else:
+                state[name] = value.clone()
         if self.config.optimizer == "adam":
             state["step"] = torch.tensor(float(step), dtype=torch.float32)
 

@@ -772,6 +772,22 @@ def _add_distributed_args(parser):
                    "steps (1) and after the optimizer step too (2); no effect on CPU")
     g.add_argument("--standalone-embedding-stage", action="store_true")
     g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="Adam keeps its moments, master weights and gradients in the dtypes "
+                        "below, computing each update in fp32 (needs "
+                        "--use-distributed-optimizer)")
+    g.add_argument("--main-grads-dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="with --use-precision-aware-optimizer: the dtype of the gradients the "
+                        "optimizer reads")
+    g.add_argument("--main-params-dtype", default="fp32", choices=["fp32", "fp16"],
+                   help="with --use-precision-aware-optimizer: the precision of the master "
+                        "weights (fp16 scaled per tensor)")
+    g.add_argument("--exp-avg-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
+                   help="with --use-precision-aware-optimizer: the storage dtype of Adam's "
+                        "first moment (fp16 and fp8 E4M3 scaled per tensor)")
+    g.add_argument("--exp-avg-sq-dtype", default="fp32", choices=["fp32", "fp16", "bf16", "fp8"],
+                   help="with --use-precision-aware-optimizer: the storage dtype of Adam's "
+                        "second moment (fp16 and fp8 E4M3 scaled per tensor)")
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="fully sharded data parallelism with PyTorch's FSDP2: every transformer "
                         "layer (and an untied embedding and output layer) sharded over the "

@@ -356,6 +356,9 @@ def _optimizer_config(args) -> Optional[OptimizerConfig]:
         use_torch_optimizer_for_cpu_offload=args.use_torch_optimizer_for_cpu_offload,
         overlap_cpu_optimizer_d2h_h2d=args.overlap_cpu_optimizer_d2h_h2d,
         pin_cpu_grads=args.pin_cpu_grads, pin_cpu_params=args.pin_cpu_params,
+        use_precision_aware_optimizer=args.use_precision_aware_optimizer,
+        main_grads_dtype=args.main_grads_dtype, main_params_dtype=args.main_params_dtype,
+        exp_avg_dtype=args.exp_avg_dtype, exp_avg_sq_dtype=args.exp_avg_sq_dtype,
         use_mup=args.use_mup,
         mup_width_mult=(resolve_width_mult(args.hidden_size, args.mup_width_mult,
                                            args.mup_base_hidden_size) if args.use_mup else 1.0))

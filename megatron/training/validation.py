@@ -1369,6 +1369,24 @@ def _validate_recompute_modules(args) -> None:
               f"{', '.join(RECOMPUTE_MODULES)}, or use --recompute-granularity full")
 
 
+def _validate_precision_aware_optimizer(args) -> None:
+    """Megatron's rules for --use-precision-aware-optimizer and its dtypes; with --bf16 the
+    gradients cannot be both accumulated in fp32 on request and read in bf16."""
+    from megatron.optimizer.precision_aware_adam import precision_aware_conflict
+
+    problem = precision_aware_conflict(
+        args.use_precision_aware_optimizer, args.optimizer, args.use_distributed_optimizer,
+        args.main_grads_dtype, args.main_params_dtype, args.exp_avg_dtype, args.exp_avg_sq_dtype)
+    if problem is not None:
+        _fail(problem)
+    if args.use_precision_aware_optimizer and args.optimizer_cpu_offload:
+        _fail("--use-precision-aware-optimizer with --optimizer-cpu-offload is not built; drop "
+              "one of the two")
+    if args.bf16 and args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != "fp32":
+        _fail(f"--main-grads-dtype {args.main_grads_dtype} cannot be used with "
+              "--accumulate-allreduce-grads-in-fp32 (as in Megatron: it needs fp32)")
+
+
 def _validate_optimizer_offload(args) -> None:
     if not args.optimizer_cpu_offload:
         given = [flag for flag, on in (
@@ -1574,6 +1592,7 @@ def check_flags(args):
     registry's checks); derives the sizes the later checks and the run read."""
     _validate_surface(args)
     _validate_megatron_fsdp(args)
+    _validate_precision_aware_optimizer(args)
     _validate_sizes(args)
     _validate_watchdogs(args)
     _apply_old_spellings(args)
