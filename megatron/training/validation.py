@@ -694,13 +694,18 @@ def _validate_model(args) -> None:
         _fail("--rotary-seq-len-interpolation-factor must be >= 1, got "
               f"{args.rotary_seq_len_interpolation_factor}")
     args.params_dtype = torch.half if args.fp16 else torch.bfloat16 if args.bf16 else torch.float
+    if args.bf16 and args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != "fp32":
+        _fail(f"--main-grads-dtype {args.main_grads_dtype} cannot be used with "
+              "--accumulate-allreduce-grads-in-fp32 (as in Megatron: it needs fp32)")
     if args.bf16 and args.grad_reduce_in_bf16:
         if args.accumulate_allreduce_grads_in_fp32:
             _note(args, "--grad-reduce-in-bf16 overrides --accumulate-allreduce-grads-in-fp32: "
                         "gradients are accumulated and reduced in bf16")
         args.accumulate_allreduce_grads_in_fp32 = False
-    elif args.bf16 and not args.accumulate_allreduce_grads_in_fp32:
-        # As in Megatron: bf16 gradients are reduced and accumulated in fp32.
+    elif (args.bf16 and not args.accumulate_allreduce_grads_in_fp32
+          and args.main_grads_dtype == "fp32"):
+        # As in Megatron: bf16 gradients are reduced and accumulated in fp32, unless the
+        # optimizer is asked for bf16 main gradients, which keeps the buffers in bf16.
         args.accumulate_allreduce_grads_in_fp32 = True
     if args.recompute_granularity == "full":
         if args.recompute_method is None:
