@@ -52,8 +52,6 @@ EXTRA_CHOICES = (
     ("--position-embedding-type", "mrope", table.VISION),
     ("--position-embedding-type", "relative", table.T5),
     ("--transformer-impl", "inference_optimized", table.INFERENCE),
-    *(("--optimizer", name, table.OPTIMIZERS)
-      for name in ("soap", "adaptive_muon")),
     ("--tokenizer-type", "MultimodalTokenizer", table.VISION),
     ("--tokenizer-type", "NullMultimodalTokenizer", table.VISION),
     ("--moe-token-dispatcher-type", "flex", table.FLEX),

@@ -93,43 +93,31 @@ RESILIENCY = ("NVIDIA's resiliency packages (fault tolerance, in-process restart
 AUTORESUME = "ADLR cluster autoresume is not part of this project; use --exit-duration-in-mins"
 TELEMETRY = ("this tracing/telemetry integration is not built here; drop it (use "
              "--tensorboard-dir or --wandb-project)")
-DISTILL = "saving or distilling from teacher logits is not built yet; drop it"
 FLEX = ("the flex token dispatcher (DeepEP, HybridEP, NCCL EP) is not built here; use "
         "--moe-token-dispatcher-type alltoall")
 ACT_OFFLOAD = ("the MoE paged stash of expert activations is not built yet; use "
                "--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act")
 INFLIGHT = ("offload copies here finish before the forward goes on, so no offload is ever in "
             "flight for a cap to limit")
-OPTIMIZERS = "this optimizer is not built yet; use --optimizer adam, sgd, lion or muon"
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
-VP_GROUP = ("the interleaved schedule here groups --pipeline-model-parallel-size micro-batches "
-            "per virtual stage; drop it")
 CP_VARIANTS = ("hybrid (per-sequence dynamic) context parallelism is not built yet; use "
                "--context-parallel-size with --cp-comm-type")
 WEIGHT_SHARDS = "sharded tensor-parallel weights are not built yet; drop it"
 UCC = "only the default communication backend is built here; drop it"
-GRAD_PRECISION = ("gradients are reduced in fp32 here with --bf16 (as "
-                  "--accumulate-allreduce-grads-in-fp32); drop it")
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
-TIMEOUTS = ("the NCCL flight recorder and a second timeout after start-up are not built here; "
-            "use --distributed-timeout-minutes")
 MODEL_VARIANT = "this model variant is not built yet; drop it"
 CKPT_EXTRAS = ("it changes how Megatron reads a legacy distrib_optim.pt, a file this project "
                "neither writes nor reads; drop it")
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
               "drop it and give local paths")
-PARAM_GROUPS = "custom parameter groups are not built yet; drop it"
 PRE_MCORE_014 = ("saving torch_dist checkpoints in the layout of Megatron-Core before 0.14 is "
                  "not built; drop it (checkpoints are written in today's layout)")
 HF_SLOW = ("Hugging Face's slow (Python) tokenizers are not built here; drop it (tokenizer.json "
            "is read with the tokenizers library, which AutoTokenizer's fast tokenizers run)")
 REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a model folder "
                "runs as code); drop it and give a tokenizer.json")
-GPU_SNIFF = ("the periodic GPU self-test is not built yet; drop it (--rerun-mode "
-             "validate_results and --check-weight-hash-across-dp-replicas-interval catch a "
-             "faulty device's results)")
 
 # (option strings, dest, action, default, choices, kind, reason); see the module docstring.
 ROWS = (
@@ -163,8 +151,6 @@ ROWS = (
     ('--wgrad-deferral-limit', '', 'int', 0, '', NO_EFFECT, SCHEDULE),
     ('--overlap-p2p-communication-warmup-flush', 'overlap_p2p_comm_warmup_flush',
      'true', False, '', NO_EFFECT, SCHEDULE),
-    ('--microbatch-group-size-per-virtual-pipeline-stage', 'microbatch_group_size_per_vp_stage',
-     'int', None, '', REFUSED, VP_GROUP),
     ('--mtp-hybrid-override-pattern', '', 'str', None, '', REFUSED, MTP),
     ('--flash-attention-version', '', 'int', None, '2|3|4', NO_EFFECT, ATTN_BACKEND),
     ('--disable-bf16-reduced-precision-matmul', '', 'true', False, '', WORKS, None),
@@ -192,8 +178,6 @@ ROWS = (
     ('--fp4-quantizer-factory', '', 'str', None, '', REFUSED, FP8),
     ('--high-priority-a2a-comm-stream', '', 'true', False, '', NO_EFFECT, EP_OVERLAP),
     ('--use-grouped-gemm-for-shared-expert', '', 'true', False, '', REFUSED, MODEL_VARIANT),
-    ('--moe-shared-expert-glu-interleave-size', '', 'int', None, '', REFUSED, MODEL_VARIANT),
-    ('--moe-enable-routing-replay', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--moe-router-padding-for-quantization', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-padding-for-fp8', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-force-biased', '', 'float', None, '', REFUSED, MODEL_VARIANT),
@@ -209,7 +193,6 @@ ROWS = (
     ('--moe-pad-experts-for-cuda-graph-inference', '', 'true', False, '', REFUSED, CUDA_GRAPH),
     ('--moe-permute-fusion', '', 'true', False, '', NO_EFFECT, FUSION),
     ('--moe-router-fusion', '', 'true', False, '', NO_EFFECT, FUSION),
-    ('--moe-latent-size', '', 'int', None, '', REFUSED, MODEL_VARIANT),
     ('--gtp-remat-opt-in-modules', '', 'str+', [], '', REFUSED, FSDP),
     ('--moe-flex-dispatcher-num-sms', '', 'int', None, '', REFUSED, FLEX),
     ('--moe-deepep-num-sms', '', 'int', None, '', REFUSED, FLEX),
@@ -220,7 +203,6 @@ ROWS = (
     ('--moe-ncclep-zero-copy', '', 'true', False, '', REFUSED, FLEX),
     ('--moe-dispatch-fwd-dtype', '', 'str', 'bf16', 'bf16|mxfp8', REFUSED, FP8),
     ('--moe-combine-bwd-dtype', '', 'str', 'bf16', 'bf16|mxfp8', REFUSED, FP8),
-    ('--moe-mlp-glu-interleave-size', '', 'int', None, '', REFUSED, MODEL_VARIANT),
     ('--moe-expert-rank-capacity-factor', '', 'float', None, '', REFUSED, FLEX),
     ('--enable-cuda-graph', '', 'true', False, '', REFUSED, CUDA_GRAPH),
     ('--cuda-graph-warmup-steps', '', 'int', 3, '', REFUSED, CUDA_GRAPH),
@@ -256,7 +238,6 @@ ROWS = (
     ('--gdp-cutedsl-kernel', '', 'true', False, '', REFUSED, MAMBA),
     ('--gdp-num-chunk-states-to-recompute', '', 'int', 2, '', REFUSED, MAMBA),
     ('--mlp-chunks-for-prefill', '', 'int', 1, '', REFUSED, INFERENCE),
-    ('--mlp-chunks-for-training', '', 'int', 1, '', REFUSED, MODEL_VARIANT),
     ('--delay-offload-until-cuda-graph', '', 'true', False, '', REFUSED, CUDA_GRAPH),
     ('--moe-paged-stash', '', 'true', False, '', REFUSED, ACT_OFFLOAD),
     ('--moe-paged-stash-page-size', '', 'int', 64, '', REFUSED, ACT_OFFLOAD),
@@ -271,7 +252,6 @@ ROWS = (
     ('--pytorch-profiler-collect-shapes', '', 'true', False, '', NO_EFFECT, PROFILER),
     ('--pytorch-profiler-collect-callstack', '', 'true', False, '', NO_EFFECT, PROFILER),
     ('--record-shapes', '', 'true', False, '', NO_EFFECT, PROFILER),
-    ('--gpu-sniff-test-interval', '', 'int', None, '', REFUSED, GPU_SNIFF),
     ('--train-sync-interval', '', 'int', None, '', NO_EFFECT, SCHEDULE),
     ('--exit-signal', '', 'signal', signal.SIGTERM, '', WORKS, None),
     ('--no-check-for-nan-in-loss-and-grad', 'check_for_nan_in_loss_and_grad',
@@ -279,7 +259,6 @@ ROWS = (
     ('--tp-comm-overlap-cfg', '', 'str', None, '', REFUSED, TP_OVERLAP),
     ('--no-rope-fusion', 'apply_rope_fusion', 'false', True, '', NO_EFFECT, FUSION),
     ('--optimizer-cuda-graph', '', 'true', False, '', REFUSED, CUDA_GRAPH),
-    ('--dump-param-to-param-group-map', '', 'str', None, '', REFUSED, PARAM_GROUPS),
     ('--perform-rl-step', '', 'true', False, '', REFUSED, RL),
     ('--rl-prompts-per-eval', '', 'int', 32, '', REFUSED, RL),
     ('--grpo-prompts-per-step', '', 'int', 32, '', REFUSED, RL),
@@ -361,7 +340,6 @@ ROWS = (
      'str', None, '', REFUSED, DIST_CKPT_FORMAT),
     ('--dist-ckpt-workers', '', 'int', 1, '', NO_EFFECT, CKPT_PERF),
     ('--ckpt-drop-redundant-extra-state', '', 'true', False, '', NO_EFFECT, CKPT_PERF),
-    ('--grad-reduce-in-bf16', '', 'true', False, '', REFUSED, GRAD_PRECISION),
     ('--reuse-grad-buf-for-mxfp8-param-ag', '', 'true', False, '', REFUSED, FP8),
     ('--mamba-training-ssm-states-dtype', '', 'str', None, 'fp32|bf16', REFUSED, MAMBA),
     ('--no-align-grad-reduce --disable-align-grad-reduce', 'align_grad_reduce',
@@ -372,26 +350,12 @@ ROWS = (
     ('--use-sharp', '', 'true', False, '', NO_EFFECT, NCCL_TUNING),
     ('--sharp-enabled-group', '', 'str', None, 'dp|dp_replica', NO_EFFECT, NCCL_TUNING),
     ('--high-priority-stream-groups', '', 'str*', [], '', NO_EFFECT, NCCL_TUNING),
-    ('--distributed-timeout-seconds-after-init', '', 'int', None, '', REFUSED, TIMEOUTS),
-    ('--flight-recorder-dump-path', '', 'str', None, '', REFUSED, TIMEOUTS),
-    ('--flight-recorder-trace-buffer-size', '', 'int', 2000, '', REFUSED, TIMEOUTS),
-    ('--no-flight-recorder-dump-on-timeout --disable-flight-recorder-dump-on-timeout',
-     'flight_recorder_dump_on_timeout', 'false', True, '', REFUSED, TIMEOUTS),
-    ('--flight-recorder-include-stack-trace', '', 'true', False, '', REFUSED, TIMEOUTS),
-    ('--no-flight-recorder-include-only-active --disable-flight-recorder-include-only-active',
-     'flight_recorder_include_only_active', 'false', True, '', REFUSED, TIMEOUTS),
-    ('--no-flight-recorder-extra-dump-on-exec --disable-flight-recorder-extra-dump-on-exec',
-     'flight_recorder_extra_dump_on_exec', 'false', True, '', REFUSED, TIMEOUTS),
     ('--disable-jit-fuser', '', 'true', False, '', NO_EFFECT, FUSION),
     ('--num-virtual-stages-per-pipeline-rank', '', 'int', None, '', WORKS, None),
     ('--no-overlap-p2p-communication', 'overlap_p2p_comm', 'false', True, '', NO_EFFECT, SCHEDULE),
     ('--ddp-num-buckets', '', 'int', None, '', NO_EFFECT, BUCKETS),
     ('--ddp-pad-buckets-for-high-nccl-busbw', '', 'true', False, '', NO_EFFECT, BUCKETS),
-    ('--ddp-reduce-scatter-with-fp32-accumulation', '',
-     'true', False, '', REFUSED, GRAD_PRECISION),
     ('--gtp-remat-reduce-scatter-with-fp32-accumulation', '', 'true', False, '', REFUSED, FSDP),
-    ('--ddp-param-name-patterns-for-fp32-local-accumulation', '',
-     'str+', [], '', REFUSED, GRAD_PRECISION),
     ('--ddp-average-in-collective', '', 'true', False, '', NO_EFFECT, AVERAGE),
     ('--overlap-param-gather-with-optimizer-step', '', 'true', False, '', NO_EFFECT, SCHEDULE),
     ('--no-align-param-gather', 'align_param_gather', 'false', True, '', NO_EFFECT, SCHEDULE),
@@ -478,17 +442,6 @@ ROWS = (
     ('--otel-enabled', '', 'true', False, '', REFUSED, TELEMETRY),
     ('--otel-service-name', '', 'str', None, '', REFUSED, TELEMETRY),
     ('--otel-span-groups', '', 'str+', None, '', REFUSED, TELEMETRY),
-    ('--logits-save-top-k', '', 'int', None, '', REFUSED, DISTILL),
-    ('--logits-save-top-p', '', 'float', None, '', REFUSED, DISTILL),
-    ('--logits-save-top-p-min-k', '', 'int', 1, '', REFUSED, DISTILL),
-    ('--logits-save-dir', '', 'str', None, '', REFUSED, DISTILL),
-    ('--logits-save-dtype', '', 'str', 'fp16', 'fp16|bf16|fp32', REFUSED, DISTILL),
-    ('--logits-load-dir', '', 'str', None, '', REFUSED, DISTILL),
-    ('--logits-load-decode-threads', '', 'int', 4, '', REFUSED, DISTILL),
-    ('--logits-load-prefetch-factor', '', 'int', 3, '', REFUSED, DISTILL),
-    ('--logits-load-msc-prefetch-depth', '', 'int', 2, '', REFUSED, DISTILL),
-    ('--logits-load-kd-loss-alpha', '', 'float', 1.0, '', REFUSED, DISTILL),
-    ('--logits-load-ignore-errors', '', 'true', False, '', REFUSED, DISTILL),
     ('--run-workload-inspector-server', '', 'true', False, '', REFUSED, TELEMETRY),
     ('--inference-batch-times-seqlen-threshold', '', 'int', -1, '', REFUSED, INFERENCE),
     ('--max-tokens-to-oom', '', 'int', 12000, '', WORKS, None),
@@ -564,11 +517,6 @@ ROWS = (
     ('--hybrid-layer-pattern', '', 'str', None, '', REFUSED, MAMBA),
     ('--hybrid-override-pattern', '', 'str', None, '', REFUSED, MAMBA),
     ('--yaml-cfg', '', 'str', None, '', REFUSED, SPEC),
-    ('--use-precision-aware-optimizer', '', 'true', False, '', REFUSED, TE),
-    ('--main-grads-dtype', '', 'str', 'fp32', 'fp32|bf16', REFUSED, TE),
-    ('--main-params-dtype', '', 'str', 'fp32', 'fp32|fp16', REFUSED, TE),
-    ('--exp-avg-dtype', '', 'str', 'fp32', 'fp32|fp16|bf16|fp8', REFUSED, TE),
-    ('--exp-avg-sq-dtype', '', 'str', 'fp32', 'fp32|fp16|bf16|fp8', REFUSED, TE),
     ('--megatron-fsdp-enable-fine-grained-param-gather', '', 'true', False, '', REFUSED, FSDP),
     ('--megatron-fsdp-max-pool-double-buffer', '', 'true', False, '', REFUSED, FSDP),
     ('--fsdp-db-use-persist-buf-on-alloc-fail', '', 'true', False, '', REFUSED, FSDP),
