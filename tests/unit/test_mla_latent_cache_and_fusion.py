@@ -250,3 +250,21 @@ def test_flags_parse_and_bad_combinations_name_the_flag():
     for flag in ("cache_mla_latents", "mla_down_proj_fusion"):
         with pytest.raises(ConfigError, match="--multi-latent-attention only"):
             make_config(**{flag: True})
+
+
+def test_validate_args_refuses_the_options_before_any_process_group():
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+
+    base = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+            "--max-position-embeddings 16 --micro-batch-size 1 --global-batch-size 1 "
+            "--train-iters 1 --lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 64").split()
+    mla = ["--multi-latent-attention", "--position-embedding-type", "rope"]
+    for extra, match in ((["--cache-mla-latents"], "--cache-mla-latents applies to"),
+                         (["--mla-down-proj-fusion"], "--mla-down-proj-fusion applies to"),
+                         (mla + ["--mla-down-proj-fusion"], "needs --q-lora-rank")):
+        with pytest.raises(ArgumentsError, match=match):
+            validate_args(parse_args(argv=base + extra))
+    args = validate_args(parse_args(argv=base + mla + ["--q-lora-rank", "8",
+                                                       "--mla-down-proj-fusion",
+                                                       "--cache-mla-latents"]))
+    assert args.mla_down_proj_fusion and args.cache_mla_latents
