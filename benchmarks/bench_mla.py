@@ -19,12 +19,14 @@ say more about the neighbours than about the model).
 **Key/value cache**: the model runs a ``--seq``-token prompt through
 :class:`~megatron.text_generation.inference_params.InferenceParams` as text generation does, and
 the bytes of every tensor in its cache are summed and divided by the positions it holds: the
-bytes per generated token, all layers. This project's generation caches MLA's *expanded* keys
-and values (``heads x (qk_head_dim + qk_pos_emb_head_dim)`` and ``heads x v_head_dim`` per
-layer), not the latent; the column "latent" gives what a cache of the compressed latent and
-the shared rotary key (``kv_lora_rank + qk_pos_emb_head_dim`` per layer) would hold, which is
-not built. Each measured size must equal the size worked out from the shapes, or the benchmark
-stops.
+bytes per generated token, all layers. Standard MLA generation caches the *expanded* keys and
+values (``heads x (qk_head_dim + qk_pos_emb_head_dim)`` and ``heads x v_head_dim`` per layer);
+the row ``mla-latent`` is the same MLA model (same weights) with ``--cache-mla-latents``, whose
+cache holds the normalised latent and the shared rotary key (``kv_lora_rank +
+qk_pos_emb_head_dim`` per layer). Each measured size must equal the size worked out from the
+shapes, and the latent cache's prompt logits must equal the expanded cache's (1e-4 relative,
+fp32), or the benchmark stops. ``--cache-mla-latents`` is for generation only, so
+``mla-latent`` has no training step time.
 
 Run::
 
@@ -88,7 +90,7 @@ def parse(argv=None):
     return a
 
 
-def make_config(a, kind: str) -> TransformerConfig:
+def make_config(a, kind: str, **extra) -> TransformerConfig:
     kw = dict(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
               ffn_hidden_size=a.ffn, padded_vocab_size=a.vocab, max_position_embeddings=a.seq,
               seq_length=a.seq, hidden_dropout=0.0, attention_dropout=0.0,
@@ -102,35 +104,34 @@ def make_config(a, kind: str) -> TransformerConfig:
                   kv_lora_rank=a.kv_lora_rank, qk_head_dim=a.qk_head_dim,
                   qk_pos_emb_head_dim=a.qk_pos_emb_head_dim, v_head_dim=a.v_head_dim,
                   qk_layernorm=True)
+    kw.update(extra)
     return TransformerConfig(**kw)
 
 
-def build(a, kind: str) -> GPTModel:
+def build(a, kind: str, **extra) -> GPTModel:
     pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0)
     torch.manual_seed(0)
-    return GPTModel(make_config(a, kind), pstate)
+    return GPTModel(make_config(a, kind, **extra), pstate)
 
 
 def expected_cache_bytes(a, kind: str, element: int) -> int:
     """Bytes per cached token, all layers, from the shapes."""
     head = a.hidden // a.heads
     per_layer = {"mha": 2 * a.heads * head, "gqa": 2 * a.num_query_groups * head,
-                 "mla": a.heads * (a.qk_head_dim + a.qk_pos_emb_head_dim + a.v_head_dim)}[kind]
+                 "mla": a.heads * (a.qk_head_dim + a.qk_pos_emb_head_dim + a.v_head_dim),
+                 "mla-latent": a.kv_lora_rank + a.qk_pos_emb_head_dim}[kind]
     return a.layers * per_layer * element
 
 
-def latent_cache_bytes(a, element: int) -> int:
-    return a.layers * (a.kv_lora_rank + a.qk_pos_emb_head_dim) * element
-
-
-def measure_cache(a, kind: str, model: GPTModel) -> int:
-    """Bytes per token the generation cache holds after a ``--seq``-token prompt."""
+def measure_cache(a, kind: str, model: GPTModel):
+    """(Bytes per token the generation cache holds after a ``--seq``-token prompt, the
+    prompt's logits)."""
     params = InferenceParams(max_batch_size=1, max_sequence_length=a.seq)
     ids = torch.randint(0, a.vocab, (1, a.seq), generator=torch.Generator().manual_seed(1))
     pos = torch.arange(a.seq).unsqueeze(0)
     with torch.no_grad():
         model.eval()
-        model(ids, pos, None, inference_params=params)
+        logits = model(ids, pos, None, inference_params=params)
         model.train()
     held = sum(t.nbytes for pair in params.key_value_memory_dict.values() for t in pair)
     if len(params.key_value_memory_dict) != a.layers:
@@ -141,7 +142,7 @@ def measure_cache(a, kind: str, model: GPTModel) -> int:
     if per_token != expected_cache_bytes(a, kind, element):
         raise RuntimeError(f"{kind}: the cache holds {per_token} bytes per token, the shapes "
                            f"give {expected_cache_bytes(a, kind, element)}")
-    return per_token
+    return per_token, logits
 
 
 def step_ms(a, model: GPTModel, batch) -> float:
@@ -171,10 +172,15 @@ def run(a):
     for _ in range(a.repeats):
         for kind, model in models.items():
             best[kind] = min(best[kind], step_ms(a, model, batch))
-    rows = []
+    rows, logits = [], {}
     for kind, model in models.items():
         attn = sum(p.numel() for n, p in model.named_parameters() if ".self_attention." in n)
-        rows.append((kind, attn, best[kind], measure_cache(a, kind, model)))
+        cache, logits[kind] = measure_cache(a, kind, model)
+        rows.append((kind, attn, best[kind], cache))
+    latent = build(a, "mla", cache_mla_latents=True).eval()
+    cache, got = measure_cache(a, "mla-latent", latent)
+    torch.testing.assert_close(got, logits["mla"], rtol=1e-4, atol=1e-4)
+    rows.append(("mla-latent", rows[-1][1], None, cache))
     return rows
 
 
@@ -183,17 +189,14 @@ def print_table(a, rows):
           f"key/value heads; mla: q_lora_rank {a.q_lora_rank}, kv_lora_rank {a.kv_lora_rank}, "
           f"qk {a.qk_head_dim}+{a.qk_pos_emb_head_dim}, v {a.v_head_dim}; micro-batch "
           f"{a.batch} x {a.seq} tokens, fp32, {a.threads} threads")
-    print("| attention | attention params | fwd+bwd ms | KV cache B/token (held) "
-          "| vs mha | latent B/token (not built) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| attention | attention params | fwd+bwd ms | KV cache B/token (held) | vs mha |")
+    print("|---|---:|---:|---:|---:|")
     mha_cache = dict((r[0], r[3]) for r in rows)["mha"]
-    element = torch.finfo(torch.float32).bits // 8
     for kind, params, ms, cache in rows:
-        latent = f"{latent_cache_bytes(a, element)}" if kind == "mla" else "-"
-        print(f"| {kind} | {params:,} | {ms:.1f} | {cache:,} | {cache / mha_cache:.2f} "
-              f"| {latent} |")
-    print("# KV cache: what this project's text generation holds per token, all layers "
-          "(MLA caches the expanded keys and values, not the latent)")
+        step = "-" if ms is None else f"{ms:.1f}"
+        print(f"| {kind} | {params:,} | {step} | {cache:,} | {cache / mha_cache:.2f} |")
+    print("# KV cache: what this project's text generation holds per token, all layers; "
+          "mla-latent: the mla model with --cache-mla-latents (generation only: no step time)")
 
 
 def main(argv=None):

@@ -292,7 +292,8 @@ class _Source:
                 language_model, path = self._language_model(tp_rank, pp_rank, chunk, ep_rank)
                 encoder = _encoder(language_model, path)
                 for name, saved_name in pairs:
-                    tensors[name] = _layer_tensor(encoder, f"layers.{local}.{saved_name}", path)
+                    tensors[name] = _layer_tensor(encoder, f"layers.{local}.{saved_name}", path,
+                                                  getattr(self.args, "q_lora_rank", None))
             per_rank.append(tensors)
         out = {}
         for name in names:
@@ -317,7 +318,8 @@ class _Source:
                     trees[ep_rank] = self._chunk_tree(tp_rank, last, chunk, ep_rank)
                 tree, path = trees[ep_rank]
                 tensors[name] = _layer_tensor(get_path({"model": tree}, ["model", "mtp"], path),
-                                              f"layers.{depth}.{saved_name}", path)
+                                              f"layers.{depth}.{saved_name}", path,
+                                              getattr(self.args, "q_lora_rank", None))
             per_rank.append(tensors)
         out = {}
         for name in names:
@@ -327,9 +329,23 @@ class _Source:
         return out
 
 
-def _layer_tensor(tree: dict, key: str, path: str) -> torch.Tensor:
+_FUSED_DOWN = "self_attention.linear_qkv_down_proj.weight"
+_SPLIT_DOWN = {"self_attention.linear_q_down_proj.weight": 0,
+               "self_attention.linear_kv_down_proj.weight": 1}
+
+
+def _layer_tensor(tree: dict, key: str, path: str,
+                  q_lora_rank: Optional[int] = None) -> torch.Tensor:
     """``tree[key]``; a router bias an older checkpoint lacks reads as zeros, the router of
-    those versions (:mod:`megatron.checkpoint.router_bias`)."""
+    those versions (:mod:`megatron.checkpoint.router_bias`); an MLA down projection of a
+    ``--mla-down-proj-fusion`` run is its rows of ``linear_qkv_down_proj`` (split at
+    ``q_lora_rank``)."""
+    part = next((i for name, i in _SPLIT_DOWN.items() if key.endswith(name)), None)
+    if key not in tree and part is not None and q_lora_rank is not None:
+        fused_key = key[:key.rindex("self_attention.")] + _FUSED_DOWN
+        if fused_key in tree:
+            fused = get_path(tree, [fused_key], path)
+            return fused[:q_lora_rank] if part == 0 else fused[q_lora_rank:]
     if key not in tree and is_router_bias(key):
         weight = get_path(tree, [key[:-len("bias")] + "weight"], path)
         note_zero_router_bias_once(path, key)

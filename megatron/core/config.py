@@ -158,6 +158,12 @@ class TransformerConfig:
     qk_head_dim: int = 128
     qk_pos_emb_head_dim: int = 64
     v_head_dim: int = 128
+    # --cache-mla-latents: generation caches each token's normalised kv latent and rotated
+    # shared key channels (kv_lora_rank + qk_pos_emb_head_dim values per layer) and absorbs the
+    # key/value up projection into the query and the output. --mla-down-proj-fusion: the query
+    # and key/value down projections are one linear_qkv_down_proj (needs --q-lora-rank).
+    cache_mla_latents: bool = False
+    mla_down_proj_fusion: bool = False
     # --rope-type: rope or yarn for MLA's rotary channels (None: yarn); standard attention
     # accepts only rope (its YaRN is --position-embedding-type yarn), as in Megatron-Core.
     rope_type: Optional[str] = None
@@ -501,7 +507,14 @@ def pipeline_layer_counts(num_layers: int, pp_size: int, first: Optional[int] = 
 def mla_conflict(config: TransformerConfig) -> Optional[str]:
     """Why the multi-latent attention flags of ``config`` cannot be built (None: they can)."""
     if not config.multi_latent_attention:
+        for flag, on in (("--cache-mla-latents", config.cache_mla_latents),
+                         ("--mla-down-proj-fusion", config.mla_down_proj_fusion)):
+            if on:
+                return f"{flag} applies to --multi-latent-attention only: add it or drop {flag}"
         return None
+    if config.mla_down_proj_fusion and config.q_lora_rank is None:
+        return ("--mla-down-proj-fusion fuses the query and key/value down projections: it "
+                "needs --q-lora-rank (the query has no down projection without it)")
     if config.position_embedding_type not in ("rope", "yarn"):
         return ("--multi-latent-attention needs --position-embedding-type rope or yarn, got "
                 f"{config.position_embedding_type}")

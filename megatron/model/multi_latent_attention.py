@@ -25,6 +25,21 @@ and rotates their position channels by their global positions (the angles the mo
 are already this rank's); the whole heads' keys ``[d + r]`` and values ``[dv]`` then go to
 :func:`~megatron.core.context_parallel.context_parallel_attention` by the layer's
 ``--cp-comm-type``, as for standard attention.
+
+``--mla-down-proj-fusion`` (needs ``--q-lora-rank``) makes the two down projections one
+replicated ``linear_qkv_down_proj`` ``[q + c + r, h]`` (rows ``[query | latent | rotary key]``),
+drawn as the two separate ones would be, so a fused model computes the unfused one's function.
+Its ``torch_dist`` checkpoint keeps Megatron-Core's separate ``linear_q_down_proj`` /
+``linear_kv_down_proj`` keys (either model loads the other's); a ``--ckpt-format torch`` state
+holds ``linear_qkv_down_proj.weight``, and either spelling loads into either model.
+
+``--cache-mla-latents`` (generation only): the key/value cache of a layer holds, per token, the
+normalised latent and the rotated shared key ``[c + r]`` instead of every head's expanded key
+and value. The key half of ``linear_kv_up_proj`` is absorbed into the query (``q_nope W_uk``,
+``[c]`` per head, beside the rotary ``[r]``), attention runs over the cached ``[c + r]`` with the
+latent ``[c]`` as value, and the value half ``W_uv`` maps each head's context back to ``[dv]``:
+``q_nope . (W_uk l) = (W_uk^T q_nope) . l`` and ``sum_j p_j W_uv l_j = W_uv sum_j p_j l_j``, so the
+logits are those of the expanded cache up to rounding.
 """
 
 import math
@@ -75,8 +90,24 @@ class ReplicatedLinear(torch.nn.Module):
         set_tensor_model_parallel_attributes(self.weight, False, 0, 1)
         self.weight.sequence_parallel = sequence_parallel
 
+    @classmethod
+    def fused(cls, parts, sequence_parallel: bool) -> "ReplicatedLinear":
+        """One replicated linear whose weight stacks the rows of ``parts`` (in order)."""
+        module = cls.__new__(cls)
+        torch.nn.Module.__init__(module)
+        with torch.no_grad():
+            weight = torch.cat([part.weight for part in parts], dim=0)
+        module.weight = torch.nn.Parameter(weight)
+        set_tensor_model_parallel_attributes(module.weight, False, 0, 1)
+        module.weight.sequence_parallel = sequence_parallel
+        return module
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
+
+
+FUSED_DOWN_PROJ = "linear_qkv_down_proj.weight"
+SPLIT_DOWN_PROJS = ("linear_q_down_proj.weight", "linear_kv_down_proj.weight")
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -129,6 +160,12 @@ class MultiLatentAttention(MegatronModule):
             self.kv_layernorm = get_norm(config, hidden_size=self.kv_lora_rank)
         self.linear_kv_up_proj = up(self.kv_lora_rank,
                                     heads * (self.qk_head_dim + self.v_head_dim))
+        self.q_lora_rank = config.q_lora_rank
+        if config.mla_down_proj_fusion:
+            self.linear_qkv_down_proj = ReplicatedLinear.fused(
+                (self.linear_q_down_proj, self.linear_kv_down_proj), sp)
+            del self.linear_q_down_proj, self.linear_kv_down_proj
+        self.cache_mla_latents = config.cache_mla_latents
         self.dsa = config.experimental_attention_variant == "dsa"
         if self.dsa:
             self.core_attention = DSAttention(config, layer_number, init_method,
@@ -193,15 +230,28 @@ class MultiLatentAttention(MegatronModule):
                 x, self.tp_group, tensor_parallel_output_grad=False)
         return x
 
-    def _query(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[s(/tp), b, h]`` -> ``[s, b, np, d + r]`` before rotation. Under DSA keeps the
-        indexer's inputs: the whole sequence's hidden states and query latent."""
+    def _down_latents(self, hidden_states: torch.Tensor):
+        """``[s(/tp), b, h]`` -> (query latent ``[s, b, q]``, None without --q-lora-rank;
+        key/value latent with the rotary key ``[s, b, c + r]``), fused or not."""
+        if hasattr(self, "linear_qkv_down_proj"):
+            fused = self._down(self.linear_qkv_down_proj, hidden_states)    # [s, b, q+c+r]
+            return torch.split(fused, [self.q_lora_rank, self.kv_lora_rank + self.pos_dim],
+                               dim=-1)
+        q_latent = None
+        if not hasattr(self, "linear_q_proj"):
+            q_latent = self._down(self.linear_q_down_proj, hidden_states)   # [s, b, q]
+        return q_latent, self._down(self.linear_kv_down_proj, hidden_states)
+
+    def _query(self, hidden_states: torch.Tensor,
+               latent: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[s(/tp), b, h]`` (or its query ``latent`` ``[s, b, q]``) -> ``[s, b, np, d + r]``
+        before rotation. Under DSA keeps the indexer's inputs: the whole sequence's hidden
+        states and query latent."""
         if hasattr(self, "linear_q_proj"):
             query, _ = self.linear_q_proj(hidden_states)
             if self.dsa:
                 self._dsa_inputs = (self._whole(hidden_states),) * 2
         else:
-            latent = self._down(self.linear_q_down_proj, hidden_states)     # [s, b, q]
             if self.q_layernorm is not None:
                 latent = self.q_layernorm(latent)
             if self.dsa:
@@ -217,21 +267,27 @@ class MultiLatentAttention(MegatronModule):
         if rotary_pos_emb is None:
             raise ConfigError("--multi-latent-attention needs rotary positions "
                               "(--position-embedding-type rope or yarn)")
+        if self.cache_mla_latents and self.training:
+            raise ConfigError("--cache-mla-latents is for generation (a model in eval mode); "
+                              "it conflicts with training: drop it from training runs")
         d, r = self.qk_head_dim, self.pos_dim
-        query = self._query(hidden_states)                                   # [s, b, np, d+r]
+        q_latent, kv = self._down_latents(hidden_states)                    # kv: [s, b, c+r]
+        query = self._query(hidden_states, q_latent)                        # [s, b, np, d+r]
         q_nope, q_pos = torch.split(query, [d, r], dim=-1)
-        kv = self._down(self.linear_kv_down_proj, hidden_states)            # [s, b, c+r]
         latent, k_pos = torch.split(kv, [self.kv_lora_rank, r], dim=-1)
         if self.kv_layernorm is not None:
             latent = self.kv_layernorm(latent)
-        kv, _ = self.linear_kv_up_proj(latent)                              # [s, b, np*(d+dv)]
-        s, b = kv.shape[:2]
-        kv = kv.view(s, b, self.num_heads, d + self.v_head_dim)
-        k_nope, value = torch.split(kv, [d, self.v_head_dim], dim=-1)
         # This rank's heads use the shared rotary key: its gradient is summed over the ranks.
         k_pos = tensor_parallel.copy_to_tensor_model_parallel_region(k_pos, self.tp_group)
         q_pos = self._rotate(q_pos, rotary_pos_emb)
         k_pos = self._rotate(k_pos.unsqueeze(2), rotary_pos_emb)            # [s, b, 1, r]
+        if inference_params is not None and self.cache_mla_latents:
+            return self._latent_cache_attention(q_nope, q_pos, latent, k_pos, attention_mask,
+                                                inference_params)
+        kv, _ = self.linear_kv_up_proj(latent)                              # [s, b, np*(d+dv)]
+        s, b = kv.shape[:2]
+        kv = kv.view(s, b, self.num_heads, d + self.v_head_dim)
+        k_nope, value = torch.split(kv, [d, self.v_head_dim], dim=-1)
         query = torch.cat((q_nope, q_pos), dim=-1)                           # [s, b, np, d+r]
         key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads, -1)), dim=-1)
         value = value.contiguous()
@@ -265,7 +321,7 @@ class MultiLatentAttention(MegatronModule):
     def _update_kv_cache(self, key: torch.Tensor, value: torch.Tensor, inference_params):
         """Write this step's expanded keys ``[s, b, np, d + r]`` and values ``[s, b, np, dv]``
         into the layer's cache at ``sequence_len_offset`` and return every cached position up
-        to them (the full keys and values are cached, not the latents)."""
+        to them (without --cache-mla-latents: the expanded keys and values)."""
         cache = inference_params.key_value_memory_dict
         if self.layer_number not in cache:
             def empty(t):
@@ -283,3 +339,65 @@ class MultiLatentAttention(MegatronModule):
         keys[s0:s1, b0:b1] = key
         values[s0:s1, b0:b1] = value
         return keys[:s1, b0:b1], values[:s1, b0:b1]
+
+    def _latent_cache_attention(self, q_nope, q_pos, latent, k_pos, attention_mask,
+                                inference_params):
+        """Attention over the latent cache (``--cache-mla-latents``): ``q_nope`` ``[s, b, np,
+        d]``, rotated ``q_pos`` ``[s, b, np, r]``, normalised ``latent`` ``[s, b, c]``, rotated
+        ``k_pos`` ``[s, b, 1, r]`` -> (output, bias) as :meth:`forward`."""
+        if self.dsa:
+            raise ConfigError("--experimental-attention-variant dsa: generation with a "
+                              "key/value cache is not built yet")
+        d, c, dv, np_ = self.qk_head_dim, self.kv_lora_rank, self.v_head_dim, self.num_heads
+        cached = self._update_latent_cache(torch.cat((latent, k_pos.squeeze(2)), dim=-1),
+                                           inference_params)                # [sk, b, c+r]
+        up = self.linear_kv_up_proj.weight.view(np_, d + dv, c)
+        up_k, up_v = up[:, :d], up[:, d:]                                   # [np, d|dv, c]
+        q_latent = torch.einsum("sbhd,hdc->sbhc", q_nope, up_k)             # [s, b, np, c]
+        query = torch.cat((q_latent, q_pos), dim=-1)                        # [s, b, np, c+r]
+        key = cached.unsqueeze(2).expand(-1, -1, np_, -1)                   # [sk, b, np, c+r]
+        value = cached[..., :c].unsqueeze(2).expand(-1, -1, np_, -1)        # [sk, b, np, c]
+        if attention_mask is None:   # query i sits at position offset + i
+            attention_mask = causal_mask(query.size(0), key.size(0), device=query.device)[
+                None, None]
+        context = self.core_attention(query, key, value, attention_mask)    # [s, b, np*c]
+        s, b = context.shape[:2]
+        context = torch.einsum("sbhc,hvc->sbhv", context.view(s, b, np_, c), up_v)
+        return self.linear_proj(context.reshape(s, b, np_ * dv))
+
+    def _update_latent_cache(self, latents: torch.Tensor, inference_params) -> torch.Tensor:
+        """Write this step's ``[s, b, c + r]`` (latent, rotated key) at ``sequence_len_offset``
+        into the layer's one-tensor cache entry and return every cached position up to it."""
+        cache = inference_params.key_value_memory_dict
+        if self.layer_number not in cache:
+            cache[self.layer_number] = (torch.empty(
+                (inference_params.max_sequence_length, inference_params.max_batch_size,
+                 latents.size(-1)), dtype=latents.dtype, device=latents.device),)
+        (held,) = cache[self.layer_number]
+        s0, b0 = inference_params.sequence_len_offset, inference_params.batch_size_offset
+        s1, b1 = s0 + latents.size(0), b0 + latents.size(1)
+        if s1 > held.size(0) or b1 > held.size(1):
+            raise ValueError(f"latent cache of layer {self.layer_number} holds "
+                             f"{held.size(0)} positions x {held.size(1)} sequences; this step "
+                             f"needs positions up to {s1} and sequences up to {b1}")
+        held[s0:s1, b0:b1] = latents
+        return held[:s1, b0:b1]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        """Either spelling of the down projections loads: the separate ``linear_q_down_proj``
+        / ``linear_kv_down_proj`` weights into a fused model (rows stacked), a fused
+        ``linear_qkv_down_proj`` weight into an unfused one (rows split at --q-lora-rank)."""
+        fused = prefix + FUSED_DOWN_PROJ
+        q_key, kv_key = (prefix + k for k in SPLIT_DOWN_PROJS)
+        if hasattr(self, "linear_qkv_down_proj"):
+            if fused not in state_dict and q_key in state_dict and kv_key in state_dict:
+                state_dict[fused] = torch.cat((state_dict.pop(q_key), state_dict.pop(kv_key)))
+        elif fused in state_dict and self.q_lora_rank is not None:
+            weight = state_dict.pop(fused)
+            if weight.size(0) != self.q_lora_rank + self.kv_lora_rank + self.pos_dim:
+                raise ValueError(f"{fused}: {weight.size(0)} rows, the model needs "
+                                 f"--q-lora-rank + --kv-lora-rank + --qk-pos-emb-head-dim = "
+                                 f"{self.q_lora_rank + self.kv_lora_rank + self.pos_dim}")
+            state_dict[q_key], state_dict[kv_key] = torch.split(
+                weight, [self.q_lora_rank, self.kv_lora_rank + self.pos_dim])
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)

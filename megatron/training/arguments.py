@@ -202,6 +202,15 @@ def _add_mla_args(g):
                    help="MLA: the rotary of the --qk-pos-emb-head-dim channels, plain rope or "
                         "YaRN (unset: yarn, Megatron-Core's MLA default); standard attention "
                         "takes only rope here (choose YaRN with --position-embedding-type)")
+    g.add_argument("--cache-mla-latents", action="store_true", default=False,
+                   help="MLA generation: cache each token's kv latent and rotary key "
+                        "(kv_lora_rank + qk_pos_emb_head_dim values per layer) instead of the "
+                        "expanded keys and values; the up projection is absorbed into the "
+                        "query and output (generation only, refused in training)")
+    g.add_argument("--mla-down-proj-fusion", action="store_true", default=False,
+                   help="MLA: one linear_qkv_down_proj for the query and key/value down "
+                        "projections (needs --q-lora-rank); checkpoints keep the separate "
+                        "linear_q_down_proj / linear_kv_down_proj keys")
 
 
 def _add_mhc_args(g):

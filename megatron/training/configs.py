@@ -178,6 +178,8 @@ def build_configs(args: argparse.Namespace) -> Configs:
         rope_type=args.rope_type,
         kv_lora_rank=args.kv_lora_rank, qk_head_dim=args.qk_head_dim,
         qk_pos_emb_head_dim=args.qk_pos_emb_head_dim, v_head_dim=args.v_head_dim,
+        cache_mla_latents=args.cache_mla_latents,
+        mla_down_proj_fusion=args.mla_down_proj_fusion,
         qk_l2_norm=args.qk_l2_norm, attention_output_gate=args.attention_output_gate,
         no_rope_freq=args.no_rope_freq,
         experimental_attention_variant=args.experimental_attention_variant,

@@ -1592,6 +1592,18 @@ def _validate_distillation(args) -> None:
         _fail(problem)
 
 
+def _validate_mla_options(args) -> None:
+    """``--cache-mla-latents`` and ``--mla-down-proj-fusion`` (refused before any process group
+    exists, with the flag named; the model config repeats the check for direct builders)."""
+    for flag, on in (("--cache-mla-latents", args.cache_mla_latents),
+                     ("--mla-down-proj-fusion", args.mla_down_proj_fusion)):
+        if on and not args.multi_latent_attention:
+            _fail(f"{flag} applies to --multi-latent-attention only: add it or drop {flag}")
+    if args.mla_down_proj_fusion and args.q_lora_rank is None:
+        _fail("--mla-down-proj-fusion fuses the query and key/value down projections: it "
+              "needs --q-lora-rank (the query has no down projection without it)")
+
+
 def check_flags(args):
     """Every check of the parsed flags, in order (``validate_args`` runs it after the flag
     registry's checks); derives the sizes the later checks and the run read."""
@@ -1603,6 +1615,7 @@ def check_flags(args):
     _apply_old_spellings(args)
     _validate_model(args)
     _validate_dsa(args)
+    _validate_mla_options(args)
     _validate_mup(args)
     _validate_gdn(args)
     _validate_mhc(args)

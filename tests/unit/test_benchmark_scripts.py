@@ -183,35 +183,38 @@ def test_bench_context_parallel_tiny_run_prints_each_size():
 
 def _mla_sizes_by_hand(layers, heads, hidden, groups, d, r, dv, lora, element=4):
     """KV cache bytes per token, worked out by hand: standard attention keeps a key and a value
-    of hidden/heads per key/value head; this project's MLA keeps the expanded per-head keys
-    (d + r) and values (dv); the latent alternative would keep lora + r."""
+    of hidden/heads per key/value head; MLA's expanded cache keeps the per-head keys (d + r) and
+    values (dv); its latent cache (--cache-mla-latents) keeps lora + r."""
     head = hidden // heads
     return {"mha": layers * 2 * heads * head * element,
             "gqa": layers * 2 * groups * head * element,
-            "mla": layers * heads * (d + r + dv) * element}, layers * (lora + r) * element
+            "mla": layers * heads * (d + r + dv) * element,
+            "mla-latent": layers * (lora + r) * element}
 
 
-def test_bench_mla_cache_of_a_generation_is_the_expanded_keys_and_values():
+def test_bench_mla_cache_of_a_generation_holds_expanded_or_latent_keys():
     import bench_mla
 
     a = bench_mla.parse(["--quick", "--seq", "8"])
-    want, _ = _mla_sizes_by_hand(2, 4, 64, 2, 16, 8, 16, 24)
+    want = _mla_sizes_by_hand(2, 4, 64, 2, 16, 8, 16, 24)
     for kind in bench_mla.CONTENDERS:
-        assert bench_mla.measure_cache(a, kind, bench_mla.build(a, kind)) == want[kind], kind
+        assert bench_mla.measure_cache(a, kind, bench_mla.build(a, kind))[0] == want[kind], kind
+    latent = bench_mla.build(a, "mla", cache_mla_latents=True)
+    assert bench_mla.measure_cache(a, "mla-latent", latent)[0] == want["mla-latent"]
 
 
 @pytest.mark.slow
 def test_bench_mla_quick_run_prints_every_contender():
     out = _run(["benchmarks/bench_mla.py", "--quick"], timeout=600)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in out.splitlines() if re.match(r"\| (mha|gqa|mla) \|", line)}
-    assert sorted(rows) == ["gqa", "mha", "mla"], out
-    want, latent = _mla_sizes_by_hand(2, 4, 64, 2, 16, 8, 16, 24)
+            for line in out.splitlines() if re.match(r"\| (mha|gqa|mla|mla-latent) \|", line)}
+    assert sorted(rows) == ["gqa", "mha", "mla", "mla-latent"], out
+    want = _mla_sizes_by_hand(2, 4, 64, 2, 16, 8, 16, 24)
     for kind, cells in rows.items():
-        assert float(cells[1]) > 0, out                               # fwd+bwd ms
+        if kind != "mla-latent":
+            assert float(cells[1]) > 0, out                           # fwd+bwd ms
         assert int(cells[2].replace(",", "")) == want[kind], out      # KV cache B/token
-    assert rows["mla"][4] == str(latent) and rows["mha"][4] == "-", out
-    assert "not the latent" in out
+    assert rows["mla-latent"][1] == "-" and rows["mla-latent"][0] == rows["mla"][0], out
 
 
 def test_bench_fsdp_counts_each_storage_once():

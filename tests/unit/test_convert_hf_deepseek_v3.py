@@ -287,3 +287,44 @@ def test_models_deepseek_v3_cannot_compute_are_refused_before_writing(tmp_path, 
         save_hf(iter([types.SimpleNamespace(kind="meta", meta=meta, index=None)]),
                 str(tmp_path / "out"), allow_no_tokenizer=True)
     assert not os.path.exists(tmp_path / "out")
+
+
+def _fuse_down_projections(tree):
+    """A --ckpt-format torch model state as a --mla-down-proj-fusion run writes it: each
+    layer's two down projections stacked into ``linear_qkv_down_proj.weight``."""
+    q_name, kv_name = "linear_q_down_proj.weight", "linear_kv_down_proj.weight"
+    for key in [k for k in tree if isinstance(k, str) and k.endswith(q_name)]:
+        base = key[:-len(q_name)]
+        tree[base + "linear_qkv_down_proj.weight"] = torch.cat(
+            (tree.pop(key), tree.pop(base + kv_name)))
+    for value in tree.values():
+        if isinstance(value, dict):
+            _fuse_down_projections(value)
+
+
+def test_torch_checkpoint_of_a_fused_down_projection_run_exports_the_same_folder(tmp_path):
+    """The converter reads a fused torch-format state's down projections as its rows split at
+    --q-lora-rank (the export is bit for bit the folder imported)."""
+    from megatron.checkpoint.safe_unpickle import torch_load
+    from megatron.training import checkpointing
+    from tools.checkpoint.convert import main
+
+    folder, _ = hf_folder(tmp_path)
+    tp2, back = str(tmp_path / "tp2"), str(tmp_path / "back")
+    common = ["--model-type", "GPT"]
+    assert main(common + ["--loader", "hf", "--load-dir", folder, "--save-dir", tp2,
+                          "--target-tensor-parallel-size", "2"]) == 0
+    iteration, release = checkpointing.read_tracker(tp2)
+    for tp_rank in range(2):
+        path = checkpointing.checkpoint_file(tp2, iteration, tp_rank, 0, 1, release)
+        state = torch_load(path)
+        _fuse_down_projections(state["model"])
+        state["args"].mla_down_proj_fusion = True
+        torch.save(state, path)
+    assert "linear_qkv_down_proj" in str(list(torch_load(path)["model"]["language_model"]
+                                              ["encoder"]))
+    assert main(common + ["--saver", "hf", "--load-dir", tp2, "--save-dir", back,
+                          "--allow-no-tokenizer", "--true-vocab-size", str(VOCAB)]) == 0
+    want, got = _safetensors(folder), _safetensors(back)
+    assert sorted(got) == sorted(want)
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []

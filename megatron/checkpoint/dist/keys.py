@@ -232,8 +232,20 @@ MLA_LOAD_ALIASES = {
 }
 
 
+# --mla-down-proj-fusion: a chunk's ``self_attention.linear_qkv_down_proj.weight`` ``[q + c + r,
+# h]`` is stored as Megatron-Core's FusedMLASelfAttention stores it, under the two unfused keys
+# (rows ``:q`` as linear_q_down_proj, the rest as linear_kv_down_proj), so fused and unfused
+# models read each other's files; each of the two modules keeps its extra-state entry.
+MLA_FUSED_DOWN_PROJ = "self_attention.linear_qkv_down_proj.weight"
+_MLA_FUSED_PARTS = ("self_attention.linear_q_down_proj.weight",
+                    "self_attention.linear_kv_down_proj.weight")
+
+
 def mla_attention_modules(names) -> Tuple[str, ...]:
     """The MLA linear modules (with extra state) among a layer's legacy tensor names."""
+    names = list(names)
+    if any(MLA_FUSED_DOWN_PROJ in n for n in names):
+        names += list(_MLA_FUSED_PARTS)
     present = tuple(f"self_attention.{m}" for m in _MLA_LINEARS
                     if any(f"self_attention.{m}." in n for n in names))
     indexer = tuple(f"{_DSA_INDEXER}{m}" for m in _DSA_LINEARS
@@ -313,6 +325,9 @@ class ChunkLayout:
         glu_interleaved: the MoE fc1 tensors (names in the layer, as in ``_MOE_SPLIT_DIM``)
             whose rows are GLU-interleaved (:func:`glu_interleaved_names`): split into
             contiguous rows, not in SwiGLU halves.
+        mla_q_lora_rank: ``--q-lora-rank`` of an MLA model (where a fused
+            ``linear_qkv_down_proj`` of ``--mla-down-proj-fusion`` splits into Megatron-Core's
+            two down-projection keys); None without one.
     """
 
     num_layers: int
@@ -330,6 +345,7 @@ class ChunkLayout:
     mla: bool = False
     blocks: Optional[tuple] = None
     glu_interleaved: Tuple[str, ...] = ()
+    mla_q_lora_rank: Optional[int] = None
 
     def __post_init__(self):
         if self.expert_tp_size is None:
@@ -547,6 +563,8 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
     replacement = _linear_replacement_placements(name, tuple(local_shape), layout)
     if replacement is not None:
         return replacement
+    if layout.mla and name.endswith("." + MLA_FUSED_DOWN_PROJ):
+        return _fused_down_proj_placements(name, tuple(local_shape), layout)
     key, local_layer = mcore_key(name, layout.mla)
     inner = name if local_layer is None else _LAYER_NAME.fullmatch(name).group(2)
     local_shape = tuple(local_shape)
@@ -628,6 +646,23 @@ def glu_interleaved_names(moe_config) -> Tuple[str, ...]:
     if moe_config.moe_shared_expert_glu_interleave_size is not None:
         names += ("mlp.shared_experts.linear_fc1.weight",)
     return names
+
+
+def _fused_down_proj_placements(name: str, local_shape: Tuple[int, ...],
+                                layout: ChunkLayout) -> List[Placement]:
+    """The two pieces of a fused MLA down projection: rows ``:q`` and ``q:``, each placed as
+    the unfused projection's whole (replicated) tensor."""
+    q = layout.mla_q_lora_rank
+    if q is None or not 0 < q < local_shape[0]:
+        raise KeyMappingError(f"{name}: a fused MLA down projection of {local_shape[0]} rows "
+                              f"needs the layout's --q-lora-rank below that, got {q}")
+    base = name[:-len(MLA_FUSED_DOWN_PROJ)]
+    pieces = []
+    for part, rows in zip(_MLA_FUSED_PARTS, ((0, q), (q, local_shape[0]))):
+        shape = (rows[1] - rows[0],) + local_shape[1:]
+        pieces += [dataclasses.replace(p, local_rows=rows)
+                   for p in placements(base + part, shape, layout)]
+    return pieces
 
 
 def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] = (1,)) -> str:

@@ -83,7 +83,10 @@ def chunk_layout(config, pstate, vp_rank: Optional[int] = None,
                        expert_tp_rank=expert_tp_rank, expert_tp_size=expert_tp_size,
                        per_layer=(bool(num_experts) and per_layer_keys(moe_layer_freq)
                                   or bool(blocks)),
-                       mla=getattr(config, "multi_latent_attention", False), blocks=blocks)
+                       mla=getattr(config, "multi_latent_attention", False), blocks=blocks,
+                       mla_q_lora_rank=(getattr(config, "q_lora_rank", None)
+                                        if getattr(config, "multi_latent_attention", False)
+                                        else None))
 
 
 def _lead(tensor: torch.Tensor, place: Placement) -> torch.Tensor:
