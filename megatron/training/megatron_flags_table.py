@@ -68,8 +68,6 @@ BARRIER = "the timers here never add a barrier; --timing-log-level 1 timers are 
 # What to do instead of a refused flag.
 MTP = ("it gives the layer pattern of MTP layers in hybrid (Mamba) models, which are not built "
        "here; drop it (--mtp-num-layers works)")
-MLA = ("this option of multi-latent attention (caching the compressed latents, fusing the down "
-       "projections) is not built; --multi-latent-attention runs without it: drop it")
 FSDP = ("this knob of Megatron's own FSDP runtime has no counterpart here (--use-megatron-fsdp "
         "and its sharding strategies run on PyTorch's FSDP2); drop it")
 NON_PERSISTENT = ("this option of the local checkpoint manager (a cache of process-group "
@@ -426,8 +424,6 @@ ROWS = (
     ('--dino-warmup-teacher-temp', '', 'float', 0.04, '', REFUSED, VISION),
     ('--dino-teacher-temp', '', 'float', 0.07, '', REFUSED, VISION),
     ('--dino-warmup-teacher-temp-epochs', '', 'int', 30, '', REFUSED, VISION),
-    ('--cache-mla-latents', '', 'true', False, '', REFUSED, MLA),
-    ('--mla-down-proj-fusion', '', 'true', False, '', REFUSED, MLA),
     ('--log-progress', '', 'true', False, '', WORKS, None),
     ('--no-barrier-with-level-1-timing', 'barrier_with_L1_time',
      'false', True, '', NO_EFFECT, BARRIER),
