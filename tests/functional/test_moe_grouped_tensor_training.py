@@ -98,3 +98,16 @@ def test_expert_parallel_equals_one_process(corpus, tmp_path, distopt):
     ep_run = two + resumed
     assert len(ep_run) == ITERS
     assert all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(one, ep_run)), (one, ep_run)
+
+
+@pytest.mark.slow
+def test_torch_format_at_another_ep_is_refused_in_one_line(corpus, tmp_path):
+    """--ckpt-format torch re-deals the loop's per-expert tensors over another EP size, not a
+    stacked one: said in one line instead of loading the wrong experts."""
+    extra = SINGLE + ["--ckpt-format", "torch"]
+    save = str(tmp_path / "ckpt")
+    run_on_ranks(run_pretrain, 1, _flags(corpus, extra + ["--save", save,
+                                                          "--exit-interval", "3"]))
+    with pytest.raises(Exception, match="which --ckpt-format torch does not re-deal"):
+        run_on_ranks(run_pretrain, 2, _flags(
+            corpus, extra + ["--load", save, "--expert-model-parallel-size", "2"]))
