@@ -8,15 +8,22 @@ float64; the same sums in another order agree to ~1e-15, the tolerance is 1e-12.
 move bytes only, so those comparisons are exact.
 """
 
+import os
+import types
+
 import pytest
 import torch
 
-from megatron.checkpoint.dist import ChunkLayout, model_shards, placements
+from megatron.checkpoint.dist import (ChunkLayout, DistCheckpointReader, load_model_state,
+                                      model_shards, placements)
 from megatron.checkpoint.dist.keys import KeyMappingError, expert_names
 from megatron.core.config import ConfigError, TransformerConfig
+from megatron.model import GPTModel
+from megatron.model.module import flatten_state_dict
 from megatron.model.moe import MoEConfig, MoELayer, SequentialMLP
 from megatron.model.moe.grouped_tensor import TEGroupedMLP
 from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+from tests.unit.test_moe_megatron_fixture import FIXTURE, LOGITS_ATOL, _reference
 
 TOL = dict(rtol=0, atol=1e-12)
 HIDDEN, FFN = 8, 12
@@ -248,3 +255,35 @@ def test_refused_where_megatron_refuses_or_computes_in_mxfp8(extra, pattern):
 def test_accepted_where_megatron_runs_the_same_model(extra):
     args = _validate(extra)
     assert args.moe_single_grouped_weight == ("--moe-single-grouped-weight" in extra)
+
+
+# -- a file Megatron-Core wrote ----------------------------------------------------------------
+
+def test_megatron_cores_moe_file_loads_into_the_single_grouped_weight_layout():
+    """tests/data/megatron_written/mcore_dist_moe_ep1 (4 layers, 4 experts, top 2, no bias):
+    loaded through torch_dist into stacked expert weights, one forward gives Megatron's
+    logits (the fp32 tolerance of test_moe_megatron_fixture.py)."""
+    config = TransformerConfig(
+        num_layers=4, hidden_size=64, num_attention_heads=4, padded_vocab_size=256,
+        max_position_embeddings=64, seq_length=32, ffn_hidden_size=256, hidden_dropout=0.0,
+        attention_dropout=0.0, add_bias_linear=False, bias_gelu_fusion=False)
+    moe_config = MoEConfig(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01,
+                           moe_grouped_gemm=True, moe_use_grouped_tensor=True,
+                           moe_single_grouped_weight=True)
+    pstate = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0,
+                                   virtual_pp_size=None, virtual_pp_rank=None)
+    torch.manual_seed(0)
+    model = GPTModel(config, pstate, moe_config=moe_config)
+    state = model.state_dict_for_save_checkpoint()
+    reader = DistCheckpointReader(os.path.join(FIXTURE, "iter_0000010"))
+    loaded = load_model_state(reader, state, ChunkLayout(num_layers=4, num_experts=4))
+    flat = flatten_state_dict(loaded)
+    at = "language_model.encoder.layers.3.mlp.experts."
+    assert tuple(flat[at + "linear_fc1.weight"].shape) == (4, 256, 64)
+    torch.testing.assert_close(
+        flat[at + "linear_fc2.weight"][2],
+        reader.read("decoder.layers.mlp.experts.experts.linear_fc2.weight")[3, 2], rtol=0, atol=0)
+    model.load_state_dict(loaded)
+    ref = _reference()
+    logits = model(ref["tokens"], ref["position_ids"], ref["attention_mask"])
+    torch.testing.assert_close(logits.detach(), ref["logits"], rtol=0, atol=LOGITS_ATOL)
