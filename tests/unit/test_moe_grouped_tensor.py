@@ -22,8 +22,10 @@ from megatron.model import GPTModel
 from megatron.model.module import flatten_state_dict
 from megatron.model.moe import MoEConfig, MoELayer, SequentialMLP
 from megatron.model.moe.grouped_tensor import TEGroupedMLP
+from megatron.model.moe.upcycling import upcycle_moe_layer
 from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 from tests.unit.test_moe_megatron_fixture import FIXTURE, LOGITS_ATOL, _reference
+from tests.unit.test_moe_upcycling import _dense_mlp
 
 TOL = dict(rtol=0, atol=1e-12)
 HIDDEN, FFN = 8, 12
@@ -287,3 +289,24 @@ def test_megatron_cores_moe_file_loads_into_the_single_grouped_weight_layout():
     ref = _reference()
     logits = model(ref["tokens"], ref["position_ids"], ref["attention_mask"])
     torch.testing.assert_close(logits.detach(), ref["logits"], rtol=0, atol=LOGITS_ATOL)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
+def test_upcycling_fills_the_grouped_layout_as_the_loop(layout):
+    """--moe-use-upcycling writes each expert in place: the grouped layout gets the loop's
+    numbers (which test_moe_upcycling.py checks against the dense MLP)."""
+    config = _config(swiglu=True, bias_swiglu_fusion=False)
+    dense = _dense_mlp(_config(swiglu=True, ffn_hidden_size=2 * FFN, bias_swiglu_fusion=False))
+    loop = MoELayer(config, MoEConfig(num_moe_experts=4), layer_number=1, init_seed=11)
+    grouped = MoELayer(config, _moe(*LAYOUTS[layout]), layer_number=1, init_seed=11)
+    for layer in (loop, grouped):
+        upcycle_moe_layer(layer, dense, 2)
+    for j, expert in enumerate(loop.experts.local_experts):
+        view = grouped.experts.expert_views()[j]
+        for name in ("linear_fc1", "linear_fc2"):
+            for kind in ("weight", "bias"):
+                assert torch.equal(getattr(getattr(view, name), kind),
+                                   getattr(getattr(expert, name), kind)), (j, name, kind)
+    assert not torch.equal(grouped.experts.linear_fc1.stacked("weight")[0],
+                           TEGroupedMLP(config, _moe(*LAYOUTS[layout]), 1,
+                                        init_seed=11).linear_fc1.stacked("weight")[0])

@@ -22,6 +22,7 @@ projection); the initial values are the loop's (each expert from its own seed), 
 with these flags equals one without them.
 """
 
+from types import SimpleNamespace
 from typing import Dict, List, Optional
 
 import torch
@@ -101,6 +102,14 @@ class GroupedExpertLinear(torch.nn.Module):
                 state_dict.update(zip(parts, tensor.unbind(0)))
 
 
+def _member(grouped: GroupedExpertLinear, kind: str, j: int) -> Optional[torch.Tensor]:
+    if kind == "bias" and not grouped.use_bias:
+        return None
+    if grouped.single_weight if kind == "weight" else grouped.single_bias:
+        return getattr(grouped, kind)[j]
+    return getattr(grouped, f"{kind}{j}")
+
+
 class TEGroupedMLP(GroupedMLP):
     """:class:`GroupedMLP` with Megatron-Core's ``TEGroupedMLP`` parameter layout (module
     docstring); the same arguments as :class:`~megatron.model.moe.experts.SequentialMLP`."""
@@ -122,6 +131,21 @@ class TEGroupedMLP(GroupedMLP):
 
     def _stacked(self, name: str, attr: str) -> Optional[torch.Tensor]:
         return getattr(self, name).stacked(attr)
+
+    def expert_views(self) -> List[SimpleNamespace]:
+        """One object per local expert whose ``linear_fc1`` / ``linear_fc2`` have ``weight``,
+        ``bias`` (views of, or, per GEMM, the parameters themselves) and ``tp_group``: what
+        writing one expert's weights in place (upcycling) needs."""
+        views = []
+        for j in range(self.num_local_experts):
+            linears = {}
+            for name in _LINEARS:
+                grouped = getattr(self, name)
+                linears[name] = SimpleNamespace(
+                    weight=_member(grouped, "weight", j), bias=_member(grouped, "bias", j),
+                    tp_group=self.expert_tp_group)
+            views.append(SimpleNamespace(**linears))
+        return views
 
     @staticmethod
     def _from_local_experts(module, state_dict: Dict[str, torch.Tensor], prefix, *args):
