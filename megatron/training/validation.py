@@ -1087,6 +1087,13 @@ def _validate_grouped_gemm(args) -> None:
              "biases (drop --disable-bias-linear)", args.add_bias_linear)):
         if on and not have:
             _fail(f"{flag} needs {needs} (as in Megatron-Core)")
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if (args.moe_single_grouped_weight and args.swiglu and etp > 1
+            and args.ckpt_format == "torch_dist" and (args.save or args.load)):
+        _fail(f"--moe-single-grouped-weight with --swiglu and --expert-tensor-parallel-size "
+              f"{etp}: a stacked fc1 split [gate_r; value_r] is not written to or read from "
+              "torch_dist here; drop --moe-single-grouped-weight (per-GEMM weights, the same "
+              "computation; torch_dist files move between the two layouts)")
     if (args.use_grouped_gemm_for_shared_expert and args.num_experts is not None
             and args.moe_shared_expert_intermediate_size is not None):
         _fused_mlp_refusal(args, "--use-grouped-gemm-for-shared-expert", "FusedSharedExpertMLP",

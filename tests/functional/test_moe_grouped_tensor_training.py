@@ -111,3 +111,20 @@ def test_torch_format_at_another_ep_is_refused_in_one_line(corpus, tmp_path):
     with pytest.raises(Exception, match="which --ckpt-format torch does not re-deal"):
         run_on_ranks(run_pretrain, 2, _flags(
             corpus, extra + ["--load", save, "--expert-model-parallel-size", "2"]))
+
+
+@pytest.mark.slow
+def test_expert_tensor_parallel_equals_one_process(corpus, tmp_path):
+    """Expert TP 2 over DP 2 (each rank half of every expert's fc1 rows and fc2 columns, in
+    stacked tensors) == one process; its torch_dist file (saved at iteration 3) resumes in one
+    process."""
+    extra = SINGLE + ["--ckpt-format", "torch_dist", "--moe-token-dispatcher-type", "alltoall"]
+    one = _losses(run_on_ranks(run_pretrain, 1, _flags(corpus, extra))[-1])
+    save = str(tmp_path / "ckpt")
+    two = _losses(run_on_ranks(run_pretrain, 2, _flags(
+        corpus, extra + ["--expert-tensor-parallel-size", "2", "--save", save,
+                         "--exit-interval", "3"]))[-1])
+    resumed = _losses(run_on_ranks(run_pretrain, 1, _flags(corpus, extra + ["--load", save]))[-1])
+    etp_run = two + resumed
+    assert len(etp_run) == ITERS
+    assert all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(one, etp_run)), (one, etp_run)

@@ -217,10 +217,20 @@ BASE = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
 MOE = ["--num-experts", "4", "--moe-grouped-gemm", "--no-bias-gelu-fusion"]
 
 
-def _validate(extra):
+def _validate(extra, world_size=1):
     args = parse_args(argv=BASE + extra)
-    args.world_size = 1
+    args.world_size = world_size
     return validate_args(args)
+
+
+def test_stacked_swiglu_fc1_under_expert_tp_is_refused_before_training_for_torch_dist():
+    flags = MOE + ["--moe-use-grouped-tensor", "--moe-single-grouped-weight", "--swiglu",
+                   "--expert-tensor-parallel-size", "2", "--global-batch-size", "2"]
+    with pytest.raises(ArgumentsError, match="a stacked fc1 split \\[gate_r; value_r\\] is "
+                                             "not written to or read from torch_dist"):
+        _validate(flags + ["--ckpt-format", "torch_dist", "--save", "x"], world_size=2)
+    flags.remove("--moe-single-grouped-weight")
+    assert _validate(flags + ["--ckpt-format", "torch_dist", "--save", "x"], world_size=2).swiglu
 
 
 @pytest.mark.parametrize("extra,pattern", [
