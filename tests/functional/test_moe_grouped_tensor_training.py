@@ -128,3 +128,25 @@ def test_expert_tensor_parallel_equals_one_process(corpus, tmp_path):
     etp_run = two + resumed
     assert len(etp_run) == ITERS
     assert all(abs(x - y) <= 1e-4 * abs(x) for x, y in zip(one, etp_run)), (one, etp_run)
+
+
+@pytest.mark.slow
+def test_converter_reads_the_layout_from_torch_dist_and_names_a_torch_file(corpus, tmp_path):
+    from tools.checkpoint.convert import main
+
+    for fmt in ("torch", "torch_dist"):
+        save = str(tmp_path / fmt)
+        run_on_ranks(run_pretrain, 1, _flags(corpus, SINGLE + ["--ckpt-format", fmt, "--save",
+                                                               save], iters=2))
+        argv = ["--model-type", "GPT", "--load-dir", save, "--save-dir", save + "_out",
+                "--target-ckpt-format", "torch" if fmt == "torch_dist" else "torch_dist"]
+        if fmt == "torch":
+            with pytest.raises(SystemExit):
+                main(argv)
+            continue
+        assert main(argv) == 0
+        # the converted legacy file has the loop's names; a run with them resumes from it
+        resumed = run_on_ranks(run_pretrain, 1, _flags(
+            corpus, ["--ckpt-format", "torch", "--load", save + "_out",
+                     "--use-checkpoint-opt_param-scheduler"], iters=3))[-1]
+        assert len(_losses(resumed)) == 1
