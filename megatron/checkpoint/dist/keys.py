@@ -53,6 +53,12 @@ linear_fc2.{weight,bias}                           linear_fc2.{weight,bias} [L, 
 ...layers.N.mlp.shared_experts.linear_fc{1,2}...   decoder.layers.mlp.shared_experts.(same)
 =================================================  ==========================================
 
+Megatron-Core's grouped-linear spellings of a chunk's expert tensors (``--moe-single-grouped-
+weight`` / ``--moe-single-grouped-bias``): ``...layers.N.mlp.experts.linear_fc1.weight``
+``[El, ffn/etp, h]`` (all local experts) and per GEMM ``...linear_fc1.weight<J>`` /
+``bias<J>`` map to the same keys as the loop's ``local_experts.<J>.`` names, the stacked
+leading axis onto the expert axis at the chunk's first expert.
+
 Expert tensors are stacked on the layer axis, then on the GLOBAL expert axis
 (``ChunkLayout.expert_offset + J``), whatever the expert-parallel size. Expert tensor
 parallelism (``--expert-tensor-parallel-size``, which may differ from TP) splits an expert's
@@ -628,8 +634,8 @@ def _grouped_expert_placements(name: str, inner: str, grouped, local_shape: Tupl
     if len(pieces) != 1:
         raise KeyMappingError(f"{name}: a stacked SwiGLU fc1 split over "
                               f"--expert-tensor-parallel-size {layout.expert_tp_size} is not "
-                              "stored in torch_dist; save with --ckpt-format torch or without "
-                              "--moe-single-grouped-weight")
+                              "stored in torch_dist here; drop --moe-single-grouped-weight "
+                              "(per-GEMM weights, the same computation)")
     return [dataclasses.replace(pieces[0], stacked=pieces[0].stacked - 1)]
 
 
