@@ -45,8 +45,11 @@ def reference(corpus):
     return _losses(run_on_ranks(run_pretrain, 1, _flags(corpus))[-1])
 
 
-@pytest.mark.parametrize("extra", [SINGLE, SINGLE[:2], [SINGLE[0], SINGLE[2]], SINGLE[:1]],
-                         ids=["weight-and-bias", "weight", "bias", "grouped-tensor"])
+@pytest.mark.parametrize("extra", [
+    pytest.param(SINGLE, id="weight-and-bias"),
+    pytest.param(SINGLE[:2], id="weight", marks=pytest.mark.slow),
+    pytest.param([SINGLE[0], SINGLE[2]], id="bias", marks=pytest.mark.slow),
+    pytest.param(SINGLE[:1], id="grouped-tensor", marks=pytest.mark.slow)])
 def test_training_equals_the_loops_layout(corpus, reference, extra):
     losses = _losses(run_on_ranks(run_pretrain, 1, _flags(corpus, extra))[-1])
     assert reference[-1] < reference[0] - 0.2, reference   # it learns
