@@ -256,6 +256,24 @@ def _optimizer(files: _SavedFiles, experts: _ExpertMap, saved_trees: Dict[int, L
     return out
 
 
+_GROUPED = re.compile(r"(^|\.)mlp\.experts\.linear_fc[12]\.(weight|bias)\d*$")
+
+
+def _refuse_grouped_layout(trees, what: str, iter_dir: str, saved_ep: int, ep_size: int):
+    """Experts in Megatron-Core's grouped-linear layout (--moe-single-grouped-weight / -bias)
+    hold all local experts in one tensor or number them per GEMM: not re-dealt here."""
+    for tree in trees:
+        names = _leaves(tree) if isinstance(tree, dict) else {}
+        grouped = next((n for n in names if _GROUPED.search(n)), None)
+        if grouped is not None:
+            raise CheckpointError(
+                f"{iter_dir}: saved at --expert-model-parallel-size {saved_ep}, loaded at "
+                f"{ep_size}: {what} holds {grouped} (--moe-single-grouped-weight / "
+                "--moe-single-grouped-bias layout), which --ckpt-format torch does not re-deal "
+                "over another EP size; save with --ckpt-format torch_dist (any EP size loads "
+                "it) or load at the saved EP size")
+
+
 def load_resharded(iter_dir: str, saved_ep: int, model_chunks, args, pstate
                    ) -> Tuple[dict, str]:
     """This rank's state from a torch-format checkpoint saved at expert-parallel size
@@ -268,8 +286,12 @@ def load_resharded(iter_dir: str, saved_ep: int, model_chunks, args, pstate
     files = _SavedFiles(iter_dir, pstate, saved_ep)
     experts = _ExpertMap(num_experts, saved_ep, ep_rank, ep_size)
     targets = [chunk.state_dict_for_save_checkpoint() for chunk in model_chunks]
-    trees = _model_trees(files, experts, targets)
     base = files.state(experts.base)
+    for what, tree in (("this run's model", targets),
+                       (files.path(experts.base), [base.get(k) for k in
+                                                   _model_keys(len(targets))])):
+        _refuse_grouped_layout(tree, what, iter_dir, saved_ep, ep_size)
+    trees = _model_trees(files, experts, targets)
     state = {k: v for k, v in base.items()
              if k not in ("optimizer",) + tuple(_model_keys(len(targets)))}
     state.update(zip(_model_keys(len(targets)), trees))

@@ -35,8 +35,8 @@ from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       object_key, optimizer_state_shards, range_shards, read_local,
                                       read_local_rows, save_shards, tensor_shards, write_metadata)
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, TRANSFORMER_ENGINE,
-                                           extra_state_value, glu_interleaved_names,
-                                           te_moe_norm_key)
+                                           expert_names, extra_state_value,
+                                           glu_interleaved_names, te_moe_norm_key)
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, CheckpointError, checkpoint_dir_name
 from megatron.checkpoint.names import dotted_names
 from megatron.checkpoint.publish import begin_save, crash_point, finish_save
@@ -191,7 +191,7 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
         items += model_shards(tree, layout)
         num_local = sum(1 for name in dotted_names(tree) if name.endswith(
             "input_layernorm.weight") and ".layers." in name and not name.startswith("mtp."))
-        items += extra_state_objects(layout, num_local, dotted_names(tree),
+        items += extra_state_objects(layout, num_local, expert_names(tree),
                                      extra_state_value(args.transformer_impl))
         if entries is None:
             continue

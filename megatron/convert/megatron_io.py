@@ -57,6 +57,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 
 from megatron.checkpoint import optimizer_state
+from megatron.model.module import flatten_state_dict
 from megatron.checkpoint.config import torch_format_expert_tp_error
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, checkpoint_dir_name,
                                         checkpoint_file, read_tracker, saved_sizes)
@@ -119,6 +120,7 @@ class _Source:
         if "model" not in first and not chunks:
             raise ConversionError(f"{self.file(0, 0)}: no model state ('model' or 'model0')")
         self.vp = None if "model" in first else len(chunks)
+        _refuse_grouped_experts(first[self.chunk_key(0)], self.file(0, 0))
         self._check_args_layout(iter_dir)
         self.layer_map = self._layer_map()
         self._find_bert(first[self.chunk_key(0)])
@@ -327,6 +329,18 @@ class _Source:
             out[name] = (per_rank[0][name].clone() if rule is None else
                          join_shards([shards[name] for shards in per_rank], *rule))
         return out
+
+
+def _refuse_grouped_experts(tree: dict, path: str) -> None:
+    """Experts saved in Megatron-Core's grouped-linear layout (--moe-single-grouped-weight /
+    -bias) are read from torch_dist files, whose keys are per expert, not from torch ones."""
+    for name in flatten_state_dict(tree):
+        if re.search(r"\.mlp\.experts\.linear_fc[12]\.(weight|bias)\d*$", name):
+            raise ConversionError(
+                f"{path}: {name} is in Megatron-Core's grouped-linear expert layout "
+                "(--moe-single-grouped-weight / --moe-single-grouped-bias), which the converter "
+                "reads from --ckpt-format torch_dist files only (resume the run with "
+                "--ckpt-format torch_dist and convert that)")
 
 
 _FUSED_DOWN = "self_attention.linear_qkv_down_proj.weight"

@@ -1187,6 +1187,21 @@ def _add_moe_args(parser):
     g.add_argument("--moe-input-jitter-eps", type=float, default=None)
     g.add_argument("--moe-token-dispatcher-type", default="allgather", choices=DISPATCHER_TYPES)
     g.add_argument("--moe-grouped-gemm", action="store_true")
+    g.add_argument("--moe-use-grouped-tensor", action="store_true",
+                   help="TransformerEngine's grouped-tensor path for the grouped GEMM (device-"
+                   "side expert counts); the same computation here. Needs --moe-grouped-gemm")
+    g.add_argument("--moe-single-grouped-weight", action="store_true",
+                   help="each expert projection's weights as one [experts, out, in] parameter "
+                   "(experts.linear_fc1.weight); needs --moe-use-grouped-tensor")
+    g.add_argument("--moe-single-grouped-bias", action="store_true",
+                   help="each expert projection's biases as one [experts, out] parameter; needs "
+                   "--moe-use-grouped-tensor and biases")
+    g.add_argument("--use-grouped-gemm-for-shared-expert", action="store_true",
+                   help="Megatron-Core's fused shared expert (TransformerEngine GroupedLinear, "
+                   "MXFP8/NVFP4 only); no effect without a shared expert")
+    g.add_argument("--use-grouped-gemm-for-dense-mlp", action="store_true",
+                   help="Megatron-Core's TEFusedDenseMLP (MXFP8) with "
+                   "--use-transformer-engine-op-fuser; no effect without it")
     g.add_argument("--moe-expert-capacity-factor", type=float, default=None)
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true")
     g.add_argument("--moe-token-drop-policy", default="probs", choices=DROP_POLICIES)

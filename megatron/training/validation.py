@@ -1121,6 +1121,61 @@ def _validate_moe(args) -> None:
     build_moe_config(args)
 
 
+def _has_dense_mlp(args) -> bool:
+    freq = args.moe_layer_freq
+    if args.num_experts is None:
+        return True
+    return freq > 1 if isinstance(freq, int) else 0 in freq
+
+
+def _validate_grouped_gemm(args) -> None:
+    """Megatron-Core's checks of its grouped-GEMM layouts and fused MLPs. The grouped-tensor
+    path and its single grouped weight / bias are built (same computation, Megatron-Core's
+    parameter layout); the fused shared expert and dense MLP compute in MXFP8 / NVFP4, which
+    this project does not, so they are refused where Megatron would run them."""
+    for flag, on, needs, have in (
+            ("--moe-use-grouped-tensor", args.moe_use_grouped_tensor, "--moe-grouped-gemm",
+             args.moe_grouped_gemm),
+            ("--moe-single-grouped-weight", args.moe_single_grouped_weight,
+             "--moe-use-grouped-tensor", args.moe_use_grouped_tensor),
+            ("--moe-single-grouped-bias", args.moe_single_grouped_bias,
+             "--moe-use-grouped-tensor", args.moe_use_grouped_tensor),
+            ("--moe-single-grouped-bias", args.moe_single_grouped_bias,
+             "biases (drop --disable-bias-linear)", args.add_bias_linear)):
+        if on and not have:
+            _fail(f"{flag} needs {needs} (as in Megatron-Core)")
+    etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+    if (args.moe_single_grouped_weight and args.swiglu and etp > 1
+            and args.ckpt_format == "torch_dist" and (args.save or args.load)):
+        _fail(f"--moe-single-grouped-weight with --swiglu and --expert-tensor-parallel-size "
+              f"{etp}: a stacked fc1 split [gate_r; value_r] is not written to or read from "
+              "torch_dist here; drop --moe-single-grouped-weight (per-GEMM weights, the same "
+              "computation; torch_dist files move between the two layouts)")
+    if (args.use_grouped_gemm_for_shared_expert and args.num_experts is not None
+            and args.moe_shared_expert_intermediate_size is not None):
+        _fused_mlp_refusal(args, "--use-grouped-gemm-for-shared-expert", "FusedSharedExpertMLP",
+                           getattr(args, "moe_shared_expert_glu_interleave_size", None) is None)
+    if (args.use_grouped_gemm_for_dense_mlp and _has_dense_mlp(args)
+            and getattr(args, "use_transformer_engine_op_fuser", False)
+            and args.transformer_impl == "transformer_engine"):
+        _fused_mlp_refusal(args, "--use-grouped-gemm-for-dense-mlp", "TEFusedDenseMLP", False)
+
+
+def _fused_mlp_refusal(args, flag: str, module: str, no_interleave: bool) -> None:
+    """Refuse Megatron-Core's fused grouped-SwiGLU MLP ``module``: first as Megatron-Core does
+    (biases, another activation, no interleave size), else for the precision it computes in."""
+    if args.add_bias_linear:
+        _fail(f"{flag}: Megatron-Core's {module} has no biases; add --disable-bias-linear")
+    if not args.swiglu or args.quick_geglu:
+        _fail(f"{flag}: Megatron-Core's {module} needs the SwiGLU activation (--swiglu)")
+    if no_interleave:
+        _fail(f"{flag}: Megatron-Core's {module} needs "
+              "--moe-shared-expert-glu-interleave-size")
+    _fail(f"{flag}: Megatron-Core's {module} computes in MXFP8 (NVFP4 with FP4_RECIPE=nvfp4) "
+          "through TransformerEngine's fused grouped SwiGLU kernel, which this project does "
+          "not compute; drop the flag for the same model in full precision")
+
+
 def _validate_upcycling(args) -> None:
     """--moe-use-upcycling: an MoE model whose experts are cut from a dense checkpoint's MLPs."""
     granularity = args.moe_upcycling_granularity
@@ -1620,6 +1675,7 @@ def check_flags(args):
     _validate_gdn(args)
     _validate_mhc(args)
     _validate_parallel(args)
+    _validate_grouped_gemm(args)
     _validate_moe(args)
     _read_heterogeneous_config(args)
     _validate_upcycling(args)

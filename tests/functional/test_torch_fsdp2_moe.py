@@ -34,7 +34,9 @@ def corpus(tmp_path_factory):
     (4, ["--expert-model-parallel-size", "2"]),
     (4, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm",
          "--moe-token-dispatcher-type", "alltoall"]),
-], ids=["ep2-dp2", "ep2-dp4", "ep2-dp4-grouped-alltoall"])
+    (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm", "--moe-use-grouped-tensor",
+         "--moe-single-grouped-weight", "--moe-single-grouped-bias"]),
+], ids=["ep2-dp2", "ep2-dp4", "ep2-dp4-grouped-alltoall", "ep2-dp2-single-grouped"])
 def test_fsdp2_moe_matches_one_process(corpus, ranks, layout):
     """EP 2 x DP 2 (each expert on one rank: its unit's mesh has one rank) and EP 2 x DP 4
     (each expert sharded over two expert-data-parallel ranks)."""

@@ -42,6 +42,10 @@ ARCH = {"num_layers": 3, "hidden_size": 64, "num_attention_heads": 4, "ffn_hidde
 # The same with multi-latent attention (a low-rank query, q/kv norms, plain rope).
 MLA_ARCH = dict(ARCH, mla=True, q_lora_rank=32, kv_lora_rank=16, qk_head_dim=16,
                 qk_pos_emb_head_dim=8, v_head_dim=16)
+# The same with this project's experts in Megatron-Core's single grouped weight layout
+# (--moe-single-grouped-weight: one [local experts, out, in] tensor per projection); Megatron-Core
+# runs its loop over experts, whose torch_dist keys are the same.
+GROUPED_ARCH = dict(ARCH, single_grouped_weight=True)
 # fp32 on both sides; the sums run in different orders (fused QKV vs. separate, experts
 # gathered differently), so agreement is to rounding, not bit for bit.
 ATOL = 1e-4
@@ -55,6 +59,9 @@ def our_argv(arch: dict) -> list:
             f"--{name.replace('_', '-')}={arch[name]}" for name in (
                 "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
                 "v_head_dim")]
+    if arch.get("single_grouped_weight"):
+        mla = mla + ["--moe-grouped-gemm", "--moe-use-grouped-tensor",
+                     "--moe-single-grouped-weight"]
     return mla + [
         "--num-layers", str(arch["num_layers"]), "--hidden-size", str(arch["hidden_size"]),
         "--num-attention-heads", str(arch["num_attention_heads"]),
@@ -157,7 +164,8 @@ def _assert_same(ours: dict, theirs: dict) -> None:
         assert bool((steps != 0).any()), name
 
 
-@pytest.mark.parametrize("arch", [ARCH, MLA_ARCH], ids=["attention", "mla"])
+@pytest.mark.parametrize("arch", [ARCH, MLA_ARCH, GROUPED_ARCH],
+                         ids=["attention", "mla", "single-grouped-weight"])
 def test_a_dsv3_checkpoint_megatron_core_trains_and_saves_loads_here(mcore_python, tmp_path,
                                                                      arch):
     """With MLA, Megatron-Core's core attention is the harness's stand-in (see
@@ -172,7 +180,8 @@ def test_a_dsv3_checkpoint_megatron_core_trains_and_saves_loads_here(mcore_pytho
     _assert_same(ours, theirs)
 
 
-@pytest.mark.parametrize("arch", [ARCH, MLA_ARCH], ids=["attention", "mla"])
+@pytest.mark.parametrize("arch", [ARCH, MLA_ARCH, GROUPED_ARCH],
+                         ids=["attention", "mla", "single-grouped-weight"])
 def test_a_dsv3_checkpoint_trained_here_loads_in_megatron_core(mcore_python, tmp_path, arch):
     """Also the file's keys: every tensor key and global shape, and every byte entry, are
     those of Megatron-Core's own ``sharded_state_dict`` of the model. With MLA, Megatron-Core

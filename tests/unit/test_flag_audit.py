@@ -66,6 +66,12 @@ DERIVED_IN_VALIDATION = {
     "attention_backend": "sets --use-flash-attn and --masked-softmax-fusion, which choose the "
                          "attention body (megatron/model/attention_backend.py)",
     "data_args_path": "its file's contents become --data-path",
+    "use_grouped_gemm_for_shared_expert": "refused with a shared expert (Megatron-Core's fused "
+                                          "shared expert computes in MXFP8 / NVFP4); without "
+                                          "one Megatron-Core ignores it too",
+    "use_grouped_gemm_for_dense_mlp": "refused with --use-transformer-engine-op-fuser under "
+                                      "--transformer-impl transformer_engine (TEFusedDenseMLP "
+                                      "computes in MXFP8); otherwise Megatron-Core ignores it",
     "dsa_kernel_backend": "none (plain PyTorch) runs; tilelang and cudnn are refused",
     "dsa_indexer_topk_freq": "1 (every DSA layer picks its own keys) runs; others are refused",
     "dsa_indexer_skip_topk_offset": "checked >= 0; with --dsa-indexer-topk-freq 1 (all that "

@@ -63,6 +63,12 @@ bytes; at a larger size Megatron-Core cuts each rank's interleaved rows in two h
 SwiGLU, which orders the blocks by that size: such a file of its is read correctly only at
 (expert-)TP 1 saves.
 
+Megatron-Core's grouped-linear spellings of a chunk's expert tensors (``--moe-single-grouped-
+weight`` / ``--moe-single-grouped-bias``): ``...layers.N.mlp.experts.linear_fc1.weight``
+``[El, ffn/etp, h]`` (all local experts) and per GEMM ``...linear_fc1.weight<J>`` /
+``bias<J>`` map to the same keys as the loop's ``local_experts.<J>.`` names, the stacked
+leading axis onto the expert axis at the chunk's first expert.
+
 Expert tensors are stacked on the layer axis, then on the GLOBAL expert axis
 (``ChunkLayout.expert_offset + J``), whatever the expert-parallel size. Expert tensor
 parallelism (``--expert-tensor-parallel-size``, which may differ from TP) splits an expert's
@@ -106,6 +112,8 @@ expert-TP rank 0 of expert-DP rank 0 (:attr:`ChunkLayout.writes_expert_replicate
 import dataclasses
 import re
 from typing import List, Optional, Tuple
+
+from megatron.model.module import flatten_state_dict
 
 LAYER_PREFIX = "decoder.layers."
 
@@ -178,6 +186,11 @@ _MOE_KEYS = ("mlp.router.weight", "mlp.router.bias", "mlp.router.expert_bias",
              "mlp.fc1_latent_proj.weight", "mlp.fc1_latent_proj.bias",
              "mlp.fc2_latent_proj.weight", "mlp.fc2_latent_proj.bias")
 _EXPERT_NAME = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.(?:weight|bias))")
+# Megatron-Core's grouped-linear spellings of the same tensors (--moe-single-grouped-weight /
+# --moe-single-grouped-bias, megatron/model/moe/grouped_tensor.py): per GEMM
+# ``mlp.experts.linear_fc1.weight<J>`` (local expert J), or stacked ``mlp.experts.linear_fc1.
+# weight`` [El, ...] (all local experts on a leading axis, which lands on the expert axis).
+_GROUPED_NAME = re.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d*)")
 _EXPERT_PREFIX = "mlp.experts.experts."
 # The keys of the routed experts' tensors (split by the expert-TP layout).
 EXPERT_KEY_PREFIX = LAYER_PREFIX + _EXPERT_PREFIX
@@ -424,6 +437,9 @@ def layer_key(legacy_layer_name: str, global_layer: Optional[int] = None,
     expert = _EXPERT_NAME.fullmatch(legacy_layer_name)
     if expert:
         return prefix + _EXPERT_PREFIX + expert.group(2)
+    grouped = _GROUPED_NAME.fullmatch(legacy_layer_name)
+    if grouped:
+        return f"{prefix}{_EXPERT_PREFIX}{grouped.group(1)}.{grouped.group(2)}"
     if legacy_layer_name not in LAYER_KEYS:
         raise KeyMappingError(f"layer tensor {legacy_layer_name!r} has no Megatron-Core key "
                               f"(known: {', '.join(sorted(LAYER_KEYS))})")
@@ -568,6 +584,9 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
     key, local_layer = mcore_key(name, layout.mla)
     inner = name if local_layer is None else _LAYER_NAME.fullmatch(name).group(2)
     local_shape = tuple(local_shape)
+    grouped = _GROUPED_NAME.fullmatch(inner) if local_layer is not None else None
+    if grouped:
+        return _grouped_expert_placements(name, inner, grouped, local_shape, layout)
     expert = _EXPERT_NAME.fullmatch(inner) if local_layer is not None else None
     local_expert = None
     if expert:
@@ -663,6 +682,43 @@ def _fused_down_proj_placements(name: str, local_shape: Tuple[int, ...],
         pieces += [dataclasses.replace(p, local_rows=rows)
                    for p in placements(base + part, shape, layout)]
     return pieces
+
+
+def _grouped_expert_placements(name: str, inner: str, grouped, local_shape: Tuple[int, ...],
+                               layout: ChunkLayout) -> List[Placement]:
+    """The placements of a grouped-linear expert tensor: those of the loop's spelling for a
+    per-GEMM one; for a stacked one ``[El, ...]``, local expert 0's piece with the expert axis
+    widened to El (its leading dim is the local tensor's first)."""
+    linear, kind, gemm = grouped.groups()
+    as_loop = f"{name[:-len(inner)]}mlp.experts.local_experts.{gemm or 0}.{linear}.{kind}"
+    if gemm:
+        return placements(as_loop, local_shape, layout)
+    pieces = placements(as_loop, local_shape[1:], layout)
+    if len(pieces) == 2 and layout.expert_tp_size == 1:   # SwiGLU's halves, contiguous
+        pieces = [dataclasses.replace(pieces[0], local_rows=None)]
+    if len(pieces) != 1:
+        raise KeyMappingError(f"{name}: a stacked SwiGLU fc1 split over "
+                              f"--expert-tensor-parallel-size {layout.expert_tp_size} is not "
+                              "stored in torch_dist here; drop --moe-single-grouped-weight "
+                              "(per-GEMM weights, the same computation)")
+    return [dataclasses.replace(pieces[0], stacked=pieces[0].stacked - 1)]
+
+
+def expert_names(tree: dict) -> List[str]:
+    """The dotted names of a chunk's state with every grouped-linear expert tensor spelled per
+    local expert (``mlp.experts.local_experts.<J>.linear_fc1.weight``), as the loop names them:
+    what counting a layer's local experts reads."""
+    names = []
+    for name, tensor in flatten_state_dict(tree).items():
+        match = _GROUPED_NAME.search(name)
+        if match is None or not name.endswith(match.group(0)):
+            names.append(name)
+            continue
+        head = name[:-len(match.group(0))]
+        linear, kind, gemm = match.groups()
+        gemms = [gemm] if gemm else range(tensor.shape[0])
+        names += [f"{head}mlp.experts.local_experts.{j}.{linear}.{kind}" for j in gemms]
+    return names
 
 
 def object_key(key: str, offset: Tuple[int, ...] = (0,), shape: Tuple[int, ...] = (1,)) -> str:

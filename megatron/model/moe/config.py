@@ -46,6 +46,11 @@ class MoEConfig:
     moe_input_jitter_eps: Optional[float] = None
     moe_token_dispatcher_type: str = "allgather"        # allgather | alltoall
     moe_grouped_gemm: bool = False
+    # Megatron-Core's TransformerEngine grouped-tensor path (same computation here) and its
+    # parameter layouts: one weight / bias tensor for all local experts (grouped_tensor.py).
+    moe_use_grouped_tensor: bool = False
+    moe_single_grouped_weight: bool = False
+    moe_single_grouped_bias: bool = False
     moe_expert_capacity_factor: Optional[float] = None  # None (or < 0): no token is dropped
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"                # probs | position
@@ -97,6 +102,31 @@ class MoEConfig:
         self._check_router()
         self._check_capacity()
         self._check_sizes()
+        self._check_grouped_tensor()
+
+    def _check_grouped_tensor(self) -> None:
+        """Megatron-Core's chain: the single grouped weight / bias live in the grouped-tensor
+        path, which is a way of running the grouped GEMM."""
+        for flag, on, needs, have in (
+                ("--moe-use-grouped-tensor", self.moe_use_grouped_tensor,
+                 "--moe-grouped-gemm", self.moe_grouped_gemm),
+                ("--moe-single-grouped-weight", self.moe_single_grouped_weight,
+                 "--moe-use-grouped-tensor", self.moe_use_grouped_tensor),
+                ("--moe-single-grouped-bias", self.moe_single_grouped_bias,
+                 "--moe-use-grouped-tensor", self.moe_use_grouped_tensor)):
+            if on and not have:
+                raise ConfigError(f"{flag} needs {needs} (as in Megatron-Core)")
+        single = [flag for flag, on in (("--moe-single-grouped-weight",
+                                         self.moe_single_grouped_weight),
+                                        ("--moe-single-grouped-bias",
+                                         self.moe_single_grouped_bias)) if on]
+        variants = [flag for flag, on in (
+            ("--moe-latent-size", self.moe_latent_size is not None),
+            ("--moe-mlp-glu-interleave-size", self.moe_mlp_glu_interleave_size is not None)) if on]
+        if single and variants:
+            raise ConfigError(f"{single[0]} with {variants[0]} is not built here (the grouped-"
+                              "linear expert layout holds full-width, two-half GLU experts); "
+                              f"drop {single[0]} (the same computation in the per-expert layout)")
 
     @staticmethod
     def _check_choice(flag: str, value: str, choices) -> None:

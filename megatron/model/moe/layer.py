@@ -35,6 +35,7 @@ from megatron.model.moe.expert_tp import gather_expert_rows, return_own_rows
 from megatron.core.utils import get_init_method, get_output_layer_init_method
 from megatron.model.moe.experts import (GroupedMLP, SequentialMLP, SharedExpertMLP,
                                         check_expert_tp)
+from megatron.model.moe.grouped_tensor import TEGroupedMLP
 from megatron.model.moe.latent import LatentProjection
 from megatron.model.moe.router import TopKRouter, expert_capacity
 from megatron.model.moe.tracker import MoELossTracker
@@ -94,6 +95,8 @@ class MoELayer(MegatronModule):
         self.token_dispatcher = build_token_dispatcher(moe_config.moe_token_dispatcher_type,
                                                        moe_config.num_moe_experts, ep_group)
         experts_class = GroupedMLP if moe_config.moe_grouped_gemm else SequentialMLP
+        if moe_config.moe_single_grouped_weight or moe_config.moe_single_grouped_bias:
+            experts_class = TEGroupedMLP
         self.experts = experts_class(config, moe_config, layer_number, get_group_rank(ep_group),
                                      ep_size, expert_tp_group, init_seed)
         self.shared_experts = None

@@ -152,7 +152,9 @@ def upcycle_moe_layer(moe_layer, dense_mlp, granularity: int) -> None:
                          cube_root=config.gated_linear_unit or config.squared_relu)
     experts = upcycle_expert_weights(dense_mlp_weights(dense_mlp), num_experts, granularity,
                                      scale, config.gated_linear_unit)
-    local = moe_layer.experts.local_experts
+    local = getattr(moe_layer.experts, "local_experts", None)
+    if local is None:   # Megatron-Core's grouped-linear layout (grouped_tensor.py)
+        local = moe_layer.experts.expert_views()
     first = get_group_rank(moe_layer.token_dispatcher.ep_group) * len(local)
     with torch.no_grad():
         for i, expert in enumerate(local):
