@@ -207,6 +207,14 @@ def test_the_layer_uses_the_grouped_layout_and_checks_megatrons_chain():
         TEGroupedMLP(_config(add_bias_linear=False), _moe(False, True), 1)
 
 
+@pytest.mark.parametrize("variant", [{"moe_latent_size": 8}, {"moe_mlp_glu_interleave_size": 2}])
+def test_grouped_linear_layout_with_latent_or_interleaved_experts_is_refused(variant):
+    with pytest.raises(ConfigError, match="--moe-single-grouped-weight with --moe-"):
+        MoEConfig(num_moe_experts=4, moe_grouped_gemm=True, moe_use_grouped_tensor=True,
+                  moe_single_grouped_weight=True, **variant)
+    MoEConfig(num_moe_experts=4, moe_grouped_gemm=True, moe_use_grouped_tensor=True, **variant)
+
+
 # -- the flags ---------------------------------------------------------------------------------
 
 BASE = ["--num-layers", "2", "--hidden-size", "8", "--num-attention-heads", "2",
