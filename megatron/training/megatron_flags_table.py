@@ -93,8 +93,10 @@ TELEMETRY = ("this tracing/telemetry integration is not built here; drop it (use
              "--tensorboard-dir or --wandb-project)")
 FLEX = ("the flex token dispatcher (DeepEP, HybridEP, NCCL EP) is not built here; use "
         "--moe-token-dispatcher-type alltoall")
-ACT_OFFLOAD = ("the MoE paged stash of expert activations is not built yet; use "
-               "--fine-grained-activation-offloading --offload-modules expert_fc1 moe_act")
+ACT_OFFLOAD = ("Megatron stashes expert activations in pages only under the flex dispatcher's "
+               "fixed per-rank token budget (--moe-expert-rank-capacity-factor), which is not "
+               "built here; use --fine-grained-activation-offloading --offload-modules "
+               "expert_fc1 moe_act")
 INFLIGHT = ("offload copies here finish before the forward goes on, so no offload is ever in "
             "flight for a cap to limit")
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
@@ -104,7 +106,8 @@ CP_VARIANTS = ("hybrid (per-sequence dynamic) context parallelism is not built y
 WEIGHT_SHARDS = "sharded tensor-parallel weights are not built yet; drop it"
 UCC = "only the default communication backend is built here; drop it"
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
-MODEL_VARIANT = "this model variant is not built yet; drop it"
+MODEL_VARIANT = ("this router option (routing forced by biased random logits, a benchmarking "
+                 "aid) is not built yet; drop it")
 CKPT_EXTRAS = ("it changes how Megatron reads a legacy distrib_optim.pt, a file this project "
                "neither writes nor reads; drop it")
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
@@ -175,14 +178,9 @@ ROWS = (
     ('--fp4-recipe', '', 'str', 'nvfp4', 'nvfp4|custom', REFUSED, FP8),
     ('--fp4-quantizer-factory', '', 'str', None, '', REFUSED, FP8),
     ('--high-priority-a2a-comm-stream', '', 'true', False, '', NO_EFFECT, EP_OVERLAP),
-    ('--use-grouped-gemm-for-shared-expert', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--moe-router-padding-for-quantization', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-padding-for-fp8', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-force-biased', '', 'float', None, '', REFUSED, MODEL_VARIANT),
-    ('--use-grouped-gemm-for-dense-mlp', '', 'true', False, '', REFUSED, MODEL_VARIANT),
-    ('--moe-use-grouped-tensor', '', 'true', False, '', REFUSED, MODEL_VARIANT),
-    ('--moe-single-grouped-weight', '', 'true', False, '', REFUSED, MODEL_VARIANT),
-    ('--moe-single-grouped-bias', '', 'true', False, '', REFUSED, MODEL_VARIANT),
     ('--moe-enable-deepep', '', 'true', False, '', REFUSED, FLEX),
     ('--moe-flex-dispatcher-backend', '',
      'str', 'deepep', 'deepep|hybridep|ncclep', REFUSED, FLEX),
