@@ -125,7 +125,7 @@ ROWS = (
     ('--tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
     ('--pipeline-model-parallel-comm-backend', '', 'str', None, 'nccl|ucc', REFUSED, UCC),
     ('--max-seqlen-per-dp-cp-rank', '', 'int', None, '', REFUSED, CP_VARIANTS),
-    ('--hybrid-context-parallel', '', 'true', False, '', REFUSED, MAMBA),
+    ('--hybrid-context-parallel', '', 'true', False, '', REFUSED, CP_VARIANTS),
     ('--expert-tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
     ('--tp-comm-overlap', '', 'true', False, '', REFUSED, TP_OVERLAP),
     ('--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad', 'tp_comm_bulk_wgrad',
