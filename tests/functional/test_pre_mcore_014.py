@@ -16,14 +16,16 @@ import os
 
 import pytest
 import torch
-from torch.distributed.checkpoint import FileSystemReader, load
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, load, save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megatron.checkpoint.dist import DistCheckpointReader
+from megatron.checkpoint.dist import DistCheckpointError, DistCheckpointReader
+from megatron.checkpoint.dist.flattened import open_view
 from megatron.training.arguments import parse_args, validate_args
 from megatron.training.validation import ArgumentsError
 from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
 from tests.multiprocess import run_on_ranks
+from tools.checkpoint.convert import main as convert_main
 
 N = 3
 PRE = "--dist-ckpt-save-pre-mcore-014"
@@ -93,6 +95,34 @@ def _check_against_todays_layout(old_dir, new_dir, tp):
     assert "content_metadata" in DistCheckpointReader(new_dir).common_state()
 
 
+def _save_plain(state, path):
+    save(state, storage_writer=FileSystemWriter(str(path)), no_dist=True)
+    return str(path)
+
+
+def test_view_reads_a_flattened_state_written_by_torch_itself(tmp_path):
+    """A folder written with plain DCP in the older layout (2 layers, TP 2 pieces of rows of
+    an [8, 4] weight): any slice reads as the whole tensor's."""
+    torch.manual_seed(0)
+    whole = torch.randn(2, 8, 4)
+    stored = torch.stack([torch.stack([whole[l, :4].reshape(-1), whole[l, 4:].reshape(-1)])
+                          for l in range(2)]).unsqueeze(2)          # [2, 2, 1, 16]
+    key = "decoder.layers.mlp.linear_fc1.weight"
+    path = _save_plain({key: torch.zeros(2, 8, 4), "optimizer.state.exp_avg." + key: stored},
+                       tmp_path / "old")
+    view = open_view(DistCheckpointReader(path))
+    assert view.shape("optimizer.state.exp_avg." + key) == (2, 8, 4)
+    assert torch.equal(view.read("optimizer.state.exp_avg." + key), whole)
+    part = view.read("optimizer.state.exp_avg." + key, (1, 3, 1), (1, 3, 2))
+    assert torch.equal(part, whole[1:2, 3:6, 1:3])
+    bad = _save_plain({key: torch.zeros(2, 8, 4),
+                       "optimizer.state.exp_avg." + key: torch.zeros(2, 3, 1, 16)},
+                      tmp_path / "bad")
+    with pytest.raises(DistCheckpointError, match="does not divide"):
+        open_view(DistCheckpointReader(bad))
+
+
+@pytest.mark.slow
 def test_pre_014_layout_holds_the_same_state_and_resumes_bit_exact(corpus, tmp_path):
     old, new = str(tmp_path / "old"), str(tmp_path / "new")
     straight = _run(corpus, 1, extra=["--save", old, "--save-interval", str(N), PRE])
@@ -102,6 +132,18 @@ def test_pre_014_layout_holds_the_same_state_and_resumes_bit_exact(corpus, tmp_p
     resumed = _run(corpus, 1, extra=["--load", old, "--ckpt-step", str(N)])
     assert [i for i, _ in resumed["losses"]] == list(range(N + 1, 2 * N + 1))
     assert _losses(resumed) == _losses(straight)[N:]
+    # The converter reads the older layout too: converted to today's, it equals today's file.
+    converted = str(tmp_path / "converted")
+    with open(os.path.join(old, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write(str(N))
+    assert convert_main(["--model-type", "GPT", "--load-dir", old, "--save-dir", converted,
+                         "--target-ckpt-format", "torch_dist"]) == 0
+    got, _ = _tensors(os.path.join(converted, it))
+    want, _ = _tensors(os.path.join(new, it))
+    moments = [k for k in want if k.startswith("optimizer.state.exp_avg")]
+    assert moments
+    for key in moments:
+        assert torch.equal(got[key], want[key]), key
 
 
 def test_gathered_optimizer_layout_is_refused():
