@@ -34,6 +34,7 @@ from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       extra_state_objects, load_model_state, model_shards,
                                       object_key, optimizer_state_shards, range_shards, read_local,
                                       read_local_rows, save_shards, tensor_shards, write_metadata)
+from megatron.checkpoint.dist import flattened
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, TRANSFORMER_ENGINE,
                                            expert_names, extra_state_value,
                                            glu_interleaved_names, te_moe_norm_key)
@@ -119,9 +120,11 @@ def _muon_entries(optimizer, trees: List[dict]):
     return optimizer_state.SourceOptimizer(entries, step, hparams, scaler), state_dict
 
 
-def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool):
+def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool, pre_014: bool = False):
     """What this rank of the distributed optimizer writes of its own state (no collective),
-    and its group hyper-parameters by (wd_mult, lr_mult) and step."""
+    and its group hyper-parameters by (wd_mult, lr_mult) and step. ``pre_014``: in the layout
+    of Megatron-Core before 0.14 (:mod:`megatron.checkpoint.dist.flattened`)."""
+    shards_of = flattened.flat_range_shards if pre_014 else range_shards
     groups = _current_order(optimizer, trees)
     local = optimizer.local_param_state()
     items = []
@@ -131,11 +134,11 @@ def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool):
                 continue
             for field in optimizer_state.MOMENTS:
                 if field in entry:
-                    items += range_shards(name, shape, entry["start"], entry[field],
-                                          layouts[chunk], f"{OPTIMIZER_STATE_PREFIX}{field}.")
+                    items += shards_of(name, shape, entry["start"], entry[field],
+                                       layouts[chunk], f"{OPTIMIZER_STATE_PREFIX}{field}.")
             if half:
-                items += range_shards(name, shape, entry["start"], entry["param"],
-                                      layouts[chunk], MAIN_PREFIX)
+                items += shards_of(name, shape, entry["start"], entry["param"],
+                                   layouts[chunk], MAIN_PREFIX)
     metas = optimizer.group_metadata()
     hparams = {(float(m.get("wd_mult", 1.0)), float(m.get("lr_mult", 1.0))):
                {k: v for k, v in m.items()
@@ -145,13 +148,19 @@ def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool):
     return items, hparams, step
 
 
-def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler) -> dict:
+def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler,
+                  distributed: bool = False) -> dict:
+    """Global rank 0's ``common_state``. Megatron-Core before 0.14 (``--dist-ckpt-save-pre-
+    mcore-014``) recorded no ``content_metadata``; its distributed optimizer names its sharding
+    type beside the param groups."""
     saved_args = plain_args(args)
     vars(saved_args).pop(RERUN_KEY, None)   # saved under its own key (_rerun_shards)
+    pre_014 = getattr(args, "dist_ckpt_save_pre_mcore_014", False)
     common = {"args": saved_args,
               "checkpoint_version": CHECKPOINT_VERSION, "iteration": iteration,
-              "num_floating_point_operations_so_far": 0,
-              "content_metadata": dict(_CONTENT_METADATA)}
+              "num_floating_point_operations_so_far": 0}
+    if not pre_014:
+        common["content_metadata"] = dict(_CONTENT_METADATA)
     if not args.no_save_optim:
         common["opt_param_scheduler"] = opt_param_scheduler.state_dict()
         groups = [optimizer_state.megatron_core_group(dict(group, wd_mult=key[0],
@@ -161,6 +170,8 @@ def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scal
                                "param_groups": groups}
         if grad_scaler is not None:
             common["optimizer"]["grad_scaler"] = grad_scaler
+        if pre_014 and distributed:
+            common["optimizer"]["param_state_sharding_type"] = flattened.SHARDING_TYPE
     return common
 
 
@@ -178,9 +189,12 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
         finish()
     half = args.fp16 or args.bf16
     entries, items, hparams, step, grad_scaler = None, [], None, 0, None
+    distributed = hasattr(optimizer, "local_param_state")   # the distributed optimizer
     if not args.no_save_optim:
-        if hasattr(optimizer, "local_param_state"):  # the distributed optimizer
-            items, hparams, step = _distributed_optimizer_shards(optimizer, trees, layouts, half)
+        if distributed:
+            items, hparams, step = _distributed_optimizer_shards(
+                optimizer, trees, layouts, half, getattr(args, "dist_ckpt_save_pre_mcore_014",
+                                                         False))
             scaler = getattr(optimizer, "grad_scaler", None)
             grad_scaler = scaler.state_dict() if scaler is not None else None
         else:
@@ -207,7 +221,8 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
                     items += tensor_shards(name, main, layout, MAIN_PREFIX)
     common = None
     if dist.get_rank() == 0:
-        common = _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler)
+        common = _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scaler,
+                               distributed)
     items += _rerun_shards(args, common)
     if pstate.dp_rank == 0 and pstate.cp_rank == 0:  # global rank 0 is DP and CP rank 0
         items += common_objects(common, rng_states, pstate.pp_rank, pstate.pp_size,
@@ -361,7 +376,7 @@ def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, ar
 
 def _open(iter_dir: str) -> Tuple[DistCheckpointReader, dict]:
     try:
-        reader = DistCheckpointReader(iter_dir)
+        reader = flattened.open_view(DistCheckpointReader(iter_dir))
         return reader, reader.common_state()
     except (DistCheckpointError, UnsafeCheckpointError, OSError) as err:
         raise CheckpointError(str(err)) from None
@@ -508,6 +523,11 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
         raise CheckpointError(f"{path}: has no optimizer state (saved with "
                                             "--no-save-optim?); pass --no-load-optim or "
                                             "--finetune")
+    if saved.get("param_state_sharding_type") == flattened.GATHERED_TYPE:
+        raise CheckpointError(
+            f"{path}: the distributed optimizer's state was saved gathered on one rank "
+            f"({flattened.GATHERED_TYPE!r}, Megatron-Core before 0.14 without "
+            "--ckpt-fully-parallel-save), a layout not read here; pass --no-load-optim")
     trees = _chunk_trees(model_chunks)
     if muon_state.is_muon(optimizer):
         _load_muon(reader, saved, optimizer, trees, layouts, args, path)

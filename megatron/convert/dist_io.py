@@ -36,6 +36,7 @@ import torch
 from megatron.checkpoint import optimizer_state
 from megatron.checkpoint.dist import keys
 from megatron.checkpoint.dist.model_state import tensor_shards
+from megatron.checkpoint.dist.flattened import open_view
 from megatron.checkpoint.dist.reader import (DistCheckpointError, DistCheckpointReader,
                                              is_dist_checkpoint)
 from megatron.checkpoint.fsdp_dtensor import is_fsdp_dtensor_checkpoint
@@ -102,7 +103,7 @@ def _open(load_dir: str, ckpt_step: Optional[int]):
                                  else "fsdp_dtensor")
         return view, common, iteration_dir(load_dir, ckpt_step)
     try:
-        reader = DistCheckpointReader(iter_dir)
+        reader = open_view(DistCheckpointReader(iter_dir))   # also Megatron-Core < 0.14's
         common = reader.common_state()
     except (DistCheckpointError, UnsafeCheckpointError) as err:
         raise ConversionError(str(err)) from None

@@ -655,7 +655,14 @@ def _add_checkpointing_args(parser):
     g.add_argument("--no-ckpt-fully-parallel-save", action="store_false",
                    dest="ckpt_fully_parallel_save",
                    help="accepted for Megatron's scripts, no effect here: every rank always "
-                        "writes its own torch_dist shards")
+                        "writes its own torch_dist shards (refused with "
+                        "--dist-ckpt-save-pre-mcore-014 and the distributed optimizer)")
+    g.add_argument("--dist-ckpt-save-pre-mcore-014", action="store_true",
+                   help="torch_dist saves in the layout of Megatron-Core before 0.14, for "
+                        "readers that predate it: no content_metadata, and the distributed "
+                        "optimizer's state as its fully_sharded_model_space type (each "
+                        "parameter's state N-D flattened per TP piece, each DP rank writing "
+                        "its range). Loading reads either layout")
     g.add_argument("--ckpt-fully-parallel-load", action="store_true",
                    help="accepted for Megatron's scripts, no effect here: every rank always "
                         "reads only the slices it needs")

@@ -67,6 +67,12 @@ def _validate_checkpoint_format(args) -> None:
                              args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
         if error:
             _fail(error)
+    if args.dist_ckpt_save_pre_mcore_014 and args.use_distributed_optimizer \
+            and not args.ckpt_fully_parallel_save:
+        _fail("--dist-ckpt-save-pre-mcore-014 with --no-ckpt-fully-parallel-save and "
+              "--use-distributed-optimizer: Megatron-Core before 0.14 then gathers the "
+              "optimizer state on one rank (dp_zero_gather_scatter), a layout not built here; "
+              "drop --no-ckpt-fully-parallel-save (each rank then writes its own range)")
     if args.num_experts is not None:   # after _validate_moe, which sets the expert-TP size
         try:
             build_checkpoint_config(args).check_expert_tensor_parallel(
