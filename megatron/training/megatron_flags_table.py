@@ -113,8 +113,6 @@ CKPT_EXTRAS = ("it changes how Megatron reads a legacy distrib_optim.pt, a file 
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
               "drop it and give local paths")
-PRE_MCORE_014 = ("saving torch_dist checkpoints in the layout of Megatron-Core before 0.14 is "
-                 "not built; drop it (checkpoints are written in today's layout)")
 HF_SLOW = ("Hugging Face's slow (Python) tokenizers are not built here; drop it (tokenizer.json "
            "is read with the tokenizers library, which AutoTokenizer's fast tokenizers run)")
 REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a model folder "
@@ -326,7 +324,6 @@ ROWS = (
     ('--ckpt-pg-tensors-cache-create', '', 'true', False, '', REFUSED, NON_PERSISTENT),
     ('--no-ckpt-load-validate-sharding-integrity --disable-ckpt-load-validate-sharding-integrity',
      'ckpt_load_validate_sharding_integrity', 'false', True, '', NO_EFFECT, CKPT_PERF),
-    ('--dist-ckpt-save-pre-mcore-014', '', 'true', False, '', REFUSED, PRE_MCORE_014),
     ('--dist-ckpt-optim-fully-reshardable', '', 'true', False, '', NO_EFFECT, RESHARDABLE),
     ('--distrib-optim-fully-reshardable-mem-efficient', '',
      'true', False, '', NO_EFFECT, RESHARDABLE),
