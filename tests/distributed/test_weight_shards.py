@@ -181,3 +181,76 @@ def test_tp2_with_two_weight_shards_equals_one_process(tmp_path):
 @pytest.mark.slow
 def test_four_weight_shards_without_tp(tmp_path):
     run_on_ranks(_body, 4, 1, 4, str(tmp_path / "ckpt"))
+
+
+# ---- experts (--expert-tensor-parallel-num-weight-shards) ------------------------------------
+
+E_HIDDEN, E_FFN, NUM_EXPERTS, COUNTS = 8, 8, 2, [3, 2]
+
+
+def _experts(cls, etp_group, shard_group, swiglu):
+    from megatron.model.moe import MoEConfig
+    from megatron.model.transformer import TransformerConfig
+
+    config = TransformerConfig(num_layers=1, hidden_size=E_HIDDEN, num_attention_heads=2,
+                               padded_vocab_size=16, max_position_embeddings=4, seq_length=4,
+                               ffn_hidden_size=E_FFN, params_dtype=torch.float64,
+                               add_bias_linear=False, swiglu=swiglu,
+                               bias_gelu_fusion=False)
+    moe = MoEConfig(num_moe_experts=NUM_EXPERTS)
+    return cls(config, moe, layer_number=1, expert_tp_group=etp_group,
+               weight_shard_group=shard_group)
+
+
+def _expert_rows(index):
+    g = torch.Generator().manual_seed(200 + index)
+    n = sum(COUNTS)
+    return (torch.randn(n, E_HIDDEN, generator=g, dtype=torch.float64),
+            torch.randn(n, E_HIDDEN, generator=g, dtype=torch.float64))
+
+
+def _run_experts(module, index):
+    x, dy = _expert_rows(index)
+    x.requires_grad_(True)
+    module.zero_grad()
+    out = module(x, COUNTS)
+    out.backward(dy)
+    return out.detach(), x.grad, {n: p.grad.clone() for n, p in module.named_parameters()}
+
+
+def _check_experts(etp_size, n_shards, cls_name, swiglu):
+    from megatron.model.moe import experts as experts_module
+
+    cls = getattr(experts_module, cls_name)
+    (etp_group, _), (shard_group, shard_ranks), data_index = _groups(etp_size, n_shards)
+    reference = _experts(cls, None, None, swiglu)               # one process, no splits
+    ref_out, ref_dx, _ = _run_experts(reference, data_index)
+    unsharded = _experts(cls, etp_group, None, swiglu)          # the same expert-TP, no shards
+    sharded = _experts(cls, etp_group, shard_group, swiglu)
+    out, dx, grads = _run_experts(sharded, data_index)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    torch.testing.assert_close(dx, ref_dx, **TOL)
+    peers = [r // etp_size for r in shard_ranks]
+    runs = [_run_experts(unsharded, i)[2] for i in peers]
+    k, g = shard_ranks.index(dist.get_rank()), len(shard_ranks)
+    for name, param in sharded.named_parameters():
+        full = sum(run[name] for run in runs)
+        assert param.weight_shards == g and param.weight_shard_rank == k
+        assert param.shape[0] * g == full.shape[0]
+        torch.testing.assert_close(grads[name], full.chunk(g)[k], **TOL)
+        torch.testing.assert_close(param.detach(),
+                                   dict(unsharded.named_parameters())[name].detach().chunk(g)[k],
+                                   rtol=0, atol=0)
+    return True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cls_name", ["SequentialMLP", "GroupedMLP"])
+def test_expert_weight_shards_equal_one_process(cls_name):
+    run_on_ranks(_check_experts, 2, 1, 2, cls_name, True)
+
+
+@pytest.mark.slow
+def test_expert_tp2_with_weight_shards_equals_one_process():
+    run_on_ranks(_check_experts, 4, 2, 4, "GroupedMLP", True)
+    run_on_ranks(_check_experts, 4, 2, 4, "SequentialMLP", False)
