@@ -254,3 +254,57 @@ def test_expert_weight_shards_equal_one_process(cls_name):
 def test_expert_tp2_with_weight_shards_equals_one_process():
     run_on_ranks(_check_experts, 4, 2, 4, "GroupedMLP", True)
     run_on_ranks(_check_experts, 4, 2, 4, "SequentialMLP", False)
+
+
+# ---- resume ---------------------------------------------------------------------------------
+
+def _sgd_steps(fc1, fc2, steps, first):
+    losses = []
+    for i in range(first, first + steps):
+        x, dy = _data(10 * i + dist.get_rank())
+        fc1.zero_grad(), fc2.zero_grad()
+        out = _forward(fc1, fc2, x)
+        loss = (out * dy).sum()
+        loss.backward()
+        with torch.no_grad():
+            for p in (fc1.bias, fc2.bias):   # replicated: summed over the ranks, as DDP would
+                dist.all_reduce(p.grad)
+            for p in (*fc1.parameters(), *fc2.parameters()):
+                p -= 0.05 * p.grad
+        losses.append(loss.item())
+    return losses
+
+
+def _resume(ckpt_dir):
+    (tp_group, tp_rank), (shard_group, _), _ = _groups(1, 2)
+    fc1, fc2 = _mlp(tp_group, shard_group)
+    _sgd_steps(fc1, fc2, 2, 0)
+    names = ("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias")
+    params = (fc1.weight, fc1.bias, fc2.weight, fc2.bias)
+    items = []
+    for name, p in zip(names, params):
+        if getattr(p, "weight_shards", 1) > 1:
+            shape, offset = ws.checkpoint_box(tuple(p.shape), p.partition_dim, tp_rank, 1,
+                                              p.weight_shard_rank, p.weight_shards)
+            items.append(TensorShard(name, p.detach().clone(), shape, offset))
+        elif dist.get_rank() == 0:          # replicated: one writer
+            items.append(TensorShard(name, p.detach().clone(), tuple(p.shape), (0,) * p.dim()))
+    save_shards(ckpt_dir, items)
+    straight = _sgd_steps(fc1, fc2, 3, 2)
+    fc1, fc2 = _mlp(tp_group, shard_group)   # a fresh start, then the checkpoint
+    reader = DistCheckpointReader(ckpt_dir)
+    for name, p in zip(names, (fc1.weight, fc1.bias, fc2.weight, fc2.bias)):
+        offset = (0,) * p.dim()
+        if getattr(p, "weight_shards", 1) > 1:
+            _, offset = ws.checkpoint_box(tuple(p.shape), p.partition_dim, tp_rank, 1,
+                                          p.weight_shard_rank, p.weight_shards)
+        with torch.no_grad():
+            p.copy_(reader.read(name, offset, tuple(p.shape)))
+    assert _sgd_steps(fc1, fc2, 3, 2) == straight
+    return straight
+
+
+@pytest.mark.slow
+def test_resume_from_a_sharded_checkpoint_is_bit_exact(tmp_path):
+    losses = run_on_ranks(_resume, 2, str(tmp_path / "ckpt"))
+    assert losses[0] != losses[1]            # the two ranks trained on different samples
