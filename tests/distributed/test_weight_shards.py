@@ -308,3 +308,64 @@ def _resume(ckpt_dir):
 def test_resume_from_a_sharded_checkpoint_is_bit_exact(tmp_path):
     losses = run_on_ranks(_resume, 2, str(tmp_path / "ckpt"))
     assert losses[0] != losses[1]            # the two ranks trained on different samples
+
+
+# ---- data parallelism (DistributedDataParallel) ---------------------------------------------
+
+def _ddp_case(overlap):
+    from megatron.core.distributed import DistributedDataParallel as DDP
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    everyone = dist.new_group(list(range(world)))
+    (_, _), (shard_group, shard_ranks), _ = _groups(1, 2)
+    shard_dp = None
+    for ranks in ([0, 2], [1, 3]):               # the ranks holding the same rows
+        handle = dist.new_group(ranks)
+        if rank in ranks:
+            shard_dp = handle
+    kwargs = dict(dp_group=everyone, overlap_grad_reduce=overlap, bucket_size=40)
+    reference = DDP(torch.nn.ModuleList(_mlp(None, None)), **kwargs)
+    sharded = DDP(torch.nn.ModuleList(_mlp(None, shard_group)), weight_shard_dp_group=shard_dp,
+                  **kwargs)
+    assert len(sharded.weight_shard_grad_buffers) == 1
+    for model in (reference, sharded):
+        model.zero_grad_buffer()
+        for micro in range(2):                   # two micro-batches, the first without sync
+            x, dy = _data(10 * rank + micro)
+            ctx = model.no_sync() if micro == 0 else _NullContext()
+            with ctx:
+                _forward(*model.module, x).backward(dy)
+        model.finish_grad_sync()
+    k = shard_ranks.index(rank)
+    for ref, mine in zip(reference.module.parameters(), sharded.module.parameters()):
+        expected = ref.main_grad.chunk(2)[k] if getattr(mine, "weight_shards", 1) > 1 \
+            else ref.main_grad
+        torch.testing.assert_close(mine.main_grad, expected, **TOL)
+    with torch.no_grad():                        # broadcast keeps each shard's own rows
+        for p in sharded.module.parameters():
+            p.add_(rank)
+    sharded.broadcast_params()
+    fresh = torch.nn.ModuleList(_mlp(None, shard_group))
+    for p, start in zip(sharded.module.parameters(), fresh.parameters()):
+        offset = rank % 2 if getattr(p, "weight_shards", 1) > 1 else 0
+        torch.testing.assert_close(p.detach(), start.detach() + offset, **TOL)
+    with pytest.raises(ValueError, match="weight_shard_dp_group"):
+        DDP(torch.nn.ModuleList(_mlp(None, shard_group)), dp_group=everyone)
+    with pytest.raises(ValueError, match="--use-distributed-optimizer"):
+        DDP(torch.nn.ModuleList(_mlp(None, shard_group)), dp_group=everyone,
+            weight_shard_dp_group=shard_dp, use_distributed_optimizer=True)
+    return True
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True])
+def test_ddp_over_weight_shards_equals_plain_data_parallel(overlap):
+    run_on_ranks(_ddp_case, 4, overlap)
