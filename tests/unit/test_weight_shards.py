@@ -57,6 +57,16 @@ def test_groups_in_megatrons_order():
     assert ws.weight_shard_ranks(4, 2, None) == [[0], [1], [2], [3]]
 
 
+def test_expert_groups_in_megatrons_order():
+    # Megatron's example: world 64, expert tp 2, ep 4, 2 shards per expert-tp rank (pp 2):
+    # rank 0's expert weight-shard group is [0, 8]
+    groups = ws.expert_weight_shard_ranks(64, 2, 4, 4)
+    assert groups[0] == [0, 8] and groups[1] == [1, 9] and groups[8] == [16, 24]
+    assert sorted(r for grp in groups for r in grp) == list(range(64))
+    with pytest.raises(ValueError, match="--expert-tensor-parallel-num-weight-shards"):
+        ws.expert_weight_shard_ranks(8, 2, 4, 3)
+
+
 @pytest.mark.parametrize("tp,n", [(4, 6), (4, 2)])
 def test_shards_must_be_a_multiple_of_tp(tp, n):
     with pytest.raises(ValueError, match=r"--tensor-parallel-num-weight-shards \(%d\)" % n):

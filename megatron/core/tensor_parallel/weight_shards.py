@@ -122,6 +122,21 @@ def weight_shard_ranks(world_size: int, tp_size: int, num_weight_shards: Optiona
             for base in range(0, world_size, block) for t in range(tp_size)]
 
 
+def expert_weight_shard_ranks(world_size: int, expert_tp_size: int, ep_size: int,
+                              num_weight_shards: Optional[int]) -> List[List[int]]:
+    """The expert weight-shard groups in Megatron's expert order ``etp-ep-egtp-edp-pp``: the
+    group has ``num_weight_shards / expert_tp_size`` ranks, ``expert_tp_size * ep_size``
+    apart (``--expert-tensor-parallel-num-weight-shards``)."""
+    flag = "--expert-tensor-parallel-num-weight-shards"
+    g = weight_shards_per_tp_rank(expert_tp_size, num_weight_shards, flag)
+    stride = expert_tp_size * ep_size
+    if world_size % (stride * g):
+        raise ValueError(f"{flag} ({num_weight_shards}) x --expert-model-parallel-size "
+                         f"({ep_size}) does not divide the world size ({world_size})")
+    return [[base + j + stride * k for k in range(g)]
+            for base in range(0, world_size, stride * g) for j in range(stride)]
+
+
 def weight_shards_per_tp_rank(tp_size: int, num_weight_shards: Optional[int],
                               flag: str = "--tensor-parallel-num-weight-shards") -> int:
     """``num_weight_shards / tp_size`` with Megatron's checks (1 when unset)."""
