@@ -90,6 +90,14 @@ class DistributedDataParallel(torch.nn.Module):
             micro-batches in an fp32 ``main_grad`` of their own when their buffer is half
             precision (``--ddp-param-name-patterns-for-fp32-local-accumulation``);
             :attr:`fp32_local_param_names` lists them.
+        weight_shard_dp_group / expert_weight_shard_dp_group: the data-parallel ranks of
+            ``dp_group`` (``expert_dp_group``) that hold the same weight shard, i.e. without this
+            rank's weight-shard peers. Parameters marked ``weight_shards > 1`` (see
+            :mod:`megatron.core.tensor_parallel.weight_shards`; dense ones, and experts marked
+            ``allreduce = False``) then get buffers of their own,
+            :attr:`weight_shard_grad_buffers`, summed over that group and divided by the
+            ``dp_group`` size: the layers' reduce-scatter has already summed over the peers.
+            Not with ``use_distributed_optimizer``.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
@@ -99,7 +107,8 @@ class DistributedDataParallel(torch.nn.Module):
                  gradient_accumulation_fusion: bool = False, expert_dp_group=None,
                  calculate_per_token_loss: bool = False,
                  reduce_scatter_with_fp32_accumulation: bool = False,
-                 fp32_local_accumulation_patterns: Sequence[str] = ()):
+                 fp32_local_accumulation_patterns: Sequence[str] = (),
+                 weight_shard_dp_group=None, expert_weight_shard_dp_group=None):
         super().__init__()
         if dp_group is None:
             raise ValueError("DistributedDataParallel needs dp_group=<the data-parallel process "
@@ -125,28 +134,38 @@ class DistributedDataParallel(torch.nn.Module):
         fp32_local = [p for p, name in self._param_names.items()
                       if name in self.fp32_local_param_names]
         # Reverse order: backward produces the last layers' gradients first.
+        self.shard_dp_groups = {False: weight_shard_dp_group, True: expert_weight_shard_dp_group}
         by_dtype: Dict[torch.dtype, list] = {}
         expert_by_dtype: Dict[torch.dtype, list] = {}
+        shard_by_key: Dict[tuple, list] = {}
         for param in reversed(list(module.parameters())):
             if not param.requires_grad:
                 continue
             dtype = torch.float32 if accumulate_allreduce_grads_in_fp32 else param.dtype
+            shard_key = self._weight_shard_key(param, dtype, use_distributed_optimizer)
             is_expert = expert_dp_group is not None and not getattr(param, "allreduce", True)
-            (expert_by_dtype if is_expert else by_dtype).setdefault(dtype, []).append(param)
+            if shard_key is not None:
+                shard_by_key.setdefault(shard_key, []).append(param)
+            else:
+                (expert_by_dtype if is_expert else by_dtype).setdefault(dtype, []).append(param)
 
         self.grad_buffers: Dict[torch.dtype, GradBuffer] = {}
         self.expert_grad_buffers: Dict[torch.dtype, GradBuffer] = {}
+        self.weight_shard_grad_buffers: Dict[tuple, GradBuffer] = {}
         self.param_to_grad_buffer: Dict[torch.nn.Parameter, GradBuffer] = {}
-        for buffers, group, grouped in ((self.grad_buffers, dp_group, by_dtype),
-                                        (self.expert_grad_buffers, expert_dp_group,
-                                         expert_by_dtype)):
-            for dtype, params in grouped.items():
+        sets = [(self.grad_buffers, dp_group, by_dtype),
+                (self.expert_grad_buffers, expert_dp_group, expert_by_dtype)]
+        sets += [(self.weight_shard_grad_buffers, self.shard_dp_groups[key[1]], {key: params})
+                 for key, params in shard_by_key.items()]
+        for buffers, group, grouped in sets:
+            for key, params in grouped.items():
+                dtype = key[0] if isinstance(key, tuple) else key
                 buffer = GradBuffer(params, dtype, group, bucket_size, overlap_grad_reduce,
                                     use_distributed_optimizer,
                                     average_over=1 if calculate_per_token_loss else self.dp_size,
                                     fp32_accumulation=reduce_scatter_with_fp32_accumulation,
                                     fp32_local_params=fp32_local)
-                buffers[dtype] = buffer
+                buffers[key] = buffer
                 for param in params:
                     self.param_to_grad_buffer[param] = buffer
 
@@ -154,6 +173,22 @@ class DistributedDataParallel(torch.nn.Module):
             param.fuse_wgrad_accumulation = gradient_accumulation_fusion
         self._grad_hook_handles = [param.register_post_accumulate_grad_hook(self._make_param_hook())
                                    for param in self.param_to_grad_buffer]
+
+    def _weight_shard_key(self, param, dtype, use_distributed_optimizer) -> Optional[tuple]:
+        """``(dtype, is_expert)`` of a weight shard's buffer; None for any other parameter."""
+        if getattr(param, "weight_shards", 1) == 1:
+            return None
+        expert = not getattr(param, "allreduce", True)
+        name = self._param_names.get(param, "?")
+        if self.shard_dp_groups[expert] is None:
+            kind = "expert_weight_shard_dp_group" if expert else "weight_shard_dp_group"
+            raise ValueError(f"parameter {name!r} is a weight shard: DistributedDataParallel "
+                             f"needs {kind}= (the data-parallel ranks without its weight-shard "
+                             f"peers)")
+        if use_distributed_optimizer:
+            raise ValueError(f"parameter {name!r} is a weight shard: weight shards are not "
+                             f"built with --use-distributed-optimizer yet")
+        return dtype, expert
 
     def _make_param_hook(self):
         """The hook run after backward has accumulated a parameter's ``.grad``.
@@ -182,8 +217,9 @@ class DistributedDataParallel(torch.nn.Module):
         return hook
 
     def all_grad_buffers(self) -> List[GradBuffer]:
-        """The data-parallel buffers, then the expert ones."""
-        return list(self.grad_buffers.values()) + list(self.expert_grad_buffers.values())
+        """The data-parallel buffers, then the expert ones, then the weight shards'."""
+        return (list(self.grad_buffers.values()) + list(self.expert_grad_buffers.values())
+                + list(self.weight_shard_grad_buffers.values()))
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -233,6 +269,8 @@ class DistributedDataParallel(torch.nn.Module):
             group = self.dp_group
             if self.expert_dp_group is not None and not getattr(param, "allreduce", True):
                 group = self.expert_dp_group
+            if getattr(param, "weight_shards", 1) > 1:   # peers hold other rows: not them
+                group = self.shard_dp_groups[not getattr(param, "allreduce", True)]
             dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):

@@ -40,6 +40,7 @@ from megatron.core.tensor_parallel.utils import (
     split_tensor_along_last_dim,
     split_tensor_into_1d_equal_chunks,
 )
+from megatron.core.tensor_parallel.weight_shards import gather_weight_shards
 from megatron.core.utils import init_method_normal, scaled_init_method_normal
 
 __all__ = [
@@ -50,7 +51,8 @@ __all__ = [
     "copy_tensor_model_parallel_attributes", "copy_to_tensor_model_parallel_region", "divide",
     "ensure_divisibility", "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region", "gather_split_1d_tensor", "get_cuda_rng_tracker",
-    "init_method_normal", "linear_with_grad_accumulation_and_async_allreduce",
+    "gather_weight_shards", "init_method_normal",
+    "linear_with_grad_accumulation_and_async_allreduce",
     "model_parallel_cuda_manual_seed", "param_is_not_tensor_parallel_duplicate",
     "reduce_from_tensor_model_parallel_region", "reduce_scatter_to_sequence_parallel_region",
     "scaled_init_method_normal", "scatter_to_sequence_parallel_region",

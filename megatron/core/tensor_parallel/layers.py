@@ -32,6 +32,8 @@ from megatron.core.tensor_parallel.mappings import (gather_along_first_dim,
                                                     reduce_scatter_to_sequence_parallel_region,
                                                     scatter_to_tensor_model_parallel_region)
 from megatron.core.tensor_parallel.utils import VocabUtility, divide
+from megatron.core.tensor_parallel.weight_shards import (gather_weight_shards, mark_weight_shard,
+                                                         num_shards, shard_rows)
 
 _MODEL_PARALLEL_ATTRIBUTE_DEFAULTS = {
     "tensor_model_parallel": False,
@@ -105,6 +107,17 @@ def _initialize_affine_weight_cpu(weight: Parameter, full_shape: Tuple[int, int]
 def _new_parameter(shape, dtype: torch.dtype, zero: bool = False) -> Parameter:
     factory = torch.zeros if zero else torch.empty
     return Parameter(factory(shape, dtype=dtype, device=device.current_device()))
+
+
+def _to_weight_shard(weight: Parameter, group, layer: str) -> Parameter:
+    """``weight`` cut to this rank's block of rows in the weight-shard ``group`` (itself when
+    the group has one rank), keeping its tensor-parallel attributes."""
+    if num_shards(group) == 1:
+        return weight
+    shard = Parameter(shard_rows(weight.data, group, f"{layer} weight"))
+    copy_tensor_model_parallel_attributes(shard, weight)
+    mark_weight_shard(shard, group)
+    return shard
 
 
 class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
@@ -276,12 +289,16 @@ class ColumnParallelLinear(torch.nn.Module):
             ``[q; k; v]`` projection (``stride = 3``), so each rank holds its share of each block.
         skip_weight_param_allocation: create no weight; ``forward`` must then be given one (the
             output layer sharing the word embedding's weight).
+        weight_shard_group: a weight-shard group (None: none); the weight is then stored as this
+            rank's ``1/g`` block of rows and all-gathered before the matmul
+            (:mod:`~megatron.core.tensor_parallel.weight_shards`).
     """
 
     def __init__(self, input_size: int, output_size: int, *, init_method: Callable, tp_group,
                  bias: bool = True, gather_output: bool = False, skip_bias_add: bool = False,
                  sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
-                 stride: int = 1, skip_weight_param_allocation: bool = False):
+                 stride: int = 1, skip_weight_param_allocation: bool = False,
+                 weight_shard_group=None):
         super().__init__()
         if sequence_parallel and gather_output:
             raise ValueError("ColumnParallelLinear: gather_output=True cannot be combined with "
@@ -304,6 +321,8 @@ class ColumnParallelLinear(torch.nn.Module):
                                          params_dtype)
             _initialize_affine_weight_cpu(self.weight, (output_size, input_size), 0,
                                           init_method, tp_group, stride)
+            self.weight = _to_weight_shard(self.weight, weight_shard_group, "ColumnParallelLinear")
+        self.weight_shard_group = weight_shard_group if self.weight is not None else None
         if bias:
             self.bias = _new_parameter((self.output_size_per_partition,), params_dtype, True)
             set_tensor_model_parallel_attributes(self.bias, True, 0, stride)
@@ -325,7 +344,7 @@ class ColumnParallelLinear(torch.nn.Module):
             if self.weight is None:
                 raise ValueError("ColumnParallelLinear was built with "
                                  "skip_weight_param_allocation=True; pass weight= to forward")
-            weight = self.weight
+            weight = gather_weight_shards(self.weight, self.weight_shard_group)
         else:
             expected = (self.output_size_per_partition, self.input_size)
             if tuple(weight.shape) != expected:
@@ -365,11 +384,14 @@ class RowParallelLinear(torch.nn.Module):
             all-reducing it. The bias is then marked ``sequence_parallel`` (its gradient is
             partial on each rank).
         params_dtype: dtype of the parameters.
+        weight_shard_group: a weight-shard group (None: none); see ColumnParallelLinear. The
+            weight's rows (``output_size``) are cut, the bias stays whole.
     """
 
     def __init__(self, input_size: int, output_size: int, *, init_method: Callable, tp_group,
                  bias: bool = True, input_is_parallel: bool = False, skip_bias_add: bool = False,
-                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32):
+                 sequence_parallel: bool = False, params_dtype: torch.dtype = torch.float32,
+                 weight_shard_group=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True needs "
@@ -388,6 +410,8 @@ class RowParallelLinear(torch.nn.Module):
         self.weight = _new_parameter((output_size, self.input_size_per_partition), params_dtype)
         _initialize_affine_weight_cpu(self.weight, (output_size, input_size), 1, init_method,
                                       tp_group, 1)
+        self.weight = _to_weight_shard(self.weight, weight_shard_group, "RowParallelLinear")
+        self.weight_shard_group = weight_shard_group
         if bias:
             self.bias = _new_parameter((output_size,), params_dtype, True)
             set_defaults_if_not_set_tensor_model_parallel_attributes(self.bias)
@@ -409,8 +433,9 @@ class RowParallelLinear(torch.nn.Module):
             input_parallel = scatter_to_tensor_model_parallel_region(
                 input, self.tp_group)                                 # [s, b, h/tp]
         # No communication inside: the input is already split, and its gradient stays split.
+        weight = gather_weight_shards(self.weight, self.weight_shard_group)  # [out, in/tp]
         output_parallel = linear_with_grad_accumulation_and_async_allreduce(
-            input_parallel, self.weight, None, self.tp_group, False, False)  # [s, b, out] partial
+            input_parallel, weight, None, self.tp_group, False, False)  # [s, b, out] partial
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(
                 output_parallel, self.tp_group)                       # [s/tp, b, out]

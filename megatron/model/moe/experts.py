@@ -105,11 +105,12 @@ def check_glu_interleave(flag: str, interleave: Optional[int], ffn: int, tp_size
 
 
 class ExpertMLP(torch.nn.Module):
-    """One expert: ``[n, h]`` rows -> ``[n, h]``; split over ``expert_tp_group``."""
+    """One expert: ``[n, h]`` rows -> ``[n, h]``; split over ``expert_tp_group`` (and its
+    weights' rows over ``weight_shard_group``, the expert weight-shard group)."""
 
     def __init__(self, config: TransformerConfig, ffn_hidden_size: int, expert_tp_group,
                  bias: bool, glu_interleave_size: Optional[int] = None,
-                 input_size: Optional[int] = None):
+                 input_size: Optional[int] = None, weight_shard_group=None):
         super().__init__()
         input_size = input_size or config.hidden_size
         self.bias_gelu = expert_bias_gelu(config, bias)
@@ -117,12 +118,14 @@ class ExpertMLP(torch.nn.Module):
             input_size, _fc1_size(config, ffn_hidden_size),
             init_method=get_init_method(config), tp_group=expert_tp_group, bias=bias,
             gather_output=False, params_dtype=config.params_dtype,
-            stride=_fc1_stride(config, glu_interleave_size), skip_bias_add=self.bias_gelu)
+            stride=_fc1_stride(config, glu_interleave_size), skip_bias_add=self.bias_gelu,
+            weight_shard_group=weight_shard_group)
         self.activation_func = expert_activation(config, glu_interleave_size)
         self.linear_fc2 = tensor_parallel.RowParallelLinear(
             ffn_hidden_size, input_size,
             init_method=get_output_layer_init_method(config), tp_group=expert_tp_group,
-            bias=bias, input_is_parallel=True, params_dtype=config.params_dtype)
+            bias=bias, input_is_parallel=True, params_dtype=config.params_dtype,
+            weight_shard_group=weight_shard_group)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         intermediate, bias = self.linear_fc1(rows)               # [n, (2) ffn / etp]
@@ -145,14 +148,18 @@ class SequentialMLP(torch.nn.Module):
             experts ``ep_rank * E / ep_size ...``.
         expert_tp_group: the expert-tensor-parallel group (None: none).
         init_seed: the model's initialisation seed.
+        weight_shard_group: the expert weight-shard group (None: none): each expert weight is
+            kept as this rank's block of rows and gathered for the matmuls
+            (:mod:`megatron.core.tensor_parallel.weight_shards`).
     """
 
     def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int,
                  ep_rank: int = 0, ep_size: int = 1, expert_tp_group=None,
-                 init_seed: int = 1234):
+                 init_seed: int = 1234, weight_shard_group=None):
         super().__init__()
         self.num_local_experts = moe_config.num_moe_experts // ep_size
         self.expert_tp_group = expert_tp_group
+        self.weight_shard_group = weight_shard_group
         interleave = moe_config.moe_mlp_glu_interleave_size if config.gated_linear_unit else None
         self.activation_func = expert_activation(config, interleave)
         ffn = moe_config.moe_ffn_hidden_size or config.ffn_hidden_size
@@ -163,7 +170,8 @@ class SequentialMLP(torch.nn.Module):
         for i in range(self.num_local_experts):
             with init_rng(init_seed, f"layer.{layer_number - 1}.mlp.experts.{first + i}"):
                 experts.append(ExpertMLP(config, ffn, expert_tp_group, config.add_bias_linear,
-                                         interleave, moe_config.moe_latent_size))
+                                         interleave, moe_config.moe_latent_size,
+                                         weight_shard_group))
         self.local_experts = torch.nn.ModuleList(experts)
         for param in self.parameters():
             param.allreduce = False
@@ -187,7 +195,12 @@ class GroupedMLP(SequentialMLP):
 
     def _stacked(self, name: str, attr: str) -> Optional[torch.Tensor]:
         tensors = [getattr(getattr(e, name), attr) for e in self.local_experts]
-        return None if tensors[0] is None else torch.stack(tensors)
+        if tensors[0] is None:
+            return None
+        if attr == "weight":
+            tensors = [tensor_parallel.gather_weight_shards(t, self.weight_shard_group)
+                       for t in tensors]
+        return torch.stack(tensors)
 
     def forward(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
         num_rows, hidden = rows.shape
