@@ -230,7 +230,7 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         test_data_path=data.test_data_path,
         multiple_validation_sets=data.multiple_validation_sets)
     if args.logits_save_dir is not None or args.logits_load_dir is not None:
-        datasets = distillation.with_sample_index(datasets)  # the teacher files' key
+        datasets = distillation.with_sample_index(datasets)  # finds the teacher rows
     return datasets
 
 

@@ -1264,8 +1264,9 @@ def _add_distillation_args(parser):
     g.add_argument("--logits-save-top-p-min-k", type=int, default=1,
                    help="entries kept per token under --logits-save-top-p whatever their mass")
     g.add_argument("--logits-save-dir", type=str, default=None,
-                   help="folder where each train sample's top-K teacher log-probabilities "
-                   "and token ids are written, one file per sample index")
+                   help="folder where the train samples' top-K teacher log-probabilities "
+                   "and token ids are written as Megatron-LM's tars, one per data-parallel "
+                   "rank and iteration")
     g.add_argument("--logits-save-dtype", type=str, default="fp16",
                    choices=["fp16", "bf16", "fp32"],
                    help="dtype of the saved log-probabilities")
@@ -1273,14 +1274,14 @@ def _add_distillation_args(parser):
                    help="folder of saved teacher log-probabilities: train on (1 - alpha) LM "
                    "loss + alpha KL(teacher || student)")
     g.add_argument("--logits-load-decode-threads", type=int, default=4,
-                   help="threads reading teacher files")
+                   help="threads decoding teacher tar members")
     g.add_argument("--logits-load-prefetch-factor", type=int, default=3,
-                   help="micro-batches of teacher files read ahead")
+                   help="iterations of teacher data decoded ahead")
     g.add_argument("--logits-load-msc-prefetch-depth", type=int, default=2)
     g.add_argument("--logits-load-kd-loss-alpha", type=float, default=1.0,
                    help="alpha, the distillation term's weight")
     g.add_argument("--logits-load-ignore-errors", action="store_true",
-                   help="a missing or corrupt teacher file: warn and train that micro-batch "
+                   help="missing or corrupt teacher data: warn and train that micro-batch "
                    "on the LM loss alone instead of stopping")
 
 

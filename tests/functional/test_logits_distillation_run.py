@@ -1,17 +1,23 @@
 """Offline distillation end to end: a GPT run with --logits-save-dir writes each train sample's
-top-K teacher log-probabilities, a run with --logits-load-dir trains on them.
+top-K teacher log-probabilities (Megatron-LM's tars), a run with --logits-load-dir trains on them.
 
 References: a naive log_softmax + torch.topk over the logits the model computes for the same
-batch (a second, dropout-free forward of the same weights), an fp64 loop over the formula,
-the plain run (alpha 0), the one-process run (DP 2), the run that never stopped (resume)."""
+batch (a second, dropout-free forward of the same weights), read back from the tars by an
+independent reader (tarfile, zstandard, numpy.unpackbits and Megatron-LM's row order), an fp64
+loop over the formula, the plain run (alpha 0), the one-process run (DP 2), the run that never
+stopped (resume, of the student and of the teacher)."""
 
+import io
+import json
 import math
 import os
+import tarfile
+
+import numpy as np
 
 import pytest
 import torch
 
-from megatron.training.distillation import logits_files
 from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
 from tests.multiprocess import run_on_ranks
 
@@ -25,6 +31,13 @@ def corpus(tmp_path_factory):
 
 def _flags(corpus, iters, extra=(), lr=5e-3):
     return gpt_flags(corpus, iters, dropout=0.0, lr=lr, extra=list(extra))
+
+
+def _student(corpus, stop, extra=(), **kwargs):
+    """A run of the teacher's --train-iters 4 (the dataset hash counts the train samples)
+    that stops after ``stop`` iterations."""
+    stop_flags = ["--exit-interval", str(stop)] if stop < 4 else []
+    return _flags(corpus, 4, list(extra) + stop_flags, **kwargs)
 
 
 def run_recording(argv):
@@ -80,12 +93,33 @@ def _teacher(corpus, folder, extra=(), ranks=1):
 
 
 def _saved(folder):
+    """{train stream position: {"logprobs", "token_ids"}} of every tar in ``folder``, read with
+    Megatron-LM's layout: member ``{s}-{e}.pt.zst`` of ``dp{D}__*.tar``, row ``r`` is position
+    ``s + ((r // M) * dp + D) * M + r % M``; dropped entries (-1e3) get id -1."""
+    import zstandard
+
     out = {}
-    for sub in sorted(os.listdir(folder)):
-        if sub.isdigit():
-            for name in sorted(os.listdir(os.path.join(folder, sub))):
-                out[int(name[:-3])] = torch.load(os.path.join(folder, sub, name),
-                                                 weights_only=True)
+    for name in sorted(os.listdir(folder)):
+        if not name.endswith(".tar"):
+            continue
+        rank = int(name[2:name.index("__")])
+        with tarfile.open(os.path.join(folder, name)) as tar:
+            names = tar.getnames()
+            saver = json.loads(tar.extractfile(names[0]).read())["saver"]
+            assert names[0] == "_meta.json"
+            mbs, dp = saver["mbs_save"], saver["dp_size_save"]
+            for member in names[1:]:
+                start = int(member.split("-")[0])
+                raw = zstandard.ZstdDecompressor().decompress(tar.extractfile(member).read())
+                payload = torch.load(io.BytesIO(raw), weights_only=True)
+                low = payload["indices_low"].long()
+                high = np.unpackbits(payload["bit_17"].numpy(), count=low.numel())
+                ids = (torch.from_numpy(high.astype(np.int64)).view(low.shape) << 16) | low
+                values = payload["values"]
+                ids[values.float() <= -1e3] = -1
+                for r in range(values.shape[1]):
+                    pos = start + ((r // mbs) * dp + rank) * mbs + r % mbs
+                    out[pos] = {"logprobs": values[:, r], "token_ids": ids[:, r]}
     return out
 
 
@@ -93,7 +127,9 @@ def test_saved_top_k_is_the_naive_top_k_of_the_models_logits(corpus, tmp_path):
     folder = str(tmp_path / "teacher")
     got = _teacher(corpus, folder)
     saved = _saved(folder)
-    assert len(saved) == 4 * 4  # 4 iterations of global batch 4, one file per sample
+    assert len(saved) == 4 * 4  # 4 iterations of global batch 4
+    assert sorted(os.listdir(folder)) == ["dp0__0-4.tar", "dp0__12-16.tar", "dp0__4-8.tar",
+                                          "dp0__8-12.tar"]
     for record in got["records"]:
         for row, index in enumerate(record["index"]):
             ref = torch.log_softmax(record["logits"][row].double(), dim=-1)     # [s, V]
@@ -151,7 +187,7 @@ def test_kd_loss_is_the_fp64_formula_and_alpha_zero_is_plain_training(corpus, tm
     folder = str(tmp_path / "teacher")
     _teacher(corpus, folder, ["--init-method-std", "0.1"])  # a teacher unlike the student
     saved = _saved(folder)
-    student = run_on_ranks(run_recording, 1, _flags(corpus, 2, [
+    student = run_on_ranks(run_recording, 1, _student(corpus, 2, [
         "--logits-load-dir", folder, "--logits-load-kd-loss-alpha", "0.7"]))[0]
     for record in student["records"]:
         teacher = [saved[i]["logprobs"].double() for i in record["index"]]
@@ -161,11 +197,11 @@ def test_kd_loss_is_the_fp64_formula_and_alpha_zero_is_plain_training(corpus, tm
         lm = record["logged"]["lm loss"]
         assert record["loss"] == pytest.approx(0.3 * lm + 0.7 * ref, rel=1e-5)
         assert ref > 0.01  # the teacher differs: the test can fail
-    plain = run_on_ranks(run_pretrain, 1, _flags(corpus, 3))[0]["losses"]
-    zero = run_on_ranks(run_pretrain, 1, _flags(corpus, 3, [
+    plain = run_on_ranks(run_pretrain, 1, _student(corpus, 3))[0]["losses"]
+    zero = run_on_ranks(run_pretrain, 1, _student(corpus, 3, [
         "--logits-load-dir", folder, "--logits-load-kd-loss-alpha", "0"]))
     # alpha 1 trains on the teacher alone: its losses leave the plain run's.
-    one = run_on_ranks(run_pretrain, 1, _flags(corpus, 3, ["--logits-load-dir", folder]))
+    one = run_on_ranks(run_pretrain, 1, _student(corpus, 3, ["--logits-load-dir", folder]))
     assert zero[0]["losses"] == plain
     assert one[0]["losses"][1:] != plain[1:]
 
@@ -178,10 +214,12 @@ def teacher_dir(corpus, tmp_path_factory):
 
 
 def test_two_data_parallel_ranks_match_one_process(corpus, teacher_dir, tmp_path):
-    """The teacher files two DP ranks write equal the one-process files bit for bit (same
-    micro-batches, same sample keys), and a DP 2 student follows the one-process losses."""
+    """The tars two DP ranks write (one per rank and iteration) hold the one-process rows bit
+    for bit at the same stream positions, and a DP 2 student follows the one-process losses."""
     folder = str(tmp_path / "teacher_dp2")
     _teacher(corpus, folder, ["--init-method-std", "0.1"], ranks=2)
+    assert sorted(os.listdir(folder)) == [f"dp{d}__{s}-{s + 4}.tar" for d in (0, 1)
+                                          for s in (0, 12, 4, 8)]  # sorted as strings
     one, two = _saved(teacher_dir), _saved(folder)
     assert one.keys() == two.keys() and len(one) == 16
     for index in one:
@@ -206,35 +244,82 @@ def test_resume_is_bit_for_bit(corpus, teacher_dir, tmp_path):
     assert resumed[0]["losses"] == full[2:]
 
 
-def _remove_one_sample(teacher_dir, tmp_path):
-    """A copy of the teacher folder without sample 5's file; (folder, that file's path)."""
+def test_a_resumed_teacher_saves_what_an_unstopped_one_does(corpus, teacher_dir, tmp_path):
+    folder, save = str(tmp_path / "teacher"), str(tmp_path / "ckpt")
+    stop = ["--init-method-std", "0.1", "--save", save, "--save-interval", "2"]
+    run_on_ranks(run_pretrain, 1, _flags(corpus, 4, [
+        "--logits-save-dir", folder, "--logits-save-top-k", "5", "--freeze-all-layers",
+        "--exit-interval", "3"] + stop))
+    os.remove(os.path.join(folder, "dp0__8-12.tar"))    # as if iteration 3's never got out
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("2")   # resume from iteration 2: iteration 3 is written again
+    kept = {n: os.stat(os.path.join(folder, n)).st_ino for n in ("dp0__0-4.tar", "dp0__4-8.tar")}
+    run_on_ranks(run_pretrain, 1, _flags(corpus, 4, [
+        "--logits-save-dir", folder, "--logits-save-top-k", "5", "--freeze-all-layers",
+        "--load", save, "--init-method-std", "0.1"]))
+    assert kept == {n: os.stat(os.path.join(folder, n)).st_ino for n in kept}  # not rewritten
+    assert sorted(os.listdir(folder)) == sorted(os.listdir(teacher_dir))
+    again, once = _saved(folder), _saved(teacher_dir)
+    assert again.keys() == once.keys()
+    for index in once:
+        assert torch.equal(again[index]["logprobs"], once[index]["logprobs"])
+        assert torch.equal(again[index]["token_ids"], once[index]["token_ids"])
+
+
+def test_a_student_of_another_batch_layout_reads_its_own_samples(corpus, teacher_dir):
+    """Micro-batch 1, global batch 2 (8 iterations: the teacher's 16 samples): each sample's
+    KD term is the fp64 formula on that sample's teacher rows."""
+    saved = _saved(teacher_dir)
+    got = run_on_ranks(run_recording, 1, _flags(corpus, 8, [
+        "--logits-load-dir", teacher_dir, "--micro-batch-size", "1", "--global-batch-size",
+        "2", "--exit-interval", "3"]))[0]["records"]
+    assert [r["index"] for r in got] == [[i] for i in range(6)]
+    for record in got:
+        i = record["index"][0]
+        ref = _kd_reference(record["logits"], record["mask"], [saved[i]["logprobs"].double()],
+                            [saved[i]["token_ids"].long()])
+        assert record["logged"]["logits distillation loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def _remove_one_iteration(teacher_dir, tmp_path):
+    """A copy of the teacher folder without iteration 2's tar (samples 4 to 7); (folder, its
+    path)."""
     import shutil
     folder = str(tmp_path / "holes")
     shutil.copytree(teacher_dir, folder)
-    path = logits_files.sample_path(folder, 5)
+    path = os.path.join(folder, "dp0__4-8.tar")
     os.remove(path)
     return folder, path
 
 
-def test_missing_or_corrupt_file_is_refused_with_its_name(corpus, teacher_dir, tmp_path):
-    folder, path = _remove_one_sample(teacher_dir, tmp_path)
-    flags = _flags(corpus, 2, ["--logits-load-dir", folder])
-    with pytest.raises(AssertionError, match=r"LogitsFileError.*" + path):
+def test_missing_or_corrupt_tar_is_refused_with_its_name(corpus, teacher_dir, tmp_path):
+    folder, path = _remove_one_iteration(teacher_dir, tmp_path)
+    flags = _student(corpus, 2, ["--logits-load-dir", folder])
+    with pytest.raises(AssertionError, match=r"LogitsFileError: teacher logits of train samples "
+                                             r"\[4, 8\) .* missing from --logits-load-dir "
+                                             + folder):
         run_on_ranks(run_pretrain, 1, flags)
     with open(path, "wb") as f:
-        f.write(b"not a torch file")
-    with pytest.raises(AssertionError, match=path + " is corrupt"):
+        f.write(b"not a tar")
+    with pytest.raises(AssertionError, match=path + " is not a readable teacher-logits tar"):
+        run_on_ranks(run_pretrain, 1, flags)
+
+
+def test_another_data_stream_is_refused_by_its_hash(corpus, teacher_dir):
+    flags = _flags(corpus, 4, ["--logits-load-dir", teacher_dir, "--seed", "99"])
+    with pytest.raises(AssertionError, match=r"dp0__0-4\.tar was saved with dataset hash "
+                                             r"\w+ \(\{'seed': 1234"):
         run_on_ranks(run_pretrain, 1, flags)
 
 
 def test_ignore_errors_trains_that_micro_batch_on_the_lm_loss(corpus, teacher_dir, tmp_path):
-    folder, _ = _remove_one_sample(teacher_dir, tmp_path)
-    got = run_on_ranks(run_recording, 1, _flags(corpus, 2, [
+    folder, _ = _remove_one_iteration(teacher_dir, tmp_path)
+    got = run_on_ranks(run_recording, 1, _student(corpus, 2, [
         "--logits-load-dir", folder, "--logits-load-ignore-errors"]))[0]["records"]
-    hit = [r for r in got if 5 in r["index"]]
-    rest = [r for r in got if 5 not in r["index"]]
-    assert len(hit) == 1 and len(rest) == 3
-    assert hit[0]["loss"] == pytest.approx(hit[0]["logged"]["lm loss"], rel=1e-6)
+    hit = [r for r in got if set(r["index"]) & {4, 5, 6, 7}]
+    rest = [r for r in got if not set(r["index"]) & {4, 5, 6, 7}]
+    assert len(hit) == 2 and len(rest) == 2
+    assert all(r["loss"] == pytest.approx(r["logged"]["lm loss"], rel=1e-6) for r in hit)
     assert all(abs(r["loss"] - r["logged"]["lm loss"]) > 1e-3 for r in rest)
 
 
@@ -253,7 +338,7 @@ def test_model_parallel_layouts_match_one_process(corpus, teacher_dir, tmp_path,
                                    two[index]["logprobs"].float(), rtol=0, atol=2e-3)
         same = (one[index]["token_ids"] == two[index]["token_ids"]).float().mean()
         assert same > 0.95  # near-ties may swap places
-    flags = _flags(corpus, 3, ["--logits-load-dir", teacher_dir, "--logits-load-kd-loss-alpha",
+    flags = _student(corpus, 3, ["--logits-load-dir", teacher_dir, "--logits-load-kd-loss-alpha",
                                "0.5"])
     single = run_on_ranks(run_pretrain, 1, flags)[0]["losses"]
     split = run_on_ranks(run_pretrain, 2, flags + layout)[-1]["losses"]

@@ -1,6 +1,6 @@
 """Offline distillation's pieces against naive references: the saved top-K / top-p selection
-(torch.topk, a sort and running sum), the KD term (an fp64 loop over the formula), the teacher
-file reader's refusals, and the flags' checks."""
+(torch.topk, a sort and running sum), the KD term (an fp64 loop over the formula) and the
+flags' checks. The tars' layout: tests/unit/test_logits_shards.py."""
 
 import math
 
@@ -11,7 +11,6 @@ from megatron.training.arguments import (ArgumentsError, parse_args, validate_ar
                                          validate_bert_args)
 from megatron.training.distillation import logits_files
 from megatron.training.distillation.kd_loss import topk_forward_kl
-from megatron.training.distillation.logits_files import LogitsFileError
 
 
 def test_top_k_matches_a_naive_log_softmax_and_topk():
@@ -89,25 +88,6 @@ def test_kd_gradient_matches_fp64_autograd():
     torch.testing.assert_close(student.grad.double(), ref_in.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_reader_names_the_file_it_refuses(tmp_path):
-    root = str(tmp_path)
-    with pytest.raises(LogitsFileError, match=r"000000000003\.pt for train sample 3 is missing"):
-        logits_files.read_sample(root, 3, 4, 16)
-    logits_files.write_sample(root, 3, torch.zeros(5, 2, dtype=torch.float16),
-                              torch.zeros(5, 2, dtype=torch.long))
-    with pytest.raises(LogitsFileError, match=r"000000000003\.pt: .*shape.*expected \[4, K\]"):
-        logits_files.read_sample(root, 3, 4, 16)
-    with open(logits_files.sample_path(root, 3), "wb") as f:
-        f.write(b"garbage")
-    with pytest.raises(LogitsFileError, match=r"000000000003\.pt is corrupt"):
-        logits_files.read_sample(root, 3, 4, 16)
-    logits_files.write_sample(root, 3, torch.zeros(4, 2), torch.full((4, 2), 16))
-    with pytest.raises(LogitsFileError, match=r"token ids outside \[0, 16\)"):
-        logits_files.read_sample(root, 3, 4, 16)
-    with pytest.raises(LogitsFileError, match="no logits_meta.json"):
-        logits_files.read_meta(root)
-
-
 BASE = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --global-batch-size 4 "
         "--train-iters 2 --lr 1e-3 --tokenizer-type NullTokenizer --vocab-size 129 "
@@ -127,10 +107,20 @@ def _validated(extra):
     ("--logits-load-dir msc://bucket/x", r"Multi-Storage Client"),
     ("--logits-load-dir e --logits-load-decode-threads 0", r"decode-threads 0"),
     ("--logits-load-dir e --mtp-num-layers 1", r"--logits-load-dir with --mtp-num-layers"),
+    ("--logits-load-dir e --dataloader-type cyclic", r"--logits-load-dir with --dataloader-type "
+                                                     r"cyclic"),
 ])
 def test_bad_distillation_flags_are_refused(extra, message):
     with pytest.raises(ArgumentsError, match=message):
         _validated(extra)
+
+
+def test_a_teacher_with_a_batch_size_ramp_up_is_refused():
+    at = BASE.index("--train-iters")
+    argv = BASE[:at] + BASE[at + 2:] + [
+        "--train-samples", "64", "--logits-save-dir", "d", "--rampup-batch-size", "2", "2", "8"]
+    with pytest.raises(ArgumentsError, match="--logits-save-dir with --rampup-batch-size"):
+        validate_args(parse_args(argv=argv))
 
 
 def test_save_top_k_defaults_to_megatrons_128_and_msc_depth_is_a_noted_no_op(capsys):

@@ -82,3 +82,13 @@ def _check_layout(args) -> None:
     for is_set, what in refused:
         if is_set:
             _refuse(f"{flag} with {what} is not built here")
+    if args.dataloader_type not in (None, "single"):
+        _refuse(f"{flag} with --dataloader-type {args.dataloader_type}: teacher logits are "
+                "kept by the samples' positions in the train stream, which only --dataloader-"
+                "type single keeps in order")
+    varying = [name for name, value in (("--rampup-batch-size", args.rampup_batch_size),
+                                        ("--step-batch-size-schedule",
+                                         args.step_batch_size_schedule)) if value]
+    if args.logits_save_dir is not None and varying:
+        _refuse(f"--logits-save-dir with {varying[0]}: the saved tars map iterations to "
+                "samples with one fixed --global-batch-size")

@@ -2,24 +2,25 @@
 
 A GPT run with ``--logits-save-dir`` writes, for every train micro-batch it runs forward, each
 sample's top-K (``--logits-save-top-k``, optionally cut by ``--logits-save-top-p`` /
-``--logits-save-top-p-min-k``) log-probabilities and their token ids
-(:mod:`megatron.training.distillation.logits_files`); training goes on as usual. A run with
-``--logits-load-dir`` reads them back by sample index and trains on
+``--logits-save-top-p-min-k``) log-probabilities and their token ids, as Megatron-LM's
+zstd-compressed tars, one per data-parallel rank and iteration
+(:mod:`~megatron.training.distillation.logits_files`); training goes on as usual. A run with
+``--logits-load-dir`` (tars written here or by Megatron-LM) finds each sample's by its position
+in the train stream (:mod:`~megatron.training.distillation.shards`) and trains on
 
     (1 - alpha) * lm_loss + alpha * kd_loss,      alpha = --logits-load-kd-loss-alpha,
 
 ``kd_loss`` the masked token mean of :func:`~megatron.training.distillation.kd_loss.
 topk_forward_kl`. Evaluation uses the LM loss alone. With ``--logits-load-ignore-errors`` a
-micro-batch whose teacher file is missing or corrupt trains on the LM loss (one warning per
+micro-batch whose teacher data is missing or corrupt trains on the LM loss (one warning per
 file) instead of stopping the run.
 
 The model hands its logits to a :class:`LogitsCapture` (``GPTModel.logits_observer``); the
-batch carries each sample's dataset index (``sample_index``), which keys the files.
+batch carries each sample's dataset index (``sample_index``): with ``--dataloader-type single``
+its position in the train stream.
 """
 
 import warnings
-from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import Callable, List, Optional
 
 import numpy as np
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.core import tensor_parallel
-from megatron.training.distillation import logits_files
+from megatron.training.distillation import logits_files, shards
 from megatron.training.distillation.kd_loss import topk_forward_kl
 from megatron.training.distillation.logits_files import LogitsFileError
 
@@ -79,55 +80,6 @@ def with_sample_index(datasets):
     return tuple(wrap(ds) for ds in datasets)
 
 
-class TeacherReader:
-    """Reads the teacher files of micro-batches by sample index; ``threads`` files at a time,
-    and, after each micro-batch, the files of the next ``prefetch`` micro-batches this rank is
-    expected to read (sample index + j * ``stride``, the pretraining sampler's order)."""
-
-    def __init__(self, root: str, seq_length: int, vocab_size: int, threads: int,
-                 prefetch: int, stride: int):
-        self.read = partial(logits_files.read_sample, root, seq_length=seq_length,
-                            vocab_size=vocab_size)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="teacher-logits")
-        self.prefetch, self.stride = prefetch, stride
-        self.pending = {}
-
-    def _future(self, index: int):
-        if index not in self.pending:
-            self.pending[index] = self.pool.submit(self.read, index)
-        return self.pending[index]
-
-    def get(self, indices: List[int]):
-        """Log-probabilities fp32 ``[b, s, K]`` and ids ``[b, s, K]`` of these samples (K: the
-        widest sample's; narrower ones padded with dropped entries)."""
-        futures = [self._future(i) for i in indices]
-        for j in range(1, self.prefetch + 1):
-            for i in indices:
-                self._future(i + j * self.stride)
-        try:
-            loaded = [f.result() for f in futures]
-        finally:
-            for i in indices:
-                self.pending.pop(i, None)
-            self._forget_passed(min(indices))
-        width = max(lp.shape[-1] for lp, _ in loaded)
-        logprobs = torch.stack([_pad(lp, width, logits_files.DROPPED_LOGPROB)
-                                for lp, _ in loaded])
-        ids = torch.stack([_pad(ids, width, logits_files.DROPPED_ID) for _, ids in loaded])
-        return logprobs, ids
-
-    def _forget_passed(self, lowest: int) -> None:
-        for index in [i for i in self.pending if i < lowest]:
-            self.pending.pop(index).cancel()
-
-
-def _pad(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
-    extra = width - tensor.shape[-1]
-    if extra == 0:
-        return tensor
-    return torch.nn.functional.pad(tensor, (0, extra), value=value)
-
-
 class Distillation:
     """What a GPT run with ``--logits-save-dir`` or ``--logits-load-dir`` adds to each
     training micro-batch's loss function."""
@@ -144,20 +96,17 @@ class Distillation:
             self.top_k, self.top_p = args.logits_save_top_k, args.logits_save_top_p
             self.min_k = args.logits_save_top_p_min_k
             self.dtype = logits_files.SAVE_DTYPES[args.logits_save_dtype]
-            if pstate.rank == 0:
-                logits_files.write_meta(self.save_dir, {
-                    "top_k": self.top_k, "top_p": self.top_p, "top_p_min_k": self.min_k,
-                    "dtype": args.logits_save_dtype, "seq_length": seq, "vocab_size": vocab})
+            logits_files.zstd()   # a missing package is named before training starts
+            self.writer = shards.TeacherWriter(
+                self.save_dir, logits_files.meta_bytes(args, pstate.dp_size), pstate.dp_rank,
+                pstate.dp_size, args.micro_batch_size, args.global_batch_size)
         if self.load_dir is not None:
-            meta = logits_files.read_meta(self.load_dir)
-            if (meta.get("seq_length"), meta.get("vocab_size")) != (seq, vocab):
-                raise LogitsFileError(
-                    f"--logits-load-dir {self.load_dir}: saved with --seq-length "
-                    f"{meta.get('seq_length')} and padded vocabulary {meta.get('vocab_size')}, "
-                    f"this run has {seq} and {vocab}")
-            self.reader = TeacherReader(
-                self.load_dir, seq, vocab, args.logits_load_decode_threads,
-                args.logits_load_prefetch_factor, args.micro_batch_size * pstate.dp_size)
+            logits_files.zstd()
+            identifiers = logits_files.dataset_identifiers(args)
+            expected = (logits_files.dataset_hash(identifiers), identifiers)
+            self.reader = shards.TeacherReader(
+                shards.ShardSet(self.load_dir, expected), seq, vocab,
+                args.logits_load_decode_threads, args.logits_load_prefetch_factor)
 
     def attach(self, model) -> None:
         """Have ``model`` (a GPTModel) hand its training logits to this run's capture."""
@@ -183,11 +132,9 @@ class Distillation:
     def _save(self, logits: torch.Tensor, indices: List[int]) -> None:
         if self.pstate.tp_rank != 0:
             return
-        with torch.no_grad():
-            for row, index in enumerate(indices):
-                values, ids = logits_files.top_logprobs(logits[row], self.top_k, self.top_p,
-                                                        self.min_k)
-                logits_files.write_sample(self.save_dir, index, values.to(self.dtype), ids)
+        with torch.no_grad():   # the micro-batch's top-K together, as Megatron-LM cuts top-p
+            values, ids = logits_files.top_logprobs(logits, self.top_k, self.top_p, self.min_k)
+            self.writer.add(values.to(self.dtype), ids, indices)
 
     def _teacher_kl(self, logits: torch.Tensor, indices: List[int]) -> Optional[torch.Tensor]:
         """Per-token KL ``[b, s]``, or None when the files failed and errors are ignored."""
