@@ -15,17 +15,19 @@ adaptive Muon
 ``moment2_buffer`` adamuon  like the weight  the whole matrix's: each TP rank writes the
                                              piece its weight holds, so it is split like the
                                              weight (any TP reads it back whole)
-``moment2_buffer`` normuon  ``[L, m, 1]`` or one value per row (or column) of the whole
-                            ``[L, 1, n]``    matrix: replicated over TP, written once
+``moment2_buffer`` normuon  ``[*, m, 1]`` or one value per row (or column) of the whole
+                            ``[*, 1, n]``    matrix: replicated over TP, written once
 SOAP
-``exp_avg``, ``exp_avg_sq`` like the weight  the whole matrix's (in the eigenbasis), written
-                                             split like the weight, as adamuon's moment
-``L``, ``Q_L``              ``[L, m, m]``    Shampoo's left factor and its eigenbasis, whole:
-                                             replicated over TP, written once
-``R``, ``Q_R``              ``[L, n, n]``    the right ones, the same way
+``exp_avg``, ``exp_avg_sq`` like the weight  the whole matrix's, in the eigenbasis (axes:
+                                             eigenvectors of L, of R), written split like
+                                             the weight, each axis in its own order
+``L``, ``Q_L``              ``[*, m, m]``    Shampoo's left factor and its eigenvectors (one
+                                             per column), whole: replicated over TP,
+                                             written once
+``R``, ``Q_R``              ``[*, n, n]``    the right ones, the same way
 ==========================  ===============  ===============================================
 
-(``L`` in the shapes is the stacked layer axis of the weight's key, absent for per-layer keys.)
+(``*``: the weight's stacked layer axis, and expert axis, absent for per-layer keys.)
 SOAP's per-matrix ``step`` equals AdamW's, so both travel as the common step.
 
 Megatron-Core's emerging optimizers keep each TP shard's own state; its generic mapping
@@ -34,9 +36,11 @@ above the same keys and global shapes, and has no sharded layout for the square 
 here are the whole matrix's and so written once with the layer axis of their weight.
 
 The whole matrix is the TP pieces concatenated in rank order; with ``--swiglu`` the fc1 weight's
-global rows are ``[gate | value]``, not that order, so the row-indexed factors are permuted to
-the global order on save and back to this layout's on load (which is what lets a checkpoint
-saved at one TP size load at another).
+global rows are ``[gate | value]``, not that order. So the factors' weight-indexed axes are
+put in the global order on save and back in this layout's on load, and the eigenbasis moments'
+axes, which index eigenvectors, are kept in their own order whatever the weight's split does
+to their rows: what the file holds does not depend on the TP size it was saved at, and any
+TP size loads it.
 """
 
 import dataclasses
@@ -45,35 +49,51 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint.dist import TensorShard, placements
+from megatron.checkpoint.dist import TensorShard, placements, tensor_shards
 from megatron.checkpoint.dist.keys import OPTIMIZER_STATE_PREFIX, is_expert_key, stored_key
 
-# A field's kind: "local" (this rank's piece, shaped like the local weight), "whole" (the
-# whole matrix's, shaped like the whole weight), or a pair saying which weight dimension
-# (0: rows, 1: columns, None: size 1) each of its two axes runs over (replicated over TP).
-LEFT, RIGHT = (0, 0), (1, 1)
-SOAP_KINDS = {"exp_avg": "whole", "exp_avg_sq": "whole", "L": LEFT, "R": RIGHT,
-              "Q_L": LEFT, "Q_R": RIGHT}
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """How one state tensor of a matrix weight is laid out.
+
+    ``kind``: ``"local"`` (this rank's piece, shaped like its piece of the weight), ``"split"``
+    (the whole matrix's, shaped like the whole weight, written in the weight's pieces) or
+    ``"replicated"`` (the whole matrix's, written once). ``sizes``: per axis, the weight
+    dimension (0: rows, 1: columns) whose length it has, None for 1. ``indexed``: per axis,
+    whether position ``i`` is the weight's row (or column) ``i``, False for an index of its own
+    (an eigenvector's), which keeps its order in the file.
+    """
+
+    kind: str
+    sizes: Tuple[Optional[int], Optional[int]] = (0, 1)
+    indexed: Tuple[bool, bool] = (True, True)
+
+
+LOCAL = Field("local")
+EIGEN_MOMENT = Field("split", (0, 1), (False, False))
+SOAP_FIELDS = {"exp_avg": EIGEN_MOMENT, "exp_avg_sq": EIGEN_MOMENT,
+               "L": Field("replicated", (0, 0)), "R": Field("replicated", (1, 1)),
+               "Q_L": Field("replicated", (0, 0), (True, False)),
+               "Q_R": Field("replicated", (1, 1), (True, False))}
 
 
 @dataclasses.dataclass(frozen=True)
 class Matrix:
     """One matrix weight of the optimizer: where it sits and how it is split.
 
-    ``group``/``dim``: the tensor-parallel group and dimension its pieces are cut along (None:
-    not split); ``expert``: split over the expert-TP ranks.
+    ``dim``: the dimension its tensor-parallel pieces are cut along (None: not split), into
+    ``parts``, of which this rank holds number ``rank``; ``expert``: split over the expert-TP
+    ranks.
     """
 
     chunk: int
     name: str
     local_shape: Tuple[int, int]
-    group: object
-    dim: Optional[int]
-    expert: bool
-
-    @property
-    def parts(self) -> int:
-        return 1 if self.group is None else dist.get_world_size(self.group)
+    dim: Optional[int] = None
+    parts: int = 1
+    rank: int = 0
+    expert: bool = False
 
     @property
     def whole_shape(self) -> Tuple[int, int]:
@@ -81,6 +101,12 @@ class Matrix:
         if self.dim is not None:
             shape[self.dim] *= self.parts
         return tuple(shape)
+
+    def shape_of(self, field: Field) -> Tuple[int, ...]:
+        if field.kind == "local":
+            return self.local_shape
+        whole = self.whole_shape
+        return tuple(1 if dim is None else whole[dim] for dim in field.sizes)
 
 
 def inner_optimizer(optimizer):
@@ -96,18 +122,19 @@ def is_emerging(optimizer) -> bool:
     return isinstance(inner_optimizer(optimizer), (SOAP, AdaptiveMuon))
 
 
-def field_kinds(optimizer, matrix: Matrix) -> Dict[str, object]:
-    """``{state name: kind}`` of one matrix weight (see the module's table)."""
+def field_kinds(optimizer, matrix: Matrix) -> Dict[str, Field]:
+    """``{state name: Field}`` of one matrix weight (see the module's table)."""
     from megatron.optimizer.soap import SOAP
 
     inner = inner_optimizer(optimizer)
     if isinstance(inner, SOAP):
-        return dict(SOAP_KINDS)
+        return dict(SOAP_FIELDS)
     if inner.moment2_method == "adamuon":
-        return {"momentum_buffer": "local", "moment2_buffer": "whole"}
+        return {"momentum_buffer": LOCAL, "moment2_buffer": Field("split")}
     rows, cols = matrix.whole_shape
-    return {"momentum_buffer": "local", "moment2_buffer": (0, None) if rows >= cols else
-            (None, 1)}
+    per = Field("replicated", (0, None), (True, True)) if rows >= cols else \
+        Field("replicated", (None, 1), (True, True))
+    return {"momentum_buffer": LOCAL, "moment2_buffer": per}
 
 
 def matrices(optimizer, members) -> Dict[Tuple[int, str], Matrix]:
@@ -120,7 +147,9 @@ def matrices(optimizer, members) -> Dict[Tuple[int, str], Matrix]:
             continue
         for p, (chunk, name, shape) in zip(group["params"], row):
             shard, dim = inner._shard_group(p)
-            out[(chunk, name)] = Matrix(chunk, name, tuple(shape), shard, dim,
+            parts, rank = (1, 0) if shard is None else (dist.get_world_size(shard),
+                                                       dist.get_rank(shard))
+            out[(chunk, name)] = Matrix(chunk, name, tuple(shape), dim, parts, rank,
                                         not getattr(p, "allreduce", True))
     return out
 
@@ -131,7 +160,7 @@ def _at_rank(layout, matrix: Matrix, rank: int):
     return dataclasses.replace(layout, tp_rank=rank)
 
 
-def _whole_to_global(matrix: Matrix, layout) -> torch.Tensor:
+def whole_to_global(matrix: Matrix, layout) -> torch.Tensor:
     """``index[i]``: the global position, along the split dimension, of position ``i`` of the
     whole matrix as the TP pieces concatenated (identity unless SwiGLU's fc1)."""
     local = matrix.local_shape[matrix.dim]
@@ -145,93 +174,98 @@ def _whole_to_global(matrix: Matrix, layout) -> torch.Tensor:
     return index
 
 
-def _permuted(tensor: torch.Tensor, kind, matrix: Matrix, layout, to_global: bool):
-    """``tensor`` with each axis that runs over the split dimension reordered between the
-    concatenated pieces' order and the global one."""
-    if matrix.dim is None or matrix.dim not in kind:
+def _reorder(tensor: torch.Tensor, axes, matrix: Matrix, layout, inverse: bool):
+    """``tensor`` with each axis in ``axes`` reordered by :func:`whole_to_global`
+    (``inverse``: by its inverse)."""
+    if matrix.dim is None or not axes:
         return tensor
-    index = _whole_to_global(matrix, layout)
-    if to_global:
+    index = whole_to_global(matrix, layout)
+    if inverse:
         index = torch.argsort(index)
-    for axis, dim in enumerate(kind):
-        if dim == matrix.dim:
-            tensor = tensor.index_select(axis, index)
+    for axis in axes:
+        tensor = tensor.index_select(axis, index)
     return tensor
 
 
-def _replicated_place(matrix: Matrix, layout, kind) -> Tuple[str, tuple, tuple, int, bool]:
-    """(key without prefix, global shape, offset, stacked axes, written) of a replicated field."""
+def _file_order(field: Field, matrix: Matrix, layout, tensor, to_file: bool):
+    """A whole-matrix ``tensor`` between this layout's order (the TP pieces concatenated) and
+    the file's: weight-indexed axes of replicated fields take the global order, own-indexed
+    axes of split fields keep theirs (the weight's split moves them, this undoes it)."""
+    if field.kind == "replicated":
+        axes = [a for a, dim in enumerate(field.sizes)
+                if field.indexed[a] and dim == matrix.dim]
+        return _reorder(tensor, axes, matrix, layout, inverse=to_file)
+    axes = [a for a in range(2) if not field.indexed[a] and a == matrix.dim]
+    return _reorder(tensor, axes, matrix, layout, inverse=not to_file)
+
+
+def _replicated_place(matrix: Matrix, layout, field: Field):
+    """(key without prefix, global shape, offset, stacked axes, written) of a replicated
+    field: the weight's key and leading (layer, expert) axes, then the field's own shape."""
     place = placements(matrix.name, matrix.local_shape, layout)[0]
     lead = place.stacked
-    whole = matrix.whole_shape
-    shape = tuple(1 if dim is None else whole[dim] for dim in kind)
-    if is_expert_key(place.key):
-        written = layout.writes_expert_replicated
-    else:
-        written = layout.writes_replicated
-    return (place.key, tuple(place.global_shape[:lead]) + shape,
+    written = (layout.writes_expert_replicated if is_expert_key(place.key)
+               else layout.writes_replicated)
+    return (place.key, tuple(place.global_shape[:lead]) + matrix.shape_of(field),
             tuple(place.global_offset[:lead]) + (0, 0), lead, written)
 
 
-def field_shards(matrix: Matrix, kinds: Dict[str, object], fields: Dict[str, torch.Tensor],
+def field_shards(matrix: Matrix, kinds: Dict[str, Field], fields: Dict[str, torch.Tensor],
                  layout) -> List[TensorShard]:
-    """What this rank writes of one matrix's state ``fields``: the local and whole ones as its
+    """What this rank writes of one matrix's state ``fields``: the local and split ones as its
     piece of the weight (where the weight's piece goes), the replicated ones once (TP rank 0
-    of DP rank 0), in the global order."""
-    from megatron.checkpoint.dist import tensor_shards
-    from megatron.optimizer.muon import own_shard
-
+    of DP rank 0)."""
     shards = []
-    for field, tensor in fields.items():
-        kind = kinds[field]
-        prefix = f"{OPTIMIZER_STATE_PREFIX}{field}."
-        if kind in ("local", "whole"):
-            piece = tensor if kind == "local" else own_shard(tensor, matrix.group, matrix.dim)
+    for name, tensor in fields.items():
+        field = kinds[name]
+        prefix = f"{OPTIMIZER_STATE_PREFIX}{name}."
+        if field.kind == "local":
+            shards += tensor_shards(matrix.name, tensor.contiguous(), layout, prefix)
+            continue
+        tensor = _file_order(field, matrix, layout, tensor, to_file=True)
+        if field.kind == "split":
+            piece = tensor if matrix.dim is None else \
+                tensor.chunk(matrix.parts, dim=matrix.dim)[matrix.rank]
             shards += tensor_shards(matrix.name, piece.contiguous(), layout, prefix)
             continue
-        key, shape, offset, lead, written = _replicated_place(matrix, layout, kind)
+        key, shape, offset, lead, written = _replicated_place(matrix, layout, field)
         if written:
-            value = _permuted(tensor, kind, matrix, layout, to_global=True)
-            shards.append(TensorShard(prefix + key, value.reshape((1,) * lead + value.shape)
+            shards.append(TensorShard(prefix + key, tensor.reshape((1,) * lead + tensor.shape)
                                       .contiguous(), shape, offset))
     return shards
 
 
-def zero_fields(kinds: Dict[str, object], matrix: Matrix) -> Dict[str, torch.Tensor]:
+def zero_fields(kinds: Dict[str, Field], matrix: Matrix) -> Dict[str, torch.Tensor]:
     """Zeros of every field's shape: what a weight that has not stepped yet writes."""
-    whole = matrix.whole_shape
-    shapes = {"local": matrix.local_shape, "whole": whole}
-    return {field: torch.zeros(shapes[kind] if kind in shapes else
-                               tuple(1 if dim is None else whole[dim] for dim in kind))
-            for field, kind in kinds.items()}
+    return {name: torch.zeros(matrix.shape_of(field)) for name, field in kinds.items()}
 
 
-def read_fields(reader, matrix: Matrix, kinds: Dict[str, object], layout,
+def read_fields(reader, matrix: Matrix, kinds: Dict[str, Field], layout,
                 read_local: Callable) -> Dict[str, torch.Tensor]:
     """One matrix's state at this layout: ``read_local(prefix, layout)`` reads this rank's
     piece of a field split like the weight (at another rank's layout for the whole ones)."""
     from megatron.checkpoint.dist.reader import DistCheckpointError
 
     out = {}
-    for field, kind in kinds.items():
-        prefix = f"{OPTIMIZER_STATE_PREFIX}{field}."
-        if kind == "local":
-            out[field] = read_local(prefix, layout)
+    for name, field in kinds.items():
+        prefix = f"{OPTIMIZER_STATE_PREFIX}{name}."
+        if field.kind == "local":
+            out[name] = read_local(prefix, layout)
             continue
-        if kind == "whole":
+        if field.kind == "split":
             pieces = [read_local(prefix, _at_rank(layout, matrix, r))
                       for r in range(matrix.parts)]
-            out[field] = torch.cat(pieces, dim=matrix.dim) if matrix.dim is not None \
-                else pieces[0]
-            continue
-        key, shape, offset, lead, _ = _replicated_place(matrix, layout, kind)
-        key = stored_key(prefix + key, reader)
-        if key not in reader:
-            raise DistCheckpointError(f"{reader.path}: no {key!r} (for {matrix.name})")
-        if tuple(reader.shape(key)) != shape:
-            raise DistCheckpointError(f"{reader.path}: {key!r} has global shape "
-                                      f"{list(reader.shape(key))}; this model needs "
-                                      f"{list(shape)} (for {matrix.name})")
-        value = reader.read(key, offset, (1,) * lead + shape[lead:]).reshape(shape[lead:])
-        out[field] = _permuted(value.float(), kind, matrix, layout, to_global=False)
+            value = pieces[0] if matrix.dim is None else torch.cat(pieces, dim=matrix.dim)
+        else:
+            key, shape, offset, lead, _ = _replicated_place(matrix, layout, field)
+            key = stored_key(prefix + key, reader)
+            if key not in reader:
+                raise DistCheckpointError(f"{reader.path}: no {key!r} (for {matrix.name})")
+            if tuple(reader.shape(key)) != shape:
+                raise DistCheckpointError(f"{reader.path}: {key!r} has global shape "
+                                          f"{list(reader.shape(key))}; this model needs "
+                                          f"{list(shape)} (for {matrix.name})")
+            value = reader.read(key, offset, (1,) * lead + shape[lead:]).reshape(
+                shape[lead:]).float()
+        out[name] = _file_order(field, matrix, layout, value, to_file=False)
     return out
