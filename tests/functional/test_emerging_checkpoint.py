@@ -73,11 +73,14 @@ def _expected_shapes(reader, optimizer):
     return out
 
 
-def _check_file(save, optimizer):
+def _check_file(save, optimizer, main_copies=False):
     reader = DistCheckpointReader(os.path.join(save, f"iter_{N:07d}"))
     saved = {k: tuple(reader.shape(k)) for k in reader.tensor_keys()
              if k.startswith("optimizer.")}
     expected = _expected_shapes(reader, optimizer)
+    if main_copies:  # a bf16 model's fp32 main weights, Megatron-Core's fp32_param
+        expected.update({f"optimizer.state.fp32_param.{key}": tuple(reader.shape(key))
+                         for key in MATRICES + ADAMW})
     for key, shape in expected.items():
         assert saved.get(key) == shape, (key, saved.get(key), shape)
     # Nothing else under optimizer.state: no momentum for SOAP, no factors for adaptive Muon,
@@ -90,12 +93,14 @@ def _check_file(save, optimizer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optimizer", ["soap", "adaptive_muon"])
-def test_resumes_bit_for_bit_and_writes_megatron_core_keys(corpus, tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer,extra", [("soap", []), ("adaptive_muon", []),
+                                             ("soap", ["--bf16"])])
+def test_resumes_bit_for_bit_and_writes_megatron_core_keys(corpus, tmp_path, optimizer, extra):
     save = str(tmp_path / "ckpt")
-    straight = _losses(_run(corpus, optimizer, ["--save", save, "--save-interval", str(N)]))
-    _check_file(save, optimizer)
-    load = ["--load", save, "--ckpt-step", str(N)]
+    straight = _losses(_run(corpus, optimizer, extra + ["--save", save, "--save-interval",
+                                                        str(N)]))
+    _check_file(save, optimizer, main_copies=bool(extra))
+    load = extra + ["--load", save, "--ckpt-step", str(N)]
     assert _losses(_run(corpus, optimizer, load), first=N + 1) == straight[N:]
     fresh = _losses(_run(corpus, optimizer, load + ["--no-load-optim"]), first=N + 1)
     assert fresh[1] != straight[N + 1]
