@@ -51,8 +51,8 @@ def check_emerging_settings(settings) -> None:
 
 
 def check_emerging_args(args) -> None:
-    """The harness-level refusals (checkpoint formats other than torch and torch_dist, FSDP2, overlapped gathers) on top of
-    :func:`check_emerging_settings`."""
+    """The harness-level refusals (checkpoint formats other than torch and torch_dist, FSDP2,
+    overlapped gathers) on top of :func:`check_emerging_settings`."""
     name = args.optimizer
     check_emerging_settings(args)
     if args.ckpt_format not in ("torch", "torch_dist"):

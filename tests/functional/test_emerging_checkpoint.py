@@ -32,7 +32,8 @@ MATRICES = ("decoder.layers.self_attention.linear_qkv.weight",
             "decoder.layers.mlp.linear_fc1.weight", "decoder.layers.mlp.linear_fc2.weight",
             # 2-D and not marked an embedding: Megatron-Core's Muon rule steps it as a matrix
             "embedding.position_embeddings.weight")
-ADAMW = ("embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight",
+ADAMW = ("embedding.word_embeddings.weight", "output_layer.weight",
+         "decoder.final_layernorm.weight",
          "decoder.layers.mlp.linear_fc1.layer_norm_weight")
 
 
