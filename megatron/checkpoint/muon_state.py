@@ -1,4 +1,6 @@
-"""Muon's optimizer state (``--optimizer muon`` / ``dist_muon``) in ``torch_dist`` checkpoints.
+"""Muon's optimizer state (``--optimizer muon`` / ``dist_muon``, and the AdamW part and main
+copies of ``soap`` / ``adaptive_muon``, whose matrix state :mod:`megatron.checkpoint.
+emerging_state` lays out) in ``torch_dist`` checkpoints.
 
 Keys follow Megatron-Core's non-distributed optimizer layout with its chained optimizers'
 prefix avoided (``chained_optim_avoid_prefix``, recorded in the content metadata):
@@ -71,16 +73,26 @@ def fields_of(group: dict) -> Tuple[str, ...]:
 def saved_entries(optimizer, trees: List[dict]):
     """(``{(chunk, name): {field: tensor}}``, AdamW's step) of the state dict, which a
     ``dist_muon`` optimizer gathers whole (a collective: call it on every rank)."""
+    from megatron.checkpoint import emerging_state
+
     state_dict = optimizer.state_dict()
     inner = state_dict.get("optimizer", state_dict)
     members = param_members(optimizer, trees)
+    matrices = (emerging_state.matrices(optimizer, members)
+                if emerging_state.is_emerging(optimizer) else {})
     entries, step = {}, 0
     for group, saved_group, row in zip(optimizer.param_groups, inner["param_groups"], members):
         for index, (chunk, name, shape) in zip(saved_group["params"], row):
             state = inner["state"].get(index) or {}
             # A parameter that has not stepped yet: zeros, its state's starting value.
-            entries[(chunk, name)] = {f: state[f] if f in state else torch.zeros(shape)
-                                      for f in fields_of(group)}
+            matrix = matrices.get((chunk, name))
+            if matrix is not None:
+                kinds = emerging_state.field_kinds(optimizer, matrix)
+                zeros = emerging_state.zero_fields(kinds, matrix)
+                entries[(chunk, name)] = {f: state.get(f, zeros[f]) for f in kinds}
+            else:
+                entries[(chunk, name)] = {f: state[f] if f in state else torch.zeros(shape)
+                                          for f in fields_of(group)}
             if "step" in state:
                 step = max(step, int(float(state["step"])))
     return entries, step, state_dict
@@ -104,19 +116,26 @@ def main_copies(optimizer, trees: List[dict]) -> Dict[Tuple[int, str], torch.Ten
     return out
 
 
-def load_inner_state(optimizer, trees, read, step: int, hparams: List[dict]) -> dict:
+def load_inner_state(optimizer, trees, read, step: int, hparams: List[dict],
+                     read_matrix=None) -> dict:
     """The torch state dict of ``optimizer``'s inner Muon, every tensor read by
-    ``read(chunk, name, prefix)`` (the parameter's local piece, any saved layout)."""
+    ``read(chunk, name, prefix)`` (the parameter's local piece, any saved layout);
+    ``read_matrix(chunk, name)``, when given, reads a matrix weight's whole state (SOAP's,
+    adaptive Muon's: :mod:`megatron.checkpoint.emerging_state`), None for none."""
     state, param_groups, index = {}, [], 0
     for group, row, extra in zip(optimizer.param_groups, param_members(optimizer, trees),
                                  hparams):
         ids = []
         for chunk, name, _ in row:
-            entry = {f: read(chunk, name, f"{OPTIMIZER_STATE_PREFIX}{f}.")
-                     for f in fields_of(group)}
+            if group.get("use_muon") and read_matrix is not None:
+                entry = read_matrix(chunk, name)
+            else:
+                entry = {f: read(chunk, name, f"{OPTIMIZER_STATE_PREFIX}{f}.")
+                         for f in fields_of(group)}
             if not group.get("use_muon"):
                 entry["step"] = torch.tensor(float(step))
-            state[index] = entry
+            if entry is not None:
+                state[index] = entry
             ids.append(index)
             index += 1
         param_groups.append(dict(extra, params=ids))

@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import muon_state, optimizer_state
+from megatron.checkpoint import emerging_state, muon_state, optimizer_state
 from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       DistCheckpointWriteError, ObjectShard, ShardWriter,
                                       TensorShard, chunk_layout, common_objects,
@@ -201,6 +201,9 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
             entries, state_dict = _optimizer_entries(optimizer, trees)
             hparams, step = entries.hparams, entries.step
             grad_scaler = state_dict.get("grad_scaler") if isinstance(state_dict, dict) else None
+    matrices = {}
+    if entries is not None and emerging_state.is_emerging(optimizer):
+        matrices = emerging_state.matrices(optimizer, muon_state.param_members(optimizer, trees))
     for chunk, (tree, layout) in enumerate(zip(trees, layouts)):
         items += model_shards(tree, layout)
         num_local = sum(1 for name in dotted_names(tree) if name.endswith(
@@ -212,9 +215,15 @@ def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstat
         for (where, name), fields in entries.entries.items():
             if where != chunk:
                 continue
-            moments = {k: v for k, v in fields.items()
-                       if k in optimizer_state.MOMENTS + muon_state.MUON_FIELDS}
-            items += optimizer_state_shards(name, moments, layout)
+            matrix = matrices.get((where, name))
+            if matrix is not None:
+                kinds = emerging_state.field_kinds(optimizer, matrix)
+                items += emerging_state.field_shards(
+                    matrix, kinds, {k: fields[k] for k in kinds}, layout)
+            else:
+                moments = {k: v for k, v in fields.items()
+                           if k in optimizer_state.MOMENTS + muon_state.MUON_FIELDS}
+                items += optimizer_state_shards(name, moments, layout)
             if half:
                 main = fields.get(optimizer_state.MAIN)
                 if main is not None:
@@ -602,8 +611,10 @@ def _load_muon(reader, saved: dict, optimizer, trees, layouts, args, path: str) 
         return read_local(reader, name, like.float(), layouts[chunk], prefix)
 
     half = args.fp16 or args.bf16
+    read_matrix = (_emerging_reader(reader, optimizer, trees, layouts, step)
+                   if emerging_state.is_emerging(optimizer) else None)
     try:
-        inner = muon_state.load_inner_state(optimizer, trees, read, step, hparams)
+        inner = muon_state.load_inner_state(optimizer, trees, read, step, hparams, read_matrix)
         mains = None
         if half:
             present = any(k.startswith(MAIN_PREFIX) for k in reader.tensor_keys())
@@ -619,6 +630,28 @@ def _load_muon(reader, saved: dict, optimizer, trees, layouts, args, path: str) 
     if saved.get("grad_scaler") is not None:
         full["grad_scaler"] = saved["grad_scaler"]
     optimizer.load_state_dict(full)
+
+
+def _emerging_reader(reader, optimizer, trees, layouts, step: int):
+    """``read_matrix(chunk, name)`` for :func:`muon_state.load_inner_state`: SOAP's or adaptive
+    Muon's state of one matrix weight at this layout (None before the first step: the
+    optimizer starts it afresh, as a run that has not stepped)."""
+    found = emerging_state.matrices(optimizer, muon_state.param_members(optimizer, trees))
+
+    def read_matrix(chunk: int, name: str):
+        if step == 0:
+            return None
+        matrix = found[(chunk, name)]
+        kinds = emerging_state.field_kinds(optimizer, matrix)
+        like = _local_param(trees[chunk], name).detach().float()
+        entry = emerging_state.read_fields(
+            reader, matrix, kinds, layouts[chunk],
+            lambda prefix, layout: read_local(reader, name, like, layout, prefix))
+        if "Q_L" in kinds:  # SOAP counts its own steps
+            entry["step"] = step
+        return entry
+
+    return read_matrix
 
 
 def _local_param(tree: dict, name: str) -> torch.Tensor:

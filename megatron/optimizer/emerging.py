@@ -51,14 +51,14 @@ def check_emerging_settings(settings) -> None:
 
 
 def check_emerging_args(args) -> None:
-    """The harness-level refusals (checkpoint format, FSDP2, overlapped gathers) on top of
-    :func:`check_emerging_settings`."""
+    """The harness-level refusals (checkpoint formats other than torch and torch_dist, FSDP2,
+    overlapped gathers) on top of :func:`check_emerging_settings`."""
     name = args.optimizer
     check_emerging_settings(args)
-    if args.ckpt_format != "torch":
+    if args.ckpt_format not in ("torch", "torch_dist"):
         raise ConfigError(f"--ckpt-format {args.ckpt_format} with --optimizer {name} is not "
-                          f"built (its state has no distributed-checkpoint layout here); use "
-                          f"--ckpt-format torch")
+                          f"built (its state has no layout in that format here); use "
+                          f"--ckpt-format torch_dist or torch")
     if args.use_torch_fsdp2:
         raise ConfigError(f"--optimizer {name} does not run with --use-torch-fsdp2 (it needs "
                           "each weight matrix whole); use --optimizer adam")

@@ -275,8 +275,8 @@ def test_flags_validate_and_the_distributed_optimizer_keeps_whole_gradients(opti
 
 
 @pytest.mark.parametrize("extra,message", [
-    (["--ckpt-format", "torch_dist"], "--ckpt-format torch_dist with --optimizer soap is not "
-                                      "built"),
+    (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor with --optimizer soap is "
+                                        "not built"),
     (["--use-torch-fsdp2"], "--optimizer soap does not run with --use-torch-fsdp2"),
     (["--use-distributed-optimizer", "--overlap-param-gather"],
      "--overlap-param-gather with --optimizer soap"),
