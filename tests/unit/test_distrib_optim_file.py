@@ -12,7 +12,6 @@ distinct random values and the gaps a sentinel, so a slice off by one element sh
 
 import argparse
 import math
-import os
 
 import pytest
 import torch
