@@ -24,8 +24,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import (experts, fsdp_dtensor, integrity, non_persistent, torch_dcp,
-                                 torch_dist)
+from megatron.checkpoint import (distrib_optim_file, experts, fsdp_dtensor, integrity,
+                                 non_persistent, torch_dcp, torch_dist)
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
@@ -282,7 +282,7 @@ def _apply_rank_state(state: dict, path: str, iteration: int, release: bool, mod
         chunk.load_state_dict(tree, strict=True)
     if load_optim:
         # Every DP rank read the same, unsharded file: a distributed optimizer takes its shard.
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(_optimizer_state(state, path, model_chunks, optimizer, args))
         opt_param_scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         # Fresh optimizer over the loaded weights (fp32 main copies must follow the model, or
@@ -305,6 +305,17 @@ def _apply_rank_state(state: dict, path: str, iteration: int, release: bool, mod
         print(f"  successfully loaded checkpoint from {where} at iteration {iteration}",
               flush=True)
     return iteration
+
+
+def _optimizer_state(state: dict, path: str, model_chunks, optimizer, args):
+    """The file's optimizer state; Megatron-LM's distributed optimizer keeps its tensors in the
+    ``distrib_optim.pt`` beside the file, read here into this project's layout."""
+    saved = state["optimizer"]
+    if not distrib_optim_file.has_megatron_layout(saved, optimizer):
+        return saved
+    return distrib_optim_file.project_state(
+        saved, path, model_chunks, optimizer, state.get("args"),
+        legacy=getattr(args, "ckpt_convert_update_legacy_dist_opt_format", False))
 
 
 def _load_dist(iter_dir, iteration, release, model_chunks, optimizer, opt_param_scheduler,

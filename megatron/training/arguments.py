@@ -639,6 +639,11 @@ def _add_checkpointing_args(parser):
                    help="after loading --load, save it in this format to --ckpt-convert-save "
                         "and exit")
     g.add_argument("--ckpt-convert-save", type=str, default=None)
+    g.add_argument("--ckpt-convert-update-legacy-dist-opt-format", action="store_true",
+                   dest="ckpt_convert_update_legacy_dist_opt_format", default=False,
+                   help="--ckpt-format torch with --use-distributed-optimizer: read a "
+                        "distrib_optim.pt in Megatron-LM's legacy layout (one tensor per "
+                        "bucket, written before Feb 2024) instead of the coalesced one")
     g.add_argument("--dist-ckpt-strictness", type=str, default="assume_ok_unexpected",
                    choices=["assume_ok_unexpected", "log_unexpected", "raise_unexpected",
                             "raise_all", "log_all", "ignore_all", "return_unexpected",
