@@ -108,8 +108,6 @@ UCC = "only the default communication backend is built here; drop it"
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
 MODEL_VARIANT = ("this router option (routing forced by biased random logits, a benchmarking "
                  "aid) is not built yet; drop it")
-CKPT_EXTRAS = ("it changes how Megatron reads a legacy distrib_optim.pt, a file this project "
-               "neither writes nor reads; drop it")
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
               "drop it and give local paths")
@@ -306,7 +304,6 @@ ROWS = (
     ('--te-rng-tracker', '', 'true', False, '', REFUSED, TE),
     ('--inference-rng-tracker', '', 'true', False, '', REFUSED, INFERENCE),
     ('--save-retain-interval', '', 'int', None, '', WORKS, None),
-    ('--ckpt-convert-update-legacy-dist-opt-format', '', 'true', False, '', REFUSED, CKPT_EXTRAS),
     ('--async-strategy', '', 'str', 'nvrx', 'nvrx|mcore', NO_EFFECT, ASYNC_CKPT),
     ('--use-persistent-ckpt-worker', '', 'true', False, '', NO_EFFECT, ASYNC_CKPT),
     ('--async-ckpt-cpu-priority', '', 'int', 10, '', NO_EFFECT, ASYNC_CKPT),
