@@ -25,9 +25,10 @@ built from the sequences still unplaced, longest first:
 5. idle ranks are filled by doubling the cp size of the first smallest set (the sets after it
    move up), until every rank has work.
 
-Sequences not placed go to the next round, in their order. Megatron's process groups for this
-are the aligned blocks of ``2, 4, ..., n / 2`` ranks plus the whole data x context group
-(:func:`hybrid_group_ranks`); a sequence runs on the block its ranks form.
+Sequences not placed go to the next round, in their order. A sequence always runs on
+neighbouring ranks, usually an aligned block (ranks ``[i c, (i + 1) c)``), but step 5 can shift a
+set off that grid (seen with 16 ranks), so the runner makes one process group per block the
+schedule uses rather than Megatron's fixed aligned blocks.
 """
 
 from collections import deque
@@ -234,18 +235,3 @@ def schedule_hybrid_cp(seq_lengths: Sequence[int], max_seqlen_per_rank: int,
 def ranks_of(round_ids: List[List[int]], sample_id: int) -> List[int]:
     """The ranks (indices into the data x context group) that run ``sample_id`` in a round."""
     return [r for r, ids in enumerate(round_ids) if sample_id in ids]
-
-
-def hybrid_group_ranks(dp_cp_size: int) -> Dict[int, List[List[int]]]:
-    """Megatron's hybrid groups: for each size ``2, 4, ..., dp_cp_size`` the aligned blocks of
-    that many neighbouring ranks of the data x context group. With 8 ranks::
-
-        2: [0 1] [2 3] [4 5] [6 7]
-        4: [0 1 2 3] [4 5 6 7]
-        8: [0 1 2 3 4 5 6 7]   (the data x context group itself)
-    """
-    out, size = {}, 2
-    while size <= dp_cp_size:
-        out[size] = [list(range(start, start + size)) for start in range(0, dp_cp_size, size)]
-        size *= 2
-    return out
