@@ -1,14 +1,17 @@
-"""A hybrid context-parallel step (megatron/core/hybrid_cp_step.py) on 4 gloo ranks (data x context
-= 4, each sequence over 1, 2 or 4 of them) against one process running every sequence whole: the
-per-token loss and every parameter's gradient agree in fp64 (tolerance 1e-10: the only
-differences are the order of sums and the log-sum-exp merge of attention blocks), and two steps
-from the same seed give bit-identical losses.
+"""The hybrid context-parallel schedule (megatron/core/pipeline_parallel/hybrid_cp_schedule.py) on 4
+gloo ranks (data x context = 4): each rank reads two packed samples, the schedule cuts them into
+their sequences, gathers them and runs each over 1, 2 or 4 ranks (padding it to a multiple of
+2 x cp). Against one process running every sequence whole: the per-token loss and every
+parameter's gradient agree in fp64 (tolerance 1e-10: only the order of sums and the log-sum-exp
+merge of attention blocks differ); two runs from the same seed give bit-identical losses.
 
-The model is one causal attention layer between an embedding and an output projection; the
-single-process reference uses naive fp64 attention, the ranks this project's context-parallel
-attention (p2p ring and all-to-all) over each sequence's block.
+The model is one causal attention layer between an embedding (learned positions from the
+sequence's own position ids) and an output projection; the reference uses naive fp64 attention,
+the ranks this project's context-parallel attention (p2p ring and all-to-all) over each
+sequence's block.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -17,11 +20,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron.core.context_parallel import context_parallel_attention
-from megatron.core.hybrid_cp_step import HybridGroups, run_hybrid_cp_step
+from megatron.core.pipeline_parallel.hybrid_cp_schedule import (
+    HybridCPSetup, HybridGroups, forward_backward_hybrid_context_parallel)
 from tests.multiprocess import run_on_ranks
 
-VOCAB, HIDDEN, HEADS, MAXLEN = 11, 8, 4, 64
-BATCHES = ([64, 32, 16, 16, 8, 8, 24, 40], [8, 32, 16, 16, 8, 8, 24, 16])
+VOCAB, HIDDEN, HEADS, MAXLEN = 11, 8, 4, 80
 MAX_PER_RANK = 16
 
 
@@ -54,54 +57,92 @@ def _naive_causal(q, k, v):
     return torch.einsum("bhqk,kbhd->qbhd", scores.softmax(-1), v).flatten(2)
 
 
-def _samples(lengths, seed):
+# Each pack is 64 tokens; its sequences have lengths that need 1, 2 or 4 ranks at 16 tokens per
+# rank, and most need padding for the cp split. Rank r reads packs 2r and 2r + 1.
+PACKS = ([[64], [40, 24], [16, 16, 8, 8, 16], [5, 59], [30, 34], [13, 3, 48], [64], [33, 31]],
+         [[17, 47], [64], [8] * 8, [62, 2], [20, 20, 24], [1, 63], [50, 14], [32, 32]])
+
+
+def _packs(segments, seed):
     gen = torch.Generator().manual_seed(seed)
     out = []
-    for s in lengths:
-        tokens = torch.randint(0, VOCAB, (1, s + 1), generator=gen)
+    for lengths in segments:
+        s = sum(lengths)
+        tokens = torch.randint(0, VOCAB - 1, (1, s + 1), generator=gen)
         out.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
-                    "loss_mask": (torch.rand(1, s, generator=gen) > 0.2).long(),
-                    "position_ids": torch.arange(s).unsqueeze(0)})
+                    "loss_mask": (torch.rand(1, s, generator=gen) > 0.2).float(),
+                    "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0),
+                    "segment_ids": torch.cat([torch.full((n,), i) for i, n in
+                                              enumerate(lengths)]).unsqueeze(0)})
     return out
 
 
-def _reference(lengths, seed):
+def _reference(b):
     model = TinyAttentionLM(0)
     total, tokens = 0.0, 0.0
-    for sample in _samples(lengths, seed):
-        loss, n = model(sample)
-        total, tokens = total + loss, tokens + n
+    for pack, lengths in zip(_packs(PACKS[b], b), PACKS[b]):
+        start = 0
+        for n in lengths:
+            loss, count = model({k: v[:, start:start + n] for k, v in pack.items()})
+            total, tokens, start = total + loss, tokens + count, start + n
     (total / tokens).backward()
     return (total / tokens).item(), {k: p.grad for k, p in model.named_parameters()}
 
 
-def _hybrid(comm_type):
+@contextlib.contextmanager
+def _use_cp_group(model, group):
+    model.cp_group = group
+    try:
+        yield
+    finally:
+        model.cp_group = None
+
+
+def _step(model, b, setup, comm_type):
+    """One step of global batch ``b``: the per-token loss and the reduced gradients."""
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        loss, count = chunk(batch, chunk.cp_group, comm_type)
+        return loss, lambda out: (out, count, {"lm loss": torch.stack([out.detach(), count])})
+
+    rank = dist.get_rank()
+    packs = _packs(PACKS[b], b)[2 * rank:2 * rank + 2]
+    logged = forward_backward_hybrid_context_parallel(
+        forward_step_func=forward_step, data_iterator=iter(packs), model=model,
+        num_microbatches=2, calculate_per_token_loss=True, hybrid_cp=setup)
+    totals = sum(v["lm loss"] for v in logged)
+    dist.all_reduce(totals)
+    for p in model.parameters():      # what finalize_model_grads does with per-token losses
+        dist.all_reduce(p.grad)
+        p.grad /= totals[1]
+    return (totals[0] / totals[1]).item()
+
+
+def _setup():
     group = dist.group.WORLD
-    groups = HybridGroups(group)
-    out = []
-    for seed, lengths in enumerate(BATCHES):
+    return HybridCPSetup(group, HybridGroups(group), MAX_PER_RANK, VOCAB - 1, _use_cp_group)
+
+
+def _hybrid(comm_type):
+    setup, out = _setup(), []
+    for b in range(len(PACKS)):
         model = TinyAttentionLM(0)
-        loss, tokens = run_hybrid_cp_step(
-            _samples(lengths, seed), lambda b, g: model(b, g, comm_type),
-            list(model.parameters()), group, groups, MAX_PER_RANK)
-        out.append(((loss / tokens).item(),
-                    {k: p.grad.clone() for k, p in model.named_parameters()}))
+        model.cp_group = None
+        loss = _step(model, b, setup, comm_type)
+        out.append((loss, {k: p.grad.clone() for k, p in model.named_parameters()}))
     return out
 
 
 def _two_steps(comm_type):
     """Two SGD steps; returns the losses, to compare two runs from the same seed bit for bit."""
-    group, model = dist.group.WORLD, TinyAttentionLM(0)
-    groups, losses = HybridGroups(group), []
-    for seed, lengths in enumerate(BATCHES):
-        loss, tokens = run_hybrid_cp_step(
-            _samples(lengths, seed), lambda b, g: model(b, g, comm_type),
-            list(model.parameters()), group, groups, MAX_PER_RANK)
+    setup, model, losses = _setup(), TinyAttentionLM(0), []
+    model.cp_group = None
+    for b in range(len(PACKS)):
+        losses.append(_step(model, b, setup, comm_type))
         with torch.no_grad():
             for p in model.parameters():
                 p -= 0.1 * p.grad
                 p.grad = None
-        losses.append((loss / tokens).item())
     return losses
 
 
@@ -109,8 +150,8 @@ def _two_steps(comm_type):
 @pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
 def test_hybrid_cp_step_equals_one_process(comm_type):
     results = run_on_ranks(_hybrid, 4, comm_type)
-    for b, lengths in enumerate(BATCHES):
-        ref_loss, ref_grads = _reference(lengths, b)
+    for b in range(len(PACKS)):
+        ref_loss, ref_grads = _reference(b)
         for rank in range(4):
             loss, grads = results[rank][b]
             assert loss == pytest.approx(ref_loss, rel=0, abs=1e-10)
