@@ -1392,6 +1392,11 @@ def _validate_hybrid_context_parallel(args) -> None:
             (args.max_seqlen_per_dp_cp_rank is None or args.max_seqlen_per_dp_cp_rank < 1,
              f"needs --max-seqlen-per-dp-cp-rank >= 1, got {args.max_seqlen_per_dp_cp_rank}"),
             (not args.sft, "cuts packed samples into their sequences: needs --sft"),
+            (args.max_seqlen_per_dp_cp_rank and args.seq_length > dp
+             * args.max_seqlen_per_dp_cp_rank,
+             f"runs a sequence over at most the {dp} data-parallel ranks: --seq-length "
+             f"{args.seq_length} exceeds {dp} x --max-seqlen-per-dp-cp-rank "
+             f"{args.max_seqlen_per_dp_cp_rank}"),
             (args.context_parallel_size != 1, "builds its context-parallel blocks out of the "
                                               "data-parallel ranks: use --context-parallel-size 1"),
             (dp & (dp - 1) != 0, f"needs a power-of-two data-parallel size, got {dp}"),

@@ -5,7 +5,8 @@ Each data x context-parallel rank reads its micro-batches of the step as usual: 
 the pack). The schedule
 
 1. cuts every pack into its sequences at the segment-id changes (each sequence attends only to
-   itself, so it can run on its own);
+   itself, so it can run on its own), dropping each one's trailing tokens without loss (the
+   padding of the pack);
 2. all-gathers the sequences of the step over the data x context group, in rank order, so every
    rank holds the whole global batch and numbers its sequences alike;
 3. deals them to the ranks with :func:`~megatron.core.hybrid_context_parallel.schedule_hybrid_cp`;
@@ -88,7 +89,9 @@ class HybridCPSetup:
 
 def split_packed(item: Dict[str, torch.Tensor]) -> List[Dict[str, torch.Tensor]]:
     """The sequences of one packed sample (``[1, s]`` tensors), cut where ``segment_ids``
-    changes; each keeps its own position ids and gets segment id 0."""
+    changes; each keeps its own position ids and gets segment id 0. A sequence's trailing
+    tokens without loss (the pack's padding) are dropped, keeping at least one token: under
+    causal attention they change no other token's output and add nothing to the loss."""
     missing = [k for k in KEYS if item.get(k) is None]
     if missing:
         raise HybridContextParallelError(
@@ -102,7 +105,10 @@ def split_packed(item: Dict[str, torch.Tensor]) -> List[Dict[str, torch.Tensor]]
     cuts = (torch.nonzero(seg[1:] != seg[:-1]).view(-1) + 1).tolist()
     bounds = [0] + cuts + [seg.numel()]
     out = []
+    trained = item["loss_mask"].view(-1) != 0
     for start, end in zip(bounds[:-1], bounds[1:]):
+        carried = torch.nonzero(trained[start:end]).view(-1)
+        end = start + (int(carried[-1]) + 1 if carried.numel() else 1)
         part = {k: item[k][:, start:end] for k in KEYS}
         part["segment_ids"] = torch.zeros_like(part["segment_ids"])
         out.append(part)
