@@ -34,7 +34,7 @@ def test_hybrid_cp_resumes_bit_for_bit(setup, tmp_path):
     straight = run_on_ranks(run_pretrain, 4, flags(setup, iters=2 * N, extra=extra + [
         "--save", save, "--save-interval", str(N)]))[0]
     resumed = run_on_ranks(run_pretrain, 4, flags(setup, iters=2 * N, extra=extra + [
-        "--load", save]))[0]
+        "--load", save, "--ckpt-step", str(N)]))[0]
     assert [i for i, _ in resumed["losses"]] == list(range(N + 1, 2 * N + 1))
     assert _losses(resumed) == _losses(straight)[N:]
 
