@@ -38,7 +38,7 @@ from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.context_parallel import get_batch_on_this_cp_rank
 from megatron.core.hybrid_context_parallel import (HybridContextParallelError, ranks_of,
                                                    schedule_hybrid_cp)
-from megatron.core.pipeline_parallel.schedules import MicroBatchLosses, _forward_backward_step
+from megatron.core.pipeline_parallel.schedules import MicroBatchLosses, forward_backward_step
 
 INT_KEYS = ("tokens", "labels", "position_ids", "segment_ids")
 KEYS = INT_KEYS + ("loss_mask",)
@@ -203,7 +203,7 @@ def forward_backward_hybrid_context_parallel(
         block = ranks_of(rounds[j], sid)
         part = local_part(sequences[sid], block, me, hybrid_cp.pad_token)
         with hybrid_cp.use_cp_group(model, hybrid_cp.groups.get(block)):
-            _forward_backward_step(forward_step_func, iter([part]), model, 1, forward_only,
+            forward_backward_step(forward_step_func, iter([part]), model, 1, forward_only,
                                    grad_scale_func, True, logged)
 
     with no_sync():
