@@ -25,7 +25,15 @@ built from the sequences still unplaced, longest first:
 5. idle ranks are filled by doubling the cp size of the first smallest set (the sets after it
    move up), until every rank has work.
 
-Sequences not placed go to the next round, in their order. A sequence always runs on
+Sequences not placed go to the next round, in their order. Worked example: 4 ranks, 16 tokens
+per rank, sequences (id: length) 0: 64, 1: 16, 2: 16, 3..6: 8, 7: 32 (cp sizes 4, 1, 1, 1, 2)::
+
+    round 0   rank 0: [0]   rank 1: [0]   rank 2: [0]        rank 3: [0]
+    round 1   rank 0: [7]   rank 1: [7]   rank 2: [1, 3, 5]  rank 3: [2, 4, 6]
+
+Sequence 0 needs every rank; in round 1 sequence 7 takes ranks 0-1 (work 32**2 / 2 = 512) and
+the short ones are dealt to the least-loaded single ranks (256 + 64 + 64 each).
+ A sequence always runs on
 neighbouring ranks, usually an aligned block (ranks ``[i c, (i + 1) c)``), but step 5 can shift a
 set off that grid (seen with 16 ranks), so the runner makes one process group per block the
 schedule uses rather than Megatron's fixed aligned blocks.

@@ -1389,6 +1389,8 @@ def _validate_hybrid_context_parallel(args) -> None:
             (args.use_megatron_fsdp, "does not support --use-megatron-fsdp"),
             (args.micro_batch_size != 1, f"packs one sample per micro-batch: needs "
                                          f"--micro-batch-size 1, got {args.micro_batch_size}"),
+            (args.eval_micro_batch_size not in (None, 1), f"needs --eval-micro-batch-size 1, "
+                                                         f"got {args.eval_micro_batch_size}"),
             (args.max_seqlen_per_dp_cp_rank is None or args.max_seqlen_per_dp_cp_rank < 1,
              f"needs --max-seqlen-per-dp-cp-rank >= 1, got {args.max_seqlen_per_dp_cp_rank}"),
             (not args.sft, "cuts packed samples into their sequences: needs --sft"),
@@ -1401,9 +1403,7 @@ def _validate_hybrid_context_parallel(args) -> None:
                                               "data-parallel ranks: use --context-parallel-size 1"),
             (dp & (dp - 1) != 0, f"needs a power-of-two data-parallel size, got {dp}"),
             (args.tensor_model_parallel_size > 1, "with tensor parallelism is not built yet"),
-            (args.num_experts is not None, "with mixture of experts is not built yet"),
             (args.use_torch_fsdp2, "with --use-torch-fsdp2 is not built yet"),
-            (args.mtp_num_layers, "with --mtp-num-layers is not built yet"),
             ("a2a+p2p" in types, "with --cp-comm-type a2a+p2p is not built yet"),
             ("a2a" in types and args.num_attention_heads % dp,
              f"with --cp-comm-type a2a splits the {args.num_attention_heads} heads over up to "

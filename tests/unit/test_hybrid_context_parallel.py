@@ -157,3 +157,54 @@ def test_bad_input_names_the_flag():
         schedule_hybrid_cp([8], 16, 6)
     with pytest.raises(HybridContextParallelError, match="--max-seqlen-per-dp-cp-rank >= 1"):
         schedule_hybrid_cp([8], None, 4)
+
+
+SFT = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 48 "
+       "--max-position-embeddings 48 --micro-batch-size 1 --train-iters 10 --sft "
+       "--tokenizer-type SFTTokenizer --tokenizer-model tok --calculate-per-token-loss "
+       "--hybrid-context-parallel --max-seqlen-per-dp-cp-rank 12").split()
+
+
+def _validate(argv, world_size=4):
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args(argv=argv)
+    args.world_size = world_size
+    return validate_args(args)
+
+
+def test_the_flags_validate_on_four_data_parallel_ranks():
+    args = _validate(SFT)
+    assert args.hybrid_context_parallel and args.max_seqlen_per_dp_cp_rank == 12
+    assert args.data_parallel_size == 4 and args.dataloader_type == "single"
+
+
+@pytest.mark.parametrize("change, world, message", [
+    ({"--calculate-per-token-loss": None}, 4, "must be used with --calculate-per-token-loss"),
+    ({"--micro-batch-size": "2"}, 4, "needs --micro-batch-size 1, got 2"),
+    ({"--dataloader-type": "cyclic"}, 4, "needs --dataloader-type single, got cyclic"),
+    ({"--max-seqlen-per-dp-cp-rank": "11"}, 4, "--seq-length 48 exceeds 4 x "
+                                              "--max-seqlen-per-dp-cp-rank 11"),
+    ({"--max-seqlen-per-dp-cp-rank": None}, 4, "needs --max-seqlen-per-dp-cp-rank >= 1"),
+    ({"--pipeline-model-parallel-size": "2"}, 4, "does not support pipeline parallelism"),
+    ({"--tensor-model-parallel-size": "2"}, 8, "with tensor parallelism is not built yet"),
+    ({"--max-seqlen-per-dp-cp-rank": "16"}, 3, "power-of-two data-parallel size, got 3"),
+    ({"--cp-comm-type": "a2a+p2p"}, 4, "a2a\\+p2p is not built yet"),
+    ({"--eval-micro-batch-size": "2", "--global-batch-size": "8"}, 4,
+     "needs --eval-micro-batch-size 1, got 2"),
+    ({"--hybrid-context-parallel": None}, 4,
+     "--max-seqlen-per-dp-cp-rank is read only with --hybrid-context-parallel"),
+])
+def test_what_megatron_requires_and_what_is_not_built_is_refused(change, world, message):
+    from megatron.training.arguments import ArgumentsError
+
+    argv = list(SFT)
+    for flag, value in change.items():
+        i = argv.index(flag) if flag in argv else None
+        if i is not None:
+            del argv[i:i + (2 if argv[i + 1:i + 2] and not argv[i + 1].startswith("--")
+                            else 1)]
+        if value is not None:
+            argv += [flag, value]
+    with pytest.raises(ArgumentsError, match=message):
+        _validate(argv, world)
