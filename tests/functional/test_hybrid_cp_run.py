@@ -28,6 +28,16 @@ def test_hybrid_cp_on_four_ranks_gives_the_one_process_losses(setup):
 
 
 @pytest.mark.slow
+def test_distributed_optimizer_overlap_and_all_to_all_give_the_one_process_losses(setup):
+    """The gradient reduction starts during the last sequence's backward (which exchanges over
+    its block) and is a reduce-scatter; attention trades sequence for heads over each block."""
+    one = run_on_ranks(run_pretrain, 1, flags(setup, iters=3, extra=PER_TOKEN))[0]
+    four = run_on_ranks(run_pretrain, 4, flags(setup, iters=3, extra=PER_TOKEN + HYBRID + [
+        "--use-distributed-optimizer", "--overlap-grad-reduce", "--cp-comm-type", "a2a"]))
+    assert _losses(four[0]) == pytest.approx(_losses(one), rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.slow
 def test_hybrid_cp_resumes_bit_for_bit(setup, tmp_path):
     save = str(tmp_path / "ckpt")
     extra = PER_TOKEN + HYBRID
