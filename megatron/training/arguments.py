@@ -863,6 +863,14 @@ def _add_distributed_args(parser):
                    help="for --cp-comm-type a2a+p2p: two sizes whose product is "
                         "--context-parallel-size; the first many neighbouring cp ranks exchange "
                         "by all-to-all, the second many such groups form the p2p ring")
+    g.add_argument("--hybrid-context-parallel", action="store_true",
+                   help="packed SFT samples: cut into their sequences, each run over its own "
+                        "power-of-two block of the data-parallel ranks (from its length and "
+                        "--max-seqlen-per-dp-cp-rank), dealt to balance attention work; needs "
+                        "--calculate-per-token-loss and --micro-batch-size 1")
+    g.add_argument("--max-seqlen-per-dp-cp-rank", type=int, default=None,
+                   help="with --hybrid-context-parallel: the most tokens of one sequence a rank "
+                        "holds; a longer sequence runs over the next power of two of ranks")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--DDP-impl", default="local", choices=["local", "torch"],
                    help="accepted for old scripts; the local (Megatron) implementation is used")

@@ -34,7 +34,7 @@ from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, exit_handler, freeze, global_vars
 from megatron.training import hooks as training_hooks
 from megatron.training import distributed_controls, meta_device_init, phases, upcycling
-from megatron.training import param_group_map, sniff_test
+from megatron.training import hybrid_cp, param_group_map, sniff_test
 from megatron.training import log as training_log
 from megatron.training import (memory_accounting, moe_logging, numerics, rerun, save_extras,
                                stragglers, watchdog)
@@ -313,7 +313,8 @@ def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None)
     (``micro_batch_size``: evaluation's, when it is not --micro-batch-size)."""
     per_token = {"calculate_per_token_loss": args.calculate_per_token_loss}
     if pstate.pp_size == 1:
-        return {"no_sync_func": model[0].no_sync, **per_token}
+        return {"no_sync_func": model[0].no_sync, **per_token,
+                **hybrid_cp.schedule_kwargs(args, pstate)}
     dtype = torch.float32 if args.fp32_residual_connection else args.params_dtype
     return {
         **per_token,
@@ -324,6 +325,13 @@ def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None)
         "tensor_shape": pipeline_tensor_shape(args, pstate, micro_batch_size),
         **_microbatch_groups(args, pstate),
     }
+
+
+def _schedule_for(args, pstate) -> Callable:
+    """The forward/backward schedule of a step (and of evaluation) for this run."""
+    if args.hybrid_context_parallel:
+        return hybrid_cp.forward_backward_hybrid_context_parallel
+    return get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
 
 
 def _microbatch_groups(args, pstate) -> dict:
@@ -487,7 +495,7 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
     optimizer.zero_grad()
     check_grads = check and not args.fp16
     watch = numerics.LossWatch(forward_step_func) if check or machine else None
-    schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
+    schedule = _schedule_for(args, pstate)
     moe_logging.set_aux_loss_scale(model, optimizer.get_loss_scale(),
                                    calculator.num_micro_batches)
     timers("forward-backward", log_level=1).start()
@@ -611,7 +619,7 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
     for chunk in model:
         chunk.eval()
     batches = []
-    schedule = get_forward_backward_func(pstate.pp_size, pstate.virtual_pp_size)
+    schedule = _schedule_for(args, pstate)
     batch = eval_global_batch_size(args, calculator)
     micro = args.eval_micro_batch_size or args.micro_batch_size
     if batch % (micro * pstate.dp_size):

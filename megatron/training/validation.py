@@ -1377,6 +1377,47 @@ def _validate_sft(args) -> None:
               "yet; use --context-parallel-size 1")
 
 
+def _validate_hybrid_context_parallel(args) -> None:
+    """--hybrid-context-parallel: Megatron's requirements (per-token loss, the single
+    dataloader, no pipeline or Megatron FSDP, micro-batch 1), plus the layouts not built here,
+    one line each."""
+    if not args.hybrid_context_parallel:
+        if args.max_seqlen_per_dp_cp_rank is not None:
+            _fail("--max-seqlen-per-dp-cp-rank is read only with --hybrid-context-parallel")
+        return
+    dp = args.data_parallel_size
+    types = [args.cp_comm_type] if isinstance(args.cp_comm_type, str) else args.cp_comm_type
+    for bad, why in (
+            (not args.calculate_per_token_loss, "must be used with --calculate-per-token-loss"),
+            (args.dataloader_type != "single", f"needs --dataloader-type single, got "
+                                               f"{args.dataloader_type}"),
+            (args.pipeline_model_parallel_size > 1, "does not support pipeline parallelism"),
+            (args.use_megatron_fsdp, "does not support --use-megatron-fsdp"),
+            (args.micro_batch_size != 1, f"packs one sample per micro-batch: needs "
+                                         f"--micro-batch-size 1, got {args.micro_batch_size}"),
+            (args.eval_micro_batch_size not in (None, 1), f"needs --eval-micro-batch-size 1, "
+                                                         f"got {args.eval_micro_batch_size}"),
+            (args.max_seqlen_per_dp_cp_rank is None or args.max_seqlen_per_dp_cp_rank < 1,
+             f"needs --max-seqlen-per-dp-cp-rank >= 1, got {args.max_seqlen_per_dp_cp_rank}"),
+            (not args.sft, "cuts packed samples into their sequences: needs --sft"),
+            (args.max_seqlen_per_dp_cp_rank and args.seq_length > dp
+             * args.max_seqlen_per_dp_cp_rank,
+             f"runs a sequence over at most the {dp} data-parallel ranks: --seq-length "
+             f"{args.seq_length} exceeds {dp} x --max-seqlen-per-dp-cp-rank "
+             f"{args.max_seqlen_per_dp_cp_rank}"),
+            (args.context_parallel_size != 1, "builds its context-parallel blocks out of the "
+                                              "data-parallel ranks: use --context-parallel-size 1"),
+            (dp & (dp - 1) != 0, f"needs a power-of-two data-parallel size, got {dp}"),
+            (args.tensor_model_parallel_size > 1, "with tensor parallelism is not built yet"),
+            (args.use_torch_fsdp2, "with --use-torch-fsdp2 is not built yet"),
+            ("a2a+p2p" in types, "with --cp-comm-type a2a+p2p is not built yet"),
+            ("a2a" in types and args.num_attention_heads % dp,
+             f"with --cp-comm-type a2a splits the {args.num_attention_heads} heads over up to "
+             f"{dp} ranks; they must divide evenly")):
+        if bad:
+            _fail(f"--hybrid-context-parallel {why}")
+
+
 def _validate_blend_surplus(args) -> None:
     """--mid-level-dataset-surplus is a fraction of extra samples: finite and >= 0."""
     surplus = args.mid_level_dataset_surplus
@@ -1695,6 +1736,7 @@ def check_flags(args):
     _validate_masking(args)
     _validate_fim(args)
     _validate_sft(args)
+    _validate_hybrid_context_parallel(args)
     _validate_inter_document_masking(args)
     _validate_blend_surplus(args)
     _validate_checkpoint_format(args)

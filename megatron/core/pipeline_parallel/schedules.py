@@ -111,9 +111,11 @@ def _loss_for_backward(outputs, num_microbatches: int, per_token: bool, forward_
 
 # ---------------------------------------------------------------------- no pipelining
 
-def _forward_backward_step(forward_step_func, data_iterator, model, num_microbatches: int,
-                           forward_only: bool, grad_scale_func: Optional[Callable],
-                           per_token: bool, losses: MicroBatchLosses) -> None:
+def forward_backward_step(forward_step_func, data_iterator, model, num_microbatches: int,
+                          forward_only: bool, grad_scale_func: Optional[Callable],
+                          per_token: bool, losses: MicroBatchLosses) -> None:
+    """Forward and (unless ``forward_only``) backward of one micro-batch on a single stage;
+    its logged values go to ``losses``."""
     output_tensor, loss_func = forward_step_func(data_iterator, model)
     loss = _loss_for_backward(loss_func(output_tensor), num_microbatches, per_token,
                               forward_only, losses)
@@ -149,9 +151,9 @@ def forward_backward_no_pipelining(*, forward_step_func: Callable, data_iterator
             grad_scale_func, calculate_per_token_loss, logged)
     with no_sync():
         for _ in range(num_microbatches - 1):
-            _forward_backward_step(*step)
+            forward_backward_step(*step)
     # The last micro-batch's backward runs with reduction enabled.
-    _forward_backward_step(*step)
+    forward_backward_step(*step)
     return logged
 
 
