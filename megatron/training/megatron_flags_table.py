@@ -101,8 +101,6 @@ INFLIGHT = ("offload copies here finish before the forward goes on, so no offloa
             "flight for a cap to limit")
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
-CP_VARIANTS = ("hybrid (per-sequence dynamic) context parallelism is not built yet; use "
-               "--context-parallel-size with --cp-comm-type")
 WEIGHT_SHARDS = "sharded tensor-parallel weights are not built yet; drop it"
 UCC = "only the default communication backend is built here; drop it"
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
@@ -120,8 +118,6 @@ REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a 
 ROWS = (
     ('--tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
     ('--pipeline-model-parallel-comm-backend', '', 'str', None, 'nccl|ucc', REFUSED, UCC),
-    ('--max-seqlen-per-dp-cp-rank', '', 'int', None, '', REFUSED, CP_VARIANTS),
-    ('--hybrid-context-parallel', '', 'true', False, '', REFUSED, CP_VARIANTS),
     ('--expert-tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
     ('--tp-comm-overlap', '', 'true', False, '', REFUSED, TP_OVERLAP),
     ('--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad', 'tp_comm_bulk_wgrad',
