@@ -21,6 +21,7 @@ nothing is unpickled except through :mod:`megatron.checkpoint.safe_unpickle`.
 import argparse
 import dataclasses
 import os
+import re
 import threading
 from typing import List, Optional, Tuple
 
@@ -48,6 +49,7 @@ from megatron.checkpoint.saved_args import check_args, plain_args
 from megatron.checkpoint.state import (copy_to_cpu, main_values_of, rng_state_snapshot,
                                       set_rng_state_snapshot)
 from megatron.core import rerun_state_machine as rerun_enums
+from megatron.core.collectives import get_group_rank, get_group_size
 
 MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
 RERUN_KEY = "rerun_state_machine"
@@ -84,8 +86,26 @@ def _layouts(model_chunks, config, pstate) -> list:
     experts, freq = (moe.num_moe_experts, moe.moe_layer_freq) if moe is not None else (None, 1)
     interleaved = glu_interleaved_names(moe)
     return [dataclasses.replace(chunk_layout(config, pstate, i if vp is not None else None,
-                                             experts, freq), glu_interleaved=interleaved)
-            for i in range(len(model_chunks))]
+                                             experts, freq), glu_interleaved=interleaved,
+                                **_weight_shard_fields(chunk, pstate))
+            for i, chunk in enumerate(model_chunks)]
+
+
+# A parameter of a transformer layer: its name in the layer.
+LAYER_IN_MODULE = re.compile(r"(?:.*\.)?layers\.\d+\.(.+)")
+
+
+def _weight_shard_fields(chunk, pstate) -> dict:
+    """The ``ChunkLayout`` fields of a chunk's weight shards (none without them)."""
+    group = getattr(pstate, "weight_shard_group", None)
+    names = sorted({LAYER_IN_MODULE.fullmatch(name).group(1)
+                    for name, param in chunk.named_parameters()
+                    if getattr(param, "weight_shards", 1) > 1
+                    and LAYER_IN_MODULE.fullmatch(name)})
+    if group is None or not names:
+        return {}
+    return dict(weight_shards=get_group_size(group), weight_shard_rank=get_group_rank(group),
+                weight_shard_names=tuple(names))
 
 
 def _chunk_trees(model_chunks) -> List[dict]:

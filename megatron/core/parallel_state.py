@@ -74,6 +74,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch.distributed as dist
 
 from megatron.core.context_parallel import ContextParallelError, hierarchical_cp_groups
+from megatron.core.tensor_parallel.weight_shards import weight_shards_per_tp_rank
 
 
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -120,6 +121,9 @@ class RankLayout:
     hierarchical_cp_sizes: Optional[Tuple[int, ...]] = None
     cp_a2a_groups: List[List[int]] = dataclasses.field(default_factory=list)
     cp_p2p_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    weight_shards: int = 1
+    weight_shard_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    weight_shard_dp_groups: List[List[int]] = dataclasses.field(default_factory=list)
 
     def rank_coordinates(self, rank: int) -> dict:
         """``{"tp": .., "cp": .., "dp": .., "pp": ..}`` of a global rank."""
@@ -205,13 +209,16 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
                         expert_tp_size: Optional[int] = None, vp_size: Optional[int] = None,
                         sequence_parallel: bool = False,
                         order: str = DEFAULT_ORDER,
-                        hierarchical_cp_sizes: Optional[Sequence[int]] = None) -> RankLayout:
+                        hierarchical_cp_sizes: Optional[Sequence[int]] = None,
+                        num_weight_shards: Optional[int] = None) -> RankLayout:
     """Megatron's rank assignment as plain lists, checked for consistency.
 
     ``order`` is Megatron's ``tp-cp-ep-dp-pp`` (the default) or ``tp-cp-ep-pp-dp``
     (``--use-tp-pp-dp-mapping``: the pipeline stage varies before the data-parallel rank).
     ``hierarchical_cp_sizes``: ``--hierarchical-context-parallel-sizes`` (inner, outer), whose
     product must be ``cp_size``.
+    ``num_weight_shards``: ``--tensor-parallel-num-weight-shards`` (None: no weight shards);
+    see :func:`_weight_shard_groups`.
     ``expert_tp_size`` defaults to ``tp_size`` (Megatron's default). Raises
     :class:`LayoutError` naming the flags when the degrees do not fit ``world_size``.
     """
@@ -253,7 +260,41 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
         expert_dp_size=expert_dp_size, vp_size=vp_size, sequence_parallel=sequence_parallel,
         cp_groups=cp_groups, dp_cp_groups=groups(["cp", "dp"]), order=order,
         **expert_groups, **hierarchical,
+        **_weight_shard_groups(groups(["dp"]), tp_size, cp_size, order, num_weight_shards),
     )
+
+
+def _weight_shard_groups(dp_groups: List[List[int]], tp_size: int, cp_size: int, order: str,
+                         num_weight_shards: Optional[int]) -> dict:
+    """The RankLayout fields of weight shards (``--tensor-parallel-num-weight-shards N``).
+
+    The ``g = N / tp`` ranks of a weight-shard group are ``g`` neighbouring ranks of one
+    data-parallel group (Megatron's order ``tp-gtp-dp-pp``: the shard rank varies right after
+    the tensor-parallel rank); the weight-shard data-parallel group is the data-parallel ranks
+    holding the same rows (every ``g``-th). World 8, ``tp = 2``, ``N = 4`` (``g = 2``,
+    data-parallel groups ``[0, 2, 4, 6] [1, 3, 5, 7]``)::
+
+        weight-shard groups:                 [0, 2] [4, 6] [1, 3] [5, 7]
+        weight-shard data-parallel groups:   [0, 4] [2, 6] [1, 5] [3, 7]
+    """
+    flag = "--tensor-parallel-num-weight-shards"
+    if num_weight_shards is None:
+        return {}
+    try:
+        g = weight_shards_per_tp_rank(tp_size, num_weight_shards, flag)
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
+    if cp_size > 1 or order != DEFAULT_ORDER:
+        raise LayoutError(f"{flag} is not supported with --context-parallel-size > 1 or "
+                          "--use-tp-pp-dp-mapping")
+    dp_size = len(dp_groups[0])
+    if dp_size % g:
+        raise LayoutError(f"{flag} ({num_weight_shards}) / --tensor-model-parallel-size "
+                          f"({tp_size}) = {g} weight shards must divide the data-parallel "
+                          f"size ({dp_size})")
+    return dict(weight_shards=g,
+                weight_shard_groups=[d[i:i + g] for d in dp_groups for i in range(0, dp_size, g)],
+                weight_shard_dp_groups=[d[k::g] for d in dp_groups for k in range(g)])
 
 
 def _hierarchical_groups(cp_groups: List[List[int]], sizes: Optional[Sequence[int]]) -> dict:
@@ -290,6 +331,8 @@ class ModelGroups:
             ``--cp-comm-type a2a+p2p``, or None.
         dp_group: the data-parallel group (without context parallelism; None: one rank), over
             which ``--moe-router-load-balancing-type global_aux_loss`` counts token choices.
+        weight_shard_group: the group the dense linear weights are cut over along their rows
+            (``--tensor-parallel-num-weight-shards``; None: no weight shards).
     """
 
     tp_group: object = None
@@ -300,6 +343,7 @@ class ModelGroups:
     expert_tp_group: object = None
     hierarchical_cp_groups: Optional[Tuple[object, object]] = None
     dp_group: object = None
+    weight_shard_group: object = None
 
     @classmethod
     def of(cls, pstate, sequence_parallel: Optional[bool] = None) -> "ModelGroups":
@@ -315,7 +359,8 @@ class ModelGroups:
                    ep_group=getattr(pstate, "ep_group", None),
                    expert_tp_group=getattr(pstate, "expert_tp_group", None),
                    hierarchical_cp_groups=getattr(pstate, "hierarchical_cp_groups", None),
-                   dp_group=getattr(pstate, "dp_group", None))
+                   dp_group=getattr(pstate, "dp_group", None),
+                   weight_shard_group=getattr(pstate, "weight_shard_group", None))
 
 
 @dataclass
@@ -353,6 +398,8 @@ class ParallelState:
     expert_model_parallel_group: object = None
     expert_tp_ranks: List[int] = dataclasses.field(default_factory=list)
     hierarchical_cp_groups: Optional[Tuple[object, object]] = None
+    weight_shard_group: object = None
+    weight_shard_dp_group: object = None
 
     @property
     def tp_size(self) -> int:
@@ -441,6 +488,7 @@ def initialize_model_parallel(
     sequence_parallel: bool = False,
     order: str = DEFAULT_ORDER,
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
+    num_weight_shards: Optional[int] = None,
 ) -> ParallelState:
     """Create every process group and remember this rank's ones.
 
@@ -449,7 +497,8 @@ def initialize_model_parallel(
     ``timeout`` (``--distributed-timeout-minutes``) bounds every collective of the new groups;
     without it they get torch's default (30 minutes on gloo), not the world group's.
     ``order`` is the rank order of :func:`compute_rank_layout`;
-    ``hierarchical_context_parallel_sizes`` its ``hierarchical_cp_sizes``.
+    ``hierarchical_context_parallel_sizes`` its ``hierarchical_cp_sizes``;
+    ``num_weight_shards`` (``--tensor-parallel-num-weight-shards``) its ``num_weight_shards``.
     """
     global _STATE
     if not dist.is_initialized():
@@ -466,7 +515,8 @@ def initialize_model_parallel(
         cp_size=context_parallel_size, ep_size=expert_model_parallel_size,
         expert_tp_size=expert_tensor_parallel_size,
         vp_size=virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
-        order=order, hierarchical_cp_sizes=hierarchical_context_parallel_sizes)
+        order=order, hierarchical_cp_sizes=hierarchical_context_parallel_sizes,
+        num_weight_shards=num_weight_shards)
 
     def build(groups: List[List[int]]):
         mine = None
@@ -501,6 +551,10 @@ def initialize_model_parallel(
     hierarchical = None
     if layout.hierarchical_cp_sizes is not None:   # built last: other groups keep their order
         hierarchical = (build(layout.cp_a2a_groups), build(layout.cp_p2p_groups))
+    weight_shard_group = weight_shard_dp_group = None
+    if layout.weight_shards > 1:   # built last too
+        weight_shard_group = build(layout.weight_shard_groups)
+        weight_shard_dp_group = build(layout.weight_shard_dp_groups)
     _STATE = ParallelState(
         layout=layout, rank=rank, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
         model_parallel_group=mp_group, embedding_group=emb_group,
@@ -517,6 +571,7 @@ def initialize_model_parallel(
         expert_model_parallel_group=expert_mp_group,
         expert_tp_ranks=_find(layout.expert_tp_groups, rank),
         hierarchical_cp_groups=hierarchical,
+        weight_shard_group=weight_shard_group, weight_shard_dp_group=weight_shard_dp_group,
     )
     return _STATE
 

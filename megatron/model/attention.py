@@ -328,12 +328,14 @@ class ParallelAttention(MegatronModule):
             over the whole sequence by this layer's ``config.cp_comm_type`` exchanges.
         hierarchical_cp_groups: the (inner all-to-all, outer ring) subgroups of ``cp_group``
             for ``--cp-comm-type a2a+p2p``.
+        weight_shard_group: the weight-shard group of ``query_key_value`` and ``dense``
+            (:mod:`megatron.core.tensor_parallel.weight_shards`; None: none).
     """
 
     def __init__(self, config: TransformerConfig, layer_number: int, tp_group, tp_size: int,
                  sequence_parallel: bool, init_method, output_layer_init_method,
                  attn_mask_type: AttnMaskType = AttnMaskType.causal, cp_group=None,
-                 hierarchical_cp_groups=None):
+                 hierarchical_cp_groups=None, weight_shard_group=None):
         super().__init__(config)
         self.cp = ContextParallelSetup.build(config, layer_number, attn_mask_type, cp_group,
                                              hierarchical_cp_groups)
@@ -354,7 +356,8 @@ class ParallelAttention(MegatronModule):
         self.query_key_value = tensor_parallel.ColumnParallelLinear(
             config.hidden_size, qkv_size, init_method=init_method, tp_group=tp_group,
             bias=config.add_bias_linear or config.add_qkv_bias, gather_output=False,
-            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
+            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype,
+            weight_shard_group=weight_shard_group)
         self.attn_mask_type = attn_mask_type
         self.core_attention = CoreAttention(config, layer_number, self.num_heads,
                                             attn_mask_type, tp_group)
@@ -362,7 +365,8 @@ class ParallelAttention(MegatronModule):
             config.num_attention_heads * hn, config.hidden_size,
             init_method=output_layer_init_method, tp_group=tp_group,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
-            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
+            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype,
+            weight_shard_group=weight_shard_group)
         self.rotary_interleaved = config.rotary_interleaved
         self.rotary_mscale = rotary_attention_scale(config)    # YaRN's concentration, else 1
         self.q_layernorm = self.k_layernorm = None

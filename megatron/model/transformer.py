@@ -63,11 +63,12 @@ class ParallelMLP(MegatronModule):
 
     With a gated unit (SwiGLU, quick GeGLU) ``dense_h_to_4h`` has ``2 * ffn`` outputs: the full weight is ``[gate; value]``
     and is split with stride 2, so each rank holds ``[gate_r; value_r]`` and the model is the same
-    under any tensor-parallel size.
+    under any tensor-parallel size. With a ``weight_shard_group`` both weights are kept as this
+    rank's block of rows (:mod:`megatron.core.tensor_parallel.weight_shards`).
     """
 
     def __init__(self, config: TransformerConfig, tp_group, sequence_parallel: bool,
-                 init_method, output_layer_init_method):
+                 init_method, output_layer_init_method, weight_shard_group=None):
         super().__init__(config)
         ffn = config.ffn_hidden_size
         self.dense_h_to_4h = tensor_parallel.ColumnParallelLinear(
@@ -75,12 +76,14 @@ class ParallelMLP(MegatronModule):
             init_method=init_method,
             tp_group=tp_group, bias=config.add_bias_linear, gather_output=False,
             skip_bias_add=True, sequence_parallel=sequence_parallel,
-            params_dtype=config.params_dtype, stride=2 if config.gated_linear_unit else 1)
+            params_dtype=config.params_dtype, stride=2 if config.gated_linear_unit else 1,
+            weight_shard_group=weight_shard_group)
         self.activation_func = _bias_activation(config)
         self.dense_4h_to_h = tensor_parallel.RowParallelLinear(
             ffn, config.hidden_size, init_method=output_layer_init_method, tp_group=tp_group,
             bias=config.add_bias_linear, input_is_parallel=True, skip_bias_add=True,
-            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype)
+            sequence_parallel=sequence_parallel, params_dtype=config.params_dtype,
+            weight_shard_group=weight_shard_group)
 
     def forward(self, hidden_states: torch.Tensor):
         """``[s, b, h]`` -> (output ``[s, b, h]``, unadded bias); ``s/tp`` with sequence
@@ -167,7 +170,9 @@ class ParallelTransformerLayer(MegatronModule):
             self.self_attention = attention_cls(
                 config, layer_number, tp_group, tp_size, sequence_parallel, init_method,
                 output_init, self_attn_mask_type, cp_group=groups.cp_group,
-                hierarchical_cp_groups=groups.hierarchical_cp_groups)
+                hierarchical_cp_groups=groups.hierarchical_cp_groups,
+                **({} if config.multi_latent_attention
+                   else {"weight_shard_group": groups.weight_shard_group}))
         if not self.mlp_no_op:
             self.post_attention_layernorm = get_norm(config, sequence_parallel)
         self.tp_group = tp_group
@@ -192,7 +197,8 @@ class ParallelTransformerLayer(MegatronModule):
                                 sequence_parallel=sequence_parallel and not shares_tokens)
             self.moe_sequence_gather = sequence_parallel and tp_size > 1 and shares_tokens
         else:
-            self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init)
+            self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init,
+                                   weight_shard_group=groups.weight_shard_group)
         # --recompute-modules: the MLP or MoE block whole; the two norms' outputs.
         self.recompute_mlp = self.mlp is not None and config.recomputes(
             "moe" if isinstance(self.mlp, MoELayer) else "mlp")

@@ -68,23 +68,30 @@ def is_expert_parallel(param: torch.Tensor) -> bool:
 
 
 def param_counts_here(param: torch.Tensor, *, tp_rank: int,
-                      expert_tp_rank: Optional[int] = None) -> bool:
+                      expert_tp_rank: Optional[int] = None, weight_shard_rank: int = 0) -> bool:
     """Whether ``param`` counts in the whole model's norm on this rank: not the ``shared`` copy
     of a tied embedding, and a TP shard or on TP rank 0; an expert's parameter is judged at
-    ``expert_tp_rank`` (None: ``tp_rank``, the default expert layout) instead."""
+    ``expert_tp_rank`` (None: ``tp_rank``, the default expert layout) instead. With weight
+    shards (``weight_shard_rank``: this rank's place in its weight-shard group) a parameter
+    that is not a weight shard (``weight_shards``) is a copy on every rank of the group and
+    counts on its rank 0 only."""
     if is_expert_parallel(param) and expert_tp_rank is not None:
         tp_rank = expert_tp_rank
+    if weight_shard_rank != 0 and getattr(param, "weight_shards", 1) == 1:
+        return False
     return param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param, tp_rank)
 
 
 def get_grads_for_norm(parameters: Params, *, tp_rank: int,
-                       expert_tp_rank: Optional[int] = None) -> List[torch.Tensor]:
+                       expert_tp_rank: Optional[int] = None,
+                       weight_shard_rank: int = 0) -> List[torch.Tensor]:
     """The ``.grad`` of each parameter that contributes to the global norm on this rank
     (:func:`param_counts_here`)."""
     if isinstance(parameters, torch.Tensor):
         parameters = [parameters]
     return [local_tensor(p.grad.detach()) for p in parameters if p.grad is not None
-            and param_counts_here(p, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank)]
+            and param_counts_here(p, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank,
+                                  weight_shard_rank=weight_shard_rank)]
 
 
 def _all_reduce(tensor: torch.Tensor, op, group) -> None:
@@ -127,7 +134,8 @@ def _local_power_sum(grads: List[torch.Tensor], norm_type: float, where) -> torc
 
 def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
                        model_parallel_group=None, *, expert_grads: Optional[Params] = None,
-                       expert_model_parallel_group=None, shard_group=None) -> float:
+                       expert_model_parallel_group=None, shard_group=None,
+                       weight_shard_group=None) -> float:
     """The ``norm_type``-norm of the gradients of the whole model, computed in fp32.
 
     Args:
@@ -141,6 +149,9 @@ def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
         expert_model_parallel_group: the expert model-parallel group (expert TP x EP x PP).
         shard_group: with fully sharded data parallelism, the group the gradients are sharded
             over; the local parts are combined over it before ``model_parallel_group``.
+        weight_shard_group: the dense weight-shard group (``--tensor-parallel-num-weight-shards``;
+            ``grads_for_norm`` then counts its copies on the group's rank 0 only, see
+            :func:`param_counts_here`); the local parts are combined over it first as well.
 
     Returns:
         The total norm as a Python float (identical on every rank of the groups).
@@ -155,6 +166,7 @@ def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
     op = dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM
     # Sum of |g|^p over this rank's tensors, then over the group; the p-th root at the end.
     total = _local_power_sum(grads, norm_type, where)
+    _all_reduce(total, op, weight_shard_group)
     _all_reduce(total, op, shard_group)
     _all_reduce(total, op, model_parallel_group)
     if expert_grads is not None:
@@ -179,7 +191,8 @@ def clip_grads_with_norm_fp32(parameters: Params, max_norm: float, total_norm: f
 def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: float,
                         norm_type: float = 2.0, model_parallel_group=None, *,
                         expert_grads: Optional[Params] = None,
-                        expert_model_parallel_group=None, shard_group=None) -> float:
+                        expert_model_parallel_group=None, shard_group=None,
+                        weight_shard_group=None) -> float:
     """Clip the gradients of ``parameters`` so the whole model's norm is at most ``max_norm``.
 
     The norm is taken over ``grads_for_norm`` (each parameter counted once across the model,
@@ -192,7 +205,7 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
         max_norm: ``--clip-grad``.
         norm_type: p of the p-norm; ``math.inf`` for the max-norm.
         model_parallel_group: group over which the norm is combined (TP x PP).
-        expert_grads / expert_model_parallel_group / shard_group: see
+        expert_grads / expert_model_parallel_group / shard_group / weight_shard_group: see
             :func:`get_grad_norm_fp32`.
 
     Returns:
@@ -201,7 +214,8 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
     total_norm = get_grad_norm_fp32(grads_for_norm, norm_type, model_parallel_group,
                                     expert_grads=expert_grads,
                                     expert_model_parallel_group=expert_model_parallel_group,
-                                    shard_group=shard_group)
+                                    shard_group=shard_group,
+                                    weight_shard_group=weight_shard_group)
     clip_grads_with_norm_fp32(parameters, max_norm, total_norm)
     return total_norm
 
@@ -209,7 +223,8 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
 def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: int,
                      expert_tp_rank: Optional[int] = None,
                      expert_parameters: Optional[Params] = None,
-                     expert_model_parallel_group=None, shard_group=None) -> int:
+                     expert_model_parallel_group=None, shard_group=None,
+                     weight_shard_group=None, weight_shard_rank: int = 0) -> int:
     """Number of exactly-zero gradient entries in the whole model (``--log-num-zeros-in-grad``).
 
     Counts each parameter once across the model, with the same rule as the norm
@@ -225,16 +240,21 @@ def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: 
             ``expert_model_parallel_group`` alone.
         shard_group: with fully sharded data parallelism, the group the gradients are sharded
             over; the counts are summed over it first.
+        weight_shard_group / weight_shard_rank: with dense weight shards, the weight-shard
+            group (summed over first) and this rank's place in it (see
+            :func:`param_counts_here`).
     """
-    def local_count(params: Params) -> torch.Tensor:
-        grads = get_grads_for_norm(params, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank)
+    def local_count(params: Params, shard_rank: int = 0) -> torch.Tensor:
+        grads = get_grads_for_norm(params, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank,
+                                   weight_shard_rank=shard_rank)
         where = grads[0].device if grads else device.current_device()
         total = torch.zeros(1, dtype=torch.float64, device=where)
         for grad in grads:
             total += grad.numel() - torch.count_nonzero(grad)
         return total
 
-    total = local_count(parameters)
+    total = local_count(parameters, weight_shard_rank)
+    _all_reduce(total, dist.ReduceOp.SUM, weight_shard_group)
     _all_reduce(total, dist.ReduceOp.SUM, shard_group)
     _all_reduce(total, dist.ReduceOp.SUM, model_parallel_group)
     count = int(total.item())

@@ -47,7 +47,7 @@ logger = logging.getLogger(__name__)
 # Attributes that say how a parameter is split or shared; main params inherit them.
 _PARALLEL_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
                         "sequence_parallel", "shared", "allreduce", "muon_qkv_split",
-                        "grad_norm_group")
+                        "grad_norm_group", "weight_shards", "weight_shard_rank")
 
 StepResult = Tuple[bool, Optional[float], Optional[int]]
 # --load-main-params-from-ckpt: id(model parameter) -> the checkpoint's tensor for it.
@@ -169,14 +169,21 @@ class MegatronOptimizer(ABC):
         grad_shard_group: with fully sharded data parallelism (``--use-torch-fsdp2``), the
             data-parallel group the parameters and gradients are sharded over: norms and zero
             counts of the local shards are summed over it as well. None: not sharded.
+        weight_shard_group: the dense weight-shard group (``--tensor-parallel-num-weight-shards``,
+            ``ParallelState.weight_shard_group``; None: no weight shards): norms, zero counts
+            and the inf/nan flag are combined over it first, the parameters that are not
+            weight shards counting on its rank 0 only.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
                  model_parallel_group=None, tp_rank: int = 0,
                  use_main_grad: Optional[bool] = None, expert_model_parallel_group=None,
-                 expert_tp_rank: Optional[int] = None, grad_shard_group=None):
+                 expert_tp_rank: Optional[int] = None, grad_shard_group=None,
+                 weight_shard_group=None):
         self.optimizer = optimizer
         self.grad_shard_group = grad_shard_group
+        self.weight_shard_group = weight_shard_group
+        self.weight_shard_rank = collectives.get_group_rank(weight_shard_group)
         self.config = config
         self.model_parallel_group = model_parallel_group
         self.tp_rank = tp_rank
@@ -211,7 +218,8 @@ class MegatronOptimizer(ABC):
 
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
         return get_grads_for_norm(self.get_parameters(), tp_rank=self.tp_rank,
-                                  expert_tp_rank=self.expert_tp_rank)
+                                  expert_tp_rank=self.expert_tp_rank,
+                                  weight_shard_rank=self.weight_shard_rank)
 
     def _reduce_any(self, flag: torch.Tensor) -> torch.Tensor:
         """Max of ``flag`` over every rank holding a part of this model's parameters."""
@@ -241,22 +249,28 @@ class MegatronOptimizer(ABC):
     def _clip_grad_norm(self, params: List[torch.Tensor], clip_grad: float) -> float:
         if not self.experts_apart:
             grads = get_grads_for_norm(params, tp_rank=self.tp_rank,
-                                       expert_tp_rank=self.expert_tp_rank)
+                                       expert_tp_rank=self.expert_tp_rank,
+                                       weight_shard_rank=self.weight_shard_rank)
             return clip_grad_norm_fp32(params, grads, clip_grad,
                                        model_parallel_group=self.model_parallel_group,
-                                       shard_group=self.grad_shard_group)
+                                       shard_group=self.grad_shard_group,
+                                       weight_shard_group=self.weight_shard_group)
         dense = [p for p in params if not is_expert_parallel(p)]
         experts = [p for p in params if is_expert_parallel(p)]
         return clip_grad_norm_fp32(
-            params, get_grads_for_norm(dense, tp_rank=self.tp_rank), clip_grad,
+            params, get_grads_for_norm(dense, tp_rank=self.tp_rank,
+                                       weight_shard_rank=self.weight_shard_rank), clip_grad,
             model_parallel_group=self.model_parallel_group,
+            weight_shard_group=self.weight_shard_group,
             expert_grads=get_grads_for_norm(experts, tp_rank=self.expert_tp_rank),
             expert_model_parallel_group=self.expert_model_parallel_group)
 
     def count_zeros(self) -> int:
         params = self.get_parameters()
         kwargs = dict(tp_rank=self.tp_rank, expert_tp_rank=self.expert_tp_rank,
-                      shard_group=self.grad_shard_group)
+                      shard_group=self.grad_shard_group,
+                      weight_shard_group=self.weight_shard_group,
+                      weight_shard_rank=self.weight_shard_rank)
         if self.experts_apart:
             kwargs.update(expert_parameters=[p for p in params if is_expert_parallel(p)],
                           expert_model_parallel_group=self.expert_model_parallel_group)
@@ -280,7 +294,7 @@ class MegatronOptimizer(ABC):
         if grads:
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf,
                                                              inv_scale.to(where))
-        groups = [self.grad_shard_group, self.model_parallel_group]
+        groups = [self.weight_shard_group, self.grad_shard_group, self.model_parallel_group]
         if self.experts_apart:
             groups.append(self.expert_model_parallel_group)
         for group in groups:

@@ -733,6 +733,11 @@ def _add_distributed_args(parser):
     g = parser.add_argument_group(title="distributed")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-parallel-num-weight-shards", type=int, default=None,
+                   help="cut each attention and MLP linear weight into N row blocks: the "
+                   "tensor-parallel split times N / tp weight shards over data-parallel ranks "
+                   "(all-gathered for the matmul); N a multiple of "
+                   "--tensor-model-parallel-size")
     g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None)
     g.add_argument("--model-parallel-size", type=int, default=None,
                    help="old alias of --tensor-model-parallel-size")

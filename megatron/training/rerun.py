@@ -591,12 +591,15 @@ class WeightHashMismatchError(RuntimeError):
 
 
 def _digests(model) -> List[tuple]:
+    """``(name, kind, digest)`` of each parameter; kind: ``dense``, ``expert`` or ``shard``
+    (a weight shard, whose replicas are its weight-shard data-parallel group)."""
     out = []
     for c, chunk in enumerate(model):
         for name, param in getattr(chunk, "module", chunk).named_parameters():
             data = param.detach().contiguous().cpu().view(-1).view(torch.uint8)
-            out.append((name if len(model) == 1 else f"{name} (model chunk {c})",
-                        getattr(param, "allreduce", True),
+            kind = ("shard" if getattr(param, "weight_shards", 1) > 1
+                    else "dense" if getattr(param, "allreduce", True) else "expert")
+            out.append((name if len(model) == 1 else f"{name} (model chunk {c})", kind,
                         hashlib.sha256(data.numpy().tobytes()).hexdigest()))
     return out
 
@@ -619,14 +622,17 @@ def _mismatches(items: List[tuple], group) -> List[str]:
 def check_weight_hashes(model, optimizer, pstate, iteration: int) -> None:
     """Collective: every data-parallel replica hashes its weights (SHA-256 of each parameter's
     bytes; experts over their expert-data-parallel group); any difference stops every rank with
-    one message naming the parameters and each rank's hash."""
+    one message naming the parameters and each rank's hash. Weight shards are compared over
+    their weight-shard data-parallel group (the ranks holding the same rows)."""
     finish = getattr(optimizer, "finish_param_sync", None)
     if finish is not None:
         finish()
     digests = _digests(model)
-    found = _mismatches([(n, d) for n, dense, d in digests if dense], pstate.dp_cp_group)
-    found += _mismatches([(n, d) for n, dense, d in digests if not dense],
-                         getattr(pstate, "expert_dp_group", None))
+    groups = {"dense": pstate.dp_cp_group, "expert": getattr(pstate, "expert_dp_group", None),
+              "shard": getattr(pstate, "weight_shard_dp_group", None)}
+    found = []
+    for kind, group in groups.items():
+        found += _mismatches([(n, d) for n, k, d in digests if k == kind], group)
     if not _reduce_any([bool(found)])[0]:
         return
     everyone = [None] * dist.get_world_size()

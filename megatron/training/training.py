@@ -252,7 +252,8 @@ def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
             ddp_config.param_name_patterns_for_fp32_local_accumulation),
         gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion,
         expert_dp_group=pstate.expert_dp_group,
-        calculate_per_token_loss=ddp_config.calculate_per_token_loss)
+        calculate_per_token_loss=ddp_config.calculate_per_token_loss,
+        weight_shard_dp_group=getattr(pstate, "weight_shard_dp_group", None))
     if args.data_parallel_random_init:
         ddp.broadcast_params()
     return ddp
@@ -290,7 +291,9 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
                                        expert_tp_rank=pstate.expert_tp_rank,
                                        expert_tp_group=pstate.expert_tp_group,
                                        grad_shard_group=chunks[0].shard_group if fsdp2
-                                       else None)
+                                       else None,
+                                       weight_shard_group=getattr(
+                                           pstate, "weight_shard_group", None))
     param_group_map.dump_param_to_param_group_map(args, chunks, configs.optimizer, pstate)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler

@@ -396,6 +396,40 @@ def _validate_parallel(args) -> None:
         args.distributed_backend = "gloo"
 
 
+def _validate_weight_shards(args) -> None:
+    """--tensor-parallel-num-weight-shards N: N / tp weight shards out of data parallelism,
+    and, in one line each, what does not run with them yet."""
+    n = args.tensor_parallel_num_weight_shards
+    if n is None:
+        return
+    flag = f"--tensor-parallel-num-weight-shards {n}"
+    tp, dp = args.tensor_model_parallel_size, args.data_parallel_size
+    if n < tp or n % tp:
+        _fail(f"{flag} must be a multiple of --tensor-model-parallel-size ({tp})")
+    if dp % (n // tp):
+        _fail(f"{flag}: its {n // tp} weight shards per tensor-parallel rank must divide the "
+              f"data-parallel size ({dp})")
+    unwired = [("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
+               ("--context-parallel-size > 1", args.context_parallel_size > 1),
+               ("--use-tp-pp-dp-mapping", args.use_tp_pp_dp_mapping),
+               ("--use-distributed-optimizer", args.use_distributed_optimizer),
+               ("--use-torch-fsdp2 / --use-megatron-fsdp",
+                args.use_torch_fsdp2 or args.use_megatron_fsdp),
+               ("--num-experts", args.num_experts is not None),
+               ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
+               (f"--optimizer {args.optimizer}",
+                args.optimizer not in ("adam", "sgd", "lion"))]
+    for what, on in unwired:
+        if on:
+            _fail(f"{flag} does not run with {what} yet")
+    if (args.save or args.load) and args.ckpt_format != "torch_dist":
+        _fail(f"{flag}: checkpoints of weight shards are written and read with "
+              f"--ckpt-format torch_dist only (got {args.ckpt_format})")
+    if (args.save or args.load) and (args.swiglu or getattr(args, "quick_geglu", False)):
+        _fail(f"{flag}: a gated MLP (--swiglu / --quick-geglu) cut into weight shards has no "
+              "torch_dist checkpoint layout yet")
+
+
 def _even_pipeline_split(args, pp: int) -> None:
     """The layers split evenly, or by --decoder-first/last-pipeline-num-layers, with or without
     virtual stages."""
@@ -1722,6 +1756,7 @@ def check_flags(args):
     _validate_gdn(args)
     _validate_mhc(args)
     _validate_parallel(args)
+    _validate_weight_shards(args)
     _validate_grouped_gemm(args)
     _validate_moe(args)
     _read_heterogeneous_config(args)

@@ -341,6 +341,12 @@ class ChunkLayout:
         mla_q_lora_rank: ``--q-lora-rank`` of an MLA model (where a fused
             ``linear_qkv_down_proj`` of ``--mla-down-proj-fusion`` splits into Megatron-Core's
             two down-projection keys); None without one.
+        weight_shards, weight_shard_rank: the weight-shard group's size ``g`` and this chunk's
+            place ``k`` in it (``--tensor-parallel-num-weight-shards``; 1 and 0: none).
+        weight_shard_names: the names in the layer (``self_attention.dense.weight``) of the
+            tensors kept as weight shards: each holds rows ``k`` of ``g`` of its TP piece
+            (:func:`megatron.core.tensor_parallel.weight_shards.checkpoint_box`) and is
+            written by the data-parallel ranks of the first weight-shard group.
     """
 
     num_layers: int
@@ -359,6 +365,9 @@ class ChunkLayout:
     blocks: Optional[tuple] = None
     glu_interleaved: Tuple[str, ...] = ()
     mla_q_lora_rank: Optional[int] = None
+    weight_shards: int = 1
+    weight_shard_rank: int = 0
+    weight_shard_names: Tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.expert_tp_size is None:
@@ -573,6 +582,10 @@ def heterogeneous_extra_state_modules(block) -> Tuple[str, ...]:
 def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> List[Placement]:
     """Where the local tensor ``name`` (a legacy dotted name of the chunk's state) of shape
     ``local_shape`` sits in the checkpoint, as one piece (two for SwiGLU's fc1)."""
+    if layout.weight_shards > 1:
+        layer = _LAYER_NAME.fullmatch(name)
+        if layer is not None and layer.group(2) in layout.weight_shard_names:
+            return _weight_shard_placements(name, tuple(local_shape), layout)
     mtp = _mtp_placements(name, tuple(local_shape), layout)
     if mtp is not None:
         return mtp
@@ -653,6 +666,24 @@ def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> 
             pieces = [((global_layer,) + off, rows) for off, rows in pieces]
     return [Placement(key, tuple(global_shape), off, rows, stacked, written)
             for off, rows in pieces]
+
+
+def _weight_shard_placements(name: str, local_shape: Tuple[int, ...],
+                             layout: ChunkLayout) -> List[Placement]:
+    """A weight shard's piece: its TP piece's placement (the shard's rows times ``g``), moved
+    down by ``k`` shards along the rows; Megatron's offsets (see ``checkpoint_box``)."""
+    g, k, rows = layout.weight_shards, layout.weight_shard_rank, local_shape[0]
+    whole = placements(name, (rows * g,) + local_shape[1:],
+                       dataclasses.replace(layout, weight_shards=1))
+    if len(whole) != 1:
+        raise KeyMappingError(f"{name}: a SwiGLU / GeGLU fc1 cut into weight shards "
+                              "(--tensor-parallel-num-weight-shards) has no single piece in "
+                              "a torch_dist checkpoint")
+    place = whole[0]
+    offset = list(place.global_offset)
+    offset[len(offset) - len(local_shape)] += k * rows
+    # The ranks of the first weight-shard group are data-parallel ranks 0 .. g-1.
+    return [dataclasses.replace(place, global_offset=tuple(offset), written=layout.dp_rank < g)]
 
 
 def glu_interleaved_names(moe_config) -> Tuple[str, ...]:
