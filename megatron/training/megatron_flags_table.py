@@ -101,7 +101,8 @@ INFLIGHT = ("offload copies here finish before the forward goes on, so no offloa
             "flight for a cap to limit")
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
-WEIGHT_SHARDS = "sharded tensor-parallel weights are not built yet; drop it"
+WEIGHT_SHARDS = ("sharded expert weights are not built yet (--tensor-parallel-num-weight-shards "
+                 "shards the dense layers); drop it")
 UCC = "only the default communication backend is built here; drop it"
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
 MODEL_VARIANT = ("this router option (routing forced by biased random logits, a benchmarking "
@@ -116,7 +117,6 @@ REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a 
 
 # (option strings, dest, action, default, choices, kind, reason); see the module docstring.
 ROWS = (
-    ('--tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
     ('--pipeline-model-parallel-comm-backend', '', 'str', None, 'nccl|ucc', REFUSED, UCC),
     ('--expert-tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
     ('--tp-comm-overlap', '', 'true', False, '', REFUSED, TP_OVERLAP),
