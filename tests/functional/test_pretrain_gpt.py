@@ -188,8 +188,9 @@ def _run_recording_masks(argv, explicit_causal_mask):
     original = pretrain_gpt.get_batch
     masks = []
 
-    def get_batch(data_iterator):
-        tokens, labels, loss_mask, attention_mask, position_ids = original(data_iterator)
+    def get_batch(data_iterator, *args, **kwargs):
+        tokens, labels, loss_mask, attention_mask, position_ids = original(data_iterator, *args,
+                                                                           **kwargs)
         masks.append(None if attention_mask is None else tuple(attention_mask.shape))
         if explicit_causal_mask and attention_mask is None:
             s = tokens.size(1)
