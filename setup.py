@@ -82,6 +82,7 @@ INSTALL_REQUIRES = [
     "tensorboard",      # --tensorboard-dir
     "sentencepiece",
     "safetensors",      # Hugging Face checkpoint conversion
+    "zstandard",        # Megatron's teacher-logit tar members (--logits-save-dir / -load-dir)
 ]
 
 EXTRAS_REQUIRE = {

@@ -225,7 +225,7 @@ def test_full_pass_reads_every_sample_once_and_averages_like_a_naive_loop(n, mic
     blocks = validation_sets.count_blocks([data], micro, 1, [""])[0]
     args = types.SimpleNamespace(eval_global_batch_size=batch, eval_micro_batch_size=micro,
                                  micro_batch_size=micro, calculate_per_token_loss=False,
-                                 empty_unused_memory_level=0)
+                                 empty_unused_memory_level=0, hybrid_context_parallel=False)
     pstate = types.SimpleNamespace(pp_size=1, virtual_pp_size=None, dp_size=1,
                                    dp_cp_group=None)
     calculator = types.SimpleNamespace(current_running_global_batch_size=batch)
