@@ -178,10 +178,12 @@ def forward_step(data_iterator, model):
     timers = global_vars.get_timers()
     timers("batch-generator", log_level=2).start()
     # With virtual stages the chunk tells which stage it is; otherwise the parallel state does
-    # (and get_batch keeps Megatron's one-argument call).
+    # (and get_batch keeps Megatron's one-argument call; only distillation asks it for the
+    # samples' dataset indices too).
     stage = (model_stage(model),) if global_vars.get_parallel_state().virtual_pp_size else ()
     kd = distillation.setup(global_vars.get_args(), global_vars.get_parallel_state())
-    batch = get_batch(data_iterator, *stage, with_sample_index=kd is not None)
+    indices = {"with_sample_index": True} if kd is not None else {}
+    batch = get_batch(data_iterator, *stage, **indices)
     tokens, labels, loss_mask, attention_mask, position_ids = batch[:5]
     timers("batch-generator", log_level=2).stop()
     dev = device.current_device()
