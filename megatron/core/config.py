@@ -141,6 +141,10 @@ class TransformerConfig:
     logit_dtype: Optional[torch.dtype] = None
     # The chunked cross entropy kernel, its backward written into the logits' storage.
     cross_entropy_loss_fusion: bool = True
+    # --calculate-per-token-loss: the losses are sums over tokens and the gradients are divided
+    # by the global batch's token count, so the auxiliary losses (MoE, multi-token prediction)
+    # attach their values multiplied by token counts (see the router and the GPT model).
+    calculate_per_token_loss: bool = False
     # Sliding-window attention: (left, right) keys a query sees besides itself, -1 = no limit on
     # that side (--window-size); which layers keep full attention (--window-attn-skip-freq: an
     # int N = every N-th layer, or one 1 (window) / 0 (full) per layer).

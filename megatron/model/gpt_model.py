@@ -250,9 +250,13 @@ class GPTModel(MegatronModule):
             labels, mask = roll_left(labels), roll_left(mask)
             logits = self._head(output, detach_weight=self.mtp.detach_heads)      # [s, b, V/tp]
             per_token = self._per_token_loss(logits, labels)                      # [b, s]
-            value = (per_token.float() * mask).sum() / mask.sum()
+            masked_sum = (per_token.float() * mask).sum()
+            value = masked_sum / mask.sum()
             self.mtp_tracker.record(depth, value)
-            total = total + value * (self.mtp_loss_scaling_factor / len(outputs))
+            # --calculate-per-token-loss: the sum, as the main loss (Megatron-Core's rule); the
+            # gradients are divided by the global batch's token count of the main loss.
+            attached = masked_sum if self.config.calculate_per_token_loss else value
+            total = total + attached * (self.mtp_loss_scaling_factor / len(outputs))
         return attach_aux_loss(loss, total, self.mtp_tracker)
 
     def _mtp_embedding(self, input_ids: torch.Tensor,

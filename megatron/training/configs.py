@@ -172,6 +172,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
         logit_dtype=LOGIT_DTYPES.get(getattr(args, "logit_dtype", None)),
         cross_entropy_loss_fusion=args.cross_entropy_loss_fusion,
+        calculate_per_token_loss=args.calculate_per_token_loss,
         window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
         softmax_type=args.softmax_type,
         multi_latent_attention=args.multi_latent_attention, q_lora_rank=args.q_lora_rank,

@@ -2,7 +2,7 @@
 
 Before each step the loop sets every MoE tracker's gradient scale to the factor the main loss
 is scaled by in the schedule: ``1 / num_microbatches`` times the fp16 loss scale (1 without
-fp16), so the load-balancing and z losses reach the gradients exactly as if they had been
+fp16; the loss scale alone with ``--calculate-per-token-loss``), so the load-balancing and z losses reach the gradients exactly as if they had been
 added to the loss. After the step it collects the logged values under Megatron's names
 (``load_balancing_loss``, ``seq_load_balancing_loss``, ``global_load_balancing_loss``,
 ``z_loss``: each the mean over MoE layers of the per-micro-batch mean), summed over pipeline
@@ -64,10 +64,14 @@ def dsa_trackers(model_chunks):
             if getattr(m, "dsa_tracker", None) is not None]
 
 
-def set_aux_loss_scale(model_chunks, loss_scale: torch.Tensor, num_microbatches: int) -> None:
+def set_aux_loss_scale(model_chunks, loss_scale: torch.Tensor, num_microbatches: int,
+                       per_token_loss: bool = False) -> None:
     """The gradient the auxiliary losses (MoE, multi-token prediction, DSA's indexer) start
-    backward with: ``loss_scale / num_microbatches``, the factor of the main loss's gradient."""
-    scale = float(loss_scale) / num_microbatches
+    backward with: ``loss_scale / num_microbatches``, the factor of the main loss's gradient;
+    with ``per_token_loss`` (``--calculate-per-token-loss``) ``loss_scale`` alone, as
+    Megatron-Core sets it: the losses attach token-count multiples of their values (see the
+    router and the GPT model) and the gradients are divided by the step's token count."""
+    scale = float(loss_scale) if per_token_loss else float(loss_scale) / num_microbatches
     for tracker in (model_trackers(model_chunks) + mtp_trackers(model_chunks)
                     + dsa_trackers(model_chunks)):
         tracker.backward_scale = scale

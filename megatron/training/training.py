@@ -500,7 +500,7 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
     watch = numerics.LossWatch(forward_step_func) if check or machine else None
     schedule = _schedule_for(args, pstate)
     moe_logging.set_aux_loss_scale(model, optimizer.get_loss_scale(),
-                                   calculator.num_micro_batches)
+                                   calculator.num_micro_batches, args.calculate_per_token_loss)
     timers("forward-backward", log_level=1).start()
     context, forward_only = freeze.grad_context(args)
     with context:

@@ -1071,15 +1071,6 @@ def _validate_mtp(args) -> None:
         _fail("--mtp-num-layers with --sequence-parallel is not supported")
 
 
-def _validate_loss(args) -> None:
-    if args.calculate_per_token_loss and args.num_experts is not None:
-        _fail("--calculate-per-token-loss with --num-experts is not supported here: the "
-              "router's auxiliary losses are scaled for per-micro-batch means; drop one of them")
-    if args.calculate_per_token_loss and args.mtp_num_layers is not None:
-        _fail("--calculate-per-token-loss with --mtp-num-layers is not supported here: the "
-              "multi-token-prediction loss is scaled as a per-micro-batch mean; drop one of them")
-
-
 def _load_balancing_lists(args) -> None:
     """--moe-router-load-balancing-type / --moe-aux-loss-coeff take Megatron's lists: one
     element becomes its value (as Megatron does); several types need as many coefficients, each
@@ -1762,7 +1753,6 @@ def check_flags(args):
     _read_heterogeneous_config(args)
     _validate_upcycling(args)
     _validate_mtp(args)
-    _validate_loss(args)
     _validate_batch_and_schedule(args)
     _validate_microbatch_groups(args)
     _validate_phase_transitions(args)

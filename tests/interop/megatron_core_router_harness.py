@@ -4,9 +4,10 @@ PyPI, under ``torchrun`` (one process), on the CPU with gloo.
 
     torchrun --nproc_per_node 1 megatron_core_router_harness.py CASES_JSON INPUTS OUT
 
-For each case of CASES_JSON (a list of ``{"types": [...], "coeffs": [...], "score": ...}``)
-build Megatron-Core's ``TopKRouter`` with those balancing types and coefficients (fp32,
-top-2, layer 1 of 1), give it the ``weight`` of INPUTS, and run two training micro-batches:
+For each case of CASES_JSON (a list of ``{"types": [...], "coeffs": [...], "score": ...}``,
+optionally ``"z"``, a z-loss coefficient, and ``"per_token": true``,
+``calculate_per_token_loss``) build Megatron-Core's ``TopKRouter`` with those balancing types
+and coefficients (fp32, top-2, layer 1 of 1; the auxiliary-loss scale left at its default 1), give it the ``weight`` of INPUTS, and run two training micro-batches:
 each ``hidden`` ``[s, b, h]`` of INPUTS forward, then ``(probs * upstream).sum()`` backward.
 Written to OUT, per case: ``logged`` {name: the tracker's value of the layer, summed over the
 micro-batches}, ``hidden_grad`` [2, s, b, h] and ``weight_grad``.
@@ -30,7 +31,9 @@ def _router(case: dict, hidden_size: int, experts: int):
         use_cpu_initialization=True, add_bias_linear=False, num_moe_experts=experts,
         moe_router_topk=2, moe_router_score_function=case["score"],
         moe_router_load_balancing_type=list(case["types"]),
-        moe_aux_loss_coeff=list(case["coeffs"]), moe_token_dispatcher_type="allgather")
+        moe_aux_loss_coeff=list(case["coeffs"]), moe_token_dispatcher_type="allgather",
+        moe_z_loss_coeff=case.get("z"),
+        calculate_per_token_loss=case.get("per_token", False))
     router = TopKRouter(config, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     router.set_layer_number(1)
     return router.train()

@@ -30,6 +30,12 @@ CASES = [
     {"types": ["aux_loss", "seq_aux_loss", "global_aux_loss"], "coeffs": [0.1, 0.2, 0.3],
      "score": "softmax"},
     {"types": ["seq_aux_loss", "global_aux_loss"], "coeffs": [0.05, 0.4], "score": "sigmoid"},
+    # --calculate-per-token-loss: each loss attached times the tokens it was counted over
+    # (seq_aux_loss: the sequence length), the z loss too.
+    {"types": ["aux_loss", "seq_aux_loss", "global_aux_loss"], "coeffs": [0.1, 0.2, 0.3],
+     "score": "softmax", "z": 0.01, "per_token": True},
+    {"types": ["seq_aux_loss"], "coeffs": [0.05], "score": "sigmoid", "z": 0.02,
+     "per_token": True},
 ]
 
 
@@ -44,11 +50,12 @@ def _ours(case: dict, ref: dict) -> dict:
     config = TransformerConfig(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2,
                                padded_vocab_size=16, max_position_embeddings=SEQ,
                                seq_length=SEQ, params_dtype=torch.float32,
-                               add_bias_linear=False)
+                               add_bias_linear=False,
+                               calculate_per_token_loss=case.get("per_token", False))
     moe = MoEConfig(num_moe_experts=EXPERTS, moe_router_topk=2,
                     moe_router_score_function=case["score"],
                     moe_router_load_balancing_type=case["types"],
-                    moe_aux_loss_coeff=case["coeffs"])
+                    moe_aux_loss_coeff=case["coeffs"], moe_z_loss_coeff=case.get("z"))
     tracker = MoELossTracker(num_layers=1)
     router = TopKRouter(config, moe, layer_number=1, tracker=tracker).train()
     with torch.no_grad():
@@ -80,7 +87,8 @@ def test_listed_balancing_losses_match_megatron_core(mcore_python, tmp_path):  #
         got = _ours(case, ref)
         names = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
                  "global_aux_loss": "global_load_balancing_loss"}
-        assert set(want["logged"]) == {names[kind] for kind in case["types"]}, want["logged"]
+        named = {names[kind] for kind in case["types"]} | ({"z_loss"} if "z" in case else set())
+        assert set(want["logged"]) == named, want["logged"]
         assert set(got["logged"]) == set(want["logged"]), (got["logged"], want["logged"])
         for name, value in want["logged"].items():
             assert got["logged"][name] == pytest.approx(value, rel=1e-5), (case, name)

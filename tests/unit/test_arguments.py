@@ -163,10 +163,6 @@ def test_pad_vocab_size():
     (["--num-experts", "4", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2",
       "--moe-ffn-hidden-size", "33"], 2,
      r"--moe-ffn-hidden-size \(33\) must be divisible by --expert-tensor-parallel-size \(2\)"),
-    (["--num-experts", "4", "--no-bias-gelu-fusion", "--calculate-per-token-loss"], 1,
-     r"--calculate-per-token-loss with --num-experts is not supported"),
-    (["--mtp-num-layers", "1", "--calculate-per-token-loss"], 1,
-     r"--calculate-per-token-loss with --mtp-num-layers is not supported"),
     (["--mid-level-dataset-surplus", "-0.01"], 1,
      r"--mid-level-dataset-surplus must be a finite number >= 0, got -0.01"),
 ])

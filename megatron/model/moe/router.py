@@ -368,6 +368,7 @@ class TopKRouter(torch.nn.Module):
                                  f"one rank's tokens; with {why} it would drop other tokens "
                                  "than one rank: drop the flag")
         self.moe_config = moe_config
+        self.per_token_loss = config.calculate_per_token_loss
         self.layer_number = layer_number
         self.router_replay = RouterReplay() if moe_config.moe_enable_routing_replay else None
         self.tracker = tracker
@@ -477,7 +478,19 @@ class TopKRouter(torch.nn.Module):
             return logits
         value = z_loss(logits) / self.sp_size
         self._record("z_loss", self._over_sequence_group(value))
-        return attach_aux_loss(logits, value * coeff, self.tracker)
+        return attach_aux_loss(logits, self._per_token(value * coeff, logits.size(0)),
+                               self.tracker)
+
+    def _per_token(self, loss: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """The attached ``loss`` under ``--calculate-per-token-loss``, as Megatron-Core scales
+        it: the gradients are divided by the global batch's token count instead of by the
+        micro-batches and data-parallel ranks, so the loss is multiplied by ``num_tokens``,
+        the token rows this rank routed (the local sequence length for ``seq_aux_loss``), and
+        divided by the context-parallel size that the attached values here carry (Megatron-Core
+        puts that factor into the scale of the averaged case instead)."""
+        if not self.per_token_loss:
+            return loss
+        return loss * (num_tokens / self.cp_size)
 
     def _over_sequence_group(self, share: torch.Tensor) -> torch.Tensor:
         """A value to record from this rank's ``share`` of a loss: summed over ``sp_group``."""
@@ -512,14 +525,18 @@ class TopKRouter(torch.nn.Module):
                 value = self._global_loss_share(scores, counts)
                 self._record(AUX_LOSS_NAMES[kind],
                              self.dp_size * self.cp_size * self._over_sequence_group(value))
-                probs = attach_aux_loss(probs, self.cp_size * value * coeff, self.tracker)
+                probs = attach_aux_loss(
+                    probs, self._per_token(self.cp_size * value * coeff, scores.size(0)),
+                    self.tracker)
                 continue
             if kind == "aux_loss":
-                value = self._switch_loss(scores, indices)
+                value, num_tokens = self._switch_loss(scores, indices), scores.size(0)
             else:
                 value = self._sequence_loss(scores, probs, indices, seq_length, batch)
+                num_tokens = seq_length
             self._record(AUX_LOSS_NAMES[kind], self._over_sequence_group(value))
-            probs = attach_aux_loss(probs, value * coeff, self.tracker)
+            probs = attach_aux_loss(probs, self._per_token(value * coeff, num_tokens),
+                                    self.tracker)
         return probs
 
     def _choice_counts(self, indices: torch.Tensor) -> torch.Tensor:
