@@ -53,9 +53,10 @@ def _flags(corpus, micro_batch, model, extra=()):  # noqa: F811
                             "--eval-iters", "0"] + MODELS[model] + list(extra))
 
 
-def _step_and_reference(argv):
+def _step_and_reference(argv, router_split=None):
     """Rank body: one training step; returns the logged losses, this rank's gradients and the
-    float64 reference."""
+    float64 reference (with ``router_split``, see :func:`_float64_reference`; None: no
+    reference)."""
     import torch.distributed as dist
 
     import pretrain_gpt
@@ -83,10 +84,12 @@ def _step_and_reference(argv):
         training.pretrain(pretrain_gpt.train_valid_test_datasets_provider,
                           pretrain_gpt.model_provider, None, pretrain_gpt.forward_step,
                           argv=argv)
+        if router_split is None:
+            return probe["losses"], probe["grads"], None
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, batches)
         reference = _float64_reference(pretrain_gpt.model_provider(), probe["weights"],
-                                       [b for rank in everyone for b in rank])
+                                       [b for rank in everyone for b in rank], router_split)
         return probe["losses"], probe["grads"], reference
     finally:
         pretrain_gpt.get_batch, training.train_step = real_get_batch, real_step
@@ -152,7 +155,11 @@ def _cross_entropy(logits, labels, mask, shift):
     return (losses * mask).sum(), mask.sum()
 
 
-def _float64_reference(model, weights, batches):
+def _float64_reference(model, weights, batches, router_split=1):
+    """The objective of Megatron-Core's rule, differentiated. ``router_split``: the routers of
+    the run each saw ``1 / router_split`` of every sequence (context parallelism), so their
+    losses are attached times that many fewer tokens (the values, summed over the ranks that
+    split a sequence, are the whole sequence's)."""
     model = model.double()
     model.load_state_dict({n: w.double() if w.is_floating_point() else w
                            for n, w in weights.items()})
@@ -169,7 +176,9 @@ def _float64_reference(model, weights, batches):
         for logits in capture.router_logits:
             s, b, _ = logits.shape
             aux, seq, z = _router_terms(logits)
-            objective = objective + AUX * aux * s * b + SEQ_AUX * seq * s + Z * z * s * b
+            rows = s * b / router_split
+            objective = (objective + AUX * aux * rows + SEQ_AUX * seq * s / router_split
+                         + Z * z * rows)
             # Logged per micro-batch: the sum over every MoE layer (MTP's too) over the
             # decoder's MoE layers, as Megatron logs it.
             for name, value in zip(("load_balancing_loss", "seq_load_balancing_loss", "z_loss"),
@@ -194,14 +203,13 @@ def _check(losses, grads, reference):
                                    atol=GRAD_ATOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("model", [
-    "moe+mtp", pytest.param("moe", marks=pytest.mark.slow),
-    pytest.param("mtp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("model", ["moe", "mtp",
+                                   pytest.param("moe+mtp", marks=pytest.mark.slow)])
 def test_per_token_auxiliary_losses_match_float64(corpus, model):  # noqa: F811
     """Two micro-batches of two sequences, end-of-document tokens masked: uneven counts, and
     ``seq_aux_loss`` weighed by ``s``, not ``s * b``."""
     argv = _flags(corpus, 2, model, ["--calculate-per-token-loss", "--eod-mask-loss"])
-    losses, grads, reference = run_on_ranks(_step_and_reference, 1, argv)[0]
+    losses, grads, reference = run_on_ranks(_step_and_reference, 1, argv, 1)[0]
     assert len(set(reference["counts"])) > 1, "the masks should count different tokens"
     _check(losses, grads, reference)
 
@@ -214,11 +222,11 @@ def test_per_token_auxiliary_losses_over_data_parallel_ranks(corpus, micro_batch
     float64 gradient of the whole global batch, and logs what one process logs."""
     argv = _flags(corpus, micro_batch, "moe+mtp",
                   ["--calculate-per-token-loss", "--eod-mask-loss"])
-    results = run_on_ranks(_step_and_reference, 2, argv)
+    results = run_on_ranks(_step_and_reference, 2, argv, 1)
     for losses, grads, reference in results:
         assert len(reference["counts"]) == 4 // micro_batch
         _check(losses, grads, reference)
-    single = run_on_ranks(_step_and_reference, 1, argv)[0]
+    single = run_on_ranks(_step_and_reference, 1, argv, 1)[0]
     for name, value in single[0].items():
         assert results[0][0][name] == pytest.approx(value, rel=LOSS_RTOL), name
     for name, grad in single[1].items():
@@ -234,7 +242,7 @@ def test_with_every_token_counting_per_token_equals_the_averaged_run(corpus):  #
     by the ``depth + 1`` unlabelled last places, so there it is smaller by ``(s - d - 1) / s``,
     as in Megatron-Core; the float64 tests above cover it.)"""
     per_token = run_on_ranks(_step_and_reference, 1,
-                             _flags(corpus, 1, "moe", ["--calculate-per-token-loss"]))[0]
+                             _flags(corpus, 1, "moe", ["--calculate-per-token-loss"]), 1)[0]
     averaged = run_on_ranks(_step_and_reference, 1, _flags(corpus, 1, "moe"))[0]
     for name in ("lm loss", "load_balancing_loss", "seq_load_balancing_loss", "z_loss"):
         assert per_token[0][name] == pytest.approx(averaged[0][name], rel=LOSS_RTOL), name
@@ -242,6 +250,28 @@ def test_with_every_token_counting_per_token_equals_the_averaged_run(corpus):  #
         torch.testing.assert_close(grad, averaged[1][name], rtol=GRAD_RTOL, atol=GRAD_ATOL,
                                    msg=lambda m: f"{name}: {m}")
     _check(*per_token)
+
+
+@pytest.mark.slow
+def test_per_token_auxiliary_losses_under_context_parallelism(corpus):  # noqa: F811
+    """CP=2: each rank routes half of every sequence and attaches its share of each loss times
+    its own token rows, as Megatron-Core does; summed over the two ranks and divided by the
+    global count, the auxiliary losses reach the gradients with half the one-process weight
+    (Megatron-Core counts local rows against the global count). The one-process run on the
+    same batches computes that reference; the CP run must give it, and log what one process
+    logs."""
+    argv = _flags(corpus, 2, "moe", ["--calculate-per-token-loss", "--eod-mask-loss"])
+    single, _, split = run_on_ranks(_step_and_reference, 1, argv, 2)[0]
+    _, _, whole = run_on_ranks(_step_and_reference, 1, argv, 1)[0]
+    results = run_on_ranks(_step_and_reference, 2, argv + ["--context-parallel-size", "2"])
+    router = next(n for n in split["grads"] if n.endswith("router.weight"))
+    assert not torch.allclose(split["grads"][router], whole["grads"][router], rtol=1e-2)
+    for losses, grads, _ in results:
+        for name, value in single.items():
+            assert losses[name] == pytest.approx(value, rel=LOSS_RTOL), name
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, split["grads"][name], rtol=GRAD_RTOL,
+                                       atol=GRAD_ATOL, msg=lambda m: f"{name}: {m}")
 
 
 def _losses(argv):
