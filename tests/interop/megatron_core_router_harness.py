@@ -8,7 +8,8 @@ For each case of CASES_JSON (a list of ``{"types": [...], "coeffs": [...], "scor
 optionally ``"z"``, a z-loss coefficient, and ``"per_token": true``,
 ``calculate_per_token_loss``) build Megatron-Core's ``TopKRouter`` with those balancing types
 and coefficients (fp32, top-2, layer 1 of 1; the auxiliary-loss scale left at its default 1),
-give it the ``weight`` of INPUTS, and run two training micro-batches: each ``hidden`` ``[s, b, h]`` of INPUTS forward, then ``(probs * upstream).sum()`` backward.
+give it the ``weight`` of INPUTS, and run two training micro-batches: each ``hidden``
+``[s, b, h]`` of INPUTS forward, then ``(probs * upstream).sum()`` backward.
 Written to OUT, per case: ``logged`` {name: the tracker's value of the layer, summed over the
 micro-batches}, ``hidden_grad`` [2, s, b, h] and ``weight_grad``.
 """
