@@ -5,12 +5,12 @@ is scaled by in the schedule: ``1 / num_microbatches`` times the fp16 loss scale
 fp16; the loss scale alone with ``--calculate-per-token-loss``), so the load-balancing and z
 losses reach the gradients exactly as if they had been added to the loss. After the step it
 collects the logged values under Megatron's names (``load_balancing_loss``,
-``seq_load_balancing_loss``, ``global_load_balancing_loss``, ``z_loss``: each the mean over
-MoE layers of the per-micro-batch mean), summed over pipeline stages (each holds its own layers) and averaged over data-parallel ranks (each routed its own
-micro-batches), as the ``lm loss`` is; and it restarts the routers' ``global_aux_loss`` running
-averages. With ``--moe-per-layer-logging`` each layer's value is also returned under
-``moe/{name}_layer_{i}`` (``i`` 0-based, Megatron's TensorBoard name), which the console line
-leaves out.
+``seq_load_balancing_loss``, ``global_load_balancing_loss``, ``z_loss``: each the mean over MoE
+layers of the per-micro-batch mean), summed over pipeline stages (each holds its own layers)
+and averaged over data-parallel ranks (each routed its own micro-batches), as the ``lm loss``
+is; and it restarts the routers' ``global_aux_loss`` running averages. With
+``--moe-per-layer-logging`` each layer's value is also returned under ``moe/{name}_layer_{i}``
+(``i`` 0-based, Megatron's TensorBoard name), which the console line leaves out.
 
 Since these sums (and the routers' token counts) change during a step's passes, this module
 also saves and restores that state for a re-run of the step (:func:`step_state`, used by
