@@ -155,10 +155,6 @@ def test_flags_reach_the_config():
 @pytest.mark.parametrize("extra,world,pattern", [
     (["--pipeline-model-parallel-size", "2"], 2,
      r"--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding"),
-    (["--context-parallel-size", "2"], 2,
-     r"--mtp-num-layers with --context-parallel-size 2 is not supported"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-     r"--mtp-num-layers with --sequence-parallel"),
     (["--mtp-loss-scaling-factor", "-1"], 1, r"--mtp-loss-scaling-factor must be >= 0"),
 ])
 def test_mtp_layouts_not_built_are_refused_in_one_line(extra, world, pattern):
