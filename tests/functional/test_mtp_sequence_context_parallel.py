@@ -2,7 +2,8 @@
 PP 2, where the last stage embeds the shifted tokens on its own copy of the table) and context
 parallelism (CP 2): the losses, gradient norms and logged ``mtp_K loss`` values are the
 single-process run's; a TP 2 + SP run repeats itself bit for bit, and resumed from its
-checkpoint repeats the losses of the run that never stopped."""
+checkpoint repeats the losses of the run that never stopped; Megatron's own DeepSeek-V3 file
+(MLA, MoE in the MTP layer) trains on at TP 2 + SP as at TP 1."""
 
 import pytest
 
@@ -36,3 +37,32 @@ def test_sp_run_repeats_itself_and_resumes_bit_for_bit(corpus, tmp_path):
     assert resumed["losses"] == straight["losses"][2:]
     assert resumed["grad_norms"] == straight["grad_norms"][2:]
     assert resumed["mtp"] == straight["mtp"][2:]
+
+
+def _dsv3_losses(load, ranks, *layout):
+    """Losses and logged ``mtp_1 loss`` of 3 steps trained on from Megatron's DeepSeek-V3
+    file (MLA, grouped sigmoid routing, MoE in the MTP layer) at ``layout``."""
+    from tests.functional.test_dsv3_mtp import _argv
+    from tests.functional.test_mtp_pipeline import run_recording_mtp_losses
+    from tests.multiprocess import run_on_ranks
+
+    argv = _argv(load, "--train-iters", "13", "--mock-data", "--eval-iters", "0",
+                 "--num-workers", "0", "--log-interval", "1", "--no-load-optim", *layout)
+    result = run_on_ranks(run_recording_mtp_losses, ranks, argv)[-1]
+    return [loss for _, loss in result["losses"]], result["mtp"]
+
+
+@pytest.mark.slow
+def test_megatrons_dsv3_file_trains_on_at_tp2_sp_as_at_tp1():
+    """Tolerance 1e-4 relative: float32 sums in another order."""
+    from tests.functional.test_megatron_written import fixture_dir
+
+    load = fixture_dir("mcore_dist_dsv3_mtp")
+    want_losses, want_mtp = _dsv3_losses(load, 1)
+    losses, mtp = _dsv3_losses(load, 2, "--tensor-model-parallel-size", "2",
+                               "--sequence-parallel")
+    assert len(losses) == len(want_losses) == 3
+    assert losses == pytest.approx(want_losses, rel=1e-4)
+    assert [sorted(m) for m in mtp] == [["mtp_1 loss"]] * 3
+    assert [m["mtp_1 loss"] for m in mtp] == pytest.approx(
+        [m["mtp_1 loss"] for m in want_mtp], rel=1e-4)
