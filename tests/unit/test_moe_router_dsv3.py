@@ -169,7 +169,6 @@ def test_mtp_layouts_not_built_are_refused_in_one_line(extra, world, pattern):
         validate_args(args)
 
 
-
 @pytest.mark.parametrize("extra", [
     ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
     ["--context-parallel-size", "2"],
