@@ -7,10 +7,16 @@ checkpoint repeats the losses of the run that never stopped; Megatron's own Deep
 
 import pytest
 
-from tests.functional.test_mtp_pipeline import ITERS, _assert_parity, _run, corpus  # noqa: F401
+from tests.functional.gpt_runs import write_counting_corpus
+from tests.functional.test_mtp_pipeline import ITERS, _assert_parity, _run
 
 TP2_SP = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 UNTIE = ["--untie-embeddings-and-output-weights"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return write_counting_corpus(str(tmp_path_factory.mktemp("corpus") / "count_document"))
 
 
 @pytest.mark.slow
