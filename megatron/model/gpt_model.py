@@ -5,9 +5,11 @@ from typing import Optional
 import torch
 
 from megatron.core import tensor_parallel
+from megatron.core.collectives import all_reduce, get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.parallel_state import ModelGroups
 from megatron.fused_kernels import ops as fused_ops
+from megatron.model.attention import dropout_rng_context
 from megatron.model.dsa import attach_dsa_tracker
 from megatron.model.language_model import (TransformerLanguageModel, parallel_lm_logits,
                                            scale_embedding_output,
@@ -240,18 +242,20 @@ class GPTModel(MegatronModule):
         """``loss`` with every depth's scaled MTP loss attached (see the MTP module)."""
         rotary = None
         if self.language_model.rotary_pos_emb is not None:
-            rotary = self.language_model.rotary_pos_emb(hidden.size(0))          # [s, 1, 1, d]
+            rotary = self.language_model.rotary_of_tokens(labels.size(1),
+                                                          hidden.device)         # [s, 1, 1, d]
         outputs = self.mtp(input_ids, position_ids, hidden, attention_mask, rotary,
                            self._mtp_embedding)
         mask = (torch.ones_like(labels, dtype=torch.float32) if loss_mask is None
                 else loss_mask.float())
         total = 0.0
         for depth, output in enumerate(outputs):
-            labels, mask = roll_left(labels), roll_left(mask)
+            labels = roll_left(labels, self.mtp.cp_group)
+            mask = roll_left(mask, self.mtp.cp_group)
             logits = self._head(output, detach_weight=self.mtp.detach_heads)      # [s, b, V/tp]
             per_token = self._per_token_loss(logits, labels)                      # [b, s]
             masked_sum = (per_token.float() * mask).sum()
-            value = masked_sum / mask.sum()
+            value = masked_sum / self._mtp_token_count(mask)
             self.mtp_tracker.record(depth, value)
             # --calculate-per-token-loss: the sum, as the main loss (Megatron-Core's rule); the
             # gradients are divided by the global batch's token count of the main loss.
@@ -259,11 +263,20 @@ class GPTModel(MegatronModule):
             total = total + attached * (self.mtp_loss_scaling_factor / len(outputs))
         return attach_aux_loss(loss, total, self.mtp_tracker)
 
+    def _mtp_token_count(self, mask: torch.Tensor) -> torch.Tensor:
+        """What a depth's masked loss sum is divided by: the unmasked tokens, or under context
+        parallelism those of the whole cp group over cp (as the main loss, so the cp ranks'
+        gradients, averaged, and their logged values, averaged, are one process's)."""
+        cp_group = self.mtp.cp_group
+        if get_group_size(cp_group) == 1:
+            return mask.sum()
+        return all_reduce(mask.sum(), cp_group) / get_group_size(cp_group)
+
     def _mtp_embedding(self, input_ids: torch.Tensor,
                        position_ids: Optional[torch.Tensor]) -> torch.Tensor:
-        """``[b, s]`` ids -> ``[s, b, h]``: the first stage's embedding, or on a last stage
-        without it the same computation on its copy of the table (no position table: refused
-        with pipeline parallelism)."""
+        """``[b, s]`` ids -> ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism): the
+        first stage's embedding, or on a last stage without it the same computation on its copy
+        of the table (no position table: refused with pipeline parallelism)."""
         if self.pre_process:
             return self.language_model.embedding(input_ids, position_ids)
         embedded = self.word_embeddings_for_head(input_ids)                  # [b, s, h]
@@ -271,7 +284,14 @@ class GPTModel(MegatronModule):
         embedded = scale_embedding_output(embedded, self.config)
         if self.config.fp32_residual_connection:
             embedded = embedded.float()
-        return torch.nn.functional.dropout(embedded, self.config.hidden_dropout, self.training)
+        if not self.sequence_parallel:
+            return torch.nn.functional.dropout(embedded, self.config.hidden_dropout,
+                                               self.training)
+        embedded = tensor_parallel.scatter_to_sequence_parallel_region(
+            embedded, self.tp_group)                                         # [s/tp, b, h]
+        with dropout_rng_context(self.training and self.config.hidden_dropout > 0):
+            return torch.nn.functional.dropout(embedded, self.config.hidden_dropout,
+                                               self.training)
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         """``{"language_model": {...}, "word_embeddings_for_head": {"weight": ...}}`` as

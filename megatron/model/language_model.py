@@ -304,18 +304,24 @@ class TransformerLanguageModel(MegatronModule):
         if self.rotary_pos_emb is not None:
             local = hidden if self.pre_process else self.encoder.input_tensor
             seq_len = local.size(0) * (self.tp_size if self.sequence_parallel else 1)
-            if inference_params is None and self.cp_size > 1:
-                full = seq_len * self.cp_size
-                rotary = self.rotary_pos_emb(full).index_select(0, chunk_positions(
-                    full, self.cp_size, self.cp_rank, local.device))         # [s/cp, 1, 1, d]
-            elif inference_params is None:
-                rotary = self.rotary_pos_emb(seq_len)                        # [s, 1, 1, d]
+            if inference_params is None:
+                rotary = self.rotary_of_tokens(seq_len, local.device)        # [s, 1, 1, d]
             else:
                 rotary = self.rotary_pos_emb(seq_len, inference_params.sequence_len_offset)
         hidden = self.encoder(hidden, attention_mask, rotary, inference_params=inference_params)
         if self.post_process and self.add_pooler:
             return hidden, self.pooler(hidden, pooling_sequence_index)
         return hidden
+
+    def rotary_of_tokens(self, seq_len: int, device) -> torch.Tensor:
+        """The rotary angles ``[seq_len, 1, 1, d]`` of this rank's ``seq_len`` tokens of a
+        sequence (no key/value cache): positions ``0 .. seq_len - 1``, or under context
+        parallelism those of this rank's chunks of a sequence ``cp`` times as long."""
+        if self.cp_size == 1:
+            return self.rotary_pos_emb(seq_len)
+        full = seq_len * self.cp_size
+        return self.rotary_pos_emb(full).index_select(0, chunk_positions(
+            full, self.cp_size, self.cp_rank, device))
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         state = {}

@@ -16,6 +16,18 @@ auxiliary losses it is not added to the returned loss: it is attached to it
 main loss's scale (``backward_scale`` of :class:`MTPLossTracker`) and the logged ``lm loss``
 stays the main head's. The unscaled per-depth values are logged as ``mtp_{K+1} loss``.
 
+Sequence parallelism (``--sequence-parallel``): as in Megatron-Core, the hidden state and the
+embedding enter a depth split along the sequence (``[s/tp, b, h]``), the projection gathers the
+sequence, and its output, gathered over its hidden columns, is split along the sequence again
+before the transformer layer; the norms' gradients are partial per tensor-parallel rank and
+all-reduced like the decoder's. Token ids and labels stay whole on every tensor-parallel rank.
+Context parallelism (``--context-parallel-size``): each rank holds chunks ``r`` and
+``2 cp - 1 - r`` of every sequence, so the shift left crosses chunk boundaries: each chunk's
+vacated last place takes the first token of the chunk after it in the whole sequence, wherever
+that chunk lives (:func:`roll_left` with the cp group), as Megatron-Core's ``roll_tensor``
+does. The loss of a depth is divided by the unmasked tokens of the whole cp group and scaled
+by cp, as the main loss is, so a cp run trains as one process does.
+
 ``--mtp-use-repeated-layer``: one depth's module (``mtp.layers.0``) is built and applied
 ``--mtp-num-layers`` times, each application feeding the next, as Megatron-Core does.
 ``--mtp-detach-heads``: the MTP heads train on their loss without moving the main model: the
@@ -30,7 +42,8 @@ from typing import Dict, List, Optional
 import torch
 
 from megatron.core import tensor_parallel
-from megatron.core.collectives import all_reduce, get_group_size
+from megatron.core.collectives import (all_gather_into_tensor, all_reduce, get_group_rank,
+                                       get_group_size)
 from megatron.core.config import TransformerConfig
 from megatron.core.parallel_state import ModelGroups
 from megatron.core.utils import get_init_method
@@ -46,11 +59,36 @@ from megatron.model.utils import init_rng
 MTP_GRAD_NORM_GROUP = "mtp"
 
 
-def roll_left(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor [..., s]`` shifted left by one place along its last dim, the last place 0."""
-    rolled = torch.roll(tensor, shifts=-1, dims=-1)
-    rolled[..., -1] = 0
-    return rolled
+def roll_left(tensor: torch.Tensor, cp_group=None) -> torch.Tensor:
+    """``tensor [..., s]`` shifted left by one place along its last dim, the last place of the
+    whole sequence 0. With a ``cp_group`` of size > 1 the last dim holds this rank's chunks
+    ``r`` and ``2 cp - 1 - r`` (:func:`~megatron.core.context_parallel.chunk_positions`) and
+    the shift is over the whole sequence; every rank of the group must call it."""
+    cp_size = get_group_size(cp_group)
+    if cp_size == 1:
+        rolled = torch.roll(tensor, shifts=-1, dims=-1)
+        rolled[..., -1] = 0
+        return rolled
+    cp_rank = get_group_rank(cp_group)
+    first, second = tensor.chunk(2, dim=-1)                                 # [..., s/2cp]
+    heads = torch.stack([first[..., 0], second[..., 0]]).contiguous()      # [2, ...]
+    every = torch.empty((cp_size,) + tuple(heads.shape), dtype=heads.dtype,
+                        device=heads.device)
+    all_gather_into_tensor(every, heads, cp_group)                         # [cp, 2, ...]
+
+    def head_of_chunk(chunk: int) -> torch.Tensor:
+        if chunk == 2 * cp_size:
+            return torch.zeros_like(heads[0])
+        if chunk < cp_size:
+            return every[chunk, 0]
+        return every[2 * cp_size - 1 - chunk, 1]
+
+    pieces = []
+    for part, chunk in ((first, cp_rank), (second, 2 * cp_size - 1 - cp_rank)):
+        rolled = torch.roll(part, shifts=-1, dims=-1)
+        rolled[..., -1] = head_of_chunk(chunk + 1)
+        pieces.append(rolled)
+    return torch.cat(pieces, dim=-1)
 
 
 class MTPLossTracker:
@@ -91,7 +129,8 @@ class MultiTokenPredictionLayer(MegatronModule):
 
     Args:
         config: the transformer config.
-        groups: the model's process groups; sequence parallelism is not supported.
+        groups: the model's process groups (sequence parallelism: the inputs and the output
+            are ``[s/tp, b, h]``).
         depth: 0-based depth; its transformer layer is global layer ``num_layers + depth + 1``
             (MoE logging, initialisation seeds).
         moe_config / moe_tracker: see :func:`mtp_moe_config`.
@@ -102,14 +141,16 @@ class MultiTokenPredictionLayer(MegatronModule):
                  moe_config: Optional[MoEConfig] = None,
                  moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234):
         super().__init__(config)
+        sp = self.sequence_parallel = groups.sequence_parallel
+        self.tp_group = groups.tp_group
         with init_rng(init_seed, f"mtp.{depth}"):
-            self.enorm = get_norm(config)
-            self.hnorm = get_norm(config)
+            self.enorm = get_norm(config, sp)
+            self.hnorm = get_norm(config, sp)
             self.eh_proj = tensor_parallel.ColumnParallelLinear(
                 2 * config.hidden_size, config.hidden_size, init_method=get_init_method(config),
-                tp_group=groups.tp_group, bias=False, gather_output=True,
-                params_dtype=config.params_dtype)
-            self.final_layernorm = get_norm(config)
+                tp_group=groups.tp_group, bias=False, gather_output=not sp,
+                sequence_parallel=sp, params_dtype=config.params_dtype)
+            self.final_layernorm = get_norm(config, sp)
         with init_rng(init_seed, f"layer.{config.num_layers + depth}"):
             self.transformer_layer = ParallelTransformerLayer(
                 config, config.num_layers + depth + 1, groups, moe_config=moe_config,
@@ -120,6 +161,11 @@ class MultiTokenPredictionLayer(MegatronModule):
                 rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
         both = torch.cat([self.enorm(embedded), self.hnorm(hidden_states)], dim=-1)  # [s, b, 2h]
         projected, _ = self.eh_proj(both)                                            # [s, b, h]
+        if self.sequence_parallel:   # both [s/tp, b, 2h]; projected [s, b, h/tp]
+            projected = tensor_parallel.gather_from_tensor_model_parallel_region(
+                projected, self.tp_group)                                            # [s, b, h]
+            projected = tensor_parallel.scatter_to_sequence_parallel_region(
+                projected, self.tp_group)                                            # [s/tp, b, h]
         output = self.transformer_layer(projected, attention_mask, rotary_pos_emb)   # [s, b, h]
         return self.final_layernorm(output)
 
@@ -142,9 +188,7 @@ class MultiTokenPredictionBlock(MegatronModule):
         self.num_depths = num_depths
         self.repeated_layer = repeated_layer
         self.detach_heads = detach_heads
-        if groups.sequence_parallel or get_group_size(groups.cp_group) > 1:
-            raise ValueError("--mtp-num-layers is not supported with --sequence-parallel or "
-                             "--context-parallel-size > 1")
+        self.cp_group = groups.cp_group
         layer_moe = mtp_moe_config(moe_config, config.num_layers)
         self.layers = torch.nn.ModuleList(
             MultiTokenPredictionLayer(config, groups, k, layer_moe, moe_tracker, init_seed)
@@ -156,16 +200,17 @@ class MultiTokenPredictionBlock(MegatronModule):
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
                 hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 rotary_pos_emb: Optional[torch.Tensor], embedding) -> List[torch.Tensor]:
-        """Each depth's output ``[s, b, h]``; ``input_ids`` / ``position_ids`` ``[b, s]`` are
-        the main model's, ``embedding`` its embedding module."""
+        """Each depth's output ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism);
+        ``input_ids`` / ``position_ids`` ``[b, s]`` are the main model's (this cp rank's
+        tokens), ``embedding`` its embedding (its output split like ``hidden_states``)."""
         outputs = []
         if self.detach_heads:
             hidden_states = hidden_states.detach()
         for depth in range(self.num_depths):
             layer = self.layers[0 if self.repeated_layer else depth]
-            input_ids = roll_left(input_ids)
+            input_ids = roll_left(input_ids, self.cp_group)
             if position_ids is not None:
-                position_ids = roll_left(position_ids)
+                position_ids = roll_left(position_ids, self.cp_group)
             embedded = embedding(input_ids, position_ids)                    # [s, b, h]
             if self.detach_heads:
                 embedded = embedded.detach()

@@ -1059,16 +1059,11 @@ def _validate_mtp(args) -> None:
               "Megatron-Core); use --use-distributed-optimizer")
     if args.mtp_loss_scaling_factor < 0:
         _fail(f"--mtp-loss-scaling-factor must be >= 0, got {args.mtp_loss_scaling_factor}")
-    cp = getattr(args, "context_parallel_size", 1)
-    if cp != 1:
-        _fail(f"--mtp-num-layers with --context-parallel-size {cp} is not supported (only 1)")
     if args.pipeline_model_parallel_size > 1 and args.position_embedding_type == \
             "learned_absolute":
         _fail("--mtp-num-layers with --pipeline-model-parallel-size > 1 needs "
               "--position-embedding-type rope, yarn or none (the MTP layers on the last stage "
               "have no copy of the learned position table)")
-    if args.sequence_parallel:
-        _fail("--mtp-num-layers with --sequence-parallel is not supported")
 
 
 def _load_balancing_lists(args) -> None:

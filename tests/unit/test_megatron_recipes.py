@@ -167,7 +167,7 @@ BERT_340M = """
 FP8 = {"--fp8-format", "--fp8-amax-history-len", "--fp8-amax-compute-algo", "--fp8-param-gather"}
 # Flags that work here but whose combination with the recipe's layout is refused by validation
 # (one line naming the flag): flag -> what it cannot be combined with yet.
-REFUSED_IN_COMBINATION = {"--mtp-num-layers": "sequence parallelism"}
+REFUSED_IN_COMBINATION = {}
 
 # name -> (recipe, world size, the flags it may be refused on, pretrain_bert's flags?)
 RECIPES = {
@@ -175,8 +175,7 @@ RECIPES = {
     "llama3_70b": (LLAMA3_70B, 64, set(), False),
     "mixtral_8x7b": (MIXTRAL_8X7B, 64, set(), False),
     "deepseek_v3": (DEEPSEEK_V3, 256, {
-        "--moe-token-dispatcher-type", "--moe-enable-deepep", "--mtp-num-layers",
-        "--mtp-loss-scaling-factor"}, False),
+        "--moe-token-dispatcher-type", "--moe-enable-deepep"}, False),
     "gpt3_175b": (GPT3_175B, 256, set(), False),
     "bert_340m": (BERT_340M, 8, set(), True),
 }
@@ -228,7 +227,7 @@ def test_refusable_flags_are_refused_for_a_documented_reason():
             names[option] = action
     for _, _, refusable, _ in RECIPES.values():
         for flag in refusable:
-            if flag in REFUSED_IN_COMBINATION or flag == "--mtp-loss-scaling-factor":
+            if flag in REFUSED_IN_COMBINATION:
                 continue
             action = names[flag]
             assert action.dest in UNSUPPORTED_FLAGS or getattr(action, "refused_choices", None), \

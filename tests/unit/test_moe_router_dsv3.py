@@ -155,10 +155,6 @@ def test_flags_reach_the_config():
 @pytest.mark.parametrize("extra,world,pattern", [
     (["--pipeline-model-parallel-size", "2"], 2,
      r"--mtp-num-layers with --pipeline-model-parallel-size > 1 needs --position-embedding"),
-    (["--context-parallel-size", "2"], 2,
-     r"--mtp-num-layers with --context-parallel-size 2 is not supported"),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-     r"--mtp-num-layers with --sequence-parallel"),
     (["--mtp-loss-scaling-factor", "-1"], 1, r"--mtp-loss-scaling-factor must be >= 0"),
 ])
 def test_mtp_layouts_not_built_are_refused_in_one_line(extra, world, pattern):
@@ -171,3 +167,21 @@ def test_mtp_layouts_not_built_are_refused_in_one_line(extra, world, pattern):
     args.world_size = world
     with pytest.raises(ArgumentsError, match=pattern):
         validate_args(args)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ["--context-parallel-size", "2"],
+    ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--context-parallel-size", "2"]],
+    ids=["tp2-sp", "cp2", "tp2-sp-cp2"])
+def test_mtp_with_sequence_or_context_parallelism_is_accepted(extra):
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args(argv=["--num-layers", "4", "--hidden-size", "64",
+                            "--num-attention-heads", "8", "--seq-length", "32",
+                            "--max-position-embeddings", "32", "--micro-batch-size", "2",
+                            "--train-iters", "10", "--mtp-num-layers", "1", *extra])
+    args.world_size = 4
+    args = validate_args(args)
+    assert args.mtp_num_layers == 1
+    assert args.sequence_parallel == ("--sequence-parallel" in extra)
