@@ -118,7 +118,9 @@ def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers
     """get_batch with --sft: the packed sample's own tokens, labels, loss mask and position ids
     (megatron/data/sft_dataset.py). Each conversation of a pack attends only to itself; a batch
     whose samples each hold one conversation gets None (plain causal attention). Every stage
-    reads the batch, since the attention mask depends on it."""
+    reads the batch, since the attention mask depends on it, and keeps the position ids: the
+    rotary angles of every layer follow them, restarting at 0 for each conversation as
+    Megatron's packed sequences (``cu_seqlens``) rotate them."""
     data = next(data_iterator) if data_iterator is not None else None
     src = pstate.tp_ranks[0]
     ints = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids", "segment_ids"],
@@ -129,7 +131,7 @@ def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers
     tokens, position_ids = ints["tokens"], ints["position_ids"]
     labels = ints["labels"]
     if not (first or (last and mtp_num_layers)):
-        tokens = position_ids = None
+        tokens = None
     if not last:
         labels = loss_mask = None
     return tokens, labels, loss_mask, attention_mask, position_ids

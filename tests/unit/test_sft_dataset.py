@@ -189,8 +189,8 @@ def test_unknown_prompt_format_and_missing_pad_token_are_refused(tokenizer_dir, 
 
 
 def test_a_packed_conversation_is_computed_as_if_alone(tokenizer_dir):
-    """Logits of the second conversation of a pack (its own positions, the segment mask) equal
-    those of the conversation run alone from position 0 (float64; ~1e-15 apart in order only);
+    """Logits of the second conversation of a pack (its own positions, rotary angles from them
+    as --sft sets, the segment mask) equal those of the conversation run alone from position 0 (float64; ~1e-15 apart in order only);
     without the mask, it would see the first conversation."""
     import torch
 
@@ -206,7 +206,8 @@ def test_a_packed_conversation_is_computed_as_if_alone(tokenizer_dir):
     alone = pack_conversations([second], tok, seq - n)
     assert sft_attention_mask(torch.from_numpy(alone["segment_ids"])[None]) is None
     model = GPTModel(make_config(padded_vocab_size=384, max_position_embeddings=seq,
-                                 seq_length=seq, position_embedding_type="rope"),
+                                 seq_length=seq, position_embedding_type="rope",
+                                 rotary_from_position_ids=True),
                      single_process_state(), init_seed=3)
 
     def logits(sample, masked=True):
