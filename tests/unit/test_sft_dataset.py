@@ -238,8 +238,6 @@ SMALL = """--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 
      "with --mock-data"),
     (["--sft", "--tokenizer-type", "SFTTokenizer", "--reset-attention-mask"],
      "--sft cannot be combined with --reset-attention-mask"),
-    (["--sft", "--tokenizer-type", "SFTTokenizer", "--context-parallel-size", "2"],
-     "--sft with --context-parallel-size 2 is not built"),
 ])
 def test_sft_flags_that_cannot_work_are_refused(extra, pattern):
     from megatron.training.arguments import ArgumentsError, parse_args, validate_args
@@ -248,6 +246,16 @@ def test_sft_flags_that_cannot_work_are_refused(extra, pattern):
     args.world_size = 2
     with pytest.raises(ArgumentsError, match=pattern):
         validate_args(args)
+
+
+def test_sft_with_context_parallelism_is_accepted():
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args(argv=SMALL + ["--sft", "--tokenizer-type", "SFTTokenizer",
+                                    "--context-parallel-size", "2"])
+    args.world_size = 2
+    validate_args(args)
+    assert args.sft and args.context_parallel_size == 2
 
 
 def test_sft_flags_parse_with_megatron_defaults():

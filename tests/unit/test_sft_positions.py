@@ -28,9 +28,13 @@ PACKS = [  # two packs of a micro-batch, three conversations and two, the last p
 
 
 @pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return SFTTokenizer(write_tokenizer(tmp_path_factory.mktemp("sft_pos_tok")),
-                        "nemotron-h-aligned")
+def tok_dir(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("sft_pos_tok"))
+
+
+@pytest.fixture(scope="module")
+def tok(tok_dir):
+    return SFTTokenizer(tok_dir, "nemotron-h-aligned")
 
 
 def _batch(tok):
@@ -149,9 +153,85 @@ def test_every_pipeline_stage_gets_the_position_ids(tok, stage):
     import pretrain_gpt
 
     batch = {k: v for k, v in _batch(tok).items()}
-    pstate = types.SimpleNamespace(tp_group=None, tp_ranks=[0])
+    pstate = types.SimpleNamespace(tp_group=None, tp_ranks=[0], cp_size=1)
     tokens, labels, loss_mask, mask, pos = pretrain_gpt.get_sft_batch(
         iter([batch]), pstate, stage[0], stage[1], None)
     assert torch.equal(pos, batch["position_ids"])
     assert (tokens is None) == (not stage[0]) and (labels is None) == (not stage[1])
     assert mask is not None and mask.shape == (len(PACKS), 1, SEQ, SEQ)
+
+
+def test_context_parallel_pads_each_conversation_like_megatron(tok):
+    """With cp 2 each conversation is followed by padding up to a multiple of 4 tokens: no
+    loss, positions continuing the conversation's, its segment; the conversations' own tokens,
+    loss mask and positions are those of the unpadded pack."""
+    plain = pack_conversations(PACKS[0], tok, SEQ)
+    padded = pack_conversations(PACKS[0], tok, SEQ, pad_multiple=4)
+    full = {k: np.concatenate([v, [-1]]) for k, v in padded.items()}      # s + 1 boundaries
+    seg_plain, seg_padded = (torch.from_numpy(p["segment_ids"]) for p in (plain, padded))
+    b_plain, b_padded = _bounds(seg_plain), _bounds(seg_padded)
+    assert len(b_plain) == len(b_padded) == len(PACKS[0])
+    for (s0, e0), (s1, e1) in zip(b_plain[:-1], b_padded[:-1]):
+        n = e0 - s0
+        assert s1 % 4 == 0 and (e1 - s1) % 4 == 0 and 0 <= e1 - s1 - n < 4
+        for key in ("tokens", "loss_mask", "position_ids"):
+            assert np.array_equal(padded[key][s1:s1 + n - 1], plain[key][s0:s0 + n - 1]), key
+        assert padded["position_ids"][s1:e1].tolist() == list(range(e1 - s1))
+        assert (full["tokens"][s1 + n:e1] == tok.pad).all()
+        assert (padded["loss_mask"][s1 + n - 1:e1 - 1] == 0).all()
+    assert int(padded["loss_mask"].sum()) == int(plain["loss_mask"].sum())
+
+
+def _cp_body(tokenizer_dir, comm):
+    """On each of two ranks: the pack batch cut by get_sft_batch for this cp rank, through a
+    cp-2 model; returns this rank's per-token losses, the one-process ones of its tokens, and
+    the largest gap between the cp-summed and the one-process gradients."""
+    import torch.distributed as dist
+
+    import pretrain_gpt
+    from megatron.core.context_parallel import split_for_cp_rank
+
+    rank = dist.get_rank()
+    tok = SFTTokenizer(tokenizer_dir, "nemotron-h-aligned")
+    samples = [pack_conversations(p, tok, SEQ, pad_multiple=4) for p in PACKS]
+    batch = {k: torch.from_numpy(np.stack([s[k] for s in samples])) for k in samples[0]}
+    config = dict(padded_vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ,
+                  position_embedding_type="rope", rotary_from_position_ids=True,
+                  cp_comm_type=comm)
+    whole = GPTModel(make_config(**config), single_process_state(), init_seed=3)
+    cp_state = types.SimpleNamespace(tp_group=None, tp_size=1, tp_rank=0, pp_size=1,
+                                     pp_rank=0, virtual_pp_size=None, virtual_pp_rank=None,
+                                     cp_group=dist.group.WORLD, tp_ranks=[rank], cp_size=2,
+                                     cp_rank=rank)
+    split = GPTModel(make_config(**config), cp_state, init_seed=3)
+    mask = batch["loss_mask"]
+    want = whole(batch["tokens"], batch["position_ids"], sft_attention_mask(batch["segment_ids"]),
+                 labels=batch["labels"])                                    # [b, s]
+    ((want * mask).sum() / mask.sum()).backward()
+    tokens, labels, loss_mask, attention_mask, pos = pretrain_gpt.get_sft_batch(
+        iter([batch]), cp_state, True, True, None)
+    got = split(tokens, pos, attention_mask, labels=labels)                 # [b, s/2]
+    ((got * loss_mask).sum() / mask.sum()).backward()
+    gap = 0.0
+    for (name, a), (_, b) in zip(whole.named_parameters(), split.named_parameters()):
+        grad = b.grad.clone()
+        dist.all_reduce(grad)
+        gap = max(gap, (grad - a.grad).abs().max().item())
+    return (got.detach(), split_for_cp_rank(want.detach(), 1, 2, rank), attention_mask is None,
+            gap)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("comm", ["p2p", "a2a", "all_gather"])
+def test_context_parallel_2_gives_the_one_process_losses_and_gradients(tok_dir, comm):
+    """Two packs of several conversations, padded for cp 2, split over two gloo ranks: each
+    rank's per-token losses equal the one-process losses of its tokens, and the gradients
+    summed over the ranks equal the one-process ones (float64; blockwise softmax merged by
+    log-sum-exp, so rounding only)."""
+    from tests.multiprocess import run_on_ranks
+
+    for got, want, no_mask, gap in run_on_ranks(_cp_body, 2, tok_dir, comm):
+        assert not no_mask
+        assert got.shape == (len(PACKS), SEQ // 2)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert gap < 1e-12, gap
