@@ -49,15 +49,23 @@ def _bounds(segments: torch.Tensor):
     return list(zip(edges[:-1], edges[1:]))
 
 
+# Multi-latent attention rotates only its decoupled position channels (YaRN angles).
+MLA = dict(multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=8, qk_head_dim=8,
+           qk_pos_emb_head_dim=4, v_head_dim=8, normalization="RMSNorm", add_bias_linear=False)
+
+
 def _model(position_embedding_type, packed: bool, dtype=torch.float64):
+    extra = {}
+    if position_embedding_type == "mla":
+        position_embedding_type, extra = "yarn", MLA
     config = make_config(padded_vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ,
                          position_embedding_type=position_embedding_type,
-                         rotary_from_position_ids=packed, params_dtype=dtype)
+                         rotary_from_position_ids=packed, params_dtype=dtype, **extra)
     model = GPTModel(config, single_process_state(), init_seed=3)
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["rope", "yarn", "learned_absolute", "none"])
+@pytest.mark.parametrize("kind", ["rope", "yarn", "mla", "learned_absolute", "none"])
 def test_a_pack_equals_its_conversations_run_alone(tok, kind):
     """Logits and per-token losses of two packs (b = 2) equal, conversation by conversation,
     those of the plain model run on that conversation's tokens alone. The packed and plain
