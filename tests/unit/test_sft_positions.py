@@ -190,6 +190,25 @@ def test_context_parallel_pads_each_conversation_like_megatron(tok):
     assert int(padded["loss_mask"].sum()) == int(plain["loss_mask"].sum())
 
 
+def test_the_datasets_of_a_context_parallel_run_pad_for_it(tok, tmp_path):
+    import json
+
+    from megatron.data.sft_dataset import build_sft_datasets, split_conversations
+
+    path = tmp_path / "chat.jsonl"
+    path.write_text("".join(json.dumps({"messages": sum(p, [])}) + "\n" for p in PACKS))
+    train, _, _ = build_sft_datasets([str(path)], [2, 0, 0], SEQ, "1", tok,
+                                     context_parallel_size=2)
+    plain, _, _ = build_sft_datasets([str(path)], [2, 0, 0], SEQ, "1", tok)
+    differ = 0
+    for i, conversations in enumerate(PACKS):
+        want = pack_conversations(split_conversations(sum(conversations, [])), tok, SEQ,
+                                  pad_multiple=4)
+        assert all(np.array_equal(train[i][k], want[k]) for k in want)
+        differ += not np.array_equal(plain[i]["tokens"], want["tokens"])
+    assert differ
+
+
 def _cp_body(tokenizer_dir, comm):
     """On each of two ranks: the pack batch cut by get_sft_batch for this cp rank, through a
     cp-2 model; returns this rank's per-token losses, the one-process ones of its tokens, and
