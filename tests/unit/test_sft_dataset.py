@@ -190,8 +190,9 @@ def test_unknown_prompt_format_and_missing_pad_token_are_refused(tokenizer_dir, 
 
 def test_a_packed_conversation_is_computed_as_if_alone(tokenizer_dir):
     """Logits of the second conversation of a pack (its own positions, rotary angles from them
-    as --sft sets, the segment mask) equal those of the conversation run alone from position 0 (float64; ~1e-15 apart in order only);
-    without the mask, it would see the first conversation."""
+    as --sft sets, the segment mask) equal those of the conversation run alone from position 0
+    (float64; ~1e-15 apart in order only); without the mask, it would see the first
+    conversation."""
     import torch
 
     from megatron.data.sft_dataset import sft_attention_mask
