@@ -98,11 +98,15 @@ def test_tensor_and_pipeline_splits_give_the_one_process_losses(setup, layout):
 
 
 @pytest.mark.slow
-def test_context_parallel_2_gives_the_one_process_losses(setup):
+@pytest.mark.parametrize("world, layout", [
+    (2, []), (4, ["--pipeline-model-parallel-size", "2"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])])
+def test_context_parallel_2_gives_the_one_process_losses(setup, world, layout):
     """cp 2 pads each conversation to a multiple of 4 tokens (Megatron's packing); at sequence
     128 no pack is cut either way (checked first), so each pack trains the same tokens with the
     same positions within their conversations, and the losses are the one-process ones up to
-    the blockwise softmax's rounding. Two-conversation packs exercise the segment mask."""
+    the blockwise softmax's rounding. Two-conversation packs exercise the segment mask; with
+    pipeline stages the second stage's layers rotate by the position ids too."""
     from megatron.data.sft_dataset import pack_conversations, split_conversations
     from megatron.tokenizer.sft_tokenizer import SFTTokenizer
 
@@ -116,10 +120,11 @@ def test_context_parallel_2_gives_the_one_process_losses(setup):
                          for m in (1, 4))
         assert plain == padded
     longer = ["--seq-length", "128", "--max-position-embeddings", "128",
-              "--position-embedding-type", "rope"]
+              "--position-embedding-type", "rope", "--num-layers", "4",
+              "--make-vocab-size-divisible-by", "256"]
     one = _losses(run_on_ranks(run_pretrain, 1, flags(setup, iters=3, extra=longer))[0])
-    cp = _losses(run_on_ranks(run_pretrain, 2, flags(setup, iters=3, extra=longer + [
-        "--context-parallel-size", "2"]))[0])
+    cp = _losses(run_on_ranks(run_pretrain, world, flags(setup, iters=3, extra=longer + [
+        "--context-parallel-size", "2", *layout]))[-1])
     assert len(one) == 3 and cp == pytest.approx(one, rel=1e-5, abs=1e-6)
 
 
