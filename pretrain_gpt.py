@@ -118,7 +118,13 @@ def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers
     """get_batch with --sft: the packed sample's own tokens, labels, loss mask and position ids
     (megatron/data/sft_dataset.py). Each conversation of a pack attends only to itself; a batch
     whose samples each hold one conversation gets None (plain causal attention). Every stage
-    reads the batch, since the attention mask depends on it."""
+    reads the batch, since the attention mask depends on it, and keeps the position ids: the
+    rotary angles of every layer follow them, restarting at 0 for each conversation as
+    Megatron's packed sequences (``cu_seqlens``) rotate them. With context parallelism each
+    rank keeps its ``s / cp`` tokens of the pack (chunks ``r`` and ``2 cp - 1 - r``) and the
+    mask's rows of them; attention across the ranks computes the whole pack's attention, so
+    the result is the one-process one (Megatron cuts each conversation into ``2 cp`` chunks
+    instead: another share of the work between the ranks, the same numbers)."""
     data = next(data_iterator) if data_iterator is not None else None
     src = pstate.tp_ranks[0]
     ints = tensor_parallel.broadcast_data(["tokens", "labels", "position_ids", "segment_ids"],
@@ -128,8 +134,15 @@ def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers
     attention_mask = sft_attention_mask(ints["segment_ids"])
     tokens, position_ids = ints["tokens"], ints["position_ids"]
     labels = ints["labels"]
+    if pstate.cp_size > 1:
+        local = get_batch_on_this_cp_rank(
+            {"tokens": tokens, "labels": labels, "loss_mask": loss_mask,
+             "attention_mask": attention_mask, "position_ids": position_ids},
+            pstate.cp_size, pstate.cp_rank)
+        tokens, labels, loss_mask = local["tokens"], local["labels"], local["loss_mask"]
+        attention_mask, position_ids = local["attention_mask"], local["position_ids"]
     if not (first or (last and mtp_num_layers)):
-        tokens = position_ids = None
+        tokens = None
     if not last:
         labels = loss_mask = None
     return tokens, labels, loss_mask, attention_mask, position_ids
@@ -215,7 +228,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         print_rank_0("> building train, validation, and test SFT datasets for GPT ...")
         return build_sft_datasets(
             data.data_path, train_val_test_num_samples, data.seq_length, data.split, tokenizer,
-            (data.train_data_path, data.valid_data_path, data.test_data_path))
+            (data.train_data_path, data.valid_data_path, data.test_data_path),
+            args.context_parallel_size)
     config = GPTDatasetConfig(
         seed=data.seed, seq_length=data.seq_length, split=data.split,
         data_cache_path=data.data_cache_path, reset_position_ids=data.reset_position_ids,

@@ -71,6 +71,10 @@ class TransformerConfig:
     rotary_percent: float = 1.0
     rotary_base: int = 10000
     rotary_interleaved: bool = False               # rotate pairs (2i, 2i+1), not the halves
+    # --sft: rotary angles follow the batch's position ids, which restart at 0 for every
+    # packed sequence (as Megatron's packed THD attention rotates each sequence from 0);
+    # otherwise the angles are those of 0 .. s-1 whatever the position ids.
+    rotary_from_position_ids: bool = False
     rotary_seq_len_interpolation_factor: Optional[int] = None  # positions divided by it
     use_rope_scaling: bool = False                 # Llama 3.1 frequency rescaling (rope)
     rope_scaling_factor: float = 8.0

@@ -12,6 +12,9 @@ sequence of ``--seq-length`` + 1 tokens:
 
 * each conversation ends with the end-of-document token (appended unless it already ends so);
   its position ids start at 0;
+* with context parallelism (``--context-parallel-size`` cp > 1) each conversation is followed
+  by padding tokens up to a multiple of ``2 cp`` tokens (positions continuing its own), as
+  Megatron pads them;
 * a pack that reaches ``seq_length + 1`` tokens is cut to ``seq_length`` tokens plus one padding
   token, and the conversations after it are dropped;
 * a shorter pack is filled with padding tokens, whose positions continue the last conversation's.
@@ -91,8 +94,10 @@ def split_conversations(messages: Sequence[dict]) -> List[list]:
 
 
 def pack_conversations(conversations: Sequence[Sequence[dict]], tokenizer,
-                       seq_length: int) -> Dict[str, np.ndarray]:
-    """One packed sample (see the module docstring) of ``conversations``."""
+                       seq_length: int, pad_multiple: int = 1) -> Dict[str, np.ndarray]:
+    """One packed sample (see the module docstring) of ``conversations``; ``pad_multiple``
+    (``2 x --context-parallel-size`` with context parallelism) pads each conversation with
+    padding tokens to a multiple of that many tokens, as Megatron does."""
     pad, eod, total = tokenizer.pad, tokenizer.eod, seq_length + 1
     tokens: List[int] = []
     trained: List[int] = []
@@ -104,10 +109,11 @@ def pack_conversations(conversations: Sequence[Sequence[dict]], tokenizer,
         if not ids or ids[-1] != eod:
             ids.append(eod)
             mask.append(1)
-        tokens += ids
-        trained += mask
-        positions += range(len(ids))
-        segments += [number] * len(ids)
+        fill = (-(len(tokens) + len(ids))) % pad_multiple
+        tokens += ids + [pad] * fill
+        trained += mask + [0] * fill
+        positions += range(len(ids) + fill)
+        segments += [number] * (len(ids) + fill)
         if len(tokens) >= total:
             tokens, trained = tokens[:seq_length] + [pad], trained[:seq_length] + [0]
             positions, segments = positions[:total], segments[:total]
@@ -144,11 +150,12 @@ class SFTDataset(torch.utils.data.Dataset):
     (line number, messages) pairs."""
 
     def __init__(self, name: str, path: str, lines: Sequence[tuple], num_samples: int,
-                 seq_length: int, tokenizer):
+                 seq_length: int, tokenizer, pad_multiple: int = 1):
         if not lines:
             raise DataError(f"the {name} split of {path} holds no lines")
         self.name, self.path, self.lines = name, path, list(lines)
         self.num_samples, self.seq_length, self.tokenizer = int(num_samples), seq_length, tokenizer
+        self.pad_multiple = pad_multiple
 
     def __len__(self) -> int:
         return self.num_samples
@@ -160,13 +167,14 @@ class SFTDataset(torch.utils.data.Dataset):
         number, messages = self.lines[idx % len(self.lines)]
         try:
             return pack_conversations(split_conversations(messages), self.tokenizer,
-                                      self.seq_length)
+                                      self.seq_length, self.pad_multiple)
         except ValueError as e:
             raise DataError(f"{self.path}:{number}: {e}") from None
 
 
 def _split_datasets(path: str, split: Optional[str], num_samples: Sequence[int], seq_length,
-                    tokenizer, only: Optional[int]) -> List[Optional[SFTDataset]]:
+                    tokenizer, only: Optional[int], pad_multiple: int
+                    ) -> List[Optional[SFTDataset]]:
     lines = _read_numbered(path)
     if not lines:
         raise DataError(f"--data-path {path!r}: the SFT JSONL file holds no lines")
@@ -183,26 +191,30 @@ def _split_datasets(path: str, split: Optional[str], num_samples: Sequence[int],
                                 f"({len(lines)} lines); give train a larger share")
             continue
         out[i] = SFTDataset(dataset_utils.SPLIT_NAMES[i], path, lines[bound[0]:bound[1]],
-                            num_samples[i], seq_length, tokenizer)
+                            num_samples[i], seq_length, tokenizer, pad_multiple)
     return out
 
 
 def build_sft_datasets(data_path, num_samples: Sequence[int], seq_length: int, split: str,
-                       tokenizer, per_split_paths: Sequence = (None, None, None)) -> tuple:
+                       tokenizer, per_split_paths: Sequence = (None, None, None),
+                       context_parallel_size: int = 1) -> tuple:
     """The (train, valid, test) SFT datasets from ``--data-path`` (one JSONL file, or
-    ``W1 FILE1 W2 FILE2 ...`` blended) cut by ``--split``, or from the per-split paths."""
+    ``W1 FILE1 W2 FILE2 ...`` blended) cut by ``--split``, or from the per-split paths;
+    ``context_parallel_size`` > 1 pads each conversation to a multiple of twice it."""
     num_samples = [int(n) for n in num_samples]
+    pad_multiple = 2 * context_parallel_size if context_parallel_size > 1 else 1
 
     def build_blend(path, flag, only):
         files, weights = dataset_utils.parse_data_path(path, flag)
         if weights is None:
-            return _split_datasets(files[0], split, num_samples, seq_length, tokenizer, only)
+            return _split_datasets(files[0], split, num_samples, seq_length, tokenizer, only,
+                                   pad_multiple)
         out: List = [None, None, None]
         normalized = dataset_utils.normalize_weights(weights)
         # A file's samples cycle through its lines, so each can serve any share of the blend.
         most = max(num_samples)
-        parts = [_split_datasets(f, split, [most] * 3, seq_length, tokenizer, only)
-                 for f in files]
+        parts = [_split_datasets(f, split, [most] * 3, seq_length, tokenizer, only,
+                                 pad_multiple) for f in files]
         for i in range(3) if only is None else [only]:
             present = [(p[i], w) for p, w in zip(parts, normalized) if p[i] is not None and w > 0]
             if present and num_samples[i] > 0:

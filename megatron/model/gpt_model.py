@@ -145,7 +145,8 @@ class GPTModel(MegatronModule):
 
         Args:
             input_ids: ``[b, s]`` token ids (first stage; None elsewhere).
-            position_ids: ``[b, s]`` (learned absolute positions; rotary uses ``0 .. s-1``).
+            position_ids: ``[b, s]`` (learned absolute positions; rotary uses ``0 .. s-1``
+                unless the config's ``rotary_from_position_ids`` (--sft) makes it follow them).
             attention_mask: bool ``[b or 1, 1, s, s]``, True = masked out; None = causal.
             labels: ``[b, s]`` target ids, or None.
             inference_params: the key/value cache of a generation
@@ -242,8 +243,8 @@ class GPTModel(MegatronModule):
         """``loss`` with every depth's scaled MTP loss attached (see the MTP module)."""
         rotary = None
         if self.language_model.rotary_pos_emb is not None:
-            rotary = self.language_model.rotary_of_tokens(labels.size(1),
-                                                          hidden.device)         # [s, 1, 1, d]
+            rotary = self.language_model.rotary_angles(labels.size(1), position_ids, None,
+                                                       hidden.device)   # [s, 1|b, 1, d]
         outputs = self.mtp(input_ids, position_ids, hidden, attention_mask, rotary,
                            self._mtp_embedding)
         mask = (torch.ones_like(labels, dtype=torch.float32) if loss_mask is None

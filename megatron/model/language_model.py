@@ -265,6 +265,8 @@ class TransformerLanguageModel(MegatronModule):
                     config.position_embedding_type == "learned_absolute", sequence_parallel,
                     num_tokentypes)
         self.rotary_pos_emb = build_rotary_embedding(config)
+        self.rotary_from_position_ids = (config.rotary_from_position_ids
+                                         and self.rotary_pos_emb is not None)
         self.encoder = ParallelTransformer(config, groups, num_layers, layer_offset, pre_process,
                                            post_process, init_seed,
                                            self_attn_mask_type=encoder_attn_mask_type,
@@ -304,24 +306,28 @@ class TransformerLanguageModel(MegatronModule):
         if self.rotary_pos_emb is not None:
             local = hidden if self.pre_process else self.encoder.input_tensor
             seq_len = local.size(0) * (self.tp_size if self.sequence_parallel else 1)
-            if inference_params is None:
-                rotary = self.rotary_of_tokens(seq_len, local.device)        # [s, 1, 1, d]
-            else:
-                rotary = self.rotary_pos_emb(seq_len, inference_params.sequence_len_offset)
+            rotary = self.rotary_angles(seq_len, position_ids, inference_params, local.device)
         hidden = self.encoder(hidden, attention_mask, rotary, inference_params=inference_params)
         if self.post_process and self.add_pooler:
             return hidden, self.pooler(hidden, pooling_sequence_index)
         return hidden
 
-    def rotary_of_tokens(self, seq_len: int, device) -> torch.Tensor:
-        """The rotary angles ``[seq_len, 1, 1, d]`` of this rank's ``seq_len`` tokens of a
-        sequence (no key/value cache): positions ``0 .. seq_len - 1``, or under context
-        parallelism those of this rank's chunks of a sequence ``cp`` times as long."""
-        if self.cp_size == 1:
-            return self.rotary_pos_emb(seq_len)
-        full = seq_len * self.cp_size
-        return self.rotary_pos_emb(full).index_select(0, chunk_positions(
-            full, self.cp_size, self.cp_rank, device))
+    def rotary_angles(self, seq_len: int, position_ids: Optional[torch.Tensor],
+                      inference_params=None, dev=None) -> torch.Tensor:
+        """The rotary angles of this rank's ``seq_len`` tokens: ``[s, 1, 1, d]`` for positions
+        ``0 .. s-1`` (this cp rank's chunks of them with context parallelism; from the cache's
+        offset in a generation), or ``[s, b, 1, d]`` from ``position_ids`` ``[b, s]`` when the
+        config's ``rotary_from_position_ids`` asks for them (--sft: every packed conversation
+        rotates from 0; the ids are already this cp rank's)."""
+        if inference_params is not None:
+            return self.rotary_pos_emb(seq_len, inference_params.sequence_len_offset)
+        if self.rotary_from_position_ids and position_ids is not None:
+            return self.rotary_pos_emb.at_positions(position_ids)           # [s, b, 1, d]
+        if self.cp_size > 1:
+            full = seq_len * self.cp_size
+            return self.rotary_pos_emb(full).index_select(0, chunk_positions(
+                full, self.cp_size, self.cp_rank, dev))                     # [s/cp, 1, 1, d]
+        return self.rotary_pos_emb(seq_len)                                 # [s, 1, 1, d]
 
     def state_dict_for_save_checkpoint(self, prefix: str = "", keep_vars: bool = False):
         state = {}

@@ -179,14 +179,23 @@ class RotaryEmbedding(torch.nn.Module):
         ``[f0, f1, .., f0, f1, ..]`` (halves) or ``[f0, f0, f1, f1, ..]`` (interleaved)."""
         seq = torch.arange(max_seq_len, device=self.inv_freq.device,
                            dtype=self.inv_freq.dtype) + offset
+        return self._angles(seq)[:, None, None, :]                   # [s, 1, 1, dim]
+
+    def at_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Angles ``[s, b, 1, dim]`` of the positions ``position_ids`` ``[b, s]``: each token
+        its own (packed sequences, whose positions restart at 0 for every sequence). Equal,
+        value for value, to :meth:`forward`'s angles at the same positions."""
+        seq = position_ids.t().to(device=self.inv_freq.device, dtype=self.inv_freq.dtype)
+        return self._angles(seq).unsqueeze(2)                        # [s, b, 1, dim]
+
+    def _angles(self, seq: torch.Tensor) -> torch.Tensor:
+        """``seq`` ``[...]`` positions -> ``[..., dim]`` angles."""
         if self.seq_len_interpolation_factor is not None:
             seq = seq * (1.0 / self.seq_len_interpolation_factor)
-        freqs = torch.outer(seq, self.inv_freq)                      # [s, dim/2]
+        freqs = seq.unsqueeze(-1) * self.inv_freq                    # [..., dim/2]
         if self.rotary_interleaved:
-            emb = freqs.repeat_interleave(2, dim=-1)                 # [s, dim]
-        else:
-            emb = torch.cat((freqs, freqs), dim=-1)                  # [s, dim]
-        return emb[:, None, None, :]                                 # [s, 1, 1, dim]
+            return freqs.repeat_interleave(2, dim=-1)                # [..., dim]
+        return torch.cat((freqs, freqs), dim=-1)                     # [..., dim]
 
 
 def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:

@@ -125,7 +125,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         apply_residual_connection_post_layernorm=args.apply_residual_connection_post_layernorm,
         position_embedding_type=_position_embedding_type(args), cp_comm_type=args.cp_comm_type,
         rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-        rotary_interleaved=args.rotary_interleaved,
+        rotary_interleaved=args.rotary_interleaved, rotary_from_position_ids=args.sft,
         rotary_seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
         use_rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
         yarn_rotary_scaling_factor=args.rotary_scaling_factor,

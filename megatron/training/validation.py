@@ -1392,9 +1392,6 @@ def _validate_sft(args) -> None:
         if given:
             _fail(f"--sft cannot be combined with {flag} (an SFT sample sets its own positions "
                   "and attention per conversation)")
-    if args.context_parallel_size != 1:
-        _fail(f"--sft with --context-parallel-size {args.context_parallel_size} is not built "
-              "yet; use --context-parallel-size 1")
 
 
 def _validate_hybrid_context_parallel(args) -> None:

@@ -97,6 +97,37 @@ def test_tensor_and_pipeline_splits_give_the_one_process_losses(setup, layout):
     assert split == pytest.approx(one, rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layout", [
+    (2, []), (4, ["--pipeline-model-parallel-size", "2"]),
+    (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])])
+def test_context_parallel_2_gives_the_one_process_losses(setup, world, layout):
+    """cp 2 pads each conversation to a multiple of 4 tokens (Megatron's packing); at sequence
+    128 no pack is cut either way (checked first), so each pack trains the same tokens with the
+    same positions within their conversations, and the losses are the one-process ones up to
+    the blockwise softmax's rounding. Two-conversation packs exercise the segment mask; with
+    pipeline stages the second stage's layers rotate by the position ids too."""
+    from megatron.data.sft_dataset import pack_conversations, split_conversations
+    from megatron.tokenizer.sft_tokenizer import SFTTokenizer
+
+    tokenizer, data = setup
+    tok = SFTTokenizer(tokenizer, "nemotron-h-aligned")
+    with open(data) as f:
+        lines = [split_conversations(json.loads(line)["messages"]) for line in f]
+    assert sum(len(c) > 1 for c in lines) > 10
+    for conversations in lines:
+        plain, padded = (pack_conversations(conversations, tok, 128, m)["loss_mask"].sum()
+                         for m in (1, 4))
+        assert plain == padded
+    longer = ["--seq-length", "128", "--max-position-embeddings", "128",
+              "--position-embedding-type", "rope", "--num-layers", "4",
+              "--make-vocab-size-divisible-by", "256"]
+    one = _losses(run_on_ranks(run_pretrain, 1, flags(setup, iters=3, extra=longer))[0])
+    cp = _losses(run_on_ranks(run_pretrain, world, flags(setup, iters=3, extra=longer + [
+        "--context-parallel-size", "2", *layout]))[-1])
+    assert len(one) == 3 and cp == pytest.approx(one, rel=1e-5, abs=1e-6)
+
+
 def _one_line_error(argv):
     proc = subprocess.run([sys.executable, "pretrain_gpt.py", *argv], cwd=ROOT,
                           capture_output=True, text=True, timeout=300,

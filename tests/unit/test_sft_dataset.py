@@ -189,9 +189,10 @@ def test_unknown_prompt_format_and_missing_pad_token_are_refused(tokenizer_dir, 
 
 
 def test_a_packed_conversation_is_computed_as_if_alone(tokenizer_dir):
-    """Logits of the second conversation of a pack (its own positions, the segment mask) equal
-    those of the conversation run alone from position 0 (float64; ~1e-15 apart in order only);
-    without the mask, it would see the first conversation."""
+    """Logits of the second conversation of a pack (its own positions, rotary angles from them
+    as --sft sets, the segment mask) equal those of the conversation run alone from position 0
+    (float64; ~1e-15 apart in order only); without the mask, it would see the first
+    conversation."""
     import torch
 
     from megatron.data.sft_dataset import sft_attention_mask
@@ -206,7 +207,8 @@ def test_a_packed_conversation_is_computed_as_if_alone(tokenizer_dir):
     alone = pack_conversations([second], tok, seq - n)
     assert sft_attention_mask(torch.from_numpy(alone["segment_ids"])[None]) is None
     model = GPTModel(make_config(padded_vocab_size=384, max_position_embeddings=seq,
-                                 seq_length=seq, position_embedding_type="rope"),
+                                 seq_length=seq, position_embedding_type="rope",
+                                 rotary_from_position_ids=True),
                      single_process_state(), init_seed=3)
 
     def logits(sample, masked=True):
@@ -237,8 +239,6 @@ SMALL = """--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 
      "with --mock-data"),
     (["--sft", "--tokenizer-type", "SFTTokenizer", "--reset-attention-mask"],
      "--sft cannot be combined with --reset-attention-mask"),
-    (["--sft", "--tokenizer-type", "SFTTokenizer", "--context-parallel-size", "2"],
-     "--sft with --context-parallel-size 2 is not built"),
 ])
 def test_sft_flags_that_cannot_work_are_refused(extra, pattern):
     from megatron.training.arguments import ArgumentsError, parse_args, validate_args
@@ -247,6 +247,16 @@ def test_sft_flags_that_cannot_work_are_refused(extra, pattern):
     args.world_size = 2
     with pytest.raises(ArgumentsError, match=pattern):
         validate_args(args)
+
+
+def test_sft_with_context_parallelism_is_accepted():
+    from megatron.training.arguments import parse_args, validate_args
+
+    args = parse_args(argv=SMALL + ["--sft", "--tokenizer-type", "SFTTokenizer",
+                                    "--context-parallel-size", "2"])
+    args.world_size = 2
+    validate_args(args)
+    assert args.sft and args.context_parallel_size == 2
 
 
 def test_sft_flags_parse_with_megatron_defaults():
