@@ -137,3 +137,16 @@ def test_dense_and_expert_shards_together_match_plain_dp2(corpus, plain):
     both = _run(_flags(corpus, [*SHARDS, "--tensor-parallel-num-weight-shards", "2"]))
     assert both["shards"] == EXPERT_SHARDS_EP1 + 2 * 2   # + (qkv, dense) per layer
     _same_run(both, plain)
+
+
+def test_glu_interleaved_experts_checkpoint_loads_without_shards(corpus, tmp_path):
+    """SwiGLU experts whose fc1 rows are GLU-interleaved: a shard is whole [gate | value]
+    blocks, so the sharded checkpoint holds the unsharded fc1 and continues without shards."""
+    glu = ["--swiglu", "--moe-mlp-glu-interleave-size", "8"]
+    save = str(tmp_path / "ckpt")
+    sharded = _run(_flags(corpus, [*glu, *SHARDS, "--save", save, "--save-interval", str(N)]))
+    assert sharded["shards"] == EXPERT_SHARDS_EP1
+    unsharded = _run(_flags(corpus, [*glu, "--load", save, "--ckpt-step", str(N)]))
+    assert unsharded["shards"] == 0
+    _close(_losses(unsharded), _losses(sharded)[N:])
+    _close(unsharded["norms"], sharded["norms"][N:])
