@@ -1,7 +1,8 @@
 """pretrain_gpt end to end with --expert-tensor-parallel-num-weight-shards: a tiny MoE GPT gives
 the losses and gradient / parameter norms of the same layout without the shards, runs
 deterministically, resumes bit for bit, and its torch_dist checkpoints load without the shards
-(and plain ones with them).
+(and plain ones with them); so do --tensor-parallel-num-weight-shards in an MoE model and both
+flags together.
 
 World 2, EP 1, expert TP 1, 2 expert weight shards: each rank keeps half the rows of every
 expert's fc1 and fc2 weight and reads its own samples, against plain DP 2 (expert DP 2). The
@@ -133,7 +134,7 @@ def test_ep2_grouped_experts_with_shards_match_plain_ep2(corpus):
 
 
 def test_dense_and_expert_shards_together_match_plain_dp2(corpus, plain):
-    """Both flags: attention / MLP-free dense weights and the experts cut in two."""
+    """Both flags: the attention weights and the experts' weights cut in two."""
     both = _run(_flags(corpus, [*SHARDS, "--tensor-parallel-num-weight-shards", "2"]))
     assert both["shards"] == EXPERT_SHARDS_EP1 + 2 * 2   # + (qkv, dense) per layer
     _same_run(both, plain)
@@ -150,3 +151,17 @@ def test_glu_interleaved_experts_checkpoint_loads_without_shards(corpus, tmp_pat
     assert unsharded["shards"] == 0
     _close(_losses(unsharded), _losses(sharded)[N:])
     _close(unsharded["norms"], sharded["norms"][N:])
+
+
+def test_dense_shards_with_moe_match_plain_and_load_without_them(corpus, plain, tmp_path):
+    """--tensor-parallel-num-weight-shards alone in an MoE model (no longer refused): the
+    attention weights are shards, the experts whole; its checkpoint continues without shards."""
+    dense = ["--tensor-parallel-num-weight-shards", "2",
+             "--check-weight-hash-across-dp-replicas-interval", "1"]
+    save = str(tmp_path / "ckpt")
+    sharded = _run(_flags(corpus, [*dense, "--save", save, "--save-interval", str(N)]))
+    assert sharded["shards"] == 2 * 2   # (qkv, dense) per layer; the layers' MLPs are MoE
+    _same_run(sharded, plain)
+    unsharded = _run(_flags(corpus, ["--load", save, "--ckpt-step", str(N)]))
+    assert unsharded["shards"] == 0
+    _close(_losses(unsharded), _losses(plain)[N:])
