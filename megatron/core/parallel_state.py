@@ -605,14 +605,6 @@ def initialize_model_parallel(
     hierarchical = None
     if layout.hierarchical_cp_sizes is not None:   # built last: other groups keep their order
         hierarchical = (build(layout.cp_a2a_groups), build(layout.cp_p2p_groups))
-    weight_shard_group = weight_shard_dp_group = None
-    if layout.weight_shards > 1:   # built last too
-        weight_shard_group = build(layout.weight_shard_groups)
-        weight_shard_dp_group = build(layout.weight_shard_dp_groups)
-    expert_shard_group = expert_shard_dp_group = None
-    if layout.expert_weight_shards > 1:   # and the experts' after them
-        expert_shard_group = build(layout.expert_weight_shard_groups)
-        expert_shard_dp_group = build(layout.expert_weight_shard_dp_groups)
     _STATE = ParallelState(
         layout=layout, rank=rank, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
         model_parallel_group=mp_group, embedding_group=emb_group,
@@ -629,11 +621,23 @@ def initialize_model_parallel(
         expert_model_parallel_group=expert_mp_group,
         expert_tp_ranks=_find(layout.expert_tp_groups, rank),
         hierarchical_cp_groups=hierarchical,
-        weight_shard_group=weight_shard_group, weight_shard_dp_group=weight_shard_dp_group,
-        expert_weight_shard_group=expert_shard_group,
-        expert_weight_shard_dp_group=expert_shard_dp_group,
+        **_build_weight_shard_groups(layout, build),   # built last too
     )
     return _STATE
+
+
+def _build_weight_shard_groups(layout: RankLayout, build) -> dict:
+    """The ParallelState fields of the weight-shard groups: the dense ones, then the experts'
+    (each pair only where its shards are on; ``build`` makes a list of groups and returns
+    this rank's)."""
+    groups = {}
+    if layout.weight_shards > 1:
+        groups.update(weight_shard_group=build(layout.weight_shard_groups),
+                      weight_shard_dp_group=build(layout.weight_shard_dp_groups))
+    if layout.expert_weight_shards > 1:
+        groups.update(expert_weight_shard_group=build(layout.expert_weight_shard_groups),
+                      expert_weight_shard_dp_group=build(layout.expert_weight_shard_dp_groups))
+    return groups
 
 
 def destroy_model_parallel() -> None:
