@@ -96,15 +96,19 @@ LAYER_IN_MODULE = re.compile(r"(?:.*\.)?layers\.\d+\.(.+)")
 
 
 def _weight_shard_fields(chunk, pstate) -> dict:
-    """The ``ChunkLayout`` fields of a chunk's weight shards (none without them)."""
-    group = getattr(pstate, "weight_shard_group", None)
+    """The ``ChunkLayout`` fields of a chunk's weight shards, dense and experts' (none
+    without them)."""
+    dense = getattr(pstate, "weight_shard_group", None)
+    experts = getattr(pstate, "expert_weight_shard_group", None)
     names = sorted({LAYER_IN_MODULE.fullmatch(name).group(1)
                     for name, param in chunk.named_parameters()
                     if getattr(param, "weight_shards", 1) > 1
                     and LAYER_IN_MODULE.fullmatch(name)})
-    if group is None or not names:
+    if (dense is None and experts is None) or not names:
         return {}
-    return dict(weight_shards=get_group_size(group), weight_shard_rank=get_group_rank(group),
+    return dict(weight_shards=get_group_size(dense), weight_shard_rank=get_group_rank(dense),
+                expert_weight_shards=get_group_size(experts),
+                expert_weight_shard_rank=get_group_rank(experts),
                 weight_shard_names=tuple(names))
 
 

@@ -124,6 +124,9 @@ class RankLayout:
     weight_shards: int = 1
     weight_shard_groups: List[List[int]] = dataclasses.field(default_factory=list)
     weight_shard_dp_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    expert_weight_shards: int = 1
+    expert_weight_shard_groups: List[List[int]] = dataclasses.field(default_factory=list)
+    expert_weight_shard_dp_groups: List[List[int]] = dataclasses.field(default_factory=list)
 
     def rank_coordinates(self, rank: int) -> dict:
         """``{"tp": .., "cp": .., "dp": .., "pp": ..}`` of a global rank."""
@@ -210,7 +213,8 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
                         sequence_parallel: bool = False,
                         order: str = DEFAULT_ORDER,
                         hierarchical_cp_sizes: Optional[Sequence[int]] = None,
-                        num_weight_shards: Optional[int] = None) -> RankLayout:
+                        num_weight_shards: Optional[int] = None,
+                        expert_num_weight_shards: Optional[int] = None) -> RankLayout:
     """Megatron's rank assignment as plain lists, checked for consistency.
 
     ``order`` is Megatron's ``tp-cp-ep-dp-pp`` (the default) or ``tp-cp-ep-pp-dp``
@@ -218,7 +222,9 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
     ``hierarchical_cp_sizes``: ``--hierarchical-context-parallel-sizes`` (inner, outer), whose
     product must be ``cp_size``.
     ``num_weight_shards``: ``--tensor-parallel-num-weight-shards`` (None: no weight shards);
-    see :func:`_weight_shard_groups`.
+    see :func:`_weight_shard_groups`. ``expert_num_weight_shards``:
+    ``--expert-tensor-parallel-num-weight-shards`` (None: none); see
+    :func:`_expert_weight_shard_groups`.
     ``expert_tp_size`` defaults to ``tp_size`` (Megatron's default). Raises
     :class:`LayoutError` naming the flags when the degrees do not fit ``world_size``.
     """
@@ -261,6 +267,8 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
         cp_groups=cp_groups, dp_cp_groups=groups(["cp", "dp"]), order=order,
         **expert_groups, **hierarchical,
         **_weight_shard_groups(groups(["dp"]), tp_size, cp_size, order, num_weight_shards),
+        **_expert_weight_shard_groups(expert_groups["expert_dp_groups"], expert_tp_size,
+                                      cp_size, order, expert_num_weight_shards),
     )
 
 
@@ -295,6 +303,43 @@ def _weight_shard_groups(dp_groups: List[List[int]], tp_size: int, cp_size: int,
     return dict(weight_shards=g,
                 weight_shard_groups=[d[i:i + g] for d in dp_groups for i in range(0, dp_size, g)],
                 weight_shard_dp_groups=[d[k::g] for d in dp_groups for k in range(g)])
+
+
+def _expert_weight_shard_groups(expert_dp_groups: List[List[int]], expert_tp_size: int,
+                                cp_size: int, order: str,
+                                num_weight_shards: Optional[int]) -> dict:
+    """The RankLayout fields of expert weight shards
+    (``--expert-tensor-parallel-num-weight-shards N``), cut out of expert data parallelism.
+
+    Megatron's expert order is ``etp-ep-egtp-edp-pp``: the ``g = N / expert_tp`` ranks of an
+    expert weight-shard group are ``g`` neighbouring ranks of one expert-data-parallel group
+    (``expert_tp * ep`` apart), and the expert weight-shard data-parallel group is the
+    expert-data-parallel ranks holding the same rows (every ``g``-th). World 8, expert tp 1,
+    ep 2, ``N = 2`` (expert-data-parallel groups ``[0, 2, 4, 6] [1, 3, 5, 7]``)::
+
+        expert weight-shard groups:                [0, 2] [4, 6] [1, 3] [5, 7]
+        expert weight-shard data-parallel groups:  [0, 4] [2, 6] [1, 5] [3, 7]
+    """
+    flag = "--expert-tensor-parallel-num-weight-shards"
+    if num_weight_shards is None:
+        return {}
+    try:
+        g = weight_shards_per_tp_rank(expert_tp_size, num_weight_shards, flag)
+    except ValueError as err:
+        raise LayoutError(str(err)) from None
+    if cp_size > 1 or order != DEFAULT_ORDER:
+        raise LayoutError(f"{flag} is not supported with --context-parallel-size > 1 or "
+                          "--use-tp-pp-dp-mapping")
+    edp_size = len(expert_dp_groups[0])
+    if edp_size % g:
+        raise LayoutError(f"{flag} ({num_weight_shards}) / --expert-tensor-parallel-size "
+                          f"({expert_tp_size}) = {g} weight shards must divide the "
+                          f"expert-data-parallel size ({edp_size})")
+    return dict(expert_weight_shards=g,
+                expert_weight_shard_groups=[d[i:i + g] for d in expert_dp_groups
+                                            for i in range(0, edp_size, g)],
+                expert_weight_shard_dp_groups=[d[k::g] for d in expert_dp_groups
+                                               for k in range(g)])
 
 
 def _hierarchical_groups(cp_groups: List[List[int]], sizes: Optional[Sequence[int]]) -> dict:
@@ -333,6 +378,8 @@ class ModelGroups:
             which ``--moe-router-load-balancing-type global_aux_loss`` counts token choices.
         weight_shard_group: the group the dense linear weights are cut over along their rows
             (``--tensor-parallel-num-weight-shards``; None: no weight shards).
+        expert_weight_shard_group: the group the routed experts' weights are cut over along
+            their rows (``--expert-tensor-parallel-num-weight-shards``; None: none).
     """
 
     tp_group: object = None
@@ -344,6 +391,7 @@ class ModelGroups:
     hierarchical_cp_groups: Optional[Tuple[object, object]] = None
     dp_group: object = None
     weight_shard_group: object = None
+    expert_weight_shard_group: object = None
 
     @classmethod
     def of(cls, pstate, sequence_parallel: Optional[bool] = None) -> "ModelGroups":
@@ -360,7 +408,8 @@ class ModelGroups:
                    expert_tp_group=getattr(pstate, "expert_tp_group", None),
                    hierarchical_cp_groups=getattr(pstate, "hierarchical_cp_groups", None),
                    dp_group=getattr(pstate, "dp_group", None),
-                   weight_shard_group=getattr(pstate, "weight_shard_group", None))
+                   weight_shard_group=getattr(pstate, "weight_shard_group", None),
+                   expert_weight_shard_group=getattr(pstate, "expert_weight_shard_group", None))
 
 
 @dataclass
@@ -400,6 +449,8 @@ class ParallelState:
     hierarchical_cp_groups: Optional[Tuple[object, object]] = None
     weight_shard_group: object = None
     weight_shard_dp_group: object = None
+    expert_weight_shard_group: object = None
+    expert_weight_shard_dp_group: object = None
 
     @property
     def tp_size(self) -> int:
@@ -489,6 +540,7 @@ def initialize_model_parallel(
     order: str = DEFAULT_ORDER,
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
     num_weight_shards: Optional[int] = None,
+    expert_num_weight_shards: Optional[int] = None,
 ) -> ParallelState:
     """Create every process group and remember this rank's ones.
 
@@ -498,7 +550,9 @@ def initialize_model_parallel(
     without it they get torch's default (30 minutes on gloo), not the world group's.
     ``order`` is the rank order of :func:`compute_rank_layout`;
     ``hierarchical_context_parallel_sizes`` its ``hierarchical_cp_sizes``;
-    ``num_weight_shards`` (``--tensor-parallel-num-weight-shards``) its ``num_weight_shards``.
+    ``num_weight_shards`` (``--tensor-parallel-num-weight-shards``) its ``num_weight_shards``;
+    ``expert_num_weight_shards`` (``--expert-tensor-parallel-num-weight-shards``) its
+    ``expert_num_weight_shards``.
     """
     global _STATE
     if not dist.is_initialized():
@@ -516,7 +570,7 @@ def initialize_model_parallel(
         expert_tp_size=expert_tensor_parallel_size,
         vp_size=virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
         order=order, hierarchical_cp_sizes=hierarchical_context_parallel_sizes,
-        num_weight_shards=num_weight_shards)
+        num_weight_shards=num_weight_shards, expert_num_weight_shards=expert_num_weight_shards)
 
     def build(groups: List[List[int]]):
         mine = None
@@ -551,10 +605,6 @@ def initialize_model_parallel(
     hierarchical = None
     if layout.hierarchical_cp_sizes is not None:   # built last: other groups keep their order
         hierarchical = (build(layout.cp_a2a_groups), build(layout.cp_p2p_groups))
-    weight_shard_group = weight_shard_dp_group = None
-    if layout.weight_shards > 1:   # built last too
-        weight_shard_group = build(layout.weight_shard_groups)
-        weight_shard_dp_group = build(layout.weight_shard_dp_groups)
     _STATE = ParallelState(
         layout=layout, rank=rank, tp_group=tp_group, pp_group=pp_group, dp_group=dp_group,
         model_parallel_group=mp_group, embedding_group=emb_group,
@@ -571,9 +621,23 @@ def initialize_model_parallel(
         expert_model_parallel_group=expert_mp_group,
         expert_tp_ranks=_find(layout.expert_tp_groups, rank),
         hierarchical_cp_groups=hierarchical,
-        weight_shard_group=weight_shard_group, weight_shard_dp_group=weight_shard_dp_group,
+        **_build_weight_shard_groups(layout, build),   # built last too
     )
     return _STATE
+
+
+def _build_weight_shard_groups(layout: RankLayout, build) -> dict:
+    """The ParallelState fields of the weight-shard groups: the dense ones, then the experts'
+    (each pair only where its shards are on; ``build`` makes a list of groups and returns
+    this rank's)."""
+    groups = {}
+    if layout.weight_shards > 1:
+        groups.update(weight_shard_group=build(layout.weight_shard_groups),
+                      weight_shard_dp_group=build(layout.weight_shard_dp_groups))
+    if layout.expert_weight_shards > 1:
+        groups.update(expert_weight_shard_group=build(layout.expert_weight_shard_groups),
+                      expert_weight_shard_dp_group=build(layout.expert_weight_shard_dp_groups))
+    return groups
 
 
 def destroy_model_parallel() -> None:

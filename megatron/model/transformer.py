@@ -194,7 +194,8 @@ class ParallelTransformerLayer(MegatronModule):
                                 tracker=moe_tracker, init_seed=init_seed,
                                 cp_group=groups.cp_group, dp_group=groups.dp_group,
                                 expert_tp_shares_tokens=shares_tokens,
-                                sequence_parallel=sequence_parallel and not shares_tokens)
+                                sequence_parallel=sequence_parallel and not shares_tokens,
+                                expert_weight_shard_group=groups.expert_weight_shard_group)
             self.moe_sequence_gather = sequence_parallel and tp_size > 1 and shares_tokens
         else:
             self.mlp = ParallelMLP(config, tp_group, sequence_parallel, init_method, output_init,

@@ -181,17 +181,17 @@ def _check_expert_groups(model_chunks, param_groups: List[dict], mp_group,
             "ParallelState.expert_model_parallel_group and ParallelState.expert_tp_rank")
 
 
-def _check_weight_shards(config: OptimizerConfig, weight_shard_group, grad_shard_group) -> None:
+def _check_weight_shards(config: OptimizerConfig, weight_shard_group, grad_shard_group,
+                         flag: str = "--tensor-parallel-num-weight-shards") -> None:
     """Refuse, in one line, the optimizers that do not combine norms over weight shards."""
     if weight_shard_group is None or dist.get_world_size(weight_shard_group) == 1:
         return
     if config.use_distributed_optimizer or grad_shard_group is not None:
-        raise ConfigError("--tensor-parallel-num-weight-shards does not run with "
-                          "--use-distributed-optimizer or --use-torch-fsdp2 yet")
+        raise ConfigError(f"{flag} does not run with --use-distributed-optimizer or "
+                          "--use-torch-fsdp2 yet")
     if config.optimizer in ("muon", "dist_muon") or config.optimizer in EMERGING_OPTIMIZERS:
-        raise ConfigError(f"--optimizer {config.optimizer} does not run with "
-                          "--tensor-parallel-num-weight-shards (it needs each weight matrix "
-                          "whole); use --optimizer adam")
+        raise ConfigError(f"--optimizer {config.optimizer} does not run with {flag} (it needs "
+                          "each weight matrix whole); use --optimizer adam")
 
 
 def _fully_sharded_optimizer(config: OptimizerConfig, param_groups: List[dict], kwargs: dict,
@@ -215,7 +215,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
                            expert_tp_rank: Optional[int] = None,
                            grad_shard_group=None,
                            expert_tp_group=None,
-                           weight_shard_group=None) -> MegatronOptimizer:
+                           weight_shard_group=None,
+                           expert_weight_shard_group=None) -> MegatronOptimizer:
     """Build the optimizer for this rank's model chunks.
 
     Args:
@@ -253,6 +254,9 @@ def get_megatron_optimizer(config: OptimizerConfig,
             ``--tensor-parallel-num-weight-shards``; None: none), see
             :class:`MegatronOptimizer`. Only the plain (non-distributed) Adam / SGD / Lion
             optimizers take it.
+        expert_weight_shard_group: the routed experts' weight-shard group
+            (``ParallelState.expert_weight_shard_group``,
+            ``--expert-tensor-parallel-num-weight-shards``; None: none); the same optimizers.
 
     With ``config.use_distributed_optimizer`` the model chunks must be
     ``DistributedDataParallel`` wrappers (built with ``use_distributed_optimizer=True`` so that
@@ -268,6 +272,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
     _check_expert_groups(model_chunks, param_groups, mp_group, expert_model_parallel_group,
                          expert_tp_rank)
     _check_weight_shards(config, weight_shard_group, grad_shard_group)
+    _check_weight_shards(config, expert_weight_shard_group, grad_shard_group,
+                         "--expert-tensor-parallel-num-weight-shards")
     if config.use_distributed_optimizer and config.optimizer not in EMERGING_OPTIMIZERS:
         scaler = build_grad_scaler(config) if config.fp16 or config.bf16 else None
         return DistributedOptimizer(
@@ -280,7 +286,8 @@ def get_megatron_optimizer(config: OptimizerConfig,
         raise ConfigError("--overlap-param-gather needs --use-distributed-optimizer")
     kwargs = dict(model_parallel_group=mp_group, tp_rank=tp_rank, use_main_grad=use_main_grad,
                   expert_model_parallel_group=expert_model_parallel_group,
-                  expert_tp_rank=expert_tp_rank, weight_shard_group=weight_shard_group)
+                  expert_tp_rank=expert_tp_rank, weight_shard_group=weight_shard_group,
+                  expert_weight_shard_group=expert_weight_shard_group)
     if config.optimizer in ("muon", "dist_muon"):
         if grad_shard_group is not None:
             raise ConfigError("--optimizer muon does not run with --use-torch-fsdp2 (Muon "

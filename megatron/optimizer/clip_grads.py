@@ -135,7 +135,7 @@ def _local_power_sum(grads: List[torch.Tensor], norm_type: float, where) -> torc
 def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
                        model_parallel_group=None, *, expert_grads: Optional[Params] = None,
                        expert_model_parallel_group=None, shard_group=None,
-                       weight_shard_group=None) -> float:
+                       weight_shard_group=None, expert_weight_shard_group=None) -> float:
     """The ``norm_type``-norm of the gradients of the whole model, computed in fp32.
 
     Args:
@@ -152,6 +152,9 @@ def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
         weight_shard_group: the dense weight-shard group (``--tensor-parallel-num-weight-shards``;
             ``grads_for_norm`` then counts its copies on the group's rank 0 only, see
             :func:`param_counts_here`); the local parts are combined over it first as well.
+        expert_weight_shard_group: the experts' weight-shard group
+            (``--expert-tensor-parallel-num-weight-shards``): ``expert_grads`` are combined over
+            it before ``expert_model_parallel_group``.
 
     Returns:
         The total norm as a Python float (identical on every rank of the groups).
@@ -171,6 +174,7 @@ def get_grad_norm_fp32(grads_for_norm: Params, norm_type: float = 2.0,
     _all_reduce(total, op, model_parallel_group)
     if expert_grads is not None:
         expert = _local_power_sum(list(expert_grads), norm_type, where)
+        _all_reduce(expert, op, expert_weight_shard_group)
         _all_reduce(expert, op, expert_model_parallel_group)
         total = torch.maximum(total, expert) if norm_type == math.inf else total + expert
     if norm_type == math.inf:
@@ -192,7 +196,7 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
                         norm_type: float = 2.0, model_parallel_group=None, *,
                         expert_grads: Optional[Params] = None,
                         expert_model_parallel_group=None, shard_group=None,
-                        weight_shard_group=None) -> float:
+                        weight_shard_group=None, expert_weight_shard_group=None) -> float:
     """Clip the gradients of ``parameters`` so the whole model's norm is at most ``max_norm``.
 
     The norm is taken over ``grads_for_norm`` (each parameter counted once across the model,
@@ -205,8 +209,8 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
         max_norm: ``--clip-grad``.
         norm_type: p of the p-norm; ``math.inf`` for the max-norm.
         model_parallel_group: group over which the norm is combined (TP x PP).
-        expert_grads / expert_model_parallel_group / shard_group / weight_shard_group: see
-            :func:`get_grad_norm_fp32`.
+        expert_grads / expert_model_parallel_group / shard_group / weight_shard_group /
+            expert_weight_shard_group: see :func:`get_grad_norm_fp32`.
 
     Returns:
         The total norm before clipping.
@@ -215,7 +219,8 @@ def clip_grad_norm_fp32(parameters: Params, grads_for_norm: Params, max_norm: fl
                                     expert_grads=expert_grads,
                                     expert_model_parallel_group=expert_model_parallel_group,
                                     shard_group=shard_group,
-                                    weight_shard_group=weight_shard_group)
+                                    weight_shard_group=weight_shard_group,
+                                    expert_weight_shard_group=expert_weight_shard_group)
     clip_grads_with_norm_fp32(parameters, max_norm, total_norm)
     return total_norm
 
@@ -224,7 +229,8 @@ def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: 
                      expert_tp_rank: Optional[int] = None,
                      expert_parameters: Optional[Params] = None,
                      expert_model_parallel_group=None, shard_group=None,
-                     weight_shard_group=None, weight_shard_rank: int = 0) -> int:
+                     weight_shard_group=None, weight_shard_rank: int = 0,
+                     expert_weight_shard_group=None, expert_weight_shard_rank: int = 0) -> int:
     """Number of exactly-zero gradient entries in the whole model (``--log-num-zeros-in-grad``).
 
     Counts each parameter once across the model, with the same rule as the norm
@@ -243,6 +249,8 @@ def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: 
         weight_shard_group / weight_shard_rank: with dense weight shards, the weight-shard
             group (summed over first) and this rank's place in it (see
             :func:`param_counts_here`).
+        expert_weight_shard_group / expert_weight_shard_rank: the same for the experts counted
+            apart (``--expert-tensor-parallel-num-weight-shards``).
     """
     def local_count(params: Params, shard_rank: int = 0) -> torch.Tensor:
         grads = get_grads_for_norm(params, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank,
@@ -259,7 +267,8 @@ def count_zeros_fp32(parameters: Params, model_parallel_group=None, *, tp_rank: 
     _all_reduce(total, dist.ReduceOp.SUM, model_parallel_group)
     count = int(total.item())
     if expert_parameters is not None:
-        experts = local_count(expert_parameters)
+        experts = local_count(expert_parameters, expert_weight_shard_rank)
+        _all_reduce(experts, dist.ReduceOp.SUM, expert_weight_shard_group)
         _all_reduce(experts, dist.ReduceOp.SUM, expert_model_parallel_group)
         count += int(experts.item())
     return count

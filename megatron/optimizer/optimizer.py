@@ -173,17 +173,23 @@ class MegatronOptimizer(ABC):
             ``ParallelState.weight_shard_group``; None: no weight shards): norms, zero counts
             and the inf/nan flag are combined over it first, the parameters that are not
             weight shards counting on its rank 0 only.
+        expert_weight_shard_group: the routed experts' weight-shard group
+            (``--expert-tensor-parallel-num-weight-shards``; None: none): the experts are then
+            counted apart, their part combined over it before the expert model-parallel group,
+            and their parameters that are not weight shards count on its rank 0 only.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, config: OptimizerConfig, *,
                  model_parallel_group=None, tp_rank: int = 0,
                  use_main_grad: Optional[bool] = None, expert_model_parallel_group=None,
                  expert_tp_rank: Optional[int] = None, grad_shard_group=None,
-                 weight_shard_group=None):
+                 weight_shard_group=None, expert_weight_shard_group=None):
         self.optimizer = optimizer
         self.grad_shard_group = grad_shard_group
         self.weight_shard_group = weight_shard_group
         self.weight_shard_rank = collectives.get_group_rank(weight_shard_group)
+        self.expert_weight_shard_group = expert_weight_shard_group
+        self.expert_weight_shard_rank = collectives.get_group_rank(expert_weight_shard_group)
         self.config = config
         self.model_parallel_group = model_parallel_group
         self.tp_rank = tp_rank
@@ -193,8 +199,10 @@ class MegatronOptimizer(ABC):
         # Also under FSDP2, where the shard group (data x context parallel) holds every
         # expert-parallel x expert-data-parallel position: summed over it and then over the
         # model-parallel group, each expert shard counts once.
-        self.experts_apart = (grad_shard_group is None and experts_apart(
-            model_parallel_group, expert_model_parallel_group))
+        # Expert weight shards are summed over their own group first: always apart.
+        self.experts_apart = grad_shard_group is None and (
+            experts_apart(model_parallel_group, expert_model_parallel_group)
+            or collectives.get_group_size(expert_weight_shard_group) > 1)
         self.use_main_grad = use_main_grad
 
     # -- gradients -------------------------------------------------------------------------
@@ -262,8 +270,10 @@ class MegatronOptimizer(ABC):
                                        weight_shard_rank=self.weight_shard_rank), clip_grad,
             model_parallel_group=self.model_parallel_group,
             weight_shard_group=self.weight_shard_group,
-            expert_grads=get_grads_for_norm(experts, tp_rank=self.expert_tp_rank),
-            expert_model_parallel_group=self.expert_model_parallel_group)
+            expert_grads=get_grads_for_norm(experts, tp_rank=self.expert_tp_rank,
+                                            weight_shard_rank=self.expert_weight_shard_rank),
+            expert_model_parallel_group=self.expert_model_parallel_group,
+            expert_weight_shard_group=self.expert_weight_shard_group)
 
     def count_zeros(self) -> int:
         params = self.get_parameters()
@@ -273,7 +283,9 @@ class MegatronOptimizer(ABC):
                       weight_shard_rank=self.weight_shard_rank)
         if self.experts_apart:
             kwargs.update(expert_parameters=[p for p in params if is_expert_parallel(p)],
-                          expert_model_parallel_group=self.expert_model_parallel_group)
+                          expert_model_parallel_group=self.expert_model_parallel_group,
+                          expert_weight_shard_group=self.expert_weight_shard_group,
+                          expert_weight_shard_rank=self.expert_weight_shard_rank)
             params = [p for p in params if not is_expert_parallel(p)]
         return count_zeros_fp32(params, self.model_parallel_group, **kwargs)
 
@@ -296,7 +308,7 @@ class MegatronOptimizer(ABC):
                                                              inv_scale.to(where))
         groups = [self.weight_shard_group, self.grad_shard_group, self.model_parallel_group]
         if self.experts_apart:
-            groups.append(self.expert_model_parallel_group)
+            groups += [self.expert_weight_shard_group, self.expert_model_parallel_group]
         for group in groups:
             if group is not None and dist.get_world_size(group) > 1:
                 dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)

@@ -738,6 +738,11 @@ def _add_distributed_args(parser):
                    "tensor-parallel split times N / tp weight shards over data-parallel ranks "
                    "(all-gathered for the matmul); N a multiple of "
                    "--tensor-model-parallel-size")
+    g.add_argument("--expert-tensor-parallel-num-weight-shards", type=int, default=None,
+                   help="cut each routed expert's linear weights into N row blocks: the "
+                   "expert-tensor-parallel split times N / expert-tp weight shards over "
+                   "expert-data-parallel ranks (all-gathered for the matmul); N a multiple of "
+                   "--expert-tensor-parallel-size")
     g.add_argument("--pipeline-model-parallel-split-rank", type=int, default=None)
     g.add_argument("--model-parallel-size", type=int, default=None,
                    help="old alias of --tensor-model-parallel-size")

@@ -206,7 +206,9 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
         order=(parallel_state.TP_PP_DP_ORDER if args.use_tp_pp_dp_mapping
                else parallel_state.DEFAULT_ORDER),
         hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
-        num_weight_shards=getattr(args, "tensor_parallel_num_weight_shards", None))
+        num_weight_shards=getattr(args, "tensor_parallel_num_weight_shards", None),
+        expert_num_weight_shards=getattr(args, "expert_tensor_parallel_num_weight_shards",
+                                         None))
     check_node_layout(pstate)
     set_random_seeds(args.seed, pstate, args.data_parallel_random_init)
     _install_fused_kernels(args)

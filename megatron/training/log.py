@@ -166,7 +166,7 @@ def calc_params_l2_norm(model_chunks, pstate) -> float:
     one): the same rule at the expert-TP rank, their squares summed over the expert
     model-parallel group (expert TP x EP x PP) alone. Collective over those groups.
     """
-    from megatron.core.collectives import get_group_rank
+    from megatron.core.collectives import get_group_rank, get_group_size
     from megatron.optimizer.clip_grads import (experts_apart, get_grad_norm_fp32,
                                                is_expert_parallel, param_counts_here)
 
@@ -178,11 +178,14 @@ def calc_params_l2_norm(model_chunks, pstate) -> float:
     # (experts counted apart are not summed over that group).
     shards = getattr(pstate, "weight_shard_group", None)
     shard_rank = get_group_rank(shards)
-    apart = experts_apart(mp_group, expert_group)
+    # Expert weight shards: the experts apart, summed over their own weight-shard group first.
+    expert_shards = getattr(pstate, "expert_weight_shard_group", None)
+    apart = experts_apart(mp_group, expert_group) or get_group_size(expert_shards) > 1
     params = [p for chunk in model_chunks for p in getattr(chunk, "module", chunk).parameters()
               if param_counts_here(p, tp_rank=tp_rank, expert_tp_rank=expert_tp_rank,
-                                   weight_shard_rank=0 if apart and is_expert_parallel(p)
-                                   else shard_rank)]
+                                   weight_shard_rank=(get_group_rank(expert_shards)
+                                                      if apart and is_expert_parallel(p)
+                                                      else shard_rank))]
     # Parameters sharded by FSDP2: the shards' squares are summed over their group too.
     shard_group = getattr(model_chunks[0], "shard_group", None) if model_chunks else None
     # Under FSDP2 the shard group spans the experts' parallel positions (see
@@ -194,7 +197,8 @@ def calc_params_l2_norm(model_chunks, pstate) -> float:
     return get_grad_norm_fp32([p.detach() for p in params if not is_expert_parallel(p)], 2.0,
                               model_parallel_group=mp_group, weight_shard_group=shards,
                               expert_grads=[p.detach() for p in params if is_expert_parallel(p)],
-                              expert_model_parallel_group=expert_group)
+                              expert_model_parallel_group=expert_group,
+                              expert_weight_shard_group=expert_shards)
 
 
 def memory_stats() -> Dict[str, float]:

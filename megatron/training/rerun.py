@@ -591,14 +591,17 @@ class WeightHashMismatchError(RuntimeError):
 
 
 def _digests(model) -> List[tuple]:
-    """``(name, kind, digest)`` of each parameter; kind: ``dense``, ``expert`` or ``shard``
-    (a weight shard, whose replicas are its weight-shard data-parallel group)."""
+    """``(name, kind, digest)`` of each parameter; kind: ``dense``, ``expert``, ``shard``
+    (a weight shard, whose replicas are its weight-shard data-parallel group) or
+    ``expert_shard`` (an expert's, over the expert weight-shard data-parallel group)."""
     out = []
     for c, chunk in enumerate(model):
         for name, param in getattr(chunk, "module", chunk).named_parameters():
             data = param.detach().contiguous().cpu().view(-1).view(torch.uint8)
-            kind = ("shard" if getattr(param, "weight_shards", 1) > 1
-                    else "dense" if getattr(param, "allreduce", True) else "expert")
+            expert = not getattr(param, "allreduce", True)
+            kind = "expert" if expert else "dense"
+            if getattr(param, "weight_shards", 1) > 1:
+                kind = "expert_shard" if expert else "shard"
             out.append((name if len(model) == 1 else f"{name} (model chunk {c})", kind,
                         hashlib.sha256(data.numpy().tobytes()).hexdigest()))
     return out
@@ -629,7 +632,8 @@ def check_weight_hashes(model, optimizer, pstate, iteration: int) -> None:
         finish()
     digests = _digests(model)
     groups = {"dense": pstate.dp_cp_group, "expert": getattr(pstate, "expert_dp_group", None),
-              "shard": getattr(pstate, "weight_shard_dp_group", None)}
+              "shard": getattr(pstate, "weight_shard_dp_group", None),
+              "expert_shard": getattr(pstate, "expert_weight_shard_dp_group", None)}
     found = []
     for kind, group in groups.items():
         found += _mismatches([(n, d) for n, k, d in digests if k == kind], group)

@@ -253,7 +253,8 @@ def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
         gradient_accumulation_fusion=ddp_config.gradient_accumulation_fusion,
         expert_dp_group=pstate.expert_dp_group,
         calculate_per_token_loss=ddp_config.calculate_per_token_loss,
-        weight_shard_dp_group=getattr(pstate, "weight_shard_dp_group", None))
+        weight_shard_dp_group=getattr(pstate, "weight_shard_dp_group", None),
+        expert_weight_shard_dp_group=getattr(pstate, "expert_weight_shard_dp_group", None))
     if args.data_parallel_random_init:
         ddp.broadcast_params()
     return ddp
@@ -293,7 +294,9 @@ def setup_model_and_optimizer(model_provider: Callable, args, pstate, *,
                                        grad_shard_group=chunks[0].shard_group if fsdp2
                                        else None,
                                        weight_shard_group=getattr(
-                                           pstate, "weight_shard_group", None))
+                                           pstate, "weight_shard_group", None),
+                                       expert_weight_shard_group=getattr(
+                                           pstate, "expert_weight_shard_group", None))
     param_group_map.dump_param_to_param_group_map(args, chunks, configs.optimizer, pstate)
     scheduler = get_optimizer_param_scheduler(optimizer, configs.scheduler)
     return chunks, optimizer, scheduler

@@ -415,7 +415,6 @@ def _validate_weight_shards(args) -> None:
                ("--use-distributed-optimizer", args.use_distributed_optimizer),
                ("--use-torch-fsdp2 / --use-megatron-fsdp",
                 args.use_torch_fsdp2 or args.use_megatron_fsdp),
-               ("--num-experts", args.num_experts is not None),
                ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
                (f"--optimizer {args.optimizer}",
                 args.optimizer not in ("adam", "sgd", "lion"))]
@@ -428,6 +427,48 @@ def _validate_weight_shards(args) -> None:
     if (args.save or args.load) and (args.swiglu or getattr(args, "quick_geglu", False)):
         _fail(f"{flag}: a gated MLP (--swiglu / --quick-geglu) cut into weight shards has no "
               "torch_dist checkpoint layout yet")
+
+
+def _validate_expert_weight_shards(args) -> None:
+    """--expert-tensor-parallel-num-weight-shards N: N / expert-tp weight shards of every
+    routed expert out of expert data parallelism, and, in one line each, what does not run
+    with them yet."""
+    n = getattr(args, "expert_tensor_parallel_num_weight_shards", None)
+    if n is None:
+        return
+    flag = f"--expert-tensor-parallel-num-weight-shards {n}"
+    if args.num_experts is None:
+        _fail(f"{flag} cuts the routed experts' weights: it needs --num-experts")
+    etp, ep = args.expert_tensor_parallel_size, args.expert_model_parallel_size
+    if n < etp or n % etp:
+        _fail(f"{flag} must be a multiple of --expert-tensor-parallel-size ({etp})")
+    stage = args.tensor_model_parallel_size * args.context_parallel_size * args.data_parallel_size
+    edp = stage // (etp * ep)
+    if edp % (n // etp):
+        _fail(f"{flag}: its {n // etp} weight shards per expert-tensor-parallel rank must "
+              f"divide the expert-data-parallel size ({edp})")
+    unwired = [("--pipeline-model-parallel-size > 1", args.pipeline_model_parallel_size > 1),
+               ("--context-parallel-size > 1", args.context_parallel_size > 1),
+               ("--use-tp-pp-dp-mapping", args.use_tp_pp_dp_mapping),
+               ("--use-distributed-optimizer", args.use_distributed_optimizer),
+               ("--use-torch-fsdp2 / --use-megatron-fsdp",
+                args.use_torch_fsdp2 or args.use_megatron_fsdp),
+               ("--moe-single-grouped-weight / --moe-single-grouped-bias",
+                args.moe_single_grouped_weight or args.moe_single_grouped_bias),
+               ("--mtp-num-layers", bool(getattr(args, "mtp_num_layers", None))),
+               (f"--optimizer {args.optimizer}",
+                args.optimizer not in ("adam", "sgd", "lion"))]
+    for what, on in unwired:
+        if on:
+            _fail(f"{flag} does not run with {what} yet")
+    if (args.save or args.load) and args.ckpt_format != "torch_dist":
+        _fail(f"{flag}: checkpoints of weight shards are written and read with "
+              f"--ckpt-format torch_dist only (got {args.ckpt_format})")
+    gated = args.swiglu or getattr(args, "quick_geglu", False)
+    if (args.save or args.load) and gated and args.moe_mlp_glu_interleave_size is None:
+        _fail(f"{flag}: a gated expert fc1 (--swiglu / --quick-geglu) cut into weight shards "
+              "has no torch_dist checkpoint layout yet (its GLU-interleaved layout, "
+              "--moe-mlp-glu-interleave-size, has)")
 
 
 def _even_pipeline_split(args, pp: int) -> None:
@@ -1742,6 +1783,7 @@ def check_flags(args):
     _validate_weight_shards(args)
     _validate_grouped_gemm(args)
     _validate_moe(args)
+    _validate_expert_weight_shards(args)
     _read_heterogeneous_config(args)
     _validate_upcycling(args)
     _validate_mtp(args)

@@ -347,6 +347,10 @@ class ChunkLayout:
             tensors kept as weight shards: each holds rows ``k`` of ``g`` of its TP piece
             (:func:`megatron.core.tensor_parallel.weight_shards.checkpoint_box`) and is
             written by the data-parallel ranks of the first weight-shard group.
+        expert_weight_shards, expert_weight_shard_rank: the same for the routed experts'
+            weight-shard group (``--expert-tensor-parallel-num-weight-shards``); their
+            shards (in ``weight_shard_names`` too) are written by the expert-data-parallel
+            ranks of the first expert weight-shard group.
     """
 
     num_layers: int
@@ -368,6 +372,8 @@ class ChunkLayout:
     weight_shards: int = 1
     weight_shard_rank: int = 0
     weight_shard_names: Tuple[str, ...] = ()
+    expert_weight_shards: int = 1
+    expert_weight_shard_rank: int = 0
 
     def __post_init__(self):
         if self.expert_tp_size is None:
@@ -582,7 +588,7 @@ def heterogeneous_extra_state_modules(block) -> Tuple[str, ...]:
 def placements(name: str, local_shape: Tuple[int, ...], layout: ChunkLayout) -> List[Placement]:
     """Where the local tensor ``name`` (a legacy dotted name of the chunk's state) of shape
     ``local_shape`` sits in the checkpoint, as one piece (two for SwiGLU's fc1)."""
-    if layout.weight_shards > 1:
+    if layout.weight_shards > 1 or layout.expert_weight_shards > 1:
         layer = _LAYER_NAME.fullmatch(name)
         if layer is not None and layer.group(2) in layout.weight_shard_names:
             return _weight_shard_placements(name, tuple(local_shape), layout)
@@ -672,18 +678,27 @@ def _weight_shard_placements(name: str, local_shape: Tuple[int, ...],
                              layout: ChunkLayout) -> List[Placement]:
     """A weight shard's piece: its TP piece's placement (the shard's rows times ``g``), moved
     down by ``k`` shards along the rows; Megatron's offsets (see ``checkpoint_box``)."""
-    g, k, rows = layout.weight_shards, layout.weight_shard_rank, local_shape[0]
+    inner = _LAYER_NAME.fullmatch(name).group(2)
+    expert = bool(_EXPERT_NAME.fullmatch(inner) or _GROUPED_NAME.fullmatch(inner))
+    if expert:
+        g, k, dp_rank = (layout.expert_weight_shards, layout.expert_weight_shard_rank,
+                         layout.expert_dp_rank)
+        flag = "--expert-tensor-parallel-num-weight-shards"
+    else:
+        g, k, dp_rank = layout.weight_shards, layout.weight_shard_rank, layout.dp_rank
+        flag = "--tensor-parallel-num-weight-shards"
+    rows = local_shape[0]
     whole = placements(name, (rows * g,) + local_shape[1:],
-                       dataclasses.replace(layout, weight_shards=1))
+                       dataclasses.replace(layout, weight_shards=1, expert_weight_shards=1))
     if len(whole) != 1:
         raise KeyMappingError(f"{name}: a SwiGLU / GeGLU fc1 cut into weight shards "
-                              "(--tensor-parallel-num-weight-shards) has no single piece in "
-                              "a torch_dist checkpoint")
+                              f"({flag}) has no single piece in a torch_dist checkpoint")
     place = whole[0]
     offset = list(place.global_offset)
     offset[len(offset) - len(local_shape)] += k * rows
-    # The ranks of the first weight-shard group are data-parallel ranks 0 .. g-1.
-    return [dataclasses.replace(place, global_offset=tuple(offset), written=layout.dp_rank < g)]
+    # The ranks of the first (expert) weight-shard group are (expert-)data-parallel ranks
+    # 0 .. g-1.
+    return [dataclasses.replace(place, global_offset=tuple(offset), written=dp_rank < g)]
 
 
 def glu_interleaved_names(moe_config) -> Tuple[str, ...]:

@@ -64,13 +64,17 @@ class MoELayer(MegatronModule):
             (False: each its own; see the module docstring).
         sequence_parallel: the input is this rank's sequence slice over ``tp_group``; needs
             ``expert_tp_shares_tokens=False`` when ``tp_group`` has more than one rank.
+        expert_weight_shard_group: the routed experts' weight-shard group
+            (``--expert-tensor-parallel-num-weight-shards``; None: none): each expert weight
+            is kept as this rank's block of rows and gathered for the matmuls.
     """
 
     def __init__(self, config: TransformerConfig, moe_config: MoEConfig, layer_number: int = 1,
                  *, ep_group=None, expert_tp_group=None, tp_group=None,
                  tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
                  cp_group=None, expert_tp_shares_tokens: bool = True,
-                 sequence_parallel: bool = False, dp_group=None):
+                 sequence_parallel: bool = False, dp_group=None,
+                 expert_weight_shard_group=None):
         super().__init__(config)
         if moe_config.num_moe_experts is None:
             raise ValueError("MoELayer needs --num-experts")
@@ -98,7 +102,8 @@ class MoELayer(MegatronModule):
         if moe_config.moe_single_grouped_weight or moe_config.moe_single_grouped_bias:
             experts_class = TEGroupedMLP
         self.experts = experts_class(config, moe_config, layer_number, get_group_rank(ep_group),
-                                     ep_size, expert_tp_group, init_seed)
+                                     ep_size, expert_tp_group, init_seed,
+                                     weight_shard_group=expert_weight_shard_group)
         self.shared_experts = None
         if moe_config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(config, moe_config, layer_number, tp_group,
