@@ -349,7 +349,9 @@ def _add_training_args(parser):
                    help="shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-granularity", type=str, default=None,
                    choices=["full", "selective"])
-    g.add_argument("--distribute-saved-activations", action="store_true")
+    g.add_argument("--distribute-saved-activations", action="store_true",
+                   help="with --recompute-granularity full, each tensor-parallel rank keeps "
+                   "1/tp of every recomputed chunk's input, all-gathered before the recompute")
     g.add_argument("--mlp-chunks-for-training", type=int, default=1,
                    help="in training, run each MLP / MoE block on this many pieces of the "
                    "sequence in turn (less peak memory; not with its recomputation)")

@@ -77,9 +77,6 @@ UNSUPPORTED_FLAGS = {
     "standalone_embedding_stage": "the input embedding always shares the first pipeline stage "
                                   "with its first layers; drop it (or use "
                                   "--decoder-first-pipeline-num-layers to lighten that stage)",
-    "distribute_saved_activations": "full recompute keeps each checkpointed input whole on "
-                                    "every tensor-parallel rank; use --sequence-parallel to "
-                                    "split activations over them",
     "use_ring_exchange_p2p": "it needs a PyTorch built with ring_exchange; drop it (batched "
                              "isend/irecv are used)",
     "onnx_safe": "nothing is exported to ONNX here; drop it",

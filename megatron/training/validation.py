@@ -747,6 +747,8 @@ def _validate_model(args) -> None:
         # As in Megatron: bf16 gradients are reduced and accumulated in fp32, unless the
         # optimizer is asked for bf16 main gradients, which keeps the buffers in bf16.
         args.accumulate_allreduce_grads_in_fp32 = True
+    if args.distribute_saved_activations:
+        _validate_distribute_saved_activations(args)
     if args.recompute_granularity == "full":
         if args.recompute_method is None:
             _fail("--recompute-granularity full needs --recompute-method uniform or block")
@@ -757,6 +759,23 @@ def _validate_model(args) -> None:
               "--recompute-granularity full")
     elif args.recompute_granularity is None and args.recompute_method is not None:
         _fail("--recompute-method needs --recompute-granularity full")
+
+
+def _validate_distribute_saved_activations(args) -> None:
+    """--distribute-saved-activations: Megatron's conditions, in Megatron's order, then
+    Megatron-Core's refusal of sequence parallelism (which already splits that input)."""
+    flag = "--distribute-saved-activations"
+    if args.tensor_model_parallel_size <= 1:
+        _fail(f"{flag} splits the saved inputs over the tensor-parallel ranks: it needs "
+              f"--tensor-model-parallel-size > 1, got {args.tensor_model_parallel_size}")
+    if args.recompute_granularity != "full":
+        _fail(f"{flag} applies only to --recompute-granularity full, got "
+              f"{args.recompute_granularity}")
+    if args.recompute_method is None:
+        _fail(f"{flag} needs --recompute-method uniform or block")
+    if args.sequence_parallel:
+        _fail(f"{flag} cannot be combined with --sequence-parallel, which already splits the "
+              "saved inputs over the tensor-parallel ranks")
 
 
 def _validate_gdn(args) -> None:
