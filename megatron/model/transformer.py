@@ -497,6 +497,10 @@ class ParallelTransformer(MegatronModule):
         else:
             hidden_states = self._run_layers(0, self.num_layers, hidden_states, attention_mask,
                                              rotary_pos_emb, inference_params)
+        if self.num_layers == 0 and not self.pre_process and not self.post_process:
+            # An empty virtual stage (--standalone-embedding-stage): a copy, so that its output
+            # has a graph of its own and freeing it after the send leaves the input alone.
+            hidden_states = hidden_states.clone()
         if self.post_process:
             if self.config.enable_mhc_connections:
                 hidden_states = contract_streams(hidden_states,
