@@ -136,3 +136,17 @@ def test_accepted_with_tensor_parallelism_and_full_recompute():
     assert args.distribute_saved_activations
     assert _validate(["--tensor-model-parallel-size", "2"] + FULL).distribute_saved_activations \
         is False
+
+
+@pytest.mark.slow
+def test_training_run_losses_are_bit_identical(tmp_path):
+    """pretrain_gpt at TP 2 x PP 2 with dropout and uniform full recompute: the same losses,
+    bit for bit, with and without the flag."""
+    from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
+
+    corpus = write_counting_corpus(str(tmp_path / "corpus" / "count_document"))
+    flags = gpt_flags(corpus, 3, tp=2, dropout=0.1, extra=FULL + [
+        "--pipeline-model-parallel-size", "2", "--num-layers", "4"])
+    runs = [run_on_ranks(run_pretrain, 4, flags + extra)[-1]["losses"]
+            for extra in ([], ["--distribute-saved-activations"])]
+    assert len(runs[0]) == 3 and runs[0] == runs[1]
