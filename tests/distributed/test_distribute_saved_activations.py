@@ -150,3 +150,20 @@ def test_training_run_losses_are_bit_identical(tmp_path):
     runs = [run_on_ranks(run_pretrain, 4, flags + extra)[-1]["losses"]
             for extra in ([], ["--distribute-saved-activations"])]
     assert len(runs[0]) == 3 and runs[0] == runs[1]
+
+
+def test_memory_estimate_keeps_one_tp_th_of_each_checkpoint_input():
+    """The startup estimate, written out by hand as in test_memory_accounting (pp 4, rank 1,
+    8 layers, uniform recompute of 1 layer, 3 micro-batches in flight): each in-flight
+    micro-batch keeps its 2 chunk inputs of 2sbh bytes, 1/tp of them with the flag, plus one
+    layer's recompute workspace."""
+    from megatron.training import memory_accounting as ma
+    from tests.unit.test_memory_accounting import B, SBH, config
+
+    for distribute, share in ((False, 1), (True, 1 / TP)):
+        full = config(num_layers=8, recompute_granularity="full", recompute_method="uniform",
+                      recompute_num_layers=1, distribute_saved_activations=distribute)
+        layer = ma.layer_activation_bytes(full, B, TP)
+        got = ma.activation_bytes_on_rank(full, micro_batch_size=B, num_microbatches=8,
+                                          tp_size=TP, pp_size=4, pp_rank=1)
+        assert got == pytest.approx(3 * 2 * 2 * SBH * share + layer), distribute
