@@ -117,6 +117,9 @@ class TransformerConfig:
     recompute_granularity: Optional[str] = None    # full | selective
     recompute_method: Optional[str] = None         # uniform | block
     recompute_num_layers: Optional[int] = None
+    # --distribute-saved-activations: each tensor-parallel rank keeps 1/tp of the input of every
+    # fully recomputed chunk and the chunk all-gathers it back before recomputing.
+    distribute_saved_activations: bool = False
     # With selective recomputation, what is recomputed (--recompute-modules): see
     # RECOMPUTE_MODULES; Megatron-Core's default is core attention alone.
     recompute_modules: Tuple[str, ...] = ("core_attn",)

@@ -388,6 +388,11 @@ class ParallelTransformer(MegatronModule):
         self.recompute_granularity = config.recompute_granularity
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
+        # As Megatron: nothing to distribute when sequence parallelism already splits the input.
+        self.distribute_saved_activations = (config.distribute_saved_activations
+                                             and groups.tp_size > 1
+                                             and not groups.sequence_parallel)
+        self.tp_group = groups.tp_group
         layers = []
         blocks = config.heterogeneous_blocks
         for i in range(num_layers):
@@ -446,22 +451,26 @@ class ParallelTransformer(MegatronModule):
 
         ``uniform``: every chunk of ``--recompute-num-layers`` consecutive layers is one
         checkpoint. ``block``: the first ``--recompute-num-layers`` layers of the stage are
-        checkpointed one by one, the rest run normally.
+        checkpointed one by one, the rest run normally. With --distribute-saved-activations
+        each tensor-parallel rank keeps only its 1/tp share of every chunk's input.
         """
         def chunk(start, end):
             def custom_forward(x):
                 return self._run_layers(start, end, x, attention_mask, rotary_pos_emb)
             return custom_forward
 
+        def checkpointed(function, x):
+            return tensor_parallel.checkpoint(function, self.distribute_saved_activations, x,
+                                              tp_group=self.tp_group)
+
         n = self.recompute_num_layers
         if self.recompute_method == "uniform":
             for start in range(0, self.num_layers, n):
-                hidden_states = tensor_parallel.checkpoint(chunk(start, start + n), False,
-                                                           hidden_states)
+                hidden_states = checkpointed(chunk(start, start + n), hidden_states)
             return hidden_states
         for i in range(self.num_layers):
             if i < n:
-                hidden_states = tensor_parallel.checkpoint(chunk(i, i + 1), False, hidden_states)
+                hidden_states = checkpointed(chunk(i, i + 1), hidden_states)
             else:
                 hidden_states = self._run_layers(i, i + 1, hidden_states, attention_mask,
                                                  rotary_pos_emb)
@@ -489,6 +498,10 @@ class ParallelTransformer(MegatronModule):
         else:
             hidden_states = self._run_layers(0, self.num_layers, hidden_states, attention_mask,
                                              rotary_pos_emb, inference_params)
+        if self.num_layers == 0 and not self.pre_process and not self.post_process:
+            # An empty virtual stage (--standalone-embedding-stage): a copy, so that its output
+            # has a graph of its own and freeing it after the send leaves the input alone.
+            hidden_states = hidden_states.clone()
         if self.post_process:
             if self.config.enable_mhc_connections:
                 hidden_states = contract_streams(hidden_states,

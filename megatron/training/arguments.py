@@ -349,7 +349,9 @@ def _add_training_args(parser):
                    help="shorthand for --recompute-granularity selective")
     g.add_argument("--recompute-granularity", type=str, default=None,
                    choices=["full", "selective"])
-    g.add_argument("--distribute-saved-activations", action="store_true")
+    g.add_argument("--distribute-saved-activations", action="store_true",
+                   help="with --recompute-granularity full, each tensor-parallel rank keeps "
+                   "1/tp of every recomputed chunk's input, all-gathered before the recompute")
     g.add_argument("--mlp-chunks-for-training", type=int, default=1,
                    help="in training, run each MLP / MoE block on this many pieces of the "
                    "sequence in turn (less peak memory; not with its recomputation)")
@@ -801,7 +803,9 @@ def _add_distributed_args(parser):
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
                    help="empty the CUDA caching allocator after forward-backward and evaluation "
                    "steps (1) and after the optimizer step too (2); no effect on CPU")
-    g.add_argument("--standalone-embedding-stage", action="store_true")
+    g.add_argument("--standalone-embedding-stage", action="store_true",
+                   help="pipeline rank 0 holds only the input embedding, the layers are split "
+                   "evenly over the other ranks (the equivalent --pipeline-model-parallel-layout)")
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
                    help="Adam keeps its moments, master weights and gradients in the dtypes "

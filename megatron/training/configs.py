@@ -155,6 +155,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         use_flash_attn=args.use_flash_attn, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
+        distribute_saved_activations=args.distribute_saved_activations,
         recompute_modules=tuple(args.recompute_modules or ("core_attn",)),
         mlp_chunks_for_training=args.mlp_chunks_for_training,
         cpu_offloading_num_layers=args.cpu_offloading_num_layers,

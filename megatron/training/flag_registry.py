@@ -74,12 +74,6 @@ UNSUPPORTED_FLAGS = {
                           "built here; use --seq-length",
     "pipeline_model_parallel_split_rank": "it splits encoder-decoder models (T5) over pipeline "
                                           "stages, which are not built here; drop it",
-    "standalone_embedding_stage": "the input embedding always shares the first pipeline stage "
-                                  "with its first layers; drop it (or use "
-                                  "--decoder-first-pipeline-num-layers to lighten that stage)",
-    "distribute_saved_activations": "full recompute keeps each checkpointed input whole on "
-                                    "every tensor-parallel rank; use --sequence-parallel to "
-                                    "split activations over them",
     "use_ring_exchange_p2p": "it needs a PyTorch built with ring_exchange; drop it (batched "
                              "isend/irecv are used)",
     "onnx_safe": "nothing is exported to ONNX here; drop it",

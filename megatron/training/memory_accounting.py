@@ -303,20 +303,22 @@ def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int
     s, b, h, t = config.seq_length / cp_size, micro_batch_size, config.hidden_size, tp_size
     per_layer = layer_activation_bytes(config, b, t, sequence_parallel, element_bytes, cp_size)
     sbh_local = s * b * h / (t if sequence_parallel else 1)
+    # What a full-recompute checkpoint keeps: its input, 1/tp of it with
+    # --distribute-saved-activations.
+    saved_input = sbh_local * element_bytes / (
+        t if config.distribute_saved_activations and not sequence_parallel else 1)
     v = vp_size or 1
     unit, workspace = [], 0.0
     for chunk in range(v):
         layers, offset = get_num_layers_and_offset(config, pp_size, pp_rank, vp_size,
                                                    chunk if vp_size else None)
         if moe is None or moe.num_moe_experts is None:
-            kept, recompute = _chunk_activation_bytes(config, layers, per_layer,
-                                                      sbh_local * element_bytes)
+            kept, recompute = _chunk_activation_bytes(config, layers, per_layer, saved_input)
         else:
             sizes = [_layer_bytes(config, moe, offset + i + 1, per_layer, b, t,
                                   sequence_parallel, element_bytes, cp_size)
                      for i in range(layers)]
-            kept, recompute = _mixed_chunk_activation_bytes(config, sizes,
-                                                            sbh_local * element_bytes)
+            kept, recompute = _mixed_chunk_activation_bytes(config, sizes, saved_input)
         workspace = max(workspace, recompute)
         if pp_rank == 0 and chunk == 0:
             kept += 8 * s * b + sbh_local                        # input ids, dropout mask

@@ -21,7 +21,8 @@ from megatron.core.mup import mup_flag_problem, mup_model_conflict, mup_optimize
 from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutError,
                                           check_degrees)
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
-                                                          layout_stage_counts)
+                                                          layout_stage_counts,
+                                                          standalone_embedding_layout)
 from megatron.core.heterogeneous import check_blocks_splittable
 from megatron.training.distillation.checks import distillation_flags_problem
 from megatron.training.configs import (build_checkpoint_config, build_moe_config,
@@ -379,7 +380,7 @@ def _validate_parallel(args) -> None:
         _note(args, "--sequence-parallel has no effect with --tensor-model-parallel-size 1; "
                     "disabling it")
         args.sequence_parallel = False
-    if not _custom_pipeline_split(args):
+    if not (_standalone_embedding_split(args) or _custom_pipeline_split(args)):
         _even_pipeline_split(args, pp)
     if args.num_attention_heads % tp != 0:
         _fail(f"--num-attention-heads ({args.num_attention_heads}) must be divisible by "
@@ -499,6 +500,59 @@ def _even_pipeline_split(args, pp: int) -> None:
                   f"= {args.num_layers // pp} layers per stage, not divisible by "
                   f"--num-layers-per-virtual-pipeline-stage ({per_vstage})")
         args.virtual_pipeline_model_parallel_size = args.num_layers // pp // per_vstage
+
+
+def _standalone_embedding_split(args) -> bool:
+    """--standalone-embedding-stage: pipeline rank 0 holds only the input embedding, the
+    layers are split evenly over the other ranks (virtual stages included, as Megatron-LM
+    counted them: layers per rank / --num-layers-per-virtual-pipeline-stage). Written as the
+    equivalent --pipeline-model-parallel-layout, which the model, the checkpoints and the
+    converters then follow; False when the flag is off."""
+    if not args.standalone_embedding_stage:
+        return False
+    flag, pp = "--standalone-embedding-stage", args.pipeline_model_parallel_size
+    if pp < 2:
+        _fail(f"{flag} needs --pipeline-model-parallel-size >= 2 (one stage for the embedding, "
+              f"the others for the layers), got {pp}")
+    for other, value in (("--decoder-first-pipeline-num-layers",
+                          args.decoder_first_pipeline_num_layers),
+                         ("--decoder-last-pipeline-num-layers",
+                          args.decoder_last_pipeline_num_layers),
+                         ("--account-for-embedding-in-pipeline-split",
+                          args.account_for_embedding_in_pipeline_split or None),
+                         ("--account-for-loss-in-pipeline-split",
+                          args.account_for_loss_in_pipeline_split or None)):
+        if value is not None:
+            _fail(f"{flag} cannot be combined with {other} (write the stages out with "
+                  "--pipeline-model-parallel-layout instead)")
+    vp = _standalone_virtual_stages(args, args.num_layers // (pp - 1))
+    try:
+        layout = standalone_embedding_layout(args.num_layers, pp, vp)
+    except ConfigError as err:
+        _fail(str(err))
+    if args.pipeline_model_parallel_layout not in (None, layout):
+        _fail(f"{flag} cannot be combined with --pipeline-model-parallel-layout; its stages are "
+              f"the layout {layout!r}")
+    args.pipeline_model_parallel_layout = layout
+    args.virtual_pipeline_model_parallel_size = vp
+    return True
+
+
+def _standalone_virtual_stages(args, per_rank: int) -> Optional[int]:
+    """Virtual stages per rank with --standalone-embedding-stage, from
+    --num-layers-per-virtual-pipeline-stage or --num-virtual-stages-per-pipeline-rank."""
+    per_vstage = args.num_layers_per_virtual_pipeline_stage
+    stages = args.num_virtual_stages_per_pipeline_rank
+    if per_vstage is not None and stages is not None:
+        _fail("give only one of --num-layers-per-virtual-pipeline-stage and "
+              "--num-virtual-stages-per-pipeline-rank")
+    if per_vstage is not None:
+        if per_vstage < 1 or per_rank % per_vstage:
+            _fail(f"--standalone-embedding-stage: the {per_rank} layers of each pipeline rank "
+                  f"after the first are not divisible by --num-layers-per-virtual-pipeline-stage "
+                  f"({per_vstage})")
+        stages = per_rank // per_vstage
+    return stages if stages is not None and stages > 1 else None
 
 
 def _custom_pipeline_split(args) -> bool:
@@ -788,6 +842,8 @@ def _validate_model(args) -> None:
         # As in Megatron: bf16 gradients are reduced and accumulated in fp32, unless the
         # optimizer is asked for bf16 main gradients, which keeps the buffers in bf16.
         args.accumulate_allreduce_grads_in_fp32 = True
+    if args.distribute_saved_activations:
+        _validate_distribute_saved_activations(args)
     if args.recompute_granularity == "full":
         if args.recompute_method is None:
             _fail("--recompute-granularity full needs --recompute-method uniform or block")
@@ -798,6 +854,23 @@ def _validate_model(args) -> None:
               "--recompute-granularity full")
     elif args.recompute_granularity is None and args.recompute_method is not None:
         _fail("--recompute-method needs --recompute-granularity full")
+
+
+def _validate_distribute_saved_activations(args) -> None:
+    """--distribute-saved-activations: Megatron's conditions, in Megatron's order, then
+    Megatron-Core's refusal of sequence parallelism (which already splits that input)."""
+    flag = "--distribute-saved-activations"
+    if args.tensor_model_parallel_size <= 1:
+        _fail(f"{flag} splits the saved inputs over the tensor-parallel ranks: it needs "
+              f"--tensor-model-parallel-size > 1, got {args.tensor_model_parallel_size}")
+    if args.recompute_granularity != "full":
+        _fail(f"{flag} applies only to --recompute-granularity full, got "
+              f"{args.recompute_granularity}")
+    if args.recompute_method is None:
+        _fail(f"{flag} needs --recompute-method uniform or block")
+    if args.sequence_parallel:
+        _fail(f"{flag} cannot be combined with --sequence-parallel, which already splits the "
+              "saved inputs over the tensor-parallel ranks")
 
 
 def _validate_gdn(args) -> None:

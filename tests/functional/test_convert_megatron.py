@@ -424,13 +424,18 @@ def frozen_reference(corpus, tmp_path_factory):
     pytest.param(2, 2, ["--num-layers-per-virtual-pipeline-stage", "1"], id="tp2-pp2x2virtual"),
     # Rank 0 holds [E] [t], rank 1 [t t] [t L]: the saved layout places every layer.
     pytest.param(1, 2, ["--pipeline-model-parallel-layout", "E|tt|t|tL"], id="pp2-layout-vp"),
+    # Rank 0 holds [E] [] (an empty virtual stage), rank 1 [t t] [t t L].
+    pytest.param(1, 2, ["--standalone-embedding-stage", "--num-virtual-stages-per-pipeline-rank",
+                        "2"], id="pp2-standalone-embedding-vp"),
 ])
 def test_interleaved_and_uneven_pipelines_convert_exactly(corpus, tmp_path, frozen_reference,
                                                           tp, pp, extra):
     src = str(tmp_path / "src")
     _train(corpus, src, tp, pp, iters=1, extra=FROZEN + extra)
     first = _states(src)[(0, 0)]
-    virtual = "--num-layers-per-virtual-pipeline-stage" in extra or "E|tt|t|tL" in extra
+    virtual = any(flag in extra for flag in ("--num-layers-per-virtual-pipeline-stage",
+                                             "--num-virtual-stages-per-pipeline-rank",
+                                             "E|tt|t|tL"))
     assert ("model1" in first) == virtual
     out = _convert(src, str(tmp_path / "out"), 1, 1)
     _assert_same_tensors(flatten_state_dict(_states(out)[(0, 0)]["model"]), frozen_reference)

@@ -56,6 +56,8 @@ DERIVED_IN_VALIDATION = {
     "warmup": "sets --lr-warmup-iters (old name)",
     "model_parallel_size": "sets --tensor-model-parallel-size (old name)",
     "recompute_activations": "sets --recompute-granularity selective",
+    "standalone_embedding_stage": "sets --pipeline-model-parallel-layout to the equivalent "
+                                  "stages (rank 0 only the embedding)",
     "moe_layer_recompute": "sets --recompute-granularity selective and adds moe to "
                            "--recompute-modules (its older spelling)",
     "checkpoint_activations": "sets --recompute-granularity full --recompute-method uniform",
@@ -316,12 +318,12 @@ def test_entry_point_stops_on_an_unsupported_flag_in_one_line(tmp_path):
     group or dataset (no data given, no --device: it never gets that far)."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "pretrain_gpt.py"), *MINIMAL, "--train-iters", "1",
-         "--standalone-embedding-stage"], cwd=tmp_path, capture_output=True, text=True,
+         "--use-ring-exchange-p2p"], cwd=tmp_path, capture_output=True, text=True,
         timeout=120, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 2, proc.stderr
     errors = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert errors == [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(errors) == 1 and "--standalone-embedding-stage True is not supported" in errors[0]
+    assert len(errors) == 1 and "--use-ring-exchange-p2p True is not supported" in errors[0]
 
 
 def test_the_flags_named_by_the_issue_are_classified():

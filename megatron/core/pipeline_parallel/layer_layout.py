@@ -1,6 +1,6 @@
 """Which layers each (virtual) pipeline stage holds.
 
-Three ways to say it, as in Megatron-LM:
+Four ways to say it, as in Megatron-LM:
 
 * the default even split, or ``--decoder-first/last-pipeline-num-layers``
   (:func:`megatron.core.config.pipeline_layer_counts`);
@@ -13,7 +13,9 @@ Three ways to say it, as in Megatron-LM:
   the loss; ``|`` ends a stage; ``x*n`` repeats one character and ``(...)*n`` a group n times
   (groups do not nest); commas are only for the eye. There are ``pp * vp`` stages: stage ``i``
   is virtual stage ``i // pp`` of pipeline rank ``i % pp``, so with pp 2,
-  ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2).
+  ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2);
+* ``--standalone-embedding-stage``: pipeline rank 0 holds only the embedding, the other ranks
+  the layers (:func:`standalone_embedding_layout` writes it as a layout).
 
 Whatever the way, the layers are numbered in the order the stages run: virtual stage 0 of every
 rank, then virtual stage 1, ... (see :func:`stage_layer_counts`).
@@ -126,6 +128,32 @@ def accounted_stage_counts(num_layers: int, pp_size: int, vp_size: Optional[int]
         raise ConfigError(f"--num-layers ({num_layers}) leaves no transformer layer for the "
                           "stage that holds the embedding or the loss")
     return counts
+
+
+def standalone_embedding_layout(num_layers: int, pp_size: int,
+                                vp_size: Optional[int] = None) -> str:
+    """The layout of ``--standalone-embedding-stage``: pipeline rank 0 holds the input embedding
+    and no transformer layer, the other ``pp - 1`` ranks share the layers evenly.
+
+    With ``vp`` virtual stages, rank 0's first virtual stage is the embedding and its others
+    are empty (they pass the hidden states on); each other rank's virtual stage holds
+    ``L / ((pp - 1) vp)`` layers. E.g. 8 layers, pp 3: ``"E|t*4|t*4L"``; with vp 2:
+    ``"E|t*2|t*2||t*2|t*2L"`` (rank 0 ``[E] []``, rank 1 ``[t t] [t t]``, rank 2 the same).
+    """
+    vp = vp_size or 1
+    layer_stages = (pp_size - 1) * vp
+    if pp_size < 2 or num_layers < 1 or num_layers % layer_stages:
+        raise ConfigError(
+            f"--standalone-embedding-stage: --num-layers ({num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size - 1 ({pp_size - 1}, the ranks after the "
+            "embedding's)" + (f" x virtual stages ({vp})" if vp > 1 else ""))
+    per = num_layers // layer_stages
+    layers = "t" if per == 1 else f"t*{per}"
+    stages = []
+    for v in range(vp):
+        stages += ["E" if v == 0 else ""] + [layers] * (pp_size - 1)
+    stages[-1] += "L"
+    return "|".join(stages)
 
 
 def stage_layer_counts(num_layers: int, pp_size: int, vp_size: Optional[int] = None, *,
