@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts
                                                           layout_stage_counts,
                                                           standalone_embedding_layout)
 from megatron.core.heterogeneous import check_blocks_splittable
+from megatron.core.pipeline_parallel.schedules import check_microbatch_group_size
 from megatron.training.distillation.checks import distillation_flags_problem
 from megatron.training.configs import (build_checkpoint_config, build_moe_config,
                                        heterogeneous_blocks)
@@ -1046,6 +1047,28 @@ def _validate_microbatch_groups(args) -> None:
               f"--pipeline-model-parallel-size ({args.pipeline_model_parallel_size})")
 
 
+def _validate_interleaved_microbatches(args) -> None:
+    """With virtual pipeline stages and a constant batch, the schedule's limits on the
+    micro-batch count (whole groups, or a remainder of at least the pipeline size) are checked
+    here, in one line, instead of at the first step; a ramp-up or step schedule changes the
+    count, so the schedule checks those runs each step."""
+    if args.virtual_pipeline_model_parallel_size is None or args.pipeline_model_parallel_size < 2:
+        return
+    if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
+        return
+    per_step = args.micro_batch_size * args.data_parallel_size
+    if args.global_batch_size % per_step:
+        return
+    group = args.microbatch_group_size_per_vp_stage or args.pipeline_model_parallel_size
+    try:
+        check_microbatch_group_size(group, args.pipeline_model_parallel_size,
+                                    args.global_batch_size // per_step)
+    except ValueError as err:
+        default = ("" if args.microbatch_group_size_per_vp_stage is not None else
+                   " (micro-batch groups default to --pipeline-model-parallel-size)")
+        _fail(f"with virtual pipeline stages{default}, {err}")
+
+
 def _validate_batch_and_schedule(args) -> None:
     _require(args, "micro_batch_size")
     dp = args.data_parallel_size
@@ -1862,6 +1885,7 @@ def check_flags(args):
     _validate_mtp(args)
     _validate_batch_and_schedule(args)
     _validate_microbatch_groups(args)
+    _validate_interleaved_microbatches(args)
     _validate_phase_transitions(args)
     _note_no_initialization(args)
     _validate_run_extras(args)

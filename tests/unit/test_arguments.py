@@ -120,6 +120,11 @@ def test_pad_vocab_size():
      r"not divisible by --num-layers-per-virtual-pipeline-stage \(3\)"),
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1,
      r"--pipeline-model-parallel-size >= 2"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "6"], 2, r"number of micro-batches \(3\) leaves 1 after whole groups"),
+    (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1",
+      "--global-batch-size", "2"], 2, r"must lie between --pipeline-model-parallel-size \(2\) "
+                                      r"and the number of micro-batches \(1\)"),
     (["--seq-length", "64"], 1, r"--seq-length \(64\) exceeds --max-position-embeddings \(32\)"),
     (["--hidden-size", "60"], 1, r"--hidden-size \(60\) must be divisible by"),
     (["--group-query-attention", "--num-query-groups", "3"], 1,
