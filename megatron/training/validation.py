@@ -631,8 +631,11 @@ def _validate_grad_precision(args) -> None:
     if args.grad_reduce_in_bf16 and not args.bf16:
         _fail("--grad-reduce-in-bf16 needs --bf16 (it keeps a bf16 run's gradient buffers in "
               "bf16); add --bf16 or drop it")
-    used = [flag for flag, on in (("--grad-reduce-in-bf16", args.grad_reduce_in_bf16),
-                                  ("--ddp-reduce-scatter-with-fp32-accumulation", fp32_rs),
+    if args.grad_reduce_in_bf16 and args.use_torch_fsdp2 and args.torch_fsdp2_reduce_dtype is None:
+        # As in Megatron: FSDP2 then reduce-scatters gradients in bf16 (an explicit
+        # --megatron-fsdp-grad-comm-dtype still decides).
+        args.torch_fsdp2_reduce_dtype = "bf16"
+    used = [flag for flag, on in (("--ddp-reduce-scatter-with-fp32-accumulation", fp32_rs),
                                   ("--ddp-param-name-patterns-for-fp32-local-accumulation",
                                    bool(patterns))) if on]
     if used and args.use_torch_fsdp2:
