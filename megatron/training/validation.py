@@ -1580,8 +1580,7 @@ def _validate_fine_grained_offload(args) -> None:
               ">= 0")
     for module, flag, on in (
             ("core_attn", "--context-parallel-size > 1", args.context_parallel_size > 1),
-            ("qkv_linear", "--multi-latent-attention", args.multi_latent_attention),
-            ("expert_fc1", "--moe-grouped-gemm", args.moe_grouped_gemm)):
+            ("qkv_linear", "--multi-latent-attention", args.multi_latent_attention)):
         if module in modules and on:
             _fail(f"--offload-modules {module} is not built with {flag} (that path has no "
                   f"{module} module to hook); drop it from --offload-modules")
