@@ -6,10 +6,10 @@ Each chosen module instance is one *group*. Its forward runs under saved-tensor 
 (:class:`~megatron.model.activation_offload.HostActivationStash`) that move to the host every
 saved tensor with at least ``--min-offloaded-tensor-size`` elements that is not a parameter;
 backward copies them back, so gradients are those of the plain run bit for bit. Module names
-are Megatron's: ``attn_norm`` (the input norm), ``qkv_linear``, ``core_attn``, ``attn_proj``,
-``mlp_norm`` (the post-attention norm), ``expert_fc1`` (each local expert's first projection;
-with ``--moe-grouped-gemm`` their one batched projection) and ``moe_act`` (the experts'
-activation).
+are Megatron's: ``attn_norm`` (the input norm), ``qkv_linear`` (with MLA, the down and up
+projections), ``core_attn``, ``attn_proj``, ``mlp_norm`` (the post-attention norm),
+``expert_fc1`` (each local expert's first projection; with ``--moe-grouped-gemm`` their one
+batched projection) and ``moe_act`` (the experts' activation).
 
 Which groups offload is decided as Megatron decides it, once the first forward of a model
 chunk has shown the groups in order and the bytes each would move: the last group of each
@@ -61,7 +61,10 @@ def _module_targets(layer) -> Dict[str, List[torch.nn.Module]]:
     add("attn_norm", getattr(layer, "input_layernorm", None))
     add("mlp_norm", getattr(layer, "post_attention_layernorm", None))
     if attention is not None:
-        add("qkv_linear", getattr(attention, "query_key_value", None))
+        qkv = getattr(attention, "query_key_value", None)
+        if qkv is None and hasattr(attention, "qkv_projection"):   # MLA: down and up projections
+            qkv = attention
+        add("qkv_linear", qkv)
         add("core_attn", getattr(attention, "core_attention", None))
         add("attn_proj", getattr(attention, "dense", None) or getattr(attention, "linear_proj",
                                                                       None))
@@ -97,6 +100,8 @@ class FineGrainedOffload:
                         module.activation_func = self._wrap(group, module.activation_func)
                     elif name == "expert_fc1" and hasattr(module, "fc1"):
                         module.fc1 = self._wrap(group, module.fc1)
+                    elif name == "qkv_linear" and hasattr(module, "qkv_projection"):
+                        module.qkv_projection = self._wrap(group, module.qkv_projection)
                     else:
                         module.register_forward_pre_hook(self._enter(group))
                         module.register_forward_hook(self._exit(group))

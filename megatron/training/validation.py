@@ -1578,12 +1578,9 @@ def _validate_fine_grained_offload(args) -> None:
     if args.min_offloaded_tensor_size < 0 or args.delta_offload_bytes_across_pp_ranks < 0:
         _fail("--min-offloaded-tensor-size and --delta-offload-bytes-across-pp-ranks must be "
               ">= 0")
-    for module, flag, on in (
-            ("core_attn", "--context-parallel-size > 1", args.context_parallel_size > 1),
-            ("qkv_linear", "--multi-latent-attention", args.multi_latent_attention)):
-        if module in modules and on:
-            _fail(f"--offload-modules {module} is not built with {flag} (that path has no "
-                  f"{module} module to hook); drop it from --offload-modules")
+    if "core_attn" in modules and args.context_parallel_size > 1:
+        _fail("--offload-modules core_attn is not built with --context-parallel-size > 1 (that "
+              "path has no core_attn module to hook); drop it from --offload-modules")
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         _note(args, "--fine-grained-activation-offloading on a CPU run: the activations already "
                     "live in host memory, so there is nothing to offload")

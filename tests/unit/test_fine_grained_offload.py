@@ -82,6 +82,23 @@ def test_grouped_experts_fc1_offloads_with_the_same_gradients():
     assert args.offload_modules == ["expert_fc1"] and args.moe_grouped_gemm
 
 
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_mla_qkv_projections_offload_with_the_same_gradients(q_lora_rank):
+    """With MLA, qkv_linear is Megatron-Core's get_query_key_value_tensors span: the down and
+    up projections, norms and rotary parts, one group per layer; gradients bit for bit."""
+    mla = dict(multi_latent_attention=True, position_embedding_type="rope",
+               normalization="RMSNorm", qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
+               qk_pos_emb_head_dim=4, v_head_dim=6, q_lora_rank=q_lora_rank)
+    model, plain = _gpt(num_layers=2, **mla), _gpt(num_layers=2, **mla)
+    offload = _offload(model, ["qkv_linear"])
+    _same(loss_and_grads(model, make_batch()), loss_and_grads(plain, make_batch()))
+    assert [g.name for g in offload.order] == ["qkv_linear"] * 2
+    assert all(g.packed > 0 for g in offload.order)
+    args = _validate("--fine-grained-activation-offloading", "--offload-modules", "qkv_linear",
+                     "--multi-latent-attention", "--position-embedding-type", "rope")
+    assert args.offload_modules == ["qkv_linear"] and args.multi_latent_attention
+
+
 def test_groups_chosen_as_megatron_chooses_them():
     """Order attn_norm#0, attn_proj#0, attn_norm#1, attn_proj#1, attn_norm#2, attn_proj#2.
     The last of each name stays. --activation-offload-fraction 0.5 keeps int(4 x 0.5) = 2 of
