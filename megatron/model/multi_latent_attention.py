@@ -59,6 +59,7 @@ from megatron.model.dsa import DSAttention
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
+from megatron.model.recompute import recomputed
 from megatron.model.rotary_pos_embedding import (YarnSettings, apply_rotary_pos_emb,
                                                  rotary_attention_scale, yarn_get_mscale)
 
@@ -182,6 +183,7 @@ class MultiLatentAttention(MegatronModule):
         self.rotary_interleaved = config.rotary_interleaved
         self.rotary_mscale = rotary_attention_scale(config)
         self.checkpoint_core_attention = config.recomputes("core_attn")
+        self.recompute_up_proj = config.recomputes("mla_up_proj")
 
     def qk_clip_row_factors(self, threshold: float, alpha: float):
         """``[(query weight, factor per row), (linear_kv_up_proj.weight, factor per row)]``
@@ -263,8 +265,14 @@ class MultiLatentAttention(MegatronModule):
     def _rotated_parts(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor):
         """``[s(/tp), b, h]`` -> the query's parts ``[s, b, np, d]`` and rotated ``[s, b, np, r]``,
         the normed key/value latent ``[s, b, c]`` and the rotated shared key ``[s, b, 1, r]``."""
-        d, r = self.qk_head_dim, self.pos_dim
         q_latent, kv = self._down_latents(hidden_states)                    # kv: [s, b, c+r]
+        return self._up_parts(hidden_states, q_latent, kv, rotary_pos_emb)
+
+    def _up_parts(self, hidden_states: Optional[torch.Tensor], q_latent: Optional[torch.Tensor],
+                  kv: torch.Tensor, rotary_pos_emb: torch.Tensor):
+        """:meth:`_rotated_parts` from the down projections' outputs (the hidden states are
+        read only without --q-lora-rank, or by DSA's indexer)."""
+        d, r = self.qk_head_dim, self.pos_dim
         query = self._query(hidden_states, q_latent)                        # [s, b, np, d+r]
         q_nope, q_pos = torch.split(query, [d, r], dim=-1)
         latent, k_pos = torch.split(kv, [self.kv_lora_rank, r], dim=-1)
@@ -279,8 +287,23 @@ class MultiLatentAttention(MegatronModule):
         """``[s(/tp), b, h]`` -> query, key ``[s, b, np, d + r]`` and value ``[s, b, np, dv]``:
         the down and up projections with the rotary parts applied (Megatron-Core's
         ``get_query_key_value_tensors``, the span ``--offload-modules qkv_linear`` covers)."""
+        q_latent, kv = self._down_latents(hidden_states)                    # kv: [s, b, c+r]
+        if self.recompute_up_proj and torch.is_grad_enabled():
+            # --recompute-modules mla_up_proj: only the projections' inputs are kept.
+            if q_latent is None:
+                return recomputed(lambda h, c: self._expanded(h, None, c, rotary_pos_emb),
+                                  hidden_states, kv)
+            return recomputed(lambda q, c: self._expanded(None, q, c, rotary_pos_emb),
+                              q_latent, kv)
+        return self._expanded(hidden_states, q_latent, kv, rotary_pos_emb)
+
+    def _expanded(self, hidden_states: Optional[torch.Tensor], q_latent: Optional[torch.Tensor],
+                  kv: torch.Tensor, rotary_pos_emb: torch.Tensor):
+        """The down projections' outputs -> query, key and value (:meth:`qkv_projection` after
+        the down projections)."""
         d = self.qk_head_dim
-        q_nope, q_pos, latent, k_pos = self._rotated_parts(hidden_states, rotary_pos_emb)
+        q_nope, q_pos, latent, k_pos = self._up_parts(hidden_states, q_latent, kv,
+                                                      rotary_pos_emb)
         kv, _ = self.linear_kv_up_proj(latent)                              # [s, b, np*(d+dv)]
         s, b = kv.shape[:2]
         kv = kv.view(s, b, self.num_heads, d + self.v_head_dim)

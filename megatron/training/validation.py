@@ -1511,6 +1511,12 @@ def _validate_recompute_modules(args) -> None:
         unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
         _fail(f"--recompute-modules {' '.join(unknown)} is not built; choose from "
               f"{', '.join(RECOMPUTE_MODULES)}, or use --recompute-granularity full")
+    elif "mla_up_proj" in modules and not args.multi_latent_attention:
+        _fail("--recompute-modules mla_up_proj recomputes multi-latent attention's up "
+              "projections: it needs --multi-latent-attention")
+    elif "mla_up_proj" in modules and args.experimental_attention_variant == "dsa":
+        _fail("--recompute-modules mla_up_proj with --experimental-attention-variant dsa is not "
+              "built yet (the indexer reads the query latent); drop mla_up_proj")
 
 
 def _validate_precision_aware_optimizer(args) -> None:
