@@ -16,8 +16,9 @@ from megatron.core.mup import (mup_flag_problem, mup_model_conflict, resolve_out
                                resolve_width_mult)
 
 SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
-# --recompute-modules built here (Megatron-Core's names); mla_up_proj is not.
-RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts", "mhc")
+# --recompute-modules built here (Megatron-Core's names).
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "moe_act", "layernorm", "shared_experts", "mhc",
+                     "mla_up_proj")
 
 
 def mhc_conflict(config) -> Optional[str]:
@@ -333,6 +334,13 @@ class TransformerConfig:
         if unknown:
             raise ConfigError(f"--recompute-modules {' '.join(unknown)}: not built; choose from "
                               f"{', '.join(RECOMPUTE_MODULES)}")
+        if self.recomputes("mla_up_proj") and not self.multi_latent_attention:
+            raise ConfigError("--recompute-modules mla_up_proj recomputes multi-latent "
+                              "attention's up projections: it needs --multi-latent-attention")
+        if self.recomputes("mla_up_proj") and self.experimental_attention_variant == "dsa":
+            raise ConfigError("--recompute-modules mla_up_proj with --experimental-attention-"
+                              "variant dsa is not built yet (the indexer reads the query "
+                              "latent); drop mla_up_proj")
         if not 0 <= self.cpu_offloading_num_layers < self.num_layers:
             raise ConfigError(f"--cpu-offloading-num-layers must be in [0, --num-layers="
                               f"{self.num_layers}), got {self.cpu_offloading_num_layers}")

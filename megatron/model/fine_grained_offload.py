@@ -6,9 +6,10 @@ Each chosen module instance is one *group*. Its forward runs under saved-tensor 
 (:class:`~megatron.model.activation_offload.HostActivationStash`) that move to the host every
 saved tensor with at least ``--min-offloaded-tensor-size`` elements that is not a parameter;
 backward copies them back, so gradients are those of the plain run bit for bit. Module names
-are Megatron's: ``attn_norm`` (the input norm), ``qkv_linear``, ``core_attn``, ``attn_proj``,
-``mlp_norm`` (the post-attention norm), ``expert_fc1`` (each local expert's first projection)
-and ``moe_act`` (the experts' activation).
+are Megatron's: ``attn_norm`` (the input norm), ``qkv_linear`` (with MLA, the down and up
+projections), ``core_attn``, ``attn_proj``, ``mlp_norm`` (the post-attention norm),
+``expert_fc1`` (each local expert's first projection; with ``--moe-grouped-gemm`` their one
+batched projection) and ``moe_act`` (the experts' activation).
 
 Which groups offload is decided as Megatron decides it, once the first forward of a model
 chunk has shown the groups in order and the bytes each would move: the last group of each
@@ -60,14 +61,20 @@ def _module_targets(layer) -> Dict[str, List[torch.nn.Module]]:
     add("attn_norm", getattr(layer, "input_layernorm", None))
     add("mlp_norm", getattr(layer, "post_attention_layernorm", None))
     if attention is not None:
-        add("qkv_linear", getattr(attention, "query_key_value", None))
+        qkv = getattr(attention, "query_key_value", None)
+        if qkv is None and hasattr(attention, "qkv_projection"):   # MLA: down and up projections
+            qkv = attention
+        add("qkv_linear", qkv)
         add("core_attn", getattr(attention, "core_attention", None))
         add("attn_proj", getattr(attention, "dense", None) or getattr(attention, "linear_proj",
                                                                       None))
     experts = getattr(getattr(layer, "mlp", None), "experts", None)
     if experts is not None:
+        if hasattr(experts, "fc1"):              # grouped experts: one batched first projection
+            add("expert_fc1", experts)
         for module in experts.modules():
-            add("expert_fc1", getattr(module, "linear_fc1", None))
+            if not hasattr(experts, "fc1"):
+                add("expert_fc1", getattr(module, "linear_fc1", None))
             if hasattr(module, "activation_func"):
                 add("moe_act", module)
     return out
@@ -91,6 +98,10 @@ class FineGrainedOffload:
                     self.groups.append(group)
                     if name == "moe_act":
                         module.activation_func = self._wrap(group, module.activation_func)
+                    elif name == "expert_fc1" and hasattr(module, "fc1"):
+                        module.fc1 = self._wrap(group, module.fc1)
+                    elif name == "qkv_linear" and hasattr(module, "qkv_projection"):
+                        module.qkv_projection = self._wrap(group, module.qkv_projection)
                     else:
                         module.register_forward_pre_hook(self._enter(group))
                         module.register_forward_hook(self._exit(group))
@@ -110,13 +121,13 @@ class FineGrainedOffload:
         return hook
 
     def _wrap(self, group: OffloadGroup, fn: Callable) -> Callable:
-        def activation(x):
+        def wrapped(*args):
             if not torch.is_grad_enabled():
-                return fn(x)
+                return fn(*args)
             self._seen(group)
             with group:
-                return fn(x)
-        return activation
+                return fn(*args)
+        return wrapped
 
     def _seen(self, group: OffloadGroup) -> None:
         if not self.decided and group not in self.order:

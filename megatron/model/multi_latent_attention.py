@@ -59,6 +59,7 @@ from megatron.model.dsa import DSAttention
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import get_norm
+from megatron.model.recompute import recomputed
 from megatron.model.rotary_pos_embedding import (YarnSettings, apply_rotary_pos_emb,
                                                  rotary_attention_scale, yarn_get_mscale)
 
@@ -182,6 +183,7 @@ class MultiLatentAttention(MegatronModule):
         self.rotary_interleaved = config.rotary_interleaved
         self.rotary_mscale = rotary_attention_scale(config)
         self.checkpoint_core_attention = config.recomputes("core_attn")
+        self.recompute_up_proj = config.recomputes("mla_up_proj")
 
     def qk_clip_row_factors(self, threshold: float, alpha: float):
         """``[(query weight, factor per row), (linear_kv_up_proj.weight, factor per row)]``
@@ -260,6 +262,56 @@ class MultiLatentAttention(MegatronModule):
         s, b = query.shape[:2]
         return query.view(s, b, self.num_heads, self.qk_head_dim + self.pos_dim)
 
+    def _rotated_parts(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor):
+        """``[s(/tp), b, h]`` -> the query's parts ``[s, b, np, d]`` and rotated ``[s, b, np, r]``,
+        the normed key/value latent ``[s, b, c]`` and the rotated shared key ``[s, b, 1, r]``."""
+        q_latent, kv = self._down_latents(hidden_states)                    # kv: [s, b, c+r]
+        return self._up_parts(hidden_states, q_latent, kv, rotary_pos_emb)
+
+    def _up_parts(self, hidden_states: Optional[torch.Tensor], q_latent: Optional[torch.Tensor],
+                  kv: torch.Tensor, rotary_pos_emb: torch.Tensor):
+        """:meth:`_rotated_parts` from the down projections' outputs (the hidden states are
+        read only without --q-lora-rank, or by DSA's indexer)."""
+        d, r = self.qk_head_dim, self.pos_dim
+        query = self._query(hidden_states, q_latent)                        # [s, b, np, d+r]
+        q_nope, q_pos = torch.split(query, [d, r], dim=-1)
+        latent, k_pos = torch.split(kv, [self.kv_lora_rank, r], dim=-1)
+        if self.kv_layernorm is not None:
+            latent = self.kv_layernorm(latent)
+        # This rank's heads use the shared rotary key: its gradient is summed over the ranks.
+        k_pos = tensor_parallel.copy_to_tensor_model_parallel_region(k_pos, self.tp_group)
+        return (q_nope, self._rotate(q_pos, rotary_pos_emb), latent,
+                self._rotate(k_pos.unsqueeze(2), rotary_pos_emb))
+
+    def qkv_projection(self, hidden_states: torch.Tensor, rotary_pos_emb: torch.Tensor):
+        """``[s(/tp), b, h]`` -> query, key ``[s, b, np, d + r]`` and value ``[s, b, np, dv]``:
+        the down and up projections with the rotary parts applied (Megatron-Core's
+        ``get_query_key_value_tensors``, the span ``--offload-modules qkv_linear`` covers)."""
+        q_latent, kv = self._down_latents(hidden_states)                    # kv: [s, b, c+r]
+        if self.recompute_up_proj and torch.is_grad_enabled():
+            # --recompute-modules mla_up_proj: only the projections' inputs are kept.
+            if q_latent is None:
+                return recomputed(lambda h, c: self._expanded(h, None, c, rotary_pos_emb),
+                                  hidden_states, kv)
+            return recomputed(lambda q, c: self._expanded(None, q, c, rotary_pos_emb),
+                              q_latent, kv)
+        return self._expanded(hidden_states, q_latent, kv, rotary_pos_emb)
+
+    def _expanded(self, hidden_states: Optional[torch.Tensor], q_latent: Optional[torch.Tensor],
+                  kv: torch.Tensor, rotary_pos_emb: torch.Tensor):
+        """The down projections' outputs -> query, key and value (:meth:`qkv_projection` after
+        the down projections)."""
+        d = self.qk_head_dim
+        q_nope, q_pos, latent, k_pos = self._up_parts(hidden_states, q_latent, kv,
+                                                      rotary_pos_emb)
+        kv, _ = self.linear_kv_up_proj(latent)                              # [s, b, np*(d+dv)]
+        s, b = kv.shape[:2]
+        kv = kv.view(s, b, self.num_heads, d + self.v_head_dim)
+        k_nope, value = torch.split(kv, [d, self.v_head_dim], dim=-1)
+        query = torch.cat((q_nope, q_pos), dim=-1)                           # [s, b, np, d+r]
+        key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads, -1)), dim=-1)
+        return query, key, value.contiguous()
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
                 rotary_pos_emb: Optional[torch.Tensor] = None, inference_params=None):
         """``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism) -> (output, bias), as
@@ -270,27 +322,11 @@ class MultiLatentAttention(MegatronModule):
         if self.cache_mla_latents and self.training:
             raise ConfigError("--cache-mla-latents is for generation (a model in eval mode); "
                               "it conflicts with training: drop it from training runs")
-        d, r = self.qk_head_dim, self.pos_dim
-        q_latent, kv = self._down_latents(hidden_states)                    # kv: [s, b, c+r]
-        query = self._query(hidden_states, q_latent)                        # [s, b, np, d+r]
-        q_nope, q_pos = torch.split(query, [d, r], dim=-1)
-        latent, k_pos = torch.split(kv, [self.kv_lora_rank, r], dim=-1)
-        if self.kv_layernorm is not None:
-            latent = self.kv_layernorm(latent)
-        # This rank's heads use the shared rotary key: its gradient is summed over the ranks.
-        k_pos = tensor_parallel.copy_to_tensor_model_parallel_region(k_pos, self.tp_group)
-        q_pos = self._rotate(q_pos, rotary_pos_emb)
-        k_pos = self._rotate(k_pos.unsqueeze(2), rotary_pos_emb)            # [s, b, 1, r]
         if inference_params is not None and self.cache_mla_latents:
+            q_nope, q_pos, latent, k_pos = self._rotated_parts(hidden_states, rotary_pos_emb)
             return self._latent_cache_attention(q_nope, q_pos, latent, k_pos, attention_mask,
                                                 inference_params)
-        kv, _ = self.linear_kv_up_proj(latent)                              # [s, b, np*(d+dv)]
-        s, b = kv.shape[:2]
-        kv = kv.view(s, b, self.num_heads, d + self.v_head_dim)
-        k_nope, value = torch.split(kv, [d, self.v_head_dim], dim=-1)
-        query = torch.cat((q_nope, q_pos), dim=-1)                           # [s, b, np, d+r]
-        key = torch.cat((k_nope, k_pos.expand(-1, -1, self.num_heads, -1)), dim=-1)
-        value = value.contiguous()
+        query, key, value = self.qkv_projection(hidden_states, rotary_pos_emb)
         if inference_params is not None:
             if self.dsa:
                 raise ConfigError("--experimental-attention-variant dsa: generation with a "

@@ -727,8 +727,11 @@ def _validate_grad_precision(args) -> None:
     if args.grad_reduce_in_bf16 and not args.bf16:
         _fail("--grad-reduce-in-bf16 needs --bf16 (it keeps a bf16 run's gradient buffers in "
               "bf16); add --bf16 or drop it")
-    used = [flag for flag, on in (("--grad-reduce-in-bf16", args.grad_reduce_in_bf16),
-                                  ("--ddp-reduce-scatter-with-fp32-accumulation", fp32_rs),
+    if args.grad_reduce_in_bf16 and args.use_torch_fsdp2 and args.torch_fsdp2_reduce_dtype is None:
+        # As in Megatron: FSDP2 then reduce-scatters gradients in bf16 (an explicit
+        # --megatron-fsdp-grad-comm-dtype still decides).
+        args.torch_fsdp2_reduce_dtype = "bf16"
+    used = [flag for flag, on in (("--ddp-reduce-scatter-with-fp32-accumulation", fp32_rs),
                                   ("--ddp-param-name-patterns-for-fp32-local-accumulation",
                                    bool(patterns))) if on]
     if used and args.use_torch_fsdp2:
@@ -1628,6 +1631,12 @@ def _validate_recompute_modules(args) -> None:
         unknown = sorted(set(modules) - set(RECOMPUTE_MODULES))
         _fail(f"--recompute-modules {' '.join(unknown)} is not built; choose from "
               f"{', '.join(RECOMPUTE_MODULES)}, or use --recompute-granularity full")
+    elif "mla_up_proj" in modules and not args.multi_latent_attention:
+        _fail("--recompute-modules mla_up_proj recomputes multi-latent attention's up "
+              "projections: it needs --multi-latent-attention")
+    elif "mla_up_proj" in modules and args.experimental_attention_variant == "dsa":
+        _fail("--recompute-modules mla_up_proj with --experimental-attention-variant dsa is not "
+              "built yet (the indexer reads the query latent); drop mla_up_proj")
 
 
 def _validate_precision_aware_optimizer(args) -> None:
@@ -1695,13 +1704,9 @@ def _validate_fine_grained_offload(args) -> None:
     if args.min_offloaded_tensor_size < 0 or args.delta_offload_bytes_across_pp_ranks < 0:
         _fail("--min-offloaded-tensor-size and --delta-offload-bytes-across-pp-ranks must be "
               ">= 0")
-    for module, flag, on in (
-            ("core_attn", "--context-parallel-size > 1", args.context_parallel_size > 1),
-            ("qkv_linear", "--multi-latent-attention", args.multi_latent_attention),
-            ("expert_fc1", "--moe-grouped-gemm", args.moe_grouped_gemm)):
-        if module in modules and on:
-            _fail(f"--offload-modules {module} is not built with {flag} (that path has no "
-                  f"{module} module to hook); drop it from --offload-modules")
+    if "core_attn" in modules and args.context_parallel_size > 1:
+        _fail("--offload-modules core_attn is not built with --context-parallel-size > 1 (that "
+              "path has no core_attn module to hook); drop it from --offload-modules")
     if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
         _note(args, "--fine-grained-activation-offloading on a CPU run: the activations already "
                     "live in host memory, so there is nothing to offload")

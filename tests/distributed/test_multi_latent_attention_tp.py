@@ -36,9 +36,12 @@ def _reference(q_lora_rank):
     return losses, {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
 
-def _tp_body(batch, q_lora_rank, sp):
+def _tp_body(batch, q_lora_rank, sp, recompute=()):
     state = parallel_state.initialize_model_parallel(2)
-    model = GPTModel(make_config(q_lora_rank=q_lora_rank, **FLAGS), state, sequence_parallel=sp)
+    extra = dict(recompute_granularity="selective", recompute_modules=recompute) if recompute \
+        else {}
+    model = GPTModel(make_config(q_lora_rank=q_lora_rank, **FLAGS, **extra), state,
+                     sequence_parallel=sp)
     losses = _summed_loss_grads(model, batch)
     finalize_model_grads([_Chunk(model)], tp_group=state.tp_group, sequence_parallel=sp)
     full = {n: full_tensor(p.grad, p, state.tp_group, 2) for n, p in model.named_parameters()}
@@ -46,10 +49,14 @@ def _tp_body(batch, q_lora_rank, sp):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("q_lora_rank,sp", [(None, False), (8, False), (8, True)])
-def test_mla_tp2_matches_one_process(q_lora_rank, sp):
+@pytest.mark.parametrize("q_lora_rank,sp,recompute", [
+    (None, False, ()), (8, False, ()), (8, True, ()),
+    # --recompute-modules mla_up_proj: the recomputed up projections' gathers and the shared
+    # rotary key's gradient sum run again in backward, in the same order on both ranks.
+    (8, True, ("core_attn", "mla_up_proj")), (None, True, ("mla_up_proj",))])
+def test_mla_tp2_matches_one_process(q_lora_rank, sp, recompute):
     ref_losses, ref_grads = _reference(q_lora_rank)
-    losses, grads = run_on_ranks(_tp_body, 2, make_batch(), q_lora_rank, sp)[0]
+    losses, grads = run_on_ranks(_tp_body, 2, make_batch(), q_lora_rank, sp, recompute)[0]
     torch.testing.assert_close(losses, ref_losses, rtol=0, atol=1e-10)
     assert sorted(grads) == sorted(ref_grads)
     for n in ref_grads:

@@ -91,6 +91,17 @@ def test_bf16_grad_comm_reduces_in_bf16(corpus, ddp):
     assert any(abs(a - b) > RTOL * abs(b) for a, b in zip(got[ITERS:], ddp[ITERS:]))
 
 
+@pytest.mark.slow
+def test_bf16_run_with_grad_reduce_in_bf16_is_the_bf16_grad_comm_run(corpus):
+    """--bf16 --grad-reduce-in-bf16 (Megatron-FSDP's DeepSeek-V3 script passes both) runs as
+    --megatron-fsdp-grad-comm-dtype bf16, number for number, and differs from the bf16 run
+    that reduces in fp32."""
+    base = _strategy("optim_grads_params") + ["--bf16"]
+    got = _run(corpus, 2, base + ["--grad-reduce-in-bf16"])
+    assert got == _run(corpus, 2, base + ["--megatron-fsdp-grad-comm-dtype", "bf16"])
+    assert got != _run(corpus, 2, base)
+
+
 def _ckpt_run(corpus, extra, ranks=2):
     flags = gpt_flags(corpus, 2 * N, dropout=0.0, micro_batch=2, global_batch=8,
                       extra=["--ckpt-format", "torch_dist",

@@ -63,6 +63,42 @@ def test_experts_fc1_and_activation_offload_with_the_same_gradients():
     assert names == ["expert_fc1", "moe_act"] and all(g.packed > 0 for g in offload.order)
 
 
+def test_grouped_experts_fc1_offloads_with_the_same_gradients():
+    """With --moe-grouped-gemm the experts' first projection is one batched matmul: its saved
+    tensors (the grouped rows, the stacked fc1 weights) go to the stash, one group per layer,
+    and the gradients are the plain model's bit for bit."""
+    from megatron.model.moe import MoEConfig
+
+    moe = MoEConfig(num_moe_experts=2, moe_router_topk=1, moe_ffn_hidden_size=24,
+                    moe_grouped_gemm=True)
+    kw = dict(num_layers=2, bias_gelu_fusion=False)
+    model, plain = _gpt(moe=moe, **kw), _gpt(moe=moe, **kw)
+    offload = _offload(model, ["expert_fc1"])
+    _same(loss_and_grads(model, make_batch()), loss_and_grads(plain, make_batch()))
+    assert [g.name for g in offload.order] == ["expert_fc1"] * 2
+    assert all(g.packed >= 2 for g in offload.order)     # grouped rows and stacked weights
+    args = _validate("--fine-grained-activation-offloading", "--offload-modules", "expert_fc1",
+                     "--num-experts", "2", "--moe-grouped-gemm", "--no-bias-gelu-fusion")
+    assert args.offload_modules == ["expert_fc1"] and args.moe_grouped_gemm
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_mla_qkv_projections_offload_with_the_same_gradients(q_lora_rank):
+    """With MLA, qkv_linear is Megatron-Core's get_query_key_value_tensors span: the down and
+    up projections, norms and rotary parts, one group per layer; gradients bit for bit."""
+    mla = dict(multi_latent_attention=True, position_embedding_type="rope",
+               normalization="RMSNorm", qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
+               qk_pos_emb_head_dim=4, v_head_dim=6, q_lora_rank=q_lora_rank)
+    model, plain = _gpt(num_layers=2, **mla), _gpt(num_layers=2, **mla)
+    offload = _offload(model, ["qkv_linear"])
+    _same(loss_and_grads(model, make_batch()), loss_and_grads(plain, make_batch()))
+    assert [g.name for g in offload.order] == ["qkv_linear"] * 2
+    assert all(g.packed > 0 for g in offload.order)
+    args = _validate("--fine-grained-activation-offloading", "--offload-modules", "qkv_linear",
+                     "--multi-latent-attention", "--position-embedding-type", "rope")
+    assert args.offload_modules == ["qkv_linear"] and args.multi_latent_attention
+
+
 def test_groups_chosen_as_megatron_chooses_them():
     """Order attn_norm#0, attn_proj#0, attn_norm#1, attn_proj#1, attn_norm#2, attn_proj#2.
     The last of each name stays. --activation-offload-fraction 0.5 keeps int(4 x 0.5) = 2 of

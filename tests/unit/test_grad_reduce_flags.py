@@ -51,6 +51,27 @@ def test_the_refinements_reach_the_data_parallel_config():
     assert _validated(f"--fp16 {PATTERNS} *norm*").ddp_param_name_patterns_for_fp32_local_accumulation
 
 
+MEGATRON_FSDP = "--use-megatron-fsdp --no-gradient-accumulation-fusion"
+
+
+@pytest.mark.parametrize("extra, same_as", [
+    ("--use-torch-fsdp2", None),
+    (MEGATRON_FSDP, f"{MEGATRON_FSDP} --megatron-fsdp-grad-comm-dtype bf16"),
+    (f"{MEGATRON_FSDP} --megatron-fsdp-grad-comm-dtype fp32",
+     f"{MEGATRON_FSDP} --megatron-fsdp-grad-comm-dtype fp32"),
+])
+def test_under_fsdp2_grad_reduce_in_bf16_reduce_scatters_in_bf16(extra, same_as):
+    """As in Megatron (its FSDP paths reduce in the bf16 parameters' dtype once
+    --grad-reduce-in-bf16 clears grad_reduce_in_fp32): FSDP2's reduce dtype becomes bf16, the
+    same run as --megatron-fsdp-grad-comm-dtype bf16; an explicit comm dtype still decides."""
+    ddp = build_configs(_validated(f"--bf16 --grad-reduce-in-bf16 {extra}")).ddp
+    assert ddp.use_torch_fsdp2
+    want = "bf16" if same_as is None else build_configs(
+        _validated(f"--bf16 {same_as}")).ddp.torch_fsdp2_reduce_dtype
+    assert ddp.torch_fsdp2_reduce_dtype == want
+    assert build_configs(_validated(f"--bf16 {extra}")).ddp.torch_fsdp2_reduce_dtype != "bf16"
+
+
 @pytest.mark.parametrize("extra, flag", [
     ("--grad-reduce-in-bf16", "--grad-reduce-in-bf16 needs --bf16"),
     ("--fp16 --grad-reduce-in-bf16", "--grad-reduce-in-bf16 needs --bf16"),
@@ -59,8 +80,8 @@ def test_the_refinements_reach_the_data_parallel_config():
     (f"{PATTERNS} *norm*", f"{PATTERNS}: the gradient buffers are already fp32"),
     (f"--fp16 --accumulate-allreduce-grads-in-fp32 {PATTERNS} all",
      f"{PATTERNS}: the gradient buffers are already fp32"),
-    ("--bf16 --grad-reduce-in-bf16 --use-torch-fsdp2",
-     "--grad-reduce-in-bf16 is built for the grad-buffer wrapper, not with FSDP2"),
+    (f"--bf16 --use-torch-fsdp2 {FP32_RS}",
+     f"{FP32_RS} is built for the grad-buffer wrapper, not with FSDP2"),
 ])
 def test_combinations_that_cannot_work_are_refused_in_one_line(extra, flag):
     with pytest.raises(ArgumentsError) as err:

@@ -108,7 +108,7 @@ def test_recompute_modules_core_attn_is_selective_recompute():
     with pytest.raises(ArgumentsError) as err:
         _args("--recompute-granularity", "selective", "--recompute-modules", "core_attn",
               "mla_up_proj")
-    assert str(err.value).startswith("--recompute-modules mla_up_proj is not built")
+    assert str(err.value).startswith("--recompute-modules mla_up_proj recomputes multi-latent")
 
 
 class _QKNormAttention(torch.nn.Module):

@@ -1,4 +1,4 @@
-"""--recompute-modules (core_attn, mlp, moe, moe_act, layernorm, shared_experts) and
+"""--recompute-modules (core_attn, mlp, moe, moe_act, layernorm, shared_experts, mla_up_proj) and
 --moe-layer-recompute: a GPT with dense and MoE layers (shared experts, aux and z losses,
 dropout) gives the same loss (bit for bit: the same operations on the same inputs and RNG
 states) and the same gradients as without recomputation, and each recomputed module really
@@ -39,7 +39,8 @@ def _model(modules, dropout=0.1, swiglu=False, bias=False):
 def _step(model):
     tensor_parallel.model_parallel_cuda_manual_seed(7, 0)
     torch.manual_seed(3)
-    model.moe_tracker.backward_scale = 1.0
+    if model.moe_tracker is not None:
+        model.moe_tracker.backward_scale = 1.0
     ids, pos, labels = make_batch()
     loss = model(ids, pos, None, labels=labels).mean()
     loss.backward()
@@ -110,8 +111,47 @@ def test_flags_select_the_modules_as_megatron():
     with pytest.raises(ArgumentsError, match="--moe-layer-recompute cannot be combined"):
         _args("--moe-layer-recompute", "--recompute-granularity", "full",
               "--recompute-method", "uniform", "--recompute-num-layers", "1")
-    with pytest.raises(ArgumentsError, match="--recompute-modules mla_up_proj is not built"):
+    with pytest.raises(ArgumentsError, match="mla_up_proj .* needs --multi-latent-attention"):
         _args("--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj")
+    mla = ("--multi-latent-attention", "--position-embedding-type", "rope",
+           "--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj")
+    assert _configs(*mla).model.recomputes("mla_up_proj")
+    with pytest.raises(ArgumentsError, match="mla_up_proj with --experimental-attention-variant"):
+        _args(*mla, "--experimental-attention-variant", "dsa", "--q-lora-rank", "8",
+              "--dsa-indexer-n-heads", "2", "--dsa-indexer-head-dim", "64",
+              "--dsa-indexer-topk", "4")
+
+
+@pytest.mark.parametrize("q_lora_rank", [12, None])
+def test_mla_up_proj_recomputes_the_up_projections_with_the_same_gradients(q_lora_rank):
+    """--recompute-modules mla_up_proj (with core_attn): the same loss and gradients as without
+    recomputation, and the up projections (the query's too without --q-lora-rank) run once
+    more in backward while the down projections do not."""
+    def model(modules):
+        torch.manual_seed(0)
+        tensor_parallel.model_parallel_cuda_manual_seed(5, 0)
+        config = make_config(
+            num_layers=2, hidden_dropout=0.1, attention_dropout=0.1,
+            multi_latent_attention=True, position_embedding_type="rope",
+            normalization="RMSNorm", qk_layernorm=True, kv_lora_rank=16, qk_head_dim=8,
+            qk_pos_emb_head_dim=4, v_head_dim=6, q_lora_rank=q_lora_rank,
+            recompute_granularity="selective" if modules else None,
+            recompute_modules=modules or ("core_attn",))
+        return GPTModel(config, single_process_state()).train()
+
+    plain_loss, plain = _step(model(None))
+    recomputing = model(("core_attn", "mla_up_proj"))
+    attention = recomputing.language_model.encoder.layers[0].self_attention
+    up = attention.linear_q_up_proj if q_lora_rank else attention.linear_q_proj
+    calls = {"kv_up": 0, "q": 0, "kv_down": 0}
+    for key, module in (("kv_up", attention.linear_kv_up_proj), ("q", up),
+                        ("kv_down", attention.linear_kv_down_proj)):
+        module.register_forward_hook(lambda *_, key=key: calls.__setitem__(key, calls[key] + 1))
+    loss, grads = _step(recomputing)
+    assert calls == {"kv_up": 2, "q": 2, "kv_down": 1}
+    assert torch.equal(loss, plain_loss)
+    for name in plain:
+        torch.testing.assert_close(grads[name], plain[name], rtol=0, atol=1e-14, msg=name)
 
 
 def test_discarded_output_is_freed_and_restored_for_backward():

@@ -202,6 +202,13 @@ class GroupedMLP(SequentialMLP):
                        for t in tensors]
         return torch.stack(tensors)
 
+    @staticmethod
+    def fc1(grouped: torch.Tensor, w1: torch.Tensor, b1: Optional[torch.Tensor]) -> torch.Tensor:
+        """Every local expert's first projection at once, ``[El, max, h]`` ->
+        ``[El, max, (2) f / etp]`` (what ``--offload-modules expert_fc1`` covers here)."""
+        hidden_states = torch.bmm(grouped, w1.transpose(1, 2))
+        return hidden_states if b1 is None else hidden_states + b1.unsqueeze(1)
+
     def forward(self, rows: torch.Tensor, counts: List[int]) -> torch.Tensor:
         num_rows, hidden = rows.shape
         counts_t = torch.tensor(counts, dtype=torch.long, device=rows.device)   # [El]
@@ -215,9 +222,7 @@ class GroupedMLP(SequentialMLP):
             (expert_of_row, slot), rows)                                   # [El, max, h]
         w1, b1 = self._stacked("linear_fc1", "weight"), self._stacked("linear_fc1", "bias")
         w2, b2 = self._stacked("linear_fc2", "weight"), self._stacked("linear_fc2", "bias")
-        hidden_states = torch.bmm(grouped, w1.transpose(1, 2))            # [El, max, (2)f/etp]
-        if b1 is not None:
-            hidden_states = hidden_states + b1.unsqueeze(1)
+        hidden_states = self.fc1(grouped, w1, b1)                        # [El, max, (2)f/etp]
         hidden_states = self.activation_func(hidden_states)              # [El, max, f/etp]
         output = torch.bmm(hidden_states, w2.transpose(1, 2))             # [El, max, h] partial
         output = output[expert_of_row, slot]                              # [N, h]
