@@ -63,6 +63,10 @@ PROFILER = ("the torch profiler trace of --use-pytorch-profiler always records t
 AVERAGE = ("gradients are averaged over the data-parallel group by scaling each rank's "
            "gradient by 1/size before the sum, which is how an averaging collective (NCCL's "
            "AVG) computes it for floating point; the numbers are the same")
+FSDP_RUNTIME = ("a buffer, process-group or implementation choice of Megatron's own FSDP runtime "
+                "(double buffers, memory pools, all-gather groups, unit sizes, registration, its "
+                "second version); --use-megatron-fsdp runs on PyTorch's FSDP2 here, and the "
+                "numbers are the same either way")
 BARRIER = "the timers here never add a barrier; --timing-log-level 1 timers are not synchronised"
 
 # What to do instead of a refused flag.
@@ -101,8 +105,6 @@ INFLIGHT = ("offload copies here finish before the forward goes on, so no offloa
             "flight for a cap to limit")
 SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
         "project's own; drop it and give the flags on the command line")
-WEIGHT_SHARDS = ("sharded expert weights are not built yet (--tensor-parallel-num-weight-shards "
-                 "shards the dense layers); drop it")
 UCC = "only the default communication backend is built here; drop it"
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
 MODEL_VARIANT = ("this router option (routing forced by biased random logits, a benchmarking "
@@ -118,7 +120,6 @@ REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a 
 # (option strings, dest, action, default, choices, kind, reason); see the module docstring.
 ROWS = (
     ('--pipeline-model-parallel-comm-backend', '', 'str', None, 'nccl|ucc', REFUSED, UCC),
-    ('--expert-tensor-parallel-num-weight-shards', '', 'int', None, '', REFUSED, WEIGHT_SHARDS),
     ('--tp-comm-overlap', '', 'true', False, '', REFUSED, TP_OVERLAP),
     ('--no-tp-comm-bulk-wgrad --disable-tp-comm-bulk-wgrad', 'tp_comm_bulk_wgrad',
      'false', True, '', REFUSED, TP_OVERLAP),
@@ -345,19 +346,19 @@ ROWS = (
     ('--ddp-average-in-collective', '', 'true', False, '', NO_EFFECT, AVERAGE),
     ('--overlap-param-gather-with-optimizer-step', '', 'true', False, '', NO_EFFECT, SCHEDULE),
     ('--no-align-param-gather', 'align_param_gather', 'false', True, '', NO_EFFECT, SCHEDULE),
-    ('--megatron-fsdp-version', '', 'int', 1, '1|2', REFUSED, FSDP),
+    ('--megatron-fsdp-version', '', 'int', 1, '1|2', NO_EFFECT, FSDP_RUNTIME),
     ('--no-use-layer-wise-param-layout', 'use_layer_wise_param_layout',
      'false', True, '', REFUSED, FSDP),
     ('--use-nccl-ub', 'nccl_ub', 'true', False, '', NO_EFFECT, NCCL_TUNING),
     ('--disable-symmetric-registration', '', 'true', False, '', NO_EFFECT, NCCL_TUNING),
-    ('--gtp-remat-nccl-ub', '', 'true', False, '', REFUSED, FSDP),
-    ('--gtp-expert-remat-nccl-ub', '', 'true', False, '', REFUSED, FSDP),
-    ('--fsdp-manual-registration', '', 'true', False, '', REFUSED, FSDP),
-    ('--create-all-gather-group', '', 'true', False, '', REFUSED, FSDP),
+    ('--gtp-remat-nccl-ub', '', 'true', False, '', NO_EFFECT, NCCL_TUNING),
+    ('--gtp-expert-remat-nccl-ub', '', 'true', False, '', NO_EFFECT, NCCL_TUNING),
+    ('--fsdp-manual-registration', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),
+    ('--create-all-gather-group', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),
     ('--no-gradient-reduce-div-fusion', 'gradient_reduce_div_fusion',
      'false', True, '', NO_EFFECT, FUSION),
-    ('--fsdp-double-buffer', '', 'true', False, '', REFUSED, FSDP),
-    ('--suggested-communication-unit-size', '', 'int', None, '', REFUSED, FSDP),
+    ('--fsdp-double-buffer', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),
+    ('--suggested-communication-unit-size', '', 'int', None, '', NO_EFFECT, FSDP_RUNTIME),
     ('--keep-fp8-transpose-cache', '', 'true', False, '', REFUSED, FSDP),
     ('--enable-full-sharding-in-hsdp', '', 'true', False, '', REFUSED, FSDP),
     ('--fake-process-group', '', 'true', False, '', REFUSED, TESTING),
@@ -501,9 +502,9 @@ ROWS = (
     ('--hybrid-layer-pattern', '', 'str', None, '', REFUSED, MAMBA),
     ('--hybrid-override-pattern', '', 'str', None, '', REFUSED, MAMBA),
     ('--yaml-cfg', '', 'str', None, '', REFUSED, SPEC),
-    ('--megatron-fsdp-enable-fine-grained-param-gather', '', 'true', False, '', REFUSED, FSDP),
-    ('--megatron-fsdp-max-pool-double-buffer', '', 'true', False, '', REFUSED, FSDP),
-    ('--fsdp-db-use-persist-buf-on-alloc-fail', '', 'true', False, '', REFUSED, FSDP),
+    ('--megatron-fsdp-enable-fine-grained-param-gather', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),
+    ('--megatron-fsdp-max-pool-double-buffer', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),
+    ('--fsdp-db-use-persist-buf-on-alloc-fail', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),
     ('--no-one-logger', 'enable_one_logger', 'false', True, '', NO_EFFECT, ONE_LOGGER),
     ('--one-logger-project', '', 'str', 'megatron-lm', '', NO_EFFECT, ONE_LOGGER),
     ('--one-logger-run-name', '', 'str', None, '', NO_EFFECT, ONE_LOGGER),
