@@ -1214,6 +1214,12 @@ def _add_moe_args(parser):
     g.add_argument("--moe-router-force-load-balancing", action="store_true",
                    help="benchmark switch: route by random normal logits instead of the "
                    "router's, so every expert gets about the same load")
+    g.add_argument("--moe-router-aux-loss-fusion", dest="moe_router_aux_loss_fusion",
+                   action="store_true", default=False,
+                   help="a fused kernel for the balancing loss in some Megatron releases; no "
+                   "effect here (one implementation, the same numbers)")
+    g.add_argument("--no-moe-router-aux-loss-fusion", dest="moe_router_aux_loss_fusion",
+                   action="store_false", help=argparse.SUPPRESS)
     g.add_argument("--moe-enable-routing-replay", action="store_true",
                    help="give each router a record / replay of its top-k experts (set by the "
                    "caller, e.g. to train on the routing of a rollout); no effect until used")

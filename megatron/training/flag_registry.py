@@ -37,6 +37,9 @@ NO_EFFECT_FLAGS = {
                                  "the numbers are the same as with the overlap",
     "num_dataset_builder_threads": "datasets are built one after another; the result is the same",
     "mmap_warmup": "datasets are memory-mapped and read on demand",
+    "moe_router_aux_loss_fusion": "a fusion of the balancing-loss computation (a flag of some "
+                                  "Megatron releases); there is one implementation and the "
+                                  "numbers are the same",
     "data_impl": "only the mmap .bin/.idx format exists",
     "dataset_impl": "only the mmap .bin/.idx format exists",
     "create_attention_mask_in_dataloader": "the causal mask is made inside attention; a batch "
