@@ -156,7 +156,7 @@ def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool, pre_014
                 if field in entry:
                     items += shards_of(name, shape, entry["start"], entry[field],
                                        layouts[chunk], f"{OPTIMIZER_STATE_PREFIX}{field}.")
-            if half:
+            if half or pre_014:   # Megatron-Core before 0.14 always stored the main copy
                 items += shards_of(name, shape, entry["start"], entry["param"],
                                    layouts[chunk], MAIN_PREFIX)
     metas = optimizer.group_metadata()
@@ -191,7 +191,7 @@ def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scal
         if grad_scaler is not None:
             common["optimizer"]["grad_scaler"] = grad_scaler
         if pre_014 and distributed:
-            common["optimizer"]["param_state_sharding_type"] = flattened.SHARDING_TYPE
+            common["optimizer"] = flattened.nest_common(common["optimizer"])
     return common
 
 
@@ -547,7 +547,10 @@ def _state_fields(args) -> Tuple[str, ...]:
 
 
 def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path) -> None:
-    saved = common.get("optimizer")
+    try:
+        saved = flattened.unnest_common(common.get("optimizer"))
+    except DistCheckpointError as err:
+        raise CheckpointError(f"{path}: {err}") from err
     if not isinstance(saved, dict) or "param_groups" not in saved:
         raise CheckpointError(f"{path}: has no optimizer state (saved with "
                                             "--no-save-optim?); pass --no-load-optim or "
