@@ -171,6 +171,21 @@ def _load(model, ckpt: str, out: str) -> None:
                f"{out}.{dist.get_rank()}")
 
 
+def _scheduler(optimizer, iteration: int) -> dict:
+    """The learning-rate schedule of the fixture's flags (--lr 3e-4 --min-lr 3e-5 cosine,
+    warmup 2 and 100 iterations of 2 samples, weight decay 0.1) after ``iteration``
+    iterations, which also sets each param group's lr and weight decay; its state dict."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    batch = 2
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=3e-4, min_lr=3e-5, lr_warmup_steps=2 * batch,
+        lr_decay_steps=100 * batch, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+        wd_incr_steps=100 * batch, wd_incr_style="constant")
+    scheduler.step(increment=iteration * batch)
+    return scheduler.state_dict()
+
+
 def _save(model, flags: dict, tp: int, ckpt: str, out: str, save_root: str) -> None:
     from megatron.core import dist_checkpointing
 
@@ -193,12 +208,14 @@ def _save(model, flags: dict, tp: int, ckpt: str, out: str, save_root: str) -> N
     dist.barrier()
     opt_sharded = optimizer.sharded_state_dict(model_sharded, metadata=SHARDING)
     dist_checkpointing.save({"model": model_sharded, "optimizer": opt_sharded,
+                             "opt_param_scheduler": _scheduler(optimizer, iteration),
                              "args": _args_namespace(flags, tp), "iteration": iteration,
                              "checkpoint_version": 3.0}, iter_dir)
     if dist.get_rank() == 0:
         with open(os.path.join(save_root, "latest_checkpointed_iteration.txt"), "w") as f:
             f.write(str(iteration))
-    torch.save(_held(optimizer, model_sharded, opt_sharded), f"{out}.{dist.get_rank()}")
+    torch.save(_held(optimizer, model.sharded_state_dict(), opt_sharded),
+               f"{out}.{dist.get_rank()}")
 
 
 def main() -> None:
