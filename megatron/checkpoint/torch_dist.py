@@ -35,7 +35,7 @@ from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       extra_state_objects, load_model_state, model_shards,
                                       object_key, optimizer_state_shards, range_shards, read_local,
                                       read_local_rows, save_shards, tensor_shards, write_metadata)
-from megatron.checkpoint.dist import flattened
+from megatron.checkpoint.dist import flattened, glu_interleave
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, TRANSFORMER_ENGINE,
                                            expert_names, extra_state_value,
                                            glu_interleaved_names, te_moe_norm_key)
@@ -198,7 +198,10 @@ def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scal
 def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate) -> list:
     """Everything this rank writes (collective: the RNG states)."""
     config = _model_config(model_chunks)
-    layouts = _layouts(model_chunks, config, pstate)
+    # A GLU-interleaved fc1 is written as Megatron-Core writes it at this TP size, in two
+    # halves of each rank's rows like a SwiGLU fc1 (see megatron.checkpoint.dist.glu_interleave).
+    layouts = [dataclasses.replace(layout, glu_interleaved=())
+               for layout in _layouts(model_chunks, config, pstate)]
     trees = _chunk_trees(model_chunks)
     rng_states = None
     if not args.no_save_rng:
@@ -406,7 +409,8 @@ def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, ar
 def _open(iter_dir: str) -> Tuple[DistCheckpointReader, dict]:
     try:
         reader = flattened.open_view(DistCheckpointReader(iter_dir))
-        return reader, reader.common_state()
+        common = reader.common_state()
+        return glu_interleave.open_view(reader, common.get("args")), common
     except (DistCheckpointError, UnsafeCheckpointError, OSError) as err:
         raise CheckpointError(str(err)) from None
 
