@@ -62,7 +62,7 @@ def mcore013(mcore_python):  # noqa: F811 - the fixture imported above
             shutil.rmtree(folder, ignore_errors=True)
             pytest.skip(f"{RELEASE} is not in {folder} and could not be installed there "
                         f"(pip install --no-deps --target {folder} {RELEASE}): "
-                        f"{result.stderr.strip()[-300:]}")
+                        f"{(result.stderr.strip().splitlines() or [''])[-1][-300:]}")
     version = subprocess.run([str(mcore_python), "-c", "import megatron.core as m; "
                               "print(m.__version__)"], env=_release_env(folder), cwd=folder,
                              capture_output=True, text=True)
