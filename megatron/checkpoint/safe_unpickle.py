@@ -213,6 +213,14 @@ _DCP_METADATA_GLOBALS = {
 }
 
 
+# Megatron-Core's save planner records its plans as a subclass of torch's SavePlan that adds
+# one field of plain data (``mcore_data``; before 0.14, the unflattened shapes): read as torch's.
+_DCP_METADATA_SUBSTITUTES = {
+    ("megatron.core.dist_checkpointing.strategies.torch", "MCoreSavePlan"):
+        ("torch.distributed.checkpoint.planner", "SavePlan"),
+}
+
+
 class _DCPMetadataUnpickler(pickle.Unpickler):
     def __init__(self, file, what: str):
         super().__init__(file)
@@ -224,6 +232,8 @@ class _DCPMetadataUnpickler(pickle.Unpickler):
             return getattr(torch, name)
         if (module, name) in _DCP_METADATA_GLOBALS:
             return super().find_class(module, name)
+        if (module, name) in _DCP_METADATA_SUBSTITUTES:
+            return super().find_class(*_DCP_METADATA_SUBSTITUTES[(module, name)])
         if module == "builtins" and name in ("set", "frozenset", "slice"):
             return super().find_class(module, name)
         raise UnsafeCheckpointError(f"{self._what}: refusing to load; it names {module}.{name}, "

@@ -35,7 +35,7 @@ from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       extra_state_objects, load_model_state, model_shards,
                                       object_key, optimizer_state_shards, range_shards, read_local,
                                       read_local_rows, save_shards, tensor_shards, write_metadata)
-from megatron.checkpoint.dist import flattened
+from megatron.checkpoint.dist import flattened, glu_interleave
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, TRANSFORMER_ENGINE,
                                            expert_names, extra_state_value,
                                            glu_interleaved_names, te_moe_norm_key)
@@ -160,7 +160,7 @@ def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool, pre_014
                 if field in entry:
                     items += shards_of(name, shape, entry["start"], entry[field],
                                        layouts[chunk], f"{OPTIMIZER_STATE_PREFIX}{field}.")
-            if half:
+            if half or pre_014:   # Megatron-Core before 0.14 always stored the main copy
                 items += shards_of(name, shape, entry["start"], entry["param"],
                                    layouts[chunk], MAIN_PREFIX)
     metas = optimizer.group_metadata()
@@ -195,14 +195,17 @@ def _common_state(iteration, args, opt_param_scheduler, hparams, step, grad_scal
         if grad_scaler is not None:
             common["optimizer"]["grad_scaler"] = grad_scaler
         if pre_014 and distributed:
-            common["optimizer"]["param_state_sharding_type"] = flattened.SHARDING_TYPE
+            common["optimizer"] = flattened.nest_common(common["optimizer"])
     return common
 
 
 def _shards(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate) -> list:
     """Everything this rank writes (collective: the RNG states)."""
     config = _model_config(model_chunks)
-    layouts = _layouts(model_chunks, config, pstate)
+    # A GLU-interleaved fc1 is written as Megatron-Core writes it at this TP size, in two
+    # halves of each rank's rows like a SwiGLU fc1 (see megatron.checkpoint.dist.glu_interleave).
+    layouts = [dataclasses.replace(layout, glu_interleaved=())
+               for layout in _layouts(model_chunks, config, pstate)]
     trees = _chunk_trees(model_chunks)
     rng_states = None
     if not args.no_save_rng:
@@ -410,7 +413,8 @@ def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, ar
 def _open(iter_dir: str) -> Tuple[DistCheckpointReader, dict]:
     try:
         reader = flattened.open_view(DistCheckpointReader(iter_dir))
-        return reader, reader.common_state()
+        common = reader.common_state()
+        return glu_interleave.open_view(reader, common.get("args")), common
     except (DistCheckpointError, UnsafeCheckpointError, OSError) as err:
         raise CheckpointError(str(err)) from None
 
@@ -551,7 +555,10 @@ def _state_fields(args) -> Tuple[str, ...]:
 
 
 def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path) -> None:
-    saved = common.get("optimizer")
+    try:
+        saved = flattened.unnest_common(common.get("optimizer"))
+    except DistCheckpointError as err:
+        raise CheckpointError(f"{path}: {err}") from err
     if not isinstance(saved, dict) or "param_groups" not in saved:
         raise CheckpointError(f"{path}: has no optimizer state (saved with "
                                             "--no-save-optim?); pass --no-load-optim or "

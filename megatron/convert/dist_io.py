@@ -36,7 +36,7 @@ import torch
 from megatron.checkpoint import optimizer_state
 from megatron.checkpoint.dist import keys
 from megatron.checkpoint.dist.model_state import tensor_shards
-from megatron.checkpoint.dist.flattened import open_view
+from megatron.checkpoint.dist.flattened import open_view, unnest_common
 from megatron.checkpoint.dist.reader import (DistCheckpointError, DistCheckpointReader,
                                              is_dist_checkpoint)
 from megatron.checkpoint.fsdp_dtensor import is_fsdp_dtensor_checkpoint
@@ -166,7 +166,10 @@ def _view_prefix(reader: DistCheckpointReader, view: Optional[str]) -> str:
 
 def _optimizer_meta(reader: DistCheckpointReader, common: dict) -> tuple:
     """``ModelMeta.optimizer`` of a torch_dist checkpoint, or None and why it is not carried."""
-    saved = common.get("optimizer")
+    try:
+        saved = unnest_common(common.get("optimizer"))   # Megatron-Core < 0.14's nesting too
+    except DistCheckpointError as err:
+        raise ConversionError(str(err)) from None
     if not isinstance(saved, dict) or "param_groups" not in saved:
         return None, "the source has no optimizer state"
     moments = [k for k in reader.tensor_keys() if k.startswith(keys.OPTIMIZER_STATE_PREFIX)]

@@ -75,14 +75,19 @@ def _check_against_todays_layout(old_dir, new_dir, tp):
     old, old_meta = _tensors(old_dir)
     new, _ = _tensors(new_dir)
     flat = [k for k in old if k.startswith("optimizer.state.")]
-    assert flat and sorted(old) == sorted(new)
+    main = "optimizer.state.fp32_param."   # the older layout always holds the main copy
+    assert flat and sorted(k for k in old if not k.startswith(main)) == sorted(new)
     for key in flat:
         model = key.split(".", 3)[3]
         shape = tuple(old[model].shape)
         assert old[key].dim() == len(shape) + 1, (key, old[key].shape, shape)
-        assert torch.equal(_unflatten(old[key], shape), new[key]), key
+        want = old[model] if key.startswith(main) else new[key]   # fp32: the weight itself
+        assert torch.equal(_unflatten(old[key], shape), want), key
         for chunk in old_meta.state_dict_metadata[key].chunks:   # one DP rank's range each
             assert all(s == 1 for s in chunk.sizes[:-1]), (key, chunk)
+        # where Megatron-Core looks for the unflattened shape
+        assert old_meta.mcore_data[key] == {"nd_reformulated_orig_global_shape": shape}, key
+    assert old_meta.mcore_data["decoder.final_layernorm.weight"] == {}   # a model tensor
     layers, qkv_rows, hidden = old["decoder.layers.self_attention.linear_qkv.weight"].shape
     assert tuple(old["optimizer.state.exp_avg.decoder.layers.self_attention.linear_qkv."
                      "weight"].shape) == (layers, tp, 1, qkv_rows // tp * hidden)
@@ -92,6 +97,8 @@ def _check_against_todays_layout(old_dir, new_dir, tp):
     common = DistCheckpointReader(old_dir).common_state()
     assert "content_metadata" not in common
     assert common["optimizer"]["param_state_sharding_type"] == "fully_sharded_model_space"
+    groups = common["optimizer"]["optimizer"]["param_groups"]   # the distributed optimizer's
+    assert [g["step"] for g in groups] == [float(N)] * 2
     assert "content_metadata" in DistCheckpointReader(new_dir).common_state()
 
 

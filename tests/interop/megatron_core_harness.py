@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 
-def _model(flags: dict):
+def _model(flags: dict, tp: int = 0):
+    """Megatron-Core's GPT for FLAGS at tensor-parallel size ``tp`` (default: every rank)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -35,7 +36,7 @@ def _model(flags: dict):
         num_layers=flags["num_layers"], hidden_size=flags["hidden_size"],
         num_attention_heads=flags["num_attention_heads"],
         ffn_hidden_size=flags["ffn_hidden_size"], kv_channels=flags["kv_channels"],
-        tensor_model_parallel_size=dist.get_world_size(), use_cpu_initialization=True,
+        tensor_model_parallel_size=tp or dist.get_world_size(), use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=flags["layernorm_epsilon"],
         # the tanh GeLU that Megatron's bias-GeLU fusion computes, as the fixtures were run
         bias_activation_fusion=True, gradient_accumulation_fusion=False,

@@ -423,6 +423,69 @@ def test_hostile_metadata_and_tensor_items_are_refused(tmp_path):
     assert not os.path.exists(marker)
 
 
+def test_metadata_with_megatron_cores_save_plan_reads_without_its_module(tmp_path):
+    """Megatron-Core 0.13's planner pickles its plans as ``MCoreSavePlan`` (torch's SavePlan
+    plus ``mcore_data``) from a module this project does not have: read as torch's plan; the
+    N-D flattened shapes a writer records come back in ``mcore_data``."""
+    import dataclasses
+    import sys
+    import types
+
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    path = str(tmp_path / "iter")
+    save_shards(path, [TensorShard("t", torch.ones(1, 4), (2, 4), (0, 0),
+                                   nd_orig_global_shape=(2, 2, 2)),
+                       TensorShard("t", torch.ones(1, 4), (2, 4), (1, 0),
+                                   nd_orig_global_shape=(2, 2, 2)),
+                       TensorShard("u", torch.ones(3), (3,), (0,))])
+    meta = DistCheckpointReader(path).metadata
+    assert meta.mcore_data == {"t": {"nd_reformulated_orig_global_shape": (2, 2, 2)}, "u": {}}
+    name = "megatron.core.dist_checkpointing.strategies.torch"
+
+    @dataclasses.dataclass(frozen=True)
+    class MCoreSavePlan(SavePlan):
+        mcore_data: dict = None
+
+    MCoreSavePlan.__module__, MCoreSavePlan.__qualname__ = name, "MCoreSavePlan"
+    module = types.ModuleType(name)
+    module.MCoreSavePlan = MCoreSavePlan
+    sys.modules[name] = module
+    try:
+        meta.planner_data = [MCoreSavePlan(items=[], mcore_data={"t": {}})]
+        payload = pickle.dumps(meta)
+    finally:
+        del sys.modules[name]
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(payload)
+    (plan,) = DistCheckpointReader(path).metadata.planner_data
+    assert type(plan) is SavePlan and plan.mcore_data == {"t": {}}
+    with pytest.raises(DistCheckpointWriteError, match="unflattened shape"):
+        save_shards(str(tmp_path / "bad"), [
+            TensorShard("t", torch.ones(1, 4), (2, 4), (0, 0), nd_orig_global_shape=(2, 4)),
+            TensorShard("t", torch.ones(1, 4), (2, 4), (1, 0), nd_orig_global_shape=(4, 2))])
+
+
+def test_pre_014_optimizer_common_state_nests_and_unnests():
+    from megatron.checkpoint.dist.flattened import nest_common, unnest_common
+
+    today = {"state": {"common_step": torch.tensor(5.0)}, "grad_scaler": {"scale": 2.0},
+             "param_groups": [{"lr": 0.1, "wd_mult": 1.0}, {"lr": 0.1, "wd_mult": 0.0}]}
+    nested = nest_common(today)
+    assert nested == {"optimizer": {"param_groups": [{"lr": 0.1, "wd_mult": 1.0, "step": 5.0},
+                                                     {"lr": 0.1, "wd_mult": 0.0, "step": 5.0}]},
+                      "param_state_sharding_type": "fully_sharded_model_space",
+                      "grad_scaler": {"scale": 2.0}}
+    back = unnest_common(nested)
+    assert float(back.pop("state")["common_step"]) == 5.0
+    assert back == {"param_groups": today["param_groups"], "grad_scaler": {"scale": 2.0},
+                    "param_state_sharding_type": "fully_sharded_model_space"}
+    assert unnest_common(today) is today
+    nested["optimizer"]["param_groups"][1]["step"] = 6.0
+    with pytest.raises(DistCheckpointError, match="disagree on the step"):
+        unnest_common(nested)
+
+
 # -- the project's own GPT model ---------------------------------------------------------------
 
 def _gpt_chunks(pp, vp, **config):

@@ -96,3 +96,90 @@ def test_latent_projections_have_extra_state_entries():
     plain = [n for n in names if "latent_proj" not in n]
     assert not any("latent_proj" in item.fqn
                    for item in extra_state_objects(layout, LAYERS, plain))
+
+
+# -- Megatron-Core's order of an interleaved fc1 saved at TP > 1 ---------------------------------
+
+def _megatron_order(whole: torch.Tensor, tp: int, axis: int) -> torch.Tensor:
+    """What Megatron-Core stores for an interleaved fc1 saved at TP ``tp``, built from its
+    definition: rank ``r`` holds rows ``[r * 2h, (r + 1) * 2h)`` of the whole interleaved
+    weight, and its sharded state dict cuts them in two halves, all ranks' first halves
+    stacked before all their second halves."""
+    local = whole.chunk(tp, dim=axis)
+    return torch.cat([t.chunk(2, dim=axis)[0] for t in local]
+                     + [t.chunk(2, dim=axis)[1] for t in local], dim=axis)
+
+
+INTERLEAVED_KEYS = {"decoder.layers.mlp.experts.experts.linear_fc1.weight": 2,
+                    "decoder.layers.mlp.shared_experts.linear_fc1.weight": 1}
+
+
+def _saved_args(tp):
+    return types.SimpleNamespace(tensor_model_parallel_size=tp, expert_tensor_parallel_size=None,
+                                 moe_mlp_glu_interleave_size=2,
+                                 moe_shared_expert_glu_interleave_size=4)
+
+
+@NO_PROCESS_GROUP
+def test_megatron_cores_tp2_interleaved_file_reads_whole_at_tp1_and_tp2(tmp_path):
+    """A file in Megatron-Core's TP 2 order (built from the definition above out of a TP 1
+    save) loads at TP 1 into the same model, and each TP 2 rank reads its contiguous run."""
+    from megatron.checkpoint.dist import TensorShard, read_local
+    from megatron.checkpoint.dist.glu_interleave import open_view
+
+    model, layout = _model(1)
+    save_shards(str(tmp_path / "tp1"), model_shards(model.state_dict_for_save_checkpoint(),
+                                                    layout))
+    plain = DistCheckpointReader(str(tmp_path / "tp1"))
+    items = []
+    for key in plain.tensor_keys():
+        tensor = plain.read(key)
+        if key in INTERLEAVED_KEYS:
+            tensor = _megatron_order(tensor, 2, INTERLEAVED_KEYS[key])
+            assert not torch.equal(tensor, plain.read(key))
+        items.append(TensorShard(key, tensor, tuple(tensor.shape), (0,) * tensor.dim()))
+    save_shards(str(tmp_path / "tp2"), items)
+    reader = open_view(DistCheckpointReader(str(tmp_path / "tp2")), _saved_args(2))
+    other, layout = _model(2)
+    other.load_state_dict(load_model_state(reader, other.state_dict_for_save_checkpoint(),
+                                           layout))
+    saved = flatten_state_dict(model.state_dict_for_save_checkpoint())
+    for name, tensor in flatten_state_dict(other.state_dict_for_save_checkpoint()).items():
+        assert torch.equal(tensor, saved[name]), name
+    expert = "language_model.encoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight"
+    shared = "language_model.encoder.layers.0.mlp.shared_experts.linear_fc1.weight"
+    for rank in range(2):
+        at_tp2 = dataclasses.replace(layout, tp_rank=rank, tp_size=2, expert_tp_rank=rank,
+                                     expert_tp_size=2)
+        for name in (expert, shared):
+            whole = saved[name]
+            rows = whole.shape[0] // 2
+            got = read_local(reader, name, whole[:rows], at_tp2)
+            assert torch.equal(got, whole[rank * rows:(rank + 1) * rows]), (name, rank)
+    # without the saved TP size the file is read as stored: not the model
+    assert not torch.equal(DistCheckpointReader(str(tmp_path / "tp2")).read(
+        "decoder.layers.mlp.shared_experts.linear_fc1.weight")[0], saved[shared])
+    assert open_view(plain, _saved_args(1)) is plain
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_interleaved_fc1_saved_at_tp_is_megatron_cores_order(tp):
+    """What each rank writes (the save layout: SwiGLU halves of its contiguous run), put
+    together, is the definition's order; the view maps it back."""
+    from megatron.checkpoint.dist.glu_interleave import stored_runs
+
+    rows, cols = 16, 3
+    whole = torch.arange(rows * cols, dtype=torch.float32).reshape(rows, cols)
+    name = "language_model.encoder.layers.0.mlp.shared_experts.linear_fc1.weight"
+    stored = torch.full((1, rows, cols), float("nan"))
+    for rank in range(tp):
+        save_layout = ChunkLayout(num_layers=1, swiglu=True, tp_rank=rank, tp_size=tp)
+        local = whole.chunk(tp)[rank]
+        for place in placements(name, tuple(local.shape), save_layout):
+            lo, hi = place.local_rows
+            stored[0, place.global_offset[1]:place.global_offset[1] + hi - lo] = local[lo:hi]
+    assert torch.equal(stored[0], _megatron_order(whole, tp, 0))
+    back = torch.empty_like(whole)
+    for start, at, length in stored_runs(rows, tp):
+        back[start:start + length] = stored[0, at:at + length]
+    assert torch.equal(back, whole)

@@ -9,6 +9,12 @@ pieces (stacked layer and expert axes count as pieces of size 1); the last axis 
 elements in row-major order, and every data-parallel rank writes its own range of them
 (``[1, 1, 1, end - start]`` at ``(i, j, k, start)``). The model tensors themselves are stored
 as in today's layout, which is how a reader finds a piece's shape: ``x = X // (X // x)``.
+Megatron-Core finds it in the DCP metadata instead: ``Metadata.mcore_data[key]
+["nd_reformulated_orig_global_shape"]`` holds ``[X, Y, Z]`` for each such key, and its loader
+refuses a flattened key without it. The state always includes ``fp32_param`` (the parameter
+itself when the model trains in fp32), which its loader asks for. The common state nests the
+param groups as the distributed optimizer's own state dict does: ``{"optimizer":
+{"param_groups": [..., each with "step"]}, "param_state_sharding_type": ...}``.
 
 :func:`flat_range_shards` writes that layout; :class:`FlattenedStateView` reads it back as if
 it were today's layout, so every loader of this project reads both.
@@ -60,7 +66,8 @@ def flat_range_shards(name: str, local_shape: Tuple[int, ...], start: int,
         index = tuple(o // b for o, b in zip(place.global_offset, block))
         piece = values.view((1,) * len(counts) + (values.numel(),))
         shards.append(TensorShard(prefix + place.key, piece, counts + (_numel(local_shape),),
-                                  index + (start,)))
+                                  index + (start,),
+                                  nd_orig_global_shape=tuple(place.global_shape)))
     return shards
 
 
@@ -118,6 +125,37 @@ class FlattenedStateView:
             dst = tuple(slice(a - o, c - o) for a, c, o in zip(lo, hi, offset))
             out[dst].copy_(piece[src])
         return out
+
+
+def nest_common(optimizer: dict) -> dict:
+    """Today's common optimizer state (``{"state": {"common_step": s}, "param_groups": [...],
+    "grad_scaler"?}``) in the distributed optimizer's pre-0.14 form."""
+    step = float(optimizer.get("state", {}).get("common_step", 0))
+    nested = {"optimizer": {"param_groups": [dict(g, step=step)
+                                             for g in optimizer["param_groups"]]},
+              "param_state_sharding_type": SHARDING_TYPE}
+    if "grad_scaler" in optimizer:
+        nested["grad_scaler"] = optimizer["grad_scaler"]
+    return nested
+
+
+def unnest_common(optimizer):
+    """The inverse of :func:`nest_common`, for a common state written either way (what it is
+    not is returned unchanged). The step is the groups' ``step``, which must agree."""
+    if not isinstance(optimizer, dict) or "param_groups" in optimizer:
+        return optimizer
+    inner = optimizer.get("optimizer")
+    if not isinstance(inner, dict) or not isinstance(inner.get("param_groups"), list):
+        return optimizer
+    groups = inner["param_groups"]
+    steps = {float(g["step"]) for g in groups if isinstance(g, dict) and "step" in g}
+    if len(steps) > 1:
+        raise DistCheckpointError(f"the optimizer's param groups disagree on the step "
+                                  f"({sorted(steps)})")
+    plain = {k: v for k, v in optimizer.items() if k != "optimizer"}
+    plain["state"] = {"common_step": torch.tensor(steps.pop() if steps else 0.0)}
+    plain["param_groups"] = [{k: v for k, v in g.items() if k != "step"} for g in groups]
+    return plain
 
 
 def _model_key(key: str) -> Optional[str]:

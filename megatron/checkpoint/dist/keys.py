@@ -56,12 +56,12 @@ linear_fc2.{weight,bias}                           linear_fc2.{weight,bias} [L, 
                                                    (with ``--moe-latent-size``)
 =================================================  ==========================================
 
-With ``--moe-mlp-glu-interleave-size`` (``--moe-shared-expert-glu-interleave-size``) the fc1
-tensor is stored as the whole interleaved weight, each (expert-)TP rank's rows a contiguous run
-of whole blocks, so a file loads at any (expert-)TP size. At size 1 these are Megatron-Core's
-bytes; at a larger size Megatron-Core cuts each rank's interleaved rows in two halves as for
-SwiGLU, which orders the blocks by that size: such a file of its is read correctly only at
-(expert-)TP 1 saves.
+With ``--moe-mlp-glu-interleave-size`` (``--moe-shared-expert-glu-interleave-size``) a rank
+holds its fc1 rows interleaved in blocks; ``ChunkLayout.glu_interleaved`` names those tensors,
+whose placement is then each (expert-)TP rank's rows as one contiguous run of the whole
+interleaved weight (what a loader reads). Saves write them as Megatron-Core does, split in two
+halves like a SwiGLU fc1 at the saving TP size (``glu_interleaved=()``), and
+:mod:`megatron.checkpoint.dist.glu_interleave` reads such a file back as the whole weight.
 
 Megatron-Core's grouped-linear spellings of a chunk's expert tensors (``--moe-single-grouped-
 weight`` / ``--moe-single-grouped-bias``): ``...layers.N.mlp.experts.linear_fc1.weight``

@@ -50,12 +50,15 @@ class DistCheckpointWriteError(RuntimeError):
 
 @dataclasses.dataclass
 class TensorShard:
-    """A piece of a global tensor: ``tensor`` sits at ``global_offset`` of ``key``."""
+    """A piece of a global tensor: ``tensor`` sits at ``global_offset`` of ``key``.
+    ``nd_orig_global_shape``: for a tensor stored N-D flattened, the shape it has unflattened
+    (recorded in the metadata's ``mcore_data``, where Megatron-Core looks for it)."""
 
     key: str
     tensor: torch.Tensor
     global_shape: Tuple[int, ...]
     global_offset: Tuple[int, ...]
+    nd_orig_global_shape: Optional[Tuple[int, ...]] = None
 
 
 @dataclasses.dataclass
@@ -81,6 +84,7 @@ class Record:
     chunk_sizes: Optional[Tuple[int, ...]] = None
     global_shape: Optional[Tuple[int, ...]] = None
     dtype: Optional[torch.dtype] = None
+    nd_orig_global_shape: Optional[Tuple[int, ...]] = None
 
 
 def data_file_name(rank: int) -> str:
@@ -107,9 +111,10 @@ class ShardWriter:
         return offset, len(payload)
 
     def add_tensor(self, key: str, tensor: torch.Tensor, global_shape: Sequence[int],
-                   global_offset: Sequence[int]) -> None:
+                   global_offset: Sequence[int],
+                   nd_orig_global_shape: Optional[Sequence[int]] = None) -> None:
         """Store ``tensor`` as the chunk of ``key`` at ``global_offset`` (same number of dims
-        as ``global_shape``)."""
+        as ``global_shape``); ``nd_orig_global_shape`` as :class:`TensorShard`'s."""
         global_shape, global_offset = tuple(global_shape), tuple(global_offset)
         if tensor.dim() != len(global_shape) or len(global_offset) != len(global_shape) or any(
                 o < 0 or o + s > g for o, s, g in zip(global_offset, tensor.shape,
@@ -123,8 +128,9 @@ class ShardWriter:
         buf = io.BytesIO()
         torch.save(tensor, buf)
         offset, length = self._append(buf.getbuffer())
+        orig = tuple(nd_orig_global_shape) if nd_orig_global_shape is not None else None
         self.records.append(Record(key, self.file, offset, length, global_offset,
-                                   tuple(tensor.shape), global_shape, tensor.dtype))
+                                   tuple(tensor.shape), global_shape, tensor.dtype, orig))
 
     def add_object(self, fqn: str, obj: Any, listed: bool = True) -> None:
         """Store ``obj`` as the byte entry ``fqn``, as ``torch.save([obj])`` (``listed=False``:
@@ -143,7 +149,8 @@ class ShardWriter:
     def add(self, items: Iterable) -> None:
         for item in items:
             if isinstance(item, TensorShard):
-                self.add_tensor(item.key, item.tensor, item.global_shape, item.global_offset)
+                self.add_tensor(item.key, item.tensor, item.global_shape, item.global_offset,
+                                item.nd_orig_global_shape)
             else:
                 self.add_object(item.fqn, item.obj, item.listed)
 
@@ -220,10 +227,30 @@ def build_metadata(records: Iterable[Record], checkpoint_id: str = "") -> Metada
             size=torch.Size(shape),
             chunks=[ChunkStorageMetadata(offsets=torch.Size(r.chunk_offset),
                                          sizes=torch.Size(r.chunk_sizes)) for r in chunks])
-    return Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data,
-                    storage_meta=StorageMeta(checkpoint_id=checkpoint_id,
-                                             save_id=str(uuid.uuid4()), modules=[]),
-                    version=DCP_VERSION)
+    metadata = Metadata(state_dict_metadata=state_dict_metadata, storage_data=storage_data,
+                        storage_meta=StorageMeta(checkpoint_id=checkpoint_id,
+                                                 save_id=str(uuid.uuid4()), modules=[]),
+                        version=DCP_VERSION)
+    flattened = _nd_orig_global_shapes(tensors)
+    if flattened:
+        # Megatron-Core's planner records, per tensor key, the shape of an N-D flattened one.
+        metadata.mcore_data = {key: ({"nd_reformulated_orig_global_shape": flattened[key]}
+                                     if key in flattened else {}) for key in tensors}
+    return metadata
+
+
+def _nd_orig_global_shapes(tensors: Dict[str, List[Record]]) -> Dict[str, Tuple[int, ...]]:
+    """Each N-D flattened key's unflattened shape, which all its writers must agree on."""
+    found = {}
+    for key, chunks in tensors.items():
+        shapes = {r.nd_orig_global_shape for r in chunks}
+        if len(shapes) > 1:
+            raise DistCheckpointWriteError(f"{key!r}: writers disagree on its unflattened "
+                                           f"shape ({sorted(map(str, shapes))})")
+        shape = shapes.pop()
+        if shape is not None:
+            found[key] = tuple(shape)
+    return found
 
 
 def _write_atomic(path: str, payload: bytes) -> None:
