@@ -29,12 +29,20 @@ optimizer; a dense model has one.
 
 :func:`read_param_state` turns a file into this project's ``param_state`` (per param group, per
 parameter, tensors of the parameter's shape), which :class:`DistributedOptimizer` loads at any
-data-parallel size; :func:`coalesced_state` does the reverse for saving.
+data-parallel size. Saving does the reverse (:func:`split_for_save`): the torch-format writer of
+a distributed optimizer puts the param groups (and the loss scaler) in ``model_optim_rng.pt``, as
+Megatron-LM's ``DistributedOptimizer.state_dict()`` does, and the tensors in ``distrib_optim.pt``
+in the current (coalesced) layout, zeros in the gaps, as Megatron-LM's
+``save_parameter_state()`` writes them. The ``torch`` format has no ``param_state_sharding_type``
+(that key belongs to ``torch_dist``'s optimizer state). Where this reader could not place the
+tensors (experts in buffers of their own, an embedding tied across pipeline stages, an optimizer
+other than Adam), the state stays whole in ``model_optim_rng.pt`` (this project's earlier layout,
+which still loads: its ``optimizer`` entry holds ``param_state``).
 """
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -93,20 +101,26 @@ def writer_bucket_size(saved_args, chunk_index: int) -> Optional[int]:
     return int(size)
 
 
+def unplaceable(name: str, param: torch.nn.Parameter) -> str:
+    """Why ``param`` has no place in ``distrib_optim.pt`` as read here; "" when it has."""
+    if not getattr(param, "allreduce", True):
+        return f"expert parameters ({name}) live in gradient buffers of their own"
+    if getattr(param, "shared_embedding", False):
+        return (f"{name} is a word embedding tied across pipeline stages, whose bucket "
+                "placement is not known here")
+    return ""
+
+
 def buffer_params(chunk: torch.nn.Module, where: str) -> List[List[torch.nn.Parameter]]:
     """A chunk's trainable parameters, one list per gradient buffer, in buffer order."""
     by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
     for name, param in chunk.named_parameters():
         if not param.requires_grad:
             continue
-        if not getattr(param, "allreduce", True):
-            raise CheckpointError(f"{where}: expert parameters ({name}) live in buffers of "
-                                  "their own; a distrib_optim.pt of a mixture-of-experts model "
-                                  "is not read here (use --ckpt-format torch_dist)")
-        if getattr(param, "shared_embedding", False):
-            raise CheckpointError(f"{where}: {name} is a word embedding tied across pipeline "
-                                  "stages, whose bucket placement in distrib_optim.pt is not "
-                                  "read here (use --ckpt-format torch_dist)")
+        why = unplaceable(name, param)
+        if why:
+            raise CheckpointError(f"{where}: {why}; a {FILE_NAME} of such a model is not read "
+                                  "here (use --ckpt-format torch_dist)")
         by_dtype.setdefault(param.dtype, []).append(param)
     return [params[::-1] for params in by_dtype.values()]
 
@@ -231,16 +245,29 @@ def read_param_state(path: str, model_chunks, model_param_groups, saved_args,
     return [[per_param[p] for p in group] for group in model_param_groups]
 
 
-def has_megatron_layout(saved_optimizer, optimizer) -> bool:
+def is_megatron_layout(saved_optimizer) -> bool:
     """Whether a torch-format file's ``optimizer`` entry is Megatron-LM's distributed optimizer
-    state (param groups only; the tensors in ``distrib_optim.pt``) and this run's optimizer
-    is the distributed one that reads it."""
-    if not hasattr(optimizer, "model_param_groups"):
-        return False
+    state: param groups only (without their ``params``), the tensors in ``distrib_optim.pt``."""
     if isinstance(saved_optimizer, list) and len(saved_optimizer) == 1:
         saved_optimizer = saved_optimizer[0]
-    return isinstance(saved_optimizer, dict) and "param_state" not in saved_optimizer \
-        and "param_groups" in saved_optimizer.get("optimizer", {})
+    if not isinstance(saved_optimizer, dict) or "param_state" in saved_optimizer:
+        return False
+    groups = saved_optimizer.get("optimizer", {}).get("param_groups")
+    return isinstance(groups, list) and "state" not in saved_optimizer["optimizer"] and all(
+        isinstance(g, dict) and "params" not in g for g in groups)
+
+
+def has_megatron_layout(saved_optimizer, optimizer, model_file: str = "") -> bool:
+    """Whether ``saved_optimizer`` is in Megatron-LM's distributed optimizer layout
+    (:func:`is_megatron_layout`) and this run's optimizer is the distributed one that reads it;
+    with such a file and another optimizer, an error naming ``model_file``."""
+    if not is_megatron_layout(saved_optimizer):
+        return False
+    if not hasattr(optimizer, "model_param_groups"):
+        raise CheckpointError(f"{model_file}: its optimizer state was saved by the distributed "
+                              f"optimizer (the tensors in {FILE_NAME}); pass "
+                              "--use-distributed-optimizer to load it, or --no-load-optim")
+    return True
 
 
 def _group_key(group: dict):
@@ -275,3 +302,73 @@ def project_state(saved_optimizer, model_file: str, model_chunks, optimizer, sav
     if "grad_scaler" in saved_optimizer:
         out["grad_scaler"] = saved_optimizer["grad_scaler"]
     return out
+
+
+def megatron_layout_refusal(model_chunks, optimizer) -> str:
+    """Why this run's distributed optimizer state cannot be written as ``distrib_optim.pt``
+    (then it stays in ``model_optim_rng.pt``); "" when it can."""
+    if getattr(getattr(optimizer, "config", None), "optimizer", "adam") != "adam":
+        return (f"--optimizer {optimizer.config.optimizer} keeps other state than Adam's "
+                "exp_avg / exp_avg_sq")
+    if any(key[2] for key in getattr(optimizer, "grad_buffers", {})):
+        return "expert parameters live in gradient buffers of their own"
+    if any(getattr(chunk, "weight_shard_grad_buffers", None) for chunk in model_chunks):
+        return "weight-sharded parameters live in gradient buffers of their own"
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            why = param.requires_grad and unplaceable(name, param)
+            if why:
+                return why
+    return ""
+
+
+def _grad_dtypes(optimizer) -> Dict[torch.nn.Parameter, torch.dtype]:
+    """Each parameter's gradient buffer dtype (the second half of Megatron-LM's key)."""
+    out = {}
+    for (_, dtype, _), grad_buffer in getattr(optimizer, "grad_buffers", {}).items():
+        for param in grad_buffer.param_index_map:
+            out[param] = dtype
+    return out
+
+
+def coalesced_state(param_state, model_chunks, model_param_groups, saved_args,
+                    grad_dtypes: Optional[Dict] = None) -> dict:
+    """The ``distrib_optim.pt`` content of ``param_state`` (as :func:`read_param_state`
+    returns it) for ``model_chunks`` saved with ``saved_args``: flat fp32 tensors per gradient
+    buffer, parameters at their aligned offsets, zeros between them."""
+    values = {p: entry for group, entries in zip(model_param_groups, param_state)
+              for p, entry in zip(group, entries)}
+    grad_dtypes = grad_dtypes or {}
+    out, index = {"buckets_coalesced": True}, 0
+    for chunk_index, chunk in enumerate(model_chunks):
+        for params in buffer_params(chunk, "saving"):
+            offsets, total = flat_offsets([p.numel() for p in params],
+                                          writer_bucket_size(saved_args, chunk_index),
+                                          PARAM_ALIGN)
+            entry = {k: torch.zeros(total, dtype=torch.float32) for k in KEYS}
+            for param, offset in zip(params, offsets):
+                if param not in values:
+                    raise CheckpointError(f"saving {FILE_NAME}: a parameter of shape "
+                                          f"{tuple(param.shape)} is in no param group")
+                for k in KEYS:
+                    entry[k][offset:offset + param.numel()] = \
+                        values[param][k].detach().reshape(-1).to("cpu", torch.float32)
+            entry["numel_unpadded"] = total
+            dtype_key = (params[0].dtype, grad_dtypes.get(params[0], torch.float32))
+            out[index] = {dtype_key: entry}
+            index += 1
+    return out
+
+
+def split_for_save(optimizer_state: dict, model_chunks, optimizer,
+                   saved_args) -> Tuple[dict, dict]:
+    """``(model_optim_rng.pt's optimizer entry, distrib_optim.pt's content)`` of this project's
+    unsharded distributed optimizer state (DP rank 0's :meth:`state_dict`)."""
+    groups = [{k: v for k, v in group.items() if k != "params"}
+              for group in optimizer_state["optimizer"]["param_groups"]]
+    entry = {"optimizer": {"param_groups": groups}}
+    if "grad_scaler" in optimizer_state:
+        entry["grad_scaler"] = optimizer_state["grad_scaler"]
+    content = coalesced_state(optimizer_state["param_state"], model_chunks,
+                              optimizer.model_param_groups, saved_args, _grad_dtypes(optimizer))
+    return entry, content
