@@ -372,3 +372,42 @@ def split_for_save(optimizer_state: dict, model_chunks, optimizer,
     content = coalesced_state(optimizer_state["param_state"], model_chunks,
                               optimizer.model_param_groups, saved_args, _grad_dtypes(optimizer))
     return entry, content
+
+
+def tree_param_state(model_file: str, order, dtypes, saved_args) -> list:
+    """Per parameter of ``order`` (``(chunk, name, shape)`` of a rank's saved model trees, in
+    the model's order; ``dtypes`` alike), ``{"param", "exp_avg", "exp_avg_sq"}`` read from the
+    ``distrib_optim.pt`` beside ``model_file``, for readers without the model's modules (the
+    converter). The buffers are laid out as for modules: per chunk, per dtype, reversed."""
+    if int(getattr(saved_args, "pipeline_model_parallel_size", 1) or 1) > 1 and not getattr(
+            saved_args, "untie_embeddings_and_output_weights", True):
+        raise CheckpointError(f"{model_file}: the word embedding is tied across pipeline "
+                              f"stages, whose bucket placement in {FILE_NAME} is not read here")
+    path = file_beside(model_file)
+    content = _load_file(path)
+    flats = _buffers_of(content, path, legacy="buckets_coalesced" not in content)
+    chunks = sorted({c for c, _, _ in order})
+    layout = []  # (chunk index, [(position in order, numel)]) per buffer
+    for chunk in chunks:
+        by_dtype: Dict[torch.dtype, list] = {}
+        for i, (c, _, shape) in enumerate(order):
+            if c == chunk:
+                by_dtype.setdefault(dtypes[i], []).append((i, int(torch.Size(shape).numel())))
+        layout += [(chunk, members[::-1]) for members in by_dtype.values()]
+    if len(layout) != len(flats):
+        raise CheckpointError(f"{path}: holds {len(flats)} gradient buffers, the model files "
+                              f"have {len(layout)}")
+    out: list = [None] * len(order)
+    for (chunk, members), flat in zip(layout, flats):
+        for align in (PARAM_ALIGN, 1):
+            offsets, total = flat_offsets([n for _, n in members],
+                                          writer_bucket_size(saved_args, chunk), align)
+            if total == flat["param"].numel():
+                break
+        else:
+            raise CheckpointError(f"{path}: {flat['name']} has {flat['param'].numel()} "
+                                  f"elements, the model's buffer needs {total}")
+        for (i, numel), offset in zip(members, offsets):
+            out[i] = {k: flat[k][offset:offset + numel].to(torch.float32)
+                      .reshape(order[i][2]).clone() for k in KEYS}
+    return out
