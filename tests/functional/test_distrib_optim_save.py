@@ -50,13 +50,13 @@ def _load(path):
     return torch.load(path, map_location="cpu", weights_only=False)
 
 
-def naive_state(rank_dir, model_tree, dp):
+def naive_state(rank_dir, model_tree, dp, dtypes=(torch.float32, torch.float32)):
     """``{name: {key: tensor of the parameter's shape}}`` read from ``distrib_optim.pt`` at the
     naive layout's offsets (one bucket: no --overlap-grad-reduce)."""
     content = _load(os.path.join(rank_dir, "distrib_optim.pt"))
     assert content["buckets_coalesced"] is True and set(content) == {"buckets_coalesced", 0}
     (dtype, entry), = content[0].items()
-    assert dtype == (torch.float32, torch.float32)
+    assert dtype == dtypes
     shapes = {n: model_tree[n].shape for n in megatron_order()}
     where, unpadded = naive_buckets({n: s.numel() for n, s in shapes.items()}, None, dp)
     assert entry["numel_unpadded"] == sum(unpadded) == entry["param"].numel()
@@ -84,15 +84,19 @@ def _group_names(groups):
     return [decayed if float(g["wd_mult"]) > 0 else rest for g in groups]
 
 
-def _check_files(rank_dir, dp):
+def _check_files(rank_dir, dp, dtypes=(torch.float32, torch.float32)):
+    """The model file holds the param groups only; the fp32 main parameters in
+    ``distrib_optim.pt`` are the saved weights (rounded to a half-precision model's dtype)."""
     state = _load(os.path.join(rank_dir, "model_optim_rng.pt"))
     opt = state["optimizer"]
-    assert set(opt) == {"optimizer"} and set(opt["optimizer"]) == {"param_groups"}
+    assert set(opt["optimizer"]) == {"param_groups"} and "param_state" not in opt
     assert all("params" not in g and g["step"] == N for g in opt["optimizer"]["param_groups"])
     tree = _model_tree(state)
-    values = naive_state(rank_dir, tree, dp)
+    values = naive_state(rank_dir, tree, dp, dtypes)
     for name in megatron_order():
-        assert torch.equal(values[name]["param"], tree[name]), name
+        main = values[name]["param"]
+        assert main.dtype == torch.float32 and torch.equal(main.to(tree[name].dtype),
+                                                           tree[name]), name
     return state, values
 
 
@@ -130,6 +134,18 @@ def test_tp2_dp2_each_rank_folder_holds_its_shard(corpus, tmp_path):
         assert state["args"].tensor_model_parallel_size == 2
     resumed = _losses(4, _flags(corpus, ["--load", save, "--ckpt-step", str(N)], tp=2))
     straight = _losses(4, _flags(corpus, tp=2))
+    assert resumed == straight[N:]
+
+
+@pytest.mark.slow
+def test_bf16_files_key_the_buffer_by_param_and_grad_dtype(corpus, tmp_path):
+    """bf16 weights, fp32 gradient reduction (Megatron's default): the buffer's key is
+    (bfloat16, float32), the fp32 main parameters round to the saved weights, and the run
+    resumes bit for bit."""
+    save, bf16 = str(tmp_path / "bf16"), ["--bf16"]
+    straight = _losses(2, _flags(corpus, bf16 + ["--save", save, "--save-interval", str(N)]))
+    _check_files(_rank_dir(save), 2, (torch.bfloat16, torch.float32))
+    resumed = _losses(2, _flags(corpus, bf16 + ["--load", save, "--ckpt-step", str(N)]))
     assert resumed == straight[N:]
 
 
