@@ -14,8 +14,9 @@ model tree's keys. Saved groups carry ``wd_mult`` / ``lr_mult``, so either group
 Source layouts read: torch's AdamW (this project), apex FusedAdam (Megatron-LM), either inside
 the fp16/bf16 wrapper (``optimizer`` + ``fp32_from_fp16_params``), the distributed optimizer's
 ``distrib_optim.pt`` beside the file (Megatron-LM, and this project since it writes that layout)
-and this project's earlier distributed layout (``param_state`` inside the file). The target is written in the non-distributed layout,
-which every optimizer here (distributed or not) and Megatron-LM's load.
+and this project's earlier distributed layout (``param_state`` inside the file). The target is
+written in the non-distributed layout, which every optimizer here (distributed or not) and
+Megatron-LM's load.
 """
 
 from typing import Dict, List, Optional, Tuple
