@@ -17,7 +17,8 @@ from megatron.checkpoint import distrib_optim_file as dof
 from megatron.checkpoint.layout import CheckpointError
 from megatron.model import GPTModel
 from tests.unit.test_distrib_optim_file import (KEYS, megatron_order, naive_buckets,
-                                                random_values, read_back, saved_args)
+                                                naive_file, random_values, read_back,
+                                                saved_args)
 from tests.unit.test_gpt_model import make_config, single_process_state
 
 
@@ -118,3 +119,27 @@ def test_replicated_optimizer_gets_a_clear_error_for_the_megatron_layout():
         dof.has_megatron_layout(entry, object(), "rank/model_optim_rng.pt")
     replicated = {"optimizer": {"state": {}, "param_groups": [{"lr": 1.0, "params": [0]}]}}
     assert not dof.has_megatron_layout(replicated, object(), "x")
+
+
+@pytest.mark.parametrize("legacy", [False, True], ids=["coalesced", "legacy"])
+def test_converter_reads_the_file_beside_the_model_file(tmp_path, model, legacy):
+    """The converter has the saved model trees, not the modules: it lays the buffers out from
+    the trees and finds each parameter's moments and main copy in a file the naive writer
+    made (a sentinel between parameters)."""
+    from megatron.checkpoint.optimizer_state import MAIN, SourceOptimizer
+
+    values = random_values(model)
+    torch.save(naive_file(values, dp=2, legacy=legacy), tmp_path / dof.FILE_NAME)
+    groups = [{"lr": 1e-3, "wd_mult": 1.0, "lr_mult": 1.0, "step": 3},
+              {"lr": 1e-3, "wd_mult": 0.0, "lr_mult": 1.0, "step": 3}]
+    state = {"optimizer": {"optimizer": {"param_groups": groups}}, "args": saved_args(),
+             "model": {n: p.detach() for n, p in model.named_parameters()}}
+    found, why = SourceOptimizer.read(state, [state["model"]], str(tmp_path / "model.pt"))
+    assert why == "" and found.step == 3
+    for name in megatron_order():
+        entry = found.entries[(0, name)]
+        assert torch.equal(entry[MAIN], values[name]["param"]), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(entry[key], values[name][key]), (name, key)
+    missing, why = SourceOptimizer.read(state, [state["model"]], str(tmp_path / "x" / "m.pt"))
+    assert missing is None and "distrib_optim.pt: not found" in why
