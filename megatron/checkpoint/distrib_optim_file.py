@@ -360,11 +360,18 @@ def coalesced_state(param_state, model_chunks, model_param_groups, saved_args,
     return out
 
 
+# Keys Megatron-LM's param groups hold that this project's do not: Megatron-Core's distributed
+# optimizer matches saved groups to its own by (wd_mult, lr_mult, is_expert_parallel,
+# is_decoupled_lr), and its fused Adam reads bias_correction from each group.
+MEGATRON_GROUP_KEYS = {"is_expert_parallel": False, "is_decoupled_lr": False,
+                       "bias_correction": True}
+
+
 def split_for_save(optimizer_state: dict, model_chunks, optimizer,
                    saved_args) -> Tuple[dict, dict]:
     """``(model_optim_rng.pt's optimizer entry, distrib_optim.pt's content)`` of this project's
     unsharded distributed optimizer state (DP rank 0's :meth:`state_dict`)."""
-    groups = [{k: v for k, v in group.items() if k != "params"}
+    groups = [{**MEGATRON_GROUP_KEYS, **{k: v for k, v in group.items() if k != "params"}}
               for group in optimizer_state["optimizer"]["param_groups"]]
     entry = {"optimizer": {"param_groups": groups}}
     if "grad_scaler" in optimizer_state:

@@ -91,9 +91,12 @@ def test_split_leaves_param_groups_and_scaler_in_the_model_file(model):
              "grad_scaler": {"scale": 4.0}}
     optimizer = argparse.Namespace(model_param_groups=_groups(model), grad_buffers={})
     entry, content = dof.split_for_save(state, [model], optimizer, saved_args())
+    # Megatron-Core matches groups by these four keys and its fused Adam reads bias_correction.
+    megatron = {"is_expert_parallel": False, "is_decoupled_lr": False, "bias_correction": True}
     assert entry == {"optimizer": {"param_groups": [
-        {"lr": 1e-3, "wd_mult": 1.0, "lr_mult": 1.0, "step": 5},
-        {"lr": 1e-3, "wd_mult": 0.0, "lr_mult": 1.0, "step": 5}]}, "grad_scaler": {"scale": 4.0}}
+        {"lr": 1e-3, "wd_mult": 1.0, "lr_mult": 1.0, "step": 5, **megatron},
+        {"lr": 1e-3, "wd_mult": 0.0, "lr_mult": 1.0, "step": 5, **megatron}]},
+        "grad_scaler": {"scale": 4.0}}
     assert "params" in groups[0]  # the live state is left alone
     assert dof.is_megatron_layout(entry) and not dof.is_megatron_layout(state)
     assert entry["optimizer"]["param_groups"][0]["step"] == 5
