@@ -16,7 +16,9 @@ reverse ``named_parameters()`` order; each parameter starts at a multiple of 64 
 (:data:`PARAM_ALIGN`; files written before Megatron-LM aligned parameters pack them back to back,
 and are recognised by their length). A bucket closes once it holds at least the bucket size
 (``--ddp-bucket-size``, default ``max(4e7, 1e6 x DP)``; only with ``--overlap-grad-reduce`` and
-only in the first virtual-pipeline chunk: otherwise one bucket per buffer). The flat tensors are
+only in the first virtual-pipeline chunk: otherwise one bucket per buffer); a word embedding tied
+across pipeline stages (``shared_embedding``) gets a bucket of its own, the bucket before it
+closing at its aligned start. The flat tensors are
 the buckets' contents up to their last parameter's end, concatenated: a bucket's padding to the
 data-parallel size is dropped, the gaps that align parameters inside a bucket are kept. So the
 file does not depend on the data-parallel size it was written at.
@@ -35,9 +37,9 @@ Megatron-LM's ``DistributedOptimizer.state_dict()`` does, and the tensors in ``d
 in the current (coalesced) layout, zeros in the gaps, as Megatron-LM's
 ``save_parameter_state()`` writes them. The ``torch`` format has no ``param_state_sharding_type``
 (that key belongs to ``torch_dist``'s optimizer state). Where this reader could not place the
-tensors (experts in buffers of their own, an embedding tied across pipeline stages, an optimizer
-other than Adam), the state stays whole in ``model_optim_rng.pt`` (this project's earlier layout,
-which still loads: its ``optimizer`` entry holds ``param_state``).
+tensors (experts in buffers of their own, an optimizer other than Adam), the state stays whole
+in ``model_optim_rng.pt`` (this project's earlier layout, which still loads: its ``optimizer``
+entry holds ``param_state``).
 """
 
 import os
@@ -75,16 +77,22 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def flat_offsets(numels: Sequence[int], bucket_size: Optional[int], align: int):
+def flat_offsets(numels: Sequence[int], bucket_size: Optional[int], align: int,
+                 own_bucket: Sequence[bool] = ()):
     """``(offsets, total)``: where each parameter (sizes in buffer order) starts in the flat
     tensors, and their length. Every bucket starts at a multiple of 128 in Megatron-LM's buffer,
-    so alignment inside a bucket is alignment relative to the bucket's start."""
+    so alignment inside a bucket is alignment relative to the bucket's start. A parameter with
+    ``own_bucket`` set (a word embedding tied across pipeline stages) gets a bucket of its own:
+    the open bucket closes at the parameter's aligned start (the alignment gap stays in it)."""
     offsets, flat, rel = [], 0, 0
-    for numel in numels:
+    alone = list(own_bucket) + [False] * (len(numels) - len(own_bucket))
+    for numel, own in zip(numels, alone):
         rel = _round_up(rel, align)
+        if own and rel > 0:
+            flat, rel = flat + rel, 0
         offsets.append(flat + rel)
         rel += numel
-        if bucket_size is not None and rel >= bucket_size:
+        if own or (bucket_size is not None and rel >= bucket_size):
             flat, rel = flat + rel, 0
     return offsets, flat + rel
 
@@ -105,10 +113,13 @@ def unplaceable(name: str, param: torch.nn.Parameter) -> str:
     """Why ``param`` has no place in ``distrib_optim.pt`` as read here; "" when it has."""
     if not getattr(param, "allreduce", True):
         return f"expert parameters ({name}) live in gradient buffers of their own"
-    if getattr(param, "shared_embedding", False):
-        return (f"{name} is a word embedding tied across pipeline stages, whose bucket "
-                "placement is not known here")
     return ""
+
+
+def own_bucket_flags(params: Sequence[torch.nn.Parameter]) -> List[bool]:
+    """Which parameters Megatron-LM's distributed optimizer gives a bucket of their own: the
+    word embedding tied across pipeline stages (``shared_embedding``)."""
+    return [bool(getattr(p, "shared_embedding", False)) for p in params]
 
 
 def buffer_params(chunk: torch.nn.Module, where: str) -> List[List[torch.nn.Parameter]]:
@@ -131,7 +142,8 @@ def buffer_slots(model_chunks, saved_args, align: int, where: str) -> List[Buffe
     for index, chunk in enumerate(model_chunks):
         for params in buffer_params(chunk, where):
             offsets, total = flat_offsets([p.numel() for p in params],
-                                          writer_bucket_size(saved_args, index), align)
+                                          writer_bucket_size(saved_args, index), align,
+                                          own_bucket_flags(params))
             out.append(BufferSlots(params, offsets, total))
     return out
 
@@ -344,7 +356,7 @@ def coalesced_state(param_state, model_chunks, model_param_groups, saved_args,
         for params in buffer_params(chunk, "saving"):
             offsets, total = flat_offsets([p.numel() for p in params],
                                           writer_bucket_size(saved_args, chunk_index),
-                                          PARAM_ALIGN)
+                                          PARAM_ALIGN, own_bucket_flags(params))
             entry = {k: torch.zeros(total, dtype=torch.float32) for k in KEYS}
             for param, offset in zip(params, offsets):
                 if param not in values:
@@ -381,25 +393,35 @@ def split_for_save(optimizer_state: dict, model_chunks, optimizer,
     return entry, content
 
 
+# Saved names of a word embedding tied across pipeline stages (``shared_embedding``): the first
+# stage's table and the last stage's copy for the head.
+TIED_EMBEDDING_NAMES = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight")
+
+
+def _tied_over_stages(saved_args) -> bool:
+    return int(getattr(saved_args, "pipeline_model_parallel_size", 1) or 1) > 1 and not getattr(
+        saved_args, "untie_embeddings_and_output_weights", True)
+
+
 def tree_param_state(model_file: str, order, dtypes, saved_args) -> list:
     """Per parameter of ``order`` (``(chunk, name, shape)`` of a rank's saved model trees, in
     the model's order; ``dtypes`` alike), ``{"param", "exp_avg", "exp_avg_sq"}`` read from the
     ``distrib_optim.pt`` beside ``model_file``, for readers without the model's modules (the
-    converter). The buffers are laid out as for modules: per chunk, per dtype, reversed."""
-    if int(getattr(saved_args, "pipeline_model_parallel_size", 1) or 1) > 1 and not getattr(
-            saved_args, "untie_embeddings_and_output_weights", True):
-        raise CheckpointError(f"{model_file}: the word embedding is tied across pipeline "
-                              f"stages, whose bucket placement in {FILE_NAME} is not read here")
+    converter). The buffers are laid out as for modules: per chunk, per dtype, reversed; with
+    embeddings tied over pipeline stages, the tables named :data:`TIED_EMBEDDING_NAMES` in
+    buckets of their own."""
     path = file_beside(model_file)
     content = _load_file(path)
     flats = _buffers_of(content, path, legacy="buckets_coalesced" not in content)
-    chunks = sorted({c for c, _, _ in order})
-    layout = []  # (chunk index, [(position in order, numel)]) per buffer
-    for chunk in chunks:
+    tied = _tied_over_stages(saved_args)
+    layout = []  # (chunk index, [(position in order, numel, own bucket)]) per buffer
+    for chunk in sorted({c for c, _, _ in order}):
         by_dtype: Dict[torch.dtype, list] = {}
-        for i, (c, _, shape) in enumerate(order):
+        for i, (c, name, shape) in enumerate(order):
             if c == chunk:
-                by_dtype.setdefault(dtypes[i], []).append((i, int(torch.Size(shape).numel())))
+                own = tied and name.endswith(TIED_EMBEDDING_NAMES)
+                by_dtype.setdefault(dtypes[i], []).append(
+                    (i, int(torch.Size(shape).numel()), own))
         layout += [(chunk, members[::-1]) for members in by_dtype.values()]
     if len(layout) != len(flats):
         raise CheckpointError(f"{path}: holds {len(flats)} gradient buffers, the model files "
@@ -407,14 +429,15 @@ def tree_param_state(model_file: str, order, dtypes, saved_args) -> list:
     out: list = [None] * len(order)
     for (chunk, members), flat in zip(layout, flats):
         for align in (PARAM_ALIGN, 1):
-            offsets, total = flat_offsets([n for _, n in members],
-                                          writer_bucket_size(saved_args, chunk), align)
+            offsets, total = flat_offsets([n for _, n, _ in members],
+                                          writer_bucket_size(saved_args, chunk), align,
+                                          [own for _, _, own in members])
             if total == flat["param"].numel():
                 break
         else:
             raise CheckpointError(f"{path}: {flat['name']} has {flat['param'].numel()} "
                                   f"elements, the model's buffer needs {total}")
-        for (i, numel), offset in zip(members, offsets):
+        for (i, numel, _), offset in zip(members, offsets):
             out[i] = {k: flat[k][offset:offset + numel].to(torch.float32)
                       .reshape(order[i][2]).clone() for k in KEYS}
     return out

@@ -182,19 +182,26 @@ def test_resume_from_new_and_old_layouts_is_bit_exact(corpus, saved):
 @pytest.mark.slow
 @pytest.mark.parametrize("untie", [True, False], ids=["untied", "tied"])
 def test_pipeline_stages(corpus, tmp_path, capfd, untie):
-    """PP 2: with untied embeddings each stage's folder gets its distrib_optim.pt; a word
-    embedding tied across the stages has no known place in that file, so the state stays in
-    model_optim_rng.pt (the earlier layout), one line says so, and both resume bit for bit."""
+    """PP 2: each stage's folder gets its distrib_optim.pt, with the word embedding tied across
+    the stages too (a bucket of its own on both); the run resumes bit for bit, and the
+    converter carries the Adam state of every stage to PP 1."""
+    from tools.checkpoint import convert as tool
+
     save = str(tmp_path / "pp2")
     pp = ["--pipeline-model-parallel-size", "2"] + (
         ["--untie-embeddings-and-output-weights"] if untie else [])
     straight = _losses(2, _flags(corpus, pp + ["--save", save, "--save-interval", str(N)]))
-    said = "distrib_optim.pt not written: " in capfd.readouterr().out
+    assert "distrib_optim.pt not written: " not in capfd.readouterr().out
     for stage in range(2):
         rank_dir = _rank_dir(save, f"mp_rank_00_{stage:03d}")
         opt = _load(os.path.join(rank_dir, "model_optim_rng.pt"))["optimizer"]
-        assert os.path.exists(os.path.join(rank_dir, "distrib_optim.pt")) == untie
-        assert ("param_state" in opt) == (not untie)
-    assert said == (not untie)
+        assert os.path.exists(os.path.join(rank_dir, "distrib_optim.pt"))
+        assert "param_state" not in opt
     resumed = _losses(2, _flags(corpus, pp + ["--load", save, "--ckpt-step", str(N)]))
     assert resumed == straight[N:]
+    out = str(tmp_path / "pp1")
+    tool.convert(tool.build_parser().parse_args([
+        "--model-type", "GPT", "--load-dir", save, "--save-dir", out, "--ckpt-step", str(N),
+        "--target-pipeline-parallel-size", "1"]))
+    state = _load(os.path.join(_rank_dir(out), "model_optim_rng.pt"))
+    assert state["conversion"]["optimizer"] == "resharded"

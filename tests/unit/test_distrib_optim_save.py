@@ -41,9 +41,9 @@ def _param_state(model, values):
     return [[by_param[p] for p in group] for group in _groups(model)]
 
 
-def naive_read(content, numels, bucket_size, dp):
+def naive_read(content, numels, bucket_size, dp, own=()):
     """``{name: {key: flat values}}`` and the gap mask, read at the naive layout's offsets."""
-    where, unpadded = naive_buckets(numels, bucket_size, dp)
+    where, unpadded = naive_buckets(numels, bucket_size, dp, own=own)
     (dtype, entry), = content[0].items()
     starts = [sum(unpadded[:b]) for b in range(len(unpadded))]
     gaps = torch.ones(sum(unpadded), dtype=torch.bool)
@@ -110,10 +110,49 @@ def test_cases_the_reader_refuses_keep_the_state_in_the_model_file(model):
     assert "--optimizer sgd" in dof.megatron_layout_refusal([model], sgd)
     experts = argparse.Namespace(config=adam.config, grad_buffers={(0, torch.float32, True): 0})
     assert "expert" in dof.megatron_layout_refusal([model], experts)
-    embedding = model.language_model.embedding.word_embeddings.weight
-    embedding.shared_embedding = True
+    model.language_model.encoder.layers[0].mlp.dense_h_to_4h.weight.allreduce = False
     why = dof.megatron_layout_refusal([model], adam)
-    assert "word_embeddings.weight" in why and "tied across pipeline stages" in why
+    assert "expert parameters (language_model.encoder.layers.0.mlp.dense_h_to_4h.weight)" in why
+
+
+# The word embedding of a first stage (last in the buffer), and a parameter first in the buffer
+# (as the head's copy of the embedding is on a last stage), which moves every later one.
+TIED = [("first_stage", ("language_model.embedding.word_embeddings.weight",)),
+        ("last_stage", ("language_model.encoder.final_layernorm.bias",))]
+
+
+@pytest.mark.parametrize("own", [o for _, o in TIED], ids=[i for i, _ in TIED])
+def test_tied_embedding_gets_a_bucket_of_its_own(tmp_path, model, own):
+    """Megatron-LM gives a word embedding tied across pipeline stages (``shared_embedding``)
+    a bucket of its own; written and read at the naive layout's offsets."""
+    params = dict(model.named_parameters())
+    for name in own:
+        params[name].shared_embedding = True
+    adam = argparse.Namespace(config=argparse.Namespace(optimizer="adam"), grad_buffers={})
+    assert dof.megatron_layout_refusal([model], adam) == ""
+    values = random_values(model)
+    args = saved_args(data_parallel_size=2)
+    content = dof.coalesced_state(_param_state(model, values), [model], _groups(model), args)
+    numels = {n: values[n]["param"].numel() for n in megatron_order()}
+    got, gaps, entry, _ = naive_read(content, numels, None, 2, own)
+    assert entry["numel_unpadded"] == gaps.numel()
+    for name in megatron_order():
+        for key in KEYS:
+            assert torch.equal(got[name][key], values[name][key].reshape(-1)), (name, key)
+    torch.save(naive_file(values, dp=2, own=own), tmp_path / dof.FILE_NAME)
+    back = read_back(tmp_path / dof.FILE_NAME, model, args)
+    for name in megatron_order():
+        for key in KEYS:
+            assert torch.equal(back[name][key], values[name][key]), (name, key)
+    plain, tied = _flat_starts(numels), _flat_starts(numels, own)
+    # Before the embedding the open bucket closes at its aligned start (no move); after a
+    # parameter with a bucket of its own the next one starts unaligned.
+    assert (plain != tied) == (own == TIED[1][1])
+
+
+def _flat_starts(numels, own=()):
+    where, unpadded = naive_buckets(numels, None, 2, own=own)
+    return {n: sum(unpadded[:b]) + start for n, (b, start) in where.items()}
 
 
 def test_replicated_optimizer_gets_a_clear_error_for_the_megatron_layout():
@@ -146,3 +185,34 @@ def test_converter_reads_the_file_beside_the_model_file(tmp_path, model, legacy)
             assert torch.equal(entry[key], values[name][key]), (name, key)
     missing, why = SourceOptimizer.read(state, [state["model"]], str(tmp_path / "x" / "m.pt"))
     assert missing is None and "distrib_optim.pt: not found" in why
+
+
+def test_converter_places_a_head_copy_tied_across_stages(tmp_path):
+    """A last pipeline stage's tree (legacy names): the head's copy of a tied embedding,
+    registered last, opens the buffer in a bucket of its own, so the next parameter starts
+    right after it (35 elements, not 64); the converter must find every slice there."""
+    from megatron.checkpoint.optimizer_state import MAIN, SourceOptimizer
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {"language_model.encoder.final_layernorm.weight": (8,),
+              "language_model.encoder.final_layernorm.bias": (8,),
+              "word_embeddings_for_head.weight": (5, 7)}
+    values = {n: {k: torch.randn(s, generator=g) for k in KEYS} for n, s in shapes.items()}
+    own = ("word_embeddings_for_head.weight",)
+    torch.save(naive_file(values, dp=2, own=own), tmp_path / dof.FILE_NAME)
+    groups = [{"lr": 1e-3, "wd_mult": 1.0, "lr_mult": 1.0, "step": 2},
+              {"lr": 1e-3, "wd_mult": 0.0, "lr_mult": 1.0, "step": 2}]
+    tree = {n: v["param"].clone() for n, v in values.items()}
+    args = saved_args(pipeline_model_parallel_size=2, untie_embeddings_and_output_weights=False)
+    state = {"optimizer": {"optimizer": {"param_groups": groups}}, "args": args, "model": tree}
+    found, why = SourceOptimizer.read(state, [tree], str(tmp_path / "model.pt"))
+    assert why == ""
+    for name in shapes:
+        assert torch.equal(found.entries[(0, name)][MAIN], values[name]["param"]), name
+        assert torch.equal(found.entries[(0, name)]["exp_avg_sq"], values[name]["exp_avg_sq"])
+    # Read as if untied, the layernorm slices would be looked for at 64, 128: not there.
+    state["args"] = saved_args(pipeline_model_parallel_size=2)
+    found, why = SourceOptimizer.read(state, [tree], str(tmp_path / "model.pt"))
+    assert found is None or not torch.equal(
+        found.entries[(0, "language_model.encoder.final_layernorm.bias")][MAIN],
+        values["language_model.encoder.final_layernorm.bias"]["param"])
