@@ -16,7 +16,9 @@ reverse ``named_parameters()`` order; each parameter starts at a multiple of 64 
 (:data:`PARAM_ALIGN`; files written before Megatron-LM aligned parameters pack them back to back,
 and are recognised by their length). A bucket closes once it holds at least the bucket size
 (``--ddp-bucket-size``, default ``max(4e7, 1e6 x DP)``; only with ``--overlap-grad-reduce`` and
-only in the first virtual-pipeline chunk: otherwise one bucket per buffer). The flat tensors are
+only in the first virtual-pipeline chunk: otherwise one bucket per buffer); a word embedding tied
+across pipeline stages (``shared_embedding``) gets a bucket of its own, the bucket before it
+closing at its aligned start. The flat tensors are
 the buckets' contents up to their last parameter's end, concatenated: a bucket's padding to the
 data-parallel size is dropped, the gaps that align parameters inside a bucket are kept. So the
 file does not depend on the data-parallel size it was written at.
@@ -29,12 +31,20 @@ optimizer; a dense model has one.
 
 :func:`read_param_state` turns a file into this project's ``param_state`` (per param group, per
 parameter, tensors of the parameter's shape), which :class:`DistributedOptimizer` loads at any
-data-parallel size; :func:`coalesced_state` does the reverse for saving.
+data-parallel size. Saving does the reverse (:func:`split_for_save`): the torch-format writer of
+a distributed optimizer puts the param groups (and the loss scaler) in ``model_optim_rng.pt``, as
+Megatron-LM's ``DistributedOptimizer.state_dict()`` does, and the tensors in ``distrib_optim.pt``
+in the current (coalesced) layout, zeros in the gaps, as Megatron-LM's
+``save_parameter_state()`` writes them. The ``torch`` format has no ``param_state_sharding_type``
+(that key belongs to ``torch_dist``'s optimizer state). Where this reader could not place the
+tensors (experts in buffers of their own, an optimizer other than Adam), the state stays whole
+in ``model_optim_rng.pt`` (this project's earlier layout, which still loads: its ``optimizer``
+entry holds ``param_state``).
 """
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -67,16 +77,22 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def flat_offsets(numels: Sequence[int], bucket_size: Optional[int], align: int):
+def flat_offsets(numels: Sequence[int], bucket_size: Optional[int], align: int,
+                 own_bucket: Sequence[bool] = ()):
     """``(offsets, total)``: where each parameter (sizes in buffer order) starts in the flat
     tensors, and their length. Every bucket starts at a multiple of 128 in Megatron-LM's buffer,
-    so alignment inside a bucket is alignment relative to the bucket's start."""
+    so alignment inside a bucket is alignment relative to the bucket's start. A parameter with
+    ``own_bucket`` set (a word embedding tied across pipeline stages) gets a bucket of its own:
+    the open bucket closes at the parameter's aligned start (the alignment gap stays in it)."""
     offsets, flat, rel = [], 0, 0
-    for numel in numels:
+    alone = list(own_bucket) + [False] * (len(numels) - len(own_bucket))
+    for numel, own in zip(numels, alone):
         rel = _round_up(rel, align)
+        if own and rel > 0:
+            flat, rel = flat + rel, 0
         offsets.append(flat + rel)
         rel += numel
-        if bucket_size is not None and rel >= bucket_size:
+        if own or (bucket_size is not None and rel >= bucket_size):
             flat, rel = flat + rel, 0
     return offsets, flat + rel
 
@@ -93,20 +109,29 @@ def writer_bucket_size(saved_args, chunk_index: int) -> Optional[int]:
     return int(size)
 
 
+def unplaceable(name: str, param: torch.nn.Parameter) -> str:
+    """Why ``param`` has no place in ``distrib_optim.pt`` as read here; "" when it has."""
+    if not getattr(param, "allreduce", True):
+        return f"expert parameters ({name}) live in gradient buffers of their own"
+    return ""
+
+
+def own_bucket_flags(params: Sequence[torch.nn.Parameter]) -> List[bool]:
+    """Which parameters Megatron-LM's distributed optimizer gives a bucket of their own: the
+    word embedding tied across pipeline stages (``shared_embedding``)."""
+    return [bool(getattr(p, "shared_embedding", False)) for p in params]
+
+
 def buffer_params(chunk: torch.nn.Module, where: str) -> List[List[torch.nn.Parameter]]:
     """A chunk's trainable parameters, one list per gradient buffer, in buffer order."""
     by_dtype: Dict[torch.dtype, List[torch.nn.Parameter]] = {}
     for name, param in chunk.named_parameters():
         if not param.requires_grad:
             continue
-        if not getattr(param, "allreduce", True):
-            raise CheckpointError(f"{where}: expert parameters ({name}) live in buffers of "
-                                  "their own; a distrib_optim.pt of a mixture-of-experts model "
-                                  "is not read here (use --ckpt-format torch_dist)")
-        if getattr(param, "shared_embedding", False):
-            raise CheckpointError(f"{where}: {name} is a word embedding tied across pipeline "
-                                  "stages, whose bucket placement in distrib_optim.pt is not "
-                                  "read here (use --ckpt-format torch_dist)")
+        why = unplaceable(name, param)
+        if why:
+            raise CheckpointError(f"{where}: {why}; a {FILE_NAME} of such a model is not read "
+                                  "here (use --ckpt-format torch_dist)")
         by_dtype.setdefault(param.dtype, []).append(param)
     return [params[::-1] for params in by_dtype.values()]
 
@@ -117,7 +142,8 @@ def buffer_slots(model_chunks, saved_args, align: int, where: str) -> List[Buffe
     for index, chunk in enumerate(model_chunks):
         for params in buffer_params(chunk, where):
             offsets, total = flat_offsets([p.numel() for p in params],
-                                          writer_bucket_size(saved_args, index), align)
+                                          writer_bucket_size(saved_args, index), align,
+                                          own_bucket_flags(params))
             out.append(BufferSlots(params, offsets, total))
     return out
 
@@ -231,16 +257,29 @@ def read_param_state(path: str, model_chunks, model_param_groups, saved_args,
     return [[per_param[p] for p in group] for group in model_param_groups]
 
 
-def has_megatron_layout(saved_optimizer, optimizer) -> bool:
+def is_megatron_layout(saved_optimizer) -> bool:
     """Whether a torch-format file's ``optimizer`` entry is Megatron-LM's distributed optimizer
-    state (param groups only; the tensors in ``distrib_optim.pt``) and this run's optimizer
-    is the distributed one that reads it."""
-    if not hasattr(optimizer, "model_param_groups"):
-        return False
+    state: param groups only (without their ``params``), the tensors in ``distrib_optim.pt``."""
     if isinstance(saved_optimizer, list) and len(saved_optimizer) == 1:
         saved_optimizer = saved_optimizer[0]
-    return isinstance(saved_optimizer, dict) and "param_state" not in saved_optimizer \
-        and "param_groups" in saved_optimizer.get("optimizer", {})
+    if not isinstance(saved_optimizer, dict) or "param_state" in saved_optimizer:
+        return False
+    groups = saved_optimizer.get("optimizer", {}).get("param_groups")
+    return isinstance(groups, list) and "state" not in saved_optimizer["optimizer"] and all(
+        isinstance(g, dict) and "params" not in g for g in groups)
+
+
+def has_megatron_layout(saved_optimizer, optimizer, model_file: str = "") -> bool:
+    """Whether ``saved_optimizer`` is in Megatron-LM's distributed optimizer layout
+    (:func:`is_megatron_layout`) and this run's optimizer is the distributed one that reads it;
+    with such a file and another optimizer, an error naming ``model_file``."""
+    if not is_megatron_layout(saved_optimizer):
+        return False
+    if not hasattr(optimizer, "model_param_groups"):
+        raise CheckpointError(f"{model_file}: its optimizer state was saved by the distributed "
+                              f"optimizer (the tensors in {FILE_NAME}); pass "
+                              "--use-distributed-optimizer to load it, or --no-load-optim")
+    return True
 
 
 def _group_key(group: dict):
@@ -274,4 +313,131 @@ def project_state(saved_optimizer, model_file: str, model_chunks, optimizer, sav
     out = {"optimizer": {"param_groups": groups}, "param_state": param_state}
     if "grad_scaler" in saved_optimizer:
         out["grad_scaler"] = saved_optimizer["grad_scaler"]
+    return out
+
+
+def megatron_layout_refusal(model_chunks, optimizer) -> str:
+    """Why this run's distributed optimizer state cannot be written as ``distrib_optim.pt``
+    (then it stays in ``model_optim_rng.pt``); "" when it can."""
+    if getattr(getattr(optimizer, "config", None), "optimizer", "adam") != "adam":
+        return (f"--optimizer {optimizer.config.optimizer} keeps other state than Adam's "
+                "exp_avg / exp_avg_sq")
+    if any(key[2] for key in getattr(optimizer, "grad_buffers", {})):
+        return "expert parameters live in gradient buffers of their own"
+    if any(getattr(chunk, "weight_shard_grad_buffers", None) for chunk in model_chunks):
+        return "weight-sharded parameters live in gradient buffers of their own"
+    for chunk in model_chunks:
+        for name, param in chunk.named_parameters():
+            why = param.requires_grad and unplaceable(name, param)
+            if why:
+                return why
+    return ""
+
+
+def _grad_dtypes(optimizer) -> Dict[torch.nn.Parameter, torch.dtype]:
+    """Each parameter's gradient buffer dtype (the second half of Megatron-LM's key)."""
+    out = {}
+    for (_, dtype, _), grad_buffer in getattr(optimizer, "grad_buffers", {}).items():
+        for param in grad_buffer.param_index_map:
+            out[param] = dtype
+    return out
+
+
+def coalesced_state(param_state, model_chunks, model_param_groups, saved_args,
+                    grad_dtypes: Optional[Dict] = None) -> dict:
+    """The ``distrib_optim.pt`` content of ``param_state`` (as :func:`read_param_state`
+    returns it) for ``model_chunks`` saved with ``saved_args``: flat fp32 tensors per gradient
+    buffer, parameters at their aligned offsets, zeros between them."""
+    values = {p: entry for group, entries in zip(model_param_groups, param_state)
+              for p, entry in zip(group, entries)}
+    grad_dtypes = grad_dtypes or {}
+    out, index = {"buckets_coalesced": True}, 0
+    for chunk_index, chunk in enumerate(model_chunks):
+        for params in buffer_params(chunk, "saving"):
+            offsets, total = flat_offsets([p.numel() for p in params],
+                                          writer_bucket_size(saved_args, chunk_index),
+                                          PARAM_ALIGN, own_bucket_flags(params))
+            entry = {k: torch.zeros(total, dtype=torch.float32) for k in KEYS}
+            for param, offset in zip(params, offsets):
+                if param not in values:
+                    raise CheckpointError(f"saving {FILE_NAME}: a parameter of shape "
+                                          f"{tuple(param.shape)} is in no param group")
+                for k in KEYS:
+                    entry[k][offset:offset + param.numel()] = \
+                        values[param][k].detach().reshape(-1).to("cpu", torch.float32)
+            entry["numel_unpadded"] = total
+            dtype_key = (params[0].dtype, grad_dtypes.get(params[0], torch.float32))
+            out[index] = {dtype_key: entry}
+            index += 1
+    return out
+
+
+# Keys Megatron-LM's param groups hold that this project's do not: Megatron-Core's distributed
+# optimizer matches saved groups to its own by (wd_mult, lr_mult, is_expert_parallel,
+# is_decoupled_lr), and its fused Adam reads bias_correction from each group.
+MEGATRON_GROUP_KEYS = {"is_expert_parallel": False, "is_decoupled_lr": False,
+                       "bias_correction": True}
+
+
+def split_for_save(optimizer_state: dict, model_chunks, optimizer,
+                   saved_args) -> Tuple[dict, dict]:
+    """``(model_optim_rng.pt's optimizer entry, distrib_optim.pt's content)`` of this project's
+    unsharded distributed optimizer state (DP rank 0's :meth:`state_dict`)."""
+    groups = [{**MEGATRON_GROUP_KEYS, **{k: v for k, v in group.items() if k != "params"}}
+              for group in optimizer_state["optimizer"]["param_groups"]]
+    entry = {"optimizer": {"param_groups": groups}}
+    if "grad_scaler" in optimizer_state:
+        entry["grad_scaler"] = optimizer_state["grad_scaler"]
+    content = coalesced_state(optimizer_state["param_state"], model_chunks,
+                              optimizer.model_param_groups, saved_args, _grad_dtypes(optimizer))
+    return entry, content
+
+
+# Saved names of a word embedding tied across pipeline stages (``shared_embedding``): the first
+# stage's table and the last stage's copy for the head.
+TIED_EMBEDDING_NAMES = ("embedding.word_embeddings.weight", "word_embeddings_for_head.weight")
+
+
+def _tied_over_stages(saved_args) -> bool:
+    return int(getattr(saved_args, "pipeline_model_parallel_size", 1) or 1) > 1 and not getattr(
+        saved_args, "untie_embeddings_and_output_weights", True)
+
+
+def tree_param_state(model_file: str, order, dtypes, saved_args) -> list:
+    """Per parameter of ``order`` (``(chunk, name, shape)`` of a rank's saved model trees, in
+    the model's order; ``dtypes`` alike), ``{"param", "exp_avg", "exp_avg_sq"}`` read from the
+    ``distrib_optim.pt`` beside ``model_file``, for readers without the model's modules (the
+    converter). The buffers are laid out as for modules: per chunk, per dtype, reversed; with
+    embeddings tied over pipeline stages, the tables named :data:`TIED_EMBEDDING_NAMES` in
+    buckets of their own."""
+    path = file_beside(model_file)
+    content = _load_file(path)
+    flats = _buffers_of(content, path, legacy="buckets_coalesced" not in content)
+    tied = _tied_over_stages(saved_args)
+    layout = []  # (chunk index, [(position in order, numel, own bucket)]) per buffer
+    for chunk in sorted({c for c, _, _ in order}):
+        by_dtype: Dict[torch.dtype, list] = {}
+        for i, (c, name, shape) in enumerate(order):
+            if c == chunk:
+                own = tied and name.endswith(TIED_EMBEDDING_NAMES)
+                by_dtype.setdefault(dtypes[i], []).append(
+                    (i, int(torch.Size(shape).numel()), own))
+        layout += [(chunk, members[::-1]) for members in by_dtype.values()]
+    if len(layout) != len(flats):
+        raise CheckpointError(f"{path}: holds {len(flats)} gradient buffers, the model files "
+                              f"have {len(layout)}")
+    out: list = [None] * len(order)
+    for (chunk, members), flat in zip(layout, flats):
+        for align in (PARAM_ALIGN, 1):
+            offsets, total = flat_offsets([n for _, n, _ in members],
+                                          writer_bucket_size(saved_args, chunk), align,
+                                          [own for _, _, own in members])
+            if total == flat["param"].numel():
+                break
+        else:
+            raise CheckpointError(f"{path}: {flat['name']} has {flat['param'].numel()} "
+                                  f"elements, the model's buffer needs {total}")
+        for (i, numel, _), offset in zip(members, offsets):
+            out[i] = {k: flat[k][offset:offset + numel].to(torch.float32)
+                      .reshape(order[i][2]).clone() for k in KEYS}
     return out

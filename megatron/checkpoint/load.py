@@ -311,7 +311,7 @@ def _optimizer_state(state: dict, path: str, model_chunks, optimizer, args):
     """The file's optimizer state; Megatron-LM's distributed optimizer keeps its tensors in the
     ``distrib_optim.pt`` beside the file, read here into this project's layout."""
     saved = state["optimizer"]
-    if not distrib_optim_file.has_megatron_layout(saved, optimizer):
+    if not distrib_optim_file.has_megatron_layout(saved, optimizer, path):
         return saved
     return distrib_optim_file.project_state(
         saved, path, model_chunks, optimizer, state.get("args"),

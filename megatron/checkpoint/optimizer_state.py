@@ -12,15 +12,19 @@ of its param groups; Megatron's groups are weight-decayed parameters, then biase
 parameters (``wd_mult`` 0), each in the model's parameter order, which is the order of the saved
 model tree's keys. Saved groups carry ``wd_mult`` / ``lr_mult``, so either group order is read.
 Source layouts read: torch's AdamW (this project), apex FusedAdam (Megatron-LM), either inside
-the fp16/bf16 wrapper (``optimizer`` + ``fp32_from_fp16_params``), and this project's
-distributed optimizer (``param_state``). The target is written in the non-distributed layout,
-which every optimizer here (distributed or not) and Megatron-LM's load.
+the fp16/bf16 wrapper (``optimizer`` + ``fp32_from_fp16_params``), the distributed optimizer's
+``distrib_optim.pt`` beside the file (Megatron-LM, and this project since it writes that layout)
+and this project's earlier distributed layout (``param_state`` inside the file). The target is
+written in the non-distributed layout, which every optimizer here (distributed or not) and
+Megatron-LM's load.
 """
 
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint import distrib_optim_file
+from megatron.checkpoint.layout import CheckpointError
 from megatron.checkpoint.names import dotted_names, lookup_dotted
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -101,12 +105,20 @@ class SourceOptimizer:
         return any(MAIN in e for e in self.entries.values())
 
     @classmethod
-    def read(cls, state: dict, chunk_trees: List[dict]) -> Tuple[Optional["SourceOptimizer"],
-                                                                  str]:
-        """The state of ``state["optimizer"]``, or ``(None, why it cannot be carried)``."""
+    def read(cls, state: dict, chunk_trees: List[dict],
+             model_file: str = "") -> Tuple[Optional["SourceOptimizer"], str]:
+        """The state of ``state["optimizer"]`` (and of the ``distrib_optim.pt`` beside
+        ``model_file``), or ``(None, why it cannot be carried)``."""
         opt = state.get("optimizer")
+        if isinstance(opt, list) and len(opt) == 1:
+            opt = opt[0]
         if not isinstance(opt, dict):
             return None, "the source has no optimizer state"
+        if distrib_optim_file.is_megatron_layout(opt):
+            try:
+                opt = _inline_distrib_optim(opt, state, chunk_trees, model_file)
+            except CheckpointError as err:
+                return None, str(err)
         grad_scaler = opt.get("grad_scaler")
         if "param_state" in opt:
             groups = opt.get("optimizer", {}).get("param_groups")
@@ -164,6 +176,25 @@ class SourceOptimizer:
                          if k not in ("params", "step", "bias_correction")}
                    for key, group in zip(keys, groups)}
         return cls(entries, max(steps, default=0), hparams, grad_scaler), ""
+
+
+def _inline_distrib_optim(opt: dict, state: dict, chunk_trees: List[dict],
+                          model_file: str) -> dict:
+    """``opt`` (Megatron-LM's distributed optimizer entry) with ``param_state`` read from the
+    ``distrib_optim.pt`` beside ``model_file``, grouped like the saved param groups."""
+    if not model_file:
+        raise CheckpointError(f"the optimizer state lies in a {distrib_optim_file.FILE_NAME} "
+                              "beside the file, which this reader was not given")
+    order = [(c, n, s) for c, n, s in param_order(chunk_trees) if not n.endswith("_extra_state")]
+    dtypes = [lookup_dotted(chunk_trees[c], n).dtype for c, n, _ in order]
+    values = distrib_optim_file.tree_param_state(model_file, order, dtypes,
+                                                 state.get("args"))
+    by_entry = {(c, n): v for (c, n, _), v in zip(order, values)}
+    groups = opt["optimizer"]["param_groups"]
+    keys = [(float(g.get("wd_mult", 1.0)), float(g.get("lr_mult", 1.0))) for g in groups]
+    per_group = [[by_entry[(c, n)] for c, n, _ in members]
+                 for members in _grouped(order, keys)]
+    return {**opt, "param_state": per_group}
 
 
 def view_tree(tree, chunk: int, entries: Dict, field: str, fallback=None, prefix: str = ""):

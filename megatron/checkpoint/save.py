@@ -98,14 +98,15 @@ class AsyncCheckpointSaver:
             return
         refuse_torch_save(args, pstate)
         tmp_root = begin_save(args.save, iteration)
-        state = collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args,
+        files = collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args,
                                pstate)
         job = TorchWriteJob(iteration, args.save)
         job.integrity = getattr(args, "verify_integrity", False)
-        if state is not None:
+        if files is not None:
             path = my_file(tmp_root, iteration, pstate)
+            copies = (copy_to_cpu(files[0]), path, files[1])  # files[1]: new CPU tensors
             # Daemon: a process that dies leaves a staging folder, which the next start removes.
-            job.thread = threading.Thread(target=job.write, args=(copy_to_cpu(state), path),
+            job.thread = threading.Thread(target=job.write, args=copies,
                                           name=f"checkpoint-writer-{iteration}", daemon=True)
             job.thread.start()
         self._in_flight = job

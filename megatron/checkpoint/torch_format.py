@@ -1,19 +1,22 @@
 """The ``torch`` format's writer: one ``model_optim_rng.pt`` per model-parallel rank.
 
 :func:`collect_state` gathers a rank's checkpoint (model chunks, optimizer, scheduler, the
-data-parallel ranks' RNG states) and says which ranks write; :func:`write_state` writes and
-fsyncs one file into the staging folder; :func:`save_torch_checkpoint` does both and publishes
+data-parallel ranks' RNG states) and says which ranks write; with the distributed optimizer the
+optimizer's tensors go to a ``distrib_optim.pt`` beside it, as Megatron-LM writes them
+(:mod:`megatron.checkpoint.distrib_optim_file`). :func:`write_state` writes and fsyncs a rank's
+files into the staging folder; :func:`save_torch_checkpoint` does both and publishes
 (:mod:`megatron.checkpoint.publish`); :class:`TorchWriteJob` is the background writer of
 ``--async-save``.
 """
 
 import os
 import threading
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint import distrib_optim_file
 from megatron.checkpoint.layout import (CHECKPOINT_VERSION, checkpoint_dir_name, expert_ranks,
                                         my_file)
 from megatron.checkpoint.publish import (KillMidFile, begin_save, crash_armed_count, crash_point,
@@ -28,10 +31,29 @@ def model_state(model_chunks) -> dict:
     return {f"model{i}": m.state_dict_for_save_checkpoint() for i, m in enumerate(model_chunks)}
 
 
+_told_why_no_distrib_optim = set()
+
+
+def _split_optimizer(optimizer_state: dict, model_chunks, optimizer, args):
+    """``(model file's optimizer entry, distrib_optim.pt content or None)``: Megatron-LM's
+    layout for a distributed optimizer's unsharded state, where it can hold it."""
+    if not isinstance(optimizer_state, dict) or optimizer_state.get("param_state") is None:
+        return optimizer_state, None
+    why = distrib_optim_file.megatron_layout_refusal(model_chunks, optimizer)
+    if why:
+        if why not in _told_why_no_distrib_optim and dist.get_rank() == 0:
+            print(f"  {distrib_optim_file.FILE_NAME} not written: {why}; the distributed "
+                  "optimizer state stays in model_optim_rng.pt", flush=True)
+        _told_why_no_distrib_optim.add(why)
+        return optimizer_state, None
+    return distrib_optim_file.split_for_save(optimizer_state, model_chunks, optimizer, args)
+
+
 def collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
-                   pstate) -> Optional[dict]:
-    """This rank's checkpoint (None on data- or context-parallel ranks > 0, with expert
-    parallelism on expert-data-parallel ranks > 0: they write no file).
+                   pstate) -> Optional[Tuple[dict, Optional[dict]]]:
+    """This rank's checkpoint and, with the distributed optimizer, the content of its
+    ``distrib_optim.pt`` (else None); None on data- or context-parallel ranks > 0, with
+    expert parallelism on expert-data-parallel ranks > 0: they write no file.
 
     Every rank takes part: the data-parallel ranks' RNG states are gathered, a distributed
     optimizer gathers its shards to DP rank 0 and finishes any parameter all-gather still
@@ -62,27 +84,40 @@ def collect_state(iteration: int, model_chunks, optimizer, opt_param_scheduler, 
     if rerun_entry is not None:
         state["rerun_state_machine"] = rerun_entry
     state.update(models)
+    optim_file = None
     if not args.no_save_optim:
-        state["optimizer"] = optimizer_state
+        state["optimizer"], optim_file = _split_optimizer(optimizer_state, model_chunks,
+                                                          optimizer, args)
         state["opt_param_scheduler"] = opt_param_scheduler.state_dict()
     if rng_states is not None:
         state["rng_state"] = rng_states
-    return state
+    return state, optim_file
 
 
-def write_state(state: dict, path: str) -> str:
-    """Write one rank's file and fsync it; returns "" or what went wrong, naming the file."""
-    crash_point("before_files")
+def _write_file(content, path: str) -> str:
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
-            torch.save(state, KillMidFile(f) if crash_armed_count("during_file") else f)
+            torch.save(content, KillMidFile(f) if crash_armed_count("during_file") else f)
             f.flush()
             os.fsync(f.fileno())
     except OSError as err:
         return f"{path}: {err.strerror}"
     except Exception as err:  # noqa: BLE001 - reported on every rank, not only this one
         return f"{path}: {type(err).__name__}: {err}"
+    return ""
+
+
+def write_state(state: dict, path: str, optim_file: Optional[dict] = None) -> str:
+    """Write one rank's file (and the ``distrib_optim.pt`` beside it when ``optim_file`` is
+    given) and fsync them; returns "" or what went wrong, naming the file."""
+    crash_point("before_files")
+    error = ""
+    if optim_file is not None:
+        error = _write_file(optim_file, distrib_optim_file.file_beside(path))
+    error = error or _write_file(state, path)
+    if error:
+        return error
     crash_point("after_file")
     return ""
 
@@ -93,10 +128,10 @@ def save_torch_checkpoint(iteration: int, model_chunks, optimizer, opt_param_sch
     :func:`megatron.checkpoint.saved_args.checkpoint_args` returns them); returns its folder."""
     refuse_torch_save(args, pstate)
     tmp_root = begin_save(args.save, iteration)
-    state = collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
+    files = collect_state(iteration, model_chunks, optimizer, opt_param_scheduler, args, pstate)
     error = ""
-    if state is not None:
-        error = write_state(state, my_file(tmp_root, iteration, pstate))
+    if files is not None:
+        error = write_state(files[0], my_file(tmp_root, iteration, pstate), files[1])
     finish_save(args.save, iteration, error, getattr(args, "verify_integrity", False))
     return os.path.join(args.save, checkpoint_dir_name(iteration))
 
@@ -111,9 +146,9 @@ class TorchWriteJob:
         self.error = ""
         self.integrity = False  # --verify-integrity: a manifest is written before publishing
 
-    def write(self, state: dict, path: str) -> None:
+    def write(self, state: dict, path: str, optim_file: Optional[dict] = None) -> None:
         try:
-            self.error = write_state(state, path)
+            self.error = write_state(state, path, optim_file)
         except BaseException as err:  # noqa: BLE001 - raised on the main thread at a boundary
             self.error = f"{path}: {type(err).__name__}: {err}"
 

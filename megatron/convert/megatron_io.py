@@ -151,7 +151,8 @@ class _Source:
         steps, hparams, has_main, scaler = set(), {}, set(), None
         for rank in self.ranks():
             state = read_rank_file(self.file(*rank))
-            found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state))
+            found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state),
+                                                              self.file(*rank))
             if found is None:
                 return None, f"{self.file(*rank)}: {why}"
             steps.add(found.step)
@@ -175,7 +176,8 @@ class _Source:
         if self.view is None or tree is None:
             return tree, path
         if self._view_cache[0] != (tp_rank, pp_rank, ep_rank):
-            found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state))
+            found, why = optimizer_state.SourceOptimizer.read(state, self._chunks_of(state),
+                                                              path)
             if found is None:
                 raise ConversionError(f"{path}: {why}")
             self._view_cache = ((tp_rank, pp_rank, ep_rank), found)

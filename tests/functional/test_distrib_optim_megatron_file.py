@@ -2,10 +2,11 @@
 optimizer: ``model_optim_rng.pt`` holding only the param groups, the tensors in
 ``distrib_optim.pt`` beside it.
 
-The Megatron-style folder is made from this project's own checkpoint: the same values, moved
-into Megatron-LM's flat buffer layout by the naive writer of the unit tests (not by the project's
-code). Resuming from it must continue exactly like resuming from the project's own checkpoint,
-at the data-parallel size that saved it and at another one.
+The Megatron-style folder is made from this project's own checkpoint (itself in that layout):
+the same values, rewritten by the naive writer of the unit tests (not by the project's code),
+with a sentinel in the gaps between parameters. Resuming from it must continue exactly like
+resuming from the project's own checkpoint, at the data-parallel size that saved it and at
+another one.
 """
 
 import os
@@ -16,6 +17,7 @@ import torch
 
 from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
 from tests.multiprocess import run_on_ranks
+from tests.functional.test_distrib_optim_save import _model_tree, naive_state
 from tests.unit.test_distrib_optim_file import megatron_order, naive_file
 
 N = 2
@@ -35,34 +37,15 @@ def _losses(dp, argv):
     return [loss for _, loss in run_on_ranks(run_pretrain, dp, argv)[-1]["losses"]]
 
 
-def _group_names(groups, param_state):
-    """Parameter names of each param group: decayed weights (matrices), then the rest."""
-    order = megatron_order()
-    decayed = [n for n in order if not n.endswith(".bias") and "layernorm" not in n]
-    rest = [n for n in order if n not in decayed]
-    out = [decayed if float(g.get("wd_mult", 1.0)) > 0 else rest for g in groups]
-    assert sorted(sum(out, [])) == sorted(order)
-    for names, entries in zip(out, param_state):
-        assert len(names) == len(entries)
-    return out
-
-
 def megatronize(own_dir, target_dir, iteration):
-    """Copy ``own_dir`` with each rank's optimizer state in Megatron-LM's layout."""
+    """Copy ``own_dir`` with each rank's ``distrib_optim.pt`` rewritten by the naive writer
+    (a sentinel between parameters where the project writes zeros), from the values the naive
+    reader finds in the project's file."""
     shutil.copytree(own_dir, target_dir)
     rank_dir = os.path.join(target_dir, f"iter_{iteration:07d}", "mp_rank_00")
-    model_file = os.path.join(rank_dir, "model_optim_rng.pt")
-    state = torch.load(model_file, weights_only=False)
-    opt = state["optimizer"]
-    param_state = opt.pop("param_state")
-    groups = opt["optimizer"]["param_groups"]
-    values = {}
-    for names, entries in zip(_group_names(groups, param_state), param_state):
-        for name, entry in zip(names, entries):
-            values[name] = {k: entry[k] for k in ("param", "exp_avg", "exp_avg_sq")}
-    for group in groups:
-        del group["params"]
-    torch.save(state, model_file)
+    state = torch.load(os.path.join(rank_dir, "model_optim_rng.pt"), weights_only=False)
+    assert "param_state" not in state["optimizer"]
+    values = naive_state(rank_dir, _model_tree(state), 2)
     torch.save(naive_file({n: values[n] for n in megatron_order()}, dp=2),
                os.path.join(rank_dir, "distrib_optim.pt"))
 
@@ -73,8 +56,7 @@ def test_resume_from_megatron_layout_equals_own(corpus, tmp_path):
     run_on_ranks(run_pretrain, 2, _flags(corpus, ["--save", own, "--save-interval", str(N)]))
     theirs = str(tmp_path / "megatron")
     megatronize(own, theirs, N)
-    assert not os.path.exists(os.path.join(own, f"iter_{N:07d}", "mp_rank_00",
-                                           "distrib_optim.pt"))
+    assert os.path.exists(os.path.join(own, f"iter_{N:07d}", "mp_rank_00", "distrib_optim.pt"))
     for dp in (2, 1):
         from_own = _losses(dp, _flags(corpus, ["--load", own, "--ckpt-step", str(N)]))
         from_theirs = _losses(dp, _flags(corpus, ["--load", theirs, "--ckpt-step", str(N)]))

@@ -344,3 +344,55 @@ def test_torch_dist_save_killed_anywhere_loses_nothing(tmp_path, corpus, referen
     for key in want:
         assert torch.equal(got[key], want[key]), key
     assert got_reader.common_state()["iteration"] == 6
+
+
+# -- the distributed optimizer's distrib_optim.pt ----------------------------------------------
+
+def _distrib_optim_flags(corpus, save, async_save=False):
+    """DP 2 with the distributed optimizer: DP rank 0 writes distrib_optim.pt, then its
+    model_optim_rng.pt, so its third file is the distrib_optim.pt of iteration 4."""
+    return gpt_flags(corpus, ITERS, extra=["--save", save, "--save-interval", str(INTERVAL),
+                                           "--use-distributed-optimizer"]
+                     + (["--async-save"] if async_save else []))
+
+
+@pytest.fixture(scope="module")
+def reference_distrib_optim(corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("reference_distrib_optim")
+    save = str(root / "save")
+    group = launch.start(launch.train_runs, 2, [{"name": "ref", "argv": _distrib_optim_flags(
+        corpus, save)}], log_dir=str(root / "logs"))
+    assert group.wait() == [0, 0]
+    return {"losses": group.results(1)["ref"]["losses"], "save": save}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_kill_mid_distrib_optim_file(tmp_path, corpus, reference_distrib_optim, async_save):
+    """Killed with half of iteration 4's distrib_optim.pt written: nothing is published, the
+    tracker names 2, and the resumed run ends with the uninterrupted run's losses and files
+    (both of them), bit for bit."""
+    save = str(tmp_path / "ckpt")
+    argv = _distrib_optim_flags(corpus, save, async_save)
+    crash = launch.start(launch.train_runs, 2, [{"name": "crash", "argv": argv,
+                                                 "env": {CRASH_ENV: "during_file:3@0"}}],
+                         log_dir=str(tmp_path / "crash"))
+    codes = crash.wait()
+    assert codes[0] == -signal.SIGKILL, (codes, crash.log(0)[-3000:])
+    assert read_tracker(save) == (2, False)
+    staged = os.path.join(save, ".tmp_iter_0000004", "iter_0000004", "mp_rank_00")
+    assert os.listdir(staged) == ["distrib_optim.pt"]
+    assert os.path.getsize(os.path.join(staged, "distrib_optim.pt")) < os.path.getsize(
+        os.path.join(save, "iter_0000002", "mp_rank_00", "distrib_optim.pt"))
+    resume = launch.start(launch.train_runs, 2, [{"name": "resume",
+                                                  "argv": argv + ["--load", save]}],
+                          log_dir=str(tmp_path / "resume"))
+    assert resume.wait() == [0, 0], resume.log(0)[-3000:]
+    assert resume.results(1)["resume"]["losses"] == reference_distrib_optim["losses"][2:]
+    assert sorted(n for n in os.listdir(save) if n != LOCK_FILENAME) == FINAL
+    _assert_same_checkpoint(save, reference_distrib_optim["save"], ITERS, 1)
+    final = os.path.join(iteration_dir(save, ITERS, False), "mp_rank_00", "distrib_optim.pt")
+    want = os.path.join(iteration_dir(reference_distrib_optim["save"], ITERS, False),
+                        "mp_rank_00", "distrib_optim.pt")
+    _assert_equal(torch.load(final, weights_only=False), torch.load(want, weights_only=False),
+                  final)

@@ -35,27 +35,32 @@ def megatron_order(num_layers=2):
                     "language_model.encoder.final_layernorm.bias"]
 
 
-def naive_buckets(numels, bucket_size, dp, align=64):
+def naive_buckets(numels, bucket_size, dp, align=64, own=()):
     """Megatron's buffer, element by element: ``{name: (bucket, start in bucket)}`` and each
-    bucket's unpadded length."""
+    bucket's unpadded length. Names in ``own`` (a tied embedding, ``shared_embedding``) get a
+    bucket to themselves: an open bucket is closed at their aligned start first."""
     where, unpadded = {}, []
     pos = bucket_start = 0
+    pad = math.lcm(dp, 128)
     names = list(numels)[::-1]
     for i, name in enumerate(names):
         pos = math.ceil(pos / align) * align
+        if name in own and pos > bucket_start:
+            unpadded.append(pos - bucket_start)
+            pos = bucket_start = math.ceil(pos / pad) * pad
         where[name] = (len(unpadded), pos - bucket_start)
         pos += numels[name]
-        if (bucket_size is not None and pos - bucket_start >= bucket_size) or i == len(names) - 1:
+        if ((bucket_size is not None and pos - bucket_start >= bucket_size) or name in own
+                or i == len(names) - 1):
             unpadded.append(pos - bucket_start)
-            pad = math.lcm(dp, 128)
             pos = bucket_start = math.ceil(pos / pad) * pad
     return where, unpadded
 
 
-def naive_file(values, bucket_size=None, dp=4, align=64, legacy=False):
+def naive_file(values, bucket_size=None, dp=4, align=64, legacy=False, own=()):
     """Megatron-LM's distrib_optim.pt content for ``values[name][key]`` (model order)."""
     where, unpadded = naive_buckets({n: v["param"].numel() for n, v in values.items()},
-                                    bucket_size, dp, align)
+                                    bucket_size, dp, align, own)
     entry = {}
     for key in KEYS:
         buckets = [torch.full((n,), GAP) for n in unpadded]
