@@ -580,7 +580,8 @@ def _custom_pipeline_split(args) -> bool:
     vp = None if layout is not None else args.num_virtual_stages_per_pipeline_rank
     try:
         if layout is not None:
-            vp = len(layout_stage_counts(layout, pp, args.num_layers)[0])
+            vp = len(layout_stage_counts(layout, pp, args.num_layers,
+                                         args.mtp_num_layers or 0)[0])
         else:
             accounted_stage_counts(args.num_layers, pp, vp,
                                    args.account_for_embedding_in_pipeline_split,

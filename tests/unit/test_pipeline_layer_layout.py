@@ -57,7 +57,6 @@ def test_layout_counts_per_rank_and_virtual_stage():
     ("Et|ttL", 2, 4, r"holds 3 transformer layers \('t'\), but --num-layers is 4"),
     ("tE|ttL", 2, 3, r"the embedding 'E' must appear once, first in the first stage"),
     ("Et|tLt", 2, 3, r"the loss 'L' must appear once, last in the last stage"),
-    ("Et|ttmL", 2, 3, r"MTP layers \('m'\) in a pipeline layout are not built"),
 ])
 def test_layout_content_errors(text, pp, layers, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -113,8 +112,8 @@ def test_model_chunks_hold_the_layers_written_out(kw, pp, vp, expected):
 
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 "
-        "--max-position-embeddings 32 --micro-batch-size 2 --train-iters 10 "
-        "--pipeline-model-parallel-size 2").split()
+        "--max-position-embeddings 32 --micro-batch-size 2 --global-batch-size 8 "
+        "--train-iters 10 --pipeline-model-parallel-size 2").split()
 
 
 def _validate(extra, world=2):
@@ -153,3 +152,93 @@ def test_flags_derive_virtual_stages():
 def test_flag_errors(extra, pattern):
     with pytest.raises(ArgumentsError, match=pattern):
         _validate(extra)
+
+
+# Megatron's DeepSeek-style launch layouts with one MTP layer: (layout, --num-layers, pp sizes).
+MTP_LAYOUTS = [
+    ("Et*3|(tt|)*6mL", 15, (2, 4)),
+    ("Et*3|(tt|)*6tmL", 16, (2, 4)),
+    ("Et*7|t*7mL", 14, (2,)),
+    ("Et*2|(tt|)*5t|tmL", 14, (2, 4)),
+    ("Et|(tt|)*6mL", 13, (2, 4)),
+]
+
+
+@pytest.mark.parametrize("text,layers,pp", [(t, n, p) for t, n, sizes in MTP_LAYOUTS
+                                            for p in sizes])
+def test_mtp_letters_in_the_loss_stage_leave_the_layer_numbering_alone(text, layers, pp):
+    """The ``m`` before ``L`` is accepted with --mtp-num-layers 1, and every chunk holds the
+    layers it holds when the ``m`` is struck out (and when it is not given at all)."""
+    stages = ll.parse_pipeline_layout(text)
+    assert stages[-1].endswith("mL") and "".join(stages).count("m") == 1
+    without = text.replace("m", "")
+    counts = ll.layout_stage_counts(text, pp, layers, 1)
+    assert counts == ll.layout_stage_counts(without, pp, layers)
+    assert counts == ll.layout_stage_counts(text, pp, layers)
+    vp = len(stages) // pp
+    cfg = TransformerConfig(num_layers=layers, hidden_size=32, num_attention_heads=4,
+                            padded_vocab_size=128, max_position_embeddings=16, seq_length=16,
+                            pipeline_model_parallel_layout=text)
+    got = {(p, v): list(range(offset, offset + count)) for p in range(pp) for v in range(vp)
+           for count, offset in [get_num_layers_and_offset(cfg, pp, p, vp if vp > 1 else None,
+                                                           v if vp > 1 else None)]}
+    assert got == _layers(counts)
+    # The stage holding 'm' is the last virtual stage of the last rank: the one with the loss.
+    assert stages.index(stages[-1]) == (vp - 1) * pp + pp - 1
+
+
+def test_mtp_layout_by_hand():
+    # pp 4 x vp 2: rank 3 holds stages 3 and 7; the last ("mL") has no transformer layer.
+    assert ll.layout_stage_counts("Et*3|(tt|)*6mL", 4, 15, 1) == \
+        [[3, 2], [2, 2], [2, 2], [2, 0]]
+    assert ll.layout_stage_counts("Et*7|t*7mL", 2, 14, 1) == [[7], [7]]
+    assert ll.layout_stage_counts("Et|tmmL", 2, 2, 2) == [[1], [1]]
+
+
+@pytest.mark.parametrize("text,pp,layers,mtp,pattern", [
+    ("Et|tmL", 2, 2, 2, r"the number of MTP layers \('m', 1\) must match --mtp-num-layers \(2\)"),
+    ("Et|tmmL", 2, 2, 1, r"\('m', 2\) must match --mtp-num-layers \(1\)"),
+    ("Et|tmL", 2, 2, 0, r"\('m', 1\) must match --mtp-num-layers \(not given\)"),
+    ("Et|mtL", 2, 2, 1, r"decoder layers \('t'\) must be placed before the MTP layers"),
+    ("Etm|L", 2, 1, 1, r"in a stage of their own, without the loss"),
+    ("Et|t|m|||L", 2, 2, 1, r"'m'\) must be in the last virtual pipeline stage of their "
+     r"pipeline rank"),
+    ("Etm|mL", 2, 1, 2, r"all of the MTP layers \('m'\) must be in the same virtual "
+     r"pipeline stage"),
+    ("Et|t|m|L", 2, 2, 1, r"MTP layers \('m'\) in a stage of their own, without the loss "
+     r"\(Megatron's standalone MTP stage\), are not built: put them in the last stage, "
+     r"before 'L'"),
+    ("Et|tLm", 2, 2, 1, r"the loss 'L' must appear once, last in the last stage"),
+])
+def test_misplaced_mtp_letters_are_refused_as_megatron_refuses_them(text, pp, layers, mtp,
+                                                                    pattern):
+    with pytest.raises(ConfigError, match=r"--pipeline-model-parallel-layout .*" + pattern):
+        ll.layout_stage_counts(text, pp, layers, mtp)
+
+
+@pytest.mark.parametrize("text,layers,pp", [(t, n, p) for t, n, sizes in MTP_LAYOUTS
+                                            for p in sizes])
+def test_megatron_mtp_layouts_validate_with_their_flags(text, layers, pp):
+    args = parse_args(argv=["--num-layers", str(layers), "--hidden-size", "64",
+                            "--num-attention-heads", "8", "--seq-length", "32",
+                            "--max-position-embeddings", "32", "--micro-batch-size", "2",
+                            "--global-batch-size", "16", "--train-iters", "10", "--pipeline-model-parallel-size", str(pp),
+                            "--position-embedding-type", "rope", "--mtp-num-layers", "1",
+                            "--pipeline-model-parallel-layout", text])
+    args.world_size = pp
+    args = validate_args(args)
+    vp = len(ll.parse_pipeline_layout(text)) // pp
+    assert args.virtual_pipeline_model_parallel_size == (vp if vp > 1 else None)
+
+
+def test_mtp_letters_without_mtp_layers_or_a_count_apart_are_refused_by_the_flags():
+    rope = ["--position-embedding-type", "rope"]
+    with pytest.raises(ArgumentsError, match=r"\('m', 1\) must match --mtp-num-layers "
+                       r"\(not given\)"):
+        _validate(["--pipeline-model-parallel-layout", "Et|tttmL"])
+    with pytest.raises(ArgumentsError, match=r"\('m', 1\) must match --mtp-num-layers \(2\)"):
+        _validate(rope + ["--pipeline-model-parallel-layout", "Et|tttmL", "--mtp-num-layers",
+                          "2"])
+    # No 'm' at all: the MTP layers still run beside the loss, as without a layout.
+    assert _validate(rope + ["--pipeline-model-parallel-layout", "Et|tttL",
+                             "--mtp-num-layers", "2"]).mtp_num_layers == 2

@@ -8,12 +8,15 @@ Four ways to say it, as in Megatron-LM:
   embedding (first stage) and the loss (last stage) each take the place of one transformer layer
   when the layers are split evenly, e.g. 6 layers, pp 4, both flags: 8 places, 2 per stage, so
   the stages hold ``[1, 2, 2, 1]`` layers;
-* ``--pipeline-model-parallel-layout``: every stage written out, e.g. ``"Et*3|(tt|)*29,m|L"``.
+* ``--pipeline-model-parallel-layout``: every stage written out, e.g. ``"Et*3|(tt|)*6mL"``.
   ``E`` is the embedding, ``t`` a transformer layer, ``m`` a multi-token-prediction layer, ``L``
   the loss; ``|`` ends a stage; ``x*n`` repeats one character and ``(...)*n`` a group n times
   (groups do not nest); commas are only for the eye. There are ``pp * vp`` stages: stage ``i``
   is virtual stage ``i // pp`` of pipeline rank ``i % pp``, so with pp 2,
-  ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2);
+  ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2). The
+  ``--mtp-num-layers`` MTP layers, one ``m`` each, stand in the last stage before ``L``, where
+  they run (a layout without ``m`` puts them there too); Megatron's stage of their own on an
+  earlier rank is refused;
 * ``--standalone-embedding-stage``: pipeline rank 0 holds only the embedding, the other ranks
   the layers (:func:`standalone_embedding_layout` writes it as a layout).
 
@@ -80,19 +83,16 @@ def layout_stage_counts(text: str, pp_size: int, num_layers: int,
     """Transformer layers of each stage of a layout: ``counts[pp_rank][vp_rank]``.
 
     Checks what Megatron checks: the stages fill every pipeline rank equally, the embedding
-    opens the first stage and the loss closes the last, once each, and the ``t`` count is
-    ``--num-layers``. MTP layers (``m``) in a layout are refused: without a layout,
-    ``--mtp-num-layers`` places them on the last stage.
+    opens the first stage and the loss closes the last, once each, the ``t`` count is
+    ``--num-layers`` and the MTP layers ``m`` stand where they run (:func:`check_mtp_letters`);
+    given ``mtp_num_layers``, a layout with ``m`` letters must hold that many. The ``m``
+    letters take no place in the numbering of the ``t`` layers.
     """
     stages = parse_pipeline_layout(text)
     if len(stages) % pp_size:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r} has {len(stages)} stages, not a multiple of "
                           f"--pipeline-model-parallel-size ({pp_size})")
     flat = "".join(stages)
-    if "m" in flat:
-        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: MTP layers ('m') in a pipeline layout are "
-                          "not built (without a layout, --mtp-num-layers puts them on the last "
-                          "stage)")
     if flat.count("E") != 1 or not stages[0].startswith("E"):
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: the embedding 'E' must appear once, first "
                           "in the first stage")
@@ -102,9 +102,42 @@ def layout_stage_counts(text: str, pp_size: int, num_layers: int,
     if flat.count("t") != num_layers:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r} holds {flat.count('t')} transformer layers "
                           f"('t'), but --num-layers is {num_layers}")
+    if mtp_num_layers is not None or "m" in flat:
+        check_mtp_letters(text, stages, pp_size, mtp_num_layers)
     vp_size = len(stages) // pp_size
     return [[stages[v * pp_size + p].count("t") for v in range(vp_size)]
             for p in range(pp_size)]
+
+
+def check_mtp_letters(text: str, stages: List[str], pp_size: int,
+                      mtp_num_layers: Optional[int]) -> None:
+    """Megatron's rules for ``m``: one letter per MTP layer (``--mtp-num-layers`` of them),
+    after every ``t``, all in one stage, the last virtual stage of its pipeline rank. Megatron
+    also lets that stage be one without the loss (a standalone MTP stage, on an earlier rank);
+    here the MTP layers run beside the loss, so the ``m`` letters must sit in the last stage,
+    before ``L``. A layout without ``m`` keeps the MTP layers there too."""
+    flat = "".join(stages)
+    count = flat.count("m")
+    if count == 0:
+        return
+    if mtp_num_layers is not None and count != mtp_num_layers:
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: the number of MTP layers ('m', {count}) "
+                          f"must match --mtp-num-layers ({mtp_num_layers or 'not given'})")
+    if "t" in flat[flat.index("m"):]:
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: decoder layers ('t') must be placed before "
+                          "the MTP layers ('m')")
+    holding = [i for i, stage in enumerate(stages) if "m" in stage]
+    vp_size = len(stages) // pp_size
+    if any(i // pp_size != vp_size - 1 for i in holding):
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: the MTP layers ('m') must be in the last "
+                          "virtual pipeline stage of their pipeline rank")
+    if len(holding) > 1:
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: all of the MTP layers ('m') must be in the "
+                          "same virtual pipeline stage")
+    if holding[0] != len(stages) - 1:
+        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: MTP layers ('m') in a stage of their own, "
+                          "without the loss (Megatron's standalone MTP stage), are not built: "
+                          "put them in the last stage, before 'L'")
 
 
 def accounted_stage_counts(num_layers: int, pp_size: int, vp_size: Optional[int] = None,
