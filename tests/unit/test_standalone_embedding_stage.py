@@ -59,9 +59,13 @@ def test_stages_hold_what_megatron_gives_them(layers, pp, vp, layout, owned):
     ([], 2, "E|t*4L", None),
     # Megatron counted --num-layers-per-virtual-pipeline-stage over the pp - 1 ranks after
     # the embedding's: 4 / 2 = 2 layers per rank, 1 per virtual stage, so vp 2.
-    (["--num-layers-per-virtual-pipeline-stage", "1"], 3, "E|t|t||t|tL", 2),
-    (["--num-virtual-stages-per-pipeline-rank", "2"], 3, "E|t|t||t|tL", 2),
-    (["--num-virtual-stages-per-pipeline-rank", "2"], 2, "E|t*2||t*2L", 2),
+    # (a global batch of pp micro-batches: the interleaved schedule's smallest)
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "6"], 3,
+     "E|t|t||t|tL", 2),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "6"], 3,
+     "E|t|t||t|tL", 2),
+    (["--num-virtual-stages-per-pipeline-rank", "2", "--global-batch-size", "4"], 2,
+     "E|t*2||t*2L", 2),
 ])
 def test_the_flag_becomes_the_equivalent_layout(extra, pp, layout, vp):
     args = _validate(["--standalone-embedding-stage"] + extra, pp)

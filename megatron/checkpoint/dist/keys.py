@@ -691,6 +691,8 @@ def _weight_shard_placements(name: str, local_shape: Tuple[int, ...],
     whole = placements(name, (rows * g,) + local_shape[1:],
                        dataclasses.replace(layout, weight_shards=1, expert_weight_shards=1))
     if len(whole) != 1:
+        whole = _contiguous_rows(whole, len(local_shape), rows * g)
+    if len(whole) != 1:
         raise KeyMappingError(f"{name}: a SwiGLU / GeGLU fc1 cut into weight shards "
                               f"({flag}) has no single piece in a torch_dist checkpoint")
     place = whole[0]
@@ -699,6 +701,27 @@ def _weight_shard_placements(name: str, local_shape: Tuple[int, ...],
     # The ranks of the first (expert) weight-shard group are (expert-)data-parallel ranks
     # 0 .. g-1.
     return [dataclasses.replace(place, global_offset=tuple(offset), written=dp_rank < g)]
+
+
+def _contiguous_rows(pieces: List[Placement], ndim: int, rows: int) -> List[Placement]:
+    """``pieces`` as one placement when they lie end to end along the rows both in the local
+    tensor (of ``rows`` rows) and in the global one (e.g. a GLU-interleaved fc1 at one TP rank,
+    whose two halves follow each other), else unchanged."""
+    ordered = sorted(pieces, key=lambda p: (p.local_rows or (0, rows))[0])
+    first = ordered[0]
+    axis = len(first.global_offset) - ndim
+    local_next, global_next = 0, first.global_offset[axis]
+    for piece in ordered:
+        start, stop = piece.local_rows or (0, rows)
+        offset = piece.global_offset
+        if (start != local_next or offset[axis] != global_next or piece.key != first.key
+                or offset[:axis] + offset[axis + 1:] != first.global_offset[:axis]
+                + first.global_offset[axis + 1:]):
+            return pieces
+        local_next, global_next = stop, global_next + stop - start
+    if local_next != rows:
+        return pieces
+    return [dataclasses.replace(first, local_rows=None)]
 
 
 def glu_interleaved_names(moe_config) -> Tuple[str, ...]:
