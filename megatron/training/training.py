@@ -198,7 +198,10 @@ def _training_configs(configs: Configs) -> Configs:
 def fsdp2_units(module: torch.nn.Module) -> List[torch.nn.Module]:
     """The sub-modules FSDP2 shards as units of their own, in forward order: an untied input
     embedding, every transformer layer, an untied output layer. A tied embedding is read by the
-    output layer outside its own forward, so it stays in the root unit."""
+    output layer outside its own forward, so it stays in the root unit. The multi-token
+    prediction depths' transformer layers are units too (their norms and projection stay in
+    the root); the MTP block calls the embedding and output-layer units again after the main
+    stack: FSDP2 gathers a unit at each call, and the gradients of every call reach its shard."""
     from megatron.model.transformer import ParallelTransformerLayer
 
     language_model = getattr(module, "language_model", None)

@@ -774,8 +774,6 @@ def _validate_torch_fsdp2(args) -> None:
          f"{args.num_distributed_optimizer_instances}",
          "hybrid sharding of the experts is not built; drop --num-distributed-optimizer-"
          "instances"),
-        (args.mtp_num_layers is not None, "--mtp-num-layers",
-         f"not built yet (multi-token prediction under FSDP2); {instead}"),
         (args.calculate_per_token_loss, "--calculate-per-token-loss",
          "not built yet (FSDP2's reduce-scatter averages the gradients, where per-token loss "
          f"sums them before dividing by the token count); {instead}"),

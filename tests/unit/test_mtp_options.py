@@ -195,6 +195,18 @@ def test_detached_heads_are_refused_with_fsdp():
         _validate(["--mtp-detach-heads", "--mtp-num-layers", "1", "--use-torch-fsdp2"])
 
 
+@pytest.mark.parametrize("fsdp", [
+    ["--use-torch-fsdp2"],
+    ["--use-megatron-fsdp", "--use-distributed-optimizer"],
+    ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]],
+    ids=["torch-fsdp2", "megatron-fsdp", "optim_grads"])
+def test_mtp_layers_are_accepted_under_fsdp(fsdp):
+    """Multi-token prediction trains under both FSDP flags (tests/functional/test_mtp_fsdp.py);
+    only --mtp-detach-heads stays refused there, as Megatron-LM refuses it."""
+    args = _validate(["--mtp-num-layers", "2", "--mtp-use-repeated-layer", *fsdp])
+    assert args.mtp_num_layers == 2 and args.use_torch_fsdp2
+
+
 @pytest.mark.parametrize("flag, reason", [("--mtp-standalone", "stage"),
                                           ("--mtp-hsm", "hidden-state mixing")])
 def test_unbuilt_options_are_refused_with_their_reason(flag, reason):

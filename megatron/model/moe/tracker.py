@@ -94,13 +94,17 @@ class MoELossTracker:
 
 class _AttachAuxLoss(torch.autograd.Function):
     """Forward: ``output`` unchanged. Backward: ``output``'s gradient passes through, and
-    ``aux_loss`` receives the gradient ``backward_scale`` (read when the backward runs)."""
+    ``aux_loss`` receives the gradient ``backward_scale`` (read when the backward runs).
+
+    The forward returns a copy, not a view: FSDP2 hooks its pre-backward on the model's
+    output, and a view of a custom function's input is one an in-place op could detach it
+    from (FSDP2 warns about it; the copy is one ``[b, s]`` loss tensor)."""
 
     @staticmethod
     def forward(ctx, output, aux_loss, tracker):
         ctx.save_for_backward(aux_loss)
         ctx.tracker = tracker
-        return output.view_as(output)
+        return output.clone()
 
     @staticmethod
     def backward(ctx, grad_output):
