@@ -243,7 +243,8 @@ def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
             reduce_dtype=FSDP2_REDUCE_DTYPES[ddp_config.torch_fsdp2_reduce_dtype],
             replicas=ddp_config.torch_fsdp2_replicas,
             broadcast_first=args.data_parallel_random_init,
-            expert_units=fsdp2_expert_units(module), expert_dp_group=pstate.expert_dp_group)
+            expert_units=fsdp2_expert_units(module), expert_dp_group=pstate.expert_dp_group,
+            calculate_per_token_loss=ddp_config.calculate_per_token_loss)
     ddp = DistributedDataParallel(
         module, dp_group=pstate.dp_cp_group,
         accumulate_allreduce_grads_in_fp32=ddp_config.grad_reduce_in_fp32,

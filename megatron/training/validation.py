@@ -757,9 +757,7 @@ def _validate_torch_fsdp2(args) -> None:
     _validate_meta_device_init(args)
     if not args.use_torch_fsdp2:
         return
-    name, instead = "--use-torch-fsdp2", "drop --use-torch-fsdp2"
-    if args.use_megatron_fsdp:
-        name, instead = _megatron_fsdp_flag(args), "use --data-parallel-sharding-strategy optim"
+    name = _megatron_fsdp_flag(args) if args.use_megatron_fsdp else "--use-torch-fsdp2"
     refused = [
         (args.use_distributed_optimizer, "--use-distributed-optimizer",
          "FSDP2 already shards the optimizer state; drop --use-distributed-optimizer"),
@@ -774,9 +772,6 @@ def _validate_torch_fsdp2(args) -> None:
          f"{args.num_distributed_optimizer_instances}",
          "hybrid sharding of the experts is not built; drop --num-distributed-optimizer-"
          "instances"),
-        (args.calculate_per_token_loss, "--calculate-per-token-loss",
-         "not built yet (FSDP2's reduce-scatter averages the gradients, where per-token loss "
-         f"sums them before dividing by the token count); {instead}"),
     ]
     for bad, flag, why in refused:
         if bad:

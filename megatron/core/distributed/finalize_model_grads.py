@@ -102,8 +102,8 @@ def _divide_by_token_count(model_chunks: Sequence[torch.nn.Module], num_tokens, 
     """Divide every gradient by the step's token count over the whole global batch: the count
     this stage's loss functions returned (on the last stage; anything elsewhere), taken from the
     last stage of the pipeline and summed over ``dp_group``."""
-    buffers = [b for chunk in model_chunks for b in chunk.all_grad_buffers()]
-    dev = buffers[0].data.device if buffers else torch.device("cpu")
+    params = (p for chunk in model_chunks for p in chunk.parameters())
+    dev = next(params, torch.empty(0)).device   # the gradients' device (FSDP2: no buffers)
     count = torch.as_tensor(num_tokens, dtype=torch.int64, device=dev).clone().reshape(())
     if pp_group is not None and get_group_size(pp_group) > 1:
         dist.broadcast(count, src=dist.get_process_group_ranks(pp_group)[-1], group=pp_group)

@@ -13,7 +13,8 @@ does:
 * :meth:`no_sync` turns FSDP2's gradient synchronisation off for the micro-batches it wraps,
   so they accumulate unsharded gradients locally, and the last micro-batch's backward runs one
   reduce-scatter per unit (averaged over the mesh, as the grad-buffer wrapper averages over
-  the data-parallel group);
+  the data-parallel group; summed with ``calculate_per_token_loss``, then divided by the
+  token count through :meth:`scale_gradients`);
 * with pipeline parallelism each model chunk (each virtual stage's too) is a wrapper of its
   own over its stage's data-parallel group, and the schedule keeps a chunk's :meth:`no_sync`
   open until that chunk's last backward, so the in-flight micro-batches of 1F1B accumulate
@@ -124,6 +125,16 @@ def _broadcast_from_first(module, dp_group, expert_units, expert_dp_group) -> No
         dist.broadcast(param.data, src=dist.get_global_rank(group, 0), group=group)
 
 
+def _divide_gradients_by(unit, factor: float, mesh_size: int) -> None:
+    """Make the sharded ``unit``'s reduction divide its summed gradients by ``factor`` (in
+    place of FSDP2's mean over the mesh)."""
+    unit.set_gradient_divide_factor(factor)
+    if mesh_size > 1:
+        # A plain sum, then the division (gloo has no pre-multiplied sum). Not on one rank:
+        # FSDP2 then divides while copying and would divide again.
+        unit.set_force_sum_reduction_for_comms(True)
+
+
 class TorchFullyShardedDataParallel(torch.nn.Module):
     """Shard ``module`` over ``dp_group`` with FSDP2.
 
@@ -162,13 +173,18 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             grad-buffer wrapper does), not averaged over its own mesh.
         expert_dp_group: the expert-data-parallel group (``ParallelState.expert_dp_group``);
             required with ``expert_units``.
+        calculate_per_token_loss: leave every gradient summed over the ranks, experts' too
+            (``--calculate-per-token-loss``): the loss functions return sums, and the
+            gradients are divided by the global batch's token count afterwards
+            (:meth:`scale_gradients`), as the grad-buffer wrapper leaves its sums.
     """
 
     def __init__(self, module: torch.nn.Module, *, dp_group,
                  units: Sequence[torch.nn.Module] = (), reshard_after_forward: bool = True,
                  compute_dtype: Optional[torch.dtype] = None, broadcast_first: bool = False,
                  reduce_dtype: Optional[torch.dtype] = None, replicas: int = 1,
-                 expert_units: Sequence[torch.nn.Module] = (), expert_dp_group=None):
+                 expert_units: Sequence[torch.nn.Module] = (), expert_dp_group=None,
+                 calculate_per_token_loss: bool = False):
         super().__init__()
         if dp_group is None:
             raise ValueError("TorchFullyShardedDataParallel needs dp_group=<the data-parallel "
@@ -193,18 +209,18 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             reduce_dtype = torch.float32
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
         kwargs = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        divide_by = 1.0 if calculate_per_token_loss else float(self.dp_size)
         if expert_units:
             expert_mesh = DeviceMesh.from_group(expert_dp_group, device_type)
             for unit in expert_units:
                 fully_shard(unit, mesh=expert_mesh, **kwargs)
-                unit.set_gradient_divide_factor(float(self.dp_size))
-                if expert_mesh.size() > 1:
-                    # A plain sum, then the division (gloo has no pre-multiplied sum). Not on
-                    # one rank: FSDP2 then divides while copying and would divide again.
-                    unit.set_force_sum_reduction_for_comms(True)
+                _divide_gradients_by(unit, divide_by, expert_mesh.size())
         for unit in units:
             fully_shard(unit, mesh=self.mesh, **kwargs)
         fully_shard(module, mesh=self.mesh, **kwargs)
+        if calculate_per_token_loss:
+            for unit in (*units, module):
+                _divide_gradients_by(unit, 1.0, self.mesh.size())
         for name, param in module.named_parameters():
             for attr, value in attributes.get(name, {}).items():
                 setattr(param, attr, value)
@@ -234,6 +250,12 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Nothing to zero: the optimizer drops the sharded gradients (``zero_grad``)."""
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply this rank's shard of every gradient by ``factor`` (after the reduction)."""
+        for param in self.module.parameters():
+            if param.grad is not None:
+                local_tensor(param.grad).mul_(factor)
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """The wrapped module's state, with whole tensors (collective)."""
