@@ -15,7 +15,8 @@
 # FSDP=torch2 trains with --use-torch-fsdp2 instead (the same sharding, PyTorch's own flag);
 # SHARDING_STRATEGY=optim_grads keeps each layer's parameters gathered between forward and
 # backward (ZeRO-2), optim shards only the optimizer state (the distributed optimizer).
-# Left out of the recipe: --calculate-per-token-loss (not built on FSDP2 yet), --use-nccl-ub
+# --calculate-per-token-loss as in the recipe: the gradients are summed over the ranks and
+# divided by the global batch's token count. Left out of the recipe: --use-nccl-ub
 # and --fsdp-double-buffer (CUDA buffers), fp8. BF16=0 trains in fp32. Every size can be
 # overridden from the environment (the comments give Llama 3 8B's); a tiny smoke run:
 #
@@ -109,7 +110,7 @@ TRAIN_ARGS=(
   --micro-batch-size "$MICRO_BATCH" --global-batch-size "$GLOBAL_BATCH"
   --train-iters "$TRAIN_ITERS" --lr "$LR" --min-lr 1e-5 --lr-decay-style cosine
   --lr-warmup-iters "$WARMUP_ITERS" --clip-grad 1.0 --weight-decay 0.1
-  --adam-beta1 0.9 --adam-beta2 0.95
+  --adam-beta1 0.9 --adam-beta2 0.95 --calculate-per-token-loss
 )
 [ "${BF16:-1}" = 1 ] && TRAIN_ARGS+=(--bf16)
 case "$FSDP" in

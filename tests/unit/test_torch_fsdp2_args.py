@@ -37,13 +37,24 @@ def test_flags_fill_the_ddp_config():
     (["--use-distributed-optimizer"], "--use-distributed-optimizer"),
     (["--num-experts", "2", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2"],
      "--expert-tensor-parallel-size 2"),
-    (["--calculate-per-token-loss"], "--calculate-per-token-loss"),
 ])
 def test_refused_combinations_name_both_flags(extra, named):
     with pytest.raises(ArgumentsError) as err:
         _validated(["--use-torch-fsdp2"] + extra, world_size=4)
     message = str(err.value)
     assert "--use-torch-fsdp2" in message and named in message and "\n" not in message
+
+
+@pytest.mark.parametrize("fsdp", [
+    ["--use-torch-fsdp2"],
+    ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"],
+    ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"],
+])
+def test_per_token_loss_is_accepted_and_reaches_the_ddp_config(fsdp):
+    """FSDP2 then sums the gradients and divides them by the token count (trained in
+    tests/functional/test_fsdp_per_token_loss.py)."""
+    ddp = _ddp_config(_validated(fsdp + ["--calculate-per-token-loss"]))
+    assert ddp.use_torch_fsdp2 and ddp.calculate_per_token_loss
 
 
 def test_megatron_fsdp_with_torch_fsdp2_is_refused_in_one_line():
