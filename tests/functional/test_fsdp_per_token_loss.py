@@ -9,6 +9,8 @@ losses, the logged gradient norms and the final validation loss must agree to ``
 (test_torch_fsdp2's tolerance: sums in another order, torch's AdamW on the shards). Averaged
 gradients divided by the token count again would be half the size: the norms then differ by
 2x. The run without the flag is a different number (checked), so the comparison sees the flag.
+Also at four ranks (hybrid sharding over two replicas; two pipeline stages) against one process,
+and with experts (EP 2 x DP 2, auxiliary and z losses) against both references.
 """
 
 import pytest
@@ -68,6 +70,18 @@ def test_per_token_loss_under_fsdp_at_dp2_matches_one_process_and_ddp(  # noqa: 
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout", [
+    MEGATRON_FSDP + ["optim_grads_params", "--num-distributed-optimizer-instances", "2"],
+    ["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2"],
+], ids=["hybrid-sharding-dp4", "pp2-dp2"])
+def test_per_token_loss_under_fsdp_at_four_ranks_matches_one_process(  # noqa: F811
+        corpus, single, layout):
+    """Hybrid sharding: summed within each replica and across them; pipeline stages: the
+    token count comes from the last stage to every stage's shards."""
+    _close(_run(corpus, 4, PER_TOKEN + layout), single)
+
+
+@pytest.mark.slow
 def test_without_the_flag_the_run_differs(corpus, single):  # noqa: F811
     """The mean of micro-batch means moves the gradient norm by about 1% here."""
     averaged = _run(corpus, 1, ["--eod-mask-loss"])
@@ -78,6 +92,9 @@ def test_without_the_flag_the_run_differs(corpus, single):  # noqa: F811
 def test_per_token_auxiliary_losses_under_fsdp2_match_ddp(corpus):  # noqa: F811
     """Experts as FSDP2 units of their own over the expert-data-parallel group (EP 2 x DP 2):
     their gradients are summed there too, and the routers' auxiliary losses (attached times
-    their token counts, started at the loss scale alone) are divided by the same count."""
+    their token counts, started at the loss scale alone) are divided by the same count. The
+    ranks' micro-batches are the single process's, so one process is a reference too."""
     layout = PER_TOKEN + MOE + ["--expert-model-parallel-size", "2"]
-    _close(_run(corpus, 2, layout + ["--use-torch-fsdp2"]), _run(corpus, 2, layout))
+    fsdp = _run(corpus, 2, layout + ["--use-torch-fsdp2"])
+    _close(fsdp, _run(corpus, 2, layout))
+    _close(fsdp, _run(corpus, 1, PER_TOKEN + MOE))
