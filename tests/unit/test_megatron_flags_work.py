@@ -88,7 +88,9 @@ def test_exit_signal_is_the_signal_the_handler_waits_for():
 
 
 def test_num_virtual_stages_per_pipeline_rank_splits_as_layers_per_stage():
-    common = ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]
+    # (a global batch of two micro-batches: the interleaved schedule needs a multiple of pp)
+    common = ["--num-layers", "8", "--pipeline-model-parallel-size", "2", "--global-batch-size",
+              str(2 * _args().micro_batch_size)]
     by_stages = _args(*common, "--num-virtual-stages-per-pipeline-rank", "2", world_size=2)
     by_layers = _args(*common, "--num-layers-per-virtual-pipeline-stage", "2", world_size=2)
     # 8 layers over 2 stages: 4 per rank, in 2 virtual stages of 2 layers.
