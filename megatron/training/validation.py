@@ -892,7 +892,7 @@ def _validate_gdn(args) -> None:
             ("--reset-attention-mask (packed documents)", args.reset_attention_mask),
             ("--mtp-num-layers", bool(args.mtp_num_layers)),
             ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False)),
-            (f"--ckpt-format {args.ckpt_format}",
+            (f"--ckpt-format {args.ckpt_format} (add --ckpt-format torch)",
              args.ckpt_format != "torch" and bool(args.save or args.load))):
         if on:
             _fail(f"--experimental-attention-variant gdn with {flag}: not built yet")
