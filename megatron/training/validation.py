@@ -1393,6 +1393,9 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     """
     if args.enable_mhc_connections:
         _fail("--enable-mhc-connections is built for GPT only (pretrain_gpt.py), not BERT")
+    if args.save and args.ckpt_format == "torch_dist":
+        _fail("--ckpt-format torch_dist (the default) stores GPT models only here; save BERT "
+              "with --ckpt-format torch")
     if args.tokenizer_type not in BERT_TOKENIZER_TYPES:
         _fail(f"--tokenizer-type {args.tokenizer_type} cannot make BERT samples (they need the "
               "WordPiece [CLS], [SEP], [MASK] and [PAD] tokens); use --tokenizer-type "

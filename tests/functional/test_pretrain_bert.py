@@ -98,8 +98,8 @@ def bert_flags(data, train_iters: int, *, tp: int = 1, pp: int = 1, micro_batch:
     --eval-interval 1000 --eval-iters 2 --tokenizer-type BertWordPieceLowerCase
     --make-vocab-size-divisible-by {DIVISIBLE_BY} --split 90,8,2 --num-workers 0
     --device cpu --seed 1234 --tensor-model-parallel-size {tp}
-    --pipeline-model-parallel-size {pp}
-    """.split()
+    --pipeline-model-parallel-size {pp} --ckpt-format torch
+    """.split()   # BERT saves the torch format only
     return flags + ["--vocab-file", vocab, "--data-path", prefix] + list(extra)
 
 
@@ -340,6 +340,7 @@ def test_bad_bert_flags_name_the_flag(extra, must_name):
     (["--mock-data"], "--mock-data"),
     (["--untie-embeddings-and-output-weights"], "--untie-embeddings-and-output-weights"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2: BERT"),
+    (["--save", "ckpt"], "--ckpt-format torch_dist (the default) stores GPT models only"),
 ])
 def test_flags_bert_cannot_use_name_the_flag(extra, must_name):
     args = parse_args(argv=BASE + ["--tokenizer-type", "BertWordPieceCase"] + extra)
