@@ -72,3 +72,39 @@ def test_load_detects_the_format_of_the_folder(corpus, saved, folder_format, fla
     assert [i for i, _ in resumed["losses"]] == list(range(SAVED_AT + 1, ITERS + 1))
     for i, loss in resumed["losses"]:
         assert loss == straight[i], (i, resumed["losses"], straight)
+
+
+def _train_with_a_stray_tensor(argv):
+    """pretrain_gpt with one parameter the torch_dist format has no key for."""
+    import torch
+
+    import pretrain_gpt
+    from megatron.training import global_vars
+    from megatron.training.training import pretrain
+
+    def model_provider(*args, **kwargs):
+        model = pretrain_gpt.model_provider(*args, **kwargs)
+        model.language_model.encoder.layers[0].stray_scale = torch.nn.Parameter(torch.ones(1))
+        return model
+
+    try:
+        state = pretrain(pretrain_gpt.train_valid_test_datasets_provider, model_provider, None,
+                         pretrain_gpt.forward_step, argv=argv)
+        return {"losses": state.train_loss_history}
+    except Exception as err:   # noqa: BLE001 - the message is what the test reads
+        return {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        global_vars.unset_global_variables()
+
+
+def test_a_model_torch_dist_cannot_hold_is_refused_before_training(corpus, tmp_path):
+    out = run_on_ranks(_train_with_a_stray_tensor, 1,
+                       _flags(corpus, ["--save", str(tmp_path / "dist")]))[0]
+    assert out.get("error", "").startswith(
+        "CheckpointError: --ckpt-format torch_dist (the default) cannot save this model: "
+        "layer tensor 'stray_scale' has no Megatron-Core key"), out
+    assert out["error"].endswith("; save it with --ckpt-format torch"), out
+    assert not os.path.exists(tmp_path / "dist" / "latest_checkpointed_iteration.txt")
+    out = run_on_ranks(_train_with_a_stray_tensor, 1, _flags(
+        corpus, ["--save", str(tmp_path / "torch"), "--ckpt-format", "torch"]))[0]
+    assert [i for i, _ in out["losses"]] == list(range(1, ITERS + 1)), out
