@@ -340,13 +340,26 @@ def test_bad_bert_flags_name_the_flag(extra, must_name):
     (["--mock-data"], "--mock-data"),
     (["--untie-embeddings-and-output-weights"], "--untie-embeddings-and-output-weights"),
     (["--context-parallel-size", "2"], "--context-parallel-size 2: BERT"),
-    (["--save", "ckpt"], "--ckpt-format torch_dist (the default) stores GPT models only"),
 ])
 def test_flags_bert_cannot_use_name_the_flag(extra, must_name):
     args = parse_args(argv=BASE + ["--tokenizer-type", "BertWordPieceCase"] + extra)
     with pytest.raises(ArgumentsError) as err:
         validate_bert_args(args)
     assert must_name in str(err.value)
+
+
+@pytest.mark.parametrize("extra", [[], ["--ckpt-format", "torch_dist"]])
+def test_a_bert_save_takes_the_torch_format_with_a_note(extra, capsys):
+    """torch_dist holds GPT models only here: a BERT run that saves (Megatron's BERT scripts
+    give no --ckpt-format) writes the torch format and says so."""
+    bert = BASE + ["--tokenizer-type", "BertWordPieceCase"]
+    args = parse_args(argv=bert + ["--save", "ckpt"] + extra)
+    validate_bert_args(args)
+    assert args.ckpt_format == "torch"
+    assert "this BERT run saves --ckpt-format torch" in capsys.readouterr().out
+    args = parse_args(argv=bert)   # nothing saved: the flag is left as it is
+    validate_bert_args(args)
+    assert args.ckpt_format == "torch_dist"
 
 
 def test_defaults_are_megatron_bert():
