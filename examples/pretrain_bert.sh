@@ -71,9 +71,10 @@ DATA_ARGS=(
   --data-path "$OUT/data/stdlib_content_sentence" --split 949,50,1
   --vocab-file "$OUT/data/vocab.txt" --tokenizer-type BertWordPieceLowerCase --num-workers 1
 )
+# BERT saves --ckpt-format torch here (torch_dist, the default, holds GPT models only).
 OUTPUT_ARGS=(
   --log-interval 10 --eval-interval 100 --eval-iters 5
-  --save-interval 100 --save "$OUT/checkpoints" --load "$OUT/checkpoints"
+  --save-interval 100 --save "$OUT/checkpoints" --load "$OUT/checkpoints" --ckpt-format torch
   --tensorboard-dir "$OUT/tensorboard"
 )
 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" "$PY" -m torch.distributed.run --standalone \

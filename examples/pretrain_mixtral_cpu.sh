@@ -19,8 +19,8 @@
 # The corpus is this machine's Python standard library as JSONL (tools/build_stdlib_corpus.py);
 # point CORPUS at your own JSONL with a "content" key to train on other text. Writes
 # OUT_DIR/data/ (vocab.json, merges.txt, stdlib_content_document.{bin,idx}), OUT_DIR/train.log
-# (appended to) and OUT_DIR/loss.png, and saves OUT_DIR/checkpoints/ (one mp_rank_*_{ep:03d}
-# folder per expert rank when EP > 1); rerunning resumes from the last one, at any EP, and
+# (appended to) and OUT_DIR/loss.png, and saves torch_dist checkpoints (the --ckpt-format
+# default) to OUT_DIR/checkpoints/; rerunning resumes from the last one, at any EP, and
 # tools/checkpoint/convert.py --saver hf turns it into a MixtralForCausalLM folder. Extra
 # arguments go to pretrain_gpt.py after the script's flags, so they override them (e.g.
 # --moe-token-dispatcher-type allgather); GROUPED_GEMM=0 runs the experts one by one.

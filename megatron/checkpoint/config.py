@@ -46,7 +46,7 @@ class CheckpointConfig:
     pretrained_checkpoint: Optional[str] = None  # --pretrained-checkpoint
     ckpt_step: Optional[int] = None              # --ckpt-step: load this iteration
     exit_on_missing_checkpoint: bool = False     # --exit-on-missing-checkpoint
-    ckpt_format: str = "torch"                   # --ckpt-format, one of CHECKPOINT_FORMATS
+    ckpt_format: str = "torch_dist"              # --ckpt-format, one of CHECKPOINT_FORMATS
     async_save: bool = False                     # --async-save
     ckpt_convert_format: Optional[str] = None    # --ckpt-convert-format
     ckpt_convert_save: Optional[str] = None      # --ckpt-convert-save

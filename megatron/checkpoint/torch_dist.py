@@ -37,8 +37,8 @@ from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       read_local_rows, save_shards, tensor_shards, write_metadata)
 from megatron.checkpoint.dist import flattened, glu_interleave
 from megatron.checkpoint.dist.keys import (OPTIMIZER_STATE_PREFIX, TRANSFORMER_ENGINE,
-                                           expert_names, extra_state_value,
-                                           glu_interleaved_names, te_moe_norm_key)
+                                           KeyMappingError, expert_names, extra_state_value,
+                                           glu_interleaved_names, placements, te_moe_norm_key)
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, CheckpointError, checkpoint_dir_name
 from megatron.checkpoint.names import dotted_names
 from megatron.checkpoint.publish import begin_save, crash_point, finish_save
@@ -49,6 +49,7 @@ from megatron.checkpoint.saved_args import check_args, plain_args
 from megatron.checkpoint.state import (copy_to_cpu, main_values_of, rng_state_snapshot,
                                       set_rng_state_snapshot)
 from megatron.core import rerun_state_machine as rerun_enums
+from megatron.model.module import flatten_state_dict
 from megatron.core.collectives import get_group_rank, get_group_size
 
 MAIN_PREFIX = OPTIMIZER_STATE_PREFIX + "fp32_param."
@@ -318,6 +319,22 @@ def _model_config(model_chunks):
     while not hasattr(module, "config") and hasattr(module, "module"):
         module = module.module
     return module.config
+
+
+def check_savable(model_chunks, pstate) -> None:
+    """Before training: raise :class:`CheckpointError` when a tensor of the model has no
+    Megatron-Core key, so a run that cannot save torch_dist stops at start-up, naming the tensor
+    and the torch format, rather than at its first save."""
+    layouts = _layouts(model_chunks, _model_config(model_chunks), pstate)
+    for tree, layout in zip(_chunk_trees(model_chunks), layouts):
+        for name, tensor in flatten_state_dict(tree).items():
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            try:
+                placements(name, tuple(tensor.shape), layout)
+            except KeyMappingError as err:
+                raise CheckpointError(f"--ckpt-format torch_dist (the default) cannot save this "
+                                      f"model: {err}; save it with --ckpt-format torch") from None
 
 
 def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,

@@ -617,11 +617,13 @@ def _add_checkpointing_args(parser):
                    help="with --use-checkpoint-args: keep this run's tokenizer flags instead of "
                         "the checkpoint's --tokenizer-type, --tokenizer-model, --tiktoken-pattern")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
-    g.add_argument("--ckpt-format", type=str, default="torch",
+    g.add_argument("--ckpt-format", type=str, default="torch_dist",
                    choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"],
-                   help="torch: one model_optim_rng.pt per (tensor, pipeline) rank; torch_dist: "
-                        "Megatron-Core's distributed checkpoint, every rank writing its own "
-                        "shards, loadable at any other parallel layout; fsdp_dtensor (fully "
+                   help="the format --save writes (--load detects the format of the folder it "
+                        "reads): torch_dist (default, as Megatron-LM): Megatron-Core's "
+                        "distributed checkpoint, every rank writing its own shards, loadable at "
+                        "any other parallel layout; torch: one model_optim_rng.pt per (tensor, "
+                        "pipeline) rank; fsdp_dtensor (fully "
                         "sharded runs only): a DCP folder of FSDP's DTensor shards under "
                         "Megatron-LM's keys for that format; torch_dcp (--use-torch-fsdp2 with "
                         "tensor and pipeline size 1): a DCP folder of Megatron-LM's torch-format "

@@ -22,10 +22,12 @@ from megatron.checkpoint.save import AsyncCheckpointSaver, save_checkpoint
 from megatron.checkpoint.save_lock import (
     LOCK_FILENAME, SaveDirLockedError, SaveLock, lock_save_dir)
 from megatron.checkpoint.saved_args import checkpoint_args, megatron_args
+from megatron.checkpoint.torch_dist import check_savable as check_torch_dist_savable
 
 __all__ = [
     "AsyncCheckpointSaver", "CHECKPOINT_VERSION", "CRASH_ENV", "CRASH_POINTS", "CheckpointError",
     "LOCK_FILENAME", "SaveDirLockedError", "SaveLock", "TRACKER_FILENAME", "check_save_dir",
+    "check_torch_dist_savable",
     "checkpoint_args", "checkpoint_dir_name", "checkpoint_file", "clean_interrupted_saves",
     "crash_point", "expert_ranks", "load_args_from_checkpoint", "load_checkpoint",
     "load_model_weights", "load_state_file", "lock_save_dir", "megatron_args",

@@ -11,6 +11,7 @@ pretrain_bert.py needs. :func:`check_flags` runs the steps in order (after
 import argparse
 import json
 import math
+import os
 from typing import List, Optional, Tuple
 
 import torch
@@ -886,7 +887,7 @@ def _validate_gdn(args) -> None:
             ("--reset-attention-mask (packed documents)", args.reset_attention_mask),
             ("--mtp-num-layers", bool(args.mtp_num_layers)),
             ("--use-torch-fsdp2", getattr(args, "use_torch_fsdp2", False)),
-            (f"--ckpt-format {args.ckpt_format}",
+            (f"--ckpt-format {args.ckpt_format} (add --ckpt-format torch)",
              args.ckpt_format != "torch" and bool(args.save or args.load))):
         if on:
             _fail(f"--experimental-attention-variant gdn with {flag}: not built yet")
@@ -1387,6 +1388,13 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     """
     if args.enable_mhc_connections:
         _fail("--enable-mhc-connections is built for GPT only (pretrain_gpt.py), not BERT")
+    if args.save and args.ckpt_format == "torch_dist":
+        # Megatron's BERT scripts save without --ckpt-format; torch_dist holds GPT only here.
+        args.ckpt_format = "torch"
+        if int(getattr(args, "rank", None) or os.environ.get("RANK", "0")) == 0:
+            print("NOTE: --ckpt-format torch_dist stores GPT models only here: this BERT run "
+                  "saves --ckpt-format torch (one file per rank; --load reads either)",
+                  flush=True)
     if args.tokenizer_type not in BERT_TOKENIZER_TYPES:
         _fail(f"--tokenizer-type {args.tokenizer_type} cannot make BERT samples (they need the "
               "WordPiece [CLS], [SEP], [MASK] and [PAD] tokens); use --tokenizer-type "

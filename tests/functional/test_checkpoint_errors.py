@@ -17,9 +17,11 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def saved(corpus, tmp_path_factory):
-    """A TP=1 checkpoint at iteration 2."""
+    """A TP=1 checkpoint at iteration 2, in the torch format (one file per rank): the tests
+    below are about that format's files and its layout check."""
     save = str(tmp_path_factory.mktemp("ckpt") / "save")
-    run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 2, extra=["--save", save]))
+    run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 2, extra=["--save", save,
+                                                              "--ckpt-format", "torch"]))
     return save
 
 
@@ -169,7 +171,8 @@ def _train_with_failing_save(flags, fail_rank):
 def test_failed_save_keeps_previous_checkpoint(corpus, tmp_path):
     save = str(tmp_path / "ckpt")
     results = run_on_ranks(_train_with_failing_save, 2, gpt_flags(
-        corpus, 6, tp=2, extra=["--save", save, "--save-interval", "2"]), 1)
+        corpus, 6, tp=2, extra=["--save", save, "--save-interval", "2",
+                                "--ckpt-format", "torch"]), 1)   # torch.save fails
     assert "saving iteration 4" in results[0] and "No space left on device" in results[1]
     assert sorted(os.listdir(save)) == ["iter_0000002", "latest_checkpointed_iteration.txt"]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:

@@ -86,8 +86,8 @@ def bert_flags(data, *, tp, pp, micro_batch=2, extra=()):
     --eval-iters 1 --tokenizer-type BertWordPieceLowerCase
     --make-vocab-size-divisible-by {DIVISIBLE_BY} --split 90,8,2 --num-workers 0
     --device cpu --seed 1234 --tensor-model-parallel-size {tp}
-    --pipeline-model-parallel-size {pp}
-    """.split()
+    --pipeline-model-parallel-size {pp} --ckpt-format torch
+    """.split()   # BERT saves the torch format only
     return flags + ["--vocab-file", vocab, "--data-path", prefix] + list(extra)
 
 

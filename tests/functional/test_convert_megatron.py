@@ -46,9 +46,10 @@ def corpus(tmp_path_factory):
 
 
 def _train_flags(corpus, save, tp, pp, iters=2, extra=()):
+    """Training flags of a torch-format source checkpoint (what these conversions read)."""
     return gpt_flags(corpus, iters, tp=tp, dropout=0.0,
-                     extra=["--pipeline-model-parallel-size", str(pp), "--save", save]
-                     + list(extra))
+                     extra=["--pipeline-model-parallel-size", str(pp), "--save", save,
+                            "--ckpt-format", "torch"] + list(extra))
 
 
 def _train(corpus, save, tp, pp, iters=2, extra=()):
@@ -450,7 +451,8 @@ def test_cli_carries_adam_state_so_the_resumed_run_continues(corpus, tmp_path):
 
     src, dst = str(tmp_path / "src"), str(tmp_path / "tp2")
     straight = run_on_ranks(run_pretrain, 2, gpt_flags(corpus, 8, dropout=0.0, extra=[
-        "--use-distributed-optimizer", "--save", src, "--save-interval", "4"]))[0]
+        "--use-distributed-optimizer", "--save", src, "--save-interval", "4",
+        "--ckpt-format", "torch"]))[0]
     tool.convert(tool.build_parser().parse_args([
         "--model-type", "GPT", "--load-dir", src, "--save-dir", dst, "--ckpt-step", "4",
         "--target-tensor-parallel-size", "2"]))

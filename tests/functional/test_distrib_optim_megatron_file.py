@@ -53,7 +53,8 @@ def megatronize(own_dir, target_dir, iteration):
 @pytest.mark.slow
 def test_resume_from_megatron_layout_equals_own(corpus, tmp_path):
     own = str(tmp_path / "own")
-    run_on_ranks(run_pretrain, 2, _flags(corpus, ["--save", own, "--save-interval", str(N)]))
+    run_on_ranks(run_pretrain, 2, _flags(corpus, ["--save", own, "--save-interval", str(N),
+                                                  "--ckpt-format", "torch"]))
     theirs = str(tmp_path / "megatron")
     megatronize(own, theirs, N)
     assert os.path.exists(os.path.join(own, f"iter_{N:07d}", "mp_rank_00", "distrib_optim.pt"))

@@ -45,7 +45,8 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("dumps")
     prefix = write_counting_corpus(str(root / "data" / "counting"))
     save = str(root / "save")
-    dumps = ["--save", save, "--save-interval", "2", "--save-params-interval", "1",
+    dumps = ["--save", save, "--ckpt-format", "torch",   # the checkpoint is read as one file
+             "--save-interval", "2", "--save-params-interval", "1",
              "--save-wgrads-interval", "2", "--save-activations-interval", "2",
              "--save-dgrads-interval", "2"]
     plain = run_on_ranks(run_pretrain, 1, gpt_flags(prefix, 2, dropout=0.0, extra=SGD))[0]

@@ -83,7 +83,8 @@ def runs(tmp_path_factory):
         ("logging", base + ["--log-params-norm", "--log-throughput", "--timing-log-level", "1",
                             "--log-timers-to-tensorboard", "--log-memory-to-tensorboard",
                             "--tensorboard-dir", os.path.join(root, "tb"), "--save",
-                            os.path.join(root, "logged")], {}),
+                            os.path.join(root, "logged"),
+                            "--ckpt-format", "torch"], {}),   # its file is read below
         ("profile", base + ["--profile", "--use-pytorch-profiler", "--profile-step-start", "1",
                             "--profile-step-end", "3", "--tensorboard-dir",
                             os.path.join(root, "prof"), "--pytorch-profiler-collect-chakra",

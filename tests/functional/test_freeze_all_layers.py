@@ -21,7 +21,9 @@ def corpus(tmp_path_factory):
 
 
 def _flags(corpus, iters, extra):
-    return gpt_flags(corpus, iters, extra=["--use-checkpoint-opt_param-scheduler"] + extra)
+    # --ckpt-format torch: _weights reads each save's one model_optim_rng.pt
+    return gpt_flags(corpus, iters, extra=["--use-checkpoint-opt_param-scheduler",
+                                           "--ckpt-format", "torch"] + extra)
 
 
 def _weights(save, iteration):

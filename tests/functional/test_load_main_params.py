@@ -23,7 +23,8 @@ def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("main_params")
     corpus = write_counting_corpus(str(root / "corpus" / "count_document"))
     torch_dir, dist_dir = str(root / "torch"), str(root / "dist")
-    run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 2, extra=["--save", torch_dir]))
+    run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 2, extra=["--save", torch_dir,
+                                                              "--ckpt-format", "torch"]))
     run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 2, extra=[
         "--load", torch_dir, "--ckpt-convert-format", "torch_dist",
         "--ckpt-convert-save", dist_dir]))

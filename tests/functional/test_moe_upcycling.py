@@ -68,7 +68,8 @@ def _upcycle(corpus, load, save, iters=2, granularity=1, act=(), extra=(), world
     ffn = 64 // granularity
     flags = _flags(corpus, iters, ffn, list(act) + TOPK2 + [
         "--moe-use-upcycling", "--moe-upcycling-granularity", str(granularity),
-        "--load", load, "--save", save] + list(extra))
+        "--load", load, "--save", save,
+        "--ckpt-format", "torch"] + list(extra))   # read back by _model; extra may override
     return _run(flags, world)
 
 

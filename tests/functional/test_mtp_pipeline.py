@@ -153,7 +153,8 @@ def test_converted_pp2_torch_checkpoint_with_mtp_comes_back_and_resumes_at_pp1(c
     extra = ["--untie-embeddings-and-output-weights"]
     single = _run(corpus, 1, extra)
     save, one, back = (str(tmp_path / n) for n in ("pp2", "pp1", "back"))
-    _run(corpus, 2, extra + PP2 + ["--save", save, "--exit-interval", "2"])
+    _run(corpus, 2, extra + PP2 + ["--save", save, "--exit-interval", "2",
+                                   "--ckpt-format", "torch"])
     for src, dst, pp in ((save, one, "1"), (one, back, "2")):
         assert main(["--model-type", "GPT", "--load-dir", src, "--save-dir", dst,
                      "--target-pipeline-parallel-size", pp]) == 0

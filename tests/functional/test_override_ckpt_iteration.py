@@ -47,7 +47,8 @@ def test_run_continues_from_the_given_iteration(corpus, tmp_path, fmt):
     run_on_ranks(run_pretrain, 1, _flags(corpus, 2, ["--save", start, "--ckpt-format", fmt]))
     resumed = str(tmp_path / "resumed")
     out = run_on_ranks(run_pretrain, 1, _flags(corpus, 7, [
-        "--load", start, "--override-ckpt-iteration", "5", "--save", resumed]))[0]
+        "--load", start, "--override-ckpt-iteration", "5", "--save", resumed,
+        "--ckpt-format", "torch"]))[0]   # read back below as one file
     assert [it for it, _ in out["losses"]] == [6, 7]
     state = _final(resumed, 7)
     assert state["iteration"] == 7

@@ -119,7 +119,8 @@ def _resume(corpus, tmp_path, vp_layers, layout=()):
     straight = run_on_ranks(run_pretrain, 2, _flags(corpus, **kw, extra=layout))[-1]
     save = str(tmp_path / "ckpt")
     first = run_on_ranks(run_pretrain, 2, _flags(
-        corpus, **kw, extra=layout + ["--save", save, "--exit-interval", str(n)]))[-1]
+        corpus, **kw, extra=layout + ["--save", save, "--exit-interval", str(n),
+                                      "--ckpt-format", "torch"]))[-1]   # its per-stage files
     assert first["iteration"] == n
     assert sorted(os.listdir(os.path.join(save, f"iter_{n:07d}"))) == ["mp_rank_00_000",
                                                                         "mp_rank_00_001"]

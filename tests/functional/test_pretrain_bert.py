@@ -98,8 +98,8 @@ def bert_flags(data, train_iters: int, *, tp: int = 1, pp: int = 1, micro_batch:
     --eval-interval 1000 --eval-iters 2 --tokenizer-type BertWordPieceLowerCase
     --make-vocab-size-divisible-by {DIVISIBLE_BY} --split 90,8,2 --num-workers 0
     --device cpu --seed 1234 --tensor-model-parallel-size {tp}
-    --pipeline-model-parallel-size {pp}
-    """.split()
+    --pipeline-model-parallel-size {pp} --ckpt-format torch
+    """.split()   # BERT saves the torch format only
     return flags + ["--vocab-file", vocab, "--data-path", prefix] + list(extra)
 
 
@@ -346,6 +346,20 @@ def test_flags_bert_cannot_use_name_the_flag(extra, must_name):
     with pytest.raises(ArgumentsError) as err:
         validate_bert_args(args)
     assert must_name in str(err.value)
+
+
+@pytest.mark.parametrize("extra", [[], ["--ckpt-format", "torch_dist"]])
+def test_a_bert_save_takes_the_torch_format_with_a_note(extra, capsys):
+    """torch_dist holds GPT models only here: a BERT run that saves (Megatron's BERT scripts
+    give no --ckpt-format) writes the torch format and says so."""
+    bert = BASE + ["--tokenizer-type", "BertWordPieceCase"]
+    args = parse_args(argv=bert + ["--save", "ckpt"] + extra)
+    validate_bert_args(args)
+    assert args.ckpt_format == "torch"
+    assert "this BERT run saves --ckpt-format torch" in capsys.readouterr().out
+    args = parse_args(argv=bert)   # nothing saved: the flag is left as it is
+    validate_bert_args(args)
+    assert args.ckpt_format == "torch_dist"
 
 
 def test_defaults_are_megatron_bert():

@@ -115,7 +115,7 @@ def _flatten(tree, prefix=""):
 def test_checkpoint_layout_and_safe_load(corpus, tmp_path):
     save = str(tmp_path / "ckpt")
     run_on_ranks(run_pretrain, 2, gpt_flags(corpus, 3, tp=2, extra=[
-        "--save", save, "--save-interval", "2"]))
+        "--save", save, "--save-interval", "2", "--ckpt-format", "torch"]))
     assert sorted(os.listdir(save)) == ["iter_0000002", "iter_0000003",
                                         "latest_checkpointed_iteration.txt"]
     with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:

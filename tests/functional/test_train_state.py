@@ -66,7 +66,8 @@ def _runs(corpus, root):
 
     save, fresh = f"{root}/save", f"{root}/fresh"
     out = {"first": _run_checked(_flags(corpus, 6, ["--save", save, "--save-interval", "2",
-                                                    "--exit-interval", "4"]))}
+                                                    "--exit-interval", "4",
+                                                    "--ckpt-format", "torch"]))}   # read below
     state = checkpointing.load_state_file(checkpointing.checkpoint_file(save, 4, 0, 0, 1))
     out["file"] = {"keys": sorted(state), "iteration": state["iteration"],
                    "args": vars(state["args"])}

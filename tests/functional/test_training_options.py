@@ -207,9 +207,9 @@ def _tensorboard_flags(corpus, root):
 
 def _checkpoint_flag_scenarios(corpus, root):
     """Checkpoints are saved at iteration 3 of 6 (--exit-interval 3), so a resumed run keeps
-    the same --train-iters and LR schedule."""
+    the same --train-iters and LR schedule. They are read back as torch-format files."""
     no_optim, no_rng = os.path.join(root, "no_optim"), os.path.join(root, "no_rng")
-    base = gpt_flags(corpus, 6)
+    base = gpt_flags(corpus, 6, extra=["--ckpt-format", "torch"])
     bigger = _with(_with(_with(base, "--hidden-size", 64), "--num-layers", 3),
                    "--num-attention-heads", 8)
     new_lr = _with(base, "--lr", 1e-2) + ["--load", no_rng, "--no-load-rng"]

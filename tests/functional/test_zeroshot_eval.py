@@ -228,7 +228,9 @@ def null_eval_argvs(load, prefix, jsonl, lambada, pp=1, tp=1, extra=()):
 
 
 def seeded_argv(load, tp=1, pp=1, extra=()):
+    # --ckpt-format torch: load_float64_model reads the one model_optim_rng.pt
     return MODEL + NULL_TOKENIZER + ["--init-method-std", "0.5", "--save", load,
+                                     "--ckpt-format", "torch",
                                      "--tensor-model-parallel-size", str(tp),
                                      "--pipeline-model-parallel-size", str(pp)] + list(extra)
 
@@ -434,7 +436,8 @@ def trained(tmp_path_factory):
         --micro-batch-size 8 --global-batch-size 16 --lr 3e-3 --min-lr 3e-4
         --lr-decay-style cosine --lr-warmup-iters 5 --train-iters 150 --weight-decay 0.0
         --clip-grad 1.0 --log-interval 50 --eval-interval 1000 --eval-iters 0 --split 100,0,0
-        --save-interval 1000""".split() + ["--data-path", prefix, "--save", load]
+        --save-interval 1000 --ckpt-format torch""".split() + ["--data-path", prefix,
+                                                                "--save", load]
     lambada = write_word_lambada(folder)
     wiki = os.path.join(folder, "wiki.valid.tokens")
     with open(wiki, "w", encoding="utf-8") as f:

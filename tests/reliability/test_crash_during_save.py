@@ -35,7 +35,8 @@ def corpus(tmp_path_factory):
 
 
 def _flags(corpus, save, world_size, async_save=False):
-    extra = ["--save", save, "--save-interval", str(INTERVAL)]
+    # The torch format's files, unless a test appends another --ckpt-format.
+    extra = ["--save", save, "--save-interval", str(INTERVAL), "--ckpt-format", "torch"]
     return gpt_flags(corpus, ITERS, tp=world_size,
                      extra=extra + (["--async-save"] if async_save else []))
 

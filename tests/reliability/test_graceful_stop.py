@@ -55,7 +55,7 @@ def test_signals_and_exit_flags_stop_save_and_resume_exactly(tmp_path, corpus):
     The pieces' losses are the reference's, bit for bit, and so is the final checkpoint; the
     signalled runs skip the final evaluation and put the signal handlers back.
     """
-    base = gpt_flags(corpus, 6, tp=2)
+    base = gpt_flags(corpus, 6, tp=2, extra=["--ckpt-format", "torch"])   # files compared
     ref, stop, ctrl_c = (str(tmp_path / n) for n in ("ref", "stop", "ctrl_c"))
     resume = ["--load", stop, "--save", stop]
     runs = [
@@ -139,7 +139,8 @@ def test_torchrun_sigterm_saves_every_rank_and_exits_0(tmp_path, corpus):
     They stop at the same iteration boundary, both write their file of it, the tracker names it,
     and torchrun exits with 0 because every worker did."""
     save = str(tmp_path / "ckpt")
-    flags = gpt_flags(corpus, 1000, tp=2, extra=["--save", save, "--exit-signal-handler"])
+    flags = gpt_flags(corpus, 1000, tp=2, extra=["--save", save, "--exit-signal-handler",
+                                                 "--ckpt-format", "torch"])   # files read
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -124,7 +124,8 @@ def test_two_ranks_fp16_overflow_skips_then_nan_loss_stops_every_rank(tmp_path, 
             "--fp16", "--initial-loss-scale", "128"]),
          "patch": functools.partial(inject, on_rank=1, faults={3: "grad_inf", 4: "grad_inf"})},
         {"name": "nan_loss", "argv": gpt_flags(corpus, 6, extra=[
-            "--check-for-nan-in-loss-and-grad", "--save", save, "--save-interval", "2"]),
+            "--check-for-nan-in-loss-and-grad", "--save", save, "--save-interval", "2",
+            "--ckpt-format", "torch"]),   # its file is read below
          "patch": functools.partial(inject, on_rank=1, faults={3: "loss_nan"})},
     ]
     group = launch.start(launch.train_runs, 2, runs, log_dir=str(tmp_path / "logs"))

@@ -278,7 +278,8 @@ def test_reproducible_results_exit_16_then_resume_tells_persistent_from_real(tmp
         save = str(tmp_path / name)
         tracker = str(tmp_path / f"{name}.tracker")
         argv = _flags(corpus, 4, VALIDATE + extra + [
-            "--save", save, "--result-rejected-tracker-filename", tracker])
+            "--save", save, "--result-rejected-tracker-filename", tracker,
+            "--ckpt-format", "torch"])   # its file is read below
         runs.append((name, argv, patch))
         runs.append((name + "_resumed", argv + ["--load", save],
                      _elsewhere(_nan_loss_at(1) if patch else None)))
@@ -493,7 +494,8 @@ def test_resumed_on_the_suspect_node_and_device_exits_16_again(tmp_path, corpus)
     save, tracker = str(tmp_path / "ckpt"), str(tmp_path / "tracker")
     argv = _flags(corpus, 4, VALIDATE + [
         "--error-injection-rate", "1", "--error-injection-type", "persistent_error",
-        "--save", save, "--result-rejected-tracker-filename", tracker])
+        "--save", save, "--result-rejected-tracker-filename", tracker,
+        "--ckpt-format", "torch"])   # its file is read below
     runs = [("first", argv, None), ("same_place", argv + ["--load", save], None),
             ("elsewhere", argv + ["--load", save], _elsewhere())]
     res = run_on_ranks(_runs_body, 1, runs)[0]

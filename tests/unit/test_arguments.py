@@ -162,7 +162,7 @@ def test_pad_vocab_size():
      r"--moe-expert-capacity-factor with --expert-tensor-parallel-size 1 other than "
      r"--tensor-model-parallel-size 2"),
     (["--num-experts", "4", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2",
-      "--save", "/tmp/never-written"], 2,
+      "--save", "/tmp/never-written", "--ckpt-format", "torch"], 2,
      r"--ckpt-format torch cannot save --expert-tensor-parallel-size 2 with "
      r"--tensor-model-parallel-size 1: .*use --ckpt-format torch_dist"),
     (["--num-experts", "4", "--no-bias-gelu-fusion", "--expert-tensor-parallel-size", "2",

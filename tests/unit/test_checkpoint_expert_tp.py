@@ -29,16 +29,18 @@ def _flags(etp, tp):
 
 
 def test_config_refuses_writing_the_torch_format():
-    for config in (CheckpointConfig(save="out"),
+    for config in (CheckpointConfig(ckpt_format="torch", save="out"),
                    CheckpointConfig(ckpt_format="torch_dist", load="in", save="out",
                                     ckpt_convert_format="torch", ckpt_convert_save="conv")):
         with pytest.raises(ConfigError, match=r"^--ckpt-(convert-)?format torch cannot save "
                            + _flags(1, 2) + r".*; use --ckpt-format torch_dist$"):
             config.check_expert_tensor_parallel(2, 1)
-    CheckpointConfig(save="out").check_expert_tensor_parallel(2, 2)       # etp = tp
-    CheckpointConfig(save="out").check_expert_tensor_parallel(2, None)    # dense
-    CheckpointConfig(load="in").check_expert_tensor_parallel(2, 1)        # saves nothing
+    torch_format = dict(ckpt_format="torch")
+    CheckpointConfig(save="out", **torch_format).check_expert_tensor_parallel(2, 2)  # etp = tp
+    CheckpointConfig(save="out", **torch_format).check_expert_tensor_parallel(2, None)  # dense
+    CheckpointConfig(load="in", **torch_format).check_expert_tensor_parallel(2, 1)  # no save
     CheckpointConfig(save="out", ckpt_format="torch_dist").check_expert_tensor_parallel(1, 2)
+    CheckpointConfig(save="out").check_expert_tensor_parallel(2, 1)   # the default: torch_dist
 
 
 def _pstate(tp=1, etp=1):

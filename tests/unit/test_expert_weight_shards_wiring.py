@@ -86,7 +86,8 @@ def test_flag_is_accepted_and_read():
     ([*MOE, FLAG, "2", "--moe-grouped-gemm", "--moe-single-grouped-weight"], 2,
      "--moe-single-grouped-weight"),
     ([*MOE, FLAG, "2", "--optimizer", "muon"], 2, "muon"),
-    ([*MOE, FLAG, "2", "--save", "ckpt"], 2, "--ckpt-format torch_dist only"),
+    ([*MOE, FLAG, "2", "--save", "ckpt", "--ckpt-format", "torch"], 2,
+     "--ckpt-format torch_dist only"),
     ([*MOE, FLAG, "2", "--save", "ckpt", "--ckpt-format", "torch_dist", "--swiglu"], 2,
      "gated expert fc1"),
 ])

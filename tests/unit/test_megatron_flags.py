@@ -37,8 +37,6 @@ DEVIATIONS = {
                                   "its numbers are the unfused ones"),
     "transformer_impl": ("default", "this project's layers are 'local'; transformer_engine is "
                          "accepted with a note"),
-    "ckpt_format": ("default", "torch (one file per rank) stays the default here; torch_dist "
-                    "is built and selected by --ckpt-format torch_dist"),
     "local_rank": ("default", "None here: the launcher's LOCAL_RANK is read when the process "
                    "group starts"),
     "profile_ranks": ("default", "[0] here (rank 0 profiles), as Megatron's earlier default"),

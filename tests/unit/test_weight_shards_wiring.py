@@ -77,8 +77,8 @@ def test_flag_is_accepted_and_read():
      "--context-parallel-size > 1 yet"),
     (["--tensor-parallel-num-weight-shards", "2", "--use-torch-fsdp2"], 2, "fsdp"),
     (["--tensor-parallel-num-weight-shards", "2", "--optimizer", "muon"], 2, "muon"),
-    (["--tensor-parallel-num-weight-shards", "2", "--save", "ckpt"], 2,
-     "--ckpt-format torch_dist only"),
+    (["--tensor-parallel-num-weight-shards", "2", "--save", "ckpt", "--ckpt-format", "torch"],
+     2, "--ckpt-format torch_dist only"),
     (["--tensor-parallel-num-weight-shards", "2", "--save", "ckpt", "--ckpt-format",
       "torch_dist", "--swiglu"], 2, "gated MLP"),
 ])
