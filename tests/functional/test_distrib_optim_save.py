@@ -35,7 +35,8 @@ def corpus(tmp_path_factory):
 
 def _flags(corpus, extra=(), tp=1, distributed=True):
     return gpt_flags(corpus, 2 * N, tp=tp, dropout=0.0, micro_batch=2, global_batch=4,
-                     extra=(["--use-distributed-optimizer"] if distributed else []) + list(extra))
+                     extra=(["--use-distributed-optimizer"] if distributed else [])
+                     + ["--ckpt-format", "torch"] + list(extra))
 
 
 def _losses(dp, argv):

@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
 def _flags(corpus, dp: int, extra=()):
     """Global batch 4 at every DP size: micro-batch 2 (DP 1, 2) or 1 (DP 4)."""
     return gpt_flags(corpus, 2 * N, dropout=0.0, micro_batch=2 if dp <= 2 else 1,
-                     global_batch=4, extra=list(extra))
+                     global_batch=4, extra=["--ckpt-format", "torch"] + list(extra))
 
 
 def _dist_flags(corpus, dp: int, extra=()):

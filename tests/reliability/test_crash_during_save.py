@@ -353,7 +353,8 @@ def _distrib_optim_flags(corpus, save, async_save=False):
     """DP 2 with the distributed optimizer: DP rank 0 writes distrib_optim.pt, then its
     model_optim_rng.pt, so its third file is the distrib_optim.pt of iteration 4."""
     return gpt_flags(corpus, ITERS, extra=["--save", save, "--save-interval", str(INTERVAL),
-                                           "--use-distributed-optimizer"]
+                                           "--use-distributed-optimizer",
+                                           "--ckpt-format", "torch"]
                      + (["--async-save"] if async_save else []))
 
 
