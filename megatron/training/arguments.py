@@ -1382,6 +1382,11 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
         args = parser.parse_args(argv)
     args.rank = int(os.environ.get("RANK", "0"))
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    words = sys.argv[1:] if argv is None else list(argv)
+    # Whether the format was chosen on the command line (a default can be replaced where it
+    # cannot work; a choice the user made is refused instead).
+    args.ckpt_format_given = any(w in ("--ckpt-format", "--use-dist-ckpt")
+                                 or w.startswith("--ckpt-format=") for w in words)
     return args
 
 

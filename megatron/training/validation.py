@@ -1389,12 +1389,15 @@ def validate_bert_args(args: argparse.Namespace) -> None:
     if args.enable_mhc_connections:
         _fail("--enable-mhc-connections is built for GPT only (pretrain_gpt.py), not BERT")
     if args.save and args.ckpt_format == "torch_dist":
+        if getattr(args, "ckpt_format_given", False):
+            _fail("--ckpt-format torch_dist stores GPT models only here; save BERT with "
+                  "--ckpt-format torch (or leave the flag out: BERT runs then save torch)")
         # Megatron's BERT scripts save without --ckpt-format; torch_dist holds GPT only here.
         args.ckpt_format = "torch"
         if int(getattr(args, "rank", None) or os.environ.get("RANK", "0")) == 0:
-            print("NOTE: --ckpt-format torch_dist stores GPT models only here: this BERT run "
-                  "saves --ckpt-format torch (one file per rank; --load reads either)",
-                  flush=True)
+            print("NOTE: --ckpt-format torch_dist (the default) stores GPT models only here: "
+                  "this BERT run saves --ckpt-format torch (one file per rank; --load reads "
+                  "either)", flush=True)
     if args.tokenizer_type not in BERT_TOKENIZER_TYPES:
         _fail(f"--tokenizer-type {args.tokenizer_type} cannot make BERT samples (they need the "
               "WordPiece [CLS], [SEP], [MASK] and [PAD] tokens); use --tokenizer-type "

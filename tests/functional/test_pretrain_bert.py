@@ -348,18 +348,27 @@ def test_flags_bert_cannot_use_name_the_flag(extra, must_name):
     assert must_name in str(err.value)
 
 
-@pytest.mark.parametrize("extra", [[], ["--ckpt-format", "torch_dist"]])
-def test_a_bert_save_takes_the_torch_format_with_a_note(extra, capsys):
+def test_a_bert_save_takes_the_torch_format_with_a_note(capsys):
     """torch_dist holds GPT models only here: a BERT run that saves (Megatron's BERT scripts
     give no --ckpt-format) writes the torch format and says so."""
     bert = BASE + ["--tokenizer-type", "BertWordPieceCase"]
-    args = parse_args(argv=bert + ["--save", "ckpt"] + extra)
+    args = parse_args(argv=bert + ["--save", "ckpt"])
     validate_bert_args(args)
     assert args.ckpt_format == "torch"
     assert "this BERT run saves --ckpt-format torch" in capsys.readouterr().out
     args = parse_args(argv=bert)   # nothing saved: the flag is left as it is
     validate_bert_args(args)
     assert args.ckpt_format == "torch_dist"
+
+
+@pytest.mark.parametrize("given", [["--ckpt-format", "torch_dist"], ["--ckpt-format=torch_dist"],
+                                   ["--use-dist-ckpt"]])
+def test_a_bert_save_asked_for_in_torch_dist_is_refused(given):
+    """A format the user chose is never swapped for another: one line naming the flag."""
+    args = parse_args(argv=BASE + ["--tokenizer-type", "BertWordPieceCase", "--save", "ckpt"]
+                      + given)
+    with pytest.raises(ArgumentsError, match="--ckpt-format torch_dist stores GPT models only"):
+        validate_bert_args(args)
 
 
 def test_defaults_are_megatron_bert():
