@@ -79,7 +79,7 @@ def test_bert_refuses_full_validation():
         use_rotary_position_embeddings=False, add_position_embedding=True,
         untie_embeddings_and_output_weights=False, mock_data=False, context_parallel_size=1,
         calculate_per_token_loss=False, full_validation=True, multiple_validation_sets=False,
-        enable_mhc_connections=False, use_mup=False)
+        enable_mhc_connections=False, use_mup=False, save=None, ckpt_format="torch_dist")
     with pytest.raises(arguments.ArgumentsError, match="GPT datasets only"):
         arguments.validate_bert_args(args)
 
