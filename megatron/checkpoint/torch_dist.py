@@ -615,10 +615,16 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
             for chunk, name, _ in members:
                 like = _local_param(trees[chunk], name)
                 entry = {"step": torch.tensor(float(step))} if "exp_avg_sq" in fields else {}
-                for field in fields:
-                    entry[field] = read_local(reader, name, like.float(), layouts[chunk],
-                                              f"{OPTIMIZER_STATE_PREFIX}{field}.")
-                state[index] = entry
+                try:
+                    for field in fields:
+                        entry[field] = read_local(reader, name, like.float(), layouts[chunk],
+                                                  f"{OPTIMIZER_STATE_PREFIX}{field}.")
+                    state[index] = entry
+                except DistCheckpointError:
+                    # A frozen parameter never stepped, so it was saved without state; it
+                    # gets none back, as in the run that saved it.
+                    if like.requires_grad:
+                        raise
                 if half:
                     main_row.append(read_local(reader, name, like.float(), layouts[chunk],
                                                MAIN_PREFIX) if main_present
