@@ -1049,11 +1049,14 @@ def _validate_interleaved_microbatches(args) -> None:
     """With virtual pipeline stages and a constant batch, the schedule's limits on the
     micro-batch count (whole groups, or a remainder of at least the pipeline size) are checked
     here, in one line, instead of at the first step; a ramp-up or step schedule changes the
-    count, so the schedule checks those runs each step."""
+    count, so the schedule checks those runs each step. Runs without training steps (the
+    evaluation tools, which top their groups up) are not checked."""
     if args.virtual_pipeline_model_parallel_size is None or args.pipeline_model_parallel_size < 2:
         return
     if args.rampup_batch_size is not None or args.step_batch_size_schedule is not None:
         return
+    if not (args.train_iters or args.train_samples):
+        return   # no training steps (evaluation tools top their micro-batch groups up)
     per_step = args.micro_batch_size * args.data_parallel_size
     if args.global_batch_size % per_step:
         return
