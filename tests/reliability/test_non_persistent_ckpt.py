@@ -196,7 +196,8 @@ def test_torn_global_save_is_never_taken(tmp_path, corpus, reference_1):
     persistent 4, then 6): the non-persistent tracker still names 2, older than the persistent
     4, so the resumed run takes 4, says why, and matches the reference."""
     save = str(tmp_path / "ckpt")
-    argv = _flags(corpus, save, 1, _np_global())
+    # --ckpt-format torch: the crash point counts the torch format's files
+    argv = _flags(corpus, save, 1, _np_global() + ["--ckpt-format", "torch"])
     crash = launch.start(launch.train_runs, 1, [{"name": "crash", "argv": argv,
                                                  "env": {CRASH_ENV: "during_file:3"}}],
                          log_dir=str(tmp_path / "crash"))
@@ -219,7 +220,9 @@ def test_torn_local_save_is_never_taken(tmp_path, corpus, reference_2):
     0's file of 6 is complete: iteration 6 is incomplete, so both ranks take the persistent 4
     (a rank alone never takes its own newer file), and the losses match the reference."""
     save, local = str(tmp_path / "ckpt"), str(tmp_path / "local")
-    argv = _flags(corpus, save, 2, _np_local(local, replication=False))
+    # --ckpt-format torch: the crash point counts the torch format's files
+    argv = _flags(corpus, save, 2, _np_local(local, replication=False)
+                  + ["--ckpt-format", "torch"])
     crash = launch.start(launch.train_runs, 2, [{"name": "crash", "argv": argv,
                                                  "env": {CRASH_ENV: "during_file:3@1"}}],
                          log_dir=str(tmp_path / "crash"))
