@@ -64,7 +64,7 @@ def test_mup_distributed_optimizer_matches_and_resumes_bit_for_bit(corpus, tmp_p
     # differ in the last bit between the two optimizers.
     replicated = _losses(corpus, 2, MUP + ["--clip-grad", "0"])
     save = str(tmp_path / "ckpt")
-    dist_flags = MUP + ["--clip-grad", "0", "--use-distributed-optimizer"]
+    dist_flags = MUP + ["--clip-grad", "0", "--use-distributed-optimizer", "--ckpt-format", "torch"]
     straight = _losses(corpus, 2, dist_flags + ["--save", save, "--save-interval", str(N)])
     assert straight == replicated
     load = ["--load", save, "--ckpt-step", str(N)]
