@@ -50,7 +50,7 @@ else
 fi
 OUTPUT_ARGS=(
   --log-interval 5 --eval-interval 100 --eval-iters 2
-  --save-interval 100 --save "$OUT/checkpoints" --load "$OUT/checkpoints" --ckpt-format torch
+  --save-interval 100 --save "$OUT/checkpoints" --load "$OUT/checkpoints"
 )
 
 mkdir -p "$OUT"

@@ -70,6 +70,38 @@ def _grouped(order, keys: List[GroupKey]) -> List[list]:
     return [[entry for entry in order if group_key(entry[1], entry[2]) == key] for key in keys]
 
 
+def group_signature(group: dict) -> tuple:
+    """What tells one param group of a run from another: ``wd_mult``, ``lr_mult``, whether it
+    follows ``--decoupled-lr`` and the muP factors of its lr and eps (``mup_lr_factor``,
+    ``mup_eps_factor``). A field a group does not record has its default, so the groups of a
+    checkpoint that records only ``wd_mult`` / ``lr_mult`` match the plain groups of a run."""
+    return (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)),
+            bool(group.get("is_decoupled_lr", False)),
+            float(group.get("mup_lr_factor", 1.0)), float(group.get("mup_eps_factor", 1.0)))
+
+
+def members_by_identity(param_groups: List[list], chunk_trees: List[dict]) -> Optional[List[list]]:
+    """``(chunk, dotted name, shape)`` of each parameter of ``param_groups`` (lists of the
+    model's own parameter tensors, in the optimizer's order), found by the storage the saved
+    model tree shares with it; None where a parameter is not found or two names share it (the
+    caller then groups by Megatron's rule, :func:`group_key`)."""
+    where: Dict[tuple, Optional[tuple]] = {}
+    for chunk, name, shape in param_order(chunk_trees):
+        tensor = lookup_dotted(chunk_trees[chunk], name)
+        key = (tensor.data_ptr(), shape, str(tensor.dtype))
+        where[key] = None if key in where else (chunk, name, shape)
+    out = []
+    for params in param_groups:
+        row = []
+        for param in params:
+            found = where.get((param.data_ptr(), tuple(param.shape), str(param.dtype)))
+            if found is None:
+                return None
+            row.append(found)
+        out.append(row)
+    return out
+
+
 def megatron_core_group(group: dict, args) -> dict:
     """``group`` (a param group's hyper-parameters) completed with the fields Megatron-Core
     matches groups by when it loads a torch_dist checkpoint (``wd_mult``, ``lr_mult``,
@@ -105,10 +137,14 @@ class SourceOptimizer:
         return any(MAIN in e for e in self.entries.values())
 
     @classmethod
-    def read(cls, state: dict, chunk_trees: List[dict],
-             model_file: str = "") -> Tuple[Optional["SourceOptimizer"], str]:
+    def read(cls, state: dict, chunk_trees: List[dict], model_file: str = "",
+             members: Optional[List[list]] = None) -> Tuple[Optional["SourceOptimizer"], str]:
         """The state of ``state["optimizer"]`` (and of the ``distrib_optim.pt`` beside
-        ``model_file``), or ``(None, why it cannot be carried)``."""
+        ``model_file``), or ``(None, why it cannot be carried)``. ``members``: the
+        ``(chunk, name, shape)`` of each group's parameters where the caller knows them (a run
+        saving its own optimizer, :func:`members_by_identity`); the groups are then keyed by
+        :func:`group_signature` and may scale their learning rates. Else each group holds the
+        parameters of its kind by Megatron's rule, in model order."""
         opt = state.get("optimizer")
         if isinstance(opt, list) and len(opt) == 1:
             opt = opt[0]
@@ -153,13 +189,18 @@ class SourceOptimizer:
             return None, "the optimizer state is Muon's (--optimizer muon), not Adam's"
         keys = []
         for g, group in enumerate(groups):
+            if members is not None:
+                keys.append(group_signature(group))
+                continue
             if "wd_mult" not in group:
                 return None, "its param groups do not record wd_mult"
             key = (float(group["wd_mult"]), float(group.get("lr_mult", 1.0)))
             if key[1] != 1.0:
                 return None, f"param group {g} scales its learning rate (lr_mult {key[1]})"
             keys.append(key)
-        order = _grouped(param_order(chunk_trees), keys)
+        if members is not None and len(set(keys)) != len(keys):
+            return None, "two of its param groups have the same hyper-parameter multipliers"
+        order = members if members is not None else _grouped(param_order(chunk_trees), keys)
         entries = {}
         for g, (params, row) in enumerate(zip(order, values)):
             if len(params) != len(row):

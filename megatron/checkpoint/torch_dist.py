@@ -124,7 +124,8 @@ def _optimizer_entries(optimizer, trees: List[dict]) -> Tuple[optimizer_state.So
     if muon_state.is_muon(optimizer):
         return _muon_entries(optimizer, trees)
     state_dict = optimizer.state_dict()
-    found, why = optimizer_state.SourceOptimizer.read({"optimizer": state_dict}, trees)
+    found, why = optimizer_state.SourceOptimizer.read({"optimizer": state_dict}, trees,
+                                                      members=_current_order(optimizer, trees))
     if found is None:
         raise CheckpointError(f"--ckpt-format torch_dist: cannot save the "
                                             f"optimizer state: {why}")
@@ -165,7 +166,7 @@ def _distributed_optimizer_shards(optimizer, trees, layouts, half: bool, pre_014
                 items += shards_of(name, shape, entry["start"], entry["param"],
                                    layouts[chunk], MAIN_PREFIX)
     metas = optimizer.group_metadata()
-    hparams = {(float(m.get("wd_mult", 1.0)), float(m.get("lr_mult", 1.0))):
+    hparams = {optimizer_state.group_signature(m):
                {k: v for k, v in m.items()
                 if k not in ("step", "bias_correction", "model_params")}
                for m in metas}
@@ -321,10 +322,16 @@ def _model_config(model_chunks):
     return module.config
 
 
-def check_savable(model_chunks, pstate) -> None:
+def check_savable(model_chunks, pstate, optimizer=None) -> None:
     """Before training: raise :class:`CheckpointError` when a tensor of the model has no
-    Megatron-Core key, so a run that cannot save torch_dist stops at start-up, naming the tensor
-    and the torch format, rather than at its first save."""
+    Megatron-Core key, or a parameter of ``optimizer`` (when it is saved) cannot be named, so a
+    run that cannot save torch_dist stops at start-up, naming the tensor and the torch format,
+    rather than at its first save."""
+    if optimizer is not None and not muon_state.is_muon(optimizer):
+        try:
+            _current_order(optimizer, _chunk_trees(model_chunks))
+        except CheckpointError as err:
+            raise CheckpointError(f"{err}; or save with --ckpt-format torch") from None
     layouts = _layouts(model_chunks, _model_config(model_chunks), pstate)
     for tree, layout in zip(_chunk_trees(model_chunks), layouts):
         for name, tensor in flatten_state_dict(tree).items():
@@ -546,15 +553,41 @@ def _load_model(reader, model_chunks, layouts, path: str, keep: List[frozenset],
     return loaded
 
 
-def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tuple]]]:
-    """``(chunk, name, shape)`` of every parameter of each of the optimizer's groups."""
-    order = optimizer_state.param_order(trees)
-    # The distributed optimizer's own groups hold its shards; its model_param_groups the whole.
-    params = getattr(optimizer, "model_param_groups", None) or [
-        g["params"] for g in optimizer.param_groups]
+def _model_param_groups(optimizer) -> List[list]:
+    """The model's own parameters of each of the optimizer's groups: the distributed
+    optimizer's groups hold its shards (its ``model_param_groups`` the whole), the fp16/bf16
+    wrapper's the fp32 main copies of its half-precision parameters."""
+    whole = getattr(optimizer, "model_param_groups", None)
+    if whole:
+        return whole
+    halves = getattr(optimizer, "float16_groups", None)
+    mains = getattr(optimizer, "fp32_from_float16_groups", None)
     groups = []
-    for g, (group, members_now) in enumerate(zip(optimizer.param_groups, params)):
-        key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
+    for g, group in enumerate(optimizer.param_groups):
+        model_of = ({id(main): half for main, half in zip(mains[g], halves[g])}
+                    if halves is not None and mains is not None else {})
+        groups.append([model_of.get(id(p), p) for p in group["params"]])
+    return groups
+
+
+def _current_order(optimizer, trees: List[dict]) -> List[List[Tuple[int, str, tuple]]]:
+    """``(chunk, name, shape)`` of every parameter of each of the optimizer's groups: found by
+    the storage each parameter shares with the saved model tree, so any grouping (muP,
+    --decoupled-lr, --apply-wd-to-qk-layernorm) is saved and read back; where that does not
+    find every parameter, by Megatron's rule (decayed, then biases and 1-D parameters)."""
+    params = _model_param_groups(optimizer)
+    found = optimizer_state.members_by_identity(params, trees)
+    if found is not None:
+        return found
+    order = optimizer_state.param_order(trees)
+    groups = []
+    keys = [(float(g.get("wd_mult", 1.0)), float(g.get("lr_mult", 1.0)))
+            for g in optimizer.param_groups]
+    if len(set(keys)) != len(keys):
+        raise CheckpointError("--ckpt-format torch_dist: two param groups of this run have the "
+                              "same wd_mult and lr_mult and their parameters could not be "
+                              "named; pass --no-load-optim")
+    for g, (key, members_now) in enumerate(zip(keys, params)):
         members = [p for p in order if optimizer_state.group_key(p[1], p[2]) == key]
         if len(members) != len(members_now):
             raise CheckpointError(
@@ -591,13 +624,12 @@ def _load_optimizer(reader, common, optimizer, model_chunks, layouts, args, path
         return
     groups = _current_order(optimizer, trees)
     step = int(float(saved.get("state", {}).get("common_step", 0)))
-    saved_groups = {(float(g.get("wd_mult", 1.0)), float(g.get("lr_mult", 1.0))): g
-                    for g in saved["param_groups"]}
+    saved_groups = {optimizer_state.group_signature(g): g for g in saved["param_groups"]}
     half = args.fp16 or args.bf16
     main_present = half and any(k.startswith(MAIN_PREFIX) for k in reader.tensor_keys())
     all_hparams = []
     for group in optimizer.param_groups:
-        key = (float(group.get("wd_mult", 1.0)), float(group.get("lr_mult", 1.0)))
+        key = optimizer_state.group_signature(group)
         hparams = {k: v for k, v in group.items() if k not in ("params", "model_params")}
         hparams.update({k: v for k, v in saved_groups.get(key, {}).items()
                         if k in ("lr", "weight_decay", "betas", "eps")})

@@ -90,6 +90,7 @@ def _param_group(config: OptimizerConfig, key: tuple, params: List[torch.nn.Para
         group["mup_lr_factor"] = mup_lr
     if mup_eps != 1.0:
         group["eps"] = config.adam_eps * mup_eps
+        group["mup_eps_factor"] = mup_eps
     return group
 
 

@@ -1132,7 +1132,8 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     if args.freeze_all_layers:
         freeze.freeze_all_model_chunks(model)
     if ckpt.save and ckpt.ckpt_format == "torch_dist":
-        checkpointing.check_torch_dist_savable(model, pstate)
+        checkpointing.check_torch_dist_savable(
+            model, pstate, None if args.no_save_optim else optimizer)
     if args.moe_use_upcycling:
         save_upcycled(model, optimizer, scheduler, args, pstate, train_state, ckpt)
     else:

@@ -64,7 +64,7 @@ def test_mup_distributed_optimizer_matches_and_resumes_bit_for_bit(corpus, tmp_p
     # differ in the last bit between the two optimizers.
     replicated = _losses(corpus, 2, MUP + ["--clip-grad", "0"])
     save = str(tmp_path / "ckpt")
-    dist_flags = MUP + ["--clip-grad", "0", "--use-distributed-optimizer", "--ckpt-format", "torch"]
+    dist_flags = MUP + ["--clip-grad", "0", "--use-distributed-optimizer"]
     straight = _losses(corpus, 2, dist_flags + ["--save", save, "--save-interval", str(N)])
     assert straight == replicated
     load = ["--load", save, "--ckpt-step", str(N)]
@@ -75,3 +75,25 @@ def test_mup_distributed_optimizer_matches_and_resumes_bit_for_bit(corpus, tmp_p
     checkpointing.load_args_from_checkpoint(args)
     assert (args.use_mup, args.mup_base_hidden_size, args.mup_embedding_mult,
             args.mup_base_head_dim, args.mup_attn_scale_power) == (True, 16, 2.0, 4, 1.0)
+
+
+@pytest.mark.slow
+def test_mup_decoupled_lr_bf16_replicated_optimizer_resumes_from_torch_dist(corpus, tmp_path):
+    """The default --ckpt-format torch_dist holds every param group of the run: muP's scaled-lr
+    and scaled-eps groups and --decoupled-lr's own group, each parameter's state found under
+    its name through the fp32 main copies of the bf16 wrapper. The resumed run continues bit
+    for bit; the checkpoint records one group per (wd_mult, lr_mult, decoupled, muP factors)
+    with its eps."""
+    from megatron.checkpoint.dist.reader import DistCheckpointReader
+    flags = MUP + ["--bf16", "--decoupled-lr", "5e-3", "--decoupled-min-lr", "1e-4"]
+    save = str(tmp_path / "ckpt")
+    straight = _losses(corpus, 1, flags + ["--save", save, "--save-interval", str(N)])
+    load = ["--load", save, "--ckpt-step", str(N)]
+    assert _losses(corpus, 1, flags + load) == straight[N:]
+    assert _losses(corpus, 1, flags + load + ["--no-load-optim"])[1:] != straight[N + 1:]
+    reader = DistCheckpointReader(str(tmp_path / "ckpt" / f"iter_{N:07d}"))
+    groups = reader.common_state()["optimizer"]["param_groups"]
+    eps = {(g["wd_mult"], g["is_decoupled_lr"], g.get("mup_lr_factor", 1.0)): g["eps"]
+           for g in groups}
+    assert len(eps) == len(groups) >= 4
+    assert sorted(set(eps.values())) == pytest.approx([1e-8 / 2, 1e-8])
