@@ -462,9 +462,11 @@ def _add_training_args(parser):
                    help="iterations (as logged, from 1) whose batch is read and dropped: no "
                         "forward, optimizer or LR step; also those a "
                         "--result-rejected-tracker-filename file rejects")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
                    help="stop every rank before the optimizer step when a loss or (without "
-                   "--fp16) a gradient holds an inf or nan, naming the iteration, rank and tensor")
+                   "--fp16) a gradient holds an inf or nan, naming the iteration, rank and "
+                   "tensor (on by default, as in Megatron; --no-check-for-nan-in-loss-and-grad "
+                   "turns it off)")
     _add_rerun_args(g)
     g.add_argument("--skip-iterations-with-loss-spike", action="store_true",
                    help="skip the optimizer step of an iteration whose loss is not finite or "
@@ -482,13 +484,14 @@ def _add_training_args(parser):
 
 def _add_rerun_args(g):
     """Result validation (megatron/training/rerun.py) and the weight-hash check."""
-    g.add_argument("--rerun-mode", default="disabled",
+    g.add_argument("--rerun-mode", default="validate_results",
                    choices=["disabled", "validate_results", "report_stats"],
-                   help="validate_results: a step whose result a check rejects runs again on "
-                   "the same data and RNG state; a different result is a transient fault (exit "
-                   "17, checkpoint saved), the same one is saved for a re-run elsewhere (exit "
-                   "16). report_stats: re-run every step and report the differences. disabled "
-                   "(the default here; Megatron's is validate_results): the checks stop at once")
+                   help="validate_results (the default, as in Megatron): a step whose result a "
+                   "check rejects runs again on the same data and RNG state; a different result "
+                   "is a transient fault (exit 17, checkpoint saved), the same one is saved for "
+                   "a re-run elsewhere (exit 16); a rejection in the first iteration of a "
+                   "process stops at once. report_stats: re-run every step and report the "
+                   "differences. disabled: the checks stop at once")
     g.add_argument("--error-injection-rate", type=int, default=0,
                    help="with --rerun-mode validate_results: reject a correct result with "
                    "probability 1/rate per rank and step, to exercise the re-run (0: never)")
@@ -1387,6 +1390,8 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
     # cannot work; a choice the user made is refused instead).
     args.ckpt_format_given = any(w in ("--ckpt-format", "--use-dist-ckpt")
                                  or w.startswith("--ckpt-format=") for w in words)
+    # Whether the inf/nan check (on by default) was asked for by name.
+    args.check_for_nan_given = "--check-for-nan-in-loss-and-grad" in words
     return args
 
 

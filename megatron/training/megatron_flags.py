@@ -100,7 +100,9 @@ WORKS_HELP = {
     "--apply-wd-to-qk-layernorm": "weight decay also on the query/key norms' parameters",
     "--no-weight-decay-cond-type": "apply_wd_to_qk_layernorm: as --apply-wd-to-qk-layernorm",
     "--exit-signal": "the signal --exit-signal-handler waits for (besides SIGINT)",
-    "--no-check-for-nan-in-loss-and-grad": "Megatron's opt-out; here the check is opt-in",
+    "--no-check-for-nan-in-loss-and-grad": "turns off the inf/nan check of the losses and "
+                                           "gradients before each optimizer step (on by "
+                                           "default)",
     "--save-retain-interval": "after each save, delete older checkpoints whose iteration is not "
                               "a multiple of this (the latest is always kept)",
     "--num-virtual-stages-per-pipeline-rank": "interleaved pipeline: virtual stages per rank "

@@ -1134,6 +1134,15 @@ def _validate_batch_and_schedule(args) -> None:
         args.dataloader_type = "single"
     if args.loss_spike_factor <= 1.0:
         _fail(f"--loss-spike-factor must be > 1, got {args.loss_spike_factor}")
+    if args.skip_iterations_with_loss_spike and args.check_for_nan_in_loss_and_grad:
+        # Both answer a non-finite loss: one skips the step, the other stops the run.
+        if getattr(args, "check_for_nan_given", False):
+            _fail("--skip-iterations-with-loss-spike skips a step whose loss is not finite; "
+                  "--check-for-nan-in-loss-and-grad stops the run on it: pass one of them")
+        args.check_for_nan_in_loss_and_grad = False
+        _note(args, "--skip-iterations-with-loss-spike: the inf/nan check of losses and "
+                    "gradients (on by default) is off; a step whose loss is not finite is "
+                    "skipped instead")
     if (args.check_weight_hash_across_dp_replicas_interval is not None
             and getattr(args, "use_torch_fsdp2", False)):
         _fail("--check-weight-hash-across-dp-replicas-interval compares whole replicas; with "

@@ -124,7 +124,8 @@ def test_two_ranks_fp16_overflow_skips_then_nan_loss_stops_every_rank(tmp_path, 
             "--fp16", "--initial-loss-scale", "128"]),
          "patch": functools.partial(inject, on_rank=1, faults={3: "grad_inf", 4: "grad_inf"})},
         {"name": "nan_loss", "argv": gpt_flags(corpus, 6, extra=[
-            "--check-for-nan-in-loss-and-grad", "--save", save, "--save-interval", "2",
+            "--check-for-nan-in-loss-and-grad", "--rerun-mode", "disabled",
+            "--save", save, "--save-interval", "2",
             "--ckpt-format", "torch"]),   # its file is read below
          "patch": functools.partial(inject, on_rank=1, faults={3: "loss_nan"})},
     ]
@@ -180,10 +181,12 @@ def test_one_rank_nan_gradient_and_loss_spikes(tmp_path, corpus):
     patch = functools.partial(inject, on_rank=0, faults=faults)
     runs = [
         {"name": "nan_grad", "catch": True,
-         "argv": gpt_flags(corpus, 6, extra=["--check-for-nan-in-loss-and-grad"]),
+         "argv": gpt_flags(corpus, 6, extra=["--check-for-nan-in-loss-and-grad",
+                                             "--rerun-mode", "disabled"]),
          "patch": functools.partial(inject, on_rank=0, faults={2: "grad_nan"})},
         {"name": "spike", "argv": gpt_flags(corpus, 6, extra=spike), "patch": patch},
-        {"name": "no_skip", "argv": gpt_flags(corpus, 6), "patch": patch},
+        {"name": "no_skip", "argv": gpt_flags(corpus, 6, extra=[
+            "--no-check-for-nan-in-loss-and-grad"]), "patch": patch},
         {"name": "stopped", "argv": gpt_flags(corpus, 6, extra=spike + [
             "--save", save, "--exit-interval", "3"])},
         {"name": "resumed", "argv": gpt_flags(corpus, 6, extra=spike + ["--load", save]),

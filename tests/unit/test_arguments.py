@@ -68,9 +68,22 @@ def test_defaults_match_megatron():
                     min_loss_scale=1.0, loss_scale_window=1000, hysteresis=2,
                     make_vocab_size_divisible_by=128, log_interval=100, eval_interval=1000,
                     eval_iters=100, lr_decay_style="linear", optimizer="adam",
-                    distributed_timeout_minutes=10, num_workers=2)
+                    distributed_timeout_minutes=10, num_workers=2,
+                    check_for_nan_in_loss_and_grad=True, rerun_mode="validate_results")
     for name, value in expected.items():
         assert getattr(args, name) == value, name
+
+
+def test_loss_spike_skipping_takes_over_non_finite_losses_from_the_default_check(capsys):
+    skip = ["--vocab-size", "1000", "--tokenizer-type", "NullTokenizer",
+            "--skip-iterations-with-loss-spike"]
+    args = validate_args(_args(BASE + skip))
+    assert args.check_for_nan_in_loss_and_grad is False
+    assert "--skip-iterations-with-loss-spike: the inf/nan check" in capsys.readouterr().out
+    # Asked for by name, the two answers to a nan loss (skip, stop) are refused together.
+    with pytest.raises(ArgumentsError, match="pass one of them"):
+        validate_args(_args(BASE + skip + ["--check-for-nan-in-loss-and-grad"]))
+    assert validate_args(_args(BASE + skip[:4])).check_for_nan_in_loss_and_grad is True
 
 
 BASE = ("--num-layers 4 --hidden-size 64 --num-attention-heads 8 --seq-length 32 "

@@ -46,10 +46,6 @@ DEVIATIONS = {
     "wandb_project": ("default", "'' here; both mean no wandb run"),
     "wandb_exp_name": ("default", "'' here; both mean no run name"),
     "wandb_save_dir": ("default", "'' here; both mean the default folder"),
-    "check_for_nan_in_loss_and_grad": ("default", "the check is opt-in here "
-                                       "(--check-for-nan-in-loss-and-grad)"),
-    "rerun_mode": ("default", "result validation is opt-in here (--rerun-mode "
-                   "validate_results); disabled keeps the checks' plain stop"),
 }
 
 
