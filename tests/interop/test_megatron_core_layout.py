@@ -27,6 +27,8 @@ REFUSED = {
                           "must match --mtp-num-layers"),
     ("Et|tmL", 2, 2, None): ("Number of mtp layers in layout must match mtp_num_layers",
                              "must match --mtp-num-layers"),
+    ("Et|tL", 2, 2, 1): ("Number of mtp layers in layout must match mtp_num_layers",
+                         "must match --mtp-num-layers"),
     ("Et|mtL", 2, 2, 1): ("decoder layers must be placed before MTP layers",
                           "must be placed before the MTP layers"),
     ("Et|t|m|||L", 2, 2, 1): ("MTP should be always in the last",

@@ -239,6 +239,20 @@ def test_mtp_letters_without_mtp_layers_or_a_count_apart_are_refused_by_the_flag
     with pytest.raises(ArgumentsError, match=r"\('m', 1\) must match --mtp-num-layers \(2\)"):
         _validate(rope + ["--pipeline-model-parallel-layout", "Et|tttmL", "--mtp-num-layers",
                           "2"])
-    # No 'm' at all: the MTP layers still run beside the loss, as without a layout.
-    assert _validate(rope + ["--pipeline-model-parallel-layout", "Et|tttL",
+    # No 'm' at all: refused as well (Megatron asks for the MTP layers to be placed).
+    with pytest.raises(ArgumentsError, match=r"\('m', 0\) must match --mtp-num-layers \(2\)"):
+        _validate(rope + ["--pipeline-model-parallel-layout", "Et|tttL", "--mtp-num-layers",
+                          "2"])
+    assert _validate(rope + ["--pipeline-model-parallel-layout", "Et|tttmmL",
                              "--mtp-num-layers", "2"]).mtp_num_layers == 2
+
+
+def test_mtp_layers_must_be_placed_in_a_layout_as_megatron_asks():
+    # Megatron's rule: the 'm' count equals --mtp-num-layers, none placed is refused too.
+    with pytest.raises(ConfigError, match=r"'Et\|tL': the number of MTP layers \('m', 0\) "
+                                          r"must match --mtp-num-layers \(1\)"):
+        ll.layout_stage_counts("Et|tL", 2, 2, 1)
+    assert ll.layout_stage_counts("Et|tL", 2, 2, 0) == [[1], [1]]
+    assert ll.layout_stage_counts("Et|tmL", 2, 2, 1) == [[1], [1]]
+    # Without a count (a model built from a checked layout) the letters are not counted.
+    assert ll.layout_stage_counts("Et|tmL", 2, 2) == [[1], [1]]

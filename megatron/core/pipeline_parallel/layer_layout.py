@@ -115,14 +115,15 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
     after every ``t``, all in one stage, the last virtual stage of its pipeline rank. Megatron
     also lets that stage be one without the loss (a standalone MTP stage, on an earlier rank);
     here the MTP layers run beside the loss, so the ``m`` letters must sit in the last stage,
-    before ``L``. A layout without ``m`` keeps the MTP layers there too."""
+    before ``L``. As in Megatron, a run with MTP layers must place them: a layout without
+    ``m`` is refused."""
     flat = "".join(stages)
     count = flat.count("m")
-    if count == 0:
-        return
     if mtp_num_layers is not None and count != mtp_num_layers:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: the number of MTP layers ('m', {count}) "
                           f"must match --mtp-num-layers ({mtp_num_layers or 'not given'})")
+    if count == 0:
+        return
     if "t" in flat[flat.index("m"):]:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: decoder layers ('t') must be placed before "
                           "the MTP layers ('m')")
