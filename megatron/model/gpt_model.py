@@ -17,7 +17,7 @@ from megatron.model.language_model import (TransformerLanguageModel, parallel_lm
 from megatron.model.module import MegatronModule
 from megatron.model.moe import MoEConfig, MoELossTracker, attach_aux_loss
 from megatron.model.multi_token_prediction import (MTPLossTracker, MultiTokenPredictionBlock,
-                                                   roll_left)
+                                                   roll_left, sequence_ends)
 from megatron.model.transformer import get_num_layers_and_offset
 
 
@@ -245,14 +245,17 @@ class GPTModel(MegatronModule):
         if self.language_model.rotary_pos_emb is not None:
             rotary = self.language_model.rotary_angles(labels.size(1), position_ids, None,
                                                        hidden.device)   # [s, 1|b, 1, d]
+        # --sft packs conversations: every shift stays inside its own conversation.
+        ends = (sequence_ends(position_ids, self.mtp.cp_group)
+                if self.config.rotary_from_position_ids and position_ids is not None else None)
         outputs = self.mtp(input_ids, position_ids, hidden, attention_mask, rotary,
-                           self._mtp_embedding)
+                           self._mtp_embedding, ends)
         mask = (torch.ones_like(labels, dtype=torch.float32) if loss_mask is None
                 else loss_mask.float())
         total = 0.0
         for depth, output in enumerate(outputs):
-            labels = roll_left(labels, self.mtp.cp_group)
-            mask = roll_left(mask, self.mtp.cp_group)
+            labels = roll_left(labels, self.mtp.cp_group, ends)
+            mask = roll_left(mask, self.mtp.cp_group, ends)
             logits = self._head(output, detach_weight=self.mtp.detach_heads)      # [s, b, V/tp]
             per_token = self._per_token_loss(logits, labels)                      # [b, s]
             masked_sum = (per_token.float() * mask).sum()

@@ -59,11 +59,27 @@ from megatron.model.utils import init_rng
 MTP_GRAD_NORM_GROUP = "mtp"
 
 
-def roll_left(tensor: torch.Tensor, cp_group=None) -> torch.Tensor:
+def roll_left(tensor: torch.Tensor, cp_group=None,
+              ends: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``tensor [..., s]`` shifted left by one place along its last dim, the last place of the
     whole sequence 0. With a ``cp_group`` of size > 1 the last dim holds this rank's chunks
     ``r`` and ``2 cp - 1 - r`` (:func:`~megatron.core.context_parallel.chunk_positions`) and
-    the shift is over the whole sequence; every rank of the group must call it."""
+    the shift is over the whole sequence; every rank of the group must call it. ``ends``
+    (bool, the shape of ``tensor``; :func:`sequence_ends`): the last place of each packed
+    sequence, which takes 0 instead of the next sequence's first value."""
+    rolled = _roll_left(tensor, cp_group)
+    return rolled if ends is None else rolled.masked_fill(ends, 0)
+
+
+def sequence_ends(position_ids: torch.Tensor, cp_group=None) -> torch.Tensor:
+    """The last place of each sequence packed in ``position_ids [b, s]`` (--sft: each
+    conversation's positions start at 0): where the next place's position is 0, and the last
+    place of the whole sequence. Rolling with them keeps every shift inside its own sequence,
+    as Megatron-Core rolls packed sequences (each by its ``cu_seqlens``)."""
+    return _roll_left(position_ids, cp_group) == 0
+
+
+def _roll_left(tensor: torch.Tensor, cp_group=None) -> torch.Tensor:
     cp_size = get_group_size(cp_group)
     if cp_size == 1:
         rolled = torch.roll(tensor, shifts=-1, dims=-1)
@@ -199,18 +215,20 @@ class MultiTokenPredictionBlock(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor],
                 hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor],
-                rotary_pos_emb: Optional[torch.Tensor], embedding) -> List[torch.Tensor]:
+                rotary_pos_emb: Optional[torch.Tensor], embedding,
+                ends: Optional[torch.Tensor] = None) -> List[torch.Tensor]:
         """Each depth's output ``[s, b, h]`` (``[s/tp, b, h]`` with sequence parallelism);
         ``input_ids`` / ``position_ids`` ``[b, s]`` are the main model's (this cp rank's
-        tokens), ``embedding`` its embedding (its output split like ``hidden_states``)."""
+        tokens), ``embedding`` its embedding (its output split like ``hidden_states``);
+        ``ends``: the last places of packed sequences (:func:`sequence_ends`), or None."""
         outputs = []
         if self.detach_heads:
             hidden_states = hidden_states.detach()
         for depth in range(self.num_depths):
             layer = self.layers[0 if self.repeated_layer else depth]
-            input_ids = roll_left(input_ids, self.cp_group)
+            input_ids = roll_left(input_ids, self.cp_group, ends)
             if position_ids is not None:
-                position_ids = roll_left(position_ids, self.cp_group)
+                position_ids = roll_left(position_ids, self.cp_group, ends)
             embedded = embedding(input_ids, position_ids)                    # [s, b, h]
             if self.detach_heads:
                 embedded = embedded.detach()

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.context_parallel import chunk_positions
 from megatron.model import GPTModel
-from megatron.model.multi_token_prediction import roll_left
+from megatron.model.multi_token_prediction import roll_left, sequence_ends
 from tests.distributed.test_gpt_model_tp import full_tensor
 from tests.multiprocess import run_on_ranks
 from tests.unit.test_gpt_model import BATCH, SEQ, make_batch, make_config, single_process_state
@@ -125,3 +125,25 @@ def test_roll_over_cp_chunks_is_the_whole_sequence_roll_split(cp_size):
         for held, once, twice in run_on_ranks(_roll_body, cp_size, cp_size, tensor):
             assert torch.equal(once, want_once[..., held])
             assert torch.equal(twice, want_twice[..., held])
+
+
+def _packed_roll_body(cp_size, tensor, positions):
+    state = parallel_state.initialize_model_parallel(1, context_parallel_size=cp_size)
+    held = chunk_positions(tensor.size(-1), cp_size, state.cp_rank)
+    ends = sequence_ends(positions[..., held].clone(), state.cp_group)
+    once = roll_left(tensor[..., held].clone(), state.cp_group, ends)
+    return held, once, roll_left(once, state.cp_group, ends)
+
+
+@pytest.mark.slow
+def test_packed_roll_over_cp_chunks_stays_in_each_sequence():
+    """--sft packs: a sequence whose end falls at a chunk edge (place 7 of 16, cp 2: chunks of
+    4) still takes 0 there, from the next chunk's first position (0), wherever it lives."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 0, 1, 2, 3, 4]])
+    tensor = torch.arange(1, 17).view(1, 16)
+    want_ends = sequence_ends(positions)
+    want_once = roll_left(tensor, None, want_ends)
+    want_twice = roll_left(want_once, None, want_ends)
+    for held, once, twice in run_on_ranks(_packed_roll_body, 2, 2, tensor, positions):
+        assert torch.equal(once, want_once[..., held])
+        assert torch.equal(twice, want_twice[..., held])

@@ -262,3 +262,58 @@ def test_context_parallel_2_gives_the_one_process_losses_and_gradients(tok_dir, 
         assert got.shape == (len(PACKS), SEQ // 2)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         assert gap < 1e-12, gap
+
+
+def test_mtp_shifts_stay_inside_each_packed_conversation():
+    """--sft with --mtp-num-layers: each depth's tokens, positions, labels and loss mask are
+    shifted left inside their own conversation, its last place 0 (Megatron-Core rolls packed
+    sequences by their cu_seqlens); a naive loop over the conversations is the reference."""
+    from megatron.model.multi_token_prediction import roll_left, sequence_ends
+    positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]])
+    values = torch.arange(20).view(2, 10) + 1
+    ends = sequence_ends(positions)
+
+    def naive(row, pos):
+        out = [0] * len(row)
+        for t in range(len(row) - 1):
+            out[t] = row[t + 1] if pos[t + 1] != 0 else 0
+        return out
+
+    once = roll_left(values, None, ends)
+    twice = roll_left(once, None, ends)
+    for b in range(2):
+        want = naive(values[b].tolist(), positions[b].tolist())
+        assert once[b].tolist() == want
+        assert twice[b].tolist() == naive(want, positions[b].tolist())
+    assert once[0].tolist() == [2, 3, 4, 0, 6, 7, 0, 9, 0, 0]
+    assert twice[0].tolist() == [3, 4, 0, 0, 7, 0, 0, 0, 0, 0]
+    # Without ends the shift runs on across the conversations.
+    assert roll_left(values)[0].tolist()[3] == 5
+
+
+def test_a_pack_trains_mtp_as_its_conversations_alone(tok):
+    """The MTP losses of two packs (b = 2) in training: each depth's masked loss sum and token
+    count are those of the conversations run alone, added (float64 weights)."""
+    batch = _batch(tok)
+    config = dict(padded_vocab_size=VOCAB, max_position_embeddings=SEQ, seq_length=SEQ,
+                  position_embedding_type="rope")
+    packed = GPTModel(make_config(rotary_from_position_ids=True, **config),
+                      single_process_state(), init_seed=3, mtp_num_layers=2).train()
+    plain = GPTModel(make_config(**config), single_process_state(), init_seed=3,
+                     mtp_num_layers=2).train()
+    packed(batch["tokens"], batch["position_ids"], sft_attention_mask(batch["segment_ids"]),
+           labels=batch["labels"], loss_mask=batch["loss_mask"])
+    got = packed.mtp_tracker.values.clone()
+    sums, counts = torch.zeros(2, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    for b in range(len(PACKS)):
+        for start, end in _bounds(batch["segment_ids"][b]):
+            mask = batch["loss_mask"][b:b + 1, start:end]
+            plain.mtp_tracker.values = None
+            plain(batch["tokens"][b:b + 1, start:end], torch.arange(end - start)[None], None,
+                  labels=batch["labels"][b:b + 1, start:end], loss_mask=mask)
+            for depth in range(2):
+                count = mask[0, depth + 1:].double().sum()
+                sums[depth] += plain.mtp_tracker.values[depth] * count
+                counts[depth] += count
+    # The MTP loss sums in fp32 (as the main loss is reduced): 1e-7 relative apart.
+    torch.testing.assert_close(got, sums / counts, rtol=1e-6, atol=0)
