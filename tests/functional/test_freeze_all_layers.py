@@ -68,14 +68,17 @@ def test_frozen_pipeline_run_matches_one_process(corpus):
     assert one[0][1] == free[0][1]
 
 
-def test_frozen_run_resumes_from_torch_dist(corpus, tmp_path):
+@pytest.mark.parametrize("ranks, extra", [(1, []), (2, ["--use-distributed-optimizer"])],
+                         ids=["replicated", "distributed-dp2"])
+def test_frozen_run_resumes_from_torch_dist(corpus, tmp_path, ranks, extra):
     """A frozen run's torch_dist save holds no optimizer state for its never-stepped
-    parameters; resuming from it continues with the losses of the run that never stopped."""
+    parameters (the distributed optimizer: its zero state); resuming from it continues with
+    the losses of the run that never stopped."""
     save = str(tmp_path / "frozen")
-    flags = ["--freeze-all-layers", "--ckpt-format", "torch_dist"]
-    straight = run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 4, extra=flags))[0]["losses"]
-    run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 4, extra=flags + [
+    flags = ["--freeze-all-layers", "--ckpt-format", "torch_dist"] + extra
+    straight = run_on_ranks(run_pretrain, ranks, gpt_flags(corpus, 4, extra=flags))[-1]["losses"]
+    run_on_ranks(run_pretrain, ranks, gpt_flags(corpus, 4, extra=flags + [
         "--save", save, "--save-interval", "2", "--exit-interval", "2"]))
-    resumed = run_on_ranks(run_pretrain, 1, gpt_flags(corpus, 4, extra=flags + [
-        "--load", save]))[0]["losses"]
+    resumed = run_on_ranks(run_pretrain, ranks, gpt_flags(corpus, 4, extra=flags + [
+        "--load", save]))[-1]["losses"]
     assert resumed == straight[2:]
