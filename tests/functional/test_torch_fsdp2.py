@@ -141,6 +141,11 @@ def test_fsdp2_bf16_matches_bf16_without_fsdp2(corpus):
     for a, b in zip(fsdp[ITERS:2 * ITERS], ddp[ITERS:2 * ITERS]):
         assert a == pytest.approx(b, rel=BF16_NORM_RTOL), (fsdp, ddp)
     assert fsdp[-1] == pytest.approx(ddp[-1], rel=BF16_RTOL)
+    # Rotary angles reach the layers in fp32 under FSDP2 as without it (a policy casting the
+    # units' inputs to bf16 moved the first loss by 5e-7).
+    rope = ["--position-embedding-type", "rope"]
+    assert _run(corpus, 2, ["--use-torch-fsdp2", "--bf16"] + rope)[0] == \
+        _run(corpus, 2, ["--bf16"] + rope)[0]
 
 
 @pytest.mark.slow

@@ -207,7 +207,11 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self.mesh, self._shard_group = _data_parallel_mesh(dp_group, device_type, replicas)
         if reduce_dtype is None and compute_dtype is not None:
             reduce_dtype = torch.float32
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype)
+        # The units' inputs keep their dtypes: activations already come out of the units in
+        # the compute dtype, and the fp32 rotary angles must stay fp32 (cast, they moved a
+        # bf16 run's first loss off the same run without FSDP2).
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=reduce_dtype,
+                                      cast_forward_inputs=False)
         kwargs = dict(reshard_after_forward=reshard_after_forward, mp_policy=policy)
         divide_by = 1.0 if calculate_per_token_loss else float(self.dp_size)
         if expert_units:
