@@ -135,5 +135,6 @@ def local_grad_sumsq(model) -> float:
             grad = getattr(param, "main_grad", None)
             grad = param.grad if grad is None else grad
             if grad is not None:
-                total += local_tensor(grad).double().square().sum()
+                values = local_tensor(grad).detach().reshape(-1).double()
+                total += torch.dot(values, values)
     return float(total.item())

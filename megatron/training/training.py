@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import functools
 import inspect
+import math
 import os
 import signal
 import sys
@@ -494,6 +495,10 @@ class _StopSignal:
             signal.signal(sig, handler)
 
 
+def _finite(value: Optional[float]) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, pstate,
                       calculator: NumMicroBatchesCalculator, timers: Timers, check: bool,
                       machine) -> rerun.StepRun:
@@ -519,11 +524,12 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
     timers("forward-backward", log_level=1).stop()
     training_hooks.empty_unused_memory(args, 1)
     findings = numerics.loss_findings(watch) if check else []
-    if check_grads and not args.overlap_grad_reduce:
-        findings += numerics.grad_findings(model)
     sumsq = machine is not None and machine.validates_grads
     grad_sumsq = (numerics.local_grad_sumsq(model)
                   if sumsq and not args.overlap_grad_reduce else None)
+    # A finite fp64 sum of squares says every gradient is finite: no second pass for it.
+    if check_grads and not args.overlap_grad_reduce and not _finite(grad_sumsq):
+        findings += numerics.grad_findings(model)
     if forward_only:  # --freeze-all-layers: no gradients to reduce
         losses = [float(v) for v in watch.losses] if machine is not None else []
         return rerun.StepRun(logged, findings, losses, grad_sumsq)
@@ -533,10 +539,10 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
                          pp_size=pstate.pp_size, sequence_parallel=pstate.sequence_parallel,
                          num_tokens=logged.num_tokens if args.calculate_per_token_loss else None,
                          pp_group=pstate.pp_group, dp_group=pstate.dp_cp_group)
-    if check_grads and args.overlap_grad_reduce:
-        findings += numerics.grad_findings(model)
     if sumsq and args.overlap_grad_reduce:
         grad_sumsq = numerics.local_grad_sumsq(model)
+    if check_grads and args.overlap_grad_reduce and not _finite(grad_sumsq):
+        findings += numerics.grad_findings(model)
     losses = [float(v) for v in watch.losses] if machine is not None else []
     return rerun.StepRun(logged, findings, losses, grad_sumsq)
 

@@ -166,6 +166,7 @@ def test_one_rank_nan_gradient_and_loss_spikes(tmp_path, corpus):
 
     * ``nan_grad``: one value of one weight's gradient turns nan at iteration 2: the run stops
       with the iteration, the rank and that weight, counting exactly the one nan.
+    * ``nan_grad_default``: the same at iteration 1 with Megatron's default checks.
     * ``spike``: --skip-iterations-with-loss-spike (window 2, factor 1.5); the losses are x10 at
       iteration 4 and nan at 5. Both steps are skipped and counted (5 also as a nan iteration),
       each with a message; training goes on at 6.
@@ -184,6 +185,8 @@ def test_one_rank_nan_gradient_and_loss_spikes(tmp_path, corpus):
          "argv": gpt_flags(corpus, 6, extra=["--check-for-nan-in-loss-and-grad",
                                              "--rerun-mode", "disabled"]),
          "patch": functools.partial(inject, on_rank=0, faults={2: "grad_nan"})},
+        {"name": "nan_grad_default", "catch": True, "argv": gpt_flags(corpus, 6),
+         "patch": functools.partial(inject, on_rank=0, faults={1: "grad_nan"})},
         {"name": "spike", "argv": gpt_flags(corpus, 6, extra=spike), "patch": patch},
         {"name": "no_skip", "argv": gpt_flags(corpus, 6, extra=[
             "--no-check-for-nan-in-loss-and-grad"]), "patch": patch},
@@ -202,6 +205,13 @@ def test_one_rank_nan_gradient_and_loss_spikes(tmp_path, corpus):
         f"gradient of {PARAM} has 1 nan and 0 inf of 32 values. Every rank stops before the "
         "optimizer step of iteration 2; the checkpoints saved so far are untouched.")
     assert len(results["nan_grad"]["probe"]["weights"]) == 2  # it stopped inside iteration 2
+    # Megatron's defaults (the check on, --rerun-mode validate_results): found through the
+    # re-run machine's gradient sum of squares; in a process's first iteration it stops plainly.
+    assert results["nan_grad_default"]["error"] == (
+        "NumericalFaultError: iteration 1: inf or nan found (--check-for-nan-in-loss-and-grad): "
+        "rank 0 (tensor-parallel rank 0, pipeline-parallel rank 0, data-parallel rank 0): "
+        f"gradient of {PARAM} has 1 nan and 0 inf of 32 values. Every rank stops before the "
+        "optimizer step of iteration 1; the checkpoints saved so far are untouched.")
 
     lines = _log_lines(launch.run_log(log, "spike"))
     assert [line[3] for line in lines] == [0, 0, 0, 1, 1, 0]
