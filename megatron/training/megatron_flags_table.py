@@ -74,8 +74,10 @@ MTP = ("it gives the layer pattern of MTP layers in hybrid (Mamba) models, which
        "here; drop it (--mtp-num-layers works)")
 FSDP = ("this knob of Megatron's own FSDP runtime has no counterpart here (--use-megatron-fsdp "
         "and its sharding strategies run on PyTorch's FSDP2); drop it")
-NON_PERSISTENT = ("this option of the local checkpoint manager (a cache of process-group "
-                  "tensors) is not built; local checkpoints work without it: drop it")
+SAVE_PLAN_CACHE = ("a cache file of the fully-parallel save plan (which rank writes which shard), "
+                   "kept so later jobs skip the gather that plans it; torch_dist checkpoints "
+                   "here are written and read the same way either way, and no cache file is "
+                   "written")
 FP8 = ("FP8/FP4 training needs TransformerEngine's kernels, which are not built here; use --bf16")
 KITCHEN = "quantization recipes (kitchen) are not built here; use --bf16"
 TP_OVERLAP = ("tensor-parallel communication/GEMM overlap needs TransformerEngine's userbuffers, "
@@ -314,8 +316,8 @@ ROWS = (
     ('--ckpt-fully-parallel-load-process-group', '',
      'str', 'dp', 'dp|ep_dp', NO_EFFECT, CKPT_PERF),
     ('--ckpt-assume-constant-structure', '', 'true', False, '', NO_EFFECT, CKPT_PERF),
-    ('--ckpt-pg-tensors-cache-path', '', 'str', None, '', REFUSED, NON_PERSISTENT),
-    ('--ckpt-pg-tensors-cache-create', '', 'true', False, '', REFUSED, NON_PERSISTENT),
+    ('--ckpt-pg-tensors-cache-path', '', 'str', None, '', NO_EFFECT, SAVE_PLAN_CACHE),
+    ('--ckpt-pg-tensors-cache-create', '', 'true', False, '', NO_EFFECT, SAVE_PLAN_CACHE),
     ('--no-ckpt-load-validate-sharding-integrity --disable-ckpt-load-validate-sharding-integrity',
      'ckpt_load_validate_sharding_integrity', 'false', True, '', NO_EFFECT, CKPT_PERF),
     ('--dist-ckpt-optim-fully-reshardable', '', 'true', False, '', NO_EFFECT, RESHARDABLE),
