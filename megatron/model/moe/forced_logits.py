@@ -11,9 +11,10 @@ draws as above and ``b`` one bias per expert drawn from ``N(0, |STD|)``, so some
   from a generator of its own seeded by ``--seed`` and the router's global layer number: the
   same on every rank, after a resume, under any parallel layout;
 * ``STD > 0``: ``b`` is drawn again at every forward, from the default generator right after
-  ``eps``. The ranks of a pipeline stage seed that generator alike and draw the same amounts
-  (unless ``--data-parallel-random-init``, which seeds each data-parallel rank differently; then
-  each draws its own ``b``), so they draw the same ``b``;
+  ``eps``. The ranks of a pipeline stage seed that generator alike (``--seed`` plus 100 per
+  stage) and, routing equally many tokens, draw equally much from it, so they draw the same
+  ``b``; with ``--data-parallel-random-init`` each data-parallel rank seeds it differently and
+  draws its own ``b``;
 * ``STD == 0``: ``b = 0``, the draws of ``--moe-router-force-load-balancing``.
 
 Given both switches, the biased logits are used (in Megatron-Core they replace the random ones
