@@ -261,6 +261,7 @@ def build_moe_config(args) -> Optional[MoEConfig]:
                                      or args.tensor_model_parallel_size),
         moe_layer_freq=args.moe_layer_freq, moe_per_layer_logging=args.moe_per_layer_logging,
         moe_router_force_load_balancing=args.moe_router_force_load_balancing,
+        moe_router_force_biased=args.moe_router_force_biased,
         moe_latent_size=args.moe_latent_size,
         moe_mlp_glu_interleave_size=args.moe_mlp_glu_interleave_size,
         moe_shared_expert_glu_interleave_size=args.moe_shared_expert_glu_interleave_size,

@@ -117,6 +117,10 @@ WORKS_HELP = {
     "--padded-vocab-size": "the model's vocabulary size, instead of padding the tokenizer's",
     "--save-interval": "iterations between checkpoints",
     "--no-log-loss-scale-to-tensorboard": "no loss-scale scalar in TensorBoard",
+    "--moe-router-force-biased": "benchmark switch: route by random normal logits plus a random "
+                                 "per-expert bias of this std, so some experts get more tokens "
+                                 "(< 0: one bias per layer for the whole run, the same on every "
+                                 "rank; > 0: drawn again at every forward; 0: no bias)",
 }
 
 

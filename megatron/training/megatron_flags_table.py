@@ -109,8 +109,6 @@ SPEC = ("custom module specs and YAML configs are not built here; the layers are
         "project's own; drop it and give the flags on the command line")
 UCC = "only the default communication backend is built here; drop it"
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
-MODEL_VARIANT = ("this router option (routing forced by biased random logits, a benchmarking "
-                 "aid) is not built yet; drop it")
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
               "drop it and give local paths")
@@ -175,7 +173,7 @@ ROWS = (
     ('--high-priority-a2a-comm-stream', '', 'true', False, '', NO_EFFECT, EP_OVERLAP),
     ('--moe-router-padding-for-quantization', '', 'true', False, '', REFUSED, FP8),
     ('--moe-router-padding-for-fp8', '', 'true', False, '', REFUSED, FP8),
-    ('--moe-router-force-biased', '', 'float', None, '', REFUSED, MODEL_VARIANT),
+    ('--moe-router-force-biased', '', 'float', None, '', WORKS, None),
     ('--moe-enable-deepep', '', 'true', False, '', REFUSED, FLEX),
     ('--moe-flex-dispatcher-backend', '',
      'str', 'deepep', 'deepep|hybridep|ncclep', REFUSED, FLEX),

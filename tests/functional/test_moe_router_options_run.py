@@ -1,12 +1,15 @@
 """Training with the router options that follow Megatron-Core's current ones: several balancing
 losses at once (each with its coefficient, each logged under Megatron's name), the
-``sqrtsoftplus`` score function, and ``--moe-router-force-load-balancing``.
+``sqrtsoftplus`` score function, ``--moe-router-force-load-balancing`` and
+``--moe-router-force-biased``.
 
 The model and the tolerances are test_moe_training.py's. ``aux_loss`` and ``seq_aux_loss`` are
 layout-invariant, so EP 2 and TP 2 runs must give the one-process losses; ``global_aux_loss``
 is invariant over context parallelism only (see test_moe_global_aux_loss_run.py), so its
 combination is checked at CP 2. Forced balancing draws its logits from the seeded default
-generator: the same seed gives the same losses, and a resumed run continues bit for bit.
+generator: the same seed gives the same losses, and a resumed run continues bit for bit. So do
+the biased logits, kept (negative std) or drawn again each forward (positive std), and a run that
+recomputes its layers draws them again the same: the same losses as without recomputation.
 """
 
 import re
@@ -84,10 +87,38 @@ def test_forced_balancing_same_seed_same_losses(corpus):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("std", ["-2", "2"])
+def test_force_biased_same_seed_same_losses(corpus, std):
+    biased = ["--moe-router-force-biased", std]
+    first = _losses(run_on_ranks(run_pretrain, 1, _flags(corpus, extra=biased))[-1])
+    again = _losses(run_on_ranks(run_pretrain, 1, _flags(corpus, extra=biased))[-1])
+    forced = _losses(run_on_ranks(run_pretrain, 1, _flags(
+        corpus, extra=["--moe-router-force-load-balancing"]))[-1])
+    plain = _losses(run_on_ranks(run_pretrain, 1, _flags(corpus))[-1])
+    assert first == again
+    assert first != forced and first != plain
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("std", ["-2", "2"])
+def test_force_biased_recomputation_draws_the_same_logits(corpus, std):
+    biased = ["--moe-router-force-biased", std]
+    plain = _losses(run_on_ranks(run_pretrain, 1, _flags(corpus, extra=biased))[-1])
+    recomputed = _losses(run_on_ranks(run_pretrain, 1, _flags(corpus, extra=biased + [
+        "--recompute-granularity", "full", "--recompute-method", "uniform",
+        "--recompute-num-layers", "1"]))[-1])
+    assert recomputed == plain
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [pytest.param(LISTED, id="listed-sqrtsoftplus"),
                                    pytest.param(WITH_GLOBAL + ("--moe-router-force-load-"
                                                                "balancing",),
-                                                id="global-forced")])
+                                                id="global-forced"),
+                                   pytest.param(("--moe-router-force-biased", "-2"),
+                                                id="biased-kept"),
+                                   pytest.param(("--moe-router-force-biased", "2"),
+                                                id="biased-redrawn")])
 def test_resume_is_bit_exact(corpus, tmp_path, extra):
     """6 iterations straight == 3, save, new processes load and run 3 more (PP 2)."""
     n, kw = 3, dict(pp=2, iters=6)

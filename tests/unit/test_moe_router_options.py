@@ -1,12 +1,14 @@
 """The router options that follow Megatron-Core's current ones: several balancing losses at once
 (``--moe-router-load-balancing-type aux_loss seq_aux_loss global_aux_loss`` with one
-``--moe-aux-loss-coeff`` each), the ``sqrtsoftplus`` score function and
-``--moe-router-force-load-balancing``.
+``--moe-aux-loss-coeff`` each), the ``sqrtsoftplus`` score function,
+``--moe-router-force-load-balancing`` and ``--moe-router-force-biased``.
 
 References: fp64 formulas written token by token here (sqrtsoftplus choices, probabilities and
 balancing scores), and each balancing loss computed alone: a combination must log each loss's
 own value under Megatron's name and reach the gradients as the sum of the single losses times
 their coefficients. Everything is float64 (tolerance 1e-12: two orderings of the same sums).
+The forced biased logits are checked against the same draws taken from the generators by hand,
+and the load they give against the top-1 shares of a normal model integrated in fp64.
 """
 
 import math
@@ -16,7 +18,10 @@ import torch
 
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.model.moe import MoEConfig, MoELossTracker, TopKRouter, topk_routing
-from megatron.model.moe.router import random_logits, scores_for_aux_loss
+from megatron.core.tensor_parallel.random import checkpoint
+from megatron.model.moe.forced_logits import biased_logits, random_logits
+from megatron.model.moe.router import scores_for_aux_loss
+from megatron.model.utils import piece_seed
 from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 from megatron.training.configs import build_moe_config
 from tests.unit.test_megatron_flags import MINIMAL
@@ -237,6 +242,180 @@ def test_forced_logits_pass_the_gradient_straight_through():
     assert not torch.equal(out, logits)
     (out * upstream).sum().backward()
     assert torch.equal(logits.grad, upstream)
+
+
+# -- forced biased logits ----------------------------------------------------------------------
+# The reference stream: the standard normal draws of the logits' shape from the default
+# generator, then (STD > 0) the E draws of the bias; STD < 0 takes its bias from a CPU generator
+# seeded by piece_seed(--seed, "layer.<n-1>.mlp.router.force_biased") alone.
+
+def _biased_router(std, layer_number=2, init_seed=1234, **moe):
+    moe.setdefault("num_moe_experts", EXPERTS)
+    moe.setdefault("moe_aux_loss_coeff", 0.0)
+    cfg = MoEConfig(moe_router_force_biased=std, **moe)
+    return TopKRouter(_config(), cfg, layer_number=layer_number, init_seed=init_seed).train()
+
+
+def _routed_logits(router, hidden):
+    """The logits ``[T, E]`` the router routes by (after the switches), and its outputs."""
+    seen = []
+    route = router.route
+    router.route = lambda logits: seen.append(logits) or route(logits)
+    try:
+        out = router(hidden)
+    finally:
+        del router.route
+    return seen[0].reshape(-1, router.num_experts), out
+
+
+def _naive_layer_bias(std, layer_number, num_experts=EXPERTS, init_seed=1234):
+    gen = torch.Generator().manual_seed(
+        piece_seed(init_seed, f"layer.{layer_number - 1}.mlp.router.force_biased"))
+    return torch.randn(num_experts, generator=gen, dtype=torch.float64) * abs(std)
+
+
+def test_force_biased_flag_reaches_the_config_and_bad_values_fail():
+    assert build_moe_config(_validated()).moe_router_force_biased is None
+    assert build_moe_config(_validated("--moe-router-force-biased", "-2.5")
+                            ).moe_router_force_biased == -2.5
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="^--moe-router-force-biased must be a finite"):
+            MoEConfig(num_moe_experts=4, moe_router_force_biased=bad)
+
+
+@pytest.mark.parametrize("std", [-3.0, 3.0])
+def test_biased_logits_are_the_normal_draws_plus_the_bias(std):
+    torch.manual_seed(5)
+    router = _biased_router(std)
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+    for _ in range(2):      # the second call starts where the first left the generator
+        state = torch.get_rng_state()
+        logits, _ = _routed_logits(router, hidden)
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        eps = torch.randn(SEQ * BATCH, EXPERTS, dtype=torch.float64)
+        bias = (_naive_layer_bias(std, 2) if std < 0
+                else torch.randn(EXPERTS, dtype=torch.float64) * std)
+        assert torch.equal(logits, eps + bias)
+        assert torch.equal(torch.get_rng_state(), after)    # nothing else was drawn
+
+
+def test_biased_logits_pass_the_gradient_straight_through():
+    upstream = torch.randn(7, EXPERTS, dtype=torch.float64)
+    for kw in (dict(bias=torch.full((EXPERTS,), 4.0, dtype=torch.float64)),
+               dict(redraw_std=2.0)):
+        logits = torch.randn(7, EXPERTS, dtype=torch.float64, requires_grad=True)
+        out = biased_logits(logits, **kw)
+        (out * upstream).sum().backward()
+        assert torch.equal(logits.grad, upstream)
+
+
+def test_stationary_bias_is_shared_by_builds_kept_over_calls_and_differs_by_layer():
+    torch.manual_seed(1)
+    rank0 = _biased_router(-2.0)
+    torch.manual_seed(2)        # another rank: another default generator state
+    rank1 = _biased_router(-2.0)
+    assert torch.equal(rank0.forced_logits.bias, rank1.forced_logits.bias)
+    assert torch.equal(rank0.forced_logits.bias, _naive_layer_bias(-2.0, 2))
+    other_layer = _biased_router(-2.0, layer_number=3).forced_logits.bias
+    other_seed = _biased_router(-2.0, init_seed=99).forced_logits.bias
+    assert not torch.allclose(other_layer, rank0.forced_logits.bias, atol=0.1)
+    assert not torch.allclose(other_seed, rank0.forced_logits.bias, atol=0.1)
+    # Over many tokens each expert's mean logit is its bias, call after call.
+    hidden = torch.randn(2000, 10, HIDDEN, dtype=torch.float64)
+    for _ in range(2):
+        means = _routed_logits(rank0, hidden)[0].mean(dim=0)
+        torch.testing.assert_close(means, rank0.forced_logits.bias, rtol=0, atol=0.05)
+
+
+def test_stationary_bias_has_the_requested_spread():
+    bias = _biased_router(-2.5, num_moe_experts=4000).forced_logits.bias
+    assert abs(bias.mean().item()) < 0.15          # 4 standard errors of the mean
+    assert abs(bias.std().item() - 2.5) < 0.12     # ~4 standard errors of the std
+
+
+def test_redrawn_bias_changes_between_calls():
+    torch.manual_seed(3)
+    router = _biased_router(5.0)
+    hidden = torch.randn(2000, 10, HIDDEN, dtype=torch.float64)
+    first = _routed_logits(router, hidden)[0].mean(dim=0)
+    second = _routed_logits(router, hidden)[0].mean(dim=0)
+    assert (first - second).abs().max() > 1.0, (first, second)
+    assert router.forced_logits.bias is None
+
+
+def _top1_shares(bias):
+    """fp64 reference: P(argmax_e (eps_e + b_e) = e) for independent standard normal eps,
+    ``int phi(x - b_e) prod_{j != e} Phi(x - b_j) dx`` by the trapezoid rule."""
+    b = [float(v) for v in bias]
+    lo, hi, n = min(b) - 12.0, max(b) + 12.0, 20000
+    step = (hi - lo) / n
+    shares = []
+    for e in range(len(b)):
+        total = 0.0
+        for i in range(n + 1):
+            x = lo + i * step
+            value = math.exp(-0.5 * (x - b[e]) ** 2) / math.sqrt(2 * math.pi)
+            for j in range(len(b)):
+                if j != e:
+                    value *= 0.5 * (1.0 + math.erf((x - b[j]) / math.sqrt(2.0)))
+            total += value * (0.5 if i in (0, n) else 1.0)
+        shares.append(total * step)
+    return shares
+
+
+def test_stationary_bias_skews_the_load_as_the_normal_model_predicts():
+    torch.manual_seed(4)
+    router = _biased_router(-1.5, moe_router_topk=1)
+    bias = router.forced_logits.bias
+    hidden = torch.randn(2000, 10, HIDDEN, dtype=torch.float64)
+    counts = router(hidden)[1].sum(dim=0).double()
+    share = counts / counts.sum()
+    want = torch.tensor(_top1_shares(bias), dtype=torch.float64)
+    assert abs(want.sum().item() - 1.0) < 1e-9
+    # 20000 tokens: a share's standard error is at most 0.0036
+    torch.testing.assert_close(share, want, rtol=0, atol=0.015)
+    assert share.argmax() == bias.argmax()
+    assert share.max() > 1.5 / EXPERTS         # skewed, not balanced
+
+
+def test_std_zero_is_forced_balancing_and_biased_wins_over_it():
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+    outs = {}
+    for name, moe in (("balanced", dict(moe_router_force_load_balancing=True)),
+                      ("zero", dict(moe_router_force_biased=0.0)),
+                      ("biased", dict(moe_router_force_biased=-4.0)),
+                      ("both", dict(moe_router_force_biased=-4.0,
+                                    moe_router_force_load_balancing=True))):
+        torch.manual_seed(8)
+        outs[name] = _routed_logits(_router(moe_aux_loss_coeff=0.0, **moe).train(), hidden)[0]
+    assert torch.equal(outs["zero"], outs["balanced"])
+    assert torch.equal(outs["both"], outs["biased"])
+    assert not torch.equal(outs["biased"], outs["balanced"])
+
+
+@pytest.mark.parametrize("std", [-2.0, 2.0])
+def test_recomputation_replays_the_biased_draws(std):
+    """A router run under activation checkpointing gets the gradients of a plain run from the
+    same generator state (the recompute must draw the same logits)."""
+    hidden = torch.randn(SEQ, BATCH, HIDDEN, dtype=torch.float64)
+    upstream = torch.randn(SEQ * BATCH, EXPERTS, dtype=torch.float64)
+    grads, probs = [], []
+    for recompute in (False, True):
+        torch.manual_seed(6)
+        router = _biased_router(std)
+        x = hidden.clone().requires_grad_()
+        if recompute:
+            out = checkpoint(lambda h: router(h)[0], False, x)
+        else:
+            out = router(x)[0]
+        (out * upstream).sum().backward()
+        probs.append(out.detach())
+        grads.append((router.weight.grad.clone(), x.grad.clone()))
+    assert torch.equal(probs[0], probs[1])
+    for plain, replayed in zip(*grads):
+        assert torch.equal(plain, replayed)
+    assert grads[0][0].abs().sum() > 0
 
 
 def test_the_converter_exports_the_aux_loss_coefficient_of_a_list():

@@ -8,6 +8,7 @@ combination fails before any layer or process group is built.
 
 import ast
 import dataclasses
+import math
 from typing import Optional, Tuple, Union
 
 from megatron.core.config import ConfigError
@@ -61,6 +62,9 @@ class MoEConfig:
     expert_tensor_parallel_size: Optional[int] = None   # default: --tensor-model-parallel-size
     moe_per_layer_logging: bool = False
     moe_router_force_load_balancing: bool = False       # benchmark: random router logits
+    # Benchmark: random logits plus a random per-expert bias of this std (< 0: kept for the
+    # run, > 0: drawn again each forward); see megatron/model/moe/forced_logits.py.
+    moe_router_force_biased: Optional[float] = None
     moe_layer_freq: Union[int, Tuple[int, ...]] = 1     # every N-th layer, or one 0/1 per layer
     moe_latent_size: Optional[int] = None               # routed experts work in this width
     moe_mlp_glu_interleave_size: Optional[int] = None   # experts' fc1: gate/value in N-row blocks
@@ -219,6 +223,9 @@ class MoEConfig:
         if self.moe_router_enable_expert_bias and self.moe_router_bias_update_rate < 0:
             raise ConfigError("--moe-router-bias-update-rate must be >= 0, got "
                               f"{self.moe_router_bias_update_rate}")
+        std = self.moe_router_force_biased
+        if std is not None and not math.isfinite(std):
+            raise ConfigError(f"--moe-router-force-biased must be a finite number, got {std}")
         if self.moe_router_dtype is not None:
             self._check_choice("--moe-router-dtype", self.moe_router_dtype, ROUTER_DTYPES)
         if self.uses_quantile_balancing:

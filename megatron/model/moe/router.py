@@ -34,6 +34,9 @@ each is attached with its own coefficient and logged under its own name.
 training with gradients on, and reach the gradients through
 :func:`~megatron.model.moe.tracker.attach_aux_loss`.
 
+The benchmark switches ``--moe-router-force-load-balancing`` and ``--moe-router-force-biased``
+replace the logits by random draws before routing (:mod:`~megatron.model.moe.forced_logits`).
+
 Scores and probabilities are computed in at least float32 and returned in the logits' dtype.
 Tokens are the ``[s, b]`` positions flattened in that order (token ``i * b + j`` is position
 ``i`` of sequence ``j``).
@@ -49,6 +52,7 @@ from megatron.core.collectives import all_gather_into_tensor, all_reduce, get_gr
 from megatron.core.config import TransformerConfig
 from megatron.core.utils import get_init_method
 from megatron.model.moe.config import AUX_LOSS_NAMES, MoEConfig
+from megatron.model.moe.forced_logits import ForcedLogits
 from megatron.model.moe.tracker import MoELossTracker, attach_aux_loss
 from megatron.model.moe.router_replay import RouterReplay
 from megatron.model.utils import init_rng
@@ -371,6 +375,7 @@ class TopKRouter(torch.nn.Module):
         self.per_token_loss = config.calculate_per_token_loss
         self.layer_number = layer_number
         self.router_replay = RouterReplay() if moe_config.moe_enable_routing_replay else None
+        self.forced_logits = ForcedLogits(moe_config, init_seed, layer_number)
         self.tracker = tracker
         self.num_experts = moe_config.num_moe_experts
         self.topk = moe_config.moe_router_topk
@@ -650,33 +655,8 @@ class TopKRouter(torch.nn.Module):
         return probs, routing_map
 
     def forward(self, hidden_states: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        logits = self.gating(hidden_states)
-        if self.moe_config.moe_router_force_load_balancing:
-            logits = random_logits(logits)
+        logits = self.forced_logits(self.gating(hidden_states))
         return self.route(logits)
-
-
-class _RandomLogits(torch.autograd.Function):
-    """Forward: standard normal draws of the logits' shape and dtype, from the device's default
-    generator. Backward: the gradient passes to the logits unchanged (straight through)."""
-
-    @staticmethod
-    def forward(ctx, logits):
-        return torch.empty_like(logits).normal_()
-
-    @staticmethod
-    def backward(ctx, grad_output):
-        return grad_output
-
-
-def random_logits(logits: torch.Tensor) -> torch.Tensor:
-    """``--moe-router-force-load-balancing`` (a benchmark switch, as in Megatron-Core): the
-    router's logits replaced by standard normal draws, so that every expert receives about the
-    same number of tokens whatever the model learned; the router still gets gradients, through
-    the draws as if they were its logits. The draws come from the default generator (saved in
-    checkpoints, replayed by activation recomputation); each rank draws for its own tokens,
-    so routing depends on the parallel layout."""
-    return _RandomLogits.apply(logits)
 
 
 def updated_expert_bias(expert_bias: torch.Tensor, tokens_per_expert: torch.Tensor,
