@@ -128,11 +128,17 @@ def _broadcast_from_first(module, dp_group, expert_units, expert_dp_group) -> No
 def _divide_gradients_by(unit, factor: float, mesh_size: int) -> None:
     """Make the sharded ``unit``'s reduction divide its summed gradients by ``factor`` (in
     place of FSDP2's mean over the mesh)."""
-    unit.set_gradient_divide_factor(factor)
     if mesh_size > 1:
-        # A plain sum, then the division (gloo has no pre-multiplied sum). Not on one rank:
-        # FSDP2 then divides while copying and would divide again.
+        unit.set_gradient_divide_factor(factor)
+        # A plain sum, then the division (gloo has no pre-multiplied sum).
         unit.set_force_sum_reduction_for_comms(True)
+    elif factor != 1.0:
+        # One rank (an expert mesh at EP = DP): FSDP2 divides its copy by the factor, and
+        # again by the pre- and post-factors it splits it into when it forces a sum or the
+        # reduce dtype is fp16 (its overflow guard): fp16 reductions came out divided by
+        # factor**2 (tested). Left at FSDP2's default it divides nothing on one rank; the
+        # hook, run on the reduced gradient in the reduce dtype, divides once.
+        unit.set_all_reduce_hook(lambda grad: grad.div_(factor))
 
 
 class TorchFullyShardedDataParallel(torch.nn.Module):
