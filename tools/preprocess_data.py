@@ -43,7 +43,8 @@ import numpy as np  # noqa: E402
 from megatron.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder, get_bin_path, get_idx_path, optimal_dtype)
 from megatron.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megatron.tokenizer.flags import GIGATOKEN_REASON, add_tokenizer_option_args  # noqa: E402
+from megatron.tokenizer.flags import add_tokenizer_option_args  # noqa: E402
+from megatron.tokenizer.gigatoken_backend import gigatoken_refusal  # noqa: E402
 
 # A batch sent to a worker holds about this much input, or --chunk-size lines when given.
 BATCH_BYTES = 256 * 1024
@@ -96,8 +97,6 @@ def get_args(argv=None) -> argparse.Namespace:
                        "SentencePiece types with --tokenizer-sentencepiece-legacy: tokens split "
                        "out of the text")
     add_tokenizer_option_args(group)
-    group.add_argument("--use-gigatoken", action="store_true",
-                       help="not built: " + GIGATOKEN_REASON)
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to each document")
     group.add_argument("--lang", type=str, default="english",
@@ -127,8 +126,9 @@ def get_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.workers < 1 or args.partitions < 1 or args.log_interval < 1:
         parser.error("--workers, --partitions and --log-interval must be >= 1")
-    if args.use_gigatoken:
-        parser.error(f"--use-gigatoken is not supported: {GIGATOKEN_REASON}")
+    refusal = gigatoken_refusal(args.tokenizer_type) if args.use_gigatoken else None
+    if refusal:
+        parser.error(refusal)
     if args.chunk_size is not None and args.chunk_size < 1:
         parser.error(f"--chunk-size must be >= 1, got {args.chunk_size}")
     if args.keep_newlines and not args.split_sentences:

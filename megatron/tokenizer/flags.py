@@ -1,12 +1,8 @@
 """The tokenizer options shared by the training parser and tools/preprocess_data.py."""
 
-GIGATOKEN_REASON = ("Megatron hands its Hugging Face tokenizers to the external gigatoken package "
-                    "(a compiled BPE encoder), which is not installed here; drop it")
-
 
 def add_tokenizer_option_args(group) -> None:
-    """Megatron's SentencePiece wrapper, metadata-file and chat-template flags (each parser
-    adds the refused --use-gigatoken itself, with GIGATOKEN_REASON)."""
+    """Megatron's SentencePiece wrapper, metadata-file, chat-template and gigatoken flags."""
     group.add_argument("--tokenizer-metadata", type=str, default=None, dest="metadata_path",
                        help="a tokenizer metadata JSON file (Megatron-Core's "
                        "tokenizer_metadata.json: library, model_type, chat_template); its "
@@ -22,3 +18,8 @@ def add_tokenizer_option_args(group) -> None:
     group.add_argument("--chat-template", type=str, default=None,
                        help="a Jinja chat template (the text itself), used when neither "
                        "--tokenizer-metadata nor the tokenizer's own files give one")
+    group.add_argument("--use-gigatoken", action="store_true",
+                       help="HuggingFaceTokenizer: encode with the gigatoken package (pip install "
+                       "gigatoken), a compiled BPE encoder giving the same ids faster; a "
+                       "tokenizer.json whose settings gigatoken would not reproduce is refused, "
+                       "naming the file")

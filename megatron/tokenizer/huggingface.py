@@ -3,6 +3,8 @@
 Megatron's ``HuggingFaceTokenizer`` goes through ``transformers.AutoTokenizer``; this project reads
 the same ``tokenizer.json`` with the ``tokenizers`` library, which is what AutoTokenizer's fast
 tokenizers run, so ids agree. Nothing is downloaded: ``--tokenizer-model`` must be a local path.
+With ``--use-gigatoken`` the text is encoded by the gigatoken package instead, with the same ids
+(:mod:`megatron.tokenizer.gigatoken_backend`); decoding stays on the tokenizers library.
 """
 
 import json
@@ -31,7 +33,8 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     tokens included); ``eod`` is the eos token named in the folder's config, else the first of
     ``<|endoftext|>``, ``</s>``, ``<|end_of_text|>``, ``<eos>``, ``[EOS]`` in the vocabulary."""
 
-    def __init__(self, pretrained_model_name_or_path: str, include_special_tokens: bool = True):
+    def __init__(self, pretrained_model_name_or_path: str, include_special_tokens: bool = True,
+                 use_gigatoken: bool = False):
         super().__init__("HuggingFace")
         # --tokenizer-hf-no-include-special-tokens: the post-processor's tokens (a BOS, ...)
         # are not added, as AutoTokenizer's add_special_tokens=False.
@@ -47,6 +50,12 @@ class HuggingFaceTokenizer(MegatronTokenizer):
                 "needs a local tokenizer.json or a folder holding one (nothing is downloaded)")
         self._path = file
         self._tokenizer = Tokenizer.from_file(file)
+        # --use-gigatoken: gigatoken's transformers-compatible encoder, else None.
+        self._gigatoken = None
+        if use_gigatoken:
+            from megatron.tokenizer.gigatoken_backend import load_gigatoken
+
+            self._gigatoken = load_gigatoken(file, self._tokenizer, self._add_special)
         self._vocab = self._tokenizer.get_vocab(with_added_tokens=True)
         self._inv_vocab = {i: t for t, i in self._vocab.items()}
         self._eos_token = self._find_eos(folder)
@@ -96,15 +105,28 @@ class HuggingFaceTokenizer(MegatronTokenizer):
     def inv_vocab(self) -> Dict[int, str]:
         return self._inv_vocab
 
+    @property
+    def uses_gigatoken(self) -> bool:
+        return self._gigatoken is not None
+
+    def _encode(self, text: str, add_special_tokens: bool) -> List[int]:
+        if self._gigatoken is not None:
+            return self._gigatoken.encode(text, add_special_tokens=add_special_tokens)
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
     def tokenize(self, text: str) -> List[int]:
-        return self._tokenizer.encode(text, add_special_tokens=self._add_special).ids
+        return self._encode(text, self._add_special)
 
     def tokenize_text(self, text: str) -> List[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._encode(text, False)
 
     def tokenize_batch_flat(self, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
-        pieces = [e.ids for e in self._tokenizer.encode_batch(
-            list(texts), add_special_tokens=self._add_special)]
+        if self._gigatoken is not None:
+            pieces = self._gigatoken(list(texts), add_special_tokens=self._add_special,
+                                     return_attention_mask=False)["input_ids"]
+        else:
+            pieces = [e.ids for e in self._tokenizer.encode_batch(
+                list(texts), add_special_tokens=self._add_special)]
         lengths = np.fromiter((len(p) for p in pieces), dtype=np.int64, count=len(pieces))
         flat = np.fromiter((i for p in pieces for i in p), dtype=np.int64, count=int(lengths.sum()))
         return flat, lengths

@@ -6,8 +6,9 @@
 also ``tiktoken_pattern``, ``tiktoken_num_special_tokens`` and ``special_tokens``; for
 NullTokenizer ``null_tokenizer_eod_id`` and ``null_tokenizer_pad_id``; for the SentencePiece types
 ``tokenizer_sentencepiece_legacy``, ``special_tokens`` and
-``tokenizer_sentencepiece_ignore_extra_whitespaces``; for every type ``metadata_path`` and
-``chat_template``.
+``tokenizer_sentencepiece_ignore_extra_whitespaces``; for HuggingFaceTokenizer
+``tokenizer_hf_no_include_special_tokens`` and ``use_gigatoken``; for every type ``metadata_path``
+and ``chat_template``.
 """
 
 import importlib.util
@@ -146,6 +147,10 @@ def _require(args, attribute: str, flag: str, must_exist: bool = True):
 
 def _create(args) -> MegatronTokenizer:
     kind = args.tokenizer_type
+    if getattr(args, "use_gigatoken", False) and kind != "HuggingFaceTokenizer":
+        from megatron.tokenizer.gigatoken_backend import gigatoken_refusal
+
+        raise ValueError(gigatoken_refusal(kind))
     extra_ids = getattr(args, "vocab_extra_ids", 0) or 0
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         from megatron.tokenizer.bert_wordpiece import BertWordPieceTokenizer
@@ -175,7 +180,8 @@ def _create(args) -> MegatronTokenizer:
         return HuggingFaceTokenizer(
             _require(args, "tokenizer_model", "--tokenizer-model"),
             include_special_tokens=not getattr(args, "tokenizer_hf_no_include_special_tokens",
-                                               False))
+                                               False),
+            use_gigatoken=bool(getattr(args, "use_gigatoken", False)))
     if kind == "SFTTokenizer":
         from megatron.tokenizer.sft_tokenizer import SFTTokenizer
 

@@ -1009,7 +1009,6 @@ def _add_data_args(parser):
     g.add_argument("--tokenizer-model", type=str, default=None)
     _add_tiktoken_args(g)
     add_tokenizer_option_args(g)
-    g.add_argument("--use-gigatoken", action="store_true")
     _add_fim_args(g)
     _add_sft_args(g)
     g.add_argument("--reset-position-ids", action="store_true")

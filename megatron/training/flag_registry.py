@@ -9,7 +9,6 @@ one line on an unsupported flag set to anything but its default.
 ``tests/unit/test_flag_audit.py`` checks that every other flag is used somewhere.
 """
 
-from megatron.tokenizer.flags import GIGATOKEN_REASON
 
 # Flags Megatron launch scripts pass that change nothing here, by the nature of this codebase.
 # They parse so that those scripts run; --help says why they have no effect, and a run that sets
@@ -82,5 +81,4 @@ UNSUPPORTED_FLAGS = {
     "onnx_safe": "nothing is exported to ONNX here; drop it",
     "sample_rate": "training data are not sub-sampled here; use blend weights in --data-path "
                    "instead",
-    "use_gigatoken": GIGATOKEN_REASON,
 }

@@ -1551,6 +1551,17 @@ def _validate_sft(args) -> None:
                   "and attention per conversation)")
 
 
+def _validate_gigatoken(args) -> None:
+    """--use-gigatoken: a HuggingFaceTokenizer and the gigatoken package installed, checked
+    before any process group exists."""
+    if args.use_gigatoken:
+        from megatron.tokenizer.gigatoken_backend import gigatoken_refusal
+
+        refusal = gigatoken_refusal(args.tokenizer_type)
+        if refusal:
+            _fail(refusal)
+
+
 def _validate_hybrid_context_parallel(args) -> None:
     """--hybrid-context-parallel: Megatron's requirements (per-token loss, the single
     dataloader, no pipeline or Megatron FSDP, micro-batch 1), plus the layouts not built here,
@@ -1914,6 +1925,7 @@ def check_flags(args):
     _validate_masking(args)
     _validate_fim(args)
     _validate_sft(args)
+    _validate_gigatoken(args)
     _validate_hybrid_context_parallel(args)
     _validate_inter_document_masking(args)
     _validate_blend_surplus(args)

@@ -1,5 +1,5 @@
 """Megatron-Core's tokenizer options: SentencePiece legacy special tokens and extra whitespace,
-the tokenizer metadata file, chat templates, and the refused --use-gigatoken.
+the tokenizer metadata file and chat templates (--use-gigatoken: tests/unit/test_gigatoken.py).
 
 References: the sentencepiece library itself (a processor whose normaliser keeps extra spaces, the
 options' stated equivalent), hand-worked piece lists, and transformers' own apply_chat_template.
@@ -255,21 +255,6 @@ def test_sentencepiece_chat_template_renders_as_transformers_then_encodes(models
     assert tokenizer.apply_chat_template(CONVERSATION, tokenize=False) == rendered
     # No bos: Megatron-Core's wrapper encodes the rendered text as it is.
     assert tokenizer.apply_chat_template(CONVERSATION) == processor.encode_as_ids(rendered)
-
-
-def test_use_gigatoken_is_refused_in_one_line(models):
-    from megatron.training.arguments import ArgumentsError, build_parser, _check_registered_flags
-
-    args = build_parser().parse_args(["--use-gigatoken"])
-    args.rank = 0
-    with pytest.raises(ArgumentsError, match="gigatoken package") as error:
-        _check_registered_flags(args)
-    assert "\n" not in str(error.value)
-    from tools import preprocess_data
-
-    with pytest.raises(SystemExit):
-        preprocess_data.get_args(["--input", "x", "--output-prefix", "y", "--tokenizer-type",
-                                  "GPTSentencePieceTokenizer", "--use-gigatoken"])
 
 
 def test_preprocess_data_with_the_sentencepiece_options(models, tmp_path):
