@@ -58,6 +58,7 @@ class CudaRNGStatesTracker:
         """Forget every stream."""
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_ = set()
+        self.seed_of_: Dict[str, int] = {}
 
     def is_initialized(self) -> bool:
         return bool(self.states_)
@@ -77,10 +78,21 @@ class CudaRNGStatesTracker:
         if name in self.states_:
             raise ValueError(f"RNG tracker: stream {name!r} already exists")
         self.seeds_.add(seed)
+        self.seed_of_[name] = seed
         outside = _get_device_rng_state()
         _seed_device_rng(seed)
         self.states_[name] = _get_device_rng_state()
         _set_device_rng_state(outside)
+
+    def add_if_missing(self, name: str, seed: int) -> None:
+        """Create stream ``name`` seeded with ``seed`` unless it exists. States loaded from a
+        checkpoint saved before the stream existed replace the streams without it; the stream
+        then starts again from ``seed`` (which it may already have registered)."""
+        if name in self.states_:
+            return
+        if self.seed_of_.get(name) == seed:
+            self.seeds_.discard(seed)
+        self.add(name, seed)
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
