@@ -48,8 +48,11 @@ HSM_SEED_OFFSET = 1 << 40
 
 
 def hsm_seed(dp_rank: int) -> int:
-    """The mixing stream's seed on a replica: the default stream's seed + 2**40 + dp_rank."""
-    initial = torch.cuda.initial_seed() if device.is_cuda() else torch.initial_seed()
+    """The mixing stream's seed on a replica: the default stream's seed + 2**40 + dp_rank
+    (the seed the streams were set up with; without them the device generator's)."""
+    initial = get_cuda_rng_tracker().default_seed
+    if initial is None:
+        initial = torch.cuda.initial_seed() if device.is_cuda() else torch.initial_seed()
     return (initial + HSM_SEED_OFFSET + dp_rank) % (2 ** 63 - 1)
 
 

@@ -59,6 +59,9 @@ class CudaRNGStatesTracker:
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_ = set()
         self.seed_of_: Dict[str, int] = {}
+        # The default stream's seed (set by model_parallel_cuda_manual_seed): streams derived
+        # from it later do not depend on whoever reseeded the default generator since.
+        self.default_seed: Optional[int] = None
 
     def is_initialized(self) -> bool:
         return bool(self.states_)
@@ -130,6 +133,7 @@ def model_parallel_cuda_manual_seed(seed: int, tp_rank: int) -> None:
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     _seed_device_rng(seed)
+    tracker.default_seed = seed
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME,
                 seed + _TENSOR_MODEL_PARALLEL_SEED_OFFSET + tp_rank)
 
