@@ -16,7 +16,10 @@ token, a uniformly random pick among the states accumulated so far:
   sequence, of a packed sequence, and under sequence parallelism the end of this rank's
   slice: the shift stays on the rank, see :func:`roll_history`); where the pick falls on an
   all-zero older state the newest state is used instead;
-* the pick is uniform over the K + 1 states (the K shifted older ones and the newest).
+* the pick is uniform over the K + 1 states (the K shifted older ones and the newest);
+  gradients flow to the picked states. Under context parallelism without sequence
+  parallelism the shift takes each chunk's last place from the rank holding the next chunk,
+  and, as through Megatron-Core's send/receive, no gradient goes back to that rank.
 
 The picks of one depth are drawn at once, ``randint(K + 1)`` over the whole sequence of this
 data-parallel replica (``owners x s`` places, ``owners`` = sequence-parallel x
@@ -26,10 +29,12 @@ the same states, and the slices together are one draw of the whole. Note that un
 parallelism a slice is a stretch of the draw, not the places of the owner's two chunks.
 
 The draws come from a stream of their own in the RNG tracker, ``'mtp-hsm-rng'``, seeded per
-data-parallel replica with the default stream's seed ``+ 2**40 + dp_rank``; the tracker's
-states go into checkpoints and activation-recomputation snapshots, so a resumed run draws what
-the uninterrupted one did. Without seeded streams (a model used outside training) the default
-stream is drawn from, as Megatron-Core does.
+data-parallel replica with the default stream's seed (``--seed`` plus the pipeline stage's
+offset) ``+ 2**40 + dp_rank``. The tracker's states go into checkpoints and into the RNG
+snapshots that recomputation and reruns restore, so a resumed run draws what the
+uninterrupted one did (the mixing itself sits outside the recomputed layers). Without seeded
+streams (a model used outside training) the default stream is drawn from, as Megatron-Core
+does.
 """
 
 import contextlib
