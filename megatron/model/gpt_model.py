@@ -47,9 +47,9 @@ class GPTModel(MegatronModule):
             input tokens too and keeps ``word_embeddings_for_head`` even with untied
             embeddings (a copy of the input table, kept in step like the tied one).
         mtp_loss_scaling_factor: ``--mtp-loss-scaling-factor``.
-        mtp_use_repeated_layer / mtp_detach_heads: ``--mtp-use-repeated-layer``,
-            ``--mtp-detach-heads`` (see :class:`MultiTokenPredictionBlock`); detached heads
-            also read a detached output weight.
+        mtp_use_repeated_layer / mtp_detach_heads / mtp_hsm: ``--mtp-use-repeated-layer``,
+            ``--mtp-detach-heads``, ``--mtp-hsm`` (see :class:`MultiTokenPredictionBlock`);
+            detached heads also read a detached output weight.
 
     With context parallelism (``pstate.cp_group`` of more than one rank) every ``[b, s]`` input
     holds this rank's ``s / cp`` tokens of each sequence and the loss is per local token.
@@ -65,7 +65,7 @@ class GPTModel(MegatronModule):
                  init_seed: int = 1234, sequence_parallel: Optional[bool] = None,
                  moe_config: Optional[MoEConfig] = None, mtp_num_layers: Optional[int] = None,
                  mtp_loss_scaling_factor: float = 0.1, mtp_use_repeated_layer: bool = False,
-                 mtp_detach_heads: bool = False):
+                 mtp_detach_heads: bool = False, mtp_hsm: bool = False):
         super().__init__(config)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
         if (mtp_num_layers and pstate.pp_size > 1
@@ -106,7 +106,8 @@ class GPTModel(MegatronModule):
                                                  moe_config if self.moe_config else None,
                                                  self.moe_tracker, init_seed,
                                                  repeated_layer=mtp_use_repeated_layer,
-                                                 detach_heads=mtp_detach_heads)
+                                                 detach_heads=mtp_detach_heads,
+                                                 hidden_state_mixing=mtp_hsm)
             self.mtp_tracker = MTPLossTracker(mtp_num_layers)
         if self.shares_embedding_over_stages:
             tie_word_embeddings_over_stages(self, init_seed)

@@ -34,6 +34,8 @@ by cp, as the main loss is, so a cp run trains as one process does.
 main model's hidden state and the shifted tokens' embedding enter them detached, and their
 logits use a detached copy of the output weight; only the MTP layers' own parameters receive
 the MTP loss's gradient (and are clipped by a gradient norm of their own).
+``--mtp-hsm``: in training, each depth after the first takes a per-token random pick among the
+earlier depths' hidden states (:mod:`~megatron.model.mtp_hsm`).
 """
 
 import dataclasses
@@ -47,6 +49,8 @@ from megatron.core.collectives import (all_gather_into_tensor, all_reduce, get_g
 from megatron.core.config import TransformerConfig
 from megatron.core.parallel_state import ModelGroups
 from megatron.core.utils import get_init_method
+# mtp_hsm imports this module: its functions are looked up when called.
+from megatron.model import mtp_hsm
 from megatron.model.module import MegatronModule
 from megatron.model.moe import MoEConfig, MoELossTracker
 from megatron.model.norms import get_norm
@@ -194,17 +198,28 @@ class MultiTokenPredictionBlock(MegatronModule):
             ``num_depths`` times.
         detach_heads: ``--mtp-detach-heads``: the main model's hidden state and the embedded
             tokens enter detached; the parameters are tagged ``grad_norm_group = "mtp"``.
+        hidden_state_mixing: ``--mtp-hsm`` (:mod:`~megatron.model.mtp_hsm`; needs
+            ``num_depths >= 2``). Its RNG stream is created here when the streams are seeded.
     """
 
     def __init__(self, config: TransformerConfig, groups: ModelGroups, num_depths: int,
                  moe_config: Optional[MoEConfig] = None,
                  moe_tracker: Optional[MoELossTracker] = None, init_seed: int = 1234,
-                 repeated_layer: bool = False, detach_heads: bool = False):
+                 repeated_layer: bool = False, detach_heads: bool = False,
+                 hidden_state_mixing: bool = False):
         super().__init__(config)
+        if hidden_state_mixing and num_depths < 2:
+            raise ValueError(f"--mtp-hsm needs --mtp-num-layers >= 2, got {num_depths}")
         self.num_depths = num_depths
         self.repeated_layer = repeated_layer
         self.detach_heads = detach_heads
         self.cp_group = groups.cp_group
+        self.sp_group = groups.tp_group if groups.sequence_parallel else None
+        self.hidden_state_mixing = hidden_state_mixing
+        self.hsm_seed = None
+        if hidden_state_mixing:
+            self.hsm_seed = mtp_hsm.hsm_seed(get_group_rank(groups.dp_group))
+            mtp_hsm.add_hsm_stream(self.hsm_seed)
         layer_moe = mtp_moe_config(moe_config, config.num_layers)
         self.layers = torch.nn.ModuleList(
             MultiTokenPredictionLayer(config, groups, k, layer_moe, moe_tracker, init_seed)
@@ -224,6 +239,8 @@ class MultiTokenPredictionBlock(MegatronModule):
         outputs = []
         if self.detach_heads:
             hidden_states = hidden_states.detach()
+        mixing = self.hidden_state_mixing and self.training
+        history = [hidden_states]
         for depth in range(self.num_depths):
             layer = self.layers[0 if self.repeated_layer else depth]
             input_ids = roll_left(input_ids, self.cp_group, ends)
@@ -232,6 +249,21 @@ class MultiTokenPredictionBlock(MegatronModule):
             embedded = embedding(input_ids, position_ids)                    # [s, b, h]
             if self.detach_heads:
                 embedded = embedded.detach()
-            hidden_states = layer(hidden_states, embedded, attention_mask, rotary_pos_emb)
+            layer_input = hidden_states
+            if mixing and depth > 0:
+                history, layer_input = self._mix(history, ends)
+            hidden_states = layer(layer_input, embedded, attention_mask, rotary_pos_emb)
             outputs.append(hidden_states)
+            history.append(hidden_states)
         return outputs
+
+    def _mix(self, history: List[torch.Tensor], ends: Optional[torch.Tensor]):
+        """``(history with its older entries shifted, the mixed input [s, b, h])``."""
+        older = mtp_hsm.roll_history(torch.stack(history[:-1]), self.cp_group, ends,
+                                     self.sp_group)                          # [n, s, b, h]
+        newest = history[-1]                                                 # [s, b, h]
+        owners, owner = mtp_hsm.sequence_owner(self.sp_group, self.cp_group)
+        picks = mtp_hsm.draw_picks(len(history), newest.size(0), newest.size(1), owners,
+                                   owner, self.hsm_seed, newest.device)      # [s, b]
+        return (list(older.unbind(0)) + [newest],
+                mtp_hsm.mix_hidden_states(older, newest, picks))

@@ -1288,7 +1288,12 @@ def _add_mtp_args(parser):
                    "state, the embedding and the output weight reach them detached; their "
                    "gradients are clipped by a norm of their own")
     g.add_argument("--mtp-standalone", action="store_true")
-    g.add_argument("--mtp-hsm", action="store_true")
+    g.add_argument("--mtp-hsm", action="store_true",
+                   help="hidden-state mixing: in training, each MTP depth after the first takes "
+                   "for every token a random pick among the main model's and the earlier "
+                   "depths' hidden states (shifted to the same target), from an RNG stream of "
+                   "its own per data-parallel replica, saved in checkpoints; needs "
+                   "--mtp-num-layers >= 2")
 
 
 def _add_distillation_args(parser):

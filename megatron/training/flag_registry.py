@@ -66,10 +66,6 @@ UNSUPPORTED_FLAGS = {
     "mtp_standalone": "MTP layers run on the last pipeline stage beside the loss here ('m' "
                       "before 'L' in --pipeline-model-parallel-layout); a stage of their own "
                       "needs a [(1+K)s, b, h] hand-over to the loss stage, not built; drop it",
-    "mtp_hsm": "hidden-state mixing feeds each MTP depth a per-token random pick among the "
-               "earlier depths' hidden states, drawn from Megatron-Core's per-replica CUDA RNG "
-               "tracker stream, which is not reproduced here (a run could not match "
-               "Megatron's); drop it",
     "decoder_num_layers": "it sizes the decoder of encoder-decoder models (T5), which are not "
                           "built here; use --num-layers",
     "decoder_seq_length": "it sizes the decoder of encoder-decoder models (T5), which are not "

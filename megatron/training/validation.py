@@ -1193,12 +1193,14 @@ def _validate_mtp(args) -> None:
     """Multi-token prediction: the layouts it is built for."""
     depths = args.mtp_num_layers
     if depths is None:
-        for flag in ("mtp_use_repeated_layer", "mtp_detach_heads"):
+        for flag in ("mtp_use_repeated_layer", "mtp_detach_heads", "mtp_hsm"):
             if getattr(args, flag, False):
                 _fail(f"--{flag.replace('_', '-')} needs --mtp-num-layers")
         return
     if depths < 1:
         _fail(f"--mtp-num-layers must be >= 1, got {depths}")
+    if getattr(args, "mtp_hsm", False) and depths < 2:
+        _fail(f"--mtp-hsm needs --mtp-num-layers >= 2, got {depths}")
     if args.mtp_detach_heads and (getattr(args, "use_torch_fsdp2", False)
                                   or getattr(args, "use_megatron_fsdp", False)):
         _fail("--mtp-detach-heads with fully sharded data parallelism is not supported (the "

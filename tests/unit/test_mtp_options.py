@@ -6,7 +6,7 @@
 * ``--mtp-detach-heads`` (fp64): the main model's gradients are those of the main loss alone,
   the MTP layers' gradients those of a model without the option; the MTP layers' parameters
   are clipped by their own norm, which the logged norm leaves out.
-* ``--mtp-standalone`` / ``--mtp-hsm`` are refused with their reason.
+* ``--mtp-standalone`` is refused with its reason; ``--mtp-hsm`` needs two depths.
 """
 
 import types
@@ -207,8 +207,13 @@ def test_mtp_layers_are_accepted_under_fsdp(fsdp):
     assert args.mtp_num_layers == 2 and args.use_torch_fsdp2
 
 
-@pytest.mark.parametrize("flag, reason", [("--mtp-standalone", "stage"),
-                                          ("--mtp-hsm", "hidden-state mixing")])
-def test_unbuilt_options_are_refused_with_their_reason(flag, reason):
-    with pytest.raises(ArgumentsError, match=f"{flag} True is not supported: .*{reason}"):
-        _validate([flag, "--mtp-num-layers", "2"])
+def test_standalone_mtp_is_refused_with_its_reason():
+    with pytest.raises(ArgumentsError, match="--mtp-standalone True is not supported: .*stage"):
+        _validate(["--mtp-standalone", "--mtp-num-layers", "2"])
+
+
+def test_hidden_state_mixing_is_accepted_with_two_depths():
+    """--mtp-hsm is built (tests/unit/test_mtp_hsm.py); it needs a depth to mix into."""
+    assert _validate(["--mtp-hsm", "--mtp-num-layers", "2"]).mtp_hsm is True
+    with pytest.raises(ArgumentsError, match="--mtp-hsm needs --mtp-num-layers >= 2, got 1"):
+        _validate(["--mtp-hsm", "--mtp-num-layers", "1"])

@@ -58,6 +58,10 @@ class CudaRNGStatesTracker:
         """Forget every stream."""
         self.states_: Dict[str, torch.Tensor] = {}
         self.seeds_ = set()
+        self.seed_of_: Dict[str, int] = {}
+        # The default stream's seed (set by model_parallel_cuda_manual_seed): streams derived
+        # from it later do not depend on whoever reseeded the default generator since.
+        self.default_seed: Optional[int] = None
 
     def is_initialized(self) -> bool:
         return bool(self.states_)
@@ -77,10 +81,21 @@ class CudaRNGStatesTracker:
         if name in self.states_:
             raise ValueError(f"RNG tracker: stream {name!r} already exists")
         self.seeds_.add(seed)
+        self.seed_of_[name] = seed
         outside = _get_device_rng_state()
         _seed_device_rng(seed)
         self.states_[name] = _get_device_rng_state()
         _set_device_rng_state(outside)
+
+    def add_if_missing(self, name: str, seed: int) -> None:
+        """Create stream ``name`` seeded with ``seed`` unless it exists. States loaded from a
+        checkpoint saved before the stream existed replace the streams without it; the stream
+        then starts again from ``seed`` (which it may already have registered)."""
+        if name in self.states_:
+            return
+        if self.seed_of_.get(name) == seed:
+            self.seeds_.discard(seed)
+        self.add(name, seed)
 
     @contextlib.contextmanager
     def fork(self, name: str = _MODEL_PARALLEL_RNG_TRACKER_NAME):
@@ -118,6 +133,7 @@ def model_parallel_cuda_manual_seed(seed: int, tp_rank: int) -> None:
     tracker = get_cuda_rng_tracker()
     tracker.reset()
     _seed_device_rng(seed)
+    tracker.default_seed = seed
     tracker.add(_MODEL_PARALLEL_RNG_TRACKER_NAME,
                 seed + _TENSOR_MODEL_PARALLEL_SEED_OFFSET + tp_rank)
 
