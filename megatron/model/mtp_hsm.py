@@ -45,8 +45,7 @@ import torch
 from megatron.core import device
 from megatron.core.collectives import get_group_rank, get_group_size
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-# The MTP module imports this one; its roll_left is looked up when called.
-from megatron.model import multi_token_prediction as _mtp
+from megatron.model.sequence_shift import roll_left
 
 HSM_RNG_TRACKER_NAME = "mtp-hsm-rng"
 HSM_SEED_OFFSET = 1 << 40
@@ -133,7 +132,7 @@ def roll_history(older: torch.Tensor, cp_group=None, ends: Optional[torch.Tensor
     by_place = older.permute(0, 3, 2, 1)                                     # [n, h, b, s]
     sp_size = get_group_size(sp_group)
     if sp_size == 1:
-        return _mtp.roll_left(by_place, cp_group, ends).permute(0, 3, 2, 1)
+        return roll_left(by_place, cp_group, ends).permute(0, 3, 2, 1)
     seq, batch = older.size(1), older.size(2)
     start = get_group_rank(sp_group) * seq
     breaks = torch.zeros(batch, seq, dtype=torch.bool, device=older.device)  # [b, s]
