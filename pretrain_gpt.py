@@ -38,7 +38,9 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
                      moe_config=configs.moe, mtp_num_layers=args.mtp_num_layers,
                      mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
                      mtp_use_repeated_layer=args.mtp_use_repeated_layer,
-                     mtp_detach_heads=args.mtp_detach_heads)
+                     mtp_detach_heads=args.mtp_detach_heads,
+                     mtp_standalone=getattr(args, "mtp_standalone", False),
+                     mtp_stage=pre_process and not post_process)
     kd = distillation.setup(args, global_vars.get_parallel_state())
     if kd is not None:
         kd.attach(model)

@@ -240,13 +240,15 @@ class TransformerLanguageModel(MegatronModule):
             padding, a missing mask hides nothing).
         moe_config / moe_tracker: the MoE settings and the auxiliary-loss tracker (None:
             dense MLPs); see :class:`~megatron.model.transformer.ParallelTransformerLayer`.
+        final_norm: whether this stage applies the final norm; None: the last stage does
+            (a standalone MTP stage applies it before the loss stage, see GPTModel).
     """
 
     def __init__(self, config: TransformerConfig, groups: ModelGroups, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
                  init_seed: int = 1234, num_tokentypes: int = 0, add_pooler: bool = False,
                  encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 moe_config=None, moe_tracker=None):
+                 moe_config=None, moe_tracker=None, final_norm: Optional[bool] = None):
         super().__init__(config)
         tp_group, tp_size = groups.tp_group, groups.tp_size
         sequence_parallel = groups.sequence_parallel
@@ -268,7 +270,8 @@ class TransformerLanguageModel(MegatronModule):
         self.rotary_from_position_ids = (config.rotary_from_position_ids
                                          and self.rotary_pos_emb is not None)
         self.encoder = ParallelTransformer(config, groups, num_layers, layer_offset, pre_process,
-                                           post_process, init_seed,
+                                           post_process if final_norm is None else final_norm,
+                                           init_seed,
                                            self_attn_mask_type=encoder_attn_mask_type,
                                            moe_config=moe_config, moe_tracker=moe_tracker)
         if post_process and add_pooler:

@@ -334,8 +334,18 @@ def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None)
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                             device.current_device()),
         "tensor_shape": pipeline_tensor_shape(args, pstate, micro_batch_size),
+        **_loss_stage_shape(args, pstate, micro_batch_size),
         **_microbatch_groups(args, pstate),
     }
+
+
+def _loss_stage_shape(args, pstate, micro_batch_size: Optional[int]) -> dict:
+    """A standalone MTP stage (--mtp-standalone) hands the loss stage the main and the K MTP
+    hidden states, concatenated along the sequence: ``((1+K)s, b, h)``."""
+    if not getattr(args, "mtp_standalone", False):
+        return {}
+    seq, batch, hidden = pipeline_tensor_shape(args, pstate, micro_batch_size)
+    return {"loss_stage_tensor_shape": ((1 + args.mtp_num_layers) * seq, batch, hidden)}
 
 
 def _schedule_for(args, pstate) -> Callable:
