@@ -6,7 +6,8 @@
 * ``--mtp-detach-heads`` (fp64): the main model's gradients are those of the main loss alone,
   the MTP layers' gradients those of a model without the option; the MTP layers' parameters
   are clipped by their own norm, which the logged norm leaves out.
-* ``--mtp-standalone`` / ``--mtp-hsm`` are refused with their reason.
+* ``--mtp-hsm`` is refused with its reason; ``--mtp-standalone`` without a layout that gives
+  the MTP layers a stage of their own is refused in one line.
 """
 
 import types
@@ -207,8 +208,15 @@ def test_mtp_layers_are_accepted_under_fsdp(fsdp):
     assert args.mtp_num_layers == 2 and args.use_torch_fsdp2
 
 
-@pytest.mark.parametrize("flag, reason", [("--mtp-standalone", "stage"),
-                                          ("--mtp-hsm", "hidden-state mixing")])
+@pytest.mark.parametrize("flag, reason", [("--mtp-hsm", "hidden-state mixing")])
 def test_unbuilt_options_are_refused_with_their_reason(flag, reason):
     with pytest.raises(ArgumentsError, match=f"{flag} True is not supported: .*{reason}"):
         _validate([flag, "--mtp-num-layers", "2"])
+
+
+def test_mtp_standalone_without_its_layout_is_refused():
+    """Megatron sets --mtp-standalone from a layout whose MTP layers have a stage of their own
+    (tests/functional/test_mtp_standalone_stage.py); without one the flag contradicts the run."""
+    with pytest.raises(ArgumentsError, match=r"--mtp-standalone needs "
+                       r"--pipeline-model-parallel-layout .*'Ettmm\|L'"):
+        _validate(["--mtp-standalone", "--mtp-num-layers", "2"])

@@ -1,0 +1,69 @@
+"""Megatron's standalone MTP stage: a layout whose ``m`` letters sit in a stage before the
+loss's (``"Ettttmm|L"`` at PP 2: the decoder, the final norm and the MTP layers on rank 0, the
+loss alone on rank 1). Rank 0 sends rank 1 the main and the two MTP hidden states, one
+``[3 s, b, h]`` tensor; the run trains as one process does and as the layout with the MTP
+layers beside the loss (``"Et|tttmmL"``); it resumes bit for bit (torch and torch_dist), and
+its torch_dist checkpoint resumes at one process and at the other PP 2 layout."""
+
+import pytest
+
+from tests.functional.test_mtp_pipeline import _assert_parity, _run, corpus  # noqa: F401
+
+PP2 = ["--pipeline-model-parallel-size", "2"]
+STANDALONE = PP2 + ["--pipeline-model-parallel-layout", "Ettttmm|L"]
+BESIDE_LOSS = PP2 + ["--pipeline-model-parallel-layout", "Et|tttmmL"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_standalone_mtp_stage_trains_as_one_process(corpus, untie):  # noqa: F811
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    single = _run(corpus, 1, extra)
+    standalone = _run(corpus, 2, extra + STANDALONE)
+    _assert_parity(standalone, single)
+    _assert_parity(standalone, _run(corpus, 2, extra + BESIDE_LOSS))
+
+
+@pytest.mark.slow
+def test_megatron_flag_agrees_with_the_standalone_layout(corpus):  # noqa: F811
+    """``--mtp-standalone`` (which Megatron sets itself from such a layout) is accepted with
+    it, and refused with a layout that puts the MTP layers beside the loss."""
+    single = _run(corpus, 1)
+    _assert_parity(_run(corpus, 2, STANDALONE + ["--mtp-standalone"]), single)
+    with pytest.raises(AssertionError, match=r"--mtp-standalone.*'Et\|tttmmL'"):
+        _run(corpus, 2, BESIDE_LOSS + ["--mtp-standalone"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_standalone_mtp_stage_resumes_bit_for_bit(corpus, tmp_path, fmt, untie):  # noqa: F811
+    extra = ["--ckpt-format", fmt] + (["--untie-embeddings-and-output-weights"] if untie
+                                      else [])
+    straight = _run(corpus, 2, extra + STANDALONE)
+    save = str(tmp_path / "ckpt")
+    first = _run(corpus, 2, extra + STANDALONE + ["--save", save, "--exit-interval", "2"])
+    assert first["iteration"] == 2
+    resumed = _run(corpus, 2, extra + STANDALONE + ["--load", save])
+    assert resumed["iteration"] == 4
+    assert resumed["losses"] == straight["losses"][2:]
+    assert resumed["grad_norms"] == straight["grad_norms"][2:]
+    assert resumed["mtp"] == straight["mtp"][2:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_standalone_torch_dist_checkpoint_loads_at_other_layouts(corpus, tmp_path,  # noqa: F811
+                                                                 untie):
+    """Written with the MTP stage of its own, resumed at one process and with the MTP layers
+    beside the loss (whose last stage keeps a copy of the embedding), the run continues as
+    the single process does."""
+    extra = ["--ckpt-format", "torch_dist"] + (["--untie-embeddings-and-output-weights"]
+                                               if untie else [])
+    save = str(tmp_path / "ckpt")
+    _run(corpus, 2, extra + STANDALONE + ["--save", save, "--exit-interval", "2"])
+    single = _run(corpus, 1, extra)
+    tail = dict(single, losses=single["losses"][2:], grad_norms=single["grad_norms"][2:],
+                mtp=single["mtp"][2:])
+    _assert_parity(_run(corpus, 1, extra + ["--load", save]), tail)
+    _assert_parity(_run(corpus, 2, extra + BESIDE_LOSS + ["--load", save]), tail)
