@@ -102,6 +102,7 @@ class GPTModel(MegatronModule):
             self.moe_tracker = MoELossTracker(config.num_layers + (mtp_num_layers or 0),
                                               config.num_layers)
             self.moe_config = moe_config
+        self.mtp_num_layers = mtp_num_layers or 0
         self.mtp_standalone = bool(mtp_num_layers) and mtp_standalone
         if self.mtp_standalone and (post_process or not pre_process) and mtp_stage:
             raise ValueError("a standalone MTP stage is built on the first stage, before the "
