@@ -25,6 +25,21 @@ def test_standalone_mtp_stage_trains_as_one_process(corpus, untie):  # noqa: F81
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("extra, ranks, reference", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, (1, [])),
+    (["--use-distributed-optimizer", "--untie-embeddings-and-output-weights"], 4,
+     (2, ["--use-distributed-optimizer", "--untie-embeddings-and-output-weights"])),
+    (["--calculate-per-token-loss"], 2, (1, ["--calculate-per-token-loss"]))],
+    ids=["tp2-sp", "dp2-distributed-optimizer", "per-token-loss"])
+def test_standalone_mtp_stage_with_other_parallelism(corpus, extra, ranks,  # noqa: F811
+                                                     reference):
+    """Under sequence parallelism the hand-over is ``[3 s/tp, b, h]``, against one process;
+    with data parallelism the reference is the data-parallel run without pipeline
+    parallelism."""
+    _assert_parity(_run(corpus, ranks, extra + STANDALONE), _run(corpus, *reference))
+
+
+@pytest.mark.slow
 def test_megatron_flag_agrees_with_the_standalone_layout(corpus):  # noqa: F811
     """``--mtp-standalone`` (which Megatron sets itself from such a layout) is accepted with
     it, and refused with a layout that puts the MTP layers beside the loss."""
@@ -67,3 +82,23 @@ def test_standalone_torch_dist_checkpoint_loads_at_other_layouts(corpus, tmp_pat
                 mtp=single["mtp"][2:])
     _assert_parity(_run(corpus, 1, extra + ["--load", save]), tail)
     _assert_parity(_run(corpus, 2, extra + BESIDE_LOSS + ["--load", save]), tail)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_standalone_torch_checkpoint_converts_to_one_process(corpus, tmp_path,  # noqa: F811
+                                                             untie):
+    """The torch format keeps the final norm and the MTP layers in the MTP stage's file (rank
+    0's here): converted to one rank, the run continues as the single process does."""
+    from tools.checkpoint.convert import main
+
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    save, one = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    _run(corpus, 2, extra + STANDALONE + ["--save", save, "--exit-interval", "2",
+                                          "--ckpt-format", "torch"])
+    assert main(["--model-type", "GPT", "--load-dir", save, "--save-dir", one,
+                 "--target-pipeline-parallel-size", "1"]) == 0
+    single = _run(corpus, 1, extra)
+    tail = dict(single, losses=single["losses"][2:], grad_norms=single["grad_norms"][2:],
+                mtp=single["mtp"][2:])
+    _assert_parity(_run(corpus, 1, extra + ["--load", one]), tail)
