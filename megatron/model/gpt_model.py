@@ -56,8 +56,9 @@ class GPTModel(MegatronModule):
             MTP layers after its decoder layers and returns the main and the K MTP hidden
             states concatenated along the sequence, ``[(1+K)s, b, h]``; the loss stage
             (``post_process``) splits them, applies the output layer to each and computes
-            the main and the MTP losses. Built where the MTP stage holds the embedding
-            (``"E t.. m..|L"`` at pp 2).
+            the main and the MTP losses. Without the embedding the MTP stage keeps a copy,
+            ``word_embeddings_for_head``, summed with the first stage's over the embedding
+            group (which then holds the MTP stage's rank).
 
     With context parallelism (``pstate.cp_group`` of more than one rank) every ``[b, s]`` input
     holds this rank's ``s / cp`` tokens of each sequence and the loss is per local token.
@@ -104,9 +105,9 @@ class GPTModel(MegatronModule):
             self.moe_config = moe_config
         self.mtp_num_layers = mtp_num_layers or 0
         self.mtp_standalone = bool(mtp_num_layers) and mtp_standalone
-        if self.mtp_standalone and (post_process or not pre_process) and mtp_stage:
-            raise ValueError("a standalone MTP stage is built on the first stage, before the "
-                             "loss stage")
+        if self.mtp_standalone and post_process and mtp_stage:
+            raise ValueError("a standalone MTP stage is a stage before the loss stage, not the "
+                             "last one")
         self.language_model = TransformerLanguageModel(
             config, groups, num_layers, offset, pre_process, post_process, init_seed,
             moe_config=moe_config, moe_tracker=self.moe_tracker,
@@ -115,11 +116,13 @@ class GPTModel(MegatronModule):
         self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
         self.mtp_detach_heads = mtp_detach_heads
         self.mtp_cp_group = groups.cp_group
-        # Which word-embedding tables the pipeline keeps in step over the first and last stage
-        # (the MTP layers embed tokens: beside the loss, the last stage keeps a copy).
-        self.shares_embedding_over_stages = (self.share_embeddings_and_output_weights
-                                             or (bool(mtp_num_layers)
-                                                 and not self.mtp_standalone))
+        # Whether this stage's word-embedding table is kept in step over the embedding group:
+        # the MTP layers embed tokens, so the stage holding them keeps a copy (the last stage
+        # beside the loss, a standalone MTP stage without the embedding), summed with the
+        # first stage's; the standalone loss stage only holds one when it is the output layer.
+        self.shares_embedding_over_stages = (
+            self.share_embeddings_and_output_weights
+            or (bool(mtp_num_layers) and not (self.mtp_standalone and post_process)))
         if mtp_num_layers and (mtp_stage if self.mtp_standalone else post_process):
             self.mtp = MultiTokenPredictionBlock(config, groups, mtp_num_layers,
                                                  moe_config if self.moe_config else None,
@@ -129,7 +132,8 @@ class GPTModel(MegatronModule):
         if mtp_num_layers and post_process:
             self.mtp_tracker = MTPLossTracker(mtp_num_layers)
         if self.shares_embedding_over_stages:
-            tie_word_embeddings_over_stages(self, init_seed)
+            copy_here = not pre_process and (post_process or (self.mtp_standalone and mtp_stage))
+            tie_word_embeddings_over_stages(self, init_seed, copy_here)
         self.dsa_tracker = attach_dsa_tracker(self, config.num_layers + (mtp_num_layers or 0))
         from megatron.model import fine_grained_offload
         layers = list(self.language_model.encoder.layers)

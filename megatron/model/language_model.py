@@ -73,16 +73,20 @@ def build_word_embeddings(config: TransformerConfig, tp_group):
     return table
 
 
-def tie_word_embeddings_over_stages(model, init_seed: int) -> None:
+def tie_word_embeddings_over_stages(model, init_seed: int, copy_here: Optional[bool] = None
+                                    ) -> None:
     """Set up the word-embedding table a model shares between its first and last stage.
 
     With pipeline parallelism a last stage without the embedding gets its own copy,
     ``word_embeddings_for_head``, drawn under the ``embedding`` seed so it starts equal to the
     first stage's table; both are marked ``shared_embedding`` so their gradients are summed
     over the embedding group. ``model`` has ``pre_process``, ``post_process``, ``config``,
-    ``tp_group`` and ``language_model``.
+    ``tp_group`` and ``language_model``. ``copy_here``: whether this stage keeps the copy
+    (None: a last stage without the embedding; a standalone MTP stage keeps one too).
     """
-    if model.post_process and not model.pre_process:
+    if copy_here is None:
+        copy_here = model.post_process and not model.pre_process
+    if copy_here:
         with init_rng(init_seed, "embedding"):
             model.word_embeddings_for_head = build_word_embeddings(model.config, model.tp_group)
         model.word_embeddings_for_head.weight.shared = True

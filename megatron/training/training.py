@@ -548,7 +548,8 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
                          pp_size=pstate.pp_size, sequence_parallel=pstate.sequence_parallel,
                          num_tokens=logged.num_tokens if args.calculate_per_token_loss else None,
-                         pp_group=pstate.pp_group, dp_group=pstate.dp_cp_group)
+                         pp_group=pstate.pp_group, dp_group=pstate.dp_cp_group,
+                         in_embedding_group=pstate.rank in pstate.embedding_ranks)
     if sumsq and args.overlap_grad_reduce:
         grad_sumsq = numerics.local_grad_sumsq(model)
     if check_grads and args.overlap_grad_reduce and not _finite(grad_sumsq):

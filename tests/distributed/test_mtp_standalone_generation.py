@@ -1,7 +1,9 @@
-"""Generation through a standalone MTP stage (``"Ettmm|L"`` at PP 2, float64): the MTP stage
-hands the loss stage ``[3 s, b, h]``, and the loss stage's logits, with and without the
-key/value cache, are those of the same GPT in one process (the same sums: 1e-12)."""
+"""Generation through a standalone MTP stage (``"Ettmm|L"`` at PP 2, ``"Et|tmm|L"`` at PP 3
+where the MTP stage reads the tokens too; float64): the MTP stage hands the loss stage
+``[3 s, b, h]``, and the loss stage's logits, with and without the key/value cache, are those
+of the same GPT in one process (the same sums: 1e-12)."""
 
+import pytest
 import torch
 
 from megatron.model import GPTModel
@@ -30,19 +32,20 @@ def _logits(model, pstate, ids, pos):
     return full, torch.cat(pieces, dim=1)
 
 
-def _pipeline_body():
+def _pipeline_body(layout, pp):
     from megatron.core import parallel_state
 
-    state = parallel_state.initialize_model_parallel(1, 2)
-    first = state.pp_rank == 0
-    model = GPTModel(_config("Ettmm|L"), state, pre_process=first, post_process=not first,
-                     mtp_num_layers=DEPTHS, mtp_standalone=True, mtp_stage=first)
+    state = parallel_state.initialize_model_parallel(1, pp)
+    model = GPTModel(_config(layout), state, pre_process=state.pp_rank == 0,
+                     post_process=state.pp_rank == pp - 1, mtp_num_layers=DEPTHS,
+                     mtp_standalone=True, mtp_stage=state.pp_rank == pp - 2)
     model.eval()
     ids, pos, _ = make_batch()
     return _logits(model, state, ids, pos)
 
 
-def test_generation_through_a_standalone_mtp_stage_gives_one_process_logits():
+@pytest.mark.parametrize("layout, pp", [("Ettmm|L", 2), ("Et|tmm|L", 3)])
+def test_generation_through_a_standalone_mtp_stage_gives_one_process_logits(layout, pp):
     reference = GPTModel(_config(), single_process_state(), mtp_num_layers=DEPTHS)
     reference.eval()
     ids, pos, _ = make_batch()
@@ -50,8 +53,8 @@ def test_generation_through_a_standalone_mtp_stage_gives_one_process_logits():
     pstate.pp_group, pstate.pp_ranks = None, [0]
     want_full, want_cached = _logits(reference, pstate, ids, pos)
     torch.testing.assert_close(want_cached, want_full, rtol=0, atol=1e-12)
-    first, last = run_on_ranks(_pipeline_body, 2)
-    assert first is None
+    *others, last = run_on_ranks(_pipeline_body, pp, layout, pp)
+    assert others == [None] * (pp - 1)
     got_full, got_cached = last
     torch.testing.assert_close(got_full, want_full, rtol=0, atol=1e-12)
     torch.testing.assert_close(got_cached, want_cached, rtol=0, atol=1e-12)

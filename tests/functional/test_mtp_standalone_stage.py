@@ -25,6 +25,19 @@ def test_standalone_mtp_stage_trains_as_one_process(corpus, untie):  # noqa: F81
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("layout, pp", [("Et|tttmm|L", 3), ("Et|t|ttmm|L", 4)])
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_standalone_mtp_stage_on_a_middle_rank_trains_as_one_process(corpus, layout, pp,  # noqa: F811
+                                                                      untie):
+    """The MTP stage without the embedding keeps its own copy of it, summed with the first
+    stage's (and, tied, the loss stage's) over the embedding group."""
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    got = _run(corpus, pp, extra + ["--pipeline-model-parallel-size", str(pp),
+                                    "--pipeline-model-parallel-layout", layout])
+    _assert_parity(got, _run(corpus, 1, extra))
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("extra, ranks, reference", [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, (1, [])),
     (["--use-distributed-optimizer", "--untie-embeddings-and-output-weights"], 4,
@@ -49,17 +62,24 @@ def test_megatron_flag_agrees_with_the_standalone_layout(corpus):  # noqa: F811
         _run(corpus, 2, BESIDE_LOSS + ["--mtp-standalone"])
 
 
+MIDDLE = ["--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout",
+          "Et|tttmm|L"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
-def test_standalone_mtp_stage_resumes_bit_for_bit(corpus, tmp_path, fmt, untie):  # noqa: F811
+@pytest.mark.parametrize("layout", [STANDALONE, MIDDLE], ids=["pp2", "pp3"])
+def test_standalone_mtp_stage_resumes_bit_for_bit(corpus, tmp_path, fmt, untie,  # noqa: F811
+                                                  layout):
     extra = ["--ckpt-format", fmt] + (["--untie-embeddings-and-output-weights"] if untie
                                       else [])
-    straight = _run(corpus, 2, extra + STANDALONE)
+    ranks = int(layout[1])
+    straight = _run(corpus, ranks, extra + layout)
     save = str(tmp_path / "ckpt")
-    first = _run(corpus, 2, extra + STANDALONE + ["--save", save, "--exit-interval", "2"])
+    first = _run(corpus, ranks, extra + layout + ["--save", save, "--exit-interval", "2"])
     assert first["iteration"] == 2
-    resumed = _run(corpus, 2, extra + STANDALONE + ["--load", save])
+    resumed = _run(corpus, ranks, extra + layout + ["--load", save])
     assert resumed["iteration"] == 4
     assert resumed["losses"] == straight["losses"][2:]
     assert resumed["grad_norms"] == straight["grad_norms"][2:]
@@ -70,9 +90,9 @@ def test_standalone_mtp_stage_resumes_bit_for_bit(corpus, tmp_path, fmt, untie):
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
 def test_standalone_torch_dist_checkpoint_loads_at_other_layouts(corpus, tmp_path,  # noqa: F811
                                                                  untie):
-    """Written with the MTP stage of its own, resumed at one process and with the MTP layers
-    beside the loss (whose last stage keeps a copy of the embedding), the run continues as
-    the single process does."""
+    """Written with the MTP stage of its own, resumed at one process, with the MTP layers
+    beside the loss (whose last stage keeps a copy of the embedding) and with the MTP stage
+    on a middle rank (its own copy), the run continues as the single process does."""
     extra = ["--ckpt-format", "torch_dist"] + (["--untie-embeddings-and-output-weights"]
                                                if untie else [])
     save = str(tmp_path / "ckpt")
@@ -82,20 +102,22 @@ def test_standalone_torch_dist_checkpoint_loads_at_other_layouts(corpus, tmp_pat
                 mtp=single["mtp"][2:])
     _assert_parity(_run(corpus, 1, extra + ["--load", save]), tail)
     _assert_parity(_run(corpus, 2, extra + BESIDE_LOSS + ["--load", save]), tail)
+    _assert_parity(_run(corpus, 3, extra + MIDDLE + ["--load", save]), tail)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+@pytest.mark.parametrize("layout", [STANDALONE, MIDDLE], ids=["pp2", "pp3"])
 def test_standalone_torch_checkpoint_converts_to_one_process(corpus, tmp_path,  # noqa: F811
-                                                             untie):
-    """The torch format keeps the final norm and the MTP layers in the MTP stage's file (rank
-    0's here): converted to one rank, the run continues as the single process does."""
+                                                             untie, layout):
+    """The torch format keeps the final norm and the MTP layers in the MTP stage's file:
+    converted to one rank, the run continues as the single process does."""
     from tools.checkpoint.convert import main
 
     extra = ["--untie-embeddings-and-output-weights"] if untie else []
     save, one = str(tmp_path / "pp2"), str(tmp_path / "pp1")
-    _run(corpus, 2, extra + STANDALONE + ["--save", save, "--exit-interval", "2",
-                                          "--ckpt-format", "torch"])
+    _run(corpus, int(layout[1]), extra + layout + ["--save", save, "--exit-interval", "2",
+                                                   "--ckpt-format", "torch"])
     assert main(["--model-type", "GPT", "--load-dir", save, "--save-dir", one,
                  "--target-pipeline-parallel-size", "1"]) == 0
     single = _run(corpus, 1, extra)

@@ -3,8 +3,8 @@
 ``test_megatron_core.py``): the layouts Megatron accepts with the MTP layers beside the loss
 are accepted here with the same transformer layers in every (virtual) stage; those it refuses
 are refused here for the same reason; those it accepts as a standalone MTP stage are accepted
-here, with the same layers and as standalone, where that stage is the first of two (PP 2, the
-placement built here), and refused in one line elsewhere."""
+here, with the same layers and as standalone, where that stage is just before the loss's
+without virtual stages (the placement built here), and refused in one line elsewhere."""
 
 import json
 import subprocess
@@ -38,7 +38,8 @@ REFUSED = {
                           "must be in the same virtual pipeline stage"),
 }
 STANDALONE = [["Et|t|m|L", 2, 2, 1], ["Et|(tt|)*5,tm|L", 2, 12, 1]]
-BUILT_STANDALONE = [["Ettm|L", 2, 2, 1], ["Ettttmm|L", 2, 4, 2]]
+BUILT_STANDALONE = [["Ettm|L", 2, 2, 1], ["Ettttmm|L", 2, 4, 2], ["Et|tttmm|L", 3, 4, 2],
+                    ["Et|t|tmm|L", 4, 3, 2]]
 
 
 def test_mtp_letters_as_megatron_core_places_them(mcore_python, tmp_path):  # noqa: F811

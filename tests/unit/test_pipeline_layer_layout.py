@@ -200,9 +200,9 @@ def test_mtp_layout_by_hand():
     ("Et|tmmL", 2, 2, 1, r"\('m', 2\) must match --mtp-num-layers \(1\)"),
     ("Et|tmL", 2, 2, 0, r"\('m', 1\) must match --mtp-num-layers \(not given\)"),
     ("Et|mtL", 2, 2, 1, r"decoder layers \('t'\) must be placed before the MTP layers"),
-    ("Et|tm|L", 3, 2, 1, r"in a stage of their own, without the loss \(Megatron's standalone "
-     r"MTP stage\), are built only in the first of two stages \(pp 2, e.g. 'Ettmm\|L'\), not in "
-     r"stage 1 of 3"),
+    ("Etm||L", 3, 1, 1, r"in a stage of their own, without the loss \(Megatron's standalone "
+     r"MTP stage\), are built only in the stage just before the loss's, without virtual "
+     r"stages \(e.g. 'Ettmm\|L', 'Et\|ttmm\|L'\), not in stage 0 of 3"),
     ("Et|t|m|||L", 2, 2, 1, r"'m'\) must be in the last virtual pipeline stage of their "
      r"pipeline rank"),
     ("Etm|mL", 2, 1, 2, r"all of the MTP layers \('m'\) must be in the same virtual "
@@ -260,11 +260,18 @@ def test_mtp_layers_must_be_placed_in_a_layout_as_megatron_asks():
     assert ll.layout_stage_counts("Et|tmL", 2, 2) == [[1], [1]]
 
 
-def test_standalone_mtp_stage_in_the_first_of_two_stages_is_accepted():
-    """Megatron's standalone MTP stage, built where it is the first of two: the loss stage
-    holds no transformer layer."""
+def test_standalone_mtp_stage_just_before_the_loss_stage_is_accepted():
+    """Megatron's standalone MTP stage, built just before the loss stage without virtual
+    stages: the loss stage holds no transformer layer; the MTP stage's copy of the word
+    embedding joins the embedding group (with the loss stage's only when tied)."""
     assert ll.layout_stage_counts("Ettmm|L", 2, 2, 2) == [[2], [0]]
     assert ll.mtp_standalone_stage("Ettmm|L") == 0
+    assert ll.layout_stage_counts("Et|t|tmm|L", 4, 3, 2) == [[1], [1], [1], [0]]
+    assert ll.mtp_standalone_stage("Et|t|tmm|L") == 2
+    assert ll.mtp_embedding_stages("Et|t|tmm|L", 4, tied=True) == [0, 2, 3]
+    assert ll.mtp_embedding_stages("Et|t|tmm|L", 4, tied=False) == [0, 2]
+    assert ll.mtp_embedding_stages("Ettmm|L", 2, tied=False) == [0]
+    assert ll.mtp_embedding_stages("Et|tmmL", 2, tied=True) is None
     assert ll.mtp_standalone_stage("Et|tmmL") is None
     assert ll.mtp_standalone_stage("Et|tL") is None
 

@@ -16,7 +16,8 @@ Four ways to say it, as in Megatron-LM:
   ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2). The
   ``--mtp-num-layers`` MTP layers, one ``m`` each, stand in the last stage before ``L``, where
   they run, or, as Megatron's standalone MTP stage, in a stage of their own before the loss's
-  (:func:`mtp_standalone_stage`; built for the first stage at pp 2, ``"Ettmm|L"``);
+  (:func:`mtp_standalone_stage`; built just before the loss stage without virtual stages,
+  ``"Ettmm|L"``, ``"Et|ttmm|L"``);
 * ``--standalone-embedding-stage``: pipeline rank 0 holds only the embedding, the other ranks
   the layers (:func:`standalone_embedding_layout` writes it as a layout).
 
@@ -114,8 +115,8 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
     """Megatron's rules for ``m``: one letter per MTP layer (``--mtp-num-layers`` of them),
     after every ``t``, all in one stage, the last virtual stage of its pipeline rank. That
     stage is the loss's (``...mmL``) or, Megatron's standalone MTP stage, one before it; the
-    standalone stage is built where it is the first of two stages (pp 2, no virtual stages:
-    ``"Ettmm|L"``), and refused elsewhere. As in Megatron, a run with MTP layers must place
+    standalone stage is built just before the loss stage, without virtual stages
+    (``"Ettmm|L"``, ``"Et|ttmm|L"``), and refused elsewhere. As in Megatron, a run with MTP layers must place
     them: a layout without ``m`` is refused."""
     flat = "".join(stages)
     count = flat.count("m")
@@ -135,12 +136,12 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
     if len(holding) > 1:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: all of the MTP layers ('m') must be in the "
                           "same virtual pipeline stage")
-    if holding[0] != len(stages) - 1 and (holding[0] != 0 or len(stages) != 2):
+    if holding[0] != len(stages) - 1 and (holding[0] != len(stages) - 2 or vp_size != 1):
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: MTP layers ('m') in a stage of their own, "
                           "without the loss (Megatron's standalone MTP stage), are built only "
-                          "in the first of two stages (pp 2, e.g. 'Ettmm|L'), not in stage "
-                          f"{holding[0]} of {len(stages)}: put them there or in the last "
-                          "stage, before 'L'")
+                          "in the stage just before the loss's, without virtual stages (e.g. "
+                          f"'Ettmm|L', 'Et|ttmm|L'), not in stage {holding[0]} of "
+                          f"{len(stages)}: put them there or in the last stage, before 'L'")
 
 
 def mtp_standalone_stage(text: str) -> Optional[int]:
@@ -152,6 +153,23 @@ def mtp_standalone_stage(text: str) -> Optional[int]:
     if not holding or holding[0] == len(stages) - 1:
         return None
     return holding[0]
+
+
+def mtp_embedding_stages(text: Optional[str], pp_size: int, tied: bool) -> Optional[List[int]]:
+    """The pipeline stages whose word-embedding tables are kept in step when the layout has
+    a standalone MTP stage: the first, the MTP stage (its copy, to embed the shifted tokens)
+    and, with tied embeddings, the last (the output layer); None: the usual first and last.
+    E.g. pp 3, ``"Et|ttmm|L"``: ``[0, 1, 2]`` tied, ``[0, 1]`` untied."""
+    stage = mtp_standalone_stage(text) if text and pp_size > 1 else None
+    if stage is None:
+        return None
+    return sorted({0, stage} | ({pp_size - 1} if tied else set()))
+
+
+def mtp_standalone_rank(text: Optional[str], pp_size: int) -> Optional[int]:
+    """The pipeline rank of a layout's standalone MTP stage (built without virtual stages,
+    so its stage index), or None."""
+    return mtp_standalone_stage(text) if text and pp_size > 1 else None
 
 
 def accounted_stage_counts(num_layers: int, pp_size: int, vp_size: Optional[int] = None,
