@@ -1290,8 +1290,8 @@ def _add_mtp_args(parser):
                    "gradients are clipped by a norm of their own")
     g.add_argument("--mtp-standalone", action="store_true",
                    help="the MTP layers have a pipeline stage of their own, before the loss "
-                   "stage (set from --pipeline-model-parallel-layout, e.g. 'Ettmm|L' at pp 2; "
-                   "given, it must agree with the layout)")
+                   "stage (set from --pipeline-model-parallel-layout, e.g. 'Ettmm|L' at pp 2, "
+                   "'Et|ttmm|L' at pp 3; given, it must agree with the layout)")
     g.add_argument("--mtp-hsm", action="store_true")
 
 
