@@ -12,6 +12,7 @@ from tests.functional.test_mtp_pipeline import _assert_parity, _run, corpus  # n
 PP2 = ["--pipeline-model-parallel-size", "2"]
 STANDALONE = PP2 + ["--pipeline-model-parallel-layout", "Ettttmm|L"]
 BESIDE_LOSS = PP2 + ["--pipeline-model-parallel-layout", "Et|tttmmL"]
+MOE = ["--num-experts", "2", "--moe-router-topk", "1", "--moe-aux-loss-coeff", "0.01"]
 
 
 @pytest.mark.slow
@@ -42,14 +43,17 @@ def test_standalone_mtp_stage_on_a_middle_rank_trains_as_one_process(corpus, lay
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4, (1, [])),
     (["--use-distributed-optimizer", "--untie-embeddings-and-output-weights"], 4,
      (2, ["--use-distributed-optimizer", "--untie-embeddings-and-output-weights"])),
-    (["--calculate-per-token-loss"], 2, (1, ["--calculate-per-token-loss"]))],
-    ids=["tp2-sp", "dp2-distributed-optimizer", "per-token-loss"])
+    (["--calculate-per-token-loss"], 2, (1, ["--calculate-per-token-loss"])),
+    (MOE + ["--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout",
+            "Et|tttmm|L"], 3, (1, MOE))],
+    ids=["tp2-sp", "dp2-distributed-optimizer", "per-token-loss", "moe-pp3"])
 def test_standalone_mtp_stage_with_other_parallelism(corpus, extra, ranks,  # noqa: F811
                                                      reference):
     """Under sequence parallelism the hand-over is ``[3 s/tp, b, h]``, against one process;
     with data parallelism the reference is the data-parallel run without pipeline
-    parallelism."""
-    _assert_parity(_run(corpus, ranks, extra + STANDALONE), _run(corpus, *reference))
+    parallelism; MoE layers (the MTP layers' too) at pp 3 against one process."""
+    layout = [] if "--pipeline-model-parallel-layout" in extra else STANDALONE
+    _assert_parity(_run(corpus, ranks, extra + layout), _run(corpus, *reference))
 
 
 @pytest.mark.slow
