@@ -28,8 +28,8 @@ def test_standalone_mtp_stage_trains_as_one_process(corpus, untie):  # noqa: F81
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, pp", [("Et|tttmm|L", 3), ("Et|t|ttmm|L", 4)])
 @pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
-def test_standalone_mtp_stage_on_a_middle_rank_trains_as_one_process(corpus, layout, pp,  # noqa: F811
-                                                                      untie):
+def test_standalone_mtp_stage_on_a_middle_rank_trains_as_one_process(  # noqa: F811
+        corpus, layout, pp, untie):
     """The MTP stage without the embedding keeps its own copy of it, summed with the first
     stage's (and, tied, the loss stage's) over the embedding group."""
     extra = ["--untie-embeddings-and-output-weights"] if untie else []

@@ -116,8 +116,8 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
     after every ``t``, all in one stage, the last virtual stage of its pipeline rank. That
     stage is the loss's (``...mmL``) or, Megatron's standalone MTP stage, one before it; the
     standalone stage is built just before the loss stage, without virtual stages
-    (``"Ettmm|L"``, ``"Et|ttmm|L"``), and refused elsewhere. As in Megatron, a run with MTP layers must place
-    them: a layout without ``m`` is refused."""
+    (``"Ettmm|L"``, ``"Et|ttmm|L"``), and refused elsewhere. As in Megatron, a run with MTP
+    layers must place them: a layout without ``m`` is refused."""
     flat = "".join(stages)
     count = flat.count("m")
     if mtp_num_layers is not None and count != mtp_num_layers:
