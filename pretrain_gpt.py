@@ -38,11 +38,21 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
                      moe_config=configs.moe, mtp_num_layers=args.mtp_num_layers,
                      mtp_loss_scaling_factor=args.mtp_loss_scaling_factor,
                      mtp_use_repeated_layer=args.mtp_use_repeated_layer,
-                     mtp_detach_heads=args.mtp_detach_heads, mtp_hsm=args.mtp_hsm)
+                     mtp_detach_heads=args.mtp_detach_heads, mtp_hsm=args.mtp_hsm,
+                     mtp_standalone=getattr(args, "mtp_standalone", False),
+                     mtp_stage=_is_mtp_stage(args, pstate))
     kd = distillation.setup(args, global_vars.get_parallel_state())
     if kd is not None:
         kd.attach(model)
     return model
+
+
+def _is_mtp_stage(args, pstate) -> bool:
+    """This rank holds the layout's standalone MTP stage (--mtp-standalone)."""
+    from megatron.core.pipeline_parallel.layer_layout import mtp_standalone_rank
+
+    return (getattr(args, "mtp_standalone", False) and pstate.pp_rank == mtp_standalone_rank(
+        args.pipeline_model_parallel_layout, pstate.pp_size))
 
 
 def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
@@ -52,7 +62,8 @@ def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
     parallelism a stage gets only what it uses, as in Megatron: the first (virtual) stage tokens,
     position ids and the attention mask, the last labels, the loss mask and the attention mask
     (and, with ``--mtp-num-layers``, the tokens and position ids too: multi-token prediction
-    runs there); the others are None. The attention mask is None (causal) unless
+    runs there), a standalone MTP stage the tokens, position ids and attention mask; the
+    others are None. The attention mask is None (causal) unless
     ``--reset-attention-mask`` or ``--dataloader-inter-document-masking`` makes it depend on the
     data; a middle stage then reads the batch for the mask alone, and otherwise reads nothing.
     With ``--dataloader-inter-document-masking`` the samples' ``cu_seqlens`` give each token the
@@ -73,10 +84,11 @@ def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
     pstate = global_vars.get_parallel_state()
     first, last = stage if stage is not None else (pstate.is_first_stage(),
                                                    pstate.is_last_stage())
+    mtp_here = _is_mtp_stage(args, pstate)
     if args.sft:
-        return get_sft_batch(data_iterator, pstate, first, last, args.mtp_num_layers)
+        return get_sft_batch(data_iterator, pstate, first, last, args.mtp_num_layers, mtp_here)
     documents = args.dataloader_inter_document_masking
-    if not (first or last or args.reset_attention_mask or documents):
+    if not (first or last or mtp_here or args.reset_attention_mask or documents):
         return (None,) * (6 if with_sample_index else 5)
     data = next(data_iterator) if data_iterator is not None else None
     keys = ["text", "cu_seqlens"] if documents else ["text"]
@@ -104,7 +116,7 @@ def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
             pstate.cp_size, pstate.cp_rank)
         tokens, labels, loss_mask = local["tokens"], local["labels"], local["loss_mask"]
         attention_mask, position_ids = local["attention_mask"], local["position_ids"]
-    if not (first or (last and args.mtp_num_layers)):
+    if not (first or mtp_here or (last and args.mtp_num_layers)):
         tokens = position_ids = None
     if not last:
         labels = loss_mask = None
@@ -114,7 +126,8 @@ def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
     return tokens, labels, loss_mask, attention_mask, position_ids
 
 
-def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers):
+def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers,
+                  mtp_here: bool = False):
     """get_batch with --sft: the packed sample's own tokens, labels, loss mask and position ids
     (megatron/data/sft_dataset.py). Each conversation of a pack attends only to itself; a batch
     whose samples each hold one conversation gets None (plain causal attention). Every stage
@@ -141,7 +154,7 @@ def get_sft_batch(data_iterator, pstate, first: bool, last: bool, mtp_num_layers
             pstate.cp_size, pstate.cp_rank)
         tokens, labels, loss_mask = local["tokens"], local["labels"], local["loss_mask"]
         attention_mask, position_ids = local["attention_mask"], local["position_ids"]
-    if not (first or (last and mtp_num_layers)):
+    if not (first or mtp_here or (last and mtp_num_layers)):
         tokens = None
     if not last:
         labels = loss_mask = None

@@ -199,6 +199,17 @@ class _Source:
     def chunk_key(self, chunk: int) -> str:
         return "model" if self.vp is None else f"model{chunk}"
 
+    def mtp_stage(self) -> Tuple[int, int]:
+        """``(pp_rank, chunk)`` of the stage holding the final norm and the MTP layers: the
+        last one, or a layout's standalone MTP stage (``--mtp-standalone``)."""
+        from megatron.core.pipeline_parallel.layer_layout import mtp_standalone_stage
+
+        layout = getattr(self.args, "pipeline_model_parallel_layout", None)
+        index = mtp_standalone_stage(layout) if layout and self.pp > 1 else None
+        if index is None:
+            return self.pp - 1, (self.vp or 1) - 1
+        return index % self.pp, index // self.pp
+
     def _check_args_layout(self, iter_dir: str) -> None:
         saved = (getattr(self.args, "tensor_model_parallel_size", self.tp),
                  getattr(self.args, "pipeline_model_parallel_size", self.pp),
@@ -310,9 +321,10 @@ class _Source:
 
 
     def read_mtp(self, depth: int, names: Sequence[str], swiglu: bool) -> Dict[str, torch.Tensor]:
-        """All tensors of multi-token prediction depth ``depth`` (the last stage's last chunk,
-        under ``mtp``), joined over TP; experts from their expert rank's file."""
-        last, chunk = self.pp - 1, (self.vp or 1) - 1
+        """All tensors of multi-token prediction depth ``depth`` (under ``mtp`` of the last
+        stage's last chunk, or of a standalone MTP stage), joined over TP; experts from their
+        expert rank's file."""
+        last, chunk = self.mtp_stage()
         per_rank = []
         for tp_rank in range(self.tp):
             tensors, trees = {}, {}
@@ -634,7 +646,7 @@ def load_megatron(load_dir: str, ckpt_step: Optional[int] = None, *,
 
     last, last_chunk = src.pp - 1, (src.vp or 1) - 1
     norm_names = ["weight", "bias"] if meta.normalization == "LayerNorm" else ["weight"]
-    norm = {name: src.read_tp(last, last_chunk, ["encoder", f"final_layernorm.{name}"], None)
+    norm = {name: src.read_tp(*src.mtp_stage(), ["encoder", f"final_layernorm.{name}"], None)
             for name in norm_names}
     yield Piece("final_norm", norm)
     if meta.untie_embeddings_and_output_weights:

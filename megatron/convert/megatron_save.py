@@ -207,6 +207,7 @@ class SaveTarget:
             num_layers_per_virtual_pipeline_stage=None,
             virtual_pipeline_model_parallel_size=None,
             decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
+            pipeline_model_parallel_layout=None, mtp_standalone=False,
             iteration=meta.iteration, consumed_train_samples=meta.consumed_train_samples,
             consumed_valid_samples=meta.consumed_valid_samples,
             window_size=meta.window_size, window_attn_skip_freq=meta.window_attn_skip_freq,

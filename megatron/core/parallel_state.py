@@ -20,7 +20,8 @@ World 16, ``tp = 2``, ``cp = 2``, ``pp = 2`` (so ``dp = 16 / (2 * 2 * 2) = 2``):
     data x context groups:       [0, 2, 4, 6] [1, 3, 5, 7] [8, 10, 12, 14] [9, 11, 13, 15]
     pipeline groups:             [0, 8] [1, 9] ... [7, 15]
     model-parallel groups:       [0, 1, 8, 9] [2, 3, 10, 11] [4, 5, 12, 13] [6, 7, 14, 15]
-    embedding groups:            the first and last rank of each pipeline group
+    embedding groups:            the first and last rank of each pipeline group (or the
+                                 stages ``embedding_stages`` names: [0, 1] gives [0, 8] ...)
 
 The ranks of one context-parallel group hold the same weights and read the same samples, each
 keeping its own part of every sequence; gradients are therefore averaged over data x context
@@ -214,8 +215,13 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
                         order: str = DEFAULT_ORDER,
                         hierarchical_cp_sizes: Optional[Sequence[int]] = None,
                         num_weight_shards: Optional[int] = None,
-                        expert_num_weight_shards: Optional[int] = None) -> RankLayout:
+                        expert_num_weight_shards: Optional[int] = None,
+                        embedding_stages: Optional[Sequence[int]] = None) -> RankLayout:
     """Megatron's rank assignment as plain lists, checked for consistency.
+
+    ``embedding_stages``: the pipeline stages whose ranks form each embedding group (the
+    stages holding a word-embedding table kept in step); None: the first and the last. A
+    standalone MTP stage without the embedding adds its own (its copy of the table).
 
     ``order`` is Megatron's ``tp-cp-ep-dp-pp`` (the default) or ``tp-cp-ep-pp-dp``
     (``--use-tp-pp-dp-mapping``: the pipeline stage varies before the data-parallel rank).
@@ -260,7 +266,7 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
         world_size, tp_size, pp_size, dp_size, groups(["tp"]), groups(["dp"]), pp_groups,
         # tp x pp for each (cp, dp) position: the ranks that together hold one copy of the model.
         model_parallel_groups,
-        [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups],
+        _embedding_groups(pp_groups, embedding_stages),
         [[g[0]] for g in pp_groups],
         cp_size=cp_size, ep_size=ep_size, expert_tp_size=expert_tp_size,
         expert_dp_size=expert_dp_size, vp_size=vp_size, sequence_parallel=sequence_parallel,
@@ -270,6 +276,13 @@ def compute_rank_layout(world_size: int, tp_size: int = 1, pp_size: int = 1, *,
         **_expert_weight_shard_groups(expert_groups["expert_dp_groups"], expert_tp_size,
                                       cp_size, order, expert_num_weight_shards),
     )
+
+
+def _embedding_groups(pp_groups: List[List[int]],
+                      stages: Optional[Sequence[int]]) -> List[List[int]]:
+    if stages is None:
+        return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in pp_groups]
+    return [[g[s] for s in sorted(set(stages))] for g in pp_groups]
 
 
 def _weight_shard_groups(dp_groups: List[List[int]], tp_size: int, cp_size: int, order: str,
@@ -541,6 +554,7 @@ def initialize_model_parallel(
     hierarchical_context_parallel_sizes: Optional[Sequence[int]] = None,
     num_weight_shards: Optional[int] = None,
     expert_num_weight_shards: Optional[int] = None,
+    embedding_stages: Optional[Sequence[int]] = None,
 ) -> ParallelState:
     """Create every process group and remember this rank's ones.
 
@@ -552,7 +566,7 @@ def initialize_model_parallel(
     ``hierarchical_context_parallel_sizes`` its ``hierarchical_cp_sizes``;
     ``num_weight_shards`` (``--tensor-parallel-num-weight-shards``) its ``num_weight_shards``;
     ``expert_num_weight_shards`` (``--expert-tensor-parallel-num-weight-shards``) its
-    ``expert_num_weight_shards``.
+    ``expert_num_weight_shards``; ``embedding_stages`` its ``embedding_stages``.
     """
     global _STATE
     if not dist.is_initialized():
@@ -570,7 +584,8 @@ def initialize_model_parallel(
         expert_tp_size=expert_tensor_parallel_size,
         vp_size=virtual_pipeline_model_parallel_size, sequence_parallel=sequence_parallel,
         order=order, hierarchical_cp_sizes=hierarchical_context_parallel_sizes,
-        num_weight_shards=num_weight_shards, expert_num_weight_shards=expert_num_weight_shards)
+        num_weight_shards=num_weight_shards, expert_num_weight_shards=expert_num_weight_shards,
+        embedding_stages=embedding_stages)
 
     def build(groups: List[List[int]]):
         mine = None

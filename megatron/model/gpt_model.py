@@ -50,6 +50,15 @@ class GPTModel(MegatronModule):
         mtp_use_repeated_layer / mtp_detach_heads / mtp_hsm: ``--mtp-use-repeated-layer``,
             ``--mtp-detach-heads``, ``--mtp-hsm`` (see :class:`MultiTokenPredictionBlock`);
             detached heads also read a detached output weight.
+        mtp_standalone / mtp_stage: Megatron's standalone MTP stage (the layout's ``m``
+            letters in a stage before the loss's): ``mtp_standalone`` says the run has one,
+            ``mtp_stage`` that this stage is it. That stage applies the final norm and the
+            MTP layers after its decoder layers and returns the main and the K MTP hidden
+            states concatenated along the sequence, ``[(1+K)s, b, h]``; the loss stage
+            (``post_process``) splits them, applies the output layer to each and computes
+            the main and the MTP losses. Without the embedding the MTP stage keeps a copy,
+            ``word_embeddings_for_head``, summed with the first stage's over the embedding
+            group (which then holds the MTP stage's rank).
 
     With context parallelism (``pstate.cp_group`` of more than one rank) every ``[b, s]`` input
     holds this rank's ``s / cp`` tokens of each sequence and the loss is per local token.
@@ -65,7 +74,8 @@ class GPTModel(MegatronModule):
                  init_seed: int = 1234, sequence_parallel: Optional[bool] = None,
                  moe_config: Optional[MoEConfig] = None, mtp_num_layers: Optional[int] = None,
                  mtp_loss_scaling_factor: float = 0.1, mtp_use_repeated_layer: bool = False,
-                 mtp_detach_heads: bool = False, mtp_hsm: bool = False):
+                 mtp_detach_heads: bool = False, mtp_hsm: bool = False,
+                 mtp_standalone: bool = False, mtp_stage: bool = False):
         super().__init__(config)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
         if (mtp_num_layers and pstate.pp_size > 1
@@ -93,24 +103,38 @@ class GPTModel(MegatronModule):
             self.moe_tracker = MoELossTracker(config.num_layers + (mtp_num_layers or 0),
                                               config.num_layers)
             self.moe_config = moe_config
+        self.mtp_num_layers = mtp_num_layers or 0
+        self.mtp_standalone = bool(mtp_num_layers) and mtp_standalone
+        if self.mtp_standalone and post_process and mtp_stage:
+            raise ValueError("a standalone MTP stage is a stage before the loss stage, not the "
+                             "last one")
         self.language_model = TransformerLanguageModel(
             config, groups, num_layers, offset, pre_process, post_process, init_seed,
-            moe_config=moe_config, moe_tracker=self.moe_tracker)
+            moe_config=moe_config, moe_tracker=self.moe_tracker,
+            final_norm=mtp_stage if self.mtp_standalone else None)
         self.mtp = self.mtp_tracker = None
         self.mtp_loss_scaling_factor = mtp_loss_scaling_factor
-        # Which word-embedding tables the pipeline keeps in step over the first and last stage.
-        self.shares_embedding_over_stages = (self.share_embeddings_and_output_weights
-                                             or bool(mtp_num_layers))
-        if mtp_num_layers and post_process:
+        self.mtp_detach_heads = mtp_detach_heads
+        self.mtp_cp_group = groups.cp_group
+        # Whether this stage's word-embedding table is kept in step over the embedding group:
+        # the MTP layers embed tokens, so the stage holding them keeps a copy (the last stage
+        # beside the loss, a standalone MTP stage without the embedding), summed with the
+        # first stage's; the standalone loss stage only holds one when it is the output layer.
+        self.shares_embedding_over_stages = (
+            self.share_embeddings_and_output_weights
+            or (bool(mtp_num_layers) and not (self.mtp_standalone and post_process)))
+        if mtp_num_layers and (mtp_stage if self.mtp_standalone else post_process):
             self.mtp = MultiTokenPredictionBlock(config, groups, mtp_num_layers,
                                                  moe_config if self.moe_config else None,
                                                  self.moe_tracker, init_seed,
                                                  repeated_layer=mtp_use_repeated_layer,
                                                  detach_heads=mtp_detach_heads,
                                                  hidden_state_mixing=mtp_hsm)
+        if mtp_num_layers and post_process:
             self.mtp_tracker = MTPLossTracker(mtp_num_layers)
         if self.shares_embedding_over_stages:
-            tie_word_embeddings_over_stages(self, init_seed)
+            copy_here = not pre_process and (post_process or (self.mtp_standalone and mtp_stage))
+            tie_word_embeddings_over_stages(self, init_seed, copy_here)
         self.dsa_tracker = attach_dsa_tracker(self, config.num_layers + (mtp_num_layers or 0))
         from megatron.model import fine_grained_offload
         layers = list(self.language_model.encoder.layers)
@@ -165,8 +189,14 @@ class GPTModel(MegatronModule):
         """
         hidden = self.language_model(input_ids, position_ids, attention_mask,
                                      inference_params=inference_params)
+        mtp_outputs = None
+        if self.mtp_standalone and self.mtp is not None:
+            outputs = self._mtp_outputs(hidden, input_ids, position_ids, attention_mask)
+            return torch.cat([hidden] + outputs, dim=0)                  # [(1+K)s, b, h]
         if not self.post_process:
             return hidden
+        if self.mtp_standalone:
+            hidden, *mtp_outputs = hidden.chunk(1 + self.mtp_tracker.num_depths, dim=0)
         observer = self.logits_observer if labels is not None and self.training else None
         keep = observer is not None and observer.keeps_logits
         # Logits that only feed the loss are dead after the output layer's backward.
@@ -182,9 +212,10 @@ class GPTModel(MegatronModule):
                     logits, self.tp_group)                                       # [b, s, V]
             return logits
         loss = self._per_token_loss(logits, labels, inplace=not keep)            # [b, s]
-        if self.mtp is not None and self.training and torch.is_grad_enabled():
-            loss = self._with_mtp_loss(loss, hidden, input_ids, position_ids, attention_mask,
-                                       labels, loss_mask)
+        if self.mtp_tracker is not None and self.training and torch.is_grad_enabled():
+            if mtp_outputs is None:
+                mtp_outputs = self._mtp_outputs(hidden, input_ids, position_ids, attention_mask)
+            loss = self._with_mtp_loss(loss, mtp_outputs, position_ids, labels, loss_mask)
         return loss
 
     def _head(self, hidden: torch.Tensor, buffer=None, detach_weight: bool = False
@@ -239,25 +270,31 @@ class GPTModel(MegatronModule):
                                                                 self.tp_group)  # [s, b]
         return loss.transpose(0, 1).contiguous()                                 # [b, s]
 
-    def _with_mtp_loss(self, loss, hidden, input_ids, position_ids, attention_mask, labels,
-                       loss_mask) -> torch.Tensor:
-        """``loss`` with every depth's scaled MTP loss attached (see the MTP module)."""
+    def _packed_ends(self, position_ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """--sft packs conversations: the last place of each, where every shift stops."""
+        if self.config.rotary_from_position_ids and position_ids is not None:
+            return sequence_ends(position_ids, self.mtp_cp_group)
+        return None
+
+    def _mtp_outputs(self, hidden, input_ids, position_ids, attention_mask):
+        """The MTP depths' hidden states, each shaped as ``hidden``."""
         rotary = None
         if self.language_model.rotary_pos_emb is not None:
-            rotary = self.language_model.rotary_angles(labels.size(1), position_ids, None,
+            rotary = self.language_model.rotary_angles(input_ids.size(1), position_ids, None,
                                                        hidden.device)   # [s, 1|b, 1, d]
-        # --sft packs conversations: every shift stays inside its own conversation.
-        ends = (sequence_ends(position_ids, self.mtp.cp_group)
-                if self.config.rotary_from_position_ids and position_ids is not None else None)
-        outputs = self.mtp(input_ids, position_ids, hidden, attention_mask, rotary,
-                           self._mtp_embedding, ends)
+        return self.mtp(input_ids, position_ids, hidden, attention_mask, rotary,
+                        self._mtp_embedding, self._packed_ends(position_ids))
+
+    def _with_mtp_loss(self, loss, outputs, position_ids, labels, loss_mask) -> torch.Tensor:
+        """``loss`` with every depth's scaled MTP loss attached (see the MTP module)."""
+        ends = self._packed_ends(position_ids)
         mask = (torch.ones_like(labels, dtype=torch.float32) if loss_mask is None
                 else loss_mask.float())
         total = 0.0
         for depth, output in enumerate(outputs):
-            labels = roll_left(labels, self.mtp.cp_group, ends)
-            mask = roll_left(mask, self.mtp.cp_group, ends)
-            logits = self._head(output, detach_weight=self.mtp.detach_heads)      # [s, b, V/tp]
+            labels = roll_left(labels, self.mtp_cp_group, ends)
+            mask = roll_left(mask, self.mtp_cp_group, ends)
+            logits = self._head(output, detach_weight=self.mtp_detach_heads)      # [s, b, V/tp]
             per_token = self._per_token_loss(logits, labels)                      # [b, s]
             masked_sum = (per_token.float() * mask).sum()
             value = masked_sum / self._mtp_token_count(mask)
@@ -272,7 +309,7 @@ class GPTModel(MegatronModule):
         """What a depth's masked loss sum is divided by: the unmasked tokens, or under context
         parallelism those of the whole cp group over cp (as the main loss, so the cp ranks'
         gradients, averaged, and their logged values, averaged, are one process's)."""
-        cp_group = self.mtp.cp_group
+        cp_group = self.mtp_cp_group
         if get_group_size(cp_group) == 1:
             return mask.sum()
         return all_reduce(mask.sum(), cp_group) / get_group_size(cp_group)

@@ -73,16 +73,20 @@ def build_word_embeddings(config: TransformerConfig, tp_group):
     return table
 
 
-def tie_word_embeddings_over_stages(model, init_seed: int) -> None:
+def tie_word_embeddings_over_stages(model, init_seed: int, copy_here: Optional[bool] = None
+                                    ) -> None:
     """Set up the word-embedding table a model shares between its first and last stage.
 
     With pipeline parallelism a last stage without the embedding gets its own copy,
     ``word_embeddings_for_head``, drawn under the ``embedding`` seed so it starts equal to the
     first stage's table; both are marked ``shared_embedding`` so their gradients are summed
     over the embedding group. ``model`` has ``pre_process``, ``post_process``, ``config``,
-    ``tp_group`` and ``language_model``.
+    ``tp_group`` and ``language_model``. ``copy_here``: whether this stage keeps the copy
+    (None: a last stage without the embedding; a standalone MTP stage keeps one too).
     """
-    if model.post_process and not model.pre_process:
+    if copy_here is None:
+        copy_here = model.post_process and not model.pre_process
+    if copy_here:
         with init_rng(init_seed, "embedding"):
             model.word_embeddings_for_head = build_word_embeddings(model.config, model.tp_group)
         model.word_embeddings_for_head.weight.shared = True
@@ -240,13 +244,15 @@ class TransformerLanguageModel(MegatronModule):
             padding, a missing mask hides nothing).
         moe_config / moe_tracker: the MoE settings and the auxiliary-loss tracker (None:
             dense MLPs); see :class:`~megatron.model.transformer.ParallelTransformerLayer`.
+        final_norm: whether this stage applies the final norm; None: the last stage does
+            (a standalone MTP stage applies it before the loss stage, see GPTModel).
     """
 
     def __init__(self, config: TransformerConfig, groups: ModelGroups, num_layers: int,
                  layer_offset: int, pre_process: bool = True, post_process: bool = True,
                  init_seed: int = 1234, num_tokentypes: int = 0, add_pooler: bool = False,
                  encoder_attn_mask_type: AttnMaskType = AttnMaskType.causal,
-                 moe_config=None, moe_tracker=None):
+                 moe_config=None, moe_tracker=None, final_norm: Optional[bool] = None):
         super().__init__(config)
         tp_group, tp_size = groups.tp_group, groups.tp_size
         sequence_parallel = groups.sequence_parallel
@@ -268,7 +274,8 @@ class TransformerLanguageModel(MegatronModule):
         self.rotary_from_position_ids = (config.rotary_from_position_ids
                                          and self.rotary_pos_emb is not None)
         self.encoder = ParallelTransformer(config, groups, num_layers, layer_offset, pre_process,
-                                           post_process, init_seed,
+                                           post_process if final_norm is None else final_norm,
+                                           init_seed,
                                            self_attn_mask_type=encoder_attn_mask_type,
                                            moe_config=moe_config, moe_tracker=moe_tracker)
         if post_process and add_pooler:

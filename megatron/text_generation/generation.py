@@ -93,22 +93,30 @@ class ForwardStep:
         self.communicator = None
         if pstate.pp_size > 1:
             self.communicator = P2PCommunicator.from_parallel_state(pstate, dtype, param.device)
+        # A standalone MTP stage hands the last stage its K MTP hidden states too
+        # ([(1+K)s, b, h]); the last stage's logits are the main head's.
+        self.into_last = 1 + gpt.mtp_num_layers if getattr(gpt, "mtp_standalone", False) else 1
+        # ... and embeds the shifted tokens, so it reads them as the first stage does.
+        self.reads_tokens = self.is_first or (self.into_last > 1
+                                              and getattr(gpt, "mtp", None) is not None)
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """``[b, s]`` tokens at ``[b, s]`` positions -> logits ``[b, s, V_padded]`` on the last
         stage (None elsewhere); advances the cache offset by ``s``."""
         b, s = tokens.shape
-        shape = (s, b, self.hidden_size)
         if not self.is_first:
-            self.gpt.set_input_tensor(self.communicator.recv_forward(shape))
-        output = self.model(tokens if self.is_first else None,
-                            position_ids if self.is_first else None, None,
+            received = (s * (self.into_last if self.is_last else 1), b, self.hidden_size)
+            self.gpt.set_input_tensor(self.communicator.recv_forward(received))
+        output = self.model(tokens if self.reads_tokens else None,
+                            position_ids if self.reads_tokens else None, None,
                             inference_params=self.inference_params)
         if self.inference_params is not None:
             self.inference_params.sequence_len_offset += s
         if not self.is_last:
-            self.communicator.send_forward(output, shape)
+            into_last = self.pstate.pp_rank == self.pstate.pp_size - 2
+            sent = (s * (self.into_last if into_last else 1), b, self.hidden_size)
+            self.communicator.send_forward(output, sent)
             return None
         if not self.gpt.parallel_output:
             return output

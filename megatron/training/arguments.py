@@ -1287,7 +1287,10 @@ def _add_mtp_args(parser):
                    help="the MTP loss trains only the MTP layers: the main model's hidden "
                    "state, the embedding and the output weight reach them detached; their "
                    "gradients are clipped by a norm of their own")
-    g.add_argument("--mtp-standalone", action="store_true")
+    g.add_argument("--mtp-standalone", action="store_true",
+                   help="the MTP layers have a pipeline stage of their own, before the loss "
+                   "stage (set from --pipeline-model-parallel-layout, e.g. 'Ettmm|L' at pp 2, "
+                   "'Et|ttmm|L' at pp 3; given, it must agree with the layout)")
     g.add_argument("--mtp-hsm", action="store_true",
                    help="hidden-state mixing: in training, each MTP depth after the first takes "
                    "for every token a random pick among the main model's and the earlier "

@@ -63,9 +63,6 @@ NO_EFFECT_FLAGS = {
 # Flags this project does not support: set to anything but their default, validate_args stops
 # with one line naming the flag and what to use instead. dest -> what to do instead.
 UNSUPPORTED_FLAGS = {
-    "mtp_standalone": "MTP layers run on the last pipeline stage beside the loss here ('m' "
-                      "before 'L' in --pipeline-model-parallel-layout); a stage of their own "
-                      "needs a [(1+K)s, b, h] hand-over to the loss stage, not built; drop it",
     "decoder_num_layers": "it sizes the decoder of encoder-decoder models (T5), which are not "
                           "built here; use --num-layers",
     "decoder_seq_length": "it sizes the decoder of encoder-decoder models (T5), which are not "

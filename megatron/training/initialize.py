@@ -208,7 +208,8 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
         hierarchical_context_parallel_sizes=args.hierarchical_context_parallel_sizes,
         num_weight_shards=getattr(args, "tensor_parallel_num_weight_shards", None),
         expert_num_weight_shards=getattr(args, "expert_tensor_parallel_num_weight_shards",
-                                         None))
+                                         None),
+        embedding_stages=_embedding_stages(args))
     check_node_layout(pstate)
     set_random_seeds(args.seed, pstate, args.data_parallel_random_init)
     _install_fused_kernels(args)
@@ -222,3 +223,15 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
         for note in determinism_notes:
             print(f"> --deterministic-mode: {note}", flush=True)
     return pstate
+
+
+def _embedding_stages(args):
+    """The stages of the embedding groups: with a standalone MTP stage (--mtp-standalone) its
+    copy of the word embedding joins them (:func:`mtp_embedding_stages`)."""
+    if not getattr(args, "mtp_standalone", False):
+        return None
+    from megatron.core.pipeline_parallel.layer_layout import mtp_embedding_stages
+
+    return mtp_embedding_stages(args.pipeline_model_parallel_layout,
+                                args.pipeline_model_parallel_size,
+                                not args.untie_embeddings_and_output_weights)

@@ -334,8 +334,18 @@ def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None)
         "communicator": P2PCommunicator.from_parallel_state(pstate, dtype,
                                                             device.current_device()),
         "tensor_shape": pipeline_tensor_shape(args, pstate, micro_batch_size),
+        **_loss_stage_shape(args, pstate, micro_batch_size),
         **_microbatch_groups(args, pstate),
     }
+
+
+def _loss_stage_shape(args, pstate, micro_batch_size: Optional[int]) -> dict:
+    """A standalone MTP stage (--mtp-standalone) hands the loss stage the main and the K MTP
+    hidden states, concatenated along the sequence: ``((1+K)s, b, h)``."""
+    if not getattr(args, "mtp_standalone", False):
+        return {}
+    seq, batch, hidden = pipeline_tensor_shape(args, pstate, micro_batch_size)
+    return {"loss_stage_tensor_shape": ((1 + args.mtp_num_layers) * seq, batch, hidden)}
 
 
 def _schedule_for(args, pstate) -> Callable:
@@ -538,7 +548,8 @@ def _forward_backward(forward_step_func, data_iterator, model, optimizer, args, 
                          is_last_stage=pstate.is_last_stage(ignore_virtual=True),
                          pp_size=pstate.pp_size, sequence_parallel=pstate.sequence_parallel,
                          num_tokens=logged.num_tokens if args.calculate_per_token_loss else None,
-                         pp_group=pstate.pp_group, dp_group=pstate.dp_cp_group)
+                         pp_group=pstate.pp_group, dp_group=pstate.dp_cp_group,
+                         in_embedding_group=pstate.rank in pstate.embedding_ranks)
     if sumsq and args.overlap_grad_reduce:
         grad_sumsq = numerics.local_grad_sumsq(model)
     if check_grads and args.overlap_grad_reduce and not _finite(grad_sumsq):

@@ -23,6 +23,7 @@ from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutE
                                           check_degrees)
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
                                                           layout_stage_counts,
+                                                          mtp_standalone_stage,
                                                           standalone_embedding_layout)
 from megatron.core.heterogeneous import check_blocks_splittable
 from megatron.core.pipeline_parallel.schedules import check_microbatch_group_size
@@ -1213,6 +1214,22 @@ def _validate_mtp(args) -> None:
         _fail("--mtp-num-layers with --pipeline-model-parallel-size > 1 needs "
               "--position-embedding-type rope, yarn or none (the MTP layers on the last stage "
               "have no copy of the learned position table)")
+    _mtp_standalone(args)
+
+
+def _mtp_standalone(args) -> None:
+    """``--mtp-standalone`` follows the layout, as Megatron sets it: on when the layout's
+    ``m`` letters are in a stage before the loss's; given by hand, it must agree."""
+    layout = getattr(args, "pipeline_model_parallel_layout", None)
+    standalone = (layout is not None and args.pipeline_model_parallel_size > 1
+                  and mtp_standalone_stage(layout) is not None)
+    if getattr(args, "mtp_standalone", False) and not standalone:
+        if layout is None:
+            _fail("--mtp-standalone needs --pipeline-model-parallel-layout with the MTP layers "
+                  "('m') in a stage of their own, before the loss's (e.g. 'Ettmm|L' at pp 2)")
+        _fail(f"--mtp-standalone: --pipeline-model-parallel-layout {layout!r} puts the MTP "
+              "layers beside the loss, not in a stage of their own (e.g. 'Ettmm|L' at pp 2)")
+    args.mtp_standalone = standalone
 
 
 def _load_balancing_lists(args) -> None:

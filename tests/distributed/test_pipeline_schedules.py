@@ -107,10 +107,13 @@ class _Tag(torch.autograd.Function):
 
 
 class ToyChunk(torch.nn.Module):
-    """Virtual stage ``index``: ``tanh(x W + c)``; the first one reads x from the batch."""
+    """Virtual stage ``index``: ``tanh(x W + c)``; the first one reads x from the batch.
+    ``wide``: "out" returns ``[y; y * y]`` (``[2s, b, h]``, as a standalone MTP stage hands the
+    loss stage more than one hidden state), "in" takes such an input and sums its halves."""
 
-    def __init__(self, index, pre_process):
+    def __init__(self, index, pre_process, wide=None):
         super().__init__()
+        self.wide = wide
         gen = torch.Generator().manual_seed(100 + index)
         self.weight = torch.nn.Parameter(torch.randn(H, H, generator=gen, dtype=torch.float64)
                                          / H ** 0.5)
@@ -123,7 +126,11 @@ class ToyChunk(torch.nn.Module):
 
     def forward(self, x):
         inp = x if self.pre_process else self.input_tensor
-        return torch.tanh(inp @ self.weight + self.bias)        # [s, b, h]
+        if self.wide == "in":
+            first, second = inp.chunk(2, dim=0)                  # [s, b, h] each
+            inp = first + second
+        out = torch.tanh(inp @ self.weight + self.bias)          # [s, b, h]
+        return torch.cat([out, out * out], dim=0) if self.wide == "out" else out
 
 
 class FakeDDP(torch.nn.Module):
@@ -155,12 +162,13 @@ def _batches(m, seed=0):
 class Stage:
     """One rank: its chunks, log and counters."""
 
-    def __init__(self, wire, p, r, v, m, seed=0):
+    def __init__(self, wire, p, r, v, m, seed=0, wide=False):
         self.log, self.sync_log = [], []
         self.alive = self.max_alive = 0
         self.comm = ThreadComm(wire, r, p, self.log)
         self.v, self.p, self.r = v, p, r
-        self.chunks = [FakeDDP(ToyChunk(c * p + r, pre_process=(c == 0 and r == 0)))
+        self.chunks = [FakeDDP(ToyChunk(c * p + r, pre_process=(c == 0 and r == 0),
+                                        wide=_wide(c * p + r, p * v) if wide else None))
                        for c in range(v)]
         self.iterators = [iter(_batches(m, seed)) for _ in range(v)]
         self.current_chunk = 0
@@ -191,18 +199,27 @@ class Stage:
         return out, loss_func
 
 
+def _wide(index, num_stages):
+    """The ``wide`` of a toy chunk when the boundary into the last stage carries twice the
+    sequence."""
+    return {num_stages - 2: "out", num_stages - 1: "in"}.get(index)
+
+
 def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0,
-                 group_size=None):
+                 group_size=None, wide=False):
     """All stages as threads; returns the Stage objects after the schedule finished
-    (``group_size``: the interleaved schedule's micro-batches per chunk group)."""
+    (``group_size``: the interleaved schedule's micro-batches per chunk group; ``wide``: the
+    boundary into the last stage carries ``[2s, b, h]``, passed as its own shape)."""
     wire = _Wire()
-    stages = [Stage(wire, p, r, v or 1, m, seed) for r in range(p)]
+    stages = [Stage(wire, p, r, v or 1, m, seed, wide) for r in range(p)]
     schedule = get_forward_backward_func(p, v)
 
     def body(st):
         st.shared_no_sync = shared_no_sync
         no_sync = st.chunks[0].no_sync if shared_no_sync else [c.no_sync for c in st.chunks]
         extra = {} if group_size is None else {"microbatch_group_size_per_vp_stage": group_size}
+        if wide:
+            extra["loss_stage_tensor_shape"] = (2 * SEQ, MB, H)
         try:
             torch.set_grad_enabled(not forward_only)  # grad mode is per thread
             st.losses = schedule(
@@ -225,9 +242,10 @@ def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0,
     return stages
 
 
-def reference(p, m, v=1, seed=0):
+def reference(p, m, v=1, seed=0, wide=False):
     """Losses and gradients of the same model run sequentially (virtual stage order)."""
-    chunks = [ToyChunk(i, pre_process=(i == 0)) for i in range(p * v)]
+    chunks = [ToyChunk(i, pre_process=(i == 0), wide=_wide(i, p * v) if wide else None)
+              for i in range(p * v)]
     losses = []
     for _, x, target in _batches(m, seed):
         h = x
@@ -240,8 +258,8 @@ def reference(p, m, v=1, seed=0):
     return losses, {i: (c.weight.grad, c.bias.grad) for i, c in enumerate(chunks)}
 
 
-def _check_against_reference(stages, p, m, v=1):
-    ref_losses, ref_grads = reference(p, m, v)
+def _check_against_reference(stages, p, m, v=1, wide=False):
+    ref_losses, ref_grads = reference(p, m, v, wide=wide)
     got = [float(d["loss"]) for d in stages[-1].losses]
     assert got == pytest.approx(ref_losses, abs=1e-12)
     for st in stages[:-1]:
@@ -551,3 +569,16 @@ def test_grouped_interleaving_over_gloo_matches_one_process(p, m, v, g):
         for c, (wg, bg) in enumerate(grads):
             torch.testing.assert_close(wg, ref[c * p + r][0], rtol=0, atol=1e-12)
             torch.testing.assert_close(bg, ref[c * p + r][1], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (3, 5), (4, 2)])
+def test_1f1b_with_a_wider_message_into_the_last_stage_matches_one_process(p, m):
+    """A standalone MTP stage sends the loss stage ``[(1+K)s, b, h]``: with its own
+    ``loss_stage_tensor_shape`` every boundary receives its own shape, and the losses and
+    gradients are those of the model run in one thread."""
+    _check_against_reference(run_pipeline(p, m, wide=True), p, m, wide=True)
+
+
+def test_interleaved_schedule_refuses_a_wider_message_into_the_last_stage():
+    with pytest.raises(ValueError, match="loss_stage_tensor_shape .* not built with virtual"):
+        run_pipeline(2, 4, v=2, wide=True)

@@ -2,8 +2,9 @@
 ``PipelineParallelLayerLayout`` (slow: runs in the ``megatron-core`` virtual environment of
 ``test_megatron_core.py``): the layouts Megatron accepts with the MTP layers beside the loss
 are accepted here with the same transformer layers in every (virtual) stage; those it refuses
-are refused here for the same reason; those it accepts as a standalone MTP stage are refused
-here in one line (that placement is not built)."""
+are refused here for the same reason; those it accepts as a standalone MTP stage are accepted
+here, with the same layers and as standalone, where that stage is just before the loss's
+without virtual stages (the placement built here), and refused in one line elsewhere."""
 
 import json
 import subprocess
@@ -36,11 +37,13 @@ REFUSED = {
     ("Etm|mL", 2, 1, 2): ("must be in the same one virtual pipeline stage",
                           "must be in the same virtual pipeline stage"),
 }
-STANDALONE = [["Et|t|m|L", 2, 2, 1], ["Ettm|L", 2, 2, 1], ["Et|(tt|)*5,tm|L", 2, 12, 1]]
+STANDALONE = [["Et|t|m|L", 2, 2, 1], ["Et|(tt|)*5,tm|L", 2, 12, 1]]
+BUILT_STANDALONE = [["Ettm|L", 2, 2, 1], ["Ettttmm|L", 2, 4, 2], ["Et|tttmm|L", 3, 4, 2],
+                    ["Et|t|tmm|L", 4, 3, 2]]
 
 
 def test_mtp_letters_as_megatron_core_places_them(mcore_python, tmp_path):  # noqa: F811
-    cases = ACCEPTED + [list(key) for key in REFUSED] + STANDALONE
+    cases = ACCEPTED + [list(key) for key in REFUSED] + STANDALONE + BUILT_STANDALONE
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     result = subprocess.run([str(mcore_python), HARNESS, "cases.json", "out.json"],
                             cwd=tmp_path, env=_env(), capture_output=True, text=True,
@@ -48,8 +51,10 @@ def test_mtp_letters_as_megatron_core_places_them(mcore_python, tmp_path):  # no
     assert result.returncode == 0, result.stderr[-3000:]
     answers = json.loads((tmp_path / "out.json").read_text())
     for (text, pp, layers, mtp), got in zip(cases, answers):
-        if [text, pp, layers, mtp] in ACCEPTED:
-            assert got["error"] is None and got["standalone"] is False, (text, got)
+        if [text, pp, layers, mtp] in ACCEPTED + BUILT_STANDALONE:
+            standalone = [text, pp, layers, mtp] in BUILT_STANDALONE
+            assert got["error"] is None and got["standalone"] is standalone, (text, got)
+            assert (ll.mtp_standalone_stage(text) is not None) is standalone, text
             counts = ll.layout_stage_counts(text, pp, layers, mtp)
             ours = {f"{p},{v}": list(range(ll.stage_offset(counts, p, v),
                                            ll.stage_offset(counts, p, v) + counts[p][v]))

@@ -6,7 +6,8 @@
 * ``--mtp-detach-heads`` (fp64): the main model's gradients are those of the main loss alone,
   the MTP layers' gradients those of a model without the option; the MTP layers' parameters
   are clipped by their own norm, which the logged norm leaves out.
-* ``--mtp-standalone`` is refused with its reason; ``--mtp-hsm`` needs two depths.
+* ``--mtp-hsm`` needs two depths; ``--mtp-standalone`` without a layout that gives the MTP
+  layers a stage of their own is refused in one line.
 """
 
 import types
@@ -207,13 +208,16 @@ def test_mtp_layers_are_accepted_under_fsdp(fsdp):
     assert args.mtp_num_layers == 2 and args.use_torch_fsdp2
 
 
-def test_standalone_mtp_is_refused_with_its_reason():
-    with pytest.raises(ArgumentsError, match="--mtp-standalone True is not supported: .*stage"):
-        _validate(["--mtp-standalone", "--mtp-num-layers", "2"])
-
-
 def test_hidden_state_mixing_is_accepted_with_two_depths():
     """--mtp-hsm is built (tests/unit/test_mtp_hsm.py); it needs a depth to mix into."""
     assert _validate(["--mtp-hsm", "--mtp-num-layers", "2"]).mtp_hsm is True
     with pytest.raises(ArgumentsError, match="--mtp-hsm needs --mtp-num-layers >= 2, got 1"):
         _validate(["--mtp-hsm", "--mtp-num-layers", "1"])
+
+
+def test_mtp_standalone_without_its_layout_is_refused():
+    """Megatron sets --mtp-standalone from a layout whose MTP layers have a stage of their own
+    (tests/functional/test_mtp_standalone_stage.py); without one the flag contradicts the run."""
+    with pytest.raises(ArgumentsError, match=r"--mtp-standalone needs "
+                       r"--pipeline-model-parallel-layout .*'Ettmm\|L'"):
+        _validate(["--mtp-standalone", "--mtp-num-layers", "2"])

@@ -200,14 +200,16 @@ def test_mtp_layout_by_hand():
     ("Et|tmmL", 2, 2, 1, r"\('m', 2\) must match --mtp-num-layers \(1\)"),
     ("Et|tmL", 2, 2, 0, r"\('m', 1\) must match --mtp-num-layers \(not given\)"),
     ("Et|mtL", 2, 2, 1, r"decoder layers \('t'\) must be placed before the MTP layers"),
-    ("Etm|L", 2, 1, 1, r"in a stage of their own, without the loss"),
+    ("Etm||L", 3, 1, 1, r"in a stage of their own, without the loss \(Megatron's standalone "
+     r"MTP stage\), are built only in the stage just before the loss's, without virtual "
+     r"stages \(e.g. 'Ettmm\|L', 'Et\|ttmm\|L'\), not in stage 0 of 3"),
     ("Et|t|m|||L", 2, 2, 1, r"'m'\) must be in the last virtual pipeline stage of their "
      r"pipeline rank"),
     ("Etm|mL", 2, 1, 2, r"all of the MTP layers \('m'\) must be in the same virtual "
      r"pipeline stage"),
     ("Et|t|m|L", 2, 2, 1, r"MTP layers \('m'\) in a stage of their own, without the loss "
-     r"\(Megatron's standalone MTP stage\), are not built: put them in the last stage, "
-     r"before 'L'"),
+     r"\(Megatron's standalone MTP stage\), are built only .* not in stage 2 of 4: put them "
+     r"there or in the last stage, before 'L'"),
     ("Et|tLm", 2, 2, 1, r"the loss 'L' must appear once, last in the last stage"),
 ])
 def test_misplaced_mtp_letters_are_refused_as_megatron_refuses_them(text, pp, layers, mtp,
@@ -256,3 +258,36 @@ def test_mtp_layers_must_be_placed_in_a_layout_as_megatron_asks():
     assert ll.layout_stage_counts("Et|tmL", 2, 2, 1) == [[1], [1]]
     # Without a count (a model built from a checked layout) the letters are not counted.
     assert ll.layout_stage_counts("Et|tmL", 2, 2) == [[1], [1]]
+
+
+def test_standalone_mtp_stage_just_before_the_loss_stage_is_accepted():
+    """Megatron's standalone MTP stage, built just before the loss stage without virtual
+    stages: the loss stage holds no transformer layer; the MTP stage's copy of the word
+    embedding joins the embedding group (with the loss stage's only when tied)."""
+    assert ll.layout_stage_counts("Ettmm|L", 2, 2, 2) == [[2], [0]]
+    assert ll.mtp_standalone_stage("Ettmm|L") == 0
+    assert ll.layout_stage_counts("Et|t|tmm|L", 4, 3, 2) == [[1], [1], [1], [0]]
+    assert ll.mtp_standalone_stage("Et|t|tmm|L") == 2
+    assert ll.mtp_embedding_stages("Et|t|tmm|L", 4, tied=True) == [0, 2, 3]
+    assert ll.mtp_embedding_stages("Et|t|tmm|L", 4, tied=False) == [0, 2]
+    assert ll.mtp_embedding_stages("Ettmm|L", 2, tied=False) == [0]
+    assert ll.mtp_embedding_stages("Et|tmmL", 2, tied=True) is None
+    assert ll.mtp_standalone_stage("Et|tmmL") is None
+    assert ll.mtp_standalone_stage("Et|tL") is None
+
+
+def test_mtp_standalone_follows_the_layout():
+    """``--mtp-standalone`` is set from the layout, as Megatron sets it; given by hand it must
+    agree with the layout, or the run stops with one line naming both."""
+    rope = ["--position-embedding-type", "rope", "--mtp-num-layers", "2"]
+    assert _validate(rope + ["--pipeline-model-parallel-layout", "Ettttmm|L"]).mtp_standalone
+    assert _validate(rope + ["--pipeline-model-parallel-layout", "Ettttmm|L",
+                             "--mtp-standalone"]).mtp_standalone
+    beside = ["--pipeline-model-parallel-layout", "Et|tttmmL"]
+    assert not _validate(rope + beside).mtp_standalone
+    with pytest.raises(ArgumentsError, match=r"--mtp-standalone: --pipeline-model-parallel-"
+                       r"layout 'Et\|tttmmL' puts the MTP layers beside the loss"):
+        _validate(rope + beside + ["--mtp-standalone"])
+    with pytest.raises(ArgumentsError, match=r"--mtp-standalone needs "
+                       r"--pipeline-model-parallel-layout"):
+        _validate(rope + ["--mtp-standalone"])

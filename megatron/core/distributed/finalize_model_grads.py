@@ -82,11 +82,15 @@ def _find_shared_embedding_weight(chunk: torch.nn.Module) -> Optional[torch.nn.P
 
 def _allreduce_word_embedding_grads(model_chunks: Sequence[torch.nn.Module], embedding_group,
                                     is_first_stage: bool, is_last_stage: bool,
-                                    pp_size: int) -> None:
-    """Sum the tied embedding weight's gradient over the first and last pipeline stages."""
-    if pp_size <= 1 or not (is_first_stage or is_last_stage):
+                                    pp_size: int, in_embedding_group: Optional[bool] = None
+                                    ) -> None:
+    """Sum the tied embedding weight's gradient over the stages of the embedding group (the
+    first and last, and a standalone MTP stage's copy)."""
+    if in_embedding_group is None:
+        in_embedding_group = is_first_stage or is_last_stage
+    if pp_size <= 1 or not in_embedding_group:
         return
-    chunk = model_chunks[0] if is_first_stage else model_chunks[-1]
+    chunk = model_chunks[-1] if is_last_stage and not is_first_stage else model_chunks[0]
     weight = _find_shared_embedding_weight(chunk)
     if weight is None:
         return
@@ -119,7 +123,7 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
                          embedding_group=None, is_first_stage: bool = True,
                          is_last_stage: bool = True, pp_size: int = 1,
                          sequence_parallel: bool = False, num_tokens=None, pp_group=None,
-                         dp_group=None) -> None:
+                         dp_group=None, in_embedding_group: Optional[bool] = None) -> None:
     """Finish every gradient reduction of a step; afterwards ``main_grad`` is ready to step on.
 
     Args:
@@ -130,6 +134,9 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
             (``ParallelState.embedding_group``); needed when ``pp_size > 1``.
         is_first_stage / is_last_stage: whether this rank is the first / last physical pipeline
             stage (virtual stages ignored).
+        in_embedding_group: whether this rank is in ``embedding_group`` (a standalone MTP
+            stage's is, with its copy of the word embedding; the untied loss stage beside it
+            is not); None: the first and the last stage are.
         pp_size: pipeline-model-parallel size.
         sequence_parallel: whether ``--sequence-parallel`` is on; then parameters with
             ``param.sequence_parallel = True`` have their gradients summed over ``tp_group``
@@ -159,6 +166,6 @@ def finalize_model_grads(model_chunks: Sequence[torch.nn.Module], *, tp_group,
         finish()
     _allreduce_layernorm_grads(model_chunks, tp_group, sequence_parallel)
     _allreduce_word_embedding_grads(model_chunks, embedding_group, is_first_stage,
-                                    is_last_stage, pp_size)
+                                    is_last_stage, pp_size, in_embedding_group)
     if num_tokens is not None:
         _divide_by_token_count(model_chunks, num_tokens, pp_group, dp_group)

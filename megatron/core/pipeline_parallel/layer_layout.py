@@ -15,8 +15,9 @@ Four ways to say it, as in Megatron-LM:
   is virtual stage ``i // pp`` of pipeline rank ``i % pp``, so with pp 2,
   ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2). The
   ``--mtp-num-layers`` MTP layers, one ``m`` each, stand in the last stage before ``L``, where
-  they run (a layout without ``m`` puts them there too); Megatron's stage of their own on an
-  earlier rank is refused;
+  they run, or, as Megatron's standalone MTP stage, in a stage of their own before the loss's
+  (:func:`mtp_standalone_stage`; built just before the loss stage without virtual stages,
+  ``"Ettmm|L"``, ``"Et|ttmm|L"``);
 * ``--standalone-embedding-stage``: pipeline rank 0 holds only the embedding, the other ranks
   the layers (:func:`standalone_embedding_layout` writes it as a layout).
 
@@ -112,11 +113,11 @@ def layout_stage_counts(text: str, pp_size: int, num_layers: int,
 def check_mtp_letters(text: str, stages: List[str], pp_size: int,
                       mtp_num_layers: Optional[int]) -> None:
     """Megatron's rules for ``m``: one letter per MTP layer (``--mtp-num-layers`` of them),
-    after every ``t``, all in one stage, the last virtual stage of its pipeline rank. Megatron
-    also lets that stage be one without the loss (a standalone MTP stage, on an earlier rank);
-    here the MTP layers run beside the loss, so the ``m`` letters must sit in the last stage,
-    before ``L``. As in Megatron, a run with MTP layers must place them: a layout without
-    ``m`` is refused."""
+    after every ``t``, all in one stage, the last virtual stage of its pipeline rank. That
+    stage is the loss's (``...mmL``) or, Megatron's standalone MTP stage, one before it; the
+    standalone stage is built just before the loss stage, without virtual stages
+    (``"Ettmm|L"``, ``"Et|ttmm|L"``), and refused elsewhere. As in Megatron, a run with MTP
+    layers must place them: a layout without ``m`` is refused."""
     flat = "".join(stages)
     count = flat.count("m")
     if mtp_num_layers is not None and count != mtp_num_layers:
@@ -135,10 +136,40 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
     if len(holding) > 1:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: all of the MTP layers ('m') must be in the "
                           "same virtual pipeline stage")
-    if holding[0] != len(stages) - 1:
+    if holding[0] != len(stages) - 1 and (holding[0] != len(stages) - 2 or vp_size != 1):
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: MTP layers ('m') in a stage of their own, "
-                          "without the loss (Megatron's standalone MTP stage), are not built: "
-                          "put them in the last stage, before 'L'")
+                          "without the loss (Megatron's standalone MTP stage), are built only "
+                          "in the stage just before the loss's, without virtual stages (e.g. "
+                          f"'Ettmm|L', 'Et|ttmm|L'), not in stage {holding[0]} of "
+                          f"{len(stages)}: put them there or in the last stage, before 'L'")
+
+
+def mtp_standalone_stage(text: str) -> Optional[int]:
+    """The stage (in running order) of a layout's MTP layers when it is not the loss's
+    (Megatron's standalone MTP stage, ``--mtp-standalone``); None when they sit beside the
+    loss or the layout has no ``m``."""
+    stages = parse_pipeline_layout(text)
+    holding = [i for i, stage in enumerate(stages) if "m" in stage]
+    if not holding or holding[0] == len(stages) - 1:
+        return None
+    return holding[0]
+
+
+def mtp_embedding_stages(text: Optional[str], pp_size: int, tied: bool) -> Optional[List[int]]:
+    """The pipeline stages whose word-embedding tables are kept in step when the layout has
+    a standalone MTP stage: the first, the MTP stage (its copy, to embed the shifted tokens)
+    and, with tied embeddings, the last (the output layer); None: the usual first and last.
+    E.g. pp 3, ``"Et|ttmm|L"``: ``[0, 1, 2]`` tied, ``[0, 1]`` untied."""
+    stage = mtp_standalone_stage(text) if text and pp_size > 1 else None
+    if stage is None:
+        return None
+    return sorted({0, stage} | ({pp_size - 1} if tied else set()))
+
+
+def mtp_standalone_rank(text: Optional[str], pp_size: int) -> Optional[int]:
+    """The pipeline rank of a layout's standalone MTP stage (built without virtual stages,
+    so its stage index), or None."""
+    return mtp_standalone_stage(text) if text and pp_size > 1 else None
 
 
 def accounted_stage_counts(num_layers: int, pp_size: int, vp_size: Optional[int] = None,

@@ -256,9 +256,20 @@ class _Run:
     per_token: bool = False
     losses: MicroBatchLosses = field(default_factory=MicroBatchLosses)
     backwards_done: List[int] = field(default_factory=list)
+    loss_stage_tensor_shape: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         self.backwards_done = [0] * len(self.chunks)
+
+    def boundary_shape(self, next_stage: bool) -> Tuple[int, ...]:
+        """The shape of the messages between this stage and the next (``next_stage``) or the
+        previous one: ``loss_stage_tensor_shape`` over the boundary into the last stage when
+        given (a standalone MTP stage hands on ``[(1+K)s, b, h]``), else ``tensor_shape``."""
+        comm = self.comm
+        into_last = comm.pp_rank == comm.pp_size - 2 if next_stage else comm.is_last_stage
+        if into_last and self.loss_stage_tensor_shape is not None:
+            return self.loss_stage_tensor_shape
+        return self.tensor_shape
 
     def is_first_virtual(self, chunk: int) -> bool:
         return self.comm.is_first_stage and chunk == 0
@@ -310,7 +321,7 @@ def _as_list(value, n: int, what: str) -> list:
 
 def _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
               grad_scale_func, no_sync_func, communicator, tensor_shape,
-              set_virtual_pp_rank, per_token: bool) -> _Run:
+              set_virtual_pp_rank, per_token: bool, loss_stage_tensor_shape=None) -> _Run:
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if communicator is None or tensor_shape is None:
         raise ValueError("pipeline schedules need communicator=<P2PCommunicator> and "
@@ -323,7 +334,9 @@ def _make_run(forward_step_func, data_iterator, model, num_microbatches, forward
                 grad_scale_func=grad_scale_func, comm=communicator,
                 tensor_shape=tuple(tensor_shape),
                 grad_sync=_GradSync(no_sync_func, len(chunks)),
-                set_virtual_pp_rank=set_virtual_pp_rank, per_token=per_token)
+                set_virtual_pp_rank=set_virtual_pp_rank, per_token=per_token,
+                loss_stage_tensor_shape=(None if loss_stage_tensor_shape is None
+                                         else tuple(loss_stage_tensor_shape)))
 
 
 # ---------------------------------------------------------------------- 1F1B
@@ -331,9 +344,9 @@ def _make_run(forward_step_func, data_iterator, model, num_microbatches, forward
 def _one_f_one_b_warmup(run: _Run, num_warmup: int, inputs: list, outputs: list) -> None:
     """Forwards only: receive, compute, send; keep what backward will need."""
     for _ in range(num_warmup):
-        input_tensor = run.comm.recv_forward(run.tensor_shape)
+        input_tensor = run.comm.recv_forward(run.boundary_shape(False))
         output_tensor = run.forward(0, input_tensor)
-        run.comm.send_forward(output_tensor, run.tensor_shape)
+        run.comm.send_forward(output_tensor, run.boundary_shape(True))
         if not run.forward_only:
             inputs.append(input_tensor)
             outputs.append(output_tensor)
@@ -342,27 +355,27 @@ def _one_f_one_b_warmup(run: _Run, num_warmup: int, inputs: list, outputs: list)
 
 def _one_f_one_b_steady(run: _Run, num_steady: int, inputs: list, outputs: list) -> None:
     """One forward, then the backward of the oldest micro-batch in flight, ``num_steady`` times."""
-    comm, shape = run.comm, run.tensor_shape
-    input_tensor = comm.recv_forward(shape) if num_steady > 0 else None
+    comm, prev_shape, next_shape = run.comm, run.boundary_shape(False), run.boundary_shape(True)
+    input_tensor = comm.recv_forward(prev_shape) if num_steady > 0 else None
     for i in range(num_steady):
         last = i == num_steady - 1
         output_tensor = run.forward(0, input_tensor)
         if run.forward_only:
-            comm.send_forward(output_tensor, shape)
+            comm.send_forward(output_tensor, next_shape)
             if not last:
-                input_tensor = comm.recv_forward(shape)
+                input_tensor = comm.recv_forward(prev_shape)
             continue
-        output_tensor_grad = comm.send_forward_recv_backward(output_tensor, shape)
+        output_tensor_grad = comm.send_forward_recv_backward(output_tensor, next_shape)
         inputs.append(input_tensor)
         outputs.append(output_tensor)
         deallocate_output_tensor(output_tensor if not comm.is_last_stage else None)
         input_tensor, output_tensor = inputs.pop(0), outputs.pop(0)
         input_tensor_grad = run.backward(0, input_tensor, output_tensor, output_tensor_grad)
         if last:
-            comm.send_backward(input_tensor_grad, shape)
+            comm.send_backward(input_tensor_grad, prev_shape)
             input_tensor = None
         else:
-            input_tensor = comm.send_backward_recv_forward(input_tensor_grad, shape)
+            input_tensor = comm.send_backward_recv_forward(input_tensor_grad, prev_shape)
 
 
 def _one_f_one_b_cooldown(run: _Run, num_warmup: int, inputs: list, outputs: list) -> None:
@@ -371,9 +384,9 @@ def _one_f_one_b_cooldown(run: _Run, num_warmup: int, inputs: list, outputs: lis
         return
     for _ in range(num_warmup):
         input_tensor, output_tensor = inputs.pop(0), outputs.pop(0)
-        output_tensor_grad = run.comm.recv_backward(run.tensor_shape)
+        output_tensor_grad = run.comm.recv_backward(run.boundary_shape(True))
         input_tensor_grad = run.backward(0, input_tensor, output_tensor, output_tensor_grad)
-        run.comm.send_backward(input_tensor_grad, run.tensor_shape)
+        run.comm.send_backward(input_tensor_grad, run.boundary_shape(False))
 
 
 def forward_backward_pipelining_without_interleaving(
@@ -382,7 +395,8 @@ def forward_backward_pipelining_without_interleaving(
         no_sync_func: NoSyncArg = None, communicator: Optional[P2PCommunicator] = None,
         tensor_shape: Optional[Sequence[int]] = None,
         set_virtual_pp_rank: Optional[Callable[[int], None]] = None,
-        calculate_per_token_loss: bool = False) -> MicroBatchLosses:
+        calculate_per_token_loss: bool = False,
+        loss_stage_tensor_shape: Optional[Sequence[int]] = None) -> MicroBatchLosses:
     """1F1B over the stages of ``communicator``'s pipeline (one model chunk per rank).
 
     Args:
@@ -399,13 +413,15 @@ def forward_backward_pipelining_without_interleaving(
         set_virtual_pp_rank: accepted for a uniform signature; called with 0.
         calculate_per_token_loss: a loss function's summed loss is not divided by its token
             count nor by the number of micro-batches (``--calculate-per-token-loss``).
+        loss_stage_tensor_shape: the shape of the messages into the last stage when it is not
+            ``tensor_shape`` (a standalone MTP stage sends ``[(1+K)s, b, h]``); None: the same.
 
     Returns:
         The logged values of each micro-batch on the last stage; an empty list elsewhere.
     """
     run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
                     grad_scale_func, no_sync_func, communicator, tensor_shape,
-                    set_virtual_pp_rank, calculate_per_token_loss)
+                    set_virtual_pp_rank, calculate_per_token_loss, loss_stage_tensor_shape)
     if len(run.chunks) != 1:
         raise ValueError("1F1B takes one model chunk per rank; use the interleaved schedule "
                          f"for {len(run.chunks)} chunks")
@@ -627,7 +643,8 @@ def forward_backward_pipelining_with_interleaving(
         tensor_shape: Optional[Sequence[int]] = None,
         set_virtual_pp_rank: Optional[Callable[[int], None]] = None,
         calculate_per_token_loss: bool = False,
-        microbatch_group_size_per_vp_stage: Optional[int] = None) -> MicroBatchLosses:
+        microbatch_group_size_per_vp_stage: Optional[int] = None,
+        loss_stage_tensor_shape: Optional[Sequence[int]] = None) -> MicroBatchLosses:
     """The interleaved 1F1B schedule over ``len(model)`` chunks per rank.
 
     Args are those of :func:`forward_backward_pipelining_without_interleaving`, except:
@@ -639,7 +656,14 @@ def forward_backward_pipelining_with_interleaving(
             the forward step function can ask the parallel state which virtual stage it is on.
         microbatch_group_size_per_vp_stage: micro-batches each chunk runs before the next chunk
             starts (:func:`get_schedule_table`); None: the pipeline size.
+        loss_stage_tensor_shape: not built with virtual stages (a standalone MTP stage is
+            built at pp 2 without them): must be None or ``tensor_shape``.
     """
+    if loss_stage_tensor_shape is not None and tuple(loss_stage_tensor_shape) != tuple(
+            tensor_shape or ()):
+        raise ValueError("the interleaved schedule sends one tensor_shape over every stage "
+                         f"boundary; loss_stage_tensor_shape {tuple(loss_stage_tensor_shape)} "
+                         "(a standalone MTP stage) is not built with virtual stages")
     run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
                     grad_scale_func, no_sync_func, communicator, tensor_shape,
                     set_virtual_pp_rank, calculate_per_token_loss)
