@@ -112,8 +112,9 @@ TESTING = "Megatron's test harness switches are not part of this project; drop i
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
 MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
               "drop it and give local paths")
-HF_SLOW = ("Hugging Face's slow (Python) tokenizers are not built here; drop it (tokenizer.json "
-           "is read with the tokenizers library, which AutoTokenizer's fast tokenizers run)")
+HF_SLOW = ("transformers 5, which Megatron's HuggingFaceTokenizer calls, ignores use_fast=False "
+           "and always builds the fast tokenizer, so the ids are the same with or without it; "
+           "tokenizer.json is read here with the tokenizers library that fast tokenizer runs")
 REMOTE_CODE = ("a tokenizer's own Python code is never run here (nothing from a model folder "
                "runs as code); drop it and give a tokenizer.json")
 
@@ -369,7 +370,7 @@ ROWS = (
     ('--no-mmap-bin-files', 'mmap_bin_files', 'false', True, '', WORKS, None),
     ('--object-storage-cache-path', '', 'str', None, '', REFUSED, MSC_ENABLE),
     ('--padded-vocab-size', '', 'int', None, '', WORKS, None),
-    ('--tokenizer-hf-no-use-fast', '', 'true', False, '', REFUSED, HF_SLOW),
+    ('--tokenizer-hf-no-use-fast', '', 'true', False, '', NO_EFFECT, HF_SLOW),
     ('--trust-remote-code', '', 'true', False, '', REFUSED, REMOTE_CODE),
     ('--adlr-autoresume', '', 'true', False, '', REFUSED, AUTORESUME),
     ('--adlr-autoresume-interval', '', 'int', 1000, '', REFUSED, AUTORESUME),

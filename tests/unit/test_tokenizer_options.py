@@ -277,3 +277,22 @@ def test_preprocess_data_with_the_sentencepiece_options(models, tmp_path):
         dataset = IndexedDataset(str(tmp_path / f"{name}_text_document"))
         for i, text in enumerate(texts):
             assert np.array_equal(dataset[i], tokenizer.tokenize(text))
+
+
+def test_no_use_fast_builds_the_same_tokenizer_in_transformers(tmp_path):
+    """--tokenizer-hf-no-use-fast has no effect: transformers 5 ignores use_fast=False."""
+    from transformers import AutoTokenizer
+
+    from megatron.training.megatron_flags_table import NO_EFFECT, ROWS
+
+    folder = _hf_folder(tmp_path / "hf", with_template=False)
+    slow_asked = AutoTokenizer.from_pretrained(folder, use_fast=False)
+    fast = AutoTokenizer.from_pretrained(folder)
+    assert type(slow_asked) is type(fast) and slow_asked.is_fast
+    ours = build_tokenizer(namespace(tokenizer_type="HuggingFaceTokenizer",
+                                     tokenizer_model=folder))
+    text = "".join(_stdlib_lines("shlex.py")[:40])
+    ids = ours.tokenize(text)
+    assert len(ids) > 100
+    assert ids == slow_asked(text, add_special_tokens=False)["input_ids"]
+    assert [row for row in ROWS if row[0] == "--tokenizer-hf-no-use-fast"][0][5] == NO_EFFECT
