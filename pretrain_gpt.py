@@ -48,11 +48,20 @@ def model_provider(pre_process: bool = True, post_process: bool = True,
 
 
 def _is_mtp_stage(args, pstate) -> bool:
-    """This rank holds the layout's standalone MTP stage (--mtp-standalone)."""
-    from megatron.core.pipeline_parallel.layer_layout import mtp_standalone_rank
+    """The (virtual) stage ``pstate`` answers for is the layout's standalone MTP stage
+    (--mtp-standalone)."""
+    from megatron.core.pipeline_parallel.layer_layout import is_mtp_standalone_stage
 
-    return (getattr(args, "mtp_standalone", False) and pstate.pp_rank == mtp_standalone_rank(
-        args.pipeline_model_parallel_layout, pstate.pp_size))
+    return getattr(args, "mtp_standalone", False) and is_mtp_standalone_stage(
+        args.pipeline_model_parallel_layout, pstate.pp_size, pstate.pp_rank,
+        pstate.virtual_pp_rank if pstate.virtual_pp_size is not None else None)
+
+
+def _chunk_is_mtp_stage(model) -> bool:
+    """A (wrapped) model chunk holds the standalone MTP stage."""
+    while not hasattr(model, "mtp_standalone") and hasattr(model, "module"):
+        model = model.module
+    return bool(getattr(model, "mtp_standalone", False)) and model.mtp is not None
 
 
 def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
@@ -69,8 +78,9 @@ def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
     With ``--dataloader-inter-document-masking`` the samples' ``cu_seqlens`` give each token the
     positions of its own document and keep its attention inside it
     (:mod:`megatron.data.document_masks`). ``stage`` is ``(first, last)`` of the chunk
-    the batch is for (:func:`megatron.training.training.model_stage`); None asks the parallel
-    state (right without virtual stages).
+    the batch is for (:func:`megatron.training.training.model_stage`), or ``(first, last,
+    mtp)`` where the chunk may be a standalone MTP stage; None asks the parallel state (right
+    without virtual stages).
 
     With context parallelism every rank of a cp group reads the same samples and keeps its own
     ``s / cp`` tokens of each (chunks ``r`` and ``2 cp - 1 - r``): tokens, labels, loss mask and
@@ -82,9 +92,9 @@ def get_batch(data_iterator, stage=None, with_sample_index: bool = False):
     args = global_vars.get_args()
     tokenizer = global_vars.get_tokenizer()
     pstate = global_vars.get_parallel_state()
-    first, last = stage if stage is not None else (pstate.is_first_stage(),
-                                                   pstate.is_last_stage())
-    mtp_here = _is_mtp_stage(args, pstate)
+    first, last, *mtp = stage if stage is not None else (pstate.is_first_stage(),
+                                                         pstate.is_last_stage())
+    mtp_here = mtp[0] if mtp else _is_mtp_stage(args, pstate)
     if args.sft:
         return get_sft_batch(data_iterator, pstate, first, last, args.mtp_num_layers, mtp_here)
     documents = args.dataloader_inter_document_masking
@@ -206,7 +216,8 @@ def forward_step(data_iterator, model):
     # With virtual stages the chunk tells which stage it is; otherwise the parallel state does
     # (and get_batch keeps Megatron's one-argument call; only distillation asks it for the
     # samples' dataset indices too).
-    stage = (model_stage(model),) if global_vars.get_parallel_state().virtual_pp_size else ()
+    stage = ((*model_stage(model), _chunk_is_mtp_stage(model)),
+             ) if global_vars.get_parallel_state().virtual_pp_size else ()
     kd = distillation.setup(global_vars.get_args(), global_vars.get_parallel_state())
     indices = {"with_sample_index": True} if kd is not None else {}
     batch = get_batch(data_iterator, *stage, **indices)

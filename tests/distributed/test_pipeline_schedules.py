@@ -579,6 +579,19 @@ def test_1f1b_with_a_wider_message_into_the_last_stage_matches_one_process(p, m)
     _check_against_reference(run_pipeline(p, m, wide=True), p, m, wide=True)
 
 
-def test_interleaved_schedule_refuses_a_wider_message_into_the_last_stage():
-    with pytest.raises(ValueError, match="loss_stage_tensor_shape .* not built with virtual"):
-        run_pipeline(2, 4, v=2, wide=True)
+@pytest.mark.parametrize("p, m, v, group_size", [(2, 4, 2, None), (3, 6, 2, None),
+                                                 (2, 6, 3, None), (4, 4, 2, None),
+                                                 (2, 6, 2, 3), (3, 3, 2, None)])
+def test_interleaved_with_a_wider_message_into_the_last_stage_matches_one_process(
+        p, m, v, group_size):
+    """With virtual stages the wide boundary is between the last chunks of ranks p - 2 and
+    p - 1 (rank 0's last chunk at p 2, which also runs the first stage); one exchange may carry
+    a wide and a narrow message at once, each received with its own shape."""
+    stages = run_pipeline(p, m, v=v, wide=True, group_size=group_size)
+    _check_against_reference(stages, p, m, v, wide=True)
+
+
+def test_interleaved_forward_only_with_a_wider_message_into_the_last_stage():
+    stages = run_pipeline(2, 4, v=2, wide=True, forward_only=True)
+    ref_losses, _ = reference(2, 4, 2, wide=True)
+    assert [float(d["loss"]) for d in stages[-1].losses] == pytest.approx(ref_losses, abs=1e-12)

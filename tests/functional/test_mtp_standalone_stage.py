@@ -56,6 +56,61 @@ def test_standalone_mtp_stage_with_other_parallelism(corpus, extra, ranks,  # no
     _assert_parity(_run(corpus, ranks, extra + layout), _run(corpus, *reference))
 
 
+# Virtual stages: the standalone MTP stage is the last chunk of the rank before the loss's.
+# At pp 2 that is rank 0, which then holds the embedding (first chunk) and its MTP copy (last
+# chunk); at pp 3 rank 1's last chunk.
+VIRTUAL_PP2 = PP2 + ["--pipeline-model-parallel-layout", "Et|t|ttmm|L"]
+VIRTUAL_PP3 = ["--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout",
+               "E|t|t|t|tmm|L"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [VIRTUAL_PP2, VIRTUAL_PP3], ids=["pp2-vp2", "pp3-vp2"])
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_standalone_mtp_stage_with_virtual_stages_trains_as_one_process(  # noqa: F811
+        corpus, layout, untie):
+    """The interleaved schedule hands ``[3 s, b, h]`` over the one boundary into the loss
+    stage (and its gradient back) and ``[s, b, h]`` elsewhere; the embedding copies, two on
+    one rank at pp 2, are summed with each other and over the embedding group."""
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    extra += ["--global-batch-size", "12"] if "3" in layout else []
+    ranks = int(layout[1])
+    _assert_parity(_run(corpus, ranks, extra + layout), _run(corpus, 1, extra))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra, reference", [
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], (1, [])),
+    (["--use-distributed-optimizer", "--untie-embeddings-and-output-weights"],
+     (2, ["--use-distributed-optimizer", "--untie-embeddings-and-output-weights"]))],
+    ids=["tp2-sp", "dp2-distributed-optimizer"])
+def test_standalone_mtp_stage_with_virtual_stages_and_other_parallelism(  # noqa: F811
+        corpus, extra, reference):
+    """``[3 s/tp, b, h]`` over the loss boundary under sequence parallelism; the rank holding
+    both embedding tables shards each in the distributed optimizer."""
+    _assert_parity(_run(corpus, 4, extra + VIRTUAL_PP2), _run(corpus, *reference))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+def test_standalone_mtp_stage_with_virtual_stages_resumes_bit_for_bit(  # noqa: F811
+        corpus, tmp_path, fmt):
+    extra = ["--ckpt-format", fmt] + VIRTUAL_PP2
+    straight = _run(corpus, 2, extra)
+    save = str(tmp_path / "ckpt")
+    assert _run(corpus, 2, extra + ["--save", save, "--exit-interval", "2"])["iteration"] == 2
+    resumed = _run(corpus, 2, extra + ["--load", save])
+    assert resumed["iteration"] == 4
+    assert resumed["losses"] == straight["losses"][2:]
+    assert resumed["grad_norms"] == straight["grad_norms"][2:]
+    assert resumed["mtp"] == straight["mtp"][2:]
+    if fmt == "torch_dist":
+        single = _run(corpus, 1, ["--ckpt-format", fmt])
+        tail = dict(single, losses=single["losses"][2:], grad_norms=single["grad_norms"][2:],
+                    mtp=single["mtp"][2:])
+        _assert_parity(_run(corpus, 1, ["--ckpt-format", fmt, "--load", save]), tail)
+
+
 @pytest.mark.slow
 def test_megatron_flag_agrees_with_the_standalone_layout(corpus):  # noqa: F811
     """``--mtp-standalone`` (which Megatron sets itself from such a layout) is accepted with

@@ -4,7 +4,8 @@
 are accepted here with the same transformer layers in every (virtual) stage; those it refuses
 are refused here for the same reason; those it accepts as a standalone MTP stage are accepted
 here, with the same layers and as standalone, where that stage is just before the loss's
-without virtual stages (the placement built here), and refused in one line elsewhere."""
+(the placement built here, with or without virtual stages), and refused in one line
+elsewhere."""
 
 import json
 import subprocess
@@ -37,9 +38,10 @@ REFUSED = {
     ("Etm|mL", 2, 1, 2): ("must be in the same one virtual pipeline stage",
                           "must be in the same virtual pipeline stage"),
 }
-STANDALONE = [["Et|t|m|L", 2, 2, 1], ["Et|(tt|)*5,tm|L", 2, 12, 1]]
+STANDALONE = [["Et|t|t|m||L", 3, 3, 1], ["Etm||L", 3, 1, 1]]
 BUILT_STANDALONE = [["Ettm|L", 2, 2, 1], ["Ettttmm|L", 2, 4, 2], ["Et|tttmm|L", 3, 4, 2],
-                    ["Et|t|tmm|L", 4, 3, 2]]
+                    ["Et|t|tmm|L", 4, 3, 2], ["Et|t|m|L", 2, 2, 1],
+                    ["Et|(tt|)*5,tm|L", 2, 12, 1], ["E|t|t|t|tmm|L", 3, 4, 2]]
 
 
 def test_mtp_letters_as_megatron_core_places_them(mcore_python, tmp_path):  # noqa: F811

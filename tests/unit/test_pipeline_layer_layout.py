@@ -201,15 +201,15 @@ def test_mtp_layout_by_hand():
     ("Et|tmL", 2, 2, 0, r"\('m', 1\) must match --mtp-num-layers \(not given\)"),
     ("Et|mtL", 2, 2, 1, r"decoder layers \('t'\) must be placed before the MTP layers"),
     ("Etm||L", 3, 1, 1, r"in a stage of their own, without the loss \(Megatron's standalone "
-     r"MTP stage\), are built only in the stage just before the loss's, without virtual "
-     r"stages \(e.g. 'Ettmm\|L', 'Et\|ttmm\|L'\), not in stage 0 of 3"),
+     r"MTP stage\), are built only in the stage just before the loss's \(e.g. "
+     r"'Ettmm\|L', 'Et\|ttmm\|L', 'Et\|t\|tmm\|L' at pp 2\), not in stage 0 of 3"),
     ("Et|t|m|||L", 2, 2, 1, r"'m'\) must be in the last virtual pipeline stage of their "
      r"pipeline rank"),
     ("Etm|mL", 2, 1, 2, r"all of the MTP layers \('m'\) must be in the same virtual "
      r"pipeline stage"),
-    ("Et|t|m|L", 2, 2, 1, r"MTP layers \('m'\) in a stage of their own, without the loss "
-     r"\(Megatron's standalone MTP stage\), are built only .* not in stage 2 of 4: put them "
-     r"there or in the last stage, before 'L'"),
+    ("Et|t|t|m||L", 3, 3, 1, r"MTP layers \('m'\) in a stage of their own, without the "
+     r"loss \(Megatron's standalone MTP stage\), are built only .* not in stage 3 of 6: put "
+     r"them there or in the last stage, before 'L'"),
     ("Et|tLm", 2, 2, 1, r"the loss 'L' must appear once, last in the last stage"),
 ])
 def test_misplaced_mtp_letters_are_refused_as_megatron_refuses_them(text, pp, layers, mtp,
@@ -261,8 +261,7 @@ def test_mtp_layers_must_be_placed_in_a_layout_as_megatron_asks():
 
 
 def test_standalone_mtp_stage_just_before_the_loss_stage_is_accepted():
-    """Megatron's standalone MTP stage, built just before the loss stage without virtual
-    stages: the loss stage holds no transformer layer; the MTP stage's copy of the word
+    """Megatron's standalone MTP stage, built just before the loss stage: the loss stage holds no transformer layer; the MTP stage's copy of the word
     embedding joins the embedding group (with the loss stage's only when tied)."""
     assert ll.layout_stage_counts("Ettmm|L", 2, 2, 2) == [[2], [0]]
     assert ll.mtp_standalone_stage("Ettmm|L") == 0
@@ -274,6 +273,23 @@ def test_standalone_mtp_stage_just_before_the_loss_stage_is_accepted():
     assert ll.mtp_embedding_stages("Et|tmmL", 2, tied=True) is None
     assert ll.mtp_standalone_stage("Et|tmmL") is None
     assert ll.mtp_standalone_stage("Et|tL") is None
+
+
+def test_standalone_mtp_stage_with_virtual_stages_is_the_last_chunk_before_the_loss():
+    """With virtual stages the MTP stage is the stage just before the loss's: the last chunk
+    of the rank before the loss's rank, which at pp 2 is rank 0, holding the embedding too."""
+    assert ll.layout_stage_counts("Et|t|ttmm|L", 2, 4, 2) == [[1, 2], [1, 0]]
+    assert ll.mtp_standalone_stage("Et|t|ttmm|L") == 2
+    assert ll.mtp_standalone_rank("Et|t|ttmm|L", 2) == 0
+    assert ll.mtp_embedding_stages("Et|t|ttmm|L", 2, tied=True) == [0, 1]
+    assert ll.mtp_embedding_stages("Et|t|ttmm|L", 2, tied=False) == [0]
+    assert [ll.is_mtp_standalone_stage("Et|t|ttmm|L", 2, rank, vp)
+            for rank in (0, 1) for vp in (0, 1)] == [False, True, False, False]
+    assert ll.mtp_standalone_rank("E|t|t|t|tmm|L", 3) == 1
+    assert ll.mtp_embedding_stages("E|t|t|t|tmm|L", 3, tied=True) == [0, 1, 2]
+    assert ll.is_mtp_standalone_stage("E|t|t|t|tmm|L", 3, 1, 1)
+    assert not ll.is_mtp_standalone_stage("Et|t|ttmm|L", 2, 0, None)
+    assert not ll.is_mtp_standalone_stage(None, 2, 0, 1)
 
 
 def test_mtp_standalone_follows_the_layout():

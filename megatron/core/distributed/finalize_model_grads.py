@@ -90,15 +90,39 @@ def _allreduce_word_embedding_grads(model_chunks: Sequence[torch.nn.Module], emb
         in_embedding_group = is_first_stage or is_last_stage
     if pp_size <= 1 or not in_embedding_group:
         return
-    chunk = model_chunks[-1] if is_last_stage and not is_first_stage else model_chunks[0]
-    weight = _find_shared_embedding_weight(chunk)
-    if weight is None:
+    holders = ([0] if is_first_stage else []) + ([len(model_chunks) - 1] if is_last_stage else [])
+    # A standalone MTP stage keeps a copy too: on a middle rank, or in a last chunk beside the
+    # first stage's embedding (virtual stages).
+    holders += [i for i, chunk in enumerate(model_chunks) if _holds_mtp_stage(chunk)]
+    weights = []
+    for i in sorted(set(holders)) or [0]:
+        weight = _find_shared_embedding_weight(model_chunks[i])
+        if weight is not None and all(weight is not w for w in weights):
+            weights.append(weight)
+    if not weights:
         return
     if embedding_group is None:
         raise ValueError("finalize_model_grads: pipeline-model-parallel size is "
                          f"{pp_size} and this stage holds a tied embedding weight, so "
                          "embedding_group=<ParallelState.embedding_group> is required, got None")
-    dist.all_reduce(_grad_of(weight, "the shared embedding/output weight"), group=embedding_group)
+    grads = [_grad_of(weight, "the shared embedding/output weight") for weight in weights]
+    total = grads[0]
+    for grad in grads[1:]:       # this rank's copies first, then the sum over the group
+        total += grad
+    dist.all_reduce(total, group=embedding_group)
+    for grad in grads[1:]:
+        grad.copy_(total)
+
+
+def _holds_mtp_stage(chunk: torch.nn.Module) -> bool:
+    """A (wrapped) chunk is a standalone MTP stage (its model's ``mtp_standalone`` and MTP
+    block), whose copy of the word embedding is kept in step with the first stage's."""
+    module = chunk
+    while module is not None:
+        if hasattr(module, "mtp_standalone"):
+            return bool(module.mtp_standalone) and getattr(module, "mtp", None) is not None
+        module = getattr(module, "module", None)
+    return False
 
 
 def _divide_by_token_count(model_chunks: Sequence[torch.nn.Module], num_tokens, pp_group,

@@ -16,8 +16,8 @@ Four ways to say it, as in Megatron-LM:
   ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2). The
   ``--mtp-num-layers`` MTP layers, one ``m`` each, stand in the last stage before ``L``, where
   they run, or, as Megatron's standalone MTP stage, in a stage of their own before the loss's
-  (:func:`mtp_standalone_stage`; built just before the loss stage without virtual stages,
-  ``"Ettmm|L"``, ``"Et|ttmm|L"``);
+  (:func:`mtp_standalone_stage`; built just before the loss stage, ``"Ettmm|L"``,
+  ``"Et|ttmm|L"``, or with virtual stages ``"Et|t|tmm|L"`` at pp 2: rank 0's second chunk);
 * ``--standalone-embedding-stage``: pipeline rank 0 holds only the embedding, the other ranks
   the layers (:func:`standalone_embedding_layout` writes it as a layout).
 
@@ -115,8 +115,8 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
     """Megatron's rules for ``m``: one letter per MTP layer (``--mtp-num-layers`` of them),
     after every ``t``, all in one stage, the last virtual stage of its pipeline rank. That
     stage is the loss's (``...mmL``) or, Megatron's standalone MTP stage, one before it; the
-    standalone stage is built just before the loss stage, without virtual stages
-    (``"Ettmm|L"``, ``"Et|ttmm|L"``), and refused elsewhere. As in Megatron, a run with MTP
+    standalone stage is built just before the loss stage (``"Ettmm|L"``, ``"Et|ttmm|L"``,
+    with virtual stages ``"Et|t|tmm|L"`` at pp 2), and refused elsewhere. As in Megatron, a run with MTP
     layers must place them: a layout without ``m`` is refused."""
     flat = "".join(stages)
     count = flat.count("m")
@@ -136,11 +136,11 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
     if len(holding) > 1:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: all of the MTP layers ('m') must be in the "
                           "same virtual pipeline stage")
-    if holding[0] != len(stages) - 1 and (holding[0] != len(stages) - 2 or vp_size != 1):
+    if holding[0] < len(stages) - 2:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: MTP layers ('m') in a stage of their own, "
                           "without the loss (Megatron's standalone MTP stage), are built only "
-                          "in the stage just before the loss's, without virtual stages (e.g. "
-                          f"'Ettmm|L', 'Et|ttmm|L'), not in stage {holding[0]} of "
+                          "in the stage just before the loss's (e.g. 'Ettmm|L', 'Et|ttmm|L', "
+                          f"'Et|t|tmm|L' at pp 2), not in stage {holding[0]} of "
                           f"{len(stages)}: put them there or in the last stage, before 'L'")
 
 
@@ -156,20 +156,32 @@ def mtp_standalone_stage(text: str) -> Optional[int]:
 
 
 def mtp_embedding_stages(text: Optional[str], pp_size: int, tied: bool) -> Optional[List[int]]:
-    """The pipeline stages whose word-embedding tables are kept in step when the layout has
-    a standalone MTP stage: the first, the MTP stage (its copy, to embed the shifted tokens)
+    """The pipeline ranks whose word-embedding tables are kept in step when the layout has
+    a standalone MTP stage: the first, the MTP stage's (its copy, to embed the shifted tokens)
     and, with tied embeddings, the last (the output layer); None: the usual first and last.
-    E.g. pp 3, ``"Et|ttmm|L"``: ``[0, 1, 2]`` tied, ``[0, 1]`` untied."""
-    stage = mtp_standalone_stage(text) if text and pp_size > 1 else None
-    if stage is None:
+    E.g. pp 3, ``"Et|ttmm|L"``: ``[0, 1, 2]`` tied, ``[0, 1]`` untied; pp 2 with virtual
+    stages, ``"Et|t|tmm|L"``: ``[0, 1]`` tied, ``[0]`` untied (rank 0 holds both the
+    embedding and the MTP stage's copy, in its first and last chunks)."""
+    rank = mtp_standalone_rank(text, pp_size)
+    if rank is None:
         return None
-    return sorted({0, stage} | ({pp_size - 1} if tied else set()))
+    return sorted({0, rank} | ({pp_size - 1} if tied else set()))
 
 
 def mtp_standalone_rank(text: Optional[str], pp_size: int) -> Optional[int]:
-    """The pipeline rank of a layout's standalone MTP stage (built without virtual stages,
-    so its stage index), or None."""
-    return mtp_standalone_stage(text) if text and pp_size > 1 else None
+    """The pipeline rank of a layout's standalone MTP stage, or None. Stage ``i`` runs on
+    rank ``i % pp`` (virtual stage ``i // pp``, the rank's last: the MTP layers must be
+    there)."""
+    stage = mtp_standalone_stage(text) if text and pp_size > 1 else None
+    return None if stage is None else stage % pp_size
+
+
+def is_mtp_standalone_stage(text: Optional[str], pp_size: int, pp_rank: int,
+                            vp_rank: Optional[int]) -> bool:
+    """Whether virtual stage ``vp_rank`` (None: no virtual stages) of pipeline rank
+    ``pp_rank`` is the layout's standalone MTP stage."""
+    stage = mtp_standalone_stage(text) if text and pp_size > 1 else None
+    return stage is not None and stage == (vp_rank or 0) * pp_size + pp_rank
 
 
 def accounted_stage_counts(num_layers: int, pp_size: int, vp_size: Optional[int] = None,

@@ -27,7 +27,7 @@ Functions keep Megatron's names: ``recv_forward``, ``recv_backward``, ``send_for
 ``send_forward_backward_recv_forward_backward`` (interleaved).
 """
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,24 @@ ACTIVATION_TAG = 0
 GRADIENT_TAG = 1
 
 Shape = Sequence[int]
+
+
+class MessageShapes(NamedTuple):
+    """The shape of each of the four messages of one exchange, where they differ (a standalone
+    MTP stage hands the loss stage ``[(1+K)s, b, h]`` while every other boundary carries
+    ``[s, b, h]``, and one interleaved exchange may cross both kinds of boundary)."""
+
+    send_next: Shape
+    send_prev: Shape
+    recv_prev: Shape
+    recv_next: Shape
+
+
+def _message_shapes(tensor_shape: Union[Shape, MessageShapes]) -> MessageShapes:
+    if isinstance(tensor_shape, MessageShapes):
+        return MessageShapes(*(tuple(int(d) for d in shape) for shape in tensor_shape))
+    shape = tuple(int(d) for d in tensor_shape)
+    return MessageShapes(shape, shape, shape, shape)
 
 
 class P2PCommunicator:
@@ -87,7 +105,8 @@ class P2PCommunicator:
 
     def communicate(self, *, tensor_send_next: Optional[torch.Tensor],
                     tensor_send_prev: Optional[torch.Tensor], recv_prev: bool, recv_next: bool,
-                    tensor_shape: Shape) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+                    tensor_shape: Union[Shape, MessageShapes]
+                    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """One exchange with the neighbours; returns (tensor from prev, tensor from next).
 
         Args:
@@ -95,21 +114,23 @@ class P2PCommunicator:
             tensor_send_prev: gradient for the previous stage, or None.
             recv_prev: receive an activation from the previous stage.
             recv_next: receive a gradient from the next stage.
-            tensor_shape: the shape of every message.
+            tensor_shape: the shape of every message, or a :class:`MessageShapes` with each
+                message's own.
 
         A received activation is a fresh leaf with ``requires_grad=True``, so backward fills its
         ``.grad`` with the gradient to send back.
         """
-        shape = tuple(int(d) for d in tensor_shape)
-        for name, tensor in (("activation", tensor_send_next), ("gradient", tensor_send_prev)):
+        shapes = _message_shapes(tensor_shape)
+        for name, tensor, shape in (("activation", tensor_send_next, shapes.send_next),
+                                    ("gradient", tensor_send_prev, shapes.send_prev)):
             if tensor is not None and (tuple(tensor.shape) != shape or tensor.dtype != self.dtype):
                 raise ValueError(
                     f"pipeline stage {self.pp_rank}: {name} to send has shape "
                     f"{tuple(tensor.shape)} and dtype {tensor.dtype}, but stages exchange "
                     f"{shape} {self.dtype} (seq-length, micro-batch-size, hidden-size; "
                     f"seq-length / tensor-model-parallel-size with --sequence-parallel)")
-        from_prev = self._empty(shape, requires_grad=True) if recv_prev else None
-        from_next = self._empty(shape, requires_grad=False) if recv_next else None
+        from_prev = self._empty(shapes.recv_prev, requires_grad=True) if recv_prev else None
+        from_next = self._empty(shapes.recv_next, requires_grad=False) if recv_next else None
         if (tensor_send_next is None and tensor_send_prev is None and from_prev is None
                 and from_next is None):
             return None, None
@@ -196,7 +217,7 @@ class P2PCommunicator:
     # ------------------------------------------------------------------ interleaved (ring)
 
     def send_forward_recv_forward(self, output_tensor: Optional[torch.Tensor], recv_prev: bool,
-                                  tensor_shape: Shape) -> Optional[torch.Tensor]:
+                                  tensor_shape: Union[Shape, MessageShapes]) -> Optional[torch.Tensor]:
         """Send an activation to the next rank and/or receive one from the previous rank."""
         return self.communicate(tensor_send_next=output_tensor, tensor_send_prev=None,
                                 recv_prev=recv_prev, recv_next=False,
@@ -204,7 +225,7 @@ class P2PCommunicator:
 
     def send_backward_recv_backward(self, input_tensor_grad: Optional[torch.Tensor],
                                     recv_next: bool,
-                                    tensor_shape: Shape) -> Optional[torch.Tensor]:
+                                    tensor_shape: Union[Shape, MessageShapes]) -> Optional[torch.Tensor]:
         """Send a gradient to the previous rank and/or receive one from the next rank."""
         return self.communicate(tensor_send_next=None, tensor_send_prev=input_tensor_grad,
                                 recv_prev=False, recv_next=recv_next,
@@ -213,7 +234,8 @@ class P2PCommunicator:
     def send_forward_backward_recv_forward_backward(
             self, output_tensor: Optional[torch.Tensor],
             input_tensor_grad: Optional[torch.Tensor], recv_prev: bool, recv_next: bool,
-            tensor_shape: Shape) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+            tensor_shape: Union[Shape, MessageShapes]
+    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """All four directions in one exchange; returns (activation in, gradient in)."""
         return self.communicate(tensor_send_next=output_tensor,
                                 tensor_send_prev=input_tensor_grad, recv_prev=recv_prev,

@@ -73,7 +73,7 @@ from typing import Callable, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 from torch.autograd.variable import Variable
 
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.p2p_communication import MessageShapes, P2PCommunicator
 
 ModelArg = Union[torch.nn.Module, Sequence[torch.nn.Module]]
 NoSyncArg = Union[None, Callable, Sequence[Callable]]
@@ -261,15 +261,37 @@ class _Run:
     def __post_init__(self):
         self.backwards_done = [0] * len(self.chunks)
 
+    def _stage_shape(self, chunk: Optional[int], stage_from_last: int) -> Tuple[int, ...]:
+        if chunk is None or self.loss_stage_tensor_shape is None:
+            return self.tensor_shape
+        stage = chunk * self.comm.pp_size + self.comm.pp_rank
+        last = self.comm.pp_size * len(self.chunks) - 1
+        return self.loss_stage_tensor_shape if stage == last - stage_from_last else (
+            self.tensor_shape)
+
+    def input_shape(self, chunk: Optional[int]) -> Tuple[int, ...]:
+        """The shape of ``chunk``'s input (and of its gradient): ``loss_stage_tensor_shape``
+        into the last (virtual) stage when given (a standalone MTP stage hands on
+        ``[(1+K)s, b, h]``), else ``tensor_shape``; None: no message, ``tensor_shape``."""
+        return self._stage_shape(chunk, 0)
+
+    def output_shape(self, chunk: Optional[int]) -> Tuple[int, ...]:
+        """The shape of ``chunk``'s output (and of its gradient): ``loss_stage_tensor_shape``
+        out of the (virtual) stage before the last when given, else ``tensor_shape``."""
+        return self._stage_shape(chunk, 1)
+
     def boundary_shape(self, next_stage: bool) -> Tuple[int, ...]:
-        """The shape of the messages between this stage and the next (``next_stage``) or the
-        previous one: ``loss_stage_tensor_shape`` over the boundary into the last stage when
-        given (a standalone MTP stage hands on ``[(1+K)s, b, h]``), else ``tensor_shape``."""
-        comm = self.comm
-        into_last = comm.pp_rank == comm.pp_size - 2 if next_stage else comm.is_last_stage
-        if into_last and self.loss_stage_tensor_shape is not None:
-            return self.loss_stage_tensor_shape
-        return self.tensor_shape
+        """Without virtual stages: the shape of the messages between this stage and the next
+        (``next_stage``) or the previous one."""
+        return self.output_shape(0) if next_stage else self.input_shape(0)
+
+    def shapes(self, send: Optional[int] = None, send_grad: Optional[int] = None,
+               recv: Optional[int] = None, recv_grad: Optional[int] = None) -> MessageShapes:
+        """The shapes of one exchange that sends chunk ``send``'s output and chunk
+        ``send_grad``'s input gradient and receives chunk ``recv``'s input and chunk
+        ``recv_grad``'s output gradient (None where no such message goes)."""
+        return MessageShapes(self.output_shape(send), self.input_shape(send_grad),
+                             self.input_shape(recv), self.output_shape(recv_grad))
 
     def is_first_virtual(self, chunk: int) -> bool:
         return self.comm.is_first_stage and chunk == 0
@@ -557,10 +579,10 @@ def _interleaved_recv_chunk(run: _Run, st: _InterleavedState, k: int,
 def _interleaved_warmup(run: _Run, st: _InterleavedState, num_warmup: int,
                         all_warmup: bool) -> None:
     """Forwards through the chunks; the last one also receives the first gradient."""
-    comm, shape = run.comm, run.tensor_shape
+    comm = run.comm
     v = len(run.chunks)
     total = len(st.table)
-    st.input_tensors[0].append(comm.recv_forward(shape))
+    st.input_tensors[0].append(comm.recv_forward(run.input_shape(0)))
     for k in range(num_warmup):
         chunk = st.chunk(k, True)
         output_tensor = _interleaved_forward(run, st, k)
@@ -569,10 +591,12 @@ def _interleaved_warmup(run: _Run, st: _InterleavedState, num_warmup: int,
         to_send = None if run.is_last_virtual(chunk) else output_tensor
         if k == num_warmup - 1 and not run.forward_only and not all_warmup:
             input_tensor, output_tensor_grad = comm.send_forward_backward_recv_forward_backward(
-                to_send, None, recv_prev, not comm.is_last_stage, shape)
+                to_send, None, recv_prev, not comm.is_last_stage,
+                run.shapes(send=chunk, recv=next_chunk, recv_grad=v - 1))
             st.output_tensor_grads[v - 1].append(output_tensor_grad)
         else:
-            input_tensor = comm.send_forward_recv_forward(to_send, recv_prev, shape)
+            input_tensor = comm.send_forward_recv_forward(
+                to_send, recv_prev, run.shapes(send=chunk, recv=next_chunk))
         if recv_prev:
             st.input_tensors[next_chunk].append(input_tensor)
         if not run.forward_only:
@@ -586,16 +610,18 @@ def _interleaved_steady(run: _Run, st: _InterleavedState, num_warmup: int,
         forward_k, backward_k = i + num_warmup, i
         output_tensor = _interleaved_forward(run, st, forward_k)
         input_tensor_grad = _interleaved_backward(run, st, backward_k)
-        if run.is_last_virtual(st.chunk(forward_k, True)):
+        forward_chunk, backward_chunk = st.chunk(forward_k, True), st.chunk(backward_k, False)
+        if run.is_last_virtual(forward_chunk):
             output_tensor = None
-        if run.is_first_virtual(st.chunk(backward_k, False)):
+        if run.is_first_virtual(backward_chunk):
             input_tensor_grad = None
         recv_prev, next_forward = _interleaved_recv_chunk(run, st, forward_k, True)
         recv_next, next_backward = _interleaved_recv_chunk(run, st, backward_k, False)
         if i == num_steady - 1:
             recv_prev = False
         input_tensor, output_tensor_grad = run.comm.send_forward_backward_recv_forward_backward(
-            output_tensor, input_tensor_grad, recv_prev, recv_next, run.tensor_shape)
+            output_tensor, input_tensor_grad, recv_prev, recv_next,
+            run.shapes(forward_chunk, backward_chunk, next_forward, next_backward))
         deallocate_output_tensor(output_tensor)
         if recv_prev:
             st.input_tensors[next_forward].append(input_tensor)
@@ -608,16 +634,18 @@ def _interleaved_cooldown(run: _Run, st: _InterleavedState, num_steady: int,
     """The remaining backwards, passing gradients back through the chunks."""
     if run.forward_only:
         return
-    comm, shape = run.comm, run.tensor_shape
+    comm = run.comm
     v = len(run.chunks)
     total = len(st.table)
     if all_warmup:
-        st.output_tensor_grads[v - 1].append(comm.recv_backward(shape))
+        st.output_tensor_grads[v - 1].append(comm.recv_backward(run.output_shape(v - 1)))
     for k in range(num_steady, total):
         input_tensor_grad = _interleaved_backward(run, st, k)
         recv_next, next_chunk = _interleaved_recv_chunk(run, st, k, False)
         recv_next = recv_next and k != total - 1
-        output_tensor_grad = comm.send_backward_recv_backward(input_tensor_grad, recv_next, shape)
+        output_tensor_grad = comm.send_backward_recv_backward(
+            input_tensor_grad, recv_next,
+            run.shapes(send_grad=st.chunk(k, False), recv_grad=next_chunk))
         if recv_next:
             st.output_tensor_grads[next_chunk].append(output_tensor_grad)
 
@@ -656,17 +684,13 @@ def forward_backward_pipelining_with_interleaving(
             the forward step function can ask the parallel state which virtual stage it is on.
         microbatch_group_size_per_vp_stage: micro-batches each chunk runs before the next chunk
             starts (:func:`get_schedule_table`); None: the pipeline size.
-        loss_stage_tensor_shape: not built with virtual stages (a standalone MTP stage is
-            built at pp 2 without them): must be None or ``tensor_shape``.
+        loss_stage_tensor_shape: the shape of the messages into the last virtual stage (the
+            last chunk of the last rank) when it is not ``tensor_shape``: a standalone MTP
+            stage, the virtual stage before it, sends ``[(1+K)s, b, h]``; None: the same.
     """
-    if loss_stage_tensor_shape is not None and tuple(loss_stage_tensor_shape) != tuple(
-            tensor_shape or ()):
-        raise ValueError("the interleaved schedule sends one tensor_shape over every stage "
-                         f"boundary; loss_stage_tensor_shape {tuple(loss_stage_tensor_shape)} "
-                         "(a standalone MTP stage) is not built with virtual stages")
     run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
                     grad_scale_func, no_sync_func, communicator, tensor_shape,
-                    set_virtual_pp_rank, calculate_per_token_loss)
+                    set_virtual_pp_rank, calculate_per_token_loss, loss_stage_tensor_shape)
     p, v, m = communicator.pp_size, len(run.chunks), num_microbatches
     group_size = _group_size(microbatch_group_size_per_vp_stage, p, m)
     num_warmup = interleaved_num_warmup(p, communicator.pp_rank, m, v, forward_only, group_size)
