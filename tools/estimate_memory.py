@@ -80,9 +80,9 @@ def parse(argv: Optional[List[str]]) -> argparse.Namespace:
     from megatron.core.config import ConfigError
     from megatron.tokenizer import build_tokenizer
 
-    args = parse_args(add_estimate_args, argv=argv)
-    rank_counts(args)
     try:
+        args = parse_args(add_estimate_args, argv=argv)
+        rank_counts(args)
         if args.use_checkpoint_args:
             checkpointing.load_args_from_checkpoint(args)
         validate_args(args)

@@ -1390,15 +1390,33 @@ def parse_args(extra_args_provider: Optional[Callable] = None, ignore_unknown_ar
         args, _ = parser.parse_known_args(argv)
     else:
         args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    if args.yaml_cfg is not None:
+        args = _args_from_yaml(parser, args, words)
+    else:
+        # Whether the format was chosen on the command line (a default can be replaced where
+        # it cannot work; a choice the user made is refused instead).
+        args.ckpt_format_given = any(w in ("--ckpt-format", "--use-dist-ckpt")
+                                     or w.startswith("--ckpt-format=") for w in words)
+        # Whether the inf/nan check (on by default) was asked for by name.
+        args.check_for_nan_given = "--check-for-nan-in-loss-and-grad" in words
     args.rank = int(os.environ.get("RANK", "0"))
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    words = sys.argv[1:] if argv is None else list(argv)
-    # Whether the format was chosen on the command line (a default can be replaced where it
-    # cannot work; a choice the user made is refused instead).
-    args.ckpt_format_given = any(w in ("--ckpt-format", "--use-dist-ckpt")
-                                 or w.startswith("--ckpt-format=") for w in words)
-    # Whether the inf/nan check (on by default) was asked for by name.
-    args.check_for_nan_given = "--check-for-nan-in-loss-and-grad" in words
+    return args
+
+
+def _args_from_yaml(parser, args, words) -> argparse.Namespace:
+    """--yaml-cfg: the namespace the file's equivalent command line parses to.
+
+    Raises:
+        YamlConfigError: naming the file and the key, or the flags given beside it.
+    """
+    from megatron.training import yaml_arguments
+
+    args, given = yaml_arguments.args_from_yaml(parser, args, words, UNSUPPORTED_FLAGS)
+    args.ckpt_format_given = given.get("ckpt_format") is not None or bool(
+        given.get("use_dist_ckpt"))
+    args.check_for_nan_given = given.get("check_for_nan_in_loss_and_grad") is True
     return args
 
 
@@ -1449,8 +1467,8 @@ def parse_and_validate(argv: Optional[List[str]] = None,
                        extra_args_provider: Optional[Callable] = None,
                        prog: Optional[str] = None) -> argparse.Namespace:
     """What an entry point calls: bad sizes print one line naming the flags and exit with 2."""
-    args = parse_args(extra_args_provider, argv=argv)
     try:
+        args = parse_args(extra_args_provider, argv=argv)
         return validate_args(args)
     except (ArgumentsError, ConfigError) as err:
         name = prog or os.path.basename(sys.argv[0]) or "megatron"

@@ -116,6 +116,13 @@ WORKS_HELP = {
     "--max-tokens-to-oom": "tools/run_text_generation_server.py: most tokens in one request",
     "--padded-vocab-size": "the model's vocabulary size, instead of padding the tokenizer's",
     "--save-interval": "iterations between checkpoints",
+    "--yaml-cfg": "take the whole configuration from this Megatron YAML file: top-level keys "
+                  "are flag dests (train_iters, lr, ...), a language_model: section holds "
+                  "TransformerConfig fields and a model_parallel: section ModelParallelConfig "
+                  "fields; ${NAME} reads an environment variable; a key left out (or null) "
+                  "takes this parser's default, and the run is validated as its command line "
+                  "would be. Unlike Megatron, which ignores other command-line flags beside "
+                  "it, any other flag given with it is refused",
     "--no-log-loss-scale-to-tensorboard": "no loss-scale scalar in TensorBoard",
     "--moe-router-force-biased": "benchmark switch: route by random normal logits plus a random "
                                  "per-expert bias of this std, so some experts get more tokens "

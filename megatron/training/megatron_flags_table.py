@@ -105,8 +105,8 @@ ACT_OFFLOAD = ("Megatron stashes expert activations in pages only under the flex
                "expert_fc1 moe_act")
 INFLIGHT = ("offload copies here finish before the forward goes on, so no offload is ever in "
             "flight for a cap to limit")
-SPEC = ("custom module specs and YAML configs are not built here; the layers are always this "
-        "project's own; drop it and give the flags on the command line")
+SPEC = ("Megatron-Core module specs (Python import paths of layer classes) are not built here; "
+        "the layers are always this project's own; drop it")
 UCC = "only the default communication backend is built here; drop it"
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
@@ -502,7 +502,7 @@ ROWS = (
     ('--spec', '', 'str*', None, '', REFUSED, SPEC),
     ('--hybrid-layer-pattern', '', 'str', None, '', REFUSED, MAMBA),
     ('--hybrid-override-pattern', '', 'str', None, '', REFUSED, MAMBA),
-    ('--yaml-cfg', '', 'str', None, '', REFUSED, SPEC),
+    ('--yaml-cfg', '', 'str', None, '', WORKS, None),
     ('--megatron-fsdp-enable-fine-grained-param-gather', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),
     ('--megatron-fsdp-max-pool-double-buffer', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),
     ('--fsdp-db-use-persist-buf-on-alloc-fail', '', 'true', False, '', NO_EFFECT, FSDP_RUNTIME),

@@ -121,11 +121,11 @@ def _one_line_errors(extra_args_provider: Optional[Callable]) -> Callable:
 def parse_entry_flags(argv, extra_args_provider, args_defaults, before_validation=None):
     """Parse and validate the flags; ``before_validation(args)`` (a tool's own adjustments)
     runs on the parsed flags just before :func:`validate_args`."""
-    args = parse_args(_one_line_errors(extra_args_provider), argv=argv)
-    for key, value in (args_defaults or {}).items():
-        if getattr(args, key, None) is None:
-            setattr(args, key, value)
     try:
+        args = parse_args(_one_line_errors(extra_args_provider), argv=argv)
+        for key, value in (args_defaults or {}).items():
+            if getattr(args, key, None) is None:
+                setattr(args, key, value)
         if args.use_checkpoint_args:
             checkpointing.load_args_from_checkpoint(args)
         checkpointing.null_tokenizer_eod_from_checkpoint(args)
