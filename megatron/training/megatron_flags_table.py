@@ -97,6 +97,12 @@ RESILIENCY = ("NVIDIA's resiliency packages (fault tolerance, in-process restart
 AUTORESUME = "ADLR cluster autoresume is not part of this project; use --exit-duration-in-mins"
 TELEMETRY = ("this tracing/telemetry integration is not built here; drop it (use "
              "--tensorboard-dir or --wandb-project)")
+OTEL = ("Megatron exports OpenTelemetry spans and metrics through NVIDIA's nemo-lens package, "
+        "which is not on PyPI (this project installs from PyPI only); drop it (use "
+        "--tensorboard-dir or --wandb-project)")
+INSPECTOR = ("Megatron starts NVIDIA's workload-inspector web server only when its "
+             "workload_inspector package is installed, and otherwise prints a line and trains "
+             "on; that package is not on PyPI, so no server starts here either")
 FLEX = ("the flex token dispatcher (DeepEP, HybridEP, NCCL EP) is not built here; use "
         "--moe-token-dispatcher-type alltoall")
 ACT_OFFLOAD = ("Megatron stashes expert activations in pages only under the flex dispatcher's "
@@ -425,10 +431,10 @@ ROWS = (
     ('--moe-routing-trace-capture-logits', '', 'true', False, '', REFUSED, TELEMETRY),
     ('--moe-routing-trace-capture-hidden-states', '', 'true', False, '', REFUSED, TELEMETRY),
     ('--moe-routing-trace-dump-weights', '', 'true', False, '', REFUSED, TELEMETRY),
-    ('--otel-enabled', '', 'true', False, '', REFUSED, TELEMETRY),
-    ('--otel-service-name', '', 'str', None, '', REFUSED, TELEMETRY),
-    ('--otel-span-groups', '', 'str+', None, '', REFUSED, TELEMETRY),
-    ('--run-workload-inspector-server', '', 'true', False, '', REFUSED, TELEMETRY),
+    ('--otel-enabled', '', 'true', False, '', REFUSED, OTEL),
+    ('--otel-service-name', '', 'str', None, '', REFUSED, OTEL),
+    ('--otel-span-groups', '', 'str+', None, '', REFUSED, OTEL),
+    ('--run-workload-inspector-server', '', 'true', False, '', NO_EFFECT, INSPECTOR),
     ('--inference-batch-times-seqlen-threshold', '', 'int', -1, '', REFUSED, INFERENCE),
     ('--max-tokens-to-oom', '', 'int', 12000, '', WORKS, None),
     ('--output-bert-embeddings', '', 'true', False, '', REFUSED, INFERENCE),
