@@ -68,6 +68,10 @@ class GPTModel(MegatronModule):
     embedding keeps ``word_embeddings_for_head``, a ``[V/tp, h]`` copy initialised exactly like
     the first stage's word embeddings; the pipeline code keeps the two in step (their gradients
     are summed over the embedding group).
+
+    With ``config.config_logger_dir`` (--config-logger-dir) the model writes its constructor
+    arguments, initial weights and every LM-head forward's inputs and logits there, under
+    Megatron's file names (:mod:`megatron.core.config_logger`).
     """
 
     def __init__(self, config: TransformerConfig, pstate, pre_process: bool = True,
