@@ -250,6 +250,9 @@ class TransformerConfig:
     mhc_sinkhorn_iterations: int = 20
     mhc_init_gating_factor: float = 0.01
     mhc_recompute_layer_num: Optional[int] = None
+    # --config-logger-dir: where the models write their constructor arguments, initial
+    # weights and forward inputs/logits (megatron/core/config_logger.py); '' for nowhere
+    config_logger_dir: str = ""
 
     @property
     def residual_stream_size(self) -> int:

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from megatron.core import device, tensor_parallel
+from megatron.core import config_logger, device, tensor_parallel
 from megatron.core.config import ConfigError, TransformerConfig
 from megatron.core.parallel_state import ModelGroups
 from megatron.core.utils import get_init_method
@@ -129,6 +129,10 @@ class BertModel(MegatronModule):
                  pre_process: bool = True, post_process: bool = True, init_seed: int = 1234,
                  sequence_parallel: bool = False):
         super().__init__(config)
+        if config.config_logger_dir:
+            config_logger.log_config_to_disk(
+                config.config_logger_dir, config_logger.constructor_arguments(locals()),
+                type(self).__name__, config_logger.rank_string(pstate))
         if config.untie_embeddings_and_output_weights:
             raise ConfigError("BERT ties its LM head to the word embeddings: "
                               "--untie-embeddings-and-output-weights is not supported "

@@ -1,10 +1,11 @@
 """GPT: the language model of one pipeline stage, with the LM head and loss on the last stage."""
 
+from collections import OrderedDict
 from typing import Optional
 
 import torch
 
-from megatron.core import tensor_parallel
+from megatron.core import config_logger, tensor_parallel
 from megatron.core.collectives import all_reduce, get_group_size
 from megatron.core.config import TransformerConfig
 from megatron.core.parallel_state import ModelGroups
@@ -67,6 +68,10 @@ class GPTModel(MegatronModule):
     embedding keeps ``word_embeddings_for_head``, a ``[V/tp, h]`` copy initialised exactly like
     the first stage's word embeddings; the pipeline code keeps the two in step (their gradients
     are summed over the embedding group).
+
+    With ``config.config_logger_dir`` (--config-logger-dir) the model writes its constructor
+    arguments, initial weights and every LM-head forward's inputs and logits there, under
+    Megatron's file names (:mod:`megatron.core.config_logger`).
     """
 
     def __init__(self, config: TransformerConfig, pstate, pre_process: bool = True,
@@ -77,6 +82,11 @@ class GPTModel(MegatronModule):
                  mtp_detach_heads: bool = False, mtp_hsm: bool = False,
                  mtp_standalone: bool = False, mtp_stage: bool = False):
         super().__init__(config)
+        if config.config_logger_dir:
+            self._logger_ranks = config_logger.rank_string(pstate)
+            config_logger.log_config_to_disk(
+                config.config_logger_dir, config_logger.constructor_arguments(locals()),
+                type(self).__name__, self._logger_ranks)
         config.check_splittable(pstate.tp_size, pstate.pp_size)
         if (mtp_num_layers and pstate.pp_size > 1
                 and config.position_embedding_type == "learned_absolute"):
@@ -148,6 +158,8 @@ class GPTModel(MegatronModule):
         # Called with each training forward's logits [s, b, V/tp] before the loss (offline
         # distillation sets it); with ``keeps_logits`` the logits must outlive the loss.
         self.logits_observer = None
+        if config.config_logger_dir:
+            self._start_config_logging()
 
     def shared_embedding_or_output_weight(self) -> torch.Tensor:
         """The word-embedding table this stage uses (embedding, LM head, or both)."""
@@ -203,6 +215,8 @@ class GPTModel(MegatronModule):
         buffer = (self._logits_buffer if labels is not None and torch.is_grad_enabled()
                   and hidden.device.type == "cpu" and not keep else None)
         logits = self._head(hidden, buffer)                                  # [s, b, V/tp]
+        if self.config.config_logger_dir:
+            self._log_inputs_and_logits(input_ids, position_ids, attention_mask, logits)
         if observer is not None:
             observer(logits)
         if labels is None:
@@ -217,6 +231,30 @@ class GPTModel(MegatronModule):
                 mtp_outputs = self._mtp_outputs(hidden, input_ids, position_ids, attention_mask)
             loss = self._with_mtp_loss(loss, mtp_outputs, position_ids, labels, loss_mask)
         return loss
+
+    def _start_config_logging(self) -> None:
+        """--config-logger-dir, once built: write the initial weights, as Megatron's
+        ``GPTModel_init_ckpt`` file, and keep each forward's embedding output (Megatron's
+        ``decoder_input``) for :meth:`_log_inputs_and_logits`."""
+        self._decoder_input = None
+        config_logger.log_config_to_disk(self.config.config_logger_dir, self.state_dict(),
+                                         f"{type(self).__name__}_init_ckpt",
+                                         self._logger_ranks)
+        if self.pre_process:
+            def keep(_module, _inputs, output):
+                self._decoder_input = output.detach()
+            self.language_model.embedding.register_forward_hook(keep)
+
+    def _log_inputs_and_logits(self, input_ids, position_ids, attention_mask, logits) -> None:
+        """--config-logger-dir: this forward's inputs, embedding output (None on a stage
+        without the embedding) and logits ``[s, b, V/tp]``, as Megatron's
+        ``input_and_logits`` file."""
+        payload = OrderedDict(input_ids=input_ids, position_ids=position_ids,
+                              attention_mask=attention_mask, decoder_input=self._decoder_input,
+                              logits=logits.detach().clone())
+        self._decoder_input = None
+        config_logger.log_config_to_disk(self.config.config_logger_dir, payload,
+                                         "input_and_logits", self._logger_ranks)
 
     def _head(self, hidden: torch.Tensor, buffer=None, detach_weight: bool = False
               ) -> torch.Tensor:

@@ -216,6 +216,7 @@ def build_configs(args: argparse.Namespace) -> Configs:
         mhc_sinkhorn_iterations=args.mhc_sinkhorn_iterations,
         mhc_init_gating_factor=args.mhc_init_gating_factor,
         mhc_recompute_layer_num=args.mhc_recompute_layer_num,
+        config_logger_dir=args.config_logger_dir or "",
     )
     model.check_splittable(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
     return Configs(model=model, ddp=_ddp_config(args),

@@ -208,7 +208,7 @@ ROWS = (
     ('--inference-cuda-graph-scope', '', 'str', None, 'none|layer|block', REFUSED, INFERENCE),
     ('--no-clone-scatter-output-in-embedding --disable-clone-scatter-output-in-embedding',
      'clone_scatter_output_in_embedding', 'false', True, '', NO_EFFECT, CLONE_SCATTER),
-    ('--config-logger-dir', '', 'str', '', '', REFUSED, TELEMETRY),
+    ('--config-logger-dir', '', 'str', '', '', WORKS, None),
     ('--flash-decode', '', 'true', False, '', REFUSED, INFERENCE),
     ('--batch-invariant-mode', '', 'true', False, '', REFUSED, INFERENCE),
     ('--batch-invariant-backend', '',

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint.config import CheckpointConfig
-from megatron.core import device
+from megatron.core import config_logger, device
 from megatron.core.config import ConfigError
 from megatron.core.distributed import (DistributedDataParallel, TorchFullyShardedDataParallel,
                                        finalize_model_grads)
@@ -1116,6 +1116,8 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
         raise SystemExit("pretrain: give --train-iters or --train-samples")
     # Also checks the model shape against the split once more.
     configs = _training_configs(build_configs(args))
+    if configs.model.config_logger_dir:
+        config_logger.check_config_logger_dir(configs.model.config_logger_dir)
     ckpt = configs.checkpoint
     timers = Timers(configs.logging.timing_log_level, configs.logging.timing_log_option)
     writer = training_log.make_scalar_writer(args)
