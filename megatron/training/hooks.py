@@ -1,8 +1,8 @@
 """What the training loop does around each iteration besides training: profiling (--profile,
 with --nvtx-ranges and --pytorch-profiler-collect-chakra), memory reports and snapshots
-(--log-memory-interval, --record-memory-history), manual garbage collection (--manual-gc) and
-emptying the allocator cache (--empty-unused-memory-level), at the points where Megatron does
-them."""
+(--log-memory-interval, --record-memory-history), manual garbage collection (--manual-gc),
+emptying the allocator cache (--empty-unused-memory-level) and the MoE routing trace
+(--moe-routing-trace-path), at the points where Megatron does them."""
 
 import gc
 import os
@@ -13,6 +13,7 @@ from typing import Dict
 import torch
 
 from megatron.core import device
+from megatron.model.moe.routing_trace import RoutingTracer
 
 
 class IterationProfiler:
@@ -238,3 +239,28 @@ def note_cpu_only_flags(args) -> None:
     if args.empty_unused_memory_level and not device.is_cuda() and args.rank == 0:
         print(f"NOTE: --empty-unused-memory-level {args.empty_unused_memory_level} empties the "
               "CUDA caching allocator; on CPU it has no effect", flush=True)
+
+
+class RoutingTrace:
+    """--moe-routing-trace-path and its options: a
+    :class:`~megatron.model.moe.routing_trace.RoutingTracer` on the model's routers from the
+    start of training, advanced after each iteration's optimizer step; nothing when unset."""
+
+    def __init__(self, args, model_chunks):
+        self.tracer = None
+        if args.moe_routing_trace_path:
+            self.tracer = RoutingTracer(
+                args.moe_routing_trace_path, args.rank,
+                max_steps=args.moe_routing_trace_max_training_iters,
+                capture_hidden_states=args.moe_routing_trace_capture_hidden_states,
+                capture_logits=args.moe_routing_trace_capture_logits,
+                dump_weights=args.moe_routing_trace_dump_weights)
+            self.tracer.attach(model_chunks)
+
+    def after_iteration(self) -> None:
+        if self.tracer is not None:
+            self.tracer.advance_step()
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()

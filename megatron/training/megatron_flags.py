@@ -132,6 +132,26 @@ WORKS_HELP = {
                                  "per-expert bias of this std, so some experts get more tokens "
                                  "(< 0: one bias per layer for the whole run, the same on every "
                                  "rank; > 0: drawn again at every forward; 0: no bias)",
+    "--moe-routing-trace-path": "folder for a trace of the MoE routing in training: per "
+                                "rank, router_trace_rank{RANK}.jsonl with one record per "
+                                "router call of each training iteration (step, block, layer, "
+                                "rank, num_tokens, topk, top_indices: each token's experts "
+                                "in the routing map); evaluation and recomputation forwards "
+                                "are not recorded",
+    "--moe-routing-trace-max-training-iters": "with --moe-routing-trace-path: trace this many "
+                                              "iterations, then stop (default: all)",
+    "--moe-routing-trace-capture-logits": "with --moe-routing-trace-path: also write each "
+                                          "router's logits, bfloat16, to "
+                                          "logits_rank{RANK}.bin (records give offset, bytes, "
+                                          "shape)",
+    "--moe-routing-trace-capture-hidden-states": "with --moe-routing-trace-path: also write "
+                                                 "each router's input, bfloat16, to "
+                                                 "hidden_states_rank{RANK}.bin (records give "
+                                                 "offset, bytes, shape)",
+    "--moe-routing-trace-dump-weights": "with --moe-routing-trace-path: also save each "
+                                        "router's weight, biases, score function and top-k, "
+                                        "as the trace first saw them, to "
+                                        "router_state_rank{RANK}.pt",
 }
 
 

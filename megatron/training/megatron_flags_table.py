@@ -95,8 +95,6 @@ RESILIENCY = ("NVIDIA's resiliency packages (fault tolerance, in-process restart
               "injection) are not part of this project; drop it (use --exit-signal-handler and "
               "restart with --load)")
 AUTORESUME = "ADLR cluster autoresume is not part of this project; use --exit-duration-in-mins"
-TELEMETRY = ("this tracing/telemetry integration is not built here; drop it (use "
-             "--tensorboard-dir or --wandb-project)")
 OTEL = ("Megatron exports OpenTelemetry spans and metrics through NVIDIA's nemo-lens package, "
         "which is not on PyPI (this project installs from PyPI only); drop it (use "
         "--tensorboard-dir or --wandb-project)")
@@ -426,11 +424,11 @@ ROWS = (
     ('--wandb-entity', '', 'str', None, '', WORKS, None),
     ('--logging-level', '', 'int', None, '', WORKS, None),
     ('--log-energy', '', 'true', False, '', NO_EFFECT, ENERGY),
-    ('--moe-routing-trace-path', '', 'str', None, '', REFUSED, TELEMETRY),
-    ('--moe-routing-trace-max-training-iters', '', 'int', None, '', REFUSED, TELEMETRY),
-    ('--moe-routing-trace-capture-logits', '', 'true', False, '', REFUSED, TELEMETRY),
-    ('--moe-routing-trace-capture-hidden-states', '', 'true', False, '', REFUSED, TELEMETRY),
-    ('--moe-routing-trace-dump-weights', '', 'true', False, '', REFUSED, TELEMETRY),
+    ('--moe-routing-trace-path', '', 'str', None, '', WORKS, None),
+    ('--moe-routing-trace-max-training-iters', '', 'int', None, '', WORKS, None),
+    ('--moe-routing-trace-capture-logits', '', 'true', False, '', WORKS, None),
+    ('--moe-routing-trace-capture-hidden-states', '', 'true', False, '', WORKS, None),
+    ('--moe-routing-trace-dump-weights', '', 'true', False, '', WORKS, None),
     ('--otel-enabled', '', 'true', False, '', REFUSED, OTEL),
     ('--otel-service-name', '', 'str', None, '', REFUSED, OTEL),
     ('--otel-span-groups', '', 'str+', None, '', REFUSED, OTEL),

@@ -943,6 +943,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     profiler = training_hooks.IterationProfiler(args, args.rank, run.timers)
     memory_tools = training_hooks.MemoryTools(args, pstate.dp_rank)
     manual_gc = training_hooks.ManualGC(args)
+    routing_trace = training_hooks.RoutingTrace(args, run.model)
     straggler = stragglers.build(args, run.timers, lambda batch: (
         training_log.num_floating_point_operations(args, batch)))
     hang = watchdog.build(args)
@@ -965,6 +966,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
                     timers=run.timers, train_state=train_state)
             except rerun.RerunExit as stop:
                 _rerun_exit(run, stop)
+            routing_trace.after_iteration()
             train_state.iteration += 1
             iteration = train_state.iteration
             hash_interval = args.check_weight_hash_across_dp_replicas_interval
@@ -1007,6 +1009,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
     finally:
         profiler.close()
         manual_gc.close()
+        routing_trace.close()
         straggler.close()
         hang.close()
         if stop_signal is not None:

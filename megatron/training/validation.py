@@ -1313,6 +1313,26 @@ def _validate_moe(args) -> None:
     build_moe_config(args)
 
 
+def _validate_routing_trace(args) -> None:
+    """--moe-routing-trace-path traces MoE routers; its options need it."""
+    path = args.moe_routing_trace_path
+    options = (("--moe-routing-trace-max-training-iters",
+                args.moe_routing_trace_max_training_iters is not None),
+               ("--moe-routing-trace-capture-logits", args.moe_routing_trace_capture_logits),
+               ("--moe-routing-trace-capture-hidden-states",
+                args.moe_routing_trace_capture_hidden_states),
+               ("--moe-routing-trace-dump-weights", args.moe_routing_trace_dump_weights))
+    for flag, given in options:
+        if given and not path:
+            _fail(f"{flag} is an option of the MoE routing trace; give --moe-routing-trace-path")
+    given = [flag for flag, on in (("--moe-routing-trace-path", path), *options) if on]
+    if given and args.num_experts is None:
+        _fail(f"{given[0]} traces the MoE routers: it needs --num-experts")
+    iters = args.moe_routing_trace_max_training_iters
+    if iters is not None and iters < 1:
+        _fail(f"--moe-routing-trace-max-training-iters must be >= 1, got {iters}")
+
+
 def _has_dense_mlp(args) -> bool:
     freq = args.moe_layer_freq
     if args.num_experts is None:
@@ -1931,6 +1951,7 @@ def check_flags(args):
     _validate_weight_shards(args)
     _validate_grouped_gemm(args)
     _validate_moe(args)
+    _validate_routing_trace(args)
     _validate_expert_weight_shards(args)
     _read_heterogeneous_config(args)
     _validate_upcycling(args)

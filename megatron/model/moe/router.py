@@ -464,6 +464,11 @@ class TopKRouter(torch.nn.Module):
         if eps is not None and self.training:
             noise = torch.empty_like(hidden_states).uniform_(1.0 - eps, 1.0 + eps)
             hidden_states = hidden_states * noise
+        return self.logits(hidden_states)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[..., h]`` -> ``[..., E]``: the linear map alone (no input jitter, so no random
+        draw: the routing trace recomputes a router's logits with it)."""
         if self.router_dtype is not None:
             hidden_states = hidden_states.to(self.router_dtype)
         bias = None if self.bias is None else self.bias.to(hidden_states.dtype)
