@@ -83,6 +83,7 @@ INSTALL_REQUIRES = [
     "sentencepiece",
     "safetensors",      # Hugging Face checkpoint conversion
     "zstandard",        # Megatron's teacher-logit tar members (--logits-save-dir / -load-dir)
+    "pyyaml",           # --yaml-cfg (imported only when given)
 ]
 
 EXTRAS_REQUIRE = {
