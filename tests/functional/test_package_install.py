@@ -107,7 +107,11 @@ def test_fresh_venv_pip_install_preprocesses_trains_converts_and_serves(
         for i in range(40):
             f.write(json.dumps({"text": f"Dr. Smith met {i} cats. They sat down. Then a dog "
                                         "came by. It was late."}) + "\n")
-    tools = source / "tools"
+    # The tools put the folder above them on sys.path: from a copy beside the work folder they
+    # find no megatron there and run on the installed package (from source/tools a regular
+    # install ran the checkout's copy, the server JIT-building the kernels it lacked: ~40 s).
+    tools = work / "tools"
+    shutil.copytree(source / "tools", tools)
     run(tools / "train_tokenizer.py", "--input", "corpus.jsonl", "--json-keys", "text",
         "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-size", "200", "--output",
         "vocab.txt")
