@@ -12,11 +12,11 @@ group; a run's time per iteration is the median of the ``elapsed time per iterat
 after ``--warmup`` iterations; the table shows the median over runs (and all runs).
 tokens/s = global batch x seq length / time per iteration (the whole job, not per device).
 The machine may be shared: each run starts only once other programs have used fewer than
-``--quiet-cores`` cores over 5 s (waiting at most ``--quiet-wait`` s), and the script reports,
-per run, the cores other programs used while it ran (machine busy time from /proc/stat minus
-this run's own CPU time, over its wall time). Two threads of one process suffer more from such
-sharing than two one-thread processes (every OpenMP region waits for its slowest thread), so
-only runs with that number near 0 compare the layouts fairly.
+``--quiet-cores`` cores over ``--quiet-window`` s (default 5; waiting at most ``--quiet-wait``
+s), and the script reports, per run, the cores other programs used while it ran (machine busy
+time from /proc/stat minus this run's own CPU time, over its wall time). Two threads of one
+process suffer more from such sharing than two one-thread processes (every OpenMP region waits
+for its slowest thread), so only runs with that number near 0 compare the layouts fairly.
 
 Communication share: each layout runs once more under ``benchmarks/scaling_probe.py`` (the same
 ``pretrain_gpt.py``, with every torch.distributed call timed at run time, see that file). Counted
@@ -44,6 +44,7 @@ Run::
         [--layouts 1,1,1 2,1,1 1,2,1 1,1,2 (suffix +sp, +distopt, +overlap: add
         --sequence-parallel, --use-distributed-optimizer, --overlap-grad-reduce)]
         [--skip-probe] [--profile-ops 1,1,1 2,1,1] [--quiet-cores 0.25] [--quiet-wait 600]
+        [--quiet-window 5]
 """
 
 import argparse
@@ -151,11 +152,11 @@ def _children_cpu_s() -> float:
 
 def wait_for_quiet(a) -> float:
     """Wait (up to --quiet-wait s) until other programs use under --quiet-cores cores, averaged
-    over 5 s; returns what they used in the last window."""
+    over --quiet-window s; returns what they used in the last window."""
     deadline = time.monotonic() + a.quiet_wait
     while True:
         busy, start = _busy_cpu_s(), time.monotonic()
-        time.sleep(5.0)
+        time.sleep(a.quiet_window)
         others = (_busy_cpu_s() - busy) / (time.monotonic() - start)
         if others < a.quiet_cores or time.monotonic() > deadline:
             return others
@@ -402,6 +403,9 @@ def main():
                    help="start a run only once other programs use fewer cores than this")
     p.add_argument("--quiet-wait", type=float, default=600.0,
                    help="longest wait (s) for that before starting anyway")
+    p.add_argument("--quiet-window", type=float, default=5.0,
+                   help="seconds over which other programs' CPU use is averaged before each "
+                   "run (at least one window is always measured)")
     p.add_argument("--profile-ops", nargs="*", default=["1,1,1", "2,1,1"],
                    help="layouts whose probe run also profiles one iteration's ops")
     p.add_argument("--top-ops", type=int, default=25)

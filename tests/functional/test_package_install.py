@@ -61,23 +61,44 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("editable", [False, True], ids=["install", "editable"])
-def test_fresh_venv_pip_install_preprocesses_trains_converts_and_serves(tmp_path, editable):
-    """About 10 minutes on 2 cores each: most of it compiles the C++ extensions. ``pip install
-    .`` and ``pip install -e .`` (the extensions then built inside the source folder)."""
-    source, venv, work = tmp_path / "source", tmp_path / "venv", tmp_path / "outside"
-    _copy_source(source)
-    work.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    py = str(venv / "bin" / "python")
-
+def _venv_runner(py, work, env):
+    """``run(*cmd)``: ``py`` with ``cmd`` in ``work``; asserts success, returns stdout."""
     def run(*cmd, timeout=600):
         proc = subprocess.run([py, *map(str, cmd)], cwd=work, env=env, capture_output=True,
                               text=True, timeout=timeout)
         assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
         return proc.stdout
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def venv_with_dependencies(tmp_path_factory):
+    """A fresh virtual environment holding setup.py's INSTALL_REQUIRES and nothing of this
+    package: shared by both installs, so torch and the rest are installed once, not twice. Each
+    test's ``pip install`` then resolves the same requirements against it."""
+    venv = tmp_path_factory.mktemp("shared") / "venv"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    run = _venv_runner(str(venv / "bin" / "python"), venv.parent, env)
+    run("-m", "pip", "install", "--quiet", *_setup_literal("INSTALL_REQUIRES"), timeout=2400)
+    return venv, env
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("editable", [False, True], ids=["install", "editable"])
+def test_fresh_venv_pip_install_preprocesses_trains_converts_and_serves(
+        tmp_path, venv_with_dependencies, editable):
+    """A few minutes on 2 cores each: most of it compiles the C++ extensions. ``pip install
+    .`` and ``pip install -e .`` (the extensions then built inside the source folder), each from
+    its own copy of the source into the shared environment; the editable install replaces the
+    other where both run."""
+    venv, env = venv_with_dependencies
+    source, work = tmp_path / "source", tmp_path / "outside"
+    _copy_source(source)
+    work.mkdir()
+    py = str(venv / "bin" / "python")
+    run = _venv_runner(py, work, env)
 
     run("-m", "pip", "install", "--quiet", *(["-e"] if editable else []), source, timeout=2400)
     where = run("-c", "import megatron; print(megatron.__file__)")
@@ -86,7 +107,11 @@ def test_fresh_venv_pip_install_preprocesses_trains_converts_and_serves(tmp_path
         for i in range(40):
             f.write(json.dumps({"text": f"Dr. Smith met {i} cats. They sat down. Then a dog "
                                         "came by. It was late."}) + "\n")
-    tools = source / "tools"
+    # The tools put the folder above them on sys.path: from a copy beside the work folder they
+    # find no megatron there and run on the installed package (from source/tools a regular
+    # install ran the checkout's copy, the server JIT-building the kernels it lacked: ~40 s).
+    tools = work / "tools"
+    shutil.copytree(source / "tools", tools)
     run(tools / "train_tokenizer.py", "--input", "corpus.jsonl", "--json-keys", "text",
         "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-size", "200", "--output",
         "vocab.txt")

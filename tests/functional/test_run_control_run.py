@@ -69,7 +69,13 @@ def test_param_group_map_holds_each_parameter_and_its_optimizer_group(corpus, tm
 @pytest.mark.slow
 def test_controls_leave_the_losses_bit_identical(corpus, tmp_path, capsys):
     base = gpt_flags(corpus, 3)
-    plain = run_pretrain(base)
+    plain = run_pretrain(base + ["--distributed-timeout-minutes", "7"])
+    # Every group is created with --distributed-timeout-minutes (the hang tests end on the
+    # shorter timeout after start-up, so this is where the creation timeout is checked).
+    groups = distributed_controls.process_groups()
+    assert len(groups) >= 4  # world, tp, pp, dp, ...
+    assert {distributed_controls.group_timeout(g) for g in groups} == \
+        {datetime.timedelta(minutes=7)}
     parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
     capsys.readouterr()

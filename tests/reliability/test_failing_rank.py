@@ -7,8 +7,11 @@ blocked on it once it stops, then breaks rank 2 in the middle of training:
 * SIGKILL (a crashed or OOM-killed process): torchrun's monitor sees the exit and stops the rest.
 * a Python exception (a bug, a bad batch): the rank exits, torchrun stops the rest; torch prefixes
   the rank's traceback with ``[rank2]:``.
-* a hang (slow): the rank stays alive but stops taking part. Only the collective timeout,
-  ``--distributed-timeout-minutes``, which every process group is created with, ends the job.
+* a hang (slow): the rank stays alive but stops taking part. Only the collective timeout ends
+  the job: ``--distributed-timeout-seconds-after-init``, which every process group takes after
+  the first iteration (the hang comes later; ``--distributed-timeout-minutes``, which the groups
+  are created with, has a one-minute minimum and would add 45 s of waiting; that every group is
+  created with it is checked in tests/functional/test_run_control_run.py).
 
 The checks: every process of the job is gone within the bound, torchrun exits non-zero, and its
 summary lists rank 2 with the exit code of what happened to it.
@@ -32,8 +35,8 @@ WORLD_SIZE = 4
 FAILING_RANK = 2
 START_TIMEOUT_S = 180   # four ranks importing torch on a busy two-core machine
 DEATH_BOUND_S = 30      # torchrun's monitor polls every 0.1 s; SIGTERM ends the others at once
-HANG_TIMEOUT_MINUTES = 1   # --distributed-timeout-minutes of the hang test (its minimum)
-HANG_BOUND_S = HANG_TIMEOUT_MINUTES * 60 + 60
+HANG_TIMEOUT_S = 15        # --distributed-timeout-seconds-after-init of the hang test
+HANG_BOUND_S = HANG_TIMEOUT_S + 60
 # Printed by rank 0 once the process group exists, so every worker is running.
 INITIALIZED = r"^> initialized on "
 
@@ -249,15 +252,17 @@ def test_rank_that_raises_ends_the_job_and_is_named(corpus, tmp_path):
 
 
 class StillRunning(AssertionError):
-    """The job outlived the bound that --distributed-timeout-minutes should set."""
+    """The job outlived the bound that the collective timeout should set."""
 
 
 @pytest.mark.slow
 def test_hung_rank_ends_the_job_within_the_distributed_timeout(corpus, tmp_path):
     script = tmp_path / "hanging_pretrain_gpt.py"
     script.write_text(FAULT_SCRIPT.format(root=REPO_ROOT, rank=FAILING_RANK, mode="hang"))
-    job = Job(str(script), _flags(corpus, "--distributed-timeout-minutes",
-                                  str(HANG_TIMEOUT_MINUTES)))
+    # --distributed-timeout-minutes keeps its default (10): only the shorter timeout can end
+    # the job within HANG_BOUND_S.
+    job = Job(str(script), _flags(corpus, "--distributed-timeout-seconds-after-init",
+                                  str(HANG_TIMEOUT_S)))
     try:
         job.wait_for_line(INITIALIZED, START_TIMEOUT_S)
         job.find_workers()
@@ -267,7 +272,8 @@ def test_hung_rank_ends_the_job_within_the_distributed_timeout(corpus, tmp_path)
         elapsed = time.time() - hung_at
         if job.proc.returncode is None:
             raise StillRunning(f"job still running {elapsed:.0f} s after rank {FAILING_RANK} "
-                               f"hung (--distributed-timeout-minutes {HANG_TIMEOUT_MINUTES})")
+                               f"hung (--distributed-timeout-seconds-after-init "
+                               f"{HANG_TIMEOUT_S})")
         _assert_job_gone(job, elapsed, HANG_BOUND_S)
     finally:
         job.kill()

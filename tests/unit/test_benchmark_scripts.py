@@ -127,7 +127,7 @@ def test_bench_scaling_tiny_run_reports_every_layout():
     out = _run(["benchmarks/bench_scaling.py", "--layers", "2", "--hidden", "64", "--heads", "2",
                 "--seq", "32", "--vocab", "256", "--micro-batch", "1", "--global-batch", "4",
                 "--iters", "4", "--warmup", "2", "--repeats", "1", "--quiet-wait", "0",
-                "--profile-ops"], timeout=900)
+                "--quiet-window", "0.2", "--profile-ops"], timeout=900)
     for layout in ("(1,1,1)", "(2,1,1)", "(1,2,1)", "(1,1,2)"):
         # Throughput and a measured communication share for every layout.
         row = re.search(rf"^\| {re.escape(layout)} \| \d x \d \| \d+ \| \d+ \| [\d.]+x \|"

@@ -118,11 +118,13 @@ def test_kernel_header_compiles(header, arch, tmp_path):
            str(tmp_path / "driver.o")], tmp_path)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("binding", [os.path.basename(p) for p in loader.cuda_sources()])
-def test_torch_binding_compiles(binding, tmp_path):
-    """The thin bindings against torch's headers (~30 s each). A CPU-only torch lacks one
-    generated CUDA config header; an empty stand-in is enough to compile (not to link)."""
+BINDINGS = [os.path.basename(p) for p in loader.cuda_sources()]
+BINDING_JOBS = 2  # nvcc compiles run two at a time: each is one process on one core
+
+
+def _binding_command(source, tmp_path):
+    """nvcc against torch's headers. A CPU-only torch lacks one generated CUDA config header;
+    an empty stand-in is enough to compile (not to link)."""
     import sysconfig
 
     import torch
@@ -132,8 +134,40 @@ def test_torch_binding_compiles(binding, tmp_path):
     stub.mkdir(parents=True)
     if not torch.version.cuda:
         (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
-    source = next(p for p in loader.cuda_sources() if os.path.basename(p) == binding)
     includes = [tmp_path / "stub"] + cpp_extension.include_paths() + [
         sysconfig.get_paths()["include"]]
-    _nvcc(["-std=c++20", "-arch=sm_80", "--expt-relaxed-constexpr", "-c", source, "-o",
-           str(tmp_path / "binding.o")] + [f"-I{p}" for p in includes], tmp_path, timeout=600)
+    return [NVCC, "-std=c++20", "-arch=sm_80", "--expt-relaxed-constexpr", "-c", source, "-o",
+            str(tmp_path / "binding.o")] + [f"-I{p}" for p in includes]
+
+
+@pytest.fixture(scope="module")
+def binding_builds(request, tmp_path_factory):
+    """The nvcc result of every binding this session runs, compiled ``BINDING_JOBS`` at a time
+    (six serial compiles took ~140 s on 2 cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    wanted = sorted({item.callspec.params["binding"] for item in request.session.items
+                     if getattr(item, "originalname", None) == "test_torch_binding_compiles"})
+
+    def build(binding):
+        source = next(p for p in loader.cuda_sources() if os.path.basename(p) == binding)
+        tmp_path = tmp_path_factory.mktemp(binding.replace(".", "_"))
+        args = _binding_command(source, tmp_path)
+        try:
+            out = subprocess.run(args, capture_output=True, text=True, timeout=600,
+                                 cwd=tmp_path)
+        except subprocess.TimeoutExpired:
+            return None, args, "timed out after 600 s"
+        return out.returncode, args, out.stderr
+
+    with ThreadPoolExecutor(BINDING_JOBS) as pool:
+        return dict(zip(wanted, pool.map(build, wanted)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_torch_binding_compiles(binding, binding_builds):
+    """The thin bindings against torch's headers (~30 s each, compiled two at a time by the
+    fixture)."""
+    code, args, stderr = binding_builds[binding]
+    assert code == 0, f"nvcc {' '.join(args[1:])} failed:\n{stderr[-4000:]}"
