@@ -127,6 +127,13 @@ WORKS_HELP = {
                   "takes this parser's default, and the run is validated as its command line "
                   "would be. Unlike Megatron, which ignores other command-line flags beside "
                   "it, any other flag given with it is refused",
+    "--enable-msc": "use the Multi-Storage Client (the multi-storage-client package, configured "
+                    "by MSC_CONFIG): msc://PROFILE/PATH URLs in the data paths (with "
+                    "--object-storage-cache-path, --data-cache-path and --no-mmap-bin-files) "
+                    "and in --save / --load (torch_dist format); local paths are read directly",
+    "--object-storage-cache-path": "local folder where the .idx files of msc:// data paths "
+                                   "are copied (the .bin files are read in ranges from the "
+                                   "storage service)",
     "--no-log-loss-scale-to-tensorboard": "no loss-scale scalar in TensorBoard",
     "--moe-router-force-biased": "benchmark switch: route by random normal logits plus a random "
                                  "per-expert bias of this std, so some experts get more tokens "

@@ -52,7 +52,8 @@ NCCL_TUNING = ("a communication-library tuning knob (NCCL configuration, SHARP, 
                "buffers, stream priorities, extra gloo groups); nothing here acts on it and the "
                "numbers are the same")
 ONE_LOGGER = "one_logger is NVIDIA-internal job telemetry, not part of this project"
-MSC = "the Multi-Storage Client is never used here (it is Megatron's opt-in, --enable-msc)"
+MSC = ("deprecated in Megatron, where it changes nothing either: the Multi-Storage Client is "
+       "opt-in, with --enable-msc")
 EXPERIMENTAL = "no feature here is gated behind it"
 DATA_CACHE = ("a start-up optimisation of Megatron's dataset index caches; the same samples are "
               "built either way")
@@ -114,8 +115,6 @@ SPEC = ("Megatron-Core module specs (Python import paths of layer classes) are n
 UCC = "only the default communication backend is built here; drop it"
 TESTING = "Megatron's test harness switches are not part of this project; drop it"
 DIST_CKPT_FORMAT = "it was replaced by --ckpt-format; use --ckpt-format torch_dist"
-MSC_ENABLE = ("reading through the Multi-Storage Client (object storage) is not built here; "
-              "drop it and give local paths")
 HF_SLOW = ("transformers 5, which Megatron's HuggingFaceTokenizer calls, ignores use_fast=False "
            "and always builds the fast tokenizer, so the ids are the same with or without it; "
            "tokenizer.json is read here with the tokenizers library that fast tokenizer runs")
@@ -372,7 +371,7 @@ ROWS = (
     ('--dataloader-fast-cache-load', '', 'true', False, '', NO_EFFECT, DATA_CACHE),
     ('--dataloader-defer-npy-index-mmap', '', 'true', False, '', NO_EFFECT, DATA_CACHE),
     ('--no-mmap-bin-files', 'mmap_bin_files', 'false', True, '', WORKS, None),
-    ('--object-storage-cache-path', '', 'str', None, '', REFUSED, MSC_ENABLE),
+    ('--object-storage-cache-path', '', 'str', None, '', WORKS, ''),
     ('--padded-vocab-size', '', 'int', None, '', WORKS, None),
     ('--tokenizer-hf-no-use-fast', '', 'true', False, '', NO_EFFECT, HF_SLOW),
     ('--trust-remote-code', '', 'true', False, '', REFUSED, REMOTE_CODE),
@@ -535,7 +534,7 @@ ROWS = (
     ('--enable-ft-package', '', 'true', False, '', REFUSED, RESILIENCY),
     ('--calc-ft-timeouts', '', 'true', False, '', REFUSED, RESILIENCY),
     ('--ft-num-warmup-iters', '', 'int', 5, '', REFUSED, RESILIENCY),
-    ('--enable-msc', '', 'true', False, '', REFUSED, MSC_ENABLE),
+    ('--enable-msc', '', 'true', False, '', WORKS, ''),
     ('--disable-msc', 'disable_msc_deprecated', 'true', False, '', NO_EFFECT, MSC),
     ('--fault-injector-ranks', '', 'int+', None, '', REFUSED, RESILIENCY),
     ('--fault-injector-num-ranks', '', 'int', None, '', REFUSED, RESILIENCY),
