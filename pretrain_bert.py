@@ -159,7 +159,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         short_seq_prob=data.short_seq_prob, binary_head=args.bert_binary_head,
         # Megatron's BERT masks whole words, in runs of up to 3 (probability ~ 1/n).
         whole_word_masking=True, max_ngrams=3, mmap_bin_files=data.mmap_bin_files,
-        mid_level_dataset_surplus=data.mid_level_dataset_surplus)
+        mid_level_dataset_surplus=data.mid_level_dataset_surplus,
+        object_storage_cache_path=data.object_storage_cache_path, enable_msc=data.enable_msc)
     print_rank_0("> building train, validation, and test datasets for BERT ...")
     return build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples, global_vars.get_tokenizer(),

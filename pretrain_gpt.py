@@ -262,7 +262,8 @@ def train_valid_test_datasets_provider(train_val_test_num_samples):
         mmap_bin_files=data.mmap_bin_files, fim=resolve_fim_config(data.fim, tokenizer),
         mid_level_dataset_surplus=data.mid_level_dataset_surplus,
         per_dataset_sequences_path=data.per_dataset_sequences_path,
-        inter_document_masking=data.dataloader_inter_document_masking)
+        inter_document_masking=data.dataloader_inter_document_masking,
+        object_storage_cache_path=data.object_storage_cache_path, enable_msc=data.enable_msc)
     print_rank_0("> building train, validation, and test datasets for GPT ...")
     datasets = build_train_valid_test_datasets(
         config, data.data_path, train_val_test_num_samples,

@@ -91,7 +91,10 @@ EXTRAS_REQUIRE = {
     "hf": ["transformers"],
     # --use-gigatoken: the compiled BPE encoder of HuggingFaceTokenizer (same ids, faster).
     "gigatoken": ["gigatoken"],
-    "test": ["pytest", "hypothesis", "transformers", "gigatoken"],
+    # --enable-msc: msc:// data and checkpoint URLs through the Multi-Storage Client (POSIX
+    # profiles; add the client's own extra for a cloud service, e.g. multi-storage-client[boto3]).
+    "msc": ["multi-storage-client"],
+    "test": ["pytest", "hypothesis", "transformers", "gigatoken", "multi-storage-client"],
 }
 
 setup(

@@ -15,6 +15,7 @@ import sys
 def user_error_types() -> tuple:
     from megatron.convert.schema import ConversionError
     from megatron.core.config import ConfigError
+    from megatron.core.msc import ObjectStorageError
     from megatron.data.dataset_utils import DataError
     from megatron.data.indexed_dataset import IndexedDatasetError
     from megatron.training.arguments import ArgumentsError
@@ -22,7 +23,8 @@ def user_error_types() -> tuple:
     from megatron.training.distillation.logits_files import LogitsFileError
 
     return (ArgumentsError, ConfigError, CheckpointError, ConversionError, DataError,
-            IndexedDatasetError, LogitsFileError, FileNotFoundError, NotADirectoryError, PermissionError)
+            IndexedDatasetError, LogitsFileError, ObjectStorageError, FileNotFoundError,
+            NotADirectoryError, PermissionError)
 
 
 @contextlib.contextmanager

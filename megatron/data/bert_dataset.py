@@ -33,10 +33,10 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import torch  # noqa: F401  (loads libc10, which the compiled extension is linked against)
 
-from megatron.data import dataset_utils
+from megatron.data import dataset_utils, object_storage
 from megatron.data.blendable_dataset import BlendableDataset
 from megatron.data.dataset_utils import DataError
-from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.indexed_dataset import IndexedDataset, missing_files
 
 try:
     from megatron.data import _index_helpers as _compiled
@@ -77,6 +77,10 @@ class BertDatasetConfig:
         mmap_bin_files: False with ``--no-mmap-bin-files``: read each ``.bin`` into memory.
         mid_level_dataset_surplus: ``--mid-level-dataset-surplus``: each dataset of a weighted
             blend is built with this fraction more samples than its share.
+        object_storage_cache_path: ``--object-storage-cache-path``: where the ``.idx`` files of
+            ``msc://`` prefixes are copied (:mod:`megatron.data.object_storage`).
+        enable_msc: ``--enable-msc``: ``msc://`` prefixes are read through the Multi-Storage
+            Client; without it such a prefix is refused.
     """
 
     seed: int
@@ -90,6 +94,8 @@ class BertDatasetConfig:
     max_ngrams: int = 1
     mmap_bin_files: bool = True
     mid_level_dataset_surplus: float = dataset_utils.BLEND_SURPLUS
+    object_storage_cache_path: Optional[str] = None
+    enable_msc: bool = False
 
     def __post_init__(self) -> None:
         dataset_utils.check_blend_surplus(self.mid_level_dataset_surplus)
@@ -529,14 +535,17 @@ class BertDataset(torch.utils.data.Dataset):
 
 
 def _open_sentence_dataset(prefix: str, flag: str, binary_head: bool,
-                           mmap: bool = True) -> IndexedDataset:
+                           mmap: bool = True,
+                           object_storage_cache: Optional[str] = None,
+                           enable_msc: bool = False) -> IndexedDataset:
     """The indexed dataset of ``prefix``, rejected when it cannot hold BERT samples."""
-    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+    object_storage.check_enabled(prefix, flag, enable_msc)
+    missing = missing_files(prefix)
     if missing:
         raise FileNotFoundError(f"{flag}: data prefix {prefix!r} does not exist (missing "
                                 f"{', '.join(missing)}); expected PREFIX.bin and PREFIX.idx as "
                                 f"written by tools/preprocess_data.py --split-sentences")
-    indexed = IndexedDataset(prefix, mmap=mmap)
+    indexed = IndexedDataset(prefix, mmap=mmap, object_storage_cache=object_storage_cache)
     counts = np.diff(np.asarray(indexed.document_indices, dtype=np.int64))
     dataset_utils.check_has_documents(prefix, counts.size, flag)
     sizes = indexed.sequence_lengths
@@ -596,7 +605,8 @@ def _build_split(index: int, prefixes: List[str], weights: Optional[List[float]]
 def _build_from_blend(data_path, num_samples: Sequence[int], config: BertDatasetConfig,
                       tokenizer, flag: str, only: Optional[int] = None) -> List:
     prefixes, weights = dataset_utils.parse_data_path(data_path, flag)
-    opened = {p: _open_sentence_dataset(p, flag, config.binary_head, config.mmap_bin_files)
+    opened = {p: _open_sentence_dataset(p, flag, config.binary_head, config.mmap_bin_files,
+                                        config.object_storage_cache_path, config.enable_msc)
               for p in prefixes}
     whole = only is not None
     documents = {p: _split_documents(opened[p], config.split, whole) for p in prefixes}

@@ -53,6 +53,8 @@ class DataConfig:
     dataloader_type: str = "single"              # --dataloader-type single | cyclic | external
     num_workers: int = 2                         # --num-workers
     mmap_bin_files: bool = True                  # False with --no-mmap-bin-files
+    object_storage_cache_path: Optional[str] = None  # --object-storage-cache-path (msc:// data)
+    enable_msc: bool = False                     # --enable-msc: msc:// data prefixes allowed
     mid_level_dataset_surplus: float = 0.005     # --mid-level-dataset-surplus: blend headroom
     per_dataset_sequences_path: Optional[str] = None  # --per-dataset-sequences-path (GPT)
     dataloader_inter_document_masking: bool = False  # GPT samples carry document boundaries

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from megatron.data import (dataset_utils, document_masks, fim_dataset, index_builders,
-                           sequences_per_dataset)
+                           object_storage, sequences_per_dataset)
 from megatron.data.blendable_dataset import BlendableDataset
-from megatron.data.indexed_dataset import IndexedDataset
+from megatron.data.indexed_dataset import IndexedDataset, missing_files
 from megatron.data.mock_dataset import MockGPTDataset
 from megatron.data.dataset_utils import DataError
 
@@ -64,6 +64,10 @@ class GPTDatasetConfig:
             (:mod:`megatron.data.sequences_per_dataset`); the samples are the same.
         inter_document_masking: ``--dataloader-inter-document-masking``: samples also carry
             ``cu_seqlens``, their document boundaries (:mod:`megatron.data.document_masks`).
+        object_storage_cache_path: ``--object-storage-cache-path``: where the ``.idx`` files of
+            ``msc://`` prefixes are copied (:mod:`megatron.data.object_storage`).
+        enable_msc: ``--enable-msc``: ``msc://`` prefixes are read through the Multi-Storage
+            Client; without it such a prefix is refused.
     """
 
     seed: int = 1234
@@ -80,6 +84,8 @@ class GPTDatasetConfig:
     mid_level_dataset_surplus: float = dataset_utils.BLEND_SURPLUS
     per_dataset_sequences_path: Optional[str] = None
     inter_document_masking: bool = False
+    object_storage_cache_path: Optional[str] = None
+    enable_msc: bool = False
 
     def __post_init__(self) -> None:
         dataset_utils.check_blend_surplus(self.mid_level_dataset_surplus)
@@ -228,15 +234,17 @@ def _open_indexed_dataset(prefix: str, flag: str, mmap: bool = True,
                           table: Optional[dict] = None) -> IndexedDataset:
     """The indexed dataset of ``prefix``; with ``table`` (the loaded
     ``--per-dataset-sequences-path``), opened from its counts instead of its header."""
-    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+    object_storage.check_enabled(prefix, flag, config is not None and config.enable_msc)
+    missing = missing_files(prefix)
     if missing:
         raise FileNotFoundError(f"{flag}: data prefix {prefix!r} does not exist (missing "
                                 f"{', '.join(missing)}); expected PREFIX.bin and PREFIX.idx as "
                                 f"written by tools/preprocess_data.py")
+    cache = None if config is None else config.object_storage_cache_path
     if table is None:
-        return IndexedDataset(prefix, mmap=mmap)
+        return IndexedDataset(prefix, mmap=mmap, object_storage_cache=cache)
     path = config.per_dataset_sequences_path
-    return IndexedDataset(prefix, mmap=mmap,
+    return IndexedDataset(prefix, mmap=mmap, object_storage_cache=cache,
                           sequences_per_dataset=sequences_per_dataset.counts_for(table, path,
                                                                                  prefix),
                           dtype_code=sequences_per_dataset.token_dtype_code(config.vocab_size),

@@ -19,6 +19,9 @@ from typing import Iterator, List, Optional, Sequence, Union
 
 import numpy as np
 
+from megatron.core.msc import is_msc_url
+from megatron.data import object_storage
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _LEGACY_MAGIC = b"TNTIDX\x00\x00"
 _VERSION = 1
@@ -377,12 +380,17 @@ class IndexedDataset:
             ``.bin`` against the last sequence (a wrong count or dtype fails there).
         dtype_code: the token dtype code (FORMATS.md 1) that goes with ``sequences_per_dataset``.
         source: what gave ``sequences_per_dataset``, for error messages.
+        object_storage_cache: ``--object-storage-cache-path``; needed when ``path_prefix`` is an
+            ``msc://`` URL, whose ``.idx`` is copied there and whose ``.bin`` is read in ranges
+            (:mod:`megatron.data.object_storage`).
     """
 
     def __init__(self, path_prefix: str, multimodal: bool = False, mmap: bool = True,
                  sequences_per_dataset: Optional[Sequence[int]] = None,
-                 dtype_code: Optional[int] = None, source: str = "the given counts"):
+                 dtype_code: Optional[int] = None, source: str = "the given counts",
+                 object_storage_cache: Optional[str] = None):
         self._path_prefix = path_prefix
+        self._object_storage_cache = object_storage_cache
         self._multimodal = multimodal
         self._mmap = mmap
         self._counts = None if sequences_per_dataset is None else (
@@ -408,6 +416,12 @@ class IndexedDataset:
 
     def _open(self) -> None:
         idx_path, bin_path = get_idx_path(self._path_prefix), get_bin_path(self._path_prefix)
+        remote = is_msc_url(self._path_prefix)
+        if remote:
+            if not self._object_storage_cache:
+                raise IndexedDatasetError(f"{self._path_prefix}: an msc:// data prefix needs "
+                                          "--object-storage-cache-path, where its .idx is kept")
+            idx_path = object_storage.fetch_index(self._path_prefix, self._object_storage_cache)
         code, n, d, origin = self._header_counts(idx_path)
         self._dtype = DType.dtype_from_code(code)
         itemsize = np.dtype(self._dtype).itemsize
@@ -440,14 +454,20 @@ class IndexedDataset:
         else:
             _check_index_ends(idx_path, self._sequence_lengths, self._sequence_pointers,
                               self._document_indices, itemsize, origin)
-        if not os.path.exists(bin_path):
+        if remote:
+            actual = object_storage.bin_size(self._path_prefix)
+            if actual is None:
+                raise IndexedDatasetError(
+                    f"{bin_path}: data file is missing (its index {idx_path} exists)")
+        elif not os.path.exists(bin_path):
             raise IndexedDatasetError(
                 f"{bin_path}: data file is missing (its index {idx_path} exists)")
-        if not os.path.isfile(bin_path):
+        elif not os.path.isfile(bin_path):
             raise IndexedDatasetError(f"{bin_path}: not a regular file; expected the data file")
+        else:
+            actual = os.path.getsize(bin_path)
         expected = int(self._sequence_pointers[-1]) + int(self._sequence_lengths[-1]) * itemsize \
             if n else 0
-        actual = os.path.getsize(bin_path)
         if actual != expected:
             raise IndexedDatasetError(
                 f"{bin_path}: file is {actual} bytes, but {idx_path} describes {expected} bytes "
@@ -455,8 +475,12 @@ class IndexedDataset:
                 "together or one of them is truncated"
                 + ("" if self._counts is None else
                    f" (or the counts and token dtype from {origin} are not this dataset's)"))
+        self._bin_reader = None
         if actual == 0:
             self._bin_buffer = np.zeros(0, dtype=np.uint8)
+        elif remote:  # byte ranges from the storage service, one read per access
+            self._bin_buffer = None
+            self._bin_reader = object_storage.RemoteBin(bin_path, actual)
         elif self._mmap:
             self._bin_buffer = np.memmap(bin_path, dtype=np.uint8, mode="r")
         else:
@@ -464,6 +488,9 @@ class IndexedDataset:
 
     def close(self) -> None:
         """Release the memory maps (the object is unusable afterwards)."""
+        if getattr(self, "_bin_reader", None) is not None:
+            self._bin_reader.close()
+        self._bin_reader = None
         self._bin_buffer = None
         self._idx_mmap = None
         self._sequence_lengths = self._sequence_pointers = self._document_indices = None
@@ -472,7 +499,7 @@ class IndexedDataset:
     def __getstate__(self):
         return {"path_prefix": self._path_prefix, "multimodal": self._multimodal,
                 "mmap": self._mmap, "counts": self._counts, "dtype_code": self._dtype_code,
-                "source": self._source}
+                "source": self._source, "object_storage_cache": self._object_storage_cache}
 
     def __setstate__(self, state) -> None:
         self._path_prefix = state["path_prefix"]
@@ -481,6 +508,7 @@ class IndexedDataset:
         self._counts = state.get("counts")
         self._dtype_code = state.get("dtype_code")
         self._source = state.get("source", "the given counts")
+        self._object_storage_cache = state.get("object_storage_cache")
         self._open()
 
     # -- access ------------------------------------------------------------------------------
@@ -522,6 +550,9 @@ class IndexedDataset:
     def _read(self, byte_offset: int, count: int) -> np.ndarray:
         if count == 0:
             return np.zeros(0, dtype=self._dtype)
+        if self._bin_reader is not None:
+            data = self._bin_reader.read(byte_offset, count * np.dtype(self._dtype).itemsize)
+            return np.frombuffer(data, dtype=self._dtype, count=count)
         return np.frombuffer(self._bin_buffer, dtype=self._dtype, count=count, offset=byte_offset)
 
     # -- metadata ----------------------------------------------------------------------------
@@ -569,6 +600,14 @@ class IndexedDataset:
 
 
 MMapIndexedDataset = IndexedDataset
+
+
+def missing_files(path_prefix: str) -> List[str]:
+    """Which of ``PREFIX.bin`` and ``PREFIX.idx`` do not exist (objects, for an msc:// URL)."""
+    if is_msc_url(path_prefix):
+        return object_storage.prefix_exists(path_prefix)
+    return [p for p in (get_bin_path(path_prefix), get_idx_path(path_prefix))
+            if not os.path.isfile(p)]
 
 
 def header_counts(path_prefix: str) -> tuple:

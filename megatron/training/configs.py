@@ -321,6 +321,7 @@ def build_data_config(args) -> DataConfig:
         mask_prob=args.mask_prob, short_seq_prob=args.short_seq_prob,
         dataloader_type=args.dataloader_type, num_workers=args.num_workers,
         mmap_bin_files=args.mmap_bin_files, fim=_fim_flags(args),
+        object_storage_cache_path=args.object_storage_cache_path, enable_msc=args.enable_msc,
         mid_level_dataset_surplus=args.mid_level_dataset_surplus,
         multiple_validation_sets=args.multiple_validation_sets,
         per_dataset_sequences_path=args.per_dataset_sequences_path,

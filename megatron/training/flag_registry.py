@@ -53,8 +53,9 @@ NO_EFFECT_FLAGS = {
                                       "back the same state",
     "logits_load_msc_prefetch_depth": "it sets how many whole teacher shards are fetched ahead "
                                       "from object storage through the Multi-Storage Client "
-                                      "(msc://), which is never used here; local folders are "
-                                      "read with --logits-load-prefetch-factor",
+                                      "(msc://); teacher logits are read from local folders "
+                                      "only here (an msc:// --logits-load-dir is refused), with "
+                                      "--logits-load-prefetch-factor",
     "moe_shared_expert_overlap": "a scheduling optimisation (the shared expert runs while tokens "
                                  "travel between expert-parallel ranks); the shared expert is "
                                  "computed after the routed experts, with the same numbers",

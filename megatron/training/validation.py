@@ -1568,6 +1568,57 @@ def _validate_fim(args) -> None:
         _fail("--fim-data permutes the text of --data-path samples; --mock-data has no text")
 
 
+def _data_prefixes(args):
+    """(flag, entry) for every string of the data-path flags (weights included)."""
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        for entry in getattr(args, flag[2:].replace("-", "_"), None) or ():
+            yield flag, entry
+
+
+def _validate_object_storage(args) -> None:
+    """--enable-msc needs its package; msc:// data prefixes need what Megatron requires with
+    them: --object-storage-cache-path (the copied .idx files), --data-cache-path (the dataset
+    caches cannot go beside the data) and --no-mmap-bin-files (a .bin is read in ranges)."""
+    from megatron.core import msc
+
+    if args.enable_msc:
+        try:
+            msc.client()
+        except msc.ObjectStorageError as err:
+            _fail(str(err))
+    for flag, entry in _data_prefixes(args):
+        if isinstance(entry, str) and entry.startswith("s3://"):
+            _fail(f"{flag} {entry}: s3:// paths are read here through the Multi-Storage Client: "
+                  "give an msc://PROFILE/PATH URL of an s3 profile in the MSC configuration, "
+                  "with --enable-msc")
+        if not msc.is_msc_url(entry):
+            continue
+        if not args.enable_msc:
+            _fail(f"{flag} {entry}: msc:// URLs are read through the Multi-Storage Client; "
+                  "pass --enable-msc")
+        try:
+            msc.split_url(entry)
+        except msc.ObjectStorageError as err:
+            _fail(f"{flag} {err}")
+        for needed, given, why in (
+                ("--object-storage-cache-path", args.object_storage_cache_path,
+                 "the local folder where its .idx file is copied"),
+                ("--data-cache-path", args.data_cache_path,
+                 "the local folder of the dataset caches, which cannot go beside the data"),
+                ("--no-mmap-bin-files", not args.mmap_bin_files,
+                 "an object's .bin is read in ranges, not memory-mapped")):
+            if not given:
+                _fail(f"{flag} {entry}: an msc:// data prefix needs {needed} ({why}), as in "
+                      "Megatron")
+        if args.sft:
+            _fail(f"{flag} {entry}: --sft reads local files only here; copy the data to a "
+                  "local folder")
+    for flag in ("logits_save_dir", "logits_load_dir"):
+        if msc.is_msc_url(getattr(args, flag, None)):
+            _fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: teacher logits are written "
+                  "and read in local folders only here; copy them to a local folder")
+
+
 def _validate_sft(args) -> None:
     """--sft packs JSONL conversations for SFTTokenizer; the variants Megatron's SFT dataset
     refuses are refused here too, one line each."""
@@ -1965,6 +2016,7 @@ def check_flags(args):
     _validate_masking(args)
     _validate_fim(args)
     _validate_sft(args)
+    _validate_object_storage(args)
     _validate_gigatoken(args)
     _validate_hybrid_context_parallel(args)
     _validate_inter_document_masking(args)
