@@ -94,7 +94,10 @@ EXTRAS_REQUIRE = {
     # --enable-msc: msc:// data and checkpoint URLs through the Multi-Storage Client (POSIX
     # profiles; add the client's own extra for a cloud service, e.g. multi-storage-client[boto3]).
     "msc": ["multi-storage-client"],
-    "test": ["pytest", "hypothesis", "transformers", "gigatoken", "multi-storage-client"],
+    # --enable-ft-package: hang detection by the rank monitors of its ft_launcher.
+    "ft": ["nvidia-resiliency-ext"],
+    "test": ["pytest", "hypothesis", "transformers", "gigatoken", "multi-storage-client",
+             "nvidia-resiliency-ext"],
 }
 
 setup(

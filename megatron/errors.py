@@ -21,10 +21,11 @@ def user_error_types() -> tuple:
     from megatron.training.arguments import ArgumentsError
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.distillation.logits_files import LogitsFileError
+    from megatron.training.fault_tolerance import FaultToleranceError
 
     return (ArgumentsError, ConfigError, CheckpointError, ConversionError, DataError,
-            IndexedDatasetError, LogitsFileError, ObjectStorageError, FileNotFoundError,
-            NotADirectoryError, PermissionError)
+            IndexedDatasetError, LogitsFileError, ObjectStorageError, FaultToleranceError,
+            FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 @contextlib.contextmanager

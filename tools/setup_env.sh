@@ -31,6 +31,11 @@ if [ "$stamp_now" != "$stamp_old" ]; then
     echo "[setup] pip install -r requirements-dev.txt failed (exit $status)" >&2
     exit "$status"
   fi
+  # nvidia-resiliency-ext pulls in the deprecated 'pynvml' shim, whose import hook makes every
+  # 'import torch' print a FutureWarning; the pynvml module it needs comes from nvidia-ml-py.
+  if .venv/bin/python -m pip show -q pynvml >/dev/null 2>&1; then
+    .venv/bin/python -m pip uninstall -y -q pynvml 2>&1 | grep -v "^WARNING: Location '.*' is ignored" || true
+  fi
   echo "[setup] building C++ extensions (ninja)"
   .venv/bin/python setup.py -q build_ext --inplace >/dev/null
   echo "$stamp_now" > .venv/.megatron_stamp

@@ -134,6 +134,15 @@ WORKS_HELP = {
     "--object-storage-cache-path": "local folder where the .idx files of msc:// data paths "
                                    "are copied (the .bin files are read in ranges from the "
                                    "storage service)",
+    "--enable-ft-package": "hang detection by nvidia-resiliency-ext's rank monitor: launched by "
+                           "its ft_launcher, each rank reports its setup, step and "
+                           "checkpointing sections; one open past its timeout makes the "
+                           "launcher restart the job, which resumes from --save",
+    "--calc-ft-timeouts": "with --enable-ft-package: compute the section timeouts from the "
+                          "times seen, after saves and at the end, into SAVE/ft_state.json "
+                          "(read by the next run)",
+    "--ft-num-warmup-iters": "with --enable-ft-package: training and evaluation steps before "
+                             "the step section is timed",
     "--no-log-loss-scale-to-tensorboard": "no loss-scale scalar in TensorBoard",
     "--moe-router-force-biased": "benchmark switch: route by random normal logits plus a random "
                                  "per-expert bias of this std, so some experts get more tokens "

@@ -92,9 +92,12 @@ VISION = "vision and multimodal models are not built here; drop it"
 BIENCODER = "ICT/REALM biencoder retrieval models are not built here; drop it"
 MAMBA = "Mamba and hybrid (attention/SSM) models are not built here; drop it"
 T5 = "relative position buckets belong to T5, which is not built here; drop it"
-RESILIENCY = ("NVIDIA's resiliency packages (fault tolerance, in-process restart, fault "
-              "injection) are not part of this project; drop it (use --exit-signal-handler and "
-              "restart with --load)")
+INPROCESS = ("in-process restart wraps Megatron's pretrain in nvidia-resiliency-ext's "
+             "inprocess.Wrapper, whose health check and abort act on CUDA devices and "
+             "TransformerEngine; it is not built here: drop it and use --enable-ft-package, "
+             "with which ft_launcher restarts the job's processes from the last checkpoint")
+FAULT_INJECTOR = ("Megatron's fault injector calls nvidia-resiliency-ext's inject_fault module, "
+                  "which its newest PyPI release (0.4.1) does not have; drop it")
 AUTORESUME = "ADLR cluster autoresume is not part of this project; use --exit-duration-in-mins"
 OTEL = ("Megatron exports OpenTelemetry spans and metrics through NVIDIA's nemo-lens package, "
         "which is not on PyPI (this project installs from PyPI only); drop it (use "
@@ -515,36 +518,36 @@ ROWS = (
     ('--one-logger-async', '', 'true', False, '', NO_EFFECT, ONE_LOGGER),
     ('--app-tag-run-name', '', 'str', None, '', NO_EFFECT, ONE_LOGGER),
     ('--app-tag-run-version', '', 'str', '0.0.0', '', NO_EFFECT, ONE_LOGGER),
-    ('--inprocess-restart', '', 'true', False, '', REFUSED, RESILIENCY),
-    ('--inprocess-max-iterations', '', 'int', None, '', REFUSED, RESILIENCY),
-    ('--inprocess-monitor-thread-interval', '', 'float', 1.0, '', REFUSED, RESILIENCY),
-    ('--inprocess-monitor-process-interval', '', 'float', 1.0, '', REFUSED, RESILIENCY),
-    ('--inprocess-progress-watchdog-interval', '', 'float', 1.0, '', REFUSED, RESILIENCY),
-    ('--inprocess-heartbeat-interval', '', 'float', 30, '', REFUSED, RESILIENCY),
-    ('--inprocess-soft-timeout', '', 'float', 60, '', REFUSED, RESILIENCY),
-    ('--inprocess-hard-timeout', '', 'float', 90, '', REFUSED, RESILIENCY),
-    ('--inprocess-heartbeat-timeout', '', 'float', 60, '', REFUSED, RESILIENCY),
-    ('--inprocess-barrier-timeout', '', 'float', 120, '', REFUSED, RESILIENCY),
-    ('--inprocess-completion-timeout', '', 'float', 120, '', REFUSED, RESILIENCY),
-    ('--inprocess-last-call-wait', '', 'float', 1, '', REFUSED, RESILIENCY),
-    ('--inprocess-termination-grace-time', '', 'float', 1, '', REFUSED, RESILIENCY),
-    ('--inprocess-granularity', '', 'str', 'node', 'node|rank', REFUSED, RESILIENCY),
-    ('--inprocess-active-world-size', '', 'int', 1, '', REFUSED, RESILIENCY),
-    ('--inprocess-empty-cuda-cache', '', 'true', False, '', REFUSED, RESILIENCY),
-    ('--enable-ft-package', '', 'true', False, '', REFUSED, RESILIENCY),
-    ('--calc-ft-timeouts', '', 'true', False, '', REFUSED, RESILIENCY),
-    ('--ft-num-warmup-iters', '', 'int', 5, '', REFUSED, RESILIENCY),
+    ('--inprocess-restart', '', 'true', False, '', REFUSED, INPROCESS),
+    ('--inprocess-max-iterations', '', 'int', None, '', REFUSED, INPROCESS),
+    ('--inprocess-monitor-thread-interval', '', 'float', 1.0, '', REFUSED, INPROCESS),
+    ('--inprocess-monitor-process-interval', '', 'float', 1.0, '', REFUSED, INPROCESS),
+    ('--inprocess-progress-watchdog-interval', '', 'float', 1.0, '', REFUSED, INPROCESS),
+    ('--inprocess-heartbeat-interval', '', 'float', 30, '', REFUSED, INPROCESS),
+    ('--inprocess-soft-timeout', '', 'float', 60, '', REFUSED, INPROCESS),
+    ('--inprocess-hard-timeout', '', 'float', 90, '', REFUSED, INPROCESS),
+    ('--inprocess-heartbeat-timeout', '', 'float', 60, '', REFUSED, INPROCESS),
+    ('--inprocess-barrier-timeout', '', 'float', 120, '', REFUSED, INPROCESS),
+    ('--inprocess-completion-timeout', '', 'float', 120, '', REFUSED, INPROCESS),
+    ('--inprocess-last-call-wait', '', 'float', 1, '', REFUSED, INPROCESS),
+    ('--inprocess-termination-grace-time', '', 'float', 1, '', REFUSED, INPROCESS),
+    ('--inprocess-granularity', '', 'str', 'node', 'node|rank', REFUSED, INPROCESS),
+    ('--inprocess-active-world-size', '', 'int', 1, '', REFUSED, INPROCESS),
+    ('--inprocess-empty-cuda-cache', '', 'true', False, '', REFUSED, INPROCESS),
+    ('--enable-ft-package', '', 'true', False, '', WORKS, None),
+    ('--calc-ft-timeouts', '', 'true', False, '', WORKS, None),
+    ('--ft-num-warmup-iters', '', 'int', 5, '', WORKS, None),
     ('--enable-msc', '', 'true', False, '', WORKS, None),
     ('--disable-msc', 'disable_msc_deprecated', 'true', False, '', NO_EFFECT, MSC),
-    ('--fault-injector-ranks', '', 'int+', None, '', REFUSED, RESILIENCY),
-    ('--fault-injector-num-ranks', '', 'int', None, '', REFUSED, RESILIENCY),
-    ('--fault-injector-fault-types', '', 'str+', None, '', REFUSED, RESILIENCY),
-    ('--fault-injector-fault-probabilities', '', 'float+', None, '', REFUSED, RESILIENCY),
-    ('--fault-injector-fault-delay', '', 'float', None, '', REFUSED, RESILIENCY),
-    ('--fault-injector-delay-start-iteration', '', 'int', None, '', REFUSED, RESILIENCY),
-    ('--fault-injector-mtti-seconds', '', 'float', None, '', REFUSED, RESILIENCY),
-    ('--fault-injector-offset-seconds', '', 'float', None, '', REFUSED, RESILIENCY),
-    ('--fault-injector-seed', '', 'int', None, '', REFUSED, RESILIENCY),
+    ('--fault-injector-ranks', '', 'int+', None, '', REFUSED, FAULT_INJECTOR),
+    ('--fault-injector-num-ranks', '', 'int', None, '', REFUSED, FAULT_INJECTOR),
+    ('--fault-injector-fault-types', '', 'str+', None, '', REFUSED, FAULT_INJECTOR),
+    ('--fault-injector-fault-probabilities', '', 'float+', None, '', REFUSED, FAULT_INJECTOR),
+    ('--fault-injector-fault-delay', '', 'float', None, '', REFUSED, FAULT_INJECTOR),
+    ('--fault-injector-delay-start-iteration', '', 'int', None, '', REFUSED, FAULT_INJECTOR),
+    ('--fault-injector-mtti-seconds', '', 'float', None, '', REFUSED, FAULT_INJECTOR),
+    ('--fault-injector-offset-seconds', '', 'float', None, '', REFUSED, FAULT_INJECTOR),
+    ('--fault-injector-seed', '', 'int', None, '', REFUSED, FAULT_INJECTOR),
     ('--save-interval --persistent-save-interval', '', 'int', None, '', WORKS, None),
     ('--no-log-loss-scale-to-tensorboard --disable-log-loss-scale-to-tensorboard',
      'log_loss_scale_to_tensorboard', 'false', True, '', WORKS, None),

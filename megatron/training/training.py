@@ -35,6 +35,7 @@ from megatron.optimizer.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.training import checkpointing, exit_handler, freeze, global_vars
 from megatron.training import hooks as training_hooks
 from megatron.training import distributed_controls, meta_device_init, phases, upcycling
+from megatron.training import fault_tolerance
 from megatron.training import hybrid_cp, param_group_map, sniff_test
 from megatron.training import log as training_log
 from megatron.training import (memory_accounting, moe_logging, numerics, rerun, save_extras,
@@ -659,10 +660,12 @@ def evaluate(forward_step_func, data_iterator, model, args, pstate,
              else validation_sets.full_pass_steps(full_pass_blocks, per_step))
     with torch.no_grad():
         for num_microbatches in steps:
+            fault_tolerance.current().eval_step_start()
             batches.append(schedule(forward_step_func=forward_step_func,
                                     data_iterator=data_iterator, model=model,
                                     num_microbatches=num_microbatches,
                                     forward_only=True, **kwargs))
+            fault_tolerance.current().eval_step_end()
             training_hooks.empty_unused_memory(args, 1)
             train_state.consumed_valid_samples += num_microbatches * micro * pstate.dp_size
     for chunk in model:
@@ -779,11 +782,26 @@ def _save(run: TrainingRun):
     """Save the current iteration now, or start a background save with ``run.saver``
     (--async-save)."""
     run.timers("save-checkpoint", log_level=0).start()
+    fault_tolerance.current().checkpointing_start()
     save = run.saver.save if run.saver is not None else checkpointing.save_checkpoint
     save(run.train_state.iteration, run.model, run.optimizer, run.scheduler, run.args,
          run.pstate, train_state=run.train_state, config=run.ckpt)
+    fault_tolerance.current().checkpointing_end()
     run.timers("save-checkpoint", log_level=0).stop()
     _after_save(run)
+
+
+def _publish_async_save(run: TrainingRun, wait: bool = False) -> None:
+    """--async-save: publish the background save once written (``wait``: block until it is);
+    a fault-tolerance ``checkpointing`` section while one is in flight."""
+    if run.saver.in_flight is None:
+        return
+    fault_tolerance.current().checkpointing_start()
+    if wait:
+        run.saver.wait()
+    else:
+        run.saver.poll()
+    fault_tolerance.current().checkpointing_end(finalization=True)
 
 
 def _save_non_persistent(run: TrainingRun) -> None:
@@ -959,6 +977,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
                 continue
             profiler.before_iteration()
             hang.phase(train_state.iteration + 1, "train-step")
+            fault_tolerance.current().train_step_start()
             try:
                 losses, skipped, grad_norm, loss_scale = train_step(
                     forward_step_func, train_iterator, run.model, run.optimizer, run.scheduler,
@@ -966,6 +985,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
                     timers=run.timers, train_state=train_state)
             except rerun.RerunExit as stop:
                 _rerun_exit(run, stop)
+            fault_tolerance.current().train_step_end()
             routing_trace.after_iteration()
             train_state.iteration += 1
             iteration = train_state.iteration
@@ -989,7 +1009,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
             stats = _log_iteration(run, stats, losses, lr, batch, loss_scale, grad_norm)
             _evaluate_if_due(run, iteration, valid_iterator, manual_gc)
             if run.saver is not None:
-                run.saver.poll()
+                _publish_async_save(run)
             saved = False
             if ckpt.save and ckpt.save_interval and iteration % ckpt.save_interval == 0:
                 _save(run)
@@ -1002,7 +1022,7 @@ def train(run: TrainingRun, train_iterator, valid_iterator) -> int:
                 if ckpt.save and not saved:
                     _save(run)
                 if run.saver is not None:
-                    run.saver.wait()
+                    _publish_async_save(run, wait=True)
                 print_rank_0(f"exiting at iteration {iteration}: {reason}")
                 train_state.exit_requested = True
                 break
@@ -1073,7 +1093,7 @@ def _train_and_evaluate(run: TrainingRun, iterators) -> None:
                 and not train_state.exit_requested):
             _save(run)
         if run.saver is not None:
-            run.saver.wait()
+            _publish_async_save(run, wait=True)
     if train_state.exit_requested:
         return
     if train_state.do_valid and (training.eval_iters > 0 or training.full_validation):
@@ -1130,9 +1150,11 @@ def pretrain(train_valid_test_dataset_provider: Callable, model_provider: Callab
     lock = checkpointing.lock_save_dir(ckpt.save, args.rank) if ckpt.save else None
     handler = exit_handler.install(args)
     try:
+        fault_tolerance.setup(args)
         return _build_and_run(train_valid_test_dataset_provider, model_provider,
                               forward_step_func, args, pstate, configs, timers, writer)
     finally:
+        fault_tolerance.shutdown()
         if handler is not None:
             handler.release()
         if lock is not None:
@@ -1160,6 +1182,7 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
         save_upcycled(model, optimizer, scheduler, args, pstate, train_state, ckpt)
     else:
         load_or_finetune(model, optimizer, scheduler, args, pstate, train_state, ckpt)
+        fault_tolerance.current().checkpoint_loaded(persistent=train_state.iteration > 0)
         override_checkpoint_iteration(train_state, scheduler, calculator, ckpt)
     train_state.rerun = rerun.build(args, args.rank)
     if train_state.rerun is not None:

@@ -1619,6 +1619,15 @@ def _validate_object_storage(args) -> None:
                   "and read in local folders only here; copy them to a local folder")
 
 
+def _validate_fault_tolerance(args) -> None:
+    """--enable-ft-package and its flags (megatron/training/fault_tolerance.py)."""
+    from megatron.training import fault_tolerance
+
+    reason = fault_tolerance.check_flags(args)
+    if reason is not None:
+        _fail(reason)
+
+
 def _validate_sft(args) -> None:
     """--sft packs JSONL conversations for SFTTokenizer; the variants Megatron's SFT dataset
     refuses are refused here too, one line each."""
@@ -2017,6 +2026,7 @@ def check_flags(args):
     _validate_fim(args)
     _validate_sft(args)
     _validate_object_storage(args)
+    _validate_fault_tolerance(args)
     _validate_gigatoken(args)
     _validate_hybrid_context_parallel(args)
     _validate_inter_document_masking(args)
