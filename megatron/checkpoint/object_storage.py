@@ -216,8 +216,10 @@ def fetch_load(args) -> None:
             error = str(err)
         except OSError as err:
             error = f"{err.filename}: {err.strerror}"
-    from megatron.checkpoint.publish import raise_if_failed  # publish imports this module
-
-    raise_if_failed(error, f"--load {url}")
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)   # also the barrier: no rank reads the mirror early
+    failed = "; ".join(f"rank {r}: {e}" for r, e in enumerate(errors) if e)
+    if failed:
+        raise CheckpointError(f"--load {url}: fetching the checkpoint failed: {failed}")
     if note and dist.get_rank() == 0:
         print(f"  --load: {note}", flush=True)
