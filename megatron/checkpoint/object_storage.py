@@ -83,14 +83,14 @@ def recorded_paths(saved_args) -> None:
     fields = vars(saved_args)
     for _, dest, attr in URL_FLAGS:
         url = fields.pop(attr, None)
-        if url is not None:
+        if url is not None and _remote_url(saved_args, dest, attr, url) is not None:
             fields[dest] = url
 
 
-def _remote_url(args, dest: str, attr: str) -> Optional[str]:
-    """The URL ``args.<dest>`` mirrors, or None when it is not that mirror (a local folder,
-    or a non-persistent or conversion folder put in its place)."""
-    url = getattr(args, attr, None)
+def _remote_url(args, dest: str, attr: str, url: Optional[str] = None) -> Optional[str]:
+    """The URL ``args.<dest>`` mirrors (``args.<attr>``, or ``url``), or None when it is not
+    that mirror (a local folder, or a non-persistent or conversion folder put in its place)."""
+    url = url or getattr(args, attr, None)
     if url is None or not getattr(args, dest, None):
         return None
     same = os.path.abspath(getattr(args, dest)) == mirror_dir(args.object_storage_cache_path,

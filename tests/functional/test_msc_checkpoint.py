@@ -185,6 +185,25 @@ def test_an_msc_load_without_a_remote_tracker_starts_from_scratch(corpus, storag
     assert out["iteration"] == 2 and not os.path.exists(os.path.join(stale, TRACKER_FILENAME))
 
 
+def test_ckpt_step_fetches_the_iteration_it_names_and_replaces_a_stale_copy(storage):
+    from megatron.checkpoint import object_storage
+
+    bucket, cache = storage
+    for it in (2, 4):
+        os.makedirs(os.path.join(bucket, "ck", f"iter_{it:07d}", "sub"))
+        with open(os.path.join(bucket, "ck", f"iter_{it:07d}", "sub", "x"), "w") as f:
+            f.write(str(it))
+    with open(os.path.join(bucket, "ck", TRACKER_FILENAME), "w") as f:
+        f.write("4")
+    mirror = object_storage.mirror_dir(cache, "msc://p/ck")
+    os.makedirs(os.path.join(mirror, "iter_0000002"))
+    with open(os.path.join(mirror, "iter_0000002", "stale"), "w") as f:
+        f.write("old")
+    object_storage._fetch("msc://p/ck", mirror, 2)
+    assert _files(mirror) == {TRACKER_FILENAME: b"4", os.path.join("iter_0000002", "sub", "x"):
+                              b"2"}
+
+
 def _validate(argv):
     args = parse_args(None, argv=argv)
     args.world_size = 1
