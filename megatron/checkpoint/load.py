@@ -27,6 +27,7 @@ import torch.distributed as dist
 from megatron.checkpoint import (distrib_optim_file, experts, fsdp_dtensor, integrity,
                                  non_persistent, torch_dcp, torch_dist)
 from megatron.checkpoint.config import CheckpointConfig
+from megatron.core.msc import is_msc_url
 from megatron.checkpoint.dist.reader import is_dist_checkpoint
 from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, expert_ranks,
                                         iteration_dir, load_state_file, rank_file_in, read_tracker,
@@ -393,6 +394,10 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
     sizes only with --use-mp-args-from-checkpoint-args."""
     if not args.load:
         raise CheckpointError("--use-checkpoint-args needs --load")
+    if is_msc_url(args.load):
+        raise CheckpointError(f"--use-checkpoint-args with --load {args.load}: the flags are read "
+                              "before the msc:// checkpoint is downloaded; give the model flags, "
+                              "or a local copy of the checkpoint as --load")
     saved = _saved_args_in(args.load, "--use-checkpoint-args",
                            getattr(args, "verify_integrity", False))
     names = list(CHECKPOINT_ARGS)

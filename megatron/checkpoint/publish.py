@@ -22,10 +22,12 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint import object_storage
 from megatron.checkpoint.integrity import write_manifest
 from megatron.checkpoint.layout import (REPLACED_SUFFIX, STAGING_PREFIX, TRACKER_FILENAME,
                                         CheckpointError, checkpoint_dir_name)
 from megatron.core import device
+from megatron.core.msc import ObjectStorageError
 
 CRASH_ENV = "MEGATRON_TEST_CRASH_AT"
 
@@ -231,9 +233,12 @@ def raise_if_failed(error: str, what: str) -> None:
     raise CheckpointError(f"{what} failed: {detail}")
 
 
-def finish_save(save_dir: str, iteration: int, error: str, integrity: bool = False) -> None:
+def finish_save(save_dir: str, iteration: int, error: str, integrity: bool = False,
+                upload_url: Optional[str] = None) -> None:
     """Collective: publish the staged save if every rank's file was written, else raise;
-    ``integrity``: write the --verify-integrity manifest first."""
+    ``integrity``: write the --verify-integrity manifest first; ``upload_url`` (an msc://
+    --save, ``save_dir`` its mirror): rank 0 then uploads the published iteration, tracker
+    last, and no rank returns before it is there."""
     try:
         raise_if_failed(error, f"saving iteration {iteration} to {save_dir}")
     except CheckpointError:
@@ -244,6 +249,10 @@ def finish_save(save_dir: str, iteration: int, error: str, integrity: bool = Fal
     if dist.get_rank() == 0:
         try:
             publish_iteration(save_dir, iteration, integrity)
+            if upload_url is not None:
+                object_storage.upload_iteration(save_dir, upload_url, iteration)
         except OSError as err:
             publish_error = f"{err.filename}: {err.strerror}"
+        except ObjectStorageError as err:
+            publish_error = str(err)
     raise_if_failed(publish_error, f"publishing iteration {iteration} in {save_dir}")

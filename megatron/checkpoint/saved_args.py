@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from megatron.checkpoint import safe_unpickle
+from megatron.checkpoint import object_storage, safe_unpickle
 from megatron.checkpoint.config import CheckpointConfig, torch_format_expert_tp_error
 from megatron.checkpoint.layout import CheckpointError
 from megatron.training.train_state import TrainState
@@ -86,8 +86,12 @@ def checkpoint_args(args, config: Optional[CheckpointConfig] = None,
 
 
 def plain_args(args) -> argparse.Namespace:
+    """The plain values of ``args``, as a checkpoint records them (an msc:// --save / --load
+    as its URL, not its local mirror)."""
     plain = (type(None), bool, int, float, str, list, tuple, dict, torch.dtype)
-    return argparse.Namespace(**{k: v for k, v in vars(args).items() if isinstance(v, plain)})
+    saved = argparse.Namespace(**{k: v for k, v in vars(args).items() if isinstance(v, plain)})
+    object_storage.recorded_paths(saved)
+    return saved
 
 
 def _expert_tp_size(args, pstate) -> Optional[int]:

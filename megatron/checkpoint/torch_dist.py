@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron.checkpoint import emerging_state, muon_state, optimizer_state
+from megatron.checkpoint import emerging_state, muon_state, object_storage, optimizer_state
 from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
                                       DistCheckpointWriteError, ObjectShard, ShardWriter,
                                       TensorShard, chunk_layout, common_objects,
@@ -357,7 +357,8 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
         crash_point("after_file")
     except DistCheckpointWriteError as err:
         error = str(err)
-    finish_save(args.save, iteration, error, getattr(args, "verify_integrity", False))
+    finish_save(args.save, iteration, error, getattr(args, "verify_integrity", False),
+                object_storage.save_url(args))
     return os.path.join(args.save, checkpoint_dir_name(iteration))
 
 
@@ -382,6 +383,7 @@ class AsyncDistSave:
         self.iteration, self.save_dir, self.iter_dir = iteration, save_dir, iter_dir
         self.items, self.records, self.error = items, [], ""
         self.integrity = False  # --verify-integrity: a manifest is written before publishing
+        self.upload_url = None  # an msc:// --save: uploaded once published
         self.thread = threading.Thread(target=self._write, daemon=True,
                                        name=f"torch-dist-writer-{iteration}")
 
@@ -412,7 +414,7 @@ class AsyncDistSave:
                 except DistCheckpointWriteError as err:
                     errors.append(str(err))
             error = "; ".join(errors)
-        finish_save(self.save_dir, self.iteration, error, self.integrity)
+        finish_save(self.save_dir, self.iteration, error, self.integrity, self.upload_url)
 
 
 def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, args,
@@ -426,6 +428,7 @@ def start_async(iteration: int, model_chunks, optimizer, opt_param_scheduler, ar
         os.makedirs(iter_dir, exist_ok=True)
     dist.barrier()
     job = AsyncDistSave(iteration, args.save, iter_dir, items)
+    job.upload_url = object_storage.save_url(args)
     job.thread.start()
     return job
 

@@ -130,10 +130,12 @@ WORKS_HELP = {
     "--enable-msc": "use the Multi-Storage Client (the multi-storage-client package, configured "
                     "by MSC_CONFIG): msc://PROFILE/PATH URLs in the data paths (with "
                     "--object-storage-cache-path, --data-cache-path and --no-mmap-bin-files) "
-                    "and in --save / --load (torch_dist format); local paths are read directly",
+                    "and in --save / --load (torch_dist format, through a local mirror in "
+                    "--object-storage-cache-path); local paths are read directly",
     "--object-storage-cache-path": "local folder where the .idx files of msc:// data paths "
                                    "are copied (the .bin files are read in ranges from the "
-                                   "storage service)",
+                                   "storage service), and where msc:// --save / --load "
+                                   "checkpoints are mirrored (checkpoints/PROFILE/PATH)",
     "--enable-ft-package": "hang detection by nvidia-resiliency-ext's rank monitor: launched by "
                            "its ft_launcher, each rank reports its setup, step and "
                            "checkpointing sections; one open past its timeout makes the "

@@ -20,6 +20,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.checkpoint import object_storage
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core import config_logger, device
 from megatron.core.config import ConfigError
@@ -825,7 +826,8 @@ def _after_save(run: TrainingRun) -> None:
             samples * args.seq_length)
         save_extras.append_progress(args.save, args.world_size, line)
     if args.save_retain_interval is not None:
-        save_extras.prune_checkpoints(args.save, args.save_retain_interval)
+        removed = save_extras.prune_checkpoints(args.save, args.save_retain_interval)
+        object_storage.delete_iterations(args, removed)
 
 
 def _should_exit(iteration, training: TrainingConfig, start_time, stop_signal) -> Optional[str]:
@@ -1166,6 +1168,7 @@ def _build_and_run(train_valid_test_dataset_provider, model_provider, forward_st
     """pretrain() once the flags are checked and --save is locked: build the model, optimizer
     and data, load, then train and evaluate (or convert the loaded checkpoint)."""
     ckpt = configs.checkpoint
+    object_storage.fetch_load(args)   # an msc:// --load: into its mirror, once --save is locked
     calculator = calculator_from_args(args, pstate.dp_size)
     check_memory_at_startup(args, pstate, calculator)
     training_hooks.note_cpu_only_flags(args)

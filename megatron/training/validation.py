@@ -85,6 +85,18 @@ def _validate_checkpoint_format(args) -> None:
             _fail(str(err))
 
 
+def _validate_msc_checkpoints(args) -> None:
+    """msc:// --save / --load (--enable-msc): checked, then pointed at their local mirrors
+    (megatron/checkpoint/object_storage.py)."""
+    from megatron.checkpoint import object_storage
+    from megatron.core.msc import ObjectStorageError
+
+    try:
+        object_storage.resolve_urls(args)
+    except ObjectStorageError as err:
+        _fail(str(err))
+
+
 def _validate_non_persistent(args) -> None:
     """--non-persistent-*: a type to go with the interval, the folder it needs, and a
     replication layout that fits the world (megatron/checkpoint/non_persistent.py)."""
@@ -2032,6 +2044,7 @@ def check_flags(args):
     _validate_inter_document_masking(args)
     _validate_blend_surplus(args)
     _validate_checkpoint_format(args)
+    _validate_msc_checkpoints(args)
     _validate_non_persistent(args)
     _validate_torch_fsdp2(args)
     _validate_grad_precision(args)
