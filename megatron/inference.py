@@ -14,6 +14,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from megatron.checkpoint import object_storage
 from megatron.core import device
 from megatron.training import checkpointing, global_vars
 from megatron.training.arguments import build_configs
@@ -65,6 +66,7 @@ def load_model_for_inference(model_provider: Callable, args,
     if args.fp16 or args.bf16:
         dtype = torch.float16 if args.fp16 else torch.bfloat16
         chunks = [m.to(dtype) for m in chunks]
+    object_storage.fetch_load(args)  # an msc:// --load: its tracked checkpoint into the mirror
     iteration = checkpointing.load_model_weights(chunks, args, pstate)
     for chunk in chunks:
         chunk.eval()

@@ -426,13 +426,27 @@ def null_tokenizer_eod_from_checkpoint(args) -> argparse.Namespace:
     if (getattr(args, "tokenizer_type", None) != "NullTokenizer"
             or args.null_tokenizer_eod_id is not None):
         return args
-    folders = [(args.load, "--load"),
-               (getattr(args, "pretrained_checkpoint", None), "--pretrained-checkpoint")]
-    found = [(f, flag) for f, flag in folders if f and read_tracker(f) is not None]
-    if not found:
-        return args
-    folder, flag = found[0]
-    saved = _saved_args_in(folder, f"{flag} {folder}", getattr(args, "verify_integrity", False))
+    if is_msc_url(args.load) and getattr(args, "enable_msc", False):
+        # An msc:// --load is read before its mirror is filled: its recorded args directly.
+        import tempfile
+
+        from megatron.checkpoint import object_storage
+
+        with tempfile.TemporaryDirectory() as tmp:
+            iter_dir = object_storage.fetch_common_files(args.load, tmp)
+            if iter_dir is None:
+                return args
+            saved = megatron_args(torch_dist.saved_args(iter_dir))
+    else:
+        folders = [(args.load, "--load"),
+                   (getattr(args, "pretrained_checkpoint", None), "--pretrained-checkpoint")]
+        found = [(f, flag) for f, flag in folders
+                 if f and not is_msc_url(f) and read_tracker(f) is not None]
+        if not found:
+            return args
+        folder, flag = found[0]
+        saved = _saved_args_in(folder, f"{flag} {folder}",
+                               getattr(args, "verify_integrity", False))
     if (getattr(saved, "tokenizer_type", None) == "NullTokenizer"
             and getattr(saved, "vocab_size", None) == args.vocab_size):
         args.null_tokenizer_eod_id = getattr(saved, "null_tokenizer_eod_id", None)

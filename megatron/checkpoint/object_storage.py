@@ -172,6 +172,37 @@ def _download_tree(url: str, local: str) -> None:
         client.download_file(msc.join(url, rel), target)
 
 
+def fetch_common_files(url: str, tmp: str) -> Optional[str]:
+    """Copy into the folder ``tmp`` what reading the args of ``url``'s tracked checkpoint needs:
+    the tracker, the iteration's metadata and global rank 0's file (which holds the common
+    state); the other ranks' tensor files stay remote. Returns the local iteration folder, or
+    None without a tracker.
+
+    Any process may call it before the process groups exist (each with its own ``tmp``). Only
+    NullTokenizer runs need it (:func:`megatron.checkpoint.load.null_tokenizer_eod_from_checkpoint`).
+    """
+    tracker_url = msc.join(url, TRACKER_FILENAME)
+    if msc.size(tracker_url) is None:
+        return None
+    client = msc.client()
+    try:
+        client.download_file(tracker_url, os.path.join(tmp, TRACKER_FILENAME))
+        tracked = read_tracker(tmp)
+        if tracked is None:
+            return None
+        iteration, release = tracked
+        name = "release" if release else checkpoint_dir_name(iteration)
+        os.makedirs(os.path.join(tmp, name))
+        for rel in _remote_files(msc.join(url, name)):
+            if "/" not in rel and (not rel.endswith(".distcp") or rel == "__0_0.distcp"):
+                client.download_file(msc.join(url, name, rel), os.path.join(tmp, name, rel))
+    except msc.ObjectStorageError:
+        raise
+    except Exception as err:
+        raise _transfer_error(url, err) from None
+    return os.path.join(tmp, name)
+
+
 def _fetch(url: str, mirror: str, ckpt_step: Optional[int]) -> str:
     """Make ``mirror`` hold the remote tracker and the iteration to load; returns what it did."""
     tracker_url = msc.join(url, TRACKER_FILENAME)

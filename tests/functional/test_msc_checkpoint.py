@@ -33,7 +33,12 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture
 def storage(tmp_path, monkeypatch):
-    """A profile ``p`` over ``tmp_path/bucket``; returns (bucket folder, cache folder)."""
+    """A profile ``p`` over ``tmp_path/bucket``; returns (bucket folder, cache folder). The
+    client keeps each profile's storage for the life of a process: this process forgets the
+    previous tests' (the ranks are processes of their own)."""
+    import multistorageclient.shortcuts as shortcuts
+
+    monkeypatch.setattr(shortcuts, "_STORAGE_CLIENT_CACHE", {})
     bucket, cache = tmp_path / "bucket", tmp_path / "cache"
     bucket.mkdir()
     config = tmp_path / "msc.yaml"
@@ -258,3 +263,56 @@ def test_use_checkpoint_args_with_an_msc_load_is_refused(tmp_path):
                                                     "--use-checkpoint-args"])
     with pytest.raises(CheckpointError, match="--use-checkpoint-args with --load msc://p/ckpt"):
         load_args_from_checkpoint(args)
+
+
+def test_null_tokenizer_ids_come_from_an_msc_checkpoint(corpus, storage):
+    """The end-of-document id an msc:// checkpoint was written with is read before its mirror
+    is filled (the model's vocabulary depends on it)."""
+    from megatron.training import checkpointing
+    from megatron.training.arguments import parse_args
+
+    bucket, cache = storage
+    url = "msc://p/null"
+    _run(_flags(corpus, iters=2, extra=["--save", url, "--null-tokenizer-eod-id", "129",
+                                        *_msc(cache)]))
+    shutil.rmtree(cache)
+    args = parse_args(argv=_flags(corpus, extra=["--load", url, *_msc(cache)]))
+    assert args.null_tokenizer_eod_id is None
+    assert checkpointing.null_tokenizer_eod_from_checkpoint(args).null_tokenizer_eod_id == 129
+    fresh = parse_args(argv=_flags(corpus, extra=["--load", "msc://p/none", *_msc(cache)]))
+    assert checkpointing.null_tokenizer_eod_from_checkpoint(fresh).null_tokenizer_eod_id is None
+
+
+def _inference_logits(argv):
+    """The tools' start-up (generation server, evaluation) on ``argv``: logits of one batch."""
+    import pretrain_gpt
+    from megatron import inference
+    from megatron.training import global_vars
+
+    try:
+        args, pstate, _ = inference.initialize_for_inference(argv=argv)
+        chunks, iteration = inference.load_model_for_inference(pretrain_gpt.model_provider,
+                                                               args, pstate)
+        tokens = torch.arange(16).remainder(120).unsqueeze(0)
+        positions = torch.arange(16).unsqueeze(0)
+        with torch.no_grad():
+            logits = chunks[0](tokens, positions, None)
+        return {"iteration": iteration, "logits": logits}
+    finally:
+        global_vars.unset_global_variables()
+
+
+def test_the_inference_tools_load_an_msc_checkpoint(corpus, storage, tmp_path):
+    """The generation server's and evaluation's loader fetches an msc:// --load into its mirror
+    and gives the logits of the same checkpoint read from a local folder."""
+    bucket, cache = storage
+    _run(_flags(corpus, iters=2, extra=["--save", "msc://p/gen", *_msc(cache)]))
+    local = tmp_path / "local_copy"
+    shutil.copytree(os.path.join(bucket, "gen"), local)
+    shutil.rmtree(cache)
+    remote = run_on_ranks(_inference_logits, 1, _flags(corpus, extra=[
+        "--load", "msc://p/gen", *_msc(cache)]))[0]
+    plain = run_on_ranks(_inference_logits, 1, _flags(corpus, extra=[
+        "--load", str(local), "--ckpt-format", "torch_dist"]))[0]
+    assert remote["iteration"] == plain["iteration"] == 2
+    assert torch.equal(remote["logits"], plain["logits"])

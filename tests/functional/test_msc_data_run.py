@@ -9,7 +9,6 @@ import pytest
 from tests.functional.gpt_runs import gpt_flags, run_pretrain, write_counting_corpus
 from tests.multiprocess import run_on_ranks
 
-pytest.importorskip("multistorageclient")
 
 
 def test_msc_data_prefix_trains_the_same_losses(tmp_path, monkeypatch):

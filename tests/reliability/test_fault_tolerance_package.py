@@ -19,7 +19,6 @@ import pytest
 from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 from tests.functional.gpt_runs import gpt_flags, write_counting_corpus
 
-pytest.importorskip("nvidia_resiliency_ext.fault_tolerance")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FT_LAUNCHER = os.path.join(os.path.dirname(sys.executable), "ft_launcher")

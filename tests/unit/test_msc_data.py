@@ -14,7 +14,6 @@ from megatron.data.indexed_dataset import (IndexedDataset, IndexedDatasetBuilder
                                            IndexedDatasetError, get_idx_path, missing_files)
 from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 
-pytest.importorskip("multistorageclient")
 
 
 def write_config(tmp_path, monkeypatch) -> str:
