@@ -119,7 +119,9 @@ WORKS_HELP = {
     "--config-logger-dir": "write, per rank, each GPT/BERT model's constructor arguments and "
                            "config as DIR/{Class}.rank_{tp_dp_cp_pp_ep}.iter{N}.json, GPT's "
                            "initial weights (GPTModel_init_ckpt...pth) and each forward's "
-                           "inputs and logits (input_and_logits...pth), as Megatron does",
+                           "inputs and logits (input_and_logits...pth) and the data-parallel "
+                           "wrapper's arguments (DistributedDataParallel...json), as Megatron "
+                           "does",
     "--yaml-cfg": "take the whole configuration from this Megatron YAML file: top-level keys "
                   "are flag dests (train_iters, lr, ...), a language_model: section holds "
                   "TransformerConfig fields and a model_parallel: section ModelParallelConfig "

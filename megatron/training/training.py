@@ -264,6 +264,13 @@ def wrap_for_data_parallel(module: torch.nn.Module, args, pstate, ddp_config):
         expert_weight_shard_dp_group=getattr(pstate, "expert_weight_shard_dp_group", None))
     if args.data_parallel_random_init:
         ddp.broadcast_params()
+    config = getattr(module, "config", None)
+    if getattr(config, "config_logger_dir", ""):
+        # As Megatron-Core's DistributedDataParallel logs its constructor's arguments.
+        config_logger.log_config_to_disk(
+            config.config_logger_dir, {"config": config, "ddp_config": ddp_config,
+                                       "module": module, "disable_bucketing": False},
+            type(ddp).__name__, config_logger.rank_string(pstate))
     return ddp
 
 

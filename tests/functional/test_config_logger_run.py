@@ -60,6 +60,11 @@ def test_two_ranks_write_megatrons_files_and_train_the_same(tmp_path):
         assert f"GPTModel.rank_{ranks_str}.iter0.json" in names
         assert f"GPTModel.rank_{ranks_str}.iter1.json" not in names
         assert f"GPTModel_init_ckpt.rank_{ranks_str}.iter0.pth" in names
+        with open(log_dir / f"DistributedDataParallel.rank_{ranks_str}.iter0.json") as f:
+            wrapper = json.load(f)
+        assert "overlap_grad_reduce" in wrapper["ddp_config"]
+        assert wrapper["config"]["hidden_size"] == 32 and wrapper["disable_bucketing"] is False
+        assert "word_embeddings" in json.dumps(wrapper["module"])
         logits = [n for n in names if n.startswith(f"input_and_logits.rank_{ranks_str}.")]
         assert sorted(logits) == sorted(f"input_and_logits.rank_{ranks_str}.iter{n}.pth"
                                         for n in range(forwards))
@@ -67,4 +72,4 @@ def test_two_ranks_write_megatrons_files_and_train_the_same(tmp_path):
             config = json.load(f)["config"]
         assert (config["num_layers"], config["hidden_size"], config["num_attention_heads"],
                 config["seq_length"]) == (2, 32, 4, 16)
-    assert len(names) == 2 * (2 + forwards)
+    assert len(names) == 2 * (3 + forwards)
