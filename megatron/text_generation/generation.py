@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron.core import tensor_parallel
+from megatron.core import device, tensor_parallel
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.text_generation.inference_params import InferenceParams
 from megatron.text_generation.sampling import (SamplingError, check_sampling_args, sample,
@@ -87,18 +87,28 @@ class ForwardStep:
         self.inference_params = inference_params
         self.is_first = pstate.pp_rank == 0
         self.is_last = pstate.pp_rank == pstate.pp_size - 1
-        param = next(model.parameters())
-        dtype = torch.float32 if gpt.config.fp32_residual_connection else param.dtype
+        # An empty stage (a layout's "||") holds no parameter: the config says what it would.
+        param = next(model.parameters(), None)
+        dtype = (torch.float32 if gpt.config.fp32_residual_connection
+                 else gpt.config.params_dtype if param is None else param.dtype)
+        where = torch.device(device.current_device()) if param is None else param.device
         self.hidden_size = gpt.config.residual_stream_size
         self.communicator = None
         if pstate.pp_size > 1:
-            self.communicator = P2PCommunicator.from_parallel_state(pstate, dtype, param.device)
+            self.communicator = P2PCommunicator.from_parallel_state(pstate, dtype, where)
         # A standalone MTP stage hands the last stage its K MTP hidden states too
-        # ([(1+K)s, b, h]); the last stage's logits are the main head's.
+        # ([(1+K)s, b, h]), through any (empty) stages between them; the last stage's logits
+        # are the main head's.
         self.into_last = 1 + gpt.mtp_num_layers if getattr(gpt, "mtp_standalone", False) else 1
+        holds_mtp = self.into_last > 1 and getattr(gpt, "mtp", None) is not None
         # ... and embeds the shifted tokens, so it reads them as the first stage does.
-        self.reads_tokens = self.is_first or (self.into_last > 1
-                                              and getattr(gpt, "mtp", None) is not None)
+        self.reads_tokens = self.is_first or holds_mtp
+        self.mtp_rank = pstate.pp_size - 2
+        if self.into_last > 1:  # which rank holds the MTP stage: every rank learns it
+            found = torch.tensor([pstate.pp_rank if holds_mtp else -1], dtype=torch.int64,
+                                 device=where)
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=pstate.pp_group)
+            self.mtp_rank = int(found.item())
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> Optional[torch.Tensor]:
@@ -106,7 +116,8 @@ class ForwardStep:
         stage (None elsewhere); advances the cache offset by ``s``."""
         b, s = tokens.shape
         if not self.is_first:
-            received = (s * (self.into_last if self.is_last else 1), b, self.hidden_size)
+            wide_in = self.pstate.pp_rank > self.mtp_rank
+            received = (s * (self.into_last if wide_in else 1), b, self.hidden_size)
             self.gpt.set_input_tensor(self.communicator.recv_forward(received))
         output = self.model(tokens if self.reads_tokens else None,
                             position_ids if self.reads_tokens else None, None,
@@ -114,8 +125,8 @@ class ForwardStep:
         if self.inference_params is not None:
             self.inference_params.sequence_len_offset += s
         if not self.is_last:
-            into_last = self.pstate.pp_rank == self.pstate.pp_size - 2
-            sent = (s * (self.into_last if into_last else 1), b, self.hidden_size)
+            wide_out = self.pstate.pp_rank >= self.mtp_rank
+            sent = (s * (self.into_last if wide_out else 1), b, self.hidden_size)
             self.communicator.send_forward(output, sent)
             return None
         if not self.gpt.parallel_output:

@@ -350,11 +350,15 @@ def schedule_kwargs(model, args, pstate, micro_batch_size: Optional[int] = None)
 
 def _loss_stage_shape(args, pstate, micro_batch_size: Optional[int]) -> dict:
     """A standalone MTP stage (--mtp-standalone) hands the loss stage the main and the K MTP
-    hidden states, concatenated along the sequence: ``((1+K)s, b, h)``."""
+    hidden states, concatenated along the sequence: ``((1+K)s, b, h)``, through the (empty)
+    stages between them."""
     if not getattr(args, "mtp_standalone", False):
         return {}
+    from megatron.core.pipeline_parallel.layer_layout import mtp_standalone_stage
+
     seq, batch, hidden = pipeline_tensor_shape(args, pstate, micro_batch_size)
-    return {"loss_stage_tensor_shape": ((1 + args.mtp_num_layers) * seq, batch, hidden)}
+    return {"loss_stage_tensor_shape": ((1 + args.mtp_num_layers) * seq, batch, hidden),
+            "mtp_stage": mtp_standalone_stage(args.pipeline_model_parallel_layout)}
 
 
 def _schedule_for(args, pstate) -> Callable:

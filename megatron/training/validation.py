@@ -23,6 +23,7 @@ from megatron.core.parallel_state import (DEFAULT_ORDER, TP_PP_DP_ORDER, LayoutE
                                           check_degrees)
 from megatron.core.pipeline_parallel.layer_layout import (accounted_stage_counts,
                                                           layout_stage_counts,
+                                                          ranks_without_parameters,
                                                           mtp_standalone_stage,
                                                           standalone_embedding_layout)
 from megatron.core.heterogeneous import check_blocks_splittable
@@ -596,6 +597,12 @@ def _custom_pipeline_split(args) -> bool:
         if layout is not None:
             vp = len(layout_stage_counts(layout, pp, args.num_layers,
                                          args.mtp_num_layers or 0)[0])
+            idle = ranks_without_parameters(layout, pp)
+            if idle:
+                _fail(f"{name} {layout!r}: pipeline rank(s) {', '.join(map(str, idle))} hold "
+                      "only empty stages, so no parameter to train; give every rank a layer, "
+                      "the embedding, the MTP layers or the loss (with virtual stages an empty "
+                      "stage is fine beside a full one, e.g. 'Et|t|t|tmm||L' at pp 3)")
         else:
             accounted_stage_counts(args.num_layers, pp, vp,
                                    args.account_for_embedding_in_pipeline_split,

@@ -1,7 +1,9 @@
 """Generation through a standalone MTP stage (``"Ettmm|L"`` at PP 2, ``"Et|tmm|L"`` at PP 3
 where the MTP stage reads the tokens too; float64): the MTP stage hands the loss stage
 ``[3 s, b, h]``, and the loss stage's logits, with and without the key/value cache, are those
-of the same GPT in one process (the same sums: 1e-12)."""
+of the same GPT in one process (the same sums: 1e-12). Further from the loss
+(``"Ettmm||L"`` at PP 3, ``"Et|tmm||L"`` at PP 4) the empty stages between pass the wide
+tensor on."""
 
 import pytest
 import torch
@@ -34,17 +36,20 @@ def _logits(model, pstate, ids, pos):
 
 def _pipeline_body(layout, pp):
     from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel.layer_layout import is_mtp_standalone_stage
 
     state = parallel_state.initialize_model_parallel(1, pp)
     model = GPTModel(_config(layout), state, pre_process=state.pp_rank == 0,
                      post_process=state.pp_rank == pp - 1, mtp_num_layers=DEPTHS,
-                     mtp_standalone=True, mtp_stage=state.pp_rank == pp - 2)
+                     mtp_standalone=True,
+                     mtp_stage=is_mtp_standalone_stage(layout, pp, state.pp_rank, None))
     model.eval()
     ids, pos, _ = make_batch()
     return _logits(model, state, ids, pos)
 
 
-@pytest.mark.parametrize("layout, pp", [("Ettmm|L", 2), ("Et|tmm|L", 3)])
+@pytest.mark.parametrize("layout, pp", [("Ettmm|L", 2), ("Et|tmm|L", 3), ("Ettmm||L", 3),
+                                        ("Et|tmm||L", 4)])
 def test_generation_through_a_standalone_mtp_stage_gives_one_process_logits(layout, pp):
     reference = GPTModel(_config(), single_process_state(), mtp_num_layers=DEPTHS)
     reference.eval()

@@ -109,7 +109,8 @@ class _Tag(torch.autograd.Function):
 class ToyChunk(torch.nn.Module):
     """Virtual stage ``index``: ``tanh(x W + c)``; the first one reads x from the batch.
     ``wide``: "out" returns ``[y; y * y]`` (``[2s, b, h]``, as a standalone MTP stage hands the
-    loss stage more than one hidden state), "in" takes such an input and sums its halves."""
+    loss stage more than one hidden state), "in" takes such an input and sums its halves,
+    "through" maps such an input to one of the same shape (a stage between the two)."""
 
     def __init__(self, index, pre_process, wide=None):
         super().__init__()
@@ -129,7 +130,7 @@ class ToyChunk(torch.nn.Module):
         if self.wide == "in":
             first, second = inp.chunk(2, dim=0)                  # [s, b, h] each
             inp = first + second
-        out = torch.tanh(inp @ self.weight + self.bias)          # [s, b, h]
+        out = torch.tanh(inp @ self.weight + self.bias)          # [s, b, h] ([2s, b, h])
         return torch.cat([out, out * out], dim=0) if self.wide == "out" else out
 
 
@@ -168,7 +169,8 @@ class Stage:
         self.comm = ThreadComm(wire, r, p, self.log)
         self.v, self.p, self.r = v, p, r
         self.chunks = [FakeDDP(ToyChunk(c * p + r, pre_process=(c == 0 and r == 0),
-                                        wide=_wide(c * p + r, p * v) if wide else None))
+                                        wide=_wide(c * p + r, p * v, _source(wide))
+                                        if wide is not False else None))
                        for c in range(v)]
         self.iterators = [iter(_batches(m, seed)) for _ in range(v)]
         self.current_chunk = 0
@@ -199,10 +201,20 @@ class Stage:
         return out, loss_func
 
 
-def _wide(index, num_stages):
-    """The ``wide`` of a toy chunk when the boundary into the last stage carries twice the
-    sequence."""
-    return {num_stages - 2: "out", num_stages - 1: "in"}.get(index)
+def _wide(index, num_stages, source=None):
+    """The ``wide`` of a toy chunk when the boundaries from stage ``source`` (default: the one
+    before the last) to the last stage carry twice the sequence."""
+    source = num_stages - 2 if source is None else source
+    if index == source:
+        return "out"
+    if index == num_stages - 1:
+        return "in"
+    return "through" if source < index else None
+
+
+def _source(wide):
+    """``wide``: True (the stage before the last sends the wide message) or that stage."""
+    return None if wide is True else wide
 
 
 def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0,
@@ -218,8 +230,10 @@ def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0,
         st.shared_no_sync = shared_no_sync
         no_sync = st.chunks[0].no_sync if shared_no_sync else [c.no_sync for c in st.chunks]
         extra = {} if group_size is None else {"microbatch_group_size_per_vp_stage": group_size}
-        if wide:
+        if wide is not False:
             extra["loss_stage_tensor_shape"] = (2 * SEQ, MB, H)
+            if _source(wide) is not None:
+                extra["mtp_stage"] = _source(wide)
         try:
             torch.set_grad_enabled(not forward_only)  # grad mode is per thread
             st.losses = schedule(
@@ -244,7 +258,8 @@ def run_pipeline(p, m, v=None, forward_only=False, shared_no_sync=False, seed=0,
 
 def reference(p, m, v=1, seed=0, wide=False):
     """Losses and gradients of the same model run sequentially (virtual stage order)."""
-    chunks = [ToyChunk(i, pre_process=(i == 0), wide=_wide(i, p * v) if wide else None)
+    chunks = [ToyChunk(i, pre_process=(i == 0),
+                       wide=_wide(i, p * v, _source(wide)) if wide is not False else None)
               for i in range(p * v)]
     losses = []
     for _, x, target in _batches(m, seed):
@@ -595,3 +610,13 @@ def test_interleaved_forward_only_with_a_wider_message_into_the_last_stage():
     stages = run_pipeline(2, 4, v=2, wide=True, forward_only=True)
     ref_losses, _ = reference(2, 4, 2, wide=True)
     assert [float(d["loss"]) for d in stages[-1].losses] == pytest.approx(ref_losses, abs=1e-12)
+
+
+@pytest.mark.parametrize("p, m, v, source", [(3, 4, 1, 0), (4, 5, 1, 1), (4, 3, 1, 0),
+                                             (3, 6, 2, 3), (4, 4, 2, 4), (3, 6, 3, 6)])
+def test_a_wide_message_passes_through_the_stages_before_the_last(p, m, v, source):
+    """A standalone MTP stage further from the loss (the last virtual stage of its rank, e.g.
+    ``Et|t|t|tmm||L`` at pp 3): the stages between it and the loss stage receive and send the
+    wide message, and the schedules match one thread."""
+    stages = run_pipeline(p, m, v=None if v == 1 else v, wide=source)
+    _check_against_reference(stages, p, m, v, wide=source)

@@ -78,6 +78,43 @@ def test_standalone_mtp_stage_with_virtual_stages_trains_as_one_process(  # noqa
     _assert_parity(_run(corpus, ranks, extra + layout), _run(corpus, 1, extra))
 
 
+# Further from the loss: the MTP stage is its rank's last virtual stage and the (empty) stages
+# between it and the loss's pass the wide hand-over on, as Megatron allows.
+FAR_PP3_VP2 = ["--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout",
+               "Et|t|t|tmm||L", "--global-batch-size", "12"]
+FAR_PP4_VP2 = ["--pipeline-model-parallel-size", "4", "--pipeline-model-parallel-layout",
+               "Et|t|t|t|mm|||L"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, ranks", [(FAR_PP3_VP2, 3), (FAR_PP4_VP2, 4)],
+                         ids=["pp3-vp2", "pp4-vp2"])
+@pytest.mark.parametrize("untie", [False, True], ids=["tied", "untied"])
+def test_standalone_mtp_stage_further_from_the_loss_trains_as_one_process(  # noqa: F811
+        corpus, layout, ranks, untie):
+    """``[3 s, b, h]`` from the MTP stage (rank 0's second chunk) through the empty second
+    chunks of the ranks between into the loss's."""
+    extra = ["--untie-embeddings-and-output-weights"] if untie else []
+    reference = extra + (["--global-batch-size", "12"] if layout is FAR_PP3_VP2 else [])
+    _assert_parity(_run(corpus, ranks, extra + layout), _run(corpus, 1, reference))
+
+
+def test_a_layout_leaving_a_rank_without_parameters_is_refused(corpus):  # noqa: F811
+    """At pp 3 without virtual stages, an MTP stage two before the loss leaves rank 1 only an
+    empty stage: refused in one line before any process group exists."""
+    from megatron.training.arguments import ArgumentsError, parse_args, validate_args
+    from tests.functional.gpt_runs import gpt_flags
+    from tests.functional.test_mtp_pipeline import MTP
+
+    args = parse_args(argv=gpt_flags(corpus, 2, extra=MTP + [
+        "--pipeline-model-parallel-size", "3", "--pipeline-model-parallel-layout",
+        "Ettttmm||L"]))
+    args.world_size = 3
+    with pytest.raises(ArgumentsError, match=r"'Ettttmm\|\|L': pipeline rank\(s\) 1 hold only "
+                                             r"empty stages, so no parameter to train"):
+        validate_args(args)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("extra, reference", [
     (["--tensor-model-parallel-size", "2", "--sequence-parallel"], (1, [])),

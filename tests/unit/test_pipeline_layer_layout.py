@@ -200,16 +200,10 @@ def test_mtp_layout_by_hand():
     ("Et|tmmL", 2, 2, 1, r"\('m', 2\) must match --mtp-num-layers \(1\)"),
     ("Et|tmL", 2, 2, 0, r"\('m', 1\) must match --mtp-num-layers \(not given\)"),
     ("Et|mtL", 2, 2, 1, r"decoder layers \('t'\) must be placed before the MTP layers"),
-    ("Etm||L", 3, 1, 1, r"in a stage of their own, without the loss \(Megatron's standalone "
-     r"MTP stage\), are built only in the stage just before the loss's \(e.g. "
-     r"'Ettmm\|L', 'Et\|ttmm\|L', 'Et\|t\|tmm\|L' at pp 2\), not in stage 0 of 3"),
     ("Et|t|m|||L", 2, 2, 1, r"'m'\) must be in the last virtual pipeline stage of their "
      r"pipeline rank"),
     ("Etm|mL", 2, 1, 2, r"all of the MTP layers \('m'\) must be in the same virtual "
      r"pipeline stage"),
-    ("Et|t|t|m||L", 3, 3, 1, r"MTP layers \('m'\) in a stage of their own, without the "
-     r"loss \(Megatron's standalone MTP stage\), are built only .* not in stage 3 of 6: put "
-     r"them there or in the last stage, before 'L'"),
     ("Et|tLm", 2, 2, 1, r"the loss 'L' must appear once, last in the last stage"),
 ])
 def test_misplaced_mtp_letters_are_refused_as_megatron_refuses_them(text, pp, layers, mtp,
@@ -273,6 +267,17 @@ def test_standalone_mtp_stage_just_before_the_loss_stage_is_accepted():
     assert ll.mtp_embedding_stages("Et|tmmL", 2, tied=True) is None
     assert ll.mtp_standalone_stage("Et|tmmL") is None
     assert ll.mtp_standalone_stage("Et|tL") is None
+
+
+def test_standalone_mtp_stage_further_from_the_loss_is_accepted_as_megatron_accepts_it():
+    """The MTP stage may be any rank's last virtual stage before the loss's; the stages between
+    are empty (they hand its output on)."""
+    assert ll.layout_stage_counts("Etm||L", 3, 1, 1) == [[1], [0], [0]]
+    assert ll.mtp_standalone_stage("Etm||L") == 0 and ll.mtp_standalone_rank("Etm||L", 3) == 0
+    assert ll.layout_stage_counts("Et|t|t|m||L", 3, 3, 1) == [[1, 0], [1, 0], [1, 0]]
+    assert ll.mtp_standalone_stage("Et|t|t|m||L") == 3
+    assert ll.is_mtp_standalone_stage("Et|t|t|m||L", 3, 0, 1)
+    assert ll.mtp_embedding_stages("Et|t|t|m||L", 3, True) == [0, 2]
 
 
 def test_standalone_mtp_stage_with_virtual_stages_is_the_last_chunk_before_the_loss():

@@ -16,8 +16,9 @@ Four ways to say it, as in Megatron-LM:
   ``"Et|tt|tt|tL"`` gives rank 0 ``[E t] [t t]`` and rank 1 ``[t t] [t L]`` (vp 2). The
   ``--mtp-num-layers`` MTP layers, one ``m`` each, stand in the last stage before ``L``, where
   they run, or, as Megatron's standalone MTP stage, in a stage of their own before the loss's
-  (:func:`mtp_standalone_stage`; built just before the loss stage, ``"Ettmm|L"``,
-  ``"Et|ttmm|L"``, or with virtual stages ``"Et|t|tmm|L"`` at pp 2: rank 0's second chunk);
+  (:func:`mtp_standalone_stage`; ``"Ettmm|L"``, ``"Et|ttmm|L"``, with virtual stages
+  ``"Et|t|tmm|L"`` at pp 2: rank 0's second chunk; or further from the loss, the empty
+  stages between passing its output on: ``"Ettmm||L"``, ``"Et|t|t|tmm||L"`` at pp 3);
 * ``--standalone-embedding-stage``: pipeline rank 0 holds only the embedding, the other ranks
   the layers (:func:`standalone_embedding_layout` writes it as a layout).
 
@@ -114,10 +115,11 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
                       mtp_num_layers: Optional[int]) -> None:
     """Megatron's rules for ``m``: one letter per MTP layer (``--mtp-num-layers`` of them),
     after every ``t``, all in one stage, the last virtual stage of its pipeline rank. That
-    stage is the loss's (``...mmL``) or, Megatron's standalone MTP stage, one before it; the
-    standalone stage is built just before the loss stage (``"Ettmm|L"``, ``"Et|ttmm|L"``,
-    with virtual stages ``"Et|t|tmm|L"`` at pp 2), and refused elsewhere. As in Megatron, a run with MTP
-    layers must place them: a layout without ``m`` is refused."""
+    stage is the loss's (``...mmL``) or, Megatron's standalone MTP stage, one before it
+    (``"Ettmm|L"``, ``"Et|ttmm|L"``, with virtual stages ``"Et|t|tmm|L"`` at pp 2) or further
+    (``"Ettmm||L"``, ``"Et|t|t|tmm||L"`` at pp 3): the stages between are empty and hand its
+    output on. As in Megatron, a run with MTP layers must place them: a layout without ``m``
+    is refused."""
     flat = "".join(stages)
     count = flat.count("m")
     if mtp_num_layers is not None and count != mtp_num_layers:
@@ -136,12 +138,15 @@ def check_mtp_letters(text: str, stages: List[str], pp_size: int,
     if len(holding) > 1:
         raise ConfigError(f"{LAYOUT_FLAG} {text!r}: all of the MTP layers ('m') must be in the "
                           "same virtual pipeline stage")
-    if holding[0] < len(stages) - 2:
-        raise ConfigError(f"{LAYOUT_FLAG} {text!r}: MTP layers ('m') in a stage of their own, "
-                          "without the loss (Megatron's standalone MTP stage), are built only "
-                          "in the stage just before the loss's (e.g. 'Ettmm|L', 'Et|ttmm|L', "
-                          f"'Et|t|tmm|L' at pp 2), not in stage {holding[0]} of "
-                          f"{len(stages)}: put them there or in the last stage, before 'L'")
+
+
+def ranks_without_parameters(text: str, pp_size: int) -> List[int]:
+    """The pipeline ranks all of whose stages are empty (``"Et||tL"`` at pp 3: rank 1): they
+    would hold no parameter for an optimizer to train."""
+    stages = parse_pipeline_layout(text)
+    vp_size = len(stages) // pp_size
+    return [r for r in range(pp_size)
+            if not any(stages[v * pp_size + r] for v in range(vp_size))]
 
 
 def mtp_standalone_stage(text: str) -> Optional[int]:

@@ -257,6 +257,7 @@ class _Run:
     losses: MicroBatchLosses = field(default_factory=MicroBatchLosses)
     backwards_done: List[int] = field(default_factory=list)
     loss_stage_tensor_shape: Optional[Tuple[int, ...]] = None
+    mtp_stage: Optional[int] = None
 
     def __post_init__(self):
         self.backwards_done = [0] * len(self.chunks)
@@ -266,18 +267,23 @@ class _Run:
             return self.tensor_shape
         stage = chunk * self.comm.pp_size + self.comm.pp_rank
         last = self.comm.pp_size * len(self.chunks) - 1
-        return self.loss_stage_tensor_shape if stage == last - stage_from_last else (
-            self.tensor_shape)
+        # The wide messages run from the MTP stage's output to the loss stage's input, through
+        # any (empty) stages between them.
+        source = last - 1 if self.mtp_stage is None else self.mtp_stage
+        wide = source + 1 - stage_from_last <= stage <= last - stage_from_last
+        return self.loss_stage_tensor_shape if wide else self.tensor_shape
 
     def input_shape(self, chunk: Optional[int]) -> Tuple[int, ...]:
         """The shape of ``chunk``'s input (and of its gradient): ``loss_stage_tensor_shape``
-        into the last (virtual) stage when given (a standalone MTP stage hands on
-        ``[(1+K)s, b, h]``), else ``tensor_shape``; None: no message, ``tensor_shape``."""
+        into the stages after ``mtp_stage`` when given (a standalone MTP stage hands on
+        ``[(1+K)s, b, h]``, which stages between it and the loss pass along), else
+        ``tensor_shape``; None: no message, ``tensor_shape``."""
         return self._stage_shape(chunk, 0)
 
     def output_shape(self, chunk: Optional[int]) -> Tuple[int, ...]:
         """The shape of ``chunk``'s output (and of its gradient): ``loss_stage_tensor_shape``
-        out of the (virtual) stage before the last when given, else ``tensor_shape``."""
+        out of ``mtp_stage`` and the stages after it but the last when given, else
+        ``tensor_shape``."""
         return self._stage_shape(chunk, 1)
 
     def boundary_shape(self, next_stage: bool) -> Tuple[int, ...]:
@@ -343,7 +349,8 @@ def _as_list(value, n: int, what: str) -> list:
 
 def _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
               grad_scale_func, no_sync_func, communicator, tensor_shape,
-              set_virtual_pp_rank, per_token: bool, loss_stage_tensor_shape=None) -> _Run:
+              set_virtual_pp_rank, per_token: bool, loss_stage_tensor_shape=None,
+              mtp_stage: Optional[int] = None) -> _Run:
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     if communicator is None or tensor_shape is None:
         raise ValueError("pipeline schedules need communicator=<P2PCommunicator> and "
@@ -358,7 +365,8 @@ def _make_run(forward_step_func, data_iterator, model, num_microbatches, forward
                 grad_sync=_GradSync(no_sync_func, len(chunks)),
                 set_virtual_pp_rank=set_virtual_pp_rank, per_token=per_token,
                 loss_stage_tensor_shape=(None if loss_stage_tensor_shape is None
-                                         else tuple(loss_stage_tensor_shape)))
+                                         else tuple(loss_stage_tensor_shape)),
+                mtp_stage=mtp_stage)
 
 
 # ---------------------------------------------------------------------- 1F1B
@@ -418,7 +426,8 @@ def forward_backward_pipelining_without_interleaving(
         tensor_shape: Optional[Sequence[int]] = None,
         set_virtual_pp_rank: Optional[Callable[[int], None]] = None,
         calculate_per_token_loss: bool = False,
-        loss_stage_tensor_shape: Optional[Sequence[int]] = None) -> MicroBatchLosses:
+        loss_stage_tensor_shape: Optional[Sequence[int]] = None,
+        mtp_stage: Optional[int] = None) -> MicroBatchLosses:
     """1F1B over the stages of ``communicator``'s pipeline (one model chunk per rank).
 
     Args:
@@ -437,13 +446,16 @@ def forward_backward_pipelining_without_interleaving(
             count nor by the number of micro-batches (``--calculate-per-token-loss``).
         loss_stage_tensor_shape: the shape of the messages into the last stage when it is not
             ``tensor_shape`` (a standalone MTP stage sends ``[(1+K)s, b, h]``); None: the same.
+        mtp_stage: with ``loss_stage_tensor_shape``, the stage (in running order) that sends
+            it; the stages between it and the last pass it on. None: the stage before the last.
 
     Returns:
         The logged values of each micro-batch on the last stage; an empty list elsewhere.
     """
     run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
                     grad_scale_func, no_sync_func, communicator, tensor_shape,
-                    set_virtual_pp_rank, calculate_per_token_loss, loss_stage_tensor_shape)
+                    set_virtual_pp_rank, calculate_per_token_loss, loss_stage_tensor_shape,
+                    mtp_stage)
     if len(run.chunks) != 1:
         raise ValueError("1F1B takes one model chunk per rank; use the interleaved schedule "
                          f"for {len(run.chunks)} chunks")
@@ -672,7 +684,8 @@ def forward_backward_pipelining_with_interleaving(
         set_virtual_pp_rank: Optional[Callable[[int], None]] = None,
         calculate_per_token_loss: bool = False,
         microbatch_group_size_per_vp_stage: Optional[int] = None,
-        loss_stage_tensor_shape: Optional[Sequence[int]] = None) -> MicroBatchLosses:
+        loss_stage_tensor_shape: Optional[Sequence[int]] = None,
+        mtp_stage: Optional[int] = None) -> MicroBatchLosses:
     """The interleaved 1F1B schedule over ``len(model)`` chunks per rank.
 
     Args are those of :func:`forward_backward_pipelining_without_interleaving`, except:
@@ -685,12 +698,15 @@ def forward_backward_pipelining_with_interleaving(
         microbatch_group_size_per_vp_stage: micro-batches each chunk runs before the next chunk
             starts (:func:`get_schedule_table`); None: the pipeline size.
         loss_stage_tensor_shape: the shape of the messages into the last virtual stage (the
-            last chunk of the last rank) when it is not ``tensor_shape``: a standalone MTP
-            stage, the virtual stage before it, sends ``[(1+K)s, b, h]``; None: the same.
+            last chunk of the last rank) when it is not ``tensor_shape`` (a standalone MTP
+            stage sends ``[(1+K)s, b, h]``); None: the same.
+        mtp_stage: the virtual stage that sends it (None: the one before the last); the
+            (empty) virtual stages between it and the last pass it on.
     """
     run = _make_run(forward_step_func, data_iterator, model, num_microbatches, forward_only,
                     grad_scale_func, no_sync_func, communicator, tensor_shape,
-                    set_virtual_pp_rank, calculate_per_token_loss, loss_stage_tensor_shape)
+                    set_virtual_pp_rank, calculate_per_token_loss, loss_stage_tensor_shape,
+                    mtp_stage)
     p, v, m = communicator.pp_size, len(run.chunks), num_microbatches
     group_size = _group_size(microbatch_group_size_per_vp_stage, p, m)
     num_warmup = interleaved_num_warmup(p, communicator.pp_rank, m, v, forward_only, group_size)
