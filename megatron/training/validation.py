@@ -1632,10 +1632,6 @@ def _validate_object_storage(args) -> None:
         if args.sft:
             _fail(f"{flag} {entry}: --sft reads local files only here; copy the data to a "
                   "local folder")
-    for flag in ("logits_save_dir", "logits_load_dir"):
-        if msc.is_msc_url(getattr(args, flag, None)):
-            _fail(f"--{flag.replace('_', '-')} {getattr(args, flag)}: teacher logits are written "
-                  "and read in local folders only here; copy them to a local folder")
 
 
 def _validate_fault_tolerance(args) -> None:

@@ -167,5 +167,6 @@ def test_dataset_builder_refuses_msc_prefix_without_enable_msc(tmp_path, monkeyp
 def test_msc_teacher_logits_are_refused(tmp_path, monkeypatch):
     write_config(tmp_path, monkeypatch)
     with pytest.raises(ArgumentsError, match="--logits-load-dir msc://local/t: teacher logits "
-                                             "are written and read in local folders only"):
+                                             "are written and read in local or mounted folders "
+                                             "only here, not through the Multi-Storage Client"):
         _validate(["--enable-msc", "--mock-data", "--logits-load-dir", "msc://local/t"])

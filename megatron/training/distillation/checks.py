@@ -37,8 +37,9 @@ def _check(args) -> None:
     for flag, path in (("--logits-save-dir", args.logits_save_dir),
                        ("--logits-load-dir", args.logits_load_dir)):
         if path is not None and str(path).startswith("msc://"):
-            _refuse(f"{flag} {path}: the Multi-Storage Client (msc://) is not used here; give "
-                    "a local or mounted folder")
+            _refuse(f"{flag} {path}: teacher logits are written and read in local or mounted "
+                    "folders only here, not through the Multi-Storage Client (which serves "
+                    "data and checkpoints); give a local or mounted folder")
     if saving:
         _check_save_values(args)
     if loading:
