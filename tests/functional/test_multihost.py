@@ -249,6 +249,7 @@ def reference(hosts, corpus, tmp_path_factory):
             ref.launch.proc.wait()
 
 
+@pytest.mark.slow  # about 20 s: two namespaces of two ranks each
 @needs_namespaces
 def test_two_hosts_train_as_one_host(hosts, corpus, reference, tmp_path):
     """torchrun on two hosts (2 processes each, static --master_addr form) with TP = 2 inside

@@ -49,6 +49,7 @@ def test_flag_sets_every_documented_switch():
     assert _probe("off") == (False, False, False, False, None, None, [])
 
 
+@pytest.mark.slow  # about 6 s
 def test_user_settings_kept_when_valid_and_replaced_when_not():
     *_, workspace, algo, notes = _probe("on", CUBLAS_WORKSPACE_CONFIG=":16:8", NCCL_ALGO="Tree")
     assert (workspace, algo) == (":16:8", "Tree")
@@ -74,6 +75,7 @@ def _train(tmp_path, extra, env=None):
     return out, [loss for _, loss in LOSS_RE.findall(out.stdout)]
 
 
+@pytest.mark.slow  # about 8 s: two training runs in subprocesses
 def test_cpu_run_unchanged_and_startup_memory_warning(tmp_path):
     plain, plain_losses = _train(tmp_path, [])
     assert len(plain_losses) == 4

@@ -208,9 +208,9 @@ def _assert_job_gone(job: Job, elapsed: float, bound: float) -> None:
     assert job.proc.returncode != 0
 
 
-@pytest.mark.parametrize("extra", [
-    [], pytest.param(["--exit-signal-handler"], marks=pytest.mark.slow)],
-    ids=["plain", "exit-signal-handler"])
+@pytest.mark.slow  # about 8 s each: four torchrun ranks
+@pytest.mark.parametrize("extra", [[], ["--exit-signal-handler"]],
+                         ids=["plain", "exit-signal-handler"])
 def test_killed_rank_ends_the_job_and_is_named(corpus, extra):
     """With --exit-signal-handler the survivors catch torchrun's SIGTERM and try to finish the
     iteration; the collective with the dead rank must still end them."""
@@ -231,6 +231,7 @@ def test_killed_rank_ends_the_job_and_is_named(corpus, extra):
     assert "Signal 9 (SIGKILL) received by PID" in output
 
 
+@pytest.mark.slow  # about 8 s: four torchrun ranks
 def test_rank_that_raises_ends_the_job_and_is_named(corpus, tmp_path):
     script = tmp_path / "faulty_pretrain_gpt.py"
     script.write_text(FAULT_SCRIPT.format(root=REPO_ROOT, rank=FAILING_RANK, mode="raise"))

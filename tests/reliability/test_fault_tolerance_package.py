@@ -127,6 +127,7 @@ def test_hung_rank_is_restarted_and_the_run_resumes(tmp_path, corpus):
     assert _losses(out) == _losses(plain) and len(_losses(plain)) == 8
 
 
+@pytest.mark.slow  # about 5 s: a torchrun job
 def test_without_ft_launcher_the_run_stops_in_one_line(tmp_path, corpus):
     rc, out = _launch(TORCHRUN, os.path.join(REPO_ROOT, "pretrain_gpt.py"),
                       gpt_flags(corpus, 2) + ["--save", str(tmp_path / "c"),
