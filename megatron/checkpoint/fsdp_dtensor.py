@@ -28,11 +28,10 @@ code in a checkpoint runs.
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from megatron.checkpoint import optimizer_state
 from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
@@ -46,6 +45,10 @@ from megatron.checkpoint.publish import begin_save, crash_point, finish_save
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError
 from megatron.checkpoint.saved_args import check_args, plain_args
 from megatron.checkpoint.state import rng_state_snapshot, set_rng_state_snapshot
+from megatron.core.distributed.torch_fsdp2 import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 FORMAT = "fsdp_dtensor"
 MODEL_PREFIX = "model.module."
@@ -133,7 +136,7 @@ def _shard_rows(tensor: torch.Tensor) -> Tuple[int, int, bool]:
     this rank is the copy that writes it (HSDP: replica 0)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if not isinstance(tensor, DTensor):
+    if not is_dtensor(tensor):
         raise CheckpointError(f"--ckpt-format {FORMAT}: a model tensor of shape "
                               f"{tuple(tensor.shape)} is not sharded by FSDP2")
     mesh, places = tensor.device_mesh, tensor.placements
@@ -430,6 +433,8 @@ def _optimizer_state(reader, optimizer, named, layout, strict: bool = True,
     """The inner torch optimizer's ``state`` (this rank's shards of the moments, as DTensors
     laid out like their parameters; a parameter whose moments are absent, when not ``strict``,
     starts afresh) and each group's saved hyper-parameters."""
+    from torch.distributed.tensor import DTensor
+
     missing = [] if missing is None else missing
     inner = getattr(optimizer, "optimizer", optimizer)
     names = _param_names(named)

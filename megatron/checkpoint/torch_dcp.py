@@ -27,11 +27,10 @@ folder loads at any other data-parallel size. Reading goes through the restricte
 """
 
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from megatron.checkpoint import fsdp_dtensor
 from megatron.checkpoint.dist import (DistCheckpointError, DistCheckpointReader,
@@ -44,6 +43,10 @@ from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError
 from megatron.checkpoint.saved_args import check_args, plain_args
 from megatron.checkpoint.state import rng_state_snapshot, set_rng_state_snapshot
 from megatron.core import rerun_state_machine as rerun_enums
+from megatron.core.distributed.torch_fsdp2 import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 FORMAT = "torch_dcp"
 MODEL_PREFIX = "model."
@@ -90,13 +93,13 @@ def _pieces(name: str, tensor: torch.Tensor, layout):
     return fsdp_dtensor.pieces(name, tensor, layout, swiglu_halves=False, fmt=FORMAT)
 
 
-def _first_replica(tensor: DTensor) -> bool:
+def _first_replica(tensor: "DTensor") -> bool:
     """Whether this rank is the copy that writes ``tensor``'s rows (HSDP: replica 0)."""
     coordinate = tensor.device_mesh.get_coordinate()
     return all(c == 0 for c, p in zip(coordinate, tensor.placements) if p.is_replicate())
 
 
-def _dtensor_items(key: str, tensor: DTensor) -> list:
+def _dtensor_items(key: str, tensor: "DTensor") -> list:
     """This rank's rows of a sharded optimizer tensor stored whole under ``key``."""
     if not _first_replica(tensor):
         return []
@@ -165,10 +168,10 @@ def _leaf_items(flat: Dict[str, Any], rank0: bool) -> list:
     """Sharded tensors from every rank, everything else from global rank 0 alone."""
     items = []
     for key, value in flat.items():
-        if isinstance(value, DTensor) and any(p.is_shard() for p in value.placements):
+        if is_dtensor(value) and any(p.is_shard() for p in value.placements):
             items += _dtensor_items(key, value)
             continue
-        if isinstance(value, DTensor):
+        if is_dtensor(value):
             value = value.to_local()   # replicated: every rank holds all of it
         if not rank0:
             continue
@@ -217,7 +220,7 @@ def save_checkpoint(iteration: int, model_chunks, optimizer, opt_param_scheduler
 
 # -- loading ---------------------------------------------------------------------------------
 
-def _read_rows(reader, key: str, tensor: DTensor, out: torch.Tensor) -> None:
+def _read_rows(reader, key: str, tensor: "DTensor", out: torch.Tensor) -> None:
     """This rank's rows of ``tensor`` from the whole tensor stored under ``key``."""
     if tuple(reader.shape(key)) != tuple(tensor.shape):
         raise DistCheckpointError(f"{key!r} is stored with shape {list(reader.shape(key))}, "
@@ -259,6 +262,8 @@ def _optimizer_state(reader, optimizer, prefix: str) -> Tuple[dict, list]:
     """The torch optimizer's ``state`` (this rank's shards of the moments, as DTensors laid
     out like their parameters) and its groups' saved fields, parameters numbered in group
     order as ``torch.optim.Optimizer.state_dict`` numbers them."""
+    from torch.distributed.tensor import DTensor
+
     inner = optimizer.optimizer
     state, groups, index = {}, [], 0
     for g, group in enumerate(inner.param_groups):

@@ -26,6 +26,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megatron.optimizer.torch_base import OptimizerBase
+
 SubOptimizerFactory = Callable[[List[dict], bool], torch.optim.Optimizer]
 
 
@@ -40,7 +42,7 @@ def split_for_offload(params: List[torch.Tensor], fraction: float) -> List[bool]
     return out
 
 
-class HybridDeviceOptimizer(torch.optim.Optimizer):
+class HybridDeviceOptimizer(OptimizerBase):
     """Steps the first ``offload_fraction`` of the parameters on ``host`` and the rest where
     they live.
 

@@ -17,9 +17,10 @@ from typing import Dict, List, Tuple
 import torch
 
 from megatron.fused_kernels.ops import multi_tensor_adamw
+from megatron.optimizer.torch_base import OptimizerBase
 
 
-class FusedAdamW(torch.optim.Optimizer):
+class FusedAdamW(OptimizerBase):
     """AdamW (decoupled weight decay) over multi-tensor fused steps.
 
     Args:

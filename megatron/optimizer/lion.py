@@ -15,8 +15,10 @@ from typing import Iterable, Tuple
 
 import torch
 
+from megatron.optimizer.torch_base import OptimizerBase
 
-class Lion(torch.optim.Optimizer):
+
+class Lion(OptimizerBase):
     """The Lion update above over torch param groups (each may set its own ``lr``,
     ``weight_decay`` and ``betas``); the state is created on a parameter's first step."""
 

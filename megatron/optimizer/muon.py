@@ -48,6 +48,7 @@ import torch.distributed as dist
 from torch.optim.adam import adam as adam_update
 
 from megatron.core.config import ConfigError
+from megatron.optimizer.torch_base import OptimizerBase
 
 # Newton-Schulz coefficients (a, b, c) per step, as Megatron-Core's --muon-coefficient-type.
 COEFFICIENTS = {
@@ -114,7 +115,7 @@ def muon_scale(size_out: int, size_in: int, mode: str) -> float:
     raise ConfigError(f"--muon-scale-mode must be one of {SCALE_MODES}, got {mode!r}")
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(OptimizerBase):
     """Muon over groups marked ``use_muon``, torch's AdamW over the others.
 
     Groups carry ``lr`` and ``weight_decay`` (the scheduler sets them); Muon groups

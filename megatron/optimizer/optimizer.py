@@ -32,7 +32,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from . import apex_state
 from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart, get_grads_for_norm,
@@ -40,7 +39,7 @@ from .clip_grads import (clip_grad_norm_fp32, count_zeros_fp32, experts_apart, g
 from .config import OptimizerConfig
 from .grad_scaler import MegatronGradScaler
 from megatron.core import collectives, device
-from megatron.core.distributed.torch_fsdp2 import gather_full, local_tensor, shard_like
+from megatron.core.distributed.torch_fsdp2 import gather_full, is_dtensor, local_tensor, shard_like
 
 logger = logging.getLogger(__name__)
 
@@ -715,8 +714,8 @@ class FullyShardedOptimizer(FP32Optimizer):
 
     @staticmethod
     def _shard(value, param):
-        sharded = isinstance(param, DTensor) and isinstance(value, torch.Tensor)
-        if not sharded or isinstance(value, DTensor) or tuple(value.shape) != tuple(param.shape):
+        sharded = is_dtensor(param) and isinstance(value, torch.Tensor)
+        if not sharded or is_dtensor(value) or tuple(value.shape) != tuple(param.shape):
             return value   # the step count, or a value torch.optim itself checks
         return shard_like(value, param)
 

@@ -34,6 +34,8 @@ from typing import Dict, Optional
 
 import torch
 
+from megatron.optimizer.torch_base import OptimizerBase
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp8": torch.float8_e4m3fn}
 STATE_NAMES = ("exp_avg", "exp_avg_sq")
@@ -91,7 +93,7 @@ def dequantize(stored: torch.Tensor, scale: Optional[torch.Tensor]) -> torch.Ten
     return value
 
 
-class PrecisionAwareAdamW(torch.optim.Optimizer):
+class PrecisionAwareAdamW(OptimizerBase):
     """AdamW over fp32 main params whose moments (and master values, and gradients) are kept
     in narrower dtypes; see the module docstring.
 

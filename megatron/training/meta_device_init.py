@@ -13,10 +13,9 @@ import contextlib
 from typing import Callable, Dict, List, Tuple
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from megatron.core import device, meta_init
-from megatron.core.distributed.torch_fsdp2 import PARAM_ATTRIBUTES
+from megatron.core.distributed.torch_fsdp2 import PARAM_ATTRIBUTES, is_dtensor
 
 
 def _rng_snapshot() -> dict:
@@ -53,7 +52,7 @@ def _copy_rows(source: torch.Tensor, target: torch.Tensor) -> None:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     with torch.no_grad():
-        if not isinstance(target, DTensor):
+        if not is_dtensor(target):
             target.copy_(source)
             return
         shape, offset = compute_local_shape_and_global_offset(

@@ -15,7 +15,6 @@ from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from megatron.checkpoint import torch_dist
 from megatron.checkpoint.dist import keys
@@ -87,6 +86,8 @@ def dump_param_to_param_group_map(args, model_chunks, optimizer_config, pstate) 
         return
     mapping = param_to_param_group(model_chunks, optimizer_config, pstate,
                                    bool(args.fp16 or args.bf16))
+    import torch.distributed.checkpoint as dcp
+
     dcp.save(state_dict=mapping, checkpoint_id=path)
 
 

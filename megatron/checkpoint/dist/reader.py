@@ -14,9 +14,9 @@ stranger's checkpoint cannot run code. Any slice of a global tensor can be read,
 chunking it was written with: that is what resharding on load needs.
 
 For ``torch.distributed.checkpoint.load`` itself, :class:`SafeFileSystemReader` and
-:class:`SafeLoadPlanner` replace the two places where torch's defaults unpickle unsafely
-(``FileSystemReader.read_metadata``: ``pickle.load``; ``DefaultLoadPlanner.load_bytes``:
-``torch.load(weights_only=False)``).
+:class:`SafeLoadPlanner` (in :mod:`.dcp_load`) replace the two places where torch's defaults
+unpickle unsafely (``FileSystemReader.read_metadata``: ``pickle.load``;
+``DefaultLoadPlanner.load_bytes``: ``torch.load(weights_only=False)``).
 """
 
 import collections
@@ -24,12 +24,9 @@ import io
 import json
 import os
 import pickle
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, Metadata, StorageMeta,
-                                                   TensorStorageMetadata)
 
 from megatron.checkpoint.safe_unpickle import UnsafeCheckpointError, load_dcp_metadata, torch_load
 
@@ -39,6 +36,17 @@ BACKEND = "torch_dist"
 # The run's common state: a byte entry, and (Megatron-Core releases up to 0.16) a file.
 COMMON_STATE_FQN = "common_state/shard_0_1"
 COMMON_FILE = "common.pt"
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+
+def _metadata_types():
+    """``torch.distributed.checkpoint.metadata``, imported on first use: the package costs a
+    process about 0.7 s of CPU, which a run that never reads a torch_dist folder need not pay."""
+    from torch.distributed.checkpoint import metadata
+
+    return metadata
 
 
 class DistCheckpointError(RuntimeError):
@@ -103,7 +111,7 @@ class DistCheckpointReader:
                 f"{backend.get('sharded_backend')!r}; only {BACKEND!r} can be read")
         self.backend = backend
         try:
-            self.metadata: Metadata = load_dcp_metadata(meta_path)
+            self.metadata: "Metadata" = load_dcp_metadata(meta_path)
         except UnsafeCheckpointError:
             raise
         except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError,
@@ -139,18 +147,18 @@ class DistCheckpointReader:
 
     def tensor_keys(self) -> List[str]:
         return [k for k, v in self.metadata.state_dict_metadata.items()
-                if isinstance(v, TensorStorageMetadata)]
+                if isinstance(v, _metadata_types().TensorStorageMetadata)]
 
     def byte_keys(self) -> List[str]:
         return [k for k, v in self.metadata.state_dict_metadata.items()
-                if isinstance(v, BytesStorageMetadata)]
+                if isinstance(v, _metadata_types().BytesStorageMetadata)]
 
     def __contains__(self, key: str) -> bool:
         return key in self.metadata.state_dict_metadata
 
-    def _tensor_meta(self, key: str) -> TensorStorageMetadata:
+    def _tensor_meta(self, key: str) -> "TensorStorageMetadata":
         meta = self.metadata.state_dict_metadata.get(key)
-        if not isinstance(meta, TensorStorageMetadata):
+        if not isinstance(meta, _metadata_types().TensorStorageMetadata):
             what = "a byte entry" if meta is not None else "absent"
             raise DistCheckpointError(f"{self.path}: tensor {key!r} is {what}")
         return meta
@@ -294,7 +302,7 @@ class DistCheckpointReader:
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         meta = self.metadata.state_dict_metadata.get(key)
-        if not isinstance(meta, BytesStorageMetadata):
+        if not isinstance(meta, _metadata_types().BytesStorageMetadata):
             what = "a tensor" if meta is not None else "absent"
             raise DistCheckpointError(f"{self.path}: byte entry {key!r} is {what}")
         data = self._item_bytes(MetadataIndex(key), f"byte entry {key!r}")
@@ -326,30 +334,3 @@ class DistCheckpointReader:
             raise DistCheckpointError(f"{self.path}: {where} holds {type(state).__name__}, "
                                       "expected a dict")
         return state
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata goes through the restricted unpickler."""
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        rank = kwargs.get("rank")
-        name = METADATA_FILE if rank is None else f"__{rank}{METADATA_FILE}"
-        metadata = load_dcp_metadata(os.path.join(str(self.path), name))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` whose byte entries go through :func:`safe_unpickle.torch_load`."""
-
-    def load_bytes(self, read_item, value: io.BytesIO) -> None:
-        fqn = read_item.dest_index.fqn
-        obj = torch_load(value.read(), f"byte entry {fqn!r}")
-        if self.flatten_state_dict:
-            from torch.distributed.checkpoint._traverse import set_element
-
-            set_element(self.original_state_dict, self.mappings[fqn], obj)
-        else:
-            self.state_dict[fqn] = obj

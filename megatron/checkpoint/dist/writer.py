@@ -28,17 +28,16 @@ import io
 import json
 import os
 import uuid
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
-                                                   Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
 
 from megatron.checkpoint.dist.reader import (BACKEND, BACKEND_FILE, COMMON_FILE, COMMON_STATE_FQN,
                                              METADATA_FILE)
 from megatron.checkpoint.publish import fsync_path
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
 
 BACKEND_VERSION = 1
 DCP_VERSION = "1.0.0"
@@ -189,13 +188,19 @@ def _check_tiling(key: str, shape: Tuple[int, ...], chunks: List[Record]) -> Non
             raise DistCheckpointWriteError(f"{key!r}: the stored chunks overlap or leave gaps")
 
 
-def build_metadata(records: Iterable[Record], checkpoint_id: str = "") -> Metadata:
+def build_metadata(records: Iterable[Record], checkpoint_id: str = "") -> "Metadata":
     """DCP ``Metadata`` for the items of every writer.
 
     Raises:
         DistCheckpointWriteError: one key stored with two global shapes or dtypes, as a tensor
             and as bytes, twice as bytes, or with chunks that do not tile it.
     """
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata,
+                                                       ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, StorageMeta,
+                                                       TensorProperties, TensorStorageMetadata)
+
     tensors: Dict[str, List[Record]] = {}
     state_dict_metadata: Dict[str, Any] = {}
     storage_data = {}
@@ -261,7 +266,7 @@ def _write_atomic(path: str, payload: bytes) -> None:
     os.replace(path + ".tmp", path)
 
 
-def write_metadata(path: str, records: Iterable[Record], backend: bool = True) -> Metadata:
+def write_metadata(path: str, records: Iterable[Record], backend: bool = True) -> "Metadata":
     """Write ``metadata.json`` and then ``.metadata`` (last, atomically) for ``records``; the
     data files they name must already be complete (``ShardWriter.close``). ``backend=False``:
     no ``metadata.json`` (a plain ``torch.distributed.checkpoint`` folder)."""
@@ -279,7 +284,7 @@ def write_metadata(path: str, records: Iterable[Record], backend: bool = True) -
 
 
 def save_shards(path: str, items: Iterable, group=None,
-                backend: bool = True) -> Optional[Metadata]:
+                backend: bool = True) -> Optional["Metadata"]:
     """Every rank of ``group`` (default: the whole job; None and no process group: this
     process alone) writes its ``items`` (:class:`TensorShard` / :class:`ObjectShard`) to its
     own data file in ``path``; rank 0 then writes the metadata. Collective: every rank must

@@ -31,16 +31,21 @@ The parameter attributes the optimizer and the norms read (``tensor_model_parall
 sharded ones.
 """
 
+import sys
 from contextlib import contextmanager
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
 from megatron.core import device
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+# torch.distributed.fsdp and torch.distributed.tensor are imported where FSDP2 is set up, not
+# here: importing them costs each process about 0.7 s of CPU at start, which every run that does
+# not shard paid (a startup test checks that a plain run leaves them unimported).
 
 # Attributes that say how a parameter is split, shared or grouped; kept across sharding.
 PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride",
@@ -48,16 +53,23 @@ PARAM_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride"
                     "is_embedding_or_output_parameter")
 
 
+def is_dtensor(value) -> bool:
+    """Whether ``value`` is a ``DTensor``, without importing ``torch.distributed.tensor``: no
+    DTensor can exist before that module is imported."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor``: the local shard of a ``DTensor`` (sharing its storage,
     so in-place changes reach the DTensor), else ``tensor`` itself."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def gather_full(value):
     """``value`` with every ``DTensor`` in it (nested dicts, lists, tuples) replaced by the
     whole tensor. Collective over each DTensor's mesh; every rank must pass the same tree."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         return value.full_tensor()
     if isinstance(value, dict):
         return type(value)((k, gather_full(v)) for k, v in value.items())
@@ -66,12 +78,14 @@ def gather_full(value):
     return value
 
 
-def shard_like(full: torch.Tensor, like: DTensor) -> DTensor:
+def shard_like(full: torch.Tensor, like: "DTensor") -> "DTensor":
     """This rank's shard of the whole tensor ``full``, laid out as ``like`` (no communication:
     every rank holds ``full``)."""
     if tuple(full.shape) != tuple(like.shape):
         raise ValueError(f"a whole tensor of shape {tuple(full.shape)} cannot take the place of "
                          f"a sharded one of shape {tuple(like.shape)}")
+    from torch.distributed.tensor import distribute_tensor
+
     full = full.to(device=like.device, dtype=like.dtype)
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
@@ -100,6 +114,8 @@ def _data_parallel_mesh(dp_group, device_type: str, replicas: int):
     dimension), or with ``replicas > 1`` a (replica, shard) mesh of its ranks, consecutive ranks
     sharing a replica. Each rank creates only the two groups it belongs to (local
     synchronisation), so every data-parallel group may build its own mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
     if replicas == 1:
         return DeviceMesh.from_group(dp_group, device_type), dp_group
     ranks = dist.get_process_group_ranks(dp_group)
@@ -191,6 +207,9 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                  reduce_dtype: Optional[torch.dtype] = None, replicas: int = 1,
                  expert_units: Sequence[torch.nn.Module] = (), expert_dp_group=None,
                  calculate_per_token_loss: bool = False):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         super().__init__()
         if dp_group is None:
             raise ValueError("TorchFullyShardedDataParallel needs dp_group=<the data-parallel "
@@ -286,7 +305,6 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             isinstance(v, dict) for v in state_dict.values()) else dict(state_dict)
         for key, value in list(flat.items()):
             like = current.get(key)
-            if isinstance(like, DTensor) and isinstance(value, torch.Tensor) and not isinstance(
-                    value, DTensor):
+            if is_dtensor(like) and isinstance(value, torch.Tensor) and not is_dtensor(value):
                 flat[key] = shard_like(value, like)
         return self.module.load_state_dict(flat, strict=strict)
