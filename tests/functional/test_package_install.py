@@ -89,20 +89,30 @@ def venv_with_dependencies(tmp_path_factory):
 @pytest.mark.parametrize("editable", [False, True], ids=["install", "editable"])
 def test_fresh_venv_pip_install_preprocesses_trains_converts_and_serves(
         tmp_path, venv_with_dependencies, editable):
-    """A few minutes on 2 cores each: most of it compiles the C++ extensions. ``pip install
-    .`` and ``pip install -e .`` (the extensions then built inside the source folder), each from
-    its own copy of the source into the shared environment; the editable install replaces the
-    other where both run."""
+    """``pip install .`` and ``pip install -e .``, each from its own copy of the source into
+    the shared environment; the editable install replaces the other where both run. The regular
+    install builds every extension (about a minute on 2 cores); the editable one builds the data
+    helpers and leaves out the fused kernels (``MEGATRON_SKIP_FUSED_BUILD=1``, its runs on the
+    pure-torch bodies): their in-place build is what ``tools/setup_env.sh`` does for every test
+    run, so compiling them a second time here would prove nothing new."""
     venv, env = venv_with_dependencies
     source, work = tmp_path / "source", tmp_path / "outside"
     _copy_source(source)
     work.mkdir()
     py = str(venv / "bin" / "python")
+    if editable:
+        env = dict(env, MEGATRON_SKIP_FUSED_BUILD="1", MEGATRON_FUSED_KERNELS="0")
     run = _venv_runner(py, work, env)
 
     run("-m", "pip", "install", "--quiet", *(["-e"] if editable else []), source, timeout=2400)
     where = run("-c", "import megatron; print(megatron.__file__)")
     assert str(source if editable else venv) in where
+    built = run("-c", "from megatron.fused_kernels import ops; import megatron.data._index_helpers "
+                      "as h; print(ops.kernels_available('cpu'), h.__file__)")
+    # The compiled helpers are found where the install put them; the fused kernels are built
+    # ahead of time by the regular install.
+    assert built.split()[0] == str(not editable), built
+    assert str(source if editable else venv) in built.split()[1], built
     with open(work / "corpus.jsonl", "w") as f:
         for i in range(40):
             f.write(json.dumps({"text": f"Dr. Smith met {i} cats. They sat down. Then a dog "
