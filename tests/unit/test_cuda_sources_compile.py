@@ -5,7 +5,7 @@ check that they are valid CUDA: each ``*_kernels.cuh`` is included by a small dr
 instantiates every launcher (and so every kernel template) for float, __half and
 __nv_bfloat16, compiled with ``nvcc -c`` for each architecture, warnings as errors. Skipped when
 nvcc is absent. The headers must not need torch; the thin torch bindings (``*_cuda.cu``) are
-compiled too, in a slow test, against torch's headers.
+compiled too, in a slow test, against torch's headers, as one translation unit.
 """
 
 import os
@@ -119,12 +119,74 @@ def test_kernel_header_compiles(header, arch, tmp_path):
 
 
 BINDINGS = [os.path.basename(p) for p in loader.cuda_sources()]
-BINDING_JOBS = 2  # nvcc compiles run two at a time: each is one process on one core
+
+# What a binding may call or name, and the header that declares it. A binding must include the
+# header itself: the slow test compiles every binding in one translation unit (torch's headers
+# are parsed once, not six times), where one file's include would otherwise cover another's.
+USES = {
+    r"\bat::empty\(": "ATen/ops/empty.h",
+    r"\bat::empty_like\(": "ATen/ops/empty_like.h",
+    r"\bat::zeros\(": "ATen/ops/zeros.h",
+    r"\bat::zeros_like\(": "ATen/ops/zeros_like.h",
+    r"\bat::CUDAGeneratorImpl\b": "ATen/cuda/CUDAGeneratorImpl.h",
+    r"\bTORCH_LIBRARY(_IMPL|_FRAGMENT)?\(": "torch/library.h",
+    r"\bstd::(mutex|lock_guard|unique_lock)\b": "mutex",
+    r"\bstd::(map|multimap)\b": "map",
+    r"\bstd::unordered_map\b": "unordered_map",
+    r"\bstd::vector\b": "vector",
+    r"\bstd::(pair|move|swap|forward)\b": "utility",
+    r"\bstd::(memcpy|memset|strcmp|strlen)\b": "cstring",
+    r"\bstd::(sqrt|pow|exp|log|fabs|isfinite|isnan)\b": "cmath",
+    r"\bcuda_ptr(_or_null)?<|\bdispatch_cuda_float_types\b|\bcurrent_stream\(": (
+        "../common/cuda_binding.h"),
+}
 
 
-def _binding_command(source, tmp_path):
-    """nvcc against torch's headers. A CPU-only torch lacks one generated CUDA config header;
-    an empty stand-in is enough to compile (not to link)."""
+def _binding_path(binding):
+    return next(p for p in loader.cuda_sources() if os.path.basename(p) == binding)
+
+
+def _strip_comments(text):
+    return re.sub(r"//[^\n]*|/\*.*?\*/", "", text, flags=re.S)
+
+
+def _missing_includes(binding, text):
+    """The headers ``text`` (a binding's source) uses without including them."""
+    text = _strip_comments(text)
+    included = set(re.findall(r"#include\s+[<\"]([^>\"]+)[>\"]", text))
+    missing = [header for pattern, header in USES.items()
+               if re.search(pattern, text) and header not in included]
+    kernels = binding.replace("_cuda.cu", "_kernels.cuh")
+    return missing + ([kernels] if kernels not in included else [])
+
+
+@pytest.mark.parametrize("binding", BINDINGS)
+def test_torch_binding_includes_what_it_uses(binding):
+    """Each binding includes its own kernel header and the header of everything in ``USES``
+    it calls, so it compiles on its own as it does in the unity build of the slow test."""
+    with open(_binding_path(binding)) as f:
+        missing = _missing_includes(binding, f.read())
+    assert not missing, f"{binding} uses but does not include {missing}"
+
+
+@pytest.mark.parametrize("header", ["mutex", "ATen/ops/zeros.h", "torch/library.h",
+                                    "../common/cuda_binding.h",
+                                    "bias_dropout_add_kernels.cuh"])
+def test_include_check_names_a_removed_include(header):
+    """The check is not vacuous: the binding's text without one of its includes fails it,
+    naming that header."""
+    binding = "bias_dropout_add_cuda.cu"
+    with open(_binding_path(binding)) as f:
+        text = f.read()
+    line = next(l for l in text.splitlines() if l.startswith("#include") and header in l)
+    assert _missing_includes(binding, text) == []
+    assert _missing_includes(binding, text.replace(line + "\n", "")) == [header]
+
+
+def _binding_command(sources, tmp_path):
+    """nvcc against torch's headers, for one translation unit that includes every binding in
+    ``sources``. A CPU-only torch lacks one generated CUDA config header; an empty stand-in is
+    enough to compile (not to link)."""
     import sysconfig
 
     import torch
@@ -134,40 +196,20 @@ def _binding_command(source, tmp_path):
     stub.mkdir(parents=True)
     if not torch.version.cuda:
         (stub / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    unity = tmp_path / "bindings.cu"
+    unity.write_text("".join(f'#include "{s}"\n' for s in sources))
     includes = [tmp_path / "stub"] + cpp_extension.include_paths() + [
         sysconfig.get_paths()["include"]]
-    return [NVCC, "-std=c++20", "-arch=sm_80", "--expt-relaxed-constexpr", "-c", source, "-o",
-            str(tmp_path / "binding.o")] + [f"-I{p}" for p in includes]
-
-
-@pytest.fixture(scope="module")
-def binding_builds(request, tmp_path_factory):
-    """The nvcc result of every binding this session runs, compiled ``BINDING_JOBS`` at a time
-    (six serial compiles took ~140 s on 2 cores)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    wanted = sorted({item.callspec.params["binding"] for item in request.session.items
-                     if getattr(item, "originalname", None) == "test_torch_binding_compiles"})
-
-    def build(binding):
-        source = next(p for p in loader.cuda_sources() if os.path.basename(p) == binding)
-        tmp_path = tmp_path_factory.mktemp(binding.replace(".", "_"))
-        args = _binding_command(source, tmp_path)
-        try:
-            out = subprocess.run(args, capture_output=True, text=True, timeout=600,
-                                 cwd=tmp_path)
-        except subprocess.TimeoutExpired:
-            return None, args, "timed out after 600 s"
-        return out.returncode, args, out.stderr
-
-    with ThreadPoolExecutor(BINDING_JOBS) as pool:
-        return dict(zip(wanted, pool.map(build, wanted)))
+    return [NVCC, "-std=c++20", "-arch=sm_80", "--expt-relaxed-constexpr", "-c", str(unity),
+            "-o", str(tmp_path / "bindings.o")] + [f"-I{p}" for p in includes]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("binding", BINDINGS)
-def test_torch_binding_compiles(binding, binding_builds):
-    """The thin bindings against torch's headers (~30 s each, compiled two at a time by the
-    fixture)."""
-    code, args, stderr = binding_builds[binding]
-    assert code == 0, f"nvcc {' '.join(args[1:])} failed:\n{stderr[-4000:]}"
+def test_torch_bindings_compile(tmp_path):
+    """The thin bindings against torch's headers, all six in one nvcc run (~30 s; one run
+    each took 66-81 s two at a time on 2 cores). Each binding's own includes are checked by
+    ``test_torch_binding_includes_what_it_uses``."""
+    sources = [_binding_path(b) for b in BINDINGS]
+    args = _binding_command(sources, tmp_path)
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert out.returncode == 0, f"nvcc {' '.join(args[1:])} failed:\n{out.stderr[-4000:]}"
