@@ -4,8 +4,11 @@ set the rule ``--attention-backend auto`` follows (:mod:`megatron.model.attentio
 The paths are :class:`megatron.model.attention.CoreAttention`'s bodies, built as a model
 builds them: ``flash`` (``torch.nn.functional.scaled_dot_product_attention``), ``fused`` (the
 scaled masked softmax kernel, ``--masked-softmax-fusion``) and ``unfused`` (the same
-explicit body with the plain softmax). Causal, no dropout, batch 2, 8 heads of 64; fp32 and
-bf16; the sequence length varies. Each cell is the median of ``--repeats`` timed runs after
+explicit body with the plain softmax); the paths alternate within each repeat. In float32 on CPU the explicit bodies run causal
+attention of 256 tokens or more in blocks of query rows (``megatron/model/block_causal.py``);
+``fused-full`` is the fused body over the whole score matrix, blocks turned off, to show what
+the blocks gain. Causal, no dropout, batch 2, 8 heads of 64; fp32 and bf16; the sequence length
+varies. Each cell is the median of ``--repeats`` timed runs after
 one warm-up, in milliseconds; the fastest path of each row is marked. Results and the rule
 drawn from them: ``benchmarks/RESULTS.md``, section "Attention backends".
 
@@ -21,10 +24,12 @@ import time
 import torch
 
 from megatron.core.config import TransformerConfig
+from megatron.model import block_causal
 from megatron.model.attention import CoreAttention
 
 PATHS = {"flash": dict(use_flash_attn=True), "fused": dict(masked_softmax_fusion=True),
-         "unfused": dict(masked_softmax_fusion=False)}
+         "unfused": dict(masked_softmax_fusion=False),
+         "fused-full": dict(masked_softmax_fusion=True)}
 
 
 def core_attention(path: str, dtype: torch.dtype, heads: int, head_dim: int) -> CoreAttention:
@@ -35,19 +40,29 @@ def core_attention(path: str, dtype: torch.dtype, heads: int, head_dim: int) -> 
     return CoreAttention(config, 1, heads)
 
 
-def time_path(path: str, seq: int, dtype: torch.dtype, repeats: int, batch: int = 2,
-              heads: int = 8, head_dim: int = 64) -> float:
-    module = core_attention(path, dtype, heads, head_dim)
+def time_paths(seq: int, dtype: torch.dtype, repeats: int, batch: int = 2, heads: int = 8,
+               head_dim: int = 64) -> dict:
+    """Median ms of each path's forward + backward; the paths alternate (in a rotating order)
+    within every repeat, so a slower stretch of the machine falls on all of them."""
+    modules = {p: core_attention(p, dtype, heads, head_dim) for p in PATHS}
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(seq, batch, heads, head_dim, generator=gen).to(dtype)
                .requires_grad_() for _ in range(3))
-    times = []
-    for run in range(repeats + 1):
-        start = time.perf_counter()
-        module(q, k, v, None).float().sum().backward()
-        if run:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    times = {p: [] for p in PATHS}
+    names = list(PATHS)
+    min_seq = block_causal.MIN_SEQ
+    try:
+        for run in range(repeats + 1):
+            for path in names[run % len(names):] + names[:run % len(names)]:
+                block_causal.MIN_SEQ = 1 << 62 if path == "fused-full" else min_seq
+                start = time.perf_counter()
+                modules[path](q, k, v, None).float().sum().backward()
+                if run:
+                    times[path].append((time.perf_counter() - start) * 1e3)
+                q.grad = k.grad = v.grad = None
+    finally:
+        block_causal.MIN_SEQ = min_seq
+    return {p: statistics.median(t) for p, t in times.items()}
 
 
 def main(argv=None) -> None:
@@ -60,7 +75,7 @@ def main(argv=None) -> None:
     print("|---|---|" + "---|" * (len(PATHS) + 1))
     for dtype in (torch.float32, torch.bfloat16):
         for seq in args.seqs:
-            ms = {p: time_path(p, seq, dtype, args.repeats) for p in PATHS}
+            ms = time_paths(seq, dtype, args.repeats)
             best = min(ms, key=ms.get)
             print(f"| {str(dtype)[6:]} | {seq} | "
                   + " | ".join(f"{ms[p]:.2f}" for p in PATHS) + f" | {best} |", flush=True)

@@ -17,6 +17,11 @@ _PLACEMENT: list = []   # stack of devices model tensors are placed on (placing_
 VALID_CHOICES = ("auto", "cpu", "cuda")
 
 
+def resolves_to_cpu(choice: str) -> bool:
+    """Whether ``--device choice`` runs on the CPU (``auto`` without a CUDA device)."""
+    return choice == "cpu" or (choice == "auto" and not torch.cuda.is_available())
+
+
 def configure(choice: str = "auto", local_rank: Optional[int] = None) -> torch.device:
     """Fix this process's device.
 

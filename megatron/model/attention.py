@@ -28,6 +28,7 @@ from megatron.core.mup import attention_scale as mup_attention_scale
 from megatron.core.utils import init_method_normal
 from megatron.fused_kernels.softmax import (FusedScaleMaskSoftmax, attention_mask_func,
                                             causal_mask, sliding_window_mask)
+from megatron.model import block_causal
 from megatron.model.enums import AttnMaskType
 from megatron.model.module import MegatronModule
 from megatron.model.norms import L2Norm, get_norm
@@ -189,6 +190,13 @@ class CoreAttention(MegatronModule):
         attention_mask = self._with_window(attention_mask, sq, sk, query.device)
         if self.use_flash_attn and self.softmax_offset is None:
             return self._sdpa_forward(query, key, value, attention_mask)
+        if self._in_blocks(query, attention_mask, sq, sk):
+            hv = value.size(-1)
+            q, k, v = (t.reshape(t.size(0), b * np_, t.size(-1)).transpose(0, 1)
+                       for t in (query, key, value))                     # [b*np, s, h]
+            context = block_causal.block_causal_attention(q, k, v, 1.0 / self.norm_factor)
+            context = context.view(b, np_, sq, hv).permute(2, 0, 1, 3)   # [sq, b, np, hv]
+            return context.reshape(sq, b, np_ * hv)
         q = query.reshape(sq, b * np_, hn).transpose(0, 1)               # [b*np, sq, hn]
         k = key.reshape(sk, b * np_, hn).permute(1, 2, 0)                # [b*np, hn, sk]
         scores = torch.baddbmm(
@@ -208,6 +216,19 @@ class CoreAttention(MegatronModule):
         context = torch.bmm(probs.view(b * np_, sq, sk), v)              # [b*np, sq, hv]
         context = context.view(b, np_, sq, hv).permute(2, 0, 1, 3)       # [sq, b, np, hv]
         return context.reshape(sq, b, np_ * hv)                          # [sq, b, np*hv]
+
+    def _in_blocks(self, query: torch.Tensor, attention_mask: Optional[torch.Tensor], sq: int,
+                   sk: int) -> bool:
+        """Whether the explicit body runs as :mod:`megatron.model.block_causal` (the same
+        function, skipping the masked blocks): plain causal self-attention (no mask, window,
+        softmax offset or layer-scaling coefficient), nothing reading the full probabilities
+        (active attention dropout, the max-logit record), and a shape and device it applies
+        to."""
+        return (attention_mask is None and self.attn_mask_type == AttnMaskType.causal
+                and self.softmax_offset is None and self.layer_scaling_coeff == 1
+                and not (self.training and (self.attention_dropout_p > 0
+                                            or self.track_max_logits))
+                and block_causal.applies(query, sq, sk))
 
     def _record_max_logits(self, logits: torch.Tensor, attention_mask: Optional[torch.Tensor],
                            coeff: float = 1) -> None:

@@ -7,7 +7,9 @@ backend    body                                                         switches
 flash      ``torch.nn.functional.scaled_dot_product_attention`` (flash  use_flash_attn
            / memory-efficient kernels on GPU, its flash kernel on CPU)
 fused      explicit ``baddbmm`` + scaled masked softmax kernel + ``bmm``  masked_softmax_fusion
-unfused    the same explicit body, plain softmax                        neither
+           (causal self-attention of 256+ tokens on CPU in float32: in
+           blocks of query rows, ``megatron/model/block_causal.py``)
+unfused    the same explicit body, plain softmax (same blocks)          neither
 local      as unfused (Megatron-Core's own DotProductAttention)         neither
 auto       see :func:`auto_backend`
 =========  ==========================================================  ====================
@@ -24,6 +26,12 @@ from typing import Optional, Tuple
 # fastest path from 256 tokens in fp32 and bf16, by 2-5x at 1024-2048; below, the explicit
 # body is as fast or faster).
 AUTO_FLASH_MIN_SEQ = 256
+# On CPU in float32, up to this many tokens auto keeps the explicit body instead: from 256
+# tokens it computes causal attention in blocks of query rows (megatron/model/block_causal.py),
+# 1.2-1.5x faster than the flash kernel at 256-512 tokens, 1.04-1.07x at 1024 and 0.91x at
+# 2048 (forward + backward, 8 heads of 64, batch 2 and 4, the two alternating; RESULTS.md
+# "Attention backends"). Its probabilities also take memory quadratic in the sequence.
+AUTO_BLOCKS_MAX_SEQ = 1024
 
 EXPLICIT = ("fused", "unfused", "local")
 
@@ -33,26 +41,33 @@ class AttentionBackendError(ValueError):
 
 
 def auto_backend(transformer_impl: str, seq_length: int, softmax_type: str,
-                 use_flash_attn: bool, masked_softmax_fusion: bool) -> str:
-    """The backend ``auto`` picks: the measured rule (``AUTO_FLASH_MIN_SEQ``).
+                 use_flash_attn: bool, masked_softmax_fusion: bool, on_cpu: bool = False,
+                 half: bool = False) -> str:
+    """The backend ``auto`` picks: the measured rule (``AUTO_FLASH_MIN_SEQ``,
+    ``AUTO_BLOCKS_MAX_SEQ``).
 
     ``flash`` when ``--use-flash-attn`` is given, or when the layers have no softmax offset and
     ``seq_length >= AUTO_FLASH_MIN_SEQ`` (where scaled_dot_product_attention is the faster path
-    on CPU as on GPU); otherwise the explicit body the softmax flags select (the fused masked
-    softmax unless ``--no-masked-softmax-fusion``). The same for both ``--transformer-impl``
-    values: they run the same layers here."""
+    on GPU, and on CPU in half precision) -- except a float32 run on CPU (``on_cpu`` and not
+    ``half``) of at most ``AUTO_BLOCKS_MAX_SEQ`` tokens, whose explicit body runs causal
+    attention in blocks and is faster there. Otherwise the explicit body the softmax flags
+    select (the fused masked softmax unless ``--no-masked-softmax-fusion``). The same for both
+    ``--transformer-impl`` values: they run the same layers here."""
     del transformer_impl
     explicit = "fused" if masked_softmax_fusion else "unfused"
     if use_flash_attn:
         return "flash"
     if softmax_type == "vanilla" and seq_length >= AUTO_FLASH_MIN_SEQ:
+        if on_cpu and not half and seq_length <= AUTO_BLOCKS_MAX_SEQ:
+            return explicit
         return "flash"
     return explicit
 
 
 def resolve(backend: str, *, transformer_impl: str = "local", seq_length: int = 0,
             softmax_type: str = "vanilla", use_flash_attn: bool = False,
-            masked_softmax_fusion: bool = True) -> Tuple[str, bool, bool]:
+            masked_softmax_fusion: bool = True, on_cpu: bool = False,
+            half: bool = False) -> Tuple[str, bool, bool]:
     """``(chosen backend, use_flash_attn, masked_softmax_fusion)`` for ``--attention-backend
     backend`` and the other flags' values.
 
@@ -63,7 +78,7 @@ def resolve(backend: str, *, transformer_impl: str = "local", seq_length: int = 
     """
     if backend == "auto":
         backend = auto_backend(transformer_impl, seq_length, softmax_type, use_flash_attn,
-                               masked_softmax_fusion)
+                               masked_softmax_fusion, on_cpu, half)
     elif backend == "flash":
         if softmax_type != "vanilla":
             raise AttentionBackendError(

@@ -418,7 +418,8 @@ def _add_training_args(parser):
                    choices=list(megatron_flags.AttnBackend),
                    help="flash: scaled_dot_product_attention; fused: the scaled masked softmax "
                    "kernel; unfused / local: the plain explicit body; auto: flash from "
-                   "AUTO_FLASH_MIN_SEQ tokens, else as the other flags say "
+                   "AUTO_FLASH_MIN_SEQ tokens (on CPU in float32 only above "
+                   "AUTO_BLOCKS_MAX_SEQ), else as the other flags say "
                    "(megatron/model/attention_backend.py)")
     g.add_argument("--optimizer", type=str, default="adam",
                    choices=["adam", "sgd", "muon", "dist_muon", "lion", "soap", "adaptive_muon"],

@@ -52,6 +52,7 @@ import torch
 from megatron.core import device
 from megatron.core.config import TransformerConfig
 from megatron.core.pipeline_parallel.schedules import pipeline_order
+from megatron.model import block_causal
 from megatron.model.moe.config import AUX_LOSS_NAMES
 from megatron.model.transformer import get_num_layers_and_offset
 
@@ -196,8 +197,12 @@ def bytes_per_parameter(params_dtype: torch.dtype, grad_dtype: torch.dtype,
 
 def layer_activation_bytes(config: TransformerConfig, micro_batch_size: int, tp_size: int = 1,
                            sequence_parallel: bool = False, element_bytes: int = 2,
-                           cp_size: int = 1) -> float:
-    """Bytes one layer keeps for backward for one micro-batch (no full recomputation)."""
+                           cp_size: int = 1, attention_in_blocks: bool = False) -> float:
+    """Bytes one layer keeps for backward for one micro-batch (no full recomputation).
+
+    ``attention_in_blocks``: the explicit attention body runs in blocks of query rows
+    (:mod:`megatron.model.block_causal`, see :func:`attention_runs_in_blocks`), keeping only the
+    probabilities of the blocks on and below the diagonal, and no dropout mask."""
     b, h, t, e = micro_batch_size, config.hidden_size, tp_size, element_bytes
     s_full = config.seq_length
     s = s_full / cp_size                                     # this rank's tokens
@@ -207,7 +212,10 @@ def layer_activation_bytes(config: TransformerConfig, micro_batch_size: int, tp_
     split = sbh * 4 * e + inner
     scores = 0.0
     if config.recompute_granularity != "selective" and not config.use_flash_attn:
-        scores = config.num_attention_heads * s * s_full * b * (2 * e + 1)
+        if attention_in_blocks:
+            scores = config.num_attention_heads * block_causal.kept_elements(s_full) * b * e
+        else:
+            scores = config.num_attention_heads * s * s_full * b * (2 * e + 1)
     return (replicated / t if sequence_parallel else replicated) + (split + scores) / t
 
 
@@ -295,13 +303,15 @@ def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int
                              pp_rank: int = 0, vp_size: Optional[int] = None,
                              sequence_parallel: bool = False, element_bytes: int = 2,
                              cp_size: int = 1, moe=None,
-                             microbatch_group_size: Optional[int] = None) -> float:
+                             microbatch_group_size: Optional[int] = None,
+                             attention_in_blocks: bool = False) -> float:
     """Peak activation bytes of this rank over one step of its pipeline schedule (``moe``: the
     MoE config of an MoE model, whose MoE layers count :func:`moe_mlp_activation_bytes`;
     ``microbatch_group_size``: the interleaved schedule's
     --microbatch-group-size-per-virtual-pipeline-stage)."""
     s, b, h, t = config.seq_length / cp_size, micro_batch_size, config.hidden_size, tp_size
-    per_layer = layer_activation_bytes(config, b, t, sequence_parallel, element_bytes, cp_size)
+    per_layer = layer_activation_bytes(config, b, t, sequence_parallel, element_bytes, cp_size,
+                                       attention_in_blocks)
     sbh_local = s * b * h / (t if sequence_parallel else 1)
     # What a full-recompute checkpoint keeps: its input, 1/tp of it with
     # --distribute-saved-activations.
@@ -335,6 +345,22 @@ def activation_bytes_on_rank(config: TransformerConfig, *, micro_batch_size: int
 
 # ------------------------------------------------------------------------- from the flags
 
+def attention_runs_in_blocks(args, config: TransformerConfig) -> bool:
+    """Whether a GPT run of these flags computes attention in blocks of query rows (what
+    :meth:`~megatron.model.attention.CoreAttention._in_blocks` decides per call): CPU, float32
+    or float64 attention (the parameters' dtype), the explicit body, plain causal self-attention of at least
+    ``block_causal.MIN_SEQ`` tokens on one context-parallel rank, nothing needing the whole
+    probability matrix."""
+    on_cpu = device.resolves_to_cpu(getattr(args, "device", "auto"))
+    return (on_cpu and args.params_dtype in (torch.float32, torch.float64)
+            and not config.use_flash_attn and getattr(args, "context_parallel_size", 1) == 1
+            and config.seq_length >= block_causal.MIN_SEQ and config.softmax_type == "vanilla"
+            and config.window_size is None and config.attention_dropout == 0
+            and not config.tracks_max_attention_logit
+            and not config.apply_query_key_layer_scaling
+            and not getattr(args, "reset_attention_mask", False))
+
+
 def estimate_memory(args, pp_rank: int, num_microbatches: int,
                     config: Optional[TransformerConfig] = None) -> MemoryEstimate:
     """The estimate of pipeline stage ``pp_rank`` for validated ``args``."""
@@ -360,7 +386,8 @@ def estimate_memory(args, pp_rank: int, num_microbatches: int,
             sequence_parallel=args.sequence_parallel,
             element_bytes=torch.tensor([], dtype=act_dtype).element_size(), cp_size=cp,
             moe=configs.moe,
-            microbatch_group_size=getattr(args, "microbatch_group_size_per_vp_stage", None)))
+            microbatch_group_size=getattr(args, "microbatch_group_size_per_vp_stage", None),
+            attention_in_blocks=attention_runs_in_blocks(args, config)))
 
 
 def measured_peak_bytes() -> Tuple[float, str]:

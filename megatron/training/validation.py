@@ -16,6 +16,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megatron.core import device
 from megatron.core.config import (ConfigError, check_window_settings, numerics_flag_conflict,
                                   pipeline_layer_counts)
 from megatron.core.mup import mup_flag_problem, mup_model_conflict, mup_optimizer_conflict
@@ -291,7 +292,8 @@ def _attention_backend(args) -> None:
             backend_name(args.attention_backend), transformer_impl=args.transformer_impl,
             seq_length=args.seq_length or 0, softmax_type=args.softmax_type,
             use_flash_attn=args.use_flash_attn,
-            masked_softmax_fusion=args.masked_softmax_fusion)
+            masked_softmax_fusion=args.masked_softmax_fusion, on_cpu=_on_cpu(args),
+            half=bool(args.fp16 or args.bf16))
     except AttentionBackendError as err:
         _fail(str(err))
 
@@ -315,7 +317,7 @@ def _validate_surface(args) -> None:
 
 
 def _on_cpu(args) -> bool:
-    return args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    return device.resolves_to_cpu(args.device)
 
 
 def _validate_memory_tools(args) -> None:
@@ -1819,7 +1821,7 @@ def _validate_optimizer_offload(args) -> None:
     if not 0.0 <= args.optimizer_offload_fraction <= 1.0:
         _fail(f"--optimizer-offload-fraction must be in [0, 1], got "
               f"{args.optimizer_offload_fraction}")
-    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+    if _on_cpu(args):
         _note(args, "--optimizer-cpu-offload on a CPU run: the optimizer state already lives in "
                     "host memory, so offloading saves nothing (the host step still runs, on "
                     "copies of the parameters, with the same results)")
@@ -1849,7 +1851,7 @@ def _validate_fine_grained_offload(args) -> None:
     if "core_attn" in modules and args.context_parallel_size > 1:
         _fail("--offload-modules core_attn is not built with --context-parallel-size > 1 (that "
               "path has no core_attn module to hook); drop it from --offload-modules")
-    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+    if _on_cpu(args):
         _note(args, "--fine-grained-activation-offloading on a CPU run: the activations already "
                     "live in host memory, so there is nothing to offload")
 
@@ -1892,7 +1894,7 @@ def _validate_activation_offload(args) -> None:
             _note(args, "--cpu-offloading-retain-pinned-cpu-buffers has no effect without "
                         "--cpu-offloading-num-layers")
         return
-    if args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available()):
+    if _on_cpu(args):
         _note(args, f"--cpu-offloading-num-layers {n} on a CPU run: the activations already "
                     "live in host memory, so there is nothing to offload")
 

@@ -9,7 +9,7 @@ import torch
 
 from megatron.core.config import TransformerConfig
 from megatron.model.attention import CoreAttention
-from megatron.model.attention_backend import AUTO_FLASH_MIN_SEQ, resolve
+from megatron.model.attention_backend import AUTO_BLOCKS_MAX_SEQ, AUTO_FLASH_MIN_SEQ, resolve
 from megatron.training.arguments import ArgumentsError, parse_args, validate_args
 
 MINIMAL = ("--num-layers 2 --hidden-size 16 --num-attention-heads 2 --seq-length 8 "
@@ -128,11 +128,18 @@ def test_contradicting_flags_are_refused_in_one_line(flags, named):
     (["--attention-backend", "unfused"], False, False),
     (["--attention-backend", "local"], False, False),
     (["--attention-backend", "auto", "--transformer-impl", "transformer_engine"], False, True),
+    # From AUTO_FLASH_MIN_SEQ tokens: flash in half precision on CPU; in float32 on CPU the
+    # explicit body (in blocks, tests/unit/test_block_causal.py) up to AUTO_BLOCKS_MAX_SEQ.
     (["--attention-backend", "auto", "--transformer-impl", "transformer_engine",
       "--seq-length", str(AUTO_FLASH_MIN_SEQ), "--max-position-embeddings",
-      str(AUTO_FLASH_MIN_SEQ)], True, True),
+      str(AUTO_FLASH_MIN_SEQ), "--device", "cpu", "--bf16"], True, True),
     (["--transformer-impl", "local", "--seq-length", str(AUTO_FLASH_MIN_SEQ),
-      "--max-position-embeddings", str(AUTO_FLASH_MIN_SEQ)], True, True),
+      "--max-position-embeddings", str(AUTO_FLASH_MIN_SEQ), "--device", "cpu", "--bf16"],
+     True, True),
+    (["--seq-length", str(AUTO_FLASH_MIN_SEQ), "--max-position-embeddings",
+      str(AUTO_FLASH_MIN_SEQ), "--device", "cpu"], False, True),
+    (["--seq-length", str(AUTO_BLOCKS_MAX_SEQ + 1), "--max-position-embeddings",
+      str(AUTO_BLOCKS_MAX_SEQ + 1), "--device", "cpu"], True, True),
     (["--seq-length", str(AUTO_FLASH_MIN_SEQ - 1), "--max-position-embeddings",
       str(AUTO_FLASH_MIN_SEQ)], False, True),
     (["--attention-backend", "fused", "--seq-length", str(AUTO_FLASH_MIN_SEQ),
