@@ -37,16 +37,25 @@ DEFAULT_TIMEOUT_S = 300
 # fresh process would take from its parent (environment, working folder, import path) is handed
 # to each rank explicitly. A rank's stdout and stderr go to files that the parent copies to its
 # own when the ranks are done, so pytest's capture (and a failing test's report) shows them.
-_PRELOAD = ["torch", "torch.distributed", "numpy", "megatron.core.parallel_state",
-            "megatron.training.training", "megatron.checkpoint.load", "pretrain_gpt"]
+#
+# The list also holds what a rank would otherwise import on first use, each time: torch_dist
+# checkpoints and FSDP2 pull in torch.distributed.checkpoint / fsdp / tensor (about 700 modules,
+# sympy among them: 1-2 s a rank), and torch.optim's first step imports torch._dynamo (about a
+# second). A pytest process has one forkserver and the first test to start a rank fixes its
+# preloads, so every helper that forks ranks (``tests/reliability/launch.py`` too) goes through
+# :func:`forkserver_context`.
+PRELOAD = ["torch", "torch.distributed", "numpy", "torch._dynamo", "torch.distributed.checkpoint",
+           "torch.distributed.fsdp", "torch.distributed.tensor", "megatron.core.parallel_state",
+           "megatron.training.training", "megatron.checkpoint.load", "pretrain_gpt"]
 _context = None
 
 
-def _mp_context():
+def forkserver_context():
+    """The ``forkserver`` multiprocessing context every test helper forks its ranks from."""
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
+        _context.set_forkserver_preload(PRELOAD)
     return _context
 
 
@@ -93,7 +102,7 @@ def run_on_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_
                  **kwargs) -> List:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
     tmpdir = tempfile.mkdtemp(prefix="mp_test_")
-    ctx = _mp_context()
+    ctx = forkserver_context()
     parent = (dict(os.environ), os.getcwd(), list(sys.path))
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmpdir, args, kwargs, parent),
                          daemon=True) for r in range(world_size)]

@@ -1,11 +1,11 @@
 """Real training processes for the reliability tests, started cheaply and watched without sleeps.
 
-A fault test needs real processes: one is killed with SIGKILL, one gets SIGTERM, one stops with
-an error. A fresh Python process spends seconds importing torch, so every rank here is forked
-from a multiprocessing *forkserver* that imported torch, megatron and pretrain_gpt once (the
-first test that starts ranks pays for it). Each rank joins a gloo group over a file store in its
-own folder (no ports), sends its console output to ``LOG_DIR/rank{r}.log`` and, after each
-training run, rewrites ``LOG_DIR/result_rank{r}.pt`` with the results so far.
+A fault test needs real processes: one is killed with SIGKILL, one gets SIGTERM, one stops with an
+error. A fresh Python process spends seconds importing torch, so every rank here is forked from the
+multiprocessing *forkserver* of tests/multiprocess.py, which imported torch, megatron and
+pretrain_gpt once (the first test that starts ranks pays for it). Each rank joins a gloo group over
+a file store in its own folder (no ports), sends its console output to ``LOG_DIR/rank{r}.log`` and,
+after each training run, rewrites ``LOG_DIR/result_rank{r}.pt`` with the results so far.
 
 :func:`start` returns a :class:`RankGroup`. Its ``wait`` blocks on the processes' sentinels
 until every rank has exited and, as torchrun does, kills the remaining ranks with SIGKILL as
@@ -28,24 +28,21 @@ import types
 from typing import Callable, Dict, List, Optional
 
 import torch
-import torch._dynamo  # noqa: F401 - torch.optim imports it on first use: seconds, paid once here
 import torch.distributed as dist
 
 import pretrain_gpt  # noqa: F401 - imported once in the forkserver, inherited by every rank
 from megatron.training import global_vars
 from megatron.training import training
 from megatron.core import device, parallel_state
+from tests import multiprocess
 
-_CONTEXT = None
 _RESULT_PATH: Optional[str] = None
 
 
 def _context():
-    global _CONTEXT
-    if _CONTEXT is None:
-        _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload([__name__])
-    return _CONTEXT
+    # The shared forkserver (tests/multiprocess.py): this module is imported by each rank when
+    # it unpickles the body, cheaply, since everything it imports is preloaded there.
+    return multiprocess.forkserver_context()
 
 
 def _rank_main(body: Callable, rank: int, world_size: int, log_dir: str, args: tuple) -> None:
