@@ -153,7 +153,12 @@ class LinearWithGradAccumulationAndAsyncCommunication(torch.autograd.Function):
         ctx.output_buffer = output_buffer if out is not None else None
         output = torch.matmul(total_input, weight.t(), out=out)      # [s, b, out/tp]
         if bias is not None:
-            output = output + bias
+            # The product is this function's own fresh tensor (not saved for backward): adding
+            # the bias in place gives the same values without a second output-sized allocation.
+            if bias.dtype == output.dtype:
+                output.add_(bias)
+            else:
+                output = output + bias
         return output
 
     @staticmethod
