@@ -12,7 +12,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron.core import device, node_layout, parallel_state
+from megatron.core import device, host_memory, node_layout, parallel_state
 from megatron.training.determinism import configure_deterministic_mode
 from megatron.training.distributed_controls import apply_flight_recorder_environment
 
@@ -191,6 +191,8 @@ def initialize_megatron(args) -> parallel_state.ParallelState:
     # Before the device and the process group: cuBLAS and NCCL read their settings at start.
     determinism_notes = configure_deterministic_mode(args.deterministic_mode)
     device.configure(args.device, args.local_rank)
+    if device.current_device().type == "cpu":
+        host_memory.keep_freed_memory()
     _init_process_group(args)
     if dist.get_world_size() != args.world_size:
         raise RuntimeError(f"process group has {dist.get_world_size()} ranks but WORLD_SIZE "

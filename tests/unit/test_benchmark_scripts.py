@@ -252,3 +252,13 @@ def test_bench_fsdp_quick_run_meets_the_memory_target():
             assert float(row[2]) == pytest.approx(1.0 if kind == "FSDP2" else dp, rel=0.1)
     assert re.search(r"^\| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, re.M), out
     assert "meets the target" in out, out
+
+
+@pytest.mark.slow
+def test_bench_host_memory_tiny_run_counts_both_ways_with_identical_losses():
+    out = _run(["benchmarks/bench_host_memory.py", "--layers", "1", "--hidden", "64", "--heads",
+                "2", "--seq", "32", "--vocab", "256", "--micro-batch", "2", "--iters", "2",
+                "--warmup", "1", "--repeats", "2", "--threads", "1"], timeout=400)
+    for name in ("kept", "glibc default"):
+        assert re.search(rf"^\| {name} \| 4 \| \d+, \d+ \| \d+ \| \d+ \| \d+ \|$", out, re.M), out
+    assert "losses of the counted steps identical both ways: True" in out, out
