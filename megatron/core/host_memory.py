@@ -12,7 +12,8 @@ peak was anyway, and steps after the first reuse pages the kernel already gave.
 
 It applies to runs on CPU (:func:`megatron.training.initialize.initialize_megatron`), on Linux
 with glibc only; ``MEGATRON_KEEP_FREED_HOST_MEMORY=0`` in the environment leaves glibc's default
-policy.
+policy; :func:`release_freed_memory` (``--empty-unused-memory-level`` on CPU) hands the free
+memory back at once.
 """
 
 import ctypes
@@ -66,3 +67,13 @@ def keep_freed_memory() -> bool:
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
     return _KEPT
 
+
+def release_freed_memory() -> bool:
+    """Hand the process's free heap memory back to the kernel now (glibc's ``malloc_trim``);
+    True when some was released, False when none was or the platform has no glibc."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim.argtypes = [ctypes.c_size_t]
+    libc.malloc_trim.restype = ctypes.c_int
+    return bool(libc.malloc_trim(0))

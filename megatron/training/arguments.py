@@ -807,8 +807,10 @@ def _add_distributed_args(parser):
     g.add_argument("--lazy-mpu-init", action="store_true")
     g.add_argument("--use-cpu-initialization", action="store_true", default=None)
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
-                   help="empty the CUDA caching allocator after forward-backward and evaluation "
-                   "steps (1) and after the optimizer step too (2); no effect on CPU")
+                   help="hand unused cached memory back after forward-backward and evaluation "
+                   "steps (1) and after the optimizer step too (2): the CUDA caching "
+                   "allocator's, or on CPU the free host memory the run keeps "
+                   "(megatron/core/host_memory.py)")
     g.add_argument("--standalone-embedding-stage", action="store_true",
                    help="pipeline rank 0 holds only the input embedding, the layers are split "
                    "evenly over the other ranks (the equivalent --pipeline-model-parallel-layout)")

@@ -12,7 +12,7 @@ from typing import Dict
 
 import torch
 
-from megatron.core import device
+from megatron.core import device, host_memory
 from megatron.model.moe.routing_trace import RoutingTracer
 
 
@@ -227,18 +227,23 @@ class ManualGC:
 
 
 def empty_unused_memory(args, level: int) -> None:
-    """--empty-unused-memory-level: at ``level`` or above, hand the CUDA caching allocator's
-    unused blocks back (1: after forward-backward and after each evaluation step, 2: also after
-    the optimizer step). CPU tensors are freed at once, so on CPU it has no effect."""
+    """--empty-unused-memory-level: at ``level`` or above, hand unused cached memory back (1:
+    after forward-backward and after each evaluation step, 2: also after the optimizer step):
+    the CUDA caching allocator's unused blocks, or on CPU the free host memory the run keeps
+    (:func:`megatron.core.host_memory.release_freed_memory`)."""
     if args.empty_unused_memory_level >= level:
-        device.empty_cache()
+        if device.is_cuda():
+            device.empty_cache()
+        else:
+            host_memory.release_freed_memory()
 
 
 def note_cpu_only_flags(args) -> None:
-    """One note, on rank 0, for the memory flag that does nothing on CPU."""
+    """One note, on rank 0, for what the memory flag costs on CPU."""
     if args.empty_unused_memory_level and not device.is_cuda() and args.rank == 0:
-        print(f"NOTE: --empty-unused-memory-level {args.empty_unused_memory_level} empties the "
-              "CUDA caching allocator; on CPU it has no effect", flush=True)
+        print(f"NOTE: --empty-unused-memory-level {args.empty_unused_memory_level}: on CPU the "
+              "free host memory the run keeps goes back to the kernel at each of its points, "
+              "and the next step takes it again one page fault at a time", flush=True)
 
 
 class RoutingTrace:
