@@ -34,7 +34,8 @@ input-gradient and weight-gradient products, the attention batched products and 
 layer), each timed into a preallocated output.
 
 ``--profile`` adds one profiled step per contender (after the warm-up) and prints where its time
-goes by op category; ``--baseline-root DIR`` adds ``base`` / ``base-sdpa``: ``pretrain_gpt.py``
+goes by op category; ``--baseline-root DIR`` adds ``base`` / ``base-sdpa`` (unless
+``--contenders`` names either): ``pretrain_gpt.py``
 of another checkout (to measure a change side by side).
 
 Run::
@@ -553,7 +554,8 @@ def main(a) -> None:
     contenders = a.contenders.split(",")
     if a.baseline_root:
         a.baseline_root = os.path.abspath(a.baseline_root)
-        contenders += ["base", "base-sdpa"]
+        if not {"base", "base-sdpa"} & set(contenders):
+            contenders += ["base", "base-sdpa"]
     print(f"# {datetime.datetime.now().isoformat(timespec='seconds')} | "
           f"{platform.processor() or platform.machine()} | {os.cpu_count()} cores | "
           f"torch {torch.__version__} | load average at start {_load()}")
