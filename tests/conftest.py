@@ -1,4 +1,5 @@
-"""Shared fixtures: reset global torch state around every test; slow and GPU markers."""
+"""Shared fixtures: reset global torch state and the environment around every test; slow and GPU
+markers."""
 
 import os
 import random
@@ -27,7 +28,10 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(autouse=True)
 def reset_torch_state():
-    """Every test starts from the same global state and leaves none behind."""
+    """Every test starts from the same global state and leaves none behind: torch's defaults,
+    the seeds, the parallel groups, and ``os.environ`` (code run in-process, such as a run's
+    start-up, sets variables for torch to read; one left behind changed what a later test's
+    subprocess saw, depending on which tests shared the process)."""
     import torch.distributed as dist
 
     from megatron.core import device, parallel_state
@@ -38,7 +42,11 @@ def reset_torch_state():
     random.seed(1234)
     device.reset()
     parallel_state.destroy_model_parallel()
+    environ = dict(os.environ)
     yield
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
     torch.set_default_dtype(torch.float32)
     parallel_state.destroy_model_parallel()
     device.reset()

@@ -14,6 +14,8 @@ The environment lives in ``$MEGATRON_CORE_VENV`` (default ``~/.cache/megatron-co
 megatron-core-<version>``); building it needs PyPI.
 """
 
+import contextlib
+import fcntl
 import os
 import pathlib
 import shutil
@@ -43,11 +45,30 @@ def _venv_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("MEGATRON_CORE_VENV", default))
 
 
+@contextlib.contextmanager
+def building(folder: pathlib.Path):
+    """Held while ``folder`` is checked and built: test processes running side by side (pytest's
+    workers) build it once, the others waiting, instead of writing into it together."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f".{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="module")
 def mcore_python():
     venv = _venv_dir()
     python = venv / "bin" / "python"
     ready = venv / ".ready"
+    with building(venv):
+        _build_venv(venv, python, ready)
+    return python
+
+
+def _build_venv(venv, python, ready):
     if not ready.exists():
         shutil.rmtree(venv, ignore_errors=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -57,7 +78,6 @@ def mcore_python():
                                 capture_output=True, text=True)
         assert result.returncode == 0, f"installing {MEGATRON_CORE}: {result.stderr[-2000:]}"
         ready.write_text(MEGATRON_CORE)
-    return python
 
 
 def _env() -> dict:

@@ -30,7 +30,7 @@ from megatron.checkpoint.dist.flattened import open_view
 from tests.functional.gpt_runs import run_pretrain
 from tests.functional.test_megatron_written import fixture_dir, megatron_argv, writable_copy
 from tests.functional.test_pre_mcore_014 import _tensors, _unflatten
-from tests.interop.test_megatron_core import _env, mcore_python  # noqa: F401 - a fixture
+from tests.interop.test_megatron_core import _env, building, mcore_python  # noqa: F401 - a fixture
 from tests.multiprocess import run_on_ranks
 from tools.checkpoint.convert import main as convert_main
 
@@ -53,6 +53,19 @@ def _release_dir() -> pathlib.Path:
 def mcore013(mcore_python):  # noqa: F811 - the fixture imported above
     """``(python, folder)``: the 0.16.1 environment's python and the folder holding 0.13."""
     folder = _release_dir()
+    with building(folder):
+        failed = _install_release(mcore_python, folder)
+    if failed:
+        pytest.skip(failed)
+    version = subprocess.run([str(mcore_python), "-c", "import megatron.core as m; "
+                              "print(m.__version__)"], env=_release_env(folder), cwd=folder,
+                             capture_output=True, text=True)
+    assert version.stdout.strip().startswith("0.13."), version.stdout + version.stderr[-2000:]
+    return mcore_python, folder
+
+
+def _install_release(mcore_python, folder):
+    """None when ``folder`` holds the release (installed now or before), else why not."""
     if not (folder / "megatron" / "core" / "__init__.py").is_file():
         shutil.rmtree(folder, ignore_errors=True)
         result = subprocess.run([str(mcore_python), "-m", "pip", "install", "-q", "--no-deps",
@@ -60,14 +73,10 @@ def mcore013(mcore_python):  # noqa: F811 - the fixture imported above
                                 capture_output=True, text=True)
         if result.returncode != 0:
             shutil.rmtree(folder, ignore_errors=True)
-            pytest.skip(f"{RELEASE} is not in {folder} and could not be installed there "
-                        f"(pip install --no-deps --target {folder} {RELEASE}): "
-                        f"{(result.stderr.strip().splitlines() or [''])[-1][-300:]}")
-    version = subprocess.run([str(mcore_python), "-c", "import megatron.core as m; "
-                              "print(m.__version__)"], env=_release_env(folder), cwd=folder,
-                             capture_output=True, text=True)
-    assert version.stdout.strip().startswith("0.13."), version.stdout + version.stderr[-2000:]
-    return mcore_python, folder
+            return (f"{RELEASE} is not in {folder} and could not be installed there "
+                    f"(pip install --no-deps --target {folder} {RELEASE}): "
+                    f"{(result.stderr.strip().splitlines() or [''])[-1][-300:]}")
+    return None
 
 
 def _release_env(folder) -> dict:
