@@ -96,8 +96,8 @@ EXTRAS_REQUIRE = {
     "msc": ["multi-storage-client"],
     # --enable-ft-package: hang detection by the rank monitors of its ft_launcher.
     "ft": ["nvidia-resiliency-ext"],
-    "test": ["pytest", "hypothesis", "transformers", "gigatoken", "multi-storage-client",
-             "nvidia-resiliency-ext"],
+    "test": ["pytest", "pytest-xdist", "hypothesis", "transformers", "gigatoken",
+             "multi-storage-client", "nvidia-resiliency-ext"],
 }
 
 setup(
