@@ -18,6 +18,7 @@ def user_error_types() -> tuple:
     from megatron.core.msc import ObjectStorageError
     from megatron.data.dataset_utils import DataError
     from megatron.data.indexed_dataset import IndexedDatasetError
+    from megatron.tokenizer.tokenizer import TokenizerError
     from megatron.training.arguments import ArgumentsError
     from megatron.training.checkpointing import CheckpointError
     from megatron.training.distillation.logits_files import LogitsFileError
@@ -25,7 +26,7 @@ def user_error_types() -> tuple:
 
     return (ArgumentsError, ConfigError, CheckpointError, ConversionError, DataError,
             IndexedDatasetError, LogitsFileError, ObjectStorageError, FaultToleranceError,
-            FileNotFoundError, NotADirectoryError, PermissionError)
+            TokenizerError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 @contextlib.contextmanager

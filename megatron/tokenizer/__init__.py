@@ -4,6 +4,7 @@ from megatron.tokenizer.base import MegatronTokenizer
 from megatron.tokenizer.tokenizer import (
     TOKENIZER_TYPES,
     NullTokenizer,
+    TokenizerError,
     build_tokenizer,
     gpt2_vocab_files,
     vocab_size_with_padding,
@@ -13,6 +14,7 @@ __all__ = [
     "MegatronTokenizer",
     "NullTokenizer",
     "TOKENIZER_TYPES",
+    "TokenizerError",
     "build_tokenizer",
     "gpt2_vocab_files",
     "vocab_size_with_padding",

@@ -230,14 +230,29 @@ def _set_chat_template(args, tokenizer: MegatronTokenizer) -> None:
                                                     getattr(args, "chat_template", None))
 
 
+class TokenizerError(ValueError):
+    """A tokenizer's flags or files are wrong; the message names the flag or the file."""
+
+
 def build_tokenizer(args) -> MegatronTokenizer:
     """Build the tokenizer ``args.tokenizer_type`` names and set ``args.padded_vocab_size``.
 
     ``padded_vocab_size`` is left alone when already set (e.g. restored from a checkpoint).
     """
+    if args.tokenizer_type is None:
+        raise TokenizerError("no --tokenizer-type given" + (
+            " (and the checkpoint in --load names none)"
+            if getattr(args, "use_checkpoint_args", False) else "") +
+            f"; give one of {', '.join(TOKENIZER_TYPES)}")
     if getattr(args, "rank", 0) == 0:
         print(f"> building {args.tokenizer_type} tokenizer ...", flush=True)
-    tokenizer = _create(args)
+    try:
+        tokenizer = _create(args)
+    except (ValueError, NotImplementedError) as err:
+        if isinstance(err, TokenizerError):
+            raise
+        # What the readers of the flags and files raise names the flag or the file's line.
+        raise TokenizerError(str(err)) from err
     _set_chat_template(args, tokenizer)
     if getattr(args, "padded_vocab_size", None) is None:
         args.padded_vocab_size = vocab_size_with_padding(tokenizer.vocab_size, args)

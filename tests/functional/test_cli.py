@@ -88,6 +88,9 @@ def _error_cases(corpus, tmp_path):
     data_at = _flags(corpus).index("--data-path") + 1
     no_data = _flags(corpus)
     no_data[data_at] = missing_prefix
+    no_tokenizer = list(_flags(corpus))
+    at = no_tokenizer.index("--tokenizer-type")
+    del no_tokenizer[at:at + 2]
     return {
         "missing data prefix": (no_data, ["--data-path", missing_prefix]),
         "missing vocab file": (gpt2 + ["--vocab-file", vocab, "--merge-file", str(merges)],
@@ -95,11 +98,13 @@ def _error_cases(corpus, tmp_path):
         "unknown flag": (_flags(corpus, "--bogus-flag", "3"),
                          ["unrecognized arguments: --bogus-flag 3"]),
         "impossible size": (heads3, ["--hidden-size (32)", "--num-attention-heads (3)"]),
+        "no vocab file flag": (gpt2, ["--vocab-file is required", "GPT2BPETokenizer"]),
+        "no tokenizer type": (no_tokenizer, ["no --tokenizer-type given", "NullTokenizer"]),
     }
 
 
 @pytest.mark.parametrize("case", ["missing data prefix", "missing vocab file", "unknown flag",
-                                  "impossible size"])
+                                  "impossible size", "no vocab file flag", "no tokenizer type"])
 def test_user_mistake_is_one_line_without_traceback(corpus, tmp_path, case):
     flags, must_name = _error_cases(corpus, tmp_path)[case]
     proc = _run([sys.executable, "pretrain_gpt.py"] + flags)

@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-from megatron.tokenizer import build_tokenizer, gpt2_vocab_files, vocab_size_with_padding
+from megatron.tokenizer import (TokenizerError, build_tokenizer, gpt2_vocab_files,
+                                vocab_size_with_padding)
 
 TRICKY_TEXTS = [
     "Hello world",
@@ -387,8 +388,10 @@ def test_build_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="--vocab-file .*nope.json"):
         build_tokenizer(namespace(tokenizer_type="GPT2BPETokenizer", vocab_file=missing,
                                   merge_file=missing))
-    with pytest.raises(NotImplementedError, match="'Foo' is not implemented"):
+    with pytest.raises(TokenizerError, match="'Foo' is not implemented"):
         build_tokenizer(namespace(tokenizer_type="Foo"))
+    with pytest.raises(TokenizerError, match="no --tokenizer-type given; give one of "):
+        build_tokenizer(namespace(tokenizer_type=None))
     with pytest.raises(FileNotFoundError, match="no tokenizer.json"):
         build_tokenizer(namespace(tokenizer_type="HuggingFaceTokenizer",
                                   tokenizer_model=str(tmp_path)))
