@@ -34,7 +34,9 @@ from megatron.checkpoint.layout import (TRACKER_FILENAME, CheckpointError, exper
                                         saved_sizes)
 from megatron.checkpoint.router_bias import (fill_zero_router_bias, note_zero_router_bias,
                                            optimizer_refusal)
-from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, MP_ARGS, TOKENIZER_MODEL_ARGS,
+from megatron.checkpoint.saved_args import (CHECKPOINT_ARGS, MOE_CHECKPOINT_ARGS, MP_ARGS,
+                                            OTHER_CHECKPOINT_ARGS, RUN_FIRST_ARGS,
+                                            TOKENIZER_MODEL_ARGS,
                                             check_args, checkpoint_args, megatron_args,
                                             refuse_torch_load)
 from megatron.checkpoint.state import main_values_of, set_rng_state_snapshot
@@ -388,8 +390,16 @@ def _saved_args_in(load_dir: str, what: str, verify: bool = False) -> argparse.N
 
 
 def load_args_from_checkpoint(args) -> argparse.Namespace:
-    """--use-checkpoint-args: take the model-shape flags from the checkpoint in --load, as
-    Megatron does: also the tokenizer (type, model file, tiktoken pattern) unless
+    """--use-checkpoint-args: take the flags that give the weights their meaning from the
+    checkpoint in --load, as Megatron does.
+
+    A flag is taken only where the checkpoint recorded a value (a converted checkpoint may name
+    no tokenizer, say). The model's sizes and the sequence length (:data:`RUN_FIRST_ARGS`) are
+    taken only when this run gives none: a run's own ``--seq-length`` stays (a longer context
+    from a shorter-context checkpoint), and a size that differs from the file's is refused on
+    load, naming the flag. The rest (:data:`CHECKPOINT_ARGS`, the mixture-of-experts routing,
+    the multi-token prediction depth, the dropout rates, the tiktoken pattern) always comes from
+    the file. Also the tokenizer type and model file unless
     --no-use-tokenizer-model-from-checkpoint-args, and the tensor, pipeline and expert parallel
     sizes only with --use-mp-args-from-checkpoint-args."""
     if not args.load:
@@ -400,16 +410,28 @@ def load_args_from_checkpoint(args) -> argparse.Namespace:
                               "or a local copy of the checkpoint as --load")
     saved = _saved_args_in(args.load, "--use-checkpoint-args",
                            getattr(args, "verify_integrity", False))
-    names = list(CHECKPOINT_ARGS)
+    names = list(CHECKPOINT_ARGS) + list(MOE_CHECKPOINT_ARGS) + list(OTHER_CHECKPOINT_ARGS)
     if args.use_tokenizer_model_from_checkpoint_args:
         names += TOKENIZER_MODEL_ARGS
     if args.use_mp_args_from_checkpoint_args:
-        names += MP_ARGS[:-1]
-        if args.num_layers_per_virtual_pipeline_stage is None:
-            names.append(MP_ARGS[-1])
+        names += MP_ARGS
+    from megatron.training.arguments import flag_names_and_defaults
+
+    _, flags, defaults = flag_names_and_defaults()
+    run_first = set(RUN_FIRST_ARGS) | {MP_ARGS[-1]}
+    replaced = []
     for name in names:
-        if hasattr(saved, name):
-            setattr(args, name, getattr(saved, name))
+        value, mine = getattr(saved, name, None), getattr(args, name, None)
+        if value is None or (name in run_first and mine is not None):
+            continue
+        if name in flags and mine != defaults.get(name) and mine != value:
+            replaced.append(f"{flags[name]} {mine} -> {value}")
+        setattr(args, name, value)
+    if replaced and getattr(args, "rank", 0) == 0:
+        print(f"NOTE: --use-checkpoint-args: the checkpoint in --load {args.load} sets "
+              f"{', '.join(replaced)} over this run's flags, as Megatron does", flush=True)
+    if getattr(saved, "num_experts", None) is None:
+        args.moe_ffn_hidden_size = None  # a dense checkpoint: no expert size of the run's
     return args
 
 

@@ -26,8 +26,7 @@ SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_hea
               "position_embedding_type", "padded_vocab_size", "swiglu", "normalization",
               "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
               "bert_binary_head", "qk_layernorm", "multi_latent_attention")
-# The same for mixture-of-experts models: which layers have experts, how many, how large
-# (checked on load, but not taken by --use-checkpoint-args: the MoE flags are the run's).
+# The same for mixture-of-experts models: which layers have experts, how many, how large.
 MOE_SHAPE_ARGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size",
                   "moe_shared_expert_intermediate_size")
 # How a SHAPE_ARGS entry is named in an error when its dest is not its flag's name.
@@ -61,12 +60,33 @@ CHECKPOINT_ARGS = SHAPE_ARGS + ("seq_length", "group_query_attention", "rotary_p
                                 "heterogeneous_layers_config_encoded_json",
                                 "enable_mhc_connections", "mhc_num_residual_streams",
                                 "mhc_sinkhorn_iterations")
+# Also taken with --use-checkpoint-args, as Megatron takes them: which layers have experts and
+# how they route (the weights of a mixture-of-experts model mean nothing without them), the
+# multi-token-prediction depth, the dropout rates, and the tiktoken pattern.
+MOE_CHECKPOINT_ARGS = ("num_experts", "moe_layer_freq", "moe_ffn_hidden_size", "moe_router_topk",
+                       "moe_router_pre_softmax", "moe_grouped_gemm",
+                       "moe_shared_expert_intermediate_size", "moe_router_load_balancing_type",
+                       "moe_aux_loss_coeff", "moe_router_score_function",
+                       "moe_router_enable_expert_bias", "moe_router_topk_scaling_factor",
+                       "moe_router_num_groups", "moe_router_group_topk", "moe_latent_size",
+                       "moe_single_grouped_weight", "moe_single_grouped_bias",
+                       # Beyond Megatron's list, for the same reason: the shared expert's
+                       # gate, where the probabilities apply, the GLU row layouts.
+                       "moe_shared_expert_gate", "moe_apply_probs_on_input",
+                       "moe_mlp_glu_interleave_size", "moe_shared_expert_glu_interleave_size")
+OTHER_CHECKPOINT_ARGS = ("mtp_num_layers", "hidden_dropout", "attention_dropout",
+                         "tiktoken_pattern")
+# Of the flags above, those a run's own value wins over (Megatron's defaults of None: a run
+# that gives one keeps it, and a different shape is then refused on load, by flag).
+RUN_FIRST_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "seq_length",
+                  "num_attention_heads", "kv_channels", "max_position_embeddings",
+                  "padded_vocab_size")
 # Taken too with --use-mp-args-from-checkpoint-args (Megatron's model-parallel set; the last only
 # when this run gives none).
 MP_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
            "expert_model_parallel_size", "num_layers_per_virtual_pipeline_stage")
 # Taken too unless --no-use-tokenizer-model-from-checkpoint-args.
-TOKENIZER_MODEL_ARGS = ("tokenizer_type", "tokenizer_model", "tiktoken_pattern")
+TOKENIZER_MODEL_ARGS = ("tokenizer_type", "tokenizer_model")
 
 
 def checkpoint_args(args, config: Optional[CheckpointConfig] = None,

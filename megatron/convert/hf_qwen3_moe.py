@@ -90,9 +90,12 @@ def meta_from_config(config: ConfigView) -> ModelMeta:
     compute."""
     dense = hf_qwen3.meta_from_config(config)
     freq = hf_qwen2_moe._moe_layer_freq(config, dense.num_layers)
+    # Published configs say num_experts; transformers 5 writes it as num_local_experts.
+    experts = ("num_local_experts" if config.get("num_experts") is None
+               and config.get("num_local_experts") is not None else "num_experts")
     return dataclasses.replace(
         dense, ffn_hidden_size=config.need("intermediate_size"), moe_layer_freq=freq,
-        num_experts=config.need("num_experts"), moe_router_topk=config.need("num_experts_per_tok"),
+        num_experts=config.need(experts), moe_router_topk=config.need("num_experts_per_tok"),
         moe_ffn_hidden_size=config.need("moe_intermediate_size"),
         moe_router_pre_softmax=not config.get("norm_topk_prob", False))
 

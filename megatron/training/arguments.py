@@ -1424,7 +1424,7 @@ def _args_from_yaml(parser, args, words) -> argparse.Namespace:
 
 
 @functools.lru_cache(maxsize=1)
-def _flag_names_and_defaults():
+def flag_names_and_defaults():
     """dest -> first option string, dest -> default (as argparse: the first action's)."""
     parser = build_parser()
     names, defaults = {}, {}
@@ -1437,7 +1437,7 @@ def _flag_names_and_defaults():
 
 def _check_registered_flags(args) -> None:
     """Stop on an unsupported flag that is set; one note for each no-effect flag that is set."""
-    parser, names, defaults = _flag_names_and_defaults()
+    parser, names, defaults = flag_names_and_defaults()
     for dest, instead in UNSUPPORTED_FLAGS.items():
         value = getattr(args, dest, None)
         if value != defaults[dest]:

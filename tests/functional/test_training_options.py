@@ -212,6 +212,8 @@ def _checkpoint_flag_scenarios(corpus, root):
     base = gpt_flags(corpus, 6, extra=["--ckpt-format", "torch"])
     bigger = _with(_with(_with(base, "--hidden-size", 64), "--num-layers", 3),
                    "--num-attention-heads", 8)
+    shapeless = _without(_without(_without(base, "--hidden-size"), "--num-layers"),
+                         "--num-attention-heads")
     new_lr = _with(base, "--lr", 1e-2) + ["--load", no_rng, "--no-load-rng"]
     return [
         ("save_no_optim", base + ["--save", no_optim, "--no-save-optim", "--exit-interval", "3"]),
@@ -221,8 +223,10 @@ def _checkpoint_flag_scenarios(corpus, root):
         ("load_needs_no_load_rng", base + ["--load", no_rng]),
         ("no_load_rng", base + ["--load", no_rng, "--no-load-rng"]),
         ("finetune", _with(base, "--train-iters", 2) + ["--load", no_rng, "--finetune"]),
-        ("checkpoint_args", bigger + ["--load", no_rng, "--no-load-rng",
-                                      "--use-checkpoint-args"]),
+        ("checkpoint_args", shapeless + ["--load", no_rng, "--no-load-rng",
+                                         "--use-checkpoint-args"]),
+        ("checkpoint_args_run_shape", bigger + ["--load", no_rng, "--no-load-rng",
+                                                "--use-checkpoint-args"]),
         ("new_lr_refused", new_lr),
         ("override", new_lr + ["--override-opt_param-scheduler"]),
         ("use_checkpoint_schedule", new_lr + ["--use-checkpoint-opt_param-scheduler"]),
@@ -489,9 +493,12 @@ def test_finetune_loads_weights_only_and_restarts(one_rank):
 def test_use_checkpoint_args_takes_model_shape_from_checkpoint(one_rank):
     run = one_rank["checkpoint_args"]
     assert "error" not in run, run.get("error")
-    assert run["shape"] == (2, 32, 4)  # the flags said 3 layers, hidden 64, 8 heads
+    assert run["shape"] == (2, 32, 4)  # no size flags given: the file's
     assert run["start"]["iteration"] == 3
     assert _same_weights(run["start"], one_rank["file_no_rng"])
+    # Sizes the run gives stay the run's, as in Megatron: a file of another shape is refused.
+    error = one_rank["checkpoint_args_run_shape"]["error"]
+    assert "--num-layers" in error and "\n" not in error.strip(), error
 
 
 def test_lr_change_needs_override_or_checkpoint_schedule(one_rank):
