@@ -58,6 +58,38 @@ def building(folder: pathlib.Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def test_building_lets_one_builder_in_and_the_others_wait(tmp_path):
+    """Three builders of one folder at once (threads; each opens the lock file itself, as a
+    pytest worker would): one builds, the others wait for it and find it built, and no two are
+    inside together."""
+    import threading
+    import time
+
+    folder, spans, built = tmp_path / "env", [], []
+    ready = folder / ".ready"
+
+    def builder():
+        with building(folder):
+            start = time.monotonic()
+            if not ready.exists():
+                time.sleep(0.3)
+                folder.mkdir()
+                ready.touch()
+                built.append(threading.get_ident())
+            spans.append((start, time.monotonic()))
+
+    threads = [threading.Thread(target=builder) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(built) == 1 and len(spans) == 3
+    spans.sort()
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        assert start >= end, spans   # a waiter got in only after the one before had left
+    assert spans[-1][0] - spans[0][0] >= 0.3   # the waiters waited for the build
+
+
 @pytest.fixture(scope="module")
 def mcore_python():
     venv = _venv_dir()
