@@ -3,11 +3,19 @@
 A request::
 
     {"prompts": ["Hello", ...], "tokens_to_generate": 64, "logprobs": false,
-     "temperature": 1.0, "top_k": 0, "top_p": 0.0, "add_BOS": false,
+     "temperature": 1.0, "top_k": 0, "top_p": 0.0, "top_p_decay": 0.0, "top_p_bound": 0.0,
+     "add_BOS": false, "stop_on_eol": false, "stop_on_double_eol": false,
+     "prevent_newline_after_colon": false,
      "stop_token": <id, default the tokenizer's end-of-document>, "random_seed": <int >= 0>}
 
 Only ``prompts`` is required. ``top_k = 1`` is greedy; ``top_k = 0`` with ``top_p = 0`` samples
-from the whole distribution (Megatron's defaults). The response::
+from the whole distribution (Megatron's defaults). As in Megatron, ``top_p`` shrinks by
+``top_p_decay`` after each token, never below ``top_p_bound``; ``stop_on_eol`` ends a sequence
+at a newline (``stop_on_double_eol``: at a blank line) instead of at the stop token, and
+``prevent_newline_after_colon`` never lets a newline follow ':'. Megatron hard-codes GPT-2's
+ids for those (198, 628); here they are the ids the server's tokenizer gives "\\n", "\\n\\n" and
+":" (the same with GPT-2's tokenizer), and a tokenizer without such a token refuses the key.
+The response::
 
     {"text": [prompt + generation, ...], "segments": [[one string per token], ...],
      "logprobs": [[log p of each token after the first], ...] or null, "tokens": [[ids], ...]}
@@ -17,7 +25,7 @@ Each sequence ends after its stop token when it emitted one. A bad request raise
 HTTP 400 (413, :class:`RequestTooLarge`, when a prompt has more bytes than could fit the model,
 checked before anything is tokenized). Keys other than Megatron's are refused, naming them, so a
 misspelt ``top_K`` is never silently ignored; ``no_log`` and ``length_penalty`` (beam search
-only, which is refused) are accepted.
+only, which is refused: ``beam_width``) are accepted.
 
 Running a request on every rank: rank 0 validates and tokenizes it into a *payload* (plain JSON:
 token ids and settings), :func:`broadcast_payload` gives it to every rank, and
@@ -34,7 +42,8 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
-from megatron.text_generation.generation import GenerationOutput, generate_tokens, score_tokens
+from megatron.text_generation.generation import (EolStop, GenerationOutput, generate_tokens,
+                                                  score_tokens)
 
 MAX_PROMPTS = 128
 MAX_TOP_K = 1000
@@ -51,10 +60,11 @@ MAX_INT_DIGITS = 30
 
 # Megatron request keys whose features this server does not offer: refused rather than ignored,
 # so a client never silently gets something else than it asked for.
-UNSUPPORTED = ("beam_width", "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon",
-               "top_p_decay", "top_p_bound")
+UNSUPPORTED = ("beam_width",)
 SERVED = ("prompts", "tokens_to_generate", "logprobs", "temperature", "top_k", "top_p",
-          "add_BOS", "stop_token", "random_seed", "no_log", "length_penalty")
+          "top_p_decay", "top_p_bound", "add_BOS", "stop_on_eol", "stop_on_double_eol",
+          "prevent_newline_after_colon", "stop_token", "random_seed", "no_log",
+          "length_penalty")
 # Megatron's old names, refused with a message saying what replaced them.
 RENAMED = {"sentences": "prompts", "max_len": "tokens_to_generate"}
 KNOWN_KEYS = frozenset(SERVED + UNSUPPORTED + tuple(RENAMED))
@@ -111,6 +121,11 @@ class GenerationRequest:
     add_BOS: bool = False
     stop_token: Optional[int] = None
     random_seed: Optional[int] = None
+    top_p_decay: float = 0.0
+    top_p_bound: float = 0.0
+    stop_on_eol: bool = False
+    stop_on_double_eol: bool = False
+    prevent_newline_after_colon: bool = False
 
 
 def _is_int(value) -> bool:
@@ -192,6 +207,19 @@ def parse_request(body) -> GenerationRequest:
                  "top_p must be a number between 0 and 1.0")
     if top_k > 0 and top_p > 0.0:
         raise RequestError("cannot set both top-k and top-p samplings.")
+    top_p_decay = _get(body, "top_p_decay", 0.0, lambda v: _is_number(v) and 0.0 <= v <= 1.0,
+                       "top_p_decay must be a number between 0 and 1.0")
+    top_p_bound = _get(body, "top_p_bound", 0.0, lambda v: _is_number(v) and 0.0 <= v <= 1.0,
+                       "top_p_bound must be a number between 0 and 1.0")
+    for key, value in (("top_p_decay", top_p_decay), ("top_p_bound", top_p_bound)):
+        if value > 0.0 and top_p == 0.0:
+            raise RequestError(f"{key} cannot be set without top_p")
+    if top_p_bound > top_p:
+        raise RequestError(f"top_p_bound must be greater than 0 and at most top_p ({top_p}), "
+                           f"got {_show(top_p_bound)}")
+    flags = {key: _get(body, key, False, lambda v: isinstance(v, bool),
+                       f"{key} must be a boolean value")
+             for key in ("stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon")}
     add_bos = _get(body, "add_BOS", False, lambda v: isinstance(v, bool),
                    "add_BOS must be a boolean value")
     if not add_bos and any(len(p) == 0 for p in prompts):
@@ -204,7 +232,40 @@ def parse_request(body) -> GenerationRequest:
     _get(body, "no_log", False, lambda v: isinstance(v, bool), "no_log must be a boolean value")
     _get(body, "length_penalty", 1.0, _is_number, "length_penalty must be a number")
     return GenerationRequest(prompts, tokens_to_generate, logprobs, float(temperature), top_k,
-                             float(top_p), add_bos, stop_token, random_seed)
+                             float(top_p), add_bos, stop_token, random_seed, float(top_p_decay),
+                             float(top_p_bound), **flags)
+
+
+def _single_id(tokenizer, text: str, key: str, first: bool = False) -> Optional[int]:
+    """The id ``text`` tokenizes to (its first with ``first``, as Megatron takes ':' and the
+    newline); a :class:`RequestError` naming ``key`` when there is none to take."""
+    try:
+        ids = list(tokenizer.tokenize(text))
+    except (ValueError, KeyError, NotImplementedError):
+        ids = []
+    if ids and (first or len(ids) == 1):
+        return int(ids[0])
+    raise RequestError(f"{key} needs {text!r} to be one token, and this server's tokenizer "
+                       f"makes it {ids or 'no token'}")
+
+
+def _line_settings(request: GenerationRequest, tokenizer) -> dict:
+    """The payload's line-end stop and banned-newline ids, from the tokenizer (Megatron's are
+    GPT-2's: newline 198, blank line 628, which is what GPT-2's tokenizer gives here)."""
+    out = {"eol_stop": None, "banned_after": None}
+    if request.stop_on_eol or request.stop_on_double_eol:
+        key = "stop_on_double_eol" if request.stop_on_double_eol else "stop_on_eol"
+        eol = _single_id(tokenizer, "\n", key)
+        try:
+            blank = _single_id(tokenizer, "\n\n", key)
+        except RequestError:
+            blank = None      # a blank line is two newline tokens: the double check finds it
+        out["eol_stop"] = [eol, blank, request.stop_on_double_eol]
+    if request.prevent_newline_after_colon:
+        key = "prevent_newline_after_colon"
+        out["banned_after"] = [_single_id(tokenizer, ":", key, first=True),
+                               _single_id(tokenizer, "\n", key, first=True)]
+    return out
 
 
 def _tokenize(request: GenerationRequest, tokenizer) -> List[List[int]]:
@@ -288,7 +349,9 @@ def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddin
     return {"tokens": rows, "tokens_to_generate": request.tokens_to_generate,
             "logprobs": request.logprobs, "temperature": request.temperature,
             "top_k": request.top_k, "top_p": request.top_p, "stop_token": stop_token,
-            "random_seed": seed, "vocab_size": tokenizer.vocab_size, "pad_token": tokenizer.eod}
+            "random_seed": seed, "vocab_size": tokenizer.vocab_size, "pad_token": tokenizer.eod,
+            "top_p_decay": request.top_p_decay, "top_p_bound": request.top_p_bound,
+            **_line_settings(request, tokenizer)}
 
 
 def broadcast_payload(payload: Optional[dict], device, src: int = 0) -> dict:
@@ -322,11 +385,16 @@ def generate_from_payload(model, pstate, payload: dict, device,
         return score_tokens(model, pstate, tokens, lengths, payload["vocab_size"])
     generator = torch.Generator(device=device)
     generator.manual_seed(payload["random_seed"])
+    eol_stop = payload.get("eol_stop")
+    banned_after = payload.get("banned_after")
     return generate_tokens(
         model, pstate, tokens, lengths, vocab_size=payload["vocab_size"],
         stop_token=payload["stop_token"], top_k=payload["top_k"], top_p=payload["top_p"],
         temperature=payload["temperature"], return_log_probs=payload["logprobs"],
-        use_kv_cache=use_kv_cache, generator=generator)
+        use_kv_cache=use_kv_cache, generator=generator,
+        top_p_decay=payload.get("top_p_decay", 0.0), top_p_bound=payload.get("top_p_bound", 0.0),
+        eol_stop=EolStop(*eol_stop) if eol_stop else None,
+        banned_after=tuple(banned_after) if banned_after else None)
 
 
 def post_process(output: GenerationOutput, tokenizer, return_logprobs: bool) -> dict:

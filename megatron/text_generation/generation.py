@@ -25,7 +25,7 @@ of the probability mass, so a model whose padded rows are large scores every rea
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -200,11 +200,25 @@ def score_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, lengths: 
     return GenerationOutput(tokens, lengths.clone(), broadcast_from_last_stage(log_probs, pstate))
 
 
+@dataclass(frozen=True)
+class EolStop:
+    """Megatron's ``stop_on_eol`` / ``stop_on_double_eol``: a sequence ends at the token
+    ``double_eol`` (a blank line as one token, when the tokenizer has one), or at ``eol`` (a
+    newline) when ``double`` is False, or at an ``eol`` right after another when it is True. As
+    in Megatron, the stop token then ends nothing."""
+
+    eol: int
+    double_eol: Optional[int]
+    double: bool
+
+
 def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, lengths: torch.Tensor,
                     *, vocab_size: int, stop_token: int, top_k: int = 0, top_p: float = 0.0,
                     temperature: float = 1.0, return_log_probs: bool = False,
                     use_kv_cache: bool = True, generator: Optional[torch.Generator] = None,
-                    max_sequence_length: Optional[int] = None) -> GenerationOutput:
+                    max_sequence_length: Optional[int] = None, top_p_decay: float = 0.0,
+                    top_p_bound: float = 0.0, eol_stop: Optional[EolStop] = None,
+                    banned_after: Optional[Tuple[int, int]] = None) -> GenerationOutput:
     """Generate into ``tokens`` on every rank of the model; see the module docstring.
 
     Args:
@@ -221,6 +235,12 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
         generator: the sampling stream of the last stage (seed it alike on all its ranks).
         max_sequence_length: the longest sequence the model takes (default: its
             ``max_position_embeddings``).
+        top_p_decay, top_p_bound: after each step ``top_p`` becomes ``top_p x top_p_decay``,
+            never below ``top_p_bound`` (Megatron's; 0 turns each off).
+        eol_stop: stop at line ends instead of at ``stop_token`` (see :class:`EolStop`).
+        banned_after: ``(after, banned)``: where the last token is ``after``, ``banned`` gets a
+            logit of -1e10 before sampling and log-probabilities (Megatron's
+            ``prevent_newline_after_colon``, with the tokenizer's ':' and newline ids).
     """
     gpt = _unwrap(model)
     limit = max_sequence_length or gpt.config.max_position_embeddings
@@ -249,9 +269,16 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
         start = prev if use_kv_cache else 0
         logits = step(tokens[:, start:context], positions[:, start:context])  # [b, s, V] last
         if step.is_last:
+            if banned_after is not None:
+                after, banned = banned_after
+                logits[tokens[:, context - 1] == after, -1, banned] = -1e10
             _sample_or_verdict(new_tokens, logits[:, -1, :], top_k, top_p, temperature,
                                vocab_size, generator)
             _agree_over_tensor_parallel(new_tokens, pstate)
+        if top_p > 0.0 and top_p_decay > 0.0:
+            top_p = top_p * top_p_decay
+            if top_p_bound > 0.0:
+                top_p = max(top_p, top_p_bound)
         broadcast_from_last_stage(new_tokens, pstate)
         verdict = int(new_tokens.min())
         if verdict < 0:
@@ -262,7 +289,15 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
             log_probs[:, prev:context] = _token_log_probs(
                 logits[:, prev - start:], tokens[:, prev + 1:context + 1])
         prev = context
-        just_finished = (new_tokens == stop_token) & started & ~finished
+        if eol_stop is None:
+            done = new_tokens == stop_token
+        else:
+            done = new_tokens == eol_stop.eol
+            if eol_stop.double:
+                done &= tokens[:, context - 1] == eol_stop.eol
+            if eol_stop.double_eol is not None:
+                done |= new_tokens == eol_stop.double_eol
+        just_finished = done & started & ~finished
         out_lengths[just_finished] = context + 1
         finished |= just_finished
         if bool(finished.all()):

@@ -13,8 +13,9 @@ import random
 from typing import List
 
 KEYS = ["tokens_to_generate", "logprobs", "temperature", "top_k", "top_p", "add_BOS",
-        "stop_token", "random_seed", "no_log", "length_penalty"]
-ODD_KEYS = ["top_K", "prompt", "sentences", "max_len", "beam_width", "stop_on_eol", "",
+        "stop_token", "random_seed", "no_log", "length_penalty", "top_p_decay", "top_p_bound",
+        "stop_on_eol", "stop_on_double_eol", "prevent_newline_after_colon"]
+ODD_KEYS = ["top_K", "prompt", "sentences", "max_len", "beam_width", "stop_on_EOL", "",
             "prompts ", "x" * 300]
 
 
@@ -37,6 +38,12 @@ def _valid_value(rng: random.Random, key: str):
         "random_seed": lambda: rng.randint(0, 2 ** 40),
         "no_log": lambda: rng.random() < 0.5,
         "length_penalty": lambda: rng.uniform(0.0, 2.0),
+        "top_p_decay": lambda: rng.uniform(0.0, 1.0),
+        "top_p_bound": lambda: rng.uniform(0.0, 0.5),
+        # The test model's NullTokenizer has no newline: True is refused, False served.
+        "stop_on_eol": lambda: rng.random() < 0.5,
+        "stop_on_double_eol": lambda: rng.random() < 0.5,
+        "prevent_newline_after_colon": lambda: rng.random() < 0.5,
     }[key]()
 
 

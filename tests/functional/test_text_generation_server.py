@@ -225,6 +225,8 @@ def test_server_answers_good_and_bad_requests(single_server):
         ({"prompts": ["1 2 300"]}, "outside the vocabulary"),
         ({"prompts": ["one two"]}, "cannot be tokenized"),
         ({"prompts": ["1"], "tokens_to_generate": 4, "stop_token": 500}, "stop_token"),
+        ({"prompts": ["1"], "tokens_to_generate": 4, "stop_on_eol": True},
+         "stop_on_eol needs '\\n' to be one token"),
     ]
     for body, message in BAD_REQUESTS[:12] + server_http_errors:
         status, answer = server.request(body)
