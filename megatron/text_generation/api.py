@@ -24,8 +24,14 @@ Each sequence ends after its stop token when it emitted one. A bad request raise
 :class:`RequestError` (a ``ValueError``) before any rank is involved; the server answers it with
 HTTP 400 (413, :class:`RequestTooLarge`, when a prompt has more bytes than could fit the model,
 checked before anything is tokenized). Keys other than Megatron's are refused, naming them, so a
-misspelt ``top_K`` is never silently ignored; ``no_log`` and ``length_penalty`` (beam search
-only, which is refused: ``beam_width``) are accepted.
+misspelt ``top_K`` is never silently ignored; ``no_log`` is accepted.
+
+``beam_width`` (one prompt; ``length_penalty``, ``stop_token``, ``add_BOS`` and
+``prevent_newline_after_colon`` apply) runs Megatron's beam search
+(:mod:`megatron.text_generation.beam_search`) and answers ``{"text", "segments", "scores",
+"tokens"}``, one entry per hypothesis, best first; each ends at its stop token (Megatron
+returns the padding after it too). The sampling keys, ``logprobs`` and the line stops, which
+Megatron ignores with a beam, are refused with one.
 
 Running a request on every rank: rank 0 validates and tokenizes it into a *payload* (plain JSON:
 token ids and settings), :func:`broadcast_payload` gives it to every rank, and
@@ -42,6 +48,7 @@ from typing import List, Optional
 import torch
 import torch.distributed as dist
 
+from megatron.text_generation.beam_search import BeamOutput, beam_search
 from megatron.text_generation.generation import (EolStop, GenerationOutput, generate_tokens,
                                                   score_tokens)
 
@@ -60,11 +67,16 @@ MAX_INT_DIGITS = 30
 
 # Megatron request keys whose features this server does not offer: refused rather than ignored,
 # so a client never silently gets something else than it asked for.
-UNSUPPORTED = ("beam_width",)
+UNSUPPORTED = ()
 SERVED = ("prompts", "tokens_to_generate", "logprobs", "temperature", "top_k", "top_p",
           "top_p_decay", "top_p_bound", "add_BOS", "stop_on_eol", "stop_on_double_eol",
-          "prevent_newline_after_colon", "stop_token", "random_seed", "no_log",
+          "prevent_newline_after_colon", "stop_token", "random_seed", "no_log", "beam_width",
           "length_penalty")
+# What beam search does not do (it never samples, returns scores, stops at the stop token):
+# set with beam_width, refused rather than ignored.
+NOT_WITH_BEAMS = {"temperature": 1.0, "top_k": 0, "top_p": 0.0, "top_p_decay": 0.0,
+                  "top_p_bound": 0.0, "logprobs": False, "stop_on_eol": False,
+                  "stop_on_double_eol": False}
 # Megatron's old names, refused with a message saying what replaced them.
 RENAMED = {"sentences": "prompts", "max_len": "tokens_to_generate"}
 KNOWN_KEYS = frozenset(SERVED + UNSUPPORTED + tuple(RENAMED))
@@ -126,6 +138,8 @@ class GenerationRequest:
     stop_on_eol: bool = False
     stop_on_double_eol: bool = False
     prevent_newline_after_colon: bool = False
+    beam_width: Optional[int] = None
+    length_penalty: float = 1.0
 
 
 def _is_int(value) -> bool:
@@ -230,10 +244,26 @@ def parse_request(body) -> GenerationRequest:
                        lambda v: v is None or (_is_int(v) and 0 <= v < 2 ** 63),
                        "random_seed must be an integer in [0, 2**63)")
     _get(body, "no_log", False, lambda v: isinstance(v, bool), "no_log must be a boolean value")
-    _get(body, "length_penalty", 1.0, _is_number, "length_penalty must be a number")
+    length_penalty = _get(body, "length_penalty", 1.0, _is_number,
+                          "length_penalty must be a number")
+    beam_width = _get(body, "beam_width", None, lambda v: v is None or (_is_int(v) and v >= 1),
+                      "beam_width must be an integer > 0")
+    if beam_width is not None:
+        if len(prompts) > 1:
+            raise RequestError("When doing beam_search, batch size must be 1")
+        if tokens_to_generate == 0:
+            raise RequestError("beam_width needs tokens_to_generate > 0")
+        values = dict(flags, temperature=temperature, top_k=top_k, top_p=top_p,
+                      top_p_decay=top_p_decay, top_p_bound=top_p_bound, logprobs=logprobs)
+        for key, default in NOT_WITH_BEAMS.items():
+            if values[key] != default:
+                raise RequestError(f"{key} does not apply to beam search (beam_width): beam "
+                                   "search never samples, returns scores instead of logprobs "
+                                   "and ends beams at the stop token; drop it")
     return GenerationRequest(prompts, tokens_to_generate, logprobs, float(temperature), top_k,
                              float(top_p), add_bos, stop_token, random_seed, float(top_p_decay),
-                             float(top_p_bound), **flags)
+                             float(top_p_bound), **flags, beam_width=beam_width,
+                             length_penalty=float(length_penalty))
 
 
 def _single_id(tokenizer, text: str, key: str, first: bool = False) -> Optional[int]:
@@ -323,6 +353,9 @@ def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddin
     the prompts have more bytes than could fit.
     """
     check_prompt_bytes(request, max_position_embeddings, max_tokens_to_oom)
+    if request.beam_width is not None and request.beam_width >= tokenizer.vocab_size:
+        raise RequestError(f"beam_width ({request.beam_width}) must be smaller than the "
+                           f"vocabulary ({tokenizer.vocab_size} tokens)")
     if request.top_k > tokenizer.vocab_size:
         raise RequestError(f"top_k ({request.top_k}) is larger than the vocabulary "
                            f"({tokenizer.vocab_size} tokens)")
@@ -351,6 +384,7 @@ def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddin
             "top_k": request.top_k, "top_p": request.top_p, "stop_token": stop_token,
             "random_seed": seed, "vocab_size": tokenizer.vocab_size, "pad_token": tokenizer.eod,
             "top_p_decay": request.top_p_decay, "top_p_bound": request.top_p_bound,
+            "beam_width": request.beam_width, "length_penalty": request.length_penalty,
             **_line_settings(request, tokenizer)}
 
 
@@ -383,10 +417,18 @@ def generate_from_payload(model, pstate, payload: dict, device,
         tokens[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
     if payload["tokens_to_generate"] == 0:
         return score_tokens(model, pstate, tokens, lengths, payload["vocab_size"])
+    banned_after = payload.get("banned_after")
+    if payload.get("beam_width"):
+        return beam_search(model, pstate, rows[0],
+                           tokens_to_generate=payload["tokens_to_generate"],
+                           beam_width=payload["beam_width"], stop_token=payload["stop_token"],
+                           vocab_size=payload["vocab_size"], pad_token=payload["pad_token"],
+                           length_penalty=payload["length_penalty"],
+                           banned_after=tuple(banned_after) if banned_after else None,
+                           device=device)
     generator = torch.Generator(device=device)
     generator.manual_seed(payload["random_seed"])
     eol_stop = payload.get("eol_stop")
-    banned_after = payload.get("banned_after")
     return generate_tokens(
         model, pstate, tokens, lengths, vocab_size=payload["vocab_size"],
         stop_token=payload["stop_token"], top_k=payload["top_k"], top_p=payload["top_p"],
@@ -397,8 +439,12 @@ def generate_from_payload(model, pstate, payload: dict, device,
         banned_after=tuple(banned_after) if banned_after else None)
 
 
-def post_process(output: GenerationOutput, tokenizer, return_logprobs: bool) -> dict:
+def post_process(output, tokenizer, return_logprobs: bool) -> dict:
     """The response JSON of a finished generation (see the module docstring)."""
+    if isinstance(output, BeamOutput):
+        return {"text": [tokenizer.detokenize(ids) for ids in output.tokens],
+                "segments": [[tokenizer.detokenize([t]) for t in ids] for ids in output.tokens],
+                "scores": output.scores, "tokens": output.tokens}
     texts, segments, logprobs, tokens = [], [], [], []
     for i in range(output.tokens.size(0)):
         ids = output.tokens[i, :int(output.lengths[i])].tolist()

@@ -185,7 +185,7 @@ BAD_REQUESTS = [
     ({"prompts": ["1"], "random_seed": -3}, "random_seed"),
     ({"prompts": ["1"], "stop_token": "x"}, "stop_token"),
     ({"prompts": ["1"], "max_len": 5}, "max_len is no longer used"),
-    ({"prompts": ["1"], "beam_width": 2}, "beam_width is not supported"),
+    ({"prompts": ["1", "2"], "beam_width": 2}, "batch size must be 1"),
     (["1 2"], "JSON object"),
 ]
 
@@ -288,6 +288,15 @@ def test_torchrun_tensor_parallel_server_matches_single_process(tp2_server, sing
     assert answer["tokens"] == again["tokens"] == want["tokens"]
     for a, b in zip(answer["logprobs"], want["logprobs"]):
         assert a == pytest.approx(b, abs=2e-5)
+    # Beam search: the same hypotheses and scores over TP = 2 as in one process.
+    beams = {"prompts": ["5 6 7"], "tokens_to_generate": 5, "beam_width": 3,
+             "length_penalty": 0.5}
+    (status, got), (status_one, one) = server.request(beams), single_server.request(beams)
+    assert status == status_one == 200, (got, one)
+    assert set(got) == {"text", "segments", "scores", "tokens"} and len(got["tokens"]) == 3
+    assert got["tokens"] == one["tokens"] and got["text"] == one["text"]
+    assert got["scores"] == pytest.approx(one["scores"], abs=2e-5)
+    assert got["scores"] == sorted(got["scores"], reverse=True)
 
 
 def test_failed_generation_answers_400_and_both_ranks_keep_serving(tp2_server):

@@ -170,7 +170,6 @@ def test_payload_takes_the_tokenizers_ids():
     ({"top_p_bound": 0.1}, "top_p_bound cannot be set without top_p"),
     ({"stop_on_eol": "yes"}, "stop_on_eol must be a boolean"),
     ({"prevent_newline_after_colon": 1}, "prevent_newline_after_colon must be a boolean"),
-    ({"beam_width": 2}, "beam_width is not supported"),
 ])
 def test_bad_values_are_refused_by_key(body, message):
     with pytest.raises(RequestError, match=message):
