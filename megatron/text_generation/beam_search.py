@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron.text_generation.generation import (ForwardStep, GenerationError,
-                                                 _agree_over_tensor_parallel, _unwrap,
-                                                 broadcast_from_last_stage)
+                                                 agree_over_tensor_parallel,
+                                                 broadcast_from_last_stage, unwrap_gpt)
 
 
 @dataclass
@@ -73,7 +73,7 @@ def beam_search(model: torch.nn.Module, pstate, prompt: List[int], *, tokens_to_
 
     ``banned_after``: as in :func:`~megatron.text_generation.generation.generate_tokens`.
     """
-    gpt = _unwrap(model)
+    gpt = unwrap_gpt(model)
     n, total = len(prompt), len(prompt) + tokens_to_generate
     if tokens_to_generate < 1:
         raise GenerationError("beam search needs tokens_to_generate of at least 1")
@@ -112,8 +112,8 @@ def beam_search(model: torch.nn.Module, pstate, prompt: List[int], *, tokens_to_
             best.fill_(float("-inf"))
             where.zero_()
             best[:k], where[:k] = found[:k], order[:k]
-            _agree_over_tensor_parallel(best, pstate)
-            _agree_over_tensor_parallel(where, pstate)
+            agree_over_tensor_parallel(best, pstate)
+            agree_over_tensor_parallel(where, pstate)
             width_t = torch.tensor([width], dtype=torch.int64, device=device)
         else:
             width_t = torch.zeros(1, dtype=torch.int64, device=device)

@@ -57,7 +57,7 @@ class GenerationOutput:
     log_probs: Optional[torch.Tensor]
 
 
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap_gpt(model: torch.nn.Module) -> torch.nn.Module:
     """The GPT model inside data-parallel / half-precision wrappers."""
     while hasattr(model, "module") and not hasattr(model, "language_model"):
         model = model.module
@@ -76,7 +76,7 @@ class ForwardStep:
 
     def __init__(self, model: torch.nn.Module, pstate,
                  inference_params: Optional[InferenceParams] = None):
-        gpt = _unwrap(model)
+        gpt = unwrap_gpt(model)
         if getattr(gpt, "sequence_parallel", False):
             raise GenerationError("text generation runs without --sequence-parallel (a step of "
                                   "one token cannot be split over the sequence); build the "
@@ -142,7 +142,7 @@ def broadcast_from_last_stage(tensor: torch.Tensor, pstate) -> torch.Tensor:
     return tensor
 
 
-def _agree_over_tensor_parallel(tensor: torch.Tensor, pstate) -> torch.Tensor:
+def agree_over_tensor_parallel(tensor: torch.Tensor, pstate) -> torch.Tensor:
     """The first tensor-parallel rank's ``tensor`` on all of them (in place)."""
     if pstate.tp_size > 1:
         dist.broadcast(tensor, src=pstate.tp_ranks[0], group=pstate.tp_group)
@@ -188,7 +188,7 @@ def _check_inputs(tokens: torch.Tensor, lengths: torch.Tensor, max_sequence_leng
 def score_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, lengths: torch.Tensor,
                  vocab_size: int, max_sequence_length: Optional[int] = None) -> GenerationOutput:
     """Log-probabilities of given sequences, no generation (``tokens_to_generate == 0``)."""
-    limit = max_sequence_length or _unwrap(model).config.max_position_embeddings
+    limit = max_sequence_length or unwrap_gpt(model).config.max_position_embeddings
     _check_inputs(tokens, lengths, limit, vocab_size)
     step = ForwardStep(model, pstate)
     positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
@@ -242,7 +242,7 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
             logit of -1e10 before sampling and log-probabilities (Megatron's
             ``prevent_newline_after_colon``, with the tokenizer's ':' and newline ids).
     """
-    gpt = _unwrap(model)
+    gpt = unwrap_gpt(model)
     limit = max_sequence_length or gpt.config.max_position_embeddings
     _check_inputs(tokens, lengths, limit, vocab_size)
     try:
@@ -274,7 +274,7 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
                 logits[tokens[:, context - 1] == after, -1, banned] = -1e10
             _sample_or_verdict(new_tokens, logits[:, -1, :], top_k, top_p, temperature,
                                vocab_size, generator)
-            _agree_over_tensor_parallel(new_tokens, pstate)
+            agree_over_tensor_parallel(new_tokens, pstate)
         if top_p > 0.0 and top_p_decay > 0.0:
             top_p = top_p * top_p_decay
             if top_p_bound > 0.0:
