@@ -1,8 +1,10 @@
-"""Folders that transformers itself wrote (a tiny random model saved with ``save_pretrained``, as
-a user's download would be), through ``tools/checkpoint/convert.py`` into a Megatron checkpoint,
-then run the way a Megatron user runs one: ``--use-checkpoint-args`` and the tokenizer flags
-only, nothing about the model's shape. The logits equal transformers' (float32, 1e-4 as the
-issue asks), and converted back the folder's tensors come back bit for bit.
+"""Folders that transformers itself wrote (a tiny random model of each family the converter
+knows from today's models, saved with ``save_pretrained``, as a user's download would be),
+through ``tools/checkpoint/convert.py`` into a Megatron checkpoint, then run the way a Megatron
+user runs one: ``--use-checkpoint-args`` and the tokenizer flags only, nothing about the model's
+shape (one process from the torch format; for three families also TP 2 with sequence
+parallelism from torch_dist). The logits equal transformers' (float32, 1e-4 as the issue asks),
+and converted back the folder's tensors come back bit for bit.
 
 This is the user's path end to end: the arguments the converter records must describe the whole
 model (sizes, rotary scaling, experts and their routing, the shared expert's gate), and
@@ -52,10 +54,59 @@ def _qwen2_moe():
         max_position_embeddings=64, tie_word_embeddings=True)
 
 
+def _qwen3_yarn():
+    return transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+        tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="yarn", rope_theta=1000000.0, factor=4.0,
+                             original_max_position_embeddings=8, beta_fast=32.0,
+                             beta_slow=1.0))
+
+
+def _mistral():
+    return transformers.MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, sliding_window=4,
+        max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _mixtral():
+    return transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _deepseek_v3():
+    # A dense first layer, grouped sigmoid routing, shared experts, q low-rank projection.
+    return transformers.DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+        num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, n_group=4, topk_group=1,
+        num_experts_per_tok=2, n_shared_experts=1, routed_scaling_factor=2.5,
+        q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+        v_head_dim=8, max_position_embeddings=64, tie_word_embeddings=False)
+
+
+def _gpt_oss():
+    # Sinks, alternating sliding / full layers, clamped GLU experts with biases, YaRN.
+    return transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, max_position_embeddings=64,
+        tie_word_embeddings=False)
+
+
 CASES = {
     "llama31": (_llama31, transformers.LlamaForCausalLM),
     "qwen3_moe": (_qwen3_moe, transformers.Qwen3MoeForCausalLM),
     "qwen2_moe": (_qwen2_moe, transformers.Qwen2MoeForCausalLM),
+    "qwen3_yarn": (_qwen3_yarn, transformers.Qwen3ForCausalLM),
+    "mistral": (_mistral, transformers.MistralForCausalLM),
+    "mixtral": (_mixtral, transformers.MixtralForCausalLM),
+    "deepseek_v3": (_deepseek_v3, transformers.DeepseekV3ForCausalLM),
+    "gpt_oss": (_gpt_oss, transformers.GptOssForCausalLM),
 }
 
 
@@ -70,6 +121,16 @@ def _tensors(folder):
 
 @pytest.mark.parametrize("case", CASES)
 def test_transformers_folder_runs_with_use_checkpoint_args(tmp_path, case):
+    _convert_run_and_back(tmp_path, case)
+
+
+@pytest.mark.parametrize("case", ["deepseek_v3", "gpt_oss", "qwen3_yarn"])
+def test_the_same_at_tp2_with_sequence_parallel_from_torch_dist(tmp_path, case):
+    _convert_run_and_back(tmp_path, case, tp=2)
+
+
+def _convert_run_and_back(tmp_path, case, tp=1):
+    """Convert (at ``tp``: torch_dist, run with sequence parallelism), run, convert back."""
     make_config, architecture = CASES[case]
     torch.manual_seed(3)
     model = architecture(make_config()).eval()
@@ -77,10 +138,15 @@ def test_transformers_folder_runs_with_use_checkpoint_args(tmp_path, case):
         for name, param in model.named_parameters():
             param.copy_(torch.rand_like(param) + 0.5 if "norm" in name
                         else torch.randn_like(param) * 0.2)
+        for name, buffer in model.named_buffers():   # DeepSeek-V3's expert-score biases
+            if name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn_like(buffer) * 0.2)
     folder, ckpt = str(tmp_path / "hf"), str(tmp_path / "megatron")
     model.save_pretrained(folder)
+    layout = [] if tp == 1 else ["--target-tensor-parallel-size", str(tp),
+                                 "--target-ckpt-format", "torch_dist"]
     assert convert(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron",
-                    "--load-dir", folder, "--save-dir", ckpt]) == 0
+                    "--load-dir", folder, "--save-dir", ckpt] + layout) == 0
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
@@ -90,7 +156,10 @@ def test_transformers_folder_runs_with_use_checkpoint_args(tmp_path, case):
     argv = ["--use-checkpoint-args", "--load", ckpt, "--device", "cpu",
             "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
             "--micro-batch-size", "1", "--seq-length", str(SEQ)]
-    logits, _, _ = run_on_ranks(_logits_after_load, 1, argv)[0]
+    if tp > 1:
+        argv += ["--tensor-model-parallel-size", str(tp), "--sequence-parallel",
+                 "--ckpt-format", "torch_dist"]
+    logits, _, _ = run_on_ranks(_logits_after_load, tp, argv)[0]
     torch.testing.assert_close(logits[..., :VOCAB].float(), want, atol=1e-4, rtol=0)
 
     back = str(tmp_path / "hf_again")
