@@ -109,7 +109,7 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
         "swiglu_alpha": QUICK_GELU_ALPHA, "swiglu_limit": meta.activation_func_clamp_value,
         "attention_dropout": source.get("attention_dropout", 0.0),
         "initializer_range": source.get("init_method_std", 0.02),
-        "router_aux_loss_coef": hf_mixtral.router_aux_loss_coef(source),
+        "router_aux_loss_coef": hf_mixtral.aux_loss_coef_to_hf(meta),
         "output_router_logits": False,
         "tie_word_embeddings": not meta.untie_embeddings_and_output_weights,
         "use_cache": True, "bos_token_id": bos_id, "eos_token_id": eos_id,
@@ -203,6 +203,7 @@ def meta_from_config(config: ConfigView) -> ModelMeta:
         window_size=window, window_attn_skip_freq=skip, softmax_type="learnable",
         num_experts=config.need("num_local_experts"),
         moe_router_topk=config.need("num_experts_per_tok"), moe_ffn_hidden_size=ffn,
+        moe_aux_loss_coeff=hf_mixtral.aux_loss_coef_from_config(config),
         params_dtype=config.params_dtype(), seq_length=positions)
 
 

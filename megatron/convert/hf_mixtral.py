@@ -15,7 +15,8 @@ which is what our router computes by default (``--moe-router-score-function soft
 dropped. Every other routing is refused, naming its flag.
 
 ``sliding_window`` W is ``--window-size W-1,0`` on every layer, as for Mistral
-(:mod:`megatron.convert.hf_mistral`).
+(:mod:`megatron.convert.hf_mistral`). ``router_aux_loss_coef`` is ``--moe-aux-loss-coeff`` of
+``--moe-router-load-balancing-type aux_loss`` (transformers' load-balancing loss), both ways.
 """
 
 import dataclasses
@@ -92,12 +93,11 @@ def hf_config(meta: ModelMeta, bos_id: Optional[int], eos_id: Optional[int]) -> 
     config = hf_llama.hf_config(meta, bos_id, eos_id)
     for name in ("attention_bias", "mlp_bias", "pretraining_tp"):
         del config[name]
-    source = meta.source_args or {}
     config.update({
         "architectures": [ARCHITECTURE], "model_type": MODEL_TYPE,
         "intermediate_size": meta.expert_ffn_size,
         "num_local_experts": meta.num_experts, "num_experts_per_tok": meta.moe_router_topk,
-        "router_aux_loss_coef": router_aux_loss_coef(source),
+        "router_aux_loss_coef": aux_loss_coef_to_hf(meta),
         "router_jitter_noise": 0.0, "output_router_logits": False,
         "sliding_window": hf_mistral.sliding_window(meta),
     })
@@ -131,7 +131,8 @@ def meta_from_config(config: ConfigView) -> ModelMeta:
     return dataclasses.replace(meta, add_bias_linear=False, num_experts=experts,
                                window_size=hf_mistral.window_from_config(config),
                                moe_router_topk=config.need("num_experts_per_tok"),
-                               moe_ffn_hidden_size=meta.ffn_hidden_size)
+                               moe_ffn_hidden_size=meta.ffn_hidden_size,
+                               moe_aux_loss_coeff=aux_loss_coef_from_config(config))
 
 
 def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tensor]:
@@ -150,6 +151,20 @@ def layer_from_hf(weights, index: int, meta: ModelMeta) -> Dict[str, torch.Tenso
                                                      weights.get(e + "w3.weight", (ffn, h))])
         out[ours + "linear_fc2.weight"] = weights.get(e + "w2.weight", (h, ffn))
     return out
+
+
+def aux_loss_coef_from_config(config: ConfigView) -> Optional[float]:
+    """``--moe-aux-loss-coeff`` (of the ``aux_loss`` type) for a config's
+    ``router_aux_loss_coef``; None when the config has no such key."""
+    return config.need("router_aux_loss_coef", float, default=None)
+
+
+def aux_loss_coef_to_hf(meta: ModelMeta) -> float:
+    """``router_aux_loss_coef`` for ``meta``: a Hugging Face source's own, else from the saved
+    args of a Megatron source (:func:`router_aux_loss_coef`)."""
+    if meta.moe_aux_loss_coeff is not None:
+        return meta.moe_aux_loss_coeff
+    return router_aux_loss_coef(meta.source_args or {})
 
 
 def router_aux_loss_coef(source_args: dict) -> float:

@@ -129,7 +129,8 @@ def meta_from_config(config: ConfigView) -> ModelMeta:
         moe_router_topk=config.need("num_experts_per_tok"),
         moe_ffn_hidden_size=config.need("moe_intermediate_size"),
         moe_router_pre_softmax=not config.get("norm_topk_prob", False),
-        moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True)
+        moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=True,
+        moe_aux_loss_coeff=hf_mixtral.aux_loss_coef_from_config(config))
 
 
 def _moe_layer_freq(config: ConfigView, num_layers: int):

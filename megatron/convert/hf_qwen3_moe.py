@@ -97,7 +97,8 @@ def meta_from_config(config: ConfigView) -> ModelMeta:
         dense, ffn_hidden_size=config.need("intermediate_size"), moe_layer_freq=freq,
         num_experts=config.need(experts), moe_router_topk=config.need("num_experts_per_tok"),
         moe_ffn_hidden_size=config.need("moe_intermediate_size"),
-        moe_router_pre_softmax=not config.get("norm_topk_prob", False))
+        moe_router_pre_softmax=not config.get("norm_topk_prob", False),
+        moe_aux_loss_coeff=hf_mixtral.aux_loss_coef_from_config(config))
 
 
 def _swiglu_from_hf(get, prefix: str, ffn: int, h: int):

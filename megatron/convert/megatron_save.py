@@ -229,6 +229,11 @@ class SaveTarget:
                 moe_shared_expert_gate=meta.moe_shared_expert_gate,
                 moe_layer_freq=meta.moe_layer_freq, expert_model_parallel_size=self.ep,
                 expert_tensor_parallel_size=self.tp)
+            if meta.moe_aux_loss_coeff is not None:
+                # transformers' router loss is Megatron's aux_loss, the type whose coefficient
+                # hf_mixtral.router_aux_loss_coef reads back.
+                values.update(moe_router_load_balancing_type="aux_loss",
+                              moe_aux_loss_coeff=meta.moe_aux_loss_coeff)
         values["multi_latent_attention"] = meta.multi_latent_attention
         if meta.multi_latent_attention:
             values.update({name: getattr(meta, name) for name in (

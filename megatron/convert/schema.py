@@ -174,6 +174,10 @@ class ModelMeta:
     moe_router_enable_expert_bias: bool = False          # mlp.router.expert_bias [E], float32
     moe_shared_expert_intermediate_size: Optional[int] = None
     moe_shared_expert_gate: bool = False
+    # ``--moe-aux-loss-coeff`` of the ``aux_loss`` balancing type, from a Hugging Face config's
+    # ``router_aux_loss_coef`` (None: the config has none, or the source is a Megatron
+    # checkpoint, whose saved args carry their own balancing flags in ``source_args``).
+    moe_aux_loss_coeff: Optional[float] = None
     # ``--moe-layer-freq`` in Megatron's own form: an int N (layers 0, N, 2N, ... 0-based) or
     # a list of one 0/1 per layer (what Megatron-LM's args hold, so a target's saved args
     # read back the same).

@@ -12,6 +12,7 @@ model (sizes, rotary scaling, experts and their routing, the shared expert's gat
 """
 
 import glob
+import json
 import os
 
 import pytest
@@ -170,3 +171,50 @@ def _convert_run_and_back(tmp_path, case, tp=1):
     assert first.keys() == again.keys()
     for name, tensor in first.items():
         assert torch.equal(again[name], tensor), name
+
+
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_router_aux_loss_coef_is_the_checkpoints_aux_loss_coeff_and_comes_back(tmp_path, case):
+    """transformers' ``router_aux_loss_coef`` (a value none of its defaults has) is recorded as
+    ``--moe-aux-loss-coeff`` of ``--moe-router-load-balancing-type aux_loss``, which
+    ``--use-checkpoint-args`` takes, and converted back (from Megatron, or straight from the
+    folder) config.json says the same. DeepSeek-V3 balances without an auxiliary loss: its
+    config has no such key, and nothing is recorded."""
+    from megatron.checkpoint.load import load_args_from_checkpoint
+    from megatron.checkpoint.safe_unpickle import torch_load
+    from megatron.training import checkpointing
+    from megatron.training.arguments import parse_args
+
+    make_config, architecture = CASES[case]
+    config, coeff = make_config(), 0.037
+    if case == "deepseek_v3":
+        assert not hasattr(config, "router_aux_loss_coef")
+    else:
+        config.router_aux_loss_coef = coeff
+    folder, ckpt = str(tmp_path / "hf"), str(tmp_path / "megatron")
+    architecture(config).save_pretrained(folder)
+    assert convert(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron",
+                    "--load-dir", folder, "--save-dir", ckpt]) == 0
+
+    iteration, release = checkpointing.read_tracker(ckpt)
+    saved = torch_load(checkpointing.checkpoint_file(ckpt, iteration, 0, 0, 1, release))["args"]
+    run = load_args_from_checkpoint(parse_args(argv=["--load", ckpt, "--use-checkpoint-args",
+                                                     "--moe-aux-loss-coeff", "0.5"]))
+    if case == "deepseek_v3":
+        assert not hasattr(saved, "moe_aux_loss_coeff")
+        assert run.moe_aux_loss_coeff == [0.5]             # the run's own flag stays
+    else:
+        assert (saved.moe_router_load_balancing_type, saved.moe_aux_loss_coeff) == (
+            "aux_loss", coeff)
+        assert (run.moe_router_load_balancing_type, run.moe_aux_loss_coeff) == ("aux_loss", coeff)
+
+    for loader, source in (("megatron", ckpt), ("hf", folder)):
+        back = str(tmp_path / f"hf_from_{loader}")
+        extra = ["--true-vocab-size", str(VOCAB)] if loader == "megatron" else []
+        assert convert(["--model-type", "GPT", "--loader", loader, "--saver", "hf",
+                        "--load-dir", source, "--save-dir", back,
+                        "--allow-no-tokenizer"] + extra) == 0
+        with open(os.path.join(back, "config.json")) as f:
+            written = json.load(f)
+        assert written.get("router_aux_loss_coef") == (None if case == "deepseek_v3"
+                                                       else coeff), loader
