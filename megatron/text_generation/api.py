@@ -159,9 +159,9 @@ def _get(body: dict, key: str, default, valid, message: str):
     return value
 
 
-def _suggest(key: str) -> str:
-    """``'key'``, with the served key it probably meant (case first, then spelling)."""
-    lowered = {served.lower(): served for served in SERVED}
+def suggest_key(key: str, served=SERVED) -> str:
+    """``'key'``, with the key of ``served`` it probably meant (case first, then spelling)."""
+    lowered = {name.lower(): name for name in served}
     close = difflib.get_close_matches(key.lower(), list(lowered), n=1, cutoff=0.6)
     if key.lower() in lowered:
         close = [key.lower()]
@@ -172,7 +172,7 @@ def _suggest(key: str) -> str:
 def _check_keys(body: dict) -> None:
     unknown = sorted(key for key in body if key not in KNOWN_KEYS)
     if unknown:
-        hints = [_suggest(key) for key in unknown]
+        hints = [suggest_key(key) for key in unknown]
         raise RequestError(f"unknown request key(s) {', '.join(hints)}; the keys are "
                            f"{', '.join(SERVED)}")
     for old, new in RENAMED.items():
@@ -266,7 +266,7 @@ def parse_request(body) -> GenerationRequest:
                              length_penalty=float(length_penalty))
 
 
-def _single_id(tokenizer, text: str, key: str, first: bool = False) -> Optional[int]:
+def single_token_id(tokenizer, text: str, key: str, first: bool = False) -> int:
     """The id ``text`` tokenizes to (its first with ``first``, as Megatron takes ':' and the
     newline); a :class:`RequestError` naming ``key`` when there is none to take."""
     try:
@@ -285,16 +285,16 @@ def _line_settings(request: GenerationRequest, tokenizer) -> dict:
     out = {"eol_stop": None, "banned_after": None}
     if request.stop_on_eol or request.stop_on_double_eol:
         key = "stop_on_double_eol" if request.stop_on_double_eol else "stop_on_eol"
-        eol = _single_id(tokenizer, "\n", key)
+        eol = single_token_id(tokenizer, "\n", key)
         try:
-            blank = _single_id(tokenizer, "\n\n", key)
+            blank = single_token_id(tokenizer, "\n\n", key)
         except RequestError:
             blank = None      # a blank line is two newline tokens: the double check finds it
         out["eol_stop"] = [eol, blank, request.stop_on_double_eol]
     if request.prevent_newline_after_colon:
         key = "prevent_newline_after_colon"
-        out["banned_after"] = [_single_id(tokenizer, ":", key, first=True),
-                               _single_id(tokenizer, "\n", key, first=True)]
+        out["banned_after"] = [single_token_id(tokenizer, ":", key, first=True),
+                               single_token_id(tokenizer, "\n", key, first=True)]
     return out
 
 
@@ -318,8 +318,9 @@ def _tokenize(request: GenerationRequest, tokenizer) -> List[List[int]]:
     return rows
 
 
-def check_prompt_bytes(request: GenerationRequest, max_position_embeddings: int,
-                       max_tokens_to_oom: int = DEFAULT_MAX_TOKENS_TO_OOM) -> None:
+def check_prompt_bytes(prompts: List[str], max_position_embeddings: int,
+                       max_tokens_to_oom: int = DEFAULT_MAX_TOKENS_TO_OOM,
+                       key: str = "prompts") -> None:
     """Refuse, before tokenizing, prompts with more bytes than could fit the model.
 
     Raises :class:`RequestTooLarge` naming the first prompt longer than ``max_position_embeddings``
@@ -328,19 +329,37 @@ def check_prompt_bytes(request: GenerationRequest, max_position_embeddings: int,
     """
     per_prompt = max_position_embeddings * MAX_PROMPT_BYTES_PER_TOKEN
     total = 0
-    for i, prompt in enumerate(request.prompts):
+    for i, prompt in enumerate(prompts):
         # Lone surrogates are legal in JSON strings; count them instead of failing on them.
         size = len(prompt.encode("utf-8", "surrogatepass"))
         if size > per_prompt:
             raise RequestTooLarge(
-                f"prompts[{i}] is {size} bytes; a prompt that fits the model's "
+                f"{key}[{i}] is {size} bytes; a prompt that fits the model's "
                 f"--max-position-embeddings ({max_position_embeddings}) has at most {per_prompt}")
         total += size
     if total > max_tokens_to_oom * MAX_PROMPT_BYTES_PER_TOKEN:
         raise RequestTooLarge(
-            f"the prompts are {total} bytes together; prompts that fit --max-tokens-to-oom "
+            f"the {key} are {total} bytes together; prompts that fit --max-tokens-to-oom "
             f"({max_tokens_to_oom} tokens) have at most "
             f"{max_tokens_to_oom * MAX_PROMPT_BYTES_PER_TOKEN}")
+
+
+def check_fits(rows: List[List[int]], tokens_to_generate: int, max_position_embeddings: int,
+               max_tokens_to_oom: int, key: str = "tokens_to_generate") -> None:
+    """Refuse (:class:`RequestError`) token rows that, with ``tokens_to_generate`` more each,
+    are longer than the model takes or hold more tokens than ``--max-tokens-to-oom``; ``key``
+    is the request's name for the tokens to generate."""
+    longest = max(len(r) for r in rows)
+    total = longest + tokens_to_generate
+    if total > max_position_embeddings:
+        raise RequestError(
+            f"the longest prompt ({longest} tokens) + {key} ({tokens_to_generate}) = {total} "
+            f"is longer than the model's --max-position-embeddings ({max_position_embeddings})")
+    if total * len(rows) > max_tokens_to_oom:
+        raise RequestError(
+            f"Too many tokens: {len(rows)} prompts x {total} tokens = {total * len(rows)} "
+            f"exceeds --max-tokens-to-oom ({max_tokens_to_oom}); send fewer prompts or "
+            f"{key}")
 
 
 def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddings: int,
@@ -352,7 +371,7 @@ def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddin
     ``top_k`` is larger than the vocabulary; :class:`RequestTooLarge` (before tokenizing) when
     the prompts have more bytes than could fit.
     """
-    check_prompt_bytes(request, max_position_embeddings, max_tokens_to_oom)
+    check_prompt_bytes(request.prompts, max_position_embeddings, max_tokens_to_oom)
     if request.beam_width is not None and request.beam_width >= tokenizer.vocab_size:
         raise RequestError(f"beam_width ({request.beam_width}) must be smaller than the "
                            f"vocabulary ({tokenizer.vocab_size} tokens)")
@@ -360,18 +379,7 @@ def prepare_payload(request: GenerationRequest, tokenizer, max_position_embeddin
         raise RequestError(f"top_k ({request.top_k}) is larger than the vocabulary "
                            f"({tokenizer.vocab_size} tokens)")
     rows = _tokenize(request, tokenizer)
-    longest = max(len(r) for r in rows)
-    total = longest + request.tokens_to_generate
-    if total > max_position_embeddings:
-        raise RequestError(
-            f"the longest prompt ({longest} tokens) + tokens_to_generate "
-            f"({request.tokens_to_generate}) = {total} is longer than the model's "
-            f"--max-position-embeddings ({max_position_embeddings})")
-    if total * len(rows) > max_tokens_to_oom:
-        raise RequestError(
-            f"Too many tokens: {len(rows)} prompts x {total} tokens = {total * len(rows)} "
-            f"exceeds --max-tokens-to-oom ({max_tokens_to_oom}); send fewer prompts or "
-            f"tokens_to_generate")
+    check_fits(rows, request.tokens_to_generate, max_position_embeddings, max_tokens_to_oom)
     stop_token = tokenizer.eod if request.stop_token is None else request.stop_token
     if not 0 <= stop_token < tokenizer.vocab_size:
         raise RequestError(f"stop_token must be a token id in [0, {tokenizer.vocab_size}), "
@@ -415,8 +423,9 @@ def generate_from_payload(model, pstate, payload: dict, device,
                         device=device)
     for i, row in enumerate(rows):
         tokens[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+    top_k = payload.get("top_logprobs", 0)
     if payload["tokens_to_generate"] == 0:
-        return score_tokens(model, pstate, tokens, lengths, payload["vocab_size"])
+        return score_tokens(model, pstate, tokens, lengths, payload["vocab_size"], top_k=top_k)
     banned_after = payload.get("banned_after")
     if payload.get("beam_width"):
         return beam_search(model, pstate, rows[0],
@@ -429,7 +438,7 @@ def generate_from_payload(model, pstate, payload: dict, device,
     generator = torch.Generator(device=device)
     generator.manual_seed(payload["random_seed"])
     eol_stop = payload.get("eol_stop")
-    return generate_tokens(
+    output = generate_tokens(
         model, pstate, tokens, lengths, vocab_size=payload["vocab_size"],
         stop_token=payload["stop_token"], top_k=payload["top_k"], top_p=payload["top_p"],
         temperature=payload["temperature"], return_log_probs=payload["logprobs"],
@@ -437,6 +446,14 @@ def generate_from_payload(model, pstate, payload: dict, device,
         top_p_decay=payload.get("top_p_decay", 0.0), top_p_bound=payload.get("top_p_bound", 0.0),
         eol_stop=EolStop(*eol_stop) if eol_stop else None,
         banned_after=tuple(banned_after) if banned_after else None)
+    if top_k:
+        # The most likely tokens at every position, and the chosen ones' log-probabilities
+        # with them, from one forward over the finished sequences (the completions endpoint).
+        scored = score_tokens(model, pstate, output.tokens, output.lengths,
+                              payload["vocab_size"], top_k=top_k)
+        output = GenerationOutput(output.tokens, output.lengths, scored.log_probs,
+                                  output.finished, scored.top_log_probs, scored.top_ids)
+    return output
 
 
 def post_process(output, tokenizer, return_logprobs: bool) -> dict:

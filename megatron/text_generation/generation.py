@@ -50,11 +50,20 @@ class GenerationOutput:
         tokens: ``[b, l]`` prompts and generated tokens (``l`` = the last position generated + 1).
         lengths: ``[b]`` tokens of each sequence to keep (up to and including its stop token).
         log_probs: ``[b, l - 1]`` log-probability of ``tokens[:, 1:]``, or None.
+        finished: ``[b]`` whether each sequence ended at its stop (the stop token or a line
+            end), or None when nothing was generated.
+        top_log_probs: ``[b, l - 1, k]`` the ``k`` largest log-probabilities at each position
+            (of the next token, over the tokenizer's ids), from the same normalisation as
+            ``log_probs``; None unless asked for (:func:`score_tokens`).
+        top_ids: ``[b, l - 1, k]`` their token ids.
     """
 
     tokens: torch.Tensor
     lengths: torch.Tensor
     log_probs: Optional[torch.Tensor]
+    finished: Optional[torch.Tensor] = None
+    top_log_probs: Optional[torch.Tensor] = None
+    top_ids: Optional[torch.Tensor] = None
 
 
 def unwrap_gpt(model: torch.nn.Module) -> torch.nn.Module:
@@ -186,18 +195,38 @@ def _check_inputs(tokens: torch.Tensor, lengths: torch.Tensor, max_sequence_leng
 
 
 def score_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, lengths: torch.Tensor,
-                 vocab_size: int, max_sequence_length: Optional[int] = None) -> GenerationOutput:
-    """Log-probabilities of given sequences, no generation (``tokens_to_generate == 0``)."""
+                 vocab_size: int, max_sequence_length: Optional[int] = None,
+                 top_k: int = 0) -> GenerationOutput:
+    """Log-probabilities of given sequences, no generation (``tokens_to_generate == 0``); with
+    ``top_k`` also the ``top_k`` most likely next tokens at every position (ids below
+    ``vocab_size`` only: the padded ids are never real tokens) with their log-probabilities,
+    taken from the same log-softmax, so a token that is the most likely one has exactly the
+    largest of them."""
     limit = max_sequence_length or unwrap_gpt(model).config.max_position_embeddings
     _check_inputs(tokens, lengths, limit, vocab_size)
+    if not 0 <= top_k <= vocab_size:
+        raise GenerationError(f"top_k must be in [0, {vocab_size}], got {top_k}")
     step = ForwardStep(model, pstate)
     positions = torch.arange(tokens.size(1), device=tokens.device).expand_as(tokens)
     logits = step(tokens, positions)
-    log_probs = torch.empty(tokens.size(0), tokens.size(1) - 1, dtype=torch.float32,
-                            device=tokens.device)
+    b, s = tokens.size(0), tokens.size(1) - 1
+    log_probs = torch.empty(b, s, dtype=torch.float32, device=tokens.device)
+    top_values = top_ids = None
+    if top_k:
+        top_values = torch.empty(b, s, top_k, dtype=torch.float32, device=tokens.device)
+        top_ids = torch.empty(b, s, top_k, dtype=torch.int64, device=tokens.device)
     if step.is_last:
-        log_probs.copy_(_token_log_probs(logits[:, :-1], tokens[:, 1:]))
-    return GenerationOutput(tokens, lengths.clone(), broadcast_from_last_stage(log_probs, pstate))
+        normalised = F.log_softmax(logits[:, :-1].float(), dim=-1)
+        log_probs.copy_(torch.gather(normalised, 2, tokens[:, 1:].unsqueeze(2)).squeeze(2))
+        if top_k:
+            best = torch.topk(normalised[..., :vocab_size], top_k, dim=-1)
+            top_values.copy_(best.values)
+            top_ids.copy_(best.indices)
+    broadcast_from_last_stage(log_probs, pstate)
+    if top_k:
+        broadcast_from_last_stage(top_values, pstate)
+        broadcast_from_last_stage(top_ids, pstate)
+    return GenerationOutput(tokens, lengths.clone(), log_probs, None, top_values, top_ids)
 
 
 @dataclass(frozen=True)
@@ -205,11 +234,14 @@ class EolStop:
     """Megatron's ``stop_on_eol`` / ``stop_on_double_eol``: a sequence ends at the token
     ``double_eol`` (a blank line as one token, when the tokenizer has one), or at ``eol`` (a
     newline) when ``double`` is False, or at an ``eol`` right after another when it is True. As
-    in Megatron, the stop token then ends nothing."""
+    in Megatron, the stop token then ends nothing, unless ``and_stop_token`` (the completions
+    endpoint: it stops at a blank line as Megatron's does, and never writes past the end of a
+    document)."""
 
     eol: int
     double_eol: Optional[int]
     double: bool
+    and_stop_token: bool = False
 
 
 def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -297,6 +329,8 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
                 done &= tokens[:, context - 1] == eol_stop.eol
             if eol_stop.double_eol is not None:
                 done |= new_tokens == eol_stop.double_eol
+            if eol_stop.and_stop_token:
+                done |= new_tokens == stop_token
         just_finished = done & started & ~finished
         out_lengths[just_finished] = context + 1
         finished |= just_finished
@@ -305,4 +339,4 @@ def generate_tokens(model: torch.nn.Module, pstate, tokens: torch.Tensor, length
     tokens = tokens[:, :context + 1]
     if log_probs is not None:
         log_probs = broadcast_from_last_stage(log_probs[:, :context].contiguous(), pstate)
-    return GenerationOutput(tokens, out_lengths, log_probs)
+    return GenerationOutput(tokens, out_lengths, log_probs, finished)

@@ -1,4 +1,5 @@
-"""Megatron's REST generation server on the standard library: ``PUT /api`` on rank 0.
+"""Megatron's REST generation server on the standard library: ``PUT /api`` and the
+OpenAI-style ``POST /completions`` (:mod:`~megatron.text_generation.completions`) on rank 0.
 
 Rank 0 answers HTTP; every other rank of the job waits in :meth:`GenerationService.worker_loop`.
 For each valid request rank 0 broadcasts a *generate* signal and the request's payload to all
@@ -43,7 +44,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from megatron.text_generation import api
+from megatron.text_generation import api, completions
 from megatron.text_generation.connections import BoundedHTTPServer
 from megatron.text_generation.generation import GenerationError
 
@@ -51,6 +52,7 @@ GENERATE_NUM = 0
 SHUTDOWN_NUM = 2
 HEARTBEAT_NUM = 3
 API_PATH = "/api"
+COMPLETIONS_PATHS = ("/completions", "/v1/completions")
 MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_READ_TIMEOUT_S = 30.0
@@ -129,9 +131,23 @@ class GenerationService:
         request = api.parse_request(body)
         payload = api.prepare_payload(request, self.tokenizer, self.max_position_embeddings,
                                       self.max_tokens_to_oom)
+        return api.post_process(self._generate(payload), self.tokenizer, request.logprobs)
+
+    def complete(self, body) -> dict:
+        """Rank 0: answer a decoded ``POST /completions`` body; raises as :meth:`generate`."""
+        request = completions.parse_completion(body)
+        payload = completions.prepare_completion(request, self.tokenizer,
+                                                 self.max_position_embeddings,
+                                                 self.max_tokens_to_oom)
+        return completions.completion_response(request, payload, self._generate(payload),
+                                               self.tokenizer)
+
+    def _generate(self, payload: dict):
+        """Rank 0: run a payload on every rank; its output, or the error to answer."""
         with self.lock:
             self._send(GENERATE_NUM)
-            api.broadcast_payload(payload, self.device)
+            if self.multi_rank:
+                api.broadcast_payload(payload, self.device)
             output, error = self._run(payload)
             outcome = self._agree_on_outcome(error)
         if isinstance(error, GenerationError):
@@ -143,7 +159,7 @@ class GenerationService:
                                   "that refused it)")
         if outcome == FAILED:
             raise GenerationFailed("generation failed on another rank (see its log)")
-        return api.post_process(output, self.tokenizer, request.logprobs)
+        return output
 
     def heartbeat(self) -> None:
         """Rank 0: wake the waiting ranks (between requests) before their broadcast times out."""
@@ -184,8 +200,8 @@ class _ReadTimeout(Exception):
 
 
 class MegatronGenerateHandler(BaseHTTPRequestHandler):
-    """``PUT /api``; any other method on it is 405, any other path 404. :func:`_make_handler`
-    gives it its service and read timeout."""
+    """``PUT /api`` and ``POST /completions``; any other method on them is 405, any other path
+    404. :func:`_make_handler` gives it its service and read timeout."""
 
     protocol_version = "HTTP/1.1"
     server_version = "MegatronGenerate"
@@ -251,9 +267,9 @@ class MegatronGenerateHandler(BaseHTTPRequestHandler):
         self._deadline.cancel()
         return api.decode_body(raw)
 
-    def _answer(self):
+    def _answer(self, serve):
         try:
-            return 200, self.service.generate(self._read_body())
+            return 200, serve(self._read_body())
         except _ReadTimeout:
             return 408, (f"the request did not arrive within {self.read_timeout_s:g} s "
                          f"(--read-timeout)")
@@ -267,24 +283,41 @@ class MegatronGenerateHandler(BaseHTTPRequestHandler):
             traceback.print_exc()
             return 500, f"internal error: {type(err).__name__}: {err}"
 
-    def do_PUT(self):  # noqa: N802 - http.server's naming
-        if urlparse(self.path).path != API_PATH:
-            return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH}")
+    def _serve(self, serve, count):
         start = time.monotonic()
-        status, answer = self._answer()
+        status, answer = self._answer(serve)
         if status != 200:
             return self._error(status, answer)
         self._reply(200, answer)
-        print(f"generated for {len(answer['text'])} prompt(s) in "
-              f"{time.monotonic() - start:.2f} s", flush=True)
+        print(f"generated for {count(answer)} prompt(s) in {time.monotonic() - start:.2f} s",
+              flush=True)
 
-    def _not_allowed(self):
-        if urlparse(self.path).path != API_PATH:
-            return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH}")
-        return self._error(405, f"method {self.command} is not allowed; use PUT {API_PATH}",
-                           {"Allow": "PUT"})
+    def _route(self, method: str) -> None:
+        path = urlparse(self.path).path
+        if path == API_PATH:
+            allowed = "PUT"
+        elif path in COMPLETIONS_PATHS:
+            allowed = "POST"
+        else:
+            return self._error(404, f"no such path {self.path!r}; use PUT {API_PATH} or POST "
+                                    f"{COMPLETIONS_PATHS[0]}")
+        if method != allowed:
+            return self._error(405, f"method {method} is not allowed; use {allowed} {path}",
+                               {"Allow": allowed})
+        if path == API_PATH:
+            return self._serve(self.service.generate, lambda answer: len(answer["text"]))
+        return self._serve(self.service.complete, lambda answer: len(answer["choices"]))
 
-    do_GET = do_POST = do_DELETE = do_PATCH = _not_allowed  # noqa: N815
+    def do_PUT(self):  # noqa: N802 - http.server's naming
+        self._route("PUT")
+
+    def do_POST(self):  # noqa: N802
+        self._route("POST")
+
+    def _other_method(self):
+        self._route(self.command)
+
+    do_GET = do_DELETE = do_PATCH = _other_method  # noqa: N815
 
     def log_message(self, format, *args):  # noqa: A002 - http.server's signature
         sys.stderr.write(f"{self.address_string()} - {format % args}\n")
@@ -309,7 +342,9 @@ def is_loopback(host: str) -> bool:
 def start_message(host: str, port: int, read_timeout_s: float, max_connections: int) -> str:
     """Where the server listens and its limits; a warning line when not on loopback."""
     text = (f" * serving PUT http://{host}:{port}{API_PATH} (--read-timeout {read_timeout_s:g} s, "
-            f"--max-connections {max_connections})")
+            f"--max-connections {max_connections})\n"
+            f" * serving POST http://{host}:{port}{COMPLETIONS_PATHS[0]} (OpenAI-style "
+            f"completions)")
     if not is_loopback(host):
         text += (f"\nWARNING: --host {host} is not a loopback address and this server has no "
                  f"authentication: anyone who can reach {host}:{port} can run generations")

@@ -134,6 +134,22 @@ def _serve(model, pstate, tokenizer, body, use_kv_cache=True):
     return api.post_process(output, tokenizer, body.get("logprobs", False))
 
 
+def _complete(model, pstate, tokenizer, body):
+    """A ``POST /completions`` request as the server runs it; its choices (the id and time
+    differ from call to call)."""
+    import torch.distributed as dist
+
+    from megatron.text_generation import api, completions
+
+    request = completions.parse_completion(body)
+    payload = None
+    if dist.get_rank() == 0:
+        payload = completions.prepare_completion(request, tokenizer, 32)
+    payload = api.broadcast_payload(payload, torch.device("cpu"))
+    output = api.generate_from_payload(model, pstate, payload, torch.device("cpu"))
+    return completions.completion_response(request, payload, output, tokenizer)["choices"]
+
+
 def _independent_log_probs(model, ids):
     """log p(ids[1:]) from one full forward of one sequence, normalised as Megatron does:
     over the whole padded vocabulary."""
@@ -157,6 +173,8 @@ def _requests(model, pstate, tokenizer, is_single):
         "prompts": PROMPTS, "tokens_to_generate": 10, "top_p": 0.8, "random_seed": 9})
     out["score"] = _serve(model, pstate, tokenizer, {
         "prompts": PROMPTS, "tokens_to_generate": 0, "logprobs": True})
+    out["completion"] = _complete(model, pstate, tokenizer, {
+        "prompt": PROMPTS, "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 3})
     if is_single:
         out["reference"] = [_independent_log_probs(model, ids)
                             for ids in out["greedy"]["tokens"]]
@@ -224,6 +242,21 @@ def test_single_process_generation(single, config):
         padded_mass_mattered |= max(a - b for a, b in zip(over_real, want)) > 100 * LOGPROB_ATOL
     assert masked_mattered, "padded rows never won: the masking check proves nothing"
     assert padded_mass_mattered, "padded rows hold no mass: the normalisation check proves nothing"
+    # The completions endpoint, greedy: the same tokens (up to 6 generated, without the end
+    # of the document), the same log-probabilities, and each most likely token on top.
+    for i, (choice, ids) in enumerate(zip(out["completion"], greedy["tokens"])):
+        n = _prompt_len(i)
+        kept = ids[:n + 6]
+        if len(kept) > n and kept[-1] == TOKENIZER_VOCAB - 1 and len(ids) <= n + 6:
+            kept = kept[:-1]
+        assert choice["logprobs"]["tokens"] == [str(t) for t in kept]
+        want, logits = out["reference"][i]
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            want[:len(kept) - 1], abs=LOGPROB_ATOL)
+        for t in range(len(kept) - 1):
+            top = choice["logprobs"]["top_logprobs"][t + 1]
+            best = logits[t, :TOKENIZER_VOCAB].topk(3).indices.tolist()
+            assert list(top) == [str(b) for b in best]
     # Scoring (tokens_to_generate = 0) gives the prompts' log-probs of the greedy run.
     for i, row in enumerate(out["score"]["logprobs"]):
         assert row == pytest.approx(greedy["logprobs"][i][:_prompt_len(i) - 1],
@@ -252,10 +285,22 @@ def test_sampling_is_random_but_seeded(single):
         assert ids != out["greedy"]["tokens"]
 
 
+def _check_completion(got, want):
+    for a, b in zip(got, want):
+        assert a["text"] == b["text"] and a["finish_reason"] == b["finish_reason"]
+        la, lb = a["logprobs"], b["logprobs"]
+        assert la["tokens"] == lb["tokens"] and la["text_offset"] == lb["text_offset"]
+        assert la["token_logprobs"][0] is lb["token_logprobs"][0] is None
+        assert la["token_logprobs"][1:] == pytest.approx(lb["token_logprobs"][1:],
+                                                         abs=LOGPROB_ATOL)
+        for top_a, top_b in zip(la["top_logprobs"][1:], lb["top_logprobs"][1:]):
+            assert top_a == pytest.approx(top_b, abs=LOGPROB_ATOL)
+
+
 def _check_layout(results, single):
     for rank, result in enumerate(results[1:], start=1):
         for config in result:
-            for name in ("greedy", "sampled", "top_p", "stopped", "score"):
+            for name in ("greedy", "sampled", "top_p", "stopped", "score", "completion"):
                 assert result[config][name] == results[0][config][name], (rank, config, name)
     for config in ("learned", "rope"):
         got, want = results[0][config], single[config]
@@ -265,6 +310,7 @@ def _check_layout(results, single):
             if want[name]["logprobs"] is not None:
                 for a, b in zip(got[name]["logprobs"], want[name]["logprobs"]):
                     assert a == pytest.approx(b, abs=LOGPROB_ATOL), (config, name)
+        _check_completion(got["completion"], want["completion"])
 
 
 @pytest.mark.parametrize("layout", [

@@ -1,4 +1,5 @@
-"""Random ``PUT /api`` bodies for fuzzing the generation server (bounded in size and work).
+"""Random ``PUT /api`` and ``POST /completions`` bodies for fuzzing the generation server
+(bounded in size and work).
 
 The bodies are raw bytes, so they can hold what ``json.dumps`` cannot write: integers of
 thousands of digits, ``NaN``, ``1e999``, invalid UTF-8, truncated JSON. About half are valid
@@ -130,3 +131,69 @@ def fuzz_bodies(count: int, seed: int) -> List[bytes]:
     rng = random.Random(seed)
     return [_broken(rng) if rng.random() < 0.12 else _encode(_request(rng))
             for _ in range(count)]
+
+
+COMPLETION_KEYS = ["max_tokens", "temperature", "top_p", "logprobs", "echo", "seed", "stop", "n",
+                   "best_of", "model", "user", "stream", "frequency_penalty", "presence_penalty",
+                   "logit_bias", "suffix"]
+COMPLETION_ODD_KEYS = ["prompts", "max_token", "top_k", "tokens_to_generate", "", "x" * 300]
+
+
+def _valid_completion_value(rng: random.Random, key: str):
+    return {
+        "max_tokens": lambda: rng.randint(0, 12),
+        "temperature": lambda: rng.choice([0, 0.0, rng.uniform(0.05, 3.0), 1e-300, 100.0]),
+        "top_p": lambda: rng.choice([1.0, rng.uniform(1e-6, 1.0)]),
+        "logprobs": lambda: rng.choice([None, 0, 1, 5, 10]),
+        "echo": lambda: rng.random() < 0.5,
+        "seed": lambda: rng.choice([-1, rng.randint(0, 2 ** 40)]),
+        "stop": lambda: rng.choice([None, "1", " 2", ["3", ""], [], ["\n"] * 32]),
+        "n": lambda: 1, "best_of": lambda: 1,
+        "model": lambda: rng.choice(["m", "x" * 1000]), "user": lambda: "u",
+        "stream": lambda: False, "frequency_penalty": lambda: 0,
+        "presence_penalty": lambda: 0.0, "logit_bias": lambda: {}, "suffix": lambda: None,
+    }[key]()
+
+
+def _completion_prompt(rng: random.Random):
+    r = rng.random()
+    if r < 0.3:
+        return _prompt(rng) or "1"
+    if r < 0.5:
+        return [_prompt(rng) or "1" for _ in range(rng.randint(1, 4))]
+    if r < 0.65:
+        return [rng.randint(0, 128) for _ in range(rng.randint(1, 8))]
+    if r < 0.8:
+        return [[rng.randint(0, 128) for _ in range(rng.randint(1, 8))]
+                for _ in range(rng.randint(1, 4))]
+    if r < 0.85:
+        return [rng.choice([129, -1, 10 ** 30, 2 ** 63])] * rng.randint(1, 3)
+    if r < 0.9:
+        return [1] * rng.randint(30, 5000)           # longer than the 32 positions
+    if r < 0.95:
+        return rng.choice([[], [[]], [[1], "2"], "", [""], "one two"])
+    return _odd_value(rng)
+
+
+def _completion_request(rng: random.Random) -> dict:
+    body = {} if rng.random() < 0.03 else {"prompt": _completion_prompt(rng)}
+    if rng.random() < 0.85:   # the default, 16, with a long prompt is over the 32 positions
+        body["max_tokens"] = rng.randint(0, 12)
+    for key in rng.sample(COMPLETION_KEYS, rng.randint(0, 5)):
+        body[key] = (_valid_completion_value(rng, key) if rng.random() < 0.8
+                     else _odd_value(rng))
+    if rng.random() < 0.1:
+        body[rng.choice(COMPLETION_ODD_KEYS)] = _odd_value(rng)
+    return body
+
+
+def fuzz_completion_bodies(count: int, seed: int) -> List[bytes]:
+    """``count`` ``POST /completions`` bodies, the same for the same seed."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(count):
+        good = _encode(_completion_request(rng))
+        if rng.random() < 0.12:
+            good = rng.choice([good[:rng.randint(0, len(good))], good + b" x", b"[]", b""])
+        out.append(good)
+    return out

@@ -164,6 +164,29 @@ def _check_greedy(answer):
         assert len(logprobs) == len(ids) - 1 and all(lp <= 0.0 for lp in logprobs)
 
 
+COMPLETION = {"prompt": ["1 2 3", "7 8 9 10 11"], "max_tokens": 8, "temperature": 0,
+              "echo": True, "logprobs": 1}
+
+
+def _check_completion(completion, greedy):
+    """``COMPLETION``'s answer against ``GREEDY``'s from ``PUT /api`` (the same prompts): the
+    same tokens, up to 8 generated and the end of document, and log-probabilities."""
+    assert [c["index"] for c in completion["choices"]] == [0, 1]
+    for choice, ids, logprobs in zip(completion["choices"], greedy["tokens"],
+                                     greedy["logprobs"]):
+        n = len(choice["logprobs"]["tokens"])
+        prompt = 3 if choice["index"] == 0 else 5
+        want = ids[:prompt + 8]
+        if want[-1] == 128:                   # the end of the document is not returned
+            want = want[:-1]
+        assert choice["logprobs"]["tokens"] == [str(t) for t in want]
+        assert choice["text"] == " ".join(map(str, want))
+        assert choice["logprobs"]["token_logprobs"][0] is None
+        assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(logprobs[:n - 1],
+                                                                         abs=2e-5)
+        assert all(len(top) == 1 for top in choice["logprobs"]["top_logprobs"][1:])
+
+
 BAD_REQUESTS = [
     ({"prompts": "1 2 3"}, "prompts is not a list of strings"),
     ({"prompts": [1, 2]}, "prompts is not a list of strings"),
@@ -234,6 +257,16 @@ def test_server_answers_good_and_bad_requests(single_server):
     assert server.request(GREEDY) == (200, first)     # still serving, same answer
     assert server.request({}, method="POST")[0] == 405
     assert server.request(GREEDY, path="/other")[0] == 404
+    # The OpenAI-style endpoint: the same greedy continuation and log-probabilities.
+    status, completion = server.request(COMPLETION, method="POST", path="/completions")
+    assert status == 200, completion
+    _check_completion(completion, first)
+    status, again = server.request(COMPLETION, method="POST", path="/v1/completions")
+    assert status == 200 and again["choices"] == completion["choices"]
+    assert server.request(COMPLETION, path="/completions")[0] == 405      # PUT
+    status, answer = server.request({"prompt": "1", "n": 2}, method="POST",
+                                    path="/completions")
+    assert status == 400 and "n other than 1" in answer["error"], answer
     # Sampling: a seed fixes the answer; a scoring request gives the greedy prompt scores.
     sampled = {"prompts": ["4 5"], "tokens_to_generate": 6, "top_p": 0.9, "random_seed": 3}
     assert server.request(sampled) == server.request(sampled)
@@ -297,6 +330,16 @@ def test_torchrun_tensor_parallel_server_matches_single_process(tp2_server, sing
     assert got["tokens"] == one["tokens"] and got["text"] == one["text"]
     assert got["scores"] == pytest.approx(one["scores"], abs=2e-5)
     assert got["scores"] == sorted(got["scores"], reverse=True)
+    # The completions endpoint: the same answer over TP = 2 as in one process.
+    (status, got), (status_one, one) = (
+        s.request(COMPLETION, method="POST", path="/completions")
+        for s in (server, single_server))
+    assert status == status_one == 200, (got, one)
+    _check_completion(got, answer)
+    for a, b in zip(got["choices"], one["choices"]):
+        assert a["text"] == b["text"] and a["logprobs"]["tokens"] == b["logprobs"]["tokens"]
+        assert a["logprobs"]["token_logprobs"][1:] == pytest.approx(
+            b["logprobs"]["token_logprobs"][1:], abs=2e-5)
 
 
 def test_failed_generation_answers_400_and_both_ranks_keep_serving(tp2_server):
@@ -328,27 +371,32 @@ def test_fuzzed_requests_are_answered_and_the_server_lives(tp2_server, count):
     """Random requests (types, ranges, keys, sizes; see ``generation_fuzz``) from 3 clients at
     once: every one gets 200, 400, 413 or 503, and greedy decoding gives the same tokens after
     as before."""
-    from tests.functional.generation_fuzz import fuzz_bodies
+    from tests.functional.generation_fuzz import fuzz_bodies, fuzz_completion_bodies
 
     server = tp2_server
     status, before = server.request(GREEDY)
     assert status == 200, before
-    bodies = fuzz_bodies(count, seed=count)
+    bodies = [("PUT", "/api", body) for body in fuzz_bodies(count, seed=count)]
+    completions = fuzz_completion_bodies(count // 2, seed=count)
+    bodies[1::3] = [("POST", "/completions", body) for body in completions[:len(bodies[1::3])]]
     answers = [None] * len(bodies)
 
     def client(first):
         for i in range(first, len(bodies), 3):
-            answers[i] = server.request(bodies[i])
+            method, path, body = bodies[i]
+            answers[i] = server.request(body, method=method, path=path)
 
     threads = [threading.Thread(target=client, args=(k,)) for k in range(3)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    statuses = collections.Counter(status for status, _ in answers)
-    for body, (status, answer) in zip(bodies, answers):
-        assert status in (200, 400, 413, 503), (body[:200], status, answer)
-        assert status == 200 or answer["error"], (body[:200], answer)
-    assert statuses[200] > 0 and statuses[400] > 0, statuses
+    for path in ("/api", "/completions"):
+        statuses = collections.Counter(status for (_, p, _), (status, _) in zip(bodies, answers)
+                                       if p == path)
+        assert statuses[200] > 0 and statuses[400] > 0, (path, statuses)
+    for (_, path, body), (status, answer) in zip(bodies, answers):
+        assert status in (200, 400, 413, 503), (path, body[:200], status, answer)
+        assert status == 200 or answer["error"], (path, body[:200], answer)
     assert server.request(GREEDY) == (200, before)
     assert server.proc.poll() is None

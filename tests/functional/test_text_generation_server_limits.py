@@ -268,6 +268,7 @@ def test_default_host_is_loopback_and_other_hosts_are_warned_about(capsys):
     assert (f" * serving PUT http://127.0.0.1:{port}/api (--read-timeout 5 s, "
             f"--max-connections 3)") in out
     assert "WARNING" not in out
-    warning = start_message("0.0.0.0", 5000, 30.0, 16).splitlines()[1]
+    assert f" * serving POST http://127.0.0.1:{port}/completions" in out
+    warning = start_message("0.0.0.0", 5000, 30.0, 16).splitlines()[2]
     assert warning.startswith("WARNING: --host 0.0.0.0 is not a loopback address and this "
                               "server has no authentication")
