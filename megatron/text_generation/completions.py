@@ -252,10 +252,18 @@ def prepare_completion(request: CompletionRequest, tokenizer, max_position_embed
             "banned_after": None, "top_logprobs": request.logprobs}
 
 
+# Tokens of context before each one when its start is worked out from decoded text: more than
+# any tokenizer here needs to finish a character split over tokens or to join a word.
+OFFSET_WINDOW = 8
+
+
 def token_offsets(tokenizer, ids: List[int], text: str) -> List[int]:
     """Where each of ``ids`` starts in ``text`` (their detokenization): the running length of
-    the tokens' own texts where those add up to ``text``, else the length of each prefix's
-    detokenization (tokenizers that join or clean up tokens, or split a character over two)."""
+    the tokens' own texts where those add up to ``text``; otherwise (tokenizers that join or
+    clean up tokens, or split a character over two) the length the text before each token
+    decodes to, ``len(detokenize(ids[:j]))``, worked out over the :data:`OFFSET_WINDOW` tokens
+    before it (the growth from ``j - 1`` to ``j`` tokens decoded from the same start), so a long
+    prompt costs a few short decodes per token rather than one of its whole prefix."""
     pieces = [tokenizer.detokenize([t]) for t in ids]
     offsets = []
     if "".join(pieces) == text:
@@ -264,10 +272,16 @@ def token_offsets(tokenizer, ids: List[int], text: str) -> List[int]:
             offsets.append(at)
             at += len(piece)
         return offsets
-    last = 0
+    at = 0
     for j in range(len(ids)):
-        last = min(max(last, len(tokenizer.detokenize(ids[:j])) if j else 0), len(text))
-        offsets.append(last)
+        if j:
+            start = max(0, j - OFFSET_WINDOW)
+            grown = (len(tokenizer.detokenize(ids[start:j]))
+                     - len(tokenizer.detokenize(ids[start:j - 1])))
+            # Not kept monotone: a character decoded from several byte tokens counts one
+            # replacement mark per byte until it is whole, then one character.
+            at = min(max(at + grown, 0), len(text))
+        offsets.append(at)
     return offsets
 
 

@@ -277,3 +277,39 @@ def test_payload_checks_the_vocabulary_and_the_model_length():
     lines = prepare_completion(parse_completion({"prompt": "<1>", "top_p": 0.5, "max_tokens": 4}),
                                PieceTokenizer(eol=10, blank=11), MAX_POSITIONS)
     assert (lines["top_k"], lines["top_p"], lines["eol_stop"]) == (0, 0.5, [10, 11, True, True])
+
+
+def _stdlib_text() -> str:
+    import json as json_module
+
+    return "".join(open(json_module.__file__, encoding="utf-8").read()[:3000])
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "sentencepiece"])
+def test_offsets_are_the_decoded_prefix_lengths(kind, tmp_path):
+    """Against the naive definition, ``len(detokenize(ids[:j]))``, for text whose characters a
+    byte-level BPE splits over tokens (GPT-2's) and for SentencePiece, which drops the space of
+    the first piece it decodes; both take the windowed path."""
+    from megatron.tokenizer import build_tokenizer, gpt2_vocab_files
+    from tests.unit.test_tokenizer import namespace
+
+    text = "naïve café 日本語の文 — ok\n" * 3 + _stdlib_text()
+    if kind == "gpt2":
+        vocab, merges = gpt2_vocab_files()
+        tokenizer = build_tokenizer(namespace(tokenizer_type="GPT2BPETokenizer",
+                                              vocab_file=vocab, merge_file=merges))
+    else:
+        import sentencepiece
+
+        prefix = str(tmp_path / "sp")
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter([line for line in text.splitlines() if line.strip()]),
+            model_prefix=prefix, vocab_size=600, model_type="bpe", character_coverage=0.99,
+            byte_fallback=True, minloglevel=2)
+        tokenizer = build_tokenizer(namespace(tokenizer_type="SentencePieceTokenizer",
+                                              tokenizer_model=prefix + ".model"))
+    ids = list(tokenizer.tokenize(text))
+    decoded = tokenizer.detokenize(ids)
+    assert "".join(tokenizer.detokenize([t]) for t in ids) != decoded   # the windowed path
+    want = [len(tokenizer.detokenize(ids[:j])) for j in range(len(ids))]
+    assert token_offsets(tokenizer, ids, decoded) == want
