@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron.checkpoint import (distrib_optim_file, experts, fsdp_dtensor, integrity,
-                                 non_persistent, torch_dcp, torch_dist)
+                                 mcore_torch, non_persistent, torch_dcp, torch_dist)
 from megatron.checkpoint.config import CheckpointConfig
 from megatron.core.msc import is_msc_url
 from megatron.checkpoint.dist.reader import is_dist_checkpoint
@@ -126,6 +126,9 @@ def _check_model_state(model_chunks, state: dict, path: str) -> Tuple[List[dict]
             raise CheckpointError(f"{path}: the model state of chunk {i} is a "
                                   f"{type(tree).__name__}, not a dict of tensors")
         template = chunk.state_dict_for_save_checkpoint()
+        if mcore_torch.is_mcore_state(tree):
+            tree = saved[i] = mcore_torch.to_model_names(
+                template, tree, mla=any(mcore_torch.is_mla_name(n) for n in _shapes(template)))
         filled += fill_zero_router_bias(template, tree)
         want = _shapes(template)
         have = _shapes(tree)
@@ -267,9 +270,17 @@ def _apply_rank_state(state: dict, path: str, iteration: int, release: bool, mod
     saved_args = state.get("args")
     refuse_torch_load(args, pstate, saved_args, path)
     check_args(saved_args, args, path)
+    mcore_names = any(mcore_torch.is_mcore_state(state.get(key)) for key in state
+                      if key == "model" or key.startswith("model"))
     trees, filled = _check_model_state(model_chunks, state, path)
     restore_training = not (args.finetune or release)
     load_optim, load_rng = _converted_parts(state, path, restore_training, args)
+    if load_optim and mcore_names and "optimizer" in state:
+        raise CheckpointError(
+            f"{path}: a Megatron-Core model saved with --ckpt-format torch: its optimizer state "
+            "lists the parameters in Megatron-Core's module order, which is not mapped here; "
+            "pass --no-load-optim (the weights load, Adam starts afresh) or --finetune, or "
+            "resume from a --ckpt-format torch_dist save of the run")
     if load_optim and filled:
         raise CheckpointError(optimizer_refusal(path, filled))
     if load_optim:

@@ -31,6 +31,8 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 # The per-element state each optimizer keeps, by --optimizer (Lion keeps Adam's first moment).
 STATE_FIELDS = {"adam": MOMENTS, "lion": ("exp_avg",)}
 MAIN = "main"          # view: the fp32 main copy of each parameter
+# Set by a reader on a Megatron-Core model's torch-format state whose Adam state it cannot map.
+MCORE_ORDER_KEY = "mcore_parameter_order"
 GroupKey = Tuple[float, float]
 # Megatron's order of its param groups, by (wd_mult, lr_mult): decayed first.
 GROUP_ORDER: Tuple[GroupKey, ...] = ((1.0, 1.0), (0.0, 1.0))
@@ -145,6 +147,9 @@ class SourceOptimizer:
         saving its own optimizer, :func:`members_by_identity`); the groups are then keyed by
         :func:`group_signature` and may scale their learning rates. Else each group holds the
         parameters of its kind by Megatron's rule, in model order."""
+        if state.get(MCORE_ORDER_KEY):
+            return None, ("its Adam state lists a Megatron-Core model's parameters in "
+                          "Megatron-Core's module order, which is not mapped")
         opt = state.get("optimizer")
         if isinstance(opt, list) and len(opt) == 1:
             opt = opt[0]

@@ -6,11 +6,12 @@ rank's file. The split table is in :mod:`megatron.convert.megatron_io`'s docstri
 
 import mmap
 import os
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from megatron.checkpoint import safe_unpickle
+from megatron.checkpoint import mcore_torch, optimizer_state, safe_unpickle
 from megatron.checkpoint.names import dotted_names
 from megatron.convert.schema import ConversionError, ModelMeta
 
@@ -244,6 +245,18 @@ def read_rank_file(path: str, shared: bool = False) -> dict:
         raise ConversionError(f"{path}: cannot be read ({first})") from None
     if not isinstance(state, dict) or "iteration" not in state:
         raise ConversionError(f"{path}: not a model_optim_rng checkpoint (no 'iteration' key)")
+    chunks = [key for key in state if key == "model" or re.fullmatch(r"model\d+", key)]
+    if not shared and any(mcore_torch.is_mcore_state(state[key]) for key in chunks):
+        # A Megatron-Core model's torch-format save: read under the legacy names. Its Adam
+        # state lists Megatron-Core's parameter order, which is not mapped: it is dropped.
+        untied = bool(getattr(state.get("args"), "untie_embeddings_and_output_weights", False))
+        try:
+            for key in chunks:
+                state[key] = mcore_torch.to_legacy_tree(state[key], untied, path)
+        except ValueError as err:
+            raise ConversionError(str(err)) from None
+        if "optimizer" in state:
+            state[optimizer_state.MCORE_ORDER_KEY] = True
     return state
 
 

@@ -10,8 +10,10 @@ from typing import Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 
-from megatron.checkpoint import optimizer_state
+from megatron.checkpoint import mcore_torch, optimizer_state
+from megatron.checkpoint.dist.keys import extra_state_value
 from megatron.checkpoint.layout import CHECKPOINT_VERSION, checkpoint_dir_name, checkpoint_file
+from megatron.checkpoint.names import dotted_names
 from megatron.checkpoint.publish import fsync_path, publish
 from megatron.convert.megatron_layout import (BERT_HEAD_KEYS, MTP_LAYER, SCHEDULER_KEY,
                                               TOKENTYPE_KEYS, expert_of, get_path,
@@ -23,6 +25,11 @@ from megatron.convert.schema import (BERT_VOCAB_TENSOR, ConversionError, ModelMe
                                      bert_head_shapes, fit_vocab_rows, padded_vocab_size)
 from megatron.convert.zip_checksums import refresh_zip_checksums
 
+# The model state's names: Megatron's legacy ones (FORMATS.md section 6), or Megatron-Core's
+# state dict of its TransformerEngine or local layers (``--saver core``,
+# :mod:`megatron.checkpoint.mcore_torch`).
+LEGACY_KEYS = "legacy"
+
 # Saving
 # ---------------------------------------------------------------------------------------------
 
@@ -30,10 +37,12 @@ class SaveTarget:
     """The target layout: checked sizes, vocabulary rows, stage of every layer, file skeletons."""
 
     def __init__(self, meta: ModelMeta, tp: int, pp: int, divisible_by: Optional[int],
-                 optimizer: bool = False, ep: int = 1):
+                 optimizer: bool = False, ep: int = 1, key_style: str = LEGACY_KEYS):
         self.meta, self.tp, self.pp, self.ep = meta, tp, pp, ep
         self.optimizer = optimizer and meta.optimizer is not None
+        self.key_style = key_style
         self._check_sizes()
+        self._check_key_style()
         self.divisible_by = divisible_by or meta.make_vocab_size_divisible_by or 1
         self.vocab_rows = padded_vocab_size(meta.vocab_size, self.divisible_by, tp)
         self.per_stage = meta.num_layers // pp
@@ -44,6 +53,37 @@ class SaveTarget:
         self.mtp_shapes = mtp_tensor_shapes(meta) if meta.mtp_num_layers else {}
         self.heads = (dict(bert_head_shapes(meta, self.vocab_rows))
                       if meta.model_type == "BERT" else {})
+
+    def _check_key_style(self) -> None:
+        """Megatron-Core's keys (``--saver core``) are written for GPT layers, embeddings and
+        heads; what else a model holds is refused by name."""
+        if self.key_style == LEGACY_KEYS:
+            return
+        if self.key_style not in mcore_torch.SPECS:
+            raise ConversionError(f"key style {self.key_style!r}: one of {LEGACY_KEYS!r}, "
+                                  f"{', '.join(map(repr, mcore_torch.SPECS))}")
+        if self.meta.model_type != "GPT":
+            raise ConversionError("--saver core writes GPT models; write a BERT with --saver "
+                                  "legacy (or --target-ckpt-format torch_dist)")
+        if self.meta.mtp_num_layers:
+            raise ConversionError("--saver core: multi-token prediction layers are written to "
+                                  "--ckpt-format torch_dist only here; add "
+                                  "--target-ckpt-format torch_dist")
+        if self.optimizer:
+            raise ConversionError("--saver core writes the weights only (its Adam state would "
+                                  "follow Megatron-Core's parameter order)")
+
+    def file_keys(self, pp_rank: int) -> Dict[str, str]:
+        """``{legacy dotted name: key in the file}`` of a ``pp_rank`` file's model state."""
+        cached = getattr(self, "_file_keys", {})
+        if pp_rank not in cached:
+            with torch.device("meta"):
+                legacy = self._legacy_skeleton(pp_rank)
+            cached[pp_rank] = ({name: name for name in dotted_names(legacy)}
+                               if self.key_style == LEGACY_KEYS
+                               else mcore_torch.file_keys(legacy, self.key_style))
+            self._file_keys = cached
+        return cached[pp_rank]
 
     def _check_sizes(self) -> None:
         meta, tp, pp, ep = self.meta, self.tp, self.pp, self.ep
@@ -103,7 +143,15 @@ class SaveTarget:
         return tuple(shape)
 
     def model_skeleton(self, pp_rank: int) -> dict:
-        """One TP rank's ``model`` tree of ``pp_rank``, as empty (unallocated) tensors."""
+        """One TP rank's ``model`` tree of ``pp_rank``, as empty (unallocated) tensors: the
+        legacy nesting, or Megatron-Core's flat keys (``key_style``)."""
+        legacy = self._legacy_skeleton(pp_rank)
+        if self.key_style == LEGACY_KEYS:
+            return legacy
+        extra = extra_state_value(self.key_style)
+        return mcore_torch.to_mcore_state(legacy, self.key_style, pp_rank == self.pp - 1, extra)
+
+    def _legacy_skeleton(self, pp_rank: int) -> dict:
         meta, dtype = self.meta, self.meta.params_dtype
         first, last = pp_rank == 0, pp_rank == self.pp - 1
         vocab_shard = (self.vocab_rows // self.tp, meta.hidden_size)
@@ -241,6 +289,9 @@ class SaveTarget:
                 "v_head_dim")})
         if meta.model_type == "BERT":
             values["bert_binary_head"] = meta.bert_binary_head
+        if self.key_style != LEGACY_KEYS:
+            # A Megatron-Core model of these layers wrote these keys.
+            values.update(transformer_impl=self.key_style, use_legacy_models=False)
         if meta.source_args is None and meta.tokenizer_type == "NullTokenizer":
             values["vocab_size"] = meta.vocab_size - 1  # NullTokenizer adds its end-of-document
         return argparse.Namespace(**values)
@@ -347,6 +398,8 @@ def _write(target: SaveTarget, files: Dict[Tuple[int, int, int], str],
     by_file: Dict[Tuple[int, int, int], list] = {}
     for tp_rank, pp_rank, keys, tensor in writes:
         for rank, local_keys in target.route(tp_rank, pp_rank, keys):
+            if target.key_style != LEGACY_KEYS:
+                local_keys = (target.file_keys(pp_rank)[".".join(local_keys)],)
             by_file.setdefault(rank, []).append((local_keys, tensor))
     for rank, items in by_file.items():
         _copy_into(files[rank], items, what)
@@ -524,7 +577,8 @@ def _commit(staging: str, save_dir: str, target: SaveTarget, files: dict) -> str
 def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target_pp: int, *,
                   make_vocab_size_divisible_by: Optional[int] = None,
                   optimizer_streams: Optional[Dict[str, Iterable[Piece]]] = None,
-                  target_ep: int = 1, overwrite: bool = False) -> str:
+                  target_ep: int = 1, overwrite: bool = False,
+                  key_style: str = LEGACY_KEYS) -> str:
     """Write the stream as a Megatron checkpoint at ``target_tp`` x ``target_pp`` in
     ``save_dir`` (new or empty, or with ``overwrite`` replaced whole once the new checkpoint is
     complete); returns the iteration folder.
@@ -555,7 +609,7 @@ def save_megatron(pieces: Iterable[Piece], save_dir: str, target_tp: int, target
     if first is None or first.kind != "meta" or first.meta is None:
         raise ConversionError("the stream must start with its meta piece")
     target = SaveTarget(first.meta, target_tp, target_pp, make_vocab_size_divisible_by,
-                     optimizer=bool(optimizer_streams), ep=target_ep)
+                        optimizer=bool(optimizer_streams), ep=target_ep, key_style=key_style)
     with staged_target(save_dir, overwrite) as root:
         staging = tempfile.mkdtemp(prefix=".tmp_convert_", dir=root)
         files = _create_files(target, staging)

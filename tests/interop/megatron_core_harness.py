@@ -4,14 +4,21 @@ per tensor-parallel rank, on the CPU with gloo.
 
     torchrun --nproc_per_node TP megatron_core_harness.py load  CKPT_DIR FLAGS_JSON INPUTS OUT
     torchrun --nproc_per_node TP megatron_core_harness.py round CKPT_DIR FLAGS_JSON INPUTS OUT SAVE
+    torchrun --nproc_per_node TP megatron_core_harness.py torch CKPT_DIR FLAGS_JSON INPUTS OUT SAVE
     torchrun --nproc_per_node 1  megatron_core_harness.py optim CKPT_DIR FLAGS_JSON INPUTS OUT
+    torchrun --nproc_per_node TP megatron_core_harness.py torchload CKPT_DIR FLAGS_JSON INPUTS OUT
 
 ``load``: build Megatron-Core's GPT model (local layer spec) for the model that FLAGS_JSON
 describes (a fixture's flags.json), load CKPT_DIR with ``megatron.core.dist_checkpointing``,
 run the tokens of INPUTS (a reference.pt) and write the logits (padded vocabulary, gathered)
 to OUT. ``round``: the same, then save the loaded model with Megatron-Core's own saver into
 SAVE/iter_<iteration> with a tracker file, as a Megatron-LM run of that release would.
-``optim``: load the model and Megatron-Core's Adam (non-distributed) from CKPT_DIR and write the
+``torch``: the same, saved as Megatron-LM's ``--ckpt-format torch`` saves a Megatron-Core model:
+each rank's ``state_dict_for_save_checkpoint()`` under ``model`` in
+SAVE/iter_<iteration>/mp_rank_<tp>/model_optim_rng.pt.
+``torchload``: build the model, load CKPT_DIR (an iteration folder of --ckpt-format torch files)
+as Megatron-LM loads a Megatron-Core model's torch checkpoint (``load_state_dict`` of the rank's
+``model``, strict), and write the logits. ``optim``: load the model and Megatron-Core's Adam (non-distributed) from CKPT_DIR and write the
 Adam state it got to OUT.
 """
 
@@ -135,18 +142,36 @@ def main() -> None:
         dist.barrier()
         dist.destroy_process_group()
         return
-    # As Megatron-LM does: the model under "model", the common state merged beside it.
-    state = dist_checkpointing.load({"model": model.sharded_state_dict()}, pathlib.Path(ckpt))
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
-    if missing or unexpected:
-        raise SystemExit(f"{ckpt}: missing {missing}, unexpected {unexpected}")
+    if mode == "torchload":
+        file = os.path.join(ckpt, f"mp_rank_{dist.get_rank():02d}", "model_optim_rng.pt")
+        model.load_state_dict(torch.load(file, weights_only=False)["model"], strict=True)
+    else:
+        # As Megatron-LM does: the model under "model", the common state merged beside it.
+        state = dist_checkpointing.load({"model": model.sharded_state_dict()},
+                                        pathlib.Path(ckpt))
+        missing, unexpected = model.load_state_dict(state["model"], strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state")]
+        if missing or unexpected:
+            raise SystemExit(f"{ckpt}: missing {missing}, unexpected {unexpected}")
     model.eval()
     ref = torch.load(inputs, weights_only=True)
     with torch.no_grad():
         logits = model(ref["tokens"], ref["position_ids"], ref["attention_mask"])
     if dist.get_rank() == 0:
         torch.save(logits.float(), out)
+    if mode == "torch":
+        save_root, iteration = sys.argv[6], 10
+        folder = os.path.join(save_root, f"iter_{iteration:07d}", f"mp_rank_{dist.get_rank():02d}")
+        os.makedirs(folder, exist_ok=True)
+        args = _args_namespace(flags, tp)
+        args.ckpt_format = "torch"
+        torch.save({"args": args, "checkpoint_version": 3.0, "iteration": iteration,
+                    "model": model.state_dict_for_save_checkpoint()},
+                   os.path.join(folder, "model_optim_rng.pt"))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            with open(os.path.join(save_root, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(iteration))
     if mode == "round":
         save_root = sys.argv[6]
         iteration = 10

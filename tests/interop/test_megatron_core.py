@@ -217,6 +217,37 @@ def test_a_checkpoint_megatron_core_saves_loads_here(mcore_python, tmp_path):
         _assert_megatrons_logits(ours)
 
 
+def test_a_torch_format_save_of_megatron_core_loads_here(mcore_python, tmp_path):
+    """Megatron-Core's GPT (local spec) at TP 2 saved as Megatron-LM's ``--ckpt-format torch``
+    saves it: its own state dict, Megatron-Core's keys, per rank. It loads here at TP 2 and
+    gives Megatron's logits."""
+    fixture = pathlib.Path(writable_copy(FIXTURE, tmp_path)) / "iter_0000010"
+    torch.save({}, fixture / "common.pt")
+    saved = tmp_path / "torch_saved_by_megatron_core"
+    _assert_megatrons_logits(_megatron_core(mcore_python, "torch", str(fixture),
+                                            tmp_path / "logits.pt", 2, saved))
+    state = torch.load(saved / "iter_0000010" / "mp_rank_01" / "model_optim_rng.pt",
+                       weights_only=False)
+    assert "decoder.layers.3.self_attention.linear_qkv.weight" in state["model"]
+    ours, iteration = _our_logits(str(saved), 2)
+    assert iteration == 10
+    _assert_megatrons_logits(ours)
+
+
+def test_megatron_core_loads_what_the_core_saver_writes(mcore_python, tmp_path):
+    """``--saver core --saver-transformer-impl local`` at TP 2: Megatron-Core's local-spec GPT
+    loads each rank's file with a strict ``load_state_dict`` and gives Megatron's logits."""
+    out = tmp_path / "core"
+    cmd = [sys.executable, str(ROOT / "tools" / "checkpoint" / "convert.py"), "--model-type",
+           "GPT", "--loader", "legacy", "--saver", "core", "--saver-transformer-impl", "local",
+           "--load-dir", fixture_dir("legacy_tp1"), "--save-dir", str(out),
+           "--target-tensor-parallel-size", "2"]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=ROOT)
+    _assert_megatrons_logits(_megatron_core(mcore_python, "torchload",
+                                            str(out / "iter_0000010"), tmp_path / "logits.pt",
+                                            2))
+
+
 def _byte_keys(iter_dir):
     from megatron.checkpoint.dist import DistCheckpointReader
 
