@@ -130,8 +130,9 @@ def test_the_same_at_tp2_with_sequence_parallel_from_torch_dist(tmp_path, case):
     _convert_run_and_back(tmp_path, case, tp=2)
 
 
-def _convert_run_and_back(tmp_path, case, tp=1):
-    """Convert (at ``tp``: torch_dist, run with sequence parallelism), run, convert back."""
+def _convert_run_and_back(tmp_path, case, tp=1, saver=("--saver", "megatron")):
+    """Convert (at ``tp``: torch_dist, run with sequence parallelism; ``saver``: the saver's
+    flags), run, convert back."""
     make_config, architecture = CASES[case]
     torch.manual_seed(3)
     model = architecture(make_config()).eval()
@@ -146,7 +147,7 @@ def _convert_run_and_back(tmp_path, case, tp=1):
     model.save_pretrained(folder)
     layout = [] if tp == 1 else ["--target-tensor-parallel-size", str(tp),
                                  "--target-ckpt-format", "torch_dist"]
-    assert convert(["--model-type", "GPT", "--loader", "hf", "--saver", "megatron",
+    assert convert(["--model-type", "GPT", "--loader", "hf", *saver,
                     "--load-dir", folder, "--save-dir", ckpt] + layout) == 0
 
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(5))
@@ -171,6 +172,21 @@ def _convert_run_and_back(tmp_path, case, tp=1):
     assert first.keys() == again.keys()
     for name, tensor in first.items():
         assert torch.equal(again[name], tensor), name
+
+
+@pytest.mark.parametrize("case, impl", [("mixtral", "transformer_engine"), ("qwen2_moe", "local"),
+                                        ("deepseek_v3", "transformer_engine"),
+                                        ("gpt_oss", "local")])
+def test_the_same_through_megatron_core_keys(tmp_path, case, impl):
+    """``--saver core``: Megatron-Core's state dict in --ckpt-format torch files (experts, the
+    shared expert's gate, MLA, sinks and biases under its keys), read back by --load."""
+    _convert_run_and_back(tmp_path, case, saver=("--saver", "core", "--saver-transformer-impl",
+                                                 impl))
+    state = torch.load(glob.glob(str(tmp_path / "megatron" / "*" / "mp_rank_00" /
+                                     "model_optim_rng.pt"))[0], weights_only=False)
+    assert any(k.startswith("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.")
+               for k in state["model"])
+    assert not any(k.startswith("language_model") for k in state["model"])
 
 
 @pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3"])
